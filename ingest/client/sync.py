@@ -1,0 +1,78 @@
+"""A blocking Producer for code without an event loop: the async Producer on a private loop thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Sequence
+from types import TracebackType
+from typing import Any, TypeVar
+
+from ingest.client.producer import Producer
+
+T = TypeVar("T")
+
+
+class SyncProducer:
+    """Blocking facade over Producer. Same arguments; every method blocks until done.
+
+    `send_many` amortises the thread hop; `send` costs one hop per record.
+    """
+
+    def __init__(self, target: str, stream: str, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="sluice-producer", daemon=True)
+        self._thread.start()
+        self._producer: Producer = self._run(self._make(target, stream, kwargs))
+        try:
+            self._run(self._producer.start())
+        except BaseException:
+            self._stop_loop()
+            raise
+
+    @staticmethod
+    async def _make(target: str, stream: str, kwargs: dict[str, Any]) -> Producer:
+        return Producer(target, stream, **kwargs)  # created on the loop that will use it
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def send(self, value: bytes, key: bytes | None = None) -> None:
+        self._run(self._producer.send(value, key))
+
+    def send_many(self, values: Sequence[bytes], keys: Sequence[bytes | None] | None = None) -> None:
+        self._run(self._producer.send_many(values, keys))
+
+    def flush(self, timeout: float | None = None) -> None:
+        self._run(self._producer.flush(timeout))
+
+    @property
+    def acked(self) -> int:
+        return self._producer.acked
+
+    def close(self, timeout: float | None = None) -> None:
+        if not self._loop.is_running():
+            return
+        try:
+            self._run(self._producer.close(timeout))
+        finally:
+            self._stop_loop()
+
+    def _stop_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def __enter__(self) -> SyncProducer:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if exc is None:
+            self.close()
+        else:
+            try:
+                self._run(self._producer.abort())
+            finally:
+                self._stop_loop()

@@ -1,0 +1,72 @@
+"""Service configuration: one frozen dataclass, every runtime setting in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from receivers.block import check_stream_name
+from receivers.receiver import ReceiverConfig
+
+DEFAULT_PORT = 50051
+DEFAULT_METRICS_PORT = 9464
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What `sluice serve` runs."""
+
+    host: str = "127.0.0.1"
+    """Address the gRPC server binds; loopback by default, so nothing is exposed unasked."""
+    port: int = DEFAULT_PORT
+    """gRPC port; 0 picks a free one."""
+    metrics_host: str = "127.0.0.1"
+    """Address of the Prometheus /metrics endpoint."""
+    metrics_port: int | None = DEFAULT_METRICS_PORT
+    """Port of /metrics; 0 picks a free one, None turns it off."""
+    data_dir: Path = Path("sluice-data")
+    """Blocks, Spark checkpoints and the default sink live here."""
+    streams: tuple[str, ...] = ("default",)
+    """Streams this node receives; one receiver each."""
+    receiver: ReceiverConfig = field(default_factory=ReceiverConfig)
+    """Buffering, credit and block sealing."""
+    fsync: bool = True
+    """fsync every block before acking it; off only for benchmarks on throwaway data."""
+    max_message_bytes: int = 32 * 1024 * 1024
+    """Largest gRPC message taken; a larger Batch ends its session with RESOURCE_EXHAUSTED."""
+    master: str = "local[*]"
+    """Spark master URL."""
+    pipeline: str | None = None
+    """`module:function` returning a DataStreamWriter for the source DataFrame; None: Parquet sink."""
+    trigger_interval: float = 1.0
+    """Seconds between Spark micro-batches."""
+    spark: bool = True
+    """Run the Spark query in this process; off for a receive-only node."""
+
+    def __post_init__(self) -> None:
+        if not self.streams:
+            raise ValueError("at least one stream is needed")
+        for name in self.streams:
+            check_stream_name(name)
+        if len(set(self.streams)) != len(self.streams):
+            raise ValueError(f"stream names repeat: {', '.join(self.streams)}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be 0-65535, got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics port must be 0-65535, got {self.metrics_port}")
+        if not self.trigger_interval > 0:
+            raise ValueError(f"trigger interval must be > 0 seconds, got {self.trigger_interval}")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max message bytes must be >= 1024, got {self.max_message_bytes}")
+
+    @property
+    def blocks_dir(self) -> Path:
+        return self.data_dir / "blocks"
+
+    @property
+    def sink_dir(self) -> Path:
+        return self.data_dir / "sink"
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.data_dir / "checkpoints"

@@ -1,0 +1,58 @@
+"""Errors the Sluice SDK and service raise: one boundary between gRPC and the user.
+
+    SluiceError                 base of everything the SDK raises
+    ├── RPCError                a gRPC call failed; `status` is the grpc.StatusCode, `retriable` says
+    │                           whether trying again later can succeed
+    ├── ProtocolError           the server broke the Flow contract (e.g. Request(n <= 0), rule 3.9)
+    ├── ProducerClosedError     the producer was closed, or failed, and takes no more records
+    └── FlushTimeoutError       flush() or close() ran out of time with records not yet acked;
+                                `unacked` says how many
+"""
+
+from __future__ import annotations
+
+import grpc
+
+__all__ = ["FlushTimeoutError", "ProducerClosedError", "ProtocolError", "RPCError", "SluiceError"]
+
+_RETRIABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+)
+
+
+class SluiceError(Exception):
+    """Base of every error the SDK raises."""
+
+
+class RPCError(SluiceError):
+    """A gRPC call ended with a status other than OK."""
+
+    def __init__(self, status: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{status.name}: {message}")
+        self.status = status
+        self.message = message
+
+    @property
+    def retriable(self) -> bool:
+        """True when the same call may succeed later (server busy, stopping, or over a limit)."""
+        return self.status in _RETRIABLE
+
+    @classmethod
+    def from_grpc(cls, error: grpc.aio.AioRpcError) -> RPCError:
+        return cls(error.code(), error.details() or "")
+
+
+class ProtocolError(SluiceError):
+    """The server broke the Flow contract."""
+
+
+class ProducerClosedError(SluiceError):
+    """The producer takes no more records: it was closed or it failed."""
+
+
+class FlushTimeoutError(SluiceError, TimeoutError):
+    """Records were still unacked when the time ran out."""
+
+    def __init__(self, unacked: int, timeout: float) -> None:
+        super().__init__(f"{unacked} records not acked within {timeout:g} s")
+        self.unacked = unacked

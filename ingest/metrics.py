@@ -1,0 +1,72 @@
+"""Prometheus metrics: a collector that reads the receivers' counters at scrape time.
+
+One registry per server (not the global one), so several servers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from http.server import ThreadingHTTPServer
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from receivers.receiver import Receiver
+
+
+class SluiceCollector(Collector):
+    """Exports receiver counters per stream and the Spark side's completed batches."""
+
+    def __init__(self, receivers: Mapping[str, Receiver], batches_completed: Callable[[], int]) -> None:
+        self._receivers = receivers
+        self._batches_completed = batches_completed
+
+    def collect(self) -> Iterator[Metric]:
+        counters = {
+            "records_received": ("Records taken from publishers.", lambda r: r.stats.records_received),
+            "records_acked": ("Records acked to publishers as durable.", lambda r: r.stats.records_acked),
+            "batches_received": ("Batch messages taken from publishers.", lambda r: r.stats.batches_received),
+            "blocks_sealed": ("Blocks sealed and made durable.", lambda r: r.stats.blocks_sealed),
+            "block_bytes": ("Bytes of sealed blocks written.", lambda r: r.stats.block_bytes),
+            "block_write_errors": ("Block writes that failed and were retried.",
+                                   lambda r: r.stats.block_write_errors),
+            "credit_granted": ("Credit granted to publishers (records).", lambda r: r.stats.credit_granted),
+            "sessions_opened": ("Publisher sessions opened.", lambda r: r.stats.sessions_opened),
+            "sessions_failed": ("Publisher sessions ended by an error.", lambda r: r.stats.sessions_failed),
+        }
+        gauges = {
+            "credit_outstanding": ("Credit granted and not yet used (records).", lambda r: r.credit_outstanding),
+            "buffered_records": ("Records taken and not yet in a durable block.", lambda r: r.buffered_records),
+            "sessions_active": ("Publisher sessions open now.", lambda r: r.active_sessions),
+            "rate_limit": ("Ingest rate limit in records per second (+Inf: unlimited).", lambda r: r.rate),
+        }
+        for name, (doc, read) in counters.items():
+            family = CounterMetricFamily(f"sluice_{name}", doc, labels=["stream"])
+            for stream, receiver in self._receivers.items():
+                family.add_metric([stream], read(receiver))
+            yield family
+        for name, (doc, read) in gauges.items():
+            gauge = GaugeMetricFamily(f"sluice_{name}", doc, labels=["stream"])
+            for stream, receiver in self._receivers.items():
+                gauge.add_metric([stream], read(receiver))
+            yield gauge
+        yield CounterMetricFamily(
+            "sluice_batches_completed", "Spark micro-batches completed.", value=self._batches_completed()
+        )
+
+
+class MetricsServer:
+    """Serves /metrics over HTTP from a background thread."""
+
+    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+        server, thread = start_http_server(port, addr=host, registry=registry)
+        self._server: ThreadingHTTPServer = server
+        self._thread: threading.Thread = thread
+        self.port: int = server.server_address[1]
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()

@@ -1,0 +1,89 @@
+"""The receiving node: gRPC (Publish, RateControl), one receiver per stream, block store, /metrics.
+
+The Spark side (ingest.driver) is attached separately, so a node can run without Spark in tests or as a
+receive-only node, and Spark can be shared by several servers in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from ingest.config import ServeConfig
+from ingest.metrics import MetricsServer, SluiceCollector
+from ingest.rate_service import RateControlService
+from receivers.block_store import LocalBlockStore
+from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from receivers.publish_service import PublishService
+from receivers.receiver import Receiver
+
+log = logging.getLogger(__name__)
+
+
+class SluiceServer:
+    """Receivers behind a grpc.aio server. `await start()`, then `await stop()` (idempotent)."""
+
+    def __init__(self, config: ServeConfig, *, batches_completed: Callable[[], int] = lambda: 0) -> None:
+        self.config = config
+        self.store = LocalBlockStore(config.blocks_dir, fsync=config.fsync)
+        self.receivers = {s: Receiver(s, self.store, config.receiver) for s in config.streams}
+        self.registry = CollectorRegistry()
+        self.registry.register(SluiceCollector(self.receivers, lambda: self.batches_completed()))
+        self.batches_completed = batches_completed
+        self._grpc: grpc.aio.Server | None = None
+        self._metrics: MetricsServer | None = None
+        self.port: int = 0
+        """The bound gRPC port, once started."""
+        self._stopped = asyncio.Event()
+
+    @property
+    def target(self) -> str:
+        """host:port a client connects to."""
+        return f"{self.config.host}:{self.port}"
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self._metrics.port if self._metrics is not None else None
+
+    async def start(self) -> None:
+        self.config.blocks_dir.mkdir(parents=True, exist_ok=True)
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", self.config.max_message_bytes),
+                ("grpc.max_send_message_length", self.config.max_message_bytes),
+            ]
+        )
+        pb_grpc.add_IngestServicer_to_server(PublishService(self.receivers), server)
+        pb_grpc.add_RateControlServicer_to_server(RateControlService(self.receivers), server)
+        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC to {self.config.host}:{self.config.port}")
+        for receiver in self.receivers.values():
+            await receiver.start()
+        await server.start()
+        self._grpc = server
+        if self.config.metrics_port is not None:
+            self._metrics = MetricsServer(self.registry, self.config.metrics_host, self.config.metrics_port)
+        log.info(
+            "serving streams %s on %s, metrics on %s",
+            ", ".join(self.receivers), self.target, self.metrics_port,
+        )
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Seal and ack what was received, end every session, then stop serving."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        for receiver in self.receivers.values():
+            await receiver.stop()
+        if self._grpc is not None:
+            await self._grpc.stop(grace)
+        if self._metrics is not None:
+            self._metrics.close()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()

@@ -1,0 +1,40 @@
+"""Errors a receiver raises when a publisher breaks the protocol or a limit.
+
+    ReceiverError                      base; carries the gRPC status code name that reports it
+    ├── ProtocolViolation              FAILED_PRECONDITION: the Flow contract was broken (e.g. rule 1.1)
+    ├── InvalidBatch                   INVALID_ARGUMENT: a malformed message
+    ├── UnknownStream                  NOT_FOUND: Open named a stream this server does not have
+    ├── LimitExceeded                  RESOURCE_EXHAUSTED: over a size or count limit
+    └── ReceiverStopped                UNAVAILABLE: not accepted, safe to retry elsewhere or later
+
+The service turns each into a gRPC status with the message; the status code is named by string so this
+module stays free of gRPC.
+"""
+
+from __future__ import annotations
+
+
+class ReceiverError(Exception):
+    """Base class; `status` names the gRPC status code the session ends with."""
+
+    status = "INTERNAL"
+
+
+class ProtocolViolation(ReceiverError):
+    status = "FAILED_PRECONDITION"
+
+
+class InvalidBatch(ReceiverError):
+    status = "INVALID_ARGUMENT"
+
+
+class UnknownStream(ReceiverError):
+    status = "NOT_FOUND"
+
+
+class LimitExceeded(ReceiverError):
+    status = "RESOURCE_EXHAUSTED"
+
+
+class ReceiverStopped(ReceiverError):
+    status = "UNAVAILABLE"

@@ -1,0 +1,116 @@
+"""The Publish RPC: one bidirectional gRPC stream per publisher session, the Flow contract on the wire.
+
+Client messages are read by a task that feeds the stream's receiver; server messages (Request, Ack,
+Cancel) are taken from the session's outbox and written in order by the handler. A protocol violation
+ends only the offending session, with a precise status; other sessions go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+
+import grpc
+
+from receivers.errors import InvalidBatch, ProtocolViolation, ReceiverError, UnknownStream
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from receivers.receiver import Receiver, Session
+from receivers.wire import decode_batch
+
+log = logging.getLogger(__name__)
+
+
+def status_code(error: ReceiverError) -> grpc.StatusCode:
+    """The gRPC status a receiver error ends its session with."""
+    return getattr(grpc.StatusCode, error.status, grpc.StatusCode.INTERNAL)  # type: ignore[no-any-return]
+
+
+class PublishService(pb_grpc.IngestServicer):
+    """Serves Publish for a set of receivers, one per stream."""
+
+    def __init__(self, receivers: Mapping[str, Receiver], *, open_timeout: float = 10.0) -> None:
+        self._receivers = receivers
+        self._open_timeout = open_timeout
+
+    async def Publish(  # noqa: N802 - gRPC method name
+        self,
+        request_iterator: AsyncIterator[pb.PublishRequest],
+        context: grpc.aio.ServicerContext[pb.PublishRequest, pb.PublishResponse],
+    ) -> AsyncIterator[pb.PublishResponse]:
+        requests = aiter(request_iterator)
+        try:
+            receiver, session = await self._open(requests)
+        except ReceiverError as error:
+            await context.abort(status_code(error), str(error))
+            return  # pragma: no cover - abort raises
+        reader = asyncio.create_task(self._read(requests, receiver, session))
+        try:
+            while True:
+                item = await session.outbox.get()
+                if item is None:
+                    break
+                if isinstance(item, ReceiverError):
+                    await context.abort(status_code(item), str(item))
+                yield item
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            receiver.close_session(session)
+
+    async def _open(self, requests: AsyncIterator[pb.PublishRequest]) -> tuple[Receiver, Session]:
+        try:
+            first = await asyncio.wait_for(anext(requests), self._open_timeout)
+        except StopAsyncIteration:
+            raise ProtocolViolation("the stream ended before Open") from None
+        except TimeoutError:
+            raise ProtocolViolation(f"no Open within {self._open_timeout:g} s") from None
+        kind = first.WhichOneof("kind")
+        if kind != "open":
+            raise ProtocolViolation(f"the first message must be Open (rules 1.9, 2.12), got {kind or 'nothing'}")
+        stream = first.open.stream
+        receiver = self._receivers.get(stream)
+        if receiver is None:
+            known = ", ".join(sorted(self._receivers)) or "none"
+            raise UnknownStream(f"no stream named {stream!r} on this server (streams: {known})")
+        return receiver, receiver.open_session(first.open.producer_id, first.open.resume_from_seq)
+
+    async def _read(
+        self, requests: AsyncIterator[pb.PublishRequest], receiver: Receiver, session: Session
+    ) -> None:
+        try:
+            async for request in requests:
+                kind = request.WhichOneof("kind")
+                if kind == "batch":
+                    if session.completed:
+                        raise ProtocolViolation("Batch after Complete (rule 1.7)")
+                    records = decode_batch(request.batch, time.time_ns() // 1000)
+                    receiver.accept(session, request.batch.first_seq, records)
+                elif kind == "complete":
+                    receiver.complete(session)
+                elif kind == "error":
+                    if session.completed:
+                        raise ProtocolViolation("Error after Complete (rule 1.7)")
+                    log.warning(
+                        "publisher %r on stream %r failed: %s (code %d)",
+                        session.producer_id, receiver.stream, request.error.message, request.error.code,
+                    )
+                    receiver.complete(session)
+                elif kind == "open":
+                    raise ProtocolViolation("Open sent twice: exactly one Open per session (rule 2.12)")
+                else:
+                    raise InvalidBatch("empty PublishRequest: set one of open, batch, complete, error")
+            # the client half-closed: like Complete, end the call once what it sent is acked
+            if not session.completed:
+                receiver.complete(session)
+        except ReceiverError as error:
+            receiver.fail(session, error)
+        except grpc.aio.AioRpcError:
+            receiver.close_session(session)  # the client went away
+        except Exception as exc:  # noqa: BLE001 - a bug must end this session only, loudly
+            log.exception("session %d on stream %r failed", session.id, receiver.stream)
+            receiver.fail(session, ReceiverError(f"internal error: {exc!r}"))

@@ -1,0 +1,331 @@
+"""The receiver of one stream: grants credit, takes batches, seals blocks, acks durable records.
+
+Flow roles: each publisher session is a Subscription; the receiver is the Subscriber. Credit is granted
+from a bounded buffer: the records buffered (taken but not yet in a durable block) plus the credit
+outstanding never exceed `buffer_records`, so a client never has more in flight than the receiver can
+hold. Credit returns to the pool when a block holding buffered records is durable, and is metered by a
+token bucket at the stream's rate.
+
+Every `block_interval` the block generator seals what was taken into one block, writes it durably to the
+block store, then acks each session up to the last record of it the block holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from ratecontrol import UNLIMITED, TokenBucket
+from receivers.block import BlockInfo, check_stream_name
+from receivers.block_store import LocalBlockStore
+from receivers.errors import InvalidBatch, ProtocolViolation, ReceiverError, ReceiverStopped
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+MAX_CREDIT = 2**63 - 1
+"""Credit saturates here (Reactive Streams rule 3.17); Request.n is an int64."""
+
+
+@dataclass(frozen=True)
+class ReceiverConfig:
+    """How a receiver buffers and seals. Shared by every stream of a server."""
+
+    block_interval: float = 0.2
+    """Seconds between sealed blocks; the latency floor from receipt to ack."""
+    buffer_records: int = 500_000
+    """Records buffered plus credit outstanding, at most: the memory bound of a stream."""
+    max_window: int = 250_000
+    """Most credit one session holds at once; refilled when it falls to half."""
+    credit_tick: float = 0.05
+    """Seconds between credit refills when the rate, not the buffer, limits credit."""
+    receiver_id: int = 0
+    """Id written with every block (the analogue of a Kafka partition)."""
+
+    def __post_init__(self) -> None:
+        if not self.block_interval > 0:
+            raise ValueError(f"block_interval must be > 0 seconds, got {self.block_interval}")
+        if self.buffer_records < 1:
+            raise ValueError(f"buffer_records must be >= 1, got {self.buffer_records}")
+        if self.max_window < 1:
+            raise ValueError(f"max_window must be >= 1, got {self.max_window}")
+        if not self.credit_tick > 0:
+            raise ValueError(f"credit_tick must be > 0 seconds, got {self.credit_tick}")
+
+
+@dataclass
+class ReceiverStats:
+    """Counters of one receiver, read by the metrics exporter."""
+
+    records_received: int = 0
+    batches_received: int = 0
+    records_acked: int = 0
+    blocks_sealed: int = 0
+    block_bytes: int = 0
+    block_write_errors: int = 0
+    sessions_opened: int = 0
+    sessions_failed: int = 0
+    credit_granted: int = 0
+
+
+_Outgoing = pb.PublishResponse | ReceiverError | None
+"""What a session's outbox holds: a message, an error that ends the call, or None for a clean end."""
+
+
+@dataclass(eq=False)
+class Session:
+    """One publisher session (a Flow Subscription) as the receiver sees it."""
+
+    id: int
+    producer_id: str
+    next_seq: int
+    """Sequence number the next batch must start at."""
+    durable_up_to: int
+    """Every record with a lower sequence number is durable and acked."""
+    credit: int = 0
+    """Credit granted and not yet used."""
+    completed: bool = False
+    ended: bool = False
+    outbox: asyncio.Queue[_Outgoing] = field(default_factory=asyncio.Queue)
+
+    def _send(self, item: _Outgoing) -> None:
+        if not self.ended:
+            self.outbox.put_nowait(item)
+            if item is None or isinstance(item, ReceiverError):
+                self.ended = True
+
+
+@dataclass
+class _Chunk:
+    records: pa.RecordBatch
+    session: Session
+    end_seq: int
+
+
+class Receiver:
+    """Receiver of one stream on this node."""
+
+    def __init__(
+        self,
+        stream: str,
+        store: LocalBlockStore,
+        config: ReceiverConfig | None = None,
+        *,
+        rate: float = UNLIMITED,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.stream = check_stream_name(stream)
+        self.store = store
+        self.config = config or ReceiverConfig()
+        self.stats = ReceiverStats()
+        self._clock = clock
+        self._bucket = TokenBucket(rate, now=clock())
+        self._sessions: list[Session] = []
+        self._ids = itertools.count(1)
+        self._rotation = 0
+        self._pending: list[_Chunk] = []
+        self._buffered = 0
+        self._outstanding = 0
+        self._next_block_seq, self._next_offset = store.recover(self.stream)
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._sealed: list[Callable[[BlockInfo], None]] = []
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"receiver-{self.stream}")
+
+    async def stop(self) -> None:
+        """Stop granting credit, seal and ack what was taken, then end every session (UNAVAILABLE)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self._seal()
+        for session in list(self._sessions):
+            if session.completed and session.durable_up_to == session.next_seq:
+                session._send(None)
+            else:
+                session._send(pb.PublishResponse(cancel=pb.Cancel(code=14, reason="receiver stopping")))
+                session._send(ReceiverStopped(f"receiver for stream {self.stream!r} is stopping"))
+
+    def on_sealed(self, callback: Callable[[BlockInfo], None]) -> None:
+        """Call `callback` with every block once it is durable (on the event loop)."""
+        self._sealed.append(callback)
+
+    # ---- rate ----------------------------------------------------------------------------------
+
+    @property
+    def rate(self) -> float:
+        return self._bucket.rate
+
+    def set_rate(self, rate: float) -> None:
+        """Meter credit at `rate` records/s from now on (inf: unlimited). Raises InvalidRateError."""
+        self._bucket.set_rate(rate, self._clock())
+        self._replenish()
+
+    # ---- state read by metrics ----------------------------------------------------------------
+
+    @property
+    def credit_outstanding(self) -> int:
+        return self._outstanding
+
+    @property
+    def buffered_records(self) -> int:
+        return self._buffered
+
+    @property
+    def active_sessions(self) -> int:
+        return len(self._sessions)
+
+    # ---- sessions ------------------------------------------------------------------------------
+
+    def open_session(self, producer_id: str, resume_from_seq: int) -> Session:
+        if self._stopping:
+            raise ReceiverStopped(f"receiver for stream {self.stream!r} is stopping; retry later")
+        session = Session(next(self._ids), producer_id, resume_from_seq, resume_from_seq)
+        self._sessions.append(session)
+        self.stats.sessions_opened += 1
+        self._replenish()
+        return session
+
+    def accept(self, session: Session, first_seq: int, records: pa.RecordBatch) -> None:
+        """Take a batch from a session; raise a ReceiverError when it breaks the protocol."""
+        count = records.num_rows
+        if session.completed:
+            raise ProtocolViolation("Batch after Complete (rule 1.7): the publisher signalled completion")
+        if count > session.credit:
+            raise ProtocolViolation(
+                f"Batch of {count} records exceeds the {session.credit} credits outstanding (rule 1.1): "
+                "send at most what Request(n) granted"
+            )
+        if first_seq != session.next_seq:
+            raise InvalidBatch(
+                f"Batch.first_seq is {first_seq} but this session's next sequence number is "
+                f"{session.next_seq}: records must be numbered consecutively"
+            )
+        session.credit -= count
+        self._outstanding -= count
+        session.next_seq += count
+        self._buffered += count
+        self._pending.append(_Chunk(records, session, session.next_seq))
+        self.stats.records_received += count
+        self.stats.batches_received += 1
+        self._replenish()
+
+    def complete(self, session: Session) -> None:
+        """The publisher completed: return its credit; end the call once everything it sent is acked."""
+        if session.completed:
+            raise ProtocolViolation("Complete sent twice (rule 1.7)")
+        session.completed = True
+        self._take_back_credit(session)
+        if session.durable_up_to == session.next_seq:
+            session._send(None)
+        self._replenish()
+
+    def fail(self, session: Session, error: ReceiverError) -> None:
+        """End a session with an error status; its records already taken are still sealed."""
+        self.stats.sessions_failed += 1
+        session._send(error)
+        self.close_session(session)
+
+    def close_session(self, session: Session) -> None:
+        """Forget a session (its call ended); unused credit returns to the pool."""
+        if session in self._sessions:
+            self._sessions.remove(session)
+            self._take_back_credit(session)
+            session.ended = True
+            self._replenish()
+
+    def _take_back_credit(self, session: Session) -> None:
+        self._outstanding -= session.credit
+        session.credit = 0
+
+    def _replenish(self) -> None:
+        """Grant credit to sessions at or below their low tide, fairly, within buffer and rate."""
+        if self._stopping or not self._sessions:
+            return
+        free = self.config.buffer_records - self._buffered - self._outstanding
+        if free <= 0:
+            return
+        active = [s for s in self._sessions if not s.completed and not s.ended]
+        if not active:
+            return
+        window = max(1, min(self.config.max_window, self.config.buffer_records // len(active)))
+        low_tide = window // 2
+        self._rotation = (self._rotation + 1) % len(active)
+        now = self._clock()
+        for session in active[self._rotation :] + active[: self._rotation]:
+            if session.credit > low_tide:
+                continue
+            grant = self._bucket.take(min(window - session.credit, free), now)
+            if grant <= 0:
+                break
+            session.credit += grant
+            self._outstanding += grant
+            free -= grant
+            self.stats.credit_granted += grant
+            session._send(pb.PublishResponse(request=pb.Request(n=grant)))
+            if free <= 0:
+                break
+
+    # ---- block generator -----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        next_seal = self._clock() + self.config.block_interval
+        while True:
+            now = self._clock()
+            await asyncio.sleep(max(0.0, min(self.config.credit_tick, next_seal - now)))
+            if self._clock() >= next_seal:
+                next_seal += self.config.block_interval
+                await self._seal()
+            self._replenish()
+
+    async def _seal(self) -> None:
+        if not self._pending:
+            return
+        chunks, self._pending = self._pending, []
+        try:
+            info, size = await asyncio.to_thread(
+                self.store.write,
+                self.stream,
+                self._next_block_seq,
+                self._next_offset,
+                self.config.receiver_id,
+                [c.records for c in chunks],
+            )
+        except OSError:
+            # keep the records buffered (so credit stays withheld) and try again next interval
+            log.exception("writing block %d of stream %r failed", self._next_block_seq, self.stream)
+            self.stats.block_write_errors += 1
+            self._pending = chunks + self._pending
+            return
+        self._next_block_seq += 1
+        self._next_offset += info.count
+        self._buffered -= info.count
+        self.stats.blocks_sealed += 1
+        self.stats.block_bytes += size
+        self.stats.records_acked += info.count
+        acked: dict[Session, int] = {}
+        for chunk in chunks:
+            acked[chunk.session] = chunk.end_seq
+        for session, up_to in acked.items():
+            session.durable_up_to = up_to
+            session._send(pb.PublishResponse(ack=pb.Ack(durable_up_to=up_to)))
+            if session.completed and up_to == session.next_seq:
+                session._send(None)
+        for callback in self._sealed:
+            callback(info)
+        self._replenish()

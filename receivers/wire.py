@@ -1,0 +1,113 @@
+"""Batches on the wire <-> Arrow record batches, without one Python object per record.
+
+A Batch carries keys and values in Arrow's binary layout (concatenated bytes plus little-endian int32
+offsets), so the receiver wraps the message's bytes as Arrow buffers and validates them in C.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from receivers.block import BLOCK_SCHEMA
+from receivers.errors import InvalidBatch
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
+
+if sys.byteorder != "little":  # pragma: no cover - the wire layout is little-endian
+    raise ImportError("Sluice's wire layout needs a little-endian host")
+
+_TIMESTAMP = BLOCK_SCHEMA.field("timestamp").type
+
+
+def encode_batch(first_seq: int, values: Sequence[bytes], keys: Sequence[bytes | None] | None = None) -> pb.Batch:
+    """Pack records into a Batch message. `keys` is None when no record has a key."""
+    count = len(values)
+    if count == 0:
+        raise ValueError("a batch needs at least one record")
+    value_array = pa.array(values, type=pa.binary())
+    if value_array.null_count:
+        raise ValueError("record values must be bytes, not None")
+    _, value_offsets, value_data = _buffers(value_array)
+    batch = pb.Batch(first_seq=first_seq, count=count, values=value_data, value_offsets=value_offsets)
+    if keys is not None and any(k is not None for k in keys):
+        if len(keys) != count:
+            raise ValueError(f"{len(keys)} keys for {count} values")
+        key_validity, key_offsets, key_data = _buffers(pa.array(keys, type=pa.binary()))
+        batch.keys = key_data
+        batch.key_offsets = key_offsets
+        batch.key_validity = key_validity
+    return batch
+
+
+def encode_arrow(first_seq: int, values: pa.Array, keys: pa.Array | None = None) -> pb.Batch:
+    """Pack Arrow binary arrays (e.g. from a file) into a Batch message without a per-record step."""
+    if values.null_count:
+        raise ValueError("record values must not be null")
+    count = len(values)
+    if count == 0:
+        raise ValueError("a batch needs at least one record")
+    _, value_offsets, value_data = _buffers(values.cast(pa.binary()))
+    batch = pb.Batch(first_seq=first_seq, count=count, values=value_data, value_offsets=value_offsets)
+    if keys is not None and keys.null_count < len(keys):
+        key_validity, key_offsets, key_data = _buffers(keys.cast(pa.binary()))
+        batch.keys, batch.key_offsets, batch.key_validity = key_data, key_offsets, key_validity
+    return batch
+
+
+def decode_batch(batch: pb.Batch, timestamp_us: int) -> pa.RecordBatch:
+    """Validate a Batch and view it as a record batch with BLOCK_SCHEMA; raise InvalidBatch if malformed."""
+    count = batch.count
+    if count <= 0:
+        raise InvalidBatch("Batch.count must be > 0")
+    values = _binary_array(count, batch.value_offsets, batch.values, b"", "value")
+    if values.null_count:  # pragma: no cover - no validity bitmap is passed for values
+        raise InvalidBatch("values must not be null")
+    if batch.key_offsets:
+        keys = _binary_array(count, batch.key_offsets, batch.keys, batch.key_validity, "key")
+    elif batch.keys or batch.key_validity:
+        raise InvalidBatch("Batch.keys or key_validity set without key_offsets")
+    else:
+        keys = pa.nulls(count, pa.binary())
+    timestamps = pa.array(np.full(count, timestamp_us, dtype=np.int64), type=_TIMESTAMP)
+    return pa.RecordBatch.from_arrays([keys, values, timestamps], schema=BLOCK_SCHEMA)
+
+
+def _buffers(array: pa.Array) -> tuple[bytes, bytes, bytes]:
+    """(validity bitmap or b"", offsets from 0, data) of a binary array, as bytes."""
+    if array.offset:
+        array = pa.concat_arrays([array])  # re-base a sliced array so its offsets start at 0
+    validity, offsets, data = array.buffers()
+    count = len(array)
+    offset_bytes = offsets.slice(0, 4 * (count + 1)).to_pybytes()
+    end = int(np.frombuffer(offset_bytes, dtype="<i4")[-1])
+    data_bytes = data.slice(0, end).to_pybytes() if data is not None else b""
+    validity_bytes = b""
+    if validity is not None and array.null_count:
+        validity_bytes = validity.slice(0, (count + 7) // 8).to_pybytes()
+    return validity_bytes, offset_bytes, data_bytes
+
+
+def _binary_array(count: int, offsets: bytes, data: bytes, validity: bytes, what: str) -> pa.Array:
+    if len(offsets) != 4 * (count + 1):
+        raise InvalidBatch(
+            f"Batch.{what}_offsets has {len(offsets)} bytes; count {count} needs 4 * (count + 1) = "
+            f"{4 * (count + 1)}"
+        )
+    if validity and len(validity) < (count + 7) // 8:
+        raise InvalidBatch(f"Batch.{what}_validity has {len(validity)} bytes; count {count} needs {(count + 7) // 8}")
+    try:
+        array = pa.Array.from_buffers(
+            pa.binary(),
+            count,
+            [pa.py_buffer(validity) if validity else None, pa.py_buffer(offsets), pa.py_buffer(data)],
+        )
+        array.validate(full=True)
+    except pa.ArrowInvalid as exc:
+        raise InvalidBatch(f"Batch.{what}s or {what}_offsets are malformed: {exc}") from exc
+    first = int(np.frombuffer(offsets[:4], dtype="<i4")[0])
+    if first != 0:
+        raise InvalidBatch(f"Batch.{what}_offsets must start at 0, got {first}")
+    return array

@@ -1,0 +1,187 @@
+"""Publish over real gRPC on loopback: credit, acks, protocol violations, other sessions unaffected."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from ingest.client import Producer
+from ingest.config import ServeConfig
+from ingest.errors import RPCError
+from ingest.server import SluiceServer
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from receivers.receiver import ReceiverConfig
+from receivers.wire import encode_batch
+
+
+def make_config(tmp_path: Path, **receiver: float) -> ServeConfig:
+    return ServeConfig(
+        port=0,
+        metrics_port=0,
+        data_dir=tmp_path,
+        streams=("events", "other"),
+        receiver=ReceiverConfig(block_interval=0.05, **receiver),  # type: ignore[arg-type]
+        spark=False,
+    )
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[SluiceServer]:
+    srv = SluiceServer(make_config(tmp_path, buffer_records=10_000, max_window=1_000))
+    await srv.start()
+    try:
+        yield srv
+    finally:
+        await srv.stop(grace=1)
+
+
+class RawPeer:
+    """A scripted publisher that sends frames directly, misbehaving on purpose."""
+
+    def __init__(self, target: str) -> None:
+        self.channel = grpc.aio.insecure_channel(target)
+        self.call = pb_grpc.IngestStub(self.channel).Publish()
+
+    async def open(self, stream: str = "events", seq: int = 0) -> None:
+        await self.call.write(pb.PublishRequest(open=pb.Open(stream=stream, producer_id="raw", resume_from_seq=seq)))
+
+    async def batch(self, first_seq: int, n: int) -> None:
+        await self.call.write(pb.PublishRequest(batch=encode_batch(first_seq, [b"x"] * n)))
+
+    async def read(self) -> pb.PublishResponse:
+        response = await asyncio.wait_for(self.call.read(), 10)
+        assert response is not grpc.aio.EOF
+        return response  # type: ignore[return-value]
+
+    async def status(self) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            while True:
+                response = await asyncio.wait_for(self.call.read(), 10)
+                if response is grpc.aio.EOF:
+                    await self.call  # raises with the status
+                    return grpc.StatusCode.OK, ""
+        return info.value.code(), info.value.details() or ""
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+async def test_producer_records_are_acked_and_stored(server: SluiceServer) -> None:
+    async with Producer(server.target, "events", linger=0.001, batch_size=100) as producer:
+        for i in range(2_500):
+            await producer.send(f"record-{i}".encode(), key=b"k" if i % 2 else None)
+        await producer.flush(timeout=10)
+        assert producer.acked == 2_500
+    blocks = server.store.blocks("events")
+    assert sum(b.count for b in blocks) == 2_500
+    rows = [row for b in blocks for batch in server.store.read(b) for row in batch.to_pylist()]
+    assert [r["value"] for r in rows] == [f"record-{i}".encode() for i in range(2_500)]
+    assert [r["key"] for r in rows[:4]] == [None, b"k", None, b"k"]
+    assert [b.first_offset for b in blocks] == [sum(x.count for x in blocks[:i]) for i in range(len(blocks))]
+
+
+async def test_credit_violation_ends_only_that_session(server: SluiceServer) -> None:
+    good = Producer(server.target, "events", linger=0.001, batch_size=200)
+    await good.start()
+    raw = RawPeer(server.target)
+    try:
+        await raw.open()
+        granted = (await raw.read()).request.n
+        assert 0 < granted <= 1_000
+        await raw.batch(0, granted + 1)
+        code, message = await raw.status()
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "exceeds" in message and "credit" in message and "rule 1.1" in message
+        # the well-behaved producer goes on, before and after
+        await good.send_many([b"ok"] * 5_000)
+        await good.flush(timeout=10)
+        assert good.acked == 5_000
+    finally:
+        await raw.close()
+        await good.close()
+
+
+async def test_producer_never_exceeds_credit(server: SluiceServer) -> None:
+    # buffer_records=10_000, window 1_000: the producer must wait for grants, in any case within them
+    async with Producer(server.target, "other", linger=0, batch_size=700, max_buffered=5_000) as producer:
+        await producer.send_many([b"y" * 10] * 20_000)
+        await producer.flush(timeout=20)
+    receiver = server.receivers["other"]
+    assert receiver.stats.records_received == 20_000
+    assert receiver.stats.sessions_failed == 0
+    assert receiver.credit_outstanding == 0
+
+
+@pytest.mark.parametrize(
+    ("script", "code", "words"),
+    [
+        ("batch_first", grpc.StatusCode.FAILED_PRECONDITION, "first message must be Open"),
+        ("open_twice", grpc.StatusCode.FAILED_PRECONDITION, "Open sent twice"),
+        ("unknown_stream", grpc.StatusCode.NOT_FOUND, "no stream named 'nope'"),
+        ("gap", grpc.StatusCode.INVALID_ARGUMENT, "first_seq"),
+        ("bad_offsets", grpc.StatusCode.INVALID_ARGUMENT, "value_offsets"),
+        ("after_complete", grpc.StatusCode.FAILED_PRECONDITION, "after Complete"),
+    ],
+)
+async def test_protocol_violations_get_precise_status(
+    server: SluiceServer, script: str, code: grpc.StatusCode, words: str
+) -> None:
+    raw = RawPeer(server.target)
+    try:
+        if script == "batch_first":
+            await raw.batch(0, 1)
+        elif script == "unknown_stream":
+            await raw.open("nope")
+        else:
+            await raw.open()
+            await raw.read()
+            if script == "open_twice":
+                await raw.open()
+            elif script == "gap":
+                await raw.batch(5, 1)
+            elif script == "bad_offsets":
+                batch = encode_batch(0, [b"abc"])
+                batch.value_offsets = (0).to_bytes(4, "little") + (99).to_bytes(4, "little")
+                await raw.call.write(pb.PublishRequest(batch=batch))
+            elif script == "after_complete":
+                await raw.batch(0, 1)
+                await raw.call.write(pb.PublishRequest(complete=pb.Complete()))
+                await raw.batch(1, 1)
+        got, message = await raw.status()
+        assert got == code, message
+        assert words in message
+    finally:
+        await raw.close()
+
+
+async def test_oversized_message_is_resource_exhausted(tmp_path: Path) -> None:
+    config = make_config(tmp_path)
+    config = ServeConfig(**{**config.__dict__, "max_message_bytes": 64 * 1024})
+    srv = SluiceServer(config)
+    await srv.start()
+    raw = RawPeer(srv.target)
+    try:
+        await raw.open()
+        await raw.read()
+        await raw.call.write(pb.PublishRequest(batch=encode_batch(0, [b"z" * 100_000])))
+        code, _ = await raw.status()
+        assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        await raw.close()
+        await srv.stop(grace=1)
+
+
+async def test_unknown_stream_raises_rpc_error_in_sdk(server: SluiceServer) -> None:
+    producer = Producer(server.target, "missing")
+    await producer.start()
+    with pytest.raises(RPCError) as info:
+        await producer.send(b"a")
+        await producer.flush(timeout=10)
+    assert info.value.status == grpc.StatusCode.NOT_FOUND
+    assert not info.value.retriable
+    await producer.abort()
