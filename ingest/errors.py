@@ -1,12 +1,12 @@
 """Errors the Sluice SDK and service raise: one boundary between gRPC and the user.
 
-    SluiceError                 base of everything the SDK raises
-    ├── RPCError                a gRPC call failed; `status` is the grpc.StatusCode, `retriable` says
-    │                           whether trying again later can succeed
-    ├── ProtocolError           the server broke the Flow contract (e.g. Request(n <= 0), rule 3.9)
-    ├── ProducerClosedError     the producer was closed, or failed, and takes no more records
-    └── FlushTimeoutError       flush() or close() ran out of time with records not yet acked;
-                                `unacked` says how many
+SluiceError                 base of everything the SDK raises
+├── RPCError                a gRPC call failed; `status` is the grpc.StatusCode, `retriable` says
+│                           whether trying again later can succeed
+├── ProtocolError           the server broke the Flow contract (e.g. Request(n <= 0), rule 3.9)
+├── ProducerClosedError     the producer was closed, or failed, and takes no more records
+└── FlushTimeoutError       flush() or close() ran out of time with records not yet acked;
+                            `unacked` says how many
 """
 
 from __future__ import annotations

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from http.server import ThreadingHTTPServer
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -24,21 +23,29 @@ class SluiceCollector(Collector):
         self._batches_completed = batches_completed
 
     def collect(self) -> Iterator[Metric]:
-        counters = {
+        counters: dict[str, tuple[str, Callable[[Receiver], float]]] = {
             "records_received": ("Records taken from publishers.", lambda r: r.stats.records_received),
             "records_acked": ("Records acked to publishers as durable.", lambda r: r.stats.records_acked),
             "batches_received": ("Batch messages taken from publishers.", lambda r: r.stats.batches_received),
             "blocks_sealed": ("Blocks sealed and made durable.", lambda r: r.stats.blocks_sealed),
             "block_bytes": ("Bytes of sealed blocks written.", lambda r: r.stats.block_bytes),
-            "block_write_errors": ("Block writes that failed and were retried.",
-                                   lambda r: r.stats.block_write_errors),
+            "block_write_errors": (
+                "Block writes that failed and were retried.",
+                lambda r: r.stats.block_write_errors,
+            ),
             "credit_granted": ("Credit granted to publishers (records).", lambda r: r.stats.credit_granted),
             "sessions_opened": ("Publisher sessions opened.", lambda r: r.stats.sessions_opened),
             "sessions_failed": ("Publisher sessions ended by an error.", lambda r: r.stats.sessions_failed),
         }
-        gauges = {
-            "credit_outstanding": ("Credit granted and not yet used (records).", lambda r: r.credit_outstanding),
-            "buffered_records": ("Records taken and not yet in a durable block.", lambda r: r.buffered_records),
+        gauges: dict[str, tuple[str, Callable[[Receiver], float]]] = {
+            "credit_outstanding": (
+                "Credit granted and not yet used (records).",
+                lambda r: r.credit_outstanding,
+            ),
+            "buffered_records": (
+                "Records taken and not yet in a durable block.",
+                lambda r: r.buffered_records,
+            ),
             "sessions_active": ("Publisher sessions open now.", lambda r: r.active_sessions),
             "rate_limit": ("Ingest rate limit in records per second (+Inf: unlimited).", lambda r: r.rate),
         }
@@ -62,7 +69,7 @@ class MetricsServer:
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
         server, thread = start_http_server(port, addr=host, registry=registry)
-        self._server: ThreadingHTTPServer = server
+        self._server = server
         self._thread: threading.Thread = thread
         self.port: int = server.server_address[1]
 

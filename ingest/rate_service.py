@@ -35,7 +35,7 @@ class RateControlService(pb_grpc.RateControlServicer):
         known = ", ".join(sorted(self._receivers))
         await context.abort(grpc.StatusCode.NOT_FOUND, f"no stream named {stream!r} (streams: {known})")
 
-    async def GetRate(  # noqa: N802 - gRPC method name
+    async def GetRate(
         self, request: pb.GetRateRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> pb.GetRateResponse:
         receivers = self._select(request.stream)
@@ -43,7 +43,7 @@ class RateControlService(pb_grpc.RateControlServicer):
             await self._unknown(request.stream, context)
         return self._state(receivers)
 
-    async def UpdateRate(  # noqa: N802 - gRPC method name
+    async def UpdateRate(
         self, request: pb.UpdateRateRequest, context: grpc.aio.ServicerContext[object, object]
     ) -> pb.GetRateResponse:
         receivers = self._select(request.stream)

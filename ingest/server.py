@@ -32,13 +32,16 @@ class SluiceServer:
         self.store = LocalBlockStore(config.blocks_dir, fsync=config.fsync)
         self.receivers = {s: Receiver(s, self.store, config.receiver) for s in config.streams}
         self.registry = CollectorRegistry()
-        self.registry.register(SluiceCollector(self.receivers, lambda: self.batches_completed()))
+        self.registry.register(SluiceCollector(self.receivers, self._batches_completed))
         self.batches_completed = batches_completed
         self._grpc: grpc.aio.Server | None = None
         self._metrics: MetricsServer | None = None
         self.port: int = 0
         """The bound gRPC port, once started."""
         self._stopped = asyncio.Event()
+
+    def _batches_completed(self) -> int:
+        return self.batches_completed()  # looked up at scrape time: the Spark side may attach later
 
     @property
     def target(self) -> str:
@@ -70,7 +73,9 @@ class SluiceServer:
             self._metrics = MetricsServer(self.registry, self.config.metrics_host, self.config.metrics_port)
         log.info(
             "serving streams %s on %s, metrics on %s",
-            ", ".join(self.receivers), self.target, self.metrics_port,
+            ", ".join(self.receivers),
+            self.target,
+            self.metrics_port,
         )
 
     async def stop(self, grace: float = 5.0) -> None:

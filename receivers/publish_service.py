@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 def status_code(error: ReceiverError) -> grpc.StatusCode:
     """The gRPC status a receiver error ends its session with."""
-    return getattr(grpc.StatusCode, error.status, grpc.StatusCode.INTERNAL)  # type: ignore[no-any-return]
+    return getattr(grpc.StatusCode, error.status, grpc.StatusCode.INTERNAL)
 
 
 class PublishService(pb_grpc.IngestServicer):
@@ -36,7 +36,7 @@ class PublishService(pb_grpc.IngestServicer):
         self._receivers = receivers
         self._open_timeout = open_timeout
 
-    async def Publish(  # noqa: N802 - gRPC method name
+    async def Publish(
         self,
         request_iterator: AsyncIterator[pb.PublishRequest],
         context: grpc.aio.ServicerContext[pb.PublishRequest, pb.PublishResponse],
@@ -71,7 +71,9 @@ class PublishService(pb_grpc.IngestServicer):
             raise ProtocolViolation(f"no Open within {self._open_timeout:g} s") from None
         kind = first.WhichOneof("kind")
         if kind != "open":
-            raise ProtocolViolation(f"the first message must be Open (rules 1.9, 2.12), got {kind or 'nothing'}")
+            raise ProtocolViolation(
+                f"the first message must be Open (rules 1.9, 2.12), got {kind or 'nothing'}"
+            )
         stream = first.open.stream
         receiver = self._receivers.get(stream)
         if receiver is None:
@@ -84,26 +86,7 @@ class PublishService(pb_grpc.IngestServicer):
     ) -> None:
         try:
             async for request in requests:
-                kind = request.WhichOneof("kind")
-                if kind == "batch":
-                    if session.completed:
-                        raise ProtocolViolation("Batch after Complete (rule 1.7)")
-                    records = decode_batch(request.batch, time.time_ns() // 1000)
-                    receiver.accept(session, request.batch.first_seq, records)
-                elif kind == "complete":
-                    receiver.complete(session)
-                elif kind == "error":
-                    if session.completed:
-                        raise ProtocolViolation("Error after Complete (rule 1.7)")
-                    log.warning(
-                        "publisher %r on stream %r failed: %s (code %d)",
-                        session.producer_id, receiver.stream, request.error.message, request.error.code,
-                    )
-                    receiver.complete(session)
-                elif kind == "open":
-                    raise ProtocolViolation("Open sent twice: exactly one Open per session (rule 2.12)")
-                else:
-                    raise InvalidBatch("empty PublishRequest: set one of open, batch, complete, error")
+                self._handle(request, receiver, session)
             # the client half-closed: like Complete, end the call once what it sent is acked
             if not session.completed:
                 receiver.complete(session)
@@ -111,6 +94,33 @@ class PublishService(pb_grpc.IngestServicer):
             receiver.fail(session, error)
         except grpc.aio.AioRpcError:
             receiver.close_session(session)  # the client went away
-        except Exception as exc:  # noqa: BLE001 - a bug must end this session only, loudly
+        except Exception as exc:
             log.exception("session %d on stream %r failed", session.id, receiver.stream)
             receiver.fail(session, ReceiverError(f"internal error: {exc!r}"))
+
+    @staticmethod
+    def _handle(request: pb.PublishRequest, receiver: Receiver, session: Session) -> None:
+        """Feed one client message to the receiver; raise a ReceiverError to end the session."""
+        kind = request.WhichOneof("kind")
+        if kind == "batch":
+            if session.completed:
+                raise ProtocolViolation("Batch after Complete (rule 1.7)")
+            records = decode_batch(request.batch, time.time_ns() // 1000)
+            receiver.accept(session, request.batch.first_seq, records)
+        elif kind == "complete":
+            receiver.complete(session)
+        elif kind == "error":
+            if session.completed:
+                raise ProtocolViolation("Error after Complete (rule 1.7)")
+            log.warning(
+                "publisher %r on stream %r failed: %s (code %d)",
+                session.producer_id,
+                receiver.stream,
+                request.error.message,
+                request.error.code,
+            )
+            receiver.complete(session)
+        elif kind == "open":
+            raise ProtocolViolation("Open sent twice: exactly one Open per session (rule 2.12)")
+        else:
+            raise InvalidBatch("empty PublishRequest: set one of open, batch, complete, error")

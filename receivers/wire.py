@@ -22,7 +22,9 @@ if sys.byteorder != "little":  # pragma: no cover - the wire layout is little-en
 _TIMESTAMP = BLOCK_SCHEMA.field("timestamp").type
 
 
-def encode_batch(first_seq: int, values: Sequence[bytes], keys: Sequence[bytes | None] | None = None) -> pb.Batch:
+def encode_batch(
+    first_seq: int, values: Sequence[bytes], keys: Sequence[bytes | None] | None = None
+) -> pb.Batch:
     """Pack records into a Batch message. `keys` is None when no record has a key."""
     count = len(values)
     if count == 0:
@@ -97,7 +99,9 @@ def _binary_array(count: int, offsets: bytes, data: bytes, validity: bytes, what
             f"{4 * (count + 1)}"
         )
     if validity and len(validity) < (count + 7) // 8:
-        raise InvalidBatch(f"Batch.{what}_validity has {len(validity)} bytes; count {count} needs {(count + 7) // 8}")
+        raise InvalidBatch(
+            f"Batch.{what}_validity has {len(validity)} bytes; count {count} needs {(count + 7) // 8}"
+        )
     try:
         array = pa.Array.from_buffers(
             pa.binary(),

@@ -29,11 +29,17 @@ def generate(out: Path) -> None:
     bindir = Path(sys.executable).parent  # mypy-protobuf's plugins sit beside the interpreter
     subprocess.run(
         [
-            sys.executable, "-m", "grpc_tools.protoc", f"-I{PROTO_DIR}",
-            f"--python_out={out}", f"--grpc_python_out={out}",
+            sys.executable,
+            "-m",
+            "grpc_tools.protoc",
+            f"-I{PROTO_DIR}",
+            f"--python_out={out}",
+            f"--grpc_python_out={out}",
             f"--plugin=protoc-gen-mypy={bindir / 'protoc-gen-mypy'}",
             f"--plugin=protoc-gen-mypy_grpc={bindir / 'protoc-gen-mypy_grpc'}",
-            f"--mypy_out={out}", f"--mypy_grpc_out={out}", *protos,
+            f"--mypy_out={out}",
+            f"--mypy_grpc_out={out}",
+            *protos,
         ],
         check=True,
     )
@@ -51,7 +57,8 @@ def differences(a: Path, b: Path) -> list[str]:
     names = {p.relative_to(a) for p in a.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
     names |= {p.relative_to(b) for p in b.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
     return sorted(
-        str(n) for n in names
+        str(n)
+        for n in names
         if not ((a / n).exists() and (b / n).exists() and filecmp.cmp(a / n, b / n, shallow=False))
     )
 

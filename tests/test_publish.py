@@ -48,7 +48,9 @@ class RawPeer:
         self.call = pb_grpc.IngestStub(self.channel).Publish()
 
     async def open(self, stream: str = "events", seq: int = 0) -> None:
-        await self.call.write(pb.PublishRequest(open=pb.Open(stream=stream, producer_id="raw", resume_from_seq=seq)))
+        await self.call.write(
+            pb.PublishRequest(open=pb.Open(stream=stream, producer_id="raw", resume_from_seq=seq))
+        )
 
     async def batch(self, first_seq: int, n: int) -> None:
         await self.call.write(pb.PublishRequest(batch=encode_batch(first_seq, [b"x"] * n)))

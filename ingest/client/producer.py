@@ -117,7 +117,7 @@ class Producer:
                     ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
                 ],
             )
-        self._call = pb_grpc.IngestStub(self._channel).Publish()
+        self._call = pb_grpc.IngestStub(self._channel).Publish()  # type: ignore[call-arg]  # stubs lag grpc.aio
         opening = pb.Open(stream=self.stream, producer_id=self.producer_id, resume_from_seq=0)
         try:
             await self._call.write(pb.PublishRequest(open=opening))
@@ -182,7 +182,7 @@ class Producer:
         if self._call is not None:
             self._call.cancel()
         if self._own_channel and self._channel is not None:
-            await self._channel.close()
+            await self._channel.close(None)
             self._channel = None
         self._wake()
 
@@ -271,12 +271,12 @@ class Producer:
             # wait for credit and a batch worth sending: full, lingered long enough, or flushing
             while not (self._credit > 0 and self._values):
                 await self._wait_change()
-            if len(self._values) < self.batch_size and self._buffered_bytes < self.batch_bytes:
-                if not self._flushing and self.linger > 0:
-                    with contextlib.suppress(TimeoutError):
-                        async with asyncio.timeout(self.linger):
-                            while len(self._values) < self.batch_size and not self._flushing:
-                                await self._wait_change()
+            small = len(self._values) < self.batch_size and self._buffered_bytes < self.batch_bytes
+            if small and not self._flushing and self.linger > 0:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.linger):
+                        while len(self._values) < self.batch_size and not self._flushing:
+                            await self._wait_change()
             n = self._batch_length()
             values = self._values[:n]
             keys = self._keys[:n] if self._keys is not None else None
@@ -310,7 +310,9 @@ class Producer:
                 kind = response.WhichOneof("kind")
                 if kind == "request":
                     if response.request.n <= 0:
-                        raise ProtocolError(f"server sent Request(n={response.request.n}); n must be > 0 (rule 3.9)")
+                        raise ProtocolError(
+                            f"server sent Request(n={response.request.n}); n must be > 0 (rule 3.9)"
+                        )
                     self._credit = min(MAX_CREDIT, self._credit + response.request.n)
                 elif kind == "ack":
                     self._acked_seq = max(self._acked_seq, response.ack.durable_up_to)

@@ -1,0 +1,331 @@
+"""The `sluice` command: serve, push, rate.
+
+Exit codes: 0 done, 1 failed (the message says why), 2 bad usage or a missing prerequisite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import math
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
+
+import grpc
+
+from ingest.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, ServeConfig
+from ingest.errors import SluiceError
+from receivers.block import InvalidStreamNameError
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from receivers.receiver import ReceiverConfig
+
+log = logging.getLogger("sluice")
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        code: int = args.run(args)
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice", description="Backpressure-aware ingestion for Spark.")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    serve = commands.add_parser("serve", help="run the service until SIGINT/SIGTERM")
+    serve.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default: %(default)s)")
+    serve.add_argument(
+        "--port", type=int, default=DEFAULT_PORT, help="gRPC port, 0 = any (default: %(default)s)"
+    )
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORT,
+        help="Prometheus /metrics port, 0 = any, -1 = off (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--data-dir",
+        type=Path,
+        default=Path("sluice-data"),
+        help="blocks, checkpoints and the default sink (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--stream",
+        action="append",
+        dest="streams",
+        metavar="NAME",
+        help="a stream to receive; repeat for more (default: default)",
+    )
+    serve.add_argument(
+        "--block-interval",
+        type=float,
+        default=0.2,
+        help="seconds between sealed blocks (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--buffer-records",
+        type=int,
+        default=500_000,
+        help="records buffered + credit outstanding per stream (default: %(default)s)",
+    )
+    serve.add_argument("--master", default="local[*]", help="Spark master (default: %(default)s)")
+    serve.add_argument(
+        "--pipeline",
+        metavar="MODULE:FUNCTION",
+        help="function(df) -> DataStreamWriter; default: append to Parquet under DATA_DIR/sink",
+    )
+    serve.add_argument(
+        "--trigger-interval",
+        type=float,
+        default=1.0,
+        help="seconds between Spark micro-batches (default: %(default)s)",
+    )
+    serve.add_argument("--no-fsync", action="store_true", help="do not fsync blocks (benchmarks only)")
+    serve.add_argument("--no-spark", action="store_true", help="receive and store blocks without Spark")
+    serve.set_defaults(run=_serve)
+
+    push = commands.add_parser("push", help="push lines of a file (or - for stdin) as records")
+    push.add_argument("file", help="a file, or - for standard input")
+    push.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="server (default: %(default)s)")
+    push.add_argument("--stream", default="default", help="stream (default: %(default)s)")
+    push.add_argument("--batch-size", type=int, default=4096, help="records per batch (default: %(default)s)")
+    push.add_argument(
+        "--timeout", type=float, default=60.0, help="seconds to wait for the last acks (default: %(default)s)"
+    )
+    push.add_argument("--no-progress", action="store_true", help="no progress bar")
+    push.set_defaults(run=_push)
+
+    rate = commands.add_parser("rate", help="read or set the ingest rate")
+    rate.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="server (default: %(default)s)")
+    rate_commands = rate.add_subparsers(required=True, metavar="ACTION")
+    get = rate_commands.add_parser("get", help="show each stream's rate")
+    get.add_argument("--stream", default="", help="one stream (default: all)")
+    get.set_defaults(run=_rate_get)
+    set_ = rate_commands.add_parser("set", help="set the rate in records/s (inf = unlimited)")
+    set_.add_argument("records_per_second", type=float, metavar="RATE")
+    set_.add_argument("--stream", default="", help="one stream (default: all)")
+    set_.set_defaults(run=_rate_set)
+    return parser
+
+
+def _fail(message: str, code: int = EXIT_FAILED) -> int:
+    print(f"sluice: {message}", file=sys.stderr)
+    return code
+
+
+# ---- serve ---------------------------------------------------------------------------------------
+
+
+def _serve(args: argparse.Namespace) -> int:
+    try:
+        config = ServeConfig(
+            host=args.host,
+            port=args.port,
+            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+            data_dir=args.data_dir,
+            streams=tuple(args.streams or ("default",)),
+            receiver=ReceiverConfig(
+                block_interval=args.block_interval,
+                buffer_records=args.buffer_records,
+                max_window=max(1, args.buffer_records // 2),
+            ),
+            fsync=not args.no_fsync,
+            master=args.master,
+            pipeline=args.pipeline,
+            trigger_interval=args.trigger_interval,
+            spark=not args.no_spark,
+        )
+    except (ValueError, InvalidStreamNameError) as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    if config.spark:
+        from ingest.spark.session import java_problem  # noqa: PLC0415 - only serve needs Spark
+
+        problem = java_problem()
+        if problem is not None:
+            return _fail(problem, EXIT_USAGE)
+        if config.pipeline:
+            from ingest.spark.pipeline import load_pipeline  # noqa: PLC0415
+
+            try:
+                load_pipeline(config.pipeline)
+            except ValueError as exc:
+                return _fail(str(exc), EXIT_USAGE)
+    return asyncio.run(_serve_async(config))
+
+
+async def _serve_async(config: ServeConfig) -> int:
+    from ingest.server import SluiceServer  # noqa: PLC0415
+
+    driver = None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    server = SluiceServer(config, batches_completed=lambda: driver.batches_completed if driver else 0)
+    try:
+        await server.start()
+    except OSError as exc:
+        return _fail(f"cannot start the server: {exc}")
+    print(
+        f"sluice: serving streams {', '.join(config.streams)} on {server.target}"
+        f"{'' if server.metrics_port is None else f', metrics on :{server.metrics_port}/metrics'}",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        if config.spark:
+            from ingest.driver import SparkDriver  # noqa: PLC0415
+            from ingest.spark.session import build_session  # noqa: PLC0415
+
+            spark = await asyncio.to_thread(build_session, config.master)
+            driver = SparkDriver(spark, config)
+            await asyncio.to_thread(driver.start)
+            print(
+                f"sluice: Spark query running on {config.master}; sink: {config.pipeline or config.sink_dir}",
+                file=sys.stderr,
+                flush=True,
+            )
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+            if driver is not None and driver.error() is not None:
+                await server.stop()
+                return _fail(f"the Spark query failed: {driver.error()}")
+        log.info("stopping: sealing and acking what was received")
+        await server.stop()
+        if driver is not None:
+            log.info("letting Spark process the sealed blocks")
+            await asyncio.to_thread(driver.drain)
+    finally:
+        await server.stop()
+        if driver is not None:
+            await asyncio.to_thread(driver.stop)
+            await asyncio.to_thread(driver.spark.stop)
+    print("sluice: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+# ---- push ----------------------------------------------------------------------------------------
+
+
+class _Progress:
+    """A progress bar on stderr, redrawn at most 5 times a second."""
+
+    def __init__(self, out: IO[str], total_bytes: int | None, enabled: bool) -> None:
+        self.out, self.total, self.enabled = out, total_bytes, enabled
+        self.start = self.last = time.monotonic()
+
+    def show(self, done_bytes: int, records: int, acked: int, final: bool = False) -> None:
+        now = time.monotonic()
+        if not self.enabled or (not final and now - self.last < 0.2):
+            return
+        self.last = now
+        rate = records / max(now - self.start, 1e-9)
+        if self.total:
+            frac = min(1.0, done_bytes / self.total)
+            bar = "#" * int(frac * 30)
+            head = f"[{bar:<30}] {frac:6.1%}"
+        else:
+            head = f"{done_bytes / 1e6:9.1f} MB"
+        line = f"\r{head} {records:,} records, {acked:,} acked, {rate:,.0f} rec/s"
+        self.out.write(line + ("\n" if final else ""))
+        self.out.flush()
+
+
+def _push(args: argparse.Namespace) -> int:
+    if args.batch_size < 1:
+        return _fail("--batch-size must be >= 1", EXIT_USAGE)
+    if args.file == "-":
+        source, total = sys.stdin.buffer, None
+    else:
+        path = Path(args.file)
+        try:
+            source, total = path.open("rb"), path.stat().st_size
+        except OSError as exc:
+            return _fail(f"cannot read {args.file}: {exc.strerror}", EXIT_USAGE)
+    progress = _Progress(sys.stderr, total, enabled=not args.no_progress)
+    try:
+        records = asyncio.run(_push_async(args, source, progress))
+    except SluiceError as exc:
+        return _fail(f"push to {args.target} stream {args.stream!r} failed: {exc}")
+    finally:
+        if source is not sys.stdin.buffer:
+            source.close()
+    print(f"sluice: pushed {records:,} records to stream {args.stream!r}; all acked", file=sys.stderr)
+    return 0
+
+
+async def _push_async(args: argparse.Namespace, source: IO[bytes], progress: _Progress) -> int:
+    from ingest.client import Producer  # noqa: PLC0415
+
+    chunk_bytes = 1 << 20
+    done_bytes = records = 0
+    carry = b""
+    async with Producer(args.target, args.stream, batch_size=args.batch_size) as producer:
+        while True:
+            chunk = await asyncio.to_thread(source.read, chunk_bytes)
+            if not chunk:
+                break
+            done_bytes += len(chunk)
+            lines = (carry + chunk).split(b"\n")
+            carry = lines.pop()
+            await producer.send_many(lines)
+            records += len(lines)
+            progress.show(done_bytes, records, producer.acked)
+        if carry:
+            await producer.send_many([carry])
+            records += 1
+        await producer.flush(args.timeout)
+        progress.show(done_bytes, records, producer.acked, final=True)
+    return records
+
+
+# ---- rate ----------------------------------------------------------------------------------------
+
+
+def _rate_get(args: argparse.Namespace) -> int:
+    return asyncio.run(_rate_call(args.target, "get", pb.GetRateRequest(stream=args.stream)))
+
+
+def _rate_set(args: argparse.Namespace) -> int:
+    request = pb.UpdateRateRequest(stream=args.stream, records_per_second=args.records_per_second)
+    return asyncio.run(_rate_call(args.target, "set", request))
+
+
+async def _rate_call(target: str, action: str, request: pb.GetRateRequest | pb.UpdateRateRequest) -> int:
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.RateControlStub(channel)
+        try:
+            if isinstance(request, pb.GetRateRequest):
+                response = await stub.GetRate(request, timeout=10)
+            else:
+                response = await stub.UpdateRate(request, timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            return _fail(f"rate {action} on {target}: {exc.code().name}: {exc.details()}")
+    for rate in response.rates:
+        shown = "unlimited" if math.isinf(rate.records_per_second) else f"{rate.records_per_second:g}"
+        print(f"{rate.stream}\t{shown} records/s\t({rate.estimator})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
