@@ -1,0 +1,139 @@
+"""`sluice serve` and `sluice push` as real subprocesses, plus the CLI's error paths."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+SLUICE = [sys.executable, "-m", "ingest.cli"]
+
+
+def sluice(*args: str, stdin: bytes | None = None, timeout: float = 120) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([*SLUICE, *args], input=stdin, capture_output=True, timeout=timeout, check=False)
+
+
+def committed_files(sink: Path) -> list[str]:
+    """Files Spark's file sink committed, from its _spark_metadata log (others may be half written)."""
+    files: set[str] = set()
+    log = sink / "_spark_metadata"
+    if not log.is_dir():
+        return []
+    for entry in sorted(log.iterdir(), key=lambda p: int(p.name.split(".")[0]) if p.name[0].isdigit() else -1):
+        if not entry.name[0].isdigit():
+            continue
+        for line in entry.read_text().splitlines()[1:]:  # first line is the log version
+            record = json.loads(line)
+            if record["action"] == "add":
+                files.add(record["path"])
+            else:
+                files.discard(record["path"])
+    return sorted(files)
+
+
+def sink_values(sink: Path) -> list[bytes]:
+    files = [urllib.parse.urlparse(f).path for f in committed_files(sink)]
+    return [v for f in files for v in pq.read_table(f, columns=["value"]).column("value").to_pylist()]
+
+
+def wait_for_line(proc: subprocess.Popen[bytes], log: Path, pattern: str, timeout: float) -> re.Match[bytes]:
+    """Wait until the process's log (a file: a pipe left unread would block it) has a matching line."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        match = re.search(pattern.encode(), log.read_bytes())
+        if match:
+            return match
+        time.sleep(0.2)
+    raise AssertionError(f"no line matching {pattern!r}; the log says:\n{log.read_text(errors='replace')}")
+
+
+@pytest.mark.spark
+def test_serve_and_push_subprocesses(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    lines = [f"line {i} {'z' * (i % 20)}" for i in range(20_000)]
+    source = tmp_path / "input.txt"
+    source.write_text("\n".join(lines) + "\n")
+    log = tmp_path / "serve.log"
+    with log.open("wb") as log_file:
+        serve = subprocess.Popen(
+            [*SLUICE, "serve", "--port", "0", "--metrics-port", "0", "--data-dir", str(data),
+             "--master", "local[1]", "--trigger-interval", "0.5"],
+            stderr=log_file,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        match = wait_for_line(serve, log, r"on (127\.0\.0\.1:\d+), metrics on :(\d+)/metrics", 60)
+        target, metrics_port = match.group(1).decode(), int(match.group(2))
+        pushed = sluice("push", str(source), "--target", target)
+        assert pushed.returncode == 0, pushed.stderr.decode()
+        assert b"pushed 20,000 records" in pushed.stderr
+        # and from stdin
+        piped = sluice("push", "-", "--target", target, "--no-progress", stdin=b"from stdin 1\nfrom stdin 2")
+        assert piped.returncode == 0, piped.stderr.decode()
+        expected = sorted([line.encode() for line in lines] + [b"from stdin 1", b"from stdin 2"])
+        deadline = time.monotonic() + 180
+        while len(sink_values(data / "sink")) < len(expected) and time.monotonic() < deadline:
+            assert serve.poll() is None, "serve exited"
+            time.sleep(1)
+        assert sorted(sink_values(data / "sink")) == expected
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        assert 'sluice_records_received_total{stream="default"} 20002.0' in metrics
+        assert re.search(r"^sluice_batches_completed_total [1-9]", metrics, re.M)
+        rate = sluice("rate", "set", "5000", "--target", target)
+        assert rate.returncode == 0, rate.stderr.decode()
+        assert sluice("rate", "get", "--target", target).stdout.decode().split() == [
+            "default", "5000", "records/s", "(fixed)"
+        ]
+        bad = sluice("rate", "set", "-- -3", "--target", target)
+        assert bad.returncode != 0
+        bad = sluice("rate", "set", "nan", "--target", target)
+        assert bad.returncode == 1
+        assert b"INVALID_ARGUMENT" in bad.stderr
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        try:
+            code = serve.wait(timeout=120)
+        finally:
+            serve.kill()
+    assert code == 0, log.read_text(errors="replace")
+    assert "sluice: stopped" in log.read_text()
+
+
+def test_push_to_a_server_that_is_not_there(tmp_path: Path) -> None:
+    source = tmp_path / "in.txt"
+    source.write_text("a\n")
+    result = sluice("push", str(source), "--target", "127.0.0.1:1", "--no-progress", timeout=60)
+    assert result.returncode == 1
+    assert b"UNAVAILABLE" in result.stderr
+
+
+def test_push_a_missing_file() -> None:
+    result = sluice("push", "/nonexistent/file.txt")
+    assert result.returncode == 2
+    assert b"cannot read /nonexistent/file.txt" in result.stderr
+
+
+def test_serve_rejects_a_bad_pipeline(tmp_path: Path) -> None:
+    result = sluice("serve", "--data-dir", str(tmp_path), "--pipeline", "no_such_module:f")
+    assert result.returncode == 2
+    assert b"no module named 'no_such_module'" in result.stderr
+
+
+def test_serve_without_java_says_how_to_get_it(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "JAVA_HOME"}
+    env["PATH"] = str(Path(sys.executable).parent)  # python only, no java
+    result = subprocess.run(
+        [*SLUICE, "serve", "--data-dir", str(tmp_path)], capture_output=True, env=env, timeout=60, check=False
+    )
+    assert result.returncode == 2
+    assert b"Java" in result.stderr and b"apt-get install openjdk-17" in result.stderr
