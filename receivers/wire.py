@@ -20,20 +20,25 @@ if sys.byteorder != "little":  # pragma: no cover - the wire layout is little-en
     raise ImportError("Sluice's wire layout needs a little-endian host")
 
 _TIMESTAMP = BLOCK_SCHEMA.field("timestamp").type
+_MAX_OFFSET = 2**31 - 1  # int32 offsets
 
 
-def encode_batch(
-    first_seq: int, values: Sequence[bytes], keys: Sequence[bytes | None] | None = None
-) -> pb.Batch:
+def encode_batch(first_seq: int, values: Sequence[bytes], keys: Sequence[bytes | None] | None = None) -> pb.Batch:
     """Pack records into a Batch message. `keys` is None when no record has a key."""
     count = len(values)
     if count == 0:
         raise ValueError("a batch needs at least one record")
-    value_array = pa.array(values, type=pa.binary())
-    if value_array.null_count:
-        raise ValueError("record values must be bytes, not None")
-    _, value_offsets, value_data = _buffers(value_array)
-    batch = pb.Batch(first_seq=first_seq, count=count, values=value_data, value_offsets=value_offsets)
+    # join + one length pass is about twice as fast as building an Arrow array from the list
+    data = b"".join(values)
+    offsets = np.zeros(count + 1, dtype=np.int64)
+    np.cumsum(np.fromiter(map(len, values), dtype=np.int64, count=count), out=offsets[1:])
+    if offsets[-1] != len(data):  # a value that is not a flat bytes-like object (e.g. a typed memoryview)
+        raise TypeError("record values must be bytes")
+    if offsets[-1] > _MAX_OFFSET:
+        raise ValueError(f"a batch holds at most {_MAX_OFFSET} bytes of values, got {offsets[-1]}")
+    batch = pb.Batch(
+        first_seq=first_seq, count=count, values=data, value_offsets=offsets.astype("<i4").tobytes()
+    )
     if keys is not None and any(k is not None for k in keys):
         if len(keys) != count:
             raise ValueError(f"{len(keys)} keys for {count} values")

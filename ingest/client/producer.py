@@ -285,8 +285,8 @@ class Producer:
                 del self._keys[:n]
                 if not self._values:
                     self._keys = None
-            self._buffered_bytes -= sum(map(len, values))
             batch = encode_batch(self._sent_seq, values, keys)
+            self._buffered_bytes -= len(batch.values)
             self._credit -= n
             self._sent_seq += n
             self._wake()  # room in the buffer
