@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import multiprocessing as mp
 import os
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
@@ -22,15 +21,13 @@ from pathlib import Path
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from ingest.client import Producer  # noqa: E402
-from ingest.config import ServeConfig  # noqa: E402
-from ingest.server import SluiceServer  # noqa: E402
-from receivers.pb.ingest.v1 import ingest_pb2 as pb  # noqa: E402
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc  # noqa: E402
-from receivers.receiver import ReceiverConfig  # noqa: E402
-from receivers.wire import encode_batch  # noqa: E402
+from ingest.client import Producer
+from ingest.config import ServeConfig
+from ingest.server import SluiceServer
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from receivers.receiver import ReceiverConfig
+from receivers.wire import encode_batch
 
 MAX_MSG = 64 * 1024 * 1024
 
@@ -46,7 +43,9 @@ class RawIngest(pb_grpc.IngestServicer):
                 yield pb.PublishResponse(ack=pb.Ack(durable_up_to=seq))
 
 
-def serve(kind: str, port_queue: mp.Queue, data_dir: str, fsync: bool, buffer: int, block_interval: float) -> None:  # type: ignore[type-arg]
+def serve(
+    kind: str, port_queue: mp.Queue, data_dir: str, fsync: bool, buffer: int, block_interval: float
+) -> None:  # type: ignore[type-arg]
     async def main() -> None:
         if kind == "raw":
             server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MSG)])
@@ -56,21 +55,30 @@ def serve(kind: str, port_queue: mp.Queue, data_dir: str, fsync: bool, buffer: i
             port_queue.put(port)
             await server.wait_for_termination()
         else:
-            config = ServeConfig(port=0, metrics_port=None, data_dir=Path(data_dir), streams=("bench",),
-                                 fsync=fsync, spark=False, max_message_bytes=MAX_MSG,
-                                 receiver=ReceiverConfig(buffer_records=buffer, max_window=buffer // 2,
-                                                         block_interval=block_interval))
+            config = ServeConfig(
+                port=0,
+                metrics_port=None,
+                data_dir=Path(data_dir),
+                streams=("bench",),
+                fsync=fsync,
+                spark=False,
+                max_message_bytes=MAX_MSG,
+                receiver=ReceiverConfig(
+                    buffer_records=buffer, max_window=buffer // 2, block_interval=block_interval
+                ),
+            )
             sluice = SluiceServer(config)
             await sluice.start()
             port_queue.put(sluice.port)
             await sluice.wait_stopped()
 
-
     asyncio.run(main())
 
 
 async def push_raw(target: str, records: int, batch: pb.Batch) -> float:
-    async with grpc.aio.insecure_channel(target, options=[("grpc.max_send_message_length", MAX_MSG)]) as channel:
+    async with grpc.aio.insecure_channel(
+        target, options=[("grpc.max_send_message_length", MAX_MSG)]
+    ) as channel:
         call = pb_grpc.IngestStub(channel).Publish()
         await call.write(pb.PublishRequest(open=pb.Open(stream="bench")))
         started = time.perf_counter()
@@ -107,8 +115,9 @@ def run(kind: str, args: argparse.Namespace, fsync: bool = True) -> float:
     ctx = mp.get_context("spawn")
     ports: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
     with tempfile.TemporaryDirectory() as data_dir:
-        proc = ctx.Process(target=serve, args=(kind, ports, data_dir, fsync, args.buffer, args.block_interval),
-                           daemon=True)
+        proc = ctx.Process(
+            target=serve, args=(kind, ports, data_dir, fsync, args.buffer, args.block_interval), daemon=True
+        )
         proc.start()
         try:
             target = f"127.0.0.1:{ports.get(timeout=60)}"
@@ -128,17 +137,25 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=2_000_000)
     parser.add_argument("--record-bytes", type=int, default=100)
     parser.add_argument("--batch", type=int, default=4096, help="records per Batch message")
-    parser.add_argument("--buffer", type=int, default=ReceiverConfig().buffer_records,
-                        help="receiver buffer_records (default: the server's default)")
+    parser.add_argument(
+        "--buffer",
+        type=int,
+        default=ReceiverConfig().buffer_records,
+        help="receiver buffer_records (default: the server's default)",
+    )
     parser.add_argument("--block-interval", type=float, default=ReceiverConfig().block_interval)
     parser.add_argument("--repeat", type=int, default=2, help="runs of each; the best counts")
     args = parser.parse_args()
     results: dict[str, float] = {}
-    for name, kind, fsync in [("raw gRPC", "raw", True), ("sluice (fsync)", "sluice", True),
-                              ("sluice (no fsync)", "sluice", False)]:
+    for name, kind, fsync in [
+        ("raw gRPC", "raw", True),
+        ("sluice (fsync)", "sluice", True),
+        ("sluice (no fsync)", "sluice", False),
+    ]:
         results[name] = max(run(kind, args, fsync) for _ in range(args.repeat))
     raw = results["raw gRPC"]
-    print(f"{args.records:,} records of {args.record_bytes} B, {args.batch} records per batch, best of {args.repeat}")
+    head = f"{args.records:,} records of {args.record_bytes} B, {args.batch} records/batch"
+    print(f"{head}, best of {args.repeat}")
     for name, rate in results.items():
         print(f"  {name:<18} {rate:>12,.0f} rec/s   {rate / raw:6.1%} of raw")
 

@@ -121,7 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     get = rate_commands.add_parser("get", help="show each stream's rate", parents=[server])
     get.add_argument("--stream", default="", help="one stream (default: all)")
     get.set_defaults(run=_rate_get)
-    set_ = rate_commands.add_parser("set", help="set the rate in records/s (inf = unlimited)", parents=[server])
+    set_ = rate_commands.add_parser(
+        "set", help="set the rate in records/s (inf = unlimited)", parents=[server]
+    )
     set_.add_argument("records_per_second", type=float, metavar="RATE")
     set_.add_argument("--stream", default="", help="one stream (default: all)")
     set_.set_defaults(run=_rate_set)

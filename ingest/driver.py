@@ -41,6 +41,7 @@ class SparkDriver:
         self.pipeline = pipeline
         self.last_batch: BatchCompleted | None = None
         self._batches = 0
+        self._records = 0
         self._lock = threading.Lock()
         self._listener = BatchListener(self._on_batch)
         self.query: Any = None
@@ -49,11 +50,17 @@ class SparkDriver:
     def batches_completed(self) -> int:
         return self._batches
 
+    @property
+    def records_processed(self) -> int:
+        """Input rows of every completed micro-batch of this query."""
+        return self._records
+
     def _on_batch(self, batch: BatchCompleted) -> None:
         if self.query is not None and batch.query_id != str(self.query.id):
             return  # another query on a shared session
         with self._lock:
             self._batches += 1
+            self._records += batch.num_input_rows
             self.last_batch = batch
 
     def start(self) -> None:

@@ -23,7 +23,9 @@ _TIMESTAMP = BLOCK_SCHEMA.field("timestamp").type
 _MAX_OFFSET = 2**31 - 1  # int32 offsets
 
 
-def encode_batch(first_seq: int, values: Sequence[bytes], keys: Sequence[bytes | None] | None = None) -> pb.Batch:
+def encode_batch(
+    first_seq: int, values: Sequence[bytes], keys: Sequence[bytes | None] | None = None
+) -> pb.Batch:
     """Pack records into a Batch message. `keys` is None when no record has a key."""
     count = len(values)
     if count == 0:

@@ -19,7 +19,9 @@ import pytest
 SLUICE = [sys.executable, "-m", "ingest.cli"]
 
 
-def sluice(*args: str, stdin: bytes | None = None, timeout: float = 120) -> subprocess.CompletedProcess[bytes]:
+def sluice(
+    *args: str, stdin: bytes | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run([*SLUICE, *args], input=stdin, capture_output=True, timeout=timeout, check=False)
 
 
@@ -29,7 +31,9 @@ def committed_files(sink: Path) -> list[str]:
     log = sink / "_spark_metadata"
     if not log.is_dir():
         return []
-    for entry in sorted(log.iterdir(), key=lambda p: int(p.name.split(".")[0]) if p.name[0].isdigit() else -1):
+    for entry in sorted(
+        log.iterdir(), key=lambda p: int(p.name.split(".")[0]) if p.name[0].isdigit() else -1
+    ):
         if not entry.name[0].isdigit():
             continue
         for line in entry.read_text().splitlines()[1:]:  # first line is the log version
@@ -66,8 +70,20 @@ def test_serve_and_push_subprocesses(tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     with log.open("wb") as log_file:
         serve = subprocess.Popen(
-            [*SLUICE, "serve", "--port", "0", "--metrics-port", "0", "--data-dir", str(data),
-             "--master", "local[1]", "--trigger-interval", "0.5"],
+            [
+                *SLUICE,
+                "serve",
+                "--port",
+                "0",
+                "--metrics-port",
+                "0",
+                "--data-dir",
+                str(data),
+                "--master",
+                "local[1]",
+                "--trigger-interval",
+                "0.5",
+            ],
             stderr=log_file,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
@@ -86,13 +102,18 @@ def test_serve_and_push_subprocesses(tmp_path: Path) -> None:
             assert serve.poll() is None, "serve exited"
             time.sleep(1)
         assert sorted(sink_values(data / "sink")) == expected
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        metrics = (
+            urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        )
         assert 'sluice_records_received_total{stream="default"} 20002.0' in metrics
         assert re.search(r"^sluice_batches_completed_total [1-9]", metrics, re.M)
         rate = sluice("rate", "set", "5000", "--target", target)
         assert rate.returncode == 0, rate.stderr.decode()
         assert sluice("rate", "get", "--target", target).stdout.decode().split() == [
-            "default", "5000", "records/s", "(fixed)"
+            "default",
+            "5000",
+            "records/s",
+            "(fixed)",
         ]
         bad = sluice("rate", "set", "-- -3", "--target", target)
         assert bad.returncode != 0

@@ -1,0 +1,1 @@
+"""Sluice ingestion: the Spark side and the service entry points."""

@@ -1,0 +1,1 @@
+"""Spark side of Sluice: the "sluice" streaming data source, session set-up, pipelines and listeners."""

@@ -1,0 +1,74 @@
+"""Completed micro-batches out of Spark, as small immutable events for the rest of the service."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pyspark.sql.streaming.listener import StreamingQueryListener
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BatchCompleted:
+    """One micro-batch of a streaming query finished."""
+
+    query_id: str
+    batch_id: int
+    num_input_rows: int
+    processing_seconds: float
+    """Wall time of the whole trigger (progress durationMs["triggerExecution"])."""
+    timestamp: str
+    """When the trigger started, ISO 8601 UTC as Spark reports it."""
+
+
+class BatchListener(StreamingQueryListener):
+    """Passes every completed micro-batch of the session's queries to `callback` as a BatchCompleted.
+
+    Spark calls listeners on a py4j callback thread, so `callback` runs on that thread too: it must
+    hand the event over thread-safely and return quickly (it holds up Spark's listener bus), e.g. with
+    ``loop.call_soon_threadsafe(queue.put_nowait, event)`` into asyncio. An exception from `callback` is
+    logged and otherwise ignored, so a faulty consumer cannot silence the listener.
+
+    Register with ``spark.streams.addListener(listener)``.
+    """
+
+    def __init__(self, callback: Callable[[BatchCompleted], None]) -> None:
+        super().__init__()
+        self._callback = callback
+        self._lock = threading.Lock()
+        self.batches_completed = 0
+        """Number of micro-batches reported so far (across all queries of the session)."""
+
+    def onQueryStarted(self, event: Any) -> None:
+        pass
+
+    def onQueryProgress(self, event: Any) -> None:
+        try:
+            progress = event.progress
+            completed = BatchCompleted(
+                query_id=str(progress.id),
+                batch_id=int(progress.batchId),
+                num_input_rows=int(progress.numInputRows),
+                processing_seconds=float(progress.durationMs.get("triggerExecution", 0)) / 1000.0,
+                timestamp=str(progress.timestamp),
+            )
+        except Exception:  # a malformed event must not kill the listener thread
+            logger.exception("cannot read streaming query progress event %r", event)
+            return
+        with self._lock:
+            self.batches_completed += 1
+        try:
+            self._callback(completed)
+        except Exception:
+            logger.exception("BatchListener callback failed for %s", completed)
+
+    def onQueryIdle(self, event: Any) -> None:
+        pass
+
+    def onQueryTerminated(self, event: Any) -> None:
+        pass

@@ -1,0 +1,122 @@
+"""Pipelines: what a Sluice streaming query does with the records, and starting the query.
+
+A pipeline takes the source DataFrame (columns: see ingest.spark.source.SCHEMA_DDL) and returns a
+configured DataStreamWriter: the transformations, the sink and its options. start_query adds what is
+the service's business: the checkpoint (unless the pipeline chose one), the trigger and the name.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from py4j.protocol import Py4JError
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.streaming.query import StreamingQuery
+from pyspark.sql.streaming.readwriter import DataStreamWriter
+
+from ingest.spark.source import OPTION_MAX_RECORDS, OPTION_STREAMS, SOURCE_NAME
+
+Pipeline = Callable[[DataFrame], DataStreamWriter]
+
+_CHECKPOINT = "checkpointLocation"
+
+
+def parquet_pipeline(sink_dir: str | Path) -> Pipeline:
+    """A pipeline appending every record, all columns, to Parquet files under sink_dir."""
+    path = str(sink_dir)
+
+    def pipeline(df: DataFrame) -> DataStreamWriter:
+        return df.writeStream.format("parquet").outputMode("append").option("path", path)
+
+    return pipeline
+
+
+def load_pipeline(spec: str) -> Pipeline:
+    """The pipeline named by "package.module:function" (the function is the pipeline itself).
+
+    Raises ValueError naming the problem: a malformed spec, a module that cannot be imported, a
+    missing attribute or one that is not callable.
+    """
+    module_name, sep, attr_path = spec.partition(":")
+    module_name, attr_path = module_name.strip(), attr_path.strip()
+    if not sep or not module_name or not attr_path:
+        raise ValueError(f"pipeline spec {spec!r} is not of the form 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name or module_name.startswith(f"{exc.name}."):
+            raise ValueError(f"pipeline spec {spec!r}: no module named {exc.name!r}") from exc
+        raise ValueError(f"pipeline spec {spec!r}: module {module_name!r} failed to import: {exc}") from exc
+    except Exception as exc:
+        raise ValueError(f"pipeline spec {spec!r}: module {module_name!r} failed to import: {exc!r}") from exc
+    target: object = module
+    for part in attr_path.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ValueError(
+                f"pipeline spec {spec!r}: module {module_name!r} has no attribute {attr_path!r}"
+            ) from None
+    if not callable(target):
+        raise ValueError(  # noqa: TRY004 - one error type for every bad spec
+            f"pipeline spec {spec!r}: {attr_path!r} is a {type(target).__name__}, not a callable pipeline"
+        )
+    pipeline: Pipeline = target
+    return pipeline
+
+
+def start_query(
+    spark: SparkSession,
+    *,
+    store_root: str | Path,
+    streams: Sequence[str],
+    pipeline: Pipeline,
+    checkpoint_dir: str | Path,
+    trigger_seconds: float,
+    query_name: str,
+    max_records_per_batch: int | None = None,
+) -> StreamingQuery:
+    """Start a streaming query reading `streams` from the block store at store_root through `pipeline`.
+
+    trigger_seconds is the micro-batch interval (0: start the next batch as soon as one ends);
+    max_records_per_batch caps a batch at whole blocks (see the source's maxRecordsPerBatch).
+    """
+    if trigger_seconds < 0:
+        raise ValueError(f"trigger_seconds must be >= 0, got {trigger_seconds}")
+    reader = (
+        spark.readStream.format(SOURCE_NAME)
+        .option("path", str(store_root))
+        .option(OPTION_STREAMS, ",".join(streams))
+    )
+    if max_records_per_batch is not None:
+        reader = reader.option(OPTION_MAX_RECORDS, str(max_records_per_batch))
+    writer = pipeline(reader.load())
+    if not isinstance(writer, DataStreamWriter):
+        raise TypeError(f"pipeline {pipeline!r} returned {type(writer).__name__}, not a DataStreamWriter")
+    if not _has_option(writer, _CHECKPOINT):
+        writer = writer.option(_CHECKPOINT, str(checkpoint_dir))
+    millis = round(trigger_seconds * 1000)
+    return writer.trigger(processingTime=f"{millis} milliseconds").queryName(query_name).start()
+
+
+def _has_option(writer: DataStreamWriter, key: str) -> bool:
+    """Whether the pipeline already set option `key` (case-insensitive, as Spark treats options).
+
+    Neither writer exposes its options: classic keeps them in a private field of the JVM writer (read
+    by reflection), Spark Connect in its request message. Unknown implementations count as unset.
+    """
+    jwrite = getattr(writer, "_jwrite", None)
+    if jwrite is not None:
+        try:
+            field = jwrite.getClass().getDeclaredField("extraOptions")
+            field.setAccessible(True)
+            return bool(field.get(jwrite).contains(key))
+        except Py4JError:  # Spark changed its internals: fall back to setting ours
+            return False
+    proto = getattr(writer, "_write_proto", None)
+    options = getattr(proto, "options", None)
+    if options is not None:
+        return any(str(k).lower() == key.lower() for k in options)
+    return False

@@ -1,0 +1,130 @@
+"""Creating the Spark session Sluice runs its streaming queries in, and checking Java first."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from pyspark.sql import SparkSession
+
+import ingest
+from ingest.spark.source import SluiceDataSource
+
+MIN_JAVA = 17
+
+_JAVA_HELP = (
+    "install one (Debian/Ubuntu: `apt-get install openjdk-17-jre-headless`) "
+    "or point JAVA_HOME at a JDK/JRE >= 17"
+)
+
+_LOCAL_DEFAULTS = {
+    # a handful of rows per micro-batch does not need 200 shuffle tasks
+    "spark.sql.shuffle.partitions": "4",
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    # block timestamps are UTC; showing them in the machine's zone only confuses
+    "spark.sql.session.timeZone": "UTC",
+    # containers often have a hostname that does not resolve; local mode needs loopback only
+    "spark.driver.bindAddress": "127.0.0.1",
+    "spark.driver.host": "127.0.0.1",
+}
+
+
+def build_session(
+    master: str = "local[*]", app_name: str = "sluice", conf: Mapping[str, str] | None = None
+) -> SparkSession:
+    """Get or create the Spark session, with the "sluice" data source registered.
+
+    `conf` overrides the defaults. An already running session is reused (Spark's getOrCreate): then
+    only runtime settings take effect. Raises RuntimeError with java_problem()'s message when Java is
+    missing, rather than letting Spark fail with a launcher error.
+    """
+    problem = java_problem()
+    if problem is not None:
+        raise RuntimeError(problem)
+    local = master.startswith("local")
+    _point_workers_at_this_python(local)
+    settings = dict(_LOCAL_DEFAULTS) if local else {"spark.sql.session.timeZone": "UTC"}
+    settings.update(conf or {})
+    builder = SparkSession.builder.master(master).appName(app_name)
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    spark: SparkSession = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    spark.dataSource.register(SluiceDataSource)
+    return spark
+
+
+def java_problem() -> str | None:
+    """None when a Java >= 17 is usable, else what is missing and how to get it.
+
+    Looks where Spark's launcher does: JAVA_HOME first, then PATH.
+    """
+    java_home = os.environ.get("JAVA_HOME")
+    if java_home:
+        java = Path(java_home) / "bin" / "java"
+        if not java.is_file():
+            return f"JAVA_HOME is {java_home!r} but {java} does not exist: {_JAVA_HELP}"
+        where = f"{java} (from JAVA_HOME)"
+    else:
+        found = shutil.which("java")
+        if found is None:
+            return (
+                f"Spark needs Java {MIN_JAVA} or newer and none was found "
+                f"(JAVA_HOME is unset and there is no java on PATH): {_JAVA_HELP}"
+            )
+        java = Path(found)
+        where = f"{java} (from PATH)"
+    try:
+        # `java -version` prints to stderr; the path is a file we found, not user input
+        result = subprocess.run(  # noqa: S603
+            [str(java), "-version"], capture_output=True, text=True, timeout=60, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot run {where}: {exc}; {_JAVA_HELP}"
+    major = _java_major(result.stderr + result.stdout)
+    if major is None:
+        said = result.stderr.strip()
+        return f"cannot tell the version of {where} (`java -version` said {said!r}); {_JAVA_HELP}"
+    if major < MIN_JAVA:
+        return f"Spark needs Java {MIN_JAVA} or newer, but {where} is Java {major}: {_JAVA_HELP}"
+    return None
+
+
+def _java_major(version_output: str) -> int | None:
+    # 'openjdk version "17.0.15" ...', 'java version "1.8.0_292"' (old scheme: 1.x means x), 'version "21"'
+    match = re.search(r'version "(\d+)(?:\.(\d+))?', version_output)
+    if match is None:
+        return None
+    major = int(match.group(1))
+    if major == 1 and match.group(2) is not None:
+        major = int(match.group(2))
+    return major
+
+
+def _point_workers_at_this_python(local: bool) -> None:
+    """Make Spark's Python workers run this interpreter and find this project's packages.
+
+    Workers unpickle the data source by reference to ingest.spark.source, so they need the same
+    interpreter (same pyspark, pyarrow) and the project on their path; otherwise they fail with
+    "Timed out while waiting for the Python worker to connect back" or an ImportError. On a cluster
+    the executors' Python is the cluster's business, so only fill in what is unset there.
+    """
+    if local:
+        os.environ["PYSPARK_PYTHON"] = sys.executable
+        os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+        # skips the JVM's "hostname resolves to a loopback address" probing and warning
+        os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+        # a source checkout is not on the workers' path unless they happen to start in it
+        root = str(Path(ingest.__file__).resolve().parent.parent)
+        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if root not in paths:
+            os.environ["PYTHONPATH"] = os.pathsep.join([root, *paths])
+    else:
+        os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)

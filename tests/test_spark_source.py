@@ -1,0 +1,394 @@
+"""The "sluice" streaming source, pipelines and listener: on real blocks and a real local Spark."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
+
+from ingest.spark.listener import BatchCompleted, BatchListener
+from ingest.spark.pipeline import load_pipeline, parquet_pipeline, start_query
+from ingest.spark.session import _java_major
+from ingest.spark.source import (
+    ARROW_SCHEMA,
+    MAX_BLOCKS_PER_PARTITION,
+    SCHEMA,
+    SCHEMA_DDL,
+    BlockPartition,
+    DataLossError,
+    SluiceStreamReader,
+)
+from receivers.block import BLOCK_SCHEMA, BlockInfo
+from receivers.block_store import LocalBlockStore
+
+BASE_US = 1_700_000_000_000_000  # 2023-11-14T22:13:20Z in microseconds
+
+Row = tuple[str, int, int, bytes | None, bytes, int]
+"""(stream, offset, receiver, key, value, timestamp in microseconds): one record as the tests expect it."""
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+
+def record(stream: str, offset: int, receiver: int) -> Row:
+    # every third record has no key, to check null keys survive the trip
+    key = None if offset % 3 == 0 else f"{stream}-k{offset}".encode()
+    return (stream, offset, receiver, key, f"{stream}-v{offset}".encode(), BASE_US + offset)
+
+
+def write_block(
+    store: LocalBlockStore, stream: str, seq: int, first_offset: int, count: int, receiver: int = 7
+) -> list[Row]:
+    """Write a block of `count` records in two record batches; return the records it holds."""
+    rows = [record(stream, first_offset + i, receiver) for i in range(count)]
+    half = count // 2
+    batches = [
+        pa.RecordBatch.from_arrays(
+            [
+                pa.array([r[3] for r in part], pa.binary()),
+                pa.array([r[4] for r in part], pa.binary()),
+                pa.array([r[5] for r in part], pa.timestamp("us", tz="UTC")),
+            ],
+            schema=BLOCK_SCHEMA,
+        )
+        for part in (rows[:half], rows[half:])
+    ]
+    store.write(stream, seq, first_offset, receiver, batches)
+    return rows
+
+
+def write_blocks(store: LocalBlockStore, stream: str, sizes: list[int]) -> list[Row]:
+    """Append blocks of the given sizes to `stream`, as its receiver would; return their records."""
+    rows: list[Row] = []
+    seq, offset = store.recover(stream)
+    for size in sizes:
+        rows += write_block(store, stream, seq, offset, size, receiver=seq % 3)
+        seq, offset = seq + 1, offset + size
+    return rows
+
+
+def reader_for(root: Path, streams: str = "a", **options: str) -> SluiceStreamReader:
+    return SluiceStreamReader({"path": str(root), "streams": streams, **options})
+
+
+def rows_of(batches: list[pa.RecordBatch]) -> list[Row]:
+    table = pa.Table.from_batches(batches, ARROW_SCHEMA)
+    out = []
+    for r in table.to_pylist():
+        ts = r["timestamp"]
+        micros = int(ts.timestamp()) * 1_000_000 + ts.microsecond
+        out.append((r["stream"], r["offset"], r["receiver"], r["key"], r["value"], micros))
+    return out
+
+
+def sink_rows(spark: Any, sink: Path) -> list[Row]:
+    df = spark.read.schema(SCHEMA).parquet(str(sink))
+    result = df.selectExpr("stream", "offset", "receiver", "key", "value", "unix_micros(timestamp) AS ts")
+    return [
+        (r.stream, r.offset, r.receiver, None if r.key is None else bytes(r.key), bytes(r.value), r.ts)
+        for r in result.collect()
+    ]
+
+
+def wait_for_rows(spark: Any, query: Any, sink: Path, expected: int, timeout: float = 120.0) -> None:
+    """Poll the Parquet sink until it holds `expected` rows (read via its commit log: no partial files)."""
+    deadline = time.monotonic() + timeout
+    count = 0
+    while True:
+        if not query.isActive:
+            raise AssertionError(f"query stopped: {query.exception()}")
+        if (sink / "_spark_metadata").is_dir():
+            count = spark.read.schema(SCHEMA).parquet(str(sink)).count()
+            if count >= expected:
+                return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"sink holds {count} of {expected} rows after {timeout} s")
+        query.awaitTermination(0.3)
+
+
+def wait_until(condition: Any, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+# ---- the reader on its own ----------------------------------------------------------------------
+
+
+def test_arrow_schema_is_what_spark_expects() -> None:
+    # PySpark rejects yielded batches unless their schema equals this conversion exactly
+    assert ARROW_SCHEMA.equals(to_arrow_schema(SCHEMA, timezone="UTC"))
+    assert SCHEMA.fieldNames() == ["key", "value", "stream", "receiver", "offset", "timestamp"]
+
+
+def test_read_yields_kafka_like_columns(tmp_path: Path) -> None:
+    store = LocalBlockStore(tmp_path, fsync=False)
+    expected = write_block(store, "a", 0, 0, 5, receiver=3) + write_block(store, "a", 1, 5, 4, receiver=4)
+    reader = reader_for(tmp_path)
+    start = reader.initialOffset()
+    end = reader.latestOffset(start, ReadAllAvailable())
+    assert (start, end) == ({"a": 0}, {"a": 2})
+    batches = [b for p in reader.partitions(start, end) for b in reader.read(p)]
+    assert all(b.schema.equals(ARROW_SCHEMA) for b in batches)
+    assert rows_of(batches) == expected
+    assert expected[0][3] is None  # null keys are in there
+
+
+def test_partitions_group_consecutive_blocks(tmp_path: Path) -> None:
+    store = LocalBlockStore(tmp_path, fsync=False)
+    write_blocks(store, "a", [10] * 20)
+    write_blocks(store, "b", [10] * 3)
+    reader = reader_for(tmp_path, "a,b")
+    start = reader.initialOffset()
+    end = reader.latestOffset(start, ReadAllAvailable())
+    parts = reader.partitions(start, end)
+    by_stream = [[seq for _, seq, *_ in p.blocks] for p in parts]
+    assert by_stream == [list(range(0, 8)), list(range(8, 16)), list(range(16, 20)), [0, 1, 2]]
+    assert all(len(p.blocks) <= MAX_BLOCKS_PER_PARTITION for p in parts)
+    # partitions and the reader travel to other processes
+    assert pickle.loads(pickle.dumps(parts[0])).blocks == parts[0].blocks
+    copy = pickle.loads(pickle.dumps(reader))
+    assert rows_of(list(copy.read(parts[-1]))) == rows_of(list(reader.read(parts[-1])))
+    assert reader.partitions(end, end) == []
+
+
+def test_read_max_rows_caps_a_batch_at_whole_blocks(tmp_path: Path) -> None:
+    store = LocalBlockStore(tmp_path, fsync=False)
+    write_blocks(store, "a", [10, 10, 10, 10])
+    write_blocks(store, "b", [30, 5])
+    reader = reader_for(tmp_path, "a,b")
+    start = reader.initialOffset()
+    assert start == {"a": 0, "b": 0}
+    # round robin: a0 (10), b0 (30) does not fit in 25 and stops b, a1 (20)
+    assert reader.latestOffset(start, ReadMaxRows(25)) == {"a": 2, "b": 0}
+    # a block larger than the limit still goes through, alone
+    assert reader.latestOffset({"a": 4, "b": 0}, ReadMaxRows(5)) == {"a": 4, "b": 1}
+    assert reader.latestOffset(start, ReadMaxRows(1)) == {"a": 1, "b": 0}
+    assert reader.latestOffset(start, ReadMaxRows(1000)) == {"a": 4, "b": 2}
+    assert reader.latestOffset(start, ReadAllAvailable()) == {"a": 4, "b": 2}
+    # nothing new: the start offset comes back unchanged
+    assert reader.latestOffset({"a": 4, "b": 2}, ReadMaxRows(5)) == {"a": 4, "b": 2}
+
+
+def test_default_read_limit_from_options(tmp_path: Path) -> None:
+    assert reader_for(tmp_path).getDefaultReadLimit() == ReadAllAvailable()
+    assert reader_for(tmp_path, maxRecordsPerBatch="500").getDefaultReadLimit() == ReadMaxRows(500)
+    for bad in ("0", "-1", "many"):
+        with pytest.raises(ValueError, match="maxRecordsPerBatch"):
+            reader_for(tmp_path, maxRecordsPerBatch=bad)
+    with pytest.raises(ValueError, match="streams"):
+        reader_for(tmp_path, " , ")
+    with pytest.raises(ValueError, match="invalid stream name"):
+        reader_for(tmp_path, "a,../etc")
+    with pytest.raises(ValueError, match="'path' is required"):
+        SluiceStreamReader({"streams": "a"})
+
+
+def test_commit_releases_blocks_and_fresh_query_starts_after_them(tmp_path: Path) -> None:
+    store = LocalBlockStore(tmp_path, fsync=False)
+    write_blocks(store, "a", [3, 3, 3, 3])
+    reader = reader_for(tmp_path, "a,empty")
+    assert reader.initialOffset() == {"a": 0, "empty": 0}
+    reader.commit({"a": 3, "empty": 0})
+    assert [b.seq for b in store.blocks("a")] == [3]
+    # a fresh query starts at the first block still there, not at released seqs
+    fresh = reader_for(tmp_path, "a,empty")
+    assert fresh.initialOffset() == {"a": 3, "empty": 0}
+    reader.commit({"a": 4})
+    assert store.blocks("a") == []
+    # a stream emptied by releases continues at a higher seq; reading from 0 skips the released ones
+    empty_start = reader_for(tmp_path).initialOffset()
+    assert empty_start == {"a": 0}
+    rows = write_block(store, "a", 4, 12, 2)
+    end = reader.latestOffset(empty_start, ReadAllAvailable())
+    assert end == {"a": 5}
+    assert rows_of([b for p in reader.partitions(empty_start, end) for b in reader.read(p)]) == rows
+
+
+def test_missing_blocks_are_data_loss(tmp_path: Path) -> None:
+    store = LocalBlockStore(tmp_path, fsync=False)
+    write_blocks(store, "a", [3, 3, 3])
+    reader = reader_for(tmp_path)
+    store.release("a", 2)  # as if another query had committed them
+    with pytest.raises(DataLossError, match=r"blocks 1\.\.2"):
+        reader.partitions({"a": 1}, {"a": 3})
+    store.release("a", 3)
+    with pytest.raises(DataLossError):
+        reader.partitions({"a": 0}, {"a": 3})
+
+
+def test_available_now_stops_at_the_blocks_present_when_it_started(tmp_path: Path) -> None:
+    store = LocalBlockStore(tmp_path, fsync=False)
+    write_blocks(store, "a", [10, 10, 10])
+    reader = reader_for(tmp_path, "a,b")
+    start = reader.initialOffset()
+    reader.prepareForTriggerAvailableNow()
+    write_blocks(store, "a", [10])
+    write_blocks(store, "b", [10])
+    mid = reader.latestOffset(start, ReadMaxRows(20))
+    assert mid == {"a": 2, "b": 0}
+    assert reader.latestOffset(mid, ReadMaxRows(20)) == {"a": 3, "b": 0}
+    assert reader.latestOffset({"a": 3, "b": 0}, ReadAllAvailable()) == {"a": 3, "b": 0}
+
+
+def test_partition_carries_plain_tuples() -> None:
+    p = BlockPartition("/x", [("a", 0, 0, 1, 2)])
+    assert BlockInfo(*p.blocks[0]) == BlockInfo("a", 0, 0, 1, 2)
+
+
+# ---- pipelines, listener, session helpers -------------------------------------------------------
+
+
+def test_load_pipeline_errors_name_the_problem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "sluice_test_pipes.py").write_text("def pipe(df):\n    return df.writeStream\n\nNUMBER = 3\n")
+    (tmp_path / "sluice_test_broken.py").write_text("import sluice_no_such_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    assert callable(load_pipeline("sluice_test_pipes:pipe"))
+    cases = {
+        "sluice_test_pipes.pipe": "not of the form",
+        ":pipe": "not of the form",
+        "sluice_test_pipes:": "not of the form",
+        "sluice_no_such_module:pipe": "no module named 'sluice_no_such_module'",
+        "sluice_test_broken:pipe": "failed to import",
+        "sluice_test_pipes:nope": "has no attribute 'nope'",
+        "sluice_test_pipes:NUMBER": "is a int, not a callable",
+    }
+    for spec, message in cases.items():
+        with pytest.raises(ValueError, match=message):
+            load_pipeline(spec)
+
+
+def _progress_event(batch_id: int, rows: int) -> Any:
+    progress = SimpleNamespace(
+        id="q-1",
+        batchId=batch_id,
+        numInputRows=rows,
+        durationMs={"triggerExecution": 1500, "addBatch": 1200},
+        timestamp="2026-01-01T00:00:00.000Z",
+    )
+    return SimpleNamespace(progress=progress)
+
+
+def test_listener_survives_a_failing_callback(caplog: pytest.LogCaptureFixture) -> None:
+    seen: list[BatchCompleted] = []
+
+    def callback(batch: BatchCompleted) -> None:
+        seen.append(batch)
+        if batch.batch_id == 0:
+            raise RuntimeError("consumer broke")
+
+    listener = BatchListener(callback)
+    with caplog.at_level(logging.ERROR, logger="ingest.spark.listener"):
+        listener.onQueryProgress(_progress_event(0, 10))
+        listener.onQueryProgress(_progress_event(1, 20))
+        listener.onQueryProgress(SimpleNamespace())  # malformed: logged, not counted
+    assert seen == [
+        BatchCompleted("q-1", 0, 10, 1.5, "2026-01-01T00:00:00.000Z"),
+        BatchCompleted("q-1", 1, 20, 1.5, "2026-01-01T00:00:00.000Z"),
+    ]
+    assert listener.batches_completed == 2
+    assert "consumer broke" in caplog.text
+    assert "cannot read streaming query progress" in caplog.text
+
+
+def test_java_version_parsing() -> None:
+    assert _java_major('openjdk version "17.0.15" 2025-04-15') == 17
+    assert _java_major('java version "1.8.0_292"') == 8
+    assert _java_major('openjdk version "21" 2023-09-19') == 21
+    assert _java_major("no java here") is None
+
+
+# ---- on a real Spark ----------------------------------------------------------------------------
+
+
+@pytest.mark.spark
+def test_schema_ddl_matches_struct(spark: Any) -> None:
+    assert spark.createDataFrame([], SCHEMA_DDL).schema == SCHEMA
+
+
+@pytest.mark.spark
+def test_query_streams_blocks_to_parquet_and_releases_them(spark: Any, tmp_path: Path) -> None:
+    store = LocalBlockStore(tmp_path / "blocks", fsync=False)
+    sink = tmp_path / "sink"
+    expected = write_blocks(store, "a", [5, 7, 3]) + write_blocks(store, "b", [4])
+    query = start_query(
+        spark,
+        store_root=tmp_path / "blocks",
+        streams=["a", "b"],
+        pipeline=parquet_pipeline(sink),
+        checkpoint_dir=tmp_path / "checkpoint",
+        trigger_seconds=0.2,
+        query_name="sluice_test_parquet",
+    )
+    try:
+        wait_for_rows(spark, query, sink, len(expected))
+        # blocks sealed while the query runs are picked up too
+        expected += write_blocks(store, "a", [6]) + write_blocks(store, "b", [2, 2])
+        wait_for_rows(spark, query, sink, len(expected))
+
+        # the first wave was committed when the next batch was planned, so it has left the store
+        def first_wave_released() -> bool:
+            return all(b.seq >= 3 for b in store.blocks("a")) and all(b.seq >= 1 for b in store.blocks("b"))
+
+        wait_until(first_wave_released, "the committed blocks to be released")
+    finally:
+        query.stop()
+    got = sink_rows(spark, sink)
+    assert len(got) == len(expected)
+    assert sorted(got, key=lambda r: (r[0], r[1])) == sorted(expected, key=lambda r: (r[0], r[1]))
+    assert any(r[3] is None for r in got)
+
+
+@pytest.mark.spark
+def test_max_records_per_batch_splits_a_backlog(spark: Any, tmp_path: Path) -> None:
+    store = LocalBlockStore(tmp_path / "blocks", fsync=False)
+    sink = tmp_path / "sink"
+    own_checkpoint = tmp_path / "own-checkpoint"
+    expected = write_blocks(store, "s", [100] * 10)
+    events: list[BatchCompleted] = []
+    listener = BatchListener(events.append)  # list.append is atomic: fine from the py4j thread
+
+    def pipeline(df: Any) -> Any:
+        # a pipeline that picks its own checkpoint keeps it
+        return parquet_pipeline(sink)(df).option("checkpointLocation", str(own_checkpoint))
+
+    spark.streams.addListener(listener)
+    query = start_query(
+        spark,
+        store_root=tmp_path / "blocks",
+        streams=["s"],
+        pipeline=pipeline,
+        checkpoint_dir=tmp_path / "unused-checkpoint",
+        trigger_seconds=0,
+        query_name="sluice_test_max_records",
+        max_records_per_batch=250,
+    )
+    try:
+        wait_for_rows(spark, query, sink, len(expected))
+        query_id = str(query.id)
+
+        def mine() -> list[BatchCompleted]:
+            return [e for e in events if e.query_id == query_id]
+
+        wait_until(lambda: sum(e.num_input_rows for e in mine()) == len(expected), "progress events")
+    finally:
+        query.stop()
+        spark.streams.removeListener(listener)
+    sizes = [e.num_input_rows for e in mine() if e.num_input_rows]
+    assert sizes == [200] * 5  # whole blocks of 100, at most 250 records a batch
+    assert all(e.processing_seconds > 0 for e in mine())
+    assert listener.batches_completed >= 5
+    assert (own_checkpoint / "offsets").is_dir()
+    assert not (tmp_path / "unused-checkpoint").exists()
+    assert sorted(sink_rows(spark, sink), key=lambda r: r[1]) == expected
