@@ -16,7 +16,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-SLUICE = [sys.executable, "-m", "ingest.cli"]
+# the console script pip installed beside the interpreter: what a user runs
+SLUICE = [str(Path(sys.executable).parent / "sluice")]
 
 
 def sluice(

@@ -78,3 +78,41 @@ async def test_100k_records_reach_the_parquet_sink_exactly(spark: Any, tmp_path:
     finally:
         await server.stop(grace=1)
         await asyncio.to_thread(driver.stop)
+
+
+async def test_user_pipeline_from_a_module_spec(
+    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "upper"
+    module = tmp_path / "my_pipelines.py"
+    module.write_text(
+        "def upper(df):\n"
+        "    return (df.selectExpr('upper(CAST(value AS STRING)) AS line', 'offset')\n"
+        f"            .writeStream.format('parquet').option('path', {str(out)!r}))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = ServeConfig(
+        port=0,
+        metrics_port=None,
+        data_dir=tmp_path / "data",
+        streams=("s",),
+        receiver=ReceiverConfig(block_interval=0.05),
+        trigger_interval=0.5,
+        pipeline="my_pipelines:upper",
+    )
+    server = SluiceServer(config)
+    await server.start()
+    driver = SparkDriver(spark, config, query_name="user-pipeline")
+    await asyncio.to_thread(driver.start)
+    try:
+        async with Producer(server.target, "s") as producer:
+            await producer.send_many([b"hello", b"world"])
+        deadline = time.monotonic() + 120
+        while sink_rows(spark, out) < 2 and time.monotonic() < deadline:
+            assert driver.error() is None, driver.error()
+            await asyncio.sleep(0.5)
+        rows = spark.read.parquet(str(out)).orderBy("offset").collect()
+        assert [(r["line"], r["offset"]) for r in rows] == [("HELLO", 0), ("WORLD", 1)]
+    finally:
+        await server.stop(grace=1)
+        await asyncio.to_thread(driver.stop)
