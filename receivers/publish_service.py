@@ -95,6 +95,8 @@ class PublishService(pb_grpc.IngestServicer):
         except grpc.aio.AioRpcError:
             receiver.close_session(session)  # the client went away
         except Exception as exc:
+            if session.ended:
+                return  # the call was already ended (abort, cancel): reading fails as it should
             log.exception("session %d on stream %r failed", session.id, receiver.stream)
             receiver.fail(session, ReceiverError(f"internal error: {exc!r}"))
 

@@ -143,6 +143,17 @@ class Receiver:
     async def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name=f"receiver-{self.stream}")
+            self._task.add_done_callback(self._run_ended)
+
+    def _run_ended(self, task: asyncio.Task[None]) -> None:
+        # the block generator must never die quietly: clients would wait for acks forever
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("block generator of stream %r died", self.stream, exc_info=task.exception())
+        self._stopping = True
+        error = ReceiverStopped(f"receiver for stream {self.stream!r} failed: {task.exception()!r}")
+        for session in list(self._sessions):
+            self.fail(session, error)
 
     async def stop(self) -> None:
         """Stop granting credit, seal and ack what was taken, then end every session (UNAVAILABLE)."""

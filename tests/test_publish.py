@@ -187,3 +187,48 @@ async def test_unknown_stream_raises_rpc_error_in_sdk(server: SluiceServer) -> N
     assert info.value.status == grpc.StatusCode.NOT_FOUND
     assert not info.value.retriable
     await producer.abort()
+
+
+async def test_server_stop_cancels_sessions_after_acking(tmp_path: Path) -> None:
+    srv = SluiceServer(make_config(tmp_path))
+    await srv.start()
+    producer = Producer(srv.target, "events", linger=0)
+    await producer.start()
+    try:
+        await producer.send_many([b"before"] * 100)
+        await producer.flush(timeout=10)
+        await srv.stop(grace=1)
+        assert producer.acked == 100
+        with pytest.raises(RPCError) as info:
+            for _ in range(1_000):  # until the producer sees the end of its session
+                await producer.send(b"after")
+                await asyncio.sleep(0.01)
+        assert info.value.status == grpc.StatusCode.UNAVAILABLE
+        assert info.value.retriable
+        assert producer.cancel_reason == "receiver stopping"
+    finally:
+        await producer.abort()
+        await srv.stop()
+    assert sum(b.count for b in srv.store.blocks("events")) == 100
+
+
+async def test_a_dead_block_generator_fails_its_sessions(server: SluiceServer) -> None:
+    receiver = server.receivers["events"]
+
+    def broken_write(*args: object) -> None:
+        raise RuntimeError("disk exploded")
+
+    receiver.store.write = broken_write  # type: ignore[method-assign]
+    async with Producer(server.target, "other") as healthy:
+        producer = Producer(server.target, "events", linger=0)
+        await producer.start()
+        await producer.send(b"x")
+        with pytest.raises(RPCError) as info:
+            await producer.flush(timeout=10)
+        assert info.value.status == grpc.StatusCode.UNAVAILABLE
+        assert "disk exploded" in info.value.message
+        await producer.abort()
+        # the healthy stream uses the same store object: give it back its write
+        del receiver.store.write
+        await healthy.send(b"fine")
+        await healthy.flush(timeout=10)

@@ -290,7 +290,13 @@ class Producer:
             self._credit -= n
             self._sent_seq += n
             self._wake()  # room in the buffer
-            await self._call.write(pb.PublishRequest(batch=batch))
+            try:
+                await self._call.write(pb.PublishRequest(batch=batch))
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+                # the call ended; the read loop has (or will have) the status that says why
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self._tasks[0])
+                return
 
     def _batch_length(self) -> int:
         """Records in the next batch: within credit, batch_size and (roughly) batch_bytes."""

@@ -1,6 +1,6 @@
 """Ingest throughput: one Producer into acked, durable blocks vs. a bare gRPC stream of the same batches.
 
-Run: python bench/ingest.py [--records 2000000] [--record-bytes 100] [--batch 4096]
+Run: python bench/ingest_throughput.py [--records 2000000] [--record-bytes 100] [--batch 4096]
 
 Both servers run in a subprocess of their own (one core each side on a 2-core machine); the client runs
 here. The baseline is measured in the same run, so the ratio holds on a noisy machine where absolute
