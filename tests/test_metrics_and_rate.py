@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import shutil
+import subprocess
 import time
 import urllib.request
 from collections.abc import AsyncIterator
@@ -19,6 +21,8 @@ from ingest.server import SluiceServer
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import ReceiverConfig
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
 
 @pytest.fixture
@@ -107,3 +111,23 @@ async def test_sync_producer(server: SluiceServer) -> None:
         r for blk in server.store.blocks("b") for batch in server.store.read(blk) for r in batch.to_pylist()
     ]
     assert [(r["key"], r["value"]) for r in rows] == [(b"k", b"one"), (None, b"two"), (None, b"three")]
+
+
+async def test_metrics_are_promtool_clean(server: SluiceServer) -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool not installed (Debian package prometheus; .ci/run installs it)")
+    async with Producer(server.target, "a") as producer:
+        await producer.send(b"p")
+    assert server.metrics_port is not None
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read())
+    result = await asyncio.to_thread(
+        subprocess.run, [promtool, "check", "metrics"], input=text, capture_output=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout.decode() + result.stderr.decode()
+    config = DEPLOY / "prometheus.yml"
+    checked = await asyncio.to_thread(
+        subprocess.run, [promtool, "check", "config", str(config)], capture_output=True, timeout=60
+    )
+    assert checked.returncode == 0, checked.stdout.decode() + checked.stderr.decode()
