@@ -30,6 +30,8 @@ log = logging.getLogger("sluice")
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+DRAIN_SECONDS = 120.0
+"""On SIGTERM, how long Spark may take to process what was sealed before the query is stopped anyway."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -216,8 +218,11 @@ async def _serve_async(config: ServeConfig) -> int:
         log.info("stopping: sealing and acking what was received")
         await server.stop()
         if driver is not None:
-            log.info("letting Spark process the sealed blocks")
-            await asyncio.to_thread(driver.drain)
+            log.info("letting Spark process the sealed blocks (at most %g s)", DRAIN_SECONDS)
+            try:
+                await asyncio.wait_for(asyncio.to_thread(driver.drain), DRAIN_SECONDS)
+            except TimeoutError:
+                log.warning("Spark did not drain within %g s; stopping the query", DRAIN_SECONDS)
     finally:
         await server.stop()
         if driver is not None:
