@@ -41,6 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=getattr(logging, args.log_level.upper()),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("py4j").setLevel(max(logging.WARNING, logging.getLogger().level))  # a line per call
     try:
         code: int = args.run(args)
     except KeyboardInterrupt:
