@@ -68,7 +68,10 @@ class MetricsServer:
     """Serves /metrics over HTTP from a background thread."""
 
     def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
-        server, thread = start_http_server(port, addr=host, registry=registry)
+        try:
+            server, thread = start_http_server(port, addr=host, registry=registry)
+        except OSError as exc:
+            raise OSError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from exc
         self._server = server
         self._thread: threading.Thread = thread
         self.port: int = server.server_address[1]

@@ -53,7 +53,10 @@ class SluiceServer:
         return self._metrics.port if self._metrics is not None else None
 
     async def start(self) -> None:
+        """Bind and serve; raise OSError (and leave nothing running) when a port cannot be bound."""
         self.config.blocks_dir.mkdir(parents=True, exist_ok=True)
+        if self.config.metrics_port is not None:
+            self._metrics = MetricsServer(self.registry, self.config.metrics_host, self.config.metrics_port)
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", self.config.max_message_bytes),
@@ -62,15 +65,24 @@ class SluiceServer:
         )
         pb_grpc.add_IngestServicer_to_server(PublishService(self.receivers), server)
         pb_grpc.add_RateControlServicer_to_server(RateControlService(self.receivers), server)
-        self.port = server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        try:
+            self.port = server.add_insecure_port(address)
+        except RuntimeError as exc:  # grpc reports a failed bind this way
+            self.port = 0
+            detail = exc
+        else:
+            detail = None
         if self.port == 0:
-            raise OSError(f"cannot bind gRPC to {self.config.host}:{self.config.port}")
+            if self._metrics is not None:
+                self._metrics.close()
+                self._metrics = None
+            await server.stop(None)
+            raise OSError(f"cannot bind gRPC to {address} (in use, or not an address of this host): {detail}")
         for receiver in self.receivers.values():
             await receiver.start()
         await server.start()
         self._grpc = server
-        if self.config.metrics_port is not None:
-            self._metrics = MetricsServer(self.registry, self.config.metrics_host, self.config.metrics_port)
         log.info(
             "serving streams %s on %s, metrics on %s",
             ", ".join(self.receivers),

@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -159,3 +160,22 @@ def test_serve_without_java_says_how_to_get_it(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert b"Java" in result.stderr and b"apt-get install openjdk-17" in result.stderr
+
+
+def test_serve_on_a_busy_port_fails_clearly(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        grpc_busy = sluice(
+            "serve", "--no-spark", "--port", port, "--metrics-port", "-1", "--data-dir", str(tmp_path)
+        )
+        metrics_busy = sluice(
+            "serve", "--no-spark", "--port", "0", "--metrics-port", port, "--data-dir", str(tmp_path)
+        )
+    assert grpc_busy.returncode == 1
+    assert f"cannot bind gRPC to 127.0.0.1:{port}".encode() in grpc_busy.stderr
+    assert b"Traceback" not in grpc_busy.stderr
+    assert metrics_busy.returncode == 1
+    assert f"cannot serve metrics on 127.0.0.1:{port}".encode() in metrics_busy.stderr
+    assert b"Traceback" not in metrics_busy.stderr
