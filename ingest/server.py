@@ -66,19 +66,18 @@ class SluiceServer:
         pb_grpc.add_IngestServicer_to_server(PublishService(self.receivers), server)
         pb_grpc.add_RateControlServicer_to_server(RateControlService(self.receivers), server)
         address = f"{self.config.host}:{self.config.port}"
+        detail = ""
         try:
             self.port = server.add_insecure_port(address)
         except RuntimeError as exc:  # grpc reports a failed bind this way
             self.port = 0
-            detail = exc
-        else:
-            detail = None
+            detail = f": {exc}"
         if self.port == 0:
             if self._metrics is not None:
                 self._metrics.close()
                 self._metrics = None
             await server.stop(None)
-            raise OSError(f"cannot bind gRPC to {address} (in use, or not an address of this host): {detail}")
+            raise OSError(f"cannot bind gRPC to {address} (in use, or not an address of this host){detail}")
         for receiver in self.receivers.values():
             await receiver.start()
         await server.start()
