@@ -64,7 +64,7 @@ def serve(
                 spark=False,
                 max_message_bytes=MAX_MSG,
                 receiver=ReceiverConfig(
-                    buffer_records=buffer, max_window=buffer // 2, block_interval=block_interval
+                    buffer_records=buffer, prefetch=buffer // 2, block_interval=block_interval
                 ),
             )
             sluice = SluiceServer(config)

@@ -130,6 +130,19 @@ def _parser() -> argparse.ArgumentParser:
     set_.add_argument("records_per_second", type=float, metavar="RATE")
     set_.add_argument("--stream", default="", help="one stream (default: all)")
     set_.set_defaults(run=_rate_set)
+
+    sessions = commands.add_parser("sessions", help="list or cancel publisher sessions")
+    session_commands = sessions.add_subparsers(required=True, metavar="ACTION")
+    listing = session_commands.add_parser("list", help="the open sessions", parents=[server])
+    listing.add_argument("--stream", default="", help="one stream (default: all)")
+    listing.set_defaults(run=_sessions_list)
+    cancel = session_commands.add_parser("cancel", help="cancel a session", parents=[server])
+    cancel.add_argument("session_id", type=int, metavar="ID")
+    cancel.add_argument("--reason", default="", help="told to the client")
+    cancel.add_argument(
+        "--code", type=int, default=0, help="gRPC status code the session ends with (default: 1)"
+    )
+    cancel.set_defaults(run=_sessions_cancel)
     return parser
 
 
@@ -152,7 +165,7 @@ def _serve(args: argparse.Namespace) -> int:
             receiver=ReceiverConfig(
                 block_interval=args.block_interval,
                 buffer_records=args.buffer_records,
-                max_window=max(1, args.buffer_records // 2),
+                prefetch=max(1, args.buffer_records // 2),
             ),
             fsync=not args.no_fsync,
             master=args.master,
@@ -306,6 +319,42 @@ async def _push_async(args: argparse.Namespace, source: IO[bytes], progress: _Pr
         await producer.flush(args.timeout)
         progress.show(done_bytes, records, producer.acked, final=True)
     return records
+
+
+# ---- sessions ------------------------------------------------------------------------------------
+
+
+def _sessions_list(args: argparse.Namespace) -> int:
+    return asyncio.run(_sessions_call(args.target, pb.ListSessionsRequest(stream=args.stream)))
+
+
+def _sessions_cancel(args: argparse.Namespace) -> int:
+    request = pb.CancelSessionRequest(session_id=args.session_id, code=args.code, reason=args.reason)
+    return asyncio.run(_sessions_call(args.target, request))
+
+
+async def _sessions_call(target: str, request: pb.ListSessionsRequest | pb.CancelSessionRequest) -> int:
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.SessionsStub(channel)
+        try:
+            if isinstance(request, pb.ListSessionsRequest):
+                listing = await stub.ListSessions(request, timeout=10)
+            else:
+                cancelled = await stub.CancelSession(request, timeout=10)
+        except grpc.aio.AioRpcError as exc:
+            return _fail(f"sessions on {target}: {exc.code().name}: {exc.details()}")
+    if isinstance(request, pb.CancelSessionRequest):
+        print(
+            f"session {request.session_id} {'cancelled' if cancelled.cancelled else 'was already cancelled'}"
+        )
+        return 0
+    print("id\tstream\tproducer\tcredit\tnext_seq\tdurable_up_to\tstate")
+    for s in listing.sessions:
+        state = "cancelled" if s.cancelled else "completed" if s.completed else "open"
+        print(
+            f"{s.session_id}\t{s.stream}\t{s.producer_id}\t{s.credit}\t{s.next_seq}\t{s.durable_up_to}\t{state}"
+        )
+    return 0
 
 
 # ---- rate ----------------------------------------------------------------------------------------

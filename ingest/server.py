@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from ingest.config import ServeConfig
 from ingest.metrics import MetricsServer, SluiceCollector
 from ingest.rate_service import RateControlService
+from ingest.sessions_service import SessionsService
 from receivers.block_store import LocalBlockStore
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.publish_service import PublishService
@@ -65,6 +66,7 @@ class SluiceServer:
         )
         pb_grpc.add_IngestServicer_to_server(PublishService(self.receivers), server)
         pb_grpc.add_RateControlServicer_to_server(RateControlService(self.receivers), server)
+        pb_grpc.add_SessionsServicer_to_server(SessionsService(self.receivers), server)
         address = f"{self.config.host}:{self.config.port}"
         detail = ""
         try:

@@ -5,7 +5,8 @@
     ├── InvalidBatch                   INVALID_ARGUMENT: a malformed message
     ├── UnknownStream                  NOT_FOUND: Open named a stream this server does not have
     ├── LimitExceeded                  RESOURCE_EXHAUSTED: over a size or count limit
-    └── ReceiverStopped                UNAVAILABLE: not accepted, safe to retry elsewhere or later
+    ├── ReceiverStopped                UNAVAILABLE: not accepted, safe to retry elsewhere or later
+    └── SessionCancelled               the code the canceller chose (shutdown, operator, stream removed)
 
 The service turns each into a gRPC status with the message; the status code is named by string so this
 module stays free of gRPC.
@@ -18,6 +19,8 @@ class ReceiverError(Exception):
     """Base class; `status` names the gRPC status code the session ends with."""
 
     status = "INTERNAL"
+    code: int | None = None
+    """A numeric gRPC status code, when it was given as a number (it then wins over `status`)."""
 
 
 class ProtocolViolation(ReceiverError):
@@ -38,3 +41,13 @@ class LimitExceeded(ReceiverError):
 
 class ReceiverStopped(ReceiverError):
     status = "UNAVAILABLE"
+
+
+class SessionCancelled(ReceiverError):
+    """The server cancelled the session; the call ends with the canceller's code and reason."""
+
+    status = "CANCELLED"
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason or "session cancelled")
+        self.code = code

@@ -18,14 +18,20 @@ import grpc
 from receivers.errors import InvalidBatch, ProtocolViolation, ReceiverError, UnknownStream
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
-from receivers.receiver import Receiver, Session
+from receivers.receiver import Receiver
+from receivers.session import Session
 from receivers.wire import decode_batch
 
 log = logging.getLogger(__name__)
 
 
+_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
 def status_code(error: ReceiverError) -> grpc.StatusCode:
     """The gRPC status a receiver error ends its session with."""
+    if error.code is not None and error.code in _BY_NUMBER and error.code != 0:
+        return _BY_NUMBER[error.code]
     return getattr(grpc.StatusCode, error.status, grpc.StatusCode.INTERNAL)
 
 
@@ -50,12 +56,13 @@ class PublishService(pb_grpc.IngestServicer):
         reader = asyncio.create_task(self._read(requests, receiver, session))
         try:
             while True:
-                item = await session.outbox.get()
-                if item is None:
+                messages, ended, end_error = await session.outbox.take()
+                for message in messages:
+                    yield message
+                if ended:
+                    if end_error is not None:
+                        await context.abort(status_code(end_error), str(end_error))
                     break
-                if isinstance(item, ReceiverError):
-                    await context.abort(status_code(item), str(item))
-                yield item
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -1,13 +1,15 @@
 """The receiver of one stream: grants credit, takes batches, seals blocks, acks durable records.
 
-Flow roles: each publisher session is a Subscription; the receiver is the Subscriber. Credit is granted
-from a bounded buffer: the records buffered (taken but not yet in a durable block) plus the credit
-outstanding never exceed `buffer_records`, so a client never has more in flight than the receiver can
-hold. Credit returns to the pool when a block holding buffered records is durable, and is metered by a
-token bucket at the stream's rate.
+Flow roles: the receiver is the Subscriber of every publisher session on its stream; each session is a
+Subscription (receivers.session). Demand policy: a session gets `prefetch` credits when it opens and is
+topped up to `prefetch` whenever its unused credit falls to `low_tide`. All of it is bounded by the
+buffer: records buffered (taken, not yet in a durable block) plus credit outstanding never exceed
+`buffer_records`; credit returns to the pool as records leave the buffer for durable blocks, and a
+token bucket meters it at the stream's rate. Sessions are topped up in rotating order, so a fast
+publisher cannot starve a slow one.
 
 Every `block_interval` the block generator seals what was taken into one block, writes it durably to the
-block store, then acks each session up to the last record of it the block holds.
+block store, then acks each session up to its last record in the block.
 """
 
 from __future__ import annotations
@@ -18,32 +20,41 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pyarrow as pa
+from reactivex.subject import Subject
 
 from ratecontrol import UNLIMITED, TokenBucket
 from receivers.block import BlockInfo, check_stream_name
 from receivers.block_store import LocalBlockStore
-from receivers.errors import InvalidBatch, ProtocolViolation, ReceiverError, ReceiverStopped
+from receivers.errors import InvalidBatch, ProtocolViolation, ReceiverError, ReceiverStopped, SessionCancelled
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from receivers.session import MAX_DEMAND, Session
 
 log = logging.getLogger(__name__)
 
-MAX_CREDIT = 2**63 - 1
+MAX_CREDIT = MAX_DEMAND
 """Credit saturates here (Reactive Streams rule 3.17); Request.n is an int64."""
+
+UNAVAILABLE = 14
+"""gRPC status code for 'not accepted, safe to retry' (kept numeric: receivers do not import gRPC)."""
+
+_session_ids = itertools.count(1)
 
 
 @dataclass(frozen=True)
 class ReceiverConfig:
-    """How a receiver buffers and seals. Shared by every stream of a server."""
+    """How a receiver buffers, grants credit and seals. Shared by every stream of a server."""
 
     block_interval: float = 0.2
     """Seconds between sealed blocks; the latency floor from receipt to ack."""
     buffer_records: int = 500_000
     """Records buffered plus credit outstanding, at most: the memory bound of a stream."""
-    max_window: int = 250_000
-    """Most credit one session holds at once; refilled when it falls to half."""
+    prefetch: int = 250_000
+    """Credit a session is topped up to (the first grant too), as far as the buffer allows."""
+    low_tide: int | None = None
+    """A session is topped up when its unused credit falls to this; None: half of prefetch."""
     credit_tick: float = 0.05
     """Seconds between credit refills when the rate, not the buffer, limits credit."""
     receiver_id: int = 0
@@ -54,10 +65,16 @@ class ReceiverConfig:
             raise ValueError(f"block_interval must be > 0 seconds, got {self.block_interval}")
         if self.buffer_records < 1:
             raise ValueError(f"buffer_records must be >= 1, got {self.buffer_records}")
-        if self.max_window < 1:
-            raise ValueError(f"max_window must be >= 1, got {self.max_window}")
+        if self.prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
+        if self.low_tide is not None and not 0 <= self.low_tide < self.prefetch:
+            raise ValueError(f"low_tide must be in [0, prefetch), got {self.low_tide}")
         if not self.credit_tick > 0:
             raise ValueError(f"credit_tick must be > 0 seconds, got {self.credit_tick}")
+
+    @property
+    def refill_at(self) -> int:
+        return self.prefetch // 2 if self.low_tide is None else self.low_tide
 
 
 @dataclass
@@ -67,39 +84,14 @@ class ReceiverStats:
     records_received: int = 0
     batches_received: int = 0
     records_acked: int = 0
+    records_not_accepted: int = 0
     blocks_sealed: int = 0
     block_bytes: int = 0
     block_write_errors: int = 0
     sessions_opened: int = 0
     sessions_failed: int = 0
+    sessions_cancelled: int = 0
     credit_granted: int = 0
-
-
-_Outgoing = pb.PublishResponse | ReceiverError | None
-"""What a session's outbox holds: a message, an error that ends the call, or None for a clean end."""
-
-
-@dataclass(eq=False)
-class Session:
-    """One publisher session (a Flow Subscription) as the receiver sees it."""
-
-    id: int
-    producer_id: str
-    next_seq: int
-    """Sequence number the next batch must start at."""
-    durable_up_to: int
-    """Every record with a lower sequence number is durable and acked."""
-    credit: int = 0
-    """Credit granted and not yet used."""
-    completed: bool = False
-    ended: bool = False
-    outbox: asyncio.Queue[_Outgoing] = field(default_factory=asyncio.Queue)
-
-    def _send(self, item: _Outgoing) -> None:
-        if not self.ended:
-            self.outbox.put_nowait(item)
-            if item is None or isinstance(item, ReceiverError):
-                self.ended = True
 
 
 @dataclass
@@ -125,10 +117,11 @@ class Receiver:
         self.store = store
         self.config = config or ReceiverConfig()
         self.stats = ReceiverStats()
+        self.tap: Subject[pa.RecordBatch] = Subject()
+        """Every accepted batch (BLOCK_SCHEMA), for in-process consumers; emitted on the event loop."""
         self._clock = clock
         self._bucket = TokenBucket(rate, now=clock())
         self._sessions: list[Session] = []
-        self._ids = itertools.count(1)
         self._rotation = 0
         self._pending: list[_Chunk] = []
         self._buffered = 0
@@ -156,7 +149,7 @@ class Receiver:
             self.fail(session, error)
 
     async def stop(self) -> None:
-        """Stop granting credit, seal and ack what was taken, then end every session (UNAVAILABLE)."""
+        """Stop granting credit, seal and ack what was taken, then cancel every session (UNAVAILABLE)."""
         if self._stopping:
             return
         self._stopping = True
@@ -167,10 +160,12 @@ class Receiver:
         await self._seal()
         for session in list(self._sessions):
             if session.completed and session.durable_up_to == session.next_seq:
-                session._send(None)
+                session.outbox.finish()
             else:
-                session._send(pb.PublishResponse(cancel=pb.Cancel(code=14, reason="receiver stopping")))
-                session._send(ReceiverStopped(f"receiver for stream {self.stream!r} is stopping"))
+                self.cancel(session, UNAVAILABLE, "receiver stopping")
+            # records whose block could not be written are not acked: end the call all the same
+            session.outbox.finish(ReceiverStopped(f"receiver for stream {self.stream!r} stopped"))
+        self.tap.on_completed()
 
     def on_sealed(self, callback: Callable[[BlockInfo], None]) -> None:
         """Call `callback` with every block once it is durable (on the event loop)."""
@@ -187,7 +182,7 @@ class Receiver:
         self._bucket.set_rate(rate, self._clock())
         self._replenish()
 
-    # ---- state read by metrics ----------------------------------------------------------------
+    # ---- state read by metrics and operators ---------------------------------------------------
 
     @property
     def credit_outstanding(self) -> int:
@@ -201,22 +196,31 @@ class Receiver:
     def active_sessions(self) -> int:
         return len(self._sessions)
 
+    @property
+    def sessions(self) -> list[Session]:
+        return list(self._sessions)
+
     # ---- sessions ------------------------------------------------------------------------------
 
     def open_session(self, producer_id: str, resume_from_seq: int) -> Session:
+        """onSubscribe: a publisher opened a session; it gets its prefetch as far as the buffer allows."""
         if self._stopping:
             raise ReceiverStopped(f"receiver for stream {self.stream!r} is stopping; retry later")
-        session = Session(next(self._ids), producer_id, resume_from_seq, resume_from_seq)
+        session = Session(next(_session_ids), self.stream, producer_id, resume_from_seq, resume_from_seq)
         self._sessions.append(session)
         self.stats.sessions_opened += 1
         self._replenish()
         return session
 
     def accept(self, session: Session, first_seq: int, records: pa.RecordBatch) -> None:
-        """Take a batch from a session; raise a ReceiverError when it breaks the protocol."""
+        """onNext for each record of a batch; raise a ReceiverError when it breaks the protocol."""
         count = records.num_rows
         if session.completed:
             raise ProtocolViolation("Batch after Complete (rule 1.7): the publisher signalled completion")
+        if session.cancelled:
+            # in flight when the Cancel went out: not accepted, as Cancel.accepted_up_to told the client
+            self.stats.records_not_accepted += count
+            return
         if count > session.credit:
             raise ProtocolViolation(
                 f"Batch of {count} records exceeds the {session.credit} credits outstanding (rule 1.1): "
@@ -225,7 +229,7 @@ class Receiver:
         if first_seq != session.next_seq:
             raise InvalidBatch(
                 f"Batch.first_seq is {first_seq} but this session's next sequence number is "
-                f"{session.next_seq}: records must be numbered consecutively"
+                f"{session.next_seq}: records must be numbered consecutively, without repeats"
             )
         session.credit -= count
         self._outstanding -= count
@@ -234,22 +238,39 @@ class Receiver:
         self._pending.append(_Chunk(records, session, session.next_seq))
         self.stats.records_received += count
         self.stats.batches_received += 1
+        self.tap.on_next(records)
         self._replenish()
 
     def complete(self, session: Session) -> None:
-        """The publisher completed: return its credit; end the call once everything it sent is acked."""
+        """onComplete: return the session's credit; end the call once everything it sent is acked."""
         if session.completed:
             raise ProtocolViolation("Complete sent twice (rule 1.7)")
         session.completed = True
         self._take_back_credit(session)
-        if session.durable_up_to == session.next_seq:
-            session._send(None)
+        self._end_if_settled(session)
         self._replenish()
+
+    def cancel(self, session: Session, code: int, reason: str) -> bool:
+        """Cancel a session (rule 3.5: idempotent). Returns False if it was already cancelled or ended.
+
+        The client gets Cancel{code, reason, accepted_up_to}; what it sent before is acked once durable,
+        then the call ends with status `code`. What it sends after is dropped as not accepted.
+        """
+        if session.cancelled or session.ended or session.completed:
+            return False
+        session.cancelled = True
+        session.cancel_error = SessionCancelled(code, reason)
+        self.stats.sessions_cancelled += 1
+        self._take_back_credit(session)
+        session.outbox.cancel(pb.Cancel(code=code, reason=reason, accepted_up_to=session.next_seq))
+        self._end_if_settled(session)
+        self._replenish()
+        return True
 
     def fail(self, session: Session, error: ReceiverError) -> None:
         """End a session with an error status; its records already taken are still sealed."""
         self.stats.sessions_failed += 1
-        session._send(error)
+        session.outbox.finish(error)
         self.close_session(session)
 
     def close_session(self, session: Session) -> None:
@@ -257,38 +278,44 @@ class Receiver:
         if session in self._sessions:
             self._sessions.remove(session)
             self._take_back_credit(session)
-            session.ended = True
+            session.outbox.finish()
             self._replenish()
 
     def _take_back_credit(self, session: Session) -> None:
         self._outstanding -= session.credit
         session.credit = 0
 
+    def _end_if_settled(self, session: Session) -> None:
+        if session.durable_up_to == session.next_seq:
+            if session.cancelled:
+                session.outbox.finish(session.cancel_error)
+            elif session.completed:
+                session.outbox.finish()
+
     def _replenish(self) -> None:
-        """Grant credit to sessions at or below their low tide, fairly, within buffer and rate."""
+        """Top up sessions at or below low tide, in rotating order, within buffer and rate."""
         if self._stopping or not self._sessions:
             return
         free = self.config.buffer_records - self._buffered - self._outstanding
         if free <= 0:
             return
-        active = [s for s in self._sessions if not s.completed and not s.ended]
+        active = [s for s in self._sessions if s.accepting]
         if not active:
             return
-        window = max(1, min(self.config.max_window, self.config.buffer_records // len(active)))
-        low_tide = window // 2
         self._rotation = (self._rotation + 1) % len(active)
         now = self._clock()
+        prefetch, refill_at = self.config.prefetch, self.config.refill_at
         for session in active[self._rotation :] + active[: self._rotation]:
-            if session.credit > low_tide:
+            if session.credit > refill_at:
                 continue
-            grant = self._bucket.take(min(window - session.credit, free), now)
+            grant = self._bucket.take(min(prefetch - session.credit, free), now)
             if grant <= 0:
                 break
             session.credit += grant
             self._outstanding += grant
             free -= grant
             self.stats.credit_granted += grant
-            session._send(pb.PublishResponse(request=pb.Request(n=grant)))
+            session.outbox.grant(grant)
             if free <= 0:
                 break
 
@@ -334,9 +361,8 @@ class Receiver:
             acked[chunk.session] = chunk.end_seq
         for session, up_to in acked.items():
             session.durable_up_to = up_to
-            session._send(pb.PublishResponse(ack=pb.Ack(durable_up_to=up_to)))
-            if session.completed and up_to == session.next_seq:
-                session._send(None)
+            session.outbox.ack(up_to)
+            self._end_if_settled(session)
         for callback in self._sealed:
             callback(info)
         self._replenish()

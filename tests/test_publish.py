@@ -32,7 +32,7 @@ def make_config(tmp_path: Path, **receiver: float) -> ServeConfig:
 
 @pytest.fixture
 async def server(tmp_path: Path) -> AsyncIterator[SluiceServer]:
-    srv = SluiceServer(make_config(tmp_path, buffer_records=10_000, max_window=1_000))
+    srv = SluiceServer(make_config(tmp_path, buffer_records=10_000, prefetch=1_000))
     await srv.start()
     try:
         yield srv

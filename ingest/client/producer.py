@@ -25,6 +25,7 @@ from receivers.receiver import MAX_CREDIT
 from receivers.wire import encode_batch
 
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+_FAILED_PRECONDITION = 9  # gRPC status code carried in-band by Error
 
 
 class _State(enum.Enum):
@@ -77,6 +78,7 @@ class Producer:
         self._error: SluiceError | None = None
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._write_lock = asyncio.Lock()  # grpc.aio allows one write at a time per call
         self.cancel_reason: str | None = None
         """Why the server cancelled the session, if it did."""
 
@@ -158,9 +160,10 @@ class Producer:
             await self.flush(timeout)
             self._state = _State.CLOSING
             assert self._call is not None
-            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                await self._call.write(pb.PublishRequest(complete=pb.Complete()))
-                await self._call.done_writing()
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+                async with self._write_lock:
+                    await self._call.write(pb.PublishRequest(complete=pb.Complete()))
+                    await self._call.done_writing()
             # the server ends the call once everything is acked
             await asyncio.wait_for(asyncio.shield(self._tasks[0]), timeout)
             if self._error is not None:
@@ -291,7 +294,8 @@ class Producer:
             self._sent_seq += n
             self._wake()  # room in the buffer
             try:
-                await self._call.write(pb.PublishRequest(batch=batch))
+                async with self._write_lock:
+                    await self._call.write(pb.PublishRequest(batch=batch))
             except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
                 # the call ended; the read loop has (or will have) the status that says why
                 with contextlib.suppress(Exception):
@@ -316,14 +320,23 @@ class Producer:
                 kind = response.WhichOneof("kind")
                 if kind == "request":
                     if response.request.n <= 0:
-                        raise ProtocolError(
+                        await self._protocol_error(
                             f"server sent Request(n={response.request.n}); n must be > 0 (rule 3.9)"
                         )
-                    self._credit = min(MAX_CREDIT, self._credit + response.request.n)
+                    if self.cancel_reason is None:  # no credit after a Cancel (rule 3.6)
+                        self._credit = min(MAX_CREDIT, self._credit + response.request.n)
                 elif kind == "ack":
+                    if response.ack.durable_up_to > self._sent_seq:
+                        await self._protocol_error(
+                            f"server acked up to {response.ack.durable_up_to}, beyond the "
+                            f"{self._sent_seq} records sent"
+                        )
                     self._acked_seq = max(self._acked_seq, response.ack.durable_up_to)
                 elif kind == "cancel":
-                    self.cancel_reason = response.cancel.reason
+                    # the server takes nothing more: stop sending; records from accepted_up_to on were
+                    # not accepted and stay unacked
+                    self.cancel_reason = response.cancel.reason or "cancelled"
+                    self._credit = 0
                 self._wake()
         except grpc.aio.AioRpcError as exc:
             self._error = RPCError.from_grpc(exc)
@@ -332,6 +345,19 @@ class Producer:
             self._error = ProducerClosedError(
                 f"server ended the session with {self._sent_seq - self._acked_seq} records unacked"
             )
+
+    async def _protocol_error(self, message: str) -> None:
+        """The server broke the contract: tell it in-band (gRPC has no client status), end, raise."""
+        assert self._call is not None
+        error = ProtocolError(message)
+        self._error = error
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+            async with self._write_lock:
+                await self._call.write(
+                    pb.PublishRequest(error=pb.Error(code=_FAILED_PRECONDITION, message=message))
+                )
+                await self._call.done_writing()
+        raise error
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         # a background loop that dies fails everything waiting on the producer

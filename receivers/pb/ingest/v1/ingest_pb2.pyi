@@ -255,27 +255,162 @@ Global___Ack: _TypeAlias = Ack  # noqa: Y015
 
 @_typing.final
 class Cancel(_message.Message):
-    """The server cancels the session: it will accept nothing more. A gRPC status follows."""
+    """The server cancels the session (shutdown, stream removed, operator): it accepts nothing more.
+    Records below accepted_up_to were taken and are (or will be) acked before the call ends; records at or
+    above it were not accepted and are the client's to resend. The call then ends with gRPC status `code`.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     CODE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    ACCEPTED_UP_TO_FIELD_NUMBER: _builtins.int
     code: _builtins.int
     reason: _builtins.str
+    accepted_up_to: _builtins.int
     def __init__(
         self,
         *,
         code: _builtins.int = ...,
         reason: _builtins.str = ...,
+        accepted_up_to: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_up_to", b"accepted_up_to", "code", b"code", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Cancel: _TypeAlias = Cancel  # noqa: Y015
+
+@_typing.final
+class ListSessionsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    stream: _builtins.str
+    """Empty for every stream."""
+    def __init__(
+        self,
+        *,
+        stream: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSessionsRequest: _TypeAlias = ListSessionsRequest  # noqa: Y015
+
+@_typing.final
+class SessionInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    STREAM_FIELD_NUMBER: _builtins.int
+    PRODUCER_ID_FIELD_NUMBER: _builtins.int
+    CREDIT_FIELD_NUMBER: _builtins.int
+    NEXT_SEQ_FIELD_NUMBER: _builtins.int
+    DURABLE_UP_TO_FIELD_NUMBER: _builtins.int
+    COMPLETED_FIELD_NUMBER: _builtins.int
+    CANCELLED_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.int
+    stream: _builtins.str
+    producer_id: _builtins.str
+    credit: _builtins.int
+    """Credit granted and not yet used."""
+    next_seq: _builtins.int
+    """Sequence number the next batch must start at."""
+    durable_up_to: _builtins.int
+    """Every record below this sequence number is durable and acked."""
+    completed: _builtins.bool
+    cancelled: _builtins.bool
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.int = ...,
+        stream: _builtins.str = ...,
+        producer_id: _builtins.str = ...,
+        credit: _builtins.int = ...,
+        next_seq: _builtins.int = ...,
+        durable_up_to: _builtins.int = ...,
+        completed: _builtins.bool = ...,
+        cancelled: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "completed", b"completed", "credit", b"credit", "durable_up_to", b"durable_up_to", "next_seq", b"next_seq", "producer_id", b"producer_id", "session_id", b"session_id", "stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SessionInfo: _TypeAlias = SessionInfo  # noqa: Y015
+
+@_typing.final
+class ListSessionsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def sessions(self) -> _containers.RepeatedCompositeFieldContainer[Global___SessionInfo]: ...
+    def __init__(
+        self,
+        *,
+        sessions: _abc.Iterable[Global___SessionInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["sessions", b"sessions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSessionsResponse: _TypeAlias = ListSessionsResponse  # noqa: Y015
+
+@_typing.final
+class CancelSessionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SESSION_ID_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    session_id: _builtins.int
+    code: _builtins.int
+    """A gRPC status code for the session's end; 0 means CANCELLED (1)."""
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        session_id: _builtins.int = ...,
+        code: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "reason", b"reason", "session_id", b"session_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelSessionRequest: _TypeAlias = CancelSessionRequest  # noqa: Y015
+
+@_typing.final
+class CancelSessionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CANCELLED_FIELD_NUMBER: _builtins.int
+    cancelled: _builtins.bool
+    """False when the session had already been cancelled (cancel is idempotent)."""
+    def __init__(
+        self,
+        *,
+        cancelled: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelSessionResponse: _TypeAlias = CancelSessionResponse  # noqa: Y015
 
 @_typing.final
 class GetRateRequest(_message.Message):

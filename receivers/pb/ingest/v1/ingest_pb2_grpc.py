@@ -213,3 +213,126 @@ class RateControl:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class SessionsStub:
+    """---- sessions (operators) ---------------------------------------------------------------------
+
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ListSessions = channel.unary_unary(
+                '/ingest.v1.Sessions/ListSessions',
+                request_serializer=ingest_dot_v1_dot_ingest__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=ingest_dot_v1_dot_ingest__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
+        self.CancelSession = channel.unary_unary(
+                '/ingest.v1.Sessions/CancelSession',
+                request_serializer=ingest_dot_v1_dot_ingest__pb2.CancelSessionRequest.SerializeToString,
+                response_deserializer=ingest_dot_v1_dot_ingest__pb2.CancelSessionResponse.FromString,
+                _registered_method=True)
+
+
+class SessionsServicer:
+    """---- sessions (operators) ---------------------------------------------------------------------
+
+    """
+
+    def ListSessions(self, request, context):
+        """The publisher sessions open now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CancelSession(self, request, context):
+        """Cancel a session: it gets Cancel{code, reason}, its accepted records are acked, then the call ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_SessionsServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=ingest_dot_v1_dot_ingest__pb2.ListSessionsRequest.FromString,
+                    response_serializer=ingest_dot_v1_dot_ingest__pb2.ListSessionsResponse.SerializeToString,
+            ),
+            'CancelSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelSession,
+                    request_deserializer=ingest_dot_v1_dot_ingest__pb2.CancelSessionRequest.FromString,
+                    response_serializer=ingest_dot_v1_dot_ingest__pb2.CancelSessionResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'ingest.v1.Sessions', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('ingest.v1.Sessions', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Sessions:
+    """---- sessions (operators) ---------------------------------------------------------------------
+
+    """
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ingest.v1.Sessions/ListSessions',
+            ingest_dot_v1_dot_ingest__pb2.ListSessionsRequest.SerializeToString,
+            ingest_dot_v1_dot_ingest__pb2.ListSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ingest.v1.Sessions/CancelSession',
+            ingest_dot_v1_dot_ingest__pb2.CancelSessionRequest.SerializeToString,
+            ingest_dot_v1_dot_ingest__pb2.CancelSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -93,3 +93,46 @@ class RateControlServicer(metaclass=_abc_1.ABCMeta):
         """Set the ingest rate of one stream, or of all when stream is empty. Takes effect at once."""
 
 def add_RateControlServicer_to_server(servicer: RateControlServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class SessionsStub:
+    """---- sessions (operators) ---------------------------------------------------------------------"""
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> SessionsAsyncStub: ...
+    ListSessions: _grpc.UnaryUnaryMultiCallable[_ingest_pb2.ListSessionsRequest, _ingest_pb2.ListSessionsResponse]
+    """The publisher sessions open now."""
+    CancelSession: _grpc.UnaryUnaryMultiCallable[_ingest_pb2.CancelSessionRequest, _ingest_pb2.CancelSessionResponse]
+    """Cancel a session: it gets Cancel{code, reason}, its accepted records are acked, then the call ends."""
+
+@_typing.type_check_only
+class SessionsAsyncStub(SessionsStub):
+    """---- sessions (operators) ---------------------------------------------------------------------"""
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    ListSessions: _aio.UnaryUnaryMultiCallable[_ingest_pb2.ListSessionsRequest, _ingest_pb2.ListSessionsResponse]  # type: ignore[assignment]
+    """The publisher sessions open now."""
+    CancelSession: _aio.UnaryUnaryMultiCallable[_ingest_pb2.CancelSessionRequest, _ingest_pb2.CancelSessionResponse]  # type: ignore[assignment]
+    """Cancel a session: it gets Cancel{code, reason}, its accepted records are acked, then the call ends."""
+
+class SessionsServicer(metaclass=_abc_1.ABCMeta):
+    """---- sessions (operators) ---------------------------------------------------------------------"""
+
+    @_abc_1.abstractmethod
+    def ListSessions(
+        self,
+        request: _ingest_pb2.ListSessionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ingest_pb2.ListSessionsResponse, _abc.Awaitable[_ingest_pb2.ListSessionsResponse]]:
+        """The publisher sessions open now."""
+
+    @_abc_1.abstractmethod
+    def CancelSession(
+        self,
+        request: _ingest_pb2.CancelSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ingest_pb2.CancelSessionResponse, _abc.Awaitable[_ingest_pb2.CancelSessionResponse]]:
+        """Cancel a session: it gets Cancel{code, reason}, its accepted records are acked, then the call ends."""
+
+def add_SessionsServicer_to_server(servicer: SessionsServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

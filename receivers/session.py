@@ -1,0 +1,100 @@
+"""A publisher session as the server sees it: the Subscription of the Flow contract on the wire.
+
+`request(n)` becomes a Request message, `cancel` a Cancel message. What the server still has to send
+lives in an Outbox that coalesces: credit adds up into one Request, only the newest Ack matters, one
+Cancel at most. So however slowly a client reads, a session holds a handful of messages, never a queue
+that grows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from receivers.errors import ReceiverError
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
+
+MAX_DEMAND = 2**63 - 1  # rule 3.17; Request.n is an int64
+
+
+class Outbox:
+    """Messages owed to one client, coalesced; then how the call ends (None: OK, or an error)."""
+
+    def __init__(self) -> None:
+        self._credit = 0
+        self._ack: int | None = None
+        self._cancel: pb.Cancel | None = None
+        self._finished = False
+        self._end: ReceiverError | None = None
+        self._ready = asyncio.Event()
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def grant(self, n: int) -> None:
+        if not self._finished and self._cancel is None:
+            self._credit = min(MAX_DEMAND, self._credit + n)
+            self._ready.set()
+
+    def ack(self, durable_up_to: int) -> None:
+        if not self._finished:
+            self._ack = durable_up_to if self._ack is None else max(self._ack, durable_up_to)
+            self._ready.set()
+
+    def cancel(self, message: pb.Cancel) -> None:
+        if not self._finished and self._cancel is None:
+            self._cancel = message
+            self._credit = 0  # no credit after a cancel
+            self._ready.set()
+
+    def finish(self, error: ReceiverError | None = None) -> None:
+        """End the call after what is pending is sent; the first finish wins."""
+        if not self._finished:
+            self._finished = True
+            self._end = error
+            self._ready.set()
+
+    async def take(self) -> tuple[list[pb.PublishResponse], bool, ReceiverError | None]:
+        """Wait for news: (messages in order, whether the call ends now, the error it ends with)."""
+        await self._ready.wait()
+        self._ready.clear()
+        messages = []
+        if self._credit:
+            messages.append(pb.PublishResponse(request=pb.Request(n=self._credit)))
+            self._credit = 0
+        if self._ack is not None:
+            messages.append(pb.PublishResponse(ack=pb.Ack(durable_up_to=self._ack)))
+            self._ack = None
+        if self._cancel is not None:
+            messages.append(pb.PublishResponse(cancel=self._cancel))
+            self._cancel = pb.Cancel()  # sent; keep the slot taken so it is sent once
+        return messages, self._finished, self._end
+
+
+@dataclass(eq=False)
+class Session:
+    """One publisher session: what the receiver knows of it, and its outbox."""
+
+    id: int
+    stream: str
+    producer_id: str
+    next_seq: int
+    """Sequence number the next batch must start at."""
+    durable_up_to: int
+    """Every record with a lower sequence number is durable and acked."""
+    credit: int = 0
+    """Credit granted and not yet used."""
+    completed: bool = False
+    cancelled: bool = False
+    cancel_error: ReceiverError | None = None
+    """The status the call ends with once a cancelled session's accepted records are acked."""
+    outbox: Outbox = field(default_factory=Outbox)
+
+    @property
+    def ended(self) -> bool:
+        return self.outbox.finished
+
+    @property
+    def accepting(self) -> bool:
+        return not (self.completed or self.cancelled or self.ended)
