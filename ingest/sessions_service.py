@@ -9,6 +9,7 @@ import grpc
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import Receiver
+from receivers.session import SESSION_IDS
 
 _CANCELLED = grpc.StatusCode.CANCELLED.value[0]
 _VALID_CODES = {code.value[0] for code in grpc.StatusCode} - {grpc.StatusCode.OK.value[0]}
@@ -54,5 +55,7 @@ class SessionsService(pb_grpc.SessionsServicer):
                 if session.id == request.session_id:
                     reason = request.reason or "cancelled by an operator"
                     return pb.CancelSessionResponse(cancelled=receiver.cancel(session, code, reason))
-        await context.abort(grpc.StatusCode.NOT_FOUND, f"no open session with id {request.session_id}")
+        if SESSION_IDS.issued(request.session_id):
+            return pb.CancelSessionResponse(cancelled=False)  # it already ended: cancel is idempotent
+        await context.abort(grpc.StatusCode.NOT_FOUND, f"no session with id {request.session_id}")
         raise AssertionError("unreachable")  # pragma: no cover - abort raises

@@ -111,16 +111,14 @@ class PublishService(pb_grpc.IngestServicer):
     def _handle(request: pb.PublishRequest, receiver: Receiver, session: Session) -> None:
         """Feed one client message to the receiver; raise a ReceiverError to end the session."""
         kind = request.WhichOneof("kind")
+        if session.completed and kind in ("batch", "complete", "error"):
+            raise ProtocolViolation(f"{kind.capitalize()} after the publisher's Complete or Error (rule 1.7)")
         if kind == "batch":
-            if session.completed:
-                raise ProtocolViolation("Batch after Complete (rule 1.7)")
             records = decode_batch(request.batch, time.time_ns() // 1000)
             receiver.accept(session, request.batch.first_seq, records)
         elif kind == "complete":
             receiver.complete(session)
         elif kind == "error":
-            if session.completed:
-                raise ProtocolViolation("Error after Complete (rule 1.7)")
             log.warning(
                 "publisher %r on stream %r failed: %s (code %d)",
                 session.producer_id,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -30,7 +29,7 @@ from receivers.block import BlockInfo, check_stream_name
 from receivers.block_store import LocalBlockStore
 from receivers.errors import InvalidBatch, ProtocolViolation, ReceiverError, ReceiverStopped, SessionCancelled
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.session import MAX_DEMAND, Session
+from receivers.session import MAX_DEMAND, SESSION_IDS, Session
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +38,6 @@ MAX_CREDIT = MAX_DEMAND
 
 UNAVAILABLE = 14
 """gRPC status code for 'not accepted, safe to retry' (kept numeric: receivers do not import gRPC)."""
-
-_session_ids = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -206,7 +203,7 @@ class Receiver:
         """onSubscribe: a publisher opened a session; it gets its prefetch as far as the buffer allows."""
         if self._stopping:
             raise ReceiverStopped(f"receiver for stream {self.stream!r} is stopping; retry later")
-        session = Session(next(_session_ids), self.stream, producer_id, resume_from_seq, resume_from_seq)
+        session = Session(SESSION_IDS.next(), self.stream, producer_id, resume_from_seq, resume_from_seq)
         self._sessions.append(session)
         self.stats.sessions_opened += 1
         self._replenish()

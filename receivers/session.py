@@ -17,6 +17,24 @@ from receivers.pb.ingest.v1 import ingest_pb2 as pb
 MAX_DEMAND = 2**63 - 1  # rule 3.17; Request.n is an int64
 
 
+class SessionIds:
+    """Session ids of this process: 1, 2, 3, ... Knowing the last one issued tells an ended session
+    (cancel again: a no-op, rule 3.7) from one that never was (NOT_FOUND), without remembering any."""
+
+    def __init__(self) -> None:
+        self.last = 0
+
+    def next(self) -> int:
+        self.last += 1
+        return self.last
+
+    def issued(self, session_id: int) -> bool:
+        return 0 < session_id <= self.last
+
+
+SESSION_IDS = SessionIds()
+
+
 class Outbox:
     """Messages owed to one client, coalesced; then how the call ends (None: OK, or an error)."""
 

@@ -65,8 +65,7 @@ class RawPeer:
             while True:
                 response = await asyncio.wait_for(self.call.read(), 10)
                 if response is grpc.aio.EOF:
-                    await self.call  # raises with the status
-                    return grpc.StatusCode.OK, ""
+                    return await self.call.code(), await self.call.details() or ""
         return info.value.code(), info.value.details() or ""
 
     async def close(self) -> None:
@@ -127,7 +126,7 @@ async def test_producer_never_exceeds_credit(server: SluiceServer) -> None:
         ("unknown_stream", grpc.StatusCode.NOT_FOUND, "no stream named 'nope'"),
         ("gap", grpc.StatusCode.INVALID_ARGUMENT, "first_seq"),
         ("bad_offsets", grpc.StatusCode.INVALID_ARGUMENT, "value_offsets"),
-        ("after_complete", grpc.StatusCode.FAILED_PRECONDITION, "after Complete"),
+        ("after_complete", grpc.StatusCode.FAILED_PRECONDITION, "after the publisher's Complete"),
     ],
 )
 async def test_protocol_violations_get_precise_status(
