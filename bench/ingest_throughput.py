@@ -1,11 +1,16 @@
-"""Ingest throughput: one Producer into acked, durable blocks vs. a bare gRPC stream of the same batches.
+"""Ingest throughput, each variant against a bare gRPC stream of the same batches in the same run.
 
 Run: python bench/ingest_throughput.py [--records 2000000] [--record-bytes 100] [--batch 4096]
 
-Both servers run in a subprocess of their own (one core each side on a 2-core machine); the client runs
-here. The baseline is measured in the same run, so the ratio holds on a noisy machine where absolute
-numbers drift. Prints records/s for: raw gRPC (server only counts), Sluice with fsync per block (the
-default), Sluice without fsync, and the ratios.
+Servers run in a subprocess of their own (one core each side on a 2-core machine); the client runs here.
+Variants, from the transport's ceiling to the whole path:
+  bare gRPC             raw client sends one pre-encoded Batch over and over; the server only counts
+  credit, no store      the same raw client, but it waits for Request(n) credit, against the real
+                        receiver (decode, credit accounting, buffering, acks) with blocks discarded
+  producer, no store    the real Producer (batching, encoding) against the same
+  producer, no fsync    blocks written to disk, not fsynced
+  producer, fsync       the default: every block fsynced before its records are acked
+Ratios are against the bare stream measured in the same run, so they hold on a noisy machine.
 """
 
 from __future__ import annotations
@@ -13,17 +18,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing as mp
-import os
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
+import pyarrow as pa
 
 from ingest.client import Producer
 from ingest.config import ServeConfig
 from ingest.server import SluiceServer
+from receivers.block import BlockInfo
+from receivers.block_store import LocalBlockStore
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import ReceiverConfig
@@ -43,93 +51,133 @@ class RawIngest(pb_grpc.IngestServicer):
                 yield pb.PublishResponse(ack=pb.Ack(durable_up_to=seq))
 
 
-def serve(
-    kind: str, port_queue: mp.Queue, data_dir: str, fsync: bool, buffer: int, block_interval: float
-) -> None:  # type: ignore[type-arg]
+class NullStore(LocalBlockStore):
+    """Discards blocks: isolates the receiver's own cost from the disk's."""
+
+    def write(
+        self, stream: str, seq: int, first_offset: int, receiver: int, batches: Sequence[pa.RecordBatch]
+    ) -> tuple[BlockInfo, int]:
+        count = sum(b.num_rows for b in batches)
+        return BlockInfo(stream, seq, first_offset, count, receiver), sum(b.nbytes for b in batches)
+
+
+def serve(kind: str, ports: Any, data_dir: str, buffer: int, block_interval: float) -> None:
     async def main() -> None:
-        if kind == "raw":
+        if kind == "bare":
             server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MSG)])
             pb_grpc.add_IngestServicer_to_server(RawIngest(), server)
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
-            port_queue.put(port)
+            ports.put(port)
             await server.wait_for_termination()
-        else:
-            config = ServeConfig(
-                port=0,
-                metrics_port=None,
-                data_dir=Path(data_dir),
-                streams=("bench",),
-                fsync=fsync,
-                spark=False,
-                max_message_bytes=MAX_MSG,
-                receiver=ReceiverConfig(
-                    buffer_records=buffer, prefetch=buffer // 2, block_interval=block_interval
-                ),
-            )
-            sluice = SluiceServer(config)
-            await sluice.start()
-            port_queue.put(sluice.port)
-            await sluice.wait_stopped()
+            return
+        config = ServeConfig(
+            port=0,
+            metrics_port=None,
+            data_dir=Path(data_dir),
+            streams=("bench",),
+            fsync=kind == "fsync",
+            spark=False,
+            max_message_bytes=MAX_MSG,
+            receiver=ReceiverConfig(
+                buffer_records=buffer, prefetch=buffer // 2, block_interval=block_interval
+            ),
+        )
+        sluice = SluiceServer(config)
+        if kind == "null":
+            sluice.store.__class__ = NullStore  # same receivers, blocks discarded
+        await sluice.start()
+        ports.put(sluice.port)
+        await sluice.wait_stopped()
 
     asyncio.run(main())
 
 
-async def push_raw(target: str, records: int, batch: pb.Batch) -> float:
+async def push_raw(target: str, records: int, batch: pb.Batch, obey_credit: bool) -> float:
     async with grpc.aio.insecure_channel(
         target, options=[("grpc.max_send_message_length", MAX_MSG)]
     ) as channel:
         call = pb_grpc.IngestStub(channel).Publish()
         await call.write(pb.PublishRequest(open=pb.Open(stream="bench")))
-        started = time.perf_counter()
-        sent = 0
+        credit = 0
+        changed = asyncio.Event()
+        done = asyncio.Event()
 
         async def reader() -> None:
+            nonlocal credit
             async for response in call:
-                if response.ack.durable_up_to >= records:
+                if response.HasField("request"):
+                    credit += response.request.n
+                    changed.set()
+                elif response.ack.durable_up_to >= records:
+                    done.set()
                     return
 
         task = asyncio.create_task(reader())
-        request = pb.PublishRequest(batch=batch)
+        started = time.perf_counter()
+        sent = 0
         while sent < records:
+            count = min(batch.count, records - sent)
+            if obey_credit:
+                while credit < count:
+                    changed.clear()
+                    await changed.wait()
+                credit -= count
+            request = pb.PublishRequest(
+                batch=batch if count == batch.count else encode_batch(sent, [b"x"] * count)
+            )
+            request.batch.first_seq = sent
             await call.write(request)
-            sent += batch.count
-        await task
+            sent += count
+        await done.wait()
         elapsed = time.perf_counter() - started
         await call.done_writing()
+        await task
         return elapsed
 
 
-async def push_sluice(target: str, records: int, values: list[bytes], batch: int) -> float:
+async def push_producer(target: str, records: int, values: list[bytes], batch: int) -> float:
     async with Producer(target, "bench", batch_size=batch, batch_bytes=MAX_MSG // 2) as producer:
         started = time.perf_counter()
         sent = 0
         while sent < records:
-            await producer.send_many(values)
-            sent += len(values)
+            chunk = values[: records - sent]
+            await producer.send_many(chunk)
+            sent += len(chunk)
         await producer.flush(timeout=300)
         return time.perf_counter() - started
 
 
-def run(kind: str, args: argparse.Namespace, fsync: bool = True) -> float:
+def run(variant: str, args: argparse.Namespace) -> float:
+    kind = {"bare": "bare", "credit": "null", "null": "null", "nofsync": "nofsync", "fsync": "fsync"}[variant]
     ctx = mp.get_context("spawn")
-    ports: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
+    ports = ctx.Queue()
     with tempfile.TemporaryDirectory() as data_dir:
         proc = ctx.Process(
-            target=serve, args=(kind, ports, data_dir, fsync, args.buffer, args.block_interval), daemon=True
+            target=serve, args=(kind, ports, data_dir, args.buffer, args.block_interval), daemon=True
         )
         proc.start()
         try:
             target = f"127.0.0.1:{ports.get(timeout=60)}"
-            values = [os.urandom(args.record_bytes // 2).hex().encode()[: args.record_bytes]] * args.batch
-            if kind == "raw":
-                elapsed = asyncio.run(push_raw(target, args.records, encode_batch(0, values)))
+            values = [b"v" * args.record_bytes] * args.batch
+            if variant in ("bare", "credit"):
+                batch = encode_batch(0, values)
+                elapsed = asyncio.run(push_raw(target, args.records, batch, obey_credit=variant == "credit"))
             else:
-                elapsed = asyncio.run(push_sluice(target, args.records, values, args.batch))
+                elapsed = asyncio.run(push_producer(target, args.records, values, args.batch))
         finally:
             proc.terminate()
             proc.join(10)
     return args.records / elapsed
+
+
+VARIANTS = {
+    "bare": "bare gRPC",
+    "credit": "credit, no store",
+    "null": "producer, no store",
+    "nofsync": "producer, no fsync",
+    "fsync": "producer, fsync",
+}
 
 
 def main() -> None:
@@ -138,26 +186,18 @@ def main() -> None:
     parser.add_argument("--record-bytes", type=int, default=100)
     parser.add_argument("--batch", type=int, default=4096, help="records per Batch message")
     parser.add_argument(
-        "--buffer",
-        type=int,
-        default=ReceiverConfig().buffer_records,
-        help="receiver buffer_records (default: the server's default)",
+        "--buffer", type=int, default=ReceiverConfig().buffer_records, help="receiver buffer_records"
     )
     parser.add_argument("--block-interval", type=float, default=ReceiverConfig().block_interval)
     parser.add_argument("--repeat", type=int, default=2, help="runs of each; the best counts")
+    parser.add_argument("--only", choices=sorted(VARIANTS), action="append", help="run only these (and bare)")
     args = parser.parse_args()
-    results: dict[str, float] = {}
-    for name, kind, fsync in [
-        ("raw gRPC", "raw", True),
-        ("sluice (fsync)", "sluice", True),
-        ("sluice (no fsync)", "sluice", False),
-    ]:
-        results[name] = max(run(kind, args, fsync) for _ in range(args.repeat))
-    raw = results["raw gRPC"]
+    chosen = ["bare", *[v for v in VARIANTS if v != "bare" and (not args.only or v in args.only)]]
+    results = {v: max(run(v, args) for _ in range(args.repeat)) for v in chosen}
     head = f"{args.records:,} records of {args.record_bytes} B, {args.batch} records/batch"
-    print(f"{head}, best of {args.repeat}")
-    for name, rate in results.items():
-        print(f"  {name:<18} {rate:>12,.0f} rec/s   {rate / raw:6.1%} of raw")
+    print(f"{head}, buffer {args.buffer:,}, best of {args.repeat}")
+    for variant, rate in results.items():
+        print(f"  {VARIANTS[variant]:<20} {rate:>12,.0f} rec/s   {rate / results['bare']:6.1%} of bare gRPC")
 
 
 if __name__ == "__main__":

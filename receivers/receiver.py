@@ -52,6 +52,9 @@ class ReceiverConfig:
     """Credit a session is topped up to (the first grant too), as far as the buffer allows."""
     low_tide: int | None = None
     """A session is topped up when its unused credit falls to this; None: half of prefetch."""
+    block_records: int | None = None
+    """Seal early once this many records wait, so under load the buffer cycles faster than the
+    interval (like Kafka's batch.size next to linger.ms); None: a quarter of buffer_records."""
     credit_tick: float = 0.05
     """Seconds between credit refills when the rate, not the buffer, limits credit."""
     receiver_id: int = 0
@@ -66,8 +69,14 @@ class ReceiverConfig:
             raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
         if self.low_tide is not None and not 0 <= self.low_tide < self.prefetch:
             raise ValueError(f"low_tide must be in [0, prefetch), got {self.low_tide}")
+        if self.block_records is not None and self.block_records < 1:
+            raise ValueError(f"block_records must be >= 1, got {self.block_records}")
         if not self.credit_tick > 0:
             raise ValueError(f"credit_tick must be > 0 seconds, got {self.credit_tick}")
+
+    @property
+    def seal_at(self) -> int:
+        return max(1, self.buffer_records // 4) if self.block_records is None else self.block_records
 
     @property
     def refill_at(self) -> int:
@@ -121,6 +130,8 @@ class Receiver:
         self._sessions: list[Session] = []
         self._rotation = 0
         self._pending: list[_Chunk] = []
+        self._pending_records = 0
+        self._seal_wanted = asyncio.Event()
         self._buffered = 0
         self._outstanding = 0
         self._next_block_seq, self._next_offset = store.recover(self.stream)
@@ -233,6 +244,9 @@ class Receiver:
         session.next_seq += count
         self._buffered += count
         self._pending.append(_Chunk(records, session, session.next_seq))
+        self._pending_records += count
+        if self._pending_records >= self.config.seal_at:
+            self._seal_wanted.set()
         self.stats.records_received += count
         self.stats.batches_received += 1
         self.tap.on_next(records)
@@ -321,17 +335,23 @@ class Receiver:
     async def _run(self) -> None:
         next_seal = self._clock() + self.config.block_interval
         while True:
-            now = self._clock()
-            await asyncio.sleep(max(0.0, min(self.config.credit_tick, next_seal - now)))
-            if self._clock() >= next_seal:
-                next_seal += self.config.block_interval
-                await self._seal()
+            wait = max(0.0, min(self.config.credit_tick, next_seal - self._clock()))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._seal_wanted.wait(), wait)
+            if self._seal_wanted.is_set() or self._clock() >= next_seal:
+                self._seal_wanted.clear()
+                sealed = await self._seal()
+                next_seal = self._clock() + self.config.block_interval
+                if sealed and self._pending_records >= self.config.seal_at:
+                    self._seal_wanted.set()  # more piled up during the write; a failed write waits
             self._replenish()
 
-    async def _seal(self) -> None:
+    async def _seal(self) -> bool:
+        """Seal what is pending into a durable block and ack it; False if the write failed."""
         if not self._pending:
-            return
+            return True
         chunks, self._pending = self._pending, []
+        self._pending_records = 0
         try:
             info, size = await asyncio.to_thread(
                 self.store.write,
@@ -346,7 +366,8 @@ class Receiver:
             log.exception("writing block %d of stream %r failed", self._next_block_seq, self.stream)
             self.stats.block_write_errors += 1
             self._pending = chunks + self._pending
-            return
+            self._pending_records = sum(c.records.num_rows for c in self._pending)
+            return False
         self._next_block_seq += 1
         self._next_offset += info.count
         self._buffered -= info.count
@@ -363,3 +384,4 @@ class Receiver:
         for callback in self._sealed:
             callback(info)
         self._replenish()
+        return True

@@ -124,3 +124,29 @@ async def test_the_tap_sees_every_accepted_batch(server: SluiceServer) -> None:
         subscription.dispose()
     values = [v for batch in seen for v in batch.column("value").to_pylist()]
     assert values == [str(i).encode() for i in range(1_000)]
+
+
+async def test_failed_block_writes_are_retried_and_nothing_is_lost(server: SluiceServer) -> None:
+    receiver = server.receivers["s"]
+    write = receiver.store.write
+    failures = 3
+
+    def flaky_write(*args: Any) -> Any:
+        nonlocal failures
+        if failures:
+            failures -= 1
+            raise OSError(28, "No space left on device")
+        return write(*args)
+
+    receiver.store.write = flaky_write  # type: ignore[method-assign]
+    async with Producer(server.target, "s", linger=0) as producer:
+        await producer.send_many([str(i).encode() for i in range(3_000)])
+        await producer.flush(timeout=30)
+    assert receiver.stats.block_write_errors == 3
+    values = [
+        v
+        for b in receiver.store.blocks("s")
+        for rb in receiver.store.read(b)
+        for v in rb.column("value").to_pylist()
+    ]
+    assert values == [str(i).encode() for i in range(3_000)]
