@@ -90,6 +90,24 @@ def _parser() -> argparse.ArgumentParser:
         default=500_000,
         help="records buffered + credit outstanding per stream (default: %(default)s)",
     )
+    serve.add_argument(
+        "--prefetch",
+        type=int,
+        default=None,
+        help="credit a session is topped up to (default: half the buffer)",
+    )
+    serve.add_argument(
+        "--low-tide",
+        type=int,
+        default=None,
+        help="top a session up when its credit falls to this (default: half the prefetch)",
+    )
+    serve.add_argument(
+        "--block-records",
+        type=int,
+        default=None,
+        help="seal a block early once this many records wait (default: a quarter of the buffer)",
+    )
     serve.add_argument("--master", default="local[*]", help="Spark master (default: %(default)s)")
     serve.add_argument(
         "--pipeline",
@@ -165,7 +183,9 @@ def _serve(args: argparse.Namespace) -> int:
             receiver=ReceiverConfig(
                 block_interval=args.block_interval,
                 buffer_records=args.buffer_records,
-                prefetch=max(1, args.buffer_records // 2),
+                prefetch=args.prefetch or max(1, args.buffer_records // 2),
+                low_tide=args.low_tide,
+                block_records=args.block_records,
             ),
             fsync=not args.no_fsync,
             master=args.master,
