@@ -28,8 +28,9 @@ from ratecontrol import UNLIMITED, TokenBucket
 from receivers.block import BlockInfo, check_stream_name
 from receivers.block_store import LocalBlockStore
 from receivers.errors import InvalidBatch, ProtocolViolation, ReceiverError, ReceiverStopped, SessionCancelled
+from receivers.flow import MAX_DEMAND
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.session import MAX_DEMAND, SESSION_IDS, Session
+from receivers.session import SESSION_IDS, Session
 
 log = logging.getLogger(__name__)
 

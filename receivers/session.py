@@ -12,9 +12,8 @@ import asyncio
 from dataclasses import dataclass, field
 
 from receivers.errors import ReceiverError
+from receivers.flow import MAX_DEMAND
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
-
-MAX_DEMAND = 2**63 - 1  # rule 3.17; Request.n is an int64
 
 
 class SessionIds:
@@ -42,6 +41,7 @@ class Outbox:
         self._credit = 0
         self._ack: int | None = None
         self._cancel: pb.Cancel | None = None
+        self._cancelled = False
         self._finished = False
         self._end: ReceiverError | None = None
         self._ready = asyncio.Event()
@@ -51,7 +51,7 @@ class Outbox:
         return self._finished
 
     def grant(self, n: int) -> None:
-        if not self._finished and self._cancel is None:
+        if not self._finished and not self._cancelled:
             self._credit = min(MAX_DEMAND, self._credit + n)
             self._ready.set()
 
@@ -61,7 +61,8 @@ class Outbox:
             self._ready.set()
 
     def cancel(self, message: pb.Cancel) -> None:
-        if not self._finished and self._cancel is None:
+        if not self._finished and not self._cancelled:
+            self._cancelled = True
             self._cancel = message
             self._credit = 0  # no credit after a cancel
             self._ready.set()
@@ -86,7 +87,7 @@ class Outbox:
             self._ack = None
         if self._cancel is not None:
             messages.append(pb.PublishResponse(cancel=self._cancel))
-            self._cancel = pb.Cancel()  # sent; keep the slot taken so it is sent once
+            self._cancel = None  # sent once: _cancelled keeps it from coming back
         return messages, self._finished, self._end
 
 

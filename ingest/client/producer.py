@@ -13,7 +13,7 @@ import contextlib
 import enum
 import uuid
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
 import grpc
@@ -78,6 +78,7 @@ class Producer:
         self._error: SluiceError | None = None
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._room_listeners: list[Callable[[], None]] = []
         self._write_lock = asyncio.Lock()  # grpc.aio allows one write at a time per call
         self.cancel_reason: str | None = None
         """Why the server cancelled the session, if it did."""
@@ -231,6 +232,28 @@ class Producer:
         if len(self._values) >= self.batch_size or self._buffered_bytes >= self.batch_bytes:
             self._wake()
 
+    @property
+    def room(self) -> int:
+        """Records the local buffer takes now without waiting; -1 before start or after close."""
+        if self._state is not _State.OPEN or self._error is not None:
+            return -1
+        return self.max_buffered - len(self._values)
+
+    def offer(self, value: bytes, key: bytes | None = None) -> None:
+        """Queue one record without waiting; raise BufferError when the buffer is full.
+
+        For code that manages demand itself (ingest.client.flow): it asks only for `room` records.
+        """
+        self._check_open()
+        if len(self._values) >= self.max_buffered:
+            raise BufferError(f"producer buffer is full ({self.max_buffered} records); wait for room")
+        self._append(value, key)
+
+    def on_room(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call `callback` whenever records leave the local buffer; returns a function that unregisters."""
+        self._room_listeners.append(callback)
+        return lambda: self._room_listeners.remove(callback)
+
     async def _room_for(self, n: int) -> None:
         self._check_open()
         while len(self._values) + n > self.max_buffered:
@@ -293,6 +316,8 @@ class Producer:
             self._credit -= n
             self._sent_seq += n
             self._wake()  # room in the buffer
+            for listener in list(self._room_listeners):
+                listener()
             try:
                 async with self._write_lock:
                     await self._call.write(pb.PublishRequest(batch=batch))

@@ -9,8 +9,10 @@ on the same server keeps working. Rules with no wire meaning are skipped with th
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -181,17 +183,37 @@ async def test_required_spec201_demand_is_signalled_after_open(peer: RawPeer) ->
 async def test_required_spec208_records_in_flight_after_cancel_are_not_accepted(
     server: SluiceServer, peer: RawPeer
 ) -> None:
-    await peer.open()
-    await peer.batch(5)
-    await peer.expect("ack")
-    session = server.receivers["events"].sessions[-1]
-    assert server.receivers["events"].cancel(session, 10, "operator says stop")
-    await peer.batch(7)  # was in flight: within credit, but after the Cancel
+    receiver = server.receivers["events"]
+    gate = threading.Event()  # hold block writes, so the cancelled session cannot settle early
+    write = receiver.store.write
+
+    def held_write(*args: Any) -> Any:
+        gate.wait(30)
+        return write(*args)
+
+    receiver.store.write = held_write  # type: ignore[method-assign]
+    try:
+        await peer.open()
+        await peer.batch(5)
+        await until(lambda: receiver.stats.records_received >= 15)  # the bystander's 10, then these 5
+        session = next(s for s in receiver.sessions if s.producer_id == "raw")
+        assert receiver.cancel(session, 10, "operator says stop")
+        await peer.batch(7)  # was in flight: within credit, but after the Cancel
+        await until(lambda: receiver.stats.records_not_accepted == 7)
+    finally:
+        gate.set()
     code, details, seen = await peer.end()
     cancels = [m.cancel for m in seen if m.HasField("cancel")]
     assert [(c.code, c.reason, c.accepted_up_to) for c in cancels] == [(10, "operator says stop", 5)]
+    assert [m.ack.durable_up_to for m in seen if m.HasField("ack")][-1] == 5  # accepted, then acked
     assert code == grpc.StatusCode.ABORTED and details == "operator says stop"
-    assert server.receivers["events"].stats.records_not_accepted == 7
+
+
+async def until(condition: Callable[[], bool], timeout: float = 10) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
 
 
 async def test_required_spec212_open_exactly_once(peer: RawPeer) -> None:

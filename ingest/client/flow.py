@@ -1,0 +1,119 @@
+"""A Producer fed by a Flow Publisher: in-process Reactive Streams in, the Flow contract on the wire out.
+
+`publish(producer, publisher)` subscribes a bridge to `publisher` and asks it for records only as fast as
+the producer can take them: demand is the room in the producer's bounded buffer, which empties only as
+the server grants credit. So backpressure runs from the server's receiver through the wire to the
+upstream publisher, with no unbounded queue anywhere.
+
+Items are a value (bytes) or a (key, value) pair.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TypeAlias
+
+from ingest.client.producer import Producer
+from ingest.errors import ProducerClosedError, SluiceError
+from receivers.flow import Publisher, Subscription
+
+__all__ = ["Record", "publish"]
+
+log = logging.getLogger(__name__)
+
+Record: TypeAlias = bytes | tuple[bytes | None, bytes]
+
+
+class _Bridge:
+    """The Flow Subscriber between an upstream Publisher and a Producer."""
+
+    def __init__(self, producer: Producer) -> None:
+        self._producer = producer
+        self._subscription: Subscription | None = None
+        self._requested = 0  # asked for, not yet delivered
+        self.count = 0
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    # ---- Subscriber ------------------------------------------------------------------------------
+
+    def on_subscribe(self, subscription: Subscription) -> None:
+        if self._subscription is not None:  # rule 2.5: a second subscription is cancelled
+            subscription.cancel()
+            return
+        self._subscription = subscription
+        self.top_up()
+
+    def on_next(self, item: Record) -> None:
+        self._requested -= 1
+        try:
+            if isinstance(item, tuple):
+                key, value = item
+                self._producer.offer(value, key)
+            else:
+                self._producer.offer(item)
+        except BufferError:
+            self._cancel()
+            self._finish(RuntimeError("the publisher sent more items than were requested (rule 1.1)"))
+            return
+        except (SluiceError, TypeError, ValueError) as exc:
+            # the producer failed, or the item is not a record: stop the upstream (rule 2.13 for the
+            # item's fault) and report it
+            self._cancel()
+            self._finish(exc)
+            return
+        self.count += 1
+
+    def on_error(self, error: BaseException) -> None:
+        self._finish(error)
+
+    def on_complete(self) -> None:
+        self._finish(None)
+
+    # ---- demand --------------------------------------------------------------------------------
+
+    def top_up(self) -> None:
+        """Request what the producer's buffer has room for, less what is already requested."""
+        if self._subscription is None or self.done.done():
+            return
+        room = self._producer.room - self._requested
+        # ask in chunks, not one record at a time: half the buffer's worth, or whatever is left of it
+        if room > 0 and (room >= self._producer.max_buffered // 2 or self._requested == 0):
+            self._requested += room
+            self._subscription.request(room)
+
+    def _cancel(self) -> None:
+        if self._subscription is not None:
+            self._subscription.cancel()
+
+    def _finish(self, error: BaseException | None) -> None:
+        if self.done.done():
+            return
+        if error is None:
+            self.done.set_result(None)
+        else:
+            self.done.set_exception(error)
+
+
+async def publish(
+    producer: Producer, publisher: Publisher[Record], *, flush_timeout: float | None = None
+) -> int:
+    """Send everything `publisher` emits through `producer`; return how many records once all are acked.
+
+    Raises the publisher's error if it fails (what it emitted before is still sent), or the producer's
+    error. Cancelling the call cancels the upstream subscription.
+    """
+    if producer.room < 0:
+        raise ProducerClosedError("producer not started")
+    bridge = _Bridge(producer)
+    remove = producer.on_room(bridge.top_up)
+    try:
+        publisher.subscribe(bridge)
+        await bridge.done
+    except BaseException:
+        bridge._cancel()
+        raise
+    finally:
+        remove()
+    await producer.flush(flush_timeout)
+    return bridge.count

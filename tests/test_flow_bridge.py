@@ -1,0 +1,125 @@
+"""Flow publishers in process, through a Producer, over the wire to a real server: backpressure end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import reactivex
+
+from ingest.client import Producer
+from ingest.client.flow import publish
+from ingest.config import ServeConfig
+from ingest.server import SluiceServer
+from receivers.publishers import BufferOverflowError, IterablePublisher, OverflowStrategy
+from receivers.receiver import ReceiverConfig
+from receivers.rx import from_observable
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[SluiceServer]:
+    config = ServeConfig(
+        port=0,
+        metrics_port=None,
+        data_dir=tmp_path,
+        streams=("s",),
+        receiver=ReceiverConfig(block_interval=0.02, buffer_records=5_000, prefetch=1_000),
+        spark=False,
+    )
+    srv = SluiceServer(config)
+    await srv.start()
+    try:
+        yield srv
+    finally:
+        await srv.stop(grace=1)
+
+
+def stored(server: SluiceServer) -> list[tuple[bytes | None, bytes]]:
+    store = server.store
+    return [
+        (row["key"], row["value"])
+        for block in store.blocks("s")
+        for batch in store.read(block)
+        for row in batch.select(["key", "value"]).to_pylist()
+    ]
+
+
+async def test_an_iterable_publisher_is_sent_in_order_and_acked(server: SluiceServer) -> None:
+    records = [f"r{i}".encode() for i in range(20_000)]
+    async with Producer(server.target, "s", linger=0, max_buffered=2_000, batch_size=500) as producer:
+        count = await publish(producer, IterablePublisher(records), flush_timeout=30)
+        assert count == 20_000 and producer.acked == 20_000
+    assert stored(server) == [(None, r) for r in records]
+
+
+async def test_keyed_records_from_an_async_iterable(server: SluiceServer) -> None:
+    async def source() -> AsyncIterator[tuple[bytes | None, bytes]]:
+        for i in range(100):
+            yield (b"k" if i % 2 else None, str(i).encode())
+
+    async with Producer(server.target, "s", linger=0) as producer:
+        assert await publish(producer, IterablePublisher(source()), flush_timeout=10) == 100
+    assert stored(server) == [(b"k" if i % 2 else None, str(i).encode()) for i in range(100)]
+
+
+async def test_the_upstream_is_pulled_only_as_fast_as_the_server_grants(server: SluiceServer) -> None:
+    server.receivers["s"].set_rate(2_000)
+    pulled = 0
+
+    def endless() -> Iterator[bytes]:
+        nonlocal pulled
+        for i in itertools.count():
+            pulled += 1
+            yield str(i).encode()
+
+    async with Producer(server.target, "s", linger=0, max_buffered=1_000, batch_size=100) as producer:
+        sending = asyncio.create_task(publish(producer, IterablePublisher(endless())))
+        await asyncio.sleep(1.5)
+        # pulled = sent + what waits in the producer's bounded buffer; sent is bounded by the rate
+        assert pulled <= producer.sent + producer.max_buffered + 1
+        assert producer.sent <= 2_000 * 1.5 + 1_000  # rate x time + one burst of credit
+        sending.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await sending
+        await producer.abort()
+
+
+async def test_a_failing_publisher_fails_publish_after_sending_what_came_before(server: SluiceServer) -> None:
+    def broken() -> Iterator[bytes]:
+        yield b"a"
+        yield b"b"
+        raise ValueError("source broke")
+
+    async with Producer(server.target, "s", linger=0) as producer:
+        with pytest.raises(ValueError, match="source broke"):
+            await publish(producer, IterablePublisher(broken()))
+        await producer.flush(timeout=10)
+    assert stored(server) == [(None, b"a"), (None, b"b")]
+
+
+async def test_an_observable_through_a_bounded_buffer_counts_its_drops(server: SluiceServer) -> None:
+    dropped: list[int] = []
+    # a burst of 1,000 items against a demand of 100 (the producer's buffer) and a buffer of 10
+    source = from_observable(
+        reactivex.from_iterable([str(i).encode() for i in range(1_000)]),
+        capacity=10,
+        overflow=OverflowStrategy.DROP_OLDEST,
+        on_drop=dropped.append,
+    )
+    async with Producer(server.target, "s", linger=0, max_buffered=100, batch_size=50) as producer:
+        count = await publish(producer, source, flush_timeout=10)
+    assert count + sum(dropped) == 1_000
+    assert sum(dropped) > 0
+    values = [v for _, v in stored(server)]
+    assert values == sorted(values, key=int) and values[-1] == b"999"
+
+
+async def test_an_observable_overflowing_with_error_fails_publish(server: SluiceServer) -> None:
+    source = from_observable(reactivex.from_iterable([b"x"] * 1_000), capacity=10)
+    async with Producer(server.target, "s", linger=0, max_buffered=100, batch_size=50) as producer:
+        with pytest.raises(BufferOverflowError):
+            await publish(producer, source)
+        await producer.flush(timeout=10)
