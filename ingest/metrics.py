@@ -36,6 +36,14 @@ class SluiceCollector(Collector):
             "credit_granted": ("Credit granted to publishers (records).", lambda r: r.stats.credit_granted),
             "sessions_opened": ("Publisher sessions opened.", lambda r: r.stats.sessions_opened),
             "sessions_failed": ("Publisher sessions ended by an error.", lambda r: r.stats.sessions_failed),
+            "sessions_cancelled": (
+                "Publisher sessions cancelled by the server (stop, operator).",
+                lambda r: r.stats.sessions_cancelled,
+            ),
+            "records_not_accepted": (
+                "Records that arrived after their session was cancelled (the client resends them).",
+                lambda r: r.stats.records_not_accepted,
+            ),
         }
         gauges: dict[str, tuple[str, Callable[[Receiver], float]]] = {
             "credit_outstanding": (

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 import reactivex
+from prometheus_client import REGISTRY
 
 from ingest.client import Producer
+from ingest.client.flow import from_observable as counted_from_observable
 from ingest.client.flow import publish
 from ingest.config import ServeConfig
 from ingest.server import SluiceServer
@@ -115,6 +117,22 @@ async def test_an_observable_through_a_bounded_buffer_counts_its_drops(server: S
     assert sum(dropped) > 0
     values = [v for _, v in stored(server)]
     assert values == sorted(values, key=int) and values[-1] == b"999"
+
+
+async def test_drops_are_counted_in_the_client_metrics(server: SluiceServer) -> None:
+    def counted() -> float:
+        return (
+            REGISTRY.get_sample_value("sluice_client_records_dropped_total", {"overflow": "DROP_LATEST"})
+            or 0.0
+        )
+
+    before = counted()
+    source = counted_from_observable(
+        reactivex.from_iterable([b"d"] * 500), capacity=5, overflow=OverflowStrategy.DROP_LATEST
+    )
+    async with Producer(server.target, "s", linger=0, max_buffered=50, batch_size=50) as producer:
+        count = await publish(producer, source, flush_timeout=10)
+    assert counted() - before == 500 - count > 0
 
 
 async def test_an_observable_overflowing_with_error_fails_publish(server: SluiceServer) -> None:

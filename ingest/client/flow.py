@@ -14,11 +14,16 @@ import asyncio
 import logging
 from typing import TypeAlias
 
+from reactivex import Observable
+
+from ingest.client.metrics import RECORDS_DROPPED
 from ingest.client.producer import Producer
 from ingest.errors import ProducerClosedError, SluiceError
 from receivers.flow import Publisher, Subscription
+from receivers.publishers import OverflowStrategy
+from receivers.rx import from_observable as _from_observable
 
-__all__ = ["Record", "publish"]
+__all__ = ["Record", "from_observable", "publish"]
 
 log = logging.getLogger(__name__)
 
@@ -117,3 +122,11 @@ async def publish(
         remove()
     await producer.flush(flush_timeout)
     return bridge.count
+
+
+def from_observable(
+    observable: Observable[Record], *, capacity: int, overflow: OverflowStrategy = OverflowStrategy.ERROR
+) -> Publisher[Record]:
+    """receivers.rx.from_observable with its drops counted in `sluice_client_records_dropped_total`."""
+    dropped = RECORDS_DROPPED.labels(overflow=overflow.name)
+    return _from_observable(observable, capacity=capacity, overflow=overflow, on_drop=dropped.inc)
