@@ -104,11 +104,15 @@ def test_serve_and_push_subprocesses(tmp_path: Path) -> None:
             assert serve.poll() is None, "serve exited"
             time.sleep(1)
         assert sorted(sink_values(data / "sink")) == expected
-        metrics = (
-            urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-        )
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        metrics = urllib.request.urlopen(url, timeout=10).read().decode()
         assert 'sluice_records_received_total{stream="default"} 20002.0' in metrics
-        assert re.search(r"^sluice_batches_completed_total [1-9]", metrics, re.M)
+        # progress events reach the listener asynchronously, possibly after the sink shows the rows
+        deadline = time.monotonic() + 60
+        while not re.search(r"^sluice_batches_completed_total [1-9]", metrics, re.M):
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.5)
+            metrics = urllib.request.urlopen(url, timeout=10).read().decode()
         rate = sluice("rate", "set", "5000", "--target", target)
         assert rate.returncode == 0, rate.stderr.decode()
         assert sluice("rate", "get", "--target", target).stdout.decode().split() == [
