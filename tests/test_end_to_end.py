@@ -66,6 +66,9 @@ async def test_100k_records_reach_the_parquet_sink_exactly(spark: Any, tmp_path:
         assert [bytes(r["value"]) for r in rows] == values
         assert [None if r["key"] is None else bytes(r["key"]) for r in rows] == keys
         assert {r["stream"] for r in rows} == {"events"}
+        deadline = time.monotonic() + 30  # progress events reach the listener asynchronously
+        while driver.batches_completed < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
         assert driver.batches_completed >= 1
         # Spark commits a batch's offsets when it plans the next batch with data; then the blocks the
         # committed batch covered leave the store
