@@ -1,15 +1,18 @@
 """The receiver of one stream: grants credit, takes batches, seals blocks, acks durable records.
 
-Flow roles: the receiver is the Subscriber of every publisher session on its stream; each session is a
-Subscription (receivers.session). Demand policy: a session gets `prefetch` credits when it opens and is
-topped up to `prefetch` whenever its unused credit falls to `low_tide`. All of it is bounded by the
-buffer: records buffered (taken, not yet in a durable block) plus credit outstanding never exceed
-`buffer_records`; credit returns to the pool as records leave the buffer for durable blocks, and a
-token bucket meters it at the stream's rate. Sessions are topped up in rotating order, so a fast
-publisher cannot starve a slow one.
+Flow roles: the receiver is the Subscriber of every publisher session on its stream, and each session a
+Subscription (`subscription(session)` gives it as one): Open is onSubscribe (`open_session`), each record
+of a Batch an onNext (`accept`), Complete and Error are onComplete and onError (`complete`, `fail`);
+request(n) goes out as Request(n), cancel() as Cancel.
 
-Every `block_interval` the block generator seals what was taken into one block, writes it durably to the
-block store, then acks each session up to its last record in the block.
+Demand policy: a session gets `prefetch` credits when it opens and is topped up to `prefetch` whenever
+its unused credit falls to `low_tide`. All of it is bounded by the buffer: records buffered (taken, not
+yet in a durable block) plus credit outstanding never exceed `buffer_records`; credit returns to the pool
+as records leave the buffer for durable blocks, and a token bucket meters it at the stream's rate.
+Sessions are topped up in rotating order, so a fast publisher cannot starve a slow one.
+
+Every `block_interval` (or sooner, once `block_records` wait) the block generator seals what was taken
+into one block, writes it durably to the block store, then acks each session up to its last record in it.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from ratecontrol import UNLIMITED, TokenBucket
 from receivers.block import BlockInfo, check_stream_name
 from receivers.block_store import LocalBlockStore
 from receivers.errors import InvalidBatch, ProtocolViolation, ReceiverError, ReceiverStopped, SessionCancelled
-from receivers.flow import MAX_DEMAND
+from receivers.flow import MAX_DEMAND, Subscription
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.session import SESSION_IDS, Session
 
@@ -39,6 +42,7 @@ MAX_CREDIT = MAX_DEMAND
 
 UNAVAILABLE = 14
 """gRPC status code for 'not accepted, safe to retry' (kept numeric: receivers do not import gRPC)."""
+CANCELLED = 1
 
 
 @dataclass(frozen=True)
@@ -323,13 +327,21 @@ class Receiver:
             grant = self._bucket.take(min(prefetch - session.credit, free), now)
             if grant <= 0:
                 break
-            session.credit += grant
-            self._outstanding += grant
+            self._grant(session, grant)
             free -= grant
-            self.stats.credit_granted += grant
-            session.outbox.grant(grant)
             if free <= 0:
                 break
+
+    def _grant(self, session: Session, n: int) -> None:
+        session.credit = min(MAX_DEMAND, session.credit + n)
+        self._outstanding += n
+        self.stats.credit_granted += n
+        session.outbox.grant(n)
+
+    def subscription(self, session: Session) -> Subscription:
+        """`session` as a Flow Subscription: request(n) sends Request(n) beyond the demand policy (an
+        operator's or a test's override; the buffer bound then no longer holds), cancel() sends Cancel."""
+        return _SessionSubscription(self, session)
 
     # ---- block generator -----------------------------------------------------------------------
 
@@ -386,3 +398,20 @@ class Receiver:
             callback(info)
         self._replenish()
         return True
+
+
+class _SessionSubscription:
+    """A publisher session seen through the Flow Subscription interface (rules 3.5-3.9, 3.17)."""
+
+    def __init__(self, receiver: Receiver, session: Session) -> None:
+        self._receiver = receiver
+        self._session = session
+
+    def request(self, n: int) -> None:
+        if n <= 0:  # rule 3.9: a protocol error of the subscriber's, reported to it
+            raise ValueError(f"request({n}): n must be > 0 (rule 3.9)")
+        if self._session.accepting:  # rule 3.6: a no-op after cancel or the end
+            self._receiver._grant(self._session, n)
+
+    def cancel(self) -> None:
+        self._receiver.cancel(self._session, CANCELLED, "cancelled")

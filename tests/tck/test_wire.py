@@ -21,6 +21,7 @@ from ingest.client import Producer
 from ingest.config import ServeConfig
 from ingest.errors import ProtocolError, RPCError
 from ingest.server import SluiceServer
+from receivers.flow import Subscription
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import MAX_CREDIT, ReceiverConfig
@@ -253,6 +254,26 @@ async def test_required_spec306_no_demand_after_cancel(server: SluiceServer, pee
     kinds = [m.WhichOneof("kind") for m in seen]
     assert "cancel" in kinds
     assert "request" not in kinds[kinds.index("cancel") :]
+
+
+async def test_required_spec308_server_subscription_request_and_cancel_go_over_the_wire(
+    server: SluiceServer, peer: RawPeer
+) -> None:
+    granted = await peer.open()
+    receiver = server.receivers["events"]
+    session = next(s for s in receiver.sessions if s.producer_id == "raw")
+    subscription: Subscription = receiver.subscription(session)  # the Flow interface, type-checked
+    subscription.request(7)
+    assert (await peer.expect("request")).request.n == 7  # cumulative: on top of the prefetch
+    assert session.credit == granted + 7
+    with pytest.raises(ValueError, match=r"rule 3\.9"):
+        subscription.request(0)
+    subscription.cancel()
+    subscription.cancel()  # rule 3.7
+    subscription.request(5)  # rule 3.6: a no-op after cancel
+    code, _, seen = await peer.end()
+    assert [m.WhichOneof("kind") for m in seen] == ["cancel"]
+    assert code == grpc.StatusCode.CANCELLED
 
 
 async def test_required_spec_sequence_repeat_or_backwards_is_invalid_argument(peer: RawPeer) -> None:
