@@ -5,42 +5,22 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pytest
+from support import running_server, wait_until
 
 from ingest.client import Producer
-from ingest.config import ServeConfig
 from ingest.server import SluiceServer
-from receivers.receiver import ReceiverConfig
-
-
-async def wait_until(condition: Callable[[], bool], timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
 async def server(tmp_path: Path) -> AsyncIterator[SluiceServer]:
-    config = ServeConfig(
-        port=0,
-        metrics_port=None,
-        data_dir=tmp_path,
-        streams=("s",),
-        receiver=ReceiverConfig(block_interval=0.02, buffer_records=2_000, prefetch=500, low_tide=100),
-        spark=False,
-    )
-    srv = SluiceServer(config)
-    await srv.start()
-    try:
+    async with running_server(tmp_path, buffer_records=2_000, prefetch=500, low_tide=100) as srv:
         yield srv
-    finally:
-        await srv.stop(grace=1)
 
 
 async def test_prefetch_is_the_first_grant_and_refills_at_low_tide(server: SluiceServer) -> None:

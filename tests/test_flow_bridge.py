@@ -10,33 +10,20 @@ from pathlib import Path
 import pytest
 import reactivex
 from prometheus_client import REGISTRY
+from support import running_server
 
 from ingest.client import Producer
 from ingest.client.flow import from_observable as counted_from_observable
 from ingest.client.flow import publish
-from ingest.config import ServeConfig
 from ingest.server import SluiceServer
 from receivers.publishers import BufferOverflowError, IterablePublisher, OverflowStrategy
-from receivers.receiver import ReceiverConfig
 from receivers.rx import from_observable
 
 
 @pytest.fixture
 async def server(tmp_path: Path) -> AsyncIterator[SluiceServer]:
-    config = ServeConfig(
-        port=0,
-        metrics_port=None,
-        data_dir=tmp_path,
-        streams=("s",),
-        receiver=ReceiverConfig(block_interval=0.02, buffer_records=5_000, prefetch=1_000),
-        spark=False,
-    )
-    srv = SluiceServer(config)
-    await srv.start()
-    try:
+    async with running_server(tmp_path, buffer_records=5_000, prefetch=1_000) as srv:
         yield srv
-    finally:
-        await srv.stop(grace=1)
 
 
 def stored(server: SluiceServer) -> list[tuple[bytes | None, bytes]]:

@@ -16,15 +16,15 @@ from typing import Any
 
 import grpc
 import pytest
+from support import running_server, wait_until
 
 from ingest.client import Producer
-from ingest.config import ServeConfig
 from ingest.errors import ProtocolError, RPCError
 from ingest.server import SluiceServer
 from receivers.flow import Subscription
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
-from receivers.receiver import MAX_CREDIT, ReceiverConfig
+from receivers.receiver import MAX_CREDIT
 from receivers.wire import encode_batch
 
 # ---- the server side: a raw peer against the real server ------------------------------------------
@@ -32,29 +32,21 @@ from receivers.wire import encode_batch
 
 @pytest.fixture
 async def server(tmp_path: Path) -> AsyncIterator[SluiceServer]:
-    config = ServeConfig(
-        port=0,
-        metrics_port=None,
-        data_dir=tmp_path,
-        streams=("events",),
-        receiver=ReceiverConfig(block_interval=0.05, buffer_records=10_000, prefetch=1_000),
-        spark=False,
-    )
-    srv = SluiceServer(config, batches_completed=lambda: 0)
-    await srv.start()
-    bystander = Producer(srv.target, "events", linger=0)
-    await bystander.start()
-    await bystander.send_many([b"before"] * 10)
-    await bystander.flush(timeout=10)
-    try:
-        yield srv
-        # whatever the test did to its own session, the bystander's session goes on
-        await bystander.send_many([b"after"] * 10)
+    async with running_server(
+        tmp_path, "events", block_interval=0.05, buffer_records=10_000, prefetch=1_000
+    ) as srv:
+        bystander = Producer(srv.target, "events", linger=0)
+        await bystander.start()
+        await bystander.send_many([b"before"] * 10)
         await bystander.flush(timeout=10)
-        assert bystander.acked == 20
-    finally:
-        await bystander.abort()
-        await srv.stop(grace=1)
+        try:
+            yield srv
+            # whatever the test did to its own session, the bystander's session goes on
+            await bystander.send_many([b"after"] * 10)
+            await bystander.flush(timeout=10)
+            assert bystander.acked == 20
+        finally:
+            await bystander.abort()
 
 
 class RawPeer:
@@ -196,11 +188,11 @@ async def test_required_spec208_records_in_flight_after_cancel_are_not_accepted(
     try:
         await peer.open()
         await peer.batch(5)
-        await until(lambda: receiver.stats.records_received >= 15)  # the bystander's 10, then these 5
+        await wait_until(lambda: receiver.stats.records_received >= 15)  # the bystander's 10, then these 5
         session = next(s for s in receiver.sessions if s.producer_id == "raw")
         assert receiver.cancel(session, 10, "operator says stop")
         await peer.batch(7)  # was in flight: within credit, but after the Cancel
-        await until(lambda: receiver.stats.records_not_accepted == 7)
+        await wait_until(lambda: receiver.stats.records_not_accepted == 7)
     finally:
         gate.set()
     code, details, seen = await peer.end()
@@ -208,13 +200,6 @@ async def test_required_spec208_records_in_flight_after_cancel_are_not_accepted(
     assert [(c.code, c.reason, c.accepted_up_to) for c in cancels] == [(10, "operator says stop", 5)]
     assert [m.ack.durable_up_to for m in seen if m.HasField("ack")][-1] == 5  # accepted, then acked
     assert code == grpc.StatusCode.ABORTED and details == "operator says stop"
-
-
-async def until(condition: Callable[[], bool], timeout: float = 10) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
 
 
 async def test_required_spec212_open_exactly_once(peer: RawPeer) -> None:
