@@ -19,7 +19,7 @@ from typing import IO
 
 import grpc
 
-from ingest.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, ServeConfig
+from ingest.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, RateConfig, ServeConfig
 from ingest.errors import SluiceError
 from receivers.block import InvalidStreamNameError
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
@@ -49,7 +49,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of flags reads best
     parser = argparse.ArgumentParser(prog="sluice", description="Backpressure-aware ingestion for Spark.")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
@@ -108,6 +108,19 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="seal a block early once this many records wait (default: a quarter of the buffer)",
     )
+    serve.add_argument(
+        "--estimator",
+        default=None,
+        help="rate estimator: model, spark-pid or fixed (default: model; fixed with --no-spark)",
+    )
+    serve.add_argument(
+        "--initial-rate",
+        type=float,
+        default=None,
+        help="records/s before the first batch is measured (default: 10000; inf with --no-spark)",
+    )
+    serve.add_argument("--min-rate", type=float, default=100.0, help="lowest rate (default: %(default)s)")
+    serve.add_argument("--max-rate", type=float, default=math.inf, help="highest rate (default: inf)")
     serve.add_argument("--master", default="local[*]", help="Spark master (default: %(default)s)")
     serve.add_argument(
         "--pipeline",
@@ -139,15 +152,21 @@ def _parser() -> argparse.ArgumentParser:
     server = argparse.ArgumentParser(add_help=False)
     server.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="server (default: %(default)s)")
     rate_commands = rate.add_subparsers(required=True, metavar="ACTION")
-    get = rate_commands.add_parser("get", help="show each stream's rate", parents=[server])
-    get.add_argument("--stream", default="", help="one stream (default: all)")
+    get = rate_commands.add_parser("get", help="the rate, bounds, estimator, last batch", parents=[server])
     get.set_defaults(run=_rate_get)
     set_ = rate_commands.add_parser(
         "set", help="set the rate in records/s (inf = unlimited)", parents=[server]
     )
     set_.add_argument("records_per_second", type=float, metavar="RATE")
-    set_.add_argument("--stream", default="", help="one stream (default: all)")
+    set_.add_argument("--pin", action="store_true", help="keep it until unpinned: the estimator is ignored")
     set_.set_defaults(run=_rate_set)
+    bounds = rate_commands.add_parser("bounds", help="set the min and max rate", parents=[server])
+    bounds.add_argument("min_rate", type=float, metavar="MIN")
+    bounds.add_argument("max_rate", type=float, metavar="MAX")
+    bounds.set_defaults(run=_rate_bounds)
+    estimator = rate_commands.add_parser("estimator", help="choose the estimator", parents=[server])
+    estimator.add_argument("name", metavar="NAME", help="model, spark-pid or fixed")
+    estimator.set_defaults(run=_rate_estimator)
 
     sessions = commands.add_parser("sessions", help="list or cancel publisher sessions")
     session_commands = sessions.add_subparsers(required=True, metavar="ACTION")
@@ -186,6 +205,12 @@ def _serve(args: argparse.Namespace) -> int:
                 prefetch=args.prefetch or max(1, args.buffer_records // 2),
                 low_tide=args.low_tide,
                 block_records=args.block_records,
+            ),
+            rate=RateConfig(
+                estimator=args.estimator or ("fixed" if args.no_spark else "model"),
+                initial_rate=args.initial_rate or (math.inf if args.no_spark else 10_000.0),
+                min_rate=args.min_rate,
+                max_rate=args.max_rate,
             ),
             fsync=not args.no_fsync,
             master=args.master,
@@ -232,11 +257,12 @@ async def _serve_async(config: ServeConfig) -> int:
     )
     try:
         if config.spark:
-            from ingest.driver import SparkDriver  # noqa: PLC0415
+            from ingest.driver import SparkDriver, drive_rate  # noqa: PLC0415
             from ingest.spark.session import build_session  # noqa: PLC0415
 
             spark = await asyncio.to_thread(build_session, config.master)
-            driver = SparkDriver(spark, config)
+            driver = SparkDriver(spark, config, rate_target=server.target)
+            drive_rate(driver, server, asyncio.get_running_loop())
             await asyncio.to_thread(driver.start)
             print(
                 f"sluice: Spark query running on {config.master}; sink: {config.pipeline or config.sink_dir}",
@@ -381,27 +407,58 @@ async def _sessions_call(target: str, request: pb.ListSessionsRequest | pb.Cance
 
 
 def _rate_get(args: argparse.Namespace) -> int:
-    return asyncio.run(_rate_call(args.target, "get", pb.GetRateRequest(stream=args.stream)))
+    return asyncio.run(_rate_call(args.target, "get", pb.GetRateRequest()))
 
 
 def _rate_set(args: argparse.Namespace) -> int:
-    request = pb.UpdateRateRequest(stream=args.stream, records_per_second=args.records_per_second)
+    request = pb.UpdateRateRequest(records_per_second=args.records_per_second, pin=args.pin)
     return asyncio.run(_rate_call(args.target, "set", request))
 
 
-async def _rate_call(target: str, action: str, request: pb.GetRateRequest | pb.UpdateRateRequest) -> int:
+def _rate_bounds(args: argparse.Namespace) -> int:
+    request = pb.SetBoundsRequest(min_rate=args.min_rate, max_rate=args.max_rate)
+    return asyncio.run(_rate_call(args.target, "bounds", request))
+
+
+def _rate_estimator(args: argparse.Namespace) -> int:
+    return asyncio.run(_rate_call(args.target, "estimator", pb.SetEstimatorRequest(estimator=args.name)))
+
+
+def _rate_text(rate: float) -> str:
+    return "unlimited" if math.isinf(rate) else f"{rate:g}"
+
+
+async def _rate_call(
+    target: str,
+    action: str,
+    request: pb.GetRateRequest | pb.UpdateRateRequest | pb.SetBoundsRequest | pb.SetEstimatorRequest,
+) -> int:
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.RateControlStub(channel)
         try:
             if isinstance(request, pb.GetRateRequest):
-                response = await stub.GetRate(request, timeout=10)
+                status = await stub.GetRate(request, timeout=10)
+            elif isinstance(request, pb.UpdateRateRequest):
+                status = await stub.UpdateRate(request, timeout=10)
+            elif isinstance(request, pb.SetBoundsRequest):
+                status = await stub.SetBounds(request, timeout=10)
             else:
-                response = await stub.UpdateRate(request, timeout=10)
+                status = await stub.SetEstimator(request, timeout=10)
         except grpc.aio.AioRpcError as exc:
             return _fail(f"rate {action} on {target}: {exc.code().name}: {exc.details()}")
-    for rate in response.rates:
-        shown = "unlimited" if math.isinf(rate.records_per_second) else f"{rate.records_per_second:g}"
-        print(f"{rate.stream}\t{shown} records/s\t({rate.estimator})")
+    pinned = ", pinned" if status.pinned else ""
+    print(f"rate: {_rate_text(status.records_per_second)} records/s ({status.estimator}{pinned})")
+    print(f"bounds: {_rate_text(status.min_rate)} .. {_rate_text(status.max_rate)} records/s")
+    for stream in status.streams:
+        print(f"stream {stream.stream}: {_rate_text(stream.records_per_second)} records/s")
+    if status.estimator_state:
+        print("estimator state: " + ", ".join(f"{k}={v}" for k, v in sorted(status.estimator_state.items())))
+    if status.HasField("last_batch"):
+        b = status.last_batch
+        print(
+            f"last batch: #{b.batch_id}, {b.records} records, processing {b.processing_delay_seconds:.3f} s, "
+            f"scheduling delay {b.scheduling_delay_seconds:.3f} s, interval {b.batch_interval_seconds:g} s"
+        )
     return 0
 
 

@@ -2,14 +2,39 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ratecontrol import ESTIMATORS, RateBounds, UnknownEstimatorError, check_rate
 from receivers.block import check_stream_name
 from receivers.receiver import ReceiverConfig
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9464
+
+
+@dataclass(frozen=True)
+class RateConfig:
+    """The rate a node starts with and how it moves."""
+
+    estimator: str = "model"
+    """"model" (the default: fixed + per-record cost, backlog drained over a horizon), "spark-pid"
+    (Spark's PIDRateEstimator, exactly), or "fixed" (only operators change the rate)."""
+    initial_rate: float = 10_000.0
+    """Records/s before the first batch is measured: bounds the first batch too. inf: unlimited."""
+    min_rate: float = 100.0
+    """No estimator goes below this (Spark's spark.streaming.backpressure.pid.minRate)."""
+    max_rate: float = math.inf
+    """No estimator or operator goes above this."""
+
+    def __post_init__(self) -> None:
+        if self.estimator not in ESTIMATORS:
+            raise UnknownEstimatorError(
+                f"unknown estimator {self.estimator!r}; known: {', '.join(ESTIMATORS)}"
+            )
+        check_rate(self.initial_rate)
+        RateBounds(self.min_rate, self.max_rate)
 
 
 @dataclass(frozen=True)
@@ -30,6 +55,8 @@ class ServeConfig:
     """Streams this node receives; one receiver each."""
     receiver: ReceiverConfig = field(default_factory=ReceiverConfig)
     """Buffering, credit and block sealing."""
+    rate: RateConfig = field(default_factory=RateConfig)
+    """The ingest rate: estimator, initial rate, bounds."""
     fsync: bool = True
     """fsync every block before acking it; off only for benchmarks on throwaway data."""
     max_message_bytes: int = 32 * 1024 * 1024

@@ -7,13 +7,17 @@ must be handed over with loop.call_soon_threadsafe.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from ingest.config import ServeConfig
+from ingest.server import SluiceServer
 from ingest.spark.listener import BatchCompleted, BatchListener
 from ingest.spark.pipeline import Pipeline, load_pipeline, parquet_pipeline, start_query
+from ratecontrol import BatchMetrics
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +34,11 @@ class SparkDriver:
         pipeline: Pipeline | None = None,
         *,
         query_name: str = QUERY_NAME,
+        rate_target: str | None = None,
     ) -> None:
         self.spark = spark
+        self.rate_target = rate_target
+        """host:port of the server whose live rate caps each batch; None: no cap."""
         self.query_name = query_name
         self.config = config
         if pipeline is None:
@@ -44,6 +51,7 @@ class SparkDriver:
         self._records = 0
         self._lock = threading.Lock()
         self._listener = BatchListener(self._on_batch)
+        self._subscribers: list[Callable[[BatchCompleted], None]] = []
         self.query: Any = None
 
     @property
@@ -62,6 +70,12 @@ class SparkDriver:
             self._batches += 1
             self._records += batch.num_input_rows
             self.last_batch = batch
+        for subscriber in self._subscribers:
+            subscriber(batch)
+
+    def on_batch(self, callback: Callable[[BatchCompleted], None]) -> None:
+        """Call `callback` for every completed batch of this query, ON A PY4J THREAD: hand it over."""
+        self._subscribers.append(callback)
 
     def start(self) -> None:
         """Start the query (blocking for a few seconds: call from a worker thread in async code)."""
@@ -74,6 +88,7 @@ class SparkDriver:
             checkpoint_dir=str(self.config.checkpoint_dir / self.query_name),
             trigger_seconds=self.config.trigger_interval,
             query_name=self.query_name,
+            rate_target=self.rate_target,
         )
         log.info("Spark query %s started", self.query.id)
 
@@ -94,3 +109,41 @@ class SparkDriver:
             return None
         exc = self.query.exception()
         return str(exc) if exc is not None else "query stopped"
+
+
+def batch_metrics(
+    batch: BatchCompleted, interval: float, received_at: Callable[[str, int], float | None]
+) -> BatchMetrics:
+    """A completed batch as the estimator sees it.
+
+    Scheduling delay, for Structured Streaming: how long the batch's oldest record waited before its
+    batch started, i.e. the trigger's start minus when the receiver took the first record of the
+    batch's first block (`received_at(stream, seq)`), over the batch's streams. Unknown (the first
+    batch, blocks from before a restart) counts as 0. Processing delay: the trigger's whole duration.
+    """
+    waited = [
+        batch.started_at - taken
+        for stream, seq in (batch.start_offset or {}).items()
+        if (taken := received_at(stream, seq)) is not None
+    ]
+    return BatchMetrics(
+        batch_id=batch.batch_id,
+        completed_at=batch.started_at + batch.processing_seconds,
+        records=batch.num_input_rows,
+        processing_delay=batch.processing_seconds,
+        scheduling_delay=max([0.0, *waited]),
+        batch_interval=interval,
+    )
+
+
+def drive_rate(driver: SparkDriver, server: SluiceServer, loop: asyncio.AbstractEventLoop) -> None:
+    """Close the loop: every completed batch's metrics go to the server's rate controller, on its loop."""
+    interval = driver.config.trigger_interval
+
+    def on_loop(batch: BatchCompleted) -> None:
+        server.rate.on_batch(batch_metrics(batch, interval, server.received_at))
+
+    def hand_over(batch: BatchCompleted) -> None:  # on a py4j thread
+        loop.call_soon_threadsafe(on_loop, batch)
+
+    driver.on_batch(hand_over)

@@ -1,59 +1,67 @@
-"""The RateControl RPCs: operators (and, later, the estimator) read and set each stream's ingest rate."""
+"""The RateControl RPCs: operators read and steer the ingest rate through the same controller the
+estimator uses. Invalid values get INVALID_ARGUMENT with the reason and change nothing."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import grpc
 
-from ratecontrol import InvalidRateError, check_rate
+from ingest.rate_controller import RateController
+from ratecontrol import InvalidRateError, UnknownEstimatorError
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
-from receivers.receiver import Receiver
+
+Context = grpc.aio.ServicerContext[object, object]
+
+
+def rate_status(controller: RateController) -> pb.RateStatus:
+    status = pb.RateStatus(
+        records_per_second=controller.rate,
+        min_rate=controller.bounds.min_rate,
+        max_rate=controller.bounds.max_rate,
+        estimator=controller.estimator.name,
+        pinned=controller.pinned,
+        estimator_state={k: str(v) for k, v in controller.estimator.state().items()},
+        streams=[pb.StreamRate(stream=s, records_per_second=r) for s, r in controller.stream_rates().items()],
+        capacity=controller.estimator.capacity or 0.0,
+    )
+    batch = controller.last_batch
+    if batch is not None:
+        status.last_batch.CopyFrom(
+            pb.BatchMetrics(
+                batch_id=batch.batch_id,
+                records=batch.records,
+                processing_delay_seconds=batch.processing_delay,
+                scheduling_delay_seconds=batch.scheduling_delay,
+                batch_interval_seconds=batch.batch_interval,
+            )
+        )
+    return status
 
 
 class RateControlService(pb_grpc.RateControlServicer):
-    def __init__(self, receivers: Mapping[str, Receiver]) -> None:
-        self._receivers = receivers
-        self._estimator = dict.fromkeys(receivers, "fixed")
+    def __init__(self, controller: RateController) -> None:
+        self._controller = controller
 
-    def _select(self, stream: str) -> list[Receiver]:
-        if not stream:
-            return list(self._receivers.values())
-        receiver = self._receivers.get(stream)
-        return [receiver] if receiver is not None else []
+    async def GetRate(self, request: pb.GetRateRequest, context: Context) -> pb.RateStatus:
+        return rate_status(self._controller)
 
-    def _state(self, receivers: list[Receiver]) -> pb.GetRateResponse:
-        return pb.GetRateResponse(
-            rates=[
-                pb.StreamRate(stream=r.stream, records_per_second=r.rate, estimator=self._estimator[r.stream])
-                for r in receivers
-            ]
-        )
-
-    async def _unknown(self, stream: str, context: grpc.aio.ServicerContext[object, object]) -> None:
-        known = ", ".join(sorted(self._receivers))
-        await context.abort(grpc.StatusCode.NOT_FOUND, f"no stream named {stream!r} (streams: {known})")
-
-    async def GetRate(
-        self, request: pb.GetRateRequest, context: grpc.aio.ServicerContext[object, object]
-    ) -> pb.GetRateResponse:
-        receivers = self._select(request.stream)
-        if not receivers:
-            await self._unknown(request.stream, context)
-        return self._state(receivers)
-
-    async def UpdateRate(
-        self, request: pb.UpdateRateRequest, context: grpc.aio.ServicerContext[object, object]
-    ) -> pb.GetRateResponse:
-        receivers = self._select(request.stream)
-        if not receivers:
-            await self._unknown(request.stream, context)
+    async def UpdateRate(self, request: pb.UpdateRateRequest, context: Context) -> pb.RateStatus:
         try:
-            rate = check_rate(request.records_per_second)  # before any change: invalid changes nothing
+            self._controller.update(request.records_per_second, pin=request.pin)
         except InvalidRateError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        for receiver in receivers:
-            receiver.set_rate(rate)
-            self._estimator[receiver.stream] = "fixed"
-        return self._state(receivers)
+        return rate_status(self._controller)
+
+    async def SetBounds(self, request: pb.SetBoundsRequest, context: Context) -> pb.RateStatus:
+        try:
+            self._controller.set_bounds(request.min_rate, request.max_rate)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return rate_status(self._controller)
+
+    async def SetEstimator(self, request: pb.SetEstimatorRequest, context: Context) -> pb.RateStatus:
+        try:
+            self._controller.set_estimator(request.estimator)
+        except UnknownEstimatorError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return rate_status(self._controller)

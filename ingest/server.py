@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from ingest.config import ServeConfig
 from ingest.metrics import MetricsServer, SluiceCollector
+from ingest.rate_controller import RateController
 from ingest.rate_service import RateControlService
 from ingest.sessions_service import SessionsService
 from receivers.block_store import LocalBlockStore
@@ -32,6 +33,8 @@ class SluiceServer:
         self.config = config
         self.store = LocalBlockStore(config.blocks_dir, fsync=config.fsync)
         self.receivers = {s: Receiver(s, self.store, config.receiver) for s in config.streams}
+        self.rate = RateController(self.receivers, config.rate)
+        """The ingest rate: fed by batch metrics (on_batch) and by operators (RateControl)."""
         self.registry = CollectorRegistry()
         self.registry.register(SluiceCollector(self.receivers, self._batches_completed))
         self.batches_completed = batches_completed
@@ -43,6 +46,11 @@ class SluiceServer:
 
     def _batches_completed(self) -> int:
         return self.batches_completed()  # looked up at scrape time: the Spark side may attach later
+
+    def received_at(self, stream: str, block_seq: int) -> float | None:
+        """When the first record of a block was taken (epoch seconds), if this node sealed it lately."""
+        receiver = self.receivers.get(stream)
+        return receiver.received_at(block_seq) if receiver is not None else None
 
     @property
     def target(self) -> str:
@@ -65,7 +73,7 @@ class SluiceServer:
             ]
         )
         pb_grpc.add_IngestServicer_to_server(PublishService(self.receivers), server)
-        pb_grpc.add_RateControlServicer_to_server(RateControlService(self.receivers), server)
+        pb_grpc.add_RateControlServicer_to_server(RateControlService(self.rate), server)
         pb_grpc.add_SessionsServicer_to_server(SessionsService(self.receivers), server)
         address = f"{self.config.host}:{self.config.port}"
         detail = ""

@@ -1,6 +1,33 @@
 """Pure rate-control logic: rates in, credit out. No gRPC, no Spark, no I/O; time is passed in."""
 
+from ratecontrol.batch import BatchMetrics
+from ratecontrol.estimator import (
+    DEFAULT_ESTIMATOR,
+    ESTIMATORS,
+    FixedEstimator,
+    RateBounds,
+    RateEstimator,
+    UnknownEstimatorError,
+    make_estimator,
+)
+from ratecontrol.model import ModelEstimator
 from ratecontrol.rate import UNLIMITED, InvalidRateError, check_rate
+from ratecontrol.spark_pid import SparkPIDEstimator
 from ratecontrol.token_bucket import TokenBucket
 
-__all__ = ["UNLIMITED", "InvalidRateError", "TokenBucket", "check_rate"]
+__all__ = [
+    "DEFAULT_ESTIMATOR",
+    "ESTIMATORS",
+    "UNLIMITED",
+    "BatchMetrics",
+    "FixedEstimator",
+    "InvalidRateError",
+    "ModelEstimator",
+    "RateBounds",
+    "RateEstimator",
+    "SparkPIDEstimator",
+    "TokenBucket",
+    "UnknownEstimatorError",
+    "check_rate",
+    "make_estimator",
+]

@@ -43,6 +43,7 @@ MAX_CREDIT = MAX_DEMAND
 UNAVAILABLE = 14
 """gRPC status code for 'not accepted, safe to retry' (kept numeric: receivers do not import gRPC)."""
 CANCELLED = 1
+_RECEIVED_AT_KEPT = 100_000  # blocks whose receive time is remembered: far more than a batch spans
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,7 @@ class Receiver:
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self._sealed: list[Callable[[BlockInfo], None]] = []
+        self._received_at: dict[int, float] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -212,6 +214,11 @@ class Receiver:
     @property
     def sessions(self) -> list[Session]:
         return list(self._sessions)
+
+    def received_at(self, block_seq: int) -> float | None:
+        """When the first record of a block sealed by this receiver was taken (epoch seconds), if known:
+        the start of a batch minus this is how long the batch's oldest record waited."""
+        return self._received_at.get(block_seq)
 
     # ---- sessions ------------------------------------------------------------------------------
 
@@ -381,6 +388,9 @@ class Receiver:
             self._pending = chunks + self._pending
             self._pending_records = sum(c.records.num_rows for c in self._pending)
             return False
+        self._received_at[info.seq] = chunks[0].records.column(2)[0].value / 1e6
+        if len(self._received_at) > _RECEIVED_AT_KEPT:
+            del self._received_at[next(iter(self._received_at))]
         self._next_block_seq += 1
         self._next_offset += info.count
         self._buffered -= info.count

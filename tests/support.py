@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from ingest.config import ServeConfig
+from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
 from receivers.receiver import ReceiverConfig
 
@@ -25,6 +26,7 @@ async def running_server(
         data_dir=data_dir,
         streams=streams or ("s",),
         receiver=ReceiverConfig(**{"block_interval": 0.02, **receiver}),
+        rate=RateConfig(estimator="fixed", initial_rate=math.inf),  # unthrottled unless a test says so
         spark=False,
     )
     server = SluiceServer(config)

@@ -113,19 +113,17 @@ def test_serve_and_push_subprocesses(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, metrics
             time.sleep(0.5)
             metrics = urllib.request.urlopen(url, timeout=10).read().decode()
-        rate = sluice("rate", "set", "5000", "--target", target)
+        rate = sluice("rate", "set", "50000", "--pin", "--target", target)
         assert rate.returncode == 0, rate.stderr.decode()
-        assert sluice("rate", "get", "--target", target).stdout.decode().split() == [
-            "default",
-            "5000",
-            "records/s",
-            "(fixed)",
-        ]
-        bad = sluice("rate", "set", "-- -3", "--target", target)
-        assert bad.returncode != 0
+        shown = sluice("rate", "get", "--target", target).stdout.decode()
+        assert "rate: 50000 records/s (model, pinned)" in shown
+        assert "stream default: 50000 records/s" in shown
+        assert "last batch: #" in shown  # the listener fed the controller
         bad = sluice("rate", "set", "nan", "--target", target)
         assert bad.returncode == 1
         assert b"INVALID_ARGUMENT" in bad.stderr
+        bad = sluice("rate", "estimator", "magic", "--target", target)
+        assert bad.returncode == 1 and b"INVALID_ARGUMENT" in bad.stderr
     finally:
         serve.send_signal(signal.SIGTERM)
         try:

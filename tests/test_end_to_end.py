@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 
 from ingest.client import Producer
-from ingest.config import ServeConfig
+from ingest.config import RateConfig, ServeConfig
 from ingest.driver import SparkDriver
 from ingest.server import SluiceServer
 from receivers.receiver import ReceiverConfig
@@ -36,6 +37,7 @@ async def test_100k_records_reach_the_parquet_sink_exactly(spark: Any, tmp_path:
         data_dir=tmp_path,
         streams=("events",),
         receiver=ReceiverConfig(block_interval=0.1),
+        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
         trigger_interval=0.5,
     )
     server = SluiceServer(config)
@@ -100,6 +102,7 @@ async def test_user_pipeline_from_a_module_spec(
         data_dir=tmp_path / "data",
         streams=("s",),
         receiver=ReceiverConfig(block_interval=0.05),
+        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
         trigger_interval=0.5,
         pipeline="my_pipelines:upper",
     )

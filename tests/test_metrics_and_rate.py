@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from ingest.client import Producer, SyncProducer
-from ingest.config import ServeConfig
+from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -33,6 +33,7 @@ async def server(tmp_path: Path) -> AsyncIterator[SluiceServer]:
         data_dir=tmp_path,
         streams=("a", "b"),
         receiver=ReceiverConfig(block_interval=0.05),
+        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
         spark=False,
     )
     srv = SluiceServer(config, batches_completed=lambda: 7)
@@ -74,28 +75,42 @@ async def test_rate_control_validates_and_throttles(server: SluiceServer) -> Non
     async with grpc.aio.insecure_channel(server.target) as channel:
         stub = pb_grpc.RateControlStub(channel)
         state = await stub.GetRate(pb.GetRateRequest())
-        assert {r.stream for r in state.rates} == {"a", "b"}
-        assert all(math.isinf(r.records_per_second) for r in state.rates)
+        assert math.isinf(state.records_per_second) and state.estimator == "fixed" and not state.pinned
+        assert {s.stream for s in state.streams} == {"a", "b"}
         for bad in (float("nan"), 0.0, -5.0):
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await stub.UpdateRate(pb.UpdateRateRequest(records_per_second=bad))
             assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert "rate" in (info.value.details() or "")
+        for low, high in ((0.0, 10.0), (10.0, 5.0), (float("nan"), 1.0), (-1.0, float("inf"))):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.SetBounds(pb.SetBoundsRequest(min_rate=low, max_rate=high))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            await stub.UpdateRate(pb.UpdateRateRequest(stream="zzz", records_per_second=5))
-        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+            await stub.SetEstimator(pb.SetEstimatorRequest(estimator="magic"))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "model" in (info.value.details() or "")
         # nothing changed by the rejected calls
-        assert all(math.isinf(r.records_per_second) for r in (await stub.GetRate(pb.GetRateRequest())).rates)
-        state = await stub.UpdateRate(pb.UpdateRateRequest(stream="a", records_per_second=2_000))
-        assert [(r.stream, r.records_per_second) for r in state.rates] == [("a", 2_000)]
-    # 3,000 records at 2,000 records/s (burst 0.2 s = 400) take about 1.3 s; unthrottled they take ~0.1 s
+        state = await stub.GetRate(pb.GetRateRequest())
+        assert math.isinf(state.records_per_second) and state.estimator == "fixed"
+        assert (state.min_rate, state.max_rate) == (100.0, math.inf)
+        # 4,000 records/s over two streams: 2,000 each
+        state = await stub.UpdateRate(pb.UpdateRateRequest(records_per_second=4_000, pin=True))
+        assert state.records_per_second == 4_000 and state.pinned
+        assert {(s.stream, s.records_per_second) for s in state.streams} == {("a", 2_000), ("b", 2_000)}
+        state = await stub.SetBounds(pb.SetBoundsRequest(min_rate=10, max_rate=3_000))
+        assert state.records_per_second == 3_000  # clamped into the new bounds
+        await stub.SetBounds(pb.SetBoundsRequest(min_rate=10, max_rate=4_000))
+        state = await stub.UpdateRate(pb.UpdateRateRequest(records_per_second=4_000, pin=True))
+        state = await stub.SetEstimator(pb.SetEstimatorRequest(estimator="spark-pid"))
+        assert state.estimator == "spark-pid" and not state.pinned
+    # 3,000 records at 2,000 records/s (burst 0.2 s = 400) take about 1.3 s; unthrottled ~0.1 s
     started = time.monotonic()
     async with Producer(server.target, "a", linger=0) as producer:
         await producer.send_many([b"r"] * 3_000)
         await producer.flush(timeout=30)
     elapsed = time.monotonic() - started
     assert 0.9 < elapsed < 10, elapsed
-    assert server.receivers["b"].rate == math.inf  # other streams untouched
 
 
 async def test_sync_producer(server: SluiceServer) -> None:

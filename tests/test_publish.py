@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import grpc
 import pytest
 
 from ingest.client import Producer
-from ingest.config import ServeConfig
+from ingest.config import RateConfig, ServeConfig
 from ingest.errors import RPCError
 from ingest.server import SluiceServer
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
@@ -26,6 +27,7 @@ def make_config(tmp_path: Path, **receiver: float) -> ServeConfig:
         data_dir=tmp_path,
         streams=("events", "other"),
         receiver=ReceiverConfig(block_interval=0.05, **receiver),  # type: ignore[arg-type]
+        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
         spark=False,
     )
 

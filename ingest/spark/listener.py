@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from pyspark.sql.streaming.listener import StreamingQueryListener
@@ -24,6 +26,13 @@ class BatchCompleted:
     """Wall time of the whole trigger (progress durationMs["triggerExecution"])."""
     timestamp: str
     """When the trigger started, ISO 8601 UTC as Spark reports it."""
+    start_offset: dict[str, int] | None = None
+    """The sluice source's start offset ({stream: block seq}) of the batch, when it has one."""
+
+    @property
+    def started_at(self) -> float:
+        """When the trigger started, seconds since the epoch."""
+        return datetime.fromisoformat(self.timestamp.replace("Z", "+00:00")).timestamp()
 
 
 class BatchListener(StreamingQueryListener):
@@ -56,6 +65,7 @@ class BatchListener(StreamingQueryListener):
                 num_input_rows=int(progress.numInputRows),
                 processing_seconds=float(progress.durationMs.get("triggerExecution", 0)) / 1000.0,
                 timestamp=str(progress.timestamp),
+                start_offset=_start_offset(progress),
             )
         except Exception:  # a malformed event must not kill the listener thread
             logger.exception("cannot read streaming query progress event %r", event)
@@ -72,3 +82,16 @@ class BatchListener(StreamingQueryListener):
 
     def onQueryTerminated(self, event: Any) -> None:
         pass
+
+
+def _start_offset(progress: Any) -> dict[str, int] | None:
+    """The first source's start offset as {stream: block seq}, or None (first batch, other sources)."""
+    try:
+        sources = progress.sources
+        raw = sources[0].startOffset if sources else None
+        offset = json.loads(raw) if isinstance(raw, str) else raw
+    except (AttributeError, IndexError, ValueError):
+        return None
+    if not isinstance(offset, dict) or not all(isinstance(v, int) for v in offset.values()):
+        return None
+    return {str(k): int(v) for k, v in offset.items()}

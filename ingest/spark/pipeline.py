@@ -16,7 +16,13 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
-from ingest.spark.source import OPTION_MAX_RECORDS, OPTION_STREAMS, SOURCE_NAME
+from ingest.spark.source import (
+    OPTION_MAX_RECORDS,
+    OPTION_RATE_TARGET,
+    OPTION_STREAMS,
+    OPTION_TRIGGER_SECONDS,
+    SOURCE_NAME,
+)
 
 Pipeline = Callable[[DataFrame], DataStreamWriter]
 
@@ -77,11 +83,13 @@ def start_query(
     trigger_seconds: float,
     query_name: str,
     max_records_per_batch: int | None = None,
+    rate_target: str | None = None,
 ) -> StreamingQuery:
     """Start a streaming query reading `streams` from the block store at store_root through `pipeline`.
 
     trigger_seconds is the micro-batch interval (0: start the next batch as soon as one ends);
-    max_records_per_batch caps a batch at whole blocks (see the source's maxRecordsPerBatch).
+    max_records_per_batch caps a batch at whole blocks (see the source's maxRecordsPerBatch);
+    rate_target (host:port of the Sluice server) caps each batch at the live rate x trigger interval.
     """
     if trigger_seconds < 0:
         raise ValueError(f"trigger_seconds must be >= 0, got {trigger_seconds}")
@@ -92,6 +100,10 @@ def start_query(
     )
     if max_records_per_batch is not None:
         reader = reader.option(OPTION_MAX_RECORDS, str(max_records_per_batch))
+    if rate_target is not None:
+        reader = reader.option(OPTION_RATE_TARGET, rate_target).option(
+            OPTION_TRIGGER_SECONDS, str(trigger_seconds)
+        )
     writer = pipeline(reader.load())
     if not isinstance(writer, DataStreamWriter):
         raise TypeError(f"pipeline {pipeline!r} returned {type(writer).__name__}, not a DataStreamWriter")

@@ -57,6 +57,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from ingest.spark.live_rate import LiveRateCap
 from receivers.block import BlockInfo, check_stream_name
 from receivers.block_store import LocalBlockStore
 
@@ -96,6 +97,9 @@ MAX_RECORDS_PER_PARTITION = 1_000_000
 OPTION_PATH = "path"
 OPTION_STREAMS = "streams"
 OPTION_MAX_RECORDS = "maxRecordsPerBatch"
+OPTION_RATE_TARGET = "rateTarget"
+"""host:port of the Sluice server whose live rate caps each batch (rate x trigger interval)."""
+OPTION_TRIGGER_SECONDS = "triggerSeconds"
 
 Offset = dict[str, int]
 BlockTuple = tuple[str, int, int, int, int]
@@ -126,6 +130,9 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.root = _required(options, OPTION_PATH)
         self.streams = parse_streams(_required(options, OPTION_STREAMS))
         self.max_records_per_batch = _positive_int_option(options, OPTION_MAX_RECORDS)
+        self.rate_target = options.get(OPTION_RATE_TARGET) or None
+        self.trigger_seconds = float(options.get(OPTION_TRIGGER_SECONDS) or 1.0)
+        self._rate_client: LiveRateCap | None = None
         self._store: LocalBlockStore | None = None
         self._available_now_target: Offset | None = None
 
@@ -133,6 +140,7 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         # the store holds a lock, which does not pickle; read() opens its own store anyway
         state = self.__dict__.copy()
         state["_store"] = None
+        state["_rate_client"] = None
         return state
 
     @property
@@ -161,6 +169,13 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:
         end = dict(start)
         pending = {s: self._pending(s, start.get(s, 0)) for s in self.streams}
+        live = self._live_cap()
+        if live is not None and (
+            isinstance(limit, ReadAllAvailable) or (isinstance(limit, ReadMaxRows) and live < limit.max_rows)
+        ):
+            # the live rate caps every batch (getDefaultReadLimit is asked once per query start):
+            # a backlog after a restart never becomes one giant batch, the first batch is bounded too
+            limit = ReadMaxRows(live)
         if isinstance(limit, ReadAllAvailable):
             for stream, blocks in pending.items():
                 if blocks:
@@ -208,6 +223,13 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             yield from read_block(store, BlockInfo(*block))
 
     # ---- helpers ------------------------------------------------------------------------------
+
+    def _live_cap(self) -> int | None:
+        if self.rate_target is None:
+            return None
+        if self._rate_client is None:
+            self._rate_client = LiveRateCap(self.rate_target)
+        return self._rate_client.records_per_batch(self.trigger_seconds)
 
     def _pending(self, stream: str, from_seq: int) -> list[BlockInfo]:
         blocks = self.store.blocks(stream, from_seq)

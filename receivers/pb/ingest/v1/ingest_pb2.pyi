@@ -418,17 +418,12 @@ class GetRateRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
-    STREAM_FIELD_NUMBER: _builtins.int
-    stream: _builtins.str
-    """Empty for every stream."""
     def __init__(
         self,
-        *,
-        stream: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["stream", b"stream"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -440,57 +435,9 @@ class StreamRate(_message.Message):
 
     STREAM_FIELD_NUMBER: _builtins.int
     RECORDS_PER_SECOND_FIELD_NUMBER: _builtins.int
-    ESTIMATOR_FIELD_NUMBER: _builtins.int
     stream: _builtins.str
     records_per_second: _builtins.float
-    """Records per second the receiver grants credit at; +Inf means unlimited."""
-    estimator: _builtins.str
-    """Name of the estimator that set the rate ("fixed" when an operator set it)."""
-    def __init__(
-        self,
-        *,
-        stream: _builtins.str = ...,
-        records_per_second: _builtins.float = ...,
-        estimator: _builtins.str = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["estimator", b"estimator", "records_per_second", b"records_per_second", "stream", b"stream"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___StreamRate: _TypeAlias = StreamRate  # noqa: Y015
-
-@_typing.final
-class GetRateResponse(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    RATES_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def rates(self) -> _containers.RepeatedCompositeFieldContainer[Global___StreamRate]: ...
-    def __init__(
-        self,
-        *,
-        rates: _abc.Iterable[Global___StreamRate] | None = ...,
-    ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
-    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["rates", b"rates"]  # noqa: Y015
-    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
-
-Global___GetRateResponse: _TypeAlias = GetRateResponse  # noqa: Y015
-
-@_typing.final
-class UpdateRateRequest(_message.Message):
-    DESCRIPTOR: _descriptor.Descriptor
-
-    STREAM_FIELD_NUMBER: _builtins.int
-    RECORDS_PER_SECOND_FIELD_NUMBER: _builtins.int
-    stream: _builtins.str
-    """Empty for every stream."""
-    records_per_second: _builtins.float
-    """> 0, or +Inf for unlimited; NaN and values <= 0 are INVALID_ARGUMENT."""
+    """The stream's share of the rate, records per second; +Inf means unlimited."""
     def __init__(
         self,
         *,
@@ -503,4 +450,176 @@ class UpdateRateRequest(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+Global___StreamRate: _TypeAlias = StreamRate  # noqa: Y015
+
+@_typing.final
+class BatchMetrics(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCH_ID_FIELD_NUMBER: _builtins.int
+    RECORDS_FIELD_NUMBER: _builtins.int
+    PROCESSING_DELAY_SECONDS_FIELD_NUMBER: _builtins.int
+    SCHEDULING_DELAY_SECONDS_FIELD_NUMBER: _builtins.int
+    BATCH_INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int
+    batch_id: _builtins.int
+    records: _builtins.int
+    processing_delay_seconds: _builtins.float
+    scheduling_delay_seconds: _builtins.float
+    """How long the oldest record of the batch waited before its batch started."""
+    batch_interval_seconds: _builtins.float
+    def __init__(
+        self,
+        *,
+        batch_id: _builtins.int = ...,
+        records: _builtins.int = ...,
+        processing_delay_seconds: _builtins.float = ...,
+        scheduling_delay_seconds: _builtins.float = ...,
+        batch_interval_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "batch_interval_seconds", b"batch_interval_seconds", "processing_delay_seconds", b"processing_delay_seconds", "records", b"records", "scheduling_delay_seconds", b"scheduling_delay_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchMetrics: _TypeAlias = BatchMetrics  # noqa: Y015
+
+@_typing.final
+class RateStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class EstimatorStateEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    RECORDS_PER_SECOND_FIELD_NUMBER: _builtins.int
+    MIN_RATE_FIELD_NUMBER: _builtins.int
+    MAX_RATE_FIELD_NUMBER: _builtins.int
+    ESTIMATOR_FIELD_NUMBER: _builtins.int
+    PINNED_FIELD_NUMBER: _builtins.int
+    ESTIMATOR_STATE_FIELD_NUMBER: _builtins.int
+    LAST_BATCH_FIELD_NUMBER: _builtins.int
+    STREAMS_FIELD_NUMBER: _builtins.int
+    CAPACITY_FIELD_NUMBER: _builtins.int
+    records_per_second: _builtins.float
+    """The ingest rate over all streams, records per second; +Inf means unlimited."""
+    min_rate: _builtins.float
+    max_rate: _builtins.float
+    estimator: _builtins.str
+    pinned: _builtins.bool
+    capacity: _builtins.float
+    """The estimator's estimate of what the pipeline can process, records per second; 0 when unknown.
+    A batch may take up to max(rate, capacity) x interval records, so a backlog drains.
+    """
+    @_builtins.property
+    def estimator_state(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The estimator's internal state, for operators."""
+
+    @_builtins.property
+    def last_batch(self) -> Global___BatchMetrics:
+        """The last completed micro-batch, if any."""
+
+    @_builtins.property
+    def streams(self) -> _containers.RepeatedCompositeFieldContainer[Global___StreamRate]: ...
+    def __init__(
+        self,
+        *,
+        records_per_second: _builtins.float = ...,
+        min_rate: _builtins.float = ...,
+        max_rate: _builtins.float = ...,
+        estimator: _builtins.str = ...,
+        pinned: _builtins.bool = ...,
+        estimator_state: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        last_batch: Global___BatchMetrics | None = ...,
+        streams: _abc.Iterable[Global___StreamRate] | None = ...,
+        capacity: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_batch", b"last_batch"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "estimator", b"estimator", "estimator_state", b"estimator_state", "last_batch", b"last_batch", "max_rate", b"max_rate", "min_rate", b"min_rate", "pinned", b"pinned", "records_per_second", b"records_per_second", "streams", b"streams"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RateStatus: _TypeAlias = RateStatus  # noqa: Y015
+
+@_typing.final
+class UpdateRateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECORDS_PER_SECOND_FIELD_NUMBER: _builtins.int
+    PIN_FIELD_NUMBER: _builtins.int
+    records_per_second: _builtins.float
+    """> 0, or +Inf for unlimited; NaN and values <= 0 are INVALID_ARGUMENT. Clamped into the bounds."""
+    pin: _builtins.bool
+    """Keep this rate until unpinned: the estimator's proposals are ignored meanwhile."""
+    def __init__(
+        self,
+        *,
+        records_per_second: _builtins.float = ...,
+        pin: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["pin", b"pin", "records_per_second", b"records_per_second"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
 Global___UpdateRateRequest: _TypeAlias = UpdateRateRequest  # noqa: Y015
+
+@_typing.final
+class SetBoundsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MIN_RATE_FIELD_NUMBER: _builtins.int
+    MAX_RATE_FIELD_NUMBER: _builtins.int
+    min_rate: _builtins.float
+    """0 < min_rate <= max_rate; max_rate may be +Inf."""
+    max_rate: _builtins.float
+    def __init__(
+        self,
+        *,
+        min_rate: _builtins.float = ...,
+        max_rate: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_rate", b"max_rate", "min_rate", b"min_rate"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetBoundsRequest: _TypeAlias = SetBoundsRequest  # noqa: Y015
+
+@_typing.final
+class SetEstimatorRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ESTIMATOR_FIELD_NUMBER: _builtins.int
+    estimator: _builtins.str
+    def __init__(
+        self,
+        *,
+        estimator: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["estimator", b"estimator"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetEstimatorRequest: _TypeAlias = SetEstimatorRequest  # noqa: Y015

@@ -110,12 +110,22 @@ class RateControlStub:
         self.GetRate = channel.unary_unary(
                 '/ingest.v1.RateControl/GetRate',
                 request_serializer=ingest_dot_v1_dot_ingest__pb2.GetRateRequest.SerializeToString,
-                response_deserializer=ingest_dot_v1_dot_ingest__pb2.GetRateResponse.FromString,
+                response_deserializer=ingest_dot_v1_dot_ingest__pb2.RateStatus.FromString,
                 _registered_method=True)
         self.UpdateRate = channel.unary_unary(
                 '/ingest.v1.RateControl/UpdateRate',
                 request_serializer=ingest_dot_v1_dot_ingest__pb2.UpdateRateRequest.SerializeToString,
-                response_deserializer=ingest_dot_v1_dot_ingest__pb2.GetRateResponse.FromString,
+                response_deserializer=ingest_dot_v1_dot_ingest__pb2.RateStatus.FromString,
+                _registered_method=True)
+        self.SetBounds = channel.unary_unary(
+                '/ingest.v1.RateControl/SetBounds',
+                request_serializer=ingest_dot_v1_dot_ingest__pb2.SetBoundsRequest.SerializeToString,
+                response_deserializer=ingest_dot_v1_dot_ingest__pb2.RateStatus.FromString,
+                _registered_method=True)
+        self.SetEstimator = channel.unary_unary(
+                '/ingest.v1.RateControl/SetEstimator',
+                request_serializer=ingest_dot_v1_dot_ingest__pb2.SetEstimatorRequest.SerializeToString,
+                response_deserializer=ingest_dot_v1_dot_ingest__pb2.RateStatus.FromString,
                 _registered_method=True)
 
 
@@ -123,14 +133,29 @@ class RateControlServicer:
     """Missing associated documentation comment in .proto file."""
 
     def GetRate(self, request, context):
-        """The current ingest rate of every stream (or of one).
+        """The ingest rate, its bounds, the estimator and its state, the last batch's metrics.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def UpdateRate(self, request, context):
-        """Set the ingest rate of one stream, or of all when stream is empty. Takes effect at once.
+        """Set the ingest rate now (the estimator goes on from it), or pin it (the estimator is ignored until
+        the rate is unpinned or the estimator is set). Takes effect at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetBounds(self, request, context):
+        """Set the bounds every rate is clamped into.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetEstimator(self, request, context):
+        """Choose the estimator: "model" (the default), "spark-pid" or "fixed"; unpins the rate.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -142,12 +167,22 @@ def add_RateControlServicer_to_server(servicer, server):
             'GetRate': grpc.unary_unary_rpc_method_handler(
                     servicer.GetRate,
                     request_deserializer=ingest_dot_v1_dot_ingest__pb2.GetRateRequest.FromString,
-                    response_serializer=ingest_dot_v1_dot_ingest__pb2.GetRateResponse.SerializeToString,
+                    response_serializer=ingest_dot_v1_dot_ingest__pb2.RateStatus.SerializeToString,
             ),
             'UpdateRate': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateRate,
                     request_deserializer=ingest_dot_v1_dot_ingest__pb2.UpdateRateRequest.FromString,
-                    response_serializer=ingest_dot_v1_dot_ingest__pb2.GetRateResponse.SerializeToString,
+                    response_serializer=ingest_dot_v1_dot_ingest__pb2.RateStatus.SerializeToString,
+            ),
+            'SetBounds': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetBounds,
+                    request_deserializer=ingest_dot_v1_dot_ingest__pb2.SetBoundsRequest.FromString,
+                    response_serializer=ingest_dot_v1_dot_ingest__pb2.RateStatus.SerializeToString,
+            ),
+            'SetEstimator': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetEstimator,
+                    request_deserializer=ingest_dot_v1_dot_ingest__pb2.SetEstimatorRequest.FromString,
+                    response_serializer=ingest_dot_v1_dot_ingest__pb2.RateStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,7 +211,7 @@ class RateControl:
             target,
             '/ingest.v1.RateControl/GetRate',
             ingest_dot_v1_dot_ingest__pb2.GetRateRequest.SerializeToString,
-            ingest_dot_v1_dot_ingest__pb2.GetRateResponse.FromString,
+            ingest_dot_v1_dot_ingest__pb2.RateStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -203,7 +238,61 @@ class RateControl:
             target,
             '/ingest.v1.RateControl/UpdateRate',
             ingest_dot_v1_dot_ingest__pb2.UpdateRateRequest.SerializeToString,
-            ingest_dot_v1_dot_ingest__pb2.GetRateResponse.FromString,
+            ingest_dot_v1_dot_ingest__pb2.RateStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetBounds(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ingest.v1.RateControl/SetBounds',
+            ingest_dot_v1_dot_ingest__pb2.SetBoundsRequest.SerializeToString,
+            ingest_dot_v1_dot_ingest__pb2.RateStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetEstimator(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ingest.v1.RateControl/SetEstimator',
+            ingest_dot_v1_dot_ingest__pb2.SetEstimatorRequest.SerializeToString,
+            ingest_dot_v1_dot_ingest__pb2.RateStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -62,18 +62,30 @@ class RateControlStub:
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> RateControlAsyncStub: ...
-    GetRate: _grpc.UnaryUnaryMultiCallable[_ingest_pb2.GetRateRequest, _ingest_pb2.GetRateResponse]
-    """The current ingest rate of every stream (or of one)."""
-    UpdateRate: _grpc.UnaryUnaryMultiCallable[_ingest_pb2.UpdateRateRequest, _ingest_pb2.GetRateResponse]
-    """Set the ingest rate of one stream, or of all when stream is empty. Takes effect at once."""
+    GetRate: _grpc.UnaryUnaryMultiCallable[_ingest_pb2.GetRateRequest, _ingest_pb2.RateStatus]
+    """The ingest rate, its bounds, the estimator and its state, the last batch's metrics."""
+    UpdateRate: _grpc.UnaryUnaryMultiCallable[_ingest_pb2.UpdateRateRequest, _ingest_pb2.RateStatus]
+    """Set the ingest rate now (the estimator goes on from it), or pin it (the estimator is ignored until
+    the rate is unpinned or the estimator is set). Takes effect at once.
+    """
+    SetBounds: _grpc.UnaryUnaryMultiCallable[_ingest_pb2.SetBoundsRequest, _ingest_pb2.RateStatus]
+    """Set the bounds every rate is clamped into."""
+    SetEstimator: _grpc.UnaryUnaryMultiCallable[_ingest_pb2.SetEstimatorRequest, _ingest_pb2.RateStatus]
+    """Choose the estimator: "model" (the default), "spark-pid" or "fixed"; unpins the rate."""
 
 @_typing.type_check_only
 class RateControlAsyncStub(RateControlStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
-    GetRate: _aio.UnaryUnaryMultiCallable[_ingest_pb2.GetRateRequest, _ingest_pb2.GetRateResponse]  # type: ignore[assignment]
-    """The current ingest rate of every stream (or of one)."""
-    UpdateRate: _aio.UnaryUnaryMultiCallable[_ingest_pb2.UpdateRateRequest, _ingest_pb2.GetRateResponse]  # type: ignore[assignment]
-    """Set the ingest rate of one stream, or of all when stream is empty. Takes effect at once."""
+    GetRate: _aio.UnaryUnaryMultiCallable[_ingest_pb2.GetRateRequest, _ingest_pb2.RateStatus]  # type: ignore[assignment]
+    """The ingest rate, its bounds, the estimator and its state, the last batch's metrics."""
+    UpdateRate: _aio.UnaryUnaryMultiCallable[_ingest_pb2.UpdateRateRequest, _ingest_pb2.RateStatus]  # type: ignore[assignment]
+    """Set the ingest rate now (the estimator goes on from it), or pin it (the estimator is ignored until
+    the rate is unpinned or the estimator is set). Takes effect at once.
+    """
+    SetBounds: _aio.UnaryUnaryMultiCallable[_ingest_pb2.SetBoundsRequest, _ingest_pb2.RateStatus]  # type: ignore[assignment]
+    """Set the bounds every rate is clamped into."""
+    SetEstimator: _aio.UnaryUnaryMultiCallable[_ingest_pb2.SetEstimatorRequest, _ingest_pb2.RateStatus]  # type: ignore[assignment]
+    """Choose the estimator: "model" (the default), "spark-pid" or "fixed"; unpins the rate."""
 
 class RateControlServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -81,16 +93,34 @@ class RateControlServicer(metaclass=_abc_1.ABCMeta):
         self,
         request: _ingest_pb2.GetRateRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_ingest_pb2.GetRateResponse, _abc.Awaitable[_ingest_pb2.GetRateResponse]]:
-        """The current ingest rate of every stream (or of one)."""
+    ) -> _typing.Union[_ingest_pb2.RateStatus, _abc.Awaitable[_ingest_pb2.RateStatus]]:
+        """The ingest rate, its bounds, the estimator and its state, the last batch's metrics."""
 
     @_abc_1.abstractmethod
     def UpdateRate(
         self,
         request: _ingest_pb2.UpdateRateRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_ingest_pb2.GetRateResponse, _abc.Awaitable[_ingest_pb2.GetRateResponse]]:
-        """Set the ingest rate of one stream, or of all when stream is empty. Takes effect at once."""
+    ) -> _typing.Union[_ingest_pb2.RateStatus, _abc.Awaitable[_ingest_pb2.RateStatus]]:
+        """Set the ingest rate now (the estimator goes on from it), or pin it (the estimator is ignored until
+        the rate is unpinned or the estimator is set). Takes effect at once.
+        """
+
+    @_abc_1.abstractmethod
+    def SetBounds(
+        self,
+        request: _ingest_pb2.SetBoundsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ingest_pb2.RateStatus, _abc.Awaitable[_ingest_pb2.RateStatus]]:
+        """Set the bounds every rate is clamped into."""
+
+    @_abc_1.abstractmethod
+    def SetEstimator(
+        self,
+        request: _ingest_pb2.SetEstimatorRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ingest_pb2.RateStatus, _abc.Awaitable[_ingest_pb2.RateStatus]]:
+        """Choose the estimator: "model" (the default), "spark-pid" or "fixed"; unpins the rate."""
 
 def add_RateControlServicer_to_server(servicer: RateControlServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 

@@ -1,0 +1,85 @@
+"""The control loop's one place: batch metrics in, the ingest rate out to every receiver.
+
+The estimator (ratecontrol) proposes a rate after each completed micro-batch; an operator may set or pin
+one through RateControl. Both go through `update`'s validation and the same clamping into the bounds, and
+end in Receiver.set_rate, which meters credit: so the rate throttles the clients, not a buffer.
+
+The rate covers all streams the query reads; each stream's receiver gets an equal share (dividing it by
+backlog comes with several receivers per stream).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from ingest.config import RateConfig
+from ratecontrol import BatchMetrics, RateBounds, RateEstimator, check_rate, make_estimator
+from receivers.receiver import Receiver
+
+log = logging.getLogger(__name__)
+
+
+class RateController:
+    """Owns the ingest rate of a node's receivers."""
+
+    def __init__(self, receivers: Mapping[str, Receiver], config: RateConfig | None = None) -> None:
+        config = config or RateConfig()
+        self._receivers = receivers
+        self._bounds = RateBounds(config.min_rate, config.max_rate)
+        self._rate = self._clamp(check_rate(config.initial_rate))
+        self.estimator: RateEstimator = make_estimator(
+            config.estimator, bounds=self._bounds, initial_rate=self._rate
+        )
+        self.pinned = False
+        self.last_batch: BatchMetrics | None = None
+        self._apply(self._rate)
+
+    @property
+    def rate(self) -> float:
+        return self._rate
+
+    @property
+    def bounds(self) -> RateBounds:
+        return self._bounds
+
+    def stream_rates(self) -> dict[str, float]:
+        return {stream: receiver.rate for stream, receiver in self._receivers.items()}
+
+    def on_batch(self, batch: BatchMetrics) -> None:
+        """A micro-batch completed: let the estimator propose a rate (ignored while pinned)."""
+        self.last_batch = batch
+        proposal = self.estimator.compute(batch)
+        if proposal is not None and not self.pinned:
+            self._apply(self._clamp(check_rate(proposal)))
+
+    def update(self, rate: float, *, pin: bool = False) -> None:
+        """An operator sets the rate (InvalidRateError if it is not one; nothing changes then)."""
+        rate = self._clamp(check_rate(rate))
+        self.pinned = pin
+        self._apply(rate)
+
+    def set_bounds(self, min_rate: float, max_rate: float) -> None:
+        """New bounds (ValueError if invalid; nothing changes then); the rate is clamped into them."""
+        bounds = RateBounds(min_rate, max_rate)
+        self._bounds = bounds
+        self.estimator.set_bounds(bounds)
+        self._apply(self._clamp(self._rate))
+
+    def set_estimator(self, name: str) -> None:
+        """Switch estimator (UnknownEstimatorError if unknown); it starts from the current rate; unpins."""
+        # mid-run, the next batch is a normal one: only a query's first batch carries start-up cost
+        gains = {"warmup_batches": 0} if name == "model" and self.last_batch is not None else {}
+        self.estimator = make_estimator(name, bounds=self._bounds, initial_rate=self._rate, **gains)
+        self.pinned = False
+
+    def _clamp(self, rate: float) -> float:
+        return min(self._bounds.max_rate, max(self._bounds.min_rate, rate))
+
+    def _apply(self, rate: float) -> None:
+        if rate != self._rate:
+            log.debug("rate %s -> %s records/s", self._rate, rate)
+        self._rate = rate
+        share = rate / len(self._receivers)
+        for receiver in self._receivers.values():
+            receiver.set_rate(share)

@@ -1,0 +1,44 @@
+"""The live ingest rate as a cap on each micro-batch, asked of the Sluice server before every batch.
+
+The source reader runs in a Python worker process of its own, not in the server's process, so it asks
+over gRPC (RateControl.GetRate), synchronously: latestOffset is a plain call. If the server does not
+answer, the last cap it gave holds (none before the first answer), so a hiccup neither stalls Spark nor
+lets a backlog through uncapped.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import grpc
+
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class LiveRateCap:
+    def __init__(self, target: str, *, timeout: float = 2.0) -> None:
+        self._channel = grpc.insecure_channel(target)
+        self._stub = pb_grpc.RateControlStub(self._channel)
+        self._timeout = timeout
+        self._last: int | None = None
+
+    def records_per_batch(self, trigger_seconds: float) -> int | None:
+        """max(rate, estimated capacity) x trigger interval, at least 1; None while unlimited or unknown.
+
+        Not the rate alone: a batch that takes only what arrives per interval never drains a backlog.
+        """
+        try:
+            status = self._stub.GetRate(pb.GetRateRequest(), timeout=self._timeout)
+            rate = max(status.records_per_second, status.capacity)
+        except grpc.RpcError as exc:
+            log.warning("cannot read the live rate (%s); keeping the last cap %s", exc, self._last)
+            return self._last
+        self._last = None if math.isinf(rate) else max(1, int(rate * max(trigger_seconds, 0.001)))
+        return self._last
+
+    def close(self) -> None:
+        self._channel.close()

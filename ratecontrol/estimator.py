@@ -1,0 +1,160 @@
+"""Rate estimators: completed batches in, a new ingest rate (records/s) out.
+
+Every estimator is one class registered by its `name`, built with `make_estimator` from configuration.
+An estimator is stateful (one per streaming query, fed every completed batch in order) and not
+thread-safe: feed it from one thread or event loop.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, TypeVar
+
+from ratecontrol.batch import BatchMetrics
+from ratecontrol.rate import UNLIMITED, check_rate
+
+StateValue = float | int | str | None
+
+
+@dataclass(frozen=True)
+class RateBounds:
+    """The range every estimator's output is clamped into (records/s)."""
+
+    min_rate: float = 100.0
+    """Lowest rate ever proposed (> 0, finite); Spark's spark.streaming.backpressure.pid.minRate."""
+    max_rate: float = UNLIMITED
+    """Highest rate ever proposed (>= min_rate; inf for none); Spark's spark.streaming.receiver.maxRate."""
+
+    def __post_init__(self) -> None:
+        if math.isnan(self.min_rate) or math.isnan(self.max_rate):
+            raise ValueError(f"rate bounds must be numbers, got min={self.min_rate} max={self.max_rate}")
+        if not (0 < self.min_rate < math.inf):
+            raise ValueError(f"min_rate must be > 0 and finite, got {self.min_rate}")
+        if self.max_rate < self.min_rate:
+            raise ValueError(f"max_rate ({self.max_rate}) must be >= min_rate ({self.min_rate})")
+
+    def clamp(self, rate: float) -> float:
+        return min(max(rate, self.min_rate), self.max_rate)
+
+
+DEFAULT_BOUNDS = RateBounds()
+
+
+class RateEstimator(ABC):
+    """Turns each completed batch into a new rate, or None to keep the current one.
+
+    Subclasses implement `_estimate` and `_state`; `compute` clamps every rate into the bounds and
+    drops NaN (what Spark's RateLimiter does too: it ignores any rate that is not > 0).
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, *, bounds: RateBounds, initial_rate: float) -> None:
+        self._bounds = bounds
+        self._rate = bounds.clamp(check_rate(initial_rate))
+
+    @property
+    def bounds(self) -> RateBounds:
+        return self._bounds
+
+    @property
+    def rate(self) -> float:
+        """The rate this estimator believes is in force: its latest output, else the initial rate."""
+        return self._rate
+
+    @property
+    def capacity(self) -> float | None:
+        """Records/s the pipeline is estimated to process with one batch per interval; None if unknown.
+
+        Where a batch's size is capped (the source's latestOffset), allow max(rate, capacity) x interval:
+        a cap of rate x interval lets no more out per batch than comes in, so a backlog never drains.
+        """
+        return None
+
+    def set_bounds(self, bounds: RateBounds) -> None:
+        """New bounds apply from the next output on (the rate in force is clamped at once)."""
+        self._bounds = bounds
+        self._rate = bounds.clamp(self._rate)
+
+    def compute(self, batch: BatchMetrics) -> float | None:
+        """A new rate in records/s after `batch` completed, or None for no new rate."""
+        rate = self._estimate(batch)
+        if rate is None or math.isnan(rate):
+            return None
+        self._rate = self._bounds.clamp(rate)
+        return self._rate
+
+    def state(self) -> dict[str, StateValue]:
+        """The estimator's internal state, for an operator (GetRate, the status page)."""
+        return {
+            "estimator": self.name,
+            "rate": self._rate,
+            "min_rate": self._bounds.min_rate,
+            "max_rate": self._bounds.max_rate,
+            **self._state(),
+        }
+
+    @abstractmethod
+    def _estimate(self, batch: BatchMetrics) -> float | None: ...
+
+    @abstractmethod
+    def _state(self) -> dict[str, StateValue]: ...
+
+
+ESTIMATORS: dict[str, Callable[..., RateEstimator]] = {}
+"""Estimator classes by name; every module of the package registers its own on import."""
+
+DEFAULT_ESTIMATOR = "model"
+
+_E = TypeVar("_E", bound=type[RateEstimator])
+
+
+def register(cls: _E) -> _E:
+    """Class decorator: make `cls` available to make_estimator under `cls.name`."""
+    if cls.name in ESTIMATORS:
+        raise ValueError(f"two estimators named {cls.name!r}")
+    ESTIMATORS[cls.name] = cls
+    return cls
+
+
+class UnknownEstimatorError(ValueError):
+    """No estimator has this name."""
+
+
+def make_estimator(name: str, *, bounds: RateBounds, initial_rate: float, **gains: float) -> RateEstimator:
+    """Build the estimator called `name`; `gains` are its own keyword parameters (e.g. integral=0.2).
+
+    Raises UnknownEstimatorError for an unknown name and ValueError for a parameter the estimator does
+    not have or a value it rejects, so a configuration error never surfaces as a TypeError.
+    """
+    factory = ESTIMATORS.get(name)
+    if factory is None:
+        raise UnknownEstimatorError(f"unknown estimator {name!r}; known: {', '.join(sorted(ESTIMATORS))}")
+    accepted = set(inspect.signature(factory).parameters) - {"bounds", "initial_rate"}
+    unknown = sorted(set(gains) - accepted)
+    if unknown:
+        raise ValueError(
+            f"estimator {name!r} has no parameter {', '.join(unknown)}; "
+            f"it takes: {', '.join(sorted(accepted)) or 'none'}"
+        )
+    return factory(bounds=bounds, initial_rate=initial_rate, **gains)
+
+
+@register
+class FixedEstimator(RateEstimator):
+    """Never proposes a rate: the rate stays what an operator set."""
+
+    name = "fixed"
+
+    def __init__(self, *, bounds: RateBounds = DEFAULT_BOUNDS, initial_rate: float = UNLIMITED) -> None:
+        super().__init__(bounds=bounds, initial_rate=initial_rate)
+
+    def _estimate(self, batch: BatchMetrics) -> float | None:
+        return None
+
+    def _state(self) -> dict[str, StateValue]:
+        return {}

@@ -1,0 +1,256 @@
+"""The default estimator ("model"): fit what a batch costs, then admit what the pipeline can process.
+
+Spark's PID reads capacity as n / processing_delay and backlog only as delay (DESIGN.md, "Control
+loop"). Both mislead it: a batch carries a fixed cost, so small batches look slow and the loop climbs
+back from minRate by small steps; and its integral term asks for the whole backlog to go in one
+interval, which from a 5 s delay on (with Ki = 0.2) is a negative rate, so it starves at minRate. This
+estimator instead:
+
+1. Models the cost of a batch as `processing_delay = a + b * records` (fixed cost a per batch, cost b
+   per record), fitted online by weighted least squares over recent batches; a batch's weight decays by
+   `forgetting` per later batch, so the fit follows a pipeline whose cost changes. When all recent
+   batches had about the same size the two costs cannot be told apart; a weak prior on the fixed cost
+   (the last fixed cost that was identifiable, at first `prior_fixed_cost` x interval) then keeps `a`
+   and puts the rest of the time on `b`, which still predicts batches of that size exactly.
+2. Capacity is what a batch per interval can hold: `capacity = (interval - a) / (b * interval)`
+   records/s; steady state runs at `target_utilisation` x capacity, not biased by batch size.
+3. Backlog is counted in records: what the batch left behind (`BatchMetrics.backlog`, or, when unknown,
+   its lateness x the rate in force: the records taken while its oldest one waited beyond an interval),
+   grown by what arrived while the batch overran its interval.
+   Its cost in seconds (per record, plus the fixed cost of the batches it sits in) is paid off over
+   `horizon` intervals: rate = target - backlog_cost / (horizon * b * interval).
+4. The rate never goes under `floor_fraction` x capacity (unless the bounds force it): while a backlog
+   drains the pipeline stays busy, and no batch is starved to minRate.
+5. The first `warmup_batches` batches carry worker start-up (~10 s for a fresh query) and are not
+   fitted. Later, a batch whose processing time is off the fit by more than `change_threshold` is an
+   outlier and weighs little; a second one in a row, off in the same direction, means the cost changed:
+   the fit restarts from those two batches, so a doubled per-record cost is followed within two batches.
+6. A linear fit is only trusted near its data: the rate never exceeds `max_growth` x the largest
+   recent batch (per interval), so an under-determined fit cannot overshoot far. This cap wins over the
+   floor: when clients send little, the rate follows their load up by at most that factor per batch.
+
+Until a first batch has been fitted it proposes nothing, and the initial rate stays in force.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ratecontrol.batch import BatchMetrics
+from ratecontrol.estimator import DEFAULT_BOUNDS, RateBounds, RateEstimator, StateValue, register
+
+_RIDGE = 0.05
+"""Weight of the fixed-cost prior, in batches: pins a degenerate fit, too light to bias a real one."""
+_OUTLIER_WEIGHT = 0.1
+_IDENTIFIABLE_CV = 0.1
+"""Batch sizes must vary by this coefficient of variation before the fit's fixed cost is believed."""
+_MIN_PER_RECORD_COST = 1e-12
+
+
+@dataclass
+class _Point:
+    records: int
+    seconds: float
+    weight: float
+
+
+@register
+class ModelEstimator(RateEstimator):
+    """Fixed + per-record cost model, capacity at a target utilisation, backlog drained over a horizon."""
+
+    name = "model"
+
+    def __init__(
+        self,
+        *,
+        bounds: RateBounds = DEFAULT_BOUNDS,
+        initial_rate: float,
+        target_utilisation: float = 0.95,
+        horizon: float = 4.0,
+        forgetting: float = 0.8,
+        floor_fraction: float = 0.5,
+        warmup_batches: int = 1,
+        max_growth: float = 3.0,
+        change_threshold: float = 0.25,
+        prior_fixed_cost: float = 0.25,
+        window: int = 16,
+    ) -> None:
+        """
+        Args:
+            target_utilisation: share of capacity admitted in steady state (0 < u <= 1); the rest is slack
+                for noise. 0.95 keeps >= 90% utilisation through transients.
+            horizon: intervals over which a backlog is drained (>= 1). Longer is gentler and keeps the
+                rate higher while draining; 4 clears a few seconds of delay in about as many batches.
+            forgetting: per-batch decay of an old batch's weight in the fit (0 < f < 1); 0.8 remembers
+                about 5 batches.
+            floor_fraction: the rate never goes under this share of estimated capacity (0 <= f <= 1), so
+                no batch is starved. The price: while batches formed earlier queue up (a Spark receiver),
+                a lower floor would clear them sooner at the same long-run throughput.
+            warmup_batches: first batches not fitted (start-up); 0 when switching estimators mid-run.
+            max_growth: the rate never exceeds this multiple of the largest recent batch per interval.
+            change_threshold: relative error of the fit beyond which a batch is an outlier.
+            prior_fixed_cost: fixed cost per batch assumed before it can be fitted, as a share of the
+                interval (0 <= p < 1); a low prior errs on the safe side (capacity underestimated).
+            window: most batches kept for the fit (>= 2).
+        """
+        super().__init__(bounds=bounds, initial_rate=initial_rate)
+        _check_range("target_utilisation", target_utilisation, 0, 1, low_open=True)
+        _check_range("horizon", horizon, 1, math.inf, high_open=True)
+        _check_range("forgetting", forgetting, 0, 1, low_open=True, high_open=True)
+        _check_range("floor_fraction", floor_fraction, 0, 1)
+        _check_range("max_growth", max_growth, 1, math.inf, high_open=True)
+        _check_range("change_threshold", change_threshold, 0, math.inf, low_open=True, high_open=True)
+        _check_range("prior_fixed_cost", prior_fixed_cost, 0, 1, high_open=True)
+        _check_range("warmup_batches", warmup_batches, 0, math.inf, high_open=True, whole=True)
+        _check_range("window", window, 2, math.inf, high_open=True, whole=True)
+        self.target_utilisation = target_utilisation
+        self.horizon = horizon
+        self.forgetting = forgetting
+        self.floor_fraction = floor_fraction
+        self.warmup_batches = int(warmup_batches)
+        self.max_growth = max_growth
+        self.change_threshold = change_threshold
+        self.prior_fixed_cost = prior_fixed_cost
+        self.window = int(window)
+
+        self._points: list[_Point] = []
+        self._suspect_sign = 0  # sign of the previous batch's outlying error, 0 if it fitted
+        self._prior_a = 0.0  # seconds, set from prior_fixed_cost once the first batch gives the interval
+        self._batches = 0
+        self._latest_time = -math.inf
+        self._changes = 0
+        # the latest fit and what was derived from it, for state()
+        self._a: float | None = None
+        self._b: float | None = None
+        self._fit = "none"  # "anchored": fixed cost from the prior; "fitted": both costs from data
+        self._capacity: float | None = None
+        self._backlog: float | None = None
+        self._drain_seconds: float | None = None
+
+    @property
+    def capacity(self) -> float | None:
+        return self._capacity
+
+    def _estimate(self, batch: BatchMetrics) -> float | None:
+        if batch.completed_at <= self._latest_time:
+            return None  # a stale or repeated event
+        self._latest_time = batch.completed_at
+        self._batches += 1
+        interval = batch.batch_interval
+        if self._batches == 1:
+            self._prior_a = self.prior_fixed_cost * interval
+        if self._batches <= self.warmup_batches or batch.records == 0 or batch.processing_delay == 0:
+            return None  # start-up, or nothing measured
+        self._observe(batch.records, batch.processing_delay)
+        a, b, identified = self._solve(self._prior_a)
+        if identified:
+            self._prior_a = a  # the fixed cost to assume when batch sizes stop varying
+        self._fit = "fitted" if identified else "anchored"
+        self._a, self._b = a, b  # outliers are judged against the fit itself, not the hedge below
+        if self._suspect_sign:
+            # one surprising batch (a cost change, or a GC pause?): go halfway, geometrically, to the
+            # per-record cost it alone implies, at most 2x either way; a second one confirms the change
+            alone = (batch.processing_delay - a) / batch.records
+            b = math.sqrt(b * min(max(alone, b / 4), 4 * b))
+        capacity = max(0.0, (interval - a) / (b * interval))
+        self._capacity = capacity
+
+        # the rate in force when the backlog piled up; an unthrottled start is read from the batch
+        in_force = self.rate if math.isfinite(self.rate) else batch.records / interval
+        left = batch.backlog if batch.backlog is not None else in_force * batch.lateness
+        overrun = batch.processing_delay - interval
+        backlog = max(0.0, left + in_force * overrun)
+        batch_size = max(1.0, in_force * interval)
+        drain_seconds = backlog * (b + a / batch_size)
+        self._backlog, self._drain_seconds = backlog, drain_seconds
+
+        rate = self.target_utilisation * capacity - drain_seconds / (self.horizon * b * interval)
+        rate = max(rate, self.floor_fraction * capacity)
+        largest = max(p.records for p in self._points)
+        return min(rate, self.max_growth * largest / interval)
+
+    def _observe(self, records: int, seconds: float) -> None:
+        for point in self._points:
+            point.weight *= self.forgetting
+        sign = 0
+        if len(self._points) >= 2 and self._a is not None and self._b is not None:
+            predicted = self._a + self._b * records
+            if abs(seconds - predicted) > self.change_threshold * predicted:
+                sign = 1 if seconds > predicted else -1
+        if sign == 0:
+            self._points.append(_Point(records, seconds, 1.0))
+        elif sign == self._suspect_sign:
+            # the same surprise twice: the pipeline's cost changed, forget what it was
+            self._changes += 1
+            self._points = [_Point(self._points[-1].records, self._points[-1].seconds, 1.0)]
+            self._points.append(_Point(records, seconds, 1.0))
+            sign = 0
+        else:
+            self._points.append(_Point(records, seconds, _OUTLIER_WEIGHT))
+        self._suspect_sign = sign
+        del self._points[: -self.window]
+
+    def _solve(self, prior_a: float) -> tuple[float, float, bool]:
+        """Weighted least squares for seconds = a + b * records with a weak prior a ~ prior_a.
+
+        Returns (a, b, identified): identified is False when batch sizes were too alike (or noise
+        made the fit absurd) to tell the costs apart; then a stays at the prior and b explains the
+        mean, which still predicts batches of the usual size exactly.
+        """
+        # records scaled to [0, 1] keeps the 2x2 system well conditioned for any batch size
+        scale = max(p.records for p in self._points)
+        weight = s1 = s2 = t0 = t1 = 0.0
+        for p in self._points:
+            x = p.records / scale
+            weight += p.weight
+            s1 += p.weight * x
+            s2 += p.weight * x * x
+            t0 += p.weight * p.seconds
+            t1 += p.weight * x * p.seconds
+        s0 = weight + _RIDGE
+        det = s0 * s2 - s1 * s1  # > 0: the prior term alone makes the system regular
+        a = (s2 * (t0 + _RIDGE * prior_a) - s1 * t1) / det
+        b = (s0 * t1 - s1 * (t0 + _RIDGE * prior_a)) / det / scale
+        mean_x = s1 / weight
+        cv = math.sqrt(max(0.0, s2 / weight - mean_x * mean_x)) / mean_x
+        shortest = min(p.seconds for p in self._points)
+        if cv >= _IDENTIFIABLE_CV and 0 <= a < shortest and b > 0:
+            return a, b, True
+        a = min(prior_a, 0.9 * shortest)
+        return a, max((t0 / weight - a) / (mean_x * scale), _MIN_PER_RECORD_COST), False
+
+    def _state(self) -> dict[str, StateValue]:
+        return {
+            "fit": self._fit,
+            "fixed_cost_s": self._a,
+            "per_record_cost_s": self._b,
+            "capacity_rps": self._capacity,
+            "backlog_records": self._backlog,
+            "backlog_cost_s": self._drain_seconds,
+            "batches": self._batches,
+            "fit_points": len(self._points),
+            "cost_changes": self._changes,
+            "target_utilisation": self.target_utilisation,
+            "horizon": self.horizon,
+            "forgetting": self.forgetting,
+            "floor_fraction": self.floor_fraction,
+        }
+
+
+def _check_range(
+    name: str,
+    value: float,
+    low: float,
+    high: float,
+    *,
+    low_open: bool = False,
+    high_open: bool = False,
+    whole: bool = False,
+) -> None:
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if math.isnan(value) or not (above and below) or (whole and value != math.floor(value)):
+        lo, hi = "(" if low_open else "[", ")" if high_open else "]"
+        kind = "a whole number" if whole else "a number"
+        raise ValueError(f"{name} must be {kind} in {lo}{low}, {high}{hi}, got {value}")

@@ -1,0 +1,206 @@
+"""A tiny deterministic pipeline to try estimators on: a saturating publisher, a Spark receiver, batches.
+
+Modelled like a Spark Streaming receiver. The publisher always offers `offered_rate` records/s; the
+receiver admits min(offered, rate in force). The records admitted during [(k-1) I, k I) form batch k,
+due at k I (I = interval). Batches run one at a time, in order: batch k starts at max(k I, end of batch
+k-1), so a batch that overruns its interval makes the next late, and takes
+`fixed_cost + per_record_cost * records` seconds (plus `startup` for the first batch), at the cost in
+force when it starts. When a batch completes the estimator sees its BatchMetrics, and a new rate applies
+to admission from that moment on.
+
+The oldest record of batch k was admitted at (k-1) I, so its scheduling_delay is start - (k-1) I, and
+its lateness (start - k I) is Spark's schedulingDelay: the delay the measures below and DESIGN.md's
+numbers speak of. Capacity at time t is what one batch per interval can process:
+(I - fixed_cost) / (per_record_cost(t) I) records/s.
+
+Measures (`Simulation`): utilisation = records processed by batches 2..N / capacity integrated from the
+end of batch 1 to the end of batch N (batch 1 carries start-up, which no controller can help); time to
+settle = start of the first batch of the first 5 in a row that start less than one interval late; a
+starved batch holds under half of capacity x interval (capacity when its records began to be
+admitted), counted from settling on and after the first 3 batches.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from ratecontrol.batch import BatchMetrics
+from ratecontrol.estimator import RateEstimator
+
+SETTLE_RUN = 5
+"""Batches in a row starting less than one interval late that count as settled."""
+STARVED_SHARE = 0.5
+"""A batch holding under this share of capacity x interval is starved."""
+UNJUDGED = 3
+"""First batches not counted as starved: formed at the initial rate, before any estimate applied."""
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """What a micro-batch costs; defaults: 45k records/s at 1 s batches (DESIGN.md's measured pipeline)."""
+
+    fixed_cost: float = 0.4
+    """Seconds every batch costs regardless of size."""
+    per_record_cost: float = 1 / 75_000
+    """Seconds per record: with 0.4 s fixed cost a 1 s batch holds (1 - 0.4) * 75k = 45k records."""
+    cost_changes: tuple[tuple[float, float], ...] = ()
+    """(from second, factor): per_record_cost x factor from that time on, e.g. ((30, 2.0), (60, 1.0))."""
+    startup: float = 0.0
+    """Extra seconds of the first batch (worker start-up; ~10 s for a fresh PySpark query)."""
+
+    def per_record_cost_at(self, t: float) -> float:
+        factor = 1.0
+        for since, change in self.cost_changes:
+            if t >= since:
+                factor = change
+        return self.per_record_cost * factor
+
+    def capacity_at(self, t: float, interval: float) -> float:
+        """Records/s one batch per interval can process at time t."""
+        return max(0.0, interval - self.fixed_cost) / (self.per_record_cost_at(t) * interval)
+
+    def capacity_between(self, t0: float, t1: float, interval: float) -> float:
+        """Records the pipeline could process from t0 to t1 (capacity integrated over time)."""
+        edges = sorted({t0, t1, *(since for since, _ in self.cost_changes if t0 < since < t1)})
+        return sum(self.capacity_at(a, interval) * (b - a) for a, b in itertools.pairwise(edges))
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """One run: every batch as the estimator saw it, the pipeline's capacity, and the measures."""
+
+    interval: float
+    batches: tuple[BatchMetrics, ...]
+    capacities: tuple[float, ...]
+    """Capacity (records/s) when each batch's records began to be admitted: what its rate could know."""
+    rates: tuple[float, ...]
+    """Rate in force after each batch completed."""
+    utilisation: float
+
+    def peak_delay(self, after_batch: int = 0) -> float:
+        """Largest lateness (Spark's scheduling delay) of the batches after the first `after_batch` ones."""
+        return max((b.lateness for b in self.batches[after_batch:]), default=0.0)
+
+    @property
+    def settled_from(self) -> int | None:
+        """Index of the first batch of the first SETTLE_RUN in a row that started on time."""
+        on_time = [b.lateness < self.interval for b in self.batches]
+        for i in range(len(on_time) - SETTLE_RUN + 1):
+            if all(on_time[i : i + SETTLE_RUN]):
+                return i
+        return None
+
+    @property
+    def settle_time(self) -> float | None:
+        """Seconds from the start of the run until batches start on time (None if they never do)."""
+        i = self.settled_from
+        if i is None:
+            return None
+        batch = self.batches[i]
+        return batch.completed_at - batch.processing_delay
+
+    def _starved(self) -> list[bool]:
+        return [
+            b.records < STARVED_SHARE * capacity * self.interval
+            for b, capacity in zip(self.batches, self.capacities, strict=True)
+        ]
+
+    @property
+    def starved(self) -> int:
+        """Starved batches from settling on, after the first UNJUDGED batches (all of those if never settled).
+
+        The first batches are formed before any estimate can apply (an estimator first speaks when
+        batch 1 or 2 completes), so their size is the initial rate's doing, not the estimator's.
+        """
+        settled = self.settled_from
+        return sum(self._starved()[max(UNJUDGED, settled or 0) :])
+
+    @property
+    def longest_starvation(self) -> int:
+        """Most batches in a row starved, anywhere after the first batch."""
+        longest = run = 0
+        for starved in self._starved()[1:]:
+            run = run + 1 if starved else 0
+            longest = max(longest, run)
+        return longest
+
+    def summary(self) -> dict[str, float | int | None]:
+        return {
+            "utilisation": round(self.utilisation, 3),
+            "peak_delay_s": round(self.peak_delay(), 2),
+            "peak_delay_after_3_s": round(self.peak_delay(UNJUDGED), 2),
+            "settle_time_s": None if self.settle_time is None else round(self.settle_time, 2),
+            "starved": self.starved,
+            "longest_starvation": self.longest_starvation,
+        }
+
+
+def simulate(
+    estimator: RateEstimator,
+    pipeline: Pipeline,
+    *,
+    interval: float = 1.0,
+    duration: float = 90.0,
+    offered_rate: float = 100_000.0,
+    pass_backlog: bool = False,
+) -> Simulation:
+    """Run `duration / interval` batches; the estimator's `rate` is the rate in force at the start.
+
+    pass_backlog: tell the estimator, per batch, the records of the later batches already due when it
+    started (BatchMetrics.backlog); otherwise backlog is None and the estimator infers it.
+    """
+    # admission rate changes: (from time, rate), in time order because batches complete in order
+    changes: list[tuple[float, float]] = [(0.0, estimator.rate)]
+
+    def admitted(t: float) -> int:
+        """Whole records admitted from time 0 to t."""
+        total = 0.0
+        for (since, rate), (until, _) in zip(changes, [*changes[1:], (math.inf, 0.0)], strict=True):
+            if since >= t:
+                break
+            total += min(offered_rate, rate) * (min(t, until) - since)
+        return math.floor(total)
+
+    batches: list[BatchMetrics] = []
+    capacities: list[float] = []
+    rates: list[float] = []
+    end = 0.0
+    for k in range(1, round(duration / interval) + 1):
+        due = k * interval
+        start = max(due, end)
+        records = admitted(due) - admitted(due - interval)
+        took = pipeline.fixed_cost + pipeline.per_record_cost_at(start) * records
+        if k == 1:
+            took += pipeline.startup
+        end = start + took
+        backlog = None
+        if pass_backlog:
+            due_by_start = math.floor(start / interval + 1e-9) * interval
+            backlog = max(0, admitted(due_by_start) - admitted(due))
+        batch = BatchMetrics(
+            batch_id=k - 1,
+            completed_at=end,
+            records=records,
+            processing_delay=took,
+            scheduling_delay=start - (due - interval),
+            batch_interval=interval,
+            backlog=backlog,
+        )
+        rate = estimator.compute(batch)
+        if rate is not None:
+            changes.append((end, rate))
+        batches.append(batch)
+        capacities.append(pipeline.capacity_at(due - interval, interval))
+        rates.append(changes[-1][1])
+
+    processed = sum(b.records for b in batches[1:])
+    possible = pipeline.capacity_between(batches[0].completed_at, end, interval)
+    return Simulation(
+        interval=interval,
+        batches=tuple(batches),
+        capacities=tuple(capacities),
+        rates=tuple(rates),
+        utilisation=processed / possible if possible > 0 else 0.0,
+    )

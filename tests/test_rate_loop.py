@@ -1,0 +1,100 @@
+"""The control loop's wiring: batch metrics -> controller -> receivers' credit, and the live cap per batch."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+
+import pytest
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
+from support import running_server
+
+from ingest.client import Producer
+from ingest.driver import batch_metrics
+from ingest.spark.listener import BatchCompleted
+from ingest.spark.source import SluiceStreamReader
+from ratecontrol import BatchMetrics
+
+
+def batch(batch_id: int, records: int, processing: float, delay: float = 0.0) -> BatchMetrics:
+    return BatchMetrics(
+        batch_id=batch_id,
+        completed_at=float(batch_id),
+        records=records,
+        processing_delay=processing,
+        scheduling_delay=delay,
+        batch_interval=1.0,
+    )
+
+
+async def test_estimated_rates_reach_the_receivers_clamped_and_split(tmp_path: Path) -> None:
+    async with running_server(tmp_path, "a", "b") as server:
+        controller = server.rate
+        controller.set_bounds(100, 50_000)
+        controller.set_estimator("spark-pid")
+        controller.update(20_000)
+        # Spark's PID: the first batch only primes it; the second proposes a rate
+        controller.on_batch(batch(1, 10_000, 0.5))
+        controller.on_batch(batch(2, 10_000, 0.5))
+        assert controller.last_batch is not None and controller.last_batch.batch_id == 2
+        assert 100 <= controller.rate <= 50_000
+        assert server.receivers["a"].rate == server.receivers["b"].rate == controller.rate / 2
+        # pinned: the estimator is heard but ignored
+        controller.update(1_234, pin=True)
+        controller.on_batch(batch(3, 100_000, 0.1))
+        assert controller.rate == 1_234 and controller.pinned
+        controller.set_estimator("model")
+        assert not controller.pinned
+
+
+async def test_batch_metrics_measure_how_long_the_oldest_record_waited(tmp_path: Path) -> None:
+    async with running_server(tmp_path, "s") as server:
+        async with Producer(server.target, "s", linger=0) as producer:
+            await producer.send_many([b"x"] * 10)
+        taken = server.received_at("s", 0)
+        assert taken is not None
+        completed = BatchCompleted(
+            query_id="q",
+            batch_id=4,
+            num_input_rows=10,
+            processing_seconds=0.25,
+            timestamp=_iso(taken + 3.5),
+            start_offset={"s": 0},
+        )
+        metrics = batch_metrics(completed, 1.0, server.received_at)
+        assert metrics.scheduling_delay == pytest.approx(3.5, abs=1e-3)
+        assert (metrics.records, metrics.processing_delay, metrics.batch_interval) == (10, 0.25, 1.0)
+        unknown = BatchCompleted("q", 0, 10, 9.0, _iso(taken), start_offset=None)
+        assert batch_metrics(unknown, 1.0, server.received_at).scheduling_delay == 0.0
+
+
+async def test_the_source_caps_each_batch_at_the_live_rate(tmp_path: Path) -> None:
+    async with running_server(tmp_path, "s") as server:
+        async with Producer(server.target, "s", linger=0) as producer:
+            for _ in range(10):  # 10 blocks of 100
+                await producer.send_many([b"y"] * 100)
+                await producer.flush(timeout=10)
+        assert len(server.store.blocks("s")) == 10
+        reader = SluiceStreamReader(
+            {
+                "path": str(server.config.blocks_dir),
+                "streams": "s",
+                "rateTarget": server.target,
+                "triggerSeconds": "0.5",
+            }
+        )
+        start = {"s": 0}
+        # unlimited: everything
+        assert (await asyncio.to_thread(reader.latestOffset, start, ReadAllAvailable())) == {"s": 10}
+        server.rate.update(600)  # x 0.5 s = 300 records a batch: 3 blocks
+        assert (await asyncio.to_thread(reader.latestOffset, start, ReadAllAvailable())) == {"s": 3}
+        assert (await asyncio.to_thread(reader.latestOffset, start, ReadMaxRows(150))) == {"s": 1}
+        server.rate.update(math.inf)
+        assert (await asyncio.to_thread(reader.latestOffset, start, ReadAllAvailable())) == {"s": 10}
+
+
+def _iso(epoch: float) -> str:
+    from datetime import UTC, datetime
+
+    return datetime.fromtimestamp(epoch, UTC).isoformat().replace("+00:00", "Z")
