@@ -28,7 +28,7 @@ import pyarrow as pa
 from reactivex.subject import Subject
 
 from ratecontrol import UNLIMITED, TokenBucket
-from receivers.block import BlockInfo, check_stream_name
+from receivers.block import check_stream_name
 from receivers.block_store import LocalBlockStore
 from receivers.errors import InvalidBatch, ProtocolViolation, ReceiverError, ReceiverStopped, SessionCancelled
 from receivers.flow import MAX_DEMAND, Subscription
@@ -36,9 +36,6 @@ from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.session import SESSION_IDS, Session
 
 log = logging.getLogger(__name__)
-
-MAX_CREDIT = MAX_DEMAND
-"""Credit saturates here (Reactive Streams rule 3.17); Request.n is an int64."""
 
 UNAVAILABLE = 14
 """gRPC status code for 'not accepted, safe to retry' (kept numeric: receivers do not import gRPC)."""
@@ -143,7 +140,6 @@ class Receiver:
         self._next_block_seq, self._next_offset = store.recover(self.stream)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        self._sealed: list[Callable[[BlockInfo], None]] = []
         self._received_at: dict[int, float] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -181,10 +177,6 @@ class Receiver:
             # records whose block could not be written are not acked: end the call all the same
             session.outbox.finish(ReceiverStopped(f"receiver for stream {self.stream!r} stopped"))
         self.tap.on_completed()
-
-    def on_sealed(self, callback: Callable[[BlockInfo], None]) -> None:
-        """Call `callback` with every block once it is durable (on the event loop)."""
-        self._sealed.append(callback)
 
     # ---- rate ----------------------------------------------------------------------------------
 
@@ -404,8 +396,6 @@ class Receiver:
             session.durable_up_to = up_to
             session.outbox.ack(up_to)
             self._end_if_settled(session)
-        for callback in self._sealed:
-            callback(info)
         self._replenish()
         return True
 

@@ -51,21 +51,6 @@ def encode_batch(
     return batch
 
 
-def encode_arrow(first_seq: int, values: pa.Array, keys: pa.Array | None = None) -> pb.Batch:
-    """Pack Arrow binary arrays (e.g. from a file) into a Batch message without a per-record step."""
-    if values.null_count:
-        raise ValueError("record values must not be null")
-    count = len(values)
-    if count == 0:
-        raise ValueError("a batch needs at least one record")
-    _, value_offsets, value_data = _buffers(values.cast(pa.binary()))
-    batch = pb.Batch(first_seq=first_seq, count=count, values=value_data, value_offsets=value_offsets)
-    if keys is not None and keys.null_count < len(keys):
-        key_validity, key_offsets, key_data = _buffers(keys.cast(pa.binary()))
-        batch.keys, batch.key_offsets, batch.key_validity = key_data, key_offsets, key_validity
-    return batch
-
-
 def decode_batch(batch: pb.Batch, timestamp_us: int) -> pa.RecordBatch:
     """Validate a Batch and view it as a record batch with BLOCK_SCHEMA; raise InvalidBatch if malformed."""
     count = batch.count

@@ -19,9 +19,9 @@ from types import TracebackType
 import grpc
 
 from ingest.errors import FlushTimeoutError, ProducerClosedError, ProtocolError, RPCError, SluiceError
+from receivers.flow import MAX_DEMAND
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
-from receivers.receiver import MAX_CREDIT
 from receivers.wire import encode_batch
 
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
@@ -349,7 +349,7 @@ class Producer:
                             f"server sent Request(n={response.request.n}); n must be > 0 (rule 3.9)"
                         )
                     if self.cancel_reason is None:  # no credit after a Cancel (rule 3.6)
-                        self._credit = min(MAX_CREDIT, self._credit + response.request.n)
+                        self._credit = min(MAX_DEMAND, self._credit + response.request.n)
                 elif kind == "ack":
                     if response.ack.durable_up_to > self._sent_seq:
                         await self._protocol_error(

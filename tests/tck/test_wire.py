@@ -21,10 +21,9 @@ from support import running_server, wait_until
 from ingest.client import Producer
 from ingest.errors import ProtocolError, RPCError
 from ingest.server import SluiceServer
-from receivers.flow import Subscription
+from receivers.flow import MAX_DEMAND, Subscription
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
-from receivers.receiver import MAX_CREDIT
 from receivers.wire import encode_batch
 
 # ---- the server side: a raw peer against the real server ------------------------------------------
@@ -366,18 +365,18 @@ async def test_required_spec308_demand_is_cumulative() -> None:
 async def test_required_spec317_demand_saturates_at_max() -> None:
     async def script(requests, received):  # type: ignore[no-untyped-def]
         await take(requests, received)
-        yield pb.PublishResponse(request=pb.Request(n=MAX_CREDIT))
-        yield pb.PublishResponse(request=pb.Request(n=MAX_CREDIT))
+        yield pb.PublishResponse(request=pb.Request(n=MAX_DEMAND))
+        yield pb.PublishResponse(request=pb.Request(n=MAX_DEMAND))
         await asyncio.sleep(10)
 
     async def body(target: str) -> None:
         producer = Producer(target, "s")
         await producer.start()
         for _ in range(100):
-            if producer.credit == MAX_CREDIT:
+            if producer.credit == MAX_DEMAND:
                 break
             await asyncio.sleep(0.02)
-        assert producer.credit == MAX_CREDIT
+        assert producer.credit == MAX_DEMAND
         await producer.abort()
 
     await with_fake_server(script, body)
