@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import os
 import signal
 import sys
 import time
@@ -46,6 +47,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.run(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `sluice rate get | head -1`: the reader went away, nothing is wrong
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     return code
 
 

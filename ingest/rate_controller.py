@@ -20,6 +20,10 @@ from receivers.receiver import Receiver
 log = logging.getLogger(__name__)
 
 
+STARTUP_BATCHES = 2
+"""Batches of a fresh query the model estimator does not fit."""
+
+
 class RateController:
     """Owns the ingest rate of a node's receivers."""
 
@@ -28,8 +32,11 @@ class RateController:
         self._receivers = receivers
         self._bounds = RateBounds(config.min_rate, config.max_rate)
         self._rate = self._clamp(check_rate(config.initial_rate))
+        # a fresh query's first batch pays ~10 s of worker start-up and the second is still slow (seen
+        # here: 1,000 records in 2 s, read as 2 ms a record); fitting either collapses the rate
+        gains = {"warmup_batches": STARTUP_BATCHES} if config.estimator == "model" else {}
         self.estimator: RateEstimator = make_estimator(
-            config.estimator, bounds=self._bounds, initial_rate=self._rate
+            config.estimator, bounds=self._bounds, initial_rate=self._rate, **gains
         )
         self.pinned = False
         self.last_batch: BatchMetrics | None = None
