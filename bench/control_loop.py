@@ -1,0 +1,491 @@
+"""Control under saturation: Spark's receiver backpressure against Sluice's estimators, in one run.
+
+Run: python bench/control_loop.py [--duration 60] [--profile steady|halved|both]
+                                  [--only sparkpid-dstream|sluice-spark-pid|sluice-model] [--cost-us 20]
+
+One Spark session (local[2]) runs, per profile, three systems with the same per-record cost (a Python
+busy-wait in the pipeline), the same 1 s batch interval and a sender that always offers more than capacity:
+
+- sparkpid-dstream: Spark Streaming's own receiver backpressure (PIDRateEstimator): socketTextStream from
+  a TCP server thread in this process writing 100-byte lines as fast as the socket takes them.
+- sluice-spark-pid: Sluice (fsync on) with RateConfig(estimator="spark-pid"), publisher in a subprocess.
+- sluice-model: Sluice with the default estimator ("model").
+
+Capacity is measured first in the same run: the same cost stage over spark.range in batch mode at two
+sizes gives the fixed cost per batch and the cost per record, hence records/s at one batch per interval.
+All three are judged against ONE-core capacity (two-core capacity is printed too): the DStream receiver
+pins one of local[2]'s two task slots for the whole run, and Sluice's source puts a 1 s batch in one
+partition (up to 8 blocks per partition), so neither pipeline runs a batch on more than one core. Batch
+mode has a smaller fixed cost per batch than a streaming trigger (~0.4 s with a Python source), so this
+capacity is an upper bound and utilisation reads low by that much. The "halved" profile doubles
+the per-record cost from 1/3 to 2/3 of the duration (a multiplier file the executors' workers read).
+
+Measures are ratecontrol.simulate's (utilisation, peak Spark scheduling delay after the 3rd batch, time to
+settle, starved batches), on Spark's definition of scheduling delay (batch start - batch due time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing as mp
+import os
+import socket
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+from pyspark import StorageLevel
+from pyspark.streaming import StreamingContext
+from pyspark.streaming.listener import StreamingListener
+
+from ingest.client import Producer
+from ingest.config import RateConfig, ServeConfig
+from ingest.driver import SparkDriver, batch_metrics, drive_rate
+from ingest.server import SluiceServer
+from ingest.spark.listener import BatchCompleted
+from ingest.spark.session import build_session
+from ratecontrol import BatchMetrics
+from ratecontrol.simulate import UNJUDGED, Pipeline, Simulation
+
+INTERVAL = 1.0
+STREAM = "bench"
+SYSTEMS = ("sparkpid-dstream", "sluice-spark-pid", "sluice-model")
+SESSION_CONF = {
+    "spark.streaming.backpressure.enabled": "true",
+    "spark.streaming.backpressure.pid.minRate": "100",
+    "spark.driver.memory": "8g",
+    # a ceiling far above capacity (~40k rec/s on one core at 20 us): the sender still saturates, but the
+    # unthrottled first batch (start-up takes seconds) cannot fill the heap with tens of millions of lines
+    "spark.streaming.receiver.maxRate": "200000",
+    "spark.sql.execution.arrow.maxRecordsPerBatch": "10000",
+}
+
+
+# ---- the cost stage (pickled by value into the executors' Python workers) -------------------------
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def _multiplier(path: str) -> float:
+    try:
+        with open(path) as f:
+            return float(f.read().strip() or 1.0)
+    except (OSError, ValueError):
+        return 1.0
+
+
+def arrow_cost(cost: float, path: str) -> Callable[[Iterator[Any]], Iterator[Any]]:
+    """mapInArrow function: per Arrow batch, spin cost x multiplier x rows, emit the row count."""
+
+    def fn(batches: Iterator[Any]) -> Iterator[Any]:
+        for batch in batches:
+            n = batch.num_rows
+            _spin(n * cost * _multiplier(path))
+            yield pa.RecordBatch.from_pydict({"n": [n]})
+
+    return fn
+
+
+def partition_cost(cost: float, path: str) -> Callable[[Iterator[str]], Iterator[int]]:
+    """DStream mapPartitions function: the same spin per record, emits the partition's count."""
+
+    def fn(lines: Iterator[str]) -> Iterator[int]:
+        n = sum(1 for _ in lines)
+        _spin(n * cost * _multiplier(path))
+        yield n
+
+    return fn
+
+
+def _collect(rdd: Any) -> None:
+    """The DStream's output operation; returns None (a returned value would be taken for an RDD)."""
+    rdd.sum()
+
+
+class CostFile:
+    """The per-record cost multiplier the workers read; set_at schedules changes from a start time."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.set(1.0)
+
+    def set(self, factor: float) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(f"{factor}\n")
+        tmp.replace(self.path)
+
+    def schedule(self, t0: float, changes: tuple[tuple[float, float], ...]) -> threading.Event:
+        """Apply (seconds after t0, factor) changes on a thread; set the returned event to cancel."""
+        cancel = threading.Event()
+
+        def run() -> None:
+            for since, factor in changes:
+                if cancel.wait(max(0.0, t0 + since - time.time())):
+                    return
+                self.set(factor)
+
+        threading.Thread(target=run, daemon=True, name="cost-schedule").start()
+        return cancel
+
+
+# ---- capacity ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Capacity:
+    fixed_cost: float
+    per_record_cost: float
+    """Seconds per record with the measured parallelism (wall time, not CPU time)."""
+
+    def pipeline(self, changes: tuple[tuple[float, float], ...]) -> Pipeline:
+        return Pipeline(self.fixed_cost, self.per_record_cost, cost_changes=changes)
+
+    @property
+    def records_per_second(self) -> float:
+        return self.pipeline(()).capacity_at(0.0, INTERVAL)
+
+
+def measure_capacity(spark: Any, cost: float, path: str, cores: int, big: int = 200_000) -> Capacity:
+    """Fit fixed + per-record cost from the cost stage over spark.range in batch mode at two sizes."""
+    small = big // 20
+
+    def timed(n: int) -> float:
+        df = spark.range(n, numPartitions=cores).selectExpr("repeat('v', 99) AS value")
+        started = time.perf_counter()
+        df.mapInArrow(arrow_cost(cost, path), "n long").count()
+        return time.perf_counter() - started
+
+    timed(small)  # warm the Python workers
+    t_small = min(timed(small) for _ in range(2))
+    t_big = min(timed(big) for _ in range(2))
+    per_record = max(1e-9, (t_big - t_small) / (big - small))
+    fixed = max(0.0, t_small - per_record * small)
+    return Capacity(fixed, per_record)
+
+
+# ---- results -------------------------------------------------------------------------------------
+
+
+def judge(batches: list[BatchMetrics], pipeline: Pipeline, duration: float) -> Simulation | None:
+    """simulate's measures over batches that started within the run (times relative to its start)."""
+    batches = sorted(
+        (b for b in batches if b.completed_at - b.processing_delay < duration), key=lambda b: b.batch_id
+    )
+    if len(batches) < 2:
+        return None
+    capacities = tuple(
+        pipeline.capacity_at(max(0.0, b.completed_at - b.processing_delay - b.scheduling_delay), INTERVAL)
+        for b in batches
+    )
+    processed = sum(b.records for b in batches[1:])
+    possible = pipeline.capacity_between(batches[0].completed_at, batches[-1].completed_at, INTERVAL)
+    return Simulation(
+        interval=INTERVAL,
+        batches=tuple(batches),
+        capacities=capacities,
+        rates=(),
+        utilisation=processed / possible if possible > 0 else 0.0,
+    )
+
+
+# ---- (a) Spark Streaming receiver backpressure -----------------------------------------------------
+
+
+class LineServer:
+    """A TCP server thread writing 100-byte lines to whoever connects, as fast as the socket takes them."""
+
+    def __init__(self, record_bytes: int) -> None:
+        self._payload = (b"v" * (record_bytes - 1) + b"\n") * 10_000
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock.settimeout(0.5)
+        self.port: int = self._sock.getsockname()[1]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="line-server")
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._feed, args=(conn,), daemon=True).start()
+
+    def _feed(self, conn: socket.socket) -> None:
+        conn.settimeout(0.5)
+        view = memoryview(self._payload)
+        with conn:
+            while not self._stop.is_set():
+                try:
+                    conn.sendall(view)
+                except TimeoutError:
+                    continue  # a partial line at worst; the receiver is throttled, keep trying
+                except OSError:
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._sock.close()
+        self._thread.join(2)
+
+
+def run_dstream(
+    spark: Any, cost: float, cost_file: CostFile, changes: tuple[tuple[float, float], ...], args: Any
+) -> list[BatchMetrics]:
+    raw: list[tuple[int, int, int, int, int]] = []
+
+    class Collector(StreamingListener):
+        def onBatchCompleted(self, batchCompleted: Any) -> None:
+            info = batchCompleted.batchInfo()
+            raw.append(
+                (
+                    int(info.batchTime().milliseconds()),
+                    int(info.numRecords()),
+                    int(info.schedulingDelay()),
+                    int(info.processingDelay()),
+                    int(info.processingEndTime()),
+                )
+            )
+
+    lines_server = LineServer(args.record_bytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # DStreams are deprecated; this is the anchor
+        ssc = StreamingContext(spark.sparkContext, INTERVAL)
+    cancel: threading.Event | None = None
+    t0 = time.time()
+    try:
+        ssc.addStreamingListener(Collector())
+        lines = ssc.socketTextStream("127.0.0.1", lines_server.port, StorageLevel.MEMORY_AND_DISK)
+        lines.mapPartitions(partition_cost(cost, str(cost_file.path))).foreachRDD(_collect)
+        t0 = time.time()
+        cancel = cost_file.schedule(t0, changes)
+        ssc.start()
+        time.sleep(max(0.0, t0 + args.duration - time.time()))
+    finally:
+        if cancel is not None:
+            cancel.set()
+        ssc.stop(stopSparkContext=False, stopGraceFully=False)
+        lines_server.stop()
+        cost_file.set(1.0)
+    batches = []
+    for batch_ms, records, scheduling_ms, processing_ms, end_ms in raw:
+        if scheduling_ms < 0 or processing_ms < 0 or end_ms < 0:
+            continue  # unknown (-1): not a completed batch as far as the measures go
+        batches.append(
+            BatchMetrics(
+                batch_id=len(batches),
+                completed_at=max(0.0, end_ms / 1000 - t0),
+                records=records,
+                processing_delay=processing_ms / 1000,
+                # Sluice's definition: the oldest record waited one interval plus Spark's schedulingDelay
+                scheduling_delay=INTERVAL + scheduling_ms / 1000,
+                batch_interval=INTERVAL,
+            )
+        )
+        del batch_ms
+    return batches
+
+
+# ---- (b), (c) Sluice ---------------------------------------------------------------------------------
+
+
+def publish(target: str, record_bytes: int, seconds: float) -> None:
+    """Publisher subprocess: 100-byte records as fast as credit allows, for `seconds`."""
+
+    async def main() -> None:
+        values = [b"v" * record_bytes] * 4096
+        producer = Producer(target, STREAM, batch_size=4096)
+        await producer.start()
+        deadline = time.time() + seconds
+        try:
+            while time.time() < deadline:
+                await asyncio.wait_for(producer.send_many(values), max(0.1, deadline - time.time()))
+        except TimeoutError:
+            pass
+        finally:
+            await producer.abort()
+
+    asyncio.run(main())
+
+
+async def run_sluice(
+    spark: Any,
+    estimator: str,
+    cost: float,
+    cost_file: CostFile,
+    changes: tuple[tuple[float, float], ...],
+    args: Any,
+) -> list[BatchMetrics]:
+    loop = asyncio.get_running_loop()
+    collected: list[tuple[BatchMetrics, float]] = []
+    path = str(cost_file.path)
+    fn = arrow_cost(cost, path)
+
+    def pipeline(df: Any) -> Any:
+        return df.select("value").mapInArrow(fn, "n long").writeStream.format("noop")
+
+    with tempfile.TemporaryDirectory(prefix="sluice-control-") as tmp:
+        config = ServeConfig(
+            port=0,
+            metrics_port=None,
+            data_dir=Path(tmp),
+            streams=(STREAM,),
+            trigger_interval=INTERVAL,
+            rate=RateConfig(estimator=estimator),
+            fsync=True,
+        )
+        server = SluiceServer(config)
+        await server.start()
+        driver = SparkDriver(
+            spark, config, pipeline=pipeline, rate_target=server.target, query_name=f"control_{estimator}"
+        )
+        drive_rate(driver, server, loop)
+
+        def on_loop(batch: BatchCompleted) -> None:
+            collected.append((batch_metrics(batch, INTERVAL, server.received_at), batch.started_at))
+
+        driver.on_batch(lambda batch: loop.call_soon_threadsafe(on_loop, batch))
+        proc: Any = None
+        cancel: threading.Event | None = None
+        t0 = time.time()
+        try:
+            await asyncio.to_thread(driver.start)
+            ctx = mp.get_context("spawn")
+            t0 = time.time()
+            cancel = cost_file.schedule(t0, changes)
+            proc = ctx.Process(
+                target=publish, args=(server.target, args.record_bytes, args.duration), daemon=True
+            )
+            proc.start()
+            while time.time() < t0 + args.duration:
+                if driver.error():
+                    raise RuntimeError(f"query died: {driver.error()}")
+                await asyncio.sleep(0.2)
+        finally:
+            if cancel is not None:
+                cancel.set()
+            if proc is not None:
+                await asyncio.to_thread(proc.join, 10)
+                if proc.is_alive():
+                    proc.terminate()
+                    await asyncio.to_thread(proc.join, 5)
+            await asyncio.to_thread(driver.stop)
+            await server.stop(grace=1)
+            cost_file.set(1.0)
+    return [
+        BatchMetrics(
+            batch_id=m.batch_id,
+            completed_at=max(0.0, started_at + m.processing_delay - t0),
+            records=m.records,
+            processing_delay=m.processing_delay,
+            scheduling_delay=m.scheduling_delay,
+            batch_interval=INTERVAL,
+        )
+        for m, started_at in collected
+        if started_at + m.processing_delay >= t0
+    ]
+
+
+# ---- main ----------------------------------------------------------------------------------------
+
+
+def print_batches(name: str, batches: list[BatchMetrics]) -> None:
+    print(f"  {name}: batch | start s | records | processing s | Spark scheduling delay s")
+    for b in batches:
+        start = b.completed_at - b.processing_delay
+        print(
+            f"  {b.batch_id:>5} | {start:>7.1f} | {b.records:>8,} | {b.processing_delay:>12.2f} | "
+            f"{b.lateness:>8.2f}"
+        )
+
+
+def row(name: str, capacity: float, sim: Simulation | None, batches: int) -> str:
+    if sim is None:
+        return f"{name:<18} | {capacity:>9,.0f} | {'too few batches':^60} | {batches:>7}"
+    settle = "never" if sim.settle_time is None else f"{sim.settle_time:.1f}"
+    return (
+        f"{name:<18} | {capacity:>9,.0f} | {sim.utilisation:>10.1%} | {sim.peak_delay(UNJUDGED):>14.2f} | "
+        f"{settle:>10} | {sim.starved:>7} | {len(sim.batches):>7}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds per system and profile")
+    parser.add_argument("--profile", choices=["steady", "halved", "both"], default="both")
+    parser.add_argument("--only", choices=SYSTEMS, default=None, help="run one system only")
+    parser.add_argument("--cost-us", type=float, default=20.0, help="busy-wait per record, microseconds")
+    parser.add_argument("--record-bytes", type=int, default=100)
+    parser.add_argument("--batches", action="store_true", help="also print every batch of every run")
+    args = parser.parse_args()
+    cost = args.cost_us / 1e6
+    profiles = ["steady", "halved"] if args.profile == "both" else [args.profile]
+    systems = [args.only] if args.only else list(SYSTEMS)
+
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    spark = build_session("local[2]", app_name="sluice-control-loop", conf=SESSION_CONF)
+    with tempfile.TemporaryDirectory(prefix="sluice-cost-") as tmp:
+        cost_file = CostFile(Path(tmp) / "multiplier")
+        try:
+            print(
+                f"measuring capacity (cost {args.cost_us:g} us/record, batch mode, spark.range)...",
+                flush=True,
+            )
+            caps = {cores: measure_capacity(spark, cost, str(cost_file.path), cores) for cores in (1, 2)}
+            for cores, cap in caps.items():
+                print(
+                    f"  {cores} core(s): fixed {cap.fixed_cost:.3f} s/batch, "
+                    f"{cap.per_record_cost * 1e6:.2f} us/record"
+                    f" -> capacity {cap.records_per_second:,.0f} rec/s at {INTERVAL:g} s batches",
+                    flush=True,
+                )
+            for profile in profiles:
+                d = args.duration
+                changes = ((d / 3, 2.0), (2 * d / 3, 1.0)) if profile == "halved" else ()
+                lines = []
+                for system in systems:
+                    print(f"[{profile}] running {system} for {d:g} s...", flush=True)
+                    if system == "sparkpid-dstream":
+                        batches = run_dstream(spark, cost, cost_file, changes, args)
+                    else:
+                        estimator = "spark-pid" if system == "sluice-spark-pid" else "model"
+                        batches = asyncio.run(run_sluice(spark, estimator, cost, cost_file, changes, args))
+                    cap = caps[1]  # one core per batch for all three: see the module docstring
+                    sim = judge(batches, cap.pipeline(changes), d)
+                    if args.batches:
+                        print_batches(system, batches)
+                    lines.append(row(system, cap.records_per_second, sim, len(batches)))
+                print()
+                print(
+                    f"profile {profile}: {d:g} s, 1 s batches, {args.cost_us:g} us/record"
+                    + (f", cost x2 from {d / 3:.0f} s to {2 * d / 3:.0f} s" if changes else "")
+                )
+                print(
+                    f"{'system':<18} | {'cap rec/s':>9} | {'avg util':>10} | {'peak delay s':>14} | "
+                    f"{'settle s':>10} | {'starved':>7} | {'batches':>7}"
+                )
+                print("-" * 96)
+                for line in lines:
+                    print(line)
+                print(flush=True)
+        finally:
+            spark.stop()
+
+
+if __name__ == "__main__":
+    main()
