@@ -162,6 +162,17 @@ def test_partitions_group_consecutive_blocks(tmp_path: Path) -> None:
     assert reader.partitions(end, end) == []
 
 
+def test_min_partitions_spreads_a_small_batch(tmp_path: Path) -> None:
+    store = LocalBlockStore(tmp_path, fsync=False)
+    write_blocks(store, "a", [10] * 5)
+    reader = reader_for(tmp_path, "a", minPartitions="2")
+    start = reader.initialOffset()
+    parts = reader.partitions(start, reader.latestOffset(start, ReadAllAvailable()))
+    assert [[seq for _, seq, *_ in p.blocks] for p in parts] == [[0, 1, 2], [3, 4]]
+    many = reader_for(tmp_path, "a", minPartitions="64")  # never more partitions than blocks
+    assert len(many.partitions(start, {"a": 5})) == 5
+
+
 def test_read_max_rows_caps_a_batch_at_whole_blocks(tmp_path: Path) -> None:
     store = LocalBlockStore(tmp_path, fsync=False)
     write_blocks(store, "a", [10, 10, 10, 10])

@@ -18,6 +18,7 @@ from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from ingest.spark.source import (
     OPTION_MAX_RECORDS,
+    OPTION_MIN_PARTITIONS,
     OPTION_RATE_TARGET,
     OPTION_STREAMS,
     OPTION_TRIGGER_SECONDS,
@@ -100,6 +101,8 @@ def start_query(
     )
     if max_records_per_batch is not None:
         reader = reader.option(OPTION_MAX_RECORDS, str(max_records_per_batch))
+    # one partition per core at least, so a batch of a few blocks is not read by one task
+    reader = reader.option(OPTION_MIN_PARTITIONS, str(spark.sparkContext.defaultParallelism))
     if rate_target is not None:
         reader = reader.option(OPTION_RATE_TARGET, rate_target).option(
             OPTION_TRIGGER_SECONDS, str(trigger_seconds)

@@ -97,6 +97,8 @@ MAX_RECORDS_PER_PARTITION = 1_000_000
 OPTION_PATH = "path"
 OPTION_STREAMS = "streams"
 OPTION_MAX_RECORDS = "maxRecordsPerBatch"
+OPTION_MIN_PARTITIONS = "minPartitions"
+"""Spread each batch's blocks over at least this many partitions (as far as there are blocks)."""
 OPTION_RATE_TARGET = "rateTarget"
 """host:port of the Sluice server whose live rate caps each batch (rate x trigger interval)."""
 OPTION_TRIGGER_SECONDS = "triggerSeconds"
@@ -130,6 +132,7 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.root = _required(options, OPTION_PATH)
         self.streams = parse_streams(_required(options, OPTION_STREAMS))
         self.max_records_per_batch = _positive_int_option(options, OPTION_MAX_RECORDS)
+        self.min_partitions = _positive_int_option(options, OPTION_MIN_PARTITIONS) or 1
         self.rate_target = options.get(OPTION_RATE_TARGET) or None
         self.trigger_seconds = float(options.get(OPTION_TRIGGER_SECONDS) or 1.0)
         self._rate_client: LiveRateCap | None = None
@@ -199,15 +202,22 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._available_now_target = self.reportLatestOffset()
 
     def partitions(self, start: Offset, end: Offset) -> Sequence[BlockPartition]:
-        partitions: list[BlockPartition] = []
+        batch: dict[str, list[BlockInfo]] = {}
         for stream in sorted(end):
             lo, hi = start.get(stream, 0), end[stream]
             if hi <= lo:
                 continue
             blocks = [b for b in self.store.blocks(stream, lo) if b.seq < hi]
             _check_complete(stream, lo, hi, blocks)
-            partitions.extend(BlockPartition(self.root, run) for run in _runs(blocks))
-        return partitions
+            batch[stream] = blocks
+        # like the Kafka source's minPartitions: a 1 s batch of a few blocks still uses every core
+        total = sum(len(blocks) for blocks in batch.values())
+        per_partition = max(1, min(MAX_BLOCKS_PER_PARTITION, -(-total // self.min_partitions)))
+        return [
+            BlockPartition(self.root, run)
+            for blocks in batch.values()
+            for run in _runs(blocks, per_partition)
+        ]
 
     def commit(self, end: Offset) -> None:
         # Spark has durably recorded every batch up to `end`: the blocks below it are no longer needed
@@ -309,14 +319,14 @@ def _admit(pending: Mapping[str, Sequence[BlockInfo]], max_rows: int) -> Offset:
     return end
 
 
-def _runs(blocks: Sequence[BlockInfo]) -> Iterator[list[BlockTuple]]:
-    """Consecutive blocks in runs of at most MAX_BLOCKS_PER_PARTITION blocks / ~MAX_RECORDS_PER_PARTITION."""
+def _runs(
+    blocks: Sequence[BlockInfo], max_blocks: int = MAX_BLOCKS_PER_PARTITION
+) -> Iterator[list[BlockTuple]]:
+    """Consecutive blocks in runs of at most `max_blocks` blocks / ~MAX_RECORDS_PER_PARTITION."""
     run: list[BlockTuple] = []
     records = 0
     for block in blocks:
-        if run and (
-            len(run) >= MAX_BLOCKS_PER_PARTITION or records + block.count > MAX_RECORDS_PER_PARTITION
-        ):
+        if run and (len(run) >= max_blocks or records + block.count > MAX_RECORDS_PER_PARTITION):
             yield run
             run, records = [], 0
         run.append((block.stream, block.seq, block.first_offset, block.count, block.receiver))
