@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import multiprocessing as mp
 import tempfile
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ingest.client import Producer
-from ingest.config import ServeConfig
+from ingest.config import RateConfig, ServeConfig
 from ingest.driver import SparkDriver
 from ingest.server import SluiceServer
 from ingest.spark.pipeline import parquet_pipeline
@@ -47,7 +48,12 @@ async def run(args: argparse.Namespace) -> None:
     spark = build_session("local[*]", app_name="sluice-bench")
     with tempfile.TemporaryDirectory() as tmp:
         config = ServeConfig(
-            port=0, metrics_port=None, data_dir=Path(tmp), streams=("bench",), trigger_interval=args.trigger
+            rate=RateConfig(estimator="fixed", initial_rate=math.inf),  # throughput: unthrottled
+            port=0,
+            metrics_port=None,
+            data_dir=Path(tmp),
+            streams=("bench",),
+            trigger_interval=args.trigger,
         )
         server = SluiceServer(config)
         await server.start()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import multiprocessing as mp
 import tempfile
 import time
@@ -28,7 +29,7 @@ import grpc
 import pyarrow as pa
 
 from ingest.client import Producer
-from ingest.config import ServeConfig
+from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
 from receivers.block import BlockInfo
 from receivers.block_store import LocalBlockStore
@@ -72,6 +73,7 @@ def serve(kind: str, ports: Any, data_dir: str, buffer: int, block_interval: flo
             await server.wait_for_termination()
             return
         config = ServeConfig(
+            rate=RateConfig(estimator="fixed", initial_rate=math.inf),  # throughput: unthrottled
             port=0,
             metrics_port=None,
             data_dir=Path(data_dir),
