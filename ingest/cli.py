@@ -14,9 +14,9 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, TypeVar
 
 import grpc
 
@@ -28,6 +28,8 @@ from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import ReceiverConfig
 
 log = logging.getLogger("sluice")
+
+T = TypeVar("T")
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -375,29 +377,10 @@ async def _push_async(args: argparse.Namespace, source: IO[bytes], progress: _Pr
 
 
 def _sessions_list(args: argparse.Namespace) -> int:
-    return asyncio.run(_sessions_call(args.target, pb.ListSessionsRequest(stream=args.stream)))
-
-
-def _sessions_cancel(args: argparse.Namespace) -> int:
-    request = pb.CancelSessionRequest(session_id=args.session_id, code=args.code, reason=args.reason)
-    return asyncio.run(_sessions_call(args.target, request))
-
-
-async def _sessions_call(target: str, request: pb.ListSessionsRequest | pb.CancelSessionRequest) -> int:
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.SessionsStub(channel)
-        try:
-            if isinstance(request, pb.ListSessionsRequest):
-                listing = await stub.ListSessions(request, timeout=10)
-            else:
-                cancelled = await stub.CancelSession(request, timeout=10)
-        except grpc.aio.AioRpcError as exc:
-            return _fail(f"sessions on {target}: {exc.code().name}: {exc.details()}")
-    if isinstance(request, pb.CancelSessionRequest):
-        print(
-            f"session {request.session_id} {'cancelled' if cancelled.cancelled else 'was already cancelled'}"
-        )
-        return 0
+    request = pb.ListSessionsRequest(stream=args.stream)
+    listing = _unary(args.target, "sessions list", lambda ch: pb_grpc.SessionsStub(ch).ListSessions(request))
+    if listing is None:
+        return EXIT_FAILED
     print("id\tstream\tproducer\tcredit\tnext_seq\tdurable_up_to\tstate")
     for s in listing.sessions:
         state = "cancelled" if s.cancelled else "completed" if s.completed else "open"
@@ -407,49 +390,52 @@ async def _sessions_call(target: str, request: pb.ListSessionsRequest | pb.Cance
     return 0
 
 
+def _sessions_cancel(args: argparse.Namespace) -> int:
+    request = pb.CancelSessionRequest(session_id=args.session_id, code=args.code, reason=args.reason)
+    done = _unary(args.target, "sessions cancel", lambda ch: pb_grpc.SessionsStub(ch).CancelSession(request))
+    if done is None:
+        return EXIT_FAILED
+    print(f"session {request.session_id} {'cancelled' if done.cancelled else 'was already cancelled'}")
+    return 0
+
+
 # ---- rate ----------------------------------------------------------------------------------------
 
 
 def _rate_get(args: argparse.Namespace) -> int:
-    return asyncio.run(_rate_call(args.target, "get", pb.GetRateRequest()))
+    return _show_rate(
+        _unary(args.target, "rate get", lambda ch: pb_grpc.RateControlStub(ch).GetRate(pb.GetRateRequest()))
+    )
 
 
 def _rate_set(args: argparse.Namespace) -> int:
     request = pb.UpdateRateRequest(records_per_second=args.records_per_second, pin=args.pin)
-    return asyncio.run(_rate_call(args.target, "set", request))
+    return _show_rate(
+        _unary(args.target, "rate set", lambda ch: pb_grpc.RateControlStub(ch).UpdateRate(request))
+    )
 
 
 def _rate_bounds(args: argparse.Namespace) -> int:
     request = pb.SetBoundsRequest(min_rate=args.min_rate, max_rate=args.max_rate)
-    return asyncio.run(_rate_call(args.target, "bounds", request))
+    return _show_rate(
+        _unary(args.target, "rate bounds", lambda ch: pb_grpc.RateControlStub(ch).SetBounds(request))
+    )
 
 
 def _rate_estimator(args: argparse.Namespace) -> int:
-    return asyncio.run(_rate_call(args.target, "estimator", pb.SetEstimatorRequest(estimator=args.name)))
+    request = pb.SetEstimatorRequest(estimator=args.name)
+    return _show_rate(
+        _unary(args.target, "rate estimator", lambda ch: pb_grpc.RateControlStub(ch).SetEstimator(request))
+    )
 
 
 def _rate_text(rate: float) -> str:
     return "unlimited" if math.isinf(rate) else f"{rate:g}"
 
 
-async def _rate_call(
-    target: str,
-    action: str,
-    request: pb.GetRateRequest | pb.UpdateRateRequest | pb.SetBoundsRequest | pb.SetEstimatorRequest,
-) -> int:
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.RateControlStub(channel)
-        try:
-            if isinstance(request, pb.GetRateRequest):
-                status = await stub.GetRate(request, timeout=10)
-            elif isinstance(request, pb.UpdateRateRequest):
-                status = await stub.UpdateRate(request, timeout=10)
-            elif isinstance(request, pb.SetBoundsRequest):
-                status = await stub.SetBounds(request, timeout=10)
-            else:
-                status = await stub.SetEstimator(request, timeout=10)
-        except grpc.aio.AioRpcError as exc:
-            return _fail(f"rate {action} on {target}: {exc.code().name}: {exc.details()}")
+def _show_rate(status: pb.RateStatus | None) -> int:
+    if status is None:
+        return EXIT_FAILED
     pinned = ", pinned" if status.pinned else ""
     print(f"rate: {_rate_text(status.records_per_second)} records/s ({status.estimator}{pinned})")
     print(f"bounds: {_rate_text(status.min_rate)} .. {_rate_text(status.max_rate)} records/s")
@@ -464,6 +450,22 @@ async def _rate_call(
             f"scheduling delay {b.scheduling_delay_seconds:.3f} s, interval {b.batch_interval_seconds:g} s"
         )
     return 0
+
+
+def _unary(target: str, what: str, call: Callable[[grpc.aio.Channel], Awaitable[T]]) -> T | None:
+    """One unary call to the server; on failure print why (status and details) and return None."""
+
+    async def run() -> T | None:
+        async with grpc.aio.insecure_channel(target) as channel:
+            try:
+                return await asyncio.wait_for(call(channel), 10)
+            except grpc.aio.AioRpcError as exc:
+                _fail(f"{what} on {target}: {exc.code().name}: {exc.details()}")
+            except TimeoutError:
+                _fail(f"{what} on {target}: no answer within 10 s")
+        return None
+
+    return asyncio.run(run())
 
 
 if __name__ == "__main__":

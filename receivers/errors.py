@@ -4,7 +4,6 @@
     ├── ProtocolViolation              FAILED_PRECONDITION: the Flow contract was broken (e.g. rule 1.1)
     ├── InvalidBatch                   INVALID_ARGUMENT: a malformed message
     ├── UnknownStream                  NOT_FOUND: Open named a stream this server does not have
-    ├── LimitExceeded                  RESOURCE_EXHAUSTED: over a size or count limit
     ├── ReceiverStopped                UNAVAILABLE: not accepted, safe to retry elsewhere or later
     └── SessionCancelled               the code the canceller chose (shutdown, operator, stream removed)
 
@@ -33,10 +32,6 @@ class InvalidBatch(ReceiverError):
 
 class UnknownStream(ReceiverError):
     status = "NOT_FOUND"
-
-
-class LimitExceeded(ReceiverError):
-    status = "RESOURCE_EXHAUSTED"
 
 
 class ReceiverStopped(ReceiverError):
