@@ -117,15 +117,20 @@ def batch_metrics(
     """A completed batch as the estimator sees it.
 
     Scheduling delay, for Structured Streaming: how long the batch's oldest record waited before its
-    batch started, i.e. the trigger's start minus when the receiver took the first record of the
-    batch's first block (`received_at(stream, seq)`), over the batch's streams. Unknown (the first
-    batch, blocks from before a restart) counts as 0. Processing delay: the trigger's whole duration.
+    batch started, i.e. the trigger's start minus when the receiver took the batch's first record
+    (`received_at(stream, offset)`), over the batch's streams. Unknown (the first batch, records from
+    before a restart) counts as 0. Processing delay: the trigger's whole duration. Backlog: records that
+    were available when the batch was planned but left for later (Spark's latestOffset - endOffset).
     """
     waited = [
         batch.started_at - taken
-        for stream, seq in (batch.start_offset or {}).items()
-        if (taken := received_at(stream, seq)) is not None
+        for stream, offset in (batch.start_offset or {}).items()
+        if (taken := received_at(stream, offset)) is not None
     ]
+    backlog = None
+    if batch.latest_offset is not None and batch.end_offset is not None:
+        end = batch.end_offset
+        backlog = sum(max(0, latest - end.get(s, latest)) for s, latest in batch.latest_offset.items())
     return BatchMetrics(
         batch_id=batch.batch_id,
         completed_at=batch.started_at + batch.processing_seconds,
@@ -133,6 +138,7 @@ def batch_metrics(
         processing_delay=batch.processing_seconds,
         scheduling_delay=max([0.0, *waited]),
         batch_interval=interval,
+        backlog=backlog,
     )
 
 

@@ -47,10 +47,10 @@ class SluiceServer:
     def _batches_completed(self) -> int:
         return self.batches_completed()  # looked up at scrape time: the Spark side may attach later
 
-    def received_at(self, stream: str, block_seq: int) -> float | None:
-        """When the first record of a block was taken (epoch seconds), if this node sealed it lately."""
+    def received_at(self, stream: str, offset: int) -> float | None:
+        """When the record at `offset` of `stream` was taken (epoch s), if this node sealed it lately."""
         receiver = self.receivers.get(stream)
-        return receiver.received_at(block_seq) if receiver is not None else None
+        return receiver.received_at(offset) if receiver is not None else None
 
     @property
     def target(self) -> str:

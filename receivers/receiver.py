@@ -18,9 +18,11 @@ into one block, writes it durably to the block store, then acks each session up 
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,7 +42,7 @@ log = logging.getLogger(__name__)
 UNAVAILABLE = 14
 """gRPC status code for 'not accepted, safe to retry' (kept numeric: receivers do not import gRPC)."""
 CANCELLED = 1
-_RECEIVED_AT_KEPT = 100_000  # blocks whose receive time is remembered: far more than a batch spans
+_ARRIVALS_KEPT = 10_000  # blocks whose arrival times are remembered: far more than a batch spans
 
 
 @dataclass(frozen=True)
@@ -140,7 +142,8 @@ class Receiver:
         self._next_block_seq, self._next_offset = store.recover(self.stream)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        self._received_at: dict[int, float] = {}
+        # per recent block: its first offset, and (first offset, arrival time) of each batch in it
+        self._arrivals: deque[tuple[int, list[int], list[float]]] = deque(maxlen=_ARRIVALS_KEPT)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -207,10 +210,17 @@ class Receiver:
     def sessions(self) -> list[Session]:
         return list(self._sessions)
 
-    def received_at(self, block_seq: int) -> float | None:
-        """When the first record of a block sealed by this receiver was taken (epoch seconds), if known:
-        the start of a batch minus this is how long the batch's oldest record waited."""
-        return self._received_at.get(block_seq)
+    def received_at(self, offset: int) -> float | None:
+        """When the record at stream offset `offset` was taken (epoch seconds), if this receiver sealed
+        it lately: the start of a batch minus this is how long the batch's oldest record waited."""
+        arrivals = self._arrivals
+        if not arrivals or offset < arrivals[0][0]:
+            return None
+        block = bisect.bisect_right(arrivals, offset, key=lambda a: a[0]) - 1
+        _, offsets, times = arrivals[block]
+        if block == len(arrivals) - 1 and offset >= self._next_offset:
+            return None  # not sealed yet (or never)
+        return times[bisect.bisect_right(offsets, offset) - 1]
 
     # ---- sessions ------------------------------------------------------------------------------
 
@@ -380,9 +390,12 @@ class Receiver:
             self._pending = chunks + self._pending
             self._pending_records = sum(c.records.num_rows for c in self._pending)
             return False
-        self._received_at[info.seq] = chunks[0].records.column(2)[0].value / 1e6
-        if len(self._received_at) > _RECEIVED_AT_KEPT:
-            del self._received_at[next(iter(self._received_at))]
+        offsets, times, at = [], [], info.first_offset
+        for chunk in chunks:  # a batch's records share their arrival time
+            offsets.append(at)
+            times.append(chunk.records.column(2)[0].value / 1e6)
+            at += chunk.records.num_rows
+        self._arrivals.append((info.first_offset, offsets, times))
         self._next_block_seq += 1
         self._next_offset += info.count
         self._buffered -= info.count

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from pathlib import Path
 
@@ -65,6 +66,23 @@ async def test_batch_metrics_measure_how_long_the_oldest_record_waited(tmp_path:
         metrics = batch_metrics(completed, 1.0, server.received_at)
         assert metrics.scheduling_delay == pytest.approx(3.5, abs=1e-3)
         assert (metrics.records, metrics.processing_delay, metrics.batch_interval) == (10, 0.25, 1.0)
+        assert metrics.backlog is None  # Spark did not say what was left
+        # a batch starting mid-way: its oldest record is the one at its start offset
+        async with Producer(server.target, "s", linger=0) as producer:
+            await producer.send_many([b"y"] * 5)
+        later = server.received_at("s", 12)
+        assert later is not None and later > taken
+        assert server.received_at("s", 15) is None  # never taken
+        capped = dataclasses.replace(
+            completed,
+            timestamp=_iso(later + 1.0),
+            start_offset={"s": 12},
+            end_offset={"s": 14},
+            latest_offset={"s": 15},
+        )
+        metrics = batch_metrics(capped, 1.0, server.received_at)
+        assert metrics.scheduling_delay == pytest.approx(1.0, abs=1e-3)
+        assert metrics.backlog == 1
         unknown = BatchCompleted("q", 0, 10, 9.0, _iso(taken), start_offset=None)
         assert batch_metrics(unknown, 1.0, server.received_at).scheduling_delay == 0.0
 
@@ -86,12 +104,12 @@ async def test_the_source_caps_each_batch_at_the_live_rate(tmp_path: Path) -> No
         )
         start = {"s": 0}
         # unlimited: everything
-        assert (await asyncio.to_thread(reader.latestOffset, start, ReadAllAvailable())) == {"s": 10}
-        server.rate.update(600)  # x 0.5 s = 300 records a batch: 3 blocks
-        assert (await asyncio.to_thread(reader.latestOffset, start, ReadAllAvailable())) == {"s": 3}
-        assert (await asyncio.to_thread(reader.latestOffset, start, ReadMaxRows(150))) == {"s": 1}
+        assert (await asyncio.to_thread(reader.latestOffset, start, ReadAllAvailable())) == {"s": 1000}
+        server.rate.update(700)  # x 0.5 s = 350 records a batch, to the record
+        assert (await asyncio.to_thread(reader.latestOffset, start, ReadAllAvailable())) == {"s": 350}
+        assert (await asyncio.to_thread(reader.latestOffset, start, ReadMaxRows(150))) == {"s": 150}
         server.rate.update(math.inf)
-        assert (await asyncio.to_thread(reader.latestOffset, start, ReadAllAvailable())) == {"s": 10}
+        assert (await asyncio.to_thread(reader.latestOffset, start, ReadAllAvailable())) == {"s": 1000}
 
 
 def _iso(epoch: float) -> str:

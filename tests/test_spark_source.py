@@ -19,7 +19,7 @@ from ingest.spark.pipeline import load_pipeline, parquet_pipeline, start_query
 from ingest.spark.session import _java_major
 from ingest.spark.source import (
     ARROW_SCHEMA,
-    MAX_BLOCKS_PER_PARTITION,
+    MAX_RECORDS_PER_PARTITION,
     SCHEMA,
     SCHEMA_DDL,
     BlockPartition,
@@ -137,58 +137,84 @@ def test_read_yields_kafka_like_columns(tmp_path: Path) -> None:
     reader = reader_for(tmp_path)
     start = reader.initialOffset()
     end = reader.latestOffset(start, ReadAllAvailable())
-    assert (start, end) == ({"a": 0}, {"a": 2})
+    assert (start, end) == ({"a": 0}, {"a": 9})
     batches = [b for p in reader.partitions(start, end) for b in reader.read(p)]
     assert all(b.schema.equals(ARROW_SCHEMA) for b in batches)
     assert rows_of(batches) == expected
     assert expected[0][3] is None  # null keys are in there
 
 
-def test_partitions_group_consecutive_blocks(tmp_path: Path) -> None:
+def slices_of(parts: Any) -> list[list[tuple[str, int, int, int]]]:
+    """(stream, seq, lo, hi) of every slice of every partition."""
+    return [[(s[0], s[1], s[5], s[6]) for s in p.slices] for p in parts]
+
+
+def test_partitions_balance_records_across_blocks(tmp_path: Path) -> None:
     store = LocalBlockStore(tmp_path, fsync=False)
     write_blocks(store, "a", [10] * 20)
     write_blocks(store, "b", [10] * 3)
-    reader = reader_for(tmp_path, "a,b")
+    reader = reader_for(tmp_path, "a,b", minPartitions="3")
     start = reader.initialOffset()
     end = reader.latestOffset(start, ReadAllAvailable())
+    assert end == {"a": 200, "b": 30}
     parts = reader.partitions(start, end)
-    by_stream = [[seq for _, seq, *_ in p.blocks] for p in parts]
-    assert by_stream == [list(range(0, 8)), list(range(8, 16)), list(range(16, 20)), [0, 1, 2]]
-    assert all(len(p.blocks) <= MAX_BLOCKS_PER_PARTITION for p in parts)
+    # 230 records in 3 tasks of 77, 77 and 76: blocks are cut where a partition is full
+    assert [p.records for p in parts] == [77, 77, 76]
+    assert slices_of(parts)[1][0] == ("a", 7, 7, 10)
+    assert sorted(r for p in parts for b in reader.read(p) for r in rows_of([b])) == sorted(
+        rows_of([b for p in reader.partitions(start, end) for b in reader.read(p)])
+    )
+    assert len(rows_of([b for p in parts for b in reader.read(p)])) == 230
     # partitions and the reader travel to other processes
-    assert pickle.loads(pickle.dumps(parts[0])).blocks == parts[0].blocks
+    assert pickle.loads(pickle.dumps(parts[0])).slices == parts[0].slices
     copy = pickle.loads(pickle.dumps(reader))
     assert rows_of(list(copy.read(parts[-1]))) == rows_of(list(reader.read(parts[-1])))
     assert reader.partitions(end, end) == []
+    # a large batch still splits at MAX_RECORDS_PER_PARTITION
+    assert MAX_RECORDS_PER_PARTITION >= 100_000
 
 
 def test_min_partitions_spreads_a_small_batch(tmp_path: Path) -> None:
     store = LocalBlockStore(tmp_path, fsync=False)
-    write_blocks(store, "a", [10] * 5)
+    expected = write_blocks(store, "a", [10] * 5)
     reader = reader_for(tmp_path, "a", minPartitions="2")
     start = reader.initialOffset()
     parts = reader.partitions(start, reader.latestOffset(start, ReadAllAvailable()))
-    assert [[seq for _, seq, *_ in p.blocks] for p in parts] == [[0, 1, 2], [3, 4]]
-    many = reader_for(tmp_path, "a", minPartitions="64")  # never more partitions than blocks
+    assert slices_of(parts) == [
+        [("a", 0, 0, 10), ("a", 1, 0, 10), ("a", 2, 0, 5)],
+        [("a", 2, 5, 10), ("a", 3, 0, 10), ("a", 4, 0, 10)],
+    ]
+    assert rows_of([b for p in parts for b in reader.read(p)]) == expected
+    many = reader_for(tmp_path, "a", minPartitions="64")  # never more partitions than records
     assert len(many.partitions(start, {"a": 5})) == 5
 
 
-def test_read_max_rows_caps_a_batch_at_whole_blocks(tmp_path: Path) -> None:
+def test_read_max_rows_caps_a_batch_to_the_record(tmp_path: Path) -> None:
     store = LocalBlockStore(tmp_path, fsync=False)
-    write_blocks(store, "a", [10, 10, 10, 10])
+    expected = write_blocks(store, "a", [10, 10, 10, 10])
     write_blocks(store, "b", [30, 5])
     reader = reader_for(tmp_path, "a,b")
     start = reader.initialOffset()
     assert start == {"a": 0, "b": 0}
-    # round robin: a0 (10), b0 (30) does not fit in 25 and stops b, a1 (20)
-    assert reader.latestOffset(start, ReadMaxRows(25)) == {"a": 2, "b": 0}
-    # a block larger than the limit still goes through, alone
-    assert reader.latestOffset({"a": 4, "b": 0}, ReadMaxRows(5)) == {"a": 4, "b": 1}
-    assert reader.latestOffset(start, ReadMaxRows(1)) == {"a": 1, "b": 0}
-    assert reader.latestOffset(start, ReadMaxRows(1000)) == {"a": 4, "b": 2}
-    assert reader.latestOffset(start, ReadAllAvailable()) == {"a": 4, "b": 2}
+    # shared evenly, cutting blocks: b gets 25 // 2, a the rest
+    assert reader.latestOffset(start, ReadMaxRows(25)) == {"a": 13, "b": 12}
+    # a stream needing less than its share leaves the rest to the others
+    assert reader.latestOffset({"a": 38, "b": 0}, ReadMaxRows(25)) == {"a": 40, "b": 23}
+    assert reader.latestOffset(start, ReadMaxRows(1)) == {"a": 0, "b": 1}
+    assert reader.latestOffset(start, ReadMaxRows(1000)) == {"a": 40, "b": 35}
+    assert reader.latestOffset(start, ReadAllAvailable()) == {"a": 40, "b": 35}
     # nothing new: the start offset comes back unchanged
-    assert reader.latestOffset({"a": 4, "b": 2}, ReadMaxRows(5)) == {"a": 4, "b": 2}
+    assert reader.latestOffset({"a": 40, "b": 35}, ReadMaxRows(5)) == {"a": 40, "b": 35}
+    # consecutive capped batches read every record once, in order
+    got: list[Row] = []
+    at: dict[str, int] = {"a": 0}
+    only_a = reader_for(tmp_path, "a")
+    while at["a"] < 40:
+        nxt = only_a.latestOffset(at, ReadMaxRows(7))
+        assert nxt["a"] - at["a"] == min(7, 40 - at["a"])
+        got += rows_of([b for p in only_a.partitions(at, nxt) for b in only_a.read(p)])
+        at = nxt
+    assert got == expected
 
 
 def test_default_read_limit_from_options(tmp_path: Path) -> None:
@@ -210,19 +236,19 @@ def test_commit_releases_blocks_and_fresh_query_starts_after_them(tmp_path: Path
     write_blocks(store, "a", [3, 3, 3, 3])
     reader = reader_for(tmp_path, "a,empty")
     assert reader.initialOffset() == {"a": 0, "empty": 0}
-    reader.commit({"a": 3, "empty": 0})
+    reader.commit({"a": 10, "empty": 0})  # mid-block: only the blocks wholly below go
     assert [b.seq for b in store.blocks("a")] == [3]
-    # a fresh query starts at the first block still there, not at released seqs
+    # a fresh query starts at the first block still there, not at released records
     fresh = reader_for(tmp_path, "a,empty")
-    assert fresh.initialOffset() == {"a": 3, "empty": 0}
-    reader.commit({"a": 4})
+    assert fresh.initialOffset() == {"a": 9, "empty": 0}
+    reader.commit({"a": 12})
     assert store.blocks("a") == []
     # a stream emptied by releases continues at a higher seq; reading from 0 skips the released ones
     empty_start = reader_for(tmp_path).initialOffset()
     assert empty_start == {"a": 0}
     rows = write_block(store, "a", 4, 12, 2)
     end = reader.latestOffset(empty_start, ReadAllAvailable())
-    assert end == {"a": 5}
+    assert end == {"a": 14, "empty": 0}
     assert rows_of([b for p in reader.partitions(empty_start, end) for b in reader.read(p)]) == rows
 
 
@@ -231,11 +257,11 @@ def test_missing_blocks_are_data_loss(tmp_path: Path) -> None:
     write_blocks(store, "a", [3, 3, 3])
     reader = reader_for(tmp_path)
     store.release("a", 2)  # as if another query had committed them
-    with pytest.raises(DataLossError, match=r"blocks 1\.\.2"):
-        reader.partitions({"a": 1}, {"a": 3})
+    with pytest.raises(DataLossError, match=r"records 3\.\.8 but .* cover \[\(6, 9\)\]"):
+        reader.partitions({"a": 3}, {"a": 9})
     store.release("a", 3)
-    with pytest.raises(DataLossError):
-        reader.partitions({"a": 0}, {"a": 3})
+    with pytest.raises(DataLossError, match="cover nothing"):
+        reader.partitions({"a": 0}, {"a": 9})
 
 
 def test_available_now_stops_at_the_blocks_present_when_it_started(tmp_path: Path) -> None:
@@ -247,14 +273,15 @@ def test_available_now_stops_at_the_blocks_present_when_it_started(tmp_path: Pat
     write_blocks(store, "a", [10])
     write_blocks(store, "b", [10])
     mid = reader.latestOffset(start, ReadMaxRows(20))
-    assert mid == {"a": 2, "b": 0}
-    assert reader.latestOffset(mid, ReadMaxRows(20)) == {"a": 3, "b": 0}
-    assert reader.latestOffset({"a": 3, "b": 0}, ReadAllAvailable()) == {"a": 3, "b": 0}
+    assert mid == {"a": 20, "b": 0}
+    assert reader.latestOffset(mid, ReadMaxRows(20)) == {"a": 30, "b": 0}
+    assert reader.latestOffset({"a": 30, "b": 0}, ReadAllAvailable()) == {"a": 30, "b": 0}
 
 
 def test_partition_carries_plain_tuples() -> None:
-    p = BlockPartition("/x", [("a", 0, 0, 1, 2)])
-    assert BlockInfo(*p.blocks[0]) == BlockInfo("a", 0, 0, 1, 2)
+    p = BlockPartition("/x", [("a", 0, 0, 1, 2, 0, 1)])
+    assert BlockInfo(*p.slices[0][:5]) == BlockInfo("a", 0, 0, 1, 2)
+    assert p.records == 1
 
 
 # ---- pipelines, listener, session helpers -------------------------------------------------------
@@ -397,9 +424,9 @@ def test_max_records_per_batch_splits_a_backlog(spark: Any, tmp_path: Path) -> N
         query.stop()
         spark.streams.removeListener(listener)
     sizes = [e.num_input_rows for e in mine() if e.num_input_rows]
-    assert sizes == [200] * 5  # whole blocks of 100, at most 250 records a batch
+    assert sizes == [250] * 4  # at most 250 records a batch, blocks of 100 cut where needed
     assert all(e.processing_seconds > 0 for e in mine())
-    assert listener.batches_completed >= 5
+    assert listener.batches_completed >= 4
     assert (own_checkpoint / "offsets").is_dir()
     assert not (tmp_path / "unused-checkpoint").exists()
     assert sorted(sink_rows(spark, sink), key=lambda r: r[1]) == expected

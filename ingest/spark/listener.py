@@ -27,7 +27,12 @@ class BatchCompleted:
     timestamp: str
     """When the trigger started, ISO 8601 UTC as Spark reports it."""
     start_offset: dict[str, int] | None = None
-    """The sluice source's start offset ({stream: block seq}) of the batch, when it has one."""
+    """The sluice source's start offset ({stream: record offset}) of the batch, when it has one."""
+    end_offset: dict[str, int] | None = None
+    """Where the batch ended ({stream: record offset}), when known."""
+    latest_offset: dict[str, int] | None = None
+    """What was available when the batch was planned ({stream: record offset}), when known: latest -
+    end is the backlog a capped batch left behind."""
 
     @property
     def started_at(self) -> float:
@@ -65,7 +70,9 @@ class BatchListener(StreamingQueryListener):
                 num_input_rows=int(progress.numInputRows),
                 processing_seconds=float(progress.durationMs.get("triggerExecution", 0)) / 1000.0,
                 timestamp=str(progress.timestamp),
-                start_offset=_start_offset(progress),
+                start_offset=_source_offset(progress, "startOffset"),
+                end_offset=_source_offset(progress, "endOffset"),
+                latest_offset=_source_offset(progress, "latestOffset"),
             )
         except Exception:  # a malformed event must not kill the listener thread
             logger.exception("cannot read streaming query progress event %r", event)
@@ -84,11 +91,11 @@ class BatchListener(StreamingQueryListener):
         pass
 
 
-def _start_offset(progress: Any) -> dict[str, int] | None:
-    """The first source's start offset as {stream: block seq}, or None (first batch, other sources)."""
+def _source_offset(progress: Any, which: str) -> dict[str, int] | None:
+    """The first source's `which` offset as {stream: record offset}, or None (unknown, other sources)."""
     try:
         sources = progress.sources
-        raw = sources[0].startOffset if sources else None
+        raw = getattr(sources[0], which) if sources else None
         offset = json.loads(raw) if isinstance(raw, str) else raw
     except (AttributeError, IndexError, ValueError):
         return None

@@ -18,10 +18,12 @@ Columns (modelled on Spark's Kafka source; see SCHEMA_DDL):
     offset     long       stream offset of the record                  (Kafka: offset)
     timestamp  timestamp  time the receiver took the record, UTC       (Kafka: timestamp)
 
-Offsets are ``{stream: next_block_seq}``: everything of a stream below that block seq belongs to
-earlier micro-batches. Block seqs have no gaps, so a batch is the blocks with start[s] <= seq < end[s]
-of every stream. Record offsets are not part of the Spark offset; each block knows its first record
-offset and the reader derives the per-record ``offset`` column from it.
+Offsets are ``{stream: next record offset}``, like the Kafka source's: everything of a stream below
+that offset belongs to earlier micro-batches. A record offset is a position in the stream's block log:
+blocks hold consecutive offsets without gaps, each knows its first one, so a batch is the slices of
+the blocks that cover [start[s], end[s]) of every stream. Admission control is therefore exact to the
+record (ReadMaxRows(n) admits n records, cutting a block if need be), and a batch is split into
+partitions of about equal record counts whatever the block sizes.
 
 Blocks leave the store in ``commit``, i.e. only after Spark has recorded the batch as done, so a query
 restarted from its checkpoint re-reads an unfinished batch from blocks that are still there. Spark
@@ -34,8 +36,8 @@ a second query would release blocks under the first one's feet, which the reader
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterator, Mapping, Sequence
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -91,7 +93,6 @@ ARROW_SCHEMA = pa.schema(
 """The Arrow schema read() yields. PySpark compares it (types and nullability) with the declared schema
 converted with timezone UTC, and rejects the batch on any difference (int32 vs int64, ms vs us...)."""
 
-MAX_BLOCKS_PER_PARTITION = 8
 MAX_RECORDS_PER_PARTITION = 1_000_000
 
 OPTION_PATH = "path"
@@ -106,6 +107,8 @@ OPTION_TRIGGER_SECONDS = "triggerSeconds"
 Offset = dict[str, int]
 BlockTuple = tuple[str, int, int, int, int]
 """A BlockInfo as a plain tuple (stream, seq, first_offset, count, receiver): cheap to pickle."""
+SliceTuple = tuple[str, int, int, int, int, int, int]
+"""Rows [lo, hi) of a block: (stream, seq, first_offset, count, receiver, lo, hi), cheap to pickle."""
 
 
 class DataLossError(RuntimeError):
@@ -113,12 +116,16 @@ class DataLossError(RuntimeError):
 
 
 class BlockPartition(InputPartition):
-    """A run of consecutive blocks of one stream, read by one Spark task."""
+    """Slices of consecutive blocks (rows [lo, hi) of each), read by one Spark task."""
 
-    def __init__(self, root: str, blocks: Sequence[BlockTuple]) -> None:
+    def __init__(self, root: str, slices: Sequence[SliceTuple]) -> None:
         super().__init__(None)
         self.root = root
-        self.blocks = list(blocks)
+        self.slices = list(slices)
+
+    @property
+    def records(self) -> int:
+        return sum(hi - lo for *_, lo, hi in self.slices)
 
 
 class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -156,12 +163,12 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     # ---- offsets (driver-side worker) ---------------------------------------------------------
 
     def initialOffset(self) -> Offset:
-        # blocks below the first one present were released (processed by an earlier query) or never
-        # existed; 0 when the stream is empty, and partitions() tolerates the missing prefix then
+        # records below the first block present were released (processed by an earlier query) or
+        # never existed; 0 when the stream is empty, and partitions() tolerates the missing prefix then
         offsets = {}
         for stream in self.streams:
             present = self.store.blocks(stream)
-            offsets[stream] = present[0].seq if present else 0
+            offsets[stream] = present[0].first_offset if present else 0
         return _sorted(offsets)
 
     def getDefaultReadLimit(self) -> ReadLimit:
@@ -170,8 +177,7 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadMaxRows(self.max_records_per_batch)
 
     def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:
-        end = dict(start)
-        pending = {s: self._pending(s, start.get(s, 0)) for s in self.streams}
+        available = {s: self._available_end(s, start.get(s, 0)) for s in self.streams}
         live = self._live_cap()
         if live is not None and (
             isinstance(limit, ReadAllAvailable) or (isinstance(limit, ReadMaxRows) and live < limit.max_rows)
@@ -180,21 +186,19 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             # a backlog after a restart never becomes one giant batch, the first batch is bounded too
             limit = ReadMaxRows(live)
         if isinstance(limit, ReadAllAvailable):
-            for stream, blocks in pending.items():
-                if blocks:
-                    end[stream] = blocks[-1].seq + 1
-        elif isinstance(limit, ReadMaxRows):
-            end.update(_admit(pending, limit.max_rows))
-        else:
-            raise TypeError(f"sluice source: unsupported read limit {limit!r}")
-        return _sorted(end)
+            return _sorted(available)
+        if isinstance(limit, ReadMaxRows):
+            return _sorted(_admit(start, available, limit.max_rows))
+        raise TypeError(f"sluice source: unsupported read limit {limit!r}")
 
     def reportLatestOffset(self) -> Offset:
+        # what is there now: Spark reports it as the source's latestOffset, so latest - end is the
+        # backlog a capped batch left behind
         latest = {}
         for stream in self.streams:
             blocks = self.store.blocks(stream)
             if blocks:
-                latest[stream] = blocks[-1].seq + 1
+                latest[stream] = blocks[-1].end_offset
         return _sorted(latest)
 
     def prepareForTriggerAvailableNow(self) -> None:
@@ -202,35 +206,42 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._available_now_target = self.reportLatestOffset()
 
     def partitions(self, start: Offset, end: Offset) -> Sequence[BlockPartition]:
-        batch: dict[str, list[BlockInfo]] = {}
+        slices: list[SliceTuple] = []
         for stream in sorted(end):
             lo, hi = start.get(stream, 0), end[stream]
             if hi <= lo:
                 continue
-            blocks = [b for b in self.store.blocks(stream, lo) if b.seq < hi]
+            blocks = [b for b in self.store.blocks(stream) if b.end_offset > lo and b.first_offset < hi]
             _check_complete(stream, lo, hi, blocks)
-            batch[stream] = blocks
-        # like the Kafka source's minPartitions: a 1 s batch of a few blocks still uses every core
-        total = sum(len(blocks) for blocks in batch.values())
-        per_partition = max(1, min(MAX_BLOCKS_PER_PARTITION, -(-total // self.min_partitions)))
-        return [
-            BlockPartition(self.root, run)
-            for blocks in batch.values()
-            for run in _runs(blocks, per_partition)
-        ]
+            for b in blocks:
+                first, last = max(lo, b.first_offset), min(hi, b.end_offset)
+                slices.append(
+                    (
+                        stream,
+                        b.seq,
+                        b.first_offset,
+                        b.count,
+                        b.receiver,
+                        first - b.first_offset,
+                        last - b.first_offset,
+                    )
+                )
+        return [BlockPartition(self.root, part) for part in _balanced(slices, self.min_partitions)]
 
     def commit(self, end: Offset) -> None:
-        # Spark has durably recorded every batch up to `end`: the blocks below it are no longer needed
-        for stream, next_seq in end.items():
-            self.store.release(stream, next_seq)
+        # Spark has durably recorded every batch up to `end`: the blocks wholly below it are done
+        for stream, offset in end.items():
+            done = [b.seq for b in self.store.blocks(stream) if b.end_offset <= offset]
+            if done:
+                self.store.release(stream, done[-1] + 1)
 
     # ---- reading (executor-side worker) -------------------------------------------------------
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, BlockPartition)
         store = LocalBlockStore(partition.root, fsync=False)
-        for block in partition.blocks:
-            yield from read_block(store, BlockInfo(*block))
+        for stream, seq, first_offset, count, receiver, lo, hi in partition.slices:
+            yield from read_block(store, BlockInfo(stream, seq, first_offset, count, receiver), lo, hi)
 
     # ---- helpers ------------------------------------------------------------------------------
 
@@ -241,13 +252,14 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._rate_client = LiveRateCap(self.rate_target)
         return self._rate_client.records_per_batch(self.trigger_seconds)
 
-    def _pending(self, stream: str, from_seq: int) -> list[BlockInfo]:
-        blocks = self.store.blocks(stream, from_seq)
+    def _available_end(self, stream: str, start: int) -> int:
+        """Offset after the last record of `stream` that a batch from `start` may read."""
+        blocks = self.store.blocks(stream)
+        end = max(start, blocks[-1].end_offset) if blocks else start
         target = self._available_now_target
         if target is not None:
-            limit = target.get(stream, from_seq)
-            blocks = [b for b in blocks if b.seq < limit]
-        return blocks
+            end = min(end, max(start, target.get(stream, start)))
+        return end
 
 
 class SluiceDataSource(DataSource):
@@ -268,23 +280,32 @@ class SluiceDataSource(DataSource):
         return SluiceStreamReader(self.options)
 
 
-def read_block(store: LocalBlockStore, block: BlockInfo) -> Iterator[pa.RecordBatch]:
-    """The records of `block` as record batches with ARROW_SCHEMA, built column-wise."""
-    index = block.first_offset
+def read_block(
+    store: LocalBlockStore, block: BlockInfo, lo: int = 0, hi: int | None = None
+) -> Iterator[pa.RecordBatch]:
+    """Rows [lo, hi) of `block` (all by default) as record batches with ARROW_SCHEMA, column-wise."""
+    hi = block.count if hi is None else hi
+    row = 0  # block row of the current batch's first row
     for batch in store.read(block):
         n = batch.num_rows
-        yield pa.RecordBatch.from_arrays(
-            [
-                batch.column("key"),
-                batch.column("value"),
-                pa.repeat(pa.scalar(block.stream, pa.string()), n),
-                pa.repeat(pa.scalar(block.receiver, pa.int32()), n),
-                pa.array(np.arange(index, index + n, dtype=np.int64)),
-                batch.column("timestamp"),
-            ],
-            schema=ARROW_SCHEMA,
-        )
-        index += n
+        a, b = max(lo, row), min(hi, row + n)
+        if a < b:
+            part = batch.slice(a - row, b - a)
+            first = block.first_offset + a
+            yield pa.RecordBatch.from_arrays(
+                [
+                    part.column("key"),
+                    part.column("value"),
+                    pa.repeat(pa.scalar(block.stream, pa.string()), b - a),
+                    pa.repeat(pa.scalar(block.receiver, pa.int32()), b - a),
+                    pa.array(np.arange(first, first + (b - a), dtype=np.int64)),
+                    part.column("timestamp"),
+                ],
+                schema=ARROW_SCHEMA,
+            )
+        row += n
+        if row >= hi:
+            return
 
 
 def parse_streams(value: str) -> list[str]:
@@ -295,58 +316,64 @@ def parse_streams(value: str) -> list[str]:
     return [check_stream_name(name) for name in dict.fromkeys(names)]
 
 
-def _admit(pending: Mapping[str, Sequence[BlockInfo]], max_rows: int) -> Offset:
-    """End offsets admitting whole blocks round-robin over the streams, up to max_rows records.
-
-    The first block is admitted whatever its size, so a block larger than the limit cannot stall the
-    query. A stream stops at its first block that does not fit, so its admitted blocks stay contiguous.
-    """
-    queues = {s: deque(blocks) for s, blocks in pending.items() if blocks}
-    end: Offset = {}
-    rows = 0
-    while queues:
-        for stream in list(queues):
-            queue = queues[stream]
-            block = queue[0]
-            if end and rows + block.count > max_rows:
-                del queues[stream]
-                continue
-            rows += block.count
-            end[stream] = block.seq + 1
-            queue.popleft()
-            if not queue:
-                del queues[stream]
+def _admit(start: Mapping[str, int], available: Mapping[str, int], max_rows: int) -> Offset:
+    """End offsets admitting at most max_rows records (at least 1 when any is there), shared out
+    evenly over the streams that have records: a stream needing less than its share leaves the rest
+    to the others (water-filling), so no stream starves another."""
+    want = {s: available[s] - start.get(s, 0) for s in available}
+    end = {s: start.get(s, 0) for s in available}
+    budget = max(1, max_rows)
+    hungry = sorted((s for s in want if want[s] > 0), key=lambda s: want[s])
+    while hungry and budget > 0:
+        share = max(1, budget // len(hungry))
+        stream = hungry.pop(0)
+        take = min(want[stream], share, budget)
+        end[stream] += take
+        budget -= take
     return end
 
 
-def _runs(
-    blocks: Sequence[BlockInfo], max_blocks: int = MAX_BLOCKS_PER_PARTITION
-) -> Iterator[list[BlockTuple]]:
-    """Consecutive blocks in runs of at most `max_blocks` blocks / ~MAX_RECORDS_PER_PARTITION."""
-    run: list[BlockTuple] = []
-    records = 0
-    for block in blocks:
-        if run and (len(run) >= max_blocks or records + block.count > MAX_RECORDS_PER_PARTITION):
-            yield run
-            run, records = [], 0
-        run.append((block.stream, block.seq, block.first_offset, block.count, block.receiver))
-        records += block.count
+def _balanced(slices: Sequence[SliceTuple], min_partitions: int) -> list[list[SliceTuple]]:
+    """Cut the batch's slices into at least min_partitions runs of about equal record counts (at most
+    MAX_RECORDS_PER_PARTITION each), splitting blocks where a cut falls: like the Kafka source's
+    minPartitions, a batch of a few blocks still uses every core, and no task gets twice another's work.
+    """
+    total = sum(hi - lo for *_, lo, hi in slices)
+    if total == 0:
+        return []
+    parts = max(min_partitions, -(-total // MAX_RECORDS_PER_PARTITION))
+    per_part = -(-total // min(parts, total))
+    runs: list[list[SliceTuple]] = []
+    run: list[SliceTuple] = []
+    room = per_part
+    for stream, seq, first, count, receiver, lo, hi in slices:
+        at = lo
+        while at < hi:
+            take = min(hi - at, room)
+            run.append((stream, seq, first, count, receiver, at, at + take))
+            at += take
+            room -= take
+            if room == 0:
+                runs.append(run)
+                run, room = [], per_part
     if run:
-        yield run
+        runs.append(run)
+    return runs
 
 
 def _check_complete(stream: str, lo: int, hi: int, blocks: Sequence[BlockInfo]) -> None:
-    """Raise DataLossError unless `blocks` are the seqs up to hi - 1 without gaps.
+    """Raise DataLossError unless `blocks` cover record offsets [lo, hi) without gaps.
 
-    A missing prefix is expected only from seq 0: the initial offset of a stream that was empty when
+    A missing prefix is expected only from offset 0: the initial offset of a stream that was empty when
     the query started, whose earlier blocks had been released before.
     """
-    have = [b.seq for b in blocks]
-    first = have[0] if lo == 0 and have else lo
-    if have != list(range(first, hi)):
+    covered = bool(blocks) and (blocks[0].first_offset <= lo or lo == 0) and blocks[-1].end_offset >= hi
+    contiguous = all(a.end_offset == b.first_offset for a, b in pairwise(blocks))
+    if not (covered and contiguous):
+        have = [(b.first_offset, b.end_offset) for b in blocks]
         raise DataLossError(
-            f"sluice source: stream {stream!r} needs blocks {first}..{hi - 1} but the store has {have}; "
-            "were they released by another query?"
+            f"sluice source: stream {stream!r} needs records {lo}..{hi - 1} but the store's blocks cover "
+            f"{have or 'nothing'}; were they released by another query?"
         )
 
 
