@@ -22,9 +22,10 @@ estimator instead:
 4. The rate never goes under `floor_fraction` x capacity (unless the bounds force it): while a backlog
    drains the pipeline stays busy, and no batch is starved to minRate.
 5. The first `warmup_batches` batches carry worker start-up (~10 s for a fresh query) and are not
-   fitted. Later, a batch whose processing time is off the fit by more than `change_threshold` is an
-   outlier and weighs little; a second one in a row, off in the same direction, means the cost changed:
-   the fit restarts from those two batches, so a doubled per-record cost is followed within two batches.
+   fitted. Later, a batch whose processing time is off a fit made from data (not one anchored on the
+   prior) by more than `change_threshold` is an outlier and weighs little; a second one in a row, off
+   in the same direction, means the cost changed: the fit restarts from those two batches, so a
+   doubled per-record cost is followed within two batches.
 6. A linear fit is only trusted near its data: the rate never exceeds `max_growth` x the largest
    recent batch (per interval), so an under-determined fit cannot overshoot far. This cap wins over the
    floor: when clients send little, the rate follows their load up by at most that factor per batch.
@@ -117,6 +118,7 @@ class ModelEstimator(RateEstimator):
         self._points: list[_Point] = []
         self._suspect_sign = 0  # sign of the previous batch's outlying error, 0 if it fitted
         self._prior_a = 0.0  # seconds, set from prior_fixed_cost once the first batch gives the interval
+        self._prior_from_data = False  # whether _prior_a is a fitted fixed cost rather than the guess
         self._batches = 0
         self._latest_time = -math.inf
         self._changes = 0
@@ -146,6 +148,7 @@ class ModelEstimator(RateEstimator):
         a, b, identified = self._solve(self._prior_a)
         if identified:
             self._prior_a = a  # the fixed cost to assume when batch sizes stop varying
+            self._prior_from_data = True
         self._fit = "fitted" if identified else "anchored"
         self._a, self._b = a, b  # outliers are judged against the fit itself, not the hedge below
         if self._suspect_sign:
@@ -174,7 +177,9 @@ class ModelEstimator(RateEstimator):
         for point in self._points:
             point.weight *= self.forgetting
         sign = 0
-        if len(self._points) >= 2 and self._a is not None and self._b is not None:
+        # only a fit whose fixed cost came from data can call a batch an outlier: one anchored on the
+        # configured prior is a guess, and the first batch of another size is what corrects it
+        if self._prior_from_data and len(self._points) >= 2 and self._a is not None and self._b is not None:
             predicted = self._a + self._b * records
             if abs(seconds - predicted) > self.change_threshold * predicted:
                 sign = 1 if seconds > predicted else -1
