@@ -468,13 +468,21 @@ def print_batches(name: str, batches: list[BatchMetrics]) -> None:
         )
 
 
+def busy_share(sim: Simulation) -> float:
+    """Share of the wall time from the first batch's end to the last one's that Spark spent processing:
+    the utilisation measure that needs no capacity estimate, so it does not drift with the machine."""
+    batches = sim.batches
+    span = batches[-1].completed_at - batches[0].completed_at
+    return sum(b.processing_delay for b in batches[1:]) / span if span > 0 else 0.0
+
+
 def row(name: str, capacity: float, sim: Simulation | None, batches: int) -> str:
     if sim is None:
-        return f"{name:<18} | {capacity:>9,.0f} | {'too few batches':^60} | {batches:>7}"
+        return f"{name:<18} | {capacity:>9,.0f} | {'too few batches':^70} | {batches:>7}"
     settle = "never" if sim.settle_time is None else f"{sim.settle_time:.1f}"
     return (
-        f"{name:<18} | {capacity:>9,.0f} | {sim.utilisation:>10.1%} | {sim.peak_delay(UNJUDGED):>14.2f} | "
-        f"{settle:>10} | {sim.starved:>7} | {len(sim.batches):>7}"
+        f"{name:<18} | {capacity:>9,.0f} | {sim.utilisation:>10.1%} | {busy_share(sim):>7.1%} | "
+        f"{sim.peak_delay(UNJUDGED):>14.2f} | {settle:>10} | {sim.starved:>7} | {len(sim.batches):>7}"
     )
 
 
@@ -497,34 +505,29 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sluice-cost-") as tmp:
         cost_file = CostFile(Path(tmp) / "multiplier")
         try:
-            print(
-                f"measuring capacity (cost {args.cost_us:g} us/record)...",
-                flush=True,
-            )
-            caps = {
-                "dstream": measure_capacity(spark, cost, str(cost_file.path), 1),
-                "sluice": measure_streaming_capacity(spark, cost, str(cost_file.path)),
-            }
-            for name, cap in caps.items():
-                how = "batch mode, 1 core" if name == "dstream" else "Sluice source, streaming, 2 cores"
-                print(
-                    f"  {name} ({how}): fixed {cap.fixed_cost:.3f} s/batch, "
-                    f"{cap.per_record_cost * 1e6:.2f} us/record"
-                    f" -> capacity {cap.records_per_second:,.0f} rec/s at {INTERVAL:g} s batches",
-                    flush=True,
-                )
             for profile in profiles:
                 d = args.duration
                 changes = ((d / 3, 2.0), (2 * d / 3, 1.0)) if profile == "halved" else ()
                 lines = []
                 for system in systems:
-                    print(f"[{profile}] running {system} for {d:g} s...", flush=True)
+                    # capacity right before each run: the machine is shared and drifts
+                    if system == "sparkpid-dstream":
+                        cap = measure_capacity(spark, cost, str(cost_file.path), 1)
+                        how = "batch mode, 1 core: the receiver pins the other"
+                    else:
+                        cap = measure_streaming_capacity(spark, cost, str(cost_file.path))
+                        how = "Sluice source, streaming, 2 cores"
+                    print(
+                        f"[{profile}] {system}: capacity ({how}): fixed {cap.fixed_cost:.3f} s/batch, "
+                        f"{cap.per_record_cost * 1e6:.2f} us/record -> {cap.records_per_second:,.0f} rec/s "
+                        f"at {INTERVAL:g} s batches; running for {d:g} s...",
+                        flush=True,
+                    )
                     if system == "sparkpid-dstream":
                         batches = run_dstream(spark, cost, cost_file, changes, args)
                     else:
                         estimator = "spark-pid" if system == "sluice-spark-pid" else "model"
                         batches = asyncio.run(run_sluice(spark, estimator, cost, cost_file, changes, args))
-                    cap = caps["dstream" if system == "sparkpid-dstream" else "sluice"]
                     sim = judge(batches, cap.pipeline(changes), d)
                     if args.batches:
                         print_batches(system, batches)
@@ -535,10 +538,10 @@ def main() -> None:
                     + (f", cost x2 from {d / 3:.0f} s to {2 * d / 3:.0f} s" if changes else "")
                 )
                 print(
-                    f"{'system':<18} | {'cap rec/s':>9} | {'avg util':>10} | {'peak delay s':>14} | "
-                    f"{'settle s':>10} | {'starved':>7} | {'batches':>7}"
+                    f"{'system':<18} | {'cap rec/s':>9} | {'avg util':>10} | {'busy':>7} | "
+                    f"{'peak delay s':>14} | {'settle s':>10} | {'starved':>7} | {'batches':>7}"
                 )
-                print("-" * 96)
+                print("-" * 106)
                 for line in lines:
                     print(line)
                 print(flush=True)
