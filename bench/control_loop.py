@@ -11,14 +11,15 @@ busy-wait in the pipeline), the same 1 s batch interval and a sender that always
 - sluice-spark-pid: Sluice (fsync on) with RateConfig(estimator="spark-pid"), publisher in a subprocess.
 - sluice-model: Sluice with the default estimator ("model").
 
-Capacity is measured first in the same run: the same cost stage over spark.range in batch mode at two
-sizes gives the fixed cost per batch and the cost per record, hence records/s at one batch per interval.
-All three are judged against ONE-core capacity (two-core capacity is printed too): the DStream receiver
-pins one of local[2]'s two task slots for the whole run, and Sluice's source puts a 1 s batch in one
-partition (up to 8 blocks per partition), so neither pipeline runs a batch on more than one core. Batch
-mode has a smaller fixed cost per batch than a streaming trigger (~0.4 s with a Python source), so this
-capacity is an upper bound and utilisation reads low by that much. The "halved" profile doubles
-the per-record cost from 1/3 to 2/3 of the duration (a multiplier file the executors' workers read).
+Capacity is measured in the same run, right before each system runs (the machine is shared and its
+speed drifts). For the Sluice rows: the Sluice source, cost stage, noop sink and 1 s trigger over a
+backlog of pre-written blocks, batches capped at two sizes, fitted as fixed + per-record cost, on
+local[2]'s two cores (the source spreads a batch over minPartitions = 2 tasks). For the DStream row: the
+cost stage over spark.range in batch mode on one core, because its receiver pins the other core of
+local[2] for the whole run; batch mode has a smaller fixed cost per batch than a streaming trigger, so
+this is an upper bound. The "halved" profile doubles the per-record cost from 1/3 to 2/3 of the
+duration (a multiplier file the executors' workers read). The "busy" column is the share of wall time
+Spark spent processing batches: it needs no capacity estimate.
 
 Measures are ratecontrol.simulate's (utilisation, peak Spark scheduling delay after the 3rd batch, time to
 settle, starved batches), on Spark's definition of scheduling delay (batch start - batch due time).
