@@ -346,7 +346,6 @@ async def run_sluice(
             streams=(STREAM,),
             trigger_interval=INTERVAL,
             rate=RateConfig(estimator=estimator),
-            fsync=True,
         )
         server = SluiceServer(config)
         await server.start()

@@ -4,7 +4,7 @@ Usage::
 
     spark.dataSource.register(SluiceDataSource)
     df = (spark.readStream.format("sluice")
-          .option("path", "/var/lib/sluice/blocks")     # root of the LocalBlockStore
+          .option("path", "/var/lib/sluice/blocks")     # root of the block store (WAL)
           .option("streams", "clicks,orders")           # comma-separated stream names
           .option("maxRecordsPerBatch", "100000")       # optional admission control
           .load())
@@ -59,7 +59,8 @@ from pyspark.sql.types import (
 
 from ingest.spark.live_rate import LiveRateCap
 from receivers.block import BlockInfo, check_stream_name
-from receivers.block_store import LocalBlockStore
+from receivers.block_store import BlockStore
+from receivers.wal import WalBlockStore
 
 SOURCE_NAME = "sluice"
 
@@ -136,7 +137,7 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.rate_target = options.get(OPTION_RATE_TARGET) or None
         self.trigger_seconds = float(options.get(OPTION_TRIGGER_SECONDS) or 1.0)
         self._rate_client: LiveRateCap | None = None
-        self._store: LocalBlockStore | None = None
+        self._store: WalBlockStore | None = None
         self._available_now_target: Offset | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -147,10 +148,10 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return state
 
     @property
-    def store(self) -> LocalBlockStore:
+    def store(self) -> WalBlockStore:
         if self._store is None:
-            # Spark only reads and releases: durability of writes is the receivers' business
-            self._store = LocalBlockStore(self.root, fsync=False)
+            # Spark only reads and releases (release() always makes its mark durable before deleting)
+            self._store = WalBlockStore(self.root)
         return self._store
 
     # ---- offsets (driver-side worker) ---------------------------------------------------------
@@ -228,7 +229,7 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, BlockPartition)
-        store = LocalBlockStore(partition.root, fsync=False)
+        store = WalBlockStore(partition.root)
         for block in partition.blocks:
             yield from read_block(store, BlockInfo(*block))
 
@@ -268,7 +269,7 @@ class SluiceDataSource(DataSource):
         return SluiceStreamReader(self.options)
 
 
-def read_block(store: LocalBlockStore, block: BlockInfo) -> Iterator[pa.RecordBatch]:
+def read_block(store: BlockStore, block: BlockInfo) -> Iterator[pa.RecordBatch]:
     """The records of `block` as record batches with ARROW_SCHEMA, built column-wise."""
     index = block.first_offset
     for batch in store.read(block):
