@@ -453,6 +453,7 @@ class WalBlockStore(BlockStore):
         for writer in writers:
             with writer.lock:
                 self._close_writer(writer)
+        self._closing.clear()  # usable again: a later write recovers its stream first
 
     # ---- reading (Spark side) ------------------------------------------------------------------
 
@@ -564,40 +565,46 @@ class WalBlockStore(BlockStore):
             )
         segments = self._segments(folder)
         last_seq = -1
-        sizes: list[int] = []
+        newest_path: Path | None = None
+        newest_size = 0
+        emptied = []
         for i, (name_seq, path) in enumerate(segments):
             newest = i == len(segments) - 1
             next_seq = max(next_seq, name_seq)
-            size, frames, last_seq = self._check_segment(stream, path, last_seq, producers, stats)
-            sizes.append(size)
+            try:
+                size, frames, last_seq = self._check_segment(path, last_seq, producers, stats)
+                if size < _file_size(path) or (not frames and not newest):
+                    self._cut(
+                        stream=stream,
+                        path=path,
+                        good=size,
+                        next_name=None if newest else segments[i + 1][0],
+                        frames=frames,
+                        name_seq=name_seq,
+                        released=released.next_seq,
+                        stats=stats,
+                    )
+            except FileNotFoundError:
+                continue  # released meanwhile (by Spark, in another process)
             if frames:
-                next_seq = max(next_seq, last_seq + 1)
                 next_offset = max(next_offset, frames[-1].header.first_offset + frames[-1].header.count)
-            if size < _file_size(path) or (not frames and not newest):
-                self._cut(
-                    stream=stream,
-                    path=path,
-                    good=size,
-                    next_name=None if newest else segments[i + 1][0],
-                    frames=frames,
-                    name_seq=name_seq,
-                    stats=stats,
-                )
+                next_seq = max(next_seq, last_seq + 1)
+            if size == 0 and not newest:
+                emptied.append(path)
+            newest_path, newest_size = path, size
         # an emptied segment other than the newest holds nothing: remove it
-        for (_, path), size in zip(segments[:-1], sizes[:-1], strict=True):
-            if size == 0:
-                path.unlink(missing_ok=True)
-                stats.segments_removed += 1
+        for path in emptied:
+            path.unlink(missing_ok=True)
+            stats.segments_removed += 1
         if segments and self.fsync.mode != "off":
             _fsync_path(folder)
         with self._index_lock:
             for key in [k for k in self._index if k.parent == folder]:
                 del self._index[key]
-        newest_path = segments[-1][1] if segments else None
-        return _Writer(folder, next_seq, next_offset, producers, newest_path, sizes[-1] if sizes else 0)
+        return _Writer(folder, next_seq, next_offset, producers, newest_path, newest_size)
 
     def _check_segment(
-        self, stream: str, path: Path, last_seq: int, producers: dict[str, int], stats: WalStats
+        self, path: Path, last_seq: int, producers: dict[str, int], stats: WalStats
     ) -> tuple[int, list[_Frame], int]:
         """Validate the frames of a segment: (bytes that are good, the good frames, last good seq)."""
         frames: list[_Frame] = []
@@ -625,6 +632,7 @@ class WalBlockStore(BlockStore):
         next_name: int | None,
         frames: list[_Frame],
         name_seq: int,
+        released: int,
         stats: WalStats,
     ) -> None:
         size = _file_size(path)
@@ -643,7 +651,8 @@ class WalBlockStore(BlockStore):
                 good,
                 cut,
             )
-        lost_from = frames[-1].header.seq + 1 if frames else name_seq
+        # blocks Spark already committed (below the released mark) are no loss
+        lost_from = max(frames[-1].header.seq + 1 if frames else name_seq, released)
         if next_name is not None and next_name > lost_from:
             log.error(
                 "stream %r: the log is damaged: blocks %d..%d of segment %s are lost",
