@@ -678,11 +678,12 @@ class WalBlockStore(BlockStore):
         if writer.fd is not None and writer.size < self.segment_bytes:
             return writer.fd
         if writer.fd is None and writer.segment is not None and writer.size < self.segment_bytes:
-            fd = os.open(writer.segment, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-            if os.fstat(fd).st_size == writer.size:
-                writer.fd = fd
-                return fd
-            os.close(fd)  # a failed append left bytes behind: start afresh in a new segment
+            with contextlib.suppress(FileNotFoundError):  # removed by hand: start a new one
+                fd = os.open(writer.segment, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+                if os.fstat(fd).st_size == writer.size:
+                    writer.fd = fd
+                    return fd
+                os.close(fd)  # a failed append left bytes behind: start afresh in a new segment
         self._close_writer(writer)
         if not writer.folder.is_dir():
             writer.folder.mkdir(parents=True, exist_ok=True)
@@ -690,7 +691,8 @@ class WalBlockStore(BlockStore):
                 _fsync_path(writer.folder.parent)
         path = writer.folder / f"{seq:020d}{SEGMENT_SUFFIX}"
         if path == writer.segment:  # the newest segment is empty but a failed append left bytes in it
-            os.truncate(path, 0)
+            with contextlib.suppress(FileNotFoundError):
+                os.truncate(path, 0)
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         writer.fd, writer.segment, writer.size = fd, path, os.fstat(fd).st_size
         if self.fsync.mode == "every-block":

@@ -462,3 +462,29 @@ def test_disk_bytes_of_missing_streams(tmp_path: Path) -> None:
     assert store.disk_bytes() == 0 and store.disk_bytes("s") == 0
     assert store.blocks("s") == [] and store.producers("s") == {}
     shutil.rmtree(tmp_path / "none", ignore_errors=True)
+
+
+def test_a_failed_undo_moves_on_to_a_new_segment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = WalBlockStore(tmp_path, fsync=OFF)
+    fill(store, 2)
+    real_writev = os.writev
+
+    def torn_writev(fd: int, parts: list[bytes]) -> int:
+        real_writev(fd, [bytes(parts[0])[:10]])
+        raise OSError(28, "No space left on device")
+
+    def no_truncate(fd: int, size: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "writev", torn_writev)
+    monkeypatch.setattr(os, "ftruncate", no_truncate)
+    with pytest.raises(OSError, match="No space"):
+        store.write("s", 2, 6, 1, [records(3, 6)])
+    monkeypatch.undo()
+    store.write("s", 2, 6, 1, [records(3, 6)])  # the torn bytes stay behind: a new segment starts
+    assert [int(p.stem) for p in segments(tmp_path)] == [0, 2]
+    assert values(store) == expected(9)
+    restarted = WalBlockStore(tmp_path, fsync=OFF)
+    assert restarted.recover("s") == (3, 9)
+    assert restarted.stats.bytes_truncated == 10
+    assert values(restarted) == expected(9)
