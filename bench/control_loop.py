@@ -57,7 +57,7 @@ from ingest.spark.session import build_session
 from ratecontrol import BatchMetrics
 from ratecontrol.simulate import UNJUDGED, Pipeline, Simulation
 from receivers.block import BLOCK_SCHEMA
-from receivers.block_store import LocalBlockStore
+from receivers.wal import FsyncPolicy, WalBlockStore
 
 INTERVAL = 1.0
 STREAM = "bench"
@@ -190,7 +190,7 @@ def measure_streaming_capacity(
     value = b"v" * 99
     with tempfile.TemporaryDirectory(prefix="sluice-capacity-") as tmp:
         root = Path(tmp) / "blocks"
-        store = LocalBlockStore(root, fsync=False)
+        store = WalBlockStore(root, fsync=FsyncPolicy.off())
         block = 10_000
         total = (batches + 2) * sum(sizes)
         now = pa.array([int(time.time() * 1e6)] * block, pa.timestamp("us", tz="UTC"))
@@ -402,7 +402,6 @@ async def run_sluice(
             streams=(STREAM,),
             trigger_interval=INTERVAL,
             rate=RateConfig(estimator=estimator),
-            fsync=True,
         )
         server = SluiceServer(config)
         await server.start()

@@ -26,6 +26,7 @@ from receivers.block import InvalidStreamNameError
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import ReceiverConfig
+from receivers.wal import FsyncPolicy
 
 log = logging.getLogger("sluice")
 
@@ -139,7 +140,22 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         default=1.0,
         help="seconds between Spark micro-batches (default: %(default)s)",
     )
-    serve.add_argument("--no-fsync", action="store_true", help="do not fsync blocks (benchmarks only)")
+    durability = serve.add_mutually_exclusive_group()
+    durability.add_argument(
+        "--fsync",
+        type=_fsync_policy,
+        default=FsyncPolicy.every_block(),
+        metavar="every-block|interval:MS|off",
+        help="when the block log is fsynced: before every block is acked (the default); every MS "
+        "milliseconds (acked blocks survive a crash of the process, not a power loss); or never",
+    )
+    durability.add_argument(
+        "--no-fsync",
+        dest="fsync",
+        action="store_const",
+        const=FsyncPolicy.off(),
+        help="the same as --fsync off (benchmarks on throwaway data only)",
+    )
     serve.add_argument("--no-spark", action="store_true", help="receive and store blocks without Spark")
     serve.set_defaults(run=_serve)
 
@@ -189,6 +205,13 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     return parser
 
 
+def _fsync_policy(text: str) -> FsyncPolicy:
+    try:
+        return FsyncPolicy.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _fail(message: str, code: int = EXIT_FAILED) -> int:
     print(f"sluice: {message}", file=sys.stderr)
     return code
@@ -218,7 +241,7 @@ def _serve(args: argparse.Namespace) -> int:
                 min_rate=args.min_rate,
                 max_rate=args.max_rate,
             ),
-            fsync=not args.no_fsync,
+            fsync=args.fsync,
             master=args.master,
             pipeline=args.pipeline,
             trigger_interval=args.trigger_interval,

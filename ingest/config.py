@@ -9,6 +9,7 @@ from pathlib import Path
 from ratecontrol import ESTIMATORS, RateBounds, UnknownEstimatorError, check_rate
 from receivers.block import check_stream_name
 from receivers.receiver import ReceiverConfig
+from receivers.wal import FsyncPolicy
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9464
@@ -57,8 +58,9 @@ class ServeConfig:
     """Buffering, credit and block sealing."""
     rate: RateConfig = field(default_factory=RateConfig)
     """The ingest rate: estimator, initial rate, bounds."""
-    fsync: bool = True
-    """fsync every block before acking it; off only for benchmarks on throwaway data."""
+    fsync: FsyncPolicy = field(default_factory=FsyncPolicy.every_block)
+    """When the block log is fsynced: every block before acking it (the default), every N ms in the
+    background (acked blocks survive a process crash, not a power loss), or off (throwaway data only)."""
     max_message_bytes: int = 32 * 1024 * 1024
     """Largest gRPC message taken; a larger Batch ends its session with RESOURCE_EXHAUSTED."""
     master: str = "local[*]"

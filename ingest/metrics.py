@@ -13,14 +13,23 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from receivers.receiver import Receiver
+from receivers.wal import WalBlockStore
 
 
 class SluiceCollector(Collector):
-    """Exports receiver counters per stream and the Spark side's completed batches."""
+    """Exports receiver counters per stream, the block log's recovery counters and disk use, and the
+    Spark side's completed batches."""
 
-    def __init__(self, receivers: Mapping[str, Receiver], batches_completed: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        receivers: Mapping[str, Receiver],
+        batches_completed: Callable[[], int],
+        *,
+        wal: WalBlockStore | None = None,
+    ) -> None:
         self._receivers = receivers
         self._batches_completed = batches_completed
+        self._wal = wal
 
     def collect(self) -> Iterator[Metric]:
         counters: dict[str, tuple[str, Callable[[Receiver], float]]] = {
@@ -67,9 +76,32 @@ class SluiceCollector(Collector):
             for stream, receiver in self._receivers.items():
                 gauge.add_metric([stream], read(receiver))
             yield gauge
+        if self._wal is not None:
+            yield from self._collect_wal(self._wal)
         yield CounterMetricFamily(
             "sluice_batches_completed", "Spark micro-batches completed.", value=self._batches_completed()
         )
+
+    def _collect_wal(self, wal: WalBlockStore) -> Iterator[Metric]:
+        truncations = CounterMetricFamily(
+            "sluice_wal_truncations",
+            "Block log segments cut at a bad or torn frame by recovery (each is also logged).",
+            labels=["stream"],
+        )
+        truncated = CounterMetricFamily(
+            "sluice_wal_truncated_bytes", "Bytes cut off the block log by recovery.", labels=["stream"]
+        )
+        disk = GaugeMetricFamily(
+            "sluice_wal_disk_bytes", "Bytes of the block log on disk (unreleased blocks).", labels=["stream"]
+        )
+        for stream in self._receivers:
+            stats = wal.stream_stats(stream)
+            truncations.add_metric([stream], stats.corrupt_tails_truncated)
+            truncated.add_metric([stream], stats.bytes_truncated)
+            disk.add_metric([stream], wal.disk_bytes(stream))
+        yield truncations
+        yield truncated
+        yield disk
 
 
 class MetricsServer:

@@ -18,10 +18,10 @@ from ingest.metrics import MetricsServer, SluiceCollector
 from ingest.rate_controller import RateController
 from ingest.rate_service import RateControlService
 from ingest.sessions_service import SessionsService
-from receivers.block_store import LocalBlockStore
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.publish_service import PublishService
 from receivers.receiver import Receiver
+from receivers.wal import WalBlockStore
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +31,12 @@ class SluiceServer:
 
     def __init__(self, config: ServeConfig, *, batches_completed: Callable[[], int] = lambda: 0) -> None:
         self.config = config
-        self.store = LocalBlockStore(config.blocks_dir, fsync=config.fsync)
+        self.store = WalBlockStore(config.blocks_dir, fsync=config.fsync)
         self.receivers = {s: Receiver(s, self.store, config.receiver) for s in config.streams}
         self.rate = RateController(self.receivers, config.rate)
         """The ingest rate: fed by batch metrics (on_batch) and by operators (RateControl)."""
         self.registry = CollectorRegistry()
-        self.registry.register(SluiceCollector(self.receivers, self._batches_completed))
+        self.registry.register(SluiceCollector(self.receivers, self._batches_completed, wal=self.store))
         self.batches_completed = batches_completed
         self._grpc: grpc.aio.Server | None = None
         self._metrics: MetricsServer | None = None
@@ -110,6 +110,7 @@ class SluiceServer:
             await self._grpc.stop(grace)
         if self._metrics is not None:
             self._metrics.close()
+        self.store.close()
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()

@@ -1,31 +1,51 @@
-"""Block store: sealed blocks, durable on local disk, read by Spark and released after Spark commits.
+"""Block store: where sealed blocks live, durable, until Spark has committed them.
 
 Reads go through the BlockStore interface so that a store fetching blocks from a remote receiver over
-gRPC can replace the local one without touching the Spark side.
-
-Layout under the root folder: `<stream>/<seq>_<first_offset>_<count>_<receiver>.arrow`, one Arrow IPC
-file per block. A block is written to a temporary name, fsynced, renamed and its folder fsynced, so a
-block file that exists is complete and durable; readers never see a partial block.
+gRPC can replace the local one without touching the Spark side. The store of a server is the write-ahead
+log, receivers.wal.WalBlockStore.
 """
 
 from __future__ import annotations
 
-import os
-import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Iterator, Mapping, Sequence
 
 import pyarrow as pa
 
-from receivers.block import BLOCK_SCHEMA, BlockInfo, check_stream_name
-
-_SUFFIX = ".arrow"
-_TMP_SUFFIX = ".tmp"
+from receivers.block import BlockInfo
 
 
 class BlockStore(ABC):
     """Where sealed blocks live until Spark has committed them."""
+
+    # ---- writing (the receiver of a stream, one write at a time per stream) ---------------------
+
+    @abstractmethod
+    def recover(self, stream: str) -> tuple[int, int]:
+        """Make the stored blocks of `stream` consistent after a restart; return (next block seq, next
+        record offset), which continue after every block ever written, released ones included."""
+
+    @abstractmethod
+    def write(  # noqa: PLR0917 - the receiver calls it positionally
+        self,
+        stream: str,
+        seq: int,
+        first_offset: int,
+        receiver: int,
+        batches: Sequence[pa.RecordBatch],
+        producers: Mapping[str, int] | None = None,
+    ) -> tuple[BlockInfo, int]:
+        """Store a block (BLOCK_SCHEMA batches) durably; return it and its size in bytes. Blocking.
+
+        `producers` maps each producer id with records in the block to the sequence number after its
+        last record in the block (for idempotent producers); see producers().
+        """
+
+    @abstractmethod
+    def producers(self, stream: str) -> dict[str, int]:
+        """Producer id -> the sequence number after its last record stored (released blocks included)."""
+
+    # ---- reading (Spark) ------------------------------------------------------------------------
 
     @abstractmethod
     def blocks(self, stream: str, from_seq: int = 0) -> list[BlockInfo]:
@@ -38,117 +58,3 @@ class BlockStore(ABC):
     @abstractmethod
     def release(self, stream: str, before_seq: int) -> int:
         """Drop the blocks of `stream` with seq < before_seq; return how many were dropped."""
-
-
-class LocalBlockStore(BlockStore):
-    """Blocks as Arrow IPC files under a local folder. Safe for one writer and many readers."""
-
-    def __init__(self, root: Path | str, *, fsync: bool = True) -> None:
-        self.root = Path(root)
-        self.fsync = fsync
-        self._lock = threading.Lock()
-
-    # ---- writing (receiver side) --------------------------------------------------------------
-
-    def write(
-        self, stream: str, seq: int, first_offset: int, receiver: int, batches: Sequence[pa.RecordBatch]
-    ) -> tuple[BlockInfo, int]:
-        """Write a block durably; return it and its size in bytes. Blocking: call from a worker thread."""
-        folder = self._folder(stream)
-        folder.mkdir(parents=True, exist_ok=True)
-        count = sum(b.num_rows for b in batches)
-        info = BlockInfo(stream, seq, first_offset, count, receiver)
-        final = folder / _file_name(info)
-        tmp = final.with_suffix(_TMP_SUFFIX)
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, BLOCK_SCHEMA) as writer:
-            for batch in batches:
-                writer.write_batch(batch)
-        size = tmp.stat().st_size
-        if self.fsync:
-            _fsync_path(tmp)
-        os.replace(tmp, final)
-        if self.fsync:
-            _fsync_path(folder)
-        return info, size
-
-    def recover(self, stream: str) -> tuple[int, int]:
-        """Remove partial writes of `stream`; return (next block seq, next offset) after what is on disk."""
-        folder = self._folder(stream)
-        if not folder.is_dir():
-            return 0, 0
-        for tmp in folder.glob("*" + _TMP_SUFFIX):
-            tmp.unlink(missing_ok=True)
-        blocks = self.blocks(stream)
-        if blocks:
-            return blocks[-1].seq + 1, blocks[-1].end_offset
-        # every block was released: continue after the high-water mark recorded at release time
-        mark = folder / "released"
-        if mark.exists():
-            seq, offset = (int(x) for x in mark.read_text().split())
-            return seq, offset
-        return 0, 0
-
-    # ---- reading (Spark side) -----------------------------------------------------------------
-
-    def blocks(self, stream: str, from_seq: int = 0) -> list[BlockInfo]:
-        folder = self._folder(stream)
-        try:
-            names = os.listdir(folder)
-        except FileNotFoundError:
-            return []
-        found = []
-        for name in names:
-            info = _parse_file_name(stream, name)
-            if info is not None and info.seq >= from_seq:
-                found.append(info)
-        found.sort()
-        return found
-
-    def read(self, block: BlockInfo) -> Iterator[pa.RecordBatch]:
-        path = self._folder(block.stream) / _file_name(block)
-        with pa.memory_map(str(path)) as source:
-            reader = pa.ipc.open_file(source)
-            for i in range(reader.num_record_batches):
-                yield reader.get_batch(i)
-
-    def release(self, stream: str, before_seq: int) -> int:
-        folder = self._folder(stream)
-        dropped = 0
-        with self._lock:
-            doomed = [b for b in self.blocks(stream) if b.seq < before_seq]
-            if doomed:
-                # remember where the stream stands so a restart with no blocks left does not reuse seqs
-                last = doomed[-1]
-                mark = folder / "released"
-                tmp = folder / "released.tmp"
-                tmp.write_text(f"{last.seq + 1} {last.end_offset}\n")
-                os.replace(tmp, mark)
-            for block in doomed:
-                (folder / _file_name(block)).unlink(missing_ok=True)
-                dropped += 1
-        return dropped
-
-    def _folder(self, stream: str) -> Path:
-        return self.root / check_stream_name(stream)
-
-
-def _file_name(info: BlockInfo) -> str:
-    return f"{info.seq:012d}_{info.first_offset:016d}_{info.count}_{info.receiver}{_SUFFIX}"
-
-
-def _parse_file_name(stream: str, name: str) -> BlockInfo | None:
-    if not name.endswith(_SUFFIX):
-        return None
-    parts = name[: -len(_SUFFIX)].split("_")
-    if len(parts) != 4 or not all(p.isdigit() for p in parts):
-        return None
-    seq, first, count, receiver = (int(p) for p in parts)
-    return BlockInfo(stream, seq, first, count, receiver)
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

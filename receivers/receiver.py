@@ -31,7 +31,7 @@ from reactivex.subject import Subject
 
 from ratecontrol import UNLIMITED, TokenBucket
 from receivers.block import check_stream_name
-from receivers.block_store import LocalBlockStore
+from receivers.block_store import BlockStore
 from receivers.errors import InvalidBatch, ProtocolViolation, ReceiverError, ReceiverStopped, SessionCancelled
 from receivers.flow import MAX_DEMAND, Subscription
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
@@ -118,7 +118,7 @@ class Receiver:
     def __init__(
         self,
         stream: str,
-        store: LocalBlockStore,
+        store: BlockStore,
         config: ReceiverConfig | None = None,
         *,
         rate: float = UNLIMITED,

@@ -17,6 +17,8 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from receivers.wal import FsyncPolicy
+
 # the console script pip installed beside the interpreter: what a user runs
 SLUICE = [str(Path(sys.executable).parent / "sluice")]
 
@@ -152,6 +154,27 @@ def test_serve_rejects_a_bad_pipeline(tmp_path: Path) -> None:
     result = sluice("serve", "--data-dir", str(tmp_path), "--pipeline", "no_such_module:f")
     assert result.returncode == 2
     assert b"no module named 'no_such_module'" in result.stderr
+
+
+def test_serve_rejects_a_bad_fsync_policy(tmp_path: Path) -> None:
+    for bad in ("sometimes", "interval:0", "interval:x"):
+        result = sluice("serve", "--data-dir", str(tmp_path), "--fsync", bad)
+        assert result.returncode == 2
+        assert b"argument --fsync: invalid fsync policy" in result.stderr
+    both = sluice("serve", "--data-dir", str(tmp_path), "--fsync", "off", "--no-fsync")
+    assert both.returncode == 2 and b"not allowed with" in both.stderr
+
+
+def test_serve_parses_fsync_policies() -> None:
+    from ingest.cli import _parser
+
+    def policy(*flags: str) -> FsyncPolicy:
+        parsed: FsyncPolicy = _parser().parse_args(["serve", *flags]).fsync
+        return parsed
+
+    assert policy() == FsyncPolicy.every_block()
+    assert policy("--fsync", "interval:20") == FsyncPolicy.interval(20)
+    assert policy("--fsync", "off") == policy("--no-fsync") == FsyncPolicy.off()
 
 
 def test_serve_without_java_says_how_to_get_it(tmp_path: Path) -> None:

@@ -21,6 +21,8 @@ from ingest.server import SluiceServer
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import ReceiverConfig
+from receivers.wal import WalBlockStore
+from receivers.wire import decode_batch, encode_batch
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
@@ -69,6 +71,42 @@ async def test_metrics_count_what_happened(server: SluiceServer) -> None:
     assert samples[("sluice_sessions_opened_total", a)] == 1
     assert samples[("sluice_batches_completed_total", ())] == 7
     assert math.isinf(samples[("sluice_rate_limit", a)])
+    assert samples[("sluice_wal_truncations_total", a)] == 0
+    assert samples[("sluice_wal_truncated_bytes_total", a)] == 0
+    assert samples[("sluice_wal_disk_bytes", a)] >= samples[("sluice_block_bytes_total", a)]
+
+
+def torn_log(blocks: Path, stream: str, tail: bytes) -> None:
+    store = WalBlockStore(blocks)
+    seq, offset = store.recover(stream)
+    store.write(stream, seq, offset, 0, [decode_batch(encode_batch(0, [b"x"] * 10), 0)])
+    store.close()
+    segment = next((blocks / stream).glob("*.wal"))
+    with open(segment, "ab") as file:
+        file.write(tail)  # as if the server crashed in the middle of the next block's write
+
+
+async def test_wal_truncation_at_start_is_counted(tmp_path: Path) -> None:
+    torn_log(tmp_path / "blocks", "a", b"torn frame")
+    config = ServeConfig(
+        port=0,
+        metrics_port=0,
+        data_dir=tmp_path,
+        streams=("a", "b"),
+        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
+        spark=False,
+    )
+    srv = SluiceServer(config)
+    await srv.start()
+    try:
+        assert srv.metrics_port is not None
+        samples = await asyncio.to_thread(scrape, srv.metrics_port)
+    finally:
+        await srv.stop(grace=1)
+    a, b = (("stream", "a"),), (("stream", "b"),)
+    assert samples[("sluice_wal_truncations_total", a)] == 1
+    assert samples[("sluice_wal_truncated_bytes_total", a)] == len(b"torn frame")
+    assert samples[("sluice_wal_truncations_total", b)] == 0
 
 
 async def test_rate_control_validates_and_throttles(server: SluiceServer) -> None:

@@ -27,7 +27,7 @@ from ingest.spark.source import (
     SluiceStreamReader,
 )
 from receivers.block import BLOCK_SCHEMA, BlockInfo
-from receivers.block_store import LocalBlockStore
+from receivers.wal import FsyncPolicy, WalBlockStore
 
 BASE_US = 1_700_000_000_000_000  # 2023-11-14T22:13:20Z in microseconds
 
@@ -45,7 +45,7 @@ def record(stream: str, offset: int, receiver: int) -> Row:
 
 
 def write_block(
-    store: LocalBlockStore, stream: str, seq: int, first_offset: int, count: int, receiver: int = 7
+    store: WalBlockStore, stream: str, seq: int, first_offset: int, count: int, receiver: int = 7
 ) -> list[Row]:
     """Write a block of `count` records in two record batches; return the records it holds."""
     rows = [record(stream, first_offset + i, receiver) for i in range(count)]
@@ -65,7 +65,7 @@ def write_block(
     return rows
 
 
-def write_blocks(store: LocalBlockStore, stream: str, sizes: list[int]) -> list[Row]:
+def write_blocks(store: WalBlockStore, stream: str, sizes: list[int]) -> list[Row]:
     """Append blocks of the given sizes to `stream`, as its receiver would; return their records."""
     rows: list[Row] = []
     seq, offset = store.recover(stream)
@@ -132,7 +132,7 @@ def test_arrow_schema_is_what_spark_expects() -> None:
 
 
 def test_read_yields_kafka_like_columns(tmp_path: Path) -> None:
-    store = LocalBlockStore(tmp_path, fsync=False)
+    store = WalBlockStore(tmp_path, fsync=FsyncPolicy.off())
     expected = write_block(store, "a", 0, 0, 5, receiver=3) + write_block(store, "a", 1, 5, 4, receiver=4)
     reader = reader_for(tmp_path)
     start = reader.initialOffset()
@@ -150,7 +150,7 @@ def slices_of(parts: Any) -> list[list[tuple[str, int, int, int]]]:
 
 
 def test_partitions_balance_records_across_blocks(tmp_path: Path) -> None:
-    store = LocalBlockStore(tmp_path, fsync=False)
+    store = WalBlockStore(tmp_path, fsync=FsyncPolicy.off())
     write_blocks(store, "a", [10] * 20)
     write_blocks(store, "b", [10] * 3)
     reader = reader_for(tmp_path, "a,b", minPartitions="3")
@@ -175,7 +175,7 @@ def test_partitions_balance_records_across_blocks(tmp_path: Path) -> None:
 
 
 def test_min_partitions_spreads_a_small_batch(tmp_path: Path) -> None:
-    store = LocalBlockStore(tmp_path, fsync=False)
+    store = WalBlockStore(tmp_path, fsync=FsyncPolicy.off())
     expected = write_blocks(store, "a", [10] * 5)
     reader = reader_for(tmp_path, "a", minPartitions="2")
     start = reader.initialOffset()
@@ -190,7 +190,7 @@ def test_min_partitions_spreads_a_small_batch(tmp_path: Path) -> None:
 
 
 def test_read_max_rows_caps_a_batch_to_the_record(tmp_path: Path) -> None:
-    store = LocalBlockStore(tmp_path, fsync=False)
+    store = WalBlockStore(tmp_path, fsync=FsyncPolicy.off())
     expected = write_blocks(store, "a", [10, 10, 10, 10])
     write_blocks(store, "b", [30, 5])
     reader = reader_for(tmp_path, "a,b")
@@ -232,7 +232,7 @@ def test_default_read_limit_from_options(tmp_path: Path) -> None:
 
 
 def test_commit_releases_blocks_and_fresh_query_starts_after_them(tmp_path: Path) -> None:
-    store = LocalBlockStore(tmp_path, fsync=False)
+    store = WalBlockStore(tmp_path, fsync=FsyncPolicy.off())
     write_blocks(store, "a", [3, 3, 3, 3])
     reader = reader_for(tmp_path, "a,empty")
     assert reader.initialOffset() == {"a": 0, "empty": 0}
@@ -253,7 +253,7 @@ def test_commit_releases_blocks_and_fresh_query_starts_after_them(tmp_path: Path
 
 
 def test_missing_blocks_are_data_loss(tmp_path: Path) -> None:
-    store = LocalBlockStore(tmp_path, fsync=False)
+    store = WalBlockStore(tmp_path, fsync=FsyncPolicy.off())
     write_blocks(store, "a", [3, 3, 3])
     reader = reader_for(tmp_path)
     store.release("a", 2)  # as if another query had committed them
@@ -265,7 +265,7 @@ def test_missing_blocks_are_data_loss(tmp_path: Path) -> None:
 
 
 def test_available_now_stops_at_the_blocks_present_when_it_started(tmp_path: Path) -> None:
-    store = LocalBlockStore(tmp_path, fsync=False)
+    store = WalBlockStore(tmp_path, fsync=FsyncPolicy.off())
     write_blocks(store, "a", [10, 10, 10])
     reader = reader_for(tmp_path, "a,b")
     start = reader.initialOffset()
@@ -357,7 +357,7 @@ def test_schema_ddl_matches_struct(spark: Any) -> None:
 
 @pytest.mark.spark
 def test_query_streams_blocks_to_parquet_and_releases_them(spark: Any, tmp_path: Path) -> None:
-    store = LocalBlockStore(tmp_path / "blocks", fsync=False)
+    store = WalBlockStore(tmp_path / "blocks", fsync=FsyncPolicy.off())
     sink = tmp_path / "sink"
     expected = write_blocks(store, "a", [5, 7, 3]) + write_blocks(store, "b", [4])
     query = start_query(
@@ -390,7 +390,7 @@ def test_query_streams_blocks_to_parquet_and_releases_them(spark: Any, tmp_path:
 
 @pytest.mark.spark
 def test_max_records_per_batch_splits_a_backlog(spark: Any, tmp_path: Path) -> None:
-    store = LocalBlockStore(tmp_path / "blocks", fsync=False)
+    store = WalBlockStore(tmp_path / "blocks", fsync=FsyncPolicy.off())
     sink = tmp_path / "sink"
     own_checkpoint = tmp_path / "own-checkpoint"
     expected = write_blocks(store, "s", [100] * 10)

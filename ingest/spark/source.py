@@ -4,7 +4,7 @@ Usage::
 
     spark.dataSource.register(SluiceDataSource)
     df = (spark.readStream.format("sluice")
-          .option("path", "/var/lib/sluice/blocks")     # root of the LocalBlockStore
+          .option("path", "/var/lib/sluice/blocks")     # root of the block store (WAL)
           .option("streams", "clicks,orders")           # comma-separated stream names
           .option("maxRecordsPerBatch", "100000")       # optional admission control
           .load())
@@ -61,7 +61,8 @@ from pyspark.sql.types import (
 
 from ingest.spark.live_rate import LiveRateCap
 from receivers.block import BlockInfo, check_stream_name
-from receivers.block_store import LocalBlockStore
+from receivers.block_store import BlockStore
+from receivers.wal import WalBlockStore
 
 SOURCE_NAME = "sluice"
 
@@ -143,7 +144,7 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.rate_target = options.get(OPTION_RATE_TARGET) or None
         self.trigger_seconds = float(options.get(OPTION_TRIGGER_SECONDS) or 1.0)
         self._rate_client: LiveRateCap | None = None
-        self._store: LocalBlockStore | None = None
+        self._store: WalBlockStore | None = None
         self._available_now_target: Offset | None = None
 
     def __getstate__(self) -> dict[str, Any]:
@@ -154,10 +155,10 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return state
 
     @property
-    def store(self) -> LocalBlockStore:
+    def store(self) -> WalBlockStore:
         if self._store is None:
-            # Spark only reads and releases: durability of writes is the receivers' business
-            self._store = LocalBlockStore(self.root, fsync=False)
+            # Spark only reads and releases (release() always makes its mark durable before deleting)
+            self._store = WalBlockStore(self.root)
         return self._store
 
     # ---- offsets (driver-side worker) ---------------------------------------------------------
@@ -239,7 +240,7 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, BlockPartition)
-        store = LocalBlockStore(partition.root, fsync=False)
+        store = WalBlockStore(partition.root)
         for stream, seq, first_offset, count, receiver, lo, hi in partition.slices:
             yield from read_block(store, BlockInfo(stream, seq, first_offset, count, receiver), lo, hi)
 
@@ -281,7 +282,7 @@ class SluiceDataSource(DataSource):
 
 
 def read_block(
-    store: LocalBlockStore, block: BlockInfo, lo: int = 0, hi: int | None = None
+    store: BlockStore, block: BlockInfo, lo: int = 0, hi: int | None = None
 ) -> Iterator[pa.RecordBatch]:
     """Rows [lo, hi) of `block` (all by default) as record batches with ARROW_SCHEMA, column-wise."""
     hi = block.count if hi is None else hi

@@ -1,0 +1,928 @@
+"""The write-ahead log block store: every sealed block appended to a checksummed log, durable before acks.
+
+Layout under the root folder, per stream::
+
+    <root>/<stream>/<first_seq:020d>.wal    segments, oldest first; blocks are appended to the newest
+    <root>/<stream>/released.json           released high-water mark + producers snapshot (release())
+
+A new segment is started, named after the seq of its first block, once the newest one has grown past
+`segment_bytes`. So the blocks of a segment have seqs >= its name and < the next segment's name.
+
+Each block is one frame, written with a single write (O_APPEND)::
+
+    header (little-endian, HEADER.size = 60 bytes)
+        magic         4s   b"SLWL"
+        version       H    1
+        flags         H    0 (reserved)
+        crc           I    zlib.crc32 of every other header byte, then of the producers section and payload
+        producers_len I    bytes of the producers section
+        payload_len   Q    bytes of the payload
+        seq           Q    block seq
+        first_offset  Q    stream offset of the block's first record
+        count         Q    records in the block
+        receiver      i    id of the receiver that sealed it
+        received_at   d    epoch seconds when the block's first record was taken (0.0 for no records)
+    producers section: n (I), then n x (id length H, id UTF-8 bytes, next_seq Q)
+    payload: the block's record batches as an Arrow IPC *stream* (BLOCK_SCHEMA)
+
+Durability (FsyncPolicy): "every-block" (the default) fsyncs the segment before write() returns, and
+the folder when a segment is created, so an acked block survives a power loss. "interval:MS" returns
+after the OS write and fsyncs from a background thread every MS milliseconds: acked blocks survive a
+crash of the process (kill -9; the data is in the OS page cache) but the last MS milliseconds of acked
+blocks can be lost on a power loss or kernel crash. "off" never fsyncs (benchmarks, throwaway data).
+
+Recovery (recover(), at receiver start) reads every frame and checks magic, version, lengths, CRC and
+that seqs increase. At the first bad or incomplete frame of a segment the segment is truncated there (and
+fsynced): a WARNING names stream, segment, offset and bytes cut, and the truncation is counted in
+`stats`. A torn tail of the newest segment is the normal trace of a crash mid-write (such a block was
+never acked under "every-block"). A bad frame in an older segment means the log itself was damaged: the
+rest of that segment is cut too, the later segments are kept, and an ERROR names the seqs lost. Bad data
+on disk never makes recovery fail; only real I/O errors (permissions, ...) raise.
+
+Readers (Spark executors, other processes) index segments by their frame headers, seeking over payloads,
+and cache that index per segment, re-scanning only the part that grew; a frame not yet complete on disk is
+not visible. read() checks the frame's CRC. No payload is cached: unconsumed blocks live on disk.
+
+release() (Spark's commit, in the driver process) first writes released.json atomically (tmp, fsync,
+rename, folder fsync): the next seq/offset after the released blocks and the producers table of every
+block released so far. Then it deletes the segments whose blocks are all released, never the newest one
+(the writer may be appending to it). Released blocks still in a kept segment are hidden from blocks().
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import os
+import re
+import struct
+import threading
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import pyarrow as pa
+
+from receivers.block import BLOCK_SCHEMA, BlockInfo, check_stream_name
+from receivers.block_store import BlockStore
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"SLWL"
+VERSION = 1
+HEADER = struct.Struct("<4sHHIIQQQQid")
+_CRC_AT = 8  # the crc field's offset: the checksum covers the header bytes before and after it
+_AFTER_CRC = _CRC_AT + 4
+_PRODUCER_COUNT = struct.Struct("<I")
+_PRODUCER_ID_LEN = struct.Struct("<H")
+_PRODUCER_SEQ = struct.Struct("<Q")
+SEGMENT_SUFFIX = ".wal"
+_SEGMENT_NAME = re.compile(r"^(\d{20})\.wal$")
+STATE_FILE = "released.json"
+_OLD_MARK = "released"  # the high-water mark of the file-per-block store this log replaced
+DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
+
+
+class WalError(RuntimeError):
+    """A block cannot be read from the log."""
+
+
+class CorruptBlockError(WalError):
+    """A block's frame fails its checksum (or does not hold the block asked for)."""
+
+
+class BlockNotFoundError(WalError, LookupError):
+    """A block is not in the log (released, or never written)."""
+
+
+# ---- fsync policy --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FsyncPolicy:
+    """When appended blocks are fsynced. Build with every_block(), interval(ms), off() or parse(text)."""
+
+    mode: Literal["every-block", "interval", "off"] = "every-block"
+    interval_ms: int = 0
+    """Milliseconds between background fsyncs; only for mode "interval"."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("every-block", "interval", "off"):
+            raise ValueError(f"unknown fsync mode {self.mode!r}: every-block, interval or off")
+        if self.mode == "interval" and self.interval_ms < 1:
+            raise ValueError(f"fsync interval must be >= 1 ms, got {self.interval_ms}")
+        if self.mode != "interval" and self.interval_ms != 0:
+            raise ValueError(f"an interval only goes with mode 'interval', not {self.mode!r}")
+
+    @classmethod
+    def every_block(cls) -> FsyncPolicy:
+        """fsync before every write returns (the default): acked blocks survive a power loss."""
+        return cls("every-block")
+
+    @classmethod
+    def interval(cls, ms: int) -> FsyncPolicy:
+        """fsync every `ms` milliseconds in the background: acked blocks survive a process crash, not
+        a power loss within `ms`."""
+        return cls("interval", ms)
+
+    @classmethod
+    def off(cls) -> FsyncPolicy:
+        """Never fsync: for benchmarks on throwaway data."""
+        return cls("off")
+
+    @classmethod
+    def parse(cls, text: str) -> FsyncPolicy:
+        """'every-block', 'interval:MS' (MS a positive integer) or 'off'; ValueError otherwise."""
+        value = text.strip().lower()
+        if value == "every-block":
+            return cls.every_block()
+        if value == "off":
+            return cls.off()
+        if value.startswith("interval:"):
+            number = value.removeprefix("interval:")
+            if number.isdigit() and int(number) >= 1:
+                return cls.interval(int(number))
+        raise ValueError(f"invalid fsync policy {text!r}: use every-block, interval:MS (MS >= 1) or off")
+
+    def __str__(self) -> str:
+        return f"interval:{self.interval_ms}" if self.mode == "interval" else self.mode
+
+
+# ---- statistics ----------------------------------------------------------------------------------
+
+
+@dataclass
+class WalStats:
+    """What recovery found, per stream (WalBlockStore.stream_stats) or summed (WalBlockStore.stats)."""
+
+    corrupt_tails_truncated: int = 0
+    """Segments cut at a bad or incomplete frame."""
+    bytes_truncated: int = 0
+    """Bytes cut off by those truncations."""
+    frames_recovered: int = 0
+    """Frames found valid by recovery."""
+    segments_removed: int = 0
+    """Empty (or emptied) segments other than the newest removed by recovery."""
+
+    def add(self, other: WalStats) -> None:
+        self.corrupt_tails_truncated += other.corrupt_tails_truncated
+        self.bytes_truncated += other.bytes_truncated
+        self.frames_recovered += other.frames_recovered
+        self.segments_removed += other.segments_removed
+
+
+# ---- frames --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Header:
+    producers_len: int
+    payload_len: int
+    seq: int
+    first_offset: int
+    count: int
+    receiver: int
+    received_at: float
+    crc: int
+
+    @property
+    def frame_len(self) -> int:
+        return HEADER.size + self.producers_len + self.payload_len
+
+
+def _parse_header(raw: bytes) -> _Header | None:
+    """The header in `raw` (HEADER.size bytes), or None if it is not one (bad magic or version)."""
+    magic, version, _flags, crc, plen, paylen, seq, first, count, receiver, received_at = HEADER.unpack(raw)
+    if magic != MAGIC or version != VERSION:
+        return None
+    return _Header(plen, paylen, seq, first, count, receiver, received_at, crc)
+
+
+def _encode_producers(producers: Mapping[str, int] | None) -> bytes:
+    if not producers:
+        return b""
+    parts = [_PRODUCER_COUNT.pack(len(producers))]
+    for producer, next_seq in producers.items():
+        raw = producer.encode()
+        if len(raw) > 0xFFFF:
+            raise ValueError(f"producer id of {len(raw)} bytes: at most 65535")
+        if next_seq < 0:
+            raise ValueError(f"producer {producer!r}: next seq must be >= 0, got {next_seq}")
+        parts += [_PRODUCER_ID_LEN.pack(len(raw)), raw, _PRODUCER_SEQ.pack(next_seq)]
+    return b"".join(parts)
+
+
+def _decode_producers(raw: bytes | memoryview) -> dict[str, int]:
+    """The producers section; ValueError (or struct.error, UnicodeDecodeError) if it is malformed."""
+    if not raw:
+        return {}
+    (n,) = _PRODUCER_COUNT.unpack_from(raw, 0)
+    pos = _PRODUCER_COUNT.size
+    table: dict[str, int] = {}
+    for _ in range(n):
+        (length,) = _PRODUCER_ID_LEN.unpack_from(raw, pos)
+        pos += _PRODUCER_ID_LEN.size
+        producer = bytes(raw[pos : pos + length]).decode()
+        pos += length
+        (table[producer],) = _PRODUCER_SEQ.unpack_from(raw, pos)
+        pos += _PRODUCER_SEQ.size
+    if pos != len(raw):
+        raise ValueError("producers section longer than its entries")
+    return table
+
+
+def _frame_crc(header: bytes | bytearray | memoryview, rest: Sequence[bytes | memoryview | pa.Buffer]) -> int:
+    crc = zlib.crc32(header[_AFTER_CRC:], zlib.crc32(header[:_CRC_AT]))
+    for part in rest:
+        crc = zlib.crc32(part, crc)
+    return crc
+
+
+def _merge_producers(into: dict[str, int], table: Mapping[str, int]) -> None:
+    for producer, next_seq in table.items():
+        if next_seq > into.get(producer, -1):
+            into[producer] = next_seq
+
+
+# ---- the reader's index --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Frame:
+    offset: int
+    header: _Header
+
+
+@dataclass
+class _SegmentIndex:
+    ident: tuple[int, int]
+    scanned: int = 0
+    """Bytes indexed: the end of the last complete frame."""
+    frames: list[_Frame] = field(default_factory=list)
+
+
+@dataclass
+class _Released:
+    next_seq: int = 0
+    next_offset: int = 0
+    producers: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _Writer:
+    """The append state of one stream, owned by the process that writes it."""
+
+    folder: Path
+    next_seq: int
+    next_offset: int
+    producers: dict[str, int]
+    segment: Path | None
+    """The newest segment, appended to (None: none yet)."""
+    size: int
+    """Bytes of `segment` as this writer knows them."""
+    fd: int | None = None
+    dirty: bool = False
+    folder_dirty: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+# ---- the store -----------------------------------------------------------------------------------
+
+
+class WalBlockStore(BlockStore):
+    """Blocks in per-stream append-only logs. One writing process per stream (its receiver), writes to a
+    stream from one thread at a time; any number of reading processes; release() from another process."""
+
+    def __init__(
+        self,
+        root: Path | str,
+        *,
+        fsync: FsyncPolicy | None = None,
+        segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+    ) -> None:
+        if segment_bytes < 1:
+            raise ValueError(f"segment_bytes must be >= 1, got {segment_bytes}")
+        self.root = Path(root)
+        self.fsync = fsync if fsync is not None else FsyncPolicy.every_block()
+        self.segment_bytes = segment_bytes
+        self._writers: dict[str, _Writer] = {}
+        self._writers_lock = threading.Lock()
+        self._index: dict[Path, _SegmentIndex] = {}
+        self._index_lock = threading.Lock()
+        self._release_lock = threading.Lock()
+        self._released: dict[str, tuple[tuple[int, int, int], _Released]] = {}
+        self._stats: dict[str, WalStats] = {}
+        self._flusher: threading.Thread | None = None
+        self._closing = threading.Event()
+
+    # ---- statistics ----------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> WalStats:
+        """What recovery found in every stream of this store (in this process)."""
+        total = WalStats()
+        for stats in list(self._stats.values()):
+            total.add(stats)
+        return total
+
+    def stream_stats(self, stream: str) -> WalStats:
+        """What recovery found in `stream` (in this process)."""
+        return self._stats.setdefault(check_stream_name(stream), WalStats())
+
+    # ---- writing (receiver side) ---------------------------------------------------------------
+
+    def recover(self, stream: str) -> tuple[int, int]:
+        """Check the log of `stream`, cut bad or torn tails; return (next block seq, next offset).
+
+        Call once per stream in the writing process, before its first write (write() calls it if not).
+        """
+        folder = self._folder(stream)
+        with self._writers_lock:
+            old = self._writers.pop(stream, None)
+        if old is not None:
+            with old.lock:
+                self._close_writer(old)
+        writer = self._recover(stream, folder)
+        with self._writers_lock:
+            self._writers[stream] = writer
+        return writer.next_seq, writer.next_offset
+
+    def write(  # noqa: PLR0917 - the receiver's positional call, kept
+        self,
+        stream: str,
+        seq: int,
+        first_offset: int,
+        receiver: int,
+        batches: Sequence[pa.RecordBatch],
+        producers: Mapping[str, int] | None = None,
+    ) -> tuple[BlockInfo, int]:
+        """Append a block; return it and its frame's size in bytes. Durable on return under the
+        "every-block" policy. Blocking: call from a worker thread, one at a time per stream.
+
+        `seq` must be the stream's next seq (as recover() returned, plus one per block written since).
+        `producers` maps each producer with records in the block to the seq after its last one there.
+        On an error (OSError) nothing of the block stays in the log: the same block can be written again.
+        """
+        writer = self._writer(stream)
+        producers_raw = _encode_producers(producers)
+        count = sum(b.num_rows for b in batches)
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, BLOCK_SCHEMA) as ipc:
+            for batch in batches:
+                ipc.write_batch(batch)
+        payload = sink.getvalue()
+        received_at = 0.0
+        for batch in batches:
+            if batch.num_rows:
+                received_at = batch.column("timestamp")[0].value / 1e6
+                break
+        with writer.lock:
+            if seq != writer.next_seq:
+                raise ValueError(f"stream {stream!r}: block seq {seq} written, {writer.next_seq} expected")
+            if first_offset < writer.next_offset:
+                raise ValueError(
+                    f"stream {stream!r}: block first_offset {first_offset} below {writer.next_offset}"
+                )
+            header = bytearray(
+                HEADER.pack(
+                    MAGIC,
+                    VERSION,
+                    0,
+                    0,
+                    len(producers_raw),
+                    payload.size,
+                    seq,
+                    first_offset,
+                    count,
+                    receiver,
+                    received_at,
+                )
+            )
+            struct.pack_into("<I", header, _CRC_AT, _frame_crc(header, [producers_raw, payload]))
+            parts: list[Any] = [bytes(header), producers_raw, payload]
+            size = HEADER.size + len(producers_raw) + payload.size
+            fd = self._segment_for(writer, seq)
+            before = writer.size
+            try:
+                _write_all(fd, parts, size)
+                if self.fsync.mode == "every-block":
+                    os.fsync(fd)
+            except BaseException:
+                # leave no partial frame behind, so the retried block lands where this one began
+                self._undo_append(writer, before)
+                raise
+            writer.size += size
+            writer.dirty = True
+            writer.next_seq = seq + 1
+            writer.next_offset = first_offset + count
+            if producers:
+                _merge_producers(writer.producers, producers)
+        if self.fsync.mode == "interval":
+            self._start_flusher()
+        return BlockInfo(stream, seq, first_offset, count, receiver), size
+
+    def producers(self, stream: str) -> dict[str, int]:
+        """Producer id -> the seq after its last record in the log (or released): the snapshot of the
+        last release, updated by every frame still in the log. In the writing process, as of its last
+        write; elsewhere, as read from disk now."""
+        with self._writers_lock:
+            writer = self._writers.get(check_stream_name(stream))
+        if writer is not None:
+            with writer.lock:
+                return dict(writer.producers)
+        table = dict(self._read_released(stream).producers)
+        for _, segment in self._segments(self._folder(stream)):
+            for frame in self._segment_frames(segment):
+                with contextlib.suppress(OSError, ValueError, struct.error, UnicodeDecodeError):
+                    _merge_producers(table, self._read_producers(segment, frame))
+        return table
+
+    def close(self) -> None:
+        """Stop the background fsync (fsyncing what is pending) and close the segments (idempotent)."""
+        self._closing.set()
+        if self._flusher is not None:
+            self._flusher.join()
+            self._flusher = None
+        with self._writers_lock:
+            writers = list(self._writers.values())
+            self._writers.clear()
+        for writer in writers:
+            with writer.lock:
+                self._close_writer(writer)
+        self._closing.clear()  # usable again: a later write recovers its stream first
+
+    # ---- reading (Spark side) ------------------------------------------------------------------
+
+    def blocks(self, stream: str, from_seq: int = 0) -> list[BlockInfo]:
+        folder = self._folder(stream)
+        start = max(from_seq, self._read_released(stream).next_seq)
+        segments = self._segments(folder)
+        # a segment holds seqs from its name up to the next one's: skip those wholly below `start`
+        first = 0
+        for i, (name_seq, _) in enumerate(segments):
+            if name_seq <= start:
+                first = i
+        found = []
+        for _, path in segments[first:]:
+            for frame in self._segment_frames(path):
+                h = frame.header
+                if h.seq >= start:
+                    found.append(BlockInfo(stream, h.seq, h.first_offset, h.count, h.receiver))
+        self._forget_index(folder, {path for _, path in segments})
+        return found
+
+    def read(self, block: BlockInfo) -> Iterator[pa.RecordBatch]:
+        path, frame = self._locate(block)
+        h = frame.header
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise BlockNotFoundError(
+                f"block {block.seq} of stream {block.stream!r} is no longer in the log (released?)"
+            ) from None
+        try:
+            raw = os.pread(fd, h.frame_len, frame.offset)
+        finally:
+            os.close(fd)
+        view = memoryview(raw)
+        body = view[HEADER.size :]
+        if len(raw) != h.frame_len or _frame_crc(view[: HEADER.size], [body]) != h.crc:
+            raise CorruptBlockError(
+                f"block {block.seq} of stream {block.stream!r} fails its checksum "
+                f"({path.name} at offset {frame.offset}): the log is damaged"
+            )
+        if (h.first_offset, h.count) != (block.first_offset, block.count):
+            raise CorruptBlockError(
+                f"block {block.seq} of stream {block.stream!r} holds offsets {h.first_offset}+{h.count}, "
+                f"not {block.first_offset}+{block.count}"
+            )
+        reader = pa.ipc.open_stream(pa.py_buffer(body[h.producers_len :]))
+        yield from reader
+
+    def release(self, stream: str, before_seq: int) -> int:
+        folder = self._folder(stream)
+        with self._release_lock:
+            released = self._read_released(stream)
+            doomed_blocks = [b for b in self.blocks(stream) if b.seq < before_seq]
+            if not doomed_blocks:
+                return 0
+            segments = self._segments(folder)
+            # every block of a segment is below the next segment's name; the newest is never deleted
+            doomed = [
+                path for (_, path), (next_name, _) in itertools.pairwise(segments) if next_name <= before_seq
+            ]
+            table = dict(released.producers)
+            for path in doomed:
+                for frame in self._segment_frames(path):
+                    _merge_producers(table, self._read_producers(path, frame))
+            last = doomed_blocks[-1]
+            state = _Released(last.seq + 1, last.end_offset, table)
+            self._write_released(folder, state)
+            for path in doomed:
+                path.unlink(missing_ok=True)
+            if doomed and self.fsync.mode != "off":
+                _fsync_path(folder)
+            self._forget_index(folder, {p for _, p in segments} - set(doomed))
+        return len(doomed_blocks)
+
+    def disk_bytes(self, stream: str | None = None) -> int:
+        """Bytes the store takes on disk: of one stream, or of all."""
+        folders = [self._folder(stream)] if stream is not None else _subfolders(self.root)
+        total = 0
+        for folder in folders:
+            try:
+                entries = list(os.scandir(folder))
+            except FileNotFoundError:
+                continue
+            for entry in entries:
+                with contextlib.suppress(FileNotFoundError):
+                    if entry.is_file(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_size
+        return total
+
+    # ---- recovery ------------------------------------------------------------------------------
+
+    def _recover(self, stream: str, folder: Path) -> _Writer:
+        stats = self.stream_stats(stream)
+        released = self._read_released(stream)
+        next_seq, next_offset = released.next_seq, released.next_offset
+        producers = dict(released.producers)
+        if not folder.is_dir():
+            return _Writer(folder, next_seq, next_offset, producers, None, 0)
+        for name in os.listdir(folder):
+            if name.startswith(STATE_FILE + ".tmp"):
+                (folder / name).unlink(missing_ok=True)
+        if any(name.endswith(".arrow") for name in os.listdir(folder)):
+            log.warning(
+                "stream %r: %s holds .arrow block files of the old file-per-block store; the log does "
+                "not read them",
+                stream,
+                folder,
+            )
+        segments = self._segments(folder)
+        last_seq = -1
+        newest_path: Path | None = None
+        newest_size = 0
+        emptied = []
+        for i, (name_seq, path) in enumerate(segments):
+            newest = i == len(segments) - 1
+            next_seq = max(next_seq, name_seq)
+            try:
+                size, frames, last_seq = self._check_segment(path, last_seq, producers, stats)
+                if size < _file_size(path) or (not frames and not newest):
+                    self._cut(
+                        stream=stream,
+                        path=path,
+                        good=size,
+                        next_name=None if newest else segments[i + 1][0],
+                        frames=frames,
+                        name_seq=name_seq,
+                        released=released.next_seq,
+                        stats=stats,
+                    )
+            except FileNotFoundError:
+                continue  # released meanwhile (by Spark, in another process)
+            if frames:
+                next_offset = max(next_offset, frames[-1].header.first_offset + frames[-1].header.count)
+                next_seq = max(next_seq, last_seq + 1)
+            if size == 0 and not newest:
+                emptied.append(path)
+            newest_path, newest_size = path, size
+        # an emptied segment other than the newest holds nothing: remove it
+        for path in emptied:
+            path.unlink(missing_ok=True)
+            stats.segments_removed += 1
+        if segments and self.fsync.mode != "off":
+            _fsync_path(folder)
+        with self._index_lock:
+            for key in [k for k in self._index if k.parent == folder]:
+                del self._index[key]
+        return _Writer(folder, next_seq, next_offset, producers, newest_path, newest_size)
+
+    def _check_segment(
+        self, path: Path, last_seq: int, producers: dict[str, int], stats: WalStats
+    ) -> tuple[int, list[_Frame], int]:
+        """Validate the frames of a segment: (bytes that are good, the good frames, last good seq)."""
+        frames: list[_Frame] = []
+        with open(path, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
+            pos = 0
+            while pos < size:
+                frame = _valid_frame(file.fileno(), pos, size, last_seq)
+                if frame is None:
+                    break
+                header, table = frame
+                frames.append(_Frame(pos, header))
+                _merge_producers(producers, table)
+                last_seq = header.seq
+                pos += header.frame_len
+        stats.frames_recovered += len(frames)
+        return pos, frames, last_seq
+
+    def _cut(
+        self,
+        *,
+        stream: str,
+        path: Path,
+        good: int,
+        next_name: int | None,
+        frames: list[_Frame],
+        name_seq: int,
+        released: int,
+        stats: WalStats,
+    ) -> None:
+        size = _file_size(path)
+        cut = size - good
+        if cut > 0:
+            with open(path, "r+b") as file:
+                file.truncate(good)
+                if self.fsync.mode != "off":
+                    os.fsync(file.fileno())
+            stats.corrupt_tails_truncated += 1
+            stats.bytes_truncated += cut
+            log.warning(
+                "stream %r: segment %s has a bad or incomplete frame at offset %d: truncated %d bytes",
+                stream,
+                path.name,
+                good,
+                cut,
+            )
+        # blocks Spark already committed (below the released mark) are no loss
+        lost_from = max(frames[-1].header.seq + 1 if frames else name_seq, released)
+        if next_name is not None and next_name > lost_from:
+            log.error(
+                "stream %r: the log is damaged: blocks %d..%d of segment %s are lost",
+                stream,
+                lost_from,
+                next_name - 1,
+                path.name,
+            )
+
+    # ---- appending -----------------------------------------------------------------------------
+
+    def _writer(self, stream: str) -> _Writer:
+        with self._writers_lock:
+            writer = self._writers.get(check_stream_name(stream))
+        if writer is None:
+            self.recover(stream)
+            with self._writers_lock:
+                writer = self._writers[stream]
+        return writer
+
+    def _segment_for(self, writer: _Writer, seq: int) -> int:
+        """The fd to append block `seq` to: the newest segment, or a new one when that one is full."""
+        if writer.fd is not None and writer.size < self.segment_bytes:
+            return writer.fd
+        if writer.fd is None and writer.segment is not None and writer.size < self.segment_bytes:
+            with contextlib.suppress(FileNotFoundError):  # removed by hand: start a new one
+                fd = os.open(writer.segment, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+                if os.fstat(fd).st_size == writer.size:
+                    writer.fd = fd
+                    return fd
+                os.close(fd)  # a failed append left bytes behind: start afresh in a new segment
+        self._close_writer(writer)
+        if not writer.folder.is_dir():
+            writer.folder.mkdir(parents=True, exist_ok=True)
+            if self.fsync.mode == "every-block":
+                _fsync_path(writer.folder.parent)
+        path = writer.folder / f"{seq:020d}{SEGMENT_SUFFIX}"
+        if path == writer.segment:  # the newest segment is empty but a failed append left bytes in it
+            with contextlib.suppress(FileNotFoundError):
+                os.truncate(path, 0)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        writer.fd, writer.segment, writer.size = fd, path, os.fstat(fd).st_size
+        if self.fsync.mode == "every-block":
+            _fsync_path(writer.folder)
+        else:
+            writer.folder_dirty = True
+        return fd
+
+    def _undo_append(self, writer: _Writer, size: int) -> None:
+        if writer.fd is None:
+            return
+        try:
+            os.ftruncate(writer.fd, size)
+        except OSError:
+            log.exception("cannot cut a failed append off %s: a new segment follows", writer.segment)
+            writer.size = -1  # never append to it again: _segment_for sees the size differ
+        with contextlib.suppress(OSError):
+            os.close(writer.fd)
+        writer.fd = None
+
+    def _close_writer(self, writer: _Writer) -> None:
+        if writer.fd is None:
+            return
+        try:
+            if writer.dirty and self.fsync.mode == "interval":
+                os.fsync(writer.fd)
+            if writer.folder_dirty and self.fsync.mode == "interval":
+                _fsync_path(writer.folder)
+        finally:
+            os.close(writer.fd)
+            writer.fd = None
+            writer.dirty = writer.folder_dirty = False
+
+    def _start_flusher(self) -> None:
+        with self._writers_lock:
+            if self._flusher is None and not self._closing.is_set():
+                self._flusher = threading.Thread(target=self._flush_loop, name="wal-fsync", daemon=True)
+                self._flusher.start()
+
+    def _flush_loop(self) -> None:
+        period = self.fsync.interval_ms / 1000
+        while not self._closing.wait(period):
+            self.flush()
+
+    def flush(self) -> None:
+        """fsync every segment with appends not yet fsynced (the interval policy's background work)."""
+        with self._writers_lock:
+            writers = list(self._writers.values())
+        for writer in writers:
+            with writer.lock:
+                if writer.fd is None or not (writer.dirty or writer.folder_dirty):
+                    continue
+                fd = os.dup(writer.fd)  # fsync outside the lock: appends go on meanwhile
+                folder_dirty = writer.folder_dirty
+                writer.dirty = writer.folder_dirty = False
+            try:
+                os.fsync(fd)
+                if folder_dirty:
+                    _fsync_path(writer.folder)
+            except OSError:
+                log.exception("background fsync of %s failed", writer.folder)
+                writer.dirty = writer.folder_dirty = True
+            finally:
+                os.close(fd)
+
+    # ---- the index -----------------------------------------------------------------------------
+
+    def _segments(self, folder: Path) -> list[tuple[int, Path]]:
+        try:
+            names = os.listdir(folder)
+        except FileNotFoundError:
+            return []
+        found = []
+        for name in names:
+            match = _SEGMENT_NAME.match(name)
+            if match:
+                found.append((int(match.group(1)), folder / name))
+        found.sort()
+        return found
+
+    def _segment_frames(self, path: Path) -> list[_Frame]:
+        """The complete frames of a segment by their headers (no CRC check), indexed incrementally."""
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return []
+        try:
+            st = os.fstat(fd)
+            ident = (st.st_dev, st.st_ino)
+            with self._index_lock:
+                index = self._index.get(path)
+                if index is None or index.ident != ident or st.st_size < index.scanned:
+                    index = self._index[path] = _SegmentIndex(ident)
+                pos, frames = index.scanned, list(index.frames)
+            while pos + HEADER.size <= st.st_size:
+                raw = os.pread(fd, HEADER.size, pos)
+                header = _parse_header(raw) if len(raw) == HEADER.size else None
+                if header is None or pos + header.frame_len > st.st_size:
+                    break  # garbage (recovery will cut it) or a frame still being written
+                frames.append(_Frame(pos, header))
+                pos += header.frame_len
+            with self._index_lock:
+                if self._index.get(path) is index and pos > index.scanned:
+                    index.scanned, index.frames = pos, frames
+        finally:
+            os.close(fd)
+        return frames
+
+    def _forget_index(self, folder: Path, keep: set[Path]) -> None:
+        with self._index_lock:
+            for path in [p for p in self._index if p.parent == folder and p not in keep]:
+                del self._index[path]
+
+    def _locate(self, block: BlockInfo) -> tuple[Path, _Frame]:
+        segments = self._segments(self._folder(block.stream))
+        # the segment named at or below the seq first, then (a log renamed by hand...) every other
+        ordered = sorted(segments, key=lambda s: (s[0] > block.seq, -s[0]))
+        for _, path in ordered:
+            for frame in self._segment_frames(path):
+                if frame.header.seq == block.seq:
+                    return path, frame
+        raise BlockNotFoundError(
+            f"block {block.seq} of stream {block.stream!r} is not in the log (released, or not written)"
+        )
+
+    def _read_producers(self, path: Path, frame: _Frame) -> dict[str, int]:
+        h = frame.header
+        if not h.producers_len:
+            return {}
+        with open(path, "rb") as file:
+            raw = os.pread(file.fileno(), h.producers_len, frame.offset + HEADER.size)
+        return _decode_producers(raw)
+
+    # ---- the released mark ---------------------------------------------------------------------
+
+    def _read_released(self, stream: str) -> _Released:
+        folder = self._folder(stream)
+        path = folder / STATE_FILE
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            return _read_old_mark(folder)
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        cached = self._released.get(stream)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        try:
+            data = json.loads(path.read_text())
+            state = _Released(
+                int(data["next_seq"]),
+                int(data["next_offset"]),
+                {str(k): int(v) for k, v in data.get("producers", {}).items()},
+            )
+        except FileNotFoundError:
+            return _read_old_mark(folder)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            # written atomically, so this is damage: numbering then continues from the log alone
+            log.exception("stream %r: %s is unreadable; ignoring it", stream, path)
+            state = _Released()
+        self._released[stream] = (key, state)
+        return state
+
+    def _write_released(self, folder: Path, state: _Released) -> None:
+        path = folder / STATE_FILE
+        tmp = folder / f"{STATE_FILE}.tmp.{os.getpid()}.{threading.get_ident()}"
+        text = json.dumps(
+            {"next_seq": state.next_seq, "next_offset": state.next_offset, "producers": state.producers},
+            sort_keys=True,
+        )
+        with open(tmp, "w") as file:
+            file.write(text + "\n")
+            file.flush()
+            if self.fsync.mode != "off":
+                os.fsync(file.fileno())
+        os.replace(tmp, path)
+        if self.fsync.mode != "off":
+            _fsync_path(folder)
+
+    def _folder(self, stream: str) -> Path:
+        return self.root / check_stream_name(stream)
+
+
+def _valid_frame(fd: int, pos: int, size: int, last_seq: int) -> tuple[_Header, dict[str, int]] | None:
+    """The frame at `pos` with its producers table if it is whole and sound, else None."""
+    if pos + HEADER.size > size:
+        return None
+    raw = os.pread(fd, HEADER.size, pos)
+    header = _parse_header(raw) if len(raw) == HEADER.size else None
+    if header is None or pos + header.frame_len > size or header.seq <= last_seq:
+        return None
+    body = os.pread(fd, header.producers_len + header.payload_len, pos + HEADER.size)
+    if len(body) != header.producers_len + header.payload_len or _frame_crc(raw, [body]) != header.crc:
+        return None
+    try:
+        table = _decode_producers(memoryview(body)[: header.producers_len])
+    except (ValueError, struct.error, UnicodeDecodeError):
+        return None
+    return header, table
+
+
+def _write_all(fd: int, parts: list[Any], size: int) -> None:
+    written = os.writev(fd, parts)
+    if written < size:  # a short write (signal, disk nearly full): write the rest
+        rest = memoryview(b"".join(bytes(p) for p in parts))[written:]
+        while rest:
+            n = os.write(fd, rest)
+            rest = rest[n:]
+
+
+def _read_old_mark(folder: Path) -> _Released:
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        seq, offset = (int(x) for x in (folder / _OLD_MARK).read_text().split())
+        return _Released(seq, offset)
+    return _Released()
+
+
+def _subfolders(root: Path) -> list[Path]:
+    try:
+        return [Path(e.path) for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+
+
+def _file_size(path: Path) -> int:
+    return os.stat(path).st_size
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

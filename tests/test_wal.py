@@ -1,0 +1,490 @@
+"""The write-ahead log block store: round trips, recovery from torn and corrupt logs, release, readers."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from receivers.block import BlockInfo, InvalidStreamNameError
+from receivers.wal import (
+    HEADER,
+    BlockNotFoundError,
+    CorruptBlockError,
+    FsyncPolicy,
+    WalBlockStore,
+)
+from receivers.wire import decode_batch, encode_batch
+
+OFF = FsyncPolicy.off()
+
+
+def records(n: int, start: int = 0) -> pa.RecordBatch:
+    return decode_batch(encode_batch(0, [f"r{i}".encode() for i in range(start, start + n)]), 0)
+
+
+def values(store: WalBlockStore, stream: str = "s") -> list[bytes]:
+    return [
+        v for b in store.blocks(stream) for batch in store.read(b) for v in batch.column("value").to_pylist()
+    ]
+
+
+def expected(n: int) -> list[bytes]:
+    return [f"r{i}".encode() for i in range(n)]
+
+
+def fill(store: WalBlockStore, blocks: int, per_block: int = 3, stream: str = "s") -> list[BlockInfo]:
+    """Append `blocks` blocks of `per_block` records after what the log holds."""
+    seq, offset = store.recover(stream)
+    written = []
+    for _ in range(blocks):
+        info, _ = store.write(stream, seq, offset, 1, [records(per_block, offset)], {f"p{seq % 2}": offset})
+        written.append(info)
+        seq, offset = seq + 1, offset + per_block
+    return written
+
+
+def segments(root: Path, stream: str = "s") -> list[Path]:
+    return sorted((root / stream).glob("*.wal"))
+
+
+def frame_starts(path: Path) -> list[int]:
+    """Offsets of the frames of a segment (from their headers)."""
+    data = path.read_bytes()
+    starts, pos = [], 0
+    while pos < len(data):
+        starts.append(pos)
+        fields = HEADER.unpack_from(data, pos)
+        pos += HEADER.size + fields[4] + fields[5]
+    return starts
+
+
+# ---- basics --------------------------------------------------------------------------------------
+
+
+def test_write_read_recover_release(tmp_path: Path) -> None:
+    store = WalBlockStore(tmp_path)
+    assert store.recover("s") == (0, 0)
+    first, size = store.write("s", 0, 0, 3, [records(2), records(3, 2)])
+    second, _ = store.write("s", 1, 5, 3, [records(4, 5)])
+    assert size > 0
+    assert (first.count, first.end_offset, second.first_offset, second.receiver) == (5, 5, 5, 3)
+    assert values(store) == expected(9)
+    assert [s.name for s in segments(tmp_path)] == [f"{0:020d}.wal"]
+    restarted = WalBlockStore(tmp_path)
+    assert restarted.recover("s") == (2, 9)
+    assert restarted.blocks("s", from_seq=1) == [second]
+    assert restarted.stats.corrupt_tails_truncated == 0 and restarted.stats.frames_recovered == 2
+    # once every block is released, a restart still continues the numbering
+    assert restarted.release("s", before_seq=2) == 2
+    assert restarted.blocks("s") == []
+    assert restarted.release("s", before_seq=2) == 0
+    assert WalBlockStore(tmp_path).recover("s") == (2, 9)
+    with pytest.raises(BlockNotFoundError, match="block 7 of stream 's'"):
+        list(restarted.read(BlockInfo("s", 7, 0, 1, 3)))
+
+
+def test_writes_must_continue_the_numbering(tmp_path: Path) -> None:
+    store = WalBlockStore(tmp_path, fsync=OFF)
+    fill(store, 2)
+    with pytest.raises(ValueError, match="block seq 5 written, 2 expected"):
+        store.write("s", 5, 6, 0, [records(1)])
+    with pytest.raises(ValueError, match="first_offset 1 below 6"):
+        store.write("s", 2, 1, 0, [records(1)])
+
+
+def test_stream_names_are_checked(tmp_path: Path) -> None:
+    store = WalBlockStore(tmp_path)
+    for bad in ["", "../etc", "a/b", ".hidden", "x" * 129]:
+        with pytest.raises(InvalidStreamNameError):
+            store.blocks(bad)
+        with pytest.raises(InvalidStreamNameError):
+            store.recover(bad)
+
+
+def test_fsync_policy_parses_and_rejects() -> None:
+    assert FsyncPolicy.parse("every-block") == FsyncPolicy() == FsyncPolicy.every_block()
+    assert FsyncPolicy.parse("interval:25") == FsyncPolicy.interval(25)
+    assert FsyncPolicy.parse("OFF") == FsyncPolicy.off()
+    assert str(FsyncPolicy.interval(25)) == "interval:25" and str(FsyncPolicy()) == "every-block"
+    for bad in ["", "always", "interval", "interval:", "interval:0", "interval:-5", "interval:1.5"]:
+        with pytest.raises(ValueError, match="invalid fsync policy"):
+            FsyncPolicy.parse(bad)
+    with pytest.raises(ValueError, match=">= 1 ms"):
+        FsyncPolicy("interval", 0)
+
+
+def test_segments_roll_and_release_deletes_only_whole_old_segments(tmp_path: Path) -> None:
+    store = WalBlockStore(tmp_path, fsync=OFF, segment_bytes=1500)
+    fill(store, 12, per_block=20)
+    names = [int(p.stem) for p in segments(tmp_path)]
+    assert len(names) >= 3 and names[0] == 0 and names == sorted(names)
+    assert [b.seq for b in store.blocks("s")] == list(range(12))
+    assert values(store) == expected(240)
+    assert store.disk_bytes("s") == sum(p.stat().st_size for p in segments(tmp_path))
+    assert store.disk_bytes() == store.disk_bytes("s")
+    # release up to the middle of the second segment: only the first segment can go
+    cut = names[1] + 1
+    assert store.release("s", cut) == cut
+    assert [int(p.stem) for p in segments(tmp_path)] == names[1:]
+    assert [b.seq for b in store.blocks("s")] == list(range(cut, 12))  # released ones are hidden
+    assert WalBlockStore(tmp_path).blocks("s", 0)[0].seq == cut  # in another store (process) too
+    # releasing everything keeps the newest segment (the writer appends to it)
+    assert store.release("s", 12) == 12 - cut
+    assert [int(p.stem) for p in segments(tmp_path)] == names[-1:]
+    assert store.blocks("s") == []
+    restarted = WalBlockStore(tmp_path, fsync=OFF, segment_bytes=1500)
+    assert restarted.recover("s") == (12, 240)
+    fill(restarted, 1, per_block=20)
+    assert [b.seq for b in restarted.blocks("s")] == [12]
+
+
+# ---- recovery ------------------------------------------------------------------------------------
+
+
+def test_torn_tail_is_truncated_reported_and_appended_after(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = WalBlockStore(tmp_path)
+    fill(store, 3)
+    store.close()
+    segment = segments(tmp_path)[0]
+    whole = segment.stat().st_size
+    last = frame_starts(segment)[-1]
+    os.truncate(segment, last + HEADER.size + 5)  # a crash in the middle of the third block's write
+    assert [b.seq for b in WalBlockStore(tmp_path).blocks("s")] == [0, 1]  # readers skip the torn frame
+    restarted = WalBlockStore(tmp_path)
+    with caplog.at_level(logging.WARNING, "receivers.wal"):
+        assert restarted.recover("s") == (2, 6)
+    assert segment.stat().st_size == last
+    warning = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warning) == 1
+    message = warning[0].getMessage()
+    assert "'s'" in message and segment.name in message and f"offset {last}" in message
+    assert f"truncated {HEADER.size + 5} bytes" in message
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # a torn tail is no damage
+    stats = restarted.stream_stats("s")
+    assert (stats.corrupt_tails_truncated, stats.bytes_truncated) == (1, HEADER.size + 5)
+    assert restarted.stats.corrupt_tails_truncated == 1
+    # the write path appends cleanly after the cut: seq 2 again, then on
+    fill(restarted, 2)
+    assert segment.stat().st_size > whole
+    again = WalBlockStore(tmp_path)
+    assert again.recover("s") == (4, 12)
+    assert again.stats.corrupt_tails_truncated == 0
+    assert values(again) == expected(12)
+
+
+def test_flipped_payload_byte_is_caught_by_crc(tmp_path: Path) -> None:
+    store = WalBlockStore(tmp_path, fsync=OFF)
+    fill(store, 4)
+    segment = segments(tmp_path)[0]
+    starts = frame_starts(segment)
+    data = bytearray(segment.read_bytes())
+    data[starts[2] + HEADER.size + 40] ^= 0x01  # inside the third block's payload
+    segment.write_bytes(bytes(data))
+    # a reader's index does not check CRCs, but reading the block does
+    reader = WalBlockStore(tmp_path)
+    bad = reader.blocks("s")[2]
+    with pytest.raises(CorruptBlockError, match="block 2 of stream 's' fails its checksum"):
+        list(reader.read(bad))
+    restarted = WalBlockStore(tmp_path, fsync=OFF)
+    assert restarted.recover("s") == (2, 6)
+    assert segment.stat().st_size == starts[2]
+    assert restarted.stats.bytes_truncated == len(data) - starts[2]
+    assert values(restarted) == expected(6)
+
+
+def test_corruption_in_a_middle_segment_keeps_later_segments(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = WalBlockStore(tmp_path, fsync=OFF, segment_bytes=2500)
+    fill(store, 12, per_block=20)
+    store.close()
+    paths = segments(tmp_path)
+    assert len(paths) >= 3
+    middle = paths[1]
+    first_seq, next_seq = int(middle.stem), int(paths[2].stem)
+    assert next_seq - first_seq >= 2
+    starts = frame_starts(middle)
+    data = bytearray(middle.read_bytes())
+    data[starts[1] + 20] ^= 0xFF  # the header (seq field) of its second frame
+    middle.write_bytes(bytes(data))
+    restarted = WalBlockStore(tmp_path, fsync=OFF)
+    with caplog.at_level(logging.WARNING, "receivers.wal"):
+        assert restarted.recover("s") == (12, 240)
+    assert middle.stat().st_size == starts[1]
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert errors == [
+        f"stream 's': the log is damaged: blocks {first_seq + 1}..{next_seq - 1} "
+        f"of segment {middle.name} are lost"
+    ]
+    kept = [b.seq for b in restarted.blocks("s")]
+    assert kept == [s for s in range(12) if not first_seq + 1 <= s < next_seq]
+    fill(restarted, 1, per_block=20)
+    assert restarted.blocks("s")[-1].seq == 12
+
+
+def test_garbage_appended_and_junk_files(tmp_path: Path) -> None:
+    store = WalBlockStore(tmp_path, fsync=OFF)
+    fill(store, 2)
+    store.close()
+    segment = segments(tmp_path)[0]
+    with open(segment, "ab") as file:
+        file.write(b"\x00" * 7 + b"garbage" * 50)
+    (tmp_path / "s" / "notes.txt").write_text("not a segment")
+    (tmp_path / "s" / "released.json").write_text("{not json")
+    assert [b.seq for b in WalBlockStore(tmp_path).blocks("s")] == [0, 1]
+    restarted = WalBlockStore(tmp_path, fsync=OFF)
+    assert restarted.recover("s") == (2, 6)
+    assert restarted.stats.bytes_truncated == 7 + 7 * 50
+    assert values(restarted) == expected(6)
+
+
+def test_empty_and_headerless_segments(tmp_path: Path) -> None:
+    folder = tmp_path / "s"
+    folder.mkdir()
+    (folder / f"{0:020d}.wal").write_bytes(b"")
+    (folder / f"{5:020d}.wal").write_bytes(b"SLWL")
+    store = WalBlockStore(tmp_path, fsync=OFF)
+    # the second segment says blocks from 5 on existed: numbering never goes back below it
+    assert store.recover("s") == (5, 0)
+    assert [p.name for p in segments(tmp_path)] == [f"{5:020d}.wal"]
+    assert store.stats.segments_removed == 1 and store.stats.bytes_truncated == 4
+    fill(store, 1)
+    assert [b.seq for b in WalBlockStore(tmp_path).blocks("s")] == [5]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut_fraction=st.floats(0, 1), flip=st.booleans())
+def test_any_cut_keeps_every_frame_before_it(
+    tmp_path_factory: pytest.TempPathFactory, cut_fraction: float, flip: bool
+) -> None:
+    root = tmp_path_factory.mktemp("wal")
+    store = WalBlockStore(root, fsync=OFF)
+    fill(store, 5, per_block=4)
+    store.close()
+    segment = segments(root)[0]
+    data = segment.read_bytes()
+    cut = int(len(data) * cut_fraction)
+    # the frames wholly before the cut (or before the damaged byte) survive; the rest is lost
+    whole = sum(1 for end in [*frame_starts(segment)[1:], len(data)] if end <= cut)
+    if flip and cut < len(data):
+        segment.write_bytes(data[:cut] + bytes([data[cut] ^ 0x5A]) + data[cut + 1 :])
+    else:
+        segment.write_bytes(data[:cut])
+    restarted = WalBlockStore(root, fsync=OFF)
+    assert restarted.recover("s") == (whole, 4 * whole)
+    assert values(restarted) == expected(4 * whole)
+    fill(restarted, 1, per_block=4)
+    assert values(WalBlockStore(root)) == expected(4 * whole + 4)
+
+
+# ---- the producers table ------------------------------------------------------------------------
+
+
+def test_producers_table_across_restart_release_and_truncation(tmp_path: Path) -> None:
+    store = WalBlockStore(tmp_path, fsync=OFF, segment_bytes=600)
+    seq, offset = store.recover("s")
+    tables = [{"a": 10}, {"a": 20, "b": 5}, {"c": 7}, {"b": 9}, {}, {"a": 30}, {"d": 1}]
+    for table in tables:
+        store.write("s", seq, offset, 0, [records(5, offset)], table)
+        seq, offset = seq + 1, offset + 5
+    everything = {"a": 30, "b": 9, "c": 7, "d": 1}
+    assert store.producers("s") == everything
+    assert len(segments(tmp_path)) >= 3
+    assert WalBlockStore(tmp_path).producers("s") == everything  # read from disk by another store
+    restarted = WalBlockStore(tmp_path, fsync=OFF, segment_bytes=600)
+    restarted.recover("s")
+    assert restarted.producers("s") == everything
+    # release deletes old segments: their producers live on in the snapshot
+    restarted.release("s", 6)
+    assert len(segments(tmp_path)) < 7
+    again = WalBlockStore(tmp_path, fsync=OFF)
+    again.recover("s")
+    assert again.producers("s") == everything
+    again.close()
+    # a torn last frame takes its producer's entry with it (that block was never acked)
+    last = segments(tmp_path)[-1]
+    os.truncate(last, frame_starts(last)[-1] + 3)
+    cut = WalBlockStore(tmp_path, fsync=OFF)
+    assert cut.recover("s") == (6, 30)
+    assert cut.producers("s") == {"a": 30, "b": 9, "c": 7}
+    cut.write("s", 6, 30, 0, [records(1)], {"d": 2, "a": 31})
+    assert cut.producers("s") == {"a": 31, "b": 9, "c": 7, "d": 2}
+    with pytest.raises(ValueError, match="65535"):
+        cut.write("s", 7, 31, 0, [records(1)], {"x" * 70_000: 1})
+
+
+# ---- fsync policies and failures -----------------------------------------------------------------
+
+
+def test_interval_policy_fsyncs_in_the_background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def counting_fsync(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counting_fsync)
+    store = WalBlockStore(tmp_path, fsync=FsyncPolicy.interval(20))
+    store.recover("s")
+    synced.clear()
+    fill(store, 3)
+    after_writes = len(synced)
+    assert after_writes <= 1  # at most the folder of the new segment; no fsync per block
+    deadline = time.monotonic() + 5
+    while len(synced) == after_writes and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(synced) > after_writes  # the background thread caught up
+    assert not store._writers["s"].dirty
+    store.close()
+    assert store._flusher is None
+    assert values(WalBlockStore(tmp_path)) == expected(9)
+
+
+def test_every_block_policy_fsyncs_before_returning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = WalBlockStore(tmp_path)
+    fill(store, 1)  # creates the segment
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd))[1])
+    store.write("s", 1, 3, 0, [records(2)])
+    store.write("s", 2, 5, 0, [records(2)])
+    assert len(synced) == 2  # one per block (the segment exists)
+    off = WalBlockStore(tmp_path / "off", fsync=OFF)
+    synced.clear()
+    fill(off, 3)
+    assert synced == []
+
+
+def test_a_failed_write_leaves_nothing_and_can_be_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = WalBlockStore(tmp_path)
+    fill(store, 2)
+    size = segments(tmp_path)[0].stat().st_size
+
+    def failing_fsync(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="Input/output"):
+        store.write("s", 2, 6, 1, [records(3, 6)])
+    assert segments(tmp_path)[0].stat().st_size == size
+    monkeypatch.undo()
+    store.write("s", 2, 6, 1, [records(3, 6)])
+    assert values(store) == expected(9)
+    assert WalBlockStore(tmp_path).recover("s") == (3, 9)
+
+
+# ---- readers in other processes ------------------------------------------------------------------
+
+
+def test_partial_frames_are_invisible_until_complete(tmp_path: Path) -> None:
+    source = WalBlockStore(tmp_path / "src", fsync=OFF)
+    fill(source, 3)
+    frames = segments(tmp_path / "src")[0].read_bytes()
+    starts = frame_starts(segments(tmp_path / "src")[0])
+    target = tmp_path / "dst" / "s" / f"{0:020d}.wal"
+    target.parent.mkdir(parents=True)
+    reader = WalBlockStore(tmp_path / "dst")
+    target.write_bytes(frames[: starts[1]])
+    assert [b.seq for b in reader.blocks("s")] == [0]
+    for partial in (starts[1] + 3, starts[1] + HEADER.size, starts[2] - 1):
+        with open(target, "ab") as file:
+            file.write(frames[target.stat().st_size : partial])
+        assert [b.seq for b in reader.blocks("s")] == [0]
+    with open(target, "ab") as file:
+        file.write(frames[target.stat().st_size :])
+    assert [b.seq for b in reader.blocks("s")] == [0, 1, 2]  # the index grew incrementally
+    assert values(reader) == expected(9)
+
+
+def _read_while_written(root: str, blocks: int, results: mp.Queue) -> None:  # type: ignore[type-arg]
+    store = WalBlockStore(root)
+    seen = 0
+    problems = []
+    deadline = time.monotonic() + 60
+    while seen < blocks and time.monotonic() < deadline:
+        found = store.blocks("s")
+        if [b.seq for b in found] != list(range(len(found))):
+            problems.append(f"gap: {[b.seq for b in found]}")
+        for block in found[seen:]:
+            got = [v for batch in store.read(block) for v in batch.column("value").to_pylist()]
+            if len(got) != block.count or got[0] != f"r{block.first_offset}".encode():
+                problems.append(f"block {block.seq}: {len(got)} records")
+        seen = len(found)
+    results.put((seen, problems))
+
+
+def test_a_reader_in_another_process_sees_only_whole_blocks(tmp_path: Path) -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    blocks = 60
+    reader = ctx.Process(target=_read_while_written, args=(str(tmp_path), blocks, results))
+    reader.start()
+    try:
+        store = WalBlockStore(tmp_path, fsync=OFF, segment_bytes=20_000)
+        seq, offset = store.recover("s")
+        for _ in range(blocks):
+            size = 50 + seq * 7
+            store.write(
+                "s",
+                seq,
+                offset,
+                0,
+                [records(size // 2, offset), records(size - size // 2, offset + size // 2)],
+            )
+            seq, offset = seq + 1, offset + size
+            time.sleep(0.005)
+        seen, problems = results.get(timeout=90)
+    finally:
+        reader.join(30)
+        if reader.is_alive():
+            reader.kill()
+    assert problems == []
+    assert seen == blocks
+    assert len(segments(tmp_path)) > 1
+
+
+def test_disk_bytes_of_missing_streams(tmp_path: Path) -> None:
+    store = WalBlockStore(tmp_path / "none")
+    assert store.disk_bytes() == 0 and store.disk_bytes("s") == 0
+    assert store.blocks("s") == [] and store.producers("s") == {}
+    shutil.rmtree(tmp_path / "none", ignore_errors=True)
+
+
+def test_a_failed_undo_moves_on_to_a_new_segment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = WalBlockStore(tmp_path, fsync=OFF)
+    fill(store, 2)
+    real_writev = os.writev
+
+    def torn_writev(fd: int, parts: list[bytes]) -> int:
+        real_writev(fd, [bytes(parts[0])[:10]])
+        raise OSError(28, "No space left on device")
+
+    def no_truncate(fd: int, size: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "writev", torn_writev)
+    monkeypatch.setattr(os, "ftruncate", no_truncate)
+    with pytest.raises(OSError, match="No space"):
+        store.write("s", 2, 6, 1, [records(3, 6)])
+    monkeypatch.undo()
+    store.write("s", 2, 6, 1, [records(3, 6)])  # the torn bytes stay behind: a new segment starts
+    assert [int(p.stem) for p in segments(tmp_path)] == [0, 2]
+    assert values(store) == expected(9)
+    restarted = WalBlockStore(tmp_path, fsync=OFF)
+    assert restarted.recover("s") == (3, 9)
+    assert restarted.stats.bytes_truncated == 10
+    assert values(restarted) == expected(9)
