@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from ingest.client import Producer
+from ingest.errors import SluiceError
 
 STREAM = "default"
 SLUICE = [str(Path(sys.executable).parent / "sluice")]
@@ -40,8 +41,17 @@ def free_port() -> int:
 def spawn(data: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as out:
         return subprocess.Popen(
-            [*SLUICE, "serve", "--no-spark", "--port", str(port), "--metrics-port", "-1"]
-            + ["--data-dir", str(data)],
+            [
+                *SLUICE,
+                "serve",
+                "--no-spark",
+                "--port",
+                str(port),
+                "--metrics-port",
+                "-1",
+                "--data-dir",
+                str(data),
+            ],
             stderr=out,
             start_new_session=True,
         )
@@ -55,11 +65,12 @@ async def first_ack(target: str, timeout: float = 600) -> None:
             async with Producer(target, STREAM, linger=0, reconnect_timeout=0) as producer:
                 await producer.send(b"probe")
                 await producer.flush(timeout=60)
-            return
-        except Exception:
+        except SluiceError:
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.02)
+        else:
+            return
 
 
 def timed_start(data: Path, port: int, log: Path) -> tuple[subprocess.Popen[bytes], float]:
@@ -87,8 +98,8 @@ async def keep_sending(target: str, record_bytes: int) -> None:
     try:
         while True:
             await producer.send_many([value] * 2048)
-    except Exception:
-        pass
+    except SluiceError:
+        pass  # the server died: that was the point
     finally:
         await producer.abort()
 
