@@ -6,14 +6,21 @@ gRPC can replace the local one without touching the Spark side.
 Layout under the root folder: `<stream>/<seq>_<first_offset>_<count>_<receiver>.arrow`, one Arrow IPC
 file per block. A block is written to a temporary name, fsynced, renamed and its folder fsynced, so a
 block file that exists is complete and durable; readers never see a partial block.
+
+Producer marks (idempotent producers): a block written with `producers` carries them as JSON in its
+schema metadata (key `sluice.producers`: producer id -> next sequence number after its last record in the
+block), so a mark is durable exactly when its records are. Before release deletes blocks it folds their
+marks into `<stream>/producers.json` (written atomically), so `producers(stream)` survives releases.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pyarrow as pa
@@ -22,10 +29,33 @@ from receivers.block import BLOCK_SCHEMA, BlockInfo, check_stream_name
 
 _SUFFIX = ".arrow"
 _TMP_SUFFIX = ".tmp"
+_PRODUCERS_KEY = b"sluice.producers"
+_PRODUCERS_FILE = "producers.json"
 
 
 class BlockStore(ABC):
     """Where sealed blocks live until Spark has committed them."""
+
+    @abstractmethod
+    def write(  # noqa: PLR0917 - the store contract shared with the WAL store
+        self,
+        stream: str,
+        seq: int,
+        first_offset: int,
+        receiver: int,
+        batches: Sequence[pa.RecordBatch],
+        producers: Mapping[str, int] | None = None,
+    ) -> tuple[BlockInfo, int]:
+        """Write a block durably; return it and its size in bytes. Blocking: call from a worker thread.
+
+        `producers`: for each producer with records in this block, the sequence number after its last
+        record in it. They must be durable together with the block: `producers()` recovers them.
+        """
+
+    @abstractmethod
+    def producers(self, stream: str) -> dict[str, int]:
+        """The producer table of `stream` as written: producer id -> the highest mark ever written for
+        it (the next sequence number after its last durable record), released blocks included."""
 
     @abstractmethod
     def blocks(self, stream: str, from_seq: int = 0) -> list[BlockInfo]:
@@ -50,17 +80,25 @@ class LocalBlockStore(BlockStore):
 
     # ---- writing (receiver side) --------------------------------------------------------------
 
-    def write(
-        self, stream: str, seq: int, first_offset: int, receiver: int, batches: Sequence[pa.RecordBatch]
+    def write(  # noqa: PLR0917 - the store contract shared with the WAL store
+        self,
+        stream: str,
+        seq: int,
+        first_offset: int,
+        receiver: int,
+        batches: Sequence[pa.RecordBatch],
+        producers: Mapping[str, int] | None = None,
     ) -> tuple[BlockInfo, int]:
-        """Write a block durably; return it and its size in bytes. Blocking: call from a worker thread."""
         folder = self._folder(stream)
         folder.mkdir(parents=True, exist_ok=True)
         count = sum(b.num_rows for b in batches)
         info = BlockInfo(stream, seq, first_offset, count, receiver)
         final = folder / _file_name(info)
         tmp = final.with_suffix(_TMP_SUFFIX)
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, BLOCK_SCHEMA) as writer:
+        schema = BLOCK_SCHEMA
+        if producers:
+            schema = schema.with_metadata({_PRODUCERS_KEY: json.dumps(dict(producers)).encode()})
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             for batch in batches:
                 writer.write_batch(batch)
         size = tmp.stat().st_size
@@ -109,7 +147,30 @@ class LocalBlockStore(BlockStore):
         with pa.memory_map(str(path)) as source:
             reader = pa.ipc.open_file(source)
             for i in range(reader.num_record_batches):
-                yield reader.get_batch(i)
+                yield reader.get_batch(i).replace_schema_metadata(None)
+
+    def producers(self, stream: str) -> dict[str, int]:
+        with self._lock:
+            return self._producers(stream, self.blocks(stream))
+
+    def _producers(self, stream: str, blocks: Sequence[BlockInfo]) -> dict[str, int]:
+        """The snapshot folded with the marks of `blocks` (in order: the latest mark of a producer last)."""
+        folder = self._folder(stream)
+        table: dict[str, int] = {}
+        with contextlib.suppress(FileNotFoundError):
+            table.update(json.loads((folder / _PRODUCERS_FILE).read_text()))
+        for block in blocks:
+            try:
+                with pa.memory_map(str(folder / _file_name(block))) as source:
+                    metadata = pa.ipc.open_file(source).schema.metadata or {}
+            except FileNotFoundError:  # released meanwhile by another store object: its marks are folded
+                continue
+            raw = metadata.get(_PRODUCERS_KEY)
+            if raw:
+                for producer, mark in json.loads(raw).items():
+                    # re-insert so the dict is ordered by last use (the receiver bounds it as an LRU)
+                    table[producer] = max(mark, table.pop(producer, 0))
+        return table
 
     def release(self, stream: str, before_seq: int) -> int:
         folder = self._folder(stream)
@@ -119,6 +180,16 @@ class LocalBlockStore(BlockStore):
             if doomed:
                 # remember where the stream stands so a restart with no blocks left does not reuse seqs
                 last = doomed[-1]
+                # fold the marks of the doomed blocks into the snapshot before they go
+                table = self._producers(stream, doomed)
+                if table:
+                    snapshot = folder / (_PRODUCERS_FILE + ".tmp")
+                    snapshot.write_text(json.dumps(table))
+                    if self.fsync:
+                        _fsync_path(snapshot)
+                    os.replace(snapshot, folder / _PRODUCERS_FILE)
+                    if self.fsync:
+                        _fsync_path(folder)
                 mark = folder / "released"
                 tmp = folder / "released.tmp"
                 tmp.write_text(f"{last.seq + 1} {last.end_offset}\n")
