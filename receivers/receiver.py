@@ -307,8 +307,13 @@ class Receiver:
         excess = len(self._producers) - self.config.max_producers
         if excess <= 0:
             return
-        idle = [p for p, state in self._producers.items() if not state.sessions][:excess]
-        for producer in idle:
+        doomed = []
+        for producer, state in self._producers.items():  # least recently opened first
+            if not state.sessions:
+                doomed.append(producer)
+                if len(doomed) == excess:
+                    break
+        for producer in doomed:
             del self._producers[producer]
 
     def accept(self, session: Session, first_seq: int, records: pa.RecordBatch) -> None:

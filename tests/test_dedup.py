@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 import pytest
 from prometheus_client import generate_latest
+from support import wait_until
 
 from ingest.client import Producer
 from ingest.config import RateConfig, ServeConfig
@@ -23,8 +24,7 @@ from receivers.block_store import LocalBlockStore
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import ReceiverConfig
-from receivers.wire import encode_batch
-from tests.support import wait_until
+from receivers.wire import decode_batch, encode_batch
 
 
 class Node:
@@ -134,7 +134,9 @@ class Peer:
 def stored(data_dir: Path) -> list[bytes]:
     """Every record value in the stream's blocks on disk, in stream order (read by a fresh store)."""
     store = LocalBlockStore(data_dir / "blocks", fsync=False)
-    return [v for b in store.blocks("s") for batch in store.read(b) for v in batch.column("value").to_pylist()]
+    return [
+        v for b in store.blocks("s") for batch in store.read(b) for v in batch.column("value").to_pylist()
+    ]
 
 
 def values(prefix: str, start: int, stop: int) -> list[bytes]:
@@ -373,10 +375,7 @@ async def test_dedup_survives_a_restart_and_a_release(tmp_path: Path) -> None:
 
 def test_block_store_producer_marks(tmp_path: Path) -> None:
     store = LocalBlockStore(tmp_path, fsync=False)
-    batch = encode_batch(0, [b"v"])
-    from receivers.wire import decode_batch  # noqa: PLC0415
-
-    records = decode_batch(batch, 0)
+    records = decode_batch(encode_batch(0, [b"v"]), 0)
     store.write("s", 0, 0, 0, [records], {"a": 5, "b": 3})
     store.write("s", 1, 1, 0, [records], {"a": 9})
     store.write("s", 2, 2, 0, [records])

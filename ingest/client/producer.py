@@ -48,7 +48,19 @@ from receivers.wire import encode_batch
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 _FAILED_PRECONDITION = 9  # gRPC status code carried in-band by Error
 RECONNECT_STATUSES = frozenset({grpc.StatusCode.UNAVAILABLE})
-"""Statuses after which the producer reconnects and resends; any other status fails it."""
+"""Statuses after which the producer reconnects and resends; any other status fails it, except a
+transport failure that grpc reports as INTERNAL (see `reconnectable`)."""
+_TRANSPORT_FAILURES = ("Internal error from Core", "RST_STREAM")
+
+
+def reconnectable(error: RPCError) -> bool:
+    """Whether the producer reconnects and resends after a session ended with `error`: UNAVAILABLE (the
+    server is stopping or unreachable, the connection dropped), or INTERNAL raised by grpc itself when
+    the stream broke under a write or was reset by the peer (the server did not choose that status)."""
+    if error.status in RECONNECT_STATUSES:
+        return True
+    return error.status is grpc.StatusCode.INTERNAL and any(s in error.message for s in _TRANSPORT_FAILURES)
+
 
 Call = grpc.aio.StreamStreamCall[pb.PublishRequest, pb.PublishResponse]
 _CALL_ENDED = (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
@@ -408,7 +420,7 @@ class Producer:
                 return
             if self._state is not _State.OPEN and not self.unacked:
                 return  # closing with everything acked: nothing to resend
-            if failure.status not in RECONNECT_STATUSES:
+            if not reconnectable(failure):
                 self._error = failure
                 raise failure
             call = await self._reconnect(failure)
@@ -452,7 +464,7 @@ class Producer:
                 call = await self._open_call()
             except grpc.aio.AioRpcError as exc:
                 failure = RPCError.from_grpc(exc)
-                if failure.status not in RECONNECT_STATUSES:
+                if not reconnectable(failure):
                     self._error = failure
                     raise failure from None
                 continue
