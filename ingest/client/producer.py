@@ -104,7 +104,7 @@ class Producer:
         batch_size: int = 4096,
         batch_bytes: int = 1024 * 1024,
         linger: float = 0.005,
-        max_buffered: int = 200_000,
+        max_buffered: int = 500_000,  # unsent + unacked: room for a server's default prefetch (250k)
         max_buffered_bytes: int | None = None,
         reconnect_backoff: float = 0.05,
         max_reconnect_backoff: float = 5.0,
