@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import generate_latest
 from support import wait_until
 
-from ingest.client import Producer
+from ingest.client import Producer, SyncProducer
 from ingest.config import RateConfig, ServeConfig
 from ingest.errors import FlushTimeoutError, ReconnectTimeoutError, RPCError, UnackedRecordsError
 from ingest.server import SluiceServer
@@ -514,3 +514,42 @@ async def test_max_buffered_bounds_unacked_records(tmp_path: Path) -> None:
         await producer.abort()
         await node.stop()
     assert stored(tmp_path) == [b"x"] * 10 + [b"y"] * 10 + [b"z"]
+
+
+async def test_max_buffered_bytes_bounds_unacked_bytes(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    await node.start()
+    producer = Producer(node.target, "s", linger=0, max_buffered_bytes=1_000)
+    await producer.start()
+    try:
+        await node.stop()
+        await producer.send(b"a" * 600)
+        await producer.send(b"b" * 600)  # the bound is reached (not exceeded before this send)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(producer.send(b"c"), 0.3)
+        await node.start()
+        await producer.send(b"c")
+        await producer.close(timeout=10)
+    finally:
+        await producer.abort()
+        await node.stop()
+    assert stored(tmp_path) == [b"a" * 600, b"b" * 600, b"c"]
+
+
+async def test_sync_producer_reports_unacked_records(tmp_path: Path) -> None:
+
+    node = Node(tmp_path)
+    await node.start()
+    # the sync producer runs its own loop thread; the server runs on this one
+    producer = await asyncio.to_thread(SyncProducer, node.target, "s", linger=0)
+    try:
+        await asyncio.to_thread(producer.send, b"o")
+        await asyncio.to_thread(producer.flush, 10)
+        await node.stop()
+        await asyncio.to_thread(producer.send_many, [b"p", b"q"])
+        assert producer.unacked == 2
+        with pytest.raises(UnackedRecordsError) as info:
+            await asyncio.to_thread(producer.close, 0.3)
+    finally:
+        await node.stop()
+    assert info.value.records == [(b"p", None), (b"q", None)]

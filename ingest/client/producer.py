@@ -194,7 +194,8 @@ class Producer:
     # ---- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the session; returns once Open is written (raises RPCError if that fails)."""
+        """Open the session; returns once Open is written. Not retried: when the server cannot be
+        reached now, this raises RPCError (reconnecting applies to sessions lost after start)."""
         if self._state is not _State.NEW:
             raise ProducerClosedError(f"producer is {self._state.value}; a producer starts once")
         self._state = _State.OPEN
