@@ -32,7 +32,8 @@ consecutive (a repeat or a step back is INVALID_ARGUMENT), and each batch is che
 
 The table is seeded from the store (`store.producers(stream)`: the marks written with every block, so it
 survives restarts; recovered producers start with accepted_up_to = durable_up_to = their mark) and bounded
-(`max_producers`, least recently used evicted first, never one with a session open): an evicted producer
+(`max_producers`, least recently used evicted first, never one with a session open or records not yet
+durable; the table may exceed the bound while all are so): an evicted producer
 is unknown again, so a replay of its old records would be accepted twice. Anonymous producers (empty
 producer_id) are not deduplicated, not fenced and not in the table.
 """
@@ -303,13 +304,14 @@ class Receiver:
         return session
 
     def _evict_producers(self) -> None:
-        """Forget the least recently used producers beyond max_producers, but none with a session."""
+        """Forget the least recently used producers beyond max_producers, but none with a session open or
+        records not yet durable (their durable mark must still be applied when the block is sealed)."""
         excess = len(self._producers) - self.config.max_producers
         if excess <= 0:
             return
         doomed = []
         for producer, state in self._producers.items():  # least recently opened first
-            if not state.sessions:
+            if not state.sessions and state.durable_up_to >= state.accepted_up_to:
                 doomed.append(producer)
                 if len(doomed) == excess:
                     break
