@@ -2,18 +2,29 @@
 
 SluiceError                 base of everything the SDK raises
 ├── RPCError                a gRPC call failed; `status` is the grpc.StatusCode, `retriable` says
-│                           whether trying again later can succeed
+│   │                       whether trying again later can succeed
+│   └── ReconnectTimeoutError   the producer lost its session and could not open a new one within
+│                               its `reconnect_timeout`; `status` is that of the last failure
 ├── ProtocolError           the server broke the Flow contract (e.g. Request(n <= 0), rule 3.9)
 ├── ProducerClosedError     the producer was closed, or failed, and takes no more records
-└── FlushTimeoutError       flush() or close() ran out of time with records not yet acked;
-                            `unacked` says how many
+├── FlushTimeoutError       flush() ran out of time with records not yet acked; `unacked` says how many
+└── UnackedRecordsError     close() ended with records never acked: `unacked` (how many) and `records`
+                            (the records themselves, in order); `__cause__` says why
 """
 
 from __future__ import annotations
 
 import grpc
 
-__all__ = ["FlushTimeoutError", "ProducerClosedError", "ProtocolError", "RPCError", "SluiceError"]
+__all__ = [
+    "FlushTimeoutError",
+    "ProducerClosedError",
+    "ProtocolError",
+    "RPCError",
+    "ReconnectTimeoutError",
+    "SluiceError",
+    "UnackedRecordsError",
+]
 
 _RETRIABLE = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -56,3 +67,33 @@ class FlushTimeoutError(SluiceError, TimeoutError):
     def __init__(self, unacked: int, timeout: float) -> None:
         super().__init__(f"{unacked} records not acked within {timeout:g} s")
         self.unacked = unacked
+
+
+class ReconnectTimeoutError(RPCError):
+    """The producer's session ended with a retriable status and no new session could be opened within
+    `reconnect_timeout` seconds; `status` and the message name the last failure."""
+
+    def __init__(self, last: RPCError, attempts: int, elapsed: float) -> None:
+        super().__init__(
+            last.status,
+            f"gave up reconnecting after {attempts} attempt(s) in {elapsed:.2f} s; "
+            f"last error: {last.message}",
+        )
+        self.last = last
+        self.attempts = attempts
+
+
+class UnackedRecordsError(SluiceError):
+    """close() ended (timeout, failure) with records the server never acked.
+
+    `records` holds them as (value, key) in sequence order, the first numbered `first_seq`; they may or
+    may not have reached the server. `__cause__` is the error that stopped the delivery.
+    """
+
+    def __init__(
+        self, records: list[tuple[bytes, bytes | None]], first_seq: int, cause: BaseException
+    ) -> None:
+        super().__init__(f"{len(records)} records never acked ({cause})")
+        self.records = records
+        self.first_seq = first_seq
+        self.unacked = len(records)

@@ -33,7 +33,19 @@ class SluiceCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         counters: dict[str, tuple[str, Callable[[Receiver], float]]] = {
-            "records_received": ("Records taken from publishers.", lambda r: r.stats.records_received),
+            "records_received": (
+                "Records taken from publishers (duplicates not counted).",
+                lambda r: r.stats.records_received,
+            ),
+            "records_deduplicated": (
+                "Records dropped as duplicates of records a producer had sent before (same producer id "
+                "and sequence number).",
+                lambda r: r.stats.records_deduplicated,
+            ),
+            "sessions_fenced": (
+                "Publisher sessions cancelled (ABORTED) because a newer session of their producer opened.",
+                lambda r: r.stats.sessions_fenced,
+            ),
             "records_acked": ("Records acked to publishers as durable.", lambda r: r.stats.records_acked),
             "batches_received": ("Batch messages taken from publishers.", lambda r: r.stats.batches_received),
             "blocks_sealed": ("Blocks sealed and made durable.", lambda r: r.stats.blocks_sealed),

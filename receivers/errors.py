@@ -4,6 +4,7 @@
     ├── ProtocolViolation              FAILED_PRECONDITION: the Flow contract was broken (e.g. rule 1.1)
     ├── InvalidBatch                   INVALID_ARGUMENT: a malformed message
     ├── UnknownStream                  NOT_FOUND: Open named a stream this server does not have
+    ├── SequenceGap                    OUT_OF_RANGE: a known producer skipped sequence numbers
     ├── ReceiverStopped                UNAVAILABLE: not accepted, safe to retry elsewhere or later
     └── SessionCancelled               the code the canceller chose (shutdown, operator, stream removed)
 
@@ -32,6 +33,12 @@ class InvalidBatch(ReceiverError):
 
 class UnknownStream(ReceiverError):
     status = "NOT_FOUND"
+
+
+class SequenceGap(ReceiverError):
+    """A known producer's batch starts beyond the next sequence number the server expects of it."""
+
+    status = "OUT_OF_RANGE"
 
 
 class ReceiverStopped(ReceiverError):

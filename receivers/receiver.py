@@ -13,6 +13,29 @@ Sessions are topped up in rotating order, so a fast publisher cannot starve a sl
 
 Every `block_interval` (or sooner, once `block_records` wait) the block generator seals what was taken
 into one block, writes it durably to the block store, then acks each session up to its last record in it.
+
+Idempotent producers (deduplication by producer id and sequence number, like Kafka's idempotent
+producer): the receiver keeps a producer table, producer id -> (accepted_up_to: the sequence number after
+the last record it accepted of that producer, durable_up_to: every record below is durable). A session
+that opens with a producer id starts at its `resume_from_seq`; within a session batches must be
+consecutive (a repeat or a step back is INVALID_ARGUMENT), and each batch is checked against the table:
+
+- the part of a batch below accepted_up_to is a duplicate: dropped and counted
+  (`stats.records_deduplicated`), its credit goes back to the pool at once (it takes no buffer room), and
+  the session is acked up to min(its next seq, the producer's durable_up_to) as soon as the originals are
+  durable, whichever session accepted them (acks are routed by producer);
+- a batch that starts beyond accepted_up_to is a gap: the session fails with OUT_OF_RANGE, naming the
+  expected and the received sequence number. A producer the table does not know is accepted from its
+  resume point.
+- a new session of a producer that still has an accepting session fences the old one: it gets Cancel
+  (ABORTED, "superseded by a newer session of producer X"); what it had accepted is still sealed and acked.
+
+The table is seeded from the store (`store.producers(stream)`: the marks written with every block, so it
+survives restarts; recovered producers start with accepted_up_to = durable_up_to = their mark) and bounded
+(`max_producers`, least recently used evicted first, never one with a session open or records not yet
+durable; the table may exceed the bound while all are so): an evicted producer
+is unknown again, so a replay of its old records would be accepted twice. Anonymous producers (empty
+producer_id) are not deduplicated, not fenced and not in the table.
 """
 
 from __future__ import annotations
@@ -22,9 +45,9 @@ import bisect
 import contextlib
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 from reactivex.subject import Subject
@@ -32,7 +55,14 @@ from reactivex.subject import Subject
 from ratecontrol import UNLIMITED, TokenBucket
 from receivers.block import check_stream_name
 from receivers.block_store import BlockStore
-from receivers.errors import InvalidBatch, ProtocolViolation, ReceiverError, ReceiverStopped, SessionCancelled
+from receivers.errors import (
+    InvalidBatch,
+    ProtocolViolation,
+    ReceiverError,
+    ReceiverStopped,
+    SequenceGap,
+    SessionCancelled,
+)
 from receivers.flow import MAX_DEMAND, Subscription
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.session import SESSION_IDS, Session
@@ -43,6 +73,8 @@ UNAVAILABLE = 14
 """gRPC status code for 'not accepted, safe to retry' (kept numeric: receivers do not import gRPC)."""
 CANCELLED = 1
 _ARRIVALS_KEPT = 10_000  # blocks whose arrival times are remembered: far more than a batch spans
+ABORTED = 10
+"""gRPC status code a fenced session ends with: a newer session of its producer took over."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +96,8 @@ class ReceiverConfig:
     """Seconds between credit refills when the rate, not the buffer, limits credit."""
     receiver_id: int = 0
     """Id written with every block (the analogue of a Kafka partition)."""
+    max_producers: int = 100_000
+    """Producers remembered for deduplication per stream (least recently used evicted first)."""
 
     def __post_init__(self) -> None:
         if not self.block_interval > 0:
@@ -78,6 +112,8 @@ class ReceiverConfig:
             raise ValueError(f"block_records must be >= 1, got {self.block_records}")
         if not self.credit_tick > 0:
             raise ValueError(f"credit_tick must be > 0 seconds, got {self.credit_tick}")
+        if self.max_producers < 1:
+            raise ValueError(f"max_producers must be >= 1, got {self.max_producers}")
 
     @property
     def seal_at(self) -> int:
@@ -103,6 +139,22 @@ class ReceiverStats:
     sessions_failed: int = 0
     sessions_cancelled: int = 0
     credit_granted: int = 0
+    records_deduplicated: int = 0
+    """Records dropped because their (producer id, sequence number) had been accepted before."""
+    sessions_fenced: int = 0
+    """Sessions cancelled because a newer session of the same producer opened."""
+
+
+@dataclass
+class ProducerState:
+    """What the receiver knows of one (non-anonymous) producer."""
+
+    accepted_up_to: int
+    """The sequence number after the last record accepted (buffered or durable)."""
+    durable_up_to: int
+    """Every record below this sequence number is durable."""
+    sessions: list[Session] = field(default_factory=list)
+    """Its sessions on this receiver not yet ended, the newest last (older ones are fenced)."""
 
 
 @dataclass
@@ -144,6 +196,10 @@ class Receiver:
         self._stopping = False
         # per recent block: its first offset, and (first offset, arrival time) of each batch in it
         self._arrivals: deque[tuple[int, list[int], list[float]]] = deque(maxlen=_ARRIVALS_KEPT)
+        self._producers: OrderedDict[str, ProducerState] = OrderedDict(
+            (producer, ProducerState(mark, mark)) for producer, mark in store.producers(self.stream).items()
+        )
+        self._evict_producers()
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -210,6 +266,14 @@ class Receiver:
     def sessions(self) -> list[Session]:
         return list(self._sessions)
 
+    def producer(self, producer_id: str) -> ProducerState | None:
+        """The table entry of a producer, if it is known (for operators and tests)."""
+        return self._producers.get(producer_id)
+
+    @property
+    def known_producers(self) -> int:
+        return len(self._producers)
+
     def received_at(self, offset: int) -> float | None:
         """When the record at stream offset `offset` was taken (epoch seconds), if this receiver sealed
         it lately: the start of a batch minus this is how long the batch's oldest record waited."""
@@ -229,10 +293,39 @@ class Receiver:
         if self._stopping:
             raise ReceiverStopped(f"receiver for stream {self.stream!r} is stopping; retry later")
         session = Session(SESSION_IDS.next(), self.stream, producer_id, resume_from_seq, resume_from_seq)
+        if producer_id:
+            state = self._producers.get(producer_id)
+            if state is None:
+                # unknown (new, or forgotten): take it from its resume point
+                state = ProducerState(resume_from_seq, resume_from_seq)
+                self._producers[producer_id] = state
+                self._evict_producers()
+            else:
+                self._producers.move_to_end(producer_id)
+                reason = f"superseded by a newer session of producer {producer_id!r}"
+                for old in state.sessions:
+                    if self.cancel(old, ABORTED, reason):
+                        self.stats.sessions_fenced += 1
+            state.sessions.append(session)
         self._sessions.append(session)
         self.stats.sessions_opened += 1
         self._replenish()
         return session
+
+    def _evict_producers(self) -> None:
+        """Forget the least recently used producers beyond max_producers, but none with a session open or
+        records not yet durable (their durable mark must still be applied when the block is sealed)."""
+        excess = len(self._producers) - self.config.max_producers
+        if excess <= 0:
+            return
+        doomed = []
+        for producer, state in self._producers.items():  # least recently opened first
+            if not state.sessions and state.durable_up_to >= state.accepted_up_to:
+                doomed.append(producer)
+                if len(doomed) == excess:
+                    break
+        for producer in doomed:
+            del self._producers[producer]
 
     def accept(self, session: Session, first_seq: int, records: pa.RecordBatch) -> None:
         """onNext for each record of a batch; raise a ReceiverError when it breaks the protocol."""
@@ -253,17 +346,40 @@ class Receiver:
                 f"Batch.first_seq is {first_seq} but this session's next sequence number is "
                 f"{session.next_seq}: records must be numbered consecutively, without repeats"
             )
+        state = self._producers.get(session.producer_id) if session.producer_id else None
+        duplicates = 0
+        if state is not None:
+            if first_seq > state.accepted_up_to:
+                raise SequenceGap(
+                    f"Batch.first_seq is {first_seq} but producer {session.producer_id!r} is expected to "
+                    f"continue at sequence number {state.accepted_up_to}: records "
+                    f"{state.accepted_up_to}..{first_seq - 1} are missing"
+                )
+            duplicates = min(count, state.accepted_up_to - first_seq)
+        elif session.producer_id:
+            # forgotten while its session was open (cannot happen: eviction skips those); start over
+            state = ProducerState(first_seq, first_seq, [session])
+            self._producers[session.producer_id] = state
         session.credit -= count
-        self._outstanding -= count
+        self._outstanding -= count  # duplicates' credit returns to the pool: they take no buffer room
         session.next_seq += count
-        self._buffered += count
-        self._pending.append(_Chunk(records, session, session.next_seq))
-        self._pending_records += count
-        if self._pending_records >= self.config.seal_at:
-            self._seal_wanted.set()
-        self.stats.records_received += count
         self.stats.batches_received += 1
-        self.tap.on_next(records)
+        if duplicates:
+            self.stats.records_deduplicated += duplicates
+            records = records.slice(duplicates)
+        fresh = count - duplicates
+        if fresh:
+            self._buffered += fresh
+            self._pending.append(_Chunk(records, session, session.next_seq))
+            self._pending_records += fresh
+            if self._pending_records >= self.config.seal_at:
+                self._seal_wanted.set()
+            self.stats.records_received += fresh
+            self.tap.on_next(records)
+        if state is not None:
+            state.accepted_up_to = max(state.accepted_up_to, session.next_seq)
+            if duplicates:
+                self._ack(session, min(session.next_seq, state.durable_up_to))
         self._replenish()
 
     def complete(self, session: Session) -> None:
@@ -302,6 +418,9 @@ class Receiver:
         """Forget a session (its call ended); unused credit returns to the pool."""
         if session in self._sessions:
             self._sessions.remove(session)
+            state = self._producers.get(session.producer_id) if session.producer_id else None
+            if state is not None and session in state.sessions:
+                state.sessions.remove(session)
             self._take_back_credit(session)
             session.outbox.finish()
             self._replenish()
@@ -374,6 +493,10 @@ class Receiver:
             return True
         chunks, self._pending = self._pending, []
         self._pending_records = 0
+        marks: dict[str, int] = {}  # producer -> seq after its last record in the block
+        for chunk in chunks:
+            if chunk.session.producer_id:
+                marks[chunk.session.producer_id] = chunk.end_seq
         try:
             info, size = await asyncio.to_thread(
                 self.store.write,
@@ -382,6 +505,7 @@ class Receiver:
                 self._next_offset,
                 self.config.receiver_id,
                 [c.records for c in chunks],
+                marks,
             )
         except OSError:
             # keep the records buffered (so credit stays withheld) and try again next interval
@@ -404,13 +528,27 @@ class Receiver:
         self.stats.records_acked += info.count
         acked: dict[Session, int] = {}
         for chunk in chunks:
-            acked[chunk.session] = chunk.end_seq
+            if not chunk.session.producer_id:
+                acked[chunk.session] = chunk.end_seq
         for session, up_to in acked.items():
+            self._ack(session, up_to)
+        for producer, mark in marks.items():
+            # route by producer: every session of it (a fenced one, a newer one that sent these records
+            # again as duplicates) is acked up to what it sent
+            state = self._producers.get(producer)
+            if state is None:
+                continue
+            state.durable_up_to = max(state.durable_up_to, mark)
+            for session in list(state.sessions):
+                self._ack(session, min(session.next_seq, state.durable_up_to))
+        self._replenish()
+        return True
+
+    def _ack(self, session: Session, up_to: int) -> None:
+        if up_to > session.durable_up_to:
             session.durable_up_to = up_to
             session.outbox.ack(up_to)
             self._end_if_settled(session)
-        self._replenish()
-        return True
 
 
 class _SessionSubscription:

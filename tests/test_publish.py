@@ -12,7 +12,7 @@ import pytest
 
 from ingest.client import Producer
 from ingest.config import RateConfig, ServeConfig
-from ingest.errors import RPCError
+from ingest.errors import ReconnectTimeoutError, RPCError
 from ingest.server import SluiceServer
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -193,14 +193,16 @@ async def test_unknown_stream_raises_rpc_error_in_sdk(server: SluiceServer) -> N
 async def test_server_stop_cancels_sessions_after_acking(tmp_path: Path) -> None:
     srv = SluiceServer(make_config(tmp_path))
     await srv.start()
-    producer = Producer(srv.target, "events", linger=0)
+    # reconnect_timeout=0: give up at the first retriable end instead of reconnecting (test_dedup.py
+    # covers reconnects)
+    producer = Producer(srv.target, "events", linger=0, reconnect_timeout=0)
     await producer.start()
     try:
         await producer.send_many([b"before"] * 100)
         await producer.flush(timeout=10)
         await srv.stop(grace=1)
         assert producer.acked == 100
-        with pytest.raises(RPCError) as info:
+        with pytest.raises(ReconnectTimeoutError) as info:
             for _ in range(1_000):  # until the producer sees the end of its session
                 await producer.send(b"after")
                 await asyncio.sleep(0.01)
@@ -221,7 +223,9 @@ async def test_a_dead_block_generator_fails_its_sessions(server: SluiceServer) -
 
     receiver.store.write = broken_write  # type: ignore[method-assign]
     async with Producer(server.target, "other") as healthy:
-        producer = Producer(server.target, "events", linger=0)
+        # the stream's receiver is dead until the server restarts: UNAVAILABLE, retriable; with
+        # reconnect_timeout=0 the producer reports it instead of trying to reconnect
+        producer = Producer(server.target, "events", linger=0, reconnect_timeout=0)
         await producer.start()
         await producer.send(b"x")
         with pytest.raises(RPCError) as info:

@@ -1,16 +1,29 @@
-"""Asyncio Producer: the Publisher side of a Publish session.
+"""Asyncio Producer: the Publisher side of a Publish session, an idempotent producer.
 
-Records are buffered locally (bounded: `send` waits when `max_buffered` records are unsent) and leave in
-batches of up to `batch_size` records or `batch_bytes` bytes, after at most `linger` seconds, and never
-beyond the credit the server granted: records in flight (sent, not yet granted again) never exceed
-credit. Acks say which records are durable; `flush()` waits for them.
+Records are buffered locally and leave in batches of up to `batch_size` records or `batch_bytes` bytes,
+after at most `linger` seconds, and never beyond the credit the server granted. A record stays in memory
+until the server acks it as durable: `max_buffered` (and `max_buffered_bytes`, if set) bounds the records
+not yet sent plus those sent and not yet acked, so `send` waits when it is reached.
+
+Resending: every record gets a sequence number (0, 1, 2, ... per producer). When the session ends with a
+retriable status (UNAVAILABLE: the server is stopping, went away, or the connection dropped) the producer
+reconnects with exponential backoff and jitter (`reconnect_backoff` doubling to `max_reconnect_backoff`),
+opens a new session with Open{producer_id, resume_from_seq = first unacked}, and resends every unacked
+record in order, within the new credit. The server drops what it had already accepted (deduplication by
+producer id and sequence number), so each record is stored once. If no session could be re-established
+within `reconnect_timeout` seconds the producer fails with ReconnectTimeoutError. Every other status
+(INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND, OUT_OF_RANGE, RESOURCE_EXHAUSTED, CANCELLED, ABORTED:
+fenced by a newer session of the same producer id, ...) fails the producer: resending would not help or
+would fight the newer session.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
+import random
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
@@ -18,7 +31,15 @@ from types import TracebackType
 
 import grpc
 
-from ingest.errors import FlushTimeoutError, ProducerClosedError, ProtocolError, RPCError, SluiceError
+from ingest.errors import (
+    FlushTimeoutError,
+    ProducerClosedError,
+    ProtocolError,
+    ReconnectTimeoutError,
+    RPCError,
+    SluiceError,
+    UnackedRecordsError,
+)
 from receivers.flow import MAX_DEMAND
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -26,6 +47,27 @@ from receivers.wire import encode_batch
 
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 _FAILED_PRECONDITION = 9  # gRPC status code carried in-band by Error
+RECONNECT_STATUSES = frozenset({grpc.StatusCode.UNAVAILABLE})
+"""Statuses after which the producer reconnects and resends; any other status fails it, except a
+transport failure that grpc reports as INTERNAL (see `reconnectable`)."""
+_TRANSPORT_FAILURES = ("Internal error from Core", "RST_STREAM")
+
+
+def reconnectable(error: RPCError, *, cancelled_in_band: bool = False) -> bool:
+    """Whether the producer reconnects and resends after a session ended with `error`: UNAVAILABLE (the
+    server is stopping or unreachable, the connection dropped); INTERNAL raised by grpc itself when
+    the stream broke under a write or was reset by the peer (the server did not choose that status);
+    or CANCELLED without an in-band Cancel before it: the server process tore the call down (a
+    shutdown past its grace period), where an operator's cancel always says so in-band first."""
+    if error.status in RECONNECT_STATUSES:
+        return True
+    if error.status is grpc.StatusCode.CANCELLED:
+        return not cancelled_in_band
+    return error.status is grpc.StatusCode.INTERNAL and any(s in error.message for s in _TRANSPORT_FAILURES)
+
+
+Call = grpc.aio.StreamStreamCall[pb.PublishRequest, pb.PublishResponse]
+_CALL_ENDED = (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
 
 
 class _State(enum.Enum):
@@ -35,10 +77,26 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
+class _Sent:
+    """A batch sent and not yet acked: kept to be resent after a reconnect."""
+
+    __slots__ = ("first_seq", "keys", "nbytes", "values")
+
+    def __init__(self, first_seq: int, values: list[bytes], keys: list[bytes | None] | None) -> None:
+        self.first_seq = first_seq
+        self.values = values
+        self.keys = keys
+        self.nbytes = sum(map(len, values))
+
+
 class Producer:
-    """Sends records to one stream of a Sluice server.
+    """Sends records to one stream of a Sluice server, resending across reconnects.
 
     Use as `async with Producer(target, stream) as producer: await producer.send(b"...")`.
+
+    `producer_id` names the producer for deduplication (default: a random id, so one Producer object is
+    one producer); give the same id to one producer at a time only: a second session with the same id
+    fences the first (it fails with ABORTED).
     """
 
     def __init__(
@@ -50,13 +108,23 @@ class Producer:
         batch_size: int = 4096,
         batch_bytes: int = 1024 * 1024,
         linger: float = 0.005,
-        max_buffered: int = 200_000,
+        max_buffered: int = 500_000,  # unsent + unacked: room for a server's default prefetch (250k)
+        max_buffered_bytes: int | None = None,
+        reconnect_backoff: float = 0.05,
+        max_reconnect_backoff: float = 5.0,
+        reconnect_timeout: float = 60.0,
         channel: grpc.aio.Channel | None = None,
     ) -> None:
         if batch_size < 1 or batch_bytes < 1 or max_buffered < batch_size:
             raise ValueError("need batch_size >= 1, batch_bytes >= 1 and max_buffered >= batch_size")
+        if max_buffered_bytes is not None and max_buffered_bytes < 1:
+            raise ValueError(f"max_buffered_bytes must be >= 1 or None, got {max_buffered_bytes}")
         if linger < 0:
             raise ValueError(f"linger must be >= 0 seconds, got {linger}")
+        if not 0 < reconnect_backoff <= max_reconnect_backoff:
+            raise ValueError("need 0 < reconnect_backoff <= max_reconnect_backoff")
+        if reconnect_timeout < 0:
+            raise ValueError(f"reconnect_timeout must be >= 0 seconds, got {reconnect_timeout}")
         self.target = target
         self.stream = stream
         self.producer_id = producer_id or uuid.uuid4().hex
@@ -64,14 +132,21 @@ class Producer:
         self.batch_bytes = batch_bytes
         self.linger = linger
         self.max_buffered = max_buffered
+        self.max_buffered_bytes = max_buffered_bytes
+        self.reconnect_backoff = reconnect_backoff
+        self.max_reconnect_backoff = max_reconnect_backoff
+        self.reconnect_timeout = reconnect_timeout
         self._own_channel = channel is None
         self._channel = channel
         self._state = _State.NEW
-        self._call: grpc.aio.StreamStreamCall[pb.PublishRequest, pb.PublishResponse] | None = None
-        self._values: list[bytes] = []
+        self._call: Call | None = None
+        self._values: list[bytes] = []  # not sent yet (in this session), from _sent_seq on
         self._keys: list[bytes | None] | None = None  # None while no buffered record has a key
         self._buffered_bytes = 0
-        self._sent_seq = 0  # records numbered below were sent
+        self._unacked: collections.deque[_Sent] = collections.deque()  # sent, not acked, in order
+        self._unacked_count = 0
+        self._unacked_bytes = 0
+        self._sent_seq = 0  # records numbered below were sent (in this session, or acked before it)
         self._acked_seq = 0  # records numbered below are durable
         self._credit = 0
         self._flushing = 0
@@ -80,14 +155,19 @@ class Producer:
         self._tasks: list[asyncio.Task[None]] = []
         self._room_listeners: list[Callable[[], None]] = []
         self._write_lock = asyncio.Lock()  # grpc.aio allows one write at a time per call
+        self._lost_since: float | None = None  # when the session was lost, until a new one is up
         self.cancel_reason: str | None = None
-        """Why the server cancelled the session, if it did."""
+        """Why the server last cancelled a session, if it did."""
+        self.reconnects = 0
+        """Sessions opened again after the previous one ended with a retriable status."""
+        self.resent = 0
+        """Records queued again for sending after a reconnect (sent before, not acked)."""
 
     # ---- counters --------------------------------------------------------------------------------
 
     @property
     def sent(self) -> int:
-        """Records sent to the server."""
+        """Records sent to the server (after a reconnect: acked ones plus those sent again since)."""
         return self._sent_seq
 
     @property
@@ -105,34 +185,56 @@ class Producer:
         """Records accepted by send() and not yet acked."""
         return self._sent_seq + len(self._values) - self._acked_seq
 
+    def unacked_records(self) -> list[tuple[bytes, bytes | None]]:
+        """The records not acked yet, as (value, key) in sequence order from `acked` on."""
+        records: list[tuple[bytes, bytes | None]] = []
+        for sent in self._unacked:
+            keys = sent.keys if sent.keys is not None else [None] * len(sent.values)
+            records.extend(zip(sent.values, keys, strict=True))
+        keys = self._keys if self._keys is not None else [None] * len(self._values)
+        records.extend(zip(self._values, keys, strict=True))
+        return records
+
     # ---- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the session; returns once the server has taken Open."""
+        """Open the session; returns once Open is written. Not retried: when the server cannot be
+        reached now, this raises RPCError (reconnecting applies to sessions lost after start)."""
         if self._state is not _State.NEW:
             raise ProducerClosedError(f"producer is {self._state.value}; a producer starts once")
         self._state = _State.OPEN
         if self._channel is None:
+            backoff_ms = int(self.reconnect_backoff * 1000)
             self._channel = grpc.aio.insecure_channel(
                 self.target,
                 options=[
                     ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
                     ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+                    # the channel's own reconnects must not lag behind ours after a server restart
+                    ("grpc.initial_reconnect_backoff_ms", backoff_ms),
+                    ("grpc.min_reconnect_backoff_ms", backoff_ms),
+                    ("grpc.max_reconnect_backoff_ms", int(self.max_reconnect_backoff * 1000)),
                 ],
             )
-        self._call = pb_grpc.IngestStub(self._channel).Publish()  # type: ignore[call-arg]  # stubs lag grpc.aio
-        opening = pb.Open(stream=self.stream, producer_id=self.producer_id, resume_from_seq=0)
         try:
-            await self._call.write(pb.PublishRequest(open=opening))
+            call = await self._open_call()
         except grpc.aio.AioRpcError as exc:
             await self._teardown()
             raise RPCError.from_grpc(exc) from None
-        self._tasks = [
-            asyncio.create_task(self._read_loop(), name="sluice-producer-read"),
-            asyncio.create_task(self._send_loop(), name="sluice-producer-send"),
-        ]
-        for task in self._tasks:
-            task.add_done_callback(self._task_done)
+        self._tasks = [asyncio.create_task(self._supervise(call), name="sluice-producer")]
+        self._tasks[0].add_done_callback(self._task_done)
+
+    async def _open_call(self) -> Call:
+        assert self._channel is not None
+        call: Call = pb_grpc.IngestStub(self._channel).Publish()  # type: ignore[call-arg]  # stubs lag grpc.aio
+        opening = pb.Open(stream=self.stream, producer_id=self.producer_id, resume_from_seq=self._acked_seq)
+        try:
+            await call.write(pb.PublishRequest(open=opening))
+        except BaseException:
+            call.cancel()
+            raise
+        self._call = call
+        return call
 
     async def __aenter__(self) -> Producer:
         await self.start()
@@ -147,10 +249,13 @@ class Producer:
             await self.abort()
 
     async def close(self, timeout: float | None = None) -> None:
-        """Send what is buffered, wait until it is acked, complete the session and release the channel.
+        """Send what is buffered, wait until it is acked (across reconnects), complete the session and
+        release the channel.
 
-        Raises FlushTimeoutError (with the count never acked) when `timeout` runs out, or the error that
-        ended the session.
+        When records remain unacked (the timeout ran out, the producer failed or gave up reconnecting)
+        the producer is torn down all the same and UnackedRecordsError is raised: `.records` holds every
+        record never acked, `.unacked` their count, `__cause__` the FlushTimeoutError, RPCError or other
+        error that stopped delivery. A failure with nothing left unacked raises that error itself.
         """
         if self._state in (_State.CLOSING, _State.CLOSED):
             return
@@ -158,23 +263,30 @@ class Producer:
             self._state = _State.CLOSED
             return
         try:
-            await self.flush(timeout)
-            self._state = _State.CLOSING
-            assert self._call is not None
-            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
-                async with self._write_lock:
-                    await self._call.write(pb.PublishRequest(complete=pb.Complete()))
-                    await self._call.done_writing()
-            # the server ends the call once everything is acked
-            await asyncio.wait_for(asyncio.shield(self._tasks[0]), timeout)
-            if self._error is not None:
-                raise self._error
+            try:
+                await self.flush(timeout)
+                self._state = _State.CLOSING
+                assert self._call is not None
+                with contextlib.suppress(*_CALL_ENDED):
+                    async with self._write_lock:
+                        await self._call.write(pb.PublishRequest(complete=pb.Complete()))
+                        await self._call.done_writing()
+                # the server ends the call once everything is acked
+                await asyncio.wait_for(asyncio.shield(self._tasks[0]), timeout)
+                if self._error is not None:
+                    raise self._error
+            except (SluiceError, TimeoutError) as exc:
+                if self.unacked:
+                    raise UnackedRecordsError(self.unacked_records(), self._acked_seq, exc) from exc
+                raise
         finally:
             await self._teardown()
 
-    async def abort(self) -> None:
-        """Drop what is buffered and end the session now. Unacked records are not retried."""
+    async def abort(self) -> list[tuple[bytes, bytes | None]]:
+        """End the session now, dropping what is not acked; return those records (value, key), in order."""
+        records = self.unacked_records()
         await self._teardown()
+        return records
 
     async def _teardown(self) -> None:
         self._state = _State.CLOSED
@@ -208,7 +320,7 @@ class Producer:
         start = 0
         while start < len(values):
             await self._room_for(1)
-            room = self.max_buffered - len(self._values)
+            room = self.max_buffered - self._held
             end = min(len(values), start + room)
             chunk = values[start:end]
             if keys is None and self._keys is None:
@@ -233,35 +345,47 @@ class Producer:
             self._wake()
 
     @property
+    def _held(self) -> int:
+        """Records in memory: unsent plus sent and unacked."""
+        return len(self._values) + self._unacked_count
+
+    def _bytes_full(self) -> bool:
+        limit = self.max_buffered_bytes
+        return limit is not None and self._buffered_bytes + self._unacked_bytes >= limit
+
+    @property
     def room(self) -> int:
         """Records the local buffer takes now without waiting; -1 before start or after close."""
         if self._state is not _State.OPEN or self._error is not None:
             return -1
-        return self.max_buffered - len(self._values)
+        return 0 if self._bytes_full() else self.max_buffered - self._held
 
     def offer(self, value: bytes, key: bytes | None = None) -> None:
-        """Queue one record without waiting; raise BufferError when the buffer is full.
+        """Queue one record without waiting; raise BufferError when the buffer is full (`max_buffered`
+        records; the byte bound applies to send and send_many only).
 
         For code that manages demand itself (ingest.client.flow): it asks only for `room` records.
         """
         self._check_open()
-        if len(self._values) >= self.max_buffered:
+        if self._held >= self.max_buffered:
             raise BufferError(f"producer buffer is full ({self.max_buffered} records); wait for room")
         self._append(value, key)
 
     def on_room(self, callback: Callable[[], None]) -> Callable[[], None]:
-        """Call `callback` whenever records leave the local buffer; returns a function that unregisters."""
+        """Call `callback` whenever records leave the local buffer (acked); returns a function that
+        unregisters."""
         self._room_listeners.append(callback)
         return lambda: self._room_listeners.remove(callback)
 
     async def _room_for(self, n: int) -> None:
         self._check_open()
-        while len(self._values) + n > self.max_buffered:
+        while self._held + n > self.max_buffered or self._bytes_full():
             await self._wait_change()
             self._check_open()
 
     async def flush(self, timeout: float | None = None) -> None:
-        """Wait until every record queued so far is acked; FlushTimeoutError when `timeout` runs out."""
+        """Wait until every record queued so far is acked, across reconnects; FlushTimeoutError when
+        `timeout` runs out (the records stay queued), or the error that failed the producer."""
         if self._state is _State.NEW:
             raise ProducerClosedError("producer not started")
         target = self._sent_seq + len(self._values)
@@ -291,8 +415,93 @@ class Producer:
         self._changed.clear()
         await self._changed.wait()
 
-    async def _send_loop(self) -> None:
-        assert self._call is not None
+    # ---- sessions --------------------------------------------------------------------------------
+
+    async def _supervise(self, call: Call) -> None:
+        """Run sessions one after the other until the producer closes or fails."""
+        while True:
+            failure = await self._run_session(call)
+            if failure is None:
+                return
+            if self._state is not _State.OPEN and not self.unacked:
+                return  # closing with everything acked: nothing to resend
+            if not reconnectable(failure, cancelled_in_band=self.cancel_reason is not None):
+                self._error = failure
+                raise failure
+            call = await self._reconnect(failure)
+
+    async def _run_session(self, call: Call) -> RPCError | None:
+        """One session: None when it ended well, the RPCError when it ended with a status."""
+        sender = asyncio.create_task(self._send_loop(call), name="sluice-producer-send")
+        try:
+            await self._read_loop(call)
+        except RPCError as exc:
+            return exc
+        finally:
+            sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await sender
+        if self._acked_seq < self._sent_seq and self._error is None:
+            self._error = ProducerClosedError(
+                f"server ended the session with {self._sent_seq - self._acked_seq} records unacked"
+            )
+            raise self._error
+        return None
+
+    async def _reconnect(self, failure: RPCError) -> Call:
+        """Back off, then open a new session resuming at the first unacked record; give up after
+        reconnect_timeout seconds without a session that the server answered."""
+        loop = asyncio.get_running_loop()
+        if self._lost_since is None:
+            self._lost_since = loop.time()
+        delay = self.reconnect_backoff
+        attempts = 0
+        while True:
+            elapsed = loop.time() - self._lost_since
+            if elapsed >= self.reconnect_timeout:
+                self._error = ReconnectTimeoutError(failure, attempts, elapsed)
+                raise self._error
+            await asyncio.sleep(min(delay * random.uniform(0.5, 1.0), self.reconnect_timeout - elapsed))  # noqa: S311
+            delay = min(delay * 2, self.max_reconnect_backoff)
+            attempts += 1
+            self._requeue_unacked()
+            try:
+                call = await self._open_call()
+            except grpc.aio.AioRpcError as exc:
+                failure = RPCError.from_grpc(exc)
+                if not reconnectable(failure):
+                    self._error = failure
+                    raise failure from None
+                continue
+            self.reconnects += 1
+            self.cancel_reason = None  # a new session: the old one's cancel is history
+            return call
+
+    def _requeue_unacked(self) -> None:
+        """Put the sent, unacked records back in front of the unsent ones, to be sent again in order."""
+        self._credit = 0
+        if not self._unacked:
+            return
+        values: list[bytes] = []
+        keys: list[bytes | None] | None = None
+        if self._keys is not None or any(s.keys is not None for s in self._unacked):
+            keys = []
+        for sent in self._unacked:
+            values.extend(sent.values)
+            if keys is not None:
+                keys.extend(sent.keys if sent.keys is not None else [None] * len(sent.values))
+        if keys is not None:
+            keys.extend(self._keys if self._keys is not None else [None] * len(self._values))
+        self.resent += len(values)
+        self._values[:0] = values
+        self._keys = keys
+        self._buffered_bytes += self._unacked_bytes
+        self._sent_seq = self._acked_seq
+        self._unacked.clear()
+        self._unacked_count = 0
+        self._unacked_bytes = 0
+
+    async def _send_loop(self, call: Call) -> None:
         while True:
             # wait for credit and a batch worth sending: full, lingered long enough, or flushing
             while not (self._credit > 0 and self._values):
@@ -312,20 +521,18 @@ class Producer:
                 if not self._values:
                     self._keys = None
             batch = encode_batch(self._sent_seq, values, keys)
-            self._buffered_bytes -= len(batch.values)
+            sent = _Sent(self._sent_seq, values, keys)
+            self._unacked.append(sent)
+            self._unacked_count += n
+            self._unacked_bytes += sent.nbytes
+            self._buffered_bytes -= sent.nbytes
             self._credit -= n
             self._sent_seq += n
-            self._wake()  # room in the buffer
-            for listener in list(self._room_listeners):
-                listener()
             try:
                 async with self._write_lock:
-                    await self._call.write(pb.PublishRequest(batch=batch))
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
-                # the call ended; the read loop has (or will have) the status that says why
-                with contextlib.suppress(Exception):
-                    await asyncio.shield(self._tasks[0])
-                return
+                    await call.write(pb.PublishRequest(batch=batch))
+            except _CALL_ENDED:
+                return  # the call ended; the read loop has (or will have) the status that says why
 
     def _batch_length(self) -> int:
         """Records in the next batch: within credit, batch_size and (roughly) batch_bytes."""
@@ -338,50 +545,73 @@ class Producer:
                     return i + 1
         return n
 
-    async def _read_loop(self) -> None:
-        assert self._call is not None
+    def _acked_to(self, up_to: int) -> None:
+        """Drop the records below `up_to` from memory: they are durable."""
+        if up_to <= self._acked_seq:
+            return
+        self._acked_seq = up_to
+        while self._unacked:
+            head = self._unacked[0]
+            end = head.first_seq + len(head.values)
+            if end <= up_to:
+                self._unacked.popleft()
+                self._unacked_count -= len(head.values)
+                self._unacked_bytes -= head.nbytes
+                continue
+            if head.first_seq < up_to:
+                k = up_to - head.first_seq
+                gone = sum(map(len, head.values[:k]))
+                head.values = head.values[k:]
+                if head.keys is not None:
+                    head.keys = head.keys[k:]
+                head.first_seq = up_to
+                head.nbytes -= gone
+                self._unacked_count -= k
+                self._unacked_bytes -= gone
+            break
+        for listener in list(self._room_listeners):
+            listener()
+
+    async def _read_loop(self, call: Call) -> None:
+        cancelled = False
         try:
-            async for response in self._call:
+            async for response in call:
                 kind = response.WhichOneof("kind")
                 if kind == "request":
                     if response.request.n <= 0:
                         await self._protocol_error(
-                            f"server sent Request(n={response.request.n}); n must be > 0 (rule 3.9)"
+                            call, f"server sent Request(n={response.request.n}); n must be > 0 (rule 3.9)"
                         )
-                    if self.cancel_reason is None:  # no credit after a Cancel (rule 3.6)
+                    if not cancelled:  # no credit after a Cancel (rule 3.6)
                         self._credit = min(MAX_DEMAND, self._credit + response.request.n)
+                        self._lost_since = None  # the server took this session: reconnected
                 elif kind == "ack":
                     if response.ack.durable_up_to > self._sent_seq:
                         await self._protocol_error(
+                            call,
                             f"server acked up to {response.ack.durable_up_to}, beyond the "
-                            f"{self._sent_seq} records sent"
+                            f"{self._sent_seq} records sent",
                         )
-                    self._acked_seq = max(self._acked_seq, response.ack.durable_up_to)
+                    self._acked_to(response.ack.durable_up_to)
                 elif kind == "cancel":
                     # the server takes nothing more: stop sending; records from accepted_up_to on were
-                    # not accepted and stay unacked
+                    # not accepted and stay unacked (resent after a reconnect, if the status allows)
+                    cancelled = True
                     self.cancel_reason = response.cancel.reason or "cancelled"
                     self._credit = 0
                 self._wake()
         except grpc.aio.AioRpcError as exc:
-            self._error = RPCError.from_grpc(exc)
-            raise self._error from None
-        if self._acked_seq < self._sent_seq and self._error is None:
-            self._error = ProducerClosedError(
-                f"server ended the session with {self._sent_seq - self._acked_seq} records unacked"
-            )
+            raise RPCError.from_grpc(exc) from None
 
-    async def _protocol_error(self, message: str) -> None:
+    async def _protocol_error(self, call: Call, message: str) -> None:
         """The server broke the contract: tell it in-band (gRPC has no client status), end, raise."""
-        assert self._call is not None
         error = ProtocolError(message)
         self._error = error
-        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError):
+        with contextlib.suppress(*_CALL_ENDED):
             async with self._write_lock:
-                await self._call.write(
-                    pb.PublishRequest(error=pb.Error(code=_FAILED_PRECONDITION, message=message))
-                )
-                await self._call.done_writing()
+                error_message = pb.Error(code=_FAILED_PRECONDITION, message=message)
+                await call.write(pb.PublishRequest(error=error_message))
+                await call.done_writing()
         raise error
 
     def _task_done(self, task: asyncio.Task[None]) -> None:

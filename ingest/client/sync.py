@@ -50,7 +50,29 @@ class SyncProducer:
     def acked(self) -> int:
         return self._producer.acked
 
+    @property
+    def unacked(self) -> int:
+        return self._producer.unacked
+
+    @property
+    def reconnects(self) -> int:
+        return self._producer.reconnects
+
+    @property
+    def resent(self) -> int:
+        return self._producer.resent
+
+    def unacked_records(self) -> list[tuple[bytes, bytes | None]]:
+        """The records not acked yet, as (value, key) in order (see Producer.unacked_records)."""
+
+        async def take() -> list[tuple[bytes, bytes | None]]:
+            return self._producer.unacked_records()
+
+        return self._run(take())
+
     def close(self, timeout: float | None = None) -> None:
+        """Flush, complete and stop; raises UnackedRecordsError (with `.records`) when records remain
+        unacked, as Producer.close does."""
         if not self._loop.is_running():
             return
         try:

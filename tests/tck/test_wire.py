@@ -59,9 +59,10 @@ class RawPeer:
     async def send(self, **kind: object) -> None:
         await self.call.write(pb.PublishRequest(**kind))  # type: ignore[arg-type]
 
-    async def open(self, stream: str = "events") -> int:
+    async def open(self, stream: str = "events", resume_from_seq: int = 0) -> int:
         """Open and return the first credit granted."""
-        await self.send(open=pb.Open(stream=stream, producer_id="raw"))
+        await self.send(open=pb.Open(stream=stream, producer_id="raw", resume_from_seq=resume_from_seq))
+        self.seq = resume_from_seq
         return (await self.expect("request")).request.n
 
     async def batch(self, n: int, first_seq: int | None = None) -> None:
@@ -268,6 +269,66 @@ async def test_required_spec_sequence_repeat_or_backwards_is_invalid_argument(pe
     code, details, _ = await peer.end()
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert "first_seq is 1" in details
+
+
+async def test_required_spec_idempotent_replay_is_deduplicated_and_acked(
+    server: SluiceServer, peer: RawPeer
+) -> None:
+    """A new session of a known producer that resends accepted records: they are dropped, and acked."""
+    await peer.open()
+    await peer.batch(4)
+    await peer.send(complete=pb.Complete())
+    assert (await peer.end())[0] == grpc.StatusCode.OK
+    again = RawPeer(server.target)
+    try:
+        await again.open(resume_from_seq=2)
+        await again.batch(5)  # 2, 3 are duplicates; 4, 5, 6 are new
+        await again.send(complete=pb.Complete())
+        code, _, seen = await again.end()
+    finally:
+        await again.close()
+    assert code == grpc.StatusCode.OK
+    assert [m.ack.durable_up_to for m in seen if m.HasField("ack")][-1] == 7
+    assert server.receivers["events"].stats.records_deduplicated == 2
+
+
+async def test_required_spec_sequence_gap_of_a_known_producer_is_out_of_range(
+    server: SluiceServer, peer: RawPeer
+) -> None:
+    await peer.open()
+    await peer.batch(3)
+    await peer.send(complete=pb.Complete())
+    await peer.end()
+    again = RawPeer(server.target)
+    try:
+        await again.open(resume_from_seq=5)
+        await again.batch(1)
+        code, details, _ = await again.end()
+    finally:
+        await again.close()
+    assert code == grpc.StatusCode.OUT_OF_RANGE
+    assert "first_seq is 5" in details and "continue at sequence number 3" in details
+
+
+async def test_required_spec_a_newer_session_of_the_producer_fences_the_older(
+    server: SluiceServer, peer: RawPeer
+) -> None:
+    await peer.open()
+    await peer.batch(3)
+    await wait_until(lambda: server.receivers["events"].producer("raw") is not None)
+    newer = RawPeer(server.target)
+    try:
+        await newer.open(resume_from_seq=3)
+        code, details, seen = await peer.end()
+        assert code == grpc.StatusCode.ABORTED
+        assert details == "superseded by a newer session of producer 'raw'"
+        assert [m.cancel.accepted_up_to for m in seen if m.HasField("cancel")] == [3]
+        assert [m.ack.durable_up_to for m in seen if m.HasField("ack")][-1] == 3  # sealed and acked
+        await newer.batch(2)
+        await newer.send(complete=pb.Complete())
+        assert (await newer.end())[0] == grpc.StatusCode.OK
+    finally:
+        await newer.close()
 
 
 async def test_required_spec_oversized_message_is_resource_exhausted(

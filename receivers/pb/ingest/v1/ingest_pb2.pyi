@@ -7,6 +7,14 @@ Publish is one bidirectional stream per publisher session and carries the Reacti
 contract: the client is the Publisher, the server's receiver is the Subscriber, the stream is the
 Subscription. The server grants credit with Request(n); the client never sends more records than it
 was granted. Credit (demand) and Ack (durability) are separate signals.
+
+Idempotent producers: the server keeps, per stream, a table producer_id -> the sequence number after
+the last record it accepted of that producer (persisted with the blocks, so it survives restarts;
+bounded, least recently used producers are forgotten). A producer that lost its session (acks lost,
+server restarted) opens a new one with resume_from_seq = its first unacked record and sends again
+what was not acked: records the server had accepted already are dropped as duplicates and acked once
+durable, so each record is stored once. A producer unknown to the server (new, or forgotten) is taken
+from its resume point. Anonymous producers (empty producer_id) are not deduplicated.
 """
 
 from collections import abc as _abc
@@ -72,9 +80,16 @@ class Open(_message.Message):
     stream: _builtins.str
     """The stream to publish to; it must exist on the server."""
     producer_id: _builtins.str
-    """Identifies the producer across sessions (idempotent producers); empty means anonymous."""
+    """Identifies the producer across sessions (idempotent producers); empty means anonymous (no
+    deduplication, no fencing). A new session of a producer that still has a session open on the
+    stream fences the old one: it gets Cancel{code ABORTED, "superseded by a newer session of producer
+    X"}, what it had accepted is still sealed and acked.
+    """
     resume_from_seq: _builtins.int
-    """Sequence number of the first record this session will send."""
+    """Sequence number of the first record this session will send. Below what the server accepted of the
+    producer: the records sent again are duplicates (dropped, acked). Beyond it (a gap): the first Batch
+    fails the session with OUT_OF_RANGE, unless the server does not know the producer.
+    """
     def __init__(
         self,
         *,
@@ -106,7 +121,11 @@ class Batch(_message.Message):
     KEY_OFFSETS_FIELD_NUMBER: _builtins.int
     KEY_VALIDITY_FIELD_NUMBER: _builtins.int
     first_seq: _builtins.int
-    """Sequence number of the first record; records are numbered consecutively per producer."""
+    """Sequence number of the first record; records are numbered consecutively per producer. Within a
+    session a batch starts where the previous one ended (resume_from_seq for the first), else
+    INVALID_ARGUMENT. Its records below what the server accepted of the producer are dropped as
+    duplicates (the credit they used is returned); a batch starting beyond it is OUT_OF_RANGE (a gap).
+    """
     count: _builtins.int
     """Number of records, > 0."""
     values: _builtins.bytes
@@ -234,7 +253,10 @@ Global___Request: _TypeAlias = Request  # noqa: Y015
 
 @_typing.final
 class Ack(_message.Message):
-    """Every record of this session with a sequence number below durable_up_to is durable (exclusive bound)."""
+    """Every record of this session with a sequence number below durable_up_to is durable (exclusive bound).
+    Acks are routed by producer: a session that sent duplicates is acked as soon as the originals are
+    durable, whichever session accepted them (never beyond what the session itself sent).
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -255,7 +277,8 @@ Global___Ack: _TypeAlias = Ack  # noqa: Y015
 
 @_typing.final
 class Cancel(_message.Message):
-    """The server cancels the session (shutdown, stream removed, operator): it accepts nothing more.
+    """The server cancels the session (shutdown: UNAVAILABLE; fenced by a newer session of the same producer:
+    ABORTED; stream removed, operator): it accepts nothing more.
     Records below accepted_up_to were taken and are (or will be) acked before the call ends; records at or
     above it were not accepted and are the client's to resend. The call then ends with gRPC status `code`.
     """

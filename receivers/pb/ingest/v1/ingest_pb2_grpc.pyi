@@ -7,6 +7,14 @@ Publish is one bidirectional stream per publisher session and carries the Reacti
 contract: the client is the Publisher, the server's receiver is the Subscriber, the stream is the
 Subscription. The server grants credit with Request(n); the client never sends more records than it
 was granted. Credit (demand) and Ack (durability) are separate signals.
+
+Idempotent producers: the server keeps, per stream, a table producer_id -> the sequence number after
+the last record it accepted of that producer (persisted with the blocks, so it survives restarts;
+bounded, least recently used producers are forgotten). A producer that lost its session (acks lost,
+server restarted) opens a new one with resume_from_seq = its first unacked record and sends again
+what was not acked: records the server had accepted already are dropped as duplicates and acked once
+durable, so each record is stored once. A producer unknown to the server (new, or forgotten) is taken
+from its resume point. Anonymous producers (empty producer_id) are not deduplicated.
 """
 
 from collections import abc as _abc

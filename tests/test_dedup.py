@@ -1,0 +1,569 @@
+"""Idempotent producers end to end: deduplication by (producer id, sequence number) on the server, the
+SDK's reconnect-and-resend, across real server restarts on the same data dir and port."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from prometheus_client import generate_latest
+from support import wait_until
+
+from ingest.client import Producer, SyncProducer
+from ingest.client.producer import reconnectable
+from ingest.config import RateConfig, ServeConfig
+from ingest.errors import FlushTimeoutError, ReconnectTimeoutError, RPCError, UnackedRecordsError
+from ingest.server import SluiceServer
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from receivers.receiver import ReceiverConfig
+from receivers.wal import FsyncPolicy, WalBlockStore
+from receivers.wire import decode_batch, encode_batch
+
+
+class Node:
+    """A server on one data dir and one port that can be stopped, crashed and started again."""
+
+    def __init__(self, data_dir: Path, **receiver: Any) -> None:
+        self.data_dir = data_dir
+        self.receiver = ReceiverConfig(**{"block_interval": 0.02, "prefetch": 1_000, **receiver})
+        self.port = 0
+        self.server: SluiceServer | None = None
+
+    async def start(self) -> SluiceServer:
+        config = ServeConfig(
+            port=self.port,
+            metrics_port=None,
+            data_dir=self.data_dir,
+            streams=("s",),
+            receiver=self.receiver,
+            rate=RateConfig(estimator="fixed", initial_rate=math.inf),
+            spark=False,
+        )
+        self.server = SluiceServer(config)
+        await self.server.start()
+        self.port = self.server.port
+        return self.server
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def stop(self) -> None:
+        """Graceful: seal and ack what was taken, cancel sessions (UNAVAILABLE), stop serving."""
+        if self.server is not None:
+            await self.server.stop(grace=0.5)
+            self.server = None
+
+    async def crash(self) -> None:
+        """The network goes first: calls are cut before any ack of what is pending goes out; what was
+        taken is still sealed durably (acks lost, records durable: the client must resend them)."""
+        if self.server is not None:
+            assert self.server._grpc is not None
+            await self.server._grpc.stop(None)
+            await self.server.stop(grace=0)
+            self.server = None
+
+
+@pytest.fixture
+async def node(tmp_path: Path) -> AsyncIterator[Node]:
+    n = Node(tmp_path)
+    await n.start()
+    try:
+        yield n
+    finally:
+        await n.stop()
+
+
+class Peer:
+    """A raw publisher speaking the wire protocol with a chosen producer id and resume point."""
+
+    def __init__(self, target: str, producer_id: str) -> None:
+        self.channel = grpc.aio.insecure_channel(target)
+        self.call = pb_grpc.IngestStub(self.channel).Publish()  # type: ignore[call-arg]
+        self.producer_id = producer_id
+        self.acked = 0
+        self.credit = 0
+
+    async def open(self, resume_from_seq: int = 0) -> None:
+        opening = pb.Open(stream="s", producer_id=self.producer_id, resume_from_seq=resume_from_seq)
+        await self.call.write(pb.PublishRequest(open=opening))
+        await self.expect(lambda: self.credit > 0)
+
+    async def batch(self, first_seq: int, values: list[bytes]) -> None:
+        await self.call.write(pb.PublishRequest(batch=encode_batch(first_seq, values)))
+        self.credit -= len(values)
+
+    async def complete(self) -> None:
+        await self.call.write(pb.PublishRequest(complete=pb.Complete()))
+
+    async def _read(self) -> pb.PublishResponse | None:
+        response = await asyncio.wait_for(self.call.read(), 10)
+        if response is grpc.aio.EOF:
+            return None
+        assert isinstance(response, pb.PublishResponse)
+        if response.HasField("ack"):
+            self.acked = max(self.acked, response.ack.durable_up_to)
+        elif response.HasField("request"):
+            self.credit += response.request.n
+        return response
+
+    async def expect(self, condition: Any) -> None:
+        while not condition():
+            assert await self._read() is not None, "the call ended"
+
+    async def end(self) -> tuple[grpc.StatusCode, str, list[pb.PublishResponse]]:
+        seen = []
+        try:
+            while (response := await self._read()) is not None:
+                seen.append(response)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), exc.details() or "", seen
+        return await self.call.code(), await self.call.details() or "", seen
+
+    async def close(self) -> None:
+        await self.channel.close(None)
+
+
+def stored(data_dir: Path) -> list[bytes]:
+    """Every record value in the stream's blocks on disk, in stream order (read by a fresh store)."""
+    store = WalBlockStore(data_dir / "blocks", fsync=FsyncPolicy.off())
+    return [
+        v for b in store.blocks("s") for batch in store.read(b) for v in batch.column("value").to_pylist()
+    ]
+
+
+def values(prefix: str, start: int, stop: int) -> list[bytes]:
+    return [f"{prefix}-{i}".encode() for i in range(start, stop)]
+
+
+# ---- server: deduplication -------------------------------------------------------------------------
+
+
+async def test_replayed_range_is_deduplicated_and_acked(node: Node) -> None:
+    server = node.server
+    assert server is not None
+    first = Peer(node.target, "p")
+    await first.open()
+    await first.batch(0, values("r", 0, 10))
+    await first.expect(lambda: first.acked == 10)
+    await first.complete()
+    assert (await first.end())[0] == grpc.StatusCode.OK
+    # the producer did not see that ack (say): it replays from 0, and adds 5 new records
+    again = Peer(node.target, "p")
+    await again.open(resume_from_seq=0)
+    await again.batch(0, values("r", 0, 15))
+    await again.expect(lambda: again.acked == 15)
+    await again.complete()
+    assert (await again.end())[0] == grpc.StatusCode.OK
+    await first.close()
+    await again.close()
+    receiver = server.receivers["s"]
+    assert receiver.stats.records_deduplicated == 10
+    assert receiver.stats.records_received == 15
+    assert stored(node.data_dir) == values("r", 0, 15)
+    metrics = generate_latest(server.registry).decode()
+    assert 'sluice_records_deduplicated_total{stream="s"} 10.0' in metrics
+
+
+async def test_duplicates_acked_at_once_when_durable_and_their_credit_returns(tmp_path: Path) -> None:
+    # a small buffer: if duplicates took buffer room, the second session would stall
+    node = Node(tmp_path, buffer_records=100, prefetch=100, block_records=100)
+    await node.start()
+    try:
+        first = Peer(node.target, "p")
+        await first.open()
+        for start in (0, 100):
+            await first.expect(lambda: first.credit >= 100)
+            await first.batch(start, values("d", start, start + 100))
+        await first.expect(lambda: first.acked == 200)
+        await first.complete()
+        await first.end()
+        again = Peer(node.target, "p")
+        await again.open(resume_from_seq=0)
+        for start in (0, 100):  # 200 duplicates: each batch fills the whole buffer's credit
+            await again.expect(lambda: again.credit >= 100)
+            await again.batch(start, values("d", start, start + 100))
+            # the originals are durable: the duplicates are acked without waiting for a block
+            await again.expect(lambda: again.acked == start + 100)  # noqa: B023 - awaited at once
+        await again.expect(lambda: again.credit >= 100)
+        await again.batch(200, values("n", 0, 100))
+        await again.expect(lambda: again.acked == 300)
+        await first.close()
+        await again.close()
+    finally:
+        await node.stop()
+    assert stored(tmp_path) == values("d", 0, 200) + values("n", 0, 100)
+
+
+async def test_partial_overlap_keeps_the_new_suffix(node: Node) -> None:
+    first = Peer(node.target, "p")
+    await first.open()
+    await first.batch(0, values("o", 0, 8))
+    await first.expect(lambda: first.acked == 8)
+    await first.complete()
+    await first.end()
+    again = Peer(node.target, "p")
+    await again.open(resume_from_seq=5)
+    await again.batch(5, values("o", 5, 12))  # 5..7 were accepted, 8..11 are new
+    await again.expect(lambda: again.acked == 12)
+    await first.close()
+    await again.close()
+    assert node.server is not None
+    assert node.server.receivers["s"].stats.records_deduplicated == 3
+    assert stored(node.data_dir) == values("o", 0, 12)
+
+
+async def test_a_gap_is_out_of_range_while_others_go_on(node: Node) -> None:
+    healthy = Producer(node.target, "s", linger=0)
+    await healthy.start()
+    first = Peer(node.target, "p")
+    await first.open()
+    await first.batch(0, values("g", 0, 5))
+    await first.expect(lambda: first.acked == 5)
+    await first.complete()
+    await first.end()
+    gap = Peer(node.target, "p")
+    try:
+        await healthy.send_many(values("h", 0, 500))
+        await gap.open(resume_from_seq=8)
+        await gap.batch(8, values("g", 8, 10))
+        code, details, _ = await gap.end()
+        assert code == grpc.StatusCode.OUT_OF_RANGE
+        assert "Batch.first_seq is 8" in details and "continue at sequence number 5" in details
+        await healthy.send_many(values("h", 500, 1_000))
+        await healthy.flush(timeout=10)
+        assert healthy.acked == 1_000
+    finally:
+        await healthy.close()
+        await first.close()
+        await gap.close()
+    assert Counter(stored(node.data_dir)) == Counter(values("g", 0, 5) + values("h", 0, 1_000))
+
+
+async def test_an_unknown_producer_is_taken_from_its_resume_point(node: Node) -> None:
+    peer = Peer(node.target, "stranger")
+    try:
+        await peer.open(resume_from_seq=1_000)
+        await peer.batch(1_000, values("u", 0, 3))
+        await peer.expect(lambda: peer.acked == 1_003)
+    finally:
+        await peer.close()
+    assert stored(node.data_dir) == values("u", 0, 3)
+
+
+async def test_anonymous_producers_are_not_deduplicated(node: Node) -> None:
+    for _ in range(2):
+        peer = Peer(node.target, "")
+        await peer.open()
+        await peer.batch(0, values("a", 0, 5))
+        await peer.expect(lambda: peer.acked == 5)  # noqa: B023 - awaited at once
+        await peer.close()
+    assert stored(node.data_dir) == values("a", 0, 5) * 2
+    assert node.server is not None
+    assert node.server.receivers["s"].known_producers == 0
+
+
+async def test_a_newer_session_fences_the_older_one(tmp_path: Path) -> None:
+    node = Node(tmp_path, block_interval=0.5)  # the old session's records are still pending when fenced
+    await node.start()
+    old = Peer(node.target, "p")
+    new = Peer(node.target, "p")
+    try:
+        await old.open()
+        await old.batch(0, values("f", 0, 10))
+        await asyncio.sleep(0.05)  # let the server take the batch
+        await new.open(resume_from_seq=4)  # the client thinks 4.. were lost
+        code, details, seen = await old.end()
+        assert code == grpc.StatusCode.ABORTED
+        assert details == "superseded by a newer session of producer 'p'"
+        cancel = next(m.cancel for m in seen if m.HasField("cancel"))
+        assert cancel.code == grpc.StatusCode.ABORTED.value[0] and cancel.accepted_up_to == 10
+        assert old.acked == 10  # what it had accepted is sealed and acked before its call ends
+        await new.batch(4, values("f", 4, 14))
+        # 4..9 are acked to the new session too, though the old one accepted them (routing by producer)
+        await new.expect(lambda: new.acked == 14)
+    finally:
+        await old.close()
+        await new.close()
+        await node.stop()
+    assert stored(tmp_path) == values("f", 0, 14)
+
+
+async def test_the_sdk_reports_fencing_as_a_non_retriable_error(node: Node) -> None:
+    first = Producer(node.target, "s", producer_id="twin", linger=0)
+    await first.start()
+    await first.send(b"one")
+    await first.flush(timeout=10)
+    second = Producer(node.target, "s", producer_id="twin", linger=0)
+    await second.start()
+    try:
+        with pytest.raises(RPCError) as info:
+            for _ in range(500):
+                await first.send(b"more")
+                await asyncio.sleep(0.01)
+        assert info.value.status == grpc.StatusCode.ABORTED
+        assert "superseded by a newer session of producer 'twin'" in info.value.message
+        assert first.reconnects == 0
+    finally:
+        await first.abort()
+        await second.close()
+
+
+async def test_the_producer_table_is_bounded(tmp_path: Path) -> None:
+    node = Node(tmp_path, max_producers=2)
+    server = await node.start()
+    try:
+        for name in ("a", "b", "c"):
+            peer = Peer(node.target, name)
+            await peer.open()
+            await peer.batch(0, [name.encode()])
+            await peer.expect(lambda: peer.acked == 1)  # noqa: B023 - awaited at once
+            await peer.complete()
+            await peer.end()
+            await peer.close()
+        receiver = server.receivers["s"]
+        assert receiver.known_producers == 2
+        assert receiver.producer("a") is None  # least recently used: forgotten
+        assert receiver.producer("c") is not None
+    finally:
+        await node.stop()
+
+
+# ---- persistence across restarts -------------------------------------------------------------------
+
+
+async def test_dedup_survives_a_restart_and_a_release(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    await node.start()
+    peer = Peer(node.target, "p")
+    await peer.open()
+    await peer.batch(0, values("x", 0, 20))
+    await wait_until(lambda: len(stored(tmp_path)) == 20)
+    await node.crash()  # durable, but the producer never saw the ack
+    await peer.close()
+    server = await node.start()
+    state = server.receivers["s"].producer("p")
+    assert state is not None and state.accepted_up_to == state.durable_up_to == 20
+    peer = Peer(node.target, "p")
+    await peer.open(resume_from_seq=0)
+    await peer.batch(0, values("x", 0, 30))
+    await peer.expect(lambda: peer.acked == 30)
+    await peer.close()
+    assert server.receivers["s"].stats.records_deduplicated == 20
+    assert stored(tmp_path) == values("x", 0, 30)
+    # Spark commits everything: the blocks go, the marks stay (snapshot)
+    assert server.store.release("s", before_seq=10**9) > 0
+    await node.stop()
+    server = await node.start()
+    peer = Peer(node.target, "p")
+    try:
+        await peer.open(resume_from_seq=25)
+        await peer.batch(25, values("x", 25, 32))
+        await peer.expect(lambda: peer.acked == 32)
+    finally:
+        await peer.close()
+        await node.stop()
+    assert stored(tmp_path) == values("x", 30, 32)
+
+
+def test_block_store_producer_marks(tmp_path: Path) -> None:
+    store = WalBlockStore(tmp_path, fsync=FsyncPolicy.off())
+    records = decode_batch(encode_batch(0, [b"v"]), 0)
+    store.write("s", 0, 0, 0, [records], {"a": 5, "b": 3})
+    store.write("s", 1, 1, 0, [records], {"a": 9})
+    store.write("s", 2, 2, 0, [records])
+    assert store.producers("s") == {"a": 9, "b": 3}
+    assert store.producers("other") == {}
+    assert store.release("s", before_seq=2) == 2
+    assert store.producers("s") == {"a": 9, "b": 3}
+    store.write("s", 3, 3, 0, [records], {"b": 4})
+    store.close()
+    assert WalBlockStore(tmp_path).producers("s") == {"a": 9, "b": 4}
+    # block contents come back without the marks in their schema
+    block = store.blocks("s")[0]
+    assert next(iter(store.read(block))).schema.metadata is None
+
+
+# ---- the SDK: reconnect and resend -----------------------------------------------------------------
+
+
+async def test_producer_rides_out_a_crash_and_restart_without_loss_or_doubles(tmp_path: Path) -> None:
+    node = Node(tmp_path, block_interval=0.1)
+    await node.start()
+    sent = values("e", 0, 20_000)
+    producer = Producer(node.target, "s", linger=0.001, batch_size=500, max_buffered=4_000)
+    await producer.start()
+    try:
+
+        async def feed() -> None:
+            for i in range(0, len(sent), 1_000):
+                await producer.send_many(sent[i : i + 1_000])
+
+        feeding = asyncio.create_task(feed())
+        await wait_until(lambda: producer.acked >= 5_000)
+        await node.crash()  # records in flight are durable but unacked, some not accepted at all
+        await asyncio.sleep(0.3)
+        await node.start()
+        await wait_until(lambda: producer.acked >= 12_000, timeout=20)
+        await node.stop()  # a graceful stop too
+        await asyncio.sleep(0.2)
+        await node.start()
+        await feeding
+        await producer.flush(timeout=20)
+        assert producer.acked == len(sent)
+        assert producer.reconnects >= 2
+        assert producer.resent > 0
+        await producer.close(timeout=10)
+    finally:
+        await producer.abort()
+        await node.stop()
+    assert stored(tmp_path) == sent  # each record once, in order
+
+
+async def test_flush_times_out_while_the_server_is_down_then_succeeds(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    await node.start()
+    producer = Producer(node.target, "s", linger=0)
+    await producer.start()
+    try:
+        await producer.send(b"before")
+        await producer.flush(timeout=10)
+        await node.stop()
+        await producer.send_many([b"during-1", b"during-2"])
+        with pytest.raises(FlushTimeoutError) as info:
+            await producer.flush(timeout=0.3)
+        assert info.value.unacked == 2
+        await node.start()
+        await producer.flush(timeout=10)
+        await producer.close(timeout=10)
+    finally:
+        await producer.abort()
+        await node.stop()
+    assert stored(tmp_path) == [b"before", b"during-1", b"during-2"]
+
+
+async def test_close_reports_the_records_never_acked(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    await node.start()
+    producer = Producer(node.target, "s", linger=0)
+    await producer.start()
+    try:
+        await producer.send(b"ok")
+        await producer.flush(timeout=10)
+        await node.stop()
+        await producer.send(b"lost-1", key=b"k")
+        await producer.send(b"lost-2")
+        with pytest.raises(UnackedRecordsError) as info:
+            await producer.close(timeout=0.3)
+    finally:
+        await node.stop()
+    assert info.value.unacked == 2
+    assert info.value.records == [(b"lost-1", b"k"), (b"lost-2", None)]
+    assert info.value.first_seq == 1
+    assert isinstance(info.value.__cause__, FlushTimeoutError)
+
+
+async def test_reconnecting_gives_up_after_the_timeout(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    await node.start()
+    producer = Producer(node.target, "s", linger=0, reconnect_timeout=0.5, max_reconnect_backoff=0.1)
+    await producer.start()
+    try:
+        await producer.send(b"a")
+        await producer.flush(timeout=10)
+        await node.stop()
+        started = time.monotonic()
+        await producer.send(b"b")
+        with pytest.raises(ReconnectTimeoutError) as info:
+            await producer.flush(timeout=10)
+        assert 0.4 < time.monotonic() - started < 3
+        assert info.value.status == grpc.StatusCode.UNAVAILABLE
+        assert "gave up reconnecting after" in str(info.value)
+        assert info.value.attempts >= 2
+        with pytest.raises(UnackedRecordsError) as closing:
+            await producer.close()
+        assert closing.value.records == [(b"b", None)]
+        assert isinstance(closing.value.__cause__, ReconnectTimeoutError)
+    finally:
+        await producer.abort()
+
+
+async def test_max_buffered_bounds_unacked_records(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    await node.start()
+    producer = Producer(node.target, "s", linger=0, batch_size=10, max_buffered=10)
+    await producer.start()
+    try:
+        await producer.send_many([b"x"] * 10)
+        await producer.flush(timeout=10)
+        await node.stop()
+        await producer.send_many([b"y"] * 10)
+        with pytest.raises(TimeoutError):  # the buffer holds 10 unacked records: send waits
+            await asyncio.wait_for(producer.send(b"z"), 0.3)
+        assert producer.room == 0
+        await node.start()
+        await producer.send(b"z")
+        await producer.close(timeout=10)
+    finally:
+        await producer.abort()
+        await node.stop()
+    assert stored(tmp_path) == [b"x"] * 10 + [b"y"] * 10 + [b"z"]
+
+
+async def test_max_buffered_bytes_bounds_unacked_bytes(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    await node.start()
+    producer = Producer(node.target, "s", linger=0, max_buffered_bytes=1_000)
+    await producer.start()
+    try:
+        await node.stop()
+        await producer.send(b"a" * 600)
+        await producer.send(b"b" * 600)  # the bound is reached (not exceeded before this send)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(producer.send(b"c"), 0.3)
+        await node.start()
+        await producer.send(b"c")
+        await producer.close(timeout=10)
+    finally:
+        await producer.abort()
+        await node.stop()
+    assert stored(tmp_path) == [b"a" * 600, b"b" * 600, b"c"]
+
+
+async def test_sync_producer_reports_unacked_records(tmp_path: Path) -> None:
+
+    node = Node(tmp_path)
+    await node.start()
+    # the sync producer runs its own loop thread; the server runs on this one
+    producer = await asyncio.to_thread(SyncProducer, node.target, "s", linger=0)
+    try:
+        await asyncio.to_thread(producer.send, b"o")
+        await asyncio.to_thread(producer.flush, 10)
+        await node.stop()
+        await asyncio.to_thread(producer.send_many, [b"p", b"q"])
+        assert producer.unacked == 2
+        with pytest.raises(UnackedRecordsError) as info:
+            await asyncio.to_thread(producer.close, 0.3)
+    finally:
+        await node.stop()
+    assert info.value.records == [(b"p", None), (b"q", None)]
+
+
+def test_which_session_endings_the_producer_rides_out() -> None:
+    status = grpc.StatusCode
+    assert reconnectable(RPCError(status.UNAVAILABLE, "server stopping"))
+    assert reconnectable(RPCError(status.INTERNAL, "Internal error from Core"))
+    assert not reconnectable(RPCError(status.INTERNAL, "the server chose this"))
+    # the server process tearing the call down vs an operator's cancel, which says so in-band first
+    assert reconnectable(RPCError(status.CANCELLED, "CANCELLED"))
+    assert not reconnectable(RPCError(status.CANCELLED, "by operator"), cancelled_in_band=True)
+    for final in (status.ABORTED, status.OUT_OF_RANGE, status.INVALID_ARGUMENT, status.NOT_FOUND):
+        assert not reconnectable(RPCError(final, "no"))
