@@ -90,12 +90,12 @@ def read_state(path: Path) -> tuple[int, int]:
 
 def start_producer(tmp: Path, port: int) -> tuple[subprocess.Popen[bytes], Path, Path]:
     stop, state = tmp / "stop-producer", tmp / "producer.state"
-    log = (tmp / "producer.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, str(PRODUCER), f"127.0.0.1:{port}", "default", str(stop), str(state)],
-        stderr=log,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    with (tmp / "producer.log").open("wb") as log:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(
+            [sys.executable, str(PRODUCER), f"127.0.0.1:{port}", "default", str(stop), str(state)],
+            stderr=log,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
     return proc, stop, state
 
 
