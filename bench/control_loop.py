@@ -12,12 +12,14 @@ busy-wait in the pipeline), the same 1 s batch interval and a sender that always
 - sluice-model: Sluice with the default estimator ("model").
 
 Capacity is measured in the same run, right before each system runs (the machine is shared and its
-speed drifts). For the Sluice rows: the Sluice source, cost stage, noop sink and 1 s trigger over a
-backlog of pre-written blocks, batches capped at two sizes, fitted as fixed + per-record cost, on
-local[2]'s two cores (the source spreads a batch over minPartitions = 2 tasks). For the DStream row: the
-cost stage over spark.range in batch mode on one core, because its receiver pins the other core of
-local[2] for the whole run; batch mode has a smaller fixed cost per batch than a streaming trigger, so
-this is an upper bound. The "halved" profile doubles the per-record cost from 1/3 to 2/3 of the
+speed drifts). For the Sluice rows: Sluice itself with the "fixed" estimator pinned at two rates, one
+well under and one over a first guess, fitted as fixed + per-record cost per batch. That measures the
+pipeline under the same ingest load as the runs (publisher process, server, fsynced log and Spark
+share local[2]'s two cores); the first guess comes from the same source, stage, sink and trigger over
+pre-written blocks without ingest, which reads ~30% higher. For the DStream row: the cost stage over
+spark.range in batch mode on one core, because its receiver pins the other core of local[2] for the
+whole run; batch mode has a smaller fixed cost per batch than a streaming trigger, so this is an upper
+bound. The "halved" profile doubles the per-record cost from 1/3 to 2/3 of the
 duration (a multiplier file the executors' workers read). The "busy" column is the share of wall time
 Spark spent processing batches: it needs no capacity estimate.
 
@@ -224,10 +226,31 @@ def measure_streaming_capacity(
                 spark.streams.removeListener(listener)
             # the first two batches of a fresh query carry start-up
             times += [(e.num_input_rows, e.processing_seconds) for e in events if e.num_input_rows][2:]
-    n = len(times)
-    mean_x = sum(x for x, _ in times) / n
-    mean_y = sum(y for _, y in times) / n
-    b = sum((x - mean_x) * (y - mean_y) for x, y in times) / sum((x - mean_x) ** 2 for x, _ in times)
+    return _fit(times)
+
+
+def measure_in_situ_capacity(
+    spark: Any, cost: float, cost_file: CostFile, args: Any, guess: Capacity, seconds: float = 15.0
+) -> Capacity:
+    """Fit fixed + per-record cost from Sluice itself at two pinned rates ("fixed" estimator), under
+    the same ingest load as the runs: a saturating publisher, the server, the fsynced log and Spark share
+    the machine's two cores, which a measurement over pre-written blocks does not see. One rate well
+    under `guess`'s capacity, one over it (batches then run back to back at the cap)."""
+    points: list[tuple[int, float]] = []
+    for share in (0.4, 1.3):
+        rate = share * guess.records_per_second
+        batches = asyncio.run(
+            run_sluice(spark, "fixed", cost, cost_file, (), args, duration=seconds, initial_rate=rate)
+        )
+        points += [(b.records, b.processing_delay) for b in batches[3:] if b.records]
+    return _fit(points)
+
+
+def _fit(points: list[tuple[int, float]]) -> Capacity:
+    n = len(points)
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    b = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
     return Capacity(max(0.0, mean_y - b * mean_x), max(1e-9, b))
 
 
@@ -385,7 +408,11 @@ async def run_sluice(
     cost_file: CostFile,
     changes: tuple[tuple[float, float], ...],
     args: Any,
+    *,
+    duration: float | None = None,
+    initial_rate: float | None = None,
 ) -> list[BatchMetrics]:
+    duration = args.duration if duration is None else duration
     loop = asyncio.get_running_loop()
     collected: list[tuple[BatchMetrics, float]] = []
     path = str(cost_file.path)
@@ -401,7 +428,9 @@ async def run_sluice(
             data_dir=Path(tmp),
             streams=(STREAM,),
             trigger_interval=INTERVAL,
-            rate=RateConfig(estimator=estimator),
+            rate=RateConfig(estimator=estimator)
+            if initial_rate is None
+            else RateConfig(estimator=estimator, initial_rate=initial_rate),
         )
         server = SluiceServer(config)
         await server.start()
@@ -422,11 +451,9 @@ async def run_sluice(
             ctx = mp.get_context("spawn")
             t0 = time.time()
             cancel = cost_file.schedule(t0, changes)
-            proc = ctx.Process(
-                target=publish, args=(server.target, args.record_bytes, args.duration), daemon=True
-            )
+            proc = ctx.Process(target=publish, args=(server.target, args.record_bytes, duration), daemon=True)
             proc.start()
-            while time.time() < t0 + args.duration:
+            while time.time() < t0 + duration:
                 if driver.error():
                     raise RuntimeError(f"query died: {driver.error()}")
                 await asyncio.sleep(0.2)
@@ -515,8 +542,12 @@ def main() -> None:
                         cap = measure_capacity(spark, cost, str(cost_file.path), 1)
                         how = "batch mode, 1 core: the receiver pins the other"
                     else:
-                        cap = measure_streaming_capacity(spark, cost, str(cost_file.path))
-                        how = "Sluice source, streaming, 2 cores"
+                        guess = measure_streaming_capacity(spark, cost, str(cost_file.path))
+                        cap = measure_in_situ_capacity(spark, cost, cost_file, args, guess)
+                        how = (
+                            f"Sluice at two pinned rates under ingest load, 2 cores; without ingest "
+                            f"{guess.records_per_second:,.0f} rec/s"
+                        )
                     print(
                         f"[{profile}] {system}: capacity ({how}): fixed {cap.fixed_cost:.3f} s/batch, "
                         f"{cap.per_record_cost * 1e6:.2f} us/record -> {cap.records_per_second:,.0f} rec/s "
