@@ -1,6 +1,8 @@
 """A tiny deterministic pipeline to try estimators on: a saturating publisher, a Spark receiver, batches.
 
-Modelled like a Spark Streaming receiver. The publisher always offers `offered_rate` records/s; the
+`simulate` is modelled like a Spark Streaming receiver; `simulate_structured` like Sluice under
+Structured Streaming (records wait in the store, each batch takes what is there up to the source's cap).
+In `simulate`: The publisher always offers `offered_rate` records/s; the
 receiver admits min(offered, rate in force). The records admitted during [(k-1) I, k I) form batch k,
 due at k I (I = interval). Batches run one at a time, in order: batch k starts at max(k I, end of batch
 k-1), so a batch that overruns its interval makes the next late, and takes
@@ -193,6 +195,91 @@ def simulate(
             changes.append((end, rate))
         batches.append(batch)
         capacities.append(pipeline.capacity_at(due - interval, interval))
+        rates.append(changes[-1][1])
+
+    processed = sum(b.records for b in batches[1:])
+    possible = pipeline.capacity_between(batches[0].completed_at, end, interval)
+    return Simulation(
+        interval=interval,
+        batches=tuple(batches),
+        capacities=tuple(capacities),
+        rates=tuple(rates),
+        utilisation=processed / possible if possible > 0 else 0.0,
+    )
+
+
+def simulate_structured(
+    estimator: RateEstimator,
+    pipeline: Pipeline,
+    *,
+    interval: float = 1.0,
+    duration: float = 90.0,
+    offered_rate: float = 100_000.0,
+) -> Simulation:
+    """Like `simulate`, but modelled on Sluice under Structured Streaming rather than a DStream receiver.
+
+    Admitted records (min(offered, rate in force)) wait in the block store. A trigger fires every
+    interval, or as soon as the previous batch ends when it overran; the batch takes the records that
+    are there, oldest first, up to the source's cap of max(rate, estimated capacity) x interval (asked
+    when the batch is planned), and reports what it left (`backlog`). Scheduling delay is batch start -
+    arrival of its oldest record; a starved batch is judged against the capacity at that arrival.
+    """
+    changes: list[tuple[float, float]] = [(0.0, estimator.rate)]
+
+    def segments() -> list[tuple[float, float, float]]:
+        ends = [since for since, _ in changes[1:]] + [math.inf]
+        return [
+            (since, until, min(offered_rate, rate))
+            for (since, rate), until in zip(changes, ends, strict=True)
+        ]
+
+    def admitted(t: float) -> float:
+        return sum(rate * (min(t, until) - since) for since, until, rate in segments() if since < t)
+
+    def arrival(record: float) -> float:
+        """When the `record`-th admitted record (1-based) arrived."""
+        total = 0.0
+        for since, until, rate in segments():
+            span = rate * (until - since)
+            if rate > 0 and total + span >= record:
+                return since + (record - total) / rate
+            total += span
+        return math.inf
+
+    batches: list[BatchMetrics] = []
+    capacities: list[float] = []
+    rates: list[float] = []
+    consumed = 0
+    end = 0.0
+    k = 0
+    while True:
+        k += 1
+        start = max(k * interval, end)
+        if start >= duration:
+            break
+        available = math.floor(admitted(start)) - consumed
+        cap = max(changes[-1][1], estimator.capacity or 0.0) * interval
+        records = max(0, min(available, math.floor(cap)))
+        oldest = arrival(consumed + 1) if records else start
+        took = pipeline.fixed_cost + pipeline.per_record_cost_at(start) * records
+        if k == 1:
+            took += pipeline.startup
+        consumed += records
+        end = start + took
+        batch = BatchMetrics(
+            batch_id=k - 1,
+            completed_at=end,
+            records=records,
+            processing_delay=took,
+            scheduling_delay=max(0.0, start - oldest),
+            batch_interval=interval,
+            backlog=available - records,
+        )
+        rate = estimator.compute(batch)
+        if rate is not None:
+            changes.append((end, rate))
+        batches.append(batch)
+        capacities.append(pipeline.capacity_at(min(oldest, start), interval))
         rates.append(changes[-1][1])
 
     processed = sum(b.records for b in batches[1:])

@@ -28,7 +28,7 @@ from ratecontrol import (
     UnknownEstimatorError,
     make_estimator,
 )
-from ratecontrol.simulate import Pipeline, Simulation, simulate
+from ratecontrol.simulate import Pipeline, Simulation, simulate, simulate_structured
 
 INF = math.inf
 
@@ -555,3 +555,24 @@ def test_simulation_is_deterministic_and_counts_what_it_admits() -> None:
     # 20k of 45k per interval, processed over 89 intervals
     assert fixed.utilisation == pytest.approx(20_000 / 45_000, rel=1e-3)
     assert fixed.starved == 87 and fixed.longest_starvation == 89
+
+
+@pytest.mark.parametrize("pipeline", [STEADY, DOUBLING], ids=["steady", "cost-doubles"])
+def test_model_meets_the_control_goals_under_structured_streaming(pipeline: Pipeline) -> None:
+    """The same goals with Sluice's own admission: records wait in the store, each batch takes what is
+    there up to the source's cap of max(rate, capacity) x interval, and reports the backlog it left."""
+    estimator = make_estimator("model", bounds=RateBounds(100.0, INF), initial_rate=SLUICE_START)
+    sim = simulate_structured(estimator, pipeline, interval=1.0, duration=90.0)
+    summary = sim.summary()
+    assert sim.utilisation >= 0.90, summary
+    assert sim.peak_delay(after_batch=3) <= 2.0, summary
+    settle = sim.settle_time
+    assert settle is not None and settle <= 10.0, summary
+    assert sim.starved == 0, summary
+
+
+def test_spark_pid_under_structured_streaming_starves_after_a_cost_doubling() -> None:
+    estimator = make_estimator("spark-pid", bounds=RateBounds(100.0, INF), initial_rate=SLUICE_START)
+    sim = simulate_structured(estimator, DOUBLING, interval=1.0, duration=90.0)
+    assert sim.peak_delay() > 20.0, sim.summary()
+    assert sim.starved > 30, sim.summary()
