@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -17,11 +19,15 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from prometheus_client import generate_latest
 from support import running_server, wait_until
 
+from ingest.cli import _show_rate
 from ingest.client import Producer
+from ingest.rate_service import rate_status
 from ingest.server import SluiceServer
 from receivers.block import BLOCK_SCHEMA
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.receiver import DISK_BUDGET, DISK_ERROR, MEMORY_BUDGET, ReceiverConfig
 from receivers.wal import FsyncPolicy, WalBlockStore
 
@@ -126,6 +132,20 @@ async def test_memory_budget_stops_credit_for_large_records_and_resumes_as_block
         assert Spark(server.config.blocks_dir).stored() == warmup + main
 
 
+def test_rate_get_shows_why_credit_is_paused(capsys: pytest.CaptureFixture[str]) -> None:
+    status = pb.RateStatus(
+        records_per_second=math.inf,
+        streams=[
+            pb.StreamRate(stream="a", records_per_second=math.inf, credit_paused=[DISK_BUDGET, DISK_ERROR]),
+            pb.StreamRate(stream="b", records_per_second=math.inf),
+        ],
+    )
+    assert _show_rate(status) == 0
+    out = capsys.readouterr().out
+    assert "stream a: unlimited records/s (credit paused: disk_budget, disk_error)\n" in out
+    assert "stream b: unlimited records/s\n" in out
+
+
 def test_budgets_are_validated() -> None:
     with pytest.raises(ValueError, match="buffer_bytes"):
         ReceiverConfig(buffer_bytes=0)
@@ -176,6 +196,20 @@ async def test_disk_budget_pauses_credit_until_spark_releases_blocks(
             assert server.registry.get_sample_value("sluice_wal_disk_budget_bytes") == budget
             assert "credit paused: disk budget 195.3 KiB reached" in caplog.text
             assert "resumes when Spark releases blocks" in caplog.text
+            status = rate_status(server.rate)  # what `sluice rate get` shows
+            assert [list(s.credit_paused) for s in status.streams] == [[DISK_BUDGET]]
+            scrape = generate_latest(server.registry).decode()
+            assert 'sluice_credit_paused{reason="disk_budget",stream="s"} 1.0' in scrape
+            promtool = shutil.which("promtool")
+            if promtool is not None:
+                checked = await asyncio.to_thread(
+                    subprocess.run,
+                    [promtool, "check", "metrics"],
+                    input=scrape.encode(),
+                    capture_output=True,
+                    check=False,
+                )
+                assert checked.returncode == 0, checked.stdout.decode() + checked.stderr.decode()
             # nothing accepted is lost: everything taken is stored, in order, and acked
             stored = spark.stored()
             assert stored == sent[: len(stored)]
