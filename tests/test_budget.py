@@ -41,6 +41,17 @@ def fill(path: Path, size: int) -> None:
         file.write(b"\0" * size)
 
 
+def batch(*values: bytes) -> pa.RecordBatch:
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array([None] * len(values), pa.binary()),
+            pa.array(values, pa.binary()),
+            pa.array([1_000_000] * len(values), BLOCK_SCHEMA.field("timestamp").type),
+        ],
+        schema=BLOCK_SCHEMA,
+    )
+
+
 def paused_metric(server: SluiceServer, reason: str, stream: str = "s") -> float | None:
     return server.registry.get_sample_value("sluice_credit_paused", {"stream": stream, "reason": reason})
 
@@ -91,7 +102,7 @@ async def test_memory_budget_stops_credit_for_large_records_and_resumes_as_block
             gate.wait(30)
             return write(*args)
 
-        receiver.store.write = gated_write  # type: ignore[method-assign]
+        receiver.store.write = gated_write  # type: ignore[method-assign,assignment]
         closing = contextlib.AsyncExitStack()
         closing.callback(gate.set)  # never leave the writer blocked, whatever fails
         async with (
@@ -235,17 +246,30 @@ async def test_disk_budget_pauses_credit_until_spark_releases_blocks(
         assert seconds is not None and seconds > 0.3
 
 
-def test_trim_drops_a_fully_released_newest_segment_and_keeps_the_producers(tmp_path: Path) -> None:
-    def batch(*values: bytes) -> pa.RecordBatch:
-        return pa.RecordBatch.from_arrays(
-            [
-                pa.array([None] * len(values), pa.binary()),
-                pa.array(values, pa.binary()),
-                pa.array([1_000_000] * len(values), BLOCK_SCHEMA.field("timestamp").type),
-            ],
-            schema=BLOCK_SCHEMA,
-        )
+async def test_a_store_over_the_disk_budget_at_start_grants_nothing_until_spark_releases(
+    tmp_path: Path,
+) -> None:
+    earlier = WalBlockStore(tmp_path / "blocks", fsync=FsyncPolicy.off())
+    for seq in range(5):  # left by an earlier run: 500 KB, Spark not caught up
+        earlier.write("s", seq, seq * 100, 0, [batch(*records(f"e{seq}-", 100, 1_000))])
+    earlier.close()
+    async with running_server(tmp_path, disk_budget_bytes=100_000, disk_poll_interval=0.05) as server:
+        receiver = server.receivers["s"]
+        assert DISK_BUDGET in receiver.paused  # measured before the first grant
+        async with Producer(server.target, "s", linger=0, producer_id="late") as producer:
+            await asyncio.sleep(0.3)
+            assert producer.credit == 0
+            assert receiver.stats.credit_granted == 0
+            spark = Spark(server.config.blocks_dir)
+            assert spark.commit() == 5  # one segment, the newest: the server drops it itself
+            await wait_until(lambda: producer.credit > 0)
+            await producer.send_many([b"after"] * 10)
+            await producer.flush(timeout=30)
+        assert spark.stored() == [b"after"] * 10
+        assert [b.seq for b in spark.store.blocks("s")] == [5]  # numbering continues
 
+
+def test_trim_drops_a_fully_released_newest_segment_and_keeps_the_producers(tmp_path: Path) -> None:
     writer = WalBlockStore(tmp_path, fsync=FsyncPolicy.off())
     writer.write("s", 0, 0, 0, [batch(b"a", b"b")], {"p": 2})
     writer.write("s", 1, 2, 0, [batch(b"c")], {"q": 7})
