@@ -21,7 +21,8 @@ Resource budgets (credit pauses). New credit is withheld, for one of three reaso
   per record: `INITIAL_RECORD_BYTES` (1 KiB) until records were seen, then the larger of a moving average
   (EWMA, weight 1/8 per batch) of the batches' bytes per record and the last batch's. The bound can be
   overshot by (outstanding credit) x (actual - estimated record size), one gRPC message at most per
-  session (`max_message_bytes`). Credit resumes as blocks are sealed.
+  session (`max_message_bytes`). Credit resumes as blocks are sealed. With nothing buffered and no credit
+  outstanding one record is always granted, so a budget below one record never stalls a stream.
 - disk_budget: the block store takes `disk_budget_bytes` or more on disk (the whole store, every stream:
   it is the disk that is protected). Polled at most every `disk_poll_interval` seconds from the block
   generator (a stat of each file of the store; sealed blocks are added at once), since blocks are
@@ -561,6 +562,8 @@ class Receiver:
         wanting = any(s.credit <= refill_at for s in active)
         estimate = self.record_bytes_estimate
         by_bytes = math.floor((self.config.buffer_bytes - self.committed_bytes) / estimate)
+        if by_bytes < 1 and self._buffered == 0 and self._outstanding <= 0:
+            by_bytes = 1  # a budget below one record slows ingestion to a record at a time, never stalls it
         self._set_paused(MEMORY_BUDGET, wanting and by_bytes < 1)
         if not wanting or DISK_ERROR in self._paused or DISK_BUDGET in self._paused:
             return

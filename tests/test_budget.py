@@ -157,6 +157,19 @@ def test_rate_get_shows_why_credit_is_paused(capsys: pytest.CaptureFixture[str])
     assert "stream b: unlimited records/s\n" in out
 
 
+async def test_a_memory_budget_below_one_record_slows_but_never_stalls(tmp_path: Path) -> None:
+    async with (
+        running_server(tmp_path, buffer_bytes=100) as server,
+        Producer(server.target, "s", linger=0) as producer,
+    ):
+        await producer.send_many(records("t", 20, 1_000))
+        await producer.flush(timeout=30)
+        assert producer.acked == 20
+        stats = server.receivers["s"].stats
+        assert stats.batches_received == 20  # a record at a time
+        assert stats.credit_granted == 21  # the last one waits, unused, for a 21st record
+
+
 def test_budgets_are_validated() -> None:
     with pytest.raises(ValueError, match="buffer_bytes"):
         ReceiverConfig(buffer_bytes=0)
