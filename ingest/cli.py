@@ -20,7 +20,7 @@ from typing import IO, TypeVar
 
 import grpc
 
-from ingest.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, RateConfig, ServeConfig
+from ingest.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, RateConfig, ServeConfig, parse_size
 from ingest.errors import SluiceError
 from receivers.block import InvalidStreamNameError
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
@@ -96,6 +96,29 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         type=int,
         default=500_000,
         help="records buffered + credit outstanding per stream (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--buffer-bytes",
+        type=_size,
+        default=ReceiverConfig.buffer_bytes,
+        metavar="SIZE",
+        help="per stream, bytes buffered + bytes outstanding credit may bring (estimated per record): "
+        "the memory budget; e.g. 512MiB (default: 256MiB)",
+    )
+    serve.add_argument(
+        "--disk-budget",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="bytes the block log (all streams) may take on disk before credit pauses until Spark "
+        "releases blocks; e.g. 20GiB (default: none)",
+    )
+    serve.add_argument(
+        "--segment-bytes",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="block log segment size (default: 64MiB, or a quarter of --disk-budget if smaller)",
     )
     serve.add_argument(
         "--prefetch",
@@ -205,6 +228,16 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     return parser
 
 
+def _size(text: str) -> int:
+    try:
+        size = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
+    return size
+
+
 def _fsync_policy(text: str) -> FsyncPolicy:
     try:
         return FsyncPolicy.parse(text)
@@ -234,6 +267,8 @@ def _serve(args: argparse.Namespace) -> int:
                 prefetch=args.prefetch or max(1, args.buffer_records // 2),
                 low_tide=args.low_tide,
                 block_records=args.block_records,
+                buffer_bytes=args.buffer_bytes,
+                disk_budget_bytes=args.disk_budget,
             ),
             rate=RateConfig(
                 estimator=args.estimator or ("fixed" if args.no_spark else "model"),
@@ -242,6 +277,7 @@ def _serve(args: argparse.Namespace) -> int:
                 max_rate=args.max_rate,
             ),
             fsync=args.fsync,
+            segment_bytes=args.segment_bytes,
             master=args.master,
             pipeline=args.pipeline,
             trigger_interval=args.trigger_interval,
@@ -463,7 +499,8 @@ def _show_rate(status: pb.RateStatus | None) -> int:
     print(f"rate: {_rate_text(status.records_per_second)} records/s ({status.estimator}{pinned})")
     print(f"bounds: {_rate_text(status.min_rate)} .. {_rate_text(status.max_rate)} records/s")
     for stream in status.streams:
-        print(f"stream {stream.stream}: {_rate_text(stream.records_per_second)} records/s")
+        paused = f" (credit paused: {', '.join(stream.credit_paused)})" if stream.credit_paused else ""
+        print(f"stream {stream.stream}: {_rate_text(stream.records_per_second)} records/s{paused}")
     if status.estimator_state:
         print("estimator state: " + ", ".join(f"{k}={v}" for k, v in sorted(status.estimator_state.items())))
     if status.HasField("last_batch"):

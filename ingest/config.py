@@ -3,16 +3,45 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ratecontrol import ESTIMATORS, RateBounds, UnknownEstimatorError, check_rate
 from receivers.block import check_stream_name
 from receivers.receiver import ReceiverConfig
-from receivers.wal import FsyncPolicy
+from receivers.wal import DEFAULT_SEGMENT_BYTES, FsyncPolicy
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9464
+MIN_SEGMENT_BYTES = 4096
+
+_SIZE = re.compile(r"^\s*(\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+
+
+def parse_size(text: str) -> int:
+    """A byte count: plain bytes ("1048576") or with a unit: B, KB/MB/GB/TB (powers of 1000) or
+    KiB/MiB/GiB/TiB (powers of 1024), case-insensitive ("512MiB", "2 GiB", "100MB"). ValueError if not."""
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"invalid size {text!r}: use bytes or a number with B, KB, MB, GB, TB (x1000) or KiB, MiB, "
+            "GiB, TiB (x1024), e.g. 512MiB"
+        )
+    return int(match.group(1)) * _UNITS[unit]
 
 
 @dataclass(frozen=True)
@@ -61,6 +90,10 @@ class ServeConfig:
     fsync: FsyncPolicy = field(default_factory=FsyncPolicy.every_block)
     """When the block log is fsynced: every block before acking it (the default), every N ms in the
     background (acked blocks survive a process crash, not a power loss), or off (throwaway data only)."""
+    segment_bytes: int | None = None
+    """Size at which the block log starts a new segment file. Spark's release deletes whole segments
+    (never the newest), so under a disk budget segments should be well below it; None: 64 MiB, or a
+    quarter of the disk budget when that is smaller (at least 4 KiB)."""
     max_message_bytes: int = 32 * 1024 * 1024
     """Largest gRPC message taken; a larger Batch ends its session with RESOURCE_EXHAUSTED."""
     master: str = "local[*]"
@@ -85,8 +118,20 @@ class ServeConfig:
             raise ValueError(f"metrics port must be 0-65535, got {self.metrics_port}")
         if not self.trigger_interval > 0:
             raise ValueError(f"trigger interval must be > 0 seconds, got {self.trigger_interval}")
+        if self.segment_bytes is not None and self.segment_bytes < MIN_SEGMENT_BYTES:
+            raise ValueError(f"segment bytes must be >= {MIN_SEGMENT_BYTES}, got {self.segment_bytes}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max message bytes must be >= 1024, got {self.max_message_bytes}")
+
+    @property
+    def wal_segment_bytes(self) -> int:
+        """The block log's segment size: segment_bytes, or its default (see there)."""
+        if self.segment_bytes is not None:
+            return self.segment_bytes
+        budget = self.receiver.disk_budget_bytes
+        if budget is None:
+            return DEFAULT_SEGMENT_BYTES
+        return max(MIN_SEGMENT_BYTES, min(DEFAULT_SEGMENT_BYTES, budget // 4))
 
     @property
     def blocks_dir(self) -> Path:

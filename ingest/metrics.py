@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from receivers.receiver import Receiver
+from receivers.receiver import PAUSE_REASONS, Receiver
 from receivers.wal import WalBlockStore
 
 
@@ -75,6 +75,23 @@ class SluiceCollector(Collector):
                 "Records taken and not yet in a durable block.",
                 lambda r: r.buffered_records,
             ),
+            "buffered_bytes": (
+                "Bytes of the records taken and not yet in a durable block.",
+                lambda r: r.buffered_bytes,
+            ),
+            "buffer_committed_bytes": (
+                "What the memory budget counts: bytes buffered plus outstanding credit at the estimated "
+                "bytes per record.",
+                lambda r: r.committed_bytes,
+            ),
+            "buffer_budget_bytes": (
+                "The memory budget per stream (--buffer-bytes).",
+                lambda r: r.config.buffer_bytes,
+            ),
+            "record_bytes_estimate": (
+                "Bytes per record the memory budget assumes for outstanding credit.",
+                lambda r: r.record_bytes_estimate,
+            ),
             "sessions_active": ("Publisher sessions open now.", lambda r: r.active_sessions),
             "rate_limit": ("Ingest rate limit in records per second (+Inf: unlimited).", lambda r: r.rate),
         }
@@ -88,11 +105,38 @@ class SluiceCollector(Collector):
             for stream, receiver in self._receivers.items():
                 gauge.add_metric([stream], read(receiver))
             yield gauge
+        yield from self._collect_pauses()
         if self._wal is not None:
             yield from self._collect_wal(self._wal)
         yield CounterMetricFamily(
             "sluice_batches_completed", "Spark micro-batches completed.", value=self._batches_completed()
         )
+
+    def _collect_pauses(self) -> Iterator[Metric]:
+        paused = GaugeMetricFamily(
+            "sluice_credit_paused",
+            "1 while new credit is withheld for this reason: memory_budget (--buffer-bytes reached), "
+            "disk_budget (--disk-budget reached; resumes when Spark releases blocks), disk_error (block "
+            "writes fail, e.g. disk full; retried).",
+            labels=["stream", "reason"],
+        )
+        pauses = CounterMetricFamily(
+            "sluice_credit_pauses", "Times credit was paused, by reason.", labels=["stream", "reason"]
+        )
+        seconds = CounterMetricFamily(
+            "sluice_credit_paused_seconds",
+            "Seconds credit was paused, by reason (the current pause included).",
+            labels=["stream", "reason"],
+        )
+        for stream, receiver in self._receivers.items():
+            now_paused = receiver.paused
+            for reason in PAUSE_REASONS:
+                paused.add_metric([stream, reason], 1.0 if reason in now_paused else 0.0)
+                pauses.add_metric([stream, reason], receiver.stats.credit_pauses.get(reason, 0))
+                seconds.add_metric([stream, reason], receiver.paused_seconds(reason))
+        yield paused
+        yield pauses
+        yield seconds
 
     def _collect_wal(self, wal: WalBlockStore) -> Iterator[Metric]:
         truncations = CounterMetricFamily(
@@ -114,6 +158,13 @@ class SluiceCollector(Collector):
         yield truncations
         yield truncated
         yield disk
+        budgets = {r.config.disk_budget_bytes for r in self._receivers.values()} - {None}
+        if budgets:
+            yield GaugeMetricFamily(
+                "sluice_wal_disk_budget_bytes",
+                "Bytes the whole block log may take on disk before credit pauses (--disk-budget).",
+                value=min(b for b in budgets if b is not None),
+            )
 
 
 class MetricsServer:

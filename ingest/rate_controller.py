@@ -53,6 +53,10 @@ class RateController:
     def stream_rates(self) -> dict[str, float]:
         return {stream: receiver.rate for stream, receiver in self._receivers.items()}
 
+    def credit_paused(self) -> dict[str, list[str]]:
+        """Stream -> why its credit is paused now (sorted reasons: see receivers.receiver.PAUSE_REASONS)."""
+        return {stream: sorted(receiver.paused) for stream, receiver in self._receivers.items()}
+
     def on_batch(self, batch: BatchMetrics) -> None:
         """A micro-batch completed: let the estimator propose a rate (ignored while pinned)."""
         self.last_batch = batch

@@ -14,6 +14,7 @@ Context = grpc.aio.ServicerContext[object, object]
 
 
 def rate_status(controller: RateController) -> pb.RateStatus:
+    paused = controller.credit_paused()
     status = pb.RateStatus(
         records_per_second=controller.rate,
         min_rate=controller.bounds.min_rate,
@@ -21,7 +22,10 @@ def rate_status(controller: RateController) -> pb.RateStatus:
         estimator=controller.estimator.name,
         pinned=controller.pinned,
         estimator_state={k: str(v) for k, v in controller.estimator.state().items()},
-        streams=[pb.StreamRate(stream=s, records_per_second=r) for s, r in controller.stream_rates().items()],
+        streams=[
+            pb.StreamRate(stream=s, records_per_second=r, credit_paused=paused.get(s, []))
+            for s, r in controller.stream_rates().items()
+        ],
         capacity=controller.estimator.capacity or 0.0,
     )
     batch = controller.last_batch

@@ -31,7 +31,9 @@ class SluiceServer:
 
     def __init__(self, config: ServeConfig, *, batches_completed: Callable[[], int] = lambda: 0) -> None:
         self.config = config
-        self.store = WalBlockStore(config.blocks_dir, fsync=config.fsync)
+        self.store = WalBlockStore(
+            config.blocks_dir, fsync=config.fsync, segment_bytes=config.wal_segment_bytes
+        )
         self.receivers = {s: Receiver(s, self.store, config.receiver) for s in config.streams}
         self.rate = RateController(self.receivers, config.rate)
         """The ingest rate: fed by batch metrics (on_batch) and by operators (RateControl)."""

@@ -58,3 +58,13 @@ class BlockStore(ABC):
     @abstractmethod
     def release(self, stream: str, before_seq: int) -> int:
         """Drop the blocks of `stream` with seq < before_seq; return how many were dropped."""
+
+    # ---- resources (the writing process) ---------------------------------------------------------
+
+    def disk_bytes(self, stream: str | None = None) -> int:
+        """Bytes the store takes on disk: of one stream, or of all (0 if the store does not know)."""
+        return 0
+
+    def trim(self, stream: str) -> int:
+        """Free what released blocks still take that release() left behind; return the bytes freed."""
+        return 0

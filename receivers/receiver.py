@@ -14,6 +14,30 @@ Sessions are topped up in rotating order, so a fast publisher cannot starve a sl
 Every `block_interval` (or sooner, once `block_records` wait) the block generator seals what was taken
 into one block, writes it durably to the block store, then acks each session up to its last record in it.
 
+Resource budgets (credit pauses). New credit is withheld, for one of three reasons, while:
+
+- memory_budget: the bytes of records taken and not yet sealed plus the bytes the outstanding credit may
+  bring reach `buffer_bytes`. Credit is counted in records, so it is converted with an estimate of bytes
+  per record: `INITIAL_RECORD_BYTES` (1 KiB) until records were seen, then the larger of a moving average
+  (EWMA, weight 1/8 per batch) of the batches' bytes per record and the last batch's. The bound can be
+  overshot by (outstanding credit) x (actual - estimated record size), one gRPC message at most per
+  session (`max_message_bytes`). Credit resumes as blocks are sealed. With nothing buffered and no credit
+  outstanding one record is always granted, so a budget below one record never stalls a stream.
+- disk_budget: the block store takes `disk_budget_bytes` or more on disk (the whole store, every stream:
+  it is the disk that is protected). Polled at most every `disk_poll_interval` seconds from the block
+  generator (a stat of each file of the store; sealed blocks are added at once), since blocks are
+  released (segments deleted) by Spark's commit in another process. Resumes when Spark releases blocks.
+- disk_error: the last block write failed (ENOSPC, EIO, ...). The records stay buffered and the write is
+  retried every block_interval; nothing is acked before it is durable. Resumes once a write succeeds.
+
+While paused for a disk reason, the receiver also asks the store to drop its newest segment if Spark has
+released every block in it (`BlockStore.trim`), since Spark's release never deletes the newest segment.
+Credit already granted is honoured and records taken are always sealed, so the disk budget can be
+exceeded by at most what the memory budget holds. Publishers see no error, only no credit (backpressure);
+operators see `paused` (reason -> since), `stats.credit_pauses`, the `sluice_credit_paused` gauge, a
+WARNING when credit pauses and an INFO line when it resumes (memory-budget pauses come and go with every
+sealed block under load, so they are logged at most once a minute, the rest at DEBUG).
+
 Idempotent producers (deduplication by producer id and sequence number, like Kafka's idempotent
 producer): the receiver keeps a producer table, producer id -> (accepted_up_to: the sequence number after
 the last record it accepted of that producer, durable_up_to: every record below is durable). A session
@@ -44,6 +68,7 @@ import asyncio
 import bisect
 import contextlib
 import logging
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -76,6 +101,18 @@ _ARRIVALS_KEPT = 10_000  # blocks whose arrival times are remembered: far more t
 ABORTED = 10
 """gRPC status code a fenced session ends with: a newer session of its producer took over."""
 
+MIB = 1024 * 1024
+INITIAL_RECORD_BYTES = 1024
+"""Bytes per record the memory budget assumes until records were seen."""
+_EWMA_WEIGHT = 1 / 8
+_MEMORY_LOG_EVERY = 60.0  # seconds: memory-budget pauses are logged at WARNING at most this often
+
+MEMORY_BUDGET = "memory_budget"
+DISK_BUDGET = "disk_budget"
+DISK_ERROR = "disk_error"
+PAUSE_REASONS = (MEMORY_BUDGET, DISK_BUDGET, DISK_ERROR)
+"""Why credit can be paused (the `reason` label of sluice_credit_paused)."""
+
 
 @dataclass(frozen=True)
 class ReceiverConfig:
@@ -98,6 +135,14 @@ class ReceiverConfig:
     """Id written with every block (the analogue of a Kafka partition)."""
     max_producers: int = 100_000
     """Producers remembered for deduplication per stream (least recently used evicted first)."""
+    buffer_bytes: int = 256 * MIB
+    """Per stream, bytes of records taken and not yet sealed plus the bytes outstanding credit may bring
+    (estimated per record: see the module docstring): the memory budget."""
+    disk_budget_bytes: int | None = None
+    """Bytes the whole block store (every stream) may take on disk before credit pauses; None: no
+    budget. A soft limit: what was already granted or taken is still sealed."""
+    disk_poll_interval: float = 0.25
+    """Seconds between polls of the store's disk use (when there is a disk budget or writes fail)."""
 
     def __post_init__(self) -> None:
         if not self.block_interval > 0:
@@ -114,6 +159,14 @@ class ReceiverConfig:
             raise ValueError(f"credit_tick must be > 0 seconds, got {self.credit_tick}")
         if self.max_producers < 1:
             raise ValueError(f"max_producers must be >= 1, got {self.max_producers}")
+        if self.buffer_bytes < 1:
+            raise ValueError(f"buffer_bytes must be >= 1, got {self.buffer_bytes}")
+        if self.disk_budget_bytes is not None and self.disk_budget_bytes < 1:
+            raise ValueError(
+                f"disk_budget_bytes must be >= 1 (or None: no budget), got {self.disk_budget_bytes}"
+            )
+        if not self.disk_poll_interval > 0:
+            raise ValueError(f"disk_poll_interval must be > 0 seconds, got {self.disk_poll_interval}")
 
     @property
     def seal_at(self) -> int:
@@ -143,6 +196,10 @@ class ReceiverStats:
     """Records dropped because their (producer id, sequence number) had been accepted before."""
     sessions_fenced: int = 0
     """Sessions cancelled because a newer session of the same producer opened."""
+    credit_pauses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PAUSE_REASONS, 0))
+    """Reason -> times credit was paused for it."""
+    credit_paused_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PAUSE_REASONS, 0.0))
+    """Reason -> seconds credit was paused for it, pauses that ended (see Receiver.paused_seconds)."""
 
 
 @dataclass
@@ -162,6 +219,7 @@ class _Chunk:
     records: pa.RecordBatch
     session: Session
     end_seq: int
+    nbytes: int
 
 
 class Receiver:
@@ -190,7 +248,17 @@ class Receiver:
         self._pending_records = 0
         self._seal_wanted = asyncio.Event()
         self._buffered = 0
+        self._buffered_bytes = 0
         self._outstanding = 0
+        self._record_bytes_avg = float(INITIAL_RECORD_BYTES)
+        self._record_bytes_last = float(INITIAL_RECORD_BYTES)
+        self._records_seen = False
+        self._paused: dict[str, float] = {}  # reason -> since (clock)
+        self._pause_logged: set[str] = set()
+        self._memory_logged_at = -math.inf
+        self._disk_used: int | None = None
+        self._disk_polled_at = -math.inf
+        self._write_error: str | None = None
         self._next_block_seq, self._next_offset = store.recover(self.stream)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -205,6 +273,10 @@ class Receiver:
 
     async def start(self) -> None:
         if self._task is None:
+            if self.config.disk_budget_bytes is not None:  # measured before the first grant
+                self._disk_polled_at = self._clock()
+                self._disk_used = await asyncio.to_thread(self.store.disk_bytes)
+                self._set_paused(DISK_BUDGET, self._disk_used >= self.config.disk_budget_bytes)
             self._task = asyncio.create_task(self._run(), name=f"receiver-{self.stream}")
             self._task.add_done_callback(self._run_ended)
 
@@ -257,6 +329,37 @@ class Receiver:
     @property
     def buffered_records(self) -> int:
         return self._buffered
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Bytes of the records taken and not yet in a durable block."""
+        return self._buffered_bytes
+
+    @property
+    def record_bytes_estimate(self) -> float:
+        """Bytes per record the memory budget assumes for outstanding credit."""
+        return max(self._record_bytes_avg, self._record_bytes_last, 1.0)
+
+    @property
+    def committed_bytes(self) -> float:
+        """What the memory budget counts: bytes buffered plus outstanding credit at the estimate."""
+        return self._buffered_bytes + max(0, self._outstanding) * self.record_bytes_estimate
+
+    @property
+    def disk_used(self) -> int | None:
+        """The block store's bytes on disk as last measured (None: not measured: no disk budget)."""
+        return self._disk_used
+
+    @property
+    def paused(self) -> dict[str, float]:
+        """Why credit is paused now: reason (see PAUSE_REASONS) -> since when (the receiver's clock)."""
+        return dict(self._paused)
+
+    def paused_seconds(self, reason: str) -> float:
+        """Seconds credit was paused for `reason`, the current pause included."""
+        since = self._paused.get(reason)
+        current = self._clock() - since if since is not None else 0.0
+        return self.stats.credit_paused_seconds.get(reason, 0.0) + current
 
     @property
     def active_sessions(self) -> int:
@@ -360,6 +463,7 @@ class Receiver:
             # forgotten while its session was open (cannot happen: eviction skips those); start over
             state = ProducerState(first_seq, first_seq, [session])
             self._producers[session.producer_id] = state
+        self._observe_record_bytes(records)
         session.credit -= count
         self._outstanding -= count  # duplicates' credit returns to the pool: they take no buffer room
         session.next_seq += count
@@ -369,8 +473,10 @@ class Receiver:
             records = records.slice(duplicates)
         fresh = count - duplicates
         if fresh:
+            nbytes = records.nbytes
             self._buffered += fresh
-            self._pending.append(_Chunk(records, session, session.next_seq))
+            self._buffered_bytes += nbytes
+            self._pending.append(_Chunk(records, session, session.next_seq, nbytes))
             self._pending_records += fresh
             if self._pending_records >= self.config.seal_at:
                 self._seal_wanted.set()
@@ -381,6 +487,17 @@ class Receiver:
             if duplicates:
                 self._ack(session, min(session.next_seq, state.durable_up_to))
         self._replenish()
+
+    def _observe_record_bytes(self, records: pa.RecordBatch) -> None:
+        """Feed the bytes-per-record estimate of the memory budget with a batch (duplicates included:
+        they show what the producer sends)."""
+        if records.num_rows:
+            per_record = records.nbytes / records.num_rows
+            self._record_bytes_last = per_record
+            if self._records_seen:
+                self._record_bytes_avg += _EWMA_WEIGHT * (per_record - self._record_bytes_avg)
+            else:
+                self._record_bytes_avg, self._records_seen = per_record, True
 
     def complete(self, session: Session) -> None:
         """onComplete: return the session's credit; end the call once everything it sent is acked."""
@@ -437,18 +554,25 @@ class Receiver:
                 session.outbox.finish()
 
     def _replenish(self) -> None:
-        """Top up sessions at or below low tide, in rotating order, within buffer and rate."""
-        if self._stopping or not self._sessions:
-            return
-        free = self.config.buffer_records - self._buffered - self._outstanding
-        if free <= 0:
+        """Top up sessions at or below low tide, in rotating order, within buffer, budgets and rate."""
+        if self._stopping:
             return
         active = [s for s in self._sessions if s.accepting]
-        if not active:
+        refill_at = self.config.refill_at
+        wanting = any(s.credit <= refill_at for s in active)
+        estimate = self.record_bytes_estimate
+        by_bytes = math.floor((self.config.buffer_bytes - self.committed_bytes) / estimate)
+        if by_bytes < 1 and self._buffered == 0 and self._outstanding <= 0:
+            by_bytes = 1  # a budget below one record slows ingestion to a record at a time, never stalls it
+        self._set_paused(MEMORY_BUDGET, wanting and by_bytes < 1)
+        if not wanting or DISK_ERROR in self._paused or DISK_BUDGET in self._paused:
+            return
+        free = min(self.config.buffer_records - self._buffered - self._outstanding, by_bytes)
+        if free <= 0:
             return
         self._rotation = (self._rotation + 1) % len(active)
         now = self._clock()
-        prefetch, refill_at = self.config.prefetch, self.config.refill_at
+        prefetch = self.config.prefetch
         for session in active[self._rotation :] + active[: self._rotation]:
             if session.credit > refill_at:
                 continue
@@ -459,6 +583,89 @@ class Receiver:
             free -= grant
             if free <= 0:
                 break
+
+    # ---- credit pauses -------------------------------------------------------------------------
+
+    def _set_paused(self, reason: str, paused: bool) -> None:
+        """Record a transition of `reason` (no-op without one); log it and count it."""
+        if paused == (reason in self._paused):
+            return
+        now = self._clock()
+        if paused:
+            self._paused[reason] = now
+            self.stats.credit_pauses[reason] += 1
+            level = logging.WARNING
+            if reason == MEMORY_BUDGET:
+                if now - self._memory_logged_at < _MEMORY_LOG_EVERY:
+                    level = logging.DEBUG
+                else:
+                    self._memory_logged_at = now
+            if level == logging.WARNING:
+                self._pause_logged.add(reason)
+            log.log(level, "stream %r: credit paused: %s", self.stream, self._pause_text(reason))
+            return
+        since = self._paused.pop(reason)
+        self.stats.credit_paused_seconds[reason] += now - since
+        level = logging.INFO if reason in self._pause_logged else logging.DEBUG
+        self._pause_logged.discard(reason)
+        log.log(
+            level,
+            "stream %r: credit resumed after %.1f s: %s",
+            self.stream,
+            now - since,
+            self._resume_text(reason),
+        )
+
+    def _pause_text(self, reason: str) -> str:
+        if reason == MEMORY_BUDGET:
+            return (
+                f"memory budget {_size(self.config.buffer_bytes)} reached ({_size(self._buffered_bytes)} "
+                f"buffered + {self._outstanding} records of credit outstanding at "
+                f"~{_size(self.record_bytes_estimate)}/record); resumes as blocks are sealed"
+            )
+        if reason == DISK_BUDGET:
+            return (
+                f"disk budget {_size(self.config.disk_budget_bytes or 0)} reached "
+                f"({_size(self._disk_used or 0)} on disk in the block store); resumes when Spark "
+                "releases blocks"
+            )
+        return (
+            f"writing block {self._next_block_seq} failed: {self._write_error}; {self._buffered} records "
+            f"kept buffered, retried every {self.config.block_interval:g} s; resumes when a write succeeds"
+        )
+
+    def _resume_text(self, reason: str) -> str:
+        if reason == MEMORY_BUDGET:
+            return (
+                f"memory budget ({_size(self.committed_bytes)} of {_size(self.config.buffer_bytes)} in use)"
+            )
+        if reason == DISK_BUDGET:
+            return (
+                f"disk budget ({_size(self._disk_used or 0)} on disk of "
+                f"{_size(self.config.disk_budget_bytes or 0)})"
+            )
+        return f"block {self._next_block_seq - 1} written after failed writes"
+
+    async def _check_disk(self) -> None:
+        """Poll the store's disk use (at most every disk_poll_interval) against the disk budget; while
+        paused for the disk, drop this stream's newest segment if Spark released all of it."""
+        budget = self.config.disk_budget_bytes
+        if budget is None and DISK_ERROR not in self._paused:
+            return
+        now = self._clock()
+        if now - self._disk_polled_at < self.config.disk_poll_interval:
+            return
+        self._disk_polled_at = now
+        try:
+            if DISK_BUDGET in self._paused or DISK_ERROR in self._paused:
+                await asyncio.to_thread(self.store.trim, self.stream)
+            if budget is not None:
+                self._disk_used = await asyncio.to_thread(self.store.disk_bytes)
+        except OSError:
+            log.debug("stream %r: polling the block store's disk use failed", self.stream, exc_info=True)
+            return
+        if budget is not None and self._disk_used is not None:
+            self._set_paused(DISK_BUDGET, self._disk_used >= budget)
 
     def _grant(self, session: Session, n: int) -> None:
         session.credit = min(MAX_DEMAND, session.credit + n)
@@ -485,6 +692,7 @@ class Receiver:
                 next_seal = self._clock() + self.config.block_interval
                 if sealed and self._pending_records >= self.config.seal_at:
                     self._seal_wanted.set()  # more piled up during the write; a failed write waits
+            await self._check_disk()
             self._replenish()
 
     async def _seal(self) -> bool:
@@ -507,12 +715,21 @@ class Receiver:
                 [c.records for c in chunks],
                 marks,
             )
-        except OSError:
-            # keep the records buffered (so credit stays withheld) and try again next interval
-            log.exception("writing block %d of stream %r failed", self._next_block_seq, self.stream)
+        except OSError as exc:
+            # keep the records buffered and try again next interval; no new credit until a write succeeds
             self.stats.block_write_errors += 1
             self._pending = chunks + self._pending
             self._pending_records = sum(c.records.num_rows for c in self._pending)
+            first = DISK_ERROR not in self._paused
+            self._write_error = str(exc)
+            log.log(
+                logging.ERROR if first else logging.DEBUG,
+                "writing block %d of stream %r failed",
+                self._next_block_seq,
+                self.stream,
+                exc_info=True,
+            )
+            self._set_paused(DISK_ERROR, True)
             return False
         offsets, times, at = [], [], info.first_offset
         for chunk in chunks:  # a batch's records share their arrival time
@@ -523,6 +740,13 @@ class Receiver:
         self._next_block_seq += 1
         self._next_offset += info.count
         self._buffered -= info.count
+        self._buffered_bytes -= sum(c.nbytes for c in chunks)
+        self._write_error = None
+        self._set_paused(DISK_ERROR, False)
+        budget = self.config.disk_budget_bytes
+        if budget is not None and self._disk_used is not None:
+            self._disk_used += size
+            self._set_paused(DISK_BUDGET, self._disk_used >= budget)
         self.stats.blocks_sealed += 1
         self.stats.block_bytes += size
         self.stats.records_acked += info.count
@@ -549,6 +773,15 @@ class Receiver:
             session.durable_up_to = up_to
             session.outbox.ack(up_to)
             self._end_if_settled(session)
+
+
+def _size(n: float) -> str:
+    """Bytes for a log line: 512 B, 1.5 KiB, 100 MiB, 2.0 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" or n == int(n) else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 class _SessionSubscription:

@@ -47,6 +47,9 @@ release() (Spark's commit, in the driver process) first writes released.json ato
 rename, folder fsync): the next seq/offset after the released blocks and the producers table of every
 block released so far. Then it deletes the segments whose blocks are all released, never the newest one
 (the writer may be appending to it). Released blocks still in a kept segment are hidden from blocks().
+The writing process may delete the newest segment itself once every block in it is released (trim(),
+which the receiver calls while credit is paused for the disk): the log then starts a new segment at the
+next write, and the released mark (written first, with the full producers table) keeps the numbering.
 """
 
 from __future__ import annotations
@@ -528,6 +531,38 @@ class WalBlockStore(BlockStore):
                 _fsync_path(folder)
             self._forget_index(folder, {p for _, p in segments} - set(doomed))
         return len(doomed_blocks)
+
+    def trim(self, stream: str) -> int:
+        """In the writing process: delete the newest segment of `stream` when every block in it has been
+        released (release() never deletes the newest one), first writing the released mark with the
+        whole producers table so that it survives the segment. Return the bytes freed (0: nothing)."""
+        with self._writers_lock:
+            writer = self._writers.get(check_stream_name(stream))
+        if writer is None:
+            return 0
+        with writer.lock:
+            if writer.segment is None:
+                return 0
+            released = self._read_released(stream)
+            if released.next_seq < writer.next_seq:
+                return 0  # blocks in it are not released yet (or there are none released at all)
+            try:
+                size = _file_size(writer.segment)
+            except FileNotFoundError:
+                size = 0
+            if released.producers != writer.producers:
+                self._write_released(
+                    writer.folder,
+                    _Released(released.next_seq, released.next_offset, dict(writer.producers)),
+                )
+            self._close_writer(writer)
+            segment, writer.segment, writer.size = writer.segment, None, 0
+            segment.unlink(missing_ok=True)
+            if self.fsync.mode != "off":
+                _fsync_path(writer.folder)
+            self._forget_index(writer.folder, set())
+        log.debug("stream %r: dropped segment %s: every block in it is released", stream, segment.name)
+        return size
 
     def disk_bytes(self, stream: str | None = None) -> int:
         """Bytes the store takes on disk: of one stream, or of all."""

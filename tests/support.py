@@ -17,7 +17,7 @@ from receivers.receiver import ReceiverConfig
 
 @contextlib.asynccontextmanager
 async def running_server(
-    data_dir: Path, *streams: str, metrics: bool = False, **receiver: Any
+    data_dir: Path, *streams: str, metrics: bool = False, segment_bytes: int | None = None, **receiver: Any
 ) -> AsyncIterator[SluiceServer]:
     """A SluiceServer without Spark on a free loopback port; `receiver` overrides ReceiverConfig."""
     config = ServeConfig(
@@ -28,6 +28,7 @@ async def running_server(
         receiver=ReceiverConfig(**{"block_interval": 0.02, **receiver}),
         rate=RateConfig(estimator="fixed", initial_rate=math.inf),  # unthrottled unless a test says so
         spark=False,
+        segment_bytes=segment_bytes,
     )
     server = SluiceServer(config)
     await server.start()

@@ -204,3 +204,41 @@ def test_serve_on_a_busy_port_fails_clearly(tmp_path: Path) -> None:
     assert metrics_busy.returncode == 1
     assert f"cannot serve metrics on 127.0.0.1:{port}".encode() in metrics_busy.stderr
     assert b"Traceback" not in metrics_busy.stderr
+
+
+def test_serve_parses_sizes() -> None:
+    from ingest.cli import _parser
+    from ingest.config import ServeConfig, parse_size
+    from receivers.receiver import ReceiverConfig
+
+    assert parse_size("1048576") == 1 << 20
+    assert parse_size("512MiB") == 512 << 20
+    assert parse_size("2 GiB") == 2 << 30
+    assert parse_size("100MB") == 100_000_000
+    assert parse_size("64kib") == 65_536
+    assert parse_size("7B") == 7
+    args = _parser().parse_args(["serve", "--buffer-bytes", "64MiB", "--disk-budget", "2GiB"])
+    assert (args.buffer_bytes, args.disk_budget, args.segment_bytes) == (64 << 20, 2 << 30, None)
+    defaults = _parser().parse_args(["serve"])
+    assert (defaults.buffer_bytes, defaults.disk_budget) == (256 << 20, None)
+    # segments default to a quarter of a small disk budget, so Spark's release can free room
+    small = ServeConfig(receiver=ReceiverConfig(disk_budget_bytes=100 << 20))
+    assert small.wal_segment_bytes == 25 << 20
+    assert ServeConfig().wal_segment_bytes == 64 << 20
+    assert ServeConfig(segment_bytes=1 << 20, receiver=small.receiver).wal_segment_bytes == 1 << 20
+
+
+def test_serve_rejects_bad_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from ingest.cli import _parser
+
+    for flag in ("--buffer-bytes", "--disk-budget", "--segment-bytes"):
+        for bad in ("lots", "12XB", "-5", "1.5GiB", "0"):
+            with pytest.raises(SystemExit) as exited:
+                _parser().parse_args(["serve", flag, bad])
+            assert exited.value.code == 2, (flag, bad)
+            assert f"argument {flag}:" in capsys.readouterr().err
+    result = sluice("serve", "--no-spark", "--data-dir", str(tmp_path), "--disk-budget", "12XB")
+    assert result.returncode == 2
+    assert b"argument --disk-budget: invalid size '12XB'" in result.stderr
+    tiny = sluice("serve", "--no-spark", "--data-dir", str(tmp_path), "--segment-bytes", "100")
+    assert tiny.returncode == 2 and b"segment bytes must be >= 4096" in tiny.stderr

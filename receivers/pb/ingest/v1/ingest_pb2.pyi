@@ -458,18 +458,26 @@ class StreamRate(_message.Message):
 
     STREAM_FIELD_NUMBER: _builtins.int
     RECORDS_PER_SECOND_FIELD_NUMBER: _builtins.int
+    CREDIT_PAUSED_FIELD_NUMBER: _builtins.int
     stream: _builtins.str
     records_per_second: _builtins.float
     """The stream's share of the rate, records per second; +Inf means unlimited."""
+    @_builtins.property
+    def credit_paused(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Why new credit is withheld from the stream's publishers now (empty: it is not):
+        "memory_budget", "disk_budget", "disk_error".
+        """
+
     def __init__(
         self,
         *,
         stream: _builtins.str = ...,
         records_per_second: _builtins.float = ...,
+        credit_paused: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["records_per_second", b"records_per_second", "stream", b"stream"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["credit_paused", b"credit_paused", "records_per_second", b"records_per_second", "stream", b"stream"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,377 @@
+"""Bounded resources on real parts: the memory budget, the disk budget (released by a second store, as
+Spark's process does), and a really full disk (a small tmpfs): credit pauses, says why, loses nothing,
+and resumes by itself."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from prometheus_client import generate_latest
+from support import running_server, wait_until
+
+from ingest.cli import _show_rate
+from ingest.client import Producer
+from ingest.rate_service import rate_status
+from ingest.server import SluiceServer
+from receivers.block import BLOCK_SCHEMA
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from receivers.receiver import DISK_BUDGET, DISK_ERROR, MEMORY_BUDGET, ReceiverConfig
+from receivers.wal import FsyncPolicy, WalBlockStore
+
+
+def records(prefix: str, n: int, size: int) -> list[bytes]:
+    return [f"{prefix}{i:08d}".encode().ljust(size, b".") for i in range(n)]
+
+
+def fill(path: Path, size: int) -> None:
+    with open(path, "wb") as file:
+        file.write(b"\0" * size)
+
+
+def batch(*values: bytes) -> pa.RecordBatch:
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array([None] * len(values), pa.binary()),
+            pa.array(values, pa.binary()),
+            pa.array([1_000_000] * len(values), BLOCK_SCHEMA.field("timestamp").type),
+        ],
+        schema=BLOCK_SCHEMA,
+    )
+
+
+def paused_metric(server: SluiceServer, reason: str, stream: str = "s") -> float | None:
+    return server.registry.get_sample_value("sluice_credit_paused", {"stream": stream, "reason": reason})
+
+
+class Spark:
+    """What Spark's commit does, from a store of its own (another process in production): read the
+    blocks not yet released, then release them."""
+
+    def __init__(self, root: Path) -> None:
+        self.store = WalBlockStore(root, fsync=FsyncPolicy.off())
+        self.consumed: list[bytes] = []
+
+    def stored(self, stream: str = "s") -> list[bytes]:
+        """Every record value in blocks not yet released."""
+        return [
+            v
+            for b in self.store.blocks(stream)
+            for batch in self.store.read(b)
+            for v in batch.column("value").to_pylist()
+        ]
+
+    def commit(self, stream: str = "s") -> int:
+        blocks = self.store.blocks(stream)
+        for block in blocks:
+            for batch in self.store.read(block):
+                self.consumed += batch.column("value").to_pylist()
+        if blocks:
+            self.store.release(stream, blocks[-1].seq + 1)
+        return len(blocks)
+
+
+# ---- memory budget -------------------------------------------------------------------------------
+
+
+async def test_memory_budget_stops_credit_for_large_records_and_resumes_as_blocks_seal(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    budget, size = 500_000, 10_000
+    async with running_server(
+        tmp_path, buffer_bytes=budget, buffer_records=100_000, prefetch=10_000, low_tide=5_000
+    ) as server:
+        receiver = server.receivers["s"]
+        gate = threading.Event()
+        gate.set()
+        write = receiver.store.write
+
+        def gated_write(*args: Any) -> Any:
+            gate.wait(30)
+            return write(*args)
+
+        receiver.store.write = gated_write  # type: ignore[method-assign,assignment]
+        closing = contextlib.AsyncExitStack()
+        closing.callback(gate.set)  # never leave the writer blocked, whatever fails
+        async with (
+            closing,
+            Producer(server.target, "s", linger=0, batch_size=5, producer_id="big") as producer,
+        ):
+            # before any record is seen the receiver assumes 1 KiB a record: the first grant is that
+            await wait_until(lambda: producer.credit > 0)
+            first = producer.credit
+            assert first == budget // 1024
+            warmup = records("w", first, size)
+            await producer.send_many(warmup)
+            await producer.flush(timeout=30)
+            assert receiver.record_bytes_estimate >= size
+            # now the estimate is right: with blocks not sealing, the buffer stays within the budget
+            gate.clear()
+            caplog.set_level(logging.DEBUG, logger="receivers.receiver")
+            main = records("m", 300, size)
+            sending = asyncio.create_task(producer.send_many(main))
+            await wait_until(lambda: MEMORY_BUDGET in receiver.paused)
+            await wait_until(lambda: producer.credit == 0 and receiver.credit_outstanding == 0)
+            granted = receiver.stats.credit_granted
+            await asyncio.sleep(0.3)
+            assert receiver.stats.credit_granted == granted  # no credit while the budget is used up
+            assert producer.sent < len(warmup) + len(main)
+            assert receiver.buffered_bytes <= budget * 1.01  # the estimate is right to a few bytes
+            assert receiver.buffered_bytes > budget - 2 * size
+            assert paused_metric(server, MEMORY_BUDGET) == 1
+            assert paused_metric(server, DISK_BUDGET) == paused_metric(server, DISK_ERROR) == 0
+            assert "credit paused: memory budget 488.3 KiB reached" in caplog.text
+            gate.set()
+            await asyncio.wait_for(sending, 30)
+            await producer.flush(timeout=30)
+            assert producer.acked == len(warmup) + len(main)
+        await wait_until(lambda: MEMORY_BUDGET not in receiver.paused)
+        assert receiver.stats.credit_pauses[MEMORY_BUDGET] >= 1
+        assert receiver.buffered_bytes == 0
+        assert Spark(server.config.blocks_dir).stored() == warmup + main
+
+
+def test_rate_get_shows_why_credit_is_paused(capsys: pytest.CaptureFixture[str]) -> None:
+    status = pb.RateStatus(
+        records_per_second=math.inf,
+        streams=[
+            pb.StreamRate(stream="a", records_per_second=math.inf, credit_paused=[DISK_BUDGET, DISK_ERROR]),
+            pb.StreamRate(stream="b", records_per_second=math.inf),
+        ],
+    )
+    assert _show_rate(status) == 0
+    out = capsys.readouterr().out
+    assert "stream a: unlimited records/s (credit paused: disk_budget, disk_error)\n" in out
+    assert "stream b: unlimited records/s\n" in out
+
+
+async def test_a_memory_budget_below_one_record_slows_but_never_stalls(tmp_path: Path) -> None:
+    async with (
+        running_server(tmp_path, buffer_bytes=100) as server,
+        Producer(server.target, "s", linger=0) as producer,
+    ):
+        await producer.send_many(records("t", 20, 1_000))
+        await producer.flush(timeout=30)
+        assert producer.acked == 20
+        stats = server.receivers["s"].stats
+        assert stats.batches_received == 20  # a record at a time
+        assert stats.credit_granted == 21  # the last one waits, unused, for a 21st record
+
+
+def test_budgets_are_validated() -> None:
+    with pytest.raises(ValueError, match="buffer_bytes"):
+        ReceiverConfig(buffer_bytes=0)
+    with pytest.raises(ValueError, match="disk_budget_bytes"):
+        ReceiverConfig(disk_budget_bytes=0)
+    with pytest.raises(ValueError, match="disk_poll_interval"):
+        ReceiverConfig(disk_poll_interval=0)
+
+
+# ---- disk budget ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "segment_bytes",
+    [None, 1 << 20],
+    ids=["segments-a-quarter-of-the-budget", "one-segment-larger-than-the-budget"],
+)
+async def test_disk_budget_pauses_credit_until_spark_releases_blocks(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, segment_bytes: int | None
+) -> None:
+    budget = 200_000
+    caplog.set_level(logging.INFO, logger="receivers.receiver")
+    async with running_server(
+        tmp_path,
+        metrics=True,
+        segment_bytes=segment_bytes,
+        disk_budget_bytes=budget,
+        disk_poll_interval=0.05,
+        buffer_records=400,
+        prefetch=200,
+        low_tide=50,
+    ) as server:
+        receiver = server.receivers["s"]
+        spark = Spark(server.config.blocks_dir)
+        sent = records("d", 2_000, 1_000)  # ten times the budget
+        async with Producer(server.target, "s", linger=0, batch_size=50, producer_id="p") as producer:
+            sending = asyncio.create_task(producer.send_many(sent))
+            await wait_until(lambda: DISK_BUDGET in receiver.paused)
+            await wait_until(lambda: receiver.credit_outstanding == 0 and receiver.buffered_records == 0)
+            granted = receiver.stats.credit_granted
+            await asyncio.sleep(0.3)
+            assert receiver.stats.credit_granted == granted  # paused: nothing more comes in
+            assert producer.sent < len(sent)
+            assert server.store.disk_bytes() >= budget
+            # soft limit: over by at most what had been granted when it was reached
+            assert server.store.disk_bytes() < budget + 400 * 1_100 + 4096
+            assert paused_metric(server, DISK_BUDGET) == 1
+            assert server.registry.get_sample_value("sluice_wal_disk_budget_bytes") == budget
+            assert "credit paused: disk budget 195.3 KiB reached" in caplog.text
+            assert "resumes when Spark releases blocks" in caplog.text
+            status = rate_status(server.rate)  # what `sluice rate get` shows
+            assert [list(s.credit_paused) for s in status.streams] == [[DISK_BUDGET]]
+            scrape = generate_latest(server.registry).decode()
+            assert 'sluice_credit_paused{reason="disk_budget",stream="s"} 1.0' in scrape
+            promtool = shutil.which("promtool")
+            if promtool is not None:
+                checked = await asyncio.to_thread(
+                    subprocess.run,
+                    [promtool, "check", "metrics"],
+                    input=scrape.encode(),
+                    capture_output=True,
+                    check=False,
+                )
+                assert checked.returncode == 0, checked.stdout.decode() + checked.stderr.decode()
+            # nothing accepted is lost: everything taken is stored, in order, and acked
+            stored = spark.stored()
+            assert stored == sent[: len(stored)]
+            assert receiver.stats.records_received == len(stored)
+            await wait_until(lambda: producer.acked == len(stored))
+            # Spark commits (from its own store, as from its own process): room returns, ingestion resumes
+            deadline = time.monotonic() + 60
+            while producer.acked < len(sent):
+                assert time.monotonic() < deadline, f"only {producer.acked} of {len(sent)} acked"
+                spark.commit()
+                await asyncio.sleep(0.05)
+            await asyncio.wait_for(sending, 30)
+            await producer.flush(timeout=30)
+        spark.commit()
+        assert spark.consumed == sent  # each record once, in order
+        assert receiver.stats.credit_pauses[DISK_BUDGET] >= 2
+        assert "stream 's': credit resumed after" in caplog.text
+        await wait_until(lambda: DISK_BUDGET not in receiver.paused)
+        assert paused_metric(server, DISK_BUDGET) == 0
+        seconds = server.registry.get_sample_value(
+            "sluice_credit_paused_seconds_total", {"stream": "s", "reason": DISK_BUDGET}
+        )
+        assert seconds is not None and seconds > 0.3
+
+
+async def test_a_store_over_the_disk_budget_at_start_grants_nothing_until_spark_releases(
+    tmp_path: Path,
+) -> None:
+    earlier = WalBlockStore(tmp_path / "blocks", fsync=FsyncPolicy.off())
+    for seq in range(5):  # left by an earlier run: 500 KB, Spark not caught up
+        earlier.write("s", seq, seq * 100, 0, [batch(*records(f"e{seq}-", 100, 1_000))])
+    earlier.close()
+    async with running_server(tmp_path, disk_budget_bytes=100_000, disk_poll_interval=0.05) as server:
+        receiver = server.receivers["s"]
+        assert DISK_BUDGET in receiver.paused  # measured before the first grant
+        async with Producer(server.target, "s", linger=0, producer_id="late") as producer:
+            await asyncio.sleep(0.3)
+            assert producer.credit == 0
+            assert receiver.stats.credit_granted == 0
+            spark = Spark(server.config.blocks_dir)
+            assert spark.commit() == 5  # one segment, the newest: the server drops it itself
+            await wait_until(lambda: producer.credit > 0)
+            await producer.send_many([b"after"] * 10)
+            await producer.flush(timeout=30)
+        assert spark.stored() == [b"after"] * 10
+        assert [b.seq for b in spark.store.blocks("s")] == [5]  # numbering continues
+
+
+def test_trim_drops_a_fully_released_newest_segment_and_keeps_the_producers(tmp_path: Path) -> None:
+    writer = WalBlockStore(tmp_path, fsync=FsyncPolicy.off())
+    writer.write("s", 0, 0, 0, [batch(b"a", b"b")], {"p": 2})
+    writer.write("s", 1, 2, 0, [batch(b"c")], {"q": 7})
+    assert writer.trim("s") == 0  # nothing released yet
+    spark = WalBlockStore(tmp_path, fsync=FsyncPolicy.off())
+    assert spark.release("s", 1) == 1
+    assert writer.trim("s") == 0  # block 1 is not released
+    assert spark.release("s", 2) == 1
+    assert writer.disk_bytes("s") > 200  # release() keeps the newest segment
+    freed = writer.trim("s")
+    assert freed > 0
+    assert not list((tmp_path / "s").glob("*.wal"))
+    assert writer.disk_bytes("s") < 200  # released.json only
+    assert spark.blocks("s") == []
+    writer.write("s", 2, 3, 0, [batch(b"d")], {"p": 3})
+    assert [b.seq for b in spark.blocks("s")] == [2]
+    writer.close()
+    reopened = WalBlockStore(tmp_path)
+    assert reopened.recover("s") == (3, 4)
+    assert reopened.producers("s") == {"p": 3, "q": 7}
+    assert writer.trim("other") == 0
+
+
+# ---- a full disk ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs: writes hit a real ENOSPC. Skipped where mounting is not permitted."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    try:
+        result = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)],
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        pytest.skip(f"cannot mount a small tmpfs for a real disk-full test: {exc}")
+    if result.returncode != 0:
+        pytest.skip(
+            "cannot mount a small tmpfs for a real disk-full test (needs root or CAP_SYS_ADMIN): "
+            + result.stderr.decode(errors="replace").strip()
+        )
+    try:
+        yield mount_point
+    finally:
+        if subprocess.run(["umount", str(mount_point)], capture_output=True, check=False).returncode:
+            subprocess.run(["umount", "-l", str(mount_point)], capture_output=True, check=False)
+
+
+async def test_a_full_disk_pauses_credit_and_ingestion_resumes_when_room_returns(
+    small_disk: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="receivers.receiver")
+    filler = small_disk / "filler"
+    fill(filler, 2 * 1024 * 1024 - 250 * 1024)  # leave about 250 KiB free
+    sent = records("f", 1_000, 1_000)  # about 1 MB: far more than is free
+    async with running_server(small_disk / "data", buffer_records=600, prefetch=200, low_tide=50) as server:
+        receiver = server.receivers["s"]
+        async with Producer(server.target, "s", linger=0, batch_size=50, producer_id="full") as producer:
+            sending = asyncio.create_task(producer.send_many(sent))
+            await wait_until(lambda: DISK_ERROR in receiver.paused)
+            await wait_until(lambda: receiver.credit_outstanding == 0)
+            granted = receiver.stats.credit_granted
+            errors = receiver.stats.block_write_errors
+            await asyncio.sleep(0.3)
+            assert receiver.stats.credit_granted == granted  # no credit while writes fail
+            assert receiver.stats.block_write_errors > errors  # retried, still failing
+            assert producer.sent < len(sent)
+            assert paused_metric(server, DISK_ERROR) == 1
+            assert "credit paused: writing block" in caplog.text
+            assert "No space left on device" in caplog.text
+            # what is acked is stored; what is taken and not stored waits in memory
+            stored = Spark(server.config.blocks_dir).stored()
+            assert stored == sent[: len(stored)]
+            assert producer.acked == len(stored)
+            assert receiver.stats.records_received == len(stored) + receiver.buffered_records
+            assert receiver.buffered_records > 0
+            os.unlink(filler)  # room returns
+            await asyncio.wait_for(sending, 30)
+            await producer.flush(timeout=30)
+            assert producer.acked == len(sent)
+        assert DISK_ERROR not in receiver.paused
+        assert paused_metric(server, DISK_ERROR) == 0
+        assert receiver.stats.credit_pauses[DISK_ERROR] == 1  # once per transition, not per retry
+        assert caplog.text.count("credit paused: writing block") == 1
+        assert "credit resumed after" in caplog.text
+        assert Spark(server.config.blocks_dir).stored() == sent  # nothing lost, nothing doubled
+    with contextlib.suppress(FileNotFoundError):
+        filler.unlink()
