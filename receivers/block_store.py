@@ -7,6 +7,7 @@ log, receivers.wal.WalBlockStore.
 
 from __future__ import annotations
 
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
 
@@ -60,6 +61,14 @@ class BlockStore(ABC):
         """Drop the blocks of `stream` with seq < before_seq; return how many were dropped."""
 
     # ---- resources (the writing process) ---------------------------------------------------------
+
+    def durable_seq(self, stream: str) -> int:
+        """Every block of `stream` with a lower seq is durable; the receiver acks only those. By
+        default every block is durable when write() returns."""
+        return sys.maxsize
+
+    def flush(self) -> None:  # noqa: B027 - an optional hook: most stores are durable on write
+        """Make every block written so far durable now (stores that sync in the background). Blocking."""
 
     def disk_bytes(self, stream: str | None = None) -> int:
         """Bytes the store takes on disk: of one stream, or of all (0 if the store does not know)."""

@@ -264,6 +264,8 @@ class Receiver:
         self._stopping = False
         # per recent block: its first offset, and (first offset, arrival time) of each batch in it
         self._arrivals: deque[tuple[int, list[int], list[float]]] = deque(maxlen=_ARRIVALS_KEPT)
+        # written blocks not yet durable (fsync interval): (seq, anonymous sessions' acks, producer marks)
+        self._awaiting_durable: deque[tuple[int, dict[Session, int], dict[str, int]]] = deque()
         self._producers: OrderedDict[str, ProducerState] = OrderedDict(
             (producer, ProducerState(mark, mark)) for producer, mark in store.producers(self.stream).items()
         )
@@ -296,10 +298,17 @@ class Receiver:
             return
         self._stopping = True
         if self._task is not None:
-            self._task.cancel()
+            # let the block generator finish the seal it may be in, rather than cancel it: a block
+            # written but cancelled before its bookkeeping would be in the log and never acked
+            self._seal_wanted.set()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self._seal()
+        if self._awaiting_durable:
+            # group commit: make the last blocks durable now rather than at the next background fsync
+            with contextlib.suppress(OSError):
+                await asyncio.to_thread(self.store.flush)
+            self._ack_durable()
         for session in list(self._sessions):
             if session.completed and session.durable_up_to == session.next_seq:
                 session.outbox.finish()
@@ -682,7 +691,7 @@ class Receiver:
 
     async def _run(self) -> None:
         next_seal = self._clock() + self.config.block_interval
-        while True:
+        while not self._stopping:
             wait = max(0.0, min(self.config.credit_tick, next_seal - self._clock()))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._seal_wanted.wait(), wait)
@@ -692,6 +701,7 @@ class Receiver:
                 next_seal = self._clock() + self.config.block_interval
                 if sealed and self._pending_records >= self.config.seal_at:
                     self._seal_wanted.set()  # more piled up during the write; a failed write waits
+            self._ack_durable()
             await self._check_disk()
             self._replenish()
 
@@ -754,6 +764,24 @@ class Receiver:
         for chunk in chunks:
             if not chunk.session.producer_id:
                 acked[chunk.session] = chunk.end_seq
+        if self.store.durable_seq(self.stream) > info.seq:
+            self._acknowledge(acked, marks)
+        else:  # group commit (fsync interval): acked once the background fsync has covered the block
+            self._awaiting_durable.append((info.seq, acked, marks))
+        self._replenish()
+        return True
+
+    def _ack_durable(self) -> None:
+        """Ack the blocks that the store has made durable since they were written."""
+        if not self._awaiting_durable:
+            return
+        durable = self.store.durable_seq(self.stream)
+        while self._awaiting_durable and self._awaiting_durable[0][0] < durable:
+            _, acked, marks = self._awaiting_durable.popleft()
+            self._acknowledge(acked, marks)
+
+    def _acknowledge(self, acked: dict[Session, int], marks: dict[str, int]) -> None:
+        """A block is durable: ack its anonymous sessions, and every session of its producers."""
         for session, up_to in acked.items():
             self._ack(session, up_to)
         for producer, mark in marks.items():
@@ -765,8 +793,6 @@ class Receiver:
             state.durable_up_to = max(state.durable_up_to, mark)
             for session in list(state.sessions):
                 self._ack(session, min(session.next_seq, state.durable_up_to))
-        self._replenish()
-        return True
 
     def _ack(self, session: Session, up_to: int) -> None:
         if up_to > session.durable_up_to:

@@ -26,10 +26,11 @@ Each block is one frame, written with a single write (O_APPEND)::
     payload: the block's record batches as an Arrow IPC *stream* (BLOCK_SCHEMA)
 
 Durability (FsyncPolicy): "every-block" (the default) fsyncs the segment before write() returns, and
-the folder when a segment is created, so an acked block survives a power loss. "interval:MS" returns
-after the OS write and fsyncs from a background thread every MS milliseconds: acked blocks survive a
-crash of the process (kill -9; the data is in the OS page cache) but the last MS milliseconds of acked
-blocks can be lost on a power loss or kernel crash. "off" never fsyncs (benchmarks, throwaway data).
+the folder when a segment is created, so an acked block survives a power loss. "interval:MS" is group
+commit: write() returns after the OS write, a background thread fsyncs every MS milliseconds, and
+durable_seq() says how far that got; the receiver acks a block only once it is below durable_seq(), so
+acked blocks survive a power loss here too, at up to MS ms more ack latency and one fsync per MS ms
+instead of one per block. "off" never fsyncs (benchmarks, throwaway data).
 
 Recovery (recover(), at receiver start) reads every frame and checks magic, version, lengths, CRC and
 that seqs increase. At the first bad or incomplete frame of a segment the segment is truncated there (and
@@ -291,6 +292,8 @@ class _Writer:
     dirty: bool = False
     folder_dirty: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
+    durable_seq: int = 0
+    """Every block with a lower seq is durable under the policy (fsynced, or "off")."""
 
 
 # ---- the store -----------------------------------------------------------------------------------
@@ -421,12 +424,24 @@ class WalBlockStore(BlockStore):
             writer.size += size
             writer.dirty = True
             writer.next_seq = seq + 1
+            if self.fsync.mode != "interval":
+                writer.durable_seq = writer.next_seq
             writer.next_offset = first_offset + count
             if producers:
                 _merge_producers(writer.producers, producers)
         if self.fsync.mode == "interval":
             self._start_flusher()
         return BlockInfo(stream, seq, first_offset, count, receiver), size
+
+    def durable_seq(self, stream: str) -> int:
+        """Every block of `stream` with a lower seq is durable: at once under "every-block" and "off",
+        after the next background fsync under "interval" (its group commit: acks wait for it)."""
+        with self._writers_lock:
+            writer = self._writers.get(check_stream_name(stream))
+        if writer is None:
+            return 0
+        with writer.lock:
+            return writer.durable_seq
 
     def producers(self, stream: str) -> dict[str, int]:
         """Producer id -> the seq after its last record in the log (or released): the snapshot of the
@@ -587,7 +602,9 @@ class WalBlockStore(BlockStore):
         next_seq, next_offset = released.next_seq, released.next_offset
         producers = dict(released.producers)
         if not folder.is_dir():
-            return _Writer(folder, next_seq, next_offset, producers, None, 0)
+            writer = _Writer(folder, next_seq, next_offset, producers, None, 0)
+            writer.durable_seq = next_seq
+            return writer
         for name in os.listdir(folder):
             if name.startswith(STATE_FILE + ".tmp"):
                 (folder / name).unlink(missing_ok=True)
@@ -631,12 +648,24 @@ class WalBlockStore(BlockStore):
         for path in emptied:
             path.unlink(missing_ok=True)
             stats.segments_removed += 1
-        if segments and self.fsync.mode != "off":
-            _fsync_path(folder)
+        if segments:
+            self._sync_recovered(folder)
         with self._index_lock:
             for key in [k for k in self._index if k.parent == folder]:
                 del self._index[key]
-        return _Writer(folder, next_seq, next_offset, producers, newest_path, newest_size)
+        writer = _Writer(folder, next_seq, next_offset, producers, newest_path, newest_size)
+        writer.durable_seq = next_seq
+        return writer
+
+    def _sync_recovered(self, folder: Path) -> None:
+        if self.fsync.mode == "interval":
+            # frames a crashed process wrote may sit unsynced in the page cache: make them durable
+            # before they count as such (under "every-block" each was fsynced before its ack)
+            for _, path in self._segments(folder):
+                with contextlib.suppress(FileNotFoundError):
+                    _fsync_path(path)
+        if self.fsync.mode != "off":
+            _fsync_path(folder)
 
     def _check_segment(
         self, path: Path, last_seq: int, producers: dict[str, int], stats: WalStats
@@ -756,6 +785,7 @@ class WalBlockStore(BlockStore):
                 os.fsync(writer.fd)
             if writer.folder_dirty and self.fsync.mode == "interval":
                 _fsync_path(writer.folder)
+            writer.durable_seq = writer.next_seq
         finally:
             os.close(writer.fd)
             writer.fd = None
@@ -779,9 +809,11 @@ class WalBlockStore(BlockStore):
         for writer in writers:
             with writer.lock:
                 if writer.fd is None or not (writer.dirty or writer.folder_dirty):
+                    writer.durable_seq = writer.next_seq  # nothing unsynced (a roll fsynced it)
                     continue
                 fd = os.dup(writer.fd)  # fsync outside the lock: appends go on meanwhile
                 folder_dirty = writer.folder_dirty
+                covered = writer.next_seq  # what this fsync makes durable
                 writer.dirty = writer.folder_dirty = False
             try:
                 os.fsync(fd)
@@ -790,6 +822,9 @@ class WalBlockStore(BlockStore):
             except OSError:
                 log.exception("background fsync of %s failed", writer.folder)
                 writer.dirty = writer.folder_dirty = True
+            else:
+                with writer.lock:
+                    writer.durable_seq = max(writer.durable_seq, covered)
             finally:
                 os.close(fd)
 

@@ -13,11 +13,17 @@ from typing import Any
 from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
 from receivers.receiver import ReceiverConfig
+from receivers.wal import FsyncPolicy
 
 
 @contextlib.asynccontextmanager
 async def running_server(
-    data_dir: Path, *streams: str, metrics: bool = False, segment_bytes: int | None = None, **receiver: Any
+    data_dir: Path,
+    *streams: str,
+    metrics: bool = False,
+    segment_bytes: int | None = None,
+    fsync: FsyncPolicy | None = None,
+    **receiver: Any,
 ) -> AsyncIterator[SluiceServer]:
     """A SluiceServer without Spark on a free loopback port; `receiver` overrides ReceiverConfig."""
     config = ServeConfig(
@@ -29,6 +35,7 @@ async def running_server(
         rate=RateConfig(estimator="fixed", initial_rate=math.inf),  # unthrottled unless a test says so
         spark=False,
         segment_bytes=segment_bytes,
+        **({} if fsync is None else {"fsync": fsync}),
     )
     server = SluiceServer(config)
     await server.start()

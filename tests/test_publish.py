@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from support import running_server, wait_until
 
 from ingest.client import Producer
 from ingest.config import RateConfig, ServeConfig
@@ -17,6 +18,7 @@ from ingest.server import SluiceServer
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import ReceiverConfig
+from receivers.wal import FsyncPolicy
 from receivers.wire import encode_batch
 
 
@@ -237,3 +239,33 @@ async def test_a_dead_block_generator_fails_its_sessions(server: SluiceServer) -
         del receiver.store.write
         await healthy.send(b"fine")
         await healthy.flush(timeout=10)
+
+
+async def test_fsync_interval_is_group_commit_acks_wait_for_the_background_fsync(tmp_path: Path) -> None:
+    async with running_server(tmp_path, "s", fsync=FsyncPolicy.interval(1500)) as server:
+        async with Producer(server.target, "s", linger=0) as producer:
+            await producer.send_many([b"g"] * 10)
+            # the block is written (readers see it) but not yet fsynced: no ack yet
+            await wait_until(lambda: len(server.store.blocks("s")) >= 1)
+            assert server.store.durable_seq("s") == 0
+            assert producer.acked == 0
+            # the next background fsync covers it, and only then is it acked
+            await wait_until(lambda: producer.acked == 10, timeout=10)
+            assert server.store.durable_seq("s") >= 1
+            await producer.send_many([b"h"] * 5)
+        # close() waited for the next fsync to ack the rest
+        assert producer.acked == 15
+
+
+async def test_stopping_fsyncs_and_acks_what_waits_for_the_group_commit(tmp_path: Path) -> None:
+    async with running_server(tmp_path, "s", fsync=FsyncPolicy.interval(60_000)) as server:
+        producer = Producer(server.target, "s", linger=0, reconnect_timeout=0)
+        await producer.start()
+        try:
+            await producer.send_many([b"w"] * 7)
+            await wait_until(lambda: sum(b.count for b in server.store.blocks("s")) == 7)
+            assert producer.acked == 0  # the next background fsync is a minute away
+            await server.stop(grace=1)
+            await wait_until(lambda: producer.acked == 7)
+        finally:
+            await producer.abort()
