@@ -16,7 +16,7 @@ speed drifts). For the Sluice rows: Sluice itself with the "fixed" estimator pin
 well under and one over a first guess, fitted as fixed + per-record cost per batch. That measures the
 pipeline under the same ingest load as the runs (publisher process, server, fsynced log and Spark
 share local[2]'s two cores); the first guess comes from the same source, stage, sink and trigger over
-pre-written blocks without ingest, which reads ~30% higher. For the DStream row: the cost stage over
+pre-written blocks without ingest, which reads ~40% higher. For the DStream row: the cost stage over
 spark.range in batch mode on one core, because its receiver pins the other core of local[2] for the
 whole run; batch mode has a smaller fixed cost per batch than a streaming trigger, so this is an upper
 bound. The "halved" profile doubles the per-record cost from 1/3 to 2/3 of the
