@@ -305,14 +305,23 @@ async def _serve_async(config: ServeConfig) -> int:
     from ingest.server import SluiceServer  # noqa: PLC0415
 
     driver = None
+    spark = None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    if config.spark:
+        from ingest.spark.session import build_session  # noqa: PLC0415
+
+        # launch Spark's JVM (a fork + exec of this process) before gRPC runs any thread: a fork while
+        # gRPC's pollers run can break both the child and the server's event engine
+        spark = await asyncio.to_thread(build_session, config.master)
     server = SluiceServer(config, batches_completed=lambda: driver.batches_completed if driver else 0)
     try:
         await server.start()
     except OSError as exc:
+        if spark is not None:
+            await asyncio.to_thread(spark.stop)
         return _fail(f"cannot start the server: {exc}")
     print(
         f"sluice: serving streams {', '.join(config.streams)} on {server.target}"
@@ -321,11 +330,9 @@ async def _serve_async(config: ServeConfig) -> int:
         flush=True,
     )
     try:
-        if config.spark:
+        if spark is not None:
             from ingest.driver import SparkDriver, drive_rate  # noqa: PLC0415
-            from ingest.spark.session import build_session  # noqa: PLC0415
 
-            spark = await asyncio.to_thread(build_session, config.master)
             driver = SparkDriver(spark, config, rate_target=server.target)
             drive_rate(driver, server, asyncio.get_running_loop())
             await asyncio.to_thread(driver.start)
@@ -352,7 +359,8 @@ async def _serve_async(config: ServeConfig) -> int:
         await server.stop()
         if driver is not None:
             await asyncio.to_thread(driver.stop)
-            await asyncio.to_thread(driver.spark.stop)
+        if spark is not None:
+            await asyncio.to_thread(spark.stop)
     print("sluice: stopped", file=sys.stderr, flush=True)
     return 0
 

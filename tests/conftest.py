@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+# The shared Spark session forks its JVM from this process after gRPC tests have run; gRPC's fork
+# handlers, run while its threads are busy, can break the child ("Java gateway process exited") or the
+# poller. The child only execs java, so it needs none of them. Set before anything imports grpc.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 
 @pytest.fixture(scope="session")
