@@ -43,13 +43,19 @@ class TokenBucket:
         self._refill(now)
         return self._tokens
 
-    def take(self, wanted: int, now: float) -> int:
-        """Take up to `wanted` whole tokens; return how many were taken (0 <= taken <= wanted)."""
+    def take(self, wanted: int, now: float, *, at_least: int = 1) -> int:
+        """Take up to `wanted` whole tokens; return how many were taken (0 <= taken <= wanted).
+
+        Takes nothing while fewer than min(wanted, at_least, burst) tokens are there: credit granted a
+        few records at a time costs a message per few records on both sides of the wire.
+        """
         if wanted <= 0:
             return 0
         self._refill(now)
         if math.isinf(self._tokens):
             return wanted
+        if self._tokens < min(wanted, at_least, math.floor(self.burst)):
+            return 0
         taken = min(wanted, int(self._tokens))
         self._tokens -= taken
         return taken

@@ -582,10 +582,14 @@ class Receiver:
         self._rotation = (self._rotation + 1) % len(active)
         now = self._clock()
         prefetch = self.config.prefetch
+        # under a rate, credit goes out a tick's worth at a time (the block generator tops up every
+        # tick), not a few records per accepted batch, which made both sides spin on tiny messages
+        rate = self._bucket.rate
+        quantum = max(1, math.ceil(rate * self.config.credit_tick)) if math.isfinite(rate) else 1
         for session in active[self._rotation :] + active[: self._rotation]:
             if session.credit > refill_at:
                 continue
-            grant = self._bucket.take(min(prefetch - session.credit, free), now)
+            grant = self._bucket.take(min(prefetch - session.credit, free), now, at_least=quantum)
             if grant <= 0:
                 break
             self._grant(session, grant)

@@ -14,6 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from support import running_server
 
 from ingest.client import Producer, SyncProducer
 from ingest.config import RateConfig, ServeConfig
@@ -149,6 +150,27 @@ async def test_rate_control_validates_and_throttles(server: SluiceServer) -> Non
         await producer.flush(timeout=30)
     elapsed = time.monotonic() - started
     assert 0.9 < elapsed < 10, elapsed
+
+
+async def test_a_throttled_publisher_gets_credit_in_ticks_not_in_dribbles(tmp_path: Path) -> None:
+    """A publisher that always wants more than the rate: credit arrives a tick's worth at a time, so
+    both sides exchange a few messages per tick, not one per handful of records (which made a
+    throttled publisher and the server each burn a core)."""
+    async with running_server(tmp_path, "s") as srv:
+        srv.rate.update(20_000.0, pin=True)
+        receiver = srv.receivers["s"]
+        async with Producer(srv.target, "s", linger=0, batch_size=10_000) as producer:
+            sending = asyncio.create_task(producer.send_many([b"r" * 20] * 1_000_000))
+            await asyncio.sleep(0.5)
+            before = (receiver.stats.batches_received, receiver.stats.records_acked)
+            await asyncio.sleep(2.0)
+            batches = receiver.stats.batches_received - before[0]
+            records = receiver.stats.records_acked - before[1]
+            sending.cancel()
+            await producer.abort()
+    assert 20_000 <= records <= 60_000, records  # throttled: 2 s at 20k/s, plus a burst
+    # credit_tick 0.05 s: ~40 grants in 2 s; a dribble was thousands of messages
+    assert batches <= 200, (batches, records)
 
 
 async def test_sync_producer(server: SluiceServer) -> None:

@@ -62,3 +62,24 @@ def test_rate_change_takes_effect_and_caps_saved_tokens() -> None:
     bucket.set_rate(100.0, 1.0)
     assert bucket.available(1.0) == pytest.approx(20.0)  # capped to the new burst
     assert bucket.seconds_until(30, 1.0) == 0.0  # wanting more than a burst waits for a burst
+
+
+@given(rate=rates, script=steps, at_least=st.integers(min_value=1, max_value=10**6))
+def test_take_at_least_grants_nothing_or_a_whole_quantum(
+    rate: float, script: list[tuple[float, int]], at_least: int
+) -> None:
+    bucket = TokenBucket(rate, burst_seconds=0.2, now=0.0)
+    now = 0.0
+    for dt, wanted in script:
+        now += dt
+        got = bucket.take(wanted, now, at_least=at_least)
+        assert got == 0 or got >= min(wanted, at_least, math.floor(bucket.burst))
+        assert 0 <= got <= wanted
+
+
+def test_take_at_least_waits_for_the_quantum() -> None:
+    bucket = TokenBucket(1_000.0, burst_seconds=0.2, now=0.0)
+    assert bucket.take(10_000, 0.0) == 200
+    assert bucket.take(10_000, 0.01, at_least=50) == 0  # 10 tokens: not yet
+    assert bucket.take(10_000, 0.05, at_least=50) == 50
+    assert bucket.take(3, 0.06, at_least=50) == 3  # wanting less than the quantum takes what it wants
