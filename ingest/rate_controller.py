@@ -11,6 +11,7 @@ backlog comes with several receivers per stream).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 
 from ingest.config import RateConfig
@@ -23,13 +24,24 @@ log = logging.getLogger(__name__)
 STARTUP_BATCHES = 2
 """Batches of a fresh query the model estimator does not fit."""
 
+WATCHDOG_TICK = 0.1
+"""Seconds between looks at a running batch (check_overrun), as the server calls it."""
+
 
 class RateController:
     """Owns the ingest rate of a node's receivers."""
 
-    def __init__(self, receivers: Mapping[str, Receiver], config: RateConfig | None = None) -> None:
+    def __init__(
+        self,
+        receivers: Mapping[str, Receiver],
+        config: RateConfig | None = None,
+        *,
+        batch_interval: float = 1.0,
+    ) -> None:
         config = config or RateConfig()
         self._receivers = receivers
+        self._batch_interval = batch_interval
+        self._running: tuple[int, float] | None = None  # the batch the source started: records, when
         self._bounds = RateBounds(config.min_rate, config.max_rate)
         self._rate = self._clamp(check_rate(config.initial_rate))
         # a fresh query's first batch pays ~10 s of worker start-up and the second is still slow (seen
@@ -60,8 +72,34 @@ class RateController:
     def on_batch(self, batch: BatchMetrics) -> None:
         """A micro-batch completed: let the estimator propose a rate (ignored while pinned)."""
         self.last_batch = batch
+        self._running = None
         proposal = self.estimator.compute(batch)
         if proposal is not None and not self.pinned:
+            self._apply(self._clamp(check_rate(proposal)))
+
+    def batch_started(self, records: int, now: float | None = None) -> None:
+        """The source planned a batch of `records` (ValueError unless > 0) and runs it from `now`."""
+        if records <= 0:
+            raise ValueError(f"a started batch has records > 0, got {records}")
+        self._running = (records, time.monotonic() if now is None else now)
+
+    def check_overrun(self, now: float | None = None) -> None:
+        """The watchdog: while the running batch overruns its interval, let the estimator lower the
+        rate at once rather than when the batch completes (records keep arriving at the old rate
+        meanwhile, and each of them waits for a slower pipeline). Ignored while pinned."""
+        if self._running is None or self.pinned:
+            return
+        records, started = self._running
+        elapsed = (time.monotonic() if now is None else now) - started
+        proposal = self.estimator.overrun(records, elapsed, self._batch_interval)
+        if proposal is not None:
+            log.info(
+                "batch of %d records still running after %.2f s: rate %s -> %s records/s",
+                records,
+                elapsed,
+                self._rate,
+                proposal,
+            )
             self._apply(self._clamp(check_rate(proposal)))
 
     def update(self, rate: float, *, pin: bool = False) -> None:

@@ -69,3 +69,10 @@ class RateControlService(pb_grpc.RateControlServicer):
         except UnknownEstimatorError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return rate_status(self._controller)
+
+    async def StartBatch(self, request: pb.StartBatchRequest, context: Context) -> pb.StartBatchResponse:
+        try:
+            self._controller.batch_started(request.records)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.StartBatchResponse()

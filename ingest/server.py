@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from ingest.config import ServeConfig
 from ingest.metrics import MetricsServer, SluiceCollector
-from ingest.rate_controller import RateController
+from ingest.rate_controller import WATCHDOG_TICK, RateController
 from ingest.rate_service import RateControlService
 from ingest.sessions_service import SessionsService
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -35,7 +35,7 @@ class SluiceServer:
             config.blocks_dir, fsync=config.fsync, segment_bytes=config.wal_segment_bytes
         )
         self.receivers = {s: Receiver(s, self.store, config.receiver) for s in config.streams}
-        self.rate = RateController(self.receivers, config.rate)
+        self.rate = RateController(self.receivers, config.rate, batch_interval=config.trigger_interval)
         """The ingest rate: fed by batch metrics (on_batch) and by operators (RateControl)."""
         self.registry = CollectorRegistry()
         self.registry.register(SluiceCollector(self.receivers, self._batches_completed, wal=self.store))
@@ -45,6 +45,7 @@ class SluiceServer:
         self.port: int = 0
         """The bound gRPC port, once started."""
         self._stopped = asyncio.Event()
+        self._watchdog: asyncio.Task[None] | None = None
 
     def _batches_completed(self) -> int:
         return self.batches_completed()  # looked up at scrape time: the Spark side may attach later
@@ -94,6 +95,7 @@ class SluiceServer:
             await receiver.start()
         await server.start()
         self._grpc = server
+        self._watchdog = asyncio.create_task(self._watch_batches(), name="sluice-batch-watchdog")
         log.info(
             "serving streams %s on %s, metrics on %s",
             ", ".join(self.receivers),
@@ -106,6 +108,8 @@ class SluiceServer:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for receiver in self.receivers.values():
             await receiver.stop()
         if self._grpc is not None:
@@ -113,6 +117,14 @@ class SluiceServer:
         if self._metrics is not None:
             self._metrics.close()
         self.store.close()
+
+    async def _watch_batches(self) -> None:
+        while True:
+            await asyncio.sleep(WATCHDOG_TICK)
+            try:
+                self.rate.check_overrun()
+            except Exception:  # the watchdog must outlive a bad proposal; the next batch corrects it
+                log.exception("batch watchdog failed")
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()

@@ -88,6 +88,23 @@ class RateEstimator(ABC):
         self._rate = self._bounds.clamp(rate)
         return self._rate
 
+    def overrun(self, records: int, elapsed: float, interval: float) -> float | None:
+        """A lower rate now, or None: a batch of `records` has run `elapsed` seconds and not completed.
+
+        Called while a batch overruns its interval (a watchdog), so an estimator can act on a slower
+        pipeline before the batch's completion says so. Never raises the rate.
+        """
+        if records <= 0 or not elapsed > interval > 0:
+            return None
+        rate = self._overrun(records, elapsed, interval)
+        if rate is None or math.isnan(rate) or rate >= self._rate:
+            return None
+        self._rate = self._bounds.clamp(rate)
+        return self._rate
+
+    def _overrun(self, records: int, elapsed: float, interval: float) -> float | None:
+        return None
+
     def state(self) -> dict[str, StateValue]:
         """The estimator's internal state, for an operator (GetRate, the status page)."""
         return {

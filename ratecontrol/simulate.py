@@ -215,6 +215,7 @@ def simulate_structured(
     interval: float = 1.0,
     duration: float = 90.0,
     offered_rate: float = 100_000.0,
+    watchdog: float | None = 0.1,
 ) -> Simulation:
     """Like `simulate`, but modelled on Sluice under Structured Streaming rather than a DStream receiver.
 
@@ -266,6 +267,14 @@ def simulate_structured(
             took += pipeline.startup
         consumed += records
         end = start + took
+        if watchdog is not None:
+            # the server polls a running batch: past its interval, the estimator may cut the rate
+            t = start + interval + watchdog
+            while t < end:
+                cut = estimator.overrun(records, t - start, interval)
+                if cut is not None:
+                    changes.append((t, cut))
+                t += watchdog
         batch = BatchMetrics(
             batch_id=k - 1,
             completed_at=end,

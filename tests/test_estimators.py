@@ -576,3 +576,59 @@ def test_spark_pid_under_structured_streaming_starves_after_a_cost_doubling() ->
     sim = simulate_structured(estimator, DOUBLING, interval=1.0, duration=90.0)
     assert sim.peak_delay() > 20.0, sim.summary()
     assert sim.starved > 30, sim.summary()
+
+
+def test_model_watchdog_cuts_the_rate_on_the_evidence_of_a_running_batch() -> None:
+    """overrun(): a batch still running gives a lower bound on the per-record cost, so the rate may drop
+    before the batch completes; never up, nothing before a fit, nothing within the noise."""
+    model = ModelEstimator(initial_rate=10_000.0, warmup_batches=0)
+    assert model.overrun(40_000, 3.0, 1.0) is None  # no fit yet: no basis
+    for i, records in enumerate((20_000, 40_000, 30_000, 40_000)):
+        model.compute(batch(float(i + 1), records, cost(records)))
+    rate, capacity = model.rate, model.capacity
+    assert capacity is not None
+    assert model.overrun(40_000, 0.9, 1.0) is None  # not over its interval
+    assert model.overrun(40_000, cost(40_000) * 1.05, 1.0) is None  # within the noise
+    # the per-record cost doubled: at 1.8 s the batch has shown b >= (1.8 - 0.4) / 40k = 1 / 28.6k
+    cut = model.overrun(40_000, 1.8, 1.0)
+    assert cut is not None and cut < rate
+    at_least = (1.8 - 0.4) / 40_000
+    assert model.capacity == pytest.approx((1.0 - 0.4) / at_least, rel=0.01)
+    assert cut == pytest.approx(0.95 * model.capacity, rel=0.01)
+    # later looks at the same batch only lower it further; an earlier elapsed time changes nothing
+    deeper = model.overrun(40_000, 2.5, 1.0)
+    assert deeper is not None and deeper < cut
+    assert model.overrun(40_000, 1.9, 1.0) is None
+    assert model.state()["overrun_cuts"] == 2
+
+
+@settings(max_examples=100)
+@given(
+    factory=factories(),
+    run=runs(),
+    looks=st.lists(
+        st.tuples(st.integers(min_value=-5, max_value=10**6), st.floats(min_value=0, max_value=100)),
+        max_size=10,
+    ),
+)
+def test_overrun_never_raises_the_rate_and_stays_in_bounds(
+    factory: Factory, run: list[BatchMetrics], looks: list[tuple[int, float]]
+) -> None:
+    estimator = factory()
+    for metrics in run:
+        estimator.compute(metrics)
+    for records, elapsed in looks:
+        before = estimator.rate
+        cut = estimator.overrun(records, elapsed, 1.0)
+        check_in_bounds(estimator, cut)
+        assert estimator.rate <= before
+
+
+def test_the_watchdog_lowers_the_peak_delay_of_a_cost_doubling_under_structured_streaming() -> None:
+    pipeline = Pipeline(fixed_cost=0.24, per_record_cost=10.8e-6, cost_changes=((20.0, 2.0), (40.0, 1.0)))
+
+    def peak(watchdog: float | None) -> float:
+        model = make_estimator("model", bounds=RateBounds(100, INF), initial_rate=10_000.0)
+        return simulate_structured(model, pipeline, duration=60.0, watchdog=watchdog).peak_delay(3)
+
+    assert peak(0.1) < peak(None) - 0.2

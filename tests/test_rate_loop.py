@@ -7,6 +7,7 @@ import dataclasses
 import math
 from pathlib import Path
 
+import grpc
 import pytest
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 from support import running_server
@@ -16,6 +17,8 @@ from ingest.driver import batch_metrics
 from ingest.spark.listener import BatchCompleted
 from ingest.spark.source import SluiceStreamReader
 from ratecontrol import BatchMetrics
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 
 def batch(batch_id: int, records: int, processing: float, delay: float = 0.0) -> BatchMetrics:
@@ -110,6 +113,43 @@ async def test_the_source_caps_each_batch_at_the_live_rate(tmp_path: Path) -> No
         assert (await asyncio.to_thread(reader.latestOffset, start, ReadMaxRows(150))) == {"s": 150}
         server.rate.update(math.inf)
         assert (await asyncio.to_thread(reader.latestOffset, start, ReadAllAvailable())) == {"s": 1000}
+
+
+async def test_a_batch_that_overruns_lowers_the_rate_before_it_completes(tmp_path: Path) -> None:
+    """The source reports each batch it starts (RateControl.StartBatch); the server's watchdog asks the
+    estimator while the batch overruns, and the lower rate reaches the receivers at once."""
+    async with running_server(tmp_path, "s") as server:
+        controller = server.rate
+        controller.on_batch(batch(0, 1, 0.5))  # the query ran before: the model skips no warm-up batch
+        controller.set_estimator("model")
+        for i, records in enumerate((20_000, 40_000, 30_000, 40_000), start=1):
+            controller.on_batch(batch(i, records, 0.4 + records / 75_000))  # 45k records/s at 1 s
+        fitted = controller.rate
+        assert fitted == pytest.approx(0.95 * 45_000, rel=0.02)
+        async with Producer(server.target, "s", linger=0) as producer:
+            await producer.send_many([b"y"] * 1_000)
+            await producer.flush(timeout=10)
+        reader = SluiceStreamReader(
+            {"path": str(server.config.blocks_dir), "streams": "s", "rateTarget": server.target}
+        )
+        assert (await asyncio.to_thread(reader.latestOffset, {"s": 0}, ReadAllAvailable())) == {"s": 1000}
+        # 1,000 records should take 0.41 s; past 1 s the batch proves a per-record cost >= 0.6 ms
+        await asyncio.sleep(0.5)
+        assert controller.rate == fitted
+        await asyncio.sleep(1.5)
+        assert controller.rate < 0.05 * fitted
+        assert server.receivers["s"].rate == controller.rate
+        # the batch completes: the watchdog has nothing to watch, the estimator takes over again
+        controller.on_batch(batch(5, 1_000, 2.1))
+        after = controller.rate
+        await asyncio.sleep(0.3)
+        assert controller.rate == after
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            stub = pb_grpc.RateControlStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.StartBatch(pb.StartBatchRequest(records=0))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "records" in (info.value.details() or "")
 
 
 def _iso(epoch: float) -> str:

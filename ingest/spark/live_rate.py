@@ -25,6 +25,7 @@ class LiveRateCap:
         self._stub = pb_grpc.RateControlStub(self._channel)
         self._timeout = timeout
         self._last: int | None = None
+        self._start_batch_unsupported = False
 
     def records_per_batch(self, trigger_seconds: float) -> int | None:
         """max(rate, estimated capacity) x trigger interval, at least 1; None while unlimited or unknown.
@@ -39,6 +40,20 @@ class LiveRateCap:
             return self._last
         self._last = None if math.isinf(rate) else max(1, int(rate * max(trigger_seconds, 0.001)))
         return self._last
+
+    def start_batch(self, records: int) -> None:
+        """Tell the server a batch of `records` runs now (its watchdog acts while it overruns).
+
+        Best effort: a server that cannot be reached or predates the call costs the watchdog only.
+        """
+        if self._start_batch_unsupported:
+            return
+        try:
+            self._stub.StartBatch(pb.StartBatchRequest(records=records), timeout=self._timeout)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._start_batch_unsupported = True
+            log.debug("cannot report a started batch (%s)", exc)
 
     def close(self) -> None:
         self._channel.close()

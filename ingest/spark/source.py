@@ -187,10 +187,15 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             # a backlog after a restart never becomes one giant batch, the first batch is bounded too
             limit = ReadMaxRows(live)
         if isinstance(limit, ReadAllAvailable):
-            return _sorted(available)
-        if isinstance(limit, ReadMaxRows):
-            return _sorted(_admit(start, available, limit.max_rows))
-        raise TypeError(f"sluice source: unsupported read limit {limit!r}")
+            end = _sorted(available)
+        elif isinstance(limit, ReadMaxRows):
+            end = _sorted(_admit(start, available, limit.max_rows))
+        else:
+            raise TypeError(f"sluice source: unsupported read limit {limit!r}")
+        records = sum(end[s] - start.get(s, 0) for s in end)
+        if records > 0 and self._rate_client is not None:
+            self._rate_client.start_batch(records)  # Spark runs a batch now: the server's watchdog
+        return end
 
     def reportLatestOffset(self) -> Offset:
         # what is there now: Spark reports it as the source's latestOffset, so latest - end is the

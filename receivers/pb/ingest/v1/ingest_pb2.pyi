@@ -453,6 +453,41 @@ class GetRateRequest(_message.Message):
 Global___GetRateRequest: _TypeAlias = GetRateRequest  # noqa: Y015
 
 @_typing.final
+class StartBatchRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECORDS_FIELD_NUMBER: _builtins.int
+    records: _builtins.int
+    """> 0"""
+    def __init__(
+        self,
+        *,
+        records: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["records", b"records"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StartBatchRequest: _TypeAlias = StartBatchRequest  # noqa: Y015
+
+@_typing.final
+class StartBatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StartBatchResponse: _TypeAlias = StartBatchResponse  # noqa: Y015
+
+@_typing.final
 class StreamRate(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

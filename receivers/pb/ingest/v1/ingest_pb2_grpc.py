@@ -127,6 +127,11 @@ class RateControlStub:
                 request_serializer=ingest_dot_v1_dot_ingest__pb2.SetEstimatorRequest.SerializeToString,
                 response_deserializer=ingest_dot_v1_dot_ingest__pb2.RateStatus.FromString,
                 _registered_method=True)
+        self.StartBatch = channel.unary_unary(
+                '/ingest.v1.RateControl/StartBatch',
+                request_serializer=ingest_dot_v1_dot_ingest__pb2.StartBatchRequest.SerializeToString,
+                response_deserializer=ingest_dot_v1_dot_ingest__pb2.StartBatchResponse.FromString,
+                _registered_method=True)
 
 
 class RateControlServicer:
@@ -161,6 +166,14 @@ class RateControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartBatch(self, request, context):
+        """The Sluice Spark source planned a micro-batch of this many records and runs it now. While it
+        overruns its interval the estimator may lower the rate before the batch completes (a watchdog).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RateControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -183,6 +196,11 @@ def add_RateControlServicer_to_server(servicer, server):
                     servicer.SetEstimator,
                     request_deserializer=ingest_dot_v1_dot_ingest__pb2.SetEstimatorRequest.FromString,
                     response_serializer=ingest_dot_v1_dot_ingest__pb2.RateStatus.SerializeToString,
+            ),
+            'StartBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartBatch,
+                    request_deserializer=ingest_dot_v1_dot_ingest__pb2.StartBatchRequest.FromString,
+                    response_serializer=ingest_dot_v1_dot_ingest__pb2.StartBatchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -293,6 +311,33 @@ class RateControl:
             '/ingest.v1.RateControl/SetEstimator',
             ingest_dot_v1_dot_ingest__pb2.SetEstimatorRequest.SerializeToString,
             ingest_dot_v1_dot_ingest__pb2.RateStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ingest.v1.RateControl/StartBatch',
+            ingest_dot_v1_dot_ingest__pb2.StartBatchRequest.SerializeToString,
+            ingest_dot_v1_dot_ingest__pb2.StartBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -80,6 +80,10 @@ class RateControlStub:
     """Set the bounds every rate is clamped into."""
     SetEstimator: _grpc.UnaryUnaryMultiCallable[_ingest_pb2.SetEstimatorRequest, _ingest_pb2.RateStatus]
     """Choose the estimator: "model" (the default), "spark-pid" or "fixed"; unpins the rate."""
+    StartBatch: _grpc.UnaryUnaryMultiCallable[_ingest_pb2.StartBatchRequest, _ingest_pb2.StartBatchResponse]
+    """The Sluice Spark source planned a micro-batch of this many records and runs it now. While it
+    overruns its interval the estimator may lower the rate before the batch completes (a watchdog).
+    """
 
 @_typing.type_check_only
 class RateControlAsyncStub(RateControlStub):
@@ -94,6 +98,10 @@ class RateControlAsyncStub(RateControlStub):
     """Set the bounds every rate is clamped into."""
     SetEstimator: _aio.UnaryUnaryMultiCallable[_ingest_pb2.SetEstimatorRequest, _ingest_pb2.RateStatus]  # type: ignore[assignment]
     """Choose the estimator: "model" (the default), "spark-pid" or "fixed"; unpins the rate."""
+    StartBatch: _aio.UnaryUnaryMultiCallable[_ingest_pb2.StartBatchRequest, _ingest_pb2.StartBatchResponse]  # type: ignore[assignment]
+    """The Sluice Spark source planned a micro-batch of this many records and runs it now. While it
+    overruns its interval the estimator may lower the rate before the batch completes (a watchdog).
+    """
 
 class RateControlServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -129,6 +137,16 @@ class RateControlServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_ingest_pb2.RateStatus, _abc.Awaitable[_ingest_pb2.RateStatus]]:
         """Choose the estimator: "model" (the default), "spark-pid" or "fixed"; unpins the rate."""
+
+    @_abc_1.abstractmethod
+    def StartBatch(
+        self,
+        request: _ingest_pb2.StartBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ingest_pb2.StartBatchResponse, _abc.Awaitable[_ingest_pb2.StartBatchResponse]]:
+        """The Sluice Spark source planned a micro-batch of this many records and runs it now. While it
+        overruns its interval the estimator may lower the rate before the batch completes (a watchdog).
+        """
 
 def add_RateControlServicer_to_server(servicer: RateControlServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
 
