@@ -52,6 +52,12 @@ from ratecontrol.estimator import DEFAULT_BOUNDS, RateBounds, RateEstimator, Sta
 
 _RIDGE = 0.05
 """Weight of the fixed-cost prior, in batches: pins a degenerate fit, too light to bias a real one."""
+_DATA_RIDGE = 2.0
+_FEW_POINTS = 4
+"""Its weight while a fit has fewer than _FEW_POINTS batches and the prior is a fixed cost fitted from
+data: two batches of a fresh fit (after a cost change) cannot outvote it. Seen here: two batches 0.24 s apart in time and 24k in size, with ~0.1 s of
+noise each, fitted a fixed cost of 0.77 s against the 0.23 s of the previous 20, which read capacity as
+a third of the truth and starved the drain of a backlog."""
 _OUTLIER_WEIGHT = 0.1
 _IDENTIFIABLE_CV = 0.1
 """Batch sizes must vary by this coefficient of variation before the fit's fixed cost is believed."""
@@ -141,6 +147,7 @@ class ModelEstimator(RateEstimator):
         self._latest_time = -math.inf
         self._changes = 0
         self._overruns = 0
+        self._watched: float | None = None  # per-record cost the watchdog proved for the running batch
         # the latest fit and what was derived from it, for state()
         self._a: float | None = None
         self._b: float | None = None
@@ -158,6 +165,7 @@ class ModelEstimator(RateEstimator):
             return None  # a stale or repeated event
         self._latest_time = batch.completed_at
         self._batches += 1
+        watched, self._watched = self._watched, None
         interval = batch.batch_interval
         if self._batches == 1:
             self._prior_a = self.prior_fixed_cost * interval
@@ -175,6 +183,8 @@ class ModelEstimator(RateEstimator):
             # per-record cost it alone implies, at most 2x either way; a second one confirms the change
             alone = (batch.processing_delay - a) / batch.records
             b = math.sqrt(b * min(max(alone, b / 4), 4 * b))
+            if watched is not None:
+                b = max(b, watched)  # what the watchdog saw this batch do: no bounce back up
         capacity = max(0.0, (interval - a) / (b * interval))
         self._capacity = capacity
 
@@ -205,6 +215,7 @@ class ModelEstimator(RateEstimator):
         if at_least <= b or lower >= capacity:
             return None  # nothing the fit or an earlier look at this batch did not already know
         self._capacity = lower
+        self._watched = at_least
         self._overruns += 1
         return self.target_utilisation * lower
 
@@ -248,10 +259,12 @@ class ModelEstimator(RateEstimator):
             s2 += p.weight * x * x
             t0 += p.weight * p.seconds
             t1 += p.weight * x * p.seconds
-        s0 = weight + _RIDGE
+        few = len(self._points) < _FEW_POINTS  # e.g. just after a cost change reset the fit
+        ridge = _DATA_RIDGE if self._prior_from_data and few else _RIDGE
+        s0 = weight + ridge
         det = s0 * s2 - s1 * s1  # > 0: the prior term alone makes the system regular
-        a = (s2 * (t0 + _RIDGE * prior_a) - s1 * t1) / det
-        b = (s0 * t1 - s1 * (t0 + _RIDGE * prior_a)) / det / scale
+        a = (s2 * (t0 + ridge * prior_a) - s1 * t1) / det
+        b = (s0 * t1 - s1 * (t0 + ridge * prior_a)) / det / scale
         mean_x = s1 / weight
         cv = math.sqrt(max(0.0, s2 / weight - mean_x * mean_x)) / mean_x
         shortest = min(p.seconds for p in self._points)
