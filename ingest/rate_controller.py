@@ -41,7 +41,8 @@ class RateController:
         config = config or RateConfig()
         self._receivers = receivers
         self._batch_interval = batch_interval
-        self._running: tuple[int, float] | None = None  # the batch the source started: records, when
+        # the batch the source started: records, when, backlog beyond it then, records taken by then
+        self._running: tuple[int, float, int, int] | None = None
         self._bounds = RateBounds(config.min_rate, config.max_rate)
         self._rate = self._clamp(check_rate(config.initial_rate))
         # a fresh query's first batch pays ~10 s of worker start-up and the second is still slow (seen
@@ -77,11 +78,18 @@ class RateController:
         if proposal is not None and not self.pinned:
             self._apply(self._clamp(check_rate(proposal)))
 
-    def batch_started(self, records: int, now: float | None = None) -> None:
-        """The source planned a batch of `records` (ValueError unless > 0) and runs it from `now`."""
+    def batch_started(self, records: int, backlog: int = 0, now: float | None = None) -> None:
+        """The source planned a batch of `records` (ValueError unless > 0), with `backlog` records
+        (ValueError if < 0) there beyond it, and runs it from `now`."""
         if records <= 0:
             raise ValueError(f"a started batch has records > 0, got {records}")
-        self._running = (records, time.monotonic() if now is None else now)
+        if backlog < 0:
+            raise ValueError(f"backlog must be >= 0 records, got {backlog}")
+        now = time.monotonic() if now is None else now
+        self._running = (records, now, backlog, self._taken())
+
+    def _taken(self) -> int:
+        return sum(r.stats.records_received for r in self._receivers.values())
 
     def check_overrun(self, now: float | None = None) -> None:
         """The watchdog: while the running batch overruns its interval, let the estimator lower the
@@ -89,14 +97,16 @@ class RateController:
         meanwhile, and each of them waits for a slower pipeline). Ignored while pinned."""
         if self._running is None or self.pinned:
             return
-        records, started = self._running
+        records, started, backlog, taken = self._running
         elapsed = (time.monotonic() if now is None else now) - started
-        proposal = self.estimator.overrun(records, elapsed, self._batch_interval)
+        waiting = backlog + self._taken() - taken
+        proposal = self.estimator.overrun(records, elapsed, self._batch_interval, waiting)
         if proposal is not None:
             log.info(
-                "batch of %d records still running after %.2f s: rate %s -> %s records/s",
+                "batch of %d records still running after %.2f s, %d waiting: rate %s -> %s records/s",
                 records,
                 elapsed,
+                waiting,
                 self._rate,
                 proposal,
             )

@@ -72,7 +72,7 @@ class RateControlService(pb_grpc.RateControlServicer):
 
     async def StartBatch(self, request: pb.StartBatchRequest, context: Context) -> pb.StartBatchResponse:
         try:
-            self._controller.batch_started(request.records)
+            self._controller.batch_started(request.records, request.backlog)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return pb.StartBatchResponse()

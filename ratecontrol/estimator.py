@@ -88,21 +88,24 @@ class RateEstimator(ABC):
         self._rate = self._bounds.clamp(rate)
         return self._rate
 
-    def overrun(self, records: int, elapsed: float, interval: float) -> float | None:
-        """A lower rate now, or None: a batch of `records` has run `elapsed` seconds and not completed.
+    def overrun(
+        self, records: int, elapsed: float, interval: float, waiting: int | None = None
+    ) -> float | None:
+        """A lower rate now, or None: a batch of `records` has run `elapsed` seconds and not completed;
+        `waiting` records (when known) are there for the batches after it.
 
         Called while a batch overruns its interval (a watchdog), so an estimator can act on a slower
         pipeline before the batch's completion says so. Never raises the rate.
         """
         if records <= 0 or not elapsed > interval > 0:
             return None
-        rate = self._overrun(records, elapsed, interval)
+        rate = self._overrun(records, elapsed, interval, waiting)
         if rate is None or math.isnan(rate) or rate >= self._rate:
             return None
         self._rate = self._bounds.clamp(rate)
         return self._rate
 
-    def _overrun(self, records: int, elapsed: float, interval: float) -> float | None:
+    def _overrun(self, records: int, elapsed: float, interval: float, waiting: int | None) -> float | None:
         return None
 
     def state(self) -> dict[str, StateValue]:

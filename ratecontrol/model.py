@@ -37,7 +37,9 @@ estimator instead:
    than `overrun_threshold`, it has already shown a per-record cost of at least (elapsed - a) / records.
    That lower bound caps capacity and the rate at once, before the batch completes: after a cost
    change the records that would keep arriving at the old rate meanwhile each wait for the slower
-   pipeline (in simulation this takes ~0.3 s off the peak delay of a doubled cost).
+   pipeline (in simulation this takes ~0.3 s off the peak delay of a doubled cost). And once the records
+   waiting beyond the running batch fill the next one (`waiting` >= capacity x interval), intake pauses
+   (min rate) until the batch completes: more would only queue, while the next batch is full anyway.
 
 Until a first batch has been fitted it proposes nothing, and the initial rate stays in force.
 """
@@ -54,10 +56,10 @@ _RIDGE = 0.05
 """Weight of the fixed-cost prior, in batches: pins a degenerate fit, too light to bias a real one."""
 _DATA_RIDGE = 2.0
 _FEW_POINTS = 4
-"""Its weight while a fit has fewer than _FEW_POINTS batches and the prior is a fixed cost fitted from
-data: two batches of a fresh fit (after a cost change) cannot outvote it. Seen here: two batches 0.24 s apart in time and 24k in size, with ~0.1 s of
-noise each, fitted a fixed cost of 0.77 s against the 0.23 s of the previous 20, which read capacity as
-a third of the truth and starved the drain of a backlog."""
+"""The prior's weight while a fit has fewer than _FEW_POINTS batches and the prior is a fixed cost
+fitted from data: two batches of a fresh fit (after a cost change) cannot outvote it. Seen here: two
+batches 0.56 s apart in time and 24k in size, with ~0.1 s of noise each, fitted a fixed cost of 0.77 s
+against the 0.23 s of the 20 before, which read capacity as a third of the truth."""
 _OUTLIER_WEIGHT = 0.1
 _IDENTIFIABLE_CV = 0.1
 """Batch sizes must vary by this coefficient of variation before the fit's fixed cost is believed."""
@@ -147,6 +149,7 @@ class ModelEstimator(RateEstimator):
         self._latest_time = -math.inf
         self._changes = 0
         self._overruns = 0
+        self._proposed: float | None = None  # the latest rate _estimate proposed
         self._watched: float | None = None  # per-record cost the watchdog proved for the running batch
         # the latest fit and what was derived from it, for state()
         self._a: float | None = None
@@ -193,7 +196,11 @@ class ModelEstimator(RateEstimator):
         left = batch.backlog if batch.backlog is not None else in_force * batch.lateness
         overrun = batch.processing_delay - interval
         backlog = max(0.0, left + in_force * overrun)
-        batch_size = max(1.0, in_force * interval)
+        # the size of the batches a backlog drains in: what the last estimate admitted, not a watchdog cut
+        proposed = (
+            self._proposed if self._proposed is not None and math.isfinite(self._proposed) else in_force
+        )
+        batch_size = max(1.0, proposed * interval)
         drain_seconds = backlog * (b + a / batch_size)
         self._backlog, self._drain_seconds = backlog, drain_seconds
 
@@ -201,14 +208,19 @@ class ModelEstimator(RateEstimator):
         rate = max(rate, self.floor_fraction * capacity)
         largest = max(p.records for p in self._points)
         fastest = max(p.records / p.seconds for p in self._points)
-        return min(rate, self.max_growth * largest / interval, self.max_stretch * fastest)
+        self._proposed = min(rate, self.max_growth * largest / interval, self.max_stretch * fastest)
+        return self._proposed
 
-    def _overrun(self, records: int, elapsed: float, interval: float) -> float | None:
+    def _overrun(self, records: int, elapsed: float, interval: float, waiting: int | None) -> float | None:
         a, b, capacity = self._a, self._b, self._capacity
         if a is None or b is None or capacity is None:
             return None
         if elapsed <= (a + b * records) * (1 + self.overrun_threshold):
             return None  # slower than usual, but within the noise a completed batch may show
+        if waiting is not None and waiting >= capacity * interval:
+            # the next batch is already there in full: what else comes in now only waits longer
+            self._overruns += 1
+            return self.bounds.min_rate
         # the batch is still running, so its per-record cost is at least this: a lower bound, not a guess
         at_least = (elapsed - a) / records
         lower = max(0.0, (interval - a) / (at_least * interval))

@@ -271,7 +271,8 @@ def simulate_structured(
             # the server polls a running batch: past its interval, the estimator may cut the rate
             t = start + interval + watchdog
             while t < end:
-                cut = estimator.overrun(records, t - start, interval)
+                waiting = math.floor(admitted(t)) - consumed
+                cut = estimator.overrun(records, t - start, interval, waiting)
                 if cut is not None:
                     changes.append((t, cut))
                 t += watchdog

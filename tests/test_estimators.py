@@ -632,3 +632,19 @@ def test_the_watchdog_lowers_the_peak_delay_of_a_cost_doubling_under_structured_
         return simulate_structured(model, pipeline, duration=60.0, watchdog=watchdog).peak_delay(3)
 
     assert peak(0.1) < peak(None) - 0.2
+
+
+def test_model_watchdog_pauses_intake_while_the_next_batch_waits_in_full() -> None:
+    model = ModelEstimator(initial_rate=10_000.0, warmup_batches=0, bounds=RateBounds(100, INF))
+    for i, records in enumerate((20_000, 40_000, 30_000, 40_000)):
+        model.compute(batch(float(i + 1), records, cost(records)))
+    capacity = model.capacity
+    assert capacity is not None
+    # overrunning, but what waits does not fill the next batch yet: only the cost's lower bound
+    cut = model.overrun(40_000, 1.2, 1.0, waiting=int(0.5 * capacity))
+    assert cut is not None and cut > 100
+    # the next batch is there in full: more records would only queue
+    assert model.overrun(40_000, 1.3, 1.0, waiting=int(capacity) + 1) == 100
+    # the batch completes: the estimate starts from the batches' size before the pause, not from 100/s
+    rate = model.compute(batch(6.5, 40_000, 1.5, backlog=int(capacity)))
+    assert rate is not None and rate >= 0.5 * 0.5 * capacity

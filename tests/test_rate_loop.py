@@ -146,10 +146,18 @@ async def test_a_batch_that_overruns_lowers_the_rate_before_it_completes(tmp_pat
         assert controller.rate == after
         async with grpc.aio.insecure_channel(server.target) as channel:
             stub = pb_grpc.RateControlStub(channel)
-            with pytest.raises(grpc.aio.AioRpcError) as info:
-                await stub.StartBatch(pb.StartBatchRequest(records=0))
-            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-            assert "records" in (info.value.details() or "")
+            for bad, word in (({"records": 0}, "records"), ({"records": 5, "backlog": -1}, "backlog")):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.StartBatch(pb.StartBatchRequest(**bad))
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert word in (info.value.details() or "")
+            # a batch that overruns while the next one is already waiting in full: intake pauses
+            controller.update(fitted)
+            capacity = controller.estimator.capacity
+            assert capacity is not None
+            await stub.StartBatch(pb.StartBatchRequest(records=1_000, backlog=int(capacity) + 1))
+            await asyncio.sleep(1.6)
+            assert controller.rate == controller.bounds.min_rate
 
 
 def _iso(epoch: float) -> str:

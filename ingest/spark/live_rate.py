@@ -41,15 +41,17 @@ class LiveRateCap:
         self._last = None if math.isinf(rate) else max(1, int(rate * max(trigger_seconds, 0.001)))
         return self._last
 
-    def start_batch(self, records: int) -> None:
-        """Tell the server a batch of `records` runs now (its watchdog acts while it overruns).
+    def start_batch(self, records: int, backlog: int) -> None:
+        """Tell the server a batch of `records` runs now, `backlog` records behind it (its watchdog
+        acts while the batch overruns).
 
         Best effort: a server that cannot be reached or predates the call costs the watchdog only.
         """
         if self._start_batch_unsupported:
             return
         try:
-            self._stub.StartBatch(pb.StartBatchRequest(records=records), timeout=self._timeout)
+            request = pb.StartBatchRequest(records=records, backlog=backlog)
+            self._stub.StartBatch(request, timeout=self._timeout)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self._start_batch_unsupported = True

@@ -194,7 +194,9 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             raise TypeError(f"sluice source: unsupported read limit {limit!r}")
         records = sum(end[s] - start.get(s, 0) for s in end)
         if records > 0 and self._rate_client is not None:
-            self._rate_client.start_batch(records)  # Spark runs a batch now: the server's watchdog
+            # Spark runs a batch now: the server's watchdog looks at it while it overruns
+            backlog = sum(max(0, available[s] - end.get(s, 0)) for s in available)
+            self._rate_client.start_batch(records, backlog)
         return end
 
     def reportLatestOffset(self) -> Offset:
