@@ -442,7 +442,7 @@ async def run_sluice(
         def on_loop(batch: BatchCompleted) -> None:
             collected.append((batch_metrics(batch, INTERVAL, server.received_at), batch.started_at))
 
-        driver.on_batch(lambda batch: loop.call_soon_threadsafe(on_loop, batch))
+        driver.on_batch(lambda batch: None if loop.is_closed() else loop.call_soon_threadsafe(on_loop, batch))
         proc: Any = None
         cancel: threading.Event | None = None
         t0 = time.time()

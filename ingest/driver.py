@@ -150,6 +150,8 @@ def drive_rate(driver: SparkDriver, server: SluiceServer, loop: asyncio.Abstract
         server.rate.on_batch(batch_metrics(batch, interval, server.received_at))
 
     def hand_over(batch: BatchCompleted) -> None:  # on a py4j thread
+        if loop.is_closed():
+            return  # the server's loop ended before Spark's last event: nobody to steer any more
         loop.call_soon_threadsafe(on_loop, batch)
 
     driver.on_batch(hand_over)
