@@ -197,9 +197,7 @@ class ModelEstimator(RateEstimator):
         overrun = batch.processing_delay - interval
         backlog = max(0.0, left + in_force * overrun)
         # the size of the batches a backlog drains in: what the last estimate admitted, not a watchdog cut
-        proposed = (
-            self._proposed if self._proposed is not None and math.isfinite(self._proposed) else in_force
-        )
+        proposed = in_force if self._proposed is None else self._proposed  # finite: capped by the fit
         batch_size = max(1.0, proposed * interval)
         drain_seconds = backlog * (b + a / batch_size)
         self._backlog, self._drain_seconds = backlog, drain_seconds

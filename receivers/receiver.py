@@ -585,7 +585,7 @@ class Receiver:
         # under a rate, credit goes out a tick's worth at a time (the block generator tops up every
         # tick), not a few records per accepted batch, which made both sides spin on tiny messages
         rate = self._bucket.rate
-        quantum = max(1, math.ceil(rate * self.config.credit_tick)) if math.isfinite(rate) else 1
+        quantum = math.ceil(rate * self.config.credit_tick) if math.isfinite(rate) else 1  # rate > 0
         for session in active[self._rotation :] + active[: self._rotation]:
             if session.credit > refill_at:
                 continue
