@@ -10,7 +10,10 @@ backlog comes with several receivers per stream).
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
+import math
 import time
 from collections.abc import Mapping
 
@@ -26,6 +29,9 @@ STARTUP_BATCHES = 2
 
 WATCHDOG_TICK = 0.1
 """Seconds between looks at a running batch (check_overrun), as the server calls it."""
+
+MAX_BATCH_WAIT = 10.0
+"""Longest wait for a running batch's metrics that a caller of wait_for_batch may ask for."""
 
 
 class RateController:
@@ -43,6 +49,11 @@ class RateController:
         self._batch_interval = batch_interval
         # the batch the source started: records, when, backlog beyond it then, records taken by then
         self._running: tuple[int, float, int, int] | None = None
+        self._completed = asyncio.Event()  # set while no reported batch awaits its completion
+        self._completed.set()
+        # whether completions arrive at all (a listener is wired and keeps up): waits are skipped
+        # from a wait that timed out until the next completion
+        self._completions_arrive = False
         self._bounds = RateBounds(config.min_rate, config.max_rate)
         self._rate = self._clamp(check_rate(config.initial_rate))
         # a fresh query's first batch pays ~10 s of worker start-up and the second is still slow (seen
@@ -72,8 +83,14 @@ class RateController:
 
     def on_batch(self, batch: BatchMetrics) -> None:
         """A micro-batch completed: let the estimator propose a rate (ignored while pinned)."""
+        if self._running is not None and batch.waiting is None:
+            # what waits now for later batches, counted: left behind at the start plus taken since
+            _, _, backlog, taken = self._running
+            batch = dataclasses.replace(batch, waiting=max(0, backlog + self._taken() - taken))
         self.last_batch = batch
         self._running = None
+        self._completions_arrive = True
+        self._completed.set()
         proposal = self.estimator.compute(batch)
         if proposal is not None and not self.pinned:
             self._apply(self._clamp(check_rate(proposal)))
@@ -87,6 +104,32 @@ class RateController:
             raise ValueError(f"backlog must be >= 0 records, got {backlog}")
         now = time.monotonic() if now is None else now
         self._running = (records, now, backlog, self._taken())
+        self._completed.clear()
+
+    async def wait_for_batch(self, timeout: float) -> bool:
+        """Until the batch reported by batch_started has completed (its metrics went through
+        on_batch), at most `timeout` seconds (ValueError unless finite, >= 0 and <= MAX_BATCH_WAIT).
+
+        Spark plans the next batch right after the last one ended, often before the listener's event
+        has arrived here: a cap read then would follow the batch before last. Returns whether the
+        rate now follows the last started batch. Does not wait while completions do not arrive (no
+        listener wired, or the last wait timed out) until one does.
+        """
+        if not (math.isfinite(timeout) and 0 <= timeout <= MAX_BATCH_WAIT):
+            raise ValueError(f"a wait for a batch must be in [0, {MAX_BATCH_WAIT:g}] seconds, got {timeout}")
+        if self._completed.is_set():
+            return True
+        if timeout == 0 or not self._completions_arrive:
+            return False
+        try:
+            await asyncio.wait_for(self._completed.wait(), timeout)
+        except TimeoutError:
+            log.warning(
+                "no metrics for the running batch within %.2f s: not waiting again until some arrive", timeout
+            )
+            self._completions_arrive = False
+            return False
+        return True
 
     def _taken(self) -> int:
         return sum(r.stats.records_received for r in self._receivers.values())

@@ -47,6 +47,11 @@ class RateControlService(pb_grpc.RateControlServicer):
         self._controller = controller
 
     async def GetRate(self, request: pb.GetRateRequest, context: Context) -> pb.RateStatus:
+        if request.wait_for_batch_seconds:
+            try:
+                await self._controller.wait_for_batch(request.wait_for_batch_seconds)
+            except ValueError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"wait_for_batch_seconds: {exc}")
         return rate_status(self._controller)
 
     async def UpdateRate(self, request: pb.UpdateRateRequest, context: Context) -> pb.RateStatus:

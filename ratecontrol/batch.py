@@ -27,6 +27,10 @@ class BatchMetrics:
     """Records that were ready when this batch started but were left for later batches (what a cap on
     the batch size held back); None when unknown, in which case estimators that need it estimate it
     from lateness and the rate."""
+    waiting: int | None = None
+    """Records there for later batches when this one completed: those it left behind plus those taken
+    while it ran. None when unknown (estimators then estimate it from the backlog, the overrun and the
+    rate). Unlike a rate x time estimate it sees a rate that changed while the batch ran."""
 
     @property
     def lateness(self) -> float:
@@ -40,8 +44,10 @@ class BatchMetrics:
             raise ValueError(f"batch_id must be >= 0, got {self.batch_id}")
         if self.records < 0:
             raise ValueError(f"records must be >= 0, got {self.records}")
-        if self.backlog is not None and self.backlog < 0:
-            raise ValueError(f"backlog must be >= 0 records or None, got {self.backlog}")
+        for count in ("backlog", "waiting"):
+            value = getattr(self, count)
+            if value is not None and value < 0:
+                raise ValueError(f"{count} must be >= 0 records or None, got {value}")
         for field in ("completed_at", "processing_delay", "scheduling_delay"):
             value = getattr(self, field)
             # finite too: an infinite time would turn every rate derived from it into NaN

@@ -14,18 +14,25 @@ estimator instead:
    and puts the rest of the time on `b`, which still predicts batches of that size exactly.
 2. Capacity is what a batch per interval can hold: `capacity = (interval - a) / (b * interval)`
    records/s; steady state runs at `target_utilisation` x capacity, not biased by batch size.
-3. Backlog is counted in records: what the batch left behind (`BatchMetrics.backlog`, or, when unknown,
-   its lateness x the rate in force: the records taken while its oldest one waited beyond an interval),
-   grown by what arrived while the batch overran its interval.
+3. Backlog is counted in records. Where records wait in a queue that batches take from (Sluice's
+   store), the controller counts what waits when a batch completes (`BatchMetrics.waiting`), whatever
+   the rate did meanwhile: what the next batch, at capacity, cannot take is backlog. Otherwise it is
+   estimated: what the batch left behind (`BatchMetrics.backlog`, or, when unknown, its lateness x the
+   rate in force), grown by what arrived while the batch overran its interval.
    Its cost in seconds (per record, plus the fixed cost of the batches it sits in) is paid off over
    `horizon` intervals: rate = target - backlog_cost / (horizon * b * interval).
 4. The rate never goes under `floor_fraction` x capacity (unless the bounds force it): while a backlog
-   drains the pipeline stays busy, and no batch is starved to minRate.
+   drains the pipeline stays busy, and no batch is starved to minRate. Where the backlog is counted in
+   the queue, the batches after the next one hold it before anything that comes in now, so the floor
+   is lower by backlog / interval: intake may pause while they are full anyway.
 5. The first `warmup_batches` batches carry worker start-up (~10 s for a fresh query) and are not
-   fitted. Later, a batch whose processing time is off a fit made from data (not one anchored on the
-   prior) by more than `change_threshold` is an outlier and weighs little; a second one in a row, off
-   in the same direction, means the cost changed: the fit restarts from those two batches, so a
-   doubled per-record cost is followed within two batches.
+   fitted; their throughput is a lower bound, so they may raise the rate (within the caps of 6), never
+   lower it. Later, a batch whose processing time is off a fit made from data (not one anchored on the
+   prior) by more than `change_threshold` is an outlier and weighs little in the fit. The next rate
+   believes it when it was faster (the caps of 6 bound the risk) or when the watchdog saw it overrun (a
+   cost change that lands mid-batch shows only part of the new cost anyway); a slower one alone may be
+   a pause (GC), and the rate goes halfway to it, geometrically. A second one in a row, off in the same
+   direction, means the cost changed: the fit restarts from those two batches.
 6. A linear fit is only trusted near its data. Whatever the fit, no batch may take more than
    `max_stretch` intervals even if a recent batch's whole time were per-record cost (no fixed cost, the
    worst case for extrapolating up): the rate never exceeds max_stretch x max(records / seconds) over
@@ -38,10 +45,12 @@ estimator instead:
    That lower bound caps capacity and the rate at once, before the batch completes: after a cost
    change the records that would keep arriving at the old rate meanwhile each wait for the slower
    pipeline (in simulation this takes ~0.3 s off the peak delay of a doubled cost). And once the records
-   waiting beyond the running batch fill the next one (`waiting` >= capacity x interval), intake pauses
-   (min rate) until the batch completes: more would only queue, while the next batch is full anyway.
+   waiting beyond the running batch fill the next one (`waiting` >= capacity x interval, the capacity
+   that bound allows), intake pauses (min rate) until the batch completes: more would only queue,
+   while the next batch is full anyway.
 
-Until a first batch has been fitted it proposes nothing, and the initial rate stays in force.
+Until a first batch has been fitted it proposes no rate but a warm-up batch's raise (5): the initial
+rate stays in force.
 """
 
 from __future__ import annotations
@@ -172,8 +181,10 @@ class ModelEstimator(RateEstimator):
         interval = batch.batch_interval
         if self._batches == 1:
             self._prior_a = self.prior_fixed_cost * interval
-        if self._batches <= self.warmup_batches or batch.records == 0 or batch.processing_delay == 0:
-            return None  # start-up, or nothing measured
+        if batch.records == 0 or batch.processing_delay == 0:
+            return None  # nothing measured
+        if self._batches <= self.warmup_batches:
+            return self._warm_up(batch)
         self._observe(batch.records, batch.processing_delay)
         a, b, identified = self._solve(self._prior_a)
         if identified:
@@ -182,20 +193,29 @@ class ModelEstimator(RateEstimator):
         self._fit = "fitted" if identified else "anchored"
         self._a, self._b = a, b  # outliers are judged against the fit itself, not the hedge below
         if self._suspect_sign:
-            # one surprising batch (a cost change, or a GC pause?): go halfway, geometrically, to the
-            # per-record cost it alone implies, at most 2x either way; a second one confirms the change
-            alone = (batch.processing_delay - a) / batch.records
-            b = math.sqrt(b * min(max(alone, b / 4), 4 * b))
-            if watched is not None:
-                b = max(b, watched)  # what the watchdog saw this batch do: no bounce back up
+            # one surprising batch: a cost change, or a GC pause? Faster than the fit: believe it (the
+            # stretch cap below bounds the risk). Slower, and the watchdog saw it overrun: believe it
+            # too (a cost change mid-batch even shows only part of the new cost). Slower otherwise: go
+            # halfway, geometrically. At most 4x either way; a second surprise confirms the change.
+            alone = min(max((batch.processing_delay - a) / batch.records, b / 4), 4 * b)
+            b = alone if self._suspect_sign < 0 or watched is not None else math.sqrt(b * alone)
+        if watched is not None:
+            b = max(b, watched)  # what the watchdog saw this batch do: no bounce back up
         capacity = max(0.0, (interval - a) / (b * interval))
         self._capacity = capacity
 
         # the rate in force when the backlog piled up; an unthrottled start is read from the batch
         in_force = self.rate if math.isfinite(self.rate) else batch.records / interval
-        left = batch.backlog if batch.backlog is not None else in_force * batch.lateness
-        overrun = batch.processing_delay - interval
-        backlog = max(0.0, left + in_force * overrun)
+        if batch.waiting is not None:
+            # counted, not estimated: what the next batch, at capacity, cannot take
+            backlog = max(0.0, batch.waiting - capacity * interval)
+            # batches after the next one hold that much before anything new comes in
+            floor = self.floor_fraction * capacity - backlog / interval
+        else:
+            left = batch.backlog if batch.backlog is not None else in_force * batch.lateness
+            overrun = batch.processing_delay - interval
+            backlog = max(0.0, left + in_force * overrun)
+            floor = self.floor_fraction * capacity
         # the size of the batches a backlog drains in: what the last estimate admitted, not a watchdog cut
         proposed = in_force if self._proposed is None else self._proposed  # finite: capped by the fit
         batch_size = max(1.0, proposed * interval)
@@ -203,11 +223,24 @@ class ModelEstimator(RateEstimator):
         self._backlog, self._drain_seconds = backlog, drain_seconds
 
         rate = self.target_utilisation * capacity - drain_seconds / (self.horizon * b * interval)
-        rate = max(rate, self.floor_fraction * capacity)
+        rate = max(rate, floor)
         largest = max(p.records for p in self._points)
         fastest = max(p.records / p.seconds for p in self._points)
         self._proposed = min(rate, self.max_growth * largest / interval, self.max_stretch * fastest)
         return self._proposed
+
+    def _warm_up(self, batch: BatchMetrics) -> float | None:
+        """A start-up batch is not fitted (its time carries worker start-up), but its throughput is a
+        lower bound on the pipeline's: it may raise the rate by the same growth caps as a fitted batch,
+        never lower it. A warm pipeline is reached in a batch or two, a cold one changes nothing."""
+        grown = min(
+            self.max_stretch * batch.records / batch.processing_delay,
+            self.max_growth * batch.records / batch.batch_interval,
+        )
+        if not grown > self.rate:
+            return None
+        self._proposed = grown
+        return grown
 
     def _overrun(self, records: int, elapsed: float, interval: float, waiting: int | None) -> float | None:
         a, b, capacity = self._a, self._b, self._capacity
@@ -215,17 +248,18 @@ class ModelEstimator(RateEstimator):
             return None
         if elapsed <= (a + b * records) * (1 + self.overrun_threshold):
             return None  # slower than usual, but within the noise a completed batch may show
+        # the batch is still running, so its per-record cost is at least this: a lower bound, not a guess
+        at_least = (elapsed - a) / records
+        lower = max(0.0, (interval - a) / (at_least * interval))
+        if at_least > b and lower < capacity:
+            self._capacity = capacity = lower
+            self._watched = at_least
         if waiting is not None and waiting >= capacity * interval:
             # the next batch is already there in full: what else comes in now only waits longer
             self._overruns += 1
             return self.bounds.min_rate
-        # the batch is still running, so its per-record cost is at least this: a lower bound, not a guess
-        at_least = (elapsed - a) / records
-        lower = max(0.0, (interval - a) / (at_least * interval))
-        if at_least <= b or lower >= capacity:
+        if self._watched is None or capacity != lower:
             return None  # nothing the fit or an earlier look at this batch did not already know
-        self._capacity = lower
-        self._watched = at_least
         self._overruns += 1
         return self.target_utilisation * lower
 

@@ -59,6 +59,19 @@ class Pipeline:
                 factor = change
         return self.per_record_cost * factor
 
+    def processing_time(self, start: float, records: int) -> float:
+        """Seconds a batch of `records` started at `start` takes: the fixed cost, then each record at the
+        per-record cost in force when it runs (a cost change may land mid-batch, as on a real pipeline)."""
+        t = start + self.fixed_cost
+        left = float(records)
+        for since in sorted(since for since, _ in self.cost_changes if since > t):
+            fits = (since - t) / self.per_record_cost_at(t)
+            if fits >= left:
+                break
+            left -= fits
+            t = since
+        return t + left * self.per_record_cost_at(t) - start
+
     def capacity_at(self, t: float, interval: float) -> float:
         """Records/s one batch per interval can process at time t."""
         return max(0.0, interval - self.fixed_cost) / (self.per_record_cost_at(t) * interval)
@@ -173,7 +186,7 @@ def simulate(
         due = k * interval
         start = max(due, end)
         records = admitted(due) - admitted(due - interval)
-        took = pipeline.fixed_cost + pipeline.per_record_cost_at(start) * records
+        took = pipeline.processing_time(start, records)
         if k == 1:
             took += pipeline.startup
         end = start + took
@@ -251,18 +264,20 @@ def simulate_structured(
     capacities: list[float] = []
     rates: list[float] = []
     consumed = 0
-    end = 0.0
+    end = start = 0.0
     k = 0
     while True:
         k += 1
-        start = max(k * interval, end)
+        # Spark's ProcessingTime trigger: the next multiple of the interval after the last trigger,
+        # or at once when the batch ended later (no catching up on missed triggers)
+        start = max((math.floor(start / interval + 1e-9) + 1) * interval, end)
         if start >= duration:
             break
         available = math.floor(admitted(start)) - consumed
         cap = max(changes[-1][1], estimator.capacity or 0.0) * interval
         records = max(0, min(available, math.floor(cap)))
         oldest = arrival(consumed + 1) if records else start
-        took = pipeline.fixed_cost + pipeline.per_record_cost_at(start) * records
+        took = pipeline.processing_time(start, records)
         if k == 1:
             took += pipeline.startup
         consumed += records
@@ -284,6 +299,7 @@ def simulate_structured(
             scheduling_delay=max(0.0, start - oldest),
             batch_interval=interval,
             backlog=available - records,
+            waiting=max(0, math.floor(admitted(end)) - consumed),
         )
         rate = estimator.compute(batch)
         if rate is not None:

@@ -648,3 +648,81 @@ def test_model_watchdog_pauses_intake_while_the_next_batch_waits_in_full() -> No
     # the batch completes: the estimate starts from the batches' size before the pause, not from 100/s
     rate = model.compute(batch(6.5, 40_000, 1.5, backlog=int(capacity)))
     assert rate is not None and rate >= 0.5 * 0.5 * capacity
+
+
+def fitted_model() -> ModelEstimator:
+    """A model fitted on four batches of the default pipeline (capacity 45k records/s)."""
+    model = ModelEstimator(initial_rate=10_000.0, warmup_batches=0, bounds=RateBounds(100, INF))
+    for i, records in enumerate((20_000, 40_000, 30_000, 40_000)):
+        model.compute(batch(float(i + 1), records, cost(records)))
+    assert model.capacity == pytest.approx(45_000, rel=0.02)
+    return model
+
+
+def test_model_warm_up_batches_may_raise_the_rate_but_never_lower_it() -> None:
+    model = ModelEstimator(initial_rate=10_000.0, warmup_batches=2)
+    # a cold start: 10 s of worker start-up for 10k records is no reason to go under the initial rate
+    assert model.compute(batch(10.5, 10_000, 10.5)) is None
+    assert model.rate == 10_000.0
+    # warm: 10k records in 0.25 s; a batch at 1.5 x that throughput takes <= 1.5 s whatever the costs
+    assert model.compute(batch(11.5, 10_000, 0.25)) == pytest.approx(1.5 * 40_000)
+    assert model.state()["fit"] == "none"  # neither batch was fitted
+    assert model.compute(batch(12.5, 30_000, cost(30_000))) is not None
+    assert model.state()["fit"] == "anchored"
+
+
+def test_model_counts_what_waits_at_completion_when_it_is_known() -> None:
+    """In Sluice a batch takes what waits in the store: what the next batch, at capacity, cannot take is
+    backlog, counted rather than estimated; batches after the next one are full of it, so intake may go
+    under the starvation floor while it lasts."""
+    model = fitted_model()
+    capacity = model.capacity
+    assert capacity is not None
+    # what waits fits the next batch: no backlog, the target rate
+    rate = model.compute(dataclasses.replace(batch(5.0, 40_000, cost(40_000)), waiting=int(0.9 * capacity)))
+    assert rate == pytest.approx(0.95 * capacity, rel=0.02)
+    # three batches' worth waits: two of them are backlog, and intake drops under half the capacity
+    rate = model.compute(dataclasses.replace(batch(6.0, 40_000, cost(40_000)), waiting=int(3 * capacity)))
+    assert rate is not None and 100 <= rate < 0.5 * capacity
+    assert model.state()["backlog_records"] == pytest.approx(2 * capacity, rel=0.02)
+    # unknown (a DStream-like admission): the floor holds, the batches are what arrives
+    estimated = fitted_model().compute(batch(5.0, 40_000, cost(40_000), backlog=int(3 * capacity)))
+    assert estimated is not None and estimated >= 0.5 * capacity * 0.99
+
+
+def test_model_believes_a_faster_batch_at_once_within_its_stretch() -> None:
+    model = fitted_model()
+    # the per-record cost halved: 40k records in 0.4 + 40k / 150k s, capacity 90k
+    rate = model.compute(batch(5.0, 40_000, 0.4 + 40_000 / 150_000))
+    assert model.capacity == pytest.approx(90_000, rel=0.05)
+    assert rate == pytest.approx(0.95 * 90_000, rel=0.05)
+
+
+def test_model_believes_a_slower_batch_the_watchdog_saw_overrun() -> None:
+    """A slower batch alone may be a pause (halfway to what it says); one the watchdog saw overrunning
+    is believed, and a cost change that landed mid-batch shows only part of the new cost anyway."""
+    doubled = batch(5.5, 40_000, 0.4 + 40_000 / 37_500)  # per-record cost doubled: capacity 22.5k
+    unseen, seen = fitted_model(), fitted_model()
+    unseen.compute(doubled)
+    assert unseen.capacity == pytest.approx(45_000 / math.sqrt(2), rel=0.05)
+    assert seen.overrun(40_000, 1.2, 1.0) is not None
+    seen.compute(doubled)
+    assert seen.capacity == pytest.approx(22_500, rel=0.05)
+
+
+def test_a_pipeline_cost_change_lands_mid_batch() -> None:
+    pipeline = Pipeline(fixed_cost=0.4, per_record_cost=1 / 75_000, cost_changes=((10.0, 2.0),))
+    # from 9 s: the fixed cost to 9.4 s, 45k records by 10 s, the other 30k at the doubled cost
+    assert pipeline.processing_time(9.0, 75_000) == pytest.approx(0.4 + 0.6 + 30_000 * 2 / 75_000)
+    assert pipeline.processing_time(11.0, 75_000) == pytest.approx(0.4 + 2.0)
+    assert pipeline.processing_time(5.0, 75_000) == pytest.approx(1.4)
+
+
+def test_structured_triggers_keep_to_the_interval_grid_after_an_overrun() -> None:
+    """Spark's ProcessingTime trigger: a batch that overran is followed at once, the one after waits for
+    the next multiple of the interval (missed triggers are not caught up)."""
+    fixed = FixedEstimator(initial_rate=10_000.0)
+    pipeline = Pipeline(fixed_cost=0.1, per_record_cost=1e-6, startup=2.5)
+    sim = simulate_structured(fixed, pipeline, duration=8.0, watchdog=None)
+    starts = [round(b.completed_at - b.processing_delay, 2) for b in sim.batches]
+    assert starts == [1.0, 3.61, 4.0, 5.0, 6.0, 7.0]

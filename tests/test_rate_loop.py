@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import time
 from pathlib import Path
 
 import grpc
@@ -14,6 +15,7 @@ from support import running_server
 
 from ingest.client import Producer
 from ingest.driver import batch_metrics
+from ingest.rate_controller import RateController
 from ingest.spark.listener import BatchCompleted
 from ingest.spark.source import SluiceStreamReader
 from ratecontrol import BatchMetrics
@@ -164,3 +166,74 @@ def _iso(epoch: float) -> str:
     from datetime import UTC, datetime
 
     return datetime.fromtimestamp(epoch, UTC).isoformat().replace("+00:00", "Z")
+
+
+def fitted(controller: RateController) -> float:
+    """Fit the model on four batches of a 45k records/s pipeline; the capacity it estimates."""
+    controller.on_batch(batch(0, 1, 0.5))  # the query ran before: the model skips no warm-up batch
+    controller.set_estimator("model")
+    for i, records in enumerate((20_000, 40_000, 30_000, 40_000), start=1):
+        controller.on_batch(batch(i, records, 0.4 + records / 75_000))
+    capacity = controller.estimator.capacity
+    assert capacity == pytest.approx(45_000, rel=0.02)
+    return capacity
+
+
+async def test_a_completed_batch_carries_the_records_waiting_behind_it(tmp_path: Path) -> None:
+    """What waits at completion is counted: the backlog the source left when the batch started plus
+    what the receivers took while it ran, whatever the rate did meanwhile."""
+    async with running_server(tmp_path, "s") as server:
+        controller = server.rate
+        controller.batch_started(1_000, backlog=500)
+        async with Producer(server.target, "s", linger=0) as producer:
+            await producer.send_many([b"y"] * 300)
+            await producer.flush(timeout=10)
+        controller.on_batch(batch(1, 1_000, 0.5))
+        assert controller.last_batch is not None and controller.last_batch.waiting == 800
+        # no batch reported as started: unknown
+        controller.on_batch(batch(2, 1_000, 0.5))
+        assert controller.last_batch.waiting is None
+
+
+async def test_the_cap_of_the_next_batch_waits_for_the_last_batch_metrics(tmp_path: Path) -> None:
+    """Spark plans the batch after an overrun at once, often before the listener's event is in: the
+    source's GetRate waits (briefly) for it, so the next batch's cap follows the batch that just ended."""
+    async with running_server(tmp_path, "s") as server:
+        controller = server.rate
+        capacity = fitted(controller)
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            stub = pb_grpc.RateControlStub(channel)
+            await stub.StartBatch(pb.StartBatchRequest(records=40_000))
+            asked = asyncio.ensure_future(stub.GetRate(pb.GetRateRequest(wait_for_batch_seconds=5)))
+            await asyncio.sleep(0.3)
+            assert not asked.done()
+            # the batch took twice as long as it should have; its metrics arrive
+            controller.on_batch(batch(5, 40_000, 2 * (0.4 + 40_000 / 75_000)))
+            status = await asyncio.wait_for(asked, 2)
+            assert status.capacity < 0.8 * capacity
+            assert status.last_batch.batch_id == 5
+            # nothing running: answered at once
+            started = time.monotonic()
+            await stub.GetRate(pb.GetRateRequest(wait_for_batch_seconds=5))
+            assert time.monotonic() - started < 2
+            for bad in (-1.0, math.inf, math.nan, 11.0):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.GetRate(pb.GetRateRequest(wait_for_batch_seconds=bad))
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert "wait_for_batch_seconds" in (info.value.details() or "")
+            # metrics that never come: one wait times out, later ones do not wait until some arrive
+            await stub.StartBatch(pb.StartBatchRequest(records=1_000))
+            started = time.monotonic()
+            await stub.GetRate(pb.GetRateRequest(wait_for_batch_seconds=0.5))
+            assert time.monotonic() - started >= 0.45
+            await stub.StartBatch(pb.StartBatchRequest(records=1_000))
+            started = time.monotonic()
+            await stub.GetRate(pb.GetRateRequest(wait_for_batch_seconds=5))
+            assert time.monotonic() - started < 2
+            controller.on_batch(batch(6, 1_000, 0.5))
+            await stub.StartBatch(pb.StartBatchRequest(records=1_000))
+            asked = asyncio.ensure_future(stub.GetRate(pb.GetRateRequest(wait_for_batch_seconds=5)))
+            await asyncio.sleep(0.3)
+            assert not asked.done()  # completions arrive again: so does the wait
+            controller.on_batch(batch(7, 1_000, 0.5))
+            await asyncio.wait_for(asked, 2)

@@ -18,6 +18,10 @@ from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+BATCH_WAIT = 0.5
+"""Longest wait, in seconds, for the last batch's metrics to reach the server before a cap is read.
+They usually take a few milliseconds (the listener's event); a server that gets none stops waiting."""
+
 
 class LiveRateCap:
     def __init__(self, target: str, *, timeout: float = 2.0) -> None:
@@ -31,9 +35,12 @@ class LiveRateCap:
         """max(rate, estimated capacity) x trigger interval, at least 1; None while unlimited or unknown.
 
         Not the rate alone: a batch that takes only what arrives per interval never drains a backlog.
+        The server first waits (up to BATCH_WAIT) for the metrics of the batch that just ended, if it
+        has not had them yet: Spark plans a batch that follows an overrun at once.
         """
         try:
-            status = self._stub.GetRate(pb.GetRateRequest(), timeout=self._timeout)
+            request = pb.GetRateRequest(wait_for_batch_seconds=BATCH_WAIT)
+            status = self._stub.GetRate(request, timeout=self._timeout + BATCH_WAIT)
             rate = max(status.records_per_second, status.capacity)
         except grpc.RpcError as exc:
             log.warning("cannot read the live rate (%s); keeping the last cap %s", exc, self._last)

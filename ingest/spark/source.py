@@ -178,8 +178,8 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadMaxRows(self.max_records_per_batch)
 
     def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:
+        live = self._live_cap()  # first: it may wait for the last batch's metrics
         available = {s: self._available_end(s, start.get(s, 0)) for s in self.streams}
-        live = self._live_cap()
         if live is not None and (
             isinstance(limit, ReadAllAvailable) or (isinstance(limit, ReadMaxRows) and live < limit.max_rows)
         ):

@@ -441,12 +441,21 @@ class GetRateRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    WAIT_FOR_BATCH_SECONDS_FIELD_NUMBER: _builtins.int
+    wait_for_batch_seconds: _builtins.float
+    """When > 0 and a batch reported by StartBatch has not completed as far as the server knows, wait up
+    to this long for its metrics before answering, so that the rate and capacity follow them. The
+    Sluice source asks so when it plans the next batch: Spark runs it right after the last one ended,
+    often before the listener's event has arrived. Finite, >= 0 and <= 10; 0 answers at once.
+    """
     def __init__(
         self,
+        *,
+        wait_for_batch_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["wait_for_batch_seconds", b"wait_for_batch_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
