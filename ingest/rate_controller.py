@@ -83,14 +83,16 @@ class RateController:
 
     def on_batch(self, batch: BatchMetrics) -> None:
         """A micro-batch completed: let the estimator propose a rate (ignored while pinned)."""
-        if self._running is not None and batch.waiting is None:
-            # what waits now for later batches, counted: left behind at the start plus taken since
-            _, _, backlog, taken = self._running
-            batch = dataclasses.replace(batch, waiting=max(0, backlog + self._taken() - taken))
+        # an empty batch (Spark reports some while idle) is none the source started: it ends no watch
+        if batch.records > 0:
+            if self._running is not None and batch.waiting is None:
+                # what waits now for later batches, counted: left behind at the start plus taken since
+                _, _, backlog, taken = self._running
+                batch = dataclasses.replace(batch, waiting=max(0, backlog + self._taken() - taken))
+            self._running = None
+            self._completions_arrive = True
+            self._completed.set()
         self.last_batch = batch
-        self._running = None
-        self._completions_arrive = True
-        self._completed.set()
         proposal = self.estimator.compute(batch)
         if proposal is not None and not self.pinned:
             self._apply(self._clamp(check_rate(proposal)))

@@ -3,12 +3,19 @@ estimator uses. Invalid values get INVALID_ARGUMENT with the reason and change n
 
 from __future__ import annotations
 
+import asyncio
+import logging
+from collections.abc import Mapping
+
 import grpc
 
 from ingest.rate_controller import RateController
 from ratecontrol import InvalidRateError, UnknownEstimatorError
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from receivers.receiver import Receiver
+
+log = logging.getLogger(__name__)
 
 Context = grpc.aio.ServicerContext[object, object]
 
@@ -42,9 +49,14 @@ def rate_status(controller: RateController) -> pb.RateStatus:
     return status
 
 
+SEAL_TIMEOUT = 1.0
+"""Longest wait, in seconds, for the receivers to seal what they hold when GetRate asks so."""
+
+
 class RateControlService(pb_grpc.RateControlServicer):
-    def __init__(self, controller: RateController) -> None:
+    def __init__(self, controller: RateController, receivers: Mapping[str, Receiver] | None = None) -> None:
         self._controller = controller
+        self._receivers = receivers or {}
 
     async def GetRate(self, request: pb.GetRateRequest, context: Context) -> pb.RateStatus:
         if request.wait_for_batch_seconds:
@@ -52,6 +64,15 @@ class RateControlService(pb_grpc.RateControlServicer):
                 await self._controller.wait_for_batch(request.wait_for_batch_seconds)
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"wait_for_batch_seconds: {exc}")
+        if request.seal_blocks and self._receivers:
+            # after the wait: as close to the source's look at the store as this call gets
+            sealing = asyncio.gather(*(r.seal_now() for r in self._receivers.values()))
+            try:
+                await asyncio.wait_for(sealing, SEAL_TIMEOUT)
+            except TimeoutError:
+                log.warning(
+                    "receivers did not seal within %.1f s; the next batch takes what is sealed", SEAL_TIMEOUT
+                )
         return rate_status(self._controller)
 
     async def UpdateRate(self, request: pb.UpdateRateRequest, context: Context) -> pb.RateStatus:

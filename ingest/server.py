@@ -76,7 +76,7 @@ class SluiceServer:
             ]
         )
         pb_grpc.add_IngestServicer_to_server(PublishService(self.receivers), server)
-        pb_grpc.add_RateControlServicer_to_server(RateControlService(self.rate), server)
+        pb_grpc.add_RateControlServicer_to_server(RateControlService(self.rate, self.receivers), server)
         pb_grpc.add_SessionsServicer_to_server(SessionsService(self.receivers), server)
         address = f"{self.config.host}:{self.config.port}"
         detail = ""

@@ -247,6 +247,9 @@ class Receiver:
         self._pending: list[_Chunk] = []
         self._pending_records = 0
         self._seal_wanted = asyncio.Event()
+        self._seal_rounds = 0  # seals the block generator has run (written or failed)
+        self._sealing = False  # a seal is running: what is pending now goes into the next one
+        self._seal_waiters: list[tuple[int, asyncio.Future[None]]] = []  # (round to wait for, waiter)
         self._buffered = 0
         self._buffered_bytes = 0
         self._outstanding = 0
@@ -283,6 +286,7 @@ class Receiver:
             self._task.add_done_callback(self._run_ended)
 
     def _run_ended(self, task: asyncio.Task[None]) -> None:
+        self._release_seal_waiters(everyone=True)  # no seal comes any more
         # the block generator must never die quietly: clients would wait for acks forever
         if task.cancelled() or task.exception() is None:
             return
@@ -304,6 +308,7 @@ class Receiver:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         await self._seal()
+        self._release_seal_waiters(everyone=True)
         if self._awaiting_durable:
             # group commit: make the last blocks durable now rather than at the next background fsync
             with contextlib.suppress(OSError):
@@ -701,13 +706,46 @@ class Receiver:
                 await asyncio.wait_for(self._seal_wanted.wait(), wait)
             if self._seal_wanted.is_set() or self._clock() >= next_seal:
                 self._seal_wanted.clear()
-                sealed = await self._seal()
+                self._sealing = True
+                try:
+                    sealed = await self._seal()
+                finally:
+                    self._sealing = False
+                    self._seal_rounds += 1
+                    self._release_seal_waiters()
                 next_seal = self._clock() + self.config.block_interval
                 if sealed and self._pending_records >= self.config.seal_at:
                     self._seal_wanted.set()  # more piled up during the write; a failed write waits
             self._ack_durable()
             await self._check_disk()
             self._replenish()
+
+    async def seal_now(self) -> None:
+        """Seal what is pending into a block now rather than at the end of the block interval, and
+        return once that seal has run (the block written, or the write failed and the records kept).
+
+        A reader that plans a batch right after sees every record taken so far: the Sluice source asks
+        so (through RateControl.GetRate), so that a batch is not one block short by the phase of the
+        block generator against Spark's trigger. Bound the wait with a timeout: a failing disk retries
+        only every block interval.
+        """
+        if self._stopping or self._task is None or not self._pending:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        # the pending records go into the next seal that starts, not one already running
+        self._seal_waiters.append((self._seal_rounds + (2 if self._sealing else 1), waiter))
+        self._seal_wanted.set()
+        await waiter
+
+    def _release_seal_waiters(self, everyone: bool = False) -> None:
+        waiting = []
+        for target, waiter in self._seal_waiters:
+            if everyone or target <= self._seal_rounds:
+                if not waiter.done():
+                    waiter.set_result(None)
+            else:
+                waiting.append((target, waiter))
+        self._seal_waiters = waiting
 
     async def _seal(self) -> bool:
         """Seal what is pending into a durable block and ack it; False if the write failed."""

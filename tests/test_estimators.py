@@ -128,6 +128,7 @@ def test_make_estimator_passes_gains_and_rejects_unknown_or_bad_ones() -> None:
         {"batch_interval": 0.0},
         {"batch_interval": math.nan},
         {"backlog": -5},
+        {"waiting": -1},
     ],
 )
 def test_batch_metrics_reject_impossible_values(fields: dict[str, float]) -> None:
@@ -349,6 +350,7 @@ batches = st.builds(
     scheduling_delay=delays,
     batch_interval=st.floats(min_value=1e-3, max_value=1e3),
     backlog=st.none() | st.integers(min_value=0, max_value=10**10),
+    waiting=st.none() | st.integers(min_value=0, max_value=10**10),
 )
 
 
@@ -464,6 +466,21 @@ def test_a_larger_backlog_never_yields_a_higher_rate(
     more = after(factory, history, dataclasses.replace(last, backlog=(last.backlog or 0) + extra))
     if last.backlog is None:
         fewer = after(factory, history, dataclasses.replace(last, backlog=0))
+    assert (fewer is None) == (more is None)
+    if fewer is not None and more is not None:
+        assert more <= fewer
+
+
+@settings(max_examples=100)
+@given(factory=factories(), run=runs().filter(bool), extra=st.integers(min_value=1, max_value=10**9))
+def test_more_records_waiting_never_yield_a_higher_rate(
+    factory: Factory, run: list[BatchMetrics], extra: int
+) -> None:
+    """As above, with the records counted waiting at the last batch's completion: w and w + extra."""
+    *history, last = run
+    waiting = last.waiting or 0
+    fewer = after(factory, history, dataclasses.replace(last, waiting=waiting))
+    more = after(factory, history, dataclasses.replace(last, waiting=waiting + extra))
     assert (fewer is None) == (more is None)
     if fewer is not None and more is not None:
         assert more <= fewer

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import pytest
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
-from support import running_server
+from support import running_server, wait_until
 
 from ingest.client import Producer
 from ingest.driver import batch_metrics
@@ -193,6 +193,11 @@ async def test_a_completed_batch_carries_the_records_waiting_behind_it(tmp_path:
         # no batch reported as started: unknown
         controller.on_batch(batch(2, 1_000, 0.5))
         assert controller.last_batch.waiting is None
+        # an idle trigger's empty report is no completion of the batch that runs
+        controller.batch_started(1_000, backlog=7)
+        controller.on_batch(batch(3, 0, 0.1))
+        controller.on_batch(batch(4, 1_000, 0.5))
+        assert controller.last_batch.waiting == 7
 
 
 async def test_the_cap_of_the_next_batch_waits_for_the_last_batch_metrics(tmp_path: Path) -> None:
@@ -237,3 +242,35 @@ async def test_the_cap_of_the_next_batch_waits_for_the_last_batch_metrics(tmp_pa
             assert not asked.done()  # completions arrive again: so does the wait
             controller.on_batch(batch(7, 1_000, 0.5))
             await asyncio.wait_for(asked, 2)
+
+
+async def test_a_batch_planned_after_asking_for_a_seal_takes_every_record_taken(tmp_path: Path) -> None:
+    """The source's GetRate asks the receivers to seal what they hold: the batch it plans next is not a
+    block short because of where the block generator's interval stood against Spark's trigger."""
+    async with running_server(tmp_path, "a", "b", block_interval=30.0) as server:
+        producers = [Producer(server.target, stream, linger=0) for stream in ("a", "b")]
+        for producer in producers:
+            await producer.start()
+        try:
+            for producer in producers:
+                await producer.send_many([b"z"] * 25)
+            await wait_until(lambda: all(r.stats.records_received == 25 for r in server.receivers.values()))
+            async with grpc.aio.insecure_channel(server.target) as channel:
+                stub = pb_grpc.RateControlStub(channel)
+                await stub.GetRate(pb.GetRateRequest())
+                assert server.store.blocks("a") == []  # a 30 s block interval: nothing sealed yet
+                started = time.monotonic()
+                await stub.GetRate(pb.GetRateRequest(seal_blocks=True))
+                assert time.monotonic() - started < 5
+            for stream in ("a", "b"):
+                blocks = server.store.blocks(stream)
+                assert sum(b.count for b in blocks) == 25
+            # nothing pending: answered at once, no empty block
+            async with grpc.aio.insecure_channel(server.target) as channel:
+                await pb_grpc.RateControlStub(channel).GetRate(pb.GetRateRequest(seal_blocks=True))
+            assert len(server.store.blocks("a")) == 1
+            for producer in producers:
+                await producer.flush(timeout=10)  # sealed, so durable and acked
+        finally:
+            for producer in producers:
+                await producer.close()

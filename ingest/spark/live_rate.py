@@ -36,10 +36,11 @@ class LiveRateCap:
 
         Not the rate alone: a batch that takes only what arrives per interval never drains a backlog.
         The server first waits (up to BATCH_WAIT) for the metrics of the batch that just ended, if it
-        has not had them yet: Spark plans a batch that follows an overrun at once.
+        has not had them yet: Spark plans a batch that follows an overrun at once. Then its receivers
+        seal what they hold, so the batch takes every record taken by now.
         """
         try:
-            request = pb.GetRateRequest(wait_for_batch_seconds=BATCH_WAIT)
+            request = pb.GetRateRequest(wait_for_batch_seconds=BATCH_WAIT, seal_blocks=True)
             status = self._stub.GetRate(request, timeout=self._timeout + BATCH_WAIT)
             rate = max(status.records_per_second, status.capacity)
         except grpc.RpcError as exc:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16ingest/v1/ingest.proto\x12\tingest.v1\"\xa8\x01\n\x0ePublishRequest\x12\x1f\n\x04open\x18\x01 \x01(\x0b\x32\x0f.ingest.v1.OpenH\x00\x12!\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x10.ingest.v1.BatchH\x00\x12\'\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x13.ingest.v1.CompleteH\x00\x12!\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x10.ingest.v1.ErrorH\x00\x42\x06\n\x04kind\"D\n\x04Open\x12\x0e\n\x06stream\x18\x01 \x01(\t\x12\x13\n\x0bproducer_id\x18\x02 \x01(\t\x12\x17\n\x0fresume_from_seq\x18\x03 \x01(\x04\"\x89\x01\n\x05\x42\x61tch\x12\x11\n\tfirst_seq\x18\x01 \x01(\x04\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x0e\n\x06values\x18\x03 \x01(\x0c\x12\x15\n\rvalue_offsets\x18\x04 \x01(\x0c\x12\x0c\n\x04keys\x18\x05 \x01(\x0c\x12\x13\n\x0bkey_offsets\x18\x06 \x01(\x0c\x12\x14\n\x0ckey_validity\x18\x07 \x01(\x0c\"\n\n\x08\x43omplete\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x84\x01\n\x0fPublishResponse\x12%\n\x07request\x18\x01 \x01(\x0b\x32\x12.ingest.v1.RequestH\x00\x12\x1d\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x0e.ingest.v1.AckH\x00\x12#\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x11.ingest.v1.CancelH\x00\x42\x06\n\x04kind\"\x14\n\x07Request\x12\t\n\x01n\x18\x01 \x01(\x03\"\x1c\n\x03\x41\x63k\x12\x15\n\rdurable_up_to\x18\x01 \x01(\x04\">\n\x06\x43\x61ncel\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x16\n\x0e\x61\x63\x63\x65pted_up_to\x18\x03 \x01(\x04\"%\n\x13ListSessionsRequest\x12\x0e\n\x06stream\x18\x01 \x01(\t\"\xa5\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x0e\n\x06stream\x18\x02 \x01(\t\x12\x13\n\x0bproducer_id\x18\x03 \x01(\t\x12\x0e\n\x06\x63redit\x18\x04 \x01(\x03\x12\x10\n\x08next_seq\x18\x05 \x01(\x04\x12\x15\n\rdurable_up_to\x18\x06 \x01(\x04\x12\x11\n\tcompleted\x18\x07 \x01(\x08\x12\x11\n\tcancelled\x18\x08 \x01(\x08\"@\n\x14ListSessionsResponse\x12(\n\x08sessions\x18\x01 \x03(\x0b\x32\x16.ingest.v1.SessionInfo\"H\n\x14\x43\x61ncelSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0e\n\x06reason\x18\x03 \x01(\t\"*\n\x15\x43\x61ncelSessionResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"0\n\x0eGetRateRequest\x12\x1e\n\x16wait_for_batch_seconds\x18\x01 \x01(\x01\"5\n\x11StartBatchRequest\x12\x0f\n\x07records\x18\x01 \x01(\x03\x12\x0f\n\x07\x62\x61\x63klog\x18\x02 \x01(\x03\"\x14\n\x12StartBatchResponse\"O\n\nStreamRate\x12\x0e\n\x06stream\x18\x01 \x01(\t\x12\x1a\n\x12records_per_second\x18\x02 \x01(\x01\x12\x15\n\rcredit_paused\x18\x03 \x03(\t\"\x95\x01\n\x0c\x42\x61tchMetrics\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x03\x12\x0f\n\x07records\x18\x02 \x01(\x03\x12 \n\x18processing_delay_seconds\x18\x03 \x01(\x01\x12 \n\x18scheduling_delay_seconds\x18\x04 \x01(\x01\x12\x1e\n\x16\x62\x61tch_interval_seconds\x18\x05 \x01(\x01\"\xd1\x02\n\nRateStatus\x12\x1a\n\x12records_per_second\x18\x01 \x01(\x01\x12\x10\n\x08min_rate\x18\x02 \x01(\x01\x12\x10\n\x08max_rate\x18\x03 \x01(\x01\x12\x11\n\testimator\x18\x04 \x01(\t\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x42\n\x0f\x65stimator_state\x18\x06 \x03(\x0b\x32).ingest.v1.RateStatus.EstimatorStateEntry\x12+\n\nlast_batch\x18\x07 \x01(\x0b\x32\x17.ingest.v1.BatchMetrics\x12&\n\x07streams\x18\x08 \x03(\x0b\x32\x15.ingest.v1.StreamRate\x12\x10\n\x08\x63\x61pacity\x18\t \x01(\x01\x1a\x35\n\x13\x45stimatorStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"<\n\x11UpdateRateRequest\x12\x1a\n\x12records_per_second\x18\x01 \x01(\x01\x12\x0b\n\x03pin\x18\x02 \x01(\x08\"6\n\x10SetBoundsRequest\x12\x10\n\x08min_rate\x18\x01 \x01(\x01\x12\x10\n\x08max_rate\x18\x02 \x01(\x01\"(\n\x13SetEstimatorRequest\x12\x11\n\testimator\x18\x01 \x01(\t2N\n\x06Ingest\x12\x44\n\x07Publish\x12\x19.ingest.v1.PublishRequest\x1a\x1a.ingest.v1.PublishResponse(\x01\x30\x01\x32\xe0\x02\n\x0bRateControl\x12;\n\x07GetRate\x12\x19.ingest.v1.GetRateRequest\x1a\x15.ingest.v1.RateStatus\x12\x41\n\nUpdateRate\x12\x1c.ingest.v1.UpdateRateRequest\x1a\x15.ingest.v1.RateStatus\x12?\n\tSetBounds\x12\x1b.ingest.v1.SetBoundsRequest\x1a\x15.ingest.v1.RateStatus\x12\x45\n\x0cSetEstimator\x12\x1e.ingest.v1.SetEstimatorRequest\x1a\x15.ingest.v1.RateStatus\x12I\n\nStartBatch\x12\x1c.ingest.v1.StartBatchRequest\x1a\x1d.ingest.v1.StartBatchResponse2\xaf\x01\n\x08Sessions\x12O\n\x0cListSessions\x12\x1e.ingest.v1.ListSessionsRequest\x1a\x1f.ingest.v1.ListSessionsResponse\x12R\n\rCancelSession\x12\x1f.ingest.v1.CancelSessionRequest\x1a .ingest.v1.CancelSessionResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16ingest/v1/ingest.proto\x12\tingest.v1\"\xa8\x01\n\x0ePublishRequest\x12\x1f\n\x04open\x18\x01 \x01(\x0b\x32\x0f.ingest.v1.OpenH\x00\x12!\n\x05\x62\x61tch\x18\x02 \x01(\x0b\x32\x10.ingest.v1.BatchH\x00\x12\'\n\x08\x63omplete\x18\x03 \x01(\x0b\x32\x13.ingest.v1.CompleteH\x00\x12!\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x10.ingest.v1.ErrorH\x00\x42\x06\n\x04kind\"D\n\x04Open\x12\x0e\n\x06stream\x18\x01 \x01(\t\x12\x13\n\x0bproducer_id\x18\x02 \x01(\t\x12\x17\n\x0fresume_from_seq\x18\x03 \x01(\x04\"\x89\x01\n\x05\x42\x61tch\x12\x11\n\tfirst_seq\x18\x01 \x01(\x04\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x0e\n\x06values\x18\x03 \x01(\x0c\x12\x15\n\rvalue_offsets\x18\x04 \x01(\x0c\x12\x0c\n\x04keys\x18\x05 \x01(\x0c\x12\x13\n\x0bkey_offsets\x18\x06 \x01(\x0c\x12\x14\n\x0ckey_validity\x18\x07 \x01(\x0c\"\n\n\x08\x43omplete\"&\n\x05\x45rror\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x84\x01\n\x0fPublishResponse\x12%\n\x07request\x18\x01 \x01(\x0b\x32\x12.ingest.v1.RequestH\x00\x12\x1d\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x0e.ingest.v1.AckH\x00\x12#\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x11.ingest.v1.CancelH\x00\x42\x06\n\x04kind\"\x14\n\x07Request\x12\t\n\x01n\x18\x01 \x01(\x03\"\x1c\n\x03\x41\x63k\x12\x15\n\rdurable_up_to\x18\x01 \x01(\x04\">\n\x06\x43\x61ncel\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x16\n\x0e\x61\x63\x63\x65pted_up_to\x18\x03 \x01(\x04\"%\n\x13ListSessionsRequest\x12\x0e\n\x06stream\x18\x01 \x01(\t\"\xa5\x01\n\x0bSessionInfo\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x0e\n\x06stream\x18\x02 \x01(\t\x12\x13\n\x0bproducer_id\x18\x03 \x01(\t\x12\x0e\n\x06\x63redit\x18\x04 \x01(\x03\x12\x10\n\x08next_seq\x18\x05 \x01(\x04\x12\x15\n\rdurable_up_to\x18\x06 \x01(\x04\x12\x11\n\tcompleted\x18\x07 \x01(\x08\x12\x11\n\tcancelled\x18\x08 \x01(\x08\"@\n\x14ListSessionsResponse\x12(\n\x08sessions\x18\x01 \x03(\x0b\x32\x16.ingest.v1.SessionInfo\"H\n\x14\x43\x61ncelSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0e\n\x06reason\x18\x03 \x01(\t\"*\n\x15\x43\x61ncelSessionResponse\x12\x11\n\tcancelled\x18\x01 \x01(\x08\"E\n\x0eGetRateRequest\x12\x1e\n\x16wait_for_batch_seconds\x18\x01 \x01(\x01\x12\x13\n\x0bseal_blocks\x18\x02 \x01(\x08\"5\n\x11StartBatchRequest\x12\x0f\n\x07records\x18\x01 \x01(\x03\x12\x0f\n\x07\x62\x61\x63klog\x18\x02 \x01(\x03\"\x14\n\x12StartBatchResponse\"O\n\nStreamRate\x12\x0e\n\x06stream\x18\x01 \x01(\t\x12\x1a\n\x12records_per_second\x18\x02 \x01(\x01\x12\x15\n\rcredit_paused\x18\x03 \x03(\t\"\x95\x01\n\x0c\x42\x61tchMetrics\x12\x10\n\x08\x62\x61tch_id\x18\x01 \x01(\x03\x12\x0f\n\x07records\x18\x02 \x01(\x03\x12 \n\x18processing_delay_seconds\x18\x03 \x01(\x01\x12 \n\x18scheduling_delay_seconds\x18\x04 \x01(\x01\x12\x1e\n\x16\x62\x61tch_interval_seconds\x18\x05 \x01(\x01\"\xd1\x02\n\nRateStatus\x12\x1a\n\x12records_per_second\x18\x01 \x01(\x01\x12\x10\n\x08min_rate\x18\x02 \x01(\x01\x12\x10\n\x08max_rate\x18\x03 \x01(\x01\x12\x11\n\testimator\x18\x04 \x01(\t\x12\x0e\n\x06pinned\x18\x05 \x01(\x08\x12\x42\n\x0f\x65stimator_state\x18\x06 \x03(\x0b\x32).ingest.v1.RateStatus.EstimatorStateEntry\x12+\n\nlast_batch\x18\x07 \x01(\x0b\x32\x17.ingest.v1.BatchMetrics\x12&\n\x07streams\x18\x08 \x03(\x0b\x32\x15.ingest.v1.StreamRate\x12\x10\n\x08\x63\x61pacity\x18\t \x01(\x01\x1a\x35\n\x13\x45stimatorStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"<\n\x11UpdateRateRequest\x12\x1a\n\x12records_per_second\x18\x01 \x01(\x01\x12\x0b\n\x03pin\x18\x02 \x01(\x08\"6\n\x10SetBoundsRequest\x12\x10\n\x08min_rate\x18\x01 \x01(\x01\x12\x10\n\x08max_rate\x18\x02 \x01(\x01\"(\n\x13SetEstimatorRequest\x12\x11\n\testimator\x18\x01 \x01(\t2N\n\x06Ingest\x12\x44\n\x07Publish\x12\x19.ingest.v1.PublishRequest\x1a\x1a.ingest.v1.PublishResponse(\x01\x30\x01\x32\xe0\x02\n\x0bRateControl\x12;\n\x07GetRate\x12\x19.ingest.v1.GetRateRequest\x1a\x15.ingest.v1.RateStatus\x12\x41\n\nUpdateRate\x12\x1c.ingest.v1.UpdateRateRequest\x1a\x15.ingest.v1.RateStatus\x12?\n\tSetBounds\x12\x1b.ingest.v1.SetBoundsRequest\x1a\x15.ingest.v1.RateStatus\x12\x45\n\x0cSetEstimator\x12\x1e.ingest.v1.SetEstimatorRequest\x1a\x15.ingest.v1.RateStatus\x12I\n\nStartBatch\x12\x1c.ingest.v1.StartBatchRequest\x1a\x1d.ingest.v1.StartBatchResponse2\xaf\x01\n\x08Sessions\x12O\n\x0cListSessions\x12\x1e.ingest.v1.ListSessionsRequest\x1a\x1f.ingest.v1.ListSessionsResponse\x12R\n\rCancelSession\x12\x1f.ingest.v1.CancelSessionRequest\x1a .ingest.v1.CancelSessionResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -62,29 +62,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CANCELSESSIONRESPONSE']._serialized_start=1068
   _globals['_CANCELSESSIONRESPONSE']._serialized_end=1110
   _globals['_GETRATEREQUEST']._serialized_start=1112
-  _globals['_GETRATEREQUEST']._serialized_end=1160
-  _globals['_STARTBATCHREQUEST']._serialized_start=1162
-  _globals['_STARTBATCHREQUEST']._serialized_end=1215
-  _globals['_STARTBATCHRESPONSE']._serialized_start=1217
-  _globals['_STARTBATCHRESPONSE']._serialized_end=1237
-  _globals['_STREAMRATE']._serialized_start=1239
-  _globals['_STREAMRATE']._serialized_end=1318
-  _globals['_BATCHMETRICS']._serialized_start=1321
-  _globals['_BATCHMETRICS']._serialized_end=1470
-  _globals['_RATESTATUS']._serialized_start=1473
-  _globals['_RATESTATUS']._serialized_end=1810
-  _globals['_RATESTATUS_ESTIMATORSTATEENTRY']._serialized_start=1757
-  _globals['_RATESTATUS_ESTIMATORSTATEENTRY']._serialized_end=1810
-  _globals['_UPDATERATEREQUEST']._serialized_start=1812
-  _globals['_UPDATERATEREQUEST']._serialized_end=1872
-  _globals['_SETBOUNDSREQUEST']._serialized_start=1874
-  _globals['_SETBOUNDSREQUEST']._serialized_end=1928
-  _globals['_SETESTIMATORREQUEST']._serialized_start=1930
-  _globals['_SETESTIMATORREQUEST']._serialized_end=1970
-  _globals['_INGEST']._serialized_start=1972
-  _globals['_INGEST']._serialized_end=2050
-  _globals['_RATECONTROL']._serialized_start=2053
-  _globals['_RATECONTROL']._serialized_end=2405
-  _globals['_SESSIONS']._serialized_start=2408
-  _globals['_SESSIONS']._serialized_end=2583
+  _globals['_GETRATEREQUEST']._serialized_end=1181
+  _globals['_STARTBATCHREQUEST']._serialized_start=1183
+  _globals['_STARTBATCHREQUEST']._serialized_end=1236
+  _globals['_STARTBATCHRESPONSE']._serialized_start=1238
+  _globals['_STARTBATCHRESPONSE']._serialized_end=1258
+  _globals['_STREAMRATE']._serialized_start=1260
+  _globals['_STREAMRATE']._serialized_end=1339
+  _globals['_BATCHMETRICS']._serialized_start=1342
+  _globals['_BATCHMETRICS']._serialized_end=1491
+  _globals['_RATESTATUS']._serialized_start=1494
+  _globals['_RATESTATUS']._serialized_end=1831
+  _globals['_RATESTATUS_ESTIMATORSTATEENTRY']._serialized_start=1778
+  _globals['_RATESTATUS_ESTIMATORSTATEENTRY']._serialized_end=1831
+  _globals['_UPDATERATEREQUEST']._serialized_start=1833
+  _globals['_UPDATERATEREQUEST']._serialized_end=1893
+  _globals['_SETBOUNDSREQUEST']._serialized_start=1895
+  _globals['_SETBOUNDSREQUEST']._serialized_end=1949
+  _globals['_SETESTIMATORREQUEST']._serialized_start=1951
+  _globals['_SETESTIMATORREQUEST']._serialized_end=1991
+  _globals['_INGEST']._serialized_start=1993
+  _globals['_INGEST']._serialized_end=2071
+  _globals['_RATECONTROL']._serialized_start=2074
+  _globals['_RATECONTROL']._serialized_end=2426
+  _globals['_SESSIONS']._serialized_start=2429
+  _globals['_SESSIONS']._serialized_end=2604
 # @@protoc_insertion_point(module_scope)

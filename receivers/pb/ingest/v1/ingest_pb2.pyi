@@ -442,20 +442,27 @@ class GetRateRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WAIT_FOR_BATCH_SECONDS_FIELD_NUMBER: _builtins.int
+    SEAL_BLOCKS_FIELD_NUMBER: _builtins.int
     wait_for_batch_seconds: _builtins.float
     """When > 0 and a batch reported by StartBatch has not completed as far as the server knows, wait up
     to this long for its metrics before answering, so that the rate and capacity follow them. The
     Sluice source asks so when it plans the next batch: Spark runs it right after the last one ended,
     often before the listener's event has arrived. Finite, >= 0 and <= 10; 0 answers at once.
     """
+    seal_blocks: _builtins.bool
+    """Seal the records the receivers hold into blocks before answering (waits for the write, at most
+    about a second), so that a batch planned right after takes every record taken so far rather than
+    those up to the last block interval. The Sluice source asks so when it plans a batch.
+    """
     def __init__(
         self,
         *,
         wait_for_batch_seconds: _builtins.float = ...,
+        seal_blocks: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["wait_for_batch_seconds", b"wait_for_batch_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["seal_blocks", b"seal_blocks", "wait_for_batch_seconds", b"wait_for_batch_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
