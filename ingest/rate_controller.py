@@ -94,6 +94,14 @@ class RateController:
             self._completed.set()
         self.last_batch = batch
         proposal = self.estimator.compute(batch)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "batch %s -> %s proposes %s; state %s",
+                batch,
+                self.estimator.name,
+                proposal,
+                self.estimator.state(),
+            )
         if proposal is not None and not self.pinned:
             self._apply(self._clamp(check_rate(proposal)))
 

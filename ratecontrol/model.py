@@ -9,9 +9,10 @@ estimator instead:
 1. Models the cost of a batch as `processing_delay = a + b * records` (fixed cost a per batch, cost b
    per record), fitted online by weighted least squares over recent batches; a batch's weight decays by
    `forgetting` per later batch, so the fit follows a pipeline whose cost changes. When all recent
-   batches had about the same size the two costs cannot be told apart; a weak prior on the fixed cost
-   (the last fixed cost that was identifiable, at first `prior_fixed_cost` x interval) then keeps `a`
-   and puts the rest of the time on `b`, which still predicts batches of that size exactly.
+   batches had about the same size (or their spread explains less of the times than the noise does) the
+   two costs cannot be told apart; a weak prior on the fixed cost (the last fixed cost that was
+   identifiable, at first `prior_fixed_cost` x interval) then keeps `a` and puts the rest of the time
+   on `b`, which still predicts batches of that size exactly.
 2. Capacity is what a batch per interval can hold: `capacity = (interval - a) / (b * interval)`
    records/s; steady state runs at `target_utilisation` x capacity, not biased by batch size.
 3. Backlog is counted in records. Where records wait in a queue that batches take from (Sluice's
@@ -27,12 +28,13 @@ estimator instead:
    is lower by backlog / interval: intake may pause while they are full anyway.
 5. The first `warmup_batches` batches carry worker start-up (~10 s for a fresh query) and are not
    fitted; their throughput is a lower bound, so they may raise the rate (within the caps of 6), never
-   lower it. Later, a batch whose processing time is off a fit made from data (not one anchored on the
-   prior) by more than `change_threshold` is an outlier and weighs little in the fit. The next rate
-   believes it when it was faster (the caps of 6 bound the risk) or when the watchdog saw it overrun (a
-   cost change that lands mid-batch shows only part of the new cost anyway); a slower one alone may be
-   a pause (GC), and the rate goes halfway to it, geometrically. A second one in a row, off in the same
-   direction, means the cost changed: the fit restarts from those two batches.
+   lower it. Later, a batch whose processing time is off the fit by more than `change_threshold` is an
+   outlier and weighs little in the fit (judged by a fit anchored on the prior only near the batch
+   sizes it was fitted on: further away the prior is a guess, and such a batch is what corrects it).
+   The next rate believes it when it was faster (the caps of 6 bound the risk) or when the watchdog saw
+   it overrun (a cost change that lands mid-batch shows only part of the new cost anyway); a slower one
+   alone may be a pause (GC), and the rate goes halfway to it, geometrically. A second one in a row,
+   off in the same direction, means the cost changed: the fit restarts from those two batches.
 6. A linear fit is only trusted near its data. Whatever the fit, no batch may take more than
    `max_stretch` intervals even if a recent batch's whole time were per-record cost (no fixed cost, the
    worst case for extrapolating up): the rate never exceeds max_stretch x max(records / seconds) over
@@ -44,10 +46,10 @@ estimator instead:
    than `overrun_threshold`, it has already shown a per-record cost of at least (elapsed - a) / records.
    That lower bound caps capacity and the rate at once, before the batch completes: after a cost
    change the records that would keep arriving at the old rate meanwhile each wait for the slower
-   pipeline (in simulation this takes ~0.3 s off the peak delay of a doubled cost). And once the records
-   waiting beyond the running batch fill the next one (`waiting` >= capacity x interval, the capacity
-   that bound allows), intake pauses (min rate) until the batch completes: more would only queue,
-   while the next batch is full anyway.
+   pipeline (in simulation this takes 0.1-0.4 s off the peak delay of a doubled cost). And once the
+   records waiting beyond the running batch fill the next one (`waiting` >= capacity x interval, the
+   capacity that bound allows), intake pauses (min rate) until the batch completes: more would only
+   queue, while the next batch is full anyway.
 
 Until a first batch has been fitted it proposes no rate but a warm-up batch's raise (5): the initial
 rate stays in force.
@@ -69,7 +71,13 @@ _FEW_POINTS = 4
 fitted from data: two batches of a fresh fit (after a cost change) cannot outvote it. Seen here: two
 batches 0.56 s apart in time and 24k in size, with ~0.1 s of noise each, fitted a fixed cost of 0.77 s
 against the 0.23 s of the 20 before, which read capacity as a third of the truth."""
+_NEAR_SIZE = 0.25
+"""A batch within this share of the fitted batches' mean size is predicted well by any fit of them."""
+_SIGNAL_TO_NOISE = 2.0
+"""A fit tells the two costs apart only where the time the sizes' spread explains is this many times
+the fit's residual noise."""
 _OUTLIER_WEIGHT = 0.1
+_MIN_WEIGHT = 1e-12
 _IDENTIFIABLE_CV = 0.1
 """Batch sizes must vary by this coefficient of variation before the fit's fixed cost is believed."""
 _MIN_PER_RECORD_COST = 1e-12
@@ -80,6 +88,7 @@ class _Point:
     records: int
     seconds: float
     weight: float
+    outlier: bool = False
 
 
 @register
@@ -267,9 +276,11 @@ class ModelEstimator(RateEstimator):
         for point in self._points:
             point.weight *= self.forgetting
         sign = 0
-        # only a fit whose fixed cost came from data can call a batch an outlier: one anchored on the
-        # configured prior is a guess, and the first batch of another size is what corrects it
-        if self._prior_from_data and len(self._points) >= 2 and self._a is not None and self._b is not None:
+        # a fit anchored on the configured prior (not on a fixed cost from data) is a guess away from
+        # the batch sizes it was fitted on: a batch of another size is what corrects it, no outlier.
+        # Near those sizes it predicts exactly, whatever the split between the two costs.
+        judged = self._prior_from_data or self._near_fitted_sizes(records)
+        if judged and len(self._points) >= 2 and self._a is not None and self._b is not None:
             predicted = self._a + self._b * records
             if abs(seconds - predicted) > self.change_threshold * predicted:
                 sign = 1 if seconds > predicted else -1
@@ -282,9 +293,16 @@ class ModelEstimator(RateEstimator):
             self._points.append(_Point(records, seconds, 1.0))
             sign = 0
         else:
-            self._points.append(_Point(records, seconds, _OUTLIER_WEIGHT))
+            self._points.append(_Point(records, seconds, _OUTLIER_WEIGHT, outlier=True))
         self._suspect_sign = sign
         del self._points[: -self.window]
+
+    def _near_fitted_sizes(self, records: int) -> bool:
+        weight = sum(p.weight for p in self._points)
+        if weight <= 0:
+            return False
+        mean = sum(p.weight * p.records for p in self._points) / weight
+        return abs(records - mean) <= _NEAR_SIZE * mean
 
     def _solve(self, prior_a: float) -> tuple[float, float, bool]:
         """Weighted least squares for seconds = a + b * records with a weak prior a ~ prior_a.
@@ -310,10 +328,19 @@ class ModelEstimator(RateEstimator):
         a = (s2 * (t0 + ridge * prior_a) - s1 * t1) / det
         b = (s0 * t1 - s1 * (t0 + ridge * prior_a)) / det / scale
         mean_x = s1 / weight
-        cv = math.sqrt(max(0.0, s2 / weight - mean_x * mean_x)) / mean_x
+        sd_x = math.sqrt(max(0.0, s2 / weight - mean_x * mean_x))
         shortest = min(p.seconds for p in self._points)
-        if cv >= _IDENTIFIABLE_CV and 0 <= a < shortest and b > 0:
-            return a, b, True
+        if sd_x / mean_x >= _IDENTIFIABLE_CV and 0 <= a < shortest and b > 0:
+            # the sizes' spread must explain more of the times than the noise does: otherwise a few
+            # noisy batches (or old ones at another cost) tilt the line, e.g. to a fixed cost of 0.9 s
+            # and a capacity a third of the truth, seen here at 50 us a record
+            inliers = [p for p in self._points if not p.outlier]  # an outlier is no measure of noise
+            residual = math.sqrt(
+                sum(p.weight * (p.seconds - a - b * p.records) ** 2 for p in inliers)
+                / max(sum(p.weight for p in inliers), _MIN_WEIGHT)
+            )
+            if b * scale * sd_x >= _SIGNAL_TO_NOISE * residual:
+                return a, b, True
         a = min(prior_a, 0.9 * shortest)
         return a, max((t0 / weight - a) / (mean_x * scale), _MIN_PER_RECORD_COST), False
 

@@ -743,3 +743,31 @@ def test_structured_triggers_keep_to_the_interval_grid_after_an_overrun() -> Non
     sim = simulate_structured(fixed, pipeline, duration=8.0, watchdog=None)
     starts = [round(b.completed_at - b.processing_delay, 2) for b in sim.batches]
     assert starts == [1.0, 3.61, 4.0, 5.0, 6.0, 7.0]
+
+
+# a real trace: `python bench/control_loop.py --only sluice-model --cost-us 50`, cost x2 from 20 s to
+# 40 s; (records, processing seconds) per batch. Capacity was ~33k records/s, ~16.5k while doubled.
+TRACE_50US = [
+    (6029, 0.36), (13374, 0.48), (32496, 0.96), (34375, 1.02), (33810, 1.04), (33048, 1.01),
+    (32872, 1.02), (32504, 1.03), (32232, 1.0), (30946, 0.96), (28751, 0.9), (28057, 0.88),
+    (29314, 0.9), (31760, 0.96), (31254, 0.93), (31617, 0.92), (29809, 0.93), (33580, 0.98),
+    (32140, 0.98), (33102, 1.34), (24250, 1.4), (16805, 1.05), (15892, 0.99), (21505, 1.27),
+    (16689, 1.02), (19879, 1.2), (17232, 1.09), (16406, 1.01), (17799, 1.1), (11159, 0.79),
+    (7358, 0.59), (8438, 0.62), (17412, 1.05), (16877, 1.05), (16384, 1.06), (15916, 0.99),
+    (15885, 1.02), (15500, 0.97), (15251, 0.98), (14769, 0.58), (14301, 0.53), (30199, 0.91),
+    (29827, 0.95), (32756, 1.0), (32817, 1.04),
+]  # fmt: skip
+
+
+def test_model_follows_a_real_noisy_trace_without_absurd_fits() -> None:
+    """Batches of one size (an anchored fit) still tell a cost change near that size; and a noisy mix
+    of sizes and costs is not read as a fixed cost of 0.9 s (which once made the rate 5k, then 51k)."""
+    model = ModelEstimator(initial_rate=10_000.0, warmup_batches=2, bounds=RateBounds(100, INF))
+    capacities = []
+    for i, (records, seconds) in enumerate(TRACE_50US):
+        model.compute(batch(float(i + 1), records, seconds))
+        capacities.append(model.capacity)
+    assert model.state()["cost_changes"] == 2  # doubled, restored
+    doubled = capacities[21:39]
+    assert all(c is not None and 12_000 <= c <= 22_000 for c in doubled), doubled
+    assert all(c is not None and 28_000 <= c <= 40_000 for c in capacities[41:]), capacities[41:]
