@@ -14,7 +14,9 @@ estimator instead:
    identifiable, at first `prior_fixed_cost` x interval) then keeps `a` and puts the rest of the time
    on `b`, which still predicts batches of that size exactly.
 2. Capacity is what a batch per interval can hold: `capacity = (interval - a) / (b * interval)`
-   records/s; steady state runs at `target_utilisation` x capacity, not biased by batch size.
+   records/s, and never less than records / seconds of the batch just done if it took at most about
+   an interval (it proved that much, whatever the fit says); steady state runs at `target_utilisation`
+   x capacity, not biased by batch size.
 3. Backlog is counted in records. Where records wait in a queue that batches take from (Sluice's
    store), the controller counts what waits when a batch completes (`BatchMetrics.waiting`), whatever
    the rate did meanwhile: what the next batch, at capacity, cannot take is backlog. Otherwise it is
@@ -76,6 +78,9 @@ _NEAR_SIZE = 0.25
 _SIGNAL_TO_NOISE = 2.0
 """A fit tells the two costs apart only where the time the sizes' spread explains is this many times
 the fit's residual noise."""
+_SHOWN_WITHIN = 1.05
+"""A batch done within this many intervals shows a capacity of at least its records / seconds: exact
+up to the interval (the fixed cost makes smaller batches slower per record), <= 5% over it beyond."""
 _OUTLIER_WEIGHT = 0.1
 _MIN_WEIGHT = 1e-12
 _IDENTIFIABLE_CV = 0.1
@@ -168,7 +173,8 @@ class ModelEstimator(RateEstimator):
         self._changes = 0
         self._overruns = 0
         self._proposed: float | None = None  # the latest rate _estimate proposed
-        self._watched: float | None = None  # per-record cost the watchdog proved for the running batch
+        self._watched: float | None = None  # how long the running batch was seen running, when the
+        # watchdog found it slower than the fit: a lower bound on its time
         # the latest fit and what was derived from it, for state()
         self._a: float | None = None
         self._b: float | None = None
@@ -209,8 +215,13 @@ class ModelEstimator(RateEstimator):
             alone = min(max((batch.processing_delay - a) / batch.records, b / 4), 4 * b)
             b = alone if self._suspect_sign < 0 or watched is not None else math.sqrt(b * alone)
         if watched is not None:
-            b = max(b, watched)  # what the watchdog saw this batch do: no bounce back up
+            # what the watchdog saw this batch do, under this fit's fixed cost: no bounce back up
+            b = max(b, (watched - a) / batch.records)
         capacity = max(0.0, (interval - a) / (b * interval))
+        if batch.processing_delay <= _SHOWN_WITHIN * interval:
+            # whatever the fit says, the batch just done processed this much within its interval (a
+            # fit through a batch that straddled a cost change once read half of that)
+            capacity = max(capacity, batch.records / batch.processing_delay)
         self._capacity = capacity
 
         # the rate in force when the backlog piled up; an unthrottled start is read from the batch
@@ -260,14 +271,15 @@ class ModelEstimator(RateEstimator):
         # the batch is still running, so its per-record cost is at least this: a lower bound, not a guess
         at_least = (elapsed - a) / records
         lower = max(0.0, (interval - a) / (at_least * interval))
-        if at_least > b and lower < capacity:
+        lowered = at_least > b and lower < capacity
+        if lowered:
             self._capacity = capacity = lower
-            self._watched = at_least
+            self._watched = elapsed
         if waiting is not None and waiting >= capacity * interval:
             # the next batch is already there in full: what else comes in now only waits longer
             self._overruns += 1
             return self.bounds.min_rate
-        if self._watched is None or capacity != lower:
+        if not lowered:
             return None  # nothing the fit or an earlier look at this batch did not already know
         self._overruns += 1
         return self.target_utilisation * lower

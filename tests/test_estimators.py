@@ -771,3 +771,17 @@ def test_model_follows_a_real_noisy_trace_without_absurd_fits() -> None:
     doubled = capacities[21:39]
     assert all(c is not None and 12_000 <= c <= 22_000 for c in doubled), doubled
     assert all(c is not None and 28_000 <= c <= 40_000 for c in capacities[41:]), capacities[41:]
+
+
+def test_model_capacity_is_never_under_what_the_batch_just_done_showed() -> None:
+    """A batch done within its interval processed records / seconds: with a fixed cost per batch a
+    batch of that many per interval fits in it, whatever a fit (or a watchdog's bound under another
+    fit's fixed cost) says; seen here, a fit through a batch that straddled a cost change read half."""
+    model = fitted_model()
+    # faster than the fit by 20%: not an outlier, absorbed by the fit only in part
+    model.compute(batch(5.0, 40_000, 0.75))
+    assert model.capacity is not None and model.capacity >= 40_000 / 0.75
+    # slower than its interval: it holds up no floor, the capacity falls (halfway: it may be a pause)
+    model = fitted_model()
+    model.compute(batch(5.0, 40_000, 1.2))
+    assert model.capacity is not None and model.capacity < 0.85 * 45_000
