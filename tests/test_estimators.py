@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable
 
@@ -31,6 +32,9 @@ from ratecontrol import (
 from ratecontrol.simulate import Pipeline, Simulation, simulate, simulate_structured
 
 INF = math.inf
+
+TARGET = inspect.signature(ModelEstimator).parameters["target_utilisation"].default
+"""The model's default share of capacity in steady state."""
 
 
 def batch(
@@ -293,7 +297,7 @@ def test_model_fits_fixed_and_per_record_cost_from_batches_of_different_sizes() 
     assert state["fixed_cost_s"] == pytest.approx(0.4, abs=0.01)
     assert state["per_record_cost_s"] == pytest.approx(1 / 75_000, rel=0.02)
     assert model.capacity == pytest.approx(45_000, rel=0.02)
-    assert model.rate == pytest.approx(0.95 * 45_000, rel=0.02)  # target utilisation, no backlog
+    assert model.rate == pytest.approx(TARGET * 45_000, rel=0.02)  # target utilisation, no backlog
 
 
 def test_model_stays_sane_when_all_batches_are_alike() -> None:
@@ -321,16 +325,16 @@ def test_model_drains_backlog_over_its_horizon_but_never_under_its_floor() -> No
     in_force = model.rate
     small = model.compute(batch(5.0, 40_000, cost(40_000), backlog=20_000))
     assert small is not None
-    assert 0.5 * capacity < small < 0.95 * capacity
+    assert 0.5 * capacity < small < TARGET * capacity
     # the batch finished early: the next starts on time, the backlog shrank by the idle time's worth
     state = model.state()
     backlog = 20_000 - in_force * (1.0 - cost(40_000))
     assert state["backlog_records"] == pytest.approx(backlog)
     # its cost: per record, plus the fixed cost of the batches (of in_force x 1 s) it sits in, paid off
-    # over 4 intervals out of the per-record budget: rate = 0.95 capacity - cost / (4 b 1 s)
+    # over 4 intervals out of the per-record budget: rate = target x capacity - cost / (4 b 1 s)
     a, b, refitted = state["fixed_cost_s"], state["per_record_cost_s"], state["capacity_rps"]
     assert isinstance(a, float) and isinstance(b, float) and isinstance(refitted, float)
-    assert small == pytest.approx(0.95 * refitted - backlog * (b + a / in_force) / (4 * b))
+    assert small == pytest.approx(TARGET * refitted - backlog * (b + a / in_force) / (4 * b))
     huge = model.compute(batch(6.0, 40_000, cost(40_000), backlog=10**7))
     assert huge == pytest.approx(0.5 * capacity, rel=0.02)
 
@@ -523,7 +527,7 @@ def test_model_meets_the_control_goals(pipeline: Pipeline, pass_backlog: bool) -
     sim = simulated("model", pipeline, initial_rate=SLUICE_START, pass_backlog=pass_backlog)
     summary = sim.summary()
     # converged within a few batches: at 95% of capacity from the sixth batch until the cost changes
-    assert sim.rates[5:29] == pytest.approx([0.95 * 45_000] * 24, rel=0.01), summary
+    assert sim.rates[5:29] == pytest.approx([TARGET * 45_000] * 24, rel=0.01), summary
     assert sim.utilisation >= 0.90, summary
     assert sim.peak_delay(after_batch=3) <= 2.0, summary
     settle = sim.settle_time
@@ -537,8 +541,8 @@ def test_model_follows_the_cost_doubling_and_its_return_within_two_batches() -> 
     # batch k is due at k s; its rate was set when batch k-1 or k-2 completed
     doubled = sim.rates[33:58]
     assert all(0.5 * 22_500 <= rate <= 22_500 for rate in doubled)
-    assert sim.rates[40:58] == pytest.approx([0.95 * 22_500] * 18, rel=0.01)
-    assert sim.rates[61:] == pytest.approx([0.95 * 45_000] * len(sim.rates[61:]), rel=0.01)
+    assert sim.rates[40:58] == pytest.approx([TARGET * 22_500] * 18, rel=0.01)
+    assert sim.rates[61:] == pytest.approx([TARGET * 45_000] * len(sim.rates[61:]), rel=0.01)
 
 
 def test_model_with_a_start_up_batch_never_starves_and_beats_spark_pid() -> None:
@@ -555,7 +559,7 @@ def test_model_with_a_start_up_batch_never_starves_and_beats_spark_pid() -> None
     assert min(pid.rates) == 100.0
     settle = model.settle_time
     assert settle is not None and settle <= 25.0, model.summary()
-    assert model.rates[-1] == pytest.approx(0.95 * 45_000, rel=0.01)
+    assert model.rates[-1] == pytest.approx(TARGET * 45_000, rel=0.01)
     assert model.utilisation > pid.utilisation + 0.05, (model.summary(), pid.summary())
     assert pid.starved > 5
 
@@ -611,7 +615,7 @@ def test_model_watchdog_cuts_the_rate_on_the_evidence_of_a_running_batch() -> No
     assert cut is not None and cut < rate
     at_least = (1.8 - 0.4) / 40_000
     assert model.capacity == pytest.approx((1.0 - 0.4) / at_least, rel=0.01)
-    assert cut == pytest.approx(0.95 * model.capacity, rel=0.01)
+    assert cut == pytest.approx(TARGET * model.capacity, rel=0.01)
     # later looks at the same batch only lower it further; an earlier elapsed time changes nothing
     deeper = model.overrun(40_000, 2.5, 1.0)
     assert deeper is not None and deeper < cut
@@ -697,7 +701,7 @@ def test_model_counts_what_waits_at_completion_when_it_is_known() -> None:
     assert capacity is not None
     # what waits fits the next batch: no backlog, the target rate
     rate = model.compute(dataclasses.replace(batch(5.0, 40_000, cost(40_000)), waiting=int(0.9 * capacity)))
-    assert rate == pytest.approx(0.95 * capacity, rel=0.02)
+    assert rate == pytest.approx(TARGET * capacity, rel=0.02)
     # three batches' worth waits: two of them are backlog, and intake drops under half the capacity
     rate = model.compute(dataclasses.replace(batch(6.0, 40_000, cost(40_000)), waiting=int(3 * capacity)))
     assert rate is not None and 100 <= rate < 0.5 * capacity
@@ -712,7 +716,7 @@ def test_model_believes_a_faster_batch_at_once_within_its_stretch() -> None:
     # the per-record cost halved: 40k records in 0.4 + 40k / 150k s, capacity 90k
     rate = model.compute(batch(5.0, 40_000, 0.4 + 40_000 / 150_000))
     assert model.capacity == pytest.approx(90_000, rel=0.05)
-    assert rate == pytest.approx(0.95 * 90_000, rel=0.05)
+    assert rate == pytest.approx(TARGET * 90_000, rel=0.05)
 
 
 def test_model_believes_a_slower_batch_the_watchdog_saw_overrun() -> None:

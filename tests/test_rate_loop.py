@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import math
 import time
 from pathlib import Path
@@ -18,9 +19,12 @@ from ingest.driver import batch_metrics
 from ingest.rate_controller import RateController
 from ingest.spark.listener import BatchCompleted
 from ingest.spark.source import SluiceStreamReader
-from ratecontrol import BatchMetrics
+from ratecontrol import BatchMetrics, ModelEstimator
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+
+TARGET = inspect.signature(ModelEstimator).parameters["target_utilisation"].default
+"""The model's default share of capacity in steady state."""
 
 
 def batch(batch_id: int, records: int, processing: float, delay: float = 0.0) -> BatchMetrics:
@@ -127,7 +131,7 @@ async def test_a_batch_that_overruns_lowers_the_rate_before_it_completes(tmp_pat
         for i, records in enumerate((20_000, 40_000, 30_000, 40_000), start=1):
             controller.on_batch(batch(i, records, 0.4 + records / 75_000))  # 45k records/s at 1 s
         fitted = controller.rate
-        assert fitted == pytest.approx(0.95 * 45_000, rel=0.02)
+        assert fitted == pytest.approx(TARGET * 45_000, rel=0.02)
         async with Producer(server.target, "s", linger=0) as producer:
             await producer.send_many([b"y"] * 1_000)
             await producer.flush(timeout=10)
