@@ -116,21 +116,18 @@ class RateController:
         self._running = (records, now, backlog, self._taken())
         self._completed.clear()
 
-    async def wait_for_batch(self, timeout: float) -> bool:
+    async def wait_for_batch(self, timeout: float) -> None:
         """Until the batch reported by batch_started has completed (its metrics went through
         on_batch), at most `timeout` seconds (ValueError unless finite, >= 0 and <= MAX_BATCH_WAIT).
 
         Spark plans the next batch right after the last one ended, often before the listener's event
-        has arrived here: a cap read then would follow the batch before last. Returns whether the
-        rate now follows the last started batch. Does not wait while completions do not arrive (no
-        listener wired, or the last wait timed out) until one does.
+        has arrived here: a cap read then would follow the batch before last. Does not wait while
+        completions do not arrive (no listener wired, or the last wait timed out) until one does.
         """
         if not (math.isfinite(timeout) and 0 <= timeout <= MAX_BATCH_WAIT):
             raise ValueError(f"a wait for a batch must be in [0, {MAX_BATCH_WAIT:g}] seconds, got {timeout}")
-        if self._completed.is_set():
-            return True
-        if timeout == 0 or not self._completions_arrive:
-            return False
+        if self._completed.is_set() or timeout == 0 or not self._completions_arrive:
+            return
         try:
             await asyncio.wait_for(self._completed.wait(), timeout)
         except TimeoutError:
@@ -138,8 +135,6 @@ class RateController:
                 "no metrics for the running batch within %.2f s: not waiting again until some arrive", timeout
             )
             self._completions_arrive = False
-            return False
-        return True
 
     def _taken(self) -> int:
         return sum(r.stats.records_received for r in self._receivers.values())
