@@ -121,6 +121,50 @@ async def test_the_source_caps_each_batch_at_the_live_rate(tmp_path: Path) -> No
         assert (await asyncio.to_thread(reader.latestOffset, start, ReadAllAvailable())) == {"s": 1000}
 
 
+async def test_a_small_catch_up_batch_waits_for_the_trigger_grid(tmp_path: Path) -> None:
+    """A trigger soon after the last batch started (Spark catching up with its grid after a late batch)
+    whose batch would hold under half the cap is deferred: no new data now, the next grid point takes
+    it with a full interval's arrivals. Full catch-up batches and triggers on the grid run."""
+    async with running_server(tmp_path, "s") as server:
+        async with Producer(server.target, "s", linger=0) as producer:
+
+            async def send(n: int) -> None:
+                await producer.send_many([b"y"] * n)
+                await producer.flush(timeout=10)
+
+            await send(100)
+            server.rate.update(2_000)  # x 0.5 s = a cap of 1,000 records
+            options = {"path": str(server.config.blocks_dir), "streams": "s", "rateTarget": server.target}
+            reader = SluiceStreamReader({**options, "triggerSeconds": "0.5"})
+            # the first batch runs whatever its size: nothing was planned before it
+            assert (await asyncio.to_thread(reader.latestOffset, {"s": 0}, ReadAllAvailable())) == {"s": 100}
+            await send(100)
+            # right after: 100 of 1,000 is a catch-up batch, deferred (the start offset: no new data)
+            assert (await asyncio.to_thread(reader.latestOffset, {"s": 100}, ReadAllAvailable())) == {"s": 100}
+            # a catch-up batch of at least half the cap runs
+            await send(500)
+            assert (await asyncio.to_thread(reader.latestOffset, {"s": 100}, ReadAllAvailable())) == {"s": 700}
+            # the cap the batch runs under counts, not the live rate alone: 100 of a 150 limit runs
+            await send(100)
+            assert (await asyncio.to_thread(reader.latestOffset, {"s": 700}, ReadMaxRows(150))) == {"s": 800}
+            # on the grid (an interval after the last batch started) a small batch runs
+            await send(100)
+            assert (await asyncio.to_thread(reader.latestOffset, {"s": 800}, ReadAllAvailable())) == {"s": 800}
+            await asyncio.sleep(0.5 * 0.75)
+            assert (await asyncio.to_thread(reader.latestOffset, {"s": 800}, ReadAllAvailable())) == {"s": 900}
+            # unthrottled (no live cap): never deferred
+            server.rate.update(math.inf)
+            await send(10)
+            assert (await asyncio.to_thread(reader.latestOffset, {"s": 900}, ReadAllAvailable())) == {"s": 910}
+            # Trigger.AvailableNow drains what is there without waiting
+            server.rate.update(2_000)
+            await send(10)
+            drain = SluiceStreamReader({**options, "triggerSeconds": "0.5"})
+            drain.prepareForTriggerAvailableNow()
+            assert (await asyncio.to_thread(drain.latestOffset, {"s": 900}, ReadAllAvailable())) == {"s": 920}
+            assert (await asyncio.to_thread(drain.latestOffset, {"s": 910}, ReadAllAvailable())) == {"s": 920}
+
+
 async def test_a_batch_that_overruns_lowers_the_rate_before_it_completes(tmp_path: Path) -> None:
     """The source reports each batch it starts (RateControl.StartBatch); the server's watchdog asks the
     estimator while the batch overruns, and the lower rate reaches the receivers at once."""

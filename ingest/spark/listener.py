@@ -8,9 +8,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
-from pyspark.sql.streaming.listener import StreamingQueryListener
+from pyspark import SparkContext
+from pyspark.sql.streaming.listener import QueryProgressEvent, StreamingQueryListener
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class BatchListener(StreamingQueryListener):
     logged and otherwise ignored, so a faulty consumer cannot silence the listener.
 
     Register with ``spark.streams.addListener(listener)``.
+
+    Progress reaches it as one JSON string (see _ProgressBridge), not as PySpark's usual proxy walk.
     """
 
     def __init__(self, callback: Callable[[BatchCompleted], None]) -> None:
@@ -89,6 +92,51 @@ class BatchListener(StreamingQueryListener):
 
     def onQueryTerminated(self, event: Any) -> None:
         pass
+
+    @property
+    def _jlistener(self) -> Any:
+        # what StreamingQueryManager.addListener registers with the JVM (PySpark's internal hook):
+        # our bridge in place of PySpark's JStreamingQueryListener
+        if not hasattr(self, "_jlistenerobj"):
+            jvm = SparkContext._jvm
+            assert jvm is not None, "a SparkContext must be running to register a listener"
+            self._jlistenerobj = jvm.PythonStreamingQueryListenerWrapper(_ProgressBridge(self))
+        return self._jlistenerobj
+
+
+class _ProgressBridge:
+    """The JVM's callback into a BatchListener, taking each progress as one JSON string.
+
+    PySpark's own bridge (JStreamingQueryListener) builds the event field by field, some 30 py4j round
+    trips per batch. Measured on this machine, from the trigger's end to the listener: 45-80 ms that
+    way, 3-5 ms this way; with the server ingesting ~80k records/s in the same process, 90-160 ms
+    against 50-90 ms. Spark plans the next batch right after one that ends late, and the source waits
+    for these metrics first (GetRate's wait_for_batch), so that was fixed cost on such batches. Only progress is carried: the
+    listener ignores the other events.
+    """
+
+    def __init__(self, listener: BatchListener) -> None:
+        self._listener = listener
+
+    def onQueryStarted(self, jevent: Any) -> None:
+        pass
+
+    def onQueryProgress(self, jevent: Any) -> None:
+        try:
+            event = QueryProgressEvent.fromJson({"progress": json.loads(jevent.progress().json())})
+        except Exception:  # a malformed event must not kill the listener thread
+            logger.exception("cannot read streaming query progress event %r", jevent)
+            return
+        self._listener.onQueryProgress(event)
+
+    def onQueryIdle(self, jevent: Any) -> None:
+        pass
+
+    def onQueryTerminated(self, jevent: Any) -> None:
+        pass
+
+    class Java:
+        implements: ClassVar[list[str]] = ["org.apache.spark.sql.streaming.PythonStreamingQueryListener"]
 
 
 def _source_offset(progress: Any, which: str) -> dict[str, int] | None:

@@ -36,6 +36,8 @@ a second query would release blocks under the first one's feet, which the reader
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from itertools import pairwise
 from typing import Any
@@ -63,6 +65,8 @@ from ingest.spark.live_rate import LiveRateCap
 from receivers.block import BlockInfo, check_stream_name
 from receivers.block_store import BlockStore
 from receivers.wal import WalBlockStore
+
+log = logging.getLogger(__name__)
 
 SOURCE_NAME = "sluice"
 
@@ -105,6 +109,18 @@ OPTION_RATE_TARGET = "rateTarget"
 """host:port of the Sluice server whose live rate caps each batch (rate x trigger interval)."""
 OPTION_TRIGGER_SECONDS = "triggerSeconds"
 
+CATCH_UP_WINDOW = 0.75
+"""A trigger less than this many intervals after the last batch started is a catch-up trigger..."""
+CATCH_UP_MIN_SHARE = 0.5
+"""...and waits for the trigger grid if its batch would hold less than this share of the cap.
+
+Spark's ProcessingTime trigger keeps a grid: a batch that ends past a grid point is followed at once by
+the next one, which then holds only what arrived since the last one started, say 0.3 s worth. Under
+a live cap that is a batch paying the whole fixed cost of a trigger for a fraction of the records
+(seen: 3k and 22k records among 80k ones, each right after the rate rose). Such a batch is deferred to
+the next grid point (at most one interval on), where it holds a full interval's arrivals: what Spark's
+Kafka source offers as minOffsetsPerTrigger with maxTriggerDelay."""
+
 Offset = dict[str, int]
 BlockTuple = tuple[str, int, int, int, int]
 """A BlockInfo as a plain tuple (stream, seq, first_offset, count, receiver): cheap to pickle."""
@@ -144,6 +160,7 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.rate_target = options.get(OPTION_RATE_TARGET) or None
         self.trigger_seconds = float(options.get(OPTION_TRIGGER_SECONDS) or 1.0)
         self._rate_client: LiveRateCap | None = None
+        self._planned_at: float | None = None  # time.monotonic() of the last batch planned with records
         self._store: WalBlockStore | None = None
         self._available_now_target: Offset | None = None
 
@@ -193,6 +210,19 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         else:
             raise TypeError(f"sluice source: unsupported read limit {limit!r}")
         records = sum(end[s] - start.get(s, 0) for s in end)
+        now = time.monotonic()
+        if (
+            live is not None
+            and isinstance(limit, ReadMaxRows)
+            and 0 < records < CATCH_UP_MIN_SHARE * limit.max_rows
+            and self._available_now_target is None
+            and self._planned_at is not None
+            and now - self._planned_at < CATCH_UP_WINDOW * self.trigger_seconds
+        ):
+            log.debug("catch-up trigger with %d of %d records: deferred to the grid", records, limit.max_rows)
+            return _sorted({s: start.get(s, 0) for s in end})  # no new data: Spark waits for the grid
+        if records > 0:
+            self._planned_at = now
         if records > 0 and self._rate_client is not None:
             # Spark runs a batch now: the server's watchdog looks at it while it overruns
             backlog = sum(max(0, available[s] - end.get(s, 0)) for s in available)
