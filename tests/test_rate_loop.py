@@ -11,7 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 from support import running_server, wait_until
 
 from ingest.client import Producer
@@ -121,48 +121,64 @@ async def test_the_source_caps_each_batch_at_the_live_rate(tmp_path: Path) -> No
         assert (await asyncio.to_thread(reader.latestOffset, start, ReadAllAvailable())) == {"s": 1000}
 
 
+async def at_phase(interval: float, phase: float) -> None:
+    """Sleep until wall-clock time is `phase` seconds past a multiple of `interval` (Spark's grid)."""
+    await asyncio.sleep((phase - time.time() % interval) % interval)
+
+
 async def test_a_small_catch_up_batch_waits_for_the_trigger_grid(tmp_path: Path) -> None:
-    """A trigger soon after the last batch started (Spark catching up with its grid after a late batch)
-    whose batch would hold under half the cap is deferred: no new data now, the next grid point takes
-    it with a full interval's arrivals. Full catch-up batches and triggers on the grid run."""
-    async with running_server(tmp_path, "s") as server:
-        async with Producer(server.target, "s", linger=0) as producer:
+    """A trigger off Spark's grid soon after the last batch was planned (Spark catching up after a late
+    batch) whose batch would hold under half the cap is deferred: no new data now, the next grid point
+    takes it with a full interval's arrivals. Full catch-up batches and triggers on the grid run."""
+    interval = 2.0  # wide phases: a slow machine stays off the grid where the test means to
+    async with running_server(tmp_path, "s") as server, Producer(server.target, "s", linger=0) as producer:
 
-            async def send(n: int) -> None:
-                await producer.send_many([b"y"] * n)
-                await producer.flush(timeout=10)
+        async def send(n: int) -> None:
+            await producer.send_many([b"y"] * n)
+            await producer.flush(timeout=10)
 
-            await send(100)
-            server.rate.update(2_000)  # x 0.5 s = a cap of 1,000 records
-            options = {"path": str(server.config.blocks_dir), "streams": "s", "rateTarget": server.target}
-            reader = SluiceStreamReader({**options, "triggerSeconds": "0.5"})
-            # the first batch runs whatever its size: nothing was planned before it
-            assert (await asyncio.to_thread(reader.latestOffset, {"s": 0}, ReadAllAvailable())) == {"s": 100}
-            await send(100)
-            # right after: 100 of 1,000 is a catch-up batch, deferred (the start offset: no new data)
-            assert (await asyncio.to_thread(reader.latestOffset, {"s": 100}, ReadAllAvailable())) == {"s": 100}
-            # a catch-up batch of at least half the cap runs
-            await send(500)
-            assert (await asyncio.to_thread(reader.latestOffset, {"s": 100}, ReadAllAvailable())) == {"s": 700}
-            # the cap the batch runs under counts, not the live rate alone: 100 of a 150 limit runs
-            await send(100)
-            assert (await asyncio.to_thread(reader.latestOffset, {"s": 700}, ReadMaxRows(150))) == {"s": 800}
-            # on the grid (an interval after the last batch started) a small batch runs
-            await send(100)
-            assert (await asyncio.to_thread(reader.latestOffset, {"s": 800}, ReadAllAvailable())) == {"s": 800}
-            await asyncio.sleep(0.5 * 0.75)
-            assert (await asyncio.to_thread(reader.latestOffset, {"s": 800}, ReadAllAvailable())) == {"s": 900}
-            # unthrottled (no live cap): never deferred
-            server.rate.update(math.inf)
-            await send(10)
-            assert (await asyncio.to_thread(reader.latestOffset, {"s": 900}, ReadAllAvailable())) == {"s": 910}
-            # Trigger.AvailableNow drains what is there without waiting
-            server.rate.update(2_000)
-            await send(10)
-            drain = SluiceStreamReader({**options, "triggerSeconds": "0.5"})
-            drain.prepareForTriggerAvailableNow()
-            assert (await asyncio.to_thread(drain.latestOffset, {"s": 900}, ReadAllAvailable())) == {"s": 920}
-            assert (await asyncio.to_thread(drain.latestOffset, {"s": 910}, ReadAllAvailable())) == {"s": 920}
+        async def plan(reader: SluiceStreamReader, start: int, limit: ReadLimit) -> int:
+            return (await asyncio.to_thread(reader.latestOffset, {"s": start}, limit))["s"]
+
+        await send(100)
+        server.rate.update(500)  # x 2 s = a cap of 1,000 records
+        options = {"path": str(server.config.blocks_dir), "streams": "s", "rateTarget": server.target}
+        reader = SluiceStreamReader({**options, "triggerSeconds": str(interval)})
+        # the first batch runs whatever its size and phase: nothing was planned before it
+        await at_phase(interval, 0.5)
+        assert await plan(reader, 0, ReadAllAvailable()) == 100
+        await send(100)
+        # right after, off the grid: 100 of 1,000 is a catch-up batch, deferred (no new data)
+        assert await plan(reader, 100, ReadAllAvailable()) == 100
+        # a catch-up batch of at least half the cap runs
+        await send(500)
+        assert await plan(reader, 100, ReadAllAvailable()) == 700
+        # the cap the batch runs under counts, not the live rate alone: 100 of a 150 limit runs
+        await send(100)
+        assert await plan(reader, 700, ReadMaxRows(150)) == 800
+        # on the grid a small batch runs, however soon after the last one
+        await send(100)
+        await at_phase(interval, 0.02)
+        assert await plan(reader, 800, ReadAllAvailable()) == 900
+        # off the grid, but long enough after the last batch: the wait is bounded, it runs
+        await send(100)
+        await at_phase(interval, 0.4)
+        assert await plan(reader, 900, ReadAllAvailable()) == 900
+        await asyncio.sleep(0.75 * interval)
+        await at_phase(interval, 0.6)
+        assert await plan(reader, 900, ReadAllAvailable()) == 1000
+        # unthrottled (no live cap): never deferred
+        server.rate.update(math.inf)
+        await send(10)
+        assert await plan(reader, 1000, ReadAllAvailable()) == 1010
+        # Trigger.AvailableNow drains what is there without waiting
+        server.rate.update(500)
+        await send(10)
+        drain = SluiceStreamReader({**options, "triggerSeconds": str(interval)})
+        drain.prepareForTriggerAvailableNow()
+        await at_phase(interval, 0.5)
+        assert await plan(drain, 1000, ReadAllAvailable()) == 1020
+        assert await plan(drain, 1010, ReadAllAvailable()) == 1020
 
 
 async def test_a_batch_that_overruns_lowers_the_rate_before_it_completes(tmp_path: Path) -> None:

@@ -111,8 +111,8 @@ class _ProgressBridge:
     trips per batch. Measured on this machine, from the trigger's end to the listener: 45-80 ms that
     way, 3-5 ms this way; with the server ingesting ~80k records/s in the same process, 90-160 ms
     against 50-90 ms. Spark plans the next batch right after one that ends late, and the source waits
-    for these metrics first (GetRate's wait_for_batch), so that was fixed cost on such batches. Only progress is carried: the
-    listener ignores the other events.
+    for these metrics first (GetRate's wait_for_batch), so that was fixed cost on such batches. Only
+    progress is carried: the listener ignores the other events.
     """
 
     def __init__(self, listener: BatchListener) -> None:

@@ -109,17 +109,20 @@ OPTION_RATE_TARGET = "rateTarget"
 """host:port of the Sluice server whose live rate caps each batch (rate x trigger interval)."""
 OPTION_TRIGGER_SECONDS = "triggerSeconds"
 
-CATCH_UP_WINDOW = 0.75
-"""A trigger less than this many intervals after the last batch started is a catch-up trigger..."""
 CATCH_UP_MIN_SHARE = 0.5
-"""...and waits for the trigger grid if its batch would hold less than this share of the cap.
+"""A catch-up trigger whose batch would hold less than this share of the cap waits for the grid.
 
-Spark's ProcessingTime trigger keeps a grid: a batch that ends past a grid point is followed at once by
-the next one, which then holds only what arrived since the last one started, say 0.3 s worth. Under
-a live cap that is a batch paying the whole fixed cost of a trigger for a fraction of the records
-(seen: 3k and 22k records among 80k ones, each right after the rate rose). Such a batch is deferred to
-the next grid point (at most one interval on), where it holds a full interval's arrivals: what Spark's
-Kafka source offers as minOffsetsPerTrigger with maxTriggerDelay."""
+Spark's ProcessingTime trigger keeps a grid (multiples of the interval since the epoch): a batch that
+ends past a grid point is followed at once by the next one, off the grid, which then holds only what
+arrived since the last one started, say 0.3 s worth. Under a live cap that is a batch paying the whole
+fixed cost of a trigger for a fraction of the records (seen: 3k and 22k records among 80k ones, each
+right after the rate rose). Such a batch is deferred to the next grid point, where it holds a full
+interval's arrivals: what Spark's Kafka source offers as minOffsetsPerTrigger with maxTriggerDelay."""
+CATCH_UP_WINDOW = 0.75
+"""Only a trigger less than this many intervals after the last batch was planned is deferred: that
+bounds the wait, whatever the trigger (a triggerSeconds option that is not the query's trigger)."""
+ON_GRID = 0.1
+"""A trigger within this share of the interval (at most 0.1 s) after a grid point is on the grid."""
 
 Offset = dict[str, int]
 BlockTuple = tuple[str, int, int, int, int]
@@ -195,6 +198,7 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadMaxRows(self.max_records_per_batch)
 
     def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:
+        phase = time.time() % self.trigger_seconds if self.trigger_seconds > 0 else 0.0
         live = self._live_cap()  # first: it may wait for the last batch's metrics
         available = {s: self._available_end(s, start.get(s, 0)) for s in self.streams}
         if live is not None and (
@@ -218,6 +222,7 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             and self._available_now_target is None
             and self._planned_at is not None
             and now - self._planned_at < CATCH_UP_WINDOW * self.trigger_seconds
+            and phase >= min(ON_GRID * self.trigger_seconds, 0.1)
         ):
             log.debug("catch-up trigger with %d of %d records: deferred to the grid", records, limit.max_rows)
             return _sorted({s: start.get(s, 0) for s in end})  # no new data: Spark waits for the grid
