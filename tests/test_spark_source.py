@@ -425,6 +425,14 @@ def test_max_records_per_batch_splits_a_backlog(spark: Any, tmp_path: Path) -> N
         spark.streams.removeListener(listener)
     sizes = [e.num_input_rows for e in mine() if e.num_input_rows]
     assert sizes == [250] * 4  # at most 250 records a batch, blocks of 100 cut where needed
+    # the progress as the listener's JSON bridge hands it over: the source's offsets, to the record
+    done = [e for e in mine() if e.num_input_rows]
+    # (Spark reports no start offset for a query's first batch)
+    assert [(e.start_offset, e.end_offset) for e in done] == [
+        (None if i == 0 else {"s": i}, {"s": i + 250}) for i in range(0, 1000, 250)
+    ]
+    assert all(e.latest_offset == {"s": 1000} for e in done)
+    assert [e.batch_id for e in done] == sorted(e.batch_id for e in done)
     assert all(e.processing_seconds > 0 for e in mine())
     assert listener.batches_completed >= 4
     assert (own_checkpoint / "offsets").is_dir()
