@@ -181,6 +181,26 @@ async def test_a_small_catch_up_batch_waits_for_the_trigger_grid(tmp_path: Path)
         assert await plan(drain, 1010, ReadAllAvailable()) == 1020
 
 
+async def test_no_catch_up_batch_waits_once_the_server_is_gone(tmp_path: Path) -> None:
+    """`sluice serve` stops its server, then drains Spark with processAllAvailable, which ends at the
+    first trigger that finds no new data: without the server's answer nothing is deferred."""
+    interval = 2.0
+    async with running_server(tmp_path, "s") as server:
+        async with Producer(server.target, "s", linger=0) as producer:
+            await producer.send_many([b"y"] * 100)
+            await producer.flush(timeout=10)
+        server.rate.update(500)  # x 2 s = a cap of 1,000 records
+        options = {"path": str(server.config.blocks_dir), "streams": "s", "rateTarget": server.target}
+        reader = SluiceStreamReader({**options, "triggerSeconds": str(interval)})
+        await at_phase(interval, 0.5)
+        assert (await asyncio.to_thread(reader.latestOffset, {"s": 0}, ReadMaxRows(50))) == {"s": 50}
+        # the server still answers: 50 more of a 1,000 cap, right after, off the grid, wait
+        assert (await asyncio.to_thread(reader.latestOffset, {"s": 50}, ReadAllAvailable())) == {"s": 50}
+        await server.stop(grace=1)
+        # the last cap holds, but nobody steers any more: what is there runs
+        assert (await asyncio.to_thread(reader.latestOffset, {"s": 50}, ReadAllAvailable())) == {"s": 100}
+
+
 async def test_a_batch_that_overruns_lowers_the_rate_before_it_completes(tmp_path: Path) -> None:
     """The source reports each batch it starts (RateControl.StartBatch); the server's watchdog asks the
     estimator while the batch overruns, and the lower rate reaches the receivers at once."""

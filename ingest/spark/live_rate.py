@@ -30,6 +30,8 @@ class LiveRateCap:
         self._timeout = timeout
         self._last: int | None = None
         self._start_batch_unsupported = False
+        self.answered = False
+        """Whether the last records_per_batch had the server's answer (not the last cap kept)."""
 
     def records_per_batch(self, trigger_seconds: float) -> int | None:
         """max(rate, estimated capacity) x trigger interval, at least 1; None while unlimited or unknown.
@@ -45,7 +47,9 @@ class LiveRateCap:
             rate = max(status.records_per_second, status.capacity)
         except grpc.RpcError as exc:
             log.warning("cannot read the live rate (%s); keeping the last cap %s", exc, self._last)
+            self.answered = False
             return self._last
+        self.answered = True
         self._last = None if math.isinf(rate) else max(1, int(rate * max(trigger_seconds, 0.001)))
         return self._last
 

@@ -120,7 +120,10 @@ right after the rate rose). Such a batch is deferred to the next grid point, whe
 interval's arrivals: what Spark's Kafka source offers as minOffsetsPerTrigger with maxTriggerDelay."""
 CATCH_UP_WINDOW = 0.75
 """Only a trigger less than this many intervals after the last batch was planned is deferred: that
-bounds the wait, whatever the trigger (a triggerSeconds option that is not the query's trigger)."""
+bounds the wait, whatever the trigger (a triggerSeconds option that is not the query's trigger). Nor
+is one deferred unless the server answered for this trigger: a stopped server (`sluice serve` drains
+Spark with processAllAvailable after stopping its server) takes no more records, and a trigger that
+finds no new data would end processAllAvailable with records left."""
 ON_GRID = 0.1
 """A trigger within this share of the interval (at most 0.1 s) after a grid point is on the grid."""
 
@@ -217,6 +220,8 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         now = time.monotonic()
         if (
             live is not None
+            and self._rate_client is not None
+            and self._rate_client.answered  # a server that steers; not one stopped to drain
             and isinstance(limit, ReadMaxRows)
             and 0 < records < CATCH_UP_MIN_SHARE * limit.max_rows
             and self._available_now_target is None
