@@ -516,6 +516,8 @@ def _show_rate(status: pb.RateStatus | None) -> int:
         print(
             f"last batch: #{b.batch_id}, {b.records} records, processing {b.processing_delay_seconds:.3f} s, "
             f"scheduling delay {b.scheduling_delay_seconds:.3f} s, interval {b.batch_interval_seconds:g} s"
+            + (f", {b.backlog} left behind" if b.HasField("backlog") else "")
+            + (f", {b.waiting} waiting at completion" if b.HasField("waiting") else "")
         )
     return 0
 

@@ -44,6 +44,8 @@ def rate_status(controller: RateController) -> pb.RateStatus:
                 processing_delay_seconds=batch.processing_delay,
                 scheduling_delay_seconds=batch.scheduling_delay,
                 batch_interval_seconds=batch.batch_interval,
+                backlog=batch.backlog,
+                waiting=batch.waiting,
             )
         )
     return status

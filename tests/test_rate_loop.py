@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect
+import io
 import math
 import time
 from pathlib import Path
@@ -14,6 +16,7 @@ import pytest
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 from support import running_server, wait_until
 
+from ingest import cli
 from ingest.client import Producer
 from ingest.driver import batch_metrics
 from ingest.rate_controller import RateController
@@ -272,11 +275,23 @@ async def test_a_completed_batch_carries_the_records_waiting_behind_it(tmp_path:
         async with Producer(server.target, "s", linger=0) as producer:
             await producer.send_many([b"y"] * 300)
             await producer.flush(timeout=10)
-        controller.on_batch(batch(1, 1_000, 0.5))
+        controller.on_batch(dataclasses.replace(batch(1, 1_000, 0.5), backlog=500))
         assert controller.last_batch is not None and controller.last_batch.waiting == 800
-        # no batch reported as started: unknown
-        controller.on_batch(batch(2, 1_000, 0.5))
-        assert controller.last_batch.waiting is None
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            stub = pb_grpc.RateControlStub(channel)
+            shown = (await stub.GetRate(pb.GetRateRequest())).last_batch
+            assert (shown.batch_id, shown.backlog, shown.waiting) == (1, 500, 800)
+            out = io.StringIO()
+            with contextlib.redirect_stdout(out):
+                code = await asyncio.to_thread(cli.main, ["rate", "get", "--target", server.target])
+            assert code == 0
+            assert "last batch: #1, 1000 records" in out.getvalue()
+            assert "500 left behind, 800 waiting at completion" in out.getvalue()
+            # no batch reported as started: unknown, and so unset for operators too
+            controller.on_batch(batch(2, 1_000, 0.5))
+            assert controller.last_batch.waiting is None
+            shown = (await stub.GetRate(pb.GetRateRequest())).last_batch
+            assert shown.batch_id == 2 and not shown.HasField("waiting") and not shown.HasField("backlog")
         # an idle trigger's empty report is no completion of the batch that runs
         controller.batch_started(1_000, backlog=7)
         controller.on_batch(batch(3, 0, 0.1))

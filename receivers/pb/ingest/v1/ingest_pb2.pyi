@@ -547,12 +547,18 @@ class BatchMetrics(_message.Message):
     PROCESSING_DELAY_SECONDS_FIELD_NUMBER: _builtins.int
     SCHEDULING_DELAY_SECONDS_FIELD_NUMBER: _builtins.int
     BATCH_INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int
+    BACKLOG_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
     batch_id: _builtins.int
     records: _builtins.int
     processing_delay_seconds: _builtins.float
     scheduling_delay_seconds: _builtins.float
     """How long the oldest record of the batch waited before its batch started."""
     batch_interval_seconds: _builtins.float
+    backlog: _builtins.int
+    """Records that were there when the batch was planned but left for later (the cap); unset if unknown."""
+    waiting: _builtins.int
+    """Records waiting for later batches when the batch completed, counted by the server; unset if unknown."""
     def __init__(
         self,
         *,
@@ -561,12 +567,21 @@ class BatchMetrics(_message.Message):
         processing_delay_seconds: _builtins.float = ...,
         scheduling_delay_seconds: _builtins.float = ...,
         batch_interval_seconds: _builtins.float = ...,
+        backlog: _builtins.int | None = ...,
+        waiting: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_backlog", b"_backlog", "_waiting", b"_waiting", "backlog", b"backlog", "waiting", b"waiting"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["batch_id", b"batch_id", "batch_interval_seconds", b"batch_interval_seconds", "processing_delay_seconds", b"processing_delay_seconds", "records", b"records", "scheduling_delay_seconds", b"scheduling_delay_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_backlog", b"_backlog", "_waiting", b"_waiting", "backlog", b"backlog", "batch_id", b"batch_id", "batch_interval_seconds", b"batch_interval_seconds", "processing_delay_seconds", b"processing_delay_seconds", "records", b"records", "scheduling_delay_seconds", b"scheduling_delay_seconds", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__backlog: _TypeAlias = _typing.Literal["backlog"]  # noqa: Y015
+    _WhichOneofArgType__backlog: _TypeAlias = _typing.Literal["_backlog", b"_backlog"]  # noqa: Y015
+    _WhichOneofReturnType__waiting: _TypeAlias = _typing.Literal["waiting"]  # noqa: Y015
+    _WhichOneofArgType__waiting: _TypeAlias = _typing.Literal["_waiting", b"_waiting"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__backlog) -> _WhichOneofReturnType__backlog | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__waiting) -> _WhichOneofReturnType__waiting | None: ...
 
 Global___BatchMetrics: _TypeAlias = BatchMetrics  # noqa: Y015
 
