@@ -33,6 +33,25 @@ WATCHDOG_TICK = 0.1
 MAX_BATCH_WAIT = 10.0
 """Longest wait for a running batch's metrics that a caller of wait_for_batch may ask for."""
 
+PAST_GRID = 0.05
+"""Seconds past the trigger grid point after a batch's start from which the next trigger is known to
+have come at the batch's end (Spark triggers at once after a batch that ran past its grid point)."""
+
+WATCHES = 4
+"""Most started batches kept while their metrics are on the way (none arrive without a listener)."""
+
+
+@dataclasses.dataclass
+class _Watch:
+    """A batch the source started, until its metrics arrive."""
+
+    records: int
+    started: float  # time.monotonic()
+    started_wall: float  # time.time(), against Spark's trigger grid
+    backlog: int  # records there beyond it when it started
+    taken: int  # records the receivers had taken by then
+    taken_at_end: int | None = None  # ... by the time the source planned the next batch
+
 
 class RateController:
     """Owns the ingest rate of a node's receivers."""
@@ -47,8 +66,9 @@ class RateController:
         config = config or RateConfig()
         self._receivers = receivers
         self._batch_interval = batch_interval
-        # the batch the source started: records, when, backlog beyond it then, records taken by then
-        self._running: tuple[int, float, int, int] | None = None
+        # batches the source started whose metrics have not arrived, oldest first; the last one runs
+        # unless the source has planned the next batch since (taken_at_end set)
+        self._watches: list[_Watch] = []
         self._completed = asyncio.Event()  # set while no reported batch awaits its completion
         self._completed.set()
         # whether completions arrive at all (a listener is wired and keeps up): waits are skipped
@@ -85,13 +105,15 @@ class RateController:
         """A micro-batch completed: let the estimator propose a rate (ignored while pinned)."""
         # an empty batch (Spark reports some while idle) is none the source started: it ends no watch
         if batch.records > 0:
-            if self._running is not None and batch.waiting is None:
-                # what waits now for later batches, counted: left behind at the start plus taken since
-                _, _, backlog, taken = self._running
-                batch = dataclasses.replace(batch, waiting=max(0, backlog + self._taken() - taken))
-            self._running = None
+            watch = self._reported(batch.records)
+            if watch is not None and batch.waiting is None:
+                # what waits for later batches, counted: left behind at the start plus taken since, up to
+                # when the source planned the next batch if it has (the next batch takes from there)
+                taken = self._taken() if watch.taken_at_end is None else watch.taken_at_end
+                batch = dataclasses.replace(batch, waiting=max(0, watch.backlog + taken - watch.taken))
             self._completions_arrive = True
-            self._completed.set()
+            if not self._watches:
+                self._completed.set()
         self.last_batch = batch
         proposal = self.estimator.compute(batch)
         if log.isEnabledFor(logging.DEBUG):
@@ -105,27 +127,57 @@ class RateController:
         if proposal is not None and not self.pinned:
             self._apply(self._clamp(check_rate(proposal)))
 
+    def _reported(self, records: int) -> _Watch | None:
+        """The watch of the batch whose metrics arrived: the oldest with its record count (those before
+        it were never reported: a query restarted mid-batch), or None if no watch matches."""
+        for i, watch in enumerate(self._watches):
+            if watch.records == records:
+                del self._watches[: i + 1]
+                return watch
+        return None
+
     def batch_started(self, records: int, backlog: int = 0, now: float | None = None) -> None:
         """The source planned a batch of `records` (ValueError unless > 0), with `backlog` records
-        (ValueError if < 0) there beyond it, and runs it from `now`."""
+        (ValueError if < 0) there beyond it, and runs it from `now` (time.monotonic())."""
         if records <= 0:
             raise ValueError(f"a started batch has records > 0, got {records}")
         if backlog < 0:
             raise ValueError(f"backlog must be >= 0 records, got {backlog}")
         now = time.monotonic() if now is None else now
-        self._running = (records, now, backlog, self._taken())
+        taken = self._taken()
+        for watch in self._watches:
+            if watch.taken_at_end is None:
+                watch.taken_at_end = taken  # a next batch was planned: this one has ended
+        self._watches.append(_Watch(records, now, time.time() - (time.monotonic() - now), backlog, taken))
+        del self._watches[:-WATCHES]
         self._completed.clear()
 
     async def wait_for_batch(self, timeout: float) -> None:
-        """Until the batch reported by batch_started has completed (its metrics went through
+        """Until the batches reported by batch_started have completed (their metrics went through
         on_batch), at most `timeout` seconds (ValueError unless finite, >= 0 and <= MAX_BATCH_WAIT).
 
-        Spark plans the next batch right after the last one ended, often before the listener's event
-        has arrived here: a cap read then would follow the batch before last. Does not wait while
-        completions do not arrive (no listener wired, or the last wait timed out) until one does.
+        The source asks this as it plans the next batch, so the running batch has ended: its metrics
+        are on their way through Spark's listener (50-90 ms under load here), and a cap read before they
+        arrive would follow the batch before last. Not waited for, though, when the batch ran past the
+        trigger grid point after its start (by PAST_GRID) for at least half an interval: Spark then plans
+        the next batch at once, so the time since the batch started is its time, to the milliseconds,
+        and the watchdog takes a last look with it (a slower batch lowers the cap now); the metrics
+        follow into the fit. Does not wait while completions do not arrive (no listener wired, or the
+        last wait timed out) until one does.
         """
         if not (math.isfinite(timeout) and 0 <= timeout <= MAX_BATCH_WAIT):
             raise ValueError(f"a wait for a batch must be in [0, {MAX_BATCH_WAIT:g}] seconds, got {timeout}")
+        # a batch before the one that just ended had a whole batch's time to be reported: lost
+        del self._watches[:-1]
+        if self._watches and self._watches[-1].taken_at_end is None:
+            watch = self._watches[-1]
+            now, wall = time.monotonic(), time.time()
+            watch.taken_at_end = self._taken()
+            interval = self._batch_interval
+            grid = watch.started_wall - watch.started_wall % interval + interval if interval > 0 else math.inf
+            if wall > grid + PAST_GRID and now - watch.started >= 0.5 * interval:
+                self._look(watch, now - watch.started)
+                return
         if self._completed.is_set() or timeout == 0 or not self._completions_arrive:
             return
         try:
@@ -143,16 +195,21 @@ class RateController:
         """The watchdog: while the running batch overruns its interval, let the estimator lower the
         rate at once rather than when the batch completes (records keep arriving at the old rate
         meanwhile, and each of them waits for a slower pipeline). Ignored while pinned."""
-        if self._running is None or self.pinned:
+        if not self._watches or self._watches[-1].taken_at_end is not None:
+            return  # nothing runs, or it has ended and its metrics are on their way
+        watch = self._watches[-1]
+        self._look(watch, (time.monotonic() if now is None else now) - watch.started)
+
+    def _look(self, watch: _Watch, elapsed: float) -> None:
+        if self.pinned:
             return
-        records, started, backlog, taken = self._running
-        elapsed = (time.monotonic() if now is None else now) - started
-        waiting = backlog + self._taken() - taken
-        proposal = self.estimator.overrun(records, elapsed, self._batch_interval, waiting)
+        taken = self._taken() if watch.taken_at_end is None else watch.taken_at_end
+        waiting = watch.backlog + taken - watch.taken
+        proposal = self.estimator.overrun(watch.records, elapsed, self._batch_interval, waiting)
         if proposal is not None:
             log.info(
                 "batch of %d records still running after %.2f s, %d waiting: rate %s -> %s records/s",
-                records,
+                watch.records,
                 elapsed,
                 waiting,
                 self._rate,

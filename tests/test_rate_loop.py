@@ -299,6 +299,44 @@ async def test_a_completed_batch_carries_the_records_waiting_behind_it(tmp_path:
         assert controller.last_batch.waiting == 7
 
 
+async def test_no_wait_for_the_metrics_of_a_batch_that_ran_past_its_grid_point(tmp_path: Path) -> None:
+    """A batch that ended past the trigger grid point after its start is followed at once by the next
+    trigger: the time since it started is its time, so GetRate answers at once, with the watchdog's
+    last look applied; its metrics, when they arrive, go into the fit and count what waited up to then.
+    A batch that ended before its grid point is waited for: the time since it started holds idle time."""
+    async with running_server(tmp_path, "s") as server:
+        controller = server.rate
+        capacity = fitted(controller)  # 0.4 s + 13.3 us a record; 1 s trigger interval
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            stub = pb_grpc.RateControlStub(channel)
+            # 40k records should take 0.93 s; this one is still running 1.1 s on, past its grid point
+            await at_phase(1.0, 0.3)
+            await stub.StartBatch(pb.StartBatchRequest(records=40_000, backlog=100))
+            await asyncio.sleep(0.8)
+            await at_phase(1.0, 0.4)
+            started = time.monotonic()
+            status = await stub.GetRate(pb.GetRateRequest(wait_for_batch_seconds=5))
+            assert time.monotonic() - started < 0.5  # not the 5 s
+            assert status.capacity < 0.8 * capacity  # at least (1.1 - 0.4) s / 40k records
+            async with Producer(server.target, "s", linger=0) as producer:
+                await producer.send_many([b"y"] * 50)
+                await producer.flush(timeout=10)
+            await stub.StartBatch(pb.StartBatchRequest(records=20_000))
+            # the first batch's metrics arrive after the next batch started: they are its own
+            controller.on_batch(batch(5, 40_000, 1.15))
+            assert controller.last_batch is not None and controller.last_batch.waiting == 100
+            # the second ends before its grid point, 0.7 s after it started: its metrics are waited for
+            await at_phase(1.0, 0.1)
+            await stub.StartBatch(pb.StartBatchRequest(records=30_000))
+            await at_phase(1.0, 0.8)
+            asked = asyncio.ensure_future(stub.GetRate(pb.GetRateRequest(wait_for_batch_seconds=5)))
+            await asyncio.sleep(0.15)
+            assert not asked.done()
+            controller.on_batch(batch(6, 30_000, 0.8))
+            status = await asyncio.wait_for(asked, 2)
+            assert status.last_batch.batch_id == 6
+
+
 async def test_the_cap_of_the_next_batch_waits_for_the_last_batch_metrics(tmp_path: Path) -> None:
     """Spark plans the batch after an overrun at once, often before the listener's event is in: the
     source's GetRate waits (briefly) for it, so the next batch's cap follows the batch that just ended."""
