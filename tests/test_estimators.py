@@ -789,3 +789,21 @@ def test_model_capacity_is_never_under_what_the_batch_just_done_showed() -> None
     model = fitted_model()
     model.compute(batch(5.0, 40_000, 1.2))
     assert model.capacity is not None and model.capacity < 0.85 * 45_000
+
+
+def test_model_forgets_the_batch_a_cost_change_landed_in() -> None:
+    """Under load a cost change lands mid-batch: the first surprising batch paid partly the old cost.
+    Once a second one confirms the change, the fit restarts from that one alone, anchored on the fixed
+    cost known so far; kept, the straddling batch tilted the line (seen on real Spark: a fixed cost of
+    0.61 s against 0.22 s, and a 25% overshoot when the cost came back)."""
+    model = ModelEstimator(initial_rate=10_000.0, warmup_batches=0)
+    before = 10e-6  # 0.2 s + 10 us a record: 80k records/s at 1 s batches
+    for i, records in enumerate((60_000, 80_000, 70_000, 90_000, 75_000, 65_000)):
+        model.compute(batch(float(i + 1), records, 0.2 + records * before))
+    assert model.capacity == pytest.approx(80_000, rel=0.02)
+    # the per-record cost doubles halfway through an 80k batch, then a 50k batch runs at the new cost
+    model.compute(batch(7.0, 80_000, 0.2 + 40_000 * before + 40_000 * 2 * before))
+    model.compute(batch(8.0, 50_000, 0.2 + 50_000 * 2 * before))
+    assert model.capacity == pytest.approx(40_000, rel=0.05)
+    state = model.state()
+    assert state["cost_changes"] == 1 and state["fixed_cost_s"] == pytest.approx(0.2, abs=0.05)
