@@ -68,6 +68,8 @@ def reconnectable(error: RPCError, *, cancelled_in_band: bool = False) -> bool:
 
 Call = grpc.aio.StreamStreamCall[pb.PublishRequest, pb.PublishResponse]
 _CALL_ENDED = (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
+_ERROR_DELIVERY = 1.0
+"""Seconds a protocol error waits for the server to end the call after telling it in-band."""
 
 
 class _State(enum.Enum):
@@ -612,6 +614,10 @@ class Producer:
                 error_message = pb.Error(code=_FAILED_PRECONDITION, message=message)
                 await call.write(pb.PublishRequest(error=error_message))
                 await call.done_writing()
+        # written is only queued: let the server end the call (briefly), so that an abort() right
+        # after this raises does not cancel the message in flight
+        with contextlib.suppress(*_CALL_ENDED, TimeoutError):
+            await asyncio.wait_for(call.code(), _ERROR_DELIVERY)
         raise error
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
