@@ -54,6 +54,13 @@ estimator instead:
    capacity that bound allows), intake pauses (min rate) until the batch completes: more would only
    queue, while the next batch is full anyway.
 
+8. A batch far below the operating point (records x `max_growth` under the larger of the rate in
+   force and the capacity, per interval: a batch that could not have lifted the rate to where it is)
+   is mostly fixed cost and its noise; a per-record cost read from it is that noise divided by a handful
+   of records (three single-record batches on a loaded machine once read 1.2 records/s of capacity).
+   Such a batch is not fitted, not judged an outlier and proposes no rate: it only bounds capacity
+   from below (records / seconds, if done within about an interval).
+
 Until a first batch has been fitted it proposes no rate but a warm-up batch's raise (5): the initial
 rate stays in force.
 """
@@ -174,6 +181,7 @@ class ModelEstimator(RateEstimator):
         self._latest_time = -math.inf
         self._changes = 0
         self._overruns = 0
+        self._small_batches = 0  # batches far below the operating point: not fitted (8)
         self._proposed: float | None = None  # the latest rate _estimate proposed
         self._watched: float | None = None  # how long the running batch was seen running, when the
         # watchdog found it slower than the fit: a lower bound on its time
@@ -202,6 +210,11 @@ class ModelEstimator(RateEstimator):
             return None  # nothing measured
         if self._batches <= self.warmup_batches:
             return self._warm_up(batch)
+        if batch.records * self.max_growth < self._operating_point(interval):
+            self._small_batches += 1
+            if self._capacity is not None and batch.processing_delay <= _SHOWN_WITHIN * interval:
+                self._capacity = max(self._capacity, batch.records / batch.processing_delay)
+            return None
         self._observe(batch.records, batch.processing_delay)
         a, b, identified = self._solve(self._prior_a)
         if identified:
@@ -250,6 +263,12 @@ class ModelEstimator(RateEstimator):
         fastest = max(p.records / p.seconds for p in self._points)
         self._proposed = min(rate, self.max_growth * largest / interval, self.max_stretch * fastest)
         return self._proposed
+
+    def _operating_point(self, interval: float) -> float:
+        """Records a batch holds at the scale the rate works at: the larger of what the rate in force
+        admits and what the capacity allows per interval (0 while neither is known: unlimited, unfitted)."""
+        rate = self.rate if math.isfinite(self.rate) else 0.0
+        return max(rate, self._capacity or 0.0) * interval
 
     def _warm_up(self, batch: BatchMetrics) -> float | None:
         """A start-up batch is not fitted (its time carries worker start-up), but its throughput is a
@@ -372,6 +391,7 @@ class ModelEstimator(RateEstimator):
             "fit_points": len(self._points),
             "cost_changes": self._changes,
             "overrun_cuts": self._overruns,
+            "small_batches": self._small_batches,
             "target_utilisation": self.target_utilisation,
             "horizon": self.horizon,
             "forgetting": self.forgetting,

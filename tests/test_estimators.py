@@ -807,3 +807,76 @@ def test_model_forgets_the_batch_a_cost_change_landed_in() -> None:
     assert model.capacity == pytest.approx(40_000, rel=0.05)
     state = model.state()
     assert state["cost_changes"] == 1 and state["fixed_cost_s"] == pytest.approx(0.2, abs=0.05)
+
+
+# --- tiny batches carry no news of the per-record cost (issue 12, item 8) --------------------------------
+
+
+def test_single_record_batches_on_a_loaded_machine_leave_the_rate_alone() -> None:
+    """Issue 12, item 8: a fresh server (initial rate 10k, two start-up batches) saw three single-record
+    batches of ~0.9 s: all fixed cost and its noise, read as 0.6 s a record (1.2 records/s), and the rate
+    fell to the minimum. A batch far below the operating point only bounds capacity from below."""
+    model = ModelEstimator(initial_rate=10_000.0, warmup_batches=2, bounds=RateBounds(100, INF))
+    assert model.compute(batch(10.0, 1, 9.5)) is None  # worker start-up
+    assert model.compute(batch(11.0, 1, 0.7)) is None  # still warming up
+    for i, seconds in enumerate((0.875, 0.9, 0.8)):
+        assert model.compute(batch(12.0 + i, 1, seconds)) is None
+    assert model.rate == 10_000.0
+    assert model.state()["small_batches"] == 3 and model.state()["fit"] == "none"
+    # the push that follows is fitted from its first full batch on
+    rate = model.compute(batch(16.0, 10_000, cost(10_000)))
+    assert rate is not None and rate > 20_000.0
+    # a fitted model too: a dozen slow single-record batches change neither capacity nor rate
+    model = fitted_model()
+    capacity, rate = model.capacity, model.rate
+    for i in range(12):
+        assert model.compute(batch(10.0 + i, 1, 0.9)) is None
+    assert (model.capacity, model.rate) == (capacity, rate)
+    # ... and a fit that follows them is no different from one without them (none was a point in it)
+    model.compute(batch(30.0, 40_000, cost(40_000)))
+    twin = fitted_model()
+    twin.compute(batch(30.0, 40_000, cost(40_000)))
+    assert (model.capacity, model.rate) == (twin.capacity, twin.rate)
+
+
+@settings(max_examples=200)
+@given(
+    factory=factories(),
+    run=runs(),
+    small=st.lists(
+        st.tuples(
+            st.floats(min_value=0, max_value=1, exclude_max=True),  # share of the largest small size
+            delays,
+            st.none() | st.integers(min_value=0, max_value=10**10),
+        ),
+        min_size=1,
+        max_size=20,
+    ),
+)
+def test_batches_far_below_the_operating_point_never_lower_rate_or_capacity(
+    factory: Factory, run: list[BatchMetrics], small: list[tuple[float, float, int | None]]
+) -> None:
+    """Whatever came before, any sequence of batches under 1 / max_growth of the operating point (the
+    rate in force or the capacity, per interval), however slow and whatever waits behind them, leaves
+    the model's rate where it was and its capacity no lower."""
+    estimator = factory()
+    if not isinstance(estimator, ModelEstimator):
+        return
+    now = 0.0
+    for metrics in run:
+        estimator.compute(metrics)
+        now = metrics.completed_at
+    for share, seconds, waiting in small:
+        rate, capacity = estimator.rate, estimator.capacity
+        scale = max(rate if math.isfinite(rate) else 0.0, capacity or 0.0)
+        if scale == 0:
+            return  # no operating point yet (unlimited, unfitted): nothing is small
+        records = math.floor(share * scale / estimator.max_growth)  # under the bound
+        now += 1.0
+        last = dataclasses.replace(batch(now, records, seconds), waiting=waiting)
+        # warm-up batches may raise the rate, never lower it
+        proposed = estimator.compute(last)
+        assert proposed is None or proposed >= rate
+        assert estimator.rate >= rate
+        if capacity is not None:
+            assert estimator.capacity is not None and estimator.capacity >= capacity
