@@ -75,7 +75,7 @@ class SluiceServer:
                 ("grpc.max_send_message_length", self.config.max_message_bytes),
             ]
         )
-        pb_grpc.add_IngestServicer_to_server(PublishService(self.receivers), server)
+        PublishService(self.receivers).add_to_server(server)  # parses client messages itself
         pb_grpc.add_RateControlServicer_to_server(RateControlService(self.rate, self.receivers), server)
         pb_grpc.add_SessionsServicer_to_server(SessionsService(self.receivers), server)
         address = f"{self.config.host}:{self.config.port}"

@@ -2,9 +2,12 @@
 
     ReceiverError                      base; carries the gRPC status code name that reports it
     ├── ProtocolViolation              FAILED_PRECONDITION: the Flow contract was broken (e.g. rule 1.1)
-    ├── InvalidBatch                   INVALID_ARGUMENT: a malformed message
+    ├── InvalidMessage                 INVALID_ARGUMENT: undecodable, or a value over a documented limit
+    │   ├── InvalidBatch               a malformed Batch
+    │   └── UnloggableRecords          the block log cannot hold the session's records (found at write)
     ├── UnknownStream                  NOT_FOUND: Open named a stream this server does not have
     ├── SequenceGap                    OUT_OF_RANGE: a known producer skipped sequence numbers
+    ├── SequenceOutOfRange             OUT_OF_RANGE: sequence numbers past the range the log can hold
     ├── ReceiverStopped                UNAVAILABLE: not accepted, safe to retry elsewhere or later
     └── SessionCancelled               the code the canceller chose (shutdown, operator, stream removed)
 
@@ -13,6 +16,20 @@ module stays free of gRPC.
 """
 
 from __future__ import annotations
+
+SHOWN_CHARS = 200
+"""Client-supplied text echoed in a status message is cut to this many characters: a status message
+travels in an HTTP/2 trailer, and one over the peer's metadata limit replaces the status itself."""
+
+
+def cut(text: str) -> str:
+    """`text` cut to SHOWN_CHARS characters, saying so."""
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
+
+
+def shown(text: str) -> str:
+    """`text` quoted as a status message may quote it: repr, cut to SHOWN_CHARS, saying so."""
+    return repr(text) if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]!r}... ({len(text)} characters)"
 
 
 class ReceiverError(Exception):
@@ -27,8 +44,17 @@ class ProtocolViolation(ReceiverError):
     status = "FAILED_PRECONDITION"
 
 
-class InvalidBatch(ReceiverError):
+class InvalidMessage(ReceiverError):
     status = "INVALID_ARGUMENT"
+
+
+class InvalidBatch(InvalidMessage):
+    pass
+
+
+class UnloggableRecords(InvalidMessage):
+    """Writing a block failed on a session's data itself (not on the disk): that producer's sessions
+    fail, the stream goes on. The edge validation should make this unreachable; it is the safety net."""
 
 
 class UnknownStream(ReceiverError):
@@ -37,6 +63,12 @@ class UnknownStream(ReceiverError):
 
 class SequenceGap(ReceiverError):
     """A known producer's batch starts beyond the next sequence number the server expects of it."""
+
+    status = "OUT_OF_RANGE"
+
+
+class SequenceOutOfRange(ReceiverError):
+    """Sequence numbers beyond the last one the block log can hold (see receivers.wire.SEQ_LIMIT)."""
 
     status = "OUT_OF_RANGE"
 

@@ -2,7 +2,9 @@
 
 Client messages are read by a task that feeds the stream's receiver; server messages (Request, Ack,
 Cancel) are taken from the session's outbox and written in order by the handler. A protocol violation
-ends only the offending session, with a precise status; other sessions go on.
+ends only the offending session, with a precise status; other sessions go on. Client messages arrive as
+bytes and are parsed here (`add_to_server`), so an undecodable one is a status like any other bad input.
+Once the server has sent Cancel, nothing the client sends changes how the call ends.
 """
 
 from __future__ import annotations
@@ -15,17 +17,18 @@ from collections.abc import AsyncIterator, Mapping
 
 import grpc
 
-from receivers.errors import InvalidBatch, ProtocolViolation, ReceiverError, UnknownStream
+from receivers.errors import InvalidMessage, ProtocolViolation, ReceiverError, UnknownStream, cut, shown
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import Receiver
 from receivers.session import Session
-from receivers.wire import decode_batch
+from receivers.wire import decode_batch, decode_request
 
 log = logging.getLogger(__name__)
 
 
 _BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+_SERVICE = pb.DESCRIPTOR.services_by_name["Ingest"].full_name
 
 
 def status_code(error: ReceiverError) -> grpc.StatusCode:
@@ -42,10 +45,25 @@ class PublishService(pb_grpc.IngestServicer):
         self._receivers = receivers
         self._open_timeout = open_timeout
 
+    def add_to_server(self, server: grpc.aio.Server) -> None:
+        """Serve Publish on `server`, its client messages handed over as bytes: gRPC's own deserializer
+        (what add_IngestServicer_to_server registers) fails an undecodable message before this code sees
+        it, and the call ends UNKNOWN; parsed here, it ends INVALID_ARGUMENT like any other bad input."""
+        handlers = {
+            "Publish": grpc.stream_stream_rpc_method_handler(
+                self.Publish,
+                request_deserializer=None,
+                response_serializer=pb.PublishResponse.SerializeToString,
+            )
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
+        # as the generated code does (grpcio >= 1.65; not in its type stubs yet): served without a lookup
+        server.add_registered_method_handlers(_SERVICE, handlers)  # type: ignore[attr-defined]
+
     async def Publish(
         self,
-        request_iterator: AsyncIterator[pb.PublishRequest],
-        context: grpc.aio.ServicerContext[pb.PublishRequest, pb.PublishResponse],
+        request_iterator: AsyncIterator[pb.PublishRequest | bytes],
+        context: grpc.aio.ServicerContext[pb.PublishRequest | bytes, pb.PublishResponse],
     ) -> AsyncIterator[pb.PublishResponse]:
         requests = aiter(request_iterator)
         try:
@@ -69,9 +87,9 @@ class PublishService(pb_grpc.IngestServicer):
                 await reader
             receiver.close_session(session)
 
-    async def _open(self, requests: AsyncIterator[pb.PublishRequest]) -> tuple[Receiver, Session]:
+    async def _open(self, requests: AsyncIterator[pb.PublishRequest | bytes]) -> tuple[Receiver, Session]:
         try:
-            first = await asyncio.wait_for(anext(requests), self._open_timeout)
+            first = _parse(await asyncio.wait_for(anext(requests), self._open_timeout))
         except StopAsyncIteration:
             raise ProtocolViolation("the stream ended before Open") from None
         except TimeoutError:
@@ -85,24 +103,31 @@ class PublishService(pb_grpc.IngestServicer):
         receiver = self._receivers.get(stream)
         if receiver is None:
             known = ", ".join(sorted(self._receivers)) or "none"
-            raise UnknownStream(f"no stream named {stream!r} on this server (streams: {known})")
+            raise UnknownStream(f"no stream named {shown(stream)} on this server (streams: {known})")
         return receiver, receiver.open_session(first.open.producer_id, first.open.resume_from_seq)
 
     async def _read(
-        self, requests: AsyncIterator[pb.PublishRequest], receiver: Receiver, session: Session
+        self, requests: AsyncIterator[pb.PublishRequest | bytes], receiver: Receiver, session: Session
     ) -> None:
         try:
-            async for request in requests:
-                self._handle(request, receiver, session)
-            # the client half-closed: like Complete, end the call once what it sent is acked
-            if not session.completed:
+            async for message in requests:
+                try:
+                    self._handle(_parse(message), receiver, session)
+                except ReceiverError:
+                    if not session.cancelled:
+                        raise
+                    # the Cancel promised its code and an ack up to accepted_up_to: messages the client
+                    # sent after it (in flight, or broken) must not change that; batches are counted
+            # the client half-closed: like Complete, end the call once what it sent is acked (a
+            # cancelled session ends so anyway)
+            if not session.completed and not session.cancelled:
                 receiver.complete(session)
         except ReceiverError as error:
             receiver.fail(session, error)
         except grpc.aio.AioRpcError:
             receiver.close_session(session)  # the client went away
         except Exception as exc:
-            if session.ended:
+            if session.ended or session.cancelled:
                 return  # the call was already ended (abort, cancel): reading fails as it should
             log.exception("session %d on stream %r failed", session.id, receiver.stream)
             receiver.fail(session, ReceiverError(f"internal error: {exc!r}"))
@@ -123,11 +148,15 @@ class PublishService(pb_grpc.IngestServicer):
                 "publisher %r on stream %r failed: %s (code %d)",
                 session.producer_id,
                 receiver.stream,
-                request.error.message,
+                cut(request.error.message),
                 request.error.code,
             )
             receiver.complete(session)
         elif kind == "open":
             raise ProtocolViolation("Open sent twice: exactly one Open per session (rule 2.12)")
         else:
-            raise InvalidBatch("empty PublishRequest: set one of open, batch, complete, error")
+            raise InvalidMessage("empty PublishRequest: set one of open, batch, complete, error")
+
+
+def _parse(message: pb.PublishRequest | bytes) -> pb.PublishRequest:
+    return decode_request(message) if isinstance(message, bytes) else message

@@ -30,6 +30,12 @@ Resource budgets (credit pauses). New credit is withheld, for one of three reaso
 - disk_error: the last block write failed (ENOSPC, EIO, ...). The records stay buffered and the write is
   retried every block_interval; nothing is acked before it is durable. Resumes once a write succeeds.
 
+A write that fails with anything but an OSError may have failed on what was in the block, and no
+session's input may stop the block generator: each producer's records (each anonymous session's) are
+then written as a block of their own, and those the log still refuses are dropped and fail that
+producer's sessions (INVALID_ARGUMENT for data it cannot encode, else UNAVAILABLE), the producer's
+accepted mark set back so that a resend is taken; everyone else's records are sealed and acked.
+
 While paused for a disk reason, the receiver also asks the store to drop its newest segment if Spark has
 released every block in it (`BlockStore.trim`), since Spark's release never deletes the newest segment.
 Credit already granted is honoured and records taken are always sealed, so the disk budget can be
@@ -69,6 +75,7 @@ import bisect
 import contextlib
 import logging
 import math
+import struct
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -87,10 +94,13 @@ from receivers.errors import (
     ReceiverStopped,
     SequenceGap,
     SessionCancelled,
+    UnloggableRecords,
+    cut,
 )
 from receivers.flow import MAX_DEMAND, Subscription
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.session import SESSION_IDS, Session
+from receivers.wire import check_producer_id, check_seq_range
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +108,8 @@ UNAVAILABLE = 14
 """gRPC status code for 'not accepted, safe to retry' (kept numeric: receivers do not import gRPC)."""
 CANCELLED = 1
 _ARRIVALS_KEPT = 10_000  # blocks whose arrival times are remembered: far more than a batch spans
+_DATA_ERRORS = (ValueError, ArithmeticError, TypeError, LookupError, struct.error, pa.ArrowCapacityError)
+"""What a block write raises on records or producer marks it cannot encode, as opposed to a broken store."""
 ABORTED = 10
 """gRPC status code a fenced session ends with: a newer session of its producer took over."""
 
@@ -409,6 +421,9 @@ class Receiver:
         """onSubscribe: a publisher opened a session; it gets its prefetch as far as the buffer allows."""
         if self._stopping:
             raise ReceiverStopped(f"receiver for stream {self.stream!r} is stopping; retry later")
+        # validated before anything is registered: these values end up in the block log's headers
+        check_producer_id(producer_id)
+        check_seq_range(resume_from_seq, 0, "Open.resume_from_seq")
         session = Session(SESSION_IDS.next(), self.stream, producer_id, resume_from_seq, resume_from_seq)
         if producer_id:
             state = self._producers.get(producer_id)
@@ -447,12 +462,13 @@ class Receiver:
     def accept(self, session: Session, first_seq: int, records: pa.RecordBatch) -> None:
         """onNext for each record of a batch; raise a ReceiverError when it breaks the protocol."""
         count = records.num_rows
-        if session.completed:
-            raise ProtocolViolation("Batch after Complete (rule 1.7): the publisher signalled completion")
-        if session.cancelled:
-            # in flight when the Cancel went out: not accepted, as Cancel.accepted_up_to told the client
+        if session.cancelled or session.ended:
+            # in flight when the Cancel went out (or the call ended): not accepted, as
+            # Cancel.accepted_up_to told the client
             self.stats.records_not_accepted += count
             return
+        if session.completed:
+            raise ProtocolViolation("Batch after Complete (rule 1.7): the publisher signalled completion")
         if count > session.credit:
             raise ProtocolViolation(
                 f"Batch of {count} records exceeds the {session.credit} credits outstanding (rule 1.1): "
@@ -463,6 +479,7 @@ class Receiver:
                 f"Batch.first_seq is {first_seq} but this session's next sequence number is "
                 f"{session.next_seq}: records must be numbered consecutively, without repeats"
             )
+        check_seq_range(first_seq, count, "Batch.first_seq")
         state = self._producers.get(session.producer_id) if session.producer_id else None
         duplicates = 0
         if state is not None:
@@ -530,6 +547,7 @@ class Receiver:
         """
         if session.cancelled or session.ended or session.completed:
             return False
+        reason = cut(reason)  # an operator's reason becomes the call's status message: keep it short
         session.cancelled = True
         session.cancel_error = SessionCancelled(code, reason)
         self.stats.sessions_cancelled += 1
@@ -753,36 +771,83 @@ class Receiver:
             return True
         chunks, self._pending = self._pending, []
         self._pending_records = 0
+        try:
+            await self._write_block(chunks)
+        except OSError as exc:
+            self._write_failed(chunks, exc)
+            return False
+        except Exception:  # a session's data the log cannot hold must not kill the stream
+            log.exception(
+                "stream %r: block %d could not hold its records; writing each producer's apart",
+                self.stream,
+                self._next_block_seq,
+            )
+            return await self._seal_apart(chunks)
+        return True
+
+    async def _seal_apart(self, chunks: list[_Chunk]) -> bool:
+        """Write the chunks of each producer (or anonymous session) as a block of their own: those the log
+        refuses fail their producer's sessions (INVALID_ARGUMENT for data it cannot encode, else
+        UNAVAILABLE), everyone else's are sealed and acked."""
+        groups: dict[str | Session, list[_Chunk]] = {}
+        for chunk in chunks:
+            groups.setdefault(chunk.session.producer_id or chunk.session, []).append(chunk)
+        owners = list(groups)
+        for i, owner in enumerate(owners):
+            try:
+                await self._write_block(groups[owner])
+            except OSError as exc:
+                self._write_failed([c for o in owners[i:] for c in groups[o]], exc)
+                return False
+            except Exception as exc:  # noqa: BLE001 - see _seal
+                self._refuse(owner, groups[owner], exc)
+        return True
+
+    def _refuse(self, owner: str | Session, chunks: list[_Chunk], exc: Exception) -> None:
+        """The block log cannot hold these records of `owner` (a producer id, or an anonymous session):
+        drop them and what else of it is pending, and fail its sessions; nothing of it was acked."""
+        log.error("stream %r: the block log refused records of %s: %r", self.stream, owner, exc)
+
+        def mine(chunk: _Chunk) -> bool:
+            return chunk.session.producer_id == owner if isinstance(owner, str) else chunk.session is owner
+
+        dropped = chunks + [c for c in self._pending if mine(c)]
+        self._pending = [c for c in self._pending if not mine(c)]
+        self._pending_records = sum(c.records.num_rows for c in self._pending)
+        for chunk in dropped:
+            self._buffered -= chunk.records.num_rows
+            self._buffered_bytes -= chunk.nbytes
+            self.stats.records_not_accepted += chunk.records.num_rows
+        sessions = {c.session for c in dropped}
+        if isinstance(owner, str) and (state := self._producers.get(owner)) is not None:
+            # what it sent from the first dropped record on was never written: a resend must be taken
+            state.accepted_up_to = min(c.end_seq - c.records.num_rows for c in dropped)
+            sessions.update(state.sessions)
+        error: ReceiverError
+        if isinstance(exc, _DATA_ERRORS):
+            error = UnloggableRecords(f"the block log cannot hold this session's records: {exc}")
+        else:  # the store broke on them, not knowably their fault: not accepted, safe to retry
+            error = ReceiverStopped(f"writing this session's records failed: {exc!r}; retry")
+        for session in sessions:
+            if not session.ended:
+                self.fail(session, error)
+
+    async def _write_block(self, chunks: list[_Chunk]) -> None:
+        """Write `chunks` as the next block and do its bookkeeping (ack, or queue for the group commit).
+        Raises what the store raises, with nothing of the block in the log."""
         marks: dict[str, int] = {}  # producer -> seq after its last record in the block
         for chunk in chunks:
             if chunk.session.producer_id:
                 marks[chunk.session.producer_id] = chunk.end_seq
-        try:
-            info, size = await asyncio.to_thread(
-                self.store.write,
-                self.stream,
-                self._next_block_seq,
-                self._next_offset,
-                self.config.receiver_id,
-                [c.records for c in chunks],
-                marks,
-            )
-        except OSError as exc:
-            # keep the records buffered and try again next interval; no new credit until a write succeeds
-            self.stats.block_write_errors += 1
-            self._pending = chunks + self._pending
-            self._pending_records = sum(c.records.num_rows for c in self._pending)
-            first = DISK_ERROR not in self._paused
-            self._write_error = str(exc)
-            log.log(
-                logging.ERROR if first else logging.DEBUG,
-                "writing block %d of stream %r failed",
-                self._next_block_seq,
-                self.stream,
-                exc_info=True,
-            )
-            self._set_paused(DISK_ERROR, True)
-            return False
+        info, size = await asyncio.to_thread(
+            self.store.write,
+            self.stream,
+            self._next_block_seq,
+            self._next_offset,
+            self.config.receiver_id,
+            [c.records for c in chunks],
+            marks,
+        )
         offsets, times, at = [], [], info.first_offset
         for chunk in chunks:  # a batch's records share their arrival time
             offsets.append(at)
@@ -811,7 +876,22 @@ class Receiver:
         else:  # group commit (fsync interval): acked once the background fsync has covered the block
             self._awaiting_durable.append((info.seq, acked, marks))
         self._replenish()
-        return True
+
+    def _write_failed(self, chunks: list[_Chunk], exc: OSError) -> None:
+        """Keep the records buffered and try again next interval; no new credit until a write succeeds."""
+        self.stats.block_write_errors += 1
+        self._pending = chunks + self._pending
+        self._pending_records = sum(c.records.num_rows for c in self._pending)
+        first = DISK_ERROR not in self._paused
+        self._write_error = str(exc)
+        log.log(
+            logging.ERROR if first else logging.DEBUG,
+            "writing block %d of stream %r failed",
+            self._next_block_seq,
+            self.stream,
+            exc_info=exc,
+        )
+        self._set_paused(DISK_ERROR, True)
 
     def _ack_durable(self) -> None:
         """Ack the blocks that the store has made durable since they were written."""

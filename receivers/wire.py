@@ -1,7 +1,15 @@
-"""Batches on the wire <-> Arrow record batches, without one Python object per record.
+"""Batches on the wire <-> Arrow record batches, without one Python object per record; the wire's limits.
 
 A Batch carries keys and values in Arrow's binary layout (concatenated bytes plus little-endian int32
 offsets), so the receiver wraps the message's bytes as Arrow buffers and validates them in C.
+
+Every value a client sends that reaches the block log is bounded here and checked where it comes in
+(Open, Batch), so a client's input can fail its own session and nothing else:
+
+- sequence numbers: a record's seq is below SEQ_LIMIT, so a batch ends at SEQ_LIMIT at the latest;
+- producer id: at most MAX_PRODUCER_ID_BYTES bytes of UTF-8;
+- record values and keys: int32 offsets (_MAX_OFFSET bytes per batch), under the server's message size
+  limit (`ServeConfig.max_message_bytes`, enforced by gRPC: RESOURCE_EXHAUSTED).
 """
 
 from __future__ import annotations
@@ -11,9 +19,10 @@ from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
+from google.protobuf.message import DecodeError
 
 from receivers.block import BLOCK_SCHEMA
-from receivers.errors import InvalidBatch
+from receivers.errors import InvalidBatch, InvalidMessage, SequenceOutOfRange
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 
 if sys.byteorder != "little":  # pragma: no cover - the wire layout is little-endian
@@ -21,6 +30,48 @@ if sys.byteorder != "little":  # pragma: no cover - the wire layout is little-en
 
 _TIMESTAMP = BLOCK_SCHEMA.field("timestamp").type
 _MAX_OFFSET = 2**31 - 1  # int32 offsets
+
+SEQ_LIMIT = 2**64 - 1
+"""The end of the sequence range: every record's seq is below it, so first_seq + count <= SEQ_LIMIT.
+The seq after a producer's last record is stored as an unsigned 64-bit field in every block's header
+(its producer mark) and sent back as Ack.durable_up_to and Cancel.accepted_up_to (uint64), so it must
+itself fit in 64 bits: SEQ_LIMIT = 2**64 - 1 is the largest such value. Python ints, the producer table
+and released.json hold any of them; Spark never sees producer seqs."""
+
+MAX_PRODUCER_ID_BYTES = 256
+"""Longest producer id, in UTF-8 bytes. The block log could hold 65535, but every block names its
+producers and every server keeps up to `max_producers` of them in memory: 256 bytes bound that table to
+about 25 MiB at the default 100k producers, and leave room for a UUID, a host name and a path."""
+
+
+def decode_request(data: bytes) -> pb.PublishRequest:
+    """Parse a client message; an undecodable one (garbage, a string field that is not UTF-8) is an
+    InvalidMessage, so the call ends INVALID_ARGUMENT rather than with gRPC's UNKNOWN."""
+    try:
+        return pb.PublishRequest.FromString(data)
+    except DecodeError as exc:
+        raise InvalidMessage(f"undecodable PublishRequest of {len(data)} bytes: {exc}") from None
+
+
+def check_producer_id(producer_id: str) -> None:
+    """Raise InvalidMessage unless `producer_id` fits the block log (UTF-8, MAX_PRODUCER_ID_BYTES)."""
+    try:
+        size = len(producer_id.encode())
+    except UnicodeEncodeError:  # a lone surrogate: only possible in process, protobuf checks UTF-8
+        raise InvalidMessage("Open.producer_id is not valid UTF-8") from None
+    if size > MAX_PRODUCER_ID_BYTES:
+        raise InvalidMessage(
+            f"Open.producer_id has {size} bytes of UTF-8: at most {MAX_PRODUCER_ID_BYTES} bytes"
+        )
+
+
+def check_seq_range(first_seq: int, count: int, what: str) -> None:
+    """Raise SequenceOutOfRange unless records first_seq .. first_seq + count - 1 lie in the range."""
+    if not 0 <= first_seq <= first_seq + count <= SEQ_LIMIT:
+        raise SequenceOutOfRange(
+            f"{what} {first_seq} with {count} records ends at {first_seq + count}: sequence numbers run "
+            f"from 0 to {SEQ_LIMIT - 1}, a batch ends at {SEQ_LIMIT} at the latest"
+        )
 
 
 def encode_batch(

@@ -225,8 +225,9 @@ async def test_a_dead_block_generator_fails_its_sessions(server: SluiceServer) -
 
     receiver.store.write = broken_write  # type: ignore[method-assign]
     async with Producer(server.target, "other") as healthy:
-        # the stream's receiver is dead until the server restarts: UNAVAILABLE, retriable; with
-        # reconnect_timeout=0 the producer reports it instead of trying to reconnect
+        # a write failing with no sign that the data is at fault fails the sessions whose records were
+        # in the block: UNAVAILABLE, retriable; with reconnect_timeout=0 the producer reports it instead
+        # of trying to reconnect
         producer = Producer(server.target, "events", linger=0, reconnect_timeout=0)
         await producer.start()
         await producer.send(b"x")

@@ -1,0 +1,343 @@
+"""Hostile input at the wire edge (issue 12, items 2-4), over real gRPC on loopback.
+
+Each test sends what a broken or malicious client would, as raw bytes where protobuf itself would refuse
+to encode it, and checks three things: the call ends with a documented status (never UNKNOWN or
+INTERNAL), nothing was taken that is not acked or refused, and the stream goes on for everyone else
+(a well-behaved Producer before and after, and new sessions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pyarrow as pa
+import pytest
+from support import running_server, wait_until
+
+from ingest.client import Producer
+from ingest.server import SluiceServer
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from receivers.publish_service import PublishService
+from receivers.receiver import Receiver, ReceiverConfig
+from receivers.wal import WalBlockStore
+from receivers.wire import MAX_PRODUCER_ID_BYTES, SEQ_LIMIT, encode_batch
+
+PUBLISH = "/ingest.v1.Ingest/Publish"
+STREAM = "s"
+
+
+def frame(**kind: Any) -> bytes:
+    return pb.PublishRequest(**kind).SerializeToString()
+
+
+def open_frame(producer_id: str = "", resume_from_seq: int = 0, stream: str = STREAM) -> bytes:
+    return frame(open=pb.Open(stream=stream, producer_id=producer_id, resume_from_seq=resume_from_seq))
+
+
+def batch_frame(first_seq: int, n: int, value: bytes = b"r") -> bytes:
+    return frame(batch=encode_batch(first_seq, [value] * n))
+
+
+class RawCall:
+    """A Publish call that writes raw bytes: garbage, invalid UTF-8, anything protobuf would refuse."""
+
+    def __init__(self, target: str) -> None:
+        self.channel = grpc.aio.insecure_channel(target)
+        self.call: Any = self.channel.stream_stream(
+            PUBLISH, request_serializer=None, response_deserializer=pb.PublishResponse.FromString
+        )()
+
+    async def send(self, data: bytes) -> None:
+        await self.call.write(data)
+
+    async def expect(self, kind: str) -> pb.PublishResponse:
+        while True:
+            response = await asyncio.wait_for(self.call.read(), 10)
+            assert response is not grpc.aio.EOF, f"the call ended while waiting for {kind}"
+            if response.WhichOneof("kind") == kind:
+                return response  # type: ignore[no-any-return]
+
+    async def end(self, half_close: bool = False) -> tuple[grpc.StatusCode, str, list[pb.PublishResponse]]:
+        """Read to the end: (status, details, messages seen on the way)."""
+        seen: list[pb.PublishResponse] = []
+        try:
+            if half_close:
+                await self.call.done_writing()
+            while (response := await asyncio.wait_for(self.call.read(), 10)) is not grpc.aio.EOF:
+                seen.append(response)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), exc.details() or "", seen
+        return await self.call.code(), await self.call.details() or "", seen
+
+    async def close(self) -> None:
+        await self.channel.close(None)
+
+
+async def one_call(target: str, *frames: bytes) -> tuple[grpc.StatusCode, str, list[pb.PublishResponse]]:
+    """Send `frames` on a fresh call (the rest once the first frame got credit) and read it to the end."""
+    call = RawCall(target)
+    try:
+        await call.send(frames[0])
+        if len(frames) > 1:
+            with contextlib.suppress(grpc.aio.AioRpcError, AssertionError):  # refused: the end says why
+                await call.expect("request")
+                for data in frames[1:]:
+                    await call.send(data)
+        return await call.end()
+    finally:
+        await call.close()
+
+
+def acked_up_to(seen: Sequence[pb.PublishResponse]) -> int | None:
+    acks = [m.ack.durable_up_to for m in seen if m.WhichOneof("kind") == "ack"]
+    return acks[-1] if acks else None
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[SluiceServer]:
+    async with running_server(
+        tmp_path, STREAM, block_interval=0.05, buffer_records=10_000, prefetch=1_000
+    ) as srv:
+        yield srv
+
+
+async def bystander_works(server: SluiceServer) -> None:
+    """A well-behaved producer on the same stream gets its records acked and stored."""
+    receiver = server.receivers[STREAM]
+    before = receiver.stats.records_acked
+    async with Producer(server.target, STREAM, linger=0) as producer:
+        await producer.send_many([b"bystander"] * 100)
+        await producer.flush(timeout=10)
+    assert receiver.stats.records_acked == before + 100
+    assert receiver.active_sessions == 0 and receiver.credit_outstanding == 0
+
+
+# ---- item 2: every value that reaches the block log is validated at Open / Batch ----------------
+
+
+async def test_a_70000_byte_producer_id_is_refused_at_open_and_the_stream_goes_on(
+    server: SluiceServer,
+) -> None:
+    # it used to reach the block writer (struct.error on its 16-bit length): the block generator died and
+    # every session of the stream was UNAVAILABLE until the server restarted
+    code, details, seen = await one_call(server.target, open_frame("p" * 70_000), batch_frame(0, 5))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert f"at most {MAX_PRODUCER_ID_BYTES} bytes" in details and "70000" in details
+    assert not seen  # no credit was granted: refused before anything was taken
+    await bystander_works(server)
+
+
+async def test_the_producer_id_limit_is_in_utf8_bytes(server: SluiceServer) -> None:
+    at_limit = "é" * (MAX_PRODUCER_ID_BYTES // 2)  # 2 bytes each
+    code, details, seen = await one_call(
+        server.target, open_frame(at_limit), batch_frame(0, 3), frame(complete={})
+    )
+    assert code == grpc.StatusCode.OK, details
+    assert acked_up_to(seen) == 3
+    code, details, _ = await one_call(server.target, open_frame(at_limit + "é"))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert f"{MAX_PRODUCER_ID_BYTES + 2} bytes" in details
+    await bystander_works(server)
+
+
+@pytest.mark.parametrize("producer_id", ["named", ""], ids=["named", "anonymous"])
+async def test_a_batch_ending_past_the_sequence_range_is_out_of_range_before_it_is_taken(
+    server: SluiceServer, producer_id: str
+) -> None:
+    # a named producer's batch ending at 2**64 used to kill the block generator (its mark does not fit
+    # the log's 64-bit field); an anonymous one ended UNKNOWN "Value out of range" with its records taken
+    # and never acked
+    receiver = server.receivers[STREAM]
+    start = SEQ_LIMIT - 4
+    code, details, seen = await one_call(server.target, open_frame(producer_id, start), batch_frame(start, 5))
+    assert code == grpc.StatusCode.OUT_OF_RANGE, details
+    assert str(SEQ_LIMIT) in details
+    assert acked_up_to(seen) is None
+    assert receiver.stats.records_received == 0 and receiver.buffered_records == 0
+    # the last batch that fits is taken and acked up to SEQ_LIMIT itself
+    code, details, seen = await one_call(
+        server.target, open_frame(producer_id, start), batch_frame(start, 4), frame(complete={})
+    )
+    assert code == grpc.StatusCode.OK, details
+    assert acked_up_to(seen) == SEQ_LIMIT
+    await bystander_works(server)
+    if producer_id:
+        assert server.store.producers(STREAM)[producer_id] == SEQ_LIMIT
+
+
+async def test_a_resume_point_at_the_end_of_the_range_takes_nothing_more(server: SluiceServer) -> None:
+    code, details, _ = await one_call(server.target, open_frame("end", SEQ_LIMIT), batch_frame(SEQ_LIMIT, 1))
+    assert code == grpc.StatusCode.OUT_OF_RANGE, details
+    await bystander_works(server)
+
+
+class PoisonedWal(WalBlockStore):
+    """A block log that cannot hold one producer's records: what the edge validation prevents on the
+    real log, injected to prove that such a write fails that producer's sessions, never the stream."""
+
+    poison = "poison"
+
+    def write(
+        self,
+        stream: str,
+        seq: int,
+        first_offset: int,
+        receiver: int,
+        batches: Sequence[pa.RecordBatch],
+        producers: Mapping[str, int] | None = None,
+    ) -> Any:
+        if producers and self.poison in producers:
+            raise OverflowError(f"producer {self.poison!r}: this log cannot hold its mark")
+        return super().write(stream, seq, first_offset, receiver, batches, producers)
+
+
+async def test_a_block_write_failing_for_one_producer_fails_that_producer_alone(tmp_path: Path) -> None:
+    store = PoisonedWal(tmp_path / "blocks")
+    # a long block interval: the poisoned records and the good ones land in one block
+    config = ReceiverConfig(block_interval=0.3, buffer_records=10_000, prefetch=1_000)
+    receiver = Receiver(STREAM, store, config)
+    await receiver.start()
+    server = grpc.aio.server()
+    PublishService({STREAM: receiver}).add_to_server(server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    target = f"127.0.0.1:{port}"
+    good = Producer(target, STREAM, producer_id="good", linger=0)
+    anonymous = Producer(target, STREAM, producer_id="", linger=0)
+    poison = RawCall(target)
+    try:
+        await good.start()
+        await anonymous.start()
+        await poison.send(open_frame(PoisonedWal.poison))
+        await poison.expect("request")
+        await good.send_many([b"good"] * 50)
+        await anonymous.send_many([b"anon"] * 30)
+        await poison.send(batch_frame(0, 20, b"poison"))
+        code, details, seen = await poison.end()
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert "cannot hold" in details
+        assert acked_up_to(seen) is None
+        await good.flush(timeout=10)
+        await anonymous.flush(timeout=10)
+        # the block generator lives on: more records and a new session are taken
+        await good.send_many([b"good"] * 10)
+        await good.flush(timeout=10)
+        values = [
+            row["value"]
+            for block in store.blocks(STREAM)
+            for batch in store.read(block)
+            for row in batch.to_pylist()
+        ]
+        assert sorted(values) == sorted([b"good"] * 60 + [b"anon"] * 30)
+        assert receiver.stats.records_not_accepted == 20
+        # the poisoned producer's accepted mark went back: a resend from 0 is not taken as duplicates
+        state = receiver.producer(PoisonedWal.poison)
+        assert state is None or state.accepted_up_to == 0
+    finally:
+        await good.close()
+        await anonymous.close()
+        await poison.close()
+        await receiver.stop()
+        await server.stop(None)
+        store.close()
+    assert receiver.buffered_records == 0 and receiver.buffered_bytes == 0
+
+
+# ---- item 3: every call ends with a documented code --------------------------------------------
+
+
+async def test_garbage_bytes_are_invalid_argument(server: SluiceServer) -> None:
+    for frames in ([b"\xff\xff\xff"], [open_frame(), b"\xff\xff\xff"]):
+        code, details, _ = await one_call(server.target, *frames)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert "PublishRequest" in details
+    await bystander_works(server)
+
+
+async def test_a_producer_id_that_is_not_utf8_is_invalid_argument(server: SluiceServer) -> None:
+    bad = pb.Open(stream=STREAM, producer_id="__").SerializeToString().replace(b"__", b"\xff\xfe")
+    code, details, _ = await one_call(server.target, b"\x0a" + bytes([len(bad)]) + bad)  # field 1: open
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    await bystander_works(server)
+
+
+async def test_a_huge_unknown_stream_name_is_not_found_with_a_short_message(server: SluiceServer) -> None:
+    # echoed whole, the name overflowed the status trailer: RESOURCE_EXHAUSTED "metadata size exceeds"
+    code, details, _ = await one_call(server.target, open_frame(stream="x" * 100_000))
+    assert code == grpc.StatusCode.NOT_FOUND, details
+    assert len(details) < 1_000
+    await bystander_works(server)
+
+
+async def test_a_message_over_the_size_limit_is_resource_exhausted_and_leaks_nothing(
+    server: SluiceServer,
+) -> None:
+    limit = server.config.max_message_bytes
+    code, details, _ = await one_call(server.target, open_frame(), batch_frame(0, 1, b"x" * (limit + 1)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    receiver = server.receivers[STREAM]
+    await wait_until(lambda: receiver.active_sessions == 0 and receiver.credit_outstanding == 0)
+    await bystander_works(server)
+
+
+# ---- item 4: after the server's Cancel, nothing the client sends changes the outcome ------------
+
+FOLLOW_UPS: dict[str, list[bytes]] = {
+    "malformed batch": [frame(batch=pb.Batch(first_seq=10, count=3, values=b"abc"))],
+    "second open": [open_frame("fenced")],
+    "data after complete": [frame(complete={}), batch_frame(10, 5)],
+    "complete twice": [frame(complete={}), frame(complete={})],
+    "garbage bytes": [b"\xff\xff\xff"],
+    "over credit": [batch_frame(10, 1_000_000)],
+    "wrong seq": [batch_frame(3, 5)],
+    "error": [frame(error=pb.Error(code=2**31 - 1, message="x" * 100_000))],
+    "half-close": [],
+}
+
+
+@pytest.mark.parametrize("follow_up", list(FOLLOW_UPS))
+@pytest.mark.parametrize("canceller", ["fence", "operator"])
+async def test_after_cancel_later_messages_do_not_change_the_outcome(
+    tmp_path: Path, canceller: str, follow_up: str
+) -> None:
+    # a long block interval: the accepted records wait for their block while the follow-up arrives
+    async with running_server(
+        tmp_path, STREAM, block_interval=1.0, buffer_records=10_000, prefetch=1_000
+    ) as srv:
+        receiver = srv.receivers[STREAM]
+        call = RawCall(srv.target)
+        newer = RawCall(srv.target)
+        channel = grpc.aio.insecure_channel(srv.target)
+        try:
+            await call.send(open_frame("fenced"))
+            await call.expect("request")
+            await call.send(batch_frame(0, 10))
+            await wait_until(lambda: receiver.stats.records_received == 10)
+            if canceller == "fence":
+                await newer.send(open_frame("fenced", 10))
+                expected = grpc.StatusCode.ABORTED
+            else:
+                (session,) = receiver.sessions
+                response = await pb_grpc.SessionsStub(channel).CancelSession(
+                    pb.CancelSessionRequest(session_id=session.id, reason="maintenance")
+                )
+                assert response.cancelled
+                expected = grpc.StatusCode.CANCELLED
+            cancel = (await call.expect("cancel")).cancel
+            assert cancel.code == expected.value[0] and cancel.accepted_up_to == 10
+            for data in FOLLOW_UPS[follow_up]:
+                await call.send(data)
+            code, details, seen = await call.end(half_close=True)
+            assert code == expected, details
+            assert acked_up_to(seen) == 10
+        finally:
+            await call.close()
+            await newer.close()
+            await channel.close(None)
+        assert receiver.stats.records_acked == 10
