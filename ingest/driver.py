@@ -2,22 +2,46 @@
 
 Wires ingest.spark (source, pipeline, listener) to a server's configuration. Listener callbacks arrive on
 py4j threads; this module only counts them there (an int increment), anything touching the event loop
-must be handed over with loop.call_soon_threadsafe.
+must be handed over with loop.call_soon_threadsafe, and blocking work (releasing blocks) goes to the
+driver's own release thread.
+
+Releasing what Spark committed. The source releases blocks in commit(end), but Spark calls that for
+batch N only when it plans batch N + 1, i.e. once new data arrives: under a disk budget that a batch
+fills, intake pauses until blocks are released, no new data comes, and ingestion stalls for good. So the
+driver releases, as each batch completes, the blocks wholly below the batch's end offset (a block the
+batch ended in is kept: the next batch reads the rest of it). That is safe only once Spark's commit log
+holds the batch, since a restarted query re-runs an uncommitted batch from its start offset. Spark's
+MicroBatchExecution (apache/spark, sql/core/.../streaming/runtime/MicroBatchExecution.scala) runs
+`runBatch` -> `markMicroBatchEnd` -> `commitLog.add(batchId)` inside the trigger, and only after it
+`finishTrigger` -> ProgressReporter.updateProgress -> `postEvent(QueryProgressEvent)`: a progress event
+for a batch is posted after its commit log entry is written. Async progress tracking
+(asyncProgressTrackingEnabled) writes the commit log in the background instead, so the driver also
+checks that `commits/<batchId>` exists in a local checkpoint before it releases. Events can be dropped
+(a full listener bus) or lost in a crash: on start the driver also releases what the checkpoint's last
+commit covers, which also frees a restarted query's store when no new data would ever plan a batch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import threading
-from collections.abc import Callable
-from typing import Any
+import urllib.parse
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeGuard
+
+from py4j.protocol import Py4JError
 
 from ingest.config import ServeConfig
 from ingest.server import SluiceServer
 from ingest.spark.listener import BatchCompleted, BatchListener
 from ingest.spark.pipeline import Pipeline, load_pipeline, parquet_pipeline, start_query
 from ratecontrol import BatchMetrics
+from receivers.block_store import BlockStore
+from receivers.wal import WalBlockStore
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +59,7 @@ class SparkDriver:
         *,
         query_name: str = QUERY_NAME,
         rate_target: str | None = None,
+        store: BlockStore | None = None,
     ) -> None:
         self.spark = spark
         self.rate_target = rate_target
@@ -53,6 +78,13 @@ class SparkDriver:
         self._listener = BatchListener(self._on_batch)
         self._subscribers: list[Callable[[BatchCompleted], None]] = []
         self.query: Any = None
+        self.store: BlockStore = (
+            store if store is not None else WalBlockStore(config.blocks_dir, fsync=config.fsync)
+        )
+        """Where committed blocks are released (the server's store in `sluice serve`)."""
+        self._checkpoint: Path | None = None  # the query's checkpoint root, when it is a local path
+        # one thread: releases are blocking file work, off Spark's listener thread, and run in order
+        self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-release")
 
     @property
     def batches_completed(self) -> int:
@@ -70,8 +102,29 @@ class SparkDriver:
             self._batches += 1
             self._records += batch.num_input_rows
             self.last_batch = batch
+        if self.query is not None and _is_sluice_offset(batch.end_offset, self.config.streams):
+            # (an event before start() knows its query is covered by start()'s checkpoint release)
+            self._submit_release(batch.batch_id, batch.end_offset)
         for subscriber in self._subscribers:
             subscriber(batch)
+
+    def _submit_release(self, batch_id: int, end: Mapping[str, int]) -> None:
+        try:
+            self._releaser.submit(self._release_committed, batch_id, dict(end))
+        except RuntimeError:  # stopped: the next start releases it from the checkpoint
+            log.debug("batch %d completed after stop: its blocks are released at the next start", batch_id)
+
+    def _release_committed(self, batch_id: int, end: Mapping[str, int]) -> None:
+        """Release the blocks wholly below `end`, the end offset of batch `batch_id`, once the
+        checkpoint's commit log has the batch (see the module docstring). On the release thread."""
+        try:
+            if self._checkpoint is not None and not (self._checkpoint / "commits" / str(batch_id)).exists():
+                # async progress tracking: not committed yet; a later batch's release covers these blocks
+                log.debug("batch %d reported before its commit log entry: not released yet", batch_id)
+                return
+            release_below(self.store, self.config.streams, end)
+        except Exception:  # the next batch (or start) releases them; ingestion must not die of it
+            log.exception("releasing the blocks of committed batch %d failed", batch_id)
 
     def on_batch(self, callback: Callable[[BatchCompleted], None]) -> None:
         """Call `callback` for every completed batch of this query, ON A PY4J THREAD: hand it over."""
@@ -91,6 +144,16 @@ class SparkDriver:
             rate_target=self.rate_target,
         )
         log.info("Spark query %s started", self.query.id)
+        self._checkpoint = _local_checkpoint(self.query)
+        self._release_last_commit()
+
+    def _release_last_commit(self) -> None:
+        """Release what the checkpoint's last commit covers: what a crash (or a stop) left between a
+        batch's commit and its event's release, which no later batch may ever come to release."""
+        if self._checkpoint is not None:
+            committed = last_commit(self._checkpoint, self.config.streams)
+            if committed is not None:
+                self._submit_release(*committed)
 
     def drain(self) -> None:
         """Process every sealed block now (blocking)."""
@@ -102,6 +165,10 @@ class SparkDriver:
         if self.query is not None:
             self.query.stop()
         self.spark.streams.removeListener(self._listener)
+        # the last batch's event may still be on its way (the listener bus is asynchronous) and is
+        # dropped with the listener: release from the commit log, then wait for the releases
+        self._release_last_commit()
+        self._releaser.shutdown(wait=True)
 
     def error(self) -> str | None:
         """Why the query died, if it did."""
@@ -109,6 +176,77 @@ class SparkDriver:
             return None
         exc = self.query.exception()
         return str(exc) if exc is not None else "query stopped"
+
+
+def release_below(store: BlockStore, streams: Sequence[str], end: Mapping[str, int]) -> int:
+    """Release, per stream, the blocks wholly below the record offset `end[stream]` (a committed batch's
+    end offset); return how many blocks left the store. Idempotent: the source's commit() does the
+    same when Spark gets round to it."""
+    released = 0
+    for stream in streams:
+        offset = end.get(stream)
+        if offset is None:
+            continue
+        done = [b.seq for b in store.blocks(stream) if b.end_offset <= offset]
+        if done:
+            released += store.release(stream, done[-1] + 1)
+    return released
+
+
+def last_commit(checkpoint: Path, streams: Sequence[str]) -> tuple[int, dict[str, int]] | None:
+    """The last batch in the checkpoint's commit log and the Sluice source's end offset of it, from the
+    offset log (`offsets/<id>`: a version line, a metadata line, then one offset per source: the first
+    that is {stream: record offset} over `streams` is ours); None when there is none or it is unreadable.
+    """
+    try:
+        ids = [int(name) for name in _listdir(checkpoint / "commits") if name.isdigit()]
+        if not ids:
+            return None
+        batch_id = max(ids)
+        lines = (checkpoint / "offsets" / str(batch_id)).read_text().splitlines()
+    except (OSError, ValueError):
+        log.debug("cannot read the commit log under %s", checkpoint, exc_info=True)
+        return None
+    for line in lines[2:]:
+        try:
+            offset = json.loads(line)
+        except ValueError:
+            continue  # "-": a source without an offset in this batch
+        if _is_sluice_offset(offset, streams):
+            return batch_id, dict(offset)
+    return None
+
+
+def _is_sluice_offset(offset: object, streams: Sequence[str]) -> TypeGuard[dict[str, int]]:
+    """Whether `offset` is the Sluice source's ({stream: record offset} over some of `streams}), not
+    another source's of a pipeline that reads several (the listener reports the first source's)."""
+    return (
+        isinstance(offset, dict)
+        and bool(offset)
+        and set(offset) <= set(streams)
+        and all(type(v) is int for v in offset.values())
+    )
+
+
+def _listdir(path: Path) -> list[str]:
+    try:
+        return [p.name for p in path.iterdir()]
+    except FileNotFoundError:
+        return []
+
+
+def _local_checkpoint(query: Any) -> Path | None:
+    """The query's checkpoint root (the pipeline may have set its own) when it is on the local file
+    system; None when it is not, or Spark's internals do not say: then releases trust the event order."""
+    try:
+        root = str(query._jsq.streamingQuery().resolvedCheckpointRoot())
+    except (AttributeError, Py4JError):  # Spark Connect, or Spark changed its internals
+        log.debug("cannot resolve the query's checkpoint", exc_info=True)
+        return None
+    parsed = urllib.parse.urlparse(root)
+    if parsed.scheme not in ("", "file"):
+        return None  # e.g. hdfs://, s3a://: trust the event order alone
+    return Path(urllib.parse.unquote(parsed.path))
 
 
 def batch_metrics(
@@ -143,8 +281,10 @@ def batch_metrics(
 
 
 def drive_rate(driver: SparkDriver, server: SluiceServer, loop: asyncio.AbstractEventLoop) -> None:
-    """Close the loop: every completed batch's metrics go to the server's rate controller, on its loop."""
+    """Close the loop: every completed batch's metrics go to the server's rate controller, on its loop;
+    and the driver releases committed blocks in the server's own store (one index, one cache)."""
     interval = driver.config.trigger_interval
+    driver.store = server.store
 
     def on_loop(batch: BatchCompleted) -> None:
         server.rate.on_batch(batch_metrics(batch, interval, server.received_at))

@@ -56,6 +56,7 @@ next write, and the released mark (written first, with the full producers table)
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import itertools
 import json
 import logging
@@ -87,6 +88,8 @@ _PRODUCER_SEQ = struct.Struct("<Q")
 SEGMENT_SUFFIX = ".wal"
 _SEGMENT_NAME = re.compile(r"^(\d{20})\.wal$")
 STATE_FILE = "released.json"
+LOCK_FILE = "released.lock"
+"""flock()ed by whoever rewrites released.json or deletes segments (see _mark_lock)."""
 _OLD_MARK = "released"  # the high-water mark of the file-per-block store this log replaced
 DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
 
@@ -523,8 +526,12 @@ class WalBlockStore(BlockStore):
 
     def release(self, stream: str, before_seq: int) -> int:
         folder = self._folder(stream)
-        with self._release_lock:
-            released = self._read_released(stream)
+        if not folder.is_dir():
+            return 0  # nothing was ever written
+        # two processes release (the server on Spark's progress, Spark's worker in commit()), and the
+        # writer trims: read, merge and write the mark and delete segments as one step under the lock
+        with self._release_lock, self._mark_lock(folder):
+            released = self._read_released(stream, fresh=True)
             doomed_blocks = [b for b in self.blocks(stream) if b.seq < before_seq]
             if not doomed_blocks:
                 return 0
@@ -538,7 +545,10 @@ class WalBlockStore(BlockStore):
                 for frame in self._segment_frames(path):
                     _merge_producers(table, self._read_producers(path, frame))
             last = doomed_blocks[-1]
-            state = _Released(last.seq + 1, last.end_offset, table)
+            # never backwards (blocks() hides what the mark covers, so `last` is above it anyway)
+            state = _Released(
+                max(released.next_seq, last.seq + 1), max(released.next_offset, last.end_offset), table
+            )
             self._write_released(folder, state)
             for path in doomed:
                 path.unlink(missing_ok=True)
@@ -558,24 +568,26 @@ class WalBlockStore(BlockStore):
         with writer.lock:
             if writer.segment is None:
                 return 0
-            released = self._read_released(stream)
-            if released.next_seq < writer.next_seq:
-                return 0  # blocks in it are not released yet (or there are none released at all)
-            try:
-                size = _file_size(writer.segment)
-            except FileNotFoundError:
-                size = 0
-            if released.producers != writer.producers:
-                self._write_released(
-                    writer.folder,
-                    _Released(released.next_seq, released.next_offset, dict(writer.producers)),
-                )
-            self._close_writer(writer)
-            segment, writer.segment, writer.size = writer.segment, None, 0
-            segment.unlink(missing_ok=True)
-            if self.fsync.mode != "off":
-                _fsync_path(writer.folder)
-            self._forget_index(writer.folder, set())
+            with self._mark_lock(writer.folder):
+                released = self._read_released(stream, fresh=True)
+                if released.next_seq < writer.next_seq:
+                    return 0  # blocks in it are not released yet (or there are none released at all)
+                try:
+                    size = _file_size(writer.segment)
+                except FileNotFoundError:
+                    size = 0
+                table = dict(released.producers)
+                _merge_producers(table, writer.producers)
+                if table != released.producers:
+                    self._write_released(
+                        writer.folder, _Released(released.next_seq, released.next_offset, table)
+                    )
+                self._close_writer(writer)
+                segment, writer.segment, writer.size = writer.segment, None, 0
+                segment.unlink(missing_ok=True)
+                if self.fsync.mode != "off":
+                    _fsync_path(writer.folder)
+                self._forget_index(writer.folder, set())
         log.debug("stream %r: dropped segment %s: every block in it is released", stream, segment.name)
         return size
 
@@ -605,9 +617,10 @@ class WalBlockStore(BlockStore):
             writer = _Writer(folder, next_seq, next_offset, producers, None, 0)
             writer.durable_seq = next_seq
             return writer
-        for name in os.listdir(folder):
-            if name.startswith(STATE_FILE + ".tmp"):
-                (folder / name).unlink(missing_ok=True)
+        with self._mark_lock(folder):  # a temp file of a release in progress elsewhere is no leftover
+            for name in os.listdir(folder):
+                if name.startswith(STATE_FILE + ".tmp"):
+                    (folder / name).unlink(missing_ok=True)
         if any(name.endswith(".arrow") for name in os.listdir(folder)):
             log.warning(
                 "stream %r: %s holds .arrow block files of the old file-per-block store; the log does "
@@ -898,7 +911,9 @@ class WalBlockStore(BlockStore):
 
     # ---- the released mark ---------------------------------------------------------------------
 
-    def _read_released(self, stream: str) -> _Released:
+    def _read_released(self, stream: str, *, fresh: bool = False) -> _Released:
+        """The released mark; `fresh`: from the file, not the cache (whose key, an inode reused by the
+        next rename with the same size and mtime tick, can miss a change made by another process)."""
         folder = self._folder(stream)
         path = folder / STATE_FILE
         try:
@@ -907,7 +922,7 @@ class WalBlockStore(BlockStore):
             return _read_old_mark(folder)
         key = (st.st_ino, st.st_mtime_ns, st.st_size)
         cached = self._released.get(stream)
-        if cached is not None and cached[0] == key:
+        if cached is not None and cached[0] == key and not fresh:
             return cached[1]
         try:
             data = json.loads(path.read_text())
@@ -924,6 +939,18 @@ class WalBlockStore(BlockStore):
             state = _Released()
         self._released[stream] = (key, state)
         return state
+
+    @contextlib.contextmanager
+    def _mark_lock(self, folder: Path) -> Iterator[None]:
+        """Hold the stream's release lock: an flock, so it serialises processes (Spark's worker and the
+        server both release) and, taken on its own open file, threads and stores of one process too;
+        the OS drops it when its holder dies, so a kill -9 leaves no stale lock."""
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
 
     def _write_released(self, folder: Path, state: _Released) -> None:
         path = folder / STATE_FILE
