@@ -1,23 +1,30 @@
 """What Spark has committed leaves the block store without waiting for another batch: on a real Spark
-query (the shared session) against a real server, and on a real checkpoint after a restart."""
+query (the shared session) against a real server, and on a real checkpoint after a restart. And the
+released mark stays sound while several processes release at once (the server and Spark's worker)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import subprocess
+import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import pytest
 
 from ingest.client import Producer
 from ingest.config import RateConfig, ServeConfig
 from ingest.driver import SparkDriver, drive_rate
 from ingest.server import SluiceServer
+from receivers.block import BLOCK_SCHEMA
 from receivers.receiver import ReceiverConfig
-
-pytestmark = pytest.mark.spark
+from receivers.wal import STATE_FILE, FsyncPolicy, WalBlockStore
 
 N = 20_000
 
@@ -31,6 +38,7 @@ def sink_values(spark: Any, sink: Path) -> list[bytes]:
         return []
 
 
+@pytest.mark.spark
 async def test_a_disk_budget_below_one_batch_still_moves_data(spark: Any, tmp_path: Path) -> None:
     # as `sluice serve --disk-budget 1KB` runs it: a metered rate (credit a tick's worth at a time, so
     # the first sealed block pauses intake), the live cap on each batch, the listener wired to the server
@@ -73,3 +81,72 @@ async def test_a_disk_budget_below_one_batch_still_moves_data(spark: Any, tmp_pa
     finally:
         await server.stop(grace=1)
         await asyncio.to_thread(driver.stop)
+
+
+# ---- concurrent releases ---------------------------------------------------------------------------
+
+RELEASER = """
+import sys, time
+from pathlib import Path
+from receivers.wal import FsyncPolicy, WalBlockStore
+
+root, go, first, last, step = sys.argv[1], Path(sys.argv[2]), *map(int, sys.argv[3:])
+store = WalBlockStore(root, fsync=FsyncPolicy.off())
+while not go.exists():
+    time.sleep(0.001)
+for before in range(first, last, step):
+    store.release("s", before)
+"""
+
+
+def test_processes_releasing_at_once_never_move_the_mark_back_nor_lose_producers(tmp_path: Path) -> None:
+    # one block per segment, each of its own producer: a release that writes the mark from a stale
+    # view, after another process deleted segments, moves the mark back and drops their producers,
+    # which only the mark then held (duplicates after the next restart)
+    blocks = 150
+    writer = WalBlockStore(tmp_path, fsync=FsyncPolicy.off(), segment_bytes=1)
+    seq, offset = writer.recover("s")
+    for i in range(blocks):
+        keys = pa.array([None] * 3, pa.binary())
+        values = pa.array([f"v{i}".encode()] * 3, pa.binary())
+        times = pa.array([1] * 3, BLOCK_SCHEMA.field("timestamp").type)
+        batch = pa.RecordBatch.from_arrays([keys, values, times], schema=BLOCK_SCHEMA)
+        writer.write("s", seq + i, offset + 3 * i, 0, [batch], {f"p{i}": i + 1})
+    go = tmp_path / "go"
+    # two in step, one striding ahead, one behind: the server's release, Spark's commit(), a restart's
+    ranges = [(1, blocks + 1, 1), (1, blocks + 1, 1), (5, blocks + 1, 7), (blocks, 0, -3)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", RELEASER, str(tmp_path), str(go), *map(str, r)])
+        for r in ranges
+    ]
+    marks: list[int] = []
+    done = threading.Event()
+
+    def watch() -> None:  # the mark as any reader sees it, all along
+        while not done.is_set():
+            with contextlib.suppress(FileNotFoundError):
+                marks.append(json.loads((tmp_path / "s" / STATE_FILE).read_text())["next_seq"])
+            time.sleep(0.0005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    go.touch()
+    try:
+        trimmed = 0
+        while any(p.poll() is None for p in procs):
+            trimmed += writer.trim("s")  # the writer drops the newest segment once it is all released
+            time.sleep(0.001)
+        trimmed += writer.trim("s")
+    finally:
+        done.set()
+        watcher.join()
+        for p in procs:
+            p.wait(60)
+    assert [p.returncode for p in procs] == [0] * len(procs)
+    assert marks == sorted(marks), "the released mark went back"
+    assert trimmed > 0
+    writer.close()
+    fresh = WalBlockStore(tmp_path, fsync=FsyncPolicy.off())
+    assert fresh.recover("s") == (blocks, 3 * blocks)
+    assert fresh.producers("s") == {f"p{i}": i + 1 for i in range(blocks)}
+    assert fresh.blocks("s") == []
