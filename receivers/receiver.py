@@ -306,7 +306,7 @@ class Receiver:
         self._stopping = True
         error = ReceiverStopped(f"receiver for stream {self.stream!r} failed: {task.exception()!r}")
         for session in list(self._sessions):
-            self.fail(session, error)
+            self.fail(session, error, ack_first=False)
 
     async def stop(self) -> None:
         """Stop granting credit, seal and ack what was taken, then cancel every session (UNAVAILABLE)."""
@@ -557,9 +557,20 @@ class Receiver:
         self._replenish()
         return True
 
-    def fail(self, session: Session, error: ReceiverError) -> None:
-        """End a session with an error status; its records already taken are still sealed."""
+    def fail(self, session: Session, error: ReceiverError, *, ack_first: bool = True) -> None:
+        """End a session with an error status. Its records already taken are still sealed and, unless
+        `ack_first` is False (they never will be), acked before the error ends the call: what a client
+        sent before its mistake is then acked or refused, never stored without its knowing."""
+        if session.ended:
+            return
         self.stats.sessions_failed += 1
+        if ack_first and not session.cancelled and session.durable_up_to < session.next_seq:
+            # a Cancel without the message: nothing more is taken, the error follows the last ack
+            session.cancelled = True
+            session.cancel_error = error
+            self._take_back_credit(session)
+            self._replenish()
+            return
         session.outbox.finish(error)
         self.close_session(session)
 
@@ -829,8 +840,7 @@ class Receiver:
         else:  # the store broke on them, not knowably their fault: not accepted, safe to retry
             error = ReceiverStopped(f"writing this session's records failed: {exc!r}; retry")
         for session in sessions:
-            if not session.ended:
-                self.fail(session, error)
+            self.fail(session, error, ack_first=False)  # its records were dropped: no ack comes
 
     async def _write_block(self, chunks: list[_Chunk]) -> None:
         """Write `chunks` as the next block and do its bookkeeping (ack, or queue for the group commit).

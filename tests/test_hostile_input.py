@@ -286,6 +286,33 @@ async def test_a_message_over_the_size_limit_is_resource_exhausted_and_leaks_not
     await bystander_works(server)
 
 
+@pytest.mark.parametrize(
+    "mistake",
+    [
+        frame(batch=pb.Batch(first_seq=10, count=3, values=b"abc")),
+        b"\xff\xff\xff",
+        batch_frame(10, 1_000_000),
+        open_frame(),
+    ],
+    ids=["malformed batch", "garbage", "over credit", "second open"],
+)
+async def test_records_taken_before_a_mistake_are_acked_before_the_error(
+    tmp_path: Path, mistake: bytes
+) -> None:
+    # they used to be stored while the call ended at once with the error: the client never learnt of them
+    # and an anonymous one would send them again
+    async with running_server(
+        tmp_path, STREAM, block_interval=1.0, buffer_records=10_000, prefetch=1_000
+    ) as srv:
+        receiver = srv.receivers[STREAM]
+        code, details, seen = await one_call(srv.target, open_frame(), batch_frame(0, 10), mistake)
+        assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION), details
+        assert acked_up_to(seen) == 10
+        assert receiver.stats.records_acked == 10
+        await wait_until(lambda: receiver.active_sessions == 0)
+        assert receiver.credit_outstanding == 0
+
+
 # ---- item 4: after the server's Cancel, nothing the client sends changes the outcome ------------
 
 FOLLOW_UPS: dict[str, list[bytes]] = {
