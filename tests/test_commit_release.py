@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import subprocess
 import sys
 import threading
@@ -17,11 +18,13 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from support import running_server
 
 from ingest.client import Producer
 from ingest.config import RateConfig, ServeConfig
 from ingest.driver import SparkDriver, drive_rate
 from ingest.server import SluiceServer
+from ingest.spark.pipeline import parquet_pipeline, start_query
 from receivers.block import BLOCK_SCHEMA
 from receivers.receiver import ReceiverConfig
 from receivers.wal import STATE_FILE, FsyncPolicy, WalBlockStore
@@ -78,6 +81,66 @@ async def test_a_disk_budget_below_one_batch_still_moves_data(spark: Any, tmp_pa
         while server.store.blocks("s") and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         assert server.store.blocks("s") == []
+    finally:
+        await server.stop(grace=1)
+        await asyncio.to_thread(driver.stop)
+
+
+@pytest.mark.spark
+async def test_a_restart_with_committed_blocks_over_the_budget_resumes(spark: Any, tmp_path: Path) -> None:
+    # a run that ended (a crash, or the old code) after Spark committed its last batch but before the
+    # blocks were released: restarted over the disk budget, intake pauses at once, so no new data would
+    # ever plan the batch whose commit() releases them; the driver releases from the checkpoint
+    config = ServeConfig(
+        port=0,
+        metrics_port=None,
+        data_dir=tmp_path,
+        streams=("s",),
+        receiver=ReceiverConfig(disk_budget_bytes=1000),
+        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
+        trigger_interval=0.5,
+    )
+    before = [f"before {i}".encode() for i in range(1000)]
+    async with running_server(tmp_path, "s") as first:
+        async with Producer(first.target, "s", producer_id="first") as producer:
+            await producer.send_many(before)
+            await producer.flush(timeout=30)
+        # the first run's query, without the driver (nothing but commit(end) releases)
+        checkpoint = config.checkpoint_dir / "restart"
+        query = await asyncio.to_thread(
+            start_query,
+            spark,
+            store_root=config.blocks_dir,
+            streams=["s"],
+            pipeline=parquet_pipeline(config.sink_dir),
+            checkpoint_dir=checkpoint,
+            trigger_seconds=0.5,
+            query_name="restart",
+        )
+        try:
+            deadline = time.monotonic() + 120
+            while not (checkpoint / "commits" / "0").exists() and time.monotonic() < deadline:
+                assert query.exception() is None
+                await asyncio.sleep(0.2)
+        finally:
+            await asyncio.to_thread(query.stop)
+    assert WalBlockStore(config.blocks_dir).blocks("s")  # committed, still in the store
+    server = SluiceServer(config)
+    await server.start()
+    driver = SparkDriver(spark, config, query_name="restart")
+    try:
+        receiver = server.receivers["s"]
+        assert "disk_budget" in receiver.paused  # over the budget from the start
+        await asyncio.to_thread(driver.start)
+        after = [f"after {i}".encode() for i in range(1000)]
+        async with Producer(server.target, "s", producer_id="second") as producer:
+            await producer.send_many(after)
+            await producer.flush(timeout=60)  # paused for good before
+        deadline = time.monotonic() + 120
+        while len(got := sink_values(spark, config.sink_dir)) < 2000 and time.monotonic() < deadline:
+            assert driver.error() is None, driver.error()
+            await asyncio.sleep(0.5)
+        assert Counter(got) == Counter(before + after)
     finally:
         await server.stop(grace=1)
         await asyncio.to_thread(driver.stop)
