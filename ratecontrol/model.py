@@ -59,7 +59,8 @@ estimator instead:
    is mostly fixed cost and its noise; a per-record cost read from it is that noise divided by a handful
    of records (three single-record batches on a loaded machine once read 1.2 records/s of capacity).
    Such a batch is not fitted, not judged an outlier and proposes no rate: it only bounds capacity
-   from below (records / seconds, if done within about an interval).
+   from below (records / seconds, if done within about an interval). Nor does the watchdog read a
+   per-record cost from one that overruns (7).
 
 Until a first batch has been fitted it proposes no rate but a warm-up batch's raise (5): the initial
 rate stays in force.
@@ -266,9 +267,10 @@ class ModelEstimator(RateEstimator):
 
     def _operating_point(self, interval: float) -> float:
         """Records a batch holds at the scale the rate works at: the larger of what the rate in force
-        admits and what the capacity allows per interval (0 while neither is known: unlimited, unfitted)."""
-        rate = self.rate if math.isfinite(self.rate) else 0.0
-        return max(rate, self._capacity or 0.0) * interval
+        admits and what the capacity allows per interval (0 while neither is known: unlimited, unfitted;
+        an infinite capacity, from a batch timed at ~0 s, is no scale either)."""
+        scales = [r for r in (self.rate, self._capacity) if r is not None and math.isfinite(r)]
+        return max(scales, default=0.0) * interval
 
     def _warm_up(self, batch: BatchMetrics) -> float | None:
         """A start-up batch is not fitted (its time carries worker start-up), but its throughput is a
@@ -292,7 +294,10 @@ class ModelEstimator(RateEstimator):
         # the batch is still running, so its per-record cost is at least this: a lower bound, not a guess
         at_least = (elapsed - a) / records
         lower = max(0.0, (interval - a) / (at_least * interval))
-        lowered = at_least > b and lower < capacity
+        # ... unless it is far below the operating point: then a slower fixed cost or a stall keeps it
+        # running, and a handful of records would turn that into a per-record cost (8)
+        small = records * self.max_growth < self._operating_point(interval)
+        lowered = not small and at_least > b and lower < capacity
         if lowered:
             self._capacity = capacity = lower
             self._watched = elapsed

@@ -832,6 +832,9 @@ def test_single_record_batches_on_a_loaded_machine_leave_the_rate_alone() -> Non
     for i in range(12):
         assert model.compute(batch(10.0 + i, 1, 0.9)) is None
     assert (model.capacity, model.rate) == (capacity, rate)
+    # nor does the watchdog read a per-record cost from one that overruns: 3 s for a record is a stall
+    assert model.overrun(1, 3.0, 1.0) is None
+    assert (model.capacity, model.rate) == (capacity, rate)
     # ... and a fit that follows them is no different from one without them (none was a point in it)
     model.compute(batch(30.0, 40_000, cost(40_000)))
     twin = fitted_model()
@@ -868,10 +871,14 @@ def test_batches_far_below_the_operating_point_never_lower_rate_or_capacity(
         now = metrics.completed_at
     for share, seconds, waiting in small:
         rate, capacity = estimator.rate, estimator.capacity
-        scale = max(rate if math.isfinite(rate) else 0.0, capacity or 0.0)
+        scale = max((r for r in (rate, capacity) if r is not None and math.isfinite(r)), default=0.0)
         if scale == 0:
             return  # no operating point yet (unlimited, unfitted): nothing is small
         records = math.floor(share * scale / estimator.max_growth)  # under the bound
+        # watched while it runs (no waiting counted: a full next batch pauses intake, which is no fit)
+        if records > 0:
+            assert estimator.overrun(records, seconds, 1.0) is None
+            assert (estimator.rate, estimator.capacity) == (rate, capacity)
         now += 1.0
         last = dataclasses.replace(batch(now, records, seconds), waiting=waiting)
         # warm-up batches may raise the rate, never lower it
