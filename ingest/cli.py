@@ -11,22 +11,27 @@ import contextlib
 import logging
 import math
 import os
+import shlex
 import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import IO, TypeVar
+from typing import IO, TYPE_CHECKING, TypeVar
 
 import grpc
 
 from ingest.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, RateConfig, ServeConfig, parse_size
-from ingest.errors import SluiceError
+from ingest.errors import FlushTimeoutError, SluiceError
+from ingest.preflight import DataDirLock, prepare
 from receivers.block import InvalidStreamNameError
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import ReceiverConfig
 from receivers.wal import FsyncPolicy
+
+if TYPE_CHECKING:
+    from ingest.client import Producer
 
 log = logging.getLogger("sluice")
 
@@ -35,6 +40,8 @@ T = TypeVar("T")
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 DRAIN_SECONDS = 120.0
+PUSH_TIMEOUT = 60.0
+DEFAULT_BATCH_SIZE = 4096
 """On SIGTERM, how long Spark may take to process what was sealed before the query is stopped anyway."""
 
 
@@ -186,9 +193,28 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     push.add_argument("file", help="a file, or - for standard input")
     push.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="server (default: %(default)s)")
     push.add_argument("--stream", default="default", help="stream (default: %(default)s)")
-    push.add_argument("--batch-size", type=int, default=4096, help="records per batch (default: %(default)s)")
     push.add_argument(
-        "--timeout", type=float, default=60.0, help="seconds to wait for the last acks (default: %(default)s)"
+        "--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="records per batch (default: %(default)s)"
+    )
+    push.add_argument(
+        "--timeout",
+        type=float,
+        default=PUSH_TIMEOUT,
+        help="give up after this many seconds without progress: waiting for the server at start or "
+        "after losing it, or for acks (default: %(default)s)",
+    )
+    push.add_argument(
+        "--producer-id",
+        default=None,
+        help="the producer id the server deduplicates by (default: a new random one, printed on failure)",
+    )
+    push.add_argument(
+        "--resume-from",
+        type=int,
+        default=0,
+        metavar="N",
+        help="skip the first N records of the input, sent and acked by an earlier push with the same "
+        "--producer-id (a failed push prints the command)",
     )
     push.add_argument("--no-progress", action="store_true", help="no progress bar")
     push.set_defaults(run=_push)
@@ -298,10 +324,19 @@ def _serve(args: argparse.Namespace) -> int:
                 load_pipeline(config.pipeline)
             except ValueError as exc:
                 return _fail(str(exc), EXIT_USAGE)
-    return asyncio.run(_serve_async(config))
+    try:
+        # before Spark's JVM, which takes seconds: a taken port or data dir fails at once. The lock is
+        # held until this process ends (Spark drains into the data dir after the server stops).
+        lock = prepare(config)
+    except OSError as exc:
+        return _fail(f"cannot start the server: {exc}")
+    try:
+        return asyncio.run(_serve_async(config, lock))
+    finally:
+        lock.release()
 
 
-async def _serve_async(config: ServeConfig) -> int:
+async def _serve_async(config: ServeConfig, lock: DataDirLock) -> int:
     from ingest.server import SluiceServer  # noqa: PLC0415
 
     driver = None
@@ -316,8 +351,10 @@ async def _serve_async(config: ServeConfig) -> int:
         # launch Spark's JVM (a fork + exec of this process) before gRPC runs any thread: a fork while
         # gRPC's pollers run can break both the child and the server's event engine
         spark = await asyncio.to_thread(build_session, config.master)
-    server = SluiceServer(config, batches_completed=lambda: driver.batches_completed if driver else 0)
     try:
+        server = SluiceServer(
+            config, batches_completed=lambda: driver.batches_completed if driver else 0, data_dir_lock=lock
+        )
         await server.start()
     except OSError as exc:
         if spark is not None:
@@ -374,6 +411,7 @@ class _Progress:
     def __init__(self, out: IO[str], total_bytes: int | None, enabled: bool) -> None:
         self.out, self.total, self.enabled = out, total_bytes, enabled
         self.start = self.last = time.monotonic()
+        self.drawn = False
 
     def show(self, done_bytes: int, records: int, acked: int, final: bool = False) -> None:
         now = time.monotonic()
@@ -390,11 +428,25 @@ class _Progress:
         line = f"\r{head} {records:,} records, {acked:,} acked, {rate:,.0f} rec/s"
         self.out.write(line + ("\n" if final else ""))
         self.out.flush()
+        self.drawn = not final
+
+    def stop(self) -> None:
+        """End a bar left mid-line, so that messages start on a line of their own."""
+        if self.drawn:
+            self.out.write("\n")
+            self.drawn = False
 
 
 def _push(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         return _fail("--batch-size must be >= 1", EXIT_USAGE)
+    if not args.timeout > 0:
+        return _fail("--timeout must be > 0 seconds", EXIT_USAGE)
+    if args.resume_from < 0:
+        return _fail("--resume-from must be >= 0", EXIT_USAGE)
+    if args.resume_from and not args.producer_id:
+        # under another id the server could not tell which of the records after N it already holds
+        return _fail("--resume-from needs the --producer-id of the push it resumes", EXIT_USAGE)
     if args.file == "-":
         source, total = sys.stdin.buffer, None
     else:
@@ -405,39 +457,149 @@ def _push(args: argparse.Namespace) -> int:
             return _fail(f"cannot read {args.file}: {exc.strerror}", EXIT_USAGE)
     progress = _Progress(sys.stderr, total, enabled=not args.no_progress)
     try:
-        records = asyncio.run(_push_async(args, source, progress))
-    except SluiceError as exc:
-        return _fail(f"push to {args.target} stream {args.stream!r} failed: {exc}")
+        return asyncio.run(_push_async(args, source, progress))
     finally:
         if source is not sys.stdin.buffer:
             source.close()
-    print(f"sluice: pushed {records:,} records to stream {args.stream!r}; all acked", file=sys.stderr)
-    return 0
 
 
 async def _push_async(args: argparse.Namespace, source: IO[bytes], progress: _Progress) -> int:
     from ingest.client import Producer  # noqa: PLC0415
 
-    chunk_bytes = 1 << 20
-    done_bytes = records = 0
-    carry = b""
-    async with Producer(args.target, args.stream, batch_size=args.batch_size) as producer:
-        while True:
-            chunk = await asyncio.to_thread(source.read, chunk_bytes)
-            if not chunk:
-                break
-            done_bytes += len(chunk)
-            lines = (carry + chunk).split(b"\n")
-            carry = lines.pop()
+    producer = Producer(
+        args.target,
+        args.stream,
+        producer_id=args.producer_id,
+        batch_size=args.batch_size,
+        first_seq=args.resume_from,
+        start_timeout=args.timeout,
+        reconnect_timeout=args.timeout,
+    )
+    read = _InputLines(source)
+    # before the session opens: its Open tells the server that the records below are this producer's
+    if not await read.skip(args.resume_from):
+        return _fail(
+            f"the input has {read.skipped:,} records, fewer than --resume-from {args.resume_from:,}: "
+            "not the input of the push to resume?"
+        )
+    try:
+        await producer.start()
+        while (lines := await read.next_lines()) is not None:
             await producer.send_many(lines)
-            records += len(lines)
-            progress.show(done_bytes, records, producer.acked)
-        if carry:
-            await producer.send_many([carry])
-            records += 1
-        await producer.flush(args.timeout)
-        progress.show(done_bytes, records, producer.acked, final=True)
-    return records
+            progress.show(read.done_bytes, read.records, producer.acked - args.resume_from)
+        await _flush_while_acking(producer, args.timeout)
+        progress.show(read.done_bytes, read.records, producer.acked - args.resume_from, final=True)
+        await producer.close(args.timeout)
+    except (SluiceError, asyncio.CancelledError) as exc:
+        await producer.abort()
+        progress.stop()
+        _push_failed(args, producer, read.records, exc)
+        if isinstance(exc, asyncio.CancelledError):
+            raise  # Ctrl-C: asyncio.run raises KeyboardInterrupt (exit 130)
+        return EXIT_FAILED
+    skipped = f" (after the {args.resume_from:,} records of --resume-from)" if args.resume_from else ""
+    print(
+        f"sluice: pushed {read.records:,} records to stream {args.stream!r}{skipped}; all acked",
+        file=sys.stderr,
+    )
+    return 0
+
+
+async def _flush_while_acking(producer: Producer, timeout: float) -> None:
+    """Wait for every ack, giving up only after `timeout` seconds without one: a throttled server may
+    take minutes to ack what a large input left in the producer's buffer."""
+    while True:
+        before = producer.acked
+        try:
+            await producer.flush(timeout)
+        except FlushTimeoutError:
+            if producer.acked == before:
+                raise
+        else:
+            return
+
+
+class _InputLines:
+    """The input's lines (records), read in chunks; skip() passes over those an earlier push sent."""
+
+    CHUNK_BYTES = 1 << 20
+
+    def __init__(self, source: IO[bytes]) -> None:
+        self.source = source
+        self.done_bytes = 0
+        self.records = 0  # handed on by next_lines
+        self.skipped = 0
+        self._carry: bytes | None = b""  # a line's start, read without its end; None at the end
+        self._pending: list[bytes] = []
+
+    async def skip(self, n: int) -> bool:
+        """Pass over the first `n` records; False when the input has fewer."""
+        while self.skipped < n:
+            lines = await self._read()
+            if lines is None:
+                return False
+            k = min(n - self.skipped, len(lines))
+            self.skipped += k
+            self._pending = lines[k:]
+        return True
+
+    async def next_lines(self) -> list[bytes] | None:
+        """The next lines to send (possibly none); None at the end of the input."""
+        lines, self._pending = self._pending, []
+        if not lines:
+            read = await self._read()
+            if read is None:
+                return None
+            lines = read
+        self.records += len(lines)
+        return lines
+
+    async def _read(self) -> list[bytes] | None:
+        if self._carry is None:
+            return None
+        chunk = await asyncio.to_thread(self.source.read, self.CHUNK_BYTES)
+        self.done_bytes += len(chunk)
+        if chunk:
+            lines = (self._carry + chunk).split(b"\n")
+            self._carry = lines.pop()
+            return lines
+        lines = [self._carry] if self._carry else []  # a last line without a newline is a record too
+        self._carry = None
+        return lines
+
+
+def _push_failed(args: argparse.Namespace, producer: Producer, read: int, error: BaseException) -> None:
+    """Say how far the push got and how to resume it without sending anything twice."""
+    acked, sent = producer.acked, producer.ever_sent
+    why = "interrupted" if isinstance(error, asyncio.CancelledError) else str(error)
+    _fail(f"push to {args.target} stream {args.stream!r} failed: {why}")
+    # counted from the start of the input, as --resume-from is
+    if sent == args.resume_from:
+        _fail("no record was sent: the same command can run again")
+        return
+    read += args.resume_from
+    _fail(f"of the input's records {acked:,} are acked (durable), {sent:,} sent, {read:,} read")
+    command = [
+        "sluice",
+        "push",
+        args.file,
+        "--target",
+        args.target,
+        "--stream",
+        args.stream,
+        "--producer-id",
+        producer.producer_id,
+        "--resume-from",
+        str(acked),
+    ]
+    if args.batch_size != DEFAULT_BATCH_SIZE:
+        command += ["--batch-size", str(args.batch_size)]
+    if args.timeout != PUSH_TIMEOUT:
+        command += ["--timeout", f"{args.timeout:g}"]
+    if args.no_progress:
+        command.append("--no-progress")
+    same_input = " (with the same input on stdin)" if args.file == "-" else ""
+    _fail(f"to resume without duplicates{same_input}, run: {shlex.join(command)}")
 
 
 # ---- sessions ------------------------------------------------------------------------------------

@@ -116,6 +116,8 @@ class ServeConfig:
             raise ValueError(f"port must be 0-65535, got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics port must be 0-65535, got {self.metrics_port}")
+        if self.port != 0 and self.port == self.metrics_port and self.host == self.metrics_host:
+            raise ValueError(f"the gRPC port and the metrics port are both {self.port}: give them two")
         if not self.trigger_interval > 0:
             raise ValueError(f"trigger interval must be > 0 seconds, got {self.trigger_interval}")
         if self.segment_bytes is not None and self.segment_bytes < MIN_SEGMENT_BYTES:

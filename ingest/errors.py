@@ -3,8 +3,10 @@
 SluiceError                 base of everything the SDK raises
 ├── RPCError                a gRPC call failed; `status` is the grpc.StatusCode, `retriable` says
 │   │                       whether trying again later can succeed
-│   └── ReconnectTimeoutError   the producer lost its session and could not open a new one within
-│                               its `reconnect_timeout`; `status` is that of the last failure
+│   ├── ReconnectTimeoutError   the producer lost its session and could not open a new one within
+│   │                           its `reconnect_timeout`; `status` is that of the last failure
+│   └── StartTimeoutError   the producer could not open its first session within `start_timeout`
+│                           (the server was not there); `status` is that of the last failure
 ├── ProtocolError           the server broke the Flow contract (e.g. Request(n <= 0), rule 3.9)
 ├── ProducerClosedError     the producer was closed, or failed, and takes no more records
 ├── FlushTimeoutError       flush() ran out of time with records not yet acked; `unacked` says how many
@@ -23,6 +25,7 @@ __all__ = [
     "RPCError",
     "ReconnectTimeoutError",
     "SluiceError",
+    "StartTimeoutError",
     "UnackedRecordsError",
 ]
 
@@ -79,6 +82,21 @@ class ReconnectTimeoutError(RPCError):
             f"gave up reconnecting after {attempts} attempt(s) in {elapsed:.2f} s; "
             f"last error: {last.message}",
         )
+        self.last = last
+        self.attempts = attempts
+
+
+class StartTimeoutError(RPCError):
+    """The producer could not open its first session within `start_timeout` seconds: the server at
+    `target` did not answer (UNAVAILABLE) at any of `attempts` tries; `last` is the last failure."""
+
+    def __init__(self, target: str, last: RPCError, attempts: int, elapsed: float) -> None:
+        super().__init__(
+            last.status,
+            f"no server at {target} within {elapsed:.1f} s ({attempts} attempt(s)); "
+            f"last error: {last.message}",
+        )
+        self.target = target
         self.last = last
         self.attempts = attempts
 

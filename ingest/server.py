@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from ingest.config import ServeConfig
 from ingest.metrics import MetricsServer, SluiceCollector
+from ingest.preflight import DataDirLock, bind_address, make_dirs
 from ingest.rate_controller import WATCHDOG_TICK, RateController
 from ingest.rate_service import RateControlService
 from ingest.sessions_service import SessionsService
@@ -27,14 +28,34 @@ log = logging.getLogger(__name__)
 
 
 class SluiceServer:
-    """Receivers behind a grpc.aio server. `await start()`, then `await stop()` (idempotent)."""
+    """Receivers behind a grpc.aio server. `await start()`, then `await stop()` (idempotent).
 
-    def __init__(self, config: ServeConfig, *, batches_completed: Callable[[], int] = lambda: 0) -> None:
+    One server per data dir: the constructor locks it (ingest.preflight.DataDirLock: DataDirInUseError,
+    an OSError, when another process holds it) before the receivers recover the block log, unless given
+    `data_dir_lock`, which its caller then holds and releases (`sluice serve` keeps it until Spark has
+    drained); stop() releases a lock the server took.
+    """
+
+    def __init__(
+        self,
+        config: ServeConfig,
+        *,
+        batches_completed: Callable[[], int] = lambda: 0,
+        data_dir_lock: DataDirLock | None = None,
+    ) -> None:
         self.config = config
-        self.store = WalBlockStore(
-            config.blocks_dir, fsync=config.fsync, segment_bytes=config.wal_segment_bytes
-        )
-        self.receivers = {s: Receiver(s, self.store, config.receiver) for s in config.streams}
+        # first: recovery cuts what looks like a torn tail, which in a live server's log is its next block
+        self._own_lock = data_dir_lock is None
+        self._lock = data_dir_lock if data_dir_lock is not None else DataDirLock(config.data_dir)
+        try:
+            make_dirs(config.blocks_dir)
+            self.store = WalBlockStore(
+                config.blocks_dir, fsync=config.fsync, segment_bytes=config.wal_segment_bytes
+            )
+            self.receivers = {s: Receiver(s, self.store, config.receiver) for s in config.streams}
+        except BaseException:
+            self._release_lock()
+            raise
         self.rate = RateController(self.receivers, config.rate, batch_interval=config.trigger_interval)
         """The ingest rate: fed by batch metrics (on_batch) and by operators (RateControl)."""
         self.registry = CollectorRegistry()
@@ -58,27 +79,33 @@ class SluiceServer:
     @property
     def target(self) -> str:
         """host:port a client connects to."""
-        return f"{self.config.host}:{self.port}"
+        return bind_address(self.config.host, self.port)
 
     @property
     def metrics_port(self) -> int | None:
         return self._metrics.port if self._metrics is not None else None
 
+    def _release_lock(self) -> None:
+        if self._own_lock:
+            self._lock.release()
+
     async def start(self) -> None:
         """Bind and serve; raise OSError (and leave nothing running) when a port cannot be bound."""
-        self.config.blocks_dir.mkdir(parents=True, exist_ok=True)
         if self.config.metrics_port is not None:
             self._metrics = MetricsServer(self.registry, self.config.metrics_host, self.config.metrics_port)
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", self.config.max_message_bytes),
                 ("grpc.max_send_message_length", self.config.max_message_bytes),
+                # gRPC binds with SO_REUSEPORT by default: a second server on this port would start
+                # and take half the sessions, whose producers' dedup state lives in the other one
+                ("grpc.so_reuseport", 0),
             ]
         )
         PublishService(self.receivers).add_to_server(server)  # parses client messages itself
         pb_grpc.add_RateControlServicer_to_server(RateControlService(self.rate, self.receivers), server)
         pb_grpc.add_SessionsServicer_to_server(SessionsService(self.receivers), server)
-        address = f"{self.config.host}:{self.config.port}"
+        address = bind_address(self.config.host, self.config.port)
         detail = ""
         try:
             self.port = server.add_insecure_port(address)
@@ -91,9 +118,16 @@ class SluiceServer:
                 self._metrics = None
             await server.stop(None)
             raise OSError(f"cannot bind gRPC to {address} (in use, or not an address of this host){detail}")
-        for receiver in self.receivers.values():
-            await receiver.start()
-        await server.start()
+        try:
+            for receiver in self.receivers.values():
+                await receiver.start()
+            await server.start()
+        except BaseException:  # e.g. the block log cannot be read: leave nothing bound
+            await server.stop(None)
+            if self._metrics is not None:
+                self._metrics.close()
+                self._metrics = None
+            raise
         self._grpc = server
         self._watchdog = asyncio.create_task(self._watch_batches(), name="sluice-batch-watchdog")
         log.info(
@@ -117,6 +151,7 @@ class SluiceServer:
         if self._metrics is not None:
             self._metrics.close()
         self.store.close()
+        self._release_lock()
 
     async def _watch_batches(self) -> None:
         while True:

@@ -139,7 +139,8 @@ def test_serve_and_push_subprocesses(tmp_path: Path) -> None:
 def test_push_to_a_server_that_is_not_there(tmp_path: Path) -> None:
     source = tmp_path / "in.txt"
     source.write_text("a\n")
-    result = sluice("push", str(source), "--target", "127.0.0.1:1", "--no-progress", timeout=60)
+    # it waits for a server for up to --timeout seconds (tests/test_process_edge.py), then gives up
+    result = sluice("push", str(source), "--target", "127.0.0.1:1", "--no-progress", "--timeout", "1")
     assert result.returncode == 1
     assert b"UNAVAILABLE" in result.stderr
 

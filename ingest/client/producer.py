@@ -11,7 +11,9 @@ reconnects with exponential backoff and jitter (`reconnect_backoff` doubling to 
 opens a new session with Open{producer_id, resume_from_seq = first unacked}, and resends every unacked
 record in order, within the new credit. The server drops what it had already accepted (deduplication by
 producer id and sequence number), so each record is stored once. If no session could be re-established
-within `reconnect_timeout` seconds the producer fails with ReconnectTimeoutError. Every other status
+within `reconnect_timeout` seconds the producer fails with ReconnectTimeoutError. The first session is
+retried the same way (a producer may start a moment before its server), for up to `start_timeout`
+seconds, then StartTimeoutError. Every other status
 (INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND, OUT_OF_RANGE, RESOURCE_EXHAUSTED, CANCELLED, ABORTED:
 fenced by a newer session of the same producer id, ...) fails the producer: resending would not help or
 would fight the newer session.
@@ -23,6 +25,7 @@ import asyncio
 import collections
 import contextlib
 import enum
+import logging
 import random
 import uuid
 import warnings
@@ -38,6 +41,7 @@ from ingest.errors import (
     ReconnectTimeoutError,
     RPCError,
     SluiceError,
+    StartTimeoutError,
     UnackedRecordsError,
 )
 from receivers.flow import MAX_DEMAND
@@ -45,8 +49,11 @@ from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.wire import encode_batch
 
+log = logging.getLogger(__name__)
+
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 _FAILED_PRECONDITION = 9  # gRPC status code carried in-band by Error
+_SEQ_END = 2**64 - 1  # sequence numbers are below it: acks and producer marks are uint64
 RECONNECT_STATUSES = frozenset({grpc.StatusCode.UNAVAILABLE})
 """Statuses after which the producer reconnects and resends; any other status fails it, except a
 transport failure that grpc reports as INTERNAL (see `reconnectable`)."""
@@ -99,6 +106,14 @@ class Producer:
     `producer_id` names the producer for deduplication (default: a random id, so one Producer object is
     one producer); give the same id to one producer at a time only: a second session with the same id
     fences the first (it fails with ABORTED).
+
+    `first_seq` is the sequence number of the first record (default 0): a producer id that resumes an
+    earlier run's numbering starts where that run's acks ended (records of a known producer below the
+    server's mark are dropped as duplicates; past it, OUT_OF_RANGE). `acked` and `sent` count from 0, so
+    they include it.
+
+    `start_timeout` bounds how long start() retries a server that cannot be reached (UNAVAILABLE), with
+    the reconnect backoff, logging a WARNING that names the target; then StartTimeoutError. 0: one try.
     """
 
     def __init__(
@@ -115,18 +130,22 @@ class Producer:
         reconnect_backoff: float = 0.05,
         max_reconnect_backoff: float = 5.0,
         reconnect_timeout: float = 60.0,
+        start_timeout: float = 60.0,
+        first_seq: int = 0,
         channel: grpc.aio.Channel | None = None,
     ) -> None:
         if batch_size < 1 or batch_bytes < 1 or max_buffered < batch_size:
             raise ValueError("need batch_size >= 1, batch_bytes >= 1 and max_buffered >= batch_size")
         if max_buffered_bytes is not None and max_buffered_bytes < 1:
             raise ValueError(f"max_buffered_bytes must be >= 1 or None, got {max_buffered_bytes}")
-        if linger < 0:
-            raise ValueError(f"linger must be >= 0 seconds, got {linger}")
+        seconds = {"linger": linger, "reconnect_timeout": reconnect_timeout, "start_timeout": start_timeout}
+        for name, value in seconds.items():
+            if not value >= 0:
+                raise ValueError(f"{name} must be >= 0 seconds, got {value}")
         if not 0 < reconnect_backoff <= max_reconnect_backoff:
             raise ValueError("need 0 < reconnect_backoff <= max_reconnect_backoff")
-        if reconnect_timeout < 0:
-            raise ValueError(f"reconnect_timeout must be >= 0 seconds, got {reconnect_timeout}")
+        if not 0 <= first_seq < _SEQ_END:
+            raise ValueError(f"first_seq must be in 0..{_SEQ_END - 1}, got {first_seq}")
         self.target = target
         self.stream = stream
         self.producer_id = producer_id or uuid.uuid4().hex
@@ -138,6 +157,7 @@ class Producer:
         self.reconnect_backoff = reconnect_backoff
         self.max_reconnect_backoff = max_reconnect_backoff
         self.reconnect_timeout = reconnect_timeout
+        self.start_timeout = start_timeout
         self._own_channel = channel is None
         self._channel = channel
         self._state = _State.NEW
@@ -148,8 +168,9 @@ class Producer:
         self._unacked: collections.deque[_Sent] = collections.deque()  # sent, not acked, in order
         self._unacked_count = 0
         self._unacked_bytes = 0
-        self._sent_seq = 0  # records numbered below were sent (in this session, or acked before it)
-        self._acked_seq = 0  # records numbered below are durable
+        self._sent_seq = first_seq  # records numbered below were sent (in this session, or acked before it)
+        self._acked_seq = first_seq  # records numbered below are durable
+        self._ever_sent = first_seq  # records numbered below were sent at least once, in any session
         self._credit = 0
         self._flushing = 0
         self._error: SluiceError | None = None
@@ -173,8 +194,13 @@ class Producer:
         return self._sent_seq
 
     @property
+    def ever_sent(self) -> int:
+        """Records sent at least once, in any session (those from `acked` on may or may not be stored)."""
+        return self._ever_sent
+
+    @property
     def acked(self) -> int:
-        """Records the server reported durable."""
+        """Records the server reported durable: every record numbered below is (resume from here)."""
         return self._acked_seq
 
     @property
@@ -200,8 +226,9 @@ class Producer:
     # ---- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the session; returns once Open is written. Not retried: when the server cannot be
-        reached now, this raises RPCError (reconnecting applies to sessions lost after start)."""
+        """Open the session; returns once Open is written. While the server cannot be reached
+        (UNAVAILABLE: not up yet, restarting) this retries with the reconnect backoff for up to
+        `start_timeout` seconds, then raises StartTimeoutError; any other status raises RPCError at once."""
         if self._state is not _State.NEW:
             raise ProducerClosedError(f"producer is {self._state.value}; a producer starts once")
         self._state = _State.OPEN
@@ -219,12 +246,44 @@ class Producer:
                 ],
             )
         try:
-            call = await self._open_call()
-        except grpc.aio.AioRpcError as exc:
+            call = await self._open_first_call()
+        except BaseException:
             await self._teardown()
-            raise RPCError.from_grpc(exc) from None
+            raise
         self._tasks = [asyncio.create_task(self._supervise(call), name="sluice-producer")]
         self._tasks[0].add_done_callback(self._task_done)
+
+    async def _open_first_call(self) -> Call:
+        """Open the first session, retrying what a reconnect retries, for up to start_timeout."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        delay = self.reconnect_backoff
+        attempts = 0
+        while True:
+            attempts += 1
+            try:
+                call = await self._open_call()
+            except grpc.aio.AioRpcError as exc:
+                failure = RPCError.from_grpc(exc)
+                if not reconnectable(failure):
+                    raise failure from None
+            else:
+                if attempts > 1:
+                    log.info("connected to %s after %.1f s", self.target, loop.time() - started)
+                return call
+            elapsed = loop.time() - started
+            if elapsed >= self.start_timeout:
+                raise StartTimeoutError(self.target, failure, attempts, elapsed)
+            if attempts == 1:
+                log.warning(
+                    "waiting for server at %s (%s: %s); retrying for up to %g s",
+                    self.target,
+                    failure.status.name,
+                    failure.message,
+                    self.start_timeout,
+                )
+            await asyncio.sleep(min(delay * random.uniform(0.5, 1.0), self.start_timeout - elapsed))  # noqa: S311
+            delay = min(delay * 2, self.max_reconnect_backoff)
 
     async def _open_call(self) -> Call:
         assert self._channel is not None
@@ -530,6 +589,7 @@ class Producer:
             self._buffered_bytes -= sent.nbytes
             self._credit -= n
             self._sent_seq += n
+            self._ever_sent = max(self._ever_sent, self._sent_seq)
             try:
                 async with self._write_lock:
                     await call.write(pb.PublishRequest(batch=batch))

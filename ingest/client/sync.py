@@ -14,7 +14,8 @@ T = TypeVar("T")
 
 
 class SyncProducer:
-    """Blocking facade over Producer. Same arguments; every method blocks until done.
+    """Blocking facade over Producer. Same arguments; every method blocks until done (the constructor
+    too: it starts the producer, waiting up to `start_timeout` for a server that is not up yet).
 
     `send_many` amortises the thread hop; `send` costs one hop per record.
     """
@@ -49,6 +50,10 @@ class SyncProducer:
     @property
     def acked(self) -> int:
         return self._producer.acked
+
+    @property
+    def ever_sent(self) -> int:
+        return self._producer.ever_sent
 
     @property
     def unacked(self) -> int:

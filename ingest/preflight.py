@@ -1,0 +1,180 @@
+"""What a server checks before it serves: its data dir (locked for one server) and its ports.
+
+One server per data dir: two writers appending to one block log corrupt it (two servers on one data dir
+once lost 160k of 200k acked records at the next restart). The lock is an flock on DATA_DIR/sluice.lock,
+held for as long as the holder lives: the OS drops it when the process dies, by kill -9 too, so it never
+goes stale. The file names the holder's pid for the message; it is never deleted (deleting a locked file
+would let the next server lock a new file of the same name while the old one still writes).
+
+`sluice serve` starts Spark's JVM (seconds) before its gRPC server (see ingest.cli), so it runs these
+checks first: a mistake fails at once, not after Spark has started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+from ingest.config import ServeConfig
+
+LOCK_FILE = "sluice.lock"
+
+
+class _PlainOSError(OSError):
+    """An OSError whose str() is its message alone (no "[Errno n]"): the CLI prints it as is."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+class DataDirInUseError(_PlainOSError):
+    """Another live process holds the data dir's lock."""
+
+    def __init__(self, data_dir: Path, holder: int | None) -> None:
+        who = f"pid {holder}" if holder is not None else "pid unknown"
+        super().__init__(
+            errno.EBUSY,
+            f"data dir {data_dir} is in use by another sluice server ({who}): one server per data dir; "
+            "stop that one or give this one another --data-dir",
+        )
+        self.data_dir = data_dir
+        self.holder = holder
+
+
+def _failed(message: str, exc: OSError | None = None) -> OSError:
+    return _PlainOSError(exc.errno if exc is not None and exc.errno else errno.EINVAL, message)
+
+
+def make_dirs(*dirs: Path) -> None:
+    """Create each directory (and its parents) unless it exists; a precise OSError when a file stands
+    where a directory should be, or the directory cannot be made."""
+    for path in dirs:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except FileExistsError as exc:
+            raise _failed(f"{path} is a file, not a directory", exc) from None
+        except NotADirectoryError as exc:
+            raise _failed(f"cannot create {path}: a file stands in its path", exc) from None
+        except OSError as exc:
+            raise _failed(f"cannot create {path}: {exc.strerror}", exc) from None
+
+
+def check_dirs(*dirs: Path) -> None:
+    """Each path is a directory or absent (to be created later, by Spark for instance)."""
+    for path in dirs:
+        if path.exists() and not path.is_dir():
+            raise _failed(f"{path} is a file, not a directory")
+
+
+class DataDirLock:
+    """An exclusive lock on a data dir for this process; `release()` (idempotent) or process exit frees
+    it. Creates the data dir. Raises DataDirInUseError when another process holds it, OSError when the
+    dir cannot be made, written or locked."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self._fd: int | None = None
+        make_dirs(data_dir)
+        path = data_dir / LOCK_FILE
+        try:
+            # not inherited by children (Python's default, O_CLOEXEC): Spark's JVM must not keep it
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise _failed(f"data dir {data_dir} is not writable: {exc.strerror}", exc) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read_pid(fd)
+            os.close(fd)
+            raise DataDirInUseError(data_dir, holder) from None
+        except OSError as exc:  # e.g. a file system without locks
+            os.close(fd)
+            raise _failed(f"cannot lock data dir {data_dir}: {exc.strerror}", exc) from None
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:
+            os.close(fd)
+            raise _failed(f"data dir {data_dir} is not writable: {exc.strerror}", exc) from None
+        self._fd = fd
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the only descriptor drops the flock
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.release()  # an owner dropped without stop(): free the data dir with the object
+
+
+def _read_pid(fd: int) -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        return int(os.pread(fd, 32, 0).decode().strip())
+    return None  # the holder has not written it yet
+
+
+def bind_address(host: str, port: int) -> str:
+    """host:port as gRPC takes it (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def check_port(host: str, port: int, what: str) -> None:
+    """Fail now, with an OSError starting with `what`, when `host:port` cannot be bound: in use by a
+    listening socket (another server), or not an address of this host. Port 0 (any) always passes.
+
+    A probe, not a reservation: a server binding in between still fails at its own bind.
+    """
+    if port == 0:
+        return
+    name = host.strip("[]")
+    try:
+        addresses = socket.getaddrinfo(name, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise _failed(f"{what} {host}:{port}: {exc.strerror}") from None
+    problems: list[OSError] = []
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            # as the servers do: connections of an earlier run in TIME_WAIT are no conflict, a
+            # listening socket is (Linux refuses that bind even with SO_REUSEADDR)
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # gRPC binds dual-stack
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                if exc.errno == errno.EADDRINUSE:
+                    raise _failed(
+                        f"{what} {host}:{port}: address in use (by another sluice serve? "
+                        f"`ss -ltnp 'sport = :{port}'` names the process)",
+                        exc,
+                    ) from None
+                problems.append(exc)
+    if problems and len(problems) == len(addresses):  # gRPC binds if any address binds
+        raise _failed(f"{what} {host}:{port}: {problems[0].strerror}", problems[0])
+
+
+def prepare(config: ServeConfig) -> DataDirLock:
+    """Everything `sluice serve` can check before it starts Spark: the data dir (locked for this
+    process: hold the returned lock for the process's life and give it to SluiceServer), the folders
+    it will use, and both ports. An OSError that says what is wrong, and nothing held, otherwise."""
+    lock = DataDirLock(config.data_dir)
+    try:
+        make_dirs(config.blocks_dir)
+        check_dirs(*(config.blocks_dir / stream for stream in config.streams))
+        if config.spark:
+            check_dirs(config.checkpoint_dir, config.sink_dir)
+        check_port(config.host, config.port, "cannot bind gRPC to")
+        if config.metrics_port is not None:
+            check_port(config.metrics_host, config.metrics_port, "cannot serve metrics on")
+    except BaseException:
+        lock.release()
+        raise
+    return lock

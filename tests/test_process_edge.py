@@ -1,0 +1,430 @@
+"""The process edge with real processes: one server per port and per data dir, a push that fails says
+how far it got and resumes without duplicates, and producers wait for a server that is not up yet."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from test_cli import SLUICE, sluice, wait_for_line
+
+from ingest.client import Producer, SyncProducer
+from ingest.config import RateConfig, ServeConfig
+from ingest.errors import RPCError, StartTimeoutError
+from ingest.preflight import DataDirInUseError, DataDirLock
+from ingest.server import SluiceServer
+from receivers.wal import FsyncPolicy, WalBlockStore
+
+SERVING = r"serving streams default on (127\.0\.0\.1:\d+)"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Serve:
+    """`sluice serve --no-spark` in its own process group, its stderr in a file."""
+
+    def __init__(self, tmp: Path, name: str, *args: str) -> None:
+        self.log = tmp / f"{name}.log"
+        with self.log.open("wb") as log:
+            self.proc = subprocess.Popen(
+                [*SLUICE, "serve", *args],
+                stderr=log,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,
+            )
+
+    def wait_serving(self) -> None:
+        wait_for_line(self.proc, self.log, SERVING, 60)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def servers() -> Iterator[list[Serve]]:
+    started: list[Serve] = []
+    yield started
+    for serve in started:
+        serve.kill()
+
+
+def no_spark(port: int, data_dir: Path, *more: str) -> list[str]:
+    return ["--no-spark", "--port", str(port), "--metrics-port", "-1", "--data-dir", str(data_dir), *more]
+
+
+# ---- item 1: one server per port and per data dir --------------------------------------------------
+
+
+def test_a_second_server_on_a_taken_port_or_data_dir_fails_at_once(
+    tmp_path: Path, servers: list[Serve]
+) -> None:
+    port = free_port()
+    first = Serve(tmp_path, "first", *no_spark(port, tmp_path / "a"))
+    servers.append(first)
+    first.wait_serving()
+
+    # the same gRPC port, another data dir: gRPC's default SO_REUSEPORT would have let it start
+    started = time.monotonic()
+    same_port = sluice("serve", *no_spark(port, tmp_path / "b"), timeout=60)
+    assert same_port.returncode == 1, same_port.stderr.decode()
+    assert f"cannot bind gRPC to 127.0.0.1:{port}: address in use".encode() in same_port.stderr
+    assert b"Traceback" not in same_port.stderr
+
+    # the same data dir, another port: refused, naming the live server's pid
+    same_dir = sluice("serve", *no_spark(free_port(), tmp_path / "a"), timeout=60)
+    assert same_dir.returncode == 1, same_dir.stderr.decode()
+    message = f"data dir {tmp_path / 'a'} is in use by another sluice server (pid {first.proc.pid})"
+    assert message.encode() in same_dir.stderr
+    assert b"Traceback" not in same_dir.stderr
+    assert time.monotonic() - started < 30  # two interpreter starts on a loaded machine, no waiting
+    assert first.proc.poll() is None  # the first one is untouched
+
+    # kill -9 leaves no stale lock: a new server takes the data dir and the port at once
+    first.kill()
+    again = Serve(tmp_path, "again", *no_spark(port, tmp_path / "a"))
+    servers.append(again)
+    again.wait_serving()
+    assert (tmp_path / "a" / "sluice.lock").read_text().strip() == str(again.proc.pid)
+
+
+@pytest.mark.spark
+def test_a_taken_port_or_data_dir_fails_before_spark_starts(tmp_path: Path, servers: list[Serve]) -> None:
+    port, metrics_port = free_port(), free_port()
+    first = Serve(tmp_path, "first", *no_spark(port, tmp_path / "a"))
+    servers.append(first)
+    first.wait_serving()
+    with socket.socket() as metrics_busy:
+        metrics_busy.bind(("127.0.0.1", metrics_port))
+        metrics_busy.listen()
+        cases = {
+            "port": (["--port", str(port), "--data-dir", str(tmp_path / "b")], b"cannot bind gRPC to"),
+            "data dir": (["--port", "0", "--data-dir", str(tmp_path / "a")], b"is in use by another sluice"),
+            "metrics": (
+                ["--port", "0", "--data-dir", str(tmp_path / "c"), "--metrics-port", str(metrics_port)],
+                f"cannot serve metrics on 127.0.0.1:{metrics_port}: address in use".encode(),
+            ),
+        }
+        for name, (flags, message) in cases.items():
+            started = time.monotonic()
+            result = sluice("serve", "--metrics-port", "-1", *flags, timeout=120)
+            took = time.monotonic() - started
+            assert result.returncode == 1, (name, result.stderr.decode())
+            assert message in result.stderr, (name, result.stderr.decode())
+            # Spark's JVM would have said hello on stderr and taken 10 s+ here
+            assert b"Spark" not in result.stderr, (name, result.stderr.decode())
+            assert took < 8, (name, took)
+
+
+def test_serve_refuses_unusable_data_dirs_and_ports_as_usage_errors(tmp_path: Path) -> None:
+    a_file = tmp_path / "file"
+    a_file.write_text("not a directory")
+    for data_dir, message in [
+        (a_file, f"{a_file} is a file, not a directory"),
+        (a_file / "sub", f"cannot create {a_file / 'sub'}: a file stands in its path"),
+    ]:
+        result = sluice("serve", *no_spark(0, data_dir), timeout=60)
+        assert result.returncode == 1, result.stderr.decode()
+        assert message.encode() in result.stderr, result.stderr.decode()
+        assert b"Traceback" not in result.stderr
+    blocks_file = tmp_path / "d" / "blocks"
+    blocks_file.parent.mkdir()
+    blocks_file.write_text("")
+    result = sluice("serve", *no_spark(0, tmp_path / "d"), timeout=60)
+    assert result.returncode == 1 and f"{blocks_file} is a file".encode() in result.stderr
+    port = str(free_port())
+    same = sluice("serve", "--no-spark", "--port", port, "--metrics-port", port, timeout=60)
+    assert same.returncode == 2 and b"the gRPC port and the metrics port are both" in same.stderr
+    out_of_range = sluice("serve", "--no-spark", "--port", "70000", timeout=60)
+    assert out_of_range.returncode == 2 and b"port must be 0-65535, got 70000" in out_of_range.stderr
+
+
+async def test_sluice_server_locks_its_data_dir_until_stopped(tmp_path: Path) -> None:
+    def config() -> ServeConfig:
+        return ServeConfig(
+            port=0,
+            metrics_port=None,
+            data_dir=tmp_path,
+            rate=RateConfig(estimator="fixed", initial_rate=math.inf),
+            spark=False,
+            fsync=FsyncPolicy.off(),
+        )
+
+    first = SluiceServer(config())
+    await first.start()
+    try:
+        # refused before its receivers recover (cut the tail of) the live server's block log
+        with pytest.raises(DataDirInUseError) as refused:
+            SluiceServer(config())
+        assert refused.value.holder == os.getpid()
+        # readers (Spark's source) open the store without the lock
+        assert WalBlockStore(tmp_path / "blocks").blocks("default") == []
+    finally:
+        await first.stop()
+    second = SluiceServer(config())  # released by stop()
+    await second.stop()
+    lock = DataDirLock(tmp_path)
+    with pytest.raises(DataDirInUseError):
+        DataDirLock(tmp_path)
+    lock.release()
+    DataDirLock(tmp_path).release()
+
+
+# ---- item 6: a failed push says how far it got; the printed command resumes without duplicates ------
+
+
+def stored_values(data_dir: Path) -> Counter[bytes]:
+    store = WalBlockStore(data_dir / "blocks", fsync=FsyncPolicy.off())
+    batches = (batch for block in store.blocks("default") for batch in store.read(block))
+    return Counter(v for batch in batches for v in batch.column("value").to_pylist())
+
+
+def acked_by(metrics_port: int) -> float:
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    match = re.search(r'^sluice_records_acked_total\{stream="default"\} (\S+)', text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_a_failed_push_prints_how_to_resume_and_the_resume_doubles_nothing(
+    tmp_path: Path, servers: list[Serve]
+) -> None:
+    total = 200_000
+    source = tmp_path / "records.txt"
+    source.write_text("".join(f"{i}\n" for i in range(total)))
+    port, metrics_port, data = free_port(), free_port(), tmp_path / "data"
+    # throttled (5 s for the input), so that the push is still running when the server dies
+    throttled = ["--initial-rate", "40000", "--block-interval", "0.05", "--metrics-port", str(metrics_port)]
+    first = Serve(tmp_path, "first", *no_spark(port, data, *throttled))
+    servers.append(first)
+    first.wait_serving()
+    target = f"127.0.0.1:{port}"
+    push = subprocess.Popen(
+        [*SLUICE, "push", str(source), "--target", target, "--timeout", "3", "--batch-size", "1000"],
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while acked_by(metrics_port) < 20_000:
+            assert time.monotonic() < deadline and push.poll() is None, "no acks"
+            time.sleep(0.05)
+        first.kill()  # kill -9: acks in flight are lost, the records they covered may be durable
+        _, err = push.communicate(timeout=60)
+    finally:
+        push.kill()
+    stderr = err.decode().replace("\r", "\n")
+    assert push.returncode == 1, stderr
+    counts = re.search(r"of the input's records ([\d,]+) are acked \(durable\), ([\d,]+) sent", stderr)
+    assert counts, stderr
+    acked, sent = (int(g.replace(",", "")) for g in counts.groups())
+    assert 0 < acked <= sent < total, stderr
+    resume = re.search(r"to resume without duplicates, run: (.+)", stderr)
+    assert resume, stderr
+    command = shlex.split(resume.group(1))
+    assert command[:2] == ["sluice", "push"] and f"--resume-from {acked}" in resume.group(1)
+    held = sum(stored_values(data).values())
+    assert held >= acked  # what was acked is durable (more may be: acks lost with the process)
+
+    again = Serve(tmp_path, "again", *no_spark(port, data))
+    servers.append(again)
+    again.wait_serving()
+    resumed = subprocess.run([*SLUICE, *command[1:]], capture_output=True, timeout=120, check=False)
+    assert resumed.returncode == 0, resumed.stderr.decode()
+    assert f"pushed {total - acked:,} records".encode() in resumed.stderr
+    stored = stored_values(data)
+    doubled = [v for v, n in stored.items() if n > 1]
+    assert not doubled, f"{len(doubled)} records stored twice, e.g. {doubled[:5]}"
+    assert sorted(stored) == sorted(str(i).encode() for i in range(total))
+
+
+def test_push_resume_flags_are_checked(tmp_path: Path) -> None:
+    source = tmp_path / "in.txt"
+    source.write_text("a\nb\n")
+    no_id = sluice("push", str(source), "--resume-from", "1", timeout=60)
+    assert no_id.returncode == 2 and b"--resume-from needs the --producer-id" in no_id.stderr
+    negative = sluice("push", str(source), "--resume-from", "-1", "--producer-id", "p", timeout=60)
+    assert negative.returncode == 2 and b"--resume-from must be >= 0" in negative.stderr
+
+
+def test_a_resume_past_the_input_is_refused(tmp_path: Path, servers: list[Serve]) -> None:
+    source = tmp_path / "in.txt"
+    source.write_text("a\nb\nc")  # three records, the last without a newline
+    port = free_port()
+    serve = Serve(tmp_path, "serve", *no_spark(port, tmp_path / "data"))
+    servers.append(serve)
+    serve.wait_serving()
+    target = f"127.0.0.1:{port}"
+    flags = ["--target", target, "--producer-id", "p1", "--no-progress"]
+    short = sluice("push", str(source), *flags, "--resume-from", "4", timeout=60)
+    assert short.returncode == 1 and b"the input has 3 records, fewer than --resume-from 4" in short.stderr
+    done = sluice("push", str(source), *flags, "--resume-from", "1", timeout=60)
+    assert done.returncode == 0, done.stderr.decode()
+    assert b"pushed 2 records" in done.stderr
+    serve.kill()
+    assert sorted(stored_values(tmp_path / "data")) == [b"b", b"c"]
+
+
+# ---- item 7: the first connection waits for a server that is not up yet ----------------------------
+
+
+def test_push_started_before_the_server_waits_for_it(tmp_path: Path, servers: list[Serve]) -> None:
+    source = tmp_path / "in.txt"
+    source.write_text("".join(f"{i}\n" for i in range(1000)))
+    port = free_port()
+    push = subprocess.Popen(
+        [*SLUICE, "push", str(source), "--target", f"127.0.0.1:{port}", "--timeout", "60", "--no-progress"],
+        stderr=subprocess.PIPE,
+    )
+    try:
+        time.sleep(1.5)
+        serve = Serve(tmp_path, "serve", *no_spark(port, tmp_path / "data"))
+        servers.append(serve)
+        _, err = push.communicate(timeout=90)
+    finally:
+        push.kill()
+    assert push.returncode == 0, err.decode()
+    assert f"waiting for server at 127.0.0.1:{port}".encode() in err
+    assert b"pushed 1,000 records" in err
+    serve.kill()
+    assert len(stored_values(tmp_path / "data")) == 1000
+
+
+def test_push_gives_up_waiting_after_its_timeout(tmp_path: Path) -> None:
+    source = tmp_path / "in.txt"
+    source.write_text("a\n")
+    port = free_port()
+    started = time.monotonic()
+    result = sluice("push", str(source), "--target", f"127.0.0.1:{port}", "--timeout", "1", timeout=60)
+    assert result.returncode == 1
+    assert f"waiting for server at 127.0.0.1:{port}".encode() in result.stderr
+    assert f"no server at 127.0.0.1:{port} within".encode() in result.stderr
+    assert b"no record was sent: the same command can run again" in result.stderr
+    assert time.monotonic() - started < 30
+
+
+class LaterServer:
+    """A SluiceServer on `port`, started `delay` s from now on an event loop of its own thread (the
+    test's loop stays free for the producer), until stop()."""
+
+    def __init__(self, port: int, data_dir: Path, delay: float) -> None:
+        self.config = ServeConfig(
+            port=port,
+            metrics_port=None,
+            data_dir=data_dir,
+            rate=RateConfig(estimator="fixed", initial_rate=math.inf),
+            spark=False,
+        )
+        self.delay = delay
+        self.serving = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=asyncio.run, args=(self._run(),), daemon=True)
+        self._thread.start()
+
+    async def _run(self) -> None:
+        await asyncio.sleep(self.delay)
+        server = SluiceServer(self.config)
+        await server.start()
+        self.serving.set()
+        while not self._stop.is_set():
+            await asyncio.sleep(0.05)
+        await server.stop(grace=1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+async def test_a_producer_started_before_its_server_waits_for_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    port = free_port()
+    server = LaterServer(port, tmp_path, delay=1.5)
+    try:
+        started = time.monotonic()
+        async with Producer(f"127.0.0.1:{port}", "default", start_timeout=60) as producer:
+            await producer.send_many([b"a", b"b"])
+            await producer.flush(timeout=30)
+        assert producer.acked == 2
+        assert 1.0 < time.monotonic() - started < 30
+        waiting = [r for r in caplog.records if "waiting for server at" in r.getMessage()]
+        assert waiting and waiting[0].levelname == "WARNING"
+        assert f"127.0.0.1:{port}" in waiting[0].getMessage()
+    finally:
+        server.stop()
+
+
+def test_a_sync_producer_started_before_its_server_waits_for_it(tmp_path: Path) -> None:
+    port = free_port()
+    server = LaterServer(port, tmp_path, delay=1.5)
+    try:
+        with SyncProducer(f"127.0.0.1:{port}", "default", start_timeout=60) as producer:
+            producer.send_many([b"x"] * 10)
+            producer.flush(30)
+            assert producer.acked == 10
+    finally:
+        server.stop()
+
+
+async def test_with_no_server_a_producer_fails_after_its_start_timeout(tmp_path: Path) -> None:
+    target = f"127.0.0.1:{free_port()}"
+    producer = Producer(target, "default", start_timeout=0.5, max_reconnect_backoff=0.1)
+    started = time.monotonic()
+    with pytest.raises(StartTimeoutError) as info:
+        await producer.start()
+    assert 0.4 < time.monotonic() - started < 10
+    assert info.value.status == grpc.StatusCode.UNAVAILABLE
+    assert info.value.attempts >= 2
+    assert f"no server at {target} within" in str(info.value)
+    with pytest.raises(StartTimeoutError):
+        SyncProducer(target, "default", start_timeout=0.2)
+
+
+async def test_a_refused_first_session_is_not_retried(tmp_path: Path) -> None:
+    port = free_port()
+    server = LaterServer(port, tmp_path, delay=0)
+    try:
+        assert await asyncio.to_thread(server.serving.wait, 30)
+        started = time.monotonic()
+        producer = Producer(f"127.0.0.1:{port}", "no-such-stream", start_timeout=60)
+        await producer.start()  # Open is written; the server refuses the stream at once
+        with pytest.raises(RPCError) as info:
+            await producer.send(b"x")
+            await producer.flush(timeout=30)
+        assert info.value.status == grpc.StatusCode.NOT_FOUND
+        assert time.monotonic() - started < 10  # not retried for start_timeout
+        await producer.abort()
+    finally:
+        server.stop()
+
+
+def test_the_lock_is_not_inherited_by_children(tmp_path: Path) -> None:
+    # Spark's JVM and its Python workers are children of `sluice serve`: holding the lock they would
+    # keep the data dir locked after the server died
+    lock = DataDirLock(tmp_path)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], close_fds=False)
+    try:
+        lock.release()
+        DataDirLock(tmp_path).release()  # free although the child lives on
+    finally:
+        child.kill()
+        child.wait()
