@@ -18,7 +18,8 @@ for a batch is posted after its commit log entry is written. Async progress trac
 (asyncProgressTrackingEnabled) writes the commit log in the background instead, so the driver also
 checks that `commits/<batchId>` exists in a local checkpoint before it releases. Events can be dropped
 (a full listener bus) or lost in a crash: on start the driver also releases what the checkpoint's last
-commit covers, which also frees a restarted query's store when no new data would ever plan a batch.
+commit covers, which also frees a restarted query's store when no new data would ever plan a batch,
+again on every idle event of the query, and at stop.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class SparkDriver:
         self._batches = 0
         self._records = 0
         self._lock = threading.Lock()
-        self._listener = BatchListener(self._on_batch)
+        self._listener = BatchListener(self._on_batch, on_idle=self._on_idle)
         self._subscribers: list[Callable[[BatchCompleted], None]] = []
         self.query: Any = None
         self.store: BlockStore = (
@@ -107,6 +108,13 @@ class SparkDriver:
             self._submit_release(batch.batch_id, batch.end_offset)
         for subscriber in self._subscribers:
             subscriber(batch)
+
+    def _on_idle(self, query_id: str) -> None:
+        # a batch event lost on the way (a full listener bus, a bad event) would leave the last batch's
+        # blocks in the store while the stream waits for data: Spark's idle event (every 10 s while
+        # idle) has the commit log checked again
+        if self.query is not None and query_id == str(self.query.id):
+            self._release_last_commit()
 
     def _submit_release(self, batch_id: int, end: Mapping[str, int]) -> None:
         try:

@@ -146,6 +146,44 @@ async def test_a_restart_with_committed_blocks_over_the_budget_resumes(spark: An
         await asyncio.to_thread(driver.stop)
 
 
+@pytest.mark.spark
+async def test_an_idle_query_releases_a_batch_whose_event_was_lost(
+    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    idle_interval = "spark.sql.streaming.noDataProgressEventInterval"
+    spark.conf.set(idle_interval, "500")  # read when a query starts; Spark's default is 10 s
+    config = ServeConfig(
+        port=0,
+        metrics_port=None,
+        data_dir=tmp_path,
+        streams=("s",),
+        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
+        trigger_interval=0.5,
+    )
+    server = SluiceServer(config)
+    await server.start()
+    driver = SparkDriver(spark, config, query_name="idle")
+    # the batch's progress never reaches the driver (a full listener bus drops events)
+    monkeypatch.setattr(driver._listener, "onQueryProgress", lambda event: None)
+    try:
+        await asyncio.to_thread(driver.start)
+        async with Producer(server.target, "s") as producer:
+            await producer.send_many([b"only"] * 100)
+            await producer.flush(timeout=30)
+        deadline = time.monotonic() + 120
+        while sink_values(spark, config.sink_dir) != [b"only"] * 100 and time.monotonic() < deadline:
+            assert driver.error() is None, driver.error()
+            await asyncio.sleep(0.2)
+        deadline = time.monotonic() + 30
+        while server.store.blocks("s") and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert server.store.blocks("s") == []  # released on the query's idle event, no batch needed
+    finally:
+        spark.conf.unset(idle_interval)
+        await server.stop(grace=1)
+        await asyncio.to_thread(driver.stop)
+
+
 # ---- concurrent releases ---------------------------------------------------------------------------
 
 RELEASER = """
