@@ -12,6 +12,7 @@ from ratecontrol.estimator import (
 )
 from ratecontrol.model import ModelEstimator
 from ratecontrol.rate import UNLIMITED, InvalidRateError, check_rate
+from ratecontrol.share import Demand, Share, StreamPolicy, split_rate
 from ratecontrol.spark_pid import SparkPIDEstimator
 from ratecontrol.token_bucket import TokenBucket
 
@@ -20,14 +21,18 @@ __all__ = [
     "ESTIMATORS",
     "UNLIMITED",
     "BatchMetrics",
+    "Demand",
     "FixedEstimator",
     "InvalidRateError",
     "ModelEstimator",
     "RateBounds",
     "RateEstimator",
+    "Share",
     "SparkPIDEstimator",
+    "StreamPolicy",
     "TokenBucket",
     "UnknownEstimatorError",
     "check_rate",
     "make_estimator",
+    "split_rate",
 ]

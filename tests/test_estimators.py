@@ -68,16 +68,20 @@ def test_public_names_are_pinned() -> None:
             "ESTIMATORS",
             "UNLIMITED",
             "BatchMetrics",
+            "Demand",
             "FixedEstimator",
             "InvalidRateError",
             "ModelEstimator",
             "RateBounds",
             "RateEstimator",
+            "Share",
             "SparkPIDEstimator",
+            "StreamPolicy",
             "TokenBucket",
             "UnknownEstimatorError",
             "check_rate",
             "make_estimator",
+            "split_rate",
         ]
     )
     for name in ratecontrol.__all__:
