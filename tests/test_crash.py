@@ -166,7 +166,12 @@ def test_sigterm_drains_everything_acked_into_the_sink_and_exits_0(tmp_path: Pat
         wait_for_acked(state, 20_000, producer)
         # SIGTERM under load: credit stops, what was taken is sealed and acked, Spark processes it
         assert service.terminate() == 0, service.log.read_text()
-        assert "sluice: stopped" in service.log.read_text()
+        log = service.log.read_text()
+        assert "sluice: stopped" in log
+        # a clean stop is quiet: Spark drains after the gRPC server stopped, so the source's rate
+        # requests are refused; that is expected, not worth a grpc error dump per batch
+        for noise in ("Traceback", "RpcError", "live rate"):
+            assert noise not in log, log
         time.sleep(1)  # the producer saw the Cancel and is retrying a server that is gone
         _, acked = read_state(state)
         assert acked > 0

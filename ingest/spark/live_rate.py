@@ -4,6 +4,10 @@ The source reader runs in a Python worker process of its own, not in the server'
 over gRPC (RateControl.GetRate), synchronously: latestOffset is a plain call. If the server does not
 answer, the last cap it gave holds (none before the first answer), so a hiccup neither stalls Spark nor
 lets a backlog through uncapped.
+
+A server that is not listening (UNAVAILABLE) is expected: `sluice serve` stops its gRPC server before it
+lets Spark drain what was sealed, so a clean stop is logged at INFO, once; other failures warn, once
+per outage, in one line.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ The listener's event takes 3-90 ms here (more under load); a server that gets no
 
 class LiveRateCap:
     def __init__(self, target: str, *, timeout: float = 2.0) -> None:
+        self._target = target
+        self._failing = False  # the last call had no answer: report the outage once, not every batch
         self._channel = grpc.insecure_channel(target)
         self._stub = pb_grpc.RateControlStub(self._channel)
         self._timeout = timeout
@@ -46,12 +52,34 @@ class LiveRateCap:
             status = self._stub.GetRate(request, timeout=self._timeout + BATCH_WAIT)
             rate = max(status.records_per_second, status.capacity)
         except grpc.RpcError as exc:
-            log.warning("cannot read the live rate (%s); keeping the last cap %s", exc, self._last)
+            self._no_answer(exc)
             self.answered = False
             return self._last
+        if self._failing:
+            log.info("the server at %s answers again: the live rate caps batches", self._target)
+            self._failing = False
         self.answered = True
         self._last = None if math.isinf(rate) else max(1, int(rate * max(trigger_seconds, 0.001)))
         return self._last
+
+    def _no_answer(self, exc: grpc.RpcError) -> None:
+        code = exc.code() if isinstance(exc, grpc.Call) else None
+        # a grpc error's str() is a multi-line dump that reads like a stack trace: code and details only
+        detail = f"{code.name}: {exc.details()}" if isinstance(exc, grpc.Call) and code else repr(exc)
+        if self._failing:
+            level = logging.DEBUG
+        elif code is grpc.StatusCode.UNAVAILABLE:
+            level = logging.INFO  # stopped to let Spark drain, or restarting: no operator action needed
+        else:
+            level = logging.WARNING
+        log.log(
+            level,
+            "no live rate from the server at %s (%s); keeping the last cap %s until it answers",
+            self._target,
+            detail,
+            self._last,
+        )
+        self._failing = True
 
     def start_batch(self, records: int, backlog: int) -> None:
         """Tell the server a batch of `records` runs now, `backlog` records behind it (its watchdog
