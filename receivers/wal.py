@@ -44,10 +44,14 @@ Readers (Spark executors, other processes) index segments by their frame headers
 and cache that index per segment, re-scanning only the part that grew; a frame not yet complete on disk is
 not visible. read() checks the frame's CRC. No payload is cached: unconsumed blocks live on disk.
 
-release() (Spark's commit, in the driver process) first writes released.json atomically (tmp, fsync,
-rename, folder fsync): the next seq/offset after the released blocks and the producers table of every
-block released so far. Then it deletes the segments whose blocks are all released, never the newest one
-(the writer may be appending to it). Released blocks still in a kept segment are hidden from blocks().
+release() (the server once Spark's commit log has a batch, and Spark's commit() in its Python worker:
+two processes) first writes released.json atomically (tmp, fsync, rename, folder fsync): the next
+seq/offset after the released blocks and the producers table of every block released so far. Then it
+deletes the segments whose blocks are all released, never the newest one (the writer may be appending to
+it). It reads, merges and writes the mark and deletes segments under an flock on released.lock (trim()
+and recovery's clean-up of temp files too), re-reading the mark from the file: without it a release from
+a stale view moved the mark back and dropped the producers of segments another process had deleted.
+Released blocks still in a kept segment are hidden from blocks().
 The writing process may delete the newest segment itself once every block in it is released (trim(),
 which the receiver calls while credit is paused for the disk): the log then starts a new segment at the
 next write, and the released mark (written first, with the full producers table) keeps the numbering.

@@ -25,13 +25,16 @@ the blocks that cover [start[s], end[s]) of every stream. Admission control is t
 record (ReadMaxRows(n) admits n records, cutting a block if need be), and a batch is split into
 partitions of about equal record counts whatever the block sizes.
 
-Blocks leave the store in ``commit``, i.e. only after Spark has recorded the batch as done, so a query
-restarted from its checkpoint re-reads an unfinished batch from blocks that are still there. Spark
-commits batch N to the source when it plans batch N + 1, that is once new blocks arrive: the last
-batch's blocks stay in the store while a stream is idle, and across a restart. A fresh query (no
-checkpoint) starts at the first block still in the store, so it reads those again: delivery is
-at-least-once across checkpoint loss. One query owns a store's streams:
-a second query would release blocks under the first one's feet, which the reader reports as data loss.
+Blocks leave the store only after Spark has recorded the batch as done, so a query restarted from its
+checkpoint re-reads an unfinished batch from blocks that are still there. ``commit`` releases them, but
+Spark commits batch N to the source only when it plans batch N + 1, that is once new blocks arrive: on
+its own the last batch's blocks would stay while a stream is idle, and a disk budget they fill would
+stall intake for good. So the Sluice driver (ingest.driver) releases them as soon as the batch is in
+Spark's commit log, from the listener's progress event; ``commit`` is then a no-op, kept for queries
+run without the driver. A fresh query (no checkpoint) starts at the first block still in the store, so
+it reads those again: delivery is at-least-once across checkpoint loss. One query owns a store's
+streams: a second query would release blocks under the first one's feet, which the reader reports as
+data loss.
 """
 
 from __future__ import annotations
@@ -268,7 +271,8 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return [BlockPartition(self.root, part) for part in _balanced(slices, self.min_partitions)]
 
     def commit(self, end: Offset) -> None:
-        # Spark has durably recorded every batch up to `end`: the blocks wholly below it are done
+        # Spark has durably recorded every batch up to `end`: the blocks wholly below it are done (the
+        # driver has usually released them already, on the batch's progress event: then this is a no-op)
         for stream, offset in end.items():
             done = [b.seq for b in self.store.blocks(stream) if b.end_offset <= offset]
             if done:
