@@ -290,7 +290,7 @@ def _serve(args: argparse.Namespace) -> int:
             receiver=ReceiverConfig(
                 block_interval=args.block_interval,
                 buffer_records=args.buffer_records,
-                prefetch=args.prefetch or max(1, args.buffer_records // 2),
+                prefetch=max(1, args.buffer_records // 2) if args.prefetch is None else args.prefetch,
                 low_tide=args.low_tide,
                 block_records=args.block_records,
                 buffer_bytes=args.buffer_bytes,
@@ -298,7 +298,9 @@ def _serve(args: argparse.Namespace) -> int:
             ),
             rate=RateConfig(
                 estimator=args.estimator or ("fixed" if args.no_spark else "model"),
-                initial_rate=args.initial_rate or (math.inf if args.no_spark else 10_000.0),
+                initial_rate=(math.inf if args.no_spark else 10_000.0)
+                if args.initial_rate is None
+                else args.initial_rate,
                 min_rate=args.min_rate,
                 max_rate=args.max_rate,
             ),

@@ -118,8 +118,10 @@ class ServeConfig:
             raise ValueError(f"metrics port must be 0-65535, got {self.metrics_port}")
         if self.port != 0 and self.port == self.metrics_port and self.host == self.metrics_host:
             raise ValueError(f"the gRPC port and the metrics port are both {self.port}: give them two")
-        if not self.trigger_interval > 0:
-            raise ValueError(f"trigger interval must be > 0 seconds, got {self.trigger_interval}")
+        if not 0 < self.trigger_interval < math.inf:
+            raise ValueError(f"trigger interval must be > 0 seconds and finite, got {self.trigger_interval}")
+        if math.isinf(self.receiver.block_interval):  # nothing would be acked below block_records
+            raise ValueError("block interval must be finite")
         if self.segment_bytes is not None and self.segment_bytes < MIN_SEGMENT_BYTES:
             raise ValueError(f"segment bytes must be >= {MIN_SEGMENT_BYTES}, got {self.segment_bytes}")
         if self.max_message_bytes < 1024:

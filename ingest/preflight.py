@@ -84,7 +84,7 @@ class DataDirLock:
             # not inherited by children (Python's default, O_CLOEXEC): Spark's JVM must not keep it
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
-            raise _failed(f"data dir {data_dir} is not writable: {exc.strerror}", exc) from None
+            raise _failed(f"cannot open the lock file {path}: {exc.strerror}", exc) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

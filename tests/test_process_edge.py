@@ -136,7 +136,7 @@ def test_a_taken_port_or_data_dir_fails_before_spark_starts(tmp_path: Path, serv
             assert took < 8, (name, took)
 
 
-def test_serve_refuses_unusable_data_dirs_and_ports_as_usage_errors(tmp_path: Path) -> None:
+def test_serve_refuses_unusable_data_dirs_ports_and_settings_at_once(tmp_path: Path) -> None:
     a_file = tmp_path / "file"
     a_file.write_text("not a directory")
     for data_dir, message in [
@@ -157,6 +157,18 @@ def test_serve_refuses_unusable_data_dirs_and_ports_as_usage_errors(tmp_path: Pa
     assert same.returncode == 2 and b"the gRPC port and the metrics port are both" in same.stderr
     out_of_range = sluice("serve", "--no-spark", "--port", "70000", timeout=60)
     assert out_of_range.returncode == 2 and b"port must be 0-65535, got 70000" in out_of_range.stderr
+    (tmp_path / "e" / "sluice.lock").mkdir(parents=True)
+    result = sluice("serve", *no_spark(0, tmp_path / "e"), timeout=60)
+    assert result.returncode == 1 and b"cannot open the lock file" in result.stderr
+    # an explicit 0 is checked, not read as "the default"; an endless interval would ack nothing
+    for flags, message in [
+        (["--prefetch", "0"], b"prefetch must be >= 1, got 0"),
+        (["--initial-rate", "0"], b"rate must be > 0 records/s"),
+        (["--block-interval", "inf"], b"block interval must be finite"),
+        (["--trigger-interval", "inf"], b"trigger interval must be > 0 seconds and finite"),
+    ]:
+        result = sluice("serve", *no_spark(0, tmp_path / "f"), *flags, timeout=60)
+        assert result.returncode == 2 and message in result.stderr, (flags, result.stderr.decode())
 
 
 async def test_sluice_server_locks_its_data_dir_until_stopped(tmp_path: Path) -> None:
