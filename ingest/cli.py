@@ -24,6 +24,7 @@ import grpc
 from ingest.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, RateConfig, ServeConfig, parse_size
 from ingest.errors import FlushTimeoutError, SluiceError
 from ingest.preflight import DataDirLock, prepare
+from ratecontrol import StreamPolicy
 from receivers.block import InvalidStreamNameError
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -158,6 +159,19 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     )
     serve.add_argument("--min-rate", type=float, default=100.0, help="lowest rate (default: %(default)s)")
     serve.add_argument("--max-rate", type=float, default=math.inf, help="highest rate (default: inf)")
+    for flag, what in (
+        ("weight", "its weight in the split of the rate among busy streams (default: 1)"),
+        ("min-rate", "records/s it keeps however little it takes, as far as the rate allows (default: 0)"),
+        ("max-rate", "records/s it never exceeds (default: inf)"),
+    ):
+        serve.add_argument(
+            f"--stream-{flag}",
+            action="append",
+            type=_stream_value,
+            default=[],
+            metavar="STREAM=VALUE",
+            help=f"per stream, {what}; repeat for more streams",
+        )
     serve.add_argument("--master", default="local[*]", help="Spark master (default: %(default)s)")
     serve.add_argument(
         "--pipeline",
@@ -264,6 +278,36 @@ def _size(text: str) -> int:
     return size
 
 
+def _stream_value(text: str) -> tuple[str, float]:
+    name, sep, value = text.rpartition("=")
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not sep or not name or math.isnan(number):
+        raise argparse.ArgumentTypeError(f"expected STREAM=NUMBER, e.g. a=3, got {text!r}")
+    return name, number
+
+
+def _stream_policies(args: argparse.Namespace) -> dict[str, StreamPolicy]:
+    """--stream-weight/--stream-min-rate/--stream-max-rate as policies (ValueError if one is invalid
+    or a stream is named twice in one flag)."""
+    fields: dict[str, dict[str, float]] = {}
+    for field in ("weight", "min_rate", "max_rate"):
+        flag = f"stream_{field}"
+        for name, value in getattr(args, flag):
+            if field in fields.setdefault(name, {}):
+                raise ValueError(f"--{flag.replace('_', '-')} names stream {name!r} twice")
+            fields[name][field] = value
+    policies = {}
+    for name, given in fields.items():
+        try:
+            policies[name] = StreamPolicy(**given)
+        except ValueError as exc:
+            raise ValueError(f"stream {name!r}: {exc}") from None
+    return policies
+
+
 def _fsync_policy(text: str) -> FsyncPolicy:
     try:
         return FsyncPolicy.parse(text)
@@ -303,6 +347,7 @@ def _serve(args: argparse.Namespace) -> int:
                 else args.initial_rate,
                 min_rate=args.min_rate,
                 max_rate=args.max_rate,
+                stream_policies=_stream_policies(args),
             ),
             fsync=args.fsync,
             segment_bytes=args.segment_bytes,
@@ -664,6 +709,16 @@ def _rate_text(rate: float) -> str:
     return "unlimited" if math.isinf(rate) else f"{rate:g}"
 
 
+def _share(stream: pb.StreamRate) -> str:
+    """Why a stream has its share of the rate, and the operator's bounds on it ("" while unlimited)."""
+    if not stream.share_reason or stream.share_reason == "unlimited":
+        return ""
+    took = f", takes {stream.taken_per_second:,.0f} records/s" if stream.busy else ""
+    bounded = stream.min_rate > 0 or math.isfinite(stream.max_rate)
+    bounds = f"; its bounds {stream.min_rate:g} .. {_rate_text(stream.max_rate)}" if bounded else ""
+    return f" ({stream.share_reason}{took}{bounds})"
+
+
 def _show_rate(status: pb.RateStatus | None) -> int:
     if status is None:
         return EXIT_FAILED
@@ -672,7 +727,8 @@ def _show_rate(status: pb.RateStatus | None) -> int:
     print(f"bounds: {_rate_text(status.min_rate)} .. {_rate_text(status.max_rate)} records/s")
     for stream in status.streams:
         paused = f" (credit paused: {', '.join(stream.credit_paused)})" if stream.credit_paused else ""
-        print(f"stream {stream.stream}: {_rate_text(stream.records_per_second)} records/s{paused}")
+        rate = _rate_text(stream.records_per_second)
+        print(f"stream {stream.stream}: {rate} records/s{_share(stream)}{paused}")
     if status.estimator_state:
         print("estimator state: " + ", ".join(f"{k}={v}" for k, v in sorted(status.estimator_state.items())))
     if status.HasField("last_batch"):

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ratecontrol import ESTIMATORS, RateBounds, UnknownEstimatorError, check_rate
+from ratecontrol import ESTIMATORS, RateBounds, StreamPolicy, UnknownEstimatorError, check_rate
 from receivers.block import check_stream_name
 from receivers.receiver import ReceiverConfig
 from receivers.wal import DEFAULT_SEGMENT_BYTES, FsyncPolicy
@@ -57,6 +58,9 @@ class RateConfig:
     """No estimator goes below this (Spark's spark.streaming.backpressure.pid.minRate)."""
     max_rate: float = math.inf
     """No estimator or operator goes above this."""
+    stream_policies: Mapping[str, StreamPolicy] = field(default_factory=dict)
+    """Stream -> its weight and bounds in the split of the rate among streams (others: weight 1, no
+    bounds); `sluice serve --stream-weight/--stream-min-rate/--stream-max-rate`."""
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
@@ -112,6 +116,12 @@ class ServeConfig:
             check_stream_name(name)
         if len(set(self.streams)) != len(self.streams):
             raise ValueError(f"stream names repeat: {', '.join(self.streams)}")
+        unknown = sorted(set(self.rate.stream_policies) - set(self.streams))
+        if unknown:
+            raise ValueError(
+                f"a stream weight or rate bound names {', '.join(map(repr, unknown))}, which this node "
+                f"does not serve (streams: {', '.join(self.streams)})"
+            )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0-65535, got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:

@@ -5,6 +5,7 @@ One registry per server (not the global one), so several servers can live in one
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Iterator, Mapping
 
@@ -94,6 +95,11 @@ class SluiceCollector(Collector):
             ),
             "sessions_active": ("Publisher sessions open now.", lambda r: r.active_sessions),
             "rate_limit": ("Ingest rate limit in records per second (+Inf: unlimited).", lambda r: r.rate),
+            "rate_share": (
+                "The stream's share of the rates of the node's streams (0..1; NaN while any is unlimited): "
+                "busy streams share by weight, idle ones keep a floor.",
+                self._rate_share,
+            ),
         }
         for name, (doc, read) in counters.items():
             family = CounterMetricFamily(f"sluice_{name}", doc, labels=["stream"])
@@ -111,6 +117,10 @@ class SluiceCollector(Collector):
         yield CounterMetricFamily(
             "sluice_batches_completed", "Spark micro-batches completed.", value=self._batches_completed()
         )
+
+    def _rate_share(self, receiver: Receiver) -> float:
+        total = sum(r.rate for r in self._receivers.values())
+        return receiver.rate / total if math.isfinite(total) else math.nan
 
     def _collect_pauses(self) -> Iterator[Metric]:
         paused = GaugeMetricFamily(

@@ -4,8 +4,11 @@ The estimator (ratecontrol) proposes a rate after each completed micro-batch; an
 one through RateControl. Both go through `update`'s validation and the same clamping into the bounds, and
 end in Receiver.set_rate, which meters credit: so the rate throttles the clients, not a buffer.
 
-The rate covers all streams the query reads; each stream's receiver gets an equal share (dividing it by
-backlog comes with several receivers per stream).
+The rate covers all streams the query reads. It is split among the streams' receivers by what each can
+use (ratecontrol.share: weighted water-filling): a stream whose publishers run out of credit the rate
+withholds is busy and shares by its weight, one that takes less gets what it took with room to grow, an
+idle one keeps a floor to ramp from. The server re-splits every WATCHDOG_TICK (`resplit`), so a stream
+that gets busy has its share back within a tick or two; operators set weights and per-stream bounds.
 """
 
 from __future__ import annotations
@@ -18,7 +21,17 @@ import time
 from collections.abc import Mapping
 
 from ingest.config import RateConfig
-from ratecontrol import BatchMetrics, RateBounds, RateEstimator, check_rate, make_estimator
+from ratecontrol import (
+    BatchMetrics,
+    Demand,
+    RateBounds,
+    RateEstimator,
+    Share,
+    StreamPolicy,
+    check_rate,
+    make_estimator,
+    split_rate,
+)
 from receivers.receiver import Receiver
 
 log = logging.getLogger(__name__)
@@ -36,6 +49,13 @@ MAX_BATCH_WAIT = 10.0
 PAST_GRID = 0.05
 """Seconds past the trigger grid point after a batch's start from which the next trigger is known to
 have come at the batch's end (Spark triggers at once after a batch that ran past its grid point)."""
+
+BUSY_WITHIN = 0.3
+"""Seconds since a stream's publishers last ran out of credit the rate withheld, within which it counts
+as busy: a saturating publisher runs out every credit tick (0.05 s), so a few ticks of slack."""
+
+INTAKE_SECONDS = 0.5
+"""Time constant of the records/s a stream took, as the split sees it (an exponential average)."""
 
 WATCHES = 4
 """Most started batches kept while their metrics are on the way (none arrive without a listener)."""
@@ -84,6 +104,10 @@ class RateController:
         )
         self.pinned = False
         self.last_batch: BatchMetrics | None = None
+        self._policies = {s: p for s, p in config.stream_policies.items() if s in receivers}
+        self._demands = {stream: Demand(busy=False) for stream in receivers}
+        self._shares: dict[str, Share] = {}
+        self._intake: dict[str, tuple[float, int]] = {}  # stream -> (when, records taken by then)
         self._apply(self._rate)
 
     @property
@@ -96,6 +120,35 @@ class RateController:
 
     def stream_rates(self) -> dict[str, float]:
         return {stream: receiver.rate for stream, receiver in self._receivers.items()}
+
+    def stream_shares(self) -> dict[str, tuple[Share, Demand, StreamPolicy]]:
+        """Stream -> its share of the rate and why, the demand it was split by, the operator's policy."""
+        return {
+            stream: (share, self._demands[stream], self._policies.get(stream, StreamPolicy()))
+            for stream, share in self._shares.items()
+        }
+
+    def resplit(self, now: float | None = None) -> None:
+        """Split the rate again by each stream's demand now: whether its publishers ran out of credit the
+        rate withheld lately, and the records/s it took (`now`: time.monotonic()). On a short timer."""
+        now = time.monotonic() if now is None else now
+        for stream, receiver in self._receivers.items():
+            taken = receiver.stats.records_received
+            when, before = self._intake.get(stream, (now, taken))
+            self._intake[stream] = (now, taken)
+            rate = self._demands[stream].taken
+            if now > when:
+                weight = 1 - math.exp(-(now - when) / INTAKE_SECONDS)
+                rate += weight * ((taken - before) / (now - when) - rate)
+            self._demands[stream] = Demand(receiver.credit_starved(BUSY_WITHIN), max(0.0, rate))
+        self._split()
+
+    def _split(self) -> None:
+        self._shares = split_rate(self._rate, self._demands, self._policies)
+        for stream, share in self._shares.items():
+            receiver = self._receivers[stream]
+            if receiver.rate != share.rate:
+                receiver.set_rate(share.rate)
 
     def credit_paused(self) -> dict[str, list[str]]:
         """Stream -> why its credit is paused now (sorted reasons: see receivers.receiver.PAUSE_REASONS)."""
@@ -246,6 +299,4 @@ class RateController:
         if rate != self._rate:
             log.debug("rate %s -> %s records/s", self._rate, rate)
         self._rate = rate
-        share = rate / len(self._receivers)
-        for receiver in self._receivers.values():
-            receiver.set_rate(share)
+        self._split()

@@ -22,6 +22,7 @@ Context = grpc.aio.ServicerContext[object, object]
 
 def rate_status(controller: RateController) -> pb.RateStatus:
     paused = controller.credit_paused()
+    shares = controller.stream_shares()
     status = pb.RateStatus(
         records_per_second=controller.rate,
         min_rate=controller.bounds.min_rate,
@@ -30,8 +31,18 @@ def rate_status(controller: RateController) -> pb.RateStatus:
         pinned=controller.pinned,
         estimator_state={k: str(v) for k, v in controller.estimator.state().items()},
         streams=[
-            pb.StreamRate(stream=s, records_per_second=r, credit_paused=paused.get(s, []))
-            for s, r in controller.stream_rates().items()
+            pb.StreamRate(
+                stream=stream,
+                records_per_second=share.rate,
+                credit_paused=paused.get(stream, []),
+                weight=policy.weight,
+                min_rate=policy.min_rate,
+                max_rate=policy.max_rate,
+                share_reason=share.reason,
+                busy=demand.busy,
+                taken_per_second=demand.taken,
+            )
+            for stream, (share, demand, policy) in shares.items()
         ],
         capacity=controller.estimator.capacity or 0.0,
     )

@@ -158,6 +158,7 @@ class SluiceServer:
             await asyncio.sleep(WATCHDOG_TICK)
             try:
                 self.rate.check_overrun()
+                self.rate.resplit()  # the rate goes where the demand is, a tick after it moves
             except Exception:  # the watchdog must outlive a bad proposal; the next batch corrects it
                 log.exception("batch watchdog failed")
 

@@ -269,6 +269,7 @@ class Receiver:
         self._record_bytes_last = float(INITIAL_RECORD_BYTES)
         self._records_seen = False
         self._paused: dict[str, float] = {}  # reason -> since (clock)
+        self._credit_starved_at = -math.inf  # when the rate last held back a session out of credit
         self._pause_logged: set[str] = set()
         self._memory_logged_at = -math.inf
         self._disk_used: int | None = None
@@ -345,6 +346,12 @@ class Receiver:
         """Meter credit at `rate` records/s from now on (inf: unlimited). Raises InvalidRateError."""
         self._bucket.set_rate(rate, self._clock())
         self._replenish()
+
+    def credit_starved(self, within: float) -> bool:
+        """Whether, within the last `within` seconds, a session ran (almost) out of credit while the rate
+        had none to give it: the stream's publishers want more than its share of the node's rate. The
+        demand signal the rate controller splits the rate by (with stats.records_received)."""
+        return self._clock() - self._credit_starved_at <= within
 
     # ---- state read by metrics and operators ---------------------------------------------------
 
@@ -625,6 +632,10 @@ class Receiver:
                 continue
             grant = self._bucket.take(min(prefetch - session.credit, free), now, at_least=quantum)
             if grant <= 0:
+                # the rate holds back a session that has under a tick's worth left: its publisher
+                # wants more than the stream's share (a quiet one keeps credit saved up instead)
+                if any(s.credit < quantum for s in active):
+                    self._credit_starved_at = now
                 break
             self._grant(session, grant)
             free -= grant

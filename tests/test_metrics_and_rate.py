@@ -143,13 +143,14 @@ async def test_rate_control_validates_and_throttles(server: SluiceServer) -> Non
         state = await stub.UpdateRate(pb.UpdateRateRequest(records_per_second=4_000, pin=True))
         state = await stub.SetEstimator(pb.SetEstimatorRequest(estimator="spark-pid"))
         assert state.estimator == "spark-pid" and not state.pinned
-    # 3,000 records at 2,000 records/s (burst 0.2 s = 400) take about 1.3 s; unthrottled ~0.1 s
+    # 3,000 records on a, b idle: a gets all but b's floor (3,900 records/s of 4,000 once the split
+    # sees a busy, burst 0.2 s) and takes about 0.7 s; unthrottled ~0.1 s
     started = time.monotonic()
     async with Producer(server.target, "a", linger=0) as producer:
         await producer.send_many([b"r"] * 3_000)
         await producer.flush(timeout=30)
     elapsed = time.monotonic() - started
-    assert 0.9 < elapsed < 10, elapsed
+    assert 0.5 < elapsed < 10, elapsed
 
 
 async def test_a_throttled_publisher_gets_credit_in_ticks_not_in_dribbles(tmp_path: Path) -> None:

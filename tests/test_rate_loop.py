@@ -216,20 +216,21 @@ async def test_a_batch_that_overruns_lowers_the_rate_before_it_completes(tmp_pat
         fitted = controller.rate
         assert fitted == pytest.approx(TARGET * 45_000, rel=0.02)
         async with Producer(server.target, "s", linger=0) as producer:
-            await producer.send_many([b"y"] * 1_000)
+            await producer.send_many([b"y"] * 40_000)
             await producer.flush(timeout=10)
         reader = SluiceStreamReader(
             {"path": str(server.config.blocks_dir), "streams": "s", "rateTarget": server.target}
         )
-        assert (await asyncio.to_thread(reader.latestOffset, {"s": 0}, ReadAllAvailable())) == {"s": 1000}
-        # 1,000 records should take 0.41 s; past 1 s the batch proves a per-record cost >= 0.6 ms
+        assert (await asyncio.to_thread(reader.latestOffset, {"s": 0}, ReadAllAvailable())) == {"s": 40_000}
+        # 40k records should take 0.93 s; at 2 s the batch proves a per-record cost >= 40 us: capacity
+        # under 15k records/s (a batch far below the operating point would prove nothing of the kind)
         await asyncio.sleep(0.5)
         assert controller.rate == fitted
-        await asyncio.sleep(1.5)
-        assert controller.rate < 0.05 * fitted
+        await asyncio.sleep(1.6)
+        assert controller.rate < 0.35 * fitted
         assert server.receivers["s"].rate == controller.rate
         # the batch completes: the watchdog has nothing to watch, the estimator takes over again
-        controller.on_batch(batch(5, 1_000, 2.1))
+        controller.on_batch(batch(5, 40_000, 2.2))
         after = controller.rate
         await asyncio.sleep(0.3)
         assert controller.rate == after

@@ -514,9 +514,29 @@ class StreamRate(_message.Message):
     STREAM_FIELD_NUMBER: _builtins.int
     RECORDS_PER_SECOND_FIELD_NUMBER: _builtins.int
     CREDIT_PAUSED_FIELD_NUMBER: _builtins.int
+    WEIGHT_FIELD_NUMBER: _builtins.int
+    MIN_RATE_FIELD_NUMBER: _builtins.int
+    MAX_RATE_FIELD_NUMBER: _builtins.int
+    SHARE_REASON_FIELD_NUMBER: _builtins.int
+    BUSY_FIELD_NUMBER: _builtins.int
+    TAKEN_PER_SECOND_FIELD_NUMBER: _builtins.int
     stream: _builtins.str
     records_per_second: _builtins.float
     """The stream's share of the rate, records per second; +Inf means unlimited."""
+    weight: _builtins.float
+    """How the node's rate is split among its streams (sluice serve --stream-weight, --stream-min-rate,
+    --stream-max-rate): the stream's weight among busy streams, and its own bounds (max +Inf: none).
+    """
+    min_rate: _builtins.float
+    max_rate: _builtins.float
+    share_reason: _builtins.str
+    """Why the stream has this share: "busy, weight 1", "idle: keeps a floor to ramp from",
+    "light: takes 3,000 records/s, room to grow", "busy, at its max rate", "unlimited", ...
+    """
+    busy: _builtins.bool
+    """Its publishers ran out of credit the rate withheld lately: they want more than its share."""
+    taken_per_second: _builtins.float
+    """Records per second the stream took lately (averaged over about half a second)."""
     @_builtins.property
     def credit_paused(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Why new credit is withheld from the stream's publishers now (empty: it is not):
@@ -529,10 +549,16 @@ class StreamRate(_message.Message):
         stream: _builtins.str = ...,
         records_per_second: _builtins.float = ...,
         credit_paused: _abc.Iterable[_builtins.str] | None = ...,
+        weight: _builtins.float = ...,
+        min_rate: _builtins.float = ...,
+        max_rate: _builtins.float = ...,
+        share_reason: _builtins.str = ...,
+        busy: _builtins.bool = ...,
+        taken_per_second: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["credit_paused", b"credit_paused", "records_per_second", b"records_per_second", "stream", b"stream"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy", b"busy", "credit_paused", b"credit_paused", "max_rate", b"max_rate", "min_rate", b"min_rate", "records_per_second", b"records_per_second", "share_reason", b"share_reason", "stream", b"stream", "taken_per_second", b"taken_per_second", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
