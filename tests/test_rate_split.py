@@ -96,6 +96,7 @@ async def test_an_idle_stream_leaves_its_share_to_the_busy_one_and_gets_it_back(
             assert not shown["b"].busy and shown["b"].share_reason == "idle: keeps a floor to ramp from"
             assert shown["a"].records_per_second + shown["b"].records_per_second == pytest.approx(TOTAL)
             text = await asyncio.to_thread(rate_get, server.target)
+            print(text)
             assert "stream a: 19750 records/s (busy, weight 3, takes " in text, text
             assert "stream b: 250 records/s (idle: keeps a floor to ramp from)\n" in text, text
             assert server.metrics_port is not None
