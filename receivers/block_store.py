@@ -58,7 +58,9 @@ class BlockStore(ABC):
 
     @abstractmethod
     def release(self, stream: str, before_seq: int) -> int:
-        """Drop the blocks of `stream` with seq < before_seq; return how many were dropped."""
+        """Drop the blocks of `stream` with seq < before_seq; return how many were dropped. Idempotent,
+        and safe from several processes at once (Spark's worker and the server both release): what is
+        released stays released, whatever order the calls land in."""
 
     # ---- resources (the writing process) ---------------------------------------------------------
 
