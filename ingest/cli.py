@@ -205,7 +205,9 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
 
     push = commands.add_parser("push", help="push lines of a file (or - for stdin) as records")
     push.add_argument("file", help="a file, or - for standard input")
-    push.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="server (default: %(default)s)")
+    push.add_argument(
+        "--target", type=_target, default=f"127.0.0.1:{DEFAULT_PORT}", help="server (default: %(default)s)"
+    )
     push.add_argument("--stream", default="default", help="stream (default: %(default)s)")
     push.add_argument(
         "--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="records per batch (default: %(default)s)"
@@ -235,7 +237,9 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
 
     rate = commands.add_parser("rate", help="read or set the ingest rate")
     server = argparse.ArgumentParser(add_help=False)
-    server.add_argument("--target", default=f"127.0.0.1:{DEFAULT_PORT}", help="server (default: %(default)s)")
+    server.add_argument(
+        "--target", type=_target, default=f"127.0.0.1:{DEFAULT_PORT}", help="server (default: %(default)s)"
+    )
     rate_commands = rate.add_subparsers(required=True, metavar="ACTION")
     get = rate_commands.add_parser("get", help="the rate, bounds, estimator, last batch", parents=[server])
     get.set_defaults(run=_rate_get)
@@ -306,6 +310,19 @@ def _stream_policies(args: argparse.Namespace) -> dict[str, StreamPolicy]:
         except ValueError as exc:
             raise ValueError(f"stream {name!r}: {exc}") from None
     return policies
+
+
+def _target(text: str) -> str:
+    """HOST:PORT (an IPv6 host in brackets), or a gRPC URI (unix:PATH, dns:///...) as it is."""
+    if ":/" in text or text.startswith(("unix:", "unix-abstract:")):
+        return text
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        # gRPC takes a port over 65535 modulo 2^16: another port, not an error
+        raise argparse.ArgumentTypeError(f"invalid target {text!r}: use HOST:PORT with a port of 1-65535")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise argparse.ArgumentTypeError(f"invalid target {text!r}: an IPv6 host goes in brackets, [{host}]")
+    return text
 
 
 def _fsync_policy(text: str) -> FsyncPolicy:

@@ -272,6 +272,12 @@ def test_a_failed_push_prints_how_to_resume_and_the_resume_doubles_nothing(
 def test_push_resume_flags_are_checked(tmp_path: Path) -> None:
     source = tmp_path / "in.txt"
     source.write_text("a\nb\n")
+    # gRPC would take 127.0.0.1:99999 as port 34463 (modulo 2^16): some other server
+    for bad in ("127.0.0.1:99999", "nohost", "", "::1:50051"):
+        result = sluice("push", str(source), "--target", bad, timeout=60)
+        assert result.returncode == 2 and b"argument --target: invalid target" in result.stderr, bad
+    result = sluice("rate", "get", "--target", "127.0.0.1:0", timeout=60)
+    assert result.returncode == 2 and b"argument --target: invalid target" in result.stderr
     no_id = sluice("push", str(source), "--resume-from", "1", timeout=60)
     assert no_id.returncode == 2 and b"--resume-from needs the --producer-id" in no_id.stderr
     negative = sluice("push", str(source), "--resume-from", "-1", "--producer-id", "p", timeout=60)
