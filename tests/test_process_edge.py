@@ -133,7 +133,7 @@ def test_a_taken_port_or_data_dir_fails_before_spark_starts(tmp_path: Path, serv
             assert message in result.stderr, (name, result.stderr.decode())
             # Spark's JVM would have said hello on stderr and taken 10 s+ here
             assert b"Spark" not in result.stderr, (name, result.stderr.decode())
-            assert took < 8, (name, took)
+            assert took < 15, (name, took)  # Spark's start alone takes 25 s+ on this machine
 
 
 def test_serve_refuses_unusable_data_dirs_ports_and_settings_at_once(tmp_path: Path) -> None:
