@@ -400,7 +400,7 @@ def _serve(args: argparse.Namespace) -> int:
         lock.release()
 
 
-async def _serve_async(config: ServeConfig, lock: DataDirLock) -> int:
+async def _serve_async(config: ServeConfig, lock: DataDirLock) -> int:  # noqa: PLR0912 - one lifecycle
     from ingest.server import SluiceServer  # noqa: PLC0415
 
     driver = None
@@ -414,7 +414,10 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock) -> int:
 
         # launch Spark's JVM (a fork + exec of this process) before gRPC runs any thread: a fork while
         # gRPC's pollers run can break both the child and the server's event engine
-        spark = await asyncio.to_thread(build_session, config.master)
+        try:
+            spark = await asyncio.to_thread(build_session, config.master)
+        except Exception as exc:  # noqa: BLE001 - py4j and PySpark raise many kinds; the JVM said why above
+            return _fail(f"cannot start Spark on {config.master}: {exc}")
     try:
         server = SluiceServer(
             config, batches_completed=lambda: driver.batches_completed if driver else 0, data_dir_lock=lock

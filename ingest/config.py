@@ -132,6 +132,9 @@ class ServeConfig:
             raise ValueError(f"trigger interval must be > 0 seconds and finite, got {self.trigger_interval}")
         if math.isinf(self.receiver.block_interval):  # nothing would be acked below block_records
             raise ValueError("block interval must be finite")
+        if self.spark and not (self.master == "yarn" or self.master.startswith(("spark", "k8s", "local"))):
+            # Spark's own check, made before its JVM starts (and dies with a Java stack trace)
+            raise ValueError(f"master {self.master!r}: Spark takes yarn, spark://..., k8s://... or local...")
         if self.segment_bytes is not None and self.segment_bytes < MIN_SEGMENT_BYTES:
             raise ValueError(f"segment bytes must be >= {MIN_SEGMENT_BYTES}, got {self.segment_bytes}")
         if self.max_message_bytes < 1024:

@@ -166,9 +166,14 @@ def test_serve_refuses_unusable_data_dirs_ports_and_settings_at_once(tmp_path: P
         (["--initial-rate", "0"], b"rate must be > 0 records/s"),
         (["--block-interval", "inf"], b"block interval must be finite"),
         (["--trigger-interval", "inf"], b"trigger interval must be > 0 seconds and finite"),
+        # Spark's JVM would check it seconds later and die with a Java and a Python stack trace
+        (["--master", "bogus"], b"master 'bogus': Spark takes yarn, spark://..., k8s://... or local..."),
     ]:
-        result = sluice("serve", *no_spark(0, tmp_path / "f"), *flags, timeout=60)
+        spark = flags[0] == "--master"
+        where = ["--port", "0", "--data-dir", str(tmp_path / "f")]
+        result = sluice("serve", *(where if spark else no_spark(0, tmp_path / "f")), *flags, timeout=60)
         assert result.returncode == 2 and message in result.stderr, (flags, result.stderr.decode())
+        assert b"Traceback" not in result.stderr
 
 
 async def test_sluice_server_locks_its_data_dir_until_stopped(tmp_path: Path) -> None:
