@@ -515,6 +515,13 @@ class Producer:
         loop = asyncio.get_running_loop()
         if self._lost_since is None:
             self._lost_since = loop.time()
+            log.warning(
+                "session with the server at %s lost (%s: %s); reconnecting for up to %g s",
+                self.target,
+                failure.status.name,
+                failure.message,
+                self.reconnect_timeout,
+            )
         delay = self.reconnect_backoff
         attempts = 0
         while True:
