@@ -109,8 +109,8 @@ class Producer:
 
     `first_seq` is the sequence number of the first record (default 0): a producer id that resumes an
     earlier run's numbering starts where that run's acks ended (records of a known producer below the
-    server's mark are dropped as duplicates; past it, OUT_OF_RANGE). `acked` and `sent` count from 0, so
-    they include it.
+    server's mark are dropped as duplicates; past it, OUT_OF_RANGE). `acked`, `sent` and `ever_sent` are
+    sequence numbers, so they start at it.
 
     `start_timeout` bounds how long start() retries a server that cannot be reached (UNAVAILABLE), with
     the reconnect backoff, logging a WARNING that names the target; then StartTimeoutError. 0: one try.
