@@ -21,6 +21,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from support import running_server
 from test_cli import SLUICE, sluice, wait_for_line
 
 from ingest.client import Producer, SyncProducer
@@ -451,3 +452,26 @@ def test_the_lock_is_not_inherited_by_children(tmp_path: Path) -> None:
     finally:
         child.kill()
         child.wait()
+
+
+async def test_first_seq_resumes_a_producer_and_a_gap_past_its_mark_is_refused(tmp_path: Path) -> None:
+    async with running_server(tmp_path, "s") as server:
+        async with Producer(server.target, "s", producer_id="p") as first:
+            await first.send_many([b"0", b"1", b"2"])
+        # a second run resumes at 1: what the server holds of it (1, 2) is dropped, 3 is new
+        async with Producer(server.target, "s", producer_id="p", first_seq=1) as resumed:
+            await resumed.send_many([b"1", b"2", b"3"])
+            await resumed.flush(timeout=30)
+            assert resumed.acked == resumed.ever_sent == 4
+        gap = Producer(server.target, "s", producer_id="p", first_seq=10)
+        await gap.start()
+        with pytest.raises(RPCError) as info:
+            await gap.send(b"10")
+            await gap.flush(timeout=30)
+        assert info.value.status == grpc.StatusCode.OUT_OF_RANGE
+        await gap.abort()
+        batches = [batch for block in server.store.blocks("s") for batch in server.store.read(block)]
+        values = [v for batch in batches for v in batch.column("value").to_pylist()]
+    assert values == [b"0", b"1", b"2", b"3"]
+    with pytest.raises(ValueError, match="first_seq"):
+        Producer("127.0.0.1:1", "s", first_seq=-1)
