@@ -81,14 +81,15 @@ class Open(_message.Message):
     """The stream to publish to; it must exist on the server."""
     producer_id: _builtins.str
     """Identifies the producer across sessions (idempotent producers); empty means anonymous (no
-    deduplication, no fencing). A new session of a producer that still has a session open on the
+    deduplication, no fencing). At most 256 bytes of UTF-8, else INVALID_ARGUMENT. A new session of a producer that still has a session open on the
     stream fences the old one: it gets Cancel{code ABORTED, "superseded by a newer session of producer
     X"}, what it had accepted is still sealed and acked.
     """
     resume_from_seq: _builtins.int
     """Sequence number of the first record this session will send. Below what the server accepted of the
     producer: the records sent again are duplicates (dropped, acked). Beyond it (a gap): the first Batch
-    fails the session with OUT_OF_RANGE, unless the server does not know the producer.
+    fails the session with OUT_OF_RANGE, unless the server does not know the producer. Sequence numbers
+    run from 0 to 2^64 - 2: 2^64 - 1 here leaves no record to send.
     """
     def __init__(
         self,
@@ -125,9 +126,10 @@ class Batch(_message.Message):
     session a batch starts where the previous one ended (resume_from_seq for the first), else
     INVALID_ARGUMENT. Its records below what the server accepted of the producer are dropped as
     duplicates (the credit they used is returned); a batch starting beyond it is OUT_OF_RANGE (a gap).
+    first_seq + count <= 2^64 - 1 (the seq after the last record must fit 64 bits), else OUT_OF_RANGE.
     """
     count: _builtins.int
-    """Number of records, > 0."""
+    """Number of records, > 0 and at most the credit outstanding."""
     values: _builtins.bytes
     """Values concatenated."""
     value_offsets: _builtins.bytes
