@@ -81,9 +81,10 @@ class Open(_message.Message):
     """The stream to publish to; it must exist on the server."""
     producer_id: _builtins.str
     """Identifies the producer across sessions (idempotent producers); empty means anonymous (no
-    deduplication, no fencing). At most 256 bytes of UTF-8, else INVALID_ARGUMENT. A new session of a producer that still has a session open on the
-    stream fences the old one: it gets Cancel{code ABORTED, "superseded by a newer session of producer
-    X"}, what it had accepted is still sealed and acked.
+    deduplication, no fencing). At most 256 bytes of UTF-8, else INVALID_ARGUMENT. A new session of a
+    producer that still has a session open on the stream fences the old one: it gets Cancel{code
+    ABORTED, "superseded by a newer session of producer X"}, what it had accepted is still sealed and
+    acked.
     """
     resume_from_seq: _builtins.int
     """Sequence number of the first record this session will send. Below what the server accepted of the
