@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import threading
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
@@ -140,6 +141,7 @@ class SparkDriver:
 
     def start(self) -> None:
         """Start the query (blocking for a few seconds: call from a worker thread in async code)."""
+        _clear_interrupted_writes(self.config.checkpoint_dir / self.query_name)
         self.spark.streams.addListener(self._listener)
         self.query = start_query(
             self.spark,
@@ -234,6 +236,27 @@ def _is_sluice_offset(offset: object, streams: Sequence[str]) -> TypeGuard[dict[
         and set(offset) <= set(streams)
         and all(type(v) is int for v in offset.values())
     )
+
+
+_SPARK_TEMP_FILE = re.compile(r"^\.\.?\d+\.[0-9a-fA-F-]+\.tmp(\.crc)?$")
+"""A metadata log entry Spark was writing (`.<batch>.<uuid>.tmp`, and Hadoop's `..<same>.crc`): it writes
+each entry to such a file and renames it into place."""
+
+
+def _clear_interrupted_writes(checkpoint: Path) -> None:
+    """Remove what a kill -9 left of an entry Spark was writing to the offset or commit log.
+
+    Spark ignores those files when it reads the logs, but a query with no complete offset log entry
+    (killed while writing batch 0's) checks that offsets/ and commits/ are empty
+    (verifyNewCheckpointDirectory, spark.sql.streaming.verifyCheckpointDirectoryEmptyOnStart) and fails
+    with STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY on every start after. The query is not running (the
+    data dir is this server's), so no such file is a write in progress.
+    """
+    for log_dir in ("offsets", "commits"):
+        for name in _listdir(checkpoint / log_dir):
+            if _SPARK_TEMP_FILE.match(name):
+                log.info("removing %s/%s, left by an interrupted checkpoint write", log_dir, name)
+                (checkpoint / log_dir / name).unlink(missing_ok=True)
 
 
 def _listdir(path: Path) -> list[str]:

@@ -184,6 +184,42 @@ async def test_an_idle_query_releases_a_batch_whose_event_was_lost(
         await asyncio.to_thread(driver.stop)
 
 
+@pytest.mark.spark
+async def test_a_kill_while_spark_wrote_its_first_offsets_does_not_block_every_restart(
+    spark: Any, tmp_path: Path
+) -> None:
+    # what `sluice serve` killed -9 while Spark wrote batch 0's offset log entry leaves (seen in
+    # test_crash): Spark's temp file, which Spark's check for a new checkpoint then found non-empty
+    # (STATE_STORE_CHECKPOINT_LOCATION_NOT_EMPTY) at every start
+    config = ServeConfig(
+        port=0,
+        metrics_port=None,
+        data_dir=tmp_path,
+        streams=("s",),
+        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
+        trigger_interval=0.5,
+    )
+    offsets = config.checkpoint_dir / "killed" / "offsets"
+    offsets.mkdir(parents=True)
+    temp = ".0.05e0796a-48bd-4d84-bfc8-5680154f6ba5.tmp"
+    (offsets / temp).write_text('v1\n{"batchWatermarkMs":0,"batchTimestampMs":1,"conf":{}}\n{"s": 3}\n')
+    (offsets / f".{temp}.crc").write_bytes(b"crc\x00")
+    async with running_server(tmp_path, "s") as server, Producer(server.target, "s") as producer:
+        await producer.send_many([b"a", b"b", b"c"])
+        await producer.flush(timeout=30)
+    driver = SparkDriver(spark, config, query_name="killed")
+    try:
+        await asyncio.to_thread(driver.start)
+        deadline = time.monotonic() + 120
+        while sorted(sink_values(spark, config.sink_dir)) != [b"a", b"b", b"c"]:
+            assert driver.error() is None, driver.error()
+            assert time.monotonic() < deadline, "the records did not reach the sink"
+            await asyncio.sleep(0.2)
+        assert sorted(p.name for p in offsets.iterdir() if not p.name.startswith(".")) == ["0"]
+    finally:
+        await asyncio.to_thread(driver.stop)
+
+
 # ---- concurrent releases ---------------------------------------------------------------------------
 
 RELEASER = """
