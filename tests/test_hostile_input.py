@@ -281,6 +281,8 @@ async def test_a_message_over_the_size_limit_is_resource_exhausted_and_leaks_not
     limit = server.config.max_message_bytes
     code, details, _ = await one_call(server.target, open_frame(), batch_frame(0, 1, b"x" * (limit + 1)))
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    code, details, _ = await one_call(server.target, open_frame("p" * (limit + 1)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
     receiver = server.receivers[STREAM]
     await wait_until(lambda: receiver.active_sessions == 0 and receiver.credit_outstanding == 0)
     await bystander_works(server)
