@@ -1,5 +1,6 @@
 """What Spark has committed leaves the block store without waiting for another batch: on a real Spark
-query (the shared session) against a real server, and on a real checkpoint after a restart. And the
+query (the shared session) against a real server, under a disk budget below one batch, after a restart
+over the budget, and with a progress event lost; a checkpoint a kill left mid-write still starts. And the
 released mark stays sound while several processes release at once (the server and Spark's worker)."""
 
 from __future__ import annotations
@@ -76,7 +77,6 @@ async def test_a_disk_budget_below_one_batch_still_moves_data(spark: Any, tmp_pa
             await asyncio.sleep(0.5)
         assert Counter(got) == Counter(values)  # every record exactly once
         # and the idle stream's last batch leaves the store too (it used to wait for a next batch)
-        await asyncio.sleep(0)
         deadline = time.monotonic() + 30
         while server.store.blocks("s") and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
