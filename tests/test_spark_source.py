@@ -25,6 +25,7 @@ from ingest.spark.source import (
     BlockPartition,
     DataLossError,
     SluiceStreamReader,
+    _admit,
 )
 from receivers.block import BLOCK_SCHEMA, BlockInfo
 from receivers.wal import FsyncPolicy, WalBlockStore
@@ -187,6 +188,22 @@ def test_min_partitions_spreads_a_small_batch(tmp_path: Path) -> None:
     assert rows_of([b for p in parts for b in reader.read(p)]) == expected
     many = reader_for(tmp_path, "a", minPartitions="64")  # never more partitions than records
     assert len(many.partitions(start, {"a": 5})) == 5
+
+
+def test_a_capped_batch_is_shared_by_the_streams_weights() -> None:
+    # the server splits intake by --stream-weight; a batch's cap follows the same weights, so a
+    # backlog drains in the proportions it was taken in (an even split would let a=3's backlog grow)
+    start = {"a": 0, "b": 0}
+    assert _admit(start, {"a": 1000, "b": 1000}, 100, {"a": 3.0, "b": 1.0}) == {"a": 75, "b": 25}
+    # a stream needing less than its weighted part leaves the rest to the others
+    assert _admit(start, {"a": 1000, "b": 10}, 100, {"a": 1.0, "b": 3.0}) == {"a": 90, "b": 10}
+    # unknown, zero or non-finite weights count as 1: an even split, as without weights
+    even = _admit(start, {"a": 1000, "b": 1000}, 100, None)
+    assert even == {"a": 50, "b": 50}
+    assert _admit(start, {"a": 1000, "b": 1000}, 100, {"a": 0.0, "b": float("nan")}) == even
+    # never more than the cap, never more than is there, at least one record when any is there
+    assert _admit(start, {"a": 5, "b": 0}, 100, {"a": 2.0}) == {"a": 5, "b": 0}
+    assert sum(_admit(start, {"a": 9, "b": 9}, 1, {"a": 1.0, "b": 100.0}).values()) == 1
 
 
 def test_read_max_rows_caps_a_batch_to_the_record(tmp_path: Path) -> None:

@@ -38,6 +38,9 @@ class LiveRateCap:
         self._start_batch_unsupported = False
         self.answered = False
         """Whether the last records_per_batch had the server's answer (not the last cap kept)."""
+        self.weights: dict[str, float] = {}
+        """Stream -> its weight in the server's split of the rate, as of the last answer: a batch's
+        cap is shared out the same way."""
 
     def records_per_batch(self, trigger_seconds: float) -> int | None:
         """max(rate, estimated capacity) x trigger interval, at least 1; None while unlimited or unknown.
@@ -51,6 +54,7 @@ class LiveRateCap:
             request = pb.GetRateRequest(wait_for_batch_seconds=BATCH_WAIT, seal_blocks=True)
             status = self._stub.GetRate(request, timeout=self._timeout + BATCH_WAIT)
             rate = max(status.records_per_second, status.capacity)
+            self.weights = {s.stream: s.weight for s in status.streams if s.weight > 0}
         except grpc.RpcError as exc:
             self._no_answer(exc)
             self.answered = False

@@ -40,6 +40,7 @@ data loss.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from itertools import pairwise
@@ -216,7 +217,7 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if isinstance(limit, ReadAllAvailable):
             end = _sorted(available)
         elif isinstance(limit, ReadMaxRows):
-            end = _sorted(_admit(start, available, limit.max_rows))
+            end = _sorted(_admit(start, available, limit.max_rows, self._stream_weights()))
         else:
             raise TypeError(f"sluice source: unsupported read limit {limit!r}")
         records = sum(end[s] - start.get(s, 0) for s in end)
@@ -310,6 +311,9 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._rate_client = LiveRateCap(self.rate_target)
         return self._rate_client.records_per_batch(self.trigger_seconds)
 
+    def _stream_weights(self) -> Mapping[str, float] | None:
+        return self._rate_client.weights if self._rate_client is not None else None
+
     def _available_end(self, stream: str, start: int) -> int:
         """Offset after the last record of `stream` that a batch from `start` may read."""
         blocks = self.store.blocks(stream)
@@ -374,21 +378,36 @@ def parse_streams(value: str) -> list[str]:
     return [check_stream_name(name) for name in dict.fromkeys(names)]
 
 
-def _admit(start: Mapping[str, int], available: Mapping[str, int], max_rows: int) -> Offset:
-    """End offsets admitting at most max_rows records (at least 1 when any is there), shared out
-    evenly over the streams that have records: a stream needing less than its share leaves the rest
-    to the others (water-filling), so no stream starves another."""
+def _admit(
+    start: Mapping[str, int],
+    available: Mapping[str, int],
+    max_rows: int,
+    weights: Mapping[str, float] | None = None,
+) -> Offset:
+    """End offsets admitting at most max_rows records (at least 1 when any is there), shared out over
+    the streams that have records by their weights (the operator's --stream-weight, as the server
+    splits intake; 1 each when unknown): a stream needing less than its share leaves the rest to the
+    others (water-filling), so no stream starves another, and a backlog drains in the proportions it
+    was taken in."""
     want = {s: available[s] - start.get(s, 0) for s in available}
     end = {s: start.get(s, 0) for s in available}
+    weight = {s: _weight(weights, s) for s in want}
     budget = max(1, max_rows)
-    hungry = sorted((s for s in want if want[s] > 0), key=lambda s: want[s])
+    # least wanted per weight first: each takes at most its weighted part of what is left
+    hungry = sorted((s for s in want if want[s] > 0), key=lambda s: want[s] / weight[s])
     while hungry and budget > 0:
-        share = max(1, budget // len(hungry))
+        total = sum(weight[s] for s in hungry)
         stream = hungry.pop(0)
+        share = max(1, int(budget * weight[stream] / total))
         take = min(want[stream], share, budget)
         end[stream] += take
         budget -= take
     return end
+
+
+def _weight(weights: Mapping[str, float] | None, stream: str) -> float:
+    w = weights.get(stream, 1.0) if weights else 1.0
+    return w if w > 0 and math.isfinite(w) else 1.0
 
 
 def _balanced(slices: Sequence[SliceTuple], min_partitions: int) -> list[list[SliceTuple]]:
