@@ -173,6 +173,7 @@ class SparkDriver:
     def stop(self) -> None:
         """Stop the query and remove the listener (blocking). Idempotent."""
         if self.query is not None:
+            _quiet_job_cancel(self.spark)
             self.query.stop()
         self.spark.streams.removeListener(self._listener)
         # the last batch's event may still be on its way (the listener bus is asynchronous) and is
@@ -326,3 +327,17 @@ def drive_rate(driver: SparkDriver, server: SluiceServer, loop: asyncio.Abstract
         loop.call_soon_threadsafe(on_loop, batch)
 
     driver.on_batch(hand_over)
+
+
+def _quiet_job_cancel(spark: Any) -> None:
+    """Stopping a query that is between batches makes Spark 4's DAGScheduler warn, twice, that it
+    "Failed to cancel job group ... Cannot find active jobs for it": nothing was wrong, and a clean
+    stop should print nothing an operator has to read. Only that logger, only from here on."""
+    try:
+        jvm = spark.sparkContext._jvm
+        level = jvm.org.apache.logging.log4j.Level.ERROR
+        jvm.org.apache.logging.log4j.core.config.Configurator.setLevel(
+            "org.apache.spark.scheduler.DAGScheduler", level
+        )
+    except Py4JError:  # another logging backend: the two lines stay
+        log.debug("could not quiet the DAGScheduler's job-cancel warning", exc_info=True)
