@@ -263,13 +263,32 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     listing.add_argument("--stream", default="", help="one stream (default: all)")
     listing.set_defaults(run=_sessions_list)
     cancel = session_commands.add_parser("cancel", help="cancel a session", parents=[server])
-    cancel.add_argument("session_id", type=int, metavar="ID")
+    cancel.add_argument("session_id", type=_int_in(1, 2**64 - 1, "a session id"), metavar="ID")
     cancel.add_argument("--reason", default="", help="told to the client")
     cancel.add_argument(
-        "--code", type=int, default=0, help="gRPC status code the session ends with (default: 1)"
+        "--code",
+        type=_int_in(-(2**31), 2**31 - 1, "a status code"),
+        default=0,
+        help="gRPC status code the session ends with (default: 1)",
     )
     cancel.set_defaults(run=_sessions_cancel)
     return parser
+
+
+def _int_in(low: int, high: int, what: str) -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high], else a usage error naming the range (a value
+    the wire cannot carry would otherwise fail with a protobuf stack trace)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{what} is in {low}..{high}, got {value}")
+        return value
+
+    return parse
 
 
 def _size(text: str) -> int:
@@ -533,15 +552,18 @@ def _push(args: argparse.Namespace) -> int:
 async def _push_async(args: argparse.Namespace, source: IO[bytes], progress: _Progress) -> int:
     from ingest.client import Producer  # noqa: PLC0415
 
-    producer = Producer(
-        args.target,
-        args.stream,
-        producer_id=args.producer_id,
-        batch_size=args.batch_size,
-        first_seq=args.resume_from,
-        start_timeout=args.timeout,
-        reconnect_timeout=args.timeout,
-    )
+    try:
+        producer = Producer(
+            args.target,
+            args.stream,
+            producer_id=args.producer_id,
+            batch_size=args.batch_size,
+            first_seq=args.resume_from,
+            start_timeout=args.timeout,
+            reconnect_timeout=args.timeout,
+        )
+    except ValueError as exc:  # a flag the SDK refuses (a batch size over its buffer, a seq past 2^64-2)
+        return _fail(f"cannot push with these flags: {exc}", EXIT_USAGE)
     read = _InputLines(source)
     # before the session opens: its Open tells the server that the records below are this producer's
     if not await read.skip(args.resume_from):

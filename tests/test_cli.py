@@ -243,3 +243,23 @@ def test_serve_rejects_bad_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert b"argument --disk-budget: invalid size '12XB'" in result.stderr
     tiny = sluice("serve", "--no-spark", "--data-dir", str(tmp_path), "--segment-bytes", "100")
     assert tiny.returncode == 2 and b"segment bytes must be >= 4096" in tiny.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["sessions", "cancel", str(2**64)], b"a session id is in 1..18446744073709551615"),
+        (["sessions", "cancel", "-1"], b"a session id is in 1.."),
+        (["sessions", "cancel", "5", "--code", str(2**31)], b"a status code is in"),
+        (["push", "-", "--batch-size", "99999999999"], b"cannot push with these flags"),
+        (
+            ["push", "-", "--producer-id", "p", "--resume-from", str(2**64 - 1)],
+            b"cannot push with these flags",
+        ),
+    ],
+)
+def test_values_the_wire_cannot_carry_are_usage_errors(args: list[str], says: bytes) -> None:
+    # they failed with a protobuf or SDK stack trace (exit 1), before any connection was tried
+    result = sluice(*args, "--target", "127.0.0.1:1", stdin=b"x\n", timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert says in result.stderr and b"Traceback" not in result.stderr, result.stderr
