@@ -19,7 +19,7 @@ from ingest.preflight import DataDirLock, bind_address, make_dirs
 from ingest.rate_controller import WATCHDOG_TICK, RateController
 from ingest.rate_service import RateControlService
 from ingest.sessions_service import SessionsService
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from receivers.parsed_service import add_parsed_servicer
 from receivers.publish_service import PublishService
 from receivers.receiver import Receiver
 from receivers.wal import WalBlockStore
@@ -103,8 +103,9 @@ class SluiceServer:
             ]
         )
         PublishService(self.receivers).add_to_server(server)  # parses client messages itself
-        pb_grpc.add_RateControlServicer_to_server(RateControlService(self.rate, self.receivers), server)
-        pb_grpc.add_SessionsServicer_to_server(SessionsService(self.receivers), server)
+        # requests parsed in the handler: an undecodable one is INVALID_ARGUMENT, not gRPC's UNKNOWN
+        add_parsed_servicer(server, RateControlService(self.rate, self.receivers), "RateControl")
+        add_parsed_servicer(server, SessionsService(self.receivers), "Sessions")
         address = bind_address(self.config.host, self.config.port)
         detail = ""
         try:

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Mapping
 import grpc
 
 from receivers.errors import InvalidMessage, ProtocolViolation, ReceiverError, UnknownStream, cut, shown
+from receivers.parsed_service import add_parsed_servicer
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import Receiver
@@ -28,7 +29,6 @@ log = logging.getLogger(__name__)
 
 
 _BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
-_SERVICE = pb.DESCRIPTOR.services_by_name["Ingest"].full_name
 
 
 def status_code(error: ReceiverError) -> grpc.StatusCode:
@@ -49,16 +49,7 @@ class PublishService(pb_grpc.IngestServicer):
         """Serve Publish on `server`, its client messages handed over as bytes: gRPC's own deserializer
         (what add_IngestServicer_to_server registers) fails an undecodable message before this code sees
         it, and the call ends UNKNOWN; parsed here, it ends INVALID_ARGUMENT like any other bad input."""
-        handlers = {
-            "Publish": grpc.stream_stream_rpc_method_handler(
-                self.Publish,
-                request_deserializer=None,
-                response_serializer=pb.PublishResponse.SerializeToString,
-            )
-        }
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_SERVICE, handlers),))
-        # as the generated code does (grpcio >= 1.65; not in its type stubs yet): served without a lookup
-        server.add_registered_method_handlers(_SERVICE, handlers)  # type: ignore[attr-defined]
+        add_parsed_servicer(server, self, "Ingest")
 
     async def Publish(
         self,

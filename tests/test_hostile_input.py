@@ -370,3 +370,37 @@ async def test_after_cancel_later_messages_do_not_change_the_outcome(
             await newer.close()
             await channel.close(None)
         assert receiver.stats.records_acked == 10
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        "/ingest.v1.RateControl/GetRate",
+        "/ingest.v1.RateControl/UpdateRate",
+        "/ingest.v1.RateControl/SetBounds",
+        "/ingest.v1.RateControl/SetEstimator",
+        "/ingest.v1.RateControl/StartBatch",
+        "/ingest.v1.Sessions/ListSessions",
+        "/ingest.v1.Sessions/CancelSession",
+    ],
+)
+async def test_an_undecodable_operator_request_is_invalid_argument(tmp_path: Path, method: str) -> None:
+    # gRPC's generated handlers ended these UNKNOWN ("Unexpected DecodeError"), as Publish did
+    async with running_server(tmp_path) as server:
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            call = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+            for garbage in (b"\x0a\x02\xff\xfe", b"\x1a\x02\xff\xfe", b"\x12\x05\x01"):
+                # bytes that may parse for one method (a field of another type is skipped as unknown)
+                # get its own answer, or INVALID_ARGUMENT: a documented status, never UNKNOWN
+                try:
+                    await call(garbage, timeout=10)
+                except grpc.aio.AioRpcError as error:
+                    assert error.code() not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), error
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await call(b"\xff\xff\xff", timeout=10)
+            assert raised.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert "undecodable" in (raised.value.details() or "")
+        # the service still answers
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            status = await pb_grpc.RateControlStub(channel).GetRate(pb.GetRateRequest(), timeout=10)
+            assert status.records_per_second > 0
