@@ -70,7 +70,15 @@ def reconnectable(error: RPCError, *, cancelled_in_band: bool = False) -> bool:
         return True
     if error.status is grpc.StatusCode.CANCELLED:
         return not cancelled_in_band
+    return _transport_failure(error)
+
+
+def _transport_failure(error: RPCError) -> bool:
+    """INTERNAL raised by grpc itself when the stream broke under a write or the peer reset it."""
     return error.status is grpc.StatusCode.INTERNAL and any(s in error.message for s in _TRANSPORT_FAILURES)
+
+
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
 Call = grpc.aio.StreamStreamCall[pb.PublishRequest, pb.PublishResponse]
@@ -642,7 +650,7 @@ class Producer:
             listener()
 
     async def _read_loop(self, call: Call) -> None:
-        cancelled = False
+        cancelled: grpc.StatusCode | None = None  # the code of the server's in-band Cancel, once sent
         try:
             async for response in call:
                 kind = response.WhichOneof("kind")
@@ -651,7 +659,7 @@ class Producer:
                         await self._protocol_error(
                             call, f"server sent Request(n={response.request.n}); n must be > 0 (rule 3.9)"
                         )
-                    if not cancelled:  # no credit after a Cancel (rule 3.6)
+                    if cancelled is None:  # no credit after a Cancel (rule 3.6)
                         self._credit = min(MAX_DEMAND, self._credit + response.request.n)
                         self._lost_since = None  # the server took this session: reconnected
                 elif kind == "ack":
@@ -665,12 +673,18 @@ class Producer:
                 elif kind == "cancel":
                     # the server takes nothing more: stop sending; records from accepted_up_to on were
                     # not accepted and stay unacked (resent after a reconnect, if the status allows)
-                    cancelled = True
+                    cancelled = _STATUS_BY_NUMBER.get(response.cancel.code, grpc.StatusCode.CANCELLED)
                     self.cancel_reason = response.cancel.reason or "cancelled"
                     self._credit = 0
                 self._wake()
         except grpc.aio.AioRpcError as exc:
-            raise RPCError.from_grpc(exc) from None
+            error = RPCError.from_grpc(exc)
+            if cancelled is not None and _transport_failure(error):
+                # the Cancel said how the call ends; grpc.aio's client may report a write that raced
+                # that end as INTERNAL "Internal error from Core" (grpc/grpc#36066), which must not turn
+                # a fenced (ABORTED) or refused session into a reconnect
+                error = RPCError(cancelled, self.cancel_reason or "cancelled")
+            raise error from None
 
     async def _protocol_error(self, call: Call, message: str) -> None:
         """The server broke the contract: tell it in-band (gRPC has no client status), end, raise."""
