@@ -12,11 +12,17 @@ estimator instead:
    batches had about the same size (or their spread explains less of the times than the noise does) the
    two costs cannot be told apart; a weak prior on the fixed cost (the last fixed cost that was
    identifiable, at first `prior_fixed_cost` x interval) then keeps `a` and puts the rest of the time
-   on `b`, which still predicts batches of that size exactly.
-2. Capacity is what a batch per interval can hold: `capacity = (interval - a) / (b * interval)`
-   records/s, and never less than records / seconds of the batch just done if it took at most about
-   an interval (it proved that much, whatever the fit says); steady state runs at `target_utilisation`
-   x capacity, not biased by batch size.
+   on `b`, which still predicts batches of that size exactly. Where sizes varied but the times did not
+   follow beyond their noise (fixed-cost dominated batches on a loaded machine), `b` is at most what
+   that spread could hide in the noise and `a` the rest ("bounded"), whatever the prior guessed.
+2. Capacity is what a batch per period can hold: `capacity = (period - a) / (b * period)` records/s,
+   and never less than records / seconds of the batch just done if it took at most about a period (it
+   proved that much, whatever the fit says); steady state runs at `target_utilisation` x capacity, not
+   biased by batch size. The period is the interval, unless the fixed cost takes more than
+   `max_fixed_share` of it: then a batch is planned to take a / (1 - max_fixed_share) (Spark starts
+   the next at once), so a fixed cost over the interval (1 s against a 0.5 s trigger on a loaded
+   machine) still leaves room for records, where one interval had none (capacity 0: batches at the
+   floor). The `capacity` an estimator reports for the source's cap is per interval: x period / interval.
 3. Backlog is counted in records. Where records wait in a queue that batches take from (Sluice's
    store), the controller counts what waits when a batch completes (`BatchMetrics.waiting`), whatever
    the rate did meanwhile: what the next batch, at capacity, cannot take is backlog. Otherwise it is
@@ -44,7 +50,8 @@ estimator instead:
    recent batches, nor `max_growth` x the largest of them per interval. So an under-determined fit
    cannot overshoot far, while a pipeline found much faster than the first guess is reached in a batch
    or two (a 10k-record batch done in 0.35 s allows ~43k records/s next). These caps win over the floor:
-   when clients send little, the rate follows their load up by at most that much per batch.
+   when clients send little, the rate follows their load up by at most that much per batch. A bounded
+   fit (1) extrapolates a per-record cost that may be far under the truth: its capacity is capped so.
 7. A watchdog (`overrun`): while a batch runs past its interval and past its predicted time by more
    than `overrun_threshold`, it has already shown a per-record cost of at least (elapsed - a) / records.
    That lower bound caps capacity and the rate at once, before the batch completes: after a cost
@@ -61,6 +68,14 @@ estimator instead:
    Such a batch is not fitted, not judged an outlier and proposes no rate: it only bounds capacity
    from below (records / seconds, if done within about an interval). Nor does the watchdog read a
    per-record cost from one that overruns (7).
+
+9. Batches alike carry no news of how their time splits, and held alike they never will: at the floor
+   (min rate x interval, e.g. after a restart with a backlog) an anchored fit on a low prior reads
+   their time as per-record cost and keeps them there. So while records wait beyond the next batch and
+   the fit is anchored, the next may try `max_stretch` x the records (at most that many times as long
+   if all were per-record cost), and is not cut on the prior's guess until a fit tells the costs apart:
+   a tried batch that took about as long is tried larger again, one that took longer is held, a second
+   in a row that took longer ends it (`_probe`). Not after a batch far slower than the others.
 
 Until a first batch has been fitted it proposes no rate but a warm-up batch's raise (5): the initial
 rate stays in force.
@@ -90,6 +105,11 @@ the fit's residual noise."""
 _SHOWN_WITHIN = 1.05
 """A batch done within this many intervals shows a capacity of at least its records / seconds: exact
 up to the interval (the fixed cost makes smaller batches slower per record), <= 5% over it beyond."""
+_SURPRISE_NOISE = 3.0
+"""A batch is off the fit only if it is off by this many times the fit's noise as well."""
+_PER_RECORD_SHOWN = 0.5
+"""A tried larger batch shows per-record cost when it took at least this share of the time it would
+have added were all of the smaller batch's time per record."""
 _OUTLIER_WEIGHT = 0.1
 _MIN_WEIGHT = 1e-12
 _IDENTIFIABLE_CV = 0.1
@@ -126,6 +146,7 @@ class ModelEstimator(RateEstimator):
         overrun_threshold: float = 0.1,
         change_threshold: float = 0.25,
         prior_fixed_cost: float = 0.25,
+        max_fixed_share: float = 0.5,
         window: int = 16,
     ) -> None:
         """
@@ -148,6 +169,10 @@ class ModelEstimator(RateEstimator):
             change_threshold: relative error of the fit beyond which a batch is an outlier.
             prior_fixed_cost: fixed cost per batch assumed before it can be fitted, as a share of the
                 interval (0 <= p < 1); a low prior errs on the safe side (capacity underestimated).
+            max_fixed_share: the largest share of a batch's time planned for its fixed cost (0 < s < 1).
+                Where the fixed cost is more than that share of the interval, batches are planned to
+                take fixed cost / (1 - s) (Spark starts the next at once) rather than one interval, in
+                which ever fewer records fit: 0.5 spends at least half of each batch on records.
             window: most batches kept for the fit (>= 2).
         """
         super().__init__(bounds=bounds, initial_rate=initial_rate)
@@ -160,6 +185,7 @@ class ModelEstimator(RateEstimator):
         _check_range("max_stretch", max_stretch, 1, math.inf, low_open=True, high_open=True)
         _check_range("change_threshold", change_threshold, 0, math.inf, low_open=True, high_open=True)
         _check_range("prior_fixed_cost", prior_fixed_cost, 0, 1, high_open=True)
+        _check_range("max_fixed_share", max_fixed_share, 0, 1, low_open=True, high_open=True)
         _check_range("warmup_batches", warmup_batches, 0, math.inf, high_open=True, whole=True)
         _check_range("window", window, 2, math.inf, high_open=True, whole=True)
         self.target_utilisation = target_utilisation
@@ -172,6 +198,7 @@ class ModelEstimator(RateEstimator):
         self.overrun_threshold = overrun_threshold
         self.change_threshold = change_threshold
         self.prior_fixed_cost = prior_fixed_cost
+        self.max_fixed_share = max_fixed_share
         self.window = int(window)
 
         self._points: list[_Point] = []
@@ -183,20 +210,32 @@ class ModelEstimator(RateEstimator):
         self._changes = 0
         self._overruns = 0
         self._small_batches = 0  # batches far below the operating point: not fitted (8)
+        self._probes = 0  # batches let grow to tell the costs apart (9)
+        self._probed: tuple[int, float] | None = None  # (records, seconds) of the batch a probe grew
+        self._probing = False
+        self._shown = 0  # probes in a row that took longer, as per-record cost would
         self._proposed: float | None = None  # the latest rate _estimate proposed
         self._watched: float | None = None  # how long the running batch was seen running, when the
         # watchdog found it slower than the fit: a lower bound on its time
         # the latest fit and what was derived from it, for state()
         self._a: float | None = None
         self._b: float | None = None
-        self._fit = "none"  # "anchored": fixed cost from the prior; "fitted": both costs from data
-        self._capacity: float | None = None
+        self._fit = "none"  # "anchored": fixed cost from the prior; "fitted": both costs from data;
+        # "bounded": the per-record cost at most what the sizes' spread can hide in the noise
+        self._capacity: float | None = None  # records/s, with a batch every _period seconds
+        self._interval = 1.0  # the trigger interval of the latest batch
+        self._period = 1.0  # seconds a batch is planned to take: the interval, or more (2)
         self._backlog: float | None = None
         self._drain_seconds: float | None = None
 
     @property
     def capacity(self) -> float | None:
-        return self._capacity
+        """Records per trigger interval a batch may hold (the source caps a batch at this x interval):
+        the records/s the pipeline processes, scaled by period / interval where its fixed cost makes a
+        batch take longer than the interval (2)."""
+        if self._capacity is None:
+            return None
+        return self._capacity * self._period / self._interval
 
     def _estimate(self, batch: BatchMetrics) -> float | None:
         if batch.completed_at <= self._latest_time:
@@ -207,21 +246,24 @@ class ModelEstimator(RateEstimator):
         interval = batch.batch_interval
         if self._batches == 1:
             self._prior_a = self.prior_fixed_cost * interval
+            self._period = self._interval = interval
         if batch.records == 0 or batch.processing_delay == 0:
             return None  # nothing measured
         if self._batches <= self.warmup_batches:
             return self._warm_up(batch)
         if batch.records * self.max_growth < self._operating_point(interval):
             self._small_batches += 1
-            if self._capacity is not None and batch.processing_delay <= _SHOWN_WITHIN * interval:
+            if self._capacity is not None and batch.processing_delay <= _SHOWN_WITHIN * self._period:
                 self._capacity = max(self._capacity, batch.records / batch.processing_delay)
             return None
         self._observe(batch.records, batch.processing_delay)
-        a, b, identified = self._solve(self._prior_a)
-        if identified:
+        a, b, self._fit = self._solve(self._prior_a)
+        if self._fit != "anchored":
             self._prior_a = a  # the fixed cost to assume when batch sizes stop varying
-            self._prior_from_data = True
-        self._fit = "fitted" if identified else "anchored"
+            # a fixed cost to judge batches by: fitted where the noise could be measured, not from
+            # two batches (any line fits them) nor a bound
+            measured = self._fit == "fitted" and math.isfinite(self._noise(a, b)[1])
+            self._prior_from_data = self._prior_from_data or measured
         self._a, self._b = a, b  # outliers are judged against the fit itself, not the hedge below
         if self._suspect_sign:
             # one surprising batch: a cost change, or a GC pause? Faster than the fit: believe it (the
@@ -233,20 +275,17 @@ class ModelEstimator(RateEstimator):
         if watched is not None:
             # what the watchdog saw this batch do, under this fit's fixed cost: no bounce back up
             b = max(b, (watched - a) / batch.records)
-        capacity = max(0.0, (interval - a) / (b * interval))
-        if batch.processing_delay <= _SHOWN_WITHIN * interval:
-            # whatever the fit says, the batch just done processed this much within its interval (a
-            # fit through a batch that straddled a cost change once read half of that)
-            capacity = max(capacity, batch.records / batch.processing_delay)
-        self._capacity = capacity
+        capacity, period = self._set_capacity(batch, a, b)
+        largest = max(p.records for p in self._points)
+        fastest = max(p.records / p.seconds for p in self._points)
 
         # the rate in force when the backlog piled up; an unthrottled start is read from the batch
         in_force = self.rate if math.isfinite(self.rate) else batch.records / interval
         if batch.waiting is not None:
             # counted, not estimated: what the next batch, at capacity, cannot take
-            backlog = max(0.0, batch.waiting - capacity * interval)
+            backlog = max(0.0, batch.waiting - capacity * period)
             # batches after the next one hold that much before anything new comes in
-            floor = self.floor_fraction * capacity - backlog / interval
+            floor = self.floor_fraction * capacity - backlog / period
         else:
             left = batch.backlog if batch.backlog is not None else in_force * batch.lateness
             overrun = batch.processing_delay - interval
@@ -254,22 +293,86 @@ class ModelEstimator(RateEstimator):
             floor = self.floor_fraction * capacity
         # the size of the batches a backlog drains in: what the last estimate admitted, not a watchdog cut
         proposed = in_force if self._proposed is None else self._proposed  # finite: capped by the fit
-        batch_size = max(1.0, proposed * interval)
+        batch_size = max(1.0, proposed * period)
         drain_seconds = backlog * (b + a / batch_size)
         self._backlog, self._drain_seconds = backlog, drain_seconds
 
-        rate = self.target_utilisation * capacity - drain_seconds / (self.horizon * b * interval)
+        rate = self.target_utilisation * capacity - drain_seconds / (self.horizon * b * period)
         rate = max(rate, floor)
-        largest = max(p.records for p in self._points)
-        fastest = max(p.records / p.seconds for p in self._points)
-        self._proposed = min(rate, self.max_growth * largest / interval, self.max_stretch * fastest)
+        self._proposed = min(rate, self.max_growth * largest / period, self.max_stretch * fastest)
+        if batch.waiting is not None:
+            self._probe(batch, batch.waiting, self._proposed, capacity, period)
         return self._proposed
+
+    def _set_capacity(self, batch: BatchMetrics, a: float, b: float) -> tuple[float, float]:
+        """Capacity (records/s) from the fit a + b x records, and the seconds a batch is planned to
+        take for it (the period: the interval, or more where the fixed cost leaves too little room)."""
+        interval = batch.batch_interval
+        # a fixed cost near or over the interval leaves little or no room for records in one: then
+        # batches take longer (Spark starts the next at once), at least half of it on records, rather
+        # than ever fewer records (a capacity of 0 from a fixed cost of 1 s held batches at the floor)
+        period = max(interval, a / (1 - self.max_fixed_share))
+        capacity = (period - a) / (b * period)
+        if batch.processing_delay <= _SHOWN_WITHIN * period:
+            # whatever the fit says, the batch just done processed this much within its period (a
+            # fit through a batch that straddled a cost change once read half of that)
+            capacity = max(capacity, batch.records / batch.processing_delay)
+        if self._fit == "bounded":
+            # a per-record cost hidden in the noise may be far under the truth: the batches it allows
+            # grow by the caps of 6, at most max_stretch periods even if all their time were per record
+            largest = max(p.records for p in self._points)
+            fastest = max(p.records / p.seconds for p in self._points)
+            capacity = min(capacity, self.max_stretch * fastest, self.max_growth * largest / period)
+        self._capacity, self._period, self._interval = capacity, period, interval
+        return capacity, period
+
+    def _probe(
+        self, batch: BatchMetrics, waiting: int, proposed: float, capacity: float, period: float
+    ) -> None:
+        """Batches alike tell nothing of how their time splits, and kept alike (at the floor after a
+        restart on a loaded machine) they never would. So while records wait beyond the next batch
+        and the fit cannot tell the costs apart, the next may try max_stretch x the records: at most
+        that many times as long if all were per record; if most of it is fixed cost, about as long,
+        holding more. Either way its size differs and the fit learns. While probing, batches never
+        shrink on the prior's guess: a tried batch that took about as long as the one before is
+        tried larger again, one that took longer is held at its size, and a second in a row that
+        took longer (per-record cost, twice) or a fit that tells the costs apart ends the probing."""
+        probed, self._probed = self._probed, None
+        records, seconds = batch.records, batch.processing_delay
+        # what the source lets the next batch take: max(rate, capacity) x interval
+        size = max(self.bounds.clamp(proposed) * batch.batch_interval, capacity * period)
+        # not after a batch far slower than others: its records cost more than the fit says (or it
+        # stalled), and a larger one would be slower still
+        slow = seconds > self.max_stretch * min(p.seconds for p in self._points)
+        if self._fit == "fitted" or waiting <= size or slow:
+            self._probing, self._shown = False, 0
+            return
+        if self._fit == "anchored" and size > (1 - _IDENTIFIABLE_CV) * records:
+            self._probing = True  # the next batch would be alike: nothing new to learn
+        if not self._probing:
+            return
+        grow = True
+        if probed is not None:
+            before, took = probed
+            added = (records / before - 1) * took  # what it added if all of it were per record
+            shown = seconds - took >= _PER_RECORD_SHOWN * added
+            self._shown = self._shown + 1 if shown else 0
+            if self._shown >= 2:
+                self._probing, self._shown = False, 0
+                return
+            grow = not shown
+        self._capacity = max(capacity, records / period)  # not smaller on the prior's guess
+        probe = max(self.max_stretch * records, records + 1.0)
+        if grow and probe > size:
+            self._probes += 1
+            self._probed = (records, seconds)
+            self._capacity = probe / period
 
     def _operating_point(self, interval: float) -> float:
         """Records a batch holds at the scale the rate works at: the larger of what the rate in force
         admits and what the capacity allows per interval (0 while neither is known: unlimited, unfitted;
         an infinite capacity, from a batch timed at ~0 s, is no scale either)."""
-        scales = [r for r in (self.rate, self._capacity) if r is not None and math.isfinite(r)]
+        scales = [r for r in (self.rate, self.capacity) if r is not None and math.isfinite(r)]
         return max(scales, default=0.0) * interval
 
     def _warm_up(self, batch: BatchMetrics) -> float | None:
@@ -293,7 +396,8 @@ class ModelEstimator(RateEstimator):
             return None  # slower than usual, but within the noise a completed batch may show
         # the batch is still running, so its per-record cost is at least this: a lower bound, not a guess
         at_least = (elapsed - a) / records
-        lower = max(0.0, (interval - a) / (at_least * interval))
+        period = self._period
+        lower = max(0.0, (period - a) / (at_least * period))
         # ... unless it is far below the operating point: then a slower fixed cost or a stall keeps it
         # running, and a handful of records would turn that into a per-record cost (8)
         small = records * self.max_growth < self._operating_point(interval)
@@ -301,7 +405,7 @@ class ModelEstimator(RateEstimator):
         if lowered:
             self._capacity = capacity = lower
             self._watched = elapsed
-        if waiting is not None and waiting >= capacity * interval:
+        if waiting is not None and waiting >= capacity * period:
             # the next batch is already there in full: what else comes in now only waits longer
             self._overruns += 1
             return self.bounds.min_rate
@@ -320,7 +424,13 @@ class ModelEstimator(RateEstimator):
         judged = self._prior_from_data or self._near_fitted_sizes(records)
         if judged and len(self._points) >= 2 and self._a is not None and self._b is not None:
             predicted = self._a + self._b * records
-            if abs(seconds - predicted) > self.change_threshold * predicted:
+            # off by more than the batches' own noise too: on a loaded machine batches alike took
+            # 0.8-1.6 s, and every other one read as a cost change reset the fit
+            noise = self._noise(self._a, self._b)[1]
+            off = self.change_threshold * predicted
+            if math.isfinite(noise):
+                off = max(off, _SURPRISE_NOISE * noise)
+            if abs(seconds - predicted) > off:
                 sign = 1 if seconds > predicted else -1
         if sign == 0:
             self._points.append(_Point(records, seconds, 1.0))
@@ -344,12 +454,14 @@ class ModelEstimator(RateEstimator):
         mean = sum(p.weight * p.records for p in self._points) / weight
         return abs(records - mean) <= _NEAR_SIZE * mean
 
-    def _solve(self, prior_a: float) -> tuple[float, float, bool]:
+    def _solve(self, prior_a: float) -> tuple[float, float, str]:
         """Weighted least squares for seconds = a + b * records with a weak prior a ~ prior_a.
 
-        Returns (a, b, identified): identified is False when batch sizes were too alike (or noise
-        made the fit absurd) to tell the costs apart; then a stays at the prior and b explains the
-        mean, which still predicts batches of the usual size exactly.
+        Returns (a, b, fit). "fitted": both costs from the data. "anchored": batch sizes were too alike
+        (or noise made the fit absurd) to tell the costs apart; a stays at the prior and b explains the
+        mean, which still predicts batches of the usual size exactly. "bounded": sizes varied but their
+        times did not follow beyond the noise; then b is at most what that spread could hide in the
+        noise, and a the rest of the mean (fixed-cost dominated batches, e.g. on a loaded machine).
         """
         # records scaled to [0, 1] keeps the 2x2 system well conditioned for any batch size
         scale = max(p.records for p in self._points)
@@ -370,19 +482,40 @@ class ModelEstimator(RateEstimator):
         mean_x = s1 / weight
         sd_x = math.sqrt(max(0.0, s2 / weight - mean_x * mean_x))
         shortest = min(p.seconds for p in self._points)
-        if sd_x / mean_x >= _IDENTIFIABLE_CV and 0 <= a < shortest and b > 0:
-            # the sizes' spread must explain more of the times than the noise does: otherwise a few
-            # noisy batches (or old ones at another cost) tilt the line, e.g. to a fixed cost of 0.9 s
-            # and a capacity a third of the truth, seen here at 50 us a record
-            inliers = [p for p in self._points if not p.outlier]  # an outlier is no measure of noise
-            residual = math.sqrt(
-                sum(p.weight * (p.seconds - a - b * p.records) ** 2 for p in inliers)
-                / max(sum(p.weight for p in inliers), _MIN_WEIGHT)
-            )
-            if b * scale * sd_x >= _SIGNAL_TO_NOISE * residual:
-                return a, b, True
-        a = min(prior_a, 0.9 * shortest)
-        return a, max((t0 / weight - a) / (mean_x * scale), _MIN_PER_RECORD_COST), False
+        varied = sd_x / mean_x >= _IDENTIFIABLE_CV
+        # the sizes' spread must explain more of the times than the noise does: otherwise a few
+        # noisy batches (or old ones at another cost) tilt the line, e.g. to a fixed cost of 0.9 s
+        # and a capacity a third of the truth, seen here at 50 us a record
+        residual, noise = self._noise(a, b) if varied else (math.inf, math.inf)
+        if varied and 0 <= a < shortest and b > 0 and b * scale * sd_x >= _SIGNAL_TO_NOISE * residual:
+            return a, b, "fitted"
+        mean_t = t0 / weight
+        anchored_a = min(prior_a, 0.9 * shortest)
+        anchored_b = max((mean_t - anchored_a) / (mean_x * scale), _MIN_PER_RECORD_COST)
+        # a per-record cost above this would have made the sizes' spread explain more than the noise
+        # (it would have been fitted; noise measured over more batches than the fit has costs): a
+        # batch of 5,000 records and one of 50 that both took ~1 s say the cost is fixed, whatever
+        # the prior guessed (which read it as per-record cost and shrank every batch to the minimum
+        # rate after a restart on a loaded machine)
+        bound = max(b, 0.0) + _SIGNAL_TO_NOISE * noise / (scale * sd_x) if varied else math.inf
+        if bound < anchored_b:
+            bounded_a = min(mean_t - bound * mean_x * scale, 0.9 * shortest)
+            return bounded_a, max((mean_t - bounded_a) / (mean_x * scale), _MIN_PER_RECORD_COST), "bounded"
+        return anchored_a, anchored_b, "anchored"
+
+    def _noise(self, a: float, b: float) -> tuple[float, float]:
+        """The residual of batch times around a + b x records (the inliers' weighted standard
+        deviation), and the noise it measures: corrected for the two costs fitted from the same
+        batches, inf from too few of them (two batches fit any line exactly)."""
+        inliers = [p for p in self._points if not p.outlier]  # an outlier is no measure of noise
+        weight = sum(p.weight for p in inliers)
+        if weight <= 0:
+            return math.inf, math.inf
+        squares = sum(p.weight * p.weight for p in inliers)
+        effective = weight * weight / squares  # batches, counted by their weights
+        residual = math.sqrt(sum(p.weight * (p.seconds - a - b * p.records) ** 2 for p in inliers) / weight)
+        noise = residual * math.sqrt(effective / (effective - 2)) if effective > 2.5 else math.inf
+        return residual, noise
 
     def _state(self) -> dict[str, StateValue]:
         return {
@@ -390,6 +523,7 @@ class ModelEstimator(RateEstimator):
             "fixed_cost_s": self._a,
             "per_record_cost_s": self._b,
             "capacity_rps": self._capacity,
+            "batch_period_s": self._period,
             "backlog_records": self._backlog,
             "backlog_cost_s": self._drain_seconds,
             "batches": self._batches,
@@ -397,6 +531,7 @@ class ModelEstimator(RateEstimator):
             "cost_changes": self._changes,
             "overrun_cuts": self._overruns,
             "small_batches": self._small_batches,
+            "size_probes": self._probes,
             "target_utilisation": self.target_utilisation,
             "horizon": self.horizon,
             "forgetting": self.forgetting,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import random
 from dataclasses import dataclass
 
 from ratecontrol.batch import BatchMetrics
@@ -51,6 +52,12 @@ class Pipeline:
     """(from second, factor): per_record_cost x factor from that time on, e.g. ((30, 2.0), (60, 1.0))."""
     startup: float = 0.0
     """Extra seconds of the first batch (worker start-up; ~10 s for a fresh PySpark query)."""
+    jitter: float = 0.0
+    """Each batch's time is off by up to this many seconds either way (a loaded machine: seen here
+    0.8-1.6 s for batches alike), pseudo-random but the same for the same batch, so runs stay
+    deterministic; never below zero."""
+    seed: int = 0
+    """Picks the jitter's sequence."""
 
     def per_record_cost_at(self, t: float) -> float:
         factor = 1.0
@@ -70,11 +77,18 @@ class Pipeline:
                 break
             left -= fits
             t = since
-        return t + left * self.per_record_cost_at(t) - start
+        took = t + left * self.per_record_cost_at(t) - start
+        if self.jitter:
+            # seeded by the batch itself: the same batch gets the same noise in every run
+            draw = random.Random(f"{self.seed}:{start!r}:{records}")  # noqa: S311 - noise, not secrets
+            noise = draw.uniform(-self.jitter, self.jitter)
+            took = max(0.0, took + noise)
+        return took
 
     def capacity_at(self, t: float, interval: float) -> float:
-        """Records/s one batch per interval can process at time t."""
-        return max(0.0, interval - self.fixed_cost) / (self.per_record_cost_at(t) * interval)
+        """Records/s one batch per interval can process at time t (inf if records cost nothing)."""
+        room, cost = max(0.0, interval - self.fixed_cost), self.per_record_cost_at(t)
+        return room / cost / interval if cost > 0 else math.inf if room > 0 else 0.0
 
     def capacity_between(self, t0: float, t1: float, interval: float) -> float:
         """Records the pipeline could process from t0 to t1 (capacity integrated over time)."""
@@ -229,6 +243,7 @@ def simulate_structured(
     duration: float = 90.0,
     offered_rate: float = 100_000.0,
     watchdog: float | None = 0.1,
+    backlog: int = 0,
 ) -> Simulation:
     """Like `simulate`, but modelled on Sluice under Structured Streaming rather than a DStream receiver.
 
@@ -237,7 +252,12 @@ def simulate_structured(
     are there, oldest first, up to the source's cap of max(rate, estimated capacity) x interval (asked
     when the batch is planned), and reports what it left (`backlog`). Scheduling delay is batch start -
     arrival of its oldest record; a starved batch is judged against the capacity at that arrival.
+
+    backlog: records already in the store at time 0 (e.g. what a server killed under load left behind
+    for the restarted query), arrived at 0, before anything the rate admits.
     """
+    if backlog < 0:
+        raise ValueError(f"backlog must be >= 0 records, got {backlog}")
     changes: list[tuple[float, float]] = [(0.0, estimator.rate)]
 
     def segments() -> list[tuple[float, float, float]]:
@@ -248,11 +268,13 @@ def simulate_structured(
         ]
 
     def admitted(t: float) -> float:
-        return sum(rate * (min(t, until) - since) for since, until, rate in segments() if since < t)
+        return backlog + sum(rate * (min(t, until) - since) for since, until, rate in segments() if since < t)
 
     def arrival(record: float) -> float:
         """When the `record`-th admitted record (1-based) arrived."""
-        total = 0.0
+        if record <= backlog:
+            return 0.0
+        total = float(backlog)
         for since, until, rate in segments():
             span = rate * (until - since)
             if rate > 0 and total + span >= record:
@@ -277,9 +299,7 @@ def simulate_structured(
         cap = max(changes[-1][1], estimator.capacity or 0.0) * interval
         records = max(0, min(available, math.floor(cap)))
         oldest = arrival(consumed + 1) if records else start
-        took = pipeline.processing_time(start, records)
-        if k == 1:
-            took += pipeline.startup
+        took = pipeline.processing_time(start, records) + (pipeline.startup if k == 1 else 0.0)
         consumed += records
         end = start + took
         if watchdog is not None:
