@@ -111,7 +111,6 @@ _PER_RECORD_SHOWN = 0.5
 """A tried larger batch shows per-record cost when it took at least this share of the time it would
 have added were all of the smaller batch's time per record."""
 _OUTLIER_WEIGHT = 0.1
-_MIN_WEIGHT = 1e-12
 _IDENTIFIABLE_CV = 0.1
 """Batch sizes must vary by this coefficient of variation before the fit's fixed cost is believed."""
 _MIN_PER_RECORD_COST = 1e-12
