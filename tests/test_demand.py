@@ -73,8 +73,7 @@ async def test_a_blocked_producer_stays_blocked(server: SluiceServer) -> None:
 
 
 async def test_fast_and_slow_publishers_both_progress(server: SluiceServer) -> None:
-    receiver = server.receivers["s"]
-    receiver.set_rate(5_000)
+    server.rate.update(5_000, pin=True)  # the controller owns the rate (it re-splits it every 0.1 s)
     async with (
         Producer(server.target, "s", linger=0, producer_id="fast") as fast,
         Producer(server.target, "s", linger=0, producer_id="slow") as slow,

@@ -55,7 +55,8 @@ async def test_keyed_records_from_an_async_iterable(server: SluiceServer) -> Non
 
 
 async def test_the_upstream_is_pulled_only_as_fast_as_the_server_grants(server: SluiceServer) -> None:
-    server.receivers["s"].set_rate(2_000)
+    # through the controller, which owns every receiver's rate (it re-splits it every 0.1 s)
+    server.rate.update(2_000, pin=True)
     pulled = 0
 
     def endless() -> Iterator[bytes]:
