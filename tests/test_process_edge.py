@@ -444,14 +444,26 @@ async def test_a_refused_first_session_is_not_retried(tmp_path: Path) -> None:
 def test_the_lock_is_not_inherited_by_children(tmp_path: Path) -> None:
     # Spark's JVM and its Python workers are children of `sluice serve`: holding the lock they would
     # keep the data dir locked after the server died
-    lock = DataDirLock(tmp_path)
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], close_fds=False)
-    try:
-        lock.release()
-        DataDirLock(tmp_path).release()  # free although the child lives on
-    finally:
-        child.kill()
-        child.wait()
+    # in a process of its own: a fork by any other thread of the test run (between its fork and its
+    # exec) holds every descriptor for a moment, which once made this check fail in CI
+    script = """
+import subprocess, sys
+from pathlib import Path
+from ingest.preflight import DataDirLock
+lock = DataDirLock(Path(sys.argv[1]))
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], close_fds=False)
+try:
+    lock.release()
+    DataDirLock(Path(sys.argv[1])).release()  # free although the child lives on
+finally:
+    child.kill()
+    child.wait()
+print("free")
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)], capture_output=True, timeout=60, check=False
+    )
+    assert result.returncode == 0 and result.stdout.strip() == b"free", result.stderr
 
 
 async def test_first_seq_resumes_a_producer_and_a_gap_past_its_mark_is_refused(tmp_path: Path) -> None:
