@@ -42,7 +42,7 @@ from ingest.server import SluiceServer
 from ingest.spark.listener import BatchCompleted, BatchListener
 from ingest.spark.pipeline import Pipeline, load_pipeline, parquet_pipeline, start_query
 from ratecontrol import BatchMetrics
-from receivers.block_store import BlockStore
+from receivers.block_store import BlockStore, release_below
 from receivers.wal import WalBlockStore
 
 log = logging.getLogger(__name__)
@@ -187,21 +187,6 @@ class SparkDriver:
             return None
         exc = self.query.exception()
         return str(exc) if exc is not None else "query stopped"
-
-
-def release_below(store: BlockStore, streams: Sequence[str], end: Mapping[str, int]) -> int:
-    """Release, per stream, the blocks wholly below the record offset `end[stream]` (a committed batch's
-    end offset); return how many blocks left the store. Idempotent: the source's commit() does the
-    same when Spark gets round to it."""
-    released = 0
-    for stream in streams:
-        offset = end.get(stream)
-        if offset is None:
-            continue
-        done = [b.seq for b in store.blocks(stream) if b.end_offset <= offset]
-        if done:
-            released += store.release(stream, done[-1] + 1)
-    return released
 
 
 def last_commit(checkpoint: Path, streams: Sequence[str]) -> tuple[int, dict[str, int]] | None:

@@ -79,3 +79,18 @@ class BlockStore(ABC):
     def trim(self, stream: str) -> int:
         """Free what released blocks still take that release() left behind; return the bytes freed."""
         return 0
+
+
+def release_below(store: BlockStore, streams: Sequence[str], end: Mapping[str, int]) -> int:
+    """Release, per stream, the blocks wholly below the record offset `end[stream]` (a committed batch's
+    end offset); return how many blocks left the store. Idempotent: Spark's commit() calls it in the
+    source, the driver as each committed batch's progress arrives."""
+    released = 0
+    for stream in streams:
+        offset = end.get(stream)
+        if offset is None:
+            continue
+        done = [b.seq for b in store.blocks(stream) if b.end_offset <= offset]
+        if done:
+            released += store.release(stream, done[-1] + 1)
+    return released

@@ -67,7 +67,7 @@ from pyspark.sql.types import (
 
 from ingest.spark.live_rate import LiveRateCap
 from receivers.block import BlockInfo, check_stream_name
-from receivers.block_store import BlockStore
+from receivers.block_store import BlockStore, release_below
 from receivers.wal import WalBlockStore
 
 log = logging.getLogger(__name__)
@@ -274,10 +274,7 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def commit(self, end: Offset) -> None:
         # Spark has durably recorded every batch up to `end`: the blocks wholly below it are done (the
         # driver has usually released them already, on the batch's progress event: then this is a no-op)
-        for stream, offset in end.items():
-            done = [b.seq for b in self.store.blocks(stream) if b.end_offset <= offset]
-            if done:
-                self.store.release(stream, done[-1] + 1)
+        release_below(self.store, self.streams, end)
 
     # ---- reading (executor-side worker) -------------------------------------------------------
 
