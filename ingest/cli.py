@@ -21,7 +21,7 @@ from typing import IO, TYPE_CHECKING, TypeVar
 
 import grpc
 
-from ingest.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, RateConfig, ServeConfig, parse_size
+from ingest.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, RateConfig, ServeConfig
 from ingest.errors import FlushTimeoutError, SluiceError
 from ingest.preflight import DataDirLock, prepare
 from ratecontrol import StreamPolicy
@@ -29,6 +29,7 @@ from receivers.block import InvalidStreamNameError
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import ReceiverConfig
+from receivers.sizes import parse_size
 from receivers.wal import FsyncPolicy
 
 if TYPE_CHECKING:

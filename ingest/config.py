@@ -2,48 +2,21 @@
 
 from __future__ import annotations
 
+import ipaddress
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ratecontrol import ESTIMATORS, RateBounds, StreamPolicy, UnknownEstimatorError, check_rate
 from receivers.block import check_stream_name
+from receivers.principal import Limits
 from receivers.receiver import ReceiverConfig
 from receivers.wal import DEFAULT_SEGMENT_BYTES, FsyncPolicy
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9464
 MIN_SEGMENT_BYTES = 4096
-
-_SIZE = re.compile(r"^\s*(\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-    "tb": 1000**4,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-    "tib": 1024**4,
-}
-
-
-def parse_size(text: str) -> int:
-    """A byte count: plain bytes ("1048576") or with a unit: B, KB/MB/GB/TB (powers of 1000) or
-    KiB/MiB/GiB/TiB (powers of 1024), case-insensitive ("512MiB", "2 GiB", "100MB"). ValueError if not."""
-    match = _SIZE.match(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ValueError(
-            f"invalid size {text!r}: use bytes or a number with B, KB, MB, GB, TB (x1000) or KiB, MiB, "
-            "GiB, TiB (x1024), e.g. 512MiB"
-        )
-    return int(match.group(1)) * _UNITS[unit]
-
 
 @dataclass(frozen=True)
 class RateConfig:
@@ -69,6 +42,63 @@ class RateConfig:
             )
         check_rate(self.initial_rate)
         RateBounds(self.min_rate, self.max_rate)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` is only reachable from this machine (127.0.0.0/8, ::1, localhost)."""
+    if host.strip("[]").lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve anywhere
+
+
+@dataclass(frozen=True)
+class TlsConfig:
+    """TLS for the gRPC server (and /metrics with metrics_tls): PEM files, re-read on SIGHUP."""
+
+    cert_file: Path
+    """The server's certificate chain (PEM)."""
+    key_file: Path
+    """The server's private key (PEM)."""
+    client_ca_file: Path | None = None
+    """Mutual TLS: every client must present a certificate signed by a CA in this PEM file."""
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """Who may connect and what each principal may take (docs/security.md)."""
+
+    tls: TlsConfig | None = None
+    """None: plaintext, allowed on a loopback address only unless `insecure`."""
+    auth_file: Path | None = None
+    """Principals, roles, streams, limits and token hashes (receivers.auth); re-read on SIGHUP. None:
+    no tokens; every caller is anonymous with every role (or, under mutual TLS, its certificate's CN)."""
+    insecure: bool = False
+    """Allow plaintext on a non-loopback address (`--insecure`): anyone on the network can then read
+    the traffic, tokens included."""
+    limits: Limits = field(default_factory=Limits)
+    """Limits of principals the auth file gives none (the anonymous principal included)."""
+    handshake_timeout: float = 10.0
+    """Seconds a new connection has to finish its TLS and HTTP/2 handshake, and a Publish call to send
+    its Open: a client that connects and sends nothing is dropped."""
+    metrics_tls: bool = False
+    """Serve /metrics over HTTPS with the gRPC server's certificate (needs `tls`)."""
+    metrics_auth: bool | None = None
+    """Require a reader's bearer token on /metrics; None: whenever there is an auth file."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.handshake_timeout < math.inf:
+            raise ValueError(f"handshake timeout must be > 0 s and finite, got {self.handshake_timeout}")
+        if self.metrics_tls and self.tls is None:
+            raise ValueError("metrics TLS needs the server's certificate and key (--tls-cert, --tls-key)")
+        if self.metrics_auth and self.auth_file is None:
+            raise ValueError("a token on /metrics needs an auth file that names readers (--auth-file)")
+
+    @property
+    def metrics_token_required(self) -> bool:
+        return self.auth_file is not None if self.metrics_auth is None else self.metrics_auth
 
 
 @dataclass(frozen=True)
@@ -108,6 +138,8 @@ class ServeConfig:
     """Seconds between Spark micro-batches."""
     spark: bool = True
     """Run the Spark query in this process; off for a receive-only node."""
+    security: SecurityConfig = field(default_factory=SecurityConfig)
+    """TLS, authentication, per-principal limits."""
 
     def __post_init__(self) -> None:
         if not self.streams:
@@ -139,6 +171,21 @@ class ServeConfig:
             raise ValueError(f"segment bytes must be >= {MIN_SEGMENT_BYTES}, got {self.segment_bytes}")
         if self.max_message_bytes < 1024:
             raise ValueError(f"max message bytes must be >= 1024, got {self.max_message_bytes}")
+        self._check_exposure()
+
+    def _check_exposure(self) -> None:
+        """Safe defaults: nothing leaves this machine in plaintext unless the operator says so."""
+        for what, host, bound, tls in (
+            ("gRPC", self.host, True, self.security.tls is not None),
+            ("metrics", self.metrics_host, self.metrics_port is not None, self.security.metrics_tls),
+        ):
+            if bound and not tls and not self.security.insecure and not is_loopback(host):
+                raise ValueError(
+                    f"refusing to serve {what} in plaintext on {host}, which is not a loopback address: "
+                    "give --tls-cert and --tls-key"
+                    + (" (and --metrics-tls)" if what == "metrics" else "")
+                    + ", or --insecure to accept that anyone on the network can read and send"
+                )
 
     @property
     def wal_segment_bytes(self) -> int:

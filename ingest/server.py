@@ -19,6 +19,7 @@ from ingest.preflight import DataDirLock, bind_address, make_dirs
 from ingest.rate_controller import WATCHDOG_TICK, RateController
 from ingest.rate_service import RateControlService
 from ingest.sessions_service import SessionsService
+from receivers.auth import Authenticator, AuthTable
 from receivers.parsed_service import add_parsed_servicer
 from receivers.publish_service import PublishService
 from receivers.receiver import Receiver
@@ -56,6 +57,13 @@ class SluiceServer:
         except BaseException:
             self._release_lock()
             raise
+        security = config.security
+        self.auth = Authenticator(
+            AuthTable.load(security.auth_file) if security.auth_file is not None else None,
+            client_certificates=security.tls is not None and security.tls.client_ca_file is not None,
+            default_limits=security.limits,
+        )
+        """Who may call what; `reload_auth` re-reads the auth file (SIGHUP)."""
         self.rate = RateController(self.receivers, config.rate, batch_interval=config.trigger_interval)
         """The ingest rate: fed by batch metrics (on_batch) and by operators (RateControl)."""
         self.registry = CollectorRegistry()
@@ -102,10 +110,13 @@ class SluiceServer:
                 ("grpc.so_reuseport", 0),
             ]
         )
-        PublishService(self.receivers).add_to_server(server)  # parses client messages itself
+        PublishService(
+            self.receivers, open_timeout=self.config.security.handshake_timeout, authenticator=self.auth
+        ).add_to_server(server)  # parses client messages itself, authenticates each call
         # requests parsed in the handler: an undecodable one is INVALID_ARGUMENT, not gRPC's UNKNOWN
-        add_parsed_servicer(server, RateControlService(self.rate, self.receivers), "RateControl")
-        add_parsed_servicer(server, SessionsService(self.receivers), "Sessions")
+        rate = RateControlService(self.rate, self.receivers)
+        add_parsed_servicer(server, rate, "RateControl", authenticator=self.auth)
+        add_parsed_servicer(server, SessionsService(self.receivers), "Sessions", authenticator=self.auth)
         address = bind_address(self.config.host, self.config.port)
         detail = ""
         try:

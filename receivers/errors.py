@@ -9,6 +9,9 @@
     ├── SequenceGap                    OUT_OF_RANGE: a known producer skipped sequence numbers
     ├── SequenceOutOfRange             OUT_OF_RANGE: sequence numbers past the range the log can hold
     ├── ReceiverStopped                UNAVAILABLE: not accepted, safe to retry elsewhere or later
+    ├── Unauthenticated                UNAUTHENTICATED: no credentials, or an unknown token
+    ├── PermissionDenied               PERMISSION_DENIED: the principal lacks the role or the stream
+    ├── LimitExceeded                  RESOURCE_EXHAUSTED: a per-principal limit was reached
     └── SessionCancelled               the code the canceller chose (shutdown, operator, stream removed)
 
 The service turns each into a gRPC status with the message; the status code is named by string so this
@@ -85,3 +88,21 @@ class SessionCancelled(ReceiverError):
     def __init__(self, code: int, reason: str) -> None:
         super().__init__(reason or "session cancelled")
         self.code = code
+
+
+class Unauthenticated(ReceiverError):
+    """No credentials, or credentials no principal has (an unknown token)."""
+
+    status = "UNAUTHENTICATED"
+
+
+class PermissionDenied(ReceiverError):
+    """An authenticated principal without the role or the stream the call needs."""
+
+    status = "PERMISSION_DENIED"
+
+
+class LimitExceeded(ReceiverError):
+    """A per-principal limit (sessions, streams, message bytes) was reached."""
+
+    status = "RESOURCE_EXHAUSTED"

@@ -18,14 +18,20 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 
+from receivers.auth import Authenticator
+from receivers.errors import ReceiverError
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 
 Handler = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Message]]
 
 
-def add_parsed_servicer(server: grpc.aio.Server, servicer: object, service: str) -> None:
+def add_parsed_servicer(
+    server: grpc.aio.Server, servicer: object, service: str, *, authenticator: Authenticator | None = None
+) -> None:
     """Serve `service` (a name in ingest.v1, e.g. "RateControl") from `servicer`: unary requests parsed
-    in the handler, a bidirectional stream's messages handed over as bytes."""
+    in the handler, a bidirectional stream's messages handed over as bytes. With `authenticator`, a
+    unary call is authenticated and authorized (receivers.auth) before its request is even parsed; a
+    stream's servicer does that itself (Publish needs the stream from its first message)."""
     descriptor = pb.DESCRIPTOR.services_by_name[service]
     handlers = {}
     for method in descriptor.methods:
@@ -37,7 +43,12 @@ def add_parsed_servicer(server: grpc.aio.Server, servicer: object, service: str)
             )
         elif not (method.client_streaming or method.server_streaming):
             handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                _parsing(implementation, GetMessageClass(method.input_type)),
+                _parsing(
+                    implementation,
+                    GetMessageClass(method.input_type),
+                    f"/{descriptor.full_name}/{method.name}",
+                    authenticator,
+                ),
                 request_deserializer=None,
                 response_serializer=serialize,
             )
@@ -48,8 +59,15 @@ def add_parsed_servicer(server: grpc.aio.Server, servicer: object, service: str)
     server.add_registered_method_handlers(descriptor.full_name, handlers)  # type: ignore[attr-defined]
 
 
-def _parsing(handler: Handler, request_type: type[Message]) -> Handler:
+def _parsing(
+    handler: Handler, request_type: type[Message], method: str, authenticator: Authenticator | None
+) -> Handler:
     async def parse_then_handle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
+        if authenticator is not None:
+            try:
+                authenticator.caller(context, method)
+            except ReceiverError as error:
+                await context.abort(getattr(grpc.StatusCode, error.status), str(error))
         try:
             request = request_type.FromString(raw)
         except DecodeError as exc:

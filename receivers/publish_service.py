@@ -17,16 +17,28 @@ from collections.abc import AsyncIterator, Mapping
 
 import grpc
 
-from receivers.errors import InvalidMessage, ProtocolViolation, ReceiverError, UnknownStream, cut, shown
+from receivers.auth import Authenticator
+from receivers.errors import (
+    InvalidMessage,
+    PermissionDenied,
+    ProtocolViolation,
+    ReceiverError,
+    UnknownStream,
+    cut,
+    shown,
+)
 from receivers.parsed_service import add_parsed_servicer
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from receivers.principal import Principal
 from receivers.receiver import Receiver
 from receivers.session import Session
 from receivers.wire import decode_batch, decode_request
 
 log = logging.getLogger(__name__)
 
+
+PUBLISH = "/ingest.v1.Ingest/Publish"
 
 _BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -41,9 +53,16 @@ def status_code(error: ReceiverError) -> grpc.StatusCode:
 class PublishService(pb_grpc.IngestServicer):
     """Serves Publish for a set of receivers, one per stream."""
 
-    def __init__(self, receivers: Mapping[str, Receiver], *, open_timeout: float = 10.0) -> None:
+    def __init__(
+        self,
+        receivers: Mapping[str, Receiver],
+        *,
+        open_timeout: float = 10.0,
+        authenticator: Authenticator | None = None,
+    ) -> None:
         self._receivers = receivers
         self._open_timeout = open_timeout
+        self._authenticator = authenticator or Authenticator()
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Serve Publish on `server`, its client messages handed over as bytes: gRPC's own deserializer
@@ -58,7 +77,9 @@ class PublishService(pb_grpc.IngestServicer):
     ) -> AsyncIterator[pb.PublishResponse]:
         requests = aiter(request_iterator)
         try:
-            receiver, session = await self._open(requests)
+            # before anything is read: an unauthenticated caller is never granted credit
+            principal = self._authenticator.caller(context, PUBLISH)
+            receiver, session = await self._open(requests, principal)
         except ReceiverError as error:
             await context.abort(status_code(error), str(error))
             return  # pragma: no cover - abort raises
@@ -78,7 +99,9 @@ class PublishService(pb_grpc.IngestServicer):
                 await reader
             receiver.close_session(session)
 
-    async def _open(self, requests: AsyncIterator[pb.PublishRequest | bytes]) -> tuple[Receiver, Session]:
+    async def _open(
+        self, requests: AsyncIterator[pb.PublishRequest | bytes], principal: Principal
+    ) -> tuple[Receiver, Session]:
         try:
             first = _parse(await asyncio.wait_for(anext(requests), self._open_timeout))
         except StopAsyncIteration:
@@ -91,11 +114,13 @@ class PublishService(pb_grpc.IngestServicer):
                 f"the first message must be Open (rules 1.9, 2.12), got {kind or 'nothing'}"
             )
         stream = first.open.stream
+        if not principal.may_publish(stream):  # before the lookup: no stream names leak to outsiders
+            raise PermissionDenied(f"principal {principal.name!r} may not publish to stream {shown(stream)}")
         receiver = self._receivers.get(stream)
         if receiver is None:
             known = ", ".join(sorted(self._receivers)) or "none"
             raise UnknownStream(f"no stream named {shown(stream)} on this server (streams: {known})")
-        return receiver, receiver.open_session(first.open.producer_id, first.open.resume_from_seq)
+        return receiver, receiver.open_session(first.open.producer_id, first.open.resume_from_seq, principal)
 
     async def _read(
         self, requests: AsyncIterator[pb.PublishRequest | bytes], receiver: Receiver, session: Session

@@ -99,6 +99,7 @@ from receivers.errors import (
 )
 from receivers.flow import MAX_DEMAND, Subscription
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from receivers.principal import ANONYMOUS, Principal
 from receivers.session import SESSION_IDS, Session
 from receivers.wire import check_producer_id, check_seq_range
 
@@ -424,14 +425,17 @@ class Receiver:
 
     # ---- sessions ------------------------------------------------------------------------------
 
-    def open_session(self, producer_id: str, resume_from_seq: int) -> Session:
-        """onSubscribe: a publisher opened a session; it gets its prefetch as far as the buffer allows."""
+    def open_session(
+        self, producer_id: str, resume_from_seq: int, principal: Principal = ANONYMOUS
+    ) -> Session:
+        """onSubscribe: `principal` opened a session; it gets its prefetch as far as the buffer allows."""
         if self._stopping:
             raise ReceiverStopped(f"receiver for stream {self.stream!r} is stopping; retry later")
         # validated before anything is registered: these values end up in the block log's headers
         check_producer_id(producer_id)
         check_seq_range(resume_from_seq, 0, "Open.resume_from_seq")
-        session = Session(SESSION_IDS.next(), self.stream, producer_id, resume_from_seq, resume_from_seq)
+        seq = resume_from_seq
+        session = Session(SESSION_IDS.next(), self.stream, producer_id, seq, seq, principal=principal)
         if producer_id:
             state = self._producers.get(producer_id)
             if state is None:

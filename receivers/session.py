@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from receivers.errors import ReceiverError
 from receivers.flow import MAX_DEMAND
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from receivers.principal import ANONYMOUS, Principal
 
 
 class SessionIds:
@@ -109,6 +110,8 @@ class Session:
     cancel_error: ReceiverError | None = None
     """The status the call ends with once a cancelled session's accepted records are acked."""
     outbox: Outbox = field(default_factory=Outbox)
+    principal: Principal = ANONYMOUS
+    """Who opened it (its limits and its share of the stream go by this)."""
 
     @property
     def ended(self) -> bool:

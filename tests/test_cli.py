@@ -209,8 +209,9 @@ def test_serve_on_a_busy_port_fails_clearly(tmp_path: Path) -> None:
 
 def test_serve_parses_sizes() -> None:
     from ingest.cli import _parser
-    from ingest.config import ServeConfig, parse_size
+    from ingest.config import ServeConfig
     from receivers.receiver import ReceiverConfig
+    from receivers.sizes import parse_size
 
     assert parse_size("1048576") == 1 << 20
     assert parse_size("512MiB") == 512 << 20

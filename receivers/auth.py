@@ -1,0 +1,293 @@
+"""Authentication and authorization of gRPC calls: the auth file, token hashes, and who may call what.
+
+The auth file (TOML, `sluice serve --auth-file`) names principals, their roles, streams, limits and the
+SHA-256 hashes of their bearer tokens; a token itself is never stored on the server (`sluice token` makes
+one and prints its hash):
+
+    [defaults]                       # limits of every principal that does not set its own
+    max_sessions = 64
+    max_message_bytes = "4MiB"
+    idle_timeout_seconds = 300
+
+    [principals.clicks-app]
+    roles = ["producer"]
+    streams = ["clicks"]             # "*": every stream
+    token_sha256 = ["<64 hex digits>"]
+
+    [principals."ops.example.com"]   # no token: a client certificate with this CN or SAN
+    roles = ["operator", "reader"]
+
+A call is authenticated by the bearer token in its `authorization` metadata ("Bearer <token>") if it
+has one, else by its client certificate (mutual TLS): the certificate's subject CN, then its DNS and URI
+SANs, are looked up as principal names. Without an auth file, every caller is ANONYMOUS (every role) on
+a plain server, and on a mutual-TLS server every verified certificate is a principal with every role
+(the client CA vouches for it). With an auth file, a call without credentials or with an unknown token
+is UNAUTHENTICATED; a certificate that names no principal, or a principal without the role or stream
+the call needs, is PERMISSION_DENIED.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from receivers.errors import PermissionDenied, Unauthenticated, cut
+from receivers.principal import ALL_ROLES, ANONYMOUS, Limits, Principal, Role
+from receivers.sizes import parse_size
+
+MAX_TOKEN_CHARS = 4096
+"""A longer authorization value is refused before it is hashed."""
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+METHOD_ROLES: Mapping[str, frozenset[Role]] = {
+    "/ingest.v1.Ingest/Publish": frozenset({Role.PRODUCER}),
+    "/ingest.v1.RateControl/GetRate": frozenset({Role.READER, Role.OPERATOR}),
+    "/ingest.v1.RateControl/UpdateRate": frozenset({Role.OPERATOR}),
+    "/ingest.v1.RateControl/SetBounds": frozenset({Role.OPERATOR}),
+    "/ingest.v1.RateControl/SetEstimator": frozenset({Role.OPERATOR}),
+    "/ingest.v1.RateControl/StartBatch": frozenset({Role.OPERATOR}),
+    "/ingest.v1.Sessions/ListSessions": frozenset({Role.READER, Role.OPERATOR}),
+    "/ingest.v1.Sessions/CancelSession": frozenset({Role.OPERATOR}),
+}
+"""gRPC method -> the roles of which a caller needs one. A method not listed is refused to everyone."""
+
+_LIMIT_KEYS = {
+    "max_sessions": "max_sessions",
+    "max_streams": "max_streams",
+    "max_message_bytes": "max_message_bytes",
+    "max_record_bytes": "max_record_bytes",
+    "idle_timeout_seconds": "idle_timeout",
+}
+
+
+class AuthFileError(ValueError):
+    """The auth file cannot be read or says something invalid; the message names the file and key."""
+
+
+def token_hash(token: str) -> str:
+    """The hex SHA-256 of a bearer token: what the auth file stores. Tokens are random (`sluice token`:
+    256 bits), so an unsalted hash is as strong as the token; a password would need a slow hash."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class AuthTable:
+    """The principals of an auth file, by name and by token hash."""
+
+    principals: Mapping[str, Principal]
+    tokens: Mapping[str, str]
+    """Token SHA-256 (hex) -> principal name."""
+
+    def by_token(self, token: str) -> Principal | None:
+        # looked up by hash: a timing difference could only tell something of the hash, not the token
+        name = self.tokens.get(token_hash(token))
+        return None if name is None else self.principals[name]
+
+    @classmethod
+    def load(cls, path: Path) -> AuthTable:
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise AuthFileError(f"cannot read auth file {path}: {exc.strerror or exc}") from exc
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise AuthFileError(f"auth file {path} is not valid TOML: {exc}") from exc
+        return cls.parse(data, source=str(path))
+
+    @classmethod
+    def parse(cls, data: Mapping[str, Any], *, source: str = "auth file") -> AuthTable:
+        unknown = set(data) - {"defaults", "principals"}
+        if unknown:
+            raise AuthFileError(f"{source}: unknown section(s) {', '.join(sorted(unknown))}")
+        defaults = _limits(data.get("defaults", {}), Limits(), f"{source} [defaults]")
+        entries = data.get("principals", {})
+        if not isinstance(entries, Mapping):
+            raise AuthFileError(f"{source}: [principals] must be a table of principals")
+        principals: dict[str, Principal] = {}
+        tokens: dict[str, str] = {}
+        for name, entry in entries.items():
+            where = f"{source} [principals.{name}]"
+            if not name or len(name.encode()) > 256:
+                raise AuthFileError(f"{where}: a principal name is 1-256 bytes")
+            if not isinstance(entry, Mapping):
+                raise AuthFileError(f"{where}: must be a table")
+            allowed = {"roles", "streams", "token_sha256", *_LIMIT_KEYS}
+            extra = set(entry) - allowed
+            if extra:
+                raise AuthFileError(f"{where}: unknown key(s) {', '.join(sorted(extra))}")
+            roles = frozenset(_role(r, where) for r in _strings(entry.get("roles", []), f"{where} roles"))
+            if not roles:
+                raise AuthFileError(f"{where}: roles is empty (give some of {', '.join(ALL_ROLES)})")
+            streams = frozenset(_strings(entry.get("streams", []), f"{where} streams"))
+            if Role.PRODUCER in roles and not streams:
+                raise AuthFileError(f"{where}: a producer needs streams (names, or \"*\" for every stream)")
+            for digest in _strings(entry.get("token_sha256", []), f"{where} token_sha256"):
+                if not _HEX64.match(digest):
+                    raise AuthFileError(
+                        f"{where}: token_sha256 holds hashes (64 lowercase hex digits, `sluice token`), "
+                        f"not tokens: {cut(digest)[:12]!r}..."
+                    )
+                if digest in tokens:
+                    raise AuthFileError(f"{where}: a token hash is also given to {tokens[digest]!r}")
+                tokens[digest] = name
+            limits = _limits(entry, defaults, where)
+            principals[name] = Principal(name, roles, streams or frozenset(), limits)
+        return cls(principals, tokens)
+
+
+class Authenticator:
+    """Resolves the principal of a call and checks its role; `reload` swaps the auth table in place
+    (calls in progress keep the principal they started with)."""
+
+    def __init__(
+        self,
+        table: AuthTable | None = None,
+        *,
+        client_certificates: bool = False,
+        default_limits: Limits | None = None,
+    ) -> None:
+        self._table = table
+        self._client_certificates = client_certificates
+        self._default_limits = default_limits or Limits()
+        self._anonymous = Principal(ANONYMOUS.name, limits=self._default_limits, authenticated=False)
+
+    @property
+    def table(self) -> AuthTable | None:
+        return self._table
+
+    @property
+    def enabled(self) -> bool:
+        """Whether calls must authenticate (an auth file or mutual TLS)."""
+        return self._table is not None or self._client_certificates
+
+    def reload(self, table: AuthTable | None) -> None:
+        self._table = table
+
+    def authenticate(
+        self, metadata: Iterable[tuple[str, str | bytes]], auth_context: Mapping[str, Iterable[bytes]]
+    ) -> Principal:
+        """The caller, from its `authorization` metadata or its verified certificate (grpc's
+        ServicerContext.auth_context()); raise Unauthenticated or PermissionDenied."""
+        token = bearer_token(metadata)
+        table = self._table
+        names = certificate_names(auth_context)
+        if token is not None:
+            if table is None:
+                raise Unauthenticated("this server takes no bearer tokens (it has no --auth-file)")
+            principal = table.by_token(token)
+            if principal is None:
+                raise Unauthenticated("unknown bearer token")
+            return principal
+        if names:
+            if table is None:
+                return Principal(names[0], limits=self._default_limits)
+            for name in names:
+                if name in table.principals:
+                    return table.principals[name]
+            raise PermissionDenied(f"the client certificate ({cut(names[0])}) names no principal here")
+        if not self.enabled:
+            return self._anonymous
+        raise Unauthenticated(
+            "no credentials: send a bearer token (authorization: Bearer <token>) or a client certificate"
+        )
+
+    def caller(self, context: grpc.aio.ServicerContext[Any, Any], method: str) -> Principal:
+        """The principal of a gRPC call, checked for a role `method` needs; raise Unauthenticated or
+        PermissionDenied (ReceiverErrors: the service ends the call with their status)."""
+        principal = self.authenticate(context.invocation_metadata() or (), context.auth_context())
+        self.authorize(principal, method)
+        return principal
+
+    @staticmethod
+    def authorize(principal: Principal, method: str) -> None:
+        """Raise PermissionDenied unless `principal` has a role `method` needs."""
+        needed = METHOD_ROLES.get(method)
+        if needed is None or not principal.has_any(needed):
+            roles = " or ".join(sorted(needed or ())) or "a role no principal has"
+            raise PermissionDenied(f"principal {principal.name!r} may not call {method}: it needs {roles}")
+
+
+def bearer_token(metadata: Iterable[tuple[str, str | bytes]]) -> str | None:
+    """The token of the call's `authorization: Bearer <token>` metadata; None if it has none."""
+    values = [v for k, v in metadata if k.lower() == "authorization"]
+    if not values:
+        return None
+    if len(values) > 1:
+        raise Unauthenticated("more than one authorization header")
+    value = values[0].decode("utf-8", "replace") if isinstance(values[0], bytes) else values[0]
+    if len(value) > MAX_TOKEN_CHARS:
+        raise Unauthenticated(f"authorization header over {MAX_TOKEN_CHARS} characters")
+    scheme, _, token = value.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise Unauthenticated("authorization must be 'Bearer <token>'")
+    return token.strip()
+
+
+def certificate_names(auth_context: Mapping[str, Iterable[bytes]]) -> list[str]:
+    """The verified client certificate's subject CN, then its SANs (gRPC puts DNS, URI, email and IP
+    SANs under one key); empty without one."""
+    names: list[str] = []
+    for key in ("x509_common_name", "x509_subject_alternative_name"):
+        for value in auth_context.get(key, ()):
+            name = value.decode("utf-8", "replace")
+            if name and name not in names:
+                names.append(name)
+    return names
+
+
+def _strings(value: object, where: str) -> list[str]:
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise AuthFileError(f"{where} must be a string or a list of strings")
+    return list(value)
+
+
+def _role(name: str, where: str) -> Role:
+    try:
+        return Role(name)
+    except ValueError:
+        raise AuthFileError(f"{where}: unknown role {name!r} (roles: {', '.join(ALL_ROLES)})") from None
+
+
+def _seconds(raw: object) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, int | float):
+        raise ValueError(f"seconds, got {raw!r}")  # noqa: TRY004 - reported as the key's ValueError
+    return float(raw)
+
+
+def _limits(entry: Mapping[str, Any], base: Limits, where: str) -> Limits:
+    if not isinstance(entry, Mapping):
+        raise AuthFileError(f"{where} must be a table")
+    if where.endswith("[defaults]"):
+        extra = set(entry) - set(_LIMIT_KEYS)
+        if extra:
+            raise AuthFileError(f"{where}: unknown key(s) {', '.join(sorted(extra))}")
+    values: dict[str, Any] = {f.name: getattr(base, f.name) for f in fields(Limits)}
+    for key, attr in _LIMIT_KEYS.items():
+        if key not in entry:
+            continue
+        raw = entry[key]
+        try:
+            if raw in ("none", "unlimited"):
+                values[attr] = None
+            elif attr == "idle_timeout":
+                values[attr] = _seconds(raw)
+            elif attr.endswith("_bytes") and isinstance(raw, str):
+                values[attr] = parse_size(raw)
+            else:
+                values[attr] = raw
+        except ValueError as exc:
+            raise AuthFileError(f"{where} {key}: {exc}") from None
+    try:
+        return Limits(**values)
+    except ValueError as exc:
+        raise AuthFileError(f"{where}: {exc}") from None
+

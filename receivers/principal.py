@@ -1,0 +1,76 @@
+"""Who a call comes from: a principal, its roles, the streams it may publish to, and its limits.
+
+A principal is named by a bearer token (looked up by its SHA-256 hash) or by a client certificate (its
+subject CN or a DNS/URI SAN), see receivers.auth. Roles, as Kafka's ACLs split operations:
+
+- producer: Publish, only to the streams granted ("*": every stream);
+- operator: RateControl and Sessions, reads and changes;
+- reader: status (RateControl.GetRate, Sessions.ListSessions) and /metrics.
+
+Limits bound what one principal can take of a shared server (every value > 0; None: no limit), each
+ending the offending call with a documented status (see docs/security.md).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Role(StrEnum):
+    PRODUCER = "producer"
+    OPERATOR = "operator"
+    READER = "reader"
+
+
+ALL_ROLES = frozenset(Role)
+ALL_STREAMS = "*"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one principal may hold at once, per server. Defaults are generous but finite."""
+
+    max_sessions: int | None = 256
+    """Publish sessions open at once (every stream): RESOURCE_EXHAUSTED at Open beyond it."""
+    max_streams: int | None = None
+    """Distinct streams with a session open at once: RESOURCE_EXHAUSTED at Open beyond it."""
+    max_message_bytes: int | None = None
+    """Largest Publish message (bytes on the wire): RESOURCE_EXHAUSTED; None: the server's limit."""
+    max_record_bytes: int | None = None
+    """Largest record (key + value + headers): INVALID_ARGUMENT naming the record; None: no limit."""
+    idle_timeout: float | None = 600.0
+    """Seconds a session may hold credit and send nothing: then it ends UNAVAILABLE (reconnect when
+    there is something to send)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_sessions", "max_streams", "max_message_bytes", "max_record_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer (or unset: no limit), got {value!r}")
+        if self.idle_timeout is not None and not (0 < self.idle_timeout < math.inf):
+            raise ValueError(f"idle_timeout must be > 0 seconds and finite, got {self.idle_timeout!r}")
+
+
+@dataclass(frozen=True)
+class Principal:
+    """An authenticated caller."""
+
+    name: str
+    roles: frozenset[Role] = ALL_ROLES
+    streams: frozenset[str] = frozenset({ALL_STREAMS})
+    """Streams the producer role covers; "*": every stream."""
+    limits: Limits = field(default_factory=Limits)
+    authenticated: bool = True
+    """False for the anonymous principal of a server without authentication."""
+
+    def may_publish(self, stream: str) -> bool:
+        return Role.PRODUCER in self.roles and (ALL_STREAMS in self.streams or stream in self.streams)
+
+    def has_any(self, roles: frozenset[Role]) -> bool:
+        return not self.roles.isdisjoint(roles)
+
+
+ANONYMOUS = Principal("anonymous", authenticated=False)
+"""Every caller of a server without authentication: every role, every stream, the default limits."""
