@@ -74,3 +74,17 @@ class Principal:
 
 ANONYMOUS = Principal("anonymous", authenticated=False)
 """Every caller of a server without authentication: every role, every stream, the default limits."""
+
+
+def producer_key(principal: Principal, producer_id: str) -> str:
+    """The key of `producer_id` in a receiver's producer table (and in the block log's marks).
+
+    A producer id belongs to the principal that uses it: were the table keyed by the id alone, another
+    principal could fence a producer (ABORTED) or send its sequence numbers first so that its records are
+    dropped as duplicates. So an authenticated principal's ids are keyed "\\0<principal>\\0<id>" (a
+    principal name holds no NUL, receivers.auth, so no two principals' keys meet); an anonymous server's
+    are the id itself, as before. At most 1 + 256 + 1 + 256 bytes: well within the log's 65535.
+    """
+    if not producer_id or not principal.authenticated:
+        return producer_id
+    return f"\0{principal.name}\0{producer_id}"

@@ -65,7 +65,9 @@ survives restarts; recovered producers start with accepted_up_to = durable_up_to
 (`max_producers`, least recently used evicted first, never one with a session open or records not yet
 durable; the table may exceed the bound while all are so): an evicted producer
 is unknown again, so a replay of its old records would be accepted twice. Anonymous producers (empty
-producer_id) are not deduplicated, not fenced and not in the table.
+producer_id) are not deduplicated, not fenced and not in the table. The table is keyed by principal too
+(receivers.principal.producer_key): on a server with authentication the same id under two principals is
+two producers, so no principal can fence another's producer or have its records dropped as duplicates.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ from receivers.errors import (
 )
 from receivers.flow import MAX_DEMAND, Subscription
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.principal import ANONYMOUS, Principal
+from receivers.principal import ANONYMOUS, Principal, producer_key
 from receivers.session import SESSION_IDS, Session
 from receivers.wire import check_producer_id, check_seq_range
 
@@ -403,9 +405,9 @@ class Receiver:
     def sessions(self) -> list[Session]:
         return list(self._sessions)
 
-    def producer(self, producer_id: str) -> ProducerState | None:
-        """The table entry of a producer, if it is known (for operators and tests)."""
-        return self._producers.get(producer_id)
+    def producer(self, producer_id: str, principal: Principal = ANONYMOUS) -> ProducerState | None:
+        """The table entry of `principal`'s producer, if it is known (for operators and tests)."""
+        return self._producers.get(producer_key(principal, producer_id))
 
     @property
     def known_producers(self) -> int:
@@ -437,14 +439,15 @@ class Receiver:
         seq = resume_from_seq
         session = Session(SESSION_IDS.next(), self.stream, producer_id, seq, seq, principal=principal)
         if producer_id:
-            state = self._producers.get(producer_id)
+            key = session.producer_key  # the id scoped by principal: another principal's is another producer
+            state = self._producers.get(key)
             if state is None:
                 # unknown (new, or forgotten): take it from its resume point
                 state = ProducerState(resume_from_seq, resume_from_seq)
-                self._producers[producer_id] = state
+                self._producers[key] = state
                 self._evict_producers()
             else:
-                self._producers.move_to_end(producer_id)
+                self._producers.move_to_end(key)
                 reason = f"superseded by a newer session of producer {producer_id!r}"
                 for old in state.sessions:
                     if self.cancel(old, ABORTED, reason):
@@ -491,7 +494,7 @@ class Receiver:
                 f"{session.next_seq}: records must be numbered consecutively, without repeats"
             )
         check_seq_range(first_seq, count, "Batch.first_seq")
-        state = self._producers.get(session.producer_id) if session.producer_id else None
+        state = self._producers.get(session.producer_key) if session.producer_id else None
         duplicates = 0
         if state is not None:
             if first_seq > state.accepted_up_to:
@@ -504,7 +507,7 @@ class Receiver:
         elif session.producer_id:
             # forgotten while its session was open (cannot happen: eviction skips those); start over
             state = ProducerState(first_seq, first_seq, [session])
-            self._producers[session.producer_id] = state
+            self._producers[session.producer_key] = state
         self._observe_record_bytes(records)
         session.credit -= count
         self._outstanding -= count  # duplicates' credit returns to the pool: they take no buffer room
@@ -589,7 +592,7 @@ class Receiver:
         """Forget a session (its call ended); unused credit returns to the pool."""
         if session in self._sessions:
             self._sessions.remove(session)
-            state = self._producers.get(session.producer_id) if session.producer_id else None
+            state = self._producers.get(session.producer_key) if session.producer_id else None
             if state is not None and session in state.sessions:
                 state.sessions.remove(session)
             self._take_back_credit(session)
@@ -817,7 +820,7 @@ class Receiver:
         UNAVAILABLE), everyone else's are sealed and acked."""
         groups: dict[str | Session, list[_Chunk]] = {}
         for chunk in chunks:
-            groups.setdefault(chunk.session.producer_id or chunk.session, []).append(chunk)
+            groups.setdefault(chunk.session.producer_key or chunk.session, []).append(chunk)
         owners = list(groups)
         for i, owner in enumerate(owners):
             try:
@@ -830,12 +833,12 @@ class Receiver:
         return True
 
     def _refuse(self, owner: str | Session, chunks: list[_Chunk], exc: Exception) -> None:
-        """The block log cannot hold these records of `owner` (a producer id, or an anonymous session):
+        """The block log cannot hold these records of `owner` (a producer key, or an anonymous session):
         drop them and what else of it is pending, and fail its sessions; nothing of it was acked."""
         log.error("stream %r: the block log refused records of %s: %r", self.stream, owner, exc)
 
         def mine(chunk: _Chunk) -> bool:
-            return chunk.session.producer_id == owner if isinstance(owner, str) else chunk.session is owner
+            return chunk.session.producer_key == owner if isinstance(owner, str) else chunk.session is owner
 
         dropped = chunks + [c for c in self._pending if mine(c)]
         self._pending = [c for c in self._pending if not mine(c)]
@@ -860,10 +863,10 @@ class Receiver:
     async def _write_block(self, chunks: list[_Chunk]) -> None:
         """Write `chunks` as the next block and do its bookkeeping (ack, or queue for the group commit).
         Raises what the store raises, with nothing of the block in the log."""
-        marks: dict[str, int] = {}  # producer -> seq after its last record in the block
+        marks: dict[str, int] = {}  # producer key -> seq after its last record in the block
         for chunk in chunks:
             if chunk.session.producer_id:
-                marks[chunk.session.producer_id] = chunk.end_seq
+                marks[chunk.session.producer_key] = chunk.end_seq
         info, size = await asyncio.to_thread(
             self.store.write,
             self.stream,

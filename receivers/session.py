@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from receivers.errors import ReceiverError
 from receivers.flow import MAX_DEMAND
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.principal import ANONYMOUS, Principal
+from receivers.principal import ANONYMOUS, Principal, producer_key
 
 
 class SessionIds:
@@ -112,6 +113,11 @@ class Session:
     outbox: Outbox = field(default_factory=Outbox)
     principal: Principal = ANONYMOUS
     """Who opened it (its limits and its share of the stream go by this)."""
+
+    @cached_property
+    def producer_key(self) -> str:
+        """Its producer's key in the producer table: the id, scoped by principal (see producer_key)."""
+        return producer_key(self.principal, self.producer_id)
 
     @property
     def ended(self) -> bool:
