@@ -36,6 +36,7 @@ class SessionsService(pb_grpc.SessionsServicer):
                     durable_up_to=s.durable_up_to,
                     completed=s.completed,
                     cancelled=s.cancelled,
+                    principal=s.principal.name,
                 )
                 for r in receivers
                 for s in r.sessions

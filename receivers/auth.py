@@ -18,8 +18,12 @@ one and prints its hash):
     roles = ["operator", "reader"]
 
 A call is authenticated by the bearer token in its `authorization` metadata ("Bearer <token>") if it
-has one, else by its client certificate (mutual TLS): the certificate's subject CN, then its DNS and URI
-SANs, are looked up as principal names. Without an auth file, every caller is ANONYMOUS (every role) on
+has one, else by its client certificate (mutual TLS, and only then: a server that does not verify client
+certificates ignores the names in one): the certificate's subject CN, then its DNS and URI SANs, are
+looked up as principal names. The server's own tokens (`Authenticator.issue_token`: the Spark source's
+"sluice-pipeline" token) are held apart from the auth file and outlive its reloads.
+
+Without an auth file, every caller is ANONYMOUS (every role) on
 a plain server, and on a mutual-TLS server every verified certificate is a principal with every role
 (the client CA vouches for it). With an auth file, a call without credentials or with an unknown token
 is UNAUTHENTICATED; a certificate that names no principal, or a principal without the role or stream
@@ -30,11 +34,12 @@ from __future__ import annotations
 
 import hashlib
 import re
+import secrets
 import tomllib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -42,8 +47,17 @@ from receivers.errors import PermissionDenied, Unauthenticated, cut
 from receivers.principal import ALL_ROLES, ANONYMOUS, Limits, Principal, Role
 from receivers.sizes import parse_size
 
+if TYPE_CHECKING:
+    from receivers.receiver import Receiver
+
 MAX_TOKEN_CHARS = 4096
 """A longer authorization value is refused before it is hashed."""
+MAX_NAME_BYTES = 256
+"""Longest principal name (UTF-8), as a producer id: a principal's producer keys hold both."""
+PERMISSION_DENIED = 7
+"""gRPC status code of a session revoked by an auth reload (receivers never import grpc's enum)."""
+PIPELINE_PRINCIPAL = "sluice-pipeline"
+"""The principal of the server's own Spark source (RateControl: GetRate, StartBatch)."""
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -70,6 +84,11 @@ _LIMIT_KEYS = {
 
 class AuthFileError(ValueError):
     """The auth file cannot be read or says something invalid; the message names the file and key."""
+
+
+def new_token() -> str:
+    """A random bearer token: 256 bits, URL-safe base64 (43 characters)."""
+    return secrets.token_urlsafe(32)
 
 
 def token_hash(token: str) -> str:
@@ -114,8 +133,9 @@ class AuthTable:
         tokens: dict[str, str] = {}
         for name, entry in entries.items():
             where = f"{source} [principals.{name}]"
-            if not name or len(name.encode()) > 256:
-                raise AuthFileError(f"{where}: a principal name is 1-256 bytes")
+            if not _valid_name(name):
+                # no NUL: a principal's producer keys are "\0<principal>\0<producer id>" (producer_key)
+                raise AuthFileError(f"{where}: a principal name is 1-256 bytes of UTF-8, without NUL")
             if not isinstance(entry, Mapping):
                 raise AuthFileError(f"{where}: must be a table")
             allowed = {"roles", "streams", "token_sha256", *_LIMIT_KEYS}
@@ -157,6 +177,7 @@ class Authenticator:
         self._client_certificates = client_certificates
         self._default_limits = default_limits or Limits()
         self._anonymous = Principal(ANONYMOUS.name, limits=self._default_limits, authenticated=False)
+        self._internal: dict[str, Principal] = {}  # token hash -> principal; kept across reloads
 
     @property
     def table(self) -> AuthTable | None:
@@ -168,7 +189,28 @@ class Authenticator:
         return self._table is not None or self._client_certificates
 
     def reload(self, table: AuthTable | None) -> None:
+        """Swap the auth table; then `revoke` ends the sessions it no longer allows."""
         self._table = table
+
+    def issue_token(self, principal: Principal) -> str:
+        """A new random token for `principal`, one of the server's own (not in the auth file, kept
+        across reloads, accepted with or without one); only its hash is kept."""
+        token = new_token()
+        self._internal[token_hash(token)] = principal
+        return token
+
+    def current(self, principal: Principal) -> Principal | None:
+        """`principal` as the present auth table knows it (looked up again by name after a reload);
+        None when it no longer exists."""
+        if not principal.authenticated:
+            return None if self.enabled else self._anonymous
+        if principal in self._internal.values():
+            return principal
+        table = self._table
+        if table is None:  # mutual TLS without an auth file: every verified certificate is a principal
+            certified = self._client_certificates
+            return Principal(principal.name, limits=self._default_limits) if certified else None
+        return table.principals.get(principal.name)
 
     def authenticate(
         self, metadata: Iterable[tuple[str, str | bytes]], auth_context: Mapping[str, Iterable[bytes]]
@@ -177,8 +219,12 @@ class Authenticator:
         ServicerContext.auth_context()); raise Unauthenticated or PermissionDenied."""
         token = bearer_token(metadata)
         table = self._table
-        names = certificate_names(auth_context)
+        # only a server that verified the certificate against its client CA may believe its names
+        names = certificate_names(auth_context) if self._client_certificates else []
         if token is not None:
+            internal = self._internal.get(token_hash(token))
+            if internal is not None:
+                return internal
             if table is None:
                 raise Unauthenticated("this server takes no bearer tokens (it has no --auth-file)")
             principal = table.by_token(token)
@@ -231,15 +277,37 @@ def bearer_token(metadata: Iterable[tuple[str, str | bytes]]) -> str | None:
 
 
 def certificate_names(auth_context: Mapping[str, Iterable[bytes]]) -> list[str]:
-    """The verified client certificate's subject CN, then its SANs (gRPC puts DNS, URI, email and IP
-    SANs under one key); empty without one."""
+    """The client certificate's subject CN, then its DNS SANs, then its URI SANs, as grpc's
+    auth_context() holds them (grpcio 1.85: x509_common_name, peer_dns, peer_uri; its
+    x509_subject_alternative_name mixes in email and IP SANs, which name no principal here); empty
+    without a certificate. Names that cannot be principal names (over 256 bytes, NUL) are skipped."""
     names: list[str] = []
-    for key in ("x509_common_name", "x509_subject_alternative_name"):
+    for key in ("x509_common_name", "peer_dns", "peer_uri"):
         for value in auth_context.get(key, ()):
             name = value.decode("utf-8", "replace")
-            if name and name not in names:
+            if _valid_name(name) and name not in names:
                 names.append(name)
     return names
+
+
+def revoke(receivers: Iterable[Receiver], authenticator: Authenticator) -> int:
+    """Cancel, with PERMISSION_DENIED, every open session whose principal the (reloaded) auth table no
+    longer has or no longer lets publish to the session's stream; return how many. What they sent
+    before is still acked (Cancel's accepted_up_to); the producers fail, they do not reconnect."""
+    revoked = 0
+    for receiver in receivers:
+        for session in receiver.sessions:
+            now = authenticator.current(session.principal)
+            if now is not None and now.may_publish(session.stream):
+                continue
+            why = "no longer exists" if now is None else f"may no longer publish to stream {session.stream!r}"
+            if receiver.cancel(session, PERMISSION_DENIED, f"principal {session.principal.name!r} {why}"):
+                revoked += 1
+    return revoked
+
+
+def _valid_name(name: str) -> bool:
+    return 0 < len(name.encode("utf-8", "surrogatepass")) <= MAX_NAME_BYTES and "\0" not in name
 
 
 def _strings(value: object, where: str) -> list[str]:

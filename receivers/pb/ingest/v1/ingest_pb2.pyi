@@ -341,6 +341,7 @@ class SessionInfo(_message.Message):
     DURABLE_UP_TO_FIELD_NUMBER: _builtins.int
     COMPLETED_FIELD_NUMBER: _builtins.int
     CANCELLED_FIELD_NUMBER: _builtins.int
+    PRINCIPAL_FIELD_NUMBER: _builtins.int
     session_id: _builtins.int
     stream: _builtins.str
     producer_id: _builtins.str
@@ -352,6 +353,11 @@ class SessionInfo(_message.Message):
     """Every record below this sequence number is durable and acked."""
     completed: _builtins.bool
     cancelled: _builtins.bool
+    principal: _builtins.str
+    """Who opened it: the principal named by its token or client certificate ("anonymous" on a server
+    without authentication). Its producer_id is that principal's: the same id under two principals is
+    two producers.
+    """
     def __init__(
         self,
         *,
@@ -363,10 +369,11 @@ class SessionInfo(_message.Message):
         durable_up_to: _builtins.int = ...,
         completed: _builtins.bool = ...,
         cancelled: _builtins.bool = ...,
+        principal: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "completed", b"completed", "credit", b"credit", "durable_up_to", b"durable_up_to", "next_seq", b"next_seq", "producer_id", b"producer_id", "session_id", b"session_id", "stream", b"stream"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "completed", b"completed", "credit", b"credit", "durable_up_to", b"durable_up_to", "next_seq", b"next_seq", "principal", b"principal", "producer_id", b"producer_id", "session_id", b"session_id", "stream", b"stream"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
