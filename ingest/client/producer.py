@@ -15,8 +15,12 @@ within `reconnect_timeout` seconds the producer fails with ReconnectTimeoutError
 retried the same way (a producer may start a moment before its server), for up to `start_timeout`
 seconds, then StartTimeoutError. Every other status
 (INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND, OUT_OF_RANGE, RESOURCE_EXHAUSTED, CANCELLED, ABORTED:
-fenced by a newer session of the same producer id, ...) fails the producer: resending would not help or
-would fight the newer session.
+fenced by a newer session of the same producer id, UNAUTHENTICATED, PERMISSION_DENIED, ...) fails the
+producer: resending would not help or would fight the newer session. So does a TLS handshake that fails
+on the certificates (an untrusted or expired server certificate), which no retry mends.
+
+Credentials (ingest.client.credentials): TLS roots, a client certificate and a bearer token, sent on
+every session's call.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from types import TracebackType
 
 import grpc
 
+from ingest.client.credentials import Credentials
 from ingest.errors import (
     FlushTimeoutError,
     ProducerClosedError,
@@ -67,10 +72,19 @@ def reconnectable(error: RPCError, *, cancelled_in_band: bool = False) -> bool:
     or CANCELLED without an in-band Cancel before it: the server process tore the call down (a
     shutdown past its grace period), where an operator's cancel always says so in-band first."""
     if error.status in RECONNECT_STATUSES:
-        return True
+        return not tls_refused(error)
     if error.status is grpc.StatusCode.CANCELLED:
         return not cancelled_in_band
     return _transport_failure(error)
+
+
+_TLS_REFUSALS = ("handshake failed", "CERTIFICATE_VERIFY_FAILED")
+
+
+def tls_refused(error: RPCError) -> bool:
+    """UNAVAILABLE because the TLS handshake failed on certificates (the server's is not trusted, or
+    expired; the client's refused): grpc reports it as an unreachable server, but retrying cannot help."""
+    return error.status is grpc.StatusCode.UNAVAILABLE and any(s in error.message for s in _TLS_REFUSALS)
 
 
 def _transport_failure(error: RPCError) -> bool:
@@ -122,9 +136,13 @@ class Producer:
 
     `start_timeout` bounds how long start() retries a server that cannot be reached (UNAVAILABLE), with
     the reconnect backoff, logging a WARNING that names the target; then StartTimeoutError. 0: one try.
+
+    `credentials` (ingest.client.credentials.Credentials, e.g. `Credentials.from_env()`): TLS and a
+    bearer token; default plaintext without a token. UNAUTHENTICATED and PERMISSION_DENIED end the
+    producer at once (RPCError), as does RESOURCE_EXHAUSTED from a per-principal limit.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0915 - one assignment per setting
         self,
         target: str,
         stream: str,
@@ -141,6 +159,7 @@ class Producer:
         start_timeout: float = 60.0,
         first_seq: int = 0,
         channel: grpc.aio.Channel | None = None,
+        credentials: Credentials | None = None,
     ) -> None:
         if batch_size < 1 or batch_bytes < 1 or max_buffered < batch_size:
             raise ValueError("need batch_size >= 1, batch_bytes >= 1 and max_buffered >= batch_size")
@@ -166,6 +185,7 @@ class Producer:
         self.max_reconnect_backoff = max_reconnect_backoff
         self.reconnect_timeout = reconnect_timeout
         self.start_timeout = start_timeout
+        self.credentials = credentials or Credentials()  # its token goes on `channel`'s calls too
         self._own_channel = channel is None
         self._channel = channel
         self._state = _State.NEW
@@ -242,7 +262,7 @@ class Producer:
         self._state = _State.OPEN
         if self._channel is None:
             backoff_ms = int(self.reconnect_backoff * 1000)
-            self._channel = grpc.aio.insecure_channel(
+            self._channel = self.credentials.channel(
                 self.target,
                 options=[
                     ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
@@ -295,7 +315,8 @@ class Producer:
 
     async def _open_call(self) -> Call:
         assert self._channel is not None
-        call: Call = pb_grpc.IngestStub(self._channel).Publish()  # type: ignore[call-arg]  # stubs lag grpc.aio
+        publish = pb_grpc.IngestStub(self._channel).Publish
+        call: Call = publish(metadata=self.credentials.metadata)  # type: ignore[call-arg]  # stubs lag
         opening = pb.Open(stream=self.stream, producer_id=self.producer_id, resume_from_seq=self._acked_seq)
         try:
             await call.write(pb.PublishRequest(open=opening))

@@ -1,0 +1,170 @@
+"""Client credentials the usual gRPC way: TLS roots, a client certificate and key, a bearer token.
+
+`Credentials.from_files(...)` reads PEM files and a token file; `Credentials.from_env()` reads the same
+from SLUICE_CA_FILE, SLUICE_CERT_FILE, SLUICE_KEY_FILE and SLUICE_TOKEN or SLUICE_TOKEN_FILE. A token
+is never taken from a command line (other users of the machine can read it there).
+
+`channel(target)` (grpc.aio) and `sync_channel(target)` make a channel: TLS (grpc.ssl_channel_credentials)
+when there is a CA or a client certificate, or `tls=True` (the system's roots), else plaintext. The token
+travels as `authorization: Bearer <token>` metadata on every call (`metadata`), which the Producer, the
+CLI and the Spark source add themselves: gRPC's call credentials refuse a plaintext channel, and a token
+must also work over a server's --insecure port and the loopback port of its own Spark source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from ingest.errors import SluiceError
+
+__all__ = ["Credentials", "CredentialsError"]
+
+ENV_TOKEN = "SLUICE_TOKEN"  # noqa: S105 - the variable's name, not a token
+ENV_TOKEN_FILE = "SLUICE_TOKEN_FILE"  # noqa: S105 - a variable's name
+ENV_CA_FILE = "SLUICE_CA_FILE"
+ENV_CERT_FILE = "SLUICE_CERT_FILE"
+ENV_KEY_FILE = "SLUICE_KEY_FILE"
+
+_MAX_TOKEN_CHARS = 4096  # the server's limit (receivers.auth.MAX_TOKEN_CHARS)
+
+Options = Sequence[tuple[str, Any]]
+
+
+class CredentialsError(SluiceError, ValueError):
+    """Credentials that cannot be used: a file that cannot be read, a certificate without its key, a
+    token that cannot travel as metadata. The message names the file or variable."""
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What a client presents to a Sluice server. The default (no fields) is plaintext, no token."""
+
+    root_certificates: bytes | None = None
+    """PEM CA certificates the server's certificate must chain to; None: the system's roots (with TLS)."""
+    certificate_chain: bytes | None = field(default=None, repr=False)
+    """PEM client certificate (chain), for mutual TLS; needs private_key."""
+    private_key: bytes | None = field(default=None, repr=False)
+    """PEM private key of certificate_chain."""
+    token: str | None = field(default=None, repr=False)
+    """Bearer token (`sluice token` makes one), sent as `authorization: Bearer <token>` on every call."""
+    tls: bool | None = None
+    """Use TLS; None: whenever a CA or a client certificate is given."""
+    server_name: str | None = None
+    """The name the server's certificate must hold, when the target's host is not it (an IP address)."""
+
+    def __post_init__(self) -> None:
+        if (self.certificate_chain is None) != (self.private_key is None):
+            raise CredentialsError("a client certificate needs its private key, and a key its certificate")
+        if self.token is not None:
+            _check_token(self.token, "the token")
+        if self.tls is False and (self.root_certificates or self.certificate_chain):
+            raise CredentialsError("certificates are given but tls is False")
+
+    @property
+    def secure(self) -> bool:
+        """Whether channels use TLS."""
+        if self.tls is not None:
+            return self.tls
+        return self.root_certificates is not None or self.certificate_chain is not None
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """The metadata every call carries: the bearer token, if there is one."""
+        return () if self.token is None else (("authorization", f"Bearer {self.token}"),)
+
+    @classmethod
+    def from_files(
+        cls,
+        *,
+        ca_file: str | Path | None = None,
+        cert_file: str | Path | None = None,
+        key_file: str | Path | None = None,
+        token_file: str | Path | None = None,
+        tls: bool | None = None,
+        server_name: str | None = None,
+    ) -> Credentials:
+        """Credentials read from PEM files and a token file (its first line, whitespace stripped)."""
+        token = None
+        if token_file is not None:
+            token = _read(token_file, "token file").decode("utf-8", "replace").strip()
+            _check_token(token, f"token file {token_file}")
+        return cls(
+            root_certificates=None if ca_file is None else _read(ca_file, "CA file"),
+            certificate_chain=None if cert_file is None else _read(cert_file, "certificate file"),
+            private_key=None if key_file is None else _read(key_file, "key file"),
+            token=token,
+            tls=tls,
+            server_name=server_name,
+        )
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **files: str | Path | None) -> Credentials:
+        """Credentials from SLUICE_CA_FILE, SLUICE_CERT_FILE, SLUICE_KEY_FILE, SLUICE_TOKEN_FILE or
+        SLUICE_TOKEN; a file given in `files` (ca_file, cert_file, key_file, token_file, as from_files
+        takes them: command-line flags) wins over its variable, and a token file over SLUICE_TOKEN."""
+        env = os.environ if environ is None else environ
+        unknown = set(files) - {"ca_file", "cert_file", "key_file", "token_file"}
+        if unknown:
+            raise TypeError(f"unknown credential file(s): {', '.join(sorted(unknown))}")
+
+        def pick(name: str, variable: str) -> str | Path | None:
+            given = files.get(name)
+            return given if given is not None else env.get(variable) or None
+
+        token_file = pick("token_file", ENV_TOKEN_FILE)
+        found = cls.from_files(
+            ca_file=pick("ca_file", ENV_CA_FILE),
+            cert_file=pick("cert_file", ENV_CERT_FILE),
+            key_file=pick("key_file", ENV_KEY_FILE),
+            token_file=token_file,
+        )
+        if token_file is None and env.get(ENV_TOKEN):
+            token = env[ENV_TOKEN].strip()
+            _check_token(token, ENV_TOKEN)
+            return dataclasses.replace(found, token=token)
+        return found
+
+    def _options(self, options: Options) -> list[tuple[str, Any]]:
+        merged = list(options)
+        if self.server_name is not None and self.secure:
+            merged.append(("grpc.ssl_target_name_override", self.server_name))
+        return merged
+
+    def _channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.root_certificates, self.private_key, self.certificate_chain)
+
+    def channel(self, target: str, options: Options = ()) -> grpc.aio.Channel:
+        """A grpc.aio channel to `target`: TLS if `secure`, else plaintext (add `metadata` to calls)."""
+        if self.secure:
+            return grpc.aio.secure_channel(target, self._channel_credentials(), self._options(options))
+        return grpc.aio.insecure_channel(target, self._options(options))
+
+    def sync_channel(self, target: str, options: Options = ()) -> grpc.Channel:
+        """A blocking grpc channel to `target`, as `channel` makes an aio one."""
+        if self.secure:
+            return grpc.secure_channel(target, self._channel_credentials(), self._options(options))
+        return grpc.insecure_channel(target, self._options(options))
+
+
+def _read(path: str | Path, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise CredentialsError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+
+
+def _check_token(token: str, where: str) -> None:
+    # gRPC metadata values are printable ASCII; a token with a space or newline would be cut or refused
+    if not token:
+        raise CredentialsError(f"{where} is empty")
+    if len(token) > _MAX_TOKEN_CHARS:
+        raise CredentialsError(f"{where} is over {_MAX_TOKEN_CHARS} characters")
+    if not all("!" <= c <= "~" for c in token):
+        raise CredentialsError(f"{where} holds characters a token cannot have (whitespace, non-ASCII)")
