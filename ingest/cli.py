@@ -21,13 +21,21 @@ from typing import IO, TYPE_CHECKING, TypeVar
 
 import grpc
 
-from ingest.config import DEFAULT_METRICS_PORT, DEFAULT_PORT, RateConfig, ServeConfig
+from ingest.config import (
+    DEFAULT_METRICS_PORT,
+    DEFAULT_PORT,
+    RateConfig,
+    SecurityConfig,
+    ServeConfig,
+    TlsConfig,
+)
 from ingest.errors import FlushTimeoutError, SluiceError
-from ingest.preflight import DataDirLock, prepare
+from ingest.preflight import DataDirLock, check_security, prepare
 from ratecontrol import StreamPolicy
 from receivers.block import InvalidStreamNameError
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from receivers.principal import Limits
 from receivers.receiver import ReceiverConfig
 from receivers.sizes import parse_size
 from receivers.wal import FsyncPolicy
@@ -81,6 +89,12 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         default=DEFAULT_METRICS_PORT,
         help="Prometheus /metrics port, 0 = any, -1 = off (default: %(default)s)",
     )
+    serve.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="/metrics bind address (default: %(default)s)",
+    )
+    _security_flags(serve)
     serve.add_argument(
         "--data-dir",
         type=Path,
@@ -273,7 +287,127 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         help="gRPC status code the session ends with (default: 1)",
     )
     cancel.set_defaults(run=_sessions_cancel)
+
+    certs = commands.add_parser(
+        "dev-certs",
+        help="write a throwaway CA, server and client certificates for TLS trials (not for production)",
+        description="Write DIR/ca.crt, DIR/server.crt + server.key (SANs localhost, 127.0.0.1, ::1 and "
+        "each --host) and DIR/NAME.crt + NAME.key per --client (keys mode 0600), valid for 90 days. For "
+        "trials only, not for production: the CA's key is not kept, so nothing more can be issued under "
+        "it (run again for a new set); use your organisation's CA for real deployments.",
+    )
+    certs.add_argument("dir", type=Path, metavar="DIR", help="where to write them (created if missing)")
+    certs.add_argument(
+        "--host", action="append", default=[], metavar="NAME", help="another server name or IP; repeat"
+    )
+    certs.add_argument(
+        "--client",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a client certificate with this CN (the principal name in the auth file); repeat",
+    )
+    certs.add_argument("--force", action="store_true", help="replace files that exist")
+    certs.set_defaults(run=_dev_certs)
     return parser
+
+
+def _security_flags(serve: argparse.ArgumentParser) -> None:
+    """`sluice serve`'s flags for TLS, authentication and per-principal limits."""
+    group = serve.add_argument_group(
+        "security", "TLS, tokens and per-principal limits; SIGHUP re-reads the TLS files and the auth file"
+    )
+    group.add_argument("--tls-cert", type=Path, metavar="PEM", help="server certificate chain: serve TLS")
+    group.add_argument("--tls-key", type=Path, metavar="PEM", help="the certificate's private key")
+    group.add_argument(
+        "--client-ca",
+        type=Path,
+        metavar="PEM",
+        help="mutual TLS: every client must present a certificate signed by a CA in this file",
+    )
+    group.add_argument(
+        "--auth-file",
+        type=Path,
+        metavar="TOML",
+        help="principals, roles, streams, limits and token hashes (see `sluice token`); without it "
+        "every caller may do everything (or, under mutual TLS, every certified client)",
+    )
+    group.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow plaintext gRPC or /metrics on a non-loopback address: anyone on the network can "
+        "then read the traffic, tokens included, and send",
+    )
+    group.add_argument(
+        "--metrics-tls",
+        action="store_true",
+        help="serve /metrics over HTTPS with --tls-cert/--tls-key (and, with --client-ca, verify the "
+        "scraper's certificate)",
+    )
+    group.add_argument(
+        "--metrics-auth",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="require a reader's or operator's bearer token (or client certificate) on /metrics "
+        "(default: whenever there is an --auth-file)",
+    )
+    group.add_argument(
+        "--handshake-timeout",
+        type=_float_in(0.1, 3600.0, "a handshake timeout"),
+        default=SecurityConfig.handshake_timeout,
+        metavar="SECONDS",
+        help="a connection that has not finished its TLS and HTTP/2 handshake by then, or a Publish "
+        "call that has not sent its Open, is dropped (default: %(default)s)",
+    )
+    defaults = Limits()
+    for flag, attr, kind, what in (
+        ("max-sessions-per-principal", "max_sessions", "count", "Publish sessions one principal holds open"),
+        ("max-streams-per-principal", "max_streams", "count", "streams one principal may publish to at once"),
+        ("max-message-bytes-per-principal", "max_message_bytes", "size", "largest Publish message"),
+        ("max-record-bytes", "max_record_bytes", "size", "largest record (key + value + headers)"),
+        ("idle-timeout", "idle_timeout", "seconds", "seconds a session may hold credit and send nothing"),
+    ):
+        default = getattr(defaults, attr)
+        parse: Callable[[str], float | int | None]
+        if kind == "count":
+            parse = _limit(_int_in(1, 2**31 - 1, "a count"))
+        elif kind == "size":
+            parse = _limit(_size)
+        else:
+            parse = _limit(_float_in(0.1, 10 * 365 * 86400.0, "a timeout"))
+        group.add_argument(
+            f"--{flag}",
+            dest=f"limit_{attr}",
+            type=parse,
+            default=default,
+            metavar="N|none" if kind == "count" else "SIZE|none" if kind == "size" else "SECONDS|none",
+            help=f"{what}, for principals the auth file gives no limit of their own "
+            f"(default: {'none' if default is None else f'{default:g}'})",
+        )
+
+
+def _limit(parse: Callable[[str], T]) -> Callable[[str], T | None]:
+    """An argparse type for a limit: `parse`, or "none" (no limit)."""
+
+    def parse_limit(text: str) -> T | None:
+        return None if text.strip().lower() in ("none", "unlimited") else parse(text)
+
+    return parse_limit
+
+
+def _float_in(low: float, high: float, what: str) -> Callable[[str], float]:
+    """An argparse type: a number in [low, high] (so not nan or inf), else a usage error."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{what} is in {low:g}..{high:g}, got {text}")
+        return value
+
+    return parse
 
 
 def _int_in(low: int, high: int, what: str) -> Callable[[str], int]:
@@ -360,11 +494,36 @@ def _fail(message: str, code: int = EXIT_FAILED) -> int:
 # ---- serve ---------------------------------------------------------------------------------------
 
 
+def _security(args: argparse.Namespace) -> SecurityConfig:
+    """The security flags as a SecurityConfig; ValueError for a combination that cannot work."""
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("TLS needs both --tls-cert and --tls-key")
+    if args.client_ca is not None and args.tls_cert is None:
+        raise ValueError("--client-ca (mutual TLS) needs TLS: give --tls-cert and --tls-key too")
+    tls = None if args.tls_cert is None else TlsConfig(args.tls_cert, args.tls_key, args.client_ca)
+    return SecurityConfig(
+        tls=tls,
+        auth_file=args.auth_file,
+        insecure=args.insecure,
+        limits=Limits(
+            max_sessions=args.limit_max_sessions,
+            max_streams=args.limit_max_streams,
+            max_message_bytes=args.limit_max_message_bytes,
+            max_record_bytes=args.limit_max_record_bytes,
+            idle_timeout=args.limit_idle_timeout,
+        ),
+        handshake_timeout=args.handshake_timeout,
+        metrics_tls=args.metrics_tls,
+        metrics_auth=args.metrics_auth,
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
     try:
         config = ServeConfig(
             host=args.host,
             port=args.port,
+            metrics_host=args.metrics_host,
             metrics_port=None if args.metrics_port < 0 else args.metrics_port,
             data_dir=args.data_dir,
             streams=tuple(args.streams or ("default",)),
@@ -392,7 +551,10 @@ def _serve(args: argparse.Namespace) -> int:
             pipeline=args.pipeline,
             trigger_interval=args.trigger_interval,
             spark=not args.no_spark,
+            security=_security(args),
         )
+        # the TLS files and the auth file, before Spark's JVM (seconds): a bad file fails at once
+        check_security(config)
     except (ValueError, InvalidStreamNameError) as exc:
         return _fail(str(exc), EXIT_USAGE)
     if config.spark:
@@ -420,7 +582,7 @@ def _serve(args: argparse.Namespace) -> int:
         lock.release()
 
 
-async def _serve_async(config: ServeConfig, lock: DataDirLock) -> int:  # noqa: PLR0912 - one lifecycle
+async def _serve_async(config: ServeConfig, lock: DataDirLock) -> int:  # noqa: PLR0912, PLR0915 - one lifecycle
     from ingest.server import SluiceServer  # noqa: PLC0415
 
     driver = None
@@ -429,6 +591,16 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock) -> int:  # noqa: 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    serving: list[SluiceServer] = []
+
+    def reload() -> None:
+        # SIGHUP's default would end the process; before the server is up its files are read anyway
+        if serving:
+            serving[0].reload_security()
+        else:
+            log.info("SIGHUP: the server is starting; it reads the TLS files and the auth file as it starts")
+
+    loop.add_signal_handler(signal.SIGHUP, reload)
     if config.spark:
         from ingest.spark.session import build_session  # noqa: PLC0415
 
@@ -443,13 +615,17 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock) -> int:  # noqa: 
             config, batches_completed=lambda: driver.batches_completed if driver else 0, data_dir_lock=lock
         )
         await server.start()
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a TLS or auth file changed since it was checked
         if spark is not None:
             await asyncio.to_thread(spark.stop)
         return _fail(f"cannot start the server: {exc}")
+    serving.append(server)
+    metrics = "" if server.metrics_port is None else f", metrics on :{server.metrics_port}/metrics"
+    if server.metrics_port is not None and config.security.metrics_tls:
+        metrics += " (https)"
     print(
-        f"sluice: serving streams {', '.join(config.streams)} on {server.target}"
-        f"{'' if server.metrics_port is None else f', metrics on :{server.metrics_port}/metrics'}",
+        f"sluice: serving streams {', '.join(config.streams)} on {server.target}{metrics}; "
+        f"{server.transport}{', tokens required' if server.auth.table is not None else ''}",
         file=sys.stderr,
         flush=True,
     )
@@ -486,6 +662,27 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock) -> int:  # noqa: 
         if spark is not None:
             await asyncio.to_thread(spark.stop)
     print("sluice: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+def _dev_certs(args: argparse.Namespace) -> int:
+    from ingest.dev_certs import write_dev_certs  # noqa: PLC0415 - cryptography only for this command
+
+    try:
+        written = write_dev_certs(args.dir, args.host, args.client, overwrite=args.force)
+    except ValueError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    except OSError as exc:
+        return _fail(f"cannot write the certificates: {exc}")
+    out = written.ca_file.parent
+    print(f"CA (clients trust it):       {written.ca_file}")
+    print(f"server certificate and key:  {written.server_cert} {written.server_key}")
+    for name, (cert, key) in written.clients.items():
+        print(f"client {name!r}:{' ' * max(1, 20 - len(name))}{cert} {key}")
+    print(
+        f"for trials only. serve: sluice serve --tls-cert {out / 'server.crt'} --tls-key "
+        f"{out / 'server.key'}" + (f" --client-ca {written.ca_file}" if written.clients else "")
+    )
     return 0
 
 

@@ -1,20 +1,36 @@
-"""Prometheus metrics: a collector that reads the receivers' counters at scrape time.
+"""Prometheus metrics: a collector that reads the receivers' counters at scrape time, and the /metrics
+endpoint (HTTP or HTTPS, optionally behind a reader's token or a client certificate).
 
 One registry per server (not the global one), so several servers can live in one process (tests).
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import socket
+import ssl
 import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ingest.tls import ServerTls
+from receivers.auth import Authenticator
+from receivers.errors import PermissionDenied, Unauthenticated
+from receivers.principal import Role
 from receivers.receiver import PAUSE_REASONS, Receiver
 from receivers.wal import WalBlockStore
+
+log = logging.getLogger(__name__)
+
+METRICS_ROLES = frozenset({Role.READER, Role.OPERATOR})
+"""A principal with one of these may scrape /metrics when a token is required."""
 
 
 class SluiceCollector(Collector):
@@ -177,19 +193,150 @@ class SluiceCollector(Collector):
             )
 
 
-class MetricsServer:
-    """Serves /metrics over HTTP from a background thread."""
+_PEER_NAMES = "sluice.peer_names"
+"""WSGI environ key: the verified client certificate's names, as grpc's auth_context holds them."""
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int) -> None:
+
+class _Handler(WSGIRequestHandler):
+    timeout = 30.0
+    """Seconds a connection may take to send its request: a silent client does not hold a thread."""
+
+    def get_environ(self) -> dict[str, Any]:
+        environ = super().get_environ()
+        connection = self.connection
+        if isinstance(connection, ssl.SSLSocket):
+            environ[_PEER_NAMES] = _peer_names(connection.getpeercert())
+        return environ
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("metrics %s: " + format, self.address_string(), *args)
+
+
+def _peer_names(cert: Mapping[str, Any] | None) -> dict[str, list[bytes]]:
+    """A verified peer certificate (ssl's getpeercert() dict) under the keys of grpc's auth_context
+    that receivers.auth.certificate_names reads: the subject CN, the DNS SANs, the URI SANs."""
+    if not cert:
+        return {}
+    common = [value.encode() for rdn in cert.get("subject", ()) for key, value in rdn if key == "commonName"]
+    sans: dict[str, list[bytes]] = {"DNS": [], "URI": []}
+    for kind, value in cert.get("subjectAltName", ()):
+        if kind in sans:
+            sans[kind].append(value.encode())
+    return {"x509_common_name": common, "peer_dns": sans["DNS"], "peer_uri": sans["URI"]}
+
+
+class _HttpServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape in progress never holds up close()
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        family: socket.AddressFamily,
+        context: Callable[[], ssl.SSLContext] | None,
+        handshake_timeout: float,
+    ) -> None:
+        self.address_family = family
+        self._context = context
+        self._handshake_timeout = handshake_timeout
+        super().__init__(address, _Handler)
+
+    def get_request(self) -> tuple[Any, Any]:
+        conn, address = super().get_request()
+        if self._context is None:
+            return conn, address
+        # the handshake runs in the connection's own thread (finish_request): a client that connects
+        # and sends nothing must not stop this accept loop; the current context, so a reload applies
+        conn.settimeout(self._handshake_timeout)
+        return self._context().wrap_socket(conn, server_side=True, do_handshake_on_connect=False), address
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        if isinstance(request, ssl.SSLSocket):
+            try:
+                request.do_handshake()
+            except OSError as exc:  # ssl.SSLError, a timeout, a reset: this client only
+                log.debug("metrics: TLS handshake with %s failed: %s", client_address, exc)
+                return
+        super().finish_request(request, client_address)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        log.debug("metrics: request from %s failed", client_address, exc_info=True)
+
+
+def _guarded(
+    app: Callable[..., Iterable[bytes]], authenticator: Authenticator
+) -> Callable[..., Iterable[bytes]]:
+    """`app` behind a bearer token or client certificate of a reader or operator: 401 (with
+    WWW-Authenticate: Bearer) without valid credentials, 403 for another principal."""
+
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        header = environ.get("HTTP_AUTHORIZATION")
+        metadata = [] if header is None else [("authorization", str(header))]
         try:
-            server, thread = start_http_server(port, addr=host, registry=registry)
+            principal = authenticator.authenticate(metadata, environ.get(_PEER_NAMES, {}))
+        except Unauthenticated as exc:
+            challenge = ("WWW-Authenticate", 'Bearer realm="sluice"')
+            return _refuse(start_response, "401 Unauthorized", str(exc), [challenge])
+        except PermissionDenied as exc:
+            return _refuse(start_response, "403 Forbidden", str(exc), [])
+        if not principal.has_any(METRICS_ROLES):
+            why = f"principal {principal.name!r} may not read /metrics: it needs reader or operator"
+            return _refuse(start_response, "403 Forbidden", why, [])
+        return app(environ, start_response)
+
+    return guarded
+
+
+def _refuse(
+    start_response: Callable[..., Any], status: str, message: str, headers: list[tuple[str, str]]
+) -> list[bytes]:
+    body = (message + "\n").encode()
+    length = ("Content-Length", str(len(body)))
+    start_response(status, [("Content-Type", "text/plain; charset=utf-8"), length, *headers])
+    return [body]
+
+
+class MetricsServer:
+    """Serves /metrics from background threads: HTTP, or HTTPS with the server's certificate (`tls`,
+    reloaded with it); `authenticator` given: only a reader or operator, by token or client
+    certificate. `client_certificates`: with a client CA, "required" (any certificate it signed gets
+    in), "optional" (verified when sent: the token or the certificate names the principal)."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        host: str,
+        port: int,
+        *,
+        tls: ServerTls | None = None,
+        client_certificates: ssl.VerifyMode = ssl.CERT_NONE,
+        authenticator: Authenticator | None = None,
+        handshake_timeout: float = 10.0,
+    ) -> None:
+        app = make_wsgi_app(registry)
+        if authenticator is not None:
+            app = _guarded(app, authenticator)
+        context = None if tls is None else lambda: tls.ssl_context(client_certificates)
+        try:
+            family, address = _best_family(host, port)
+            server = _HttpServer(address, family, context, handshake_timeout)
         except OSError as exc:
             raise OSError(f"cannot serve metrics on {host}:{port}: {exc.strerror or exc}") from exc
+        server.set_app(app)
         self._server = server
-        self._thread: threading.Thread = thread
+        self._thread = threading.Thread(target=server.serve_forever, name="sluice-metrics", daemon=True)
+        self._thread.start()
         self.port: int = server.server_address[1]
+        self.scheme = "http" if tls is None else "https"
 
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
+
+
+def _best_family(host: str, port: int) -> tuple[socket.AddressFamily, tuple[str, int]]:
+    # HTTPServer binds AF_INET; an IPv6 address needs its own family (as prometheus_client does)
+    family, _, _, _, sockaddr = socket.getaddrinfo(
+        host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    return family, (str(sockaddr[0]), port)

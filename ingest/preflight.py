@@ -7,7 +7,9 @@ goes stale. The file names the holder's pid for the message; it is never deleted
 would let the next server lock a new file of the same name while the old one still writes).
 
 `sluice serve` starts Spark's JVM (seconds) before its gRPC server (see ingest.cli), so it runs these
-checks first: a mistake fails at once, not after Spark has started.
+checks first: a mistake fails at once, not after Spark has started. That includes the TLS files and the
+auth file (check_security): a missing or unreadable file, a file that is not PEM, a key that is not the
+certificate's, an invalid auth file.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import socket
 from pathlib import Path
 
 from ingest.config import ServeConfig
+from ingest.tls import load_tls
+from receivers.auth import AuthTable
 
 LOCK_FILE = "sluice.lock"
 
@@ -159,6 +163,16 @@ def check_port(host: str, port: int, what: str) -> None:
                 problems.append(exc)
     if problems and len(problems) == len(addresses):  # gRPC binds if any address binds
         raise _failed(f"{what} {host}:{port}: {problems[0].strerror}", problems[0])
+
+
+def check_security(config: ServeConfig) -> None:
+    """Read and check the TLS files and the auth file as the server will; raise a ValueError
+    (ingest.tls.TlsFileError, receivers.auth.AuthFileError) that names the file and the flag."""
+    security = config.security
+    if security.tls is not None:
+        load_tls(security.tls)
+    if security.auth_file is not None:
+        AuthTable.load(security.auth_file)
 
 
 def prepare(config: ServeConfig) -> DataDirLock:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 from collections.abc import Callable
 
 import grpc
@@ -19,13 +20,18 @@ from ingest.preflight import DataDirLock, bind_address, make_dirs
 from ingest.rate_controller import WATCHDOG_TICK, RateController
 from ingest.rate_service import RateControlService
 from ingest.sessions_service import SessionsService
-from receivers.auth import Authenticator, AuthTable
+from ingest.tls import ServerTls, TlsFileError
+from receivers.auth import Authenticator, AuthFileError, AuthTable, revoke
 from receivers.parsed_service import add_parsed_servicer
 from receivers.publish_service import PublishService
 from receivers.receiver import Receiver
 from receivers.wal import WalBlockStore
 
 log = logging.getLogger(__name__)
+
+MAX_CONNECTION_IDLE = 300.0
+"""Seconds a connection without a call in progress is kept: then gRPC sends GOAWAY (a channel with
+nothing to send reconnects when it has). A handshaken client that opens no call holds no socket forever."""
 
 
 class SluiceServer:
@@ -45,6 +51,11 @@ class SluiceServer:
         data_dir_lock: DataDirLock | None = None,
     ) -> None:
         self.config = config
+        security = config.security
+        # the files before the lock: a bad one fails here with nothing held (the CLI checked them already)
+        self.tls = ServerTls(security.tls) if security.tls is not None else None
+        """The TLS certificate, key and client CA; `reload_security` re-reads them (SIGHUP)."""
+        table = AuthTable.load(security.auth_file) if security.auth_file is not None else None
         # first: recovery cuts what looks like a torn tail, which in a live server's log is its next block
         self._own_lock = data_dir_lock is None
         self._lock = data_dir_lock if data_dir_lock is not None else DataDirLock(config.data_dir)
@@ -57,13 +68,12 @@ class SluiceServer:
         except BaseException:
             self._release_lock()
             raise
-        security = config.security
         self.auth = Authenticator(
-            AuthTable.load(security.auth_file) if security.auth_file is not None else None,
+            table,
             client_certificates=security.tls is not None and security.tls.client_ca_file is not None,
             default_limits=security.limits,
         )
-        """Who may call what; `reload_auth` re-reads the auth file (SIGHUP)."""
+        """Who may call what; `reload_security` re-reads the auth file (SIGHUP)."""
         self.rate = RateController(self.receivers, config.rate, batch_interval=config.trigger_interval)
         """The ingest rate: fed by batch metrics (on_batch) and by operators (RateControl)."""
         self.registry = CollectorRegistry()
@@ -99,8 +109,11 @@ class SluiceServer:
 
     async def start(self) -> None:
         """Bind and serve; raise OSError (and leave nothing running) when a port cannot be bound."""
+        security = self.config.security
+        for warning in self.tls.material.warnings() if self.tls is not None else ():
+            log.warning("%s", warning)
         if self.config.metrics_port is not None:
-            self._metrics = MetricsServer(self.registry, self.config.metrics_host, self.config.metrics_port)
+            self._metrics = self._metrics_server()
         server = grpc.aio.server(
             options=[
                 ("grpc.max_receive_message_length", self.config.max_message_bytes),
@@ -108,6 +121,10 @@ class SluiceServer:
                 # gRPC binds with SO_REUSEPORT by default: a second server on this port would start
                 # and take half the sessions, whose producers' dedup state lives in the other one
                 ("grpc.so_reuseport", 0),
+                # a client that connects and sends nothing (no TLS ClientHello, no HTTP/2 preface and
+                # SETTINGS) is dropped after this; gRPC's default is 120 s
+                ("grpc.server_handshake_timeout_ms", round(security.handshake_timeout * 1000)),
+                ("grpc.max_connection_idle_ms", round(MAX_CONNECTION_IDLE * 1000)),
             ]
         )
         PublishService(
@@ -120,7 +137,10 @@ class SluiceServer:
         address = bind_address(self.config.host, self.config.port)
         detail = ""
         try:
-            self.port = server.add_insecure_port(address)
+            if self.tls is not None:
+                self.port = server.add_secure_port(address, self.tls.grpc_credentials())
+            else:
+                self.port = server.add_insecure_port(address)
         except RuntimeError as exc:  # grpc reports a failed bind this way
             self.port = 0
             detail = f": {exc}"
@@ -143,11 +163,73 @@ class SluiceServer:
         self._grpc = server
         self._watchdog = asyncio.create_task(self._watch_batches(), name="sluice-batch-watchdog")
         log.info(
-            "serving streams %s on %s, metrics on %s",
+            "serving streams %s on %s (%s), metrics on %s",
             ", ".join(self.receivers),
             self.target,
+            self.transport,
             self.metrics_port,
         )
+
+    @property
+    def transport(self) -> str:
+        """How clients connect: "plaintext", "TLS" or "mutual TLS"."""
+        if self.tls is None:
+            return "plaintext"
+        return "mutual TLS" if self.tls.mutual else "TLS"
+
+    def _metrics_server(self) -> MetricsServer:
+        security = self.config.security
+        port = self.config.metrics_port
+        assert port is not None
+        tls = self.tls if security.metrics_tls else None
+        token = security.metrics_token_required
+        # with a client CA: a token alone may do when one is required, else the CA vouches, as on gRPC
+        verify = ssl.CERT_NONE
+        if tls is not None and tls.mutual:
+            verify = ssl.CERT_OPTIONAL if token else ssl.CERT_REQUIRED
+        return MetricsServer(
+            self.registry,
+            self.config.metrics_host,
+            port,
+            tls=tls,
+            client_certificates=verify,
+            authenticator=self.auth if token else None,
+            handshake_timeout=security.handshake_timeout,
+        )
+
+    def reload_security(self) -> list[str]:
+        """Re-read the TLS files and the auth file (SIGHUP); return what changed, as logged. A bad file
+        is logged as an ERROR and changes nothing of its kind (the other kind still reloads). Live
+        connections keep their certificate; sessions a new auth table no longer allows are cancelled
+        with PERMISSION_DENIED."""
+        changes: list[str] = []
+        security = self.config.security
+        if self.tls is not None:
+            try:
+                described = self.tls.reload()
+            except TlsFileError as exc:
+                log.error("reload: TLS files not reloaded, the old certificate stays: %s", exc)  # noqa: TRY400
+            else:
+                changes.append(
+                    "TLS: unchanged" if described is None else f"TLS: new connections get {described}"
+                )
+                for warning in self.tls.material.warnings():
+                    log.warning("%s", warning)
+        if security.auth_file is not None:
+            try:
+                table = AuthTable.load(security.auth_file)
+            except AuthFileError as exc:
+                log.error("reload: auth file not reloaded, the old one stays: %s", exc)  # noqa: TRY400
+            else:
+                self.auth.reload(table)
+                revoked = revoke(self.receivers.values(), self.auth)
+                changes.append(
+                    f"auth file: {len(table.principals)} principals, {len(table.tokens)} tokens"
+                    + (f"; {revoked} sessions revoked" if revoked else "")
+                )
+        for change in changes:
+            log.info("reload: %s", change)
+        return changes
 
     async def stop(self, grace: float = 5.0) -> None:
         """Seal and ack what was received, end every session, then stop serving."""
