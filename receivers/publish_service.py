@@ -75,10 +75,11 @@ class PublishService(pb_grpc.IngestServicer):
         request_iterator: AsyncIterator[pb.PublishRequest | bytes],
         context: grpc.aio.ServicerContext[pb.PublishRequest | bytes, pb.PublishResponse],
     ) -> AsyncIterator[pb.PublishResponse]:
-        requests = aiter(request_iterator)
         try:
             # before anything is read: an unauthenticated caller is never granted credit
             principal = self._authenticator.caller(context, PUBLISH)
+            # only now: a request iterator made and never read warns ("never awaited") when collected
+            requests = aiter(request_iterator)
             receiver, session = await self._open(requests, principal)
         except ReceiverError as error:
             await context.abort(status_code(error), str(error))

@@ -1,0 +1,495 @@
+"""Authentication and authorization over real gRPC on loopback, with real tokens and certificates.
+
+Every method of every service: no credentials, an unknown token or a malformed authorization header is
+UNAUTHENTICATED; the wrong role, or a stream not granted (one that does not exist too), is
+PERMISSION_DENIED; either way nothing is taken (no session, no credit, no record, no rate change) and
+other clients keep working. Principals from client certificates (mutual TLS). Producer ids belong to
+their principal (no fencing or dedup across principals, marks survive a restart), and a reloaded auth
+table revokes the sessions it no longer allows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import AsyncIterator, Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from pki import CertificateAuthority
+from support import wait_until
+
+from ingest.client import Producer
+from ingest.client.credentials import Credentials
+from ingest.config import RateConfig, SecurityConfig, ServeConfig
+from ingest.errors import RPCError
+from ingest.server import SluiceServer
+from ingest.sessions_service import SessionsService
+from receivers.auth import METHOD_ROLES, Authenticator, AuthTable, new_token, revoke, token_hash
+from receivers.errors import PermissionDenied, Unauthenticated
+from receivers.parsed_service import add_parsed_servicer
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from receivers.publish_service import PublishService
+from receivers.receiver import Receiver, ReceiverConfig
+from receivers.wal import WalBlockStore
+
+STREAMS = ("clicks", "orders", "secret")
+TOKENS = {name: new_token() for name in ("clicks-app", "orders-app", "watcher", "ops")}
+
+
+def write_auth_file(path: Path, *, clicks_app_streams: tuple[str, ...] = ("clicks",)) -> Path:
+    granted = ", ".join(f'"{s}"' for s in clicks_app_streams)
+    path.write_text(
+        f"""
+[principals.clicks-app]
+roles = ["producer"]
+streams = [{granted}]
+token_sha256 = ["{token_hash(TOKENS["clicks-app"])}"]
+
+[principals.orders-app]
+roles = ["producer"]
+streams = ["clicks", "orders"]
+token_sha256 = ["{token_hash(TOKENS["orders-app"])}"]
+
+[principals.watcher]
+roles = ["reader"]
+token_sha256 = ["{token_hash(TOKENS["watcher"])}"]
+
+[principals.ops]
+roles = ["operator"]
+token_sha256 = ["{token_hash(TOKENS["ops"])}"]
+
+[principals."mtls-client"]
+roles = ["producer", "reader"]
+streams = ["clicks"]
+"""
+    )
+    return path
+
+
+def bearer(principal: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {TOKENS[principal]}"),)
+
+
+def as_principal(principal: str) -> Credentials:
+    return Credentials(token=TOKENS[principal])
+
+
+@contextlib.asynccontextmanager
+async def secured_server(data_dir: Path, auth_file: Path) -> AsyncIterator[SluiceServer]:
+    config = ServeConfig(
+        port=0,
+        metrics_port=None,
+        data_dir=data_dir,
+        streams=STREAMS,
+        receiver=ReceiverConfig(block_interval=0.02, buffer_records=10_000, prefetch=1_000),
+        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
+        spark=False,
+        security=SecurityConfig(auth_file=auth_file),
+    )
+    server = SluiceServer(config)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop(grace=1)
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[SluiceServer]:
+    async with secured_server(tmp_path / "data", write_auth_file(tmp_path / "auth.toml")) as srv:
+        yield srv
+
+
+# ---- calling every method ------------------------------------------------------------------------
+
+UNARY: Mapping[str, tuple[Callable[[grpc.aio.Channel], Any], Callable[[], Any]]] = {
+    "/ingest.v1.RateControl/GetRate": (pb_grpc.RateControlStub, pb.GetRateRequest),
+    "/ingest.v1.RateControl/UpdateRate": (
+        pb_grpc.RateControlStub,
+        lambda: pb.UpdateRateRequest(records_per_second=500, pin=True),
+    ),
+    "/ingest.v1.RateControl/SetBounds": (
+        pb_grpc.RateControlStub,
+        lambda: pb.SetBoundsRequest(min_rate=1, max_rate=10),
+    ),
+    "/ingest.v1.RateControl/SetEstimator": (
+        pb_grpc.RateControlStub,
+        lambda: pb.SetEstimatorRequest(estimator="spark-pid"),
+    ),
+    "/ingest.v1.RateControl/StartBatch": (
+        pb_grpc.RateControlStub,
+        lambda: pb.StartBatchRequest(records=10, backlog=5),
+    ),
+    "/ingest.v1.Sessions/ListSessions": (pb_grpc.SessionsStub, pb.ListSessionsRequest),
+    "/ingest.v1.Sessions/CancelSession": (
+        pb_grpc.SessionsStub,
+        lambda: pb.CancelSessionRequest(session_id=1, code=7, reason="x"),
+    ),
+}
+PUBLISH = "/ingest.v1.Ingest/Publish"
+EVERY_METHOD = (*UNARY, PUBLISH)
+
+
+def test_every_method_of_every_service_needs_a_role() -> None:
+    served = {
+        f"/{service.full_name}/{method.name}"
+        for service in pb.DESCRIPTOR.services_by_name.values()
+        for method in service.methods
+    }
+    assert served == set(METHOD_ROLES) == set(EVERY_METHOD)
+
+
+async def call(
+    target: str, method: str, metadata: tuple[tuple[str, str], ...], *, stream: str = "clicks"
+) -> tuple[grpc.StatusCode, str]:
+    """Call `method` as a client with `metadata` would; its status and details. A Publish sends Open
+    and checks that no credit comes before the call ends."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        if method == PUBLISH:
+            publish = pb_grpc.IngestStub(channel).Publish(metadata=metadata)  # type: ignore[call-arg]
+            opening = pb.Open(stream=stream, producer_id="intruder", resume_from_seq=0)
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                await publish.write(pb.PublishRequest(open=opening))
+            try:
+                while (response := await asyncio.wait_for(publish.read(), 10)) is not grpc.aio.EOF:
+                    raise AssertionError(f"a refused Publish got {response}")
+            except grpc.aio.AioRpcError as exc:
+                return exc.code(), exc.details() or ""
+            return await publish.code(), await publish.details() or ""
+        stub, request = UNARY[method]
+        rpc = getattr(stub(channel), method.rpartition("/")[2])
+        try:
+            await asyncio.wait_for(rpc(request(), metadata=metadata), 10)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), exc.details() or ""
+        return grpc.StatusCode.OK, ""
+
+
+def taken(server: SluiceServer) -> dict[str, Any]:
+    """What a refused call must not change."""
+    state: dict[str, Any] = {
+        "rate": (server.rate.rate, server.rate.bounds, server.rate.estimator.name, server.rate.pinned),
+        "sessions": sorted(s.id for r in server.receivers.values() for s in r.sessions if not s.cancelled),
+    }
+    for name, receiver in server.receivers.items():
+        stats = receiver.stats
+        state[name] = (stats.sessions_opened, stats.credit_granted, stats.records_received)
+    return state
+
+
+async def send_and_ack(producer: Producer, n: int) -> None:
+    before = producer.acked
+    await producer.send_many([b"r"] * n)
+    await producer.flush(10)
+    assert producer.acked == before + n
+
+
+async def refused(producer: Producer) -> RPCError:
+    """The error a producer fails with: at start (a server it cannot reach) or at the first flush (a
+    session the server refused: start returns once Open is written)."""
+    try:
+        await asyncio.wait_for(producer.start(), 20)
+        await producer.send_many([b"r"])
+        await producer.flush(10)
+    except RPCError as exc:
+        return exc
+    finally:
+        await producer.abort()
+    raise AssertionError("the producer was not refused")
+
+
+MALFORMED: Mapping[str, tuple[tuple[str, str], ...]] = {
+    "no credentials": (),
+    "unknown token": (("authorization", f"Bearer {new_token()}"),),
+    "another scheme": (("authorization", f"Basic {TOKENS['ops']}"),),
+    "no token": (("authorization", "Bearer "),),
+    "two headers": (("authorization", f"Bearer {TOKENS['ops']}"), ("authorization", "Bearer x")),
+    "a hash for a token": (("authorization", f"Bearer {token_hash(TOKENS['ops'])}"),),
+    "too long": (("authorization", "Bearer " + "x" * 5000),),
+}
+
+
+async def test_no_or_bad_credentials_are_unauthenticated_on_every_method(server: SluiceServer) -> None:
+    # a live session of a legitimate producer that must not notice anything
+    async with Producer(server.target, "clicks", credentials=as_principal("clicks-app"), linger=0) as live:
+        await send_and_ack(live, 10)
+        before = taken(server)
+        for case, metadata in MALFORMED.items():
+            for method in EVERY_METHOD:
+                code, details = await call(server.target, method, metadata)
+                assert code is grpc.StatusCode.UNAUTHENTICATED, (case, method, code, details)
+                assert details, (case, method)
+        assert taken(server) == before
+        await send_and_ack(live, 10)  # still served
+
+
+GET_RATE = "/ingest.v1.RateControl/GetRate"
+LIST_SESSIONS = "/ingest.v1.Sessions/ListSessions"
+ROLES_REFUSED = {
+    # principal -> the methods its roles do not cover
+    "clicks-app": [m for m in EVERY_METHOD if m != PUBLISH],
+    "watcher": [m for m in EVERY_METHOD if m not in (GET_RATE, LIST_SESSIONS)],
+    "ops": [PUBLISH],
+}
+
+
+async def test_the_wrong_role_is_permission_denied_and_takes_nothing(server: SluiceServer) -> None:
+    async with Producer(server.target, "clicks", credentials=as_principal("orders-app"), linger=0) as live:
+        await send_and_ack(live, 10)
+        before = taken(server)
+        for principal, methods in ROLES_REFUSED.items():
+            for method in methods:
+                code, details = await call(server.target, method, bearer(principal))
+                assert code is grpc.StatusCode.PERMISSION_DENIED, (principal, method, code, details)
+                assert principal in details and method in details
+        assert taken(server) == before
+        await send_and_ack(live, 10)
+    # and what each role covers goes through
+    assert (await call(server.target, GET_RATE, bearer("watcher")))[0] is grpc.StatusCode.OK
+    assert (await call(server.target, GET_RATE, bearer("ops")))[0] is grpc.StatusCode.OK
+    update = "/ingest.v1.RateControl/UpdateRate"
+    assert (await call(server.target, update, bearer("ops")))[0] is grpc.StatusCode.OK
+    assert server.rate.rate == 500
+
+
+async def test_a_stream_not_granted_is_permission_denied_without_naming_streams(server: SluiceServer) -> None:
+    before = taken(server)
+    for stream in ("orders", "secret", "no-such-stream", ""):
+        code, details = await call(server.target, PUBLISH, bearer("clicks-app"), stream=stream)
+        assert code is grpc.StatusCode.PERMISSION_DENIED, (stream, code, details)
+        # an outsider learns nothing of the server's streams, not even whether this one exists
+        for name in STREAMS[1:]:
+            assert name not in details.replace(f"stream {stream!r}", "")
+    assert taken(server) == before
+    # through the SDK: a terminal error, no reconnect loop
+    producer = Producer(server.target, "secret", credentials=as_principal("clicks-app"), start_timeout=30)
+    started = asyncio.get_running_loop().time()
+    info = await refused(producer)
+    assert info.status is grpc.StatusCode.PERMISSION_DENIED
+    assert not info.retriable
+    assert asyncio.get_running_loop().time() - started < 10
+    assert producer.reconnects == 0
+    assert taken(server) == before
+
+
+async def test_an_sdk_producer_without_or_with_a_wrong_token_fails_at_once(server: SluiceServer) -> None:
+    for credentials in (Credentials(), Credentials(token=new_token())):
+        producer = Producer(server.target, "clicks", credentials=credentials, start_timeout=30)
+        assert (await refused(producer)).status is grpc.StatusCode.UNAUTHENTICATED
+
+
+# ---- mutual TLS ----------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def mtls_server(
+    tmp_path: Path, ca: CertificateAuthority, table: AuthTable | None
+) -> AsyncIterator[tuple[str, dict[str, Receiver]]]:
+    """Publish and Sessions behind grpc.ssl_server_credentials(require_client_auth=True)."""
+    store = WalBlockStore(tmp_path / "mtls-blocks")
+    receivers = {"clicks": Receiver("clicks", store, ReceiverConfig(block_interval=0.02))}
+    authenticator = Authenticator(table, client_certificates=True)
+    issued = ca.issue("server", server=True)
+    server = grpc.aio.server()
+    PublishService(receivers, authenticator=authenticator).add_to_server(server)
+    add_parsed_servicer(server, SessionsService(receivers), "Sessions", authenticator=authenticator)
+    credentials = grpc.ssl_server_credentials(
+        [(issued.key_pem, issued.cert_pem)], root_certificates=ca.cert_pem, require_client_auth=True
+    )
+    port = server.add_secure_port("127.0.0.1:0", credentials)
+    for receiver in receivers.values():
+        await receiver.start()
+    await server.start()
+    try:
+        yield f"localhost:{port}", receivers
+    finally:
+        for receiver in receivers.values():
+            await receiver.stop()
+        await server.stop(None)
+        store.close()
+
+
+def client_credentials(ca: CertificateAuthority, name: str, **kwargs: Any) -> Credentials:
+    issued = ca.issue(name, **kwargs)
+    return Credentials.from_files(ca_file=ca.cert_file, cert_file=issued.cert_file, key_file=issued.key_file)
+
+
+async def test_a_client_certificate_names_the_principal(tmp_path: Path) -> None:
+    ca = CertificateAuthority(tmp_path / "pki")
+    table = AuthTable.load(write_auth_file(tmp_path / "auth.toml"))
+    async with mtls_server(tmp_path, ca, table) as (target, receivers):
+        credentials = client_credentials(ca, "mtls-client")
+        async with Producer(target, "clicks", credentials=credentials, linger=0) as producer:
+            await send_and_ack(producer, 5)
+            async with credentials.channel(target) as channel:
+                listing = await pb_grpc.SessionsStub(channel).ListSessions(pb.ListSessionsRequest())
+            assert [s.principal for s in listing.sessions] == ["mtls-client"]
+        # a verified certificate that names no principal here
+        stranger = client_credentials(ca, "stranger")
+        info = await refused(Producer(target, "clicks", credentials=stranger, start_timeout=5))
+        assert info.status is grpc.StatusCode.PERMISSION_DENIED
+        assert "stranger" in info.message
+        # a token wins over the certificate: a producer-only token cannot list sessions
+        with_token = Credentials(
+            root_certificates=credentials.root_certificates,
+            certificate_chain=credentials.certificate_chain,
+            private_key=credentials.private_key,
+            token=TOKENS["clicks-app"],
+        )
+        async with with_token.channel(target) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as denied:
+                await pb_grpc.SessionsStub(channel).ListSessions(
+                    pb.ListSessionsRequest(), metadata=with_token.metadata
+                )
+        assert denied.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        assert receivers["clicks"].stats.records_received == 5
+
+
+async def test_expired_or_foreign_certificates_never_reach_a_service(tmp_path: Path) -> None:
+    ca = CertificateAuthority(tmp_path / "pki")
+    other = CertificateAuthority(tmp_path / "other", "another-ca")
+    async with mtls_server(tmp_path, ca, None) as (target, receivers):
+        cases = {
+            "expired": client_credentials(ca, "late", expired=True),
+            "another CA": Credentials.from_files(
+                ca_file=ca.cert_file,
+                cert_file=(foreign := other.issue("foreign")).cert_file,
+                key_file=foreign.key_file,
+            ),
+            "no certificate": Credentials(root_certificates=ca.cert_pem),
+            "server not trusted": client_credentials(other, "trusting-the-wrong-ca"),
+        }
+        for case, credentials in cases.items():
+            producer = Producer(target, "clicks", credentials=credentials, start_timeout=3)
+            assert (await refused(producer)).status is grpc.StatusCode.UNAVAILABLE, case
+        assert receivers["clicks"].stats.sessions_opened == 0
+        # without an auth file a verified certificate is a principal with every role
+        async with Producer(target, "clicks", credentials=client_credentials(ca, "anyone"), linger=0) as ok:
+            await send_and_ack(ok, 3)
+        assert [s.principal.name for s in receivers["clicks"].sessions] in ([], ["anyone"])
+
+
+async def test_a_server_certificate_it_cannot_trust_fails_the_producer_at_once(tmp_path: Path) -> None:
+    ca = CertificateAuthority(tmp_path / "pki")
+    other = CertificateAuthority(tmp_path / "other", "another-ca")
+    async with mtls_server(tmp_path, ca, None) as (target, _):
+        producer = Producer(target, "clicks", credentials=client_credentials(other, "x"), start_timeout=30)
+        started = asyncio.get_running_loop().time()
+        assert "handshake" in (await refused(producer)).message.lower()
+        assert asyncio.get_running_loop().time() - started < 10  # not 30 s of retries
+
+
+def test_certificate_names_count_only_when_the_server_verified_them() -> None:
+    table = AuthTable.parse({"principals": {"ops": {"roles": ["operator"]}}})
+    context = {"x509_common_name": [b"ops"], "peer_dns": [b"ops.example.com"]}
+    # a TLS server without a client CA never verified a certificate: its names are no one's
+    with pytest.raises(Unauthenticated):
+        Authenticator(table).authenticate((), context)
+    assert Authenticator(table, client_certificates=True).authenticate((), context).name == "ops"
+    # DNS and URI SANs, as grpcio gives them; not email or IP SANs, not names no principal can have
+    sans = {"x509_subject_alternative_name": [b"ops", b"10.0.0.1"], "peer_uri": [b"spiffe://x/ops"]}
+    with pytest.raises(PermissionDenied):
+        Authenticator(table, client_certificates=True).authenticate((), sans)
+    bad = {"x509_common_name": [b"ops\x00evil", b"o" * 300]}
+    with pytest.raises(Unauthenticated):
+        Authenticator(table, client_certificates=True).authenticate((), bad)
+
+
+# ---- producer ids belong to their principal -----------------------------------------------------
+
+
+async def test_another_principal_cannot_fence_or_shadow_a_producer_id(tmp_path: Path) -> None:
+    auth = write_auth_file(tmp_path / "auth.toml")
+    async with secured_server(tmp_path / "data", auth) as server:
+        victim = Producer(server.target, "clicks", producer_id="p1", credentials=as_principal("clicks-app"))
+        await victim.start()
+        await send_and_ack(victim, 10)
+        # the attacker takes the same id and runs ahead of the victim's sequence numbers
+        async with Producer(
+            server.target, "clicks", producer_id="p1", credentials=as_principal("orders-app"), linger=0
+        ) as attacker:
+            await send_and_ack(attacker, 50)
+            await send_and_ack(victim, 30)  # not fenced (ABORTED), not dropped as duplicates
+        await victim.close()
+        receiver = server.receivers["clicks"]
+        assert receiver.stats.records_deduplicated == 0
+        assert receiver.stats.sessions_fenced == 0
+        assert receiver.stats.records_received == 90
+        assert receiver.producer("p1") is None  # never the bare id on a server with authentication
+    # the marks survive a restart, per principal: the victim's resend is dropped, the attacker's
+    # numbering does not reach it
+    async with secured_server(tmp_path / "data", auth) as server:
+        async with Producer(
+            server.target, "clicks", producer_id="p1", credentials=as_principal("clicks-app"), linger=0
+        ) as again:
+            await send_and_ack(again, 40)  # seqs 0..39: all held already
+        receiver = server.receivers["clicks"]
+        assert receiver.stats.records_deduplicated == 40
+        assert receiver.stats.records_received == 0
+        async with Producer(
+            server.target,
+            "clicks",
+            producer_id="p1",
+            credentials=as_principal("orders-app"),
+            first_seq=50,
+            linger=0,
+        ) as attacker:
+            await send_and_ack(attacker, 5)  # continues its own numbering at 50
+        assert receiver.stats.records_received == 5
+
+
+async def test_list_sessions_names_each_session_principal(server: SluiceServer) -> None:
+    async with (
+        Producer(server.target, "clicks", credentials=as_principal("clicks-app")) as a,
+        Producer(server.target, "orders", credentials=as_principal("orders-app")) as b,
+    ):
+        await asyncio.gather(send_and_ack(a, 1), send_and_ack(b, 1))
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            listing = await pb_grpc.SessionsStub(channel).ListSessions(
+                pb.ListSessionsRequest(), metadata=bearer("watcher")
+            )
+        assert sorted((s.stream, s.principal) for s in listing.sessions) == [
+            ("clicks", "clicks-app"),
+            ("orders", "orders-app"),
+        ]
+
+
+# ---- reload --------------------------------------------------------------------------------------
+
+
+async def test_a_reload_revokes_the_sessions_it_no_longer_allows(tmp_path: Path) -> None:
+    auth = write_auth_file(tmp_path / "auth.toml", clicks_app_streams=("clicks", "orders"))
+    async with secured_server(tmp_path / "data", auth) as server:
+        kept = Producer(server.target, "clicks", credentials=as_principal("clicks-app"), linger=0)
+        dropped = Producer(server.target, "orders", credentials=as_principal("clicks-app"), linger=0)
+        other = Producer(server.target, "orders", credentials=as_principal("orders-app"), linger=0)
+        for producer in (kept, dropped, other):
+            await producer.start()
+            await send_and_ack(producer, 5)
+        write_auth_file(auth, clicks_app_streams=("clicks",))
+        server.auth.reload(AuthTable.load(auth))
+        assert revoke(server.receivers.values(), server.auth) == 1
+        with pytest.raises(RPCError) as info:
+            await dropped.flush(10)
+            await dropped.send_many([b"late"])
+            await dropped.flush(10)
+        assert info.value.status is grpc.StatusCode.PERMISSION_DENIED
+        assert "orders" in info.value.message
+        assert dropped.acked == 5  # what it sent before was taken and acked
+        await send_and_ack(kept, 5)
+        await send_and_ack(other, 5)
+        assert revoke(server.receivers.values(), server.auth) == 0
+        # a principal removed altogether
+        auth.write_text(auth.read_text().replace("[principals.orders-app]", "[principals.renamed-app]"))
+        server.auth.reload(AuthTable.load(auth))
+        assert revoke(server.receivers.values(), server.auth) == 1
+        orders = server.receivers["orders"]
+        await wait_until(lambda: not any(s.principal.name == "orders-app" for s in orders.sessions))
+        await send_and_ack(kept, 5)
+        for producer in (kept, dropped, other):
+            await producer.abort()
