@@ -99,6 +99,7 @@ from receivers.errors import (
     UnloggableRecords,
     cut,
 )
+from receivers.fairness import OwnerDemand, allocate, owner_of
 from receivers.flow import MAX_DEMAND, Subscription
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.principal import ANONYMOUS, Principal, producer_key
@@ -121,6 +122,7 @@ INITIAL_RECORD_BYTES = 1024
 """Bytes per record the memory budget assumes until records were seen."""
 _EWMA_WEIGHT = 1 / 8
 _MEMORY_LOG_EVERY = 60.0  # seconds: memory-budget pauses are logged at WARNING at most this often
+_SHORT_WITHIN = 0.5  # seconds: an owner short of room this recently lets silent over-share sessions go
 
 MEMORY_BUDGET = "memory_budget"
 DISK_BUDGET = "disk_budget"
@@ -158,6 +160,10 @@ class ReceiverConfig:
     budget. A soft limit: what was already granted or taken is still sealed."""
     disk_poll_interval: float = 0.25
     """Seconds between polls of the store's disk use (when there is a disk budget or writes fail)."""
+    reclaim_after: float = 1.0
+    """Seconds a session may hold credit without sending while its owner holds more than its fair share
+    and another owner waits for room: then it is cancelled (UNAVAILABLE), its credit back in the pool.
+    Credit cannot be taken back otherwise, so this is what bounds a hoarder that came first."""
 
     def __post_init__(self) -> None:
         if not self.block_interval > 0:
@@ -182,6 +188,8 @@ class ReceiverConfig:
             )
         if not self.disk_poll_interval > 0:
             raise ValueError(f"disk_poll_interval must be > 0 seconds, got {self.disk_poll_interval}")
+        if not 0 < self.reclaim_after < math.inf:
+            raise ValueError(f"reclaim_after must be > 0 seconds and finite, got {self.reclaim_after}")
 
     @property
     def seal_at(self) -> int:
@@ -211,6 +219,11 @@ class ReceiverStats:
     """Records dropped because their (producer id, sequence number) had been accepted before."""
     sessions_fenced: int = 0
     """Sessions cancelled because a newer session of the same producer opened."""
+    sessions_idle: int = 0
+    """Sessions cancelled (UNAVAILABLE) after holding credit unused for their principal's idle_timeout."""
+    sessions_reclaimed: int = 0
+    """Sessions cancelled (UNAVAILABLE) to take back credit their owner held over its fair share, unused
+    for reclaim_after, while another owner waited for room."""
     credit_pauses: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PAUSE_REASONS, 0))
     """Reason -> times credit was paused for it."""
     credit_paused_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PAUSE_REASONS, 0.0))
@@ -227,6 +240,19 @@ class ProducerState:
     """Every record below this sequence number is durable."""
     sessions: list[Session] = field(default_factory=list)
     """Its sessions on this receiver not yet ended, the newest last (older ones are fenced)."""
+
+
+@dataclass
+class _Owner:
+    """What one owner (receivers.fairness.owner_of) has in this receiver."""
+
+    sessions: int = 0
+    buffered: int = 0
+    """Records taken and not yet in a durable block."""
+    buffered_bytes: int = 0
+    record_bytes_avg: float = float(INITIAL_RECORD_BYTES)
+    record_bytes_last: float = float(INITIAL_RECORD_BYTES)
+    records_seen: bool = False
 
 
 @dataclass
@@ -258,7 +284,10 @@ class Receiver:
         self._clock = clock
         self._bucket = TokenBucket(rate, now=clock())
         self._sessions: list[Session] = []
+        self._owners: dict[str, _Owner] = {}
         self._rotation = 0
+        self._short_at = -math.inf  # when an owner under its fair share last found no room
+        self._over_share: set[str] = set()  # owners holding more than their fair share, last round
         self._pending: list[_Chunk] = []
         self._pending_records = 0
         self._seal_wanted = asyncio.Event()
@@ -376,10 +405,23 @@ class Receiver:
         """Bytes per record the memory budget assumes for outstanding credit."""
         return max(self._record_bytes_avg, self._record_bytes_last, 1.0)
 
+    def owner_record_bytes(self, owner: str) -> float:
+        """Bytes per record the memory budget assumes for `owner`'s credit: its own estimate once it sent
+        records (big records of one client must not shrink everyone's credit), the stream's before."""
+        state = self._owners.get(owner)
+        if state is None or not state.records_seen:
+            return self.record_bytes_estimate
+        return max(state.record_bytes_avg, state.record_bytes_last, 1.0)
+
     @property
     def committed_bytes(self) -> float:
-        """What the memory budget counts: bytes buffered plus outstanding credit at the estimate."""
-        return self._buffered_bytes + max(0, self._outstanding) * self.record_bytes_estimate
+        """What the memory budget counts: bytes buffered plus each owner's outstanding credit at its
+        bytes per record."""
+        credit: dict[str, int] = {}
+        for session in self._sessions:
+            if session.credit > 0:
+                credit[session.owner] = credit.get(session.owner, 0) + session.credit
+        return self._buffered_bytes + sum(n * self.owner_record_bytes(o) for o, n in credit.items())
 
     @property
     def disk_used(self) -> int | None:
@@ -438,6 +480,9 @@ class Receiver:
         check_seq_range(resume_from_seq, 0, "Open.resume_from_seq")
         seq = resume_from_seq
         session = Session(SESSION_IDS.next(), self.stream, producer_id, seq, seq, principal=principal)
+        session.owner = owner_of(principal, producer_id, session.id)
+        session.active_at = self._clock()
+        self._owners.setdefault(session.owner, _Owner()).sessions += 1
         if producer_id:
             key = session.producer_key  # the id scoped by principal: another principal's is another producer
             state = self._producers.get(key)
@@ -508,7 +553,8 @@ class Receiver:
             # forgotten while its session was open (cannot happen: eviction skips those); start over
             state = ProducerState(first_seq, first_seq, [session])
             self._producers[session.producer_key] = state
-        self._observe_record_bytes(records)
+        self._observe_record_bytes(records, self._owners[session.owner])
+        session.active_at = self._clock()
         session.credit -= count
         self._outstanding -= count  # duplicates' credit returns to the pool: they take no buffer room
         session.next_seq += count
@@ -521,6 +567,9 @@ class Receiver:
             nbytes = records.nbytes
             self._buffered += fresh
             self._buffered_bytes += nbytes
+            owner = self._owners[session.owner]
+            owner.buffered += fresh
+            owner.buffered_bytes += nbytes
             self._pending.append(_Chunk(records, session, session.next_seq, nbytes))
             self._pending_records += fresh
             if self._pending_records >= self.config.seal_at:
@@ -533,9 +582,9 @@ class Receiver:
                 self._ack(session, min(session.next_seq, state.durable_up_to))
         self._replenish()
 
-    def _observe_record_bytes(self, records: pa.RecordBatch) -> None:
-        """Feed the bytes-per-record estimate of the memory budget with a batch (duplicates included:
-        they show what the producer sends)."""
+    def _observe_record_bytes(self, records: pa.RecordBatch, owner: _Owner) -> None:
+        """Feed the bytes-per-record estimates of the memory budget (the stream's and the owner's) with a
+        batch (duplicates included: they show what the producer sends)."""
         if records.num_rows:
             per_record = records.nbytes / records.num_rows
             self._record_bytes_last = per_record
@@ -543,6 +592,11 @@ class Receiver:
                 self._record_bytes_avg += _EWMA_WEIGHT * (per_record - self._record_bytes_avg)
             else:
                 self._record_bytes_avg, self._records_seen = per_record, True
+            owner.record_bytes_last = per_record
+            if owner.records_seen:
+                owner.record_bytes_avg += _EWMA_WEIGHT * (per_record - owner.record_bytes_avg)
+            else:
+                owner.record_bytes_avg, owner.records_seen = per_record, True
 
     def complete(self, session: Session) -> None:
         """onComplete: return the session's credit; end the call once everything it sent is acked."""
@@ -596,8 +650,27 @@ class Receiver:
             if state is not None and session in state.sessions:
                 state.sessions.remove(session)
             self._take_back_credit(session)
+            owner = self._owners.get(session.owner)
+            if owner is not None:
+                owner.sessions -= 1
+                self._forget_owner(session.owner)
             session.outbox.finish()
             self._replenish()
+
+    def _forget_owner(self, key: str) -> None:
+        """Drop an owner with no session and nothing buffered (its share is free for the others)."""
+        owner = self._owners.get(key)
+        if owner is not None and owner.sessions <= 0 and owner.buffered <= 0:
+            del self._owners[key]
+
+    def _unbuffer(self, chunks: list[_Chunk]) -> None:
+        """The chunks left the buffer (sealed, or dropped): their owners hold them no more."""
+        for chunk in chunks:
+            owner = self._owners.get(chunk.session.owner)
+            if owner is not None:
+                owner.buffered -= chunk.records.num_rows
+                owner.buffered_bytes -= chunk.nbytes
+                self._forget_owner(chunk.session.owner)
 
     def _take_back_credit(self, session: Session) -> None:
         self._outstanding -= session.credit
@@ -611,43 +684,84 @@ class Receiver:
                 session.outbox.finish()
 
     def _replenish(self) -> None:
-        """Top up sessions at or below low tide, in rotating order, within buffer, budgets and rate."""
+        """Top up sessions at or below low tide within buffer, budgets and rate, fairly by owner
+        (receivers.fairness): an owner holding its share of the buffer gets nothing more while others
+        want, and a round's room and tokens are split among the owners that want; each owner's grant
+        goes to its sessions in rotating order."""
         if self._stopping:
             return
         active = [s for s in self._sessions if s.accepting]
         refill_at = self.config.refill_at
-        wanting = any(s.credit <= refill_at for s in active)
-        estimate = self.record_bytes_estimate
-        by_bytes = math.floor((self.config.buffer_bytes - self.committed_bytes) / estimate)
-        if by_bytes < 1 and self._buffered == 0 and self._outstanding <= 0:
-            by_bytes = 1  # a budget below one record slows ingestion to a record at a time, never stalls it
-        self._set_paused(MEMORY_BUDGET, wanting and by_bytes < 1)
+        prefetch = self.config.prefetch
+        wanting = [s for s in active if s.credit <= refill_at]
+        estimates = {key: self.owner_record_bytes(key) for key in self._owners}
+        free_bytes = self.config.buffer_bytes - self.committed_bytes
+        smallest = min((estimates[s.owner] for s in wanting), default=self.record_bytes_estimate)
+        by_bytes = math.floor(free_bytes / smallest)
+        empty = self._buffered == 0 and self._outstanding <= 0
+        self._set_paused(MEMORY_BUDGET, bool(wanting) and by_bytes < 1 and not empty)
         if not wanting or DISK_ERROR in self._paused or DISK_BUDGET in self._paused:
             return
-        free = min(self.config.buffer_records - self._buffered - self._outstanding, by_bytes)
-        if free <= 0:
-            return
-        self._rotation = (self._rotation + 1) % len(active)
+        free = self.config.buffer_records - self._buffered - self._outstanding
+        budget_bytes: float = self.config.buffer_bytes
+        if by_bytes < 1 and empty:
+            # a budget below one record slows ingestion to a record at a time, never stalls it
+            free, free_bytes, budget_bytes = min(free, 1), math.inf, math.inf
+        self._rotation += 1
         now = self._clock()
-        prefetch = self.config.prefetch
         # under a rate, credit goes out a tick's worth at a time (the block generator tops up every
         # tick), not a few records per accepted batch, which made both sides spin on tiny messages
         rate = self._bucket.rate
         quantum = math.ceil(rate * self.config.credit_tick) if math.isfinite(rate) else 1  # rate > 0
-        for session in active[self._rotation :] + active[: self._rotation]:
-            if session.credit > refill_at:
-                continue
-            grant = self._bucket.take(min(prefetch - session.credit, free), now, at_least=quantum)
-            if grant <= 0:
-                # the rate holds back a session that has under a tick's worth left: its publisher
-                # wants more than the stream's share (a quiet one keeps credit saved up instead)
-                if any(s.credit < quantum for s in active):
-                    self._credit_starved_at = now
-                break
-            self._grant(session, grant)
-            free -= grant
-            if free <= 0:
-                break
+        want: dict[str, int] = {}
+        for session in wanting:
+            want[session.owner] = want.get(session.owner, 0) + prefetch - session.credit
+        tokens = self._bucket.available(now)
+        if math.isfinite(tokens) and tokens < min(sum(want.values()), quantum, math.floor(self._bucket.burst)):
+            tokens = 0.0  # too few to be worth a message: wait for a tick's worth
+        held: dict[str, int] = {key: owner.buffered for key, owner in self._owners.items()}
+        for session in self._sessions:
+            held[session.owner] = held.get(session.owner, 0) + max(0, session.credit)
+        demands = {
+            key: OwnerDemand(
+                held_records=held[key],
+                held_bytes=owner.buffered_bytes + (held[key] - owner.buffered) * estimates[key],
+                want=want.get(key, 0),
+                record_bytes=estimates[key],
+            )
+            for key, owner in self._owners.items()
+        }
+        order = list(want)
+        turn = self._rotation % len(order)
+        allocation = allocate(
+            demands,
+            order[turn:] + order[:turn],
+            buffer_records=self.config.buffer_records,
+            buffer_bytes=budget_bytes,
+            free_records=max(0, free),
+            free_bytes=max(0.0, free_bytes),
+            tokens=tokens,
+        )
+        self._over_share = {str(key) for key in allocation.over}
+        if allocation.short:
+            self._short_at = now
+        total = sum(allocation.grants.values())
+        if total > 0:
+            self._bucket.take(total, now)
+        for key, grant in allocation.grants.items():
+            mine = [s for s in wanting if s.owner == key]
+            turn = self._rotation % len(mine)
+            left = grant
+            for session in mine[turn:] + mine[:turn]:
+                n = min(prefetch - session.credit, left)
+                if n > 0:
+                    self._grant(session, n)
+                    left -= n
+        held_back = allocation.rate_limited or (tokens == 0 and free > 0)
+        if held_back and any(s.credit < quantum for s in active):
+            # the rate holds back a session that has under a tick's worth left: its publisher
+            # wants more than the stream's share (a quiet one keeps credit saved up instead)
+            self._credit_starved_at = now
 
     # ---- credit pauses -------------------------------------------------------------------------
 
@@ -765,7 +879,40 @@ class Receiver:
                     self._seal_wanted.set()  # more piled up during the write; a failed write waits
             self._ack_durable()
             await self._check_disk()
+            self._police_idle()
             self._replenish()
+
+    def _police_idle(self) -> None:
+        """End sessions that hold credit and send nothing: after their principal's idle_timeout, or after
+        reclaim_after when their owner holds more than its fair share while another owner is short of
+        room. Both UNAVAILABLE: the publisher reconnects once it has something to send. A session with
+        no credit is waiting for it, which is not idle."""
+        now = self._clock()
+        reclaim = now - self._short_at <= _SHORT_WITHIN
+        for session in list(self._sessions):
+            if not session.accepting:
+                continue
+            if session.credit <= 0:
+                session.active_at = now
+                continue
+            idle = now - session.active_at
+            timeout = session.principal.limits.idle_timeout
+            if timeout is not None and idle >= timeout:
+                reason = (
+                    f"idle for {timeout:g} s: no batch while holding {session.credit} credits "
+                    f"(idle_timeout of principal {session.principal.name!r}); reconnect when there is "
+                    "something to send"
+                )
+                if self.cancel(session, UNAVAILABLE, reason):
+                    self.stats.sessions_idle += 1
+            elif reclaim and session.owner in self._over_share and idle >= self.config.reclaim_after:
+                reason = (
+                    f"holding {session.credit} credits unused for {idle:.1f} s while other publishers wait "
+                    f"for room: over its fair share of stream {self.stream!r}; reconnect when there is "
+                    "something to send"
+                )
+                if self.cancel(session, UNAVAILABLE, reason):
+                    self.stats.sessions_reclaimed += 1
 
     async def seal_now(self) -> None:
         """Seal what is pending into a block now rather than at the end of the block interval, and
@@ -847,6 +994,7 @@ class Receiver:
             self._buffered -= chunk.records.num_rows
             self._buffered_bytes -= chunk.nbytes
             self.stats.records_not_accepted += chunk.records.num_rows
+        self._unbuffer(dropped)
         sessions = {c.session for c in dropped}
         if isinstance(owner, str) and (state := self._producers.get(owner)) is not None:
             # what it sent from the first dropped record on was never written: a resend must be taken
@@ -886,6 +1034,7 @@ class Receiver:
         self._next_offset += info.count
         self._buffered -= info.count
         self._buffered_bytes -= sum(c.nbytes for c in chunks)
+        self._unbuffer(chunks)
         self._write_error = None
         self._set_paused(DISK_ERROR, False)
         budget = self.config.disk_budget_bytes

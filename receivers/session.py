@@ -113,6 +113,10 @@ class Session:
     outbox: Outbox = field(default_factory=Outbox)
     principal: Principal = ANONYMOUS
     """Who opened it (its limits and its share of the stream go by this)."""
+    owner: str = ""
+    """Whose share of the stream's credit this session draws on (receivers.fairness.owner_of)."""
+    active_at: float = 0.0
+    """When it last sent a batch or waited for credit (the receiver's clock): idle since then."""
 
     @cached_property
     def producer_key(self) -> str:
