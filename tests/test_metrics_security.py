@@ -1,0 +1,161 @@
+"""/metrics over HTTPS (the server's certificate, reloaded with it) and behind a reader's token or
+client certificate: 200 for a reader or operator, 401 (WWW-Authenticate: Bearer) without credentials
+or with an unknown token, 403 for another role; a silent client does not hold up other scrapes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import socket
+import ssl
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from pki import CertificateAuthority, Issued
+
+from ingest.config import RateConfig, SecurityConfig, ServeConfig, TlsConfig
+from ingest.server import SluiceServer
+from receivers.auth import token_hash
+from receivers.receiver import ReceiverConfig
+
+TOKENS = {"reader": "r" * 43, "operator": "o" * 43, "producer": "p" * 43}
+
+
+@contextlib.asynccontextmanager
+async def metrics_server(tmp_path: Path, security: SecurityConfig) -> AsyncIterator[SluiceServer]:
+    config = ServeConfig(
+        port=0,
+        metrics_port=0,
+        data_dir=tmp_path / "data",
+        streams=("s",),
+        receiver=ReceiverConfig(block_interval=0.02),
+        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
+        spark=False,
+        security=security,
+    )
+    server = SluiceServer(config)
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop(grace=1)
+
+
+def auth_file(path: Path) -> Path:
+    """Three principals by token (a reader, an operator, a producer) and one by certificate."""
+    lines = []
+    for role, token in TOKENS.items():
+        streams = 'streams = ["*"]\n' if role == "producer" else ""
+        digest = token_hash(token)
+        lines.append(f'[principals.{role}-app]\nroles = ["{role}"]\n{streams}token_sha256 = ["{digest}"]\n')
+    lines.append('[principals.prometheus]\nroles = ["reader"]\n')
+    path.write_text("\n".join(lines))
+    return path
+
+
+def scrape(
+    server: SluiceServer,
+    *,
+    ca: CertificateAuthority | None = None,
+    token: str | None = None,
+    client: Issued | None = None,
+) -> tuple[int, dict[str, str], str]:
+    """GET /metrics: status, headers, body."""
+    assert server.metrics_port is not None
+    context = None
+    if ca is not None:
+        context = ssl.create_default_context(cafile=str(ca.cert_file))
+        if client is not None:
+            context.load_cert_chain(client.cert_file, client.key_file)
+    scheme = "https" if ca is not None else "http"
+    request = urllib.request.Request(f"{scheme}://localhost:{server.metrics_port}/metrics")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10, context=context) as response:
+            return response.status, dict(response.headers), response.read().decode()
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, dict(exc.headers), exc.read().decode()
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> tuple[CertificateAuthority, Issued]:
+    ca = CertificateAuthority(tmp_path / "pki")
+    return ca, ca.issue("localhost", server=True, file_stem="server")
+
+
+async def test_metrics_https_with_the_server_certificate_reloaded(
+    tmp_path: Path, pki: tuple[CertificateAuthority, Issued]
+) -> None:
+    ca, server_cert = pki
+    tls = TlsConfig(server_cert.cert_file, server_cert.key_file)
+    async with metrics_server(tmp_path, SecurityConfig(tls=tls, metrics_tls=True)) as server:
+        status, _, body = await asyncio.to_thread(scrape, server, ca=ca)
+        assert status == 200 and "sluice_records_received_total" in body
+        with pytest.raises((urllib.error.URLError, ConnectionError)):  # plain HTTP to the HTTPS port
+            await asyncio.to_thread(scrape, server)
+        # a silent client (no ClientHello) does not hold up the next scrape
+        with socket.create_connection(("127.0.0.1", server.metrics_port or 0)):
+            status, _, _ = await asyncio.to_thread(scrape, server, ca=ca)
+            assert status == 200
+        other = CertificateAuthority(tmp_path / "other", "other-ca")
+        renewed = other.issue("localhost", server=True)
+        server_cert.cert_file.write_bytes(renewed.cert_pem)
+        server_cert.key_file.write_bytes(renewed.key_pem)
+        assert server.reload_security()[0].startswith("TLS: new connections get CN=localhost")
+        status, _, _ = await asyncio.to_thread(scrape, server, ca=other)
+        assert status == 200
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            await asyncio.to_thread(scrape, server, ca=ca)
+
+
+async def test_metrics_token(tmp_path: Path) -> None:
+    security = SecurityConfig(auth_file=auth_file(tmp_path / "auth.toml"))
+    assert security.metrics_token_required
+    async with metrics_server(tmp_path, security) as server:
+        for token in (None, "unknown-token"):
+            status, headers, body = await asyncio.to_thread(scrape, server, token=token)
+            assert status == 401, body
+            assert headers["WWW-Authenticate"].startswith("Bearer")
+            assert "sluice_" not in body
+        status, headers, body = await asyncio.to_thread(scrape, server, token=TOKENS["producer"])
+        assert status == 403, body
+        assert "'producer-app' may not read /metrics" in body
+        for role in ("reader", "operator"):
+            status, _, body = await asyncio.to_thread(scrape, server, token=TOKENS[role])
+            assert status == 200 and "sluice_records_received_total" in body
+    # --no-metrics-auth: the auth file guards gRPC only
+    security = SecurityConfig(auth_file=auth_file(tmp_path / "auth.toml"), metrics_auth=False)
+    async with metrics_server(tmp_path / "2", security) as server:
+        status, _, _ = await asyncio.to_thread(scrape, server)
+        assert status == 200
+
+
+async def test_metrics_mutual_tls(tmp_path: Path, pki: tuple[CertificateAuthority, Issued]) -> None:
+    """With a client CA: Prometheus may present a certificate instead of a token; a certificate of no
+    reader is 403. Without an auth file every certificate of the CA gets in, and one is required."""
+    ca, server_cert = pki
+    tls = TlsConfig(server_cert.cert_file, server_cert.key_file, ca.cert_file)
+    security = SecurityConfig(tls=tls, metrics_tls=True, auth_file=auth_file(tmp_path / "auth.toml"))
+    async with metrics_server(tmp_path, security) as server:
+        status, _, _ = await asyncio.to_thread(scrape, server, ca=ca, client=ca.issue("prometheus"))
+        assert status == 200
+        status, _, _ = await asyncio.to_thread(scrape, server, ca=ca, token=TOKENS["reader"])
+        assert status == 200
+        status, _, _ = await asyncio.to_thread(scrape, server, ca=ca, client=ca.issue("producer-app"))
+        assert status == 403
+        status, _, _ = await asyncio.to_thread(scrape, server, ca=ca, client=ca.issue("nobody"))
+        assert status == 403
+        status, _, _ = await asyncio.to_thread(scrape, server, ca=ca)
+        assert status == 401
+    security = SecurityConfig(tls=tls, metrics_tls=True)
+    async with metrics_server(tmp_path / "2", security) as server:
+        status, _, _ = await asyncio.to_thread(scrape, server, ca=ca, client=ca.issue("anyone"))
+        assert status == 200
+        with pytest.raises((urllib.error.URLError, ConnectionError, ssl.SSLError)):
+            await asyncio.to_thread(scrape, server, ca=ca)
