@@ -177,7 +177,10 @@ async def test_reload_keeps_the_old_files_when_a_new_one_is_bad(
     security = SecurityConfig(tls=TlsConfig(server_cert.cert_file, server_cert.key_file), auth_file=auth_file)
     async with tls_server(tmp_path, security) as server:
         assert server.auth.table is not None
+        auth_file.write_text(auth_file.read_text() + '[principals.ops]\nroles = ["operator"]\n')
+        assert server.reload_security() == ["TLS: unchanged", "auth file: 2 principals, 0 tokens"]
         table = server.auth.table
+        assert set(table.principals) == {"app", "ops"}
         server_cert.cert_file.write_text("not a certificate\n")
         auth_file.write_text("[principals.app\n")
         with caplog.at_level(logging.INFO, logger="ingest.server"):
@@ -366,3 +369,73 @@ def test_sighup_reloads_the_certificate_and_keeps_sessions(tmp_path: Path) -> No
     finally:
         stop(proc)
     assert proc.returncode == 0, log.read_text()
+
+
+def test_security_and_limit_flags() -> None:
+    from ingest.cli import _parser, _security
+    from receivers.principal import Limits
+
+    args = _parser().parse_args(
+        [
+            "serve",
+            "--max-sessions-per-principal",
+            "3",
+            "--max-streams-per-principal",
+            "2",
+            "--max-message-bytes-per-principal",
+            "1MiB",
+            "--max-record-bytes",
+            "64KiB",
+            "--idle-timeout",
+            "none",
+            "--handshake-timeout",
+            "2.5",
+            "--no-metrics-auth",
+        ]
+    )
+    security = _security(args)
+    assert security.limits == Limits(3, 2, 1 << 20, 64 << 10, None)
+    assert security.handshake_timeout == 2.5
+    assert security.metrics_auth is False
+    assert _security(_parser().parse_args(["serve"])) == SecurityConfig()
+    for flag, value in (
+        ("--max-sessions-per-principal", "0"),
+        ("--max-record-bytes", "-1"),
+        ("--idle-timeout", "inf"),
+        ("--handshake-timeout", "0"),
+        ("--handshake-timeout", "nan"),
+    ):
+        result = sluice("serve", "--no-spark", flag, value)
+        assert result.returncode == 2, (flag, value)
+        assert f"argument {flag}" in result.stderr.decode()
+
+
+def test_dev_certs_make_a_working_mutual_tls_set(tmp_path: Path) -> None:
+    out = tmp_path / "certs"
+    made = sluice("dev-certs", str(out), "--host", "sluice.example.com", "--client", "app")
+    assert made.returncode == 0, made.stderr.decode()
+    assert "for trials only" in made.stdout.decode()
+    names = {"ca.crt", "server.crt", "server.key", "app.crt", "app.key"}
+    assert {p.name for p in out.iterdir()} == names
+    assert (out / "server.key").stat().st_mode & 0o777 == 0o600
+    assert (out / "app.key").stat().st_mode & 0o777 == 0o600
+    again = sluice("dev-certs", str(out))
+    assert again.returncode == 1 and "exists (--force replaces it)" in again.stderr.decode()
+    material = load_tls(TlsConfig(out / "server.crt", out / "server.key", out / "ca.crt"))
+    assert material.warnings() == []
+
+    async def connect() -> None:
+        tls = TlsConfig(out / "server.crt", out / "server.key", out / "ca.crt")
+        async with tls_server(tmp_path, SecurityConfig(tls=tls)) as server:
+            ca_pem = (out / "ca.crt").read_bytes()
+            credentials = grpc.ssl_channel_credentials(
+                ca_pem, (out / "app.key").read_bytes(), (out / "app.crt").read_bytes()
+            )
+            async with grpc.aio.secure_channel(server.target, credentials) as ch:
+                await get_rate(ch)
+            async with grpc.aio.secure_channel(server.target, grpc.ssl_channel_credentials(ca_pem)) as ch:
+                with pytest.raises(grpc.aio.AioRpcError) as exc:
+                    await get_rate(ch)
+                assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    asyncio.run(connect())
