@@ -1,6 +1,11 @@
 """The `sluice` command: serve, push, rate.
 
-Exit codes: 0 done, 1 failed (the message says why), 2 bad usage or a missing prerequisite.
+Exit codes: 0 done, 1 failed (the message says why), 2 bad usage or a missing prerequisite, 3 refused by
+the server: not authenticated (UNAUTHENTICATED) or not permitted (PERMISSION_DENIED).
+
+The client commands (push, rate, sessions) take credentials the usual gRPC way: --ca-file, --cert-file,
+--key-file and --token-file, or SLUICE_CA_FILE, SLUICE_CERT_FILE, SLUICE_KEY_FILE and SLUICE_TOKEN_FILE or
+SLUICE_TOKEN (ingest.client.credentials); never a token on the command line.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import IO, TYPE_CHECKING, TypeVar
 
 import grpc
 
+from ingest.client.credentials import Credentials, CredentialsError
 from ingest.config import (
     DEFAULT_METRICS_PORT,
     DEFAULT_PORT,
@@ -29,9 +35,10 @@ from ingest.config import (
     ServeConfig,
     TlsConfig,
 )
-from ingest.errors import FlushTimeoutError, SluiceError
+from ingest.errors import FlushTimeoutError, RPCError, SluiceError
 from ingest.preflight import DataDirLock, check_security, prepare
 from ratecontrol import StreamPolicy
+from receivers.auth import new_token, token_hash
 from receivers.block import InvalidStreamNameError
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -49,6 +56,9 @@ T = TypeVar("T")
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_DENIED = 3
+"""The server refused the credentials (UNAUTHENTICATED) or what they may do (PERMISSION_DENIED)."""
+_DENIED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 DRAIN_SECONDS = 120.0
 PUSH_TIMEOUT = 60.0
 DEFAULT_BATCH_SIZE = 4096
@@ -65,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("py4j").setLevel(max(logging.WARNING, logging.getLogger().level))  # a line per call
     try:
         code: int = args.run(args)
+    except _Failed as failed:
+        return failed.code
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `sluice rate get | head -1`: the reader went away, nothing is wrong
@@ -248,6 +260,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         "--producer-id (a failed push prints the command)",
     )
     push.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _credential_flags(push)
     push.set_defaults(run=_push)
 
     rate = commands.add_parser("rate", help="read or set the ingest rate")
@@ -255,6 +268,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     server.add_argument(
         "--target", type=_target, default=f"127.0.0.1:{DEFAULT_PORT}", help="server (default: %(default)s)"
     )
+    _credential_flags(server)
     rate_commands = rate.add_subparsers(required=True, metavar="ACTION")
     get = rate_commands.add_parser("get", help="the rate, bounds, estimator, last batch", parents=[server])
     get.set_defaults(run=_rate_get)
@@ -287,6 +301,16 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         help="gRPC status code the session ends with (default: 1)",
     )
     cancel.set_defaults(run=_sessions_cancel)
+
+    token = commands.add_parser(
+        "token",
+        help="make a random bearer token and print the auth file line with its hash",
+        description="Make a random token (256 bits) and write it to FILE (mode 0600) or standard output; "
+        "print the auth-file line token_sha256 = \"<hash>\" for its principal (to standard error when "
+        "the token goes to standard output). The server keeps only the hash.",
+    )
+    token.add_argument("--out", type=Path, metavar="FILE", help="write the token here (mode 0600)")
+    token.set_defaults(run=_token)
 
     certs = commands.add_parser(
         "dev-certs",
@@ -484,6 +508,34 @@ def _fsync_policy(text: str) -> FsyncPolicy:
         return FsyncPolicy.parse(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _credential_flags(parser: argparse.ArgumentParser) -> None:
+    for flag, variable, what in (
+        ("--ca-file", "SLUICE_CA_FILE", "PEM CA certificates the server's certificate must chain to (TLS)"),
+        ("--cert-file", "SLUICE_CERT_FILE", "PEM client certificate for mutual TLS (with --key-file)"),
+        ("--key-file", "SLUICE_KEY_FILE", "PEM private key of --cert-file"),
+        ("--token-file", "SLUICE_TOKEN_FILE", "a file holding the bearer token (or SLUICE_TOKEN)"),
+    ):
+        parser.add_argument(flag, type=Path, metavar="FILE", help=f"{what} (default: ${variable})")
+
+
+def _credentials(args: argparse.Namespace) -> Credentials:
+    """The client's credentials from the flags, else the environment; _Failed (usage) if unusable."""
+    try:
+        return Credentials.from_env(
+            ca_file=args.ca_file, cert_file=args.cert_file, key_file=args.key_file, token_file=args.token_file
+        )
+    except CredentialsError as exc:
+        raise _Failed(_fail(str(exc), EXIT_USAGE)) from None
+
+
+class _Failed(Exception):
+    """A command failed and said why; main() exits with `code`."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
 
 
 def _fail(message: str, code: int = EXIT_FAILED) -> int:
@@ -759,6 +811,7 @@ async def _push_async(args: argparse.Namespace, source: IO[bytes], progress: _Pr
             first_seq=args.resume_from,
             start_timeout=args.timeout,
             reconnect_timeout=args.timeout,
+            credentials=_credentials(args),
         )
     except ValueError as exc:  # a flag the SDK refuses (a batch size over its buffer, a seq past 2^64-2)
         return _fail(f"cannot push with these flags: {exc}", EXIT_USAGE)
@@ -780,6 +833,9 @@ async def _push_async(args: argparse.Namespace, source: IO[bytes], progress: _Pr
     except (SluiceError, asyncio.CancelledError) as exc:
         await producer.abort()
         progress.stop()
+        denied = _denial(exc)
+        if denied is not None:  # nothing to resume: the same command fails the same way
+            return _fail(f"push to {args.target} stream {args.stream!r} refused: {denied}", EXIT_DENIED)
         _push_failed(args, producer, read.records, exc)
         if isinstance(exc, asyncio.CancelledError):
             raise  # Ctrl-C: asyncio.run raises KeyboardInterrupt (exit 130)
@@ -855,6 +911,33 @@ class _InputLines:
         return lines
 
 
+def _denial(error: BaseException) -> RPCError | None:
+    """The UNAUTHENTICATED or PERMISSION_DENIED error behind `error`, if that is what failed the push."""
+    for cause in (error, error.__cause__):
+        if isinstance(cause, RPCError) and cause.status in _DENIED:
+            return cause
+    return None
+
+
+def _token(args: argparse.Namespace) -> int:
+    token = new_token()
+    line = f'token_sha256 = "{token_hash(token)}"'
+    if args.out is None:
+        print(token)
+        print(f"sluice: the token is on stdout; its principal's auth file line: {line}", file=sys.stderr)
+        return 0
+    try:
+        # 0600 from the start: never readable by others, not even for a moment
+        descriptor = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        why = "it exists (never overwritten)" if isinstance(exc, FileExistsError) else exc.strerror
+        return _fail(f"cannot write the token to {args.out}: {why}")
+    with os.fdopen(descriptor, "w") as out:
+        out.write(token + "\n")
+    print(line)
+    return 0
+
+
 def _push_failed(args: argparse.Namespace, producer: Producer, read: int, error: BaseException) -> None:
     """Say how far the push got and how to resume it without sending anything twice."""
     acked, sent = producer.acked, producer.ever_sent
@@ -894,23 +977,24 @@ def _push_failed(args: argparse.Namespace, producer: Producer, read: int, error:
 
 def _sessions_list(args: argparse.Namespace) -> int:
     request = pb.ListSessionsRequest(stream=args.stream)
-    listing = _unary(args.target, "sessions list", lambda ch: pb_grpc.SessionsStub(ch).ListSessions(request))
-    if listing is None:
-        return EXIT_FAILED
-    print("id\tstream\tproducer\tcredit\tnext_seq\tdurable_up_to\tstate")
+    listing = _unary(
+        args, "sessions list", lambda ch, md: pb_grpc.SessionsStub(ch).ListSessions(request, metadata=md)
+    )
+    print("id\tstream\tprincipal\tproducer\tcredit\tnext_seq\tdurable_up_to\tstate")
     for s in listing.sessions:
         state = "cancelled" if s.cancelled else "completed" if s.completed else "open"
         print(
-            f"{s.session_id}\t{s.stream}\t{s.producer_id}\t{s.credit}\t{s.next_seq}\t{s.durable_up_to}\t{state}"
+            f"{s.session_id}\t{s.stream}\t{s.principal}\t{s.producer_id}\t{s.credit}\t{s.next_seq}\t"
+            f"{s.durable_up_to}\t{state}"
         )
     return 0
 
 
 def _sessions_cancel(args: argparse.Namespace) -> int:
     request = pb.CancelSessionRequest(session_id=args.session_id, code=args.code, reason=args.reason)
-    done = _unary(args.target, "sessions cancel", lambda ch: pb_grpc.SessionsStub(ch).CancelSession(request))
-    if done is None:
-        return EXIT_FAILED
+    done = _unary(
+        args, "sessions cancel", lambda ch, md: pb_grpc.SessionsStub(ch).CancelSession(request, metadata=md)
+    )
     print(f"session {request.session_id} {'cancelled' if done.cancelled else 'was already cancelled'}")
     return 0
 
@@ -920,28 +1004,36 @@ def _sessions_cancel(args: argparse.Namespace) -> int:
 
 def _rate_get(args: argparse.Namespace) -> int:
     return _show_rate(
-        _unary(args.target, "rate get", lambda ch: pb_grpc.RateControlStub(ch).GetRate(pb.GetRateRequest()))
+        _unary(
+            args,
+            "rate get",
+            lambda ch, md: pb_grpc.RateControlStub(ch).GetRate(pb.GetRateRequest(), metadata=md),
+        )
     )
 
 
 def _rate_set(args: argparse.Namespace) -> int:
     request = pb.UpdateRateRequest(records_per_second=args.records_per_second, pin=args.pin)
     return _show_rate(
-        _unary(args.target, "rate set", lambda ch: pb_grpc.RateControlStub(ch).UpdateRate(request))
+        _unary(args, "rate set", lambda ch, md: pb_grpc.RateControlStub(ch).UpdateRate(request, metadata=md))
     )
 
 
 def _rate_bounds(args: argparse.Namespace) -> int:
     request = pb.SetBoundsRequest(min_rate=args.min_rate, max_rate=args.max_rate)
     return _show_rate(
-        _unary(args.target, "rate bounds", lambda ch: pb_grpc.RateControlStub(ch).SetBounds(request))
+        _unary(args, "rate bounds", lambda c, md: pb_grpc.RateControlStub(c).SetBounds(request, metadata=md))
     )
 
 
 def _rate_estimator(args: argparse.Namespace) -> int:
     request = pb.SetEstimatorRequest(estimator=args.name)
     return _show_rate(
-        _unary(args.target, "rate estimator", lambda ch: pb_grpc.RateControlStub(ch).SetEstimator(request))
+        _unary(
+            args,
+            "rate estimator",
+            lambda ch, md: pb_grpc.RateControlStub(ch).SetEstimator(request, metadata=md),
+        )
     )
 
 
@@ -982,18 +1074,27 @@ def _show_rate(status: pb.RateStatus | None) -> int:
     return 0
 
 
-def _unary(target: str, what: str, call: Callable[[grpc.aio.Channel], Awaitable[T]]) -> T | None:
-    """One unary call to the server; on failure print why (status and details) and return None."""
+Metadata = tuple[tuple[str, str], ...]
 
-    async def run() -> T | None:
-        async with grpc.aio.insecure_channel(target) as channel:
+
+def _unary(
+    args: argparse.Namespace, what: str, call: Callable[[grpc.aio.Channel, Metadata], Awaitable[T]]
+) -> T:
+    """One unary call to the server at args.target with the credentials of `args`; on failure print why
+    (status and details) in one line and raise _Failed (EXIT_DENIED when the server refused them)."""
+    credentials = _credentials(args)
+    target = args.target
+
+    async def run() -> T:
+        async with credentials.channel(target) as channel:
             try:
-                return await asyncio.wait_for(call(channel), 10)
+                return await asyncio.wait_for(call(channel, credentials.metadata), 10)
             except grpc.aio.AioRpcError as exc:
-                _fail(f"{what} on {target}: {exc.code().name}: {exc.details()}")
+                code = EXIT_DENIED if exc.code() in _DENIED else EXIT_FAILED
+                message = f"{what} on {target}: {exc.code().name}: {exc.details()}"
+                raise _Failed(_fail(message, code)) from None
             except TimeoutError:
-                _fail(f"{what} on {target}: no answer within 10 s")
-        return None
+                raise _Failed(_fail(f"{what} on {target}: no answer within 10 s")) from None
 
     return asyncio.run(run())
 
