@@ -98,6 +98,7 @@ class SecurityConfig:
 
     @property
     def metrics_token_required(self) -> bool:
+        """Whether /metrics needs a reader's or operator's credentials (401/403 otherwise)."""
         return self.auth_file is not None if self.metrics_auth is None else self.metrics_auth
 
 
