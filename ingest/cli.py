@@ -685,7 +685,10 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock) -> int:  # noqa: 
         if spark is not None:
             from ingest.driver import SparkDriver, drive_rate  # noqa: PLC0415
 
-            driver = SparkDriver(spark, config, rate_target=server.target)
+            # its own source asks the rate with this run's token (a plaintext loopback port under TLS)
+            driver = SparkDriver(
+                spark, config, rate_target=server.rate_target, rate_token_file=server.pipeline_token_file
+            )
             drive_rate(driver, server, asyncio.get_running_loop())
             await asyncio.to_thread(driver.start)
             print(

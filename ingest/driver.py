@@ -61,11 +61,14 @@ class SparkDriver:
         *,
         query_name: str = QUERY_NAME,
         rate_target: str | None = None,
+        rate_token_file: Path | None = None,
         store: BlockStore | None = None,
     ) -> None:
         self.spark = spark
         self.rate_target = rate_target
         """host:port of the server whose live rate caps each batch; None: no cap."""
+        self.rate_token_file = rate_token_file
+        """The token the source asks the rate with (SluiceServer.pipeline_token_file); None: none."""
         self.query_name = query_name
         self.config = config
         if pipeline is None:
@@ -152,6 +155,7 @@ class SparkDriver:
             trigger_seconds=self.config.trigger_interval,
             query_name=self.query_name,
             rate_target=self.rate_target,
+            rate_token_file=self.rate_token_file,
         )
         log.info("Spark query %s started", self.query.id)
         self._checkpoint = _local_checkpoint(self.query)

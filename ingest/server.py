@@ -7,9 +7,12 @@ receive-only node, and Spark can be shared by several servers in one process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import ssl
 from collections.abc import Callable
+from pathlib import Path
 
 import grpc
 from prometheus_client import CollectorRegistry
@@ -21,7 +24,7 @@ from ingest.rate_controller import WATCHDOG_TICK, RateController
 from ingest.rate_service import RateControlService
 from ingest.sessions_service import SessionsService
 from ingest.tls import ServerTls, TlsFileError
-from receivers.auth import Authenticator, AuthFileError, AuthTable, revoke
+from receivers.auth import PIPELINE, Authenticator, AuthFileError, AuthTable, revoke
 from receivers.parsed_service import add_parsed_servicer
 from receivers.publish_service import PublishService
 from receivers.receiver import Receiver
@@ -74,6 +77,11 @@ class SluiceServer:
             default_limits=security.limits,
         )
         """Who may call what; `reload_security` re-reads the auth file (SIGHUP)."""
+        self._pipeline_token = self.auth.issue_token(PIPELINE)
+        self.pipeline_token_file = config.data_dir / PIPELINE_TOKEN_FILE
+        """This run's token for its own Spark source (principal sluice-pipeline: operator and reader),
+        written 0600 at start, removed at stop; the source asks the rate at `rate_target` with it."""
+        self._loopback_port: int | None = None
         self.rate = RateController(self.receivers, config.rate, batch_interval=config.trigger_interval)
         """The ingest rate: fed by batch metrics (on_batch) and by operators (RateControl)."""
         self.registry = CollectorRegistry()
@@ -98,6 +106,13 @@ class SluiceServer:
     def target(self) -> str:
         """host:port a client connects to."""
         return bind_address(self.config.host, self.port)
+
+    @property
+    def rate_target(self) -> str:
+        """Where this server's own Spark source asks the live rate: with TLS, a plaintext port on
+        127.0.0.1 (the server's certificate need not name it, and the source needs no CA); calls there
+        still need a token (pipeline_token_file) whenever the server authenticates."""
+        return self.target if self._loopback_port is None else f"127.0.0.1:{self._loopback_port}"
 
     @property
     def metrics_port(self) -> int | None:
@@ -139,6 +154,8 @@ class SluiceServer:
         try:
             if self.tls is not None:
                 self.port = server.add_secure_port(address, self.tls.grpc_credentials())
+                if self.port:
+                    self._loopback_port = server.add_insecure_port("127.0.0.1:0") or None
             else:
                 self.port = server.add_insecure_port(address)
         except RuntimeError as exc:  # grpc reports a failed bind this way
@@ -161,6 +178,7 @@ class SluiceServer:
                 self._metrics = None
             raise
         self._grpc = server
+        _write_private(self.pipeline_token_file, self._pipeline_token + "\n")
         self._watchdog = asyncio.create_task(self._watch_batches(), name="sluice-batch-watchdog")
         log.info(
             "serving streams %s on %s (%s), metrics on %s",
@@ -245,6 +263,8 @@ class SluiceServer:
         if self._metrics is not None:
             self._metrics.close()
         self.store.close()
+        with contextlib.suppress(OSError):  # the token dies with this run anyway
+            self.pipeline_token_file.unlink(missing_ok=True)
         self._release_lock()
 
     async def _watch_batches(self) -> None:
@@ -258,3 +278,15 @@ class SluiceServer:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
+
+
+PIPELINE_TOKEN_FILE = "pipeline.token"  # noqa: S105 - a file name
+"""Under the data dir: the token of the server's own Spark source, for this run only."""
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write `text` to `path`, readable by this user only (0600 from the start, never a moment more)."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(descriptor, "w") as out:
+        os.fchmod(out.fileno(), 0o600)  # an older file keeps its mode through O_CREAT
+        out.write(text)

@@ -56,8 +56,9 @@ MAX_NAME_BYTES = 256
 """Longest principal name (UTF-8), as a producer id: a principal's producer keys hold both."""
 PERMISSION_DENIED = 7
 """gRPC status code of a session revoked by an auth reload (receivers never import grpc's enum)."""
-PIPELINE_PRINCIPAL = "sluice-pipeline"
-"""The principal of the server's own Spark source (RateControl: GetRate, StartBatch)."""
+PIPELINE = Principal("sluice-pipeline", frozenset({Role.OPERATOR, Role.READER}), frozenset())
+"""The principal of a server's own Spark source (RateControl: GetRate, StartBatch), whose token the
+server issues itself (Authenticator.issue_token) for each run."""
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 

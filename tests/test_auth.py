@@ -493,3 +493,132 @@ async def test_a_reload_revokes_the_sessions_it_no_longer_allows(tmp_path: Path)
         await send_and_ack(kept, 5)
         for producer in (kept, dropped, other):
             await producer.abort()
+
+
+# ---- the Spark source on a secured server --------------------------------------------------------
+
+
+async def fill(server: SluiceServer, n: int) -> None:
+    async with Producer(server.target, "clicks", credentials=as_principal("clicks-app"), linger=0) as p:
+        for _ in range(n // 100):  # blocks of 100
+            await p.send_many([b"y"] * 100)
+            await p.flush(10)
+
+
+def source_cap(options: Mapping[str, str]) -> Callable[[], Any]:
+    from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+    from ingest.spark.source import SluiceStreamReader
+
+    reader = SluiceStreamReader({"streams": "clicks", "triggerSeconds": "0.5", **options})
+    return lambda: asyncio.to_thread(reader.latestOffset, {"clicks": 0}, ReadAllAvailable())
+
+
+async def test_the_source_asks_a_secured_server_with_the_pipeline_token(tmp_path: Path) -> None:
+    auth = write_auth_file(tmp_path / "auth.toml")
+    async with secured_server(tmp_path / "data", auth) as server:
+        await fill(server, 1000)
+        server.rate.update(700)  # x 0.5 s: 350 records a batch
+        token = server.pipeline_token_file
+        assert oct(token.stat().st_mode & 0o777) == "0o600"
+        path = str(server.config.blocks_dir)
+        capped = source_cap({"path": path, "rateTarget": server.rate_target, "rateTokenFile": str(token)})
+        assert await capped() == {"clicks": 350}
+        # without it the server refuses the source (UNAUTHENTICATED): it cannot steer the batches
+        unsteered = source_cap({"path": path, "rateTarget": server.rate_target})
+        assert await unsteered() == {"clicks": 1000}
+        # the server's own token outlives a reload of the auth file
+        assert server.reload_security()
+        server.rate.update(400)
+        assert await capped() == {"clicks": 200}
+        # and it may only steer: no Publish
+        producer = Producer(server.target, "clicks", credentials=Credentials.from_files(token_file=token))
+        assert (await refused(producer)).status is grpc.StatusCode.PERMISSION_DENIED
+    assert not token.exists()  # this run's token dies with it
+
+
+async def test_the_source_of_a_tls_server(tmp_path: Path) -> None:
+    from ingest.config import TlsConfig
+
+    ca = CertificateAuthority(tmp_path / "pki")
+    issued = ca.issue("server", server=True)
+    ops_token = tmp_path / "ops.token"
+    ops_token.write_text(TOKENS["ops"])
+    config = ServeConfig(
+        port=0,
+        metrics_port=None,
+        data_dir=tmp_path / "data",
+        streams=STREAMS,
+        receiver=ReceiverConfig(block_interval=0.02),
+        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
+        spark=False,
+        security=SecurityConfig(
+            auth_file=write_auth_file(tmp_path / "auth.toml"),
+            tls=TlsConfig(issued.cert_file, issued.key_file),
+        ),
+    )
+    server = SluiceServer(config)
+    await server.start()
+    try:
+        tls = Credentials(root_certificates=ca.cert_pem, token=TOKENS["clicks-app"])
+        async with Producer(f"localhost:{server.port}", "clicks", credentials=tls, linger=0) as producer:
+            await producer.send_many([b"y"] * 1000)
+            await producer.flush(10)
+        server.rate.update(700)
+        path = str(config.blocks_dir)
+        # sluice serve's own source: a plaintext port on loopback, with the pipeline token
+        assert server.rate_target != server.target and server.rate_target.startswith("127.0.0.1:")
+        token = str(server.pipeline_token_file)
+        own = {"path": path, "rateTarget": server.rate_target, "rateTokenFile": token}
+        assert await source_cap(own)() == {"clicks": 350}
+        # which still wants a token
+        assert await source_cap({"path": path, "rateTarget": server.rate_target})() == {"clicks": 1000}
+        # a separate Spark job: TLS to the server's port with a CA file and an operator's token
+        job = {
+            "path": path,
+            "rateTarget": f"localhost:{server.port}",
+            "rateCaFile": str(ca.cert_file),
+            "rateTokenFile": str(ops_token),
+        }
+        assert await source_cap(job)() == {"clicks": 350}
+    finally:
+        await server.stop(grace=1)
+
+
+@pytest.mark.spark
+async def test_batches_flow_capped_on_a_server_with_an_auth_file(spark: Any, tmp_path: Path) -> None:
+    from ingest.driver import SparkDriver, drive_rate
+
+    config = ServeConfig(
+        port=0,
+        metrics_port=None,
+        data_dir=tmp_path / "data",
+        streams=("clicks",),
+        receiver=ReceiverConfig(block_interval=0.02),
+        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
+        trigger_interval=1.0,
+        security=SecurityConfig(auth_file=write_auth_file(tmp_path / "auth.toml")),
+    )
+    server = SluiceServer(config)
+    await server.start()
+    driver = SparkDriver(
+        spark,
+        config,
+        query_name="secured",
+        rate_target=server.rate_target,
+        rate_token_file=server.pipeline_token_file,
+    )
+    sizes: list[int] = []
+    driver.on_batch(lambda batch: sizes.append(batch.num_input_rows))
+    drive_rate(driver, server, asyncio.get_running_loop())
+    try:
+        await fill(server, 3000)  # all there before the first batch: uncapped, one batch takes it
+        server.rate.update(1000)  # x 1 s: 1,000 records a batch
+        await asyncio.to_thread(driver.start)
+        await wait_until(lambda: driver.records_processed >= 3000 or driver.error() is not None, timeout=180)
+        assert driver.error() is None, driver.error()
+        assert driver.records_processed == 3000
+        assert max(sizes) <= 1000, sizes  # the source had the live rate: it asked with its token
+    finally:
+        await server.stop(grace=1)
+        await asyncio.to_thread(driver.stop)

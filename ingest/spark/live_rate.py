@@ -5,6 +5,12 @@ over gRPC (RateControl.GetRate), synchronously: latestOffset is a plain call. If
 answer, the last cap it gave holds (none before the first answer), so a hiccup neither stalls Spark nor
 lets a backlog through uncapped.
 
+On a secured server the calls carry credentials (ingest.client.credentials): `sluice serve` hands its
+own source a per-run token (principal "sluice-pipeline": operator and reader) and a plaintext port on
+127.0.0.1 when gRPC is TLS; a separate Spark job gives the source's rateCaFile, rateCertFile,
+rateKeyFile and rateTokenFile options. A refusal (UNAUTHENTICATED, PERMISSION_DENIED) warns once, like
+any outage: the batches go on under the last cap.
+
 A server that is not listening (UNAVAILABLE) is expected: `sluice serve` stops its gRPC server before it
 lets Spark drain what was sealed, so a clean stop is logged at INFO, once; other failures warn, once
 per outage, in one line.
@@ -17,6 +23,7 @@ import math
 
 import grpc
 
+from ingest.client.credentials import Credentials
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
@@ -28,10 +35,12 @@ The listener's event takes 3-90 ms here (more under load); a server that gets no
 
 
 class LiveRateCap:
-    def __init__(self, target: str, *, timeout: float = 2.0) -> None:
+    def __init__(self, target: str, *, timeout: float = 2.0, credentials: Credentials | None = None) -> None:
         self._target = target
         self._failing = False  # the last call had no answer: report the outage once, not every batch
-        self._channel = grpc.insecure_channel(target)
+        credentials = credentials or Credentials()
+        self._metadata = credentials.metadata
+        self._channel = credentials.sync_channel(target)
         self._stub = pb_grpc.RateControlStub(self._channel)
         self._timeout = timeout
         self._last: int | None = None
@@ -52,7 +61,7 @@ class LiveRateCap:
         """
         try:
             request = pb.GetRateRequest(wait_for_batch_seconds=BATCH_WAIT, seal_blocks=True)
-            status = self._stub.GetRate(request, timeout=self._timeout + BATCH_WAIT)
+            status = self._stub.GetRate(request, timeout=self._timeout + BATCH_WAIT, metadata=self._metadata)
             rate = max(status.records_per_second, status.capacity)
             self.weights = {s.stream: s.weight for s in status.streams if s.weight > 0}
         except grpc.RpcError as exc:
@@ -95,7 +104,7 @@ class LiveRateCap:
             return
         try:
             request = pb.StartBatchRequest(records=records, backlog=backlog)
-            self._stub.StartBatch(request, timeout=self._timeout)
+            self._stub.StartBatch(request, timeout=self._timeout, metadata=self._metadata)
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self._start_batch_unsupported = True

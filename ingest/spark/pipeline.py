@@ -20,6 +20,7 @@ from ingest.spark.source import (
     OPTION_MAX_RECORDS,
     OPTION_MIN_PARTITIONS,
     OPTION_RATE_TARGET,
+    OPTION_RATE_TOKEN_FILE,
     OPTION_STREAMS,
     OPTION_TRIGGER_SECONDS,
     SOURCE_NAME,
@@ -85,12 +86,14 @@ def start_query(
     query_name: str,
     max_records_per_batch: int | None = None,
     rate_target: str | None = None,
+    rate_token_file: str | Path | None = None,
 ) -> StreamingQuery:
     """Start a streaming query reading `streams` from the block store at store_root through `pipeline`.
 
     trigger_seconds is the micro-batch interval (0: start the next batch as soon as one ends);
     max_records_per_batch caps a batch at whole blocks (see the source's maxRecordsPerBatch);
-    rate_target (host:port of the Sluice server) caps each batch at the live rate x trigger interval.
+    rate_target (host:port of the Sluice server) caps each batch at the live rate x trigger interval;
+    rate_token_file holds the bearer token the source asks it with (a server with authentication).
     """
     if trigger_seconds < 0:
         raise ValueError(f"trigger_seconds must be >= 0, got {trigger_seconds}")
@@ -107,6 +110,8 @@ def start_query(
         reader = reader.option(OPTION_RATE_TARGET, rate_target).option(
             OPTION_TRIGGER_SECONDS, str(trigger_seconds)
         )
+        if rate_token_file is not None:
+            reader = reader.option(OPTION_RATE_TOKEN_FILE, str(rate_token_file))
     writer = pipeline(reader.load())
     if not isinstance(writer, DataStreamWriter):
         raise TypeError(f"pipeline {pipeline!r} returned {type(writer).__name__}, not a DataStreamWriter")

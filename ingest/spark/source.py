@@ -7,6 +7,9 @@ Usage::
           .option("path", "/var/lib/sluice/blocks")     # root of the block store (WAL)
           .option("streams", "clicks,orders")           # comma-separated stream names
           .option("maxRecordsPerBatch", "100000")       # optional admission control
+          .option("rateTarget", "sluice.example.com:50051")  # optional: cap batches at the live rate
+          .option("rateCaFile", "/etc/sluice/ca.crt")   # TLS to it; rateCertFile/rateKeyFile: mTLS
+          .option("rateTokenFile", "/etc/sluice/pipeline.token")  # an operator's token
           .load())
 
 Columns (modelled on Spark's Kafka source; see SCHEMA_DDL):
@@ -65,6 +68,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from ingest.client.credentials import Credentials, CredentialsError
 from ingest.spark.live_rate import LiveRateCap
 from receivers.block import BlockInfo, check_stream_name
 from receivers.block_store import BlockStore, release_below
@@ -112,6 +116,22 @@ OPTION_MIN_PARTITIONS = "minPartitions"
 OPTION_RATE_TARGET = "rateTarget"
 """host:port of the Sluice server whose live rate caps each batch (rate x trigger interval)."""
 OPTION_TRIGGER_SECONDS = "triggerSeconds"
+OPTION_RATE_CA_FILE = "rateCaFile"
+"""PEM CA file the rate server's certificate must chain to: the live rate is asked over TLS."""
+OPTION_RATE_CERT_FILE = "rateCertFile"
+"""PEM client certificate (with rateKeyFile) for a rate server that wants mutual TLS."""
+OPTION_RATE_KEY_FILE = "rateKeyFile"
+OPTION_RATE_TOKEN_FILE = "rateTokenFile"  # noqa: S105 - an option's name
+"""A file holding the bearer token of a principal with the operator role (GetRate, StartBatch): a
+path, not the token, so that the token never shows in the query's plan, UI or logs. Read by the
+worker that plans batches, so it must be there (on the driver's host)."""
+RATE_CREDENTIAL_OPTIONS = (
+    OPTION_RATE_CA_FILE,
+    OPTION_RATE_CERT_FILE,
+    OPTION_RATE_KEY_FILE,
+    OPTION_RATE_TOKEN_FILE,
+)
+"""The files of Credentials.from_files (ca_file, cert_file, key_file, token_file), in its order."""
 
 CATCH_UP_MIN_SHARE = 0.5
 """A catch-up trigger whose batch would hold less than this share of the cap waits for the grid.
@@ -168,6 +188,8 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self.max_records_per_batch = _positive_int_option(options, OPTION_MAX_RECORDS)
         self.min_partitions = _positive_int_option(options, OPTION_MIN_PARTITIONS) or 1
         self.rate_target = options.get(OPTION_RATE_TARGET) or None
+        # paths only: the files are read where the rate is asked (see _live_cap)
+        self.rate_files = tuple(options.get(option) or None for option in RATE_CREDENTIAL_OPTIONS)
         self.trigger_seconds = float(options.get(OPTION_TRIGGER_SECONDS) or 1.0)
         self._rate_client: LiveRateCap | None = None
         self._planned_at: float | None = None  # time.monotonic() of the last batch planned with records
@@ -305,7 +327,14 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if self.rate_target is None:
             return None
         if self._rate_client is None:
-            self._rate_client = LiveRateCap(self.rate_target)
+            try:  # read here, in the worker that plans batches: no token travels in a pickled reader
+                ca_file, cert_file, key_file, token_file = self.rate_files
+                credentials = Credentials.from_files(
+                    ca_file=ca_file, cert_file=cert_file, key_file=key_file, token_file=token_file
+                )
+            except CredentialsError as exc:
+                raise ValueError(f"sluice source: the rate server's credentials: {exc}") from None
+            self._rate_client = LiveRateCap(self.rate_target, credentials=credentials)
         return self._rate_client.records_per_batch(self.trigger_seconds)
 
     def _stream_weights(self) -> Mapping[str, float] | None:
