@@ -58,6 +58,17 @@ class OwnerDemand:
     """Credit its sessions at low tide would take to reach their prefetch (0: none is at low tide)."""
     record_bytes: float
     """Its bytes per record (> 0), as the memory budget estimates them."""
+    reserve: int = 0
+    """Credit its open sessions may hold (a prefetch each): its demand is at least that, so a quiet
+    moment of a present owner does not hand its room to a newcomer for good (credit is never taken back)."""
+
+    @property
+    def demand_records(self) -> int:
+        return max(self.held_records + self.want, self.reserve)
+
+    @property
+    def demand_bytes(self) -> float:
+        return max(self.held_bytes + self.want * self.record_bytes, self.reserve * self.record_bytes)
 
 
 @dataclass
@@ -89,10 +100,8 @@ def allocate(
     those shares. `order` (the owners that want, rotated by the caller each round) gets the whole
     records left over by rounding, one at a time, so a few tokens among many owners still move."""
     result = Allocation()
-    share_records = water_fill(buffer_records, {k: o.held_records + o.want for k, o in owners.items()})
-    share_bytes = water_fill(
-        buffer_bytes, {k: o.held_bytes + o.want * o.record_bytes for k, o in owners.items()}
-    )
+    share_records = water_fill(buffer_records, {k: o.demand_records for k, o in owners.items()})
+    share_bytes = water_fill(buffer_bytes, {k: o.demand_bytes for k, o in owners.items()})
     room: dict[K, int] = {}
     for key, owner in owners.items():
         if owner.held_records > share_records[key] + 0.5 or owner.held_bytes > share_bytes[key] * 1.001:

@@ -20,6 +20,7 @@ import grpc
 from receivers.auth import Authenticator
 from receivers.errors import (
     InvalidMessage,
+    LimitExceeded,
     PermissionDenied,
     ProtocolViolation,
     ReceiverError,
@@ -27,13 +28,14 @@ from receivers.errors import (
     cut,
     shown,
 )
+from receivers.limits import SessionLedger, limit_key
 from receivers.parsed_service import add_parsed_servicer
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.principal import Principal
 from receivers.receiver import Receiver
 from receivers.session import Session
-from receivers.wire import decode_batch, decode_request
+from receivers.wire import check_record_bytes, decode_batch, decode_request
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,8 @@ class PublishService(pb_grpc.IngestServicer):
         self._receivers = receivers
         self._open_timeout = open_timeout
         self._authenticator = authenticator or Authenticator()
+        self.ledger = SessionLedger()
+        """Sessions open per principal on every stream: max_sessions and max_streams."""
 
     def add_to_server(self, server: grpc.aio.Server) -> None:
         """Serve Publish on `server`, its client messages handed over as bytes: gRPC's own deserializer
@@ -80,10 +84,12 @@ class PublishService(pb_grpc.IngestServicer):
             principal = self._authenticator.caller(context, PUBLISH)
             # only now: a request iterator made and never read warns ("never awaited") when collected
             requests = aiter(request_iterator)
-            receiver, session = await self._open(requests, principal)
+            key = limit_key(principal, context.peer() or "")
+            receiver, session = await self._open(requests, principal, key)
         except ReceiverError as error:
             await context.abort(status_code(error), str(error))
             return  # pragma: no cover - abort raises
+        self.ledger.add(key, session)  # no await since _open checked the limits
         reader = asyncio.create_task(self._read(requests, receiver, session))
         try:
             while True:
@@ -99,12 +105,14 @@ class PublishService(pb_grpc.IngestServicer):
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
             receiver.close_session(session)
+            self.ledger.remove(key, session)
 
     async def _open(
-        self, requests: AsyncIterator[pb.PublishRequest | bytes], principal: Principal
+        self, requests: AsyncIterator[pb.PublishRequest | bytes], principal: Principal, key: str
     ) -> tuple[Receiver, Session]:
         try:
-            first = _parse(await asyncio.wait_for(anext(requests), self._open_timeout))
+            message = await asyncio.wait_for(anext(requests), self._open_timeout)
+            first = _parse(_within_limit(message, principal))
         except StopAsyncIteration:
             raise ProtocolViolation("the stream ended before Open") from None
         except TimeoutError:
@@ -121,7 +129,10 @@ class PublishService(pb_grpc.IngestServicer):
         if receiver is None:
             known = ", ".join(sorted(self._receivers)) or "none"
             raise UnknownStream(f"no stream named {shown(stream)} on this server (streams: {known})")
-        return receiver, receiver.open_session(first.open.producer_id, first.open.resume_from_seq, principal)
+        producer_id = first.open.producer_id
+        state = receiver.producer(producer_id, principal) if producer_id else None
+        self.ledger.admit(principal, key, stream, fenced=state.sessions if state is not None else ())
+        return receiver, receiver.open_session(producer_id, first.open.resume_from_seq, principal)
 
     async def _read(
         self, requests: AsyncIterator[pb.PublishRequest | bytes], receiver: Receiver, session: Session
@@ -129,7 +140,7 @@ class PublishService(pb_grpc.IngestServicer):
         try:
             async for message in requests:
                 try:
-                    self._handle(_parse(message), receiver, session)
+                    self._handle(_parse(_within_limit(message, session.principal)), receiver, session)
                 except ReceiverError:
                     if not session.cancelled:
                         raise
@@ -157,6 +168,10 @@ class PublishService(pb_grpc.IngestServicer):
             raise ProtocolViolation(f"{kind.capitalize()} after the publisher's Complete or Error (rule 1.7)")
         if kind == "batch":
             records = decode_batch(request.batch, time.time_ns() // 1000)
+            limit = session.principal.limits.max_record_bytes
+            if limit is not None:
+                whose = f"principal {cut(session.principal.name)!r}"
+                check_record_bytes(records, limit, request.batch.first_seq, whose)
             receiver.accept(session, request.batch.first_seq, records)
         elif kind == "complete":
             receiver.complete(session)
@@ -173,6 +188,20 @@ class PublishService(pb_grpc.IngestServicer):
             raise ProtocolViolation("Open sent twice: exactly one Open per session (rule 2.12)")
         else:
             raise InvalidMessage("empty PublishRequest: set one of open, batch, complete, error")
+
+
+def _within_limit(message: pb.PublishRequest | bytes, principal: Principal) -> pb.PublishRequest | bytes:
+    """`message`, unless it is over the principal's max_message_bytes (LimitExceeded: checked on the raw
+    bytes, before parsing)."""
+    limit = principal.limits.max_message_bytes
+    if limit is not None:
+        size = len(message) if isinstance(message, bytes) else message.ByteSize()
+        if size > limit:
+            raise LimitExceeded(
+                f"a Publish message of {size} bytes: over max_message_bytes {limit} of principal "
+                f"{cut(principal.name)!r}; send smaller batches"
+            )
+    return message
 
 
 def _parse(message: pb.PublishRequest | bytes) -> pb.PublishRequest:

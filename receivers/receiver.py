@@ -713,25 +713,12 @@ class Receiver:
         # tick), not a few records per accepted batch, which made both sides spin on tiny messages
         rate = self._bucket.rate
         quantum = math.ceil(rate * self.config.credit_tick) if math.isfinite(rate) else 1  # rate > 0
-        want: dict[str, int] = {}
-        for session in wanting:
-            want[session.owner] = want.get(session.owner, 0) + prefetch - session.credit
+        demands = self._owner_demands(active, wanting, estimates)
         tokens = self._bucket.available(now)
-        if math.isfinite(tokens) and tokens < min(sum(want.values()), quantum, math.floor(self._bucket.burst)):
+        wanted = sum(d.want for d in demands.values())
+        if math.isfinite(tokens) and tokens < min(wanted, quantum, self._bucket.burst // 1):
             tokens = 0.0  # too few to be worth a message: wait for a tick's worth
-        held: dict[str, int] = {key: owner.buffered for key, owner in self._owners.items()}
-        for session in self._sessions:
-            held[session.owner] = held.get(session.owner, 0) + max(0, session.credit)
-        demands = {
-            key: OwnerDemand(
-                held_records=held[key],
-                held_bytes=owner.buffered_bytes + (held[key] - owner.buffered) * estimates[key],
-                want=want.get(key, 0),
-                record_bytes=estimates[key],
-            )
-            for key, owner in self._owners.items()
-        }
-        order = list(want)
+        order = [key for key, demand in demands.items() if demand.want > 0]
         turn = self._rotation % len(order)
         allocation = allocate(
             demands,
@@ -762,6 +749,31 @@ class Receiver:
             # the rate holds back a session that has under a tick's worth left: its publisher
             # wants more than the stream's share (a quiet one keeps credit saved up instead)
             self._credit_starved_at = now
+
+    def _owner_demands(
+        self, active: list[Session], wanting: list[Session], estimates: dict[str, float]
+    ) -> dict[str, OwnerDemand]:
+        """Each owner's holdings and wishes in this round (receivers.fairness.OwnerDemand)."""
+        prefetch = self.config.prefetch
+        want: dict[str, int] = dict.fromkeys(self._owners, 0)
+        for session in wanting:
+            want[session.owner] += prefetch - session.credit
+        reserve: dict[str, int] = dict.fromkeys(self._owners, 0)
+        for session in active:
+            reserve[session.owner] += prefetch
+        credit: dict[str, int] = dict.fromkeys(self._owners, 0)
+        for session in self._sessions:
+            credit[session.owner] += max(0, session.credit)
+        return {
+            key: OwnerDemand(
+                held_records=owner.buffered + credit[key],
+                held_bytes=owner.buffered_bytes + credit[key] * estimates[key],
+                want=want[key],
+                record_bytes=estimates[key],
+                reserve=reserve[key],
+            )
+            for key, owner in self._owners.items()
+        }
 
     # ---- credit pauses -------------------------------------------------------------------------
 

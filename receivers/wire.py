@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from google.protobuf.message import DecodeError
 
 from receivers.block import BLOCK_SCHEMA
@@ -72,6 +73,21 @@ def check_seq_range(first_seq: int, count: int, what: str) -> None:
             f"{what} {first_seq} with {count} records ends at {first_seq + count}: sequence numbers run "
             f"from 0 to {SEQ_LIMIT - 1}, a batch ends at {SEQ_LIMIT} at the latest"
         )
+
+
+def check_record_bytes(records: pa.RecordBatch, limit: int, first_seq: int, whose: str) -> None:
+    """Raise InvalidBatch naming the first record whose key + value bytes exceed `limit` (a principal's
+    max_record_bytes); computed from the offsets, without a Python object per record."""
+    sizes = pc.add(
+        pc.fill_null(pc.binary_length(records.column("key")), 0), pc.binary_length(records.column("value"))
+    )
+    if pc.max(sizes).as_py() <= limit:
+        return
+    index = int(np.argmax(sizes.to_numpy(zero_copy_only=False) > limit))
+    raise InvalidBatch(
+        f"record {index} of the batch (sequence number {first_seq + index}) has {sizes[index].as_py()} "
+        f"bytes of key and value: over max_record_bytes {limit} of {whose}; nothing of the batch was taken"
+    )
 
 
 def encode_batch(

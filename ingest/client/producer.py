@@ -356,6 +356,7 @@ class Producer:
             try:
                 await self.flush(timeout)
                 self._state = _State.CLOSING
+                self._wake()  # a producer waiting for records to reconnect with has none coming
                 assert self._call is not None
                 with contextlib.suppress(*_CALL_ENDED):
                     async with self._write_lock:
@@ -431,7 +432,9 @@ class Producer:
         if self._keys is not None:
             self._keys.append(key)
         self._buffered_bytes += len(value)
-        if len(self._values) >= self.batch_size or self._buffered_bytes >= self.batch_bytes:
+        # the first record starts the linger clock (and an idle producer's reconnect); a full batch goes
+        held = len(self._values)
+        if held == 1 or held >= self.batch_size or self._buffered_bytes >= self.batch_bytes:
             self._wake()
 
     @property
@@ -518,6 +521,12 @@ class Producer:
             if not reconnectable(failure, cancelled_in_band=self.cancel_reason is not None):
                 self._error = failure
                 raise failure
+            # nothing to send or resend (the server ended an idle session): reconnect once there is,
+            # rather than hold credit idle until the next idle timeout
+            while not self.unacked and self._state is _State.OPEN:
+                await self._wait_change()
+            if not self.unacked:
+                return
             call = await self._reconnect(failure)
 
     async def _run_session(self, call: Call) -> RPCError | None:
