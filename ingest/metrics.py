@@ -63,6 +63,16 @@ class SluiceCollector(Collector):
                 "Publisher sessions cancelled (ABORTED) because a newer session of their producer opened.",
                 lambda r: r.stats.sessions_fenced,
             ),
+            "sessions_idle": (
+                "Publisher sessions ended (UNAVAILABLE) after holding credit unused for their principal's "
+                "idle_timeout.",
+                lambda r: r.stats.sessions_idle,
+            ),
+            "sessions_reclaimed": (
+                "Publisher sessions ended (UNAVAILABLE) to take back credit their owner held unused over "
+                "its fair share while another owner waited for room.",
+                lambda r: r.stats.sessions_reclaimed,
+            ),
             "records_acked": ("Records acked to publishers as durable.", lambda r: r.stats.records_acked),
             "batches_received": ("Batch messages taken from publishers.", lambda r: r.stats.batches_received),
             "blocks_sealed": ("Blocks sealed and made durable.", lambda r: r.stats.blocks_sealed),

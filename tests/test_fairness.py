@@ -187,6 +187,8 @@ async def test_a_credit_hoarder_that_came_first_does_not_stop_a_polite_publisher
             # only as many as the polite one's share needed
             reclaimed = [h for h in hoards if h.cancel is not None]
             assert 1 <= len(reclaimed) == receiver.stats.sessions_reclaimed
+            metric = server.registry.get_sample_value("sluice_sessions_reclaimed_total", {"stream": "s"})
+            assert metric == len(reclaimed)
             await wait_until(lambda: all(h.status is not None for h in reclaimed))
             assert {h.status for h in reclaimed} == {grpc.StatusCode.UNAVAILABLE}
             reason = reclaimed[0].cancel.reason if reclaimed[0].cancel is not None else ""

@@ -275,6 +275,7 @@ async def test_an_idle_session_ends_unavailable_one_waiting_for_credit_is_not(tm
             assert idle.cancel is not None and idle.cancel.code == grpc.StatusCode.UNAVAILABLE.value[0]
             assert idle.cancel.accepted_up_to == 1 and idle.acked == 1
         assert receiver.stats.sessions_idle == 1
+        assert server.registry.get_sample_value("sluice_sessions_idle_total", {"stream": "a"}) == 1
         # a session that spent its credit waits for more (blocks cannot be written): not idle
         gate = threading.Event()
         write = receiver.store.write
