@@ -9,7 +9,11 @@ Demand policy: a session gets `prefetch` credits when it opens and is topped up 
 its unused credit falls to `low_tide`. All of it is bounded by the buffer: records buffered (taken, not
 yet in a durable block) plus credit outstanding never exceed `buffer_records`; credit returns to the pool
 as records leave the buffer for durable blocks, and a token bucket meters it at the stream's rate.
-Sessions are topped up in rotating order, so a fast publisher cannot starve a slow one.
+Credit is shared fairly by owner (receivers.fairness: the principal, else the producer id, else the
+session), each owner's grant going to its sessions in rotating order, so a fast or many-session
+publisher cannot starve a slow one; a session silent for `reclaim_after` while its owner holds more
+than its share and another owner is short of room is cancelled (UNAVAILABLE), the only way to take
+credit back. A session holding credit unused for its principal's idle_timeout ends UNAVAILABLE too.
 
 Every `block_interval` (or sooner, once `block_records` wait) the block generator seals what was taken
 into one block, writes it durably to the block store, then acks each session up to its last record in it.
