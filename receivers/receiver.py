@@ -698,13 +698,16 @@ class Receiver:
         refill_at = self.config.refill_at
         prefetch = self.config.prefetch
         wanting = [s for s in active if s.credit <= refill_at]
+        if not wanting:  # the common case under load: cheap
+            self._set_paused(MEMORY_BUDGET, False)
+            return
         estimates = {key: self.owner_record_bytes(key) for key in self._owners}
         free_bytes = self.config.buffer_bytes - self.committed_bytes
         smallest = min((estimates[s.owner] for s in wanting), default=self.record_bytes_estimate)
         by_bytes = math.floor(free_bytes / smallest)
         empty = self._buffered == 0 and self._outstanding <= 0
-        self._set_paused(MEMORY_BUDGET, bool(wanting) and by_bytes < 1 and not empty)
-        if not wanting or DISK_ERROR in self._paused or DISK_BUDGET in self._paused:
+        self._set_paused(MEMORY_BUDGET, by_bytes < 1 and not empty)
+        if DISK_ERROR in self._paused or DISK_BUDGET in self._paused:
             return
         free = self.config.buffer_records - self._buffered - self._outstanding
         budget_bytes: float = self.config.buffer_bytes
