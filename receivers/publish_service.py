@@ -5,6 +5,10 @@ Cancel) are taken from the session's outbox and written in order by the handler.
 ends only the offending session, with a precise status; other sessions go on. Client messages arrive as
 bytes and are parsed here (`add_to_server`), so an undecodable one is a status like any other bad input.
 Once the server has sent Cancel, nothing the client sends changes how the call ends.
+
+Per-principal limits are checked here, where every receiver's sessions are seen: max_sessions and
+max_streams at Open (receivers.limits), max_message_bytes on each raw message before it is parsed,
+max_record_bytes on each decoded batch; the idle timeout is the receiver's (it knows the credit).
 """
 
 from __future__ import annotations
