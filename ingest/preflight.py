@@ -172,7 +172,7 @@ def check_security(config: ServeConfig) -> None:
     if security.tls is not None:
         load_tls(security.tls)
     if security.auth_file is not None:
-        AuthTable.load(security.auth_file)
+        AuthTable.load(security.auth_file, base=security.limits)
 
 
 def prepare(config: ServeConfig) -> DataDirLock:

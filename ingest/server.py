@@ -58,7 +58,8 @@ class SluiceServer:
         # the files before the lock: a bad one fails here with nothing held (the CLI checked them already)
         self.tls = ServerTls(security.tls) if security.tls is not None else None
         """The TLS certificate, key and client CA; `reload_security` re-reads them (SIGHUP)."""
-        table = AuthTable.load(security.auth_file) if security.auth_file is not None else None
+        auth_file = security.auth_file
+        table = AuthTable.load(auth_file, base=security.limits) if auth_file is not None else None
         # first: recovery cuts what looks like a torn tail, which in a live server's log is its next block
         self._own_lock = data_dir_lock is None
         self._lock = data_dir_lock if data_dir_lock is not None else DataDirLock(config.data_dir)
@@ -235,7 +236,7 @@ class SluiceServer:
                     log.warning("%s", warning)
         if security.auth_file is not None:
             try:
-                table = AuthTable.load(security.auth_file)
+                table = AuthTable.load(security.auth_file, base=security.limits)
             except AuthFileError as exc:
                 log.error("reload: auth file not reloaded, the old one stays: %s", exc)  # noqa: TRY400
             else:

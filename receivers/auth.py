@@ -112,21 +112,25 @@ class AuthTable:
         return None if name is None else self.principals[name]
 
     @classmethod
-    def load(cls, path: Path) -> AuthTable:
+    def load(cls, path: Path, *, base: Limits | None = None) -> AuthTable:
+        """The auth file at `path`; limits it does not set (in [defaults] or a principal) are `base`'s:
+        the server's flags (`--max-sessions-per-principal`, ...), else Limits()."""
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except OSError as exc:
             raise AuthFileError(f"cannot read auth file {path}: {exc.strerror or exc}") from exc
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise AuthFileError(f"auth file {path} is not valid TOML: {exc}") from exc
-        return cls.parse(data, source=str(path))
+        return cls.parse(data, source=str(path), base=base)
 
     @classmethod
-    def parse(cls, data: Mapping[str, Any], *, source: str = "auth file") -> AuthTable:
+    def parse(
+        cls, data: Mapping[str, Any], *, source: str = "auth file", base: Limits | None = None
+    ) -> AuthTable:
         unknown = set(data) - {"defaults", "principals"}
         if unknown:
             raise AuthFileError(f"{source}: unknown section(s) {', '.join(sorted(unknown))}")
-        defaults = _limits(data.get("defaults", {}), Limits(), f"{source} [defaults]")
+        defaults = _limits(data.get("defaults", {}), base or Limits(), f"{source} [defaults]")
         entries = data.get("principals", {})
         if not isinstance(entries, Mapping):
             raise AuthFileError(f"{source}: [principals] must be a table of principals")

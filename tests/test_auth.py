@@ -622,3 +622,34 @@ async def test_batches_flow_capped_on_a_server_with_an_auth_file(spark: Any, tmp
     finally:
         await server.stop(grace=1)
         await asyncio.to_thread(driver.stop)
+
+
+def test_the_serve_limit_flags_are_the_base_of_auth_file_principals(tmp_path: Path) -> None:
+    """`--max-sessions-per-principal` and the other limit flags hold for principals of the auth file
+    that set no limit of their own ([defaults] and a principal's own keys still win)."""
+    from receivers.principal import Limits
+
+    path = tmp_path / "auth.toml"
+    path.write_text(
+        '[defaults]\nidle_timeout_seconds = 30\n'
+        '[principals.plain]\nroles = ["reader"]\n'
+        '[principals.own]\nroles = ["reader"]\nmax_sessions = 3\n'
+    )
+    server = SluiceServer(
+        ServeConfig(
+            port=0,
+            metrics_port=None,
+            data_dir=tmp_path / "data",
+            spark=False,
+            security=SecurityConfig(auth_file=path, limits=Limits(max_sessions=7, max_streams=2)),
+        )
+    )
+    try:
+        table = server.auth.table
+        assert table is not None
+        plain, own = table.principals["plain"].limits, table.principals["own"].limits
+        assert (plain.max_sessions, plain.max_streams, plain.idle_timeout) == (7, 2, 30.0)
+        assert (own.max_sessions, own.max_streams) == (3, 2)
+    finally:
+        server.store.close()
+        server._release_lock()
