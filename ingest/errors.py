@@ -90,11 +90,21 @@ class StartTimeoutError(RPCError):
     """The producer could not open its first session within `start_timeout` seconds: the server at
     `target` did not answer (UNAVAILABLE) at any of `attempts` tries; `last` is the last failure."""
 
-    def __init__(self, target: str, last: RPCError, attempts: int, elapsed: float) -> None:
+    def __init__(
+        self, target: str, last: RPCError, attempts: int, elapsed: float, *, tls: bool = False
+    ) -> None:
+        # a server that refuses the client's certificate closes the socket in the handshake: on the
+        # client that looks like no server at all, so say what else it may be
+        hint = ""
+        if tls and "Socket closed" in last.message:
+            hint = (
+                " (if the server is up, it may have refused this client's TLS certificate: a server with "
+                "a client CA needs a certificate it signed, unexpired)"
+            )
         super().__init__(
             last.status,
             f"no server at {target} within {elapsed:.1f} s ({attempts} attempt(s)); "
-            f"last error: {last.message}",
+            f"last error: {last.message}{hint}",
         )
         self.target = target
         self.last = last

@@ -439,3 +439,21 @@ def test_dev_certs_make_a_working_mutual_tls_set(tmp_path: Path) -> None:
                 assert exc.value.code() == grpc.StatusCode.UNAVAILABLE
 
     asyncio.run(connect())
+
+
+async def test_a_producer_refused_its_certificate_is_told_it_may_be_that(
+    tmp_path: Path, pki: tuple[CertificateAuthority, Issued]
+) -> None:
+    """A server that refuses the client's certificate closes the socket in the handshake, which the
+    client cannot tell from no server at all: the StartTimeoutError names the likelier cause."""
+    from ingest.client import Credentials
+    from ingest.errors import StartTimeoutError
+
+    ca, server_cert = pki
+    security = SecurityConfig(tls=TlsConfig(server_cert.cert_file, server_cert.key_file, ca.cert_file))
+    async with tls_server(tmp_path, security) as server:
+        no_cert = Credentials(root_certificates=ca.cert_pem)
+        with pytest.raises(StartTimeoutError, match="refused this client's TLS certificate"):
+            async with Producer(server.target, "s", credentials=no_cert, start_timeout=1) as producer:
+                await producer.send(b"x")
+                await producer.flush(timeout=10)

@@ -301,7 +301,9 @@ class Producer:
                 return call
             elapsed = loop.time() - started
             if elapsed >= self.start_timeout:
-                raise StartTimeoutError(self.target, failure, attempts, elapsed)
+                raise StartTimeoutError(
+                    self.target, failure, attempts, elapsed, tls=self.credentials.secure
+                )
             if attempts == 1:
                 log.warning(
                     "waiting for server at %s (%s: %s); retrying for up to %g s",
