@@ -7,7 +7,6 @@ receive-only node, and Spark can be shared by several servers in one process.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import ssl
@@ -81,7 +80,8 @@ class SluiceServer:
         self._pipeline_token = self.auth.issue_token(PIPELINE)
         self.pipeline_token_file = config.data_dir / PIPELINE_TOKEN_FILE
         """This run's token for its own Spark source (principal sluice-pipeline: operator and reader),
-        written 0600 at start, removed at stop; the source asks the rate at `rate_target` with it."""
+        written 0600 at start, left at stop (`sluice serve` drains Spark after it; only this process
+        ever knew the token); the source asks the rate at `rate_target` with it."""
         self._loopback_port: int | None = None
         self.rate = RateController(self.receivers, config.rate, batch_interval=config.trigger_interval)
         """The ingest rate: fed by batch metrics (on_batch) and by operators (RateControl)."""
@@ -264,8 +264,8 @@ class SluiceServer:
         if self._metrics is not None:
             self._metrics.close()
         self.store.close()
-        with contextlib.suppress(OSError):  # the token dies with this run anyway
-            self.pipeline_token_file.unlink(missing_ok=True)
+        # the token file stays: `sluice serve` drains Spark after this, and the source may first read
+        # it then; the token dies with this process (only its hash was ever kept), the next run rewrites it
         self._release_lock()
 
     async def _watch_batches(self) -> None:

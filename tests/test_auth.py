@@ -534,7 +534,13 @@ async def test_the_source_asks_a_secured_server_with_the_pipeline_token(tmp_path
         # and it may only steer: no Publish
         producer = Producer(server.target, "clicks", credentials=Credentials.from_files(token_file=token))
         assert (await refused(producer)).status is grpc.StatusCode.PERMISSION_DENIED
-    assert not token.exists()  # this run's token dies with it
+        old = token.read_text().strip()
+    # the file outlives stop (Spark drains after it), the token does not: the next run refuses it
+    assert token.read_text().strip() == old
+    async with secured_server(tmp_path / "data", auth) as server:
+        assert token.read_text().strip() != old
+        stale = Producer(server.target, "clicks", credentials=Credentials(token=old))
+        assert (await refused(stale)).status is grpc.StatusCode.UNAUTHENTICATED
 
 
 async def test_the_source_of_a_tls_server(tmp_path: Path) -> None:
