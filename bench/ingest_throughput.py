@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 import pyarrow as pa
 
-from ingest.client import Producer
+from ingest.client import Credentials, Producer
 from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
 from receivers.block import BlockInfo
@@ -152,8 +152,13 @@ async def push_raw(target: str, records: int, batch: pb.Batch, obey_credit: bool
         return elapsed
 
 
-async def push_producer(target: str, records: int, values: list[bytes], batch: int) -> float:
-    async with Producer(target, "bench", batch_size=batch, batch_bytes=MAX_MSG // 2) as producer:
+async def push_producer(
+    target: str, records: int, values: list[bytes], batch: int, credentials: Credentials | None = None
+) -> float:
+    """Seconds for one Producer to send `records` (cycling through `values`) until all are acked."""
+    async with Producer(
+        target, "bench", batch_size=batch, batch_bytes=MAX_MSG // 2, credentials=credentials
+    ) as producer:
         started = time.perf_counter()
         sent = 0
         while sent < records:

@@ -18,11 +18,11 @@ import asyncio
 import math
 import multiprocessing as mp
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from ingest.client import Producer
+from ingest_throughput import MAX_MSG, push_producer  # this folder: run as python bench/tls_cost.py
+
 from ingest.client.credentials import Credentials
 from ingest.config import RateConfig, SecurityConfig, ServeConfig, TlsConfig
 from ingest.dev_certs import write_dev_certs
@@ -30,7 +30,6 @@ from ingest.server import SluiceServer
 from receivers.auth import token_hash
 from receivers.wal import FsyncPolicy
 
-MAX_MSG = 64 * 1024 * 1024
 TOKEN = "bench-token-" + "x" * 32
 
 VARIANTS = {
@@ -83,20 +82,6 @@ def credentials(variant: str, certs: dict[str, str]) -> Credentials:
     )
 
 
-async def push(target: str, creds: Credentials, records: int, values: list[bytes], batch: int) -> float:
-    async with Producer(
-        target, "bench", batch_size=batch, batch_bytes=MAX_MSG // 2, credentials=creds
-    ) as producer:
-        started = time.perf_counter()
-        sent = 0
-        while sent < records:
-            chunk = values[: records - sent]
-            await producer.send_many(chunk)
-            sent += len(chunk)
-        await producer.flush(timeout=300)
-        return time.perf_counter() - started
-
-
 def run(variant: str, args: argparse.Namespace, certs: dict[str, str]) -> float:
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
@@ -106,7 +91,9 @@ def run(variant: str, args: argparse.Namespace, certs: dict[str, str]) -> float:
         try:
             target = f"127.0.0.1:{ports.get(timeout=60)}"
             values = [b"v" * args.record_bytes] * args.batch
-            elapsed = asyncio.run(push(target, credentials(variant, certs), args.records, values, args.batch))
+            elapsed = asyncio.run(
+                push_producer(target, args.records, values, args.batch, credentials(variant, certs))
+            )
         finally:
             proc.terminate()
             proc.join(10)

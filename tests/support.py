@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-from ingest.config import RateConfig, ServeConfig
+from ingest.config import RateConfig, SecurityConfig, ServeConfig
 from ingest.server import SluiceServer
 from receivers.receiver import ReceiverConfig
 from receivers.wal import FsyncPolicy
@@ -23,10 +23,14 @@ async def running_server(
     metrics: bool = False,
     segment_bytes: int | None = None,
     fsync: FsyncPolicy | None = None,
+    security: SecurityConfig | None = None,
+    host: str = "127.0.0.1",
     **receiver: Any,
 ) -> AsyncIterator[SluiceServer]:
-    """A SluiceServer without Spark on a free loopback port; `receiver` overrides ReceiverConfig."""
+    """A SluiceServer without Spark on a free port of `host` (loopback); `receiver` overrides
+    ReceiverConfig, `security` (TLS, auth file, limits) is none unless given."""
     config = ServeConfig(
+        host=host,
         port=0,
         metrics_port=0 if metrics else None,
         data_dir=data_dir,
@@ -35,6 +39,7 @@ async def running_server(
         rate=RateConfig(estimator="fixed", initial_rate=math.inf),  # unthrottled unless a test says so
         spark=False,
         segment_bytes=segment_bytes,
+        security=security or SecurityConfig(),
         **({} if fsync is None else {"fsync": fsync}),
     )
     server = SluiceServer(config)

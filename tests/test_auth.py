@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import pytest
 from pki import CertificateAuthority
-from support import wait_until
+from support import running_server, wait_until
 
 from ingest.client import Producer
 from ingest.client.credentials import Credentials
@@ -81,22 +81,10 @@ def as_principal(principal: str) -> Credentials:
 
 @contextlib.asynccontextmanager
 async def secured_server(data_dir: Path, auth_file: Path) -> AsyncIterator[SluiceServer]:
-    config = ServeConfig(
-        port=0,
-        metrics_port=None,
-        data_dir=data_dir,
-        streams=STREAMS,
-        receiver=ReceiverConfig(block_interval=0.02, buffer_records=10_000, prefetch=1_000),
-        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
-        spark=False,
-        security=SecurityConfig(auth_file=auth_file),
-    )
-    server = SluiceServer(config)
-    await server.start()
-    try:
+    security = SecurityConfig(auth_file=auth_file)
+    receiver = {"buffer_records": 10_000, "prefetch": 1_000}
+    async with running_server(data_dir, *STREAMS, security=security, **receiver) as server:
         yield server
-    finally:
-        await server.stop(grace=1)
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import stat
 import subprocess
@@ -16,14 +15,14 @@ from pathlib import Path
 import grpc
 import pytest
 from pki import CertificateAuthority
+from support import running_server
 
 from ingest.client import Producer, SyncProducer
 from ingest.client.credentials import Credentials, CredentialsError
-from ingest.config import RateConfig, SecurityConfig, ServeConfig, TlsConfig
+from ingest.config import SecurityConfig, TlsConfig
 from ingest.errors import RPCError
 from ingest.server import SluiceServer
 from receivers.auth import new_token, token_hash
-from receivers.receiver import ReceiverConfig
 
 SLUICE = [str(Path(sys.executable).parent / "sluice")]
 PRODUCER, OPERATOR, TINY = new_token(), new_token(), new_token()
@@ -59,22 +58,9 @@ def token_file(path: Path, token: str) -> Path:
 
 @contextlib.asynccontextmanager
 async def server_with(tmp_path: Path, tls: TlsConfig | None = None) -> AsyncIterator[SluiceServer]:
-    config = ServeConfig(
-        port=0,
-        metrics_port=None,
-        data_dir=tmp_path / "data",
-        streams=("s", "t"),
-        receiver=ReceiverConfig(block_interval=0.02),
-        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
-        spark=False,
-        security=SecurityConfig(auth_file=auth_file(tmp_path / "auth.toml"), tls=tls),
-    )
-    server = SluiceServer(config)
-    await server.start()
-    try:
+    security = SecurityConfig(auth_file=auth_file(tmp_path / "auth.toml"), tls=tls)
+    async with running_server(tmp_path / "data", "s", "t", security=security) as server:
         yield server
-    finally:
-        await server.stop(grace=1)
 
 
 async def cli(*args: str | Path, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:

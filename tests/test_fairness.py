@@ -17,17 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from support import wait_until
+from support import running_server, wait_until
 
 from ingest.client import Producer
 from ingest.client.credentials import Credentials
-from ingest.config import RateConfig, SecurityConfig, ServeConfig
+from ingest.config import SecurityConfig
 from ingest.server import SluiceServer
 from receivers.auth import new_token, token_hash
 from receivers.fairness import OwnerDemand, allocate, water_fill
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
-from receivers.receiver import ReceiverConfig
 
 TOKENS = {name: new_token() for name in ("greedy", "polite", "hoarder")}
 
@@ -41,22 +40,9 @@ async def shared_stream(tmp_path: Path, **receiver: Any) -> AsyncIterator[Sluice
         lines += [f'token_sha256 = ["{token_hash(token)}"]', ""]
     auth = tmp_path / "auth.toml"
     auth.write_text("\n".join(lines))
-    config = ServeConfig(
-        port=0,
-        metrics_port=None,
-        data_dir=tmp_path / "data",
-        streams=("s",),
-        receiver=ReceiverConfig(**{"block_interval": 0.02, **receiver}),
-        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
-        spark=False,
-        security=SecurityConfig(auth_file=auth),
-    )
-    server = SluiceServer(config)
-    await server.start()
-    try:
+    security = SecurityConfig(auth_file=auth)
+    async with running_server(tmp_path / "data", "s", security=security, **receiver) as server:
         yield server
-    finally:
-        await server.stop(grace=1)
 
 
 def as_(name: str) -> Credentials:

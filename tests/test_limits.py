@@ -12,25 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import grpc
-from support import wait_until
+from support import running_server, wait_until
 
 from ingest.client import Producer
 from ingest.client.credentials import Credentials
-from ingest.config import RateConfig, SecurityConfig, ServeConfig
+from ingest.config import SecurityConfig
 from ingest.server import SluiceServer
 from receivers.auth import new_token, token_hash
 from receivers.limits import limit_key, peer_host
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.principal import ANONYMOUS, Limits, Principal
-from receivers.receiver import ReceiverConfig
 from receivers.wire import encode_batch
 
 TOKENS = {name: new_token() for name in ("app", "other")}
@@ -60,25 +58,11 @@ token_sha256 = ["{token_hash(TOKENS["other"])}"]
 async def server_with(
     tmp_path: Path, *, security: SecurityConfig, host: str = "127.0.0.1", **receiver: Any
 ) -> AsyncIterator[SluiceServer]:
-    config = ServeConfig(
-        host=host,
-        port=0,
-        metrics_port=None,
-        data_dir=tmp_path / "data",
-        streams=("a", "b", "c"),
-        receiver=ReceiverConfig(
-            **{"block_interval": 0.02, "buffer_records": 10_000, "prefetch": 1_000, **receiver}
-        ),
-        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
-        spark=False,
-        security=security,
-    )
-    server = SluiceServer(config)
-    await server.start()
-    try:
+    receiver = {"buffer_records": 10_000, "prefetch": 1_000, **receiver}
+    async with running_server(
+        tmp_path / "data", "a", "b", "c", security=security, host=host, **receiver
+    ) as server:
         yield server
-    finally:
-        await server.stop(grace=1)
 
 
 @contextlib.asynccontextmanager

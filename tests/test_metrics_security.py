@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import socket
 import ssl
 import urllib.error
@@ -16,33 +15,19 @@ from pathlib import Path
 
 import pytest
 from pki import CertificateAuthority, Issued
+from support import running_server
 
-from ingest.config import RateConfig, SecurityConfig, ServeConfig, TlsConfig
+from ingest.config import SecurityConfig, TlsConfig
 from ingest.server import SluiceServer
 from receivers.auth import token_hash
-from receivers.receiver import ReceiverConfig
 
 TOKENS = {"reader": "r" * 43, "operator": "o" * 43, "producer": "p" * 43}
 
 
 @contextlib.asynccontextmanager
 async def metrics_server(tmp_path: Path, security: SecurityConfig) -> AsyncIterator[SluiceServer]:
-    config = ServeConfig(
-        port=0,
-        metrics_port=0,
-        data_dir=tmp_path / "data",
-        streams=("s",),
-        receiver=ReceiverConfig(block_interval=0.02),
-        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
-        spark=False,
-        security=security,
-    )
-    server = SluiceServer(config)
-    await server.start()
-    try:
+    async with running_server(tmp_path / "data", "s", metrics=True, security=security) as server:
         yield server
-    finally:
-        await server.stop(grace=1)
 
 
 def auth_file(path: Path) -> Path:

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import datetime as dt
 import logging
-import math
 import os
 import re
 import signal
@@ -23,14 +22,14 @@ from pathlib import Path
 import grpc
 import pytest
 from pki import CertificateAuthority, Issued
+from support import running_server
 
 from ingest.client import Producer
-from ingest.config import RateConfig, SecurityConfig, ServeConfig, TlsConfig
+from ingest.config import SecurityConfig, TlsConfig
 from ingest.server import SluiceServer
 from ingest.tls import TlsFileError, load_tls
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
-from receivers.receiver import ReceiverConfig
 
 SLUICE = [str(Path(sys.executable).parent / "sluice")]
 
@@ -40,22 +39,8 @@ async def tls_server(
     tmp_path: Path, security: SecurityConfig, *, metrics: bool = False
 ) -> AsyncIterator[SluiceServer]:
     """A SluiceServer without Spark on a free loopback port, with `security`."""
-    config = ServeConfig(
-        port=0,
-        metrics_port=0 if metrics else None,
-        data_dir=tmp_path / "data",
-        streams=("s",),
-        receiver=ReceiverConfig(block_interval=0.02),
-        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
-        spark=False,
-        security=security,
-    )
-    server = SluiceServer(config)
-    await server.start()
-    try:
+    async with running_server(tmp_path / "data", "s", metrics=metrics, security=security) as server:
         yield server
-    finally:
-        await server.stop(grace=1)
 
 
 def channel(
