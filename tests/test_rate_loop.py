@@ -52,7 +52,7 @@ async def test_estimated_rates_reach_the_receivers_clamped_and_split(tmp_path: P
         controller.on_batch(batch(2, 10_000, 0.5))
         assert controller.last_batch is not None and controller.last_batch.batch_id == 2
         assert 100 <= controller.rate <= 50_000
-        assert server.receivers["a"].rate == server.receivers["b"].rate == controller.rate / 2
+        assert server.receivers["a"].rate == server.receivers["b"].rate == pytest.approx(controller.rate / 2)
         # pinned: the estimator is heard but ignored
         controller.update(1_234, pin=True)
         controller.on_batch(batch(3, 100_000, 0.1))
@@ -228,7 +228,7 @@ async def test_a_batch_that_overruns_lowers_the_rate_before_it_completes(tmp_pat
         assert controller.rate == fitted
         await asyncio.sleep(1.6)
         assert controller.rate < 0.35 * fitted
-        assert server.receivers["s"].rate == controller.rate
+        assert server.receivers["s"].rate == pytest.approx(controller.rate)  # the share sums floats
         # the batch completes: the watchdog has nothing to watch, the estimator takes over again
         controller.on_batch(batch(5, 40_000, 2.2))
         after = controller.rate
