@@ -71,6 +71,11 @@ METHOD_ROLES: Mapping[str, frozenset[Role]] = {
     "/ingest.v1.RateControl/StartBatch": frozenset({Role.OPERATOR}),
     "/ingest.v1.Sessions/ListSessions": frozenset({Role.READER, Role.OPERATOR}),
     "/ingest.v1.Sessions/CancelSession": frozenset({Role.OPERATOR}),
+    "/ingest.v1.Blocks/ListPartitions": frozenset({Role.READER, Role.OPERATOR}),
+    "/ingest.v1.Blocks/ReadBlocks": frozenset({Role.READER}),
+    "/ingest.v1.Blocks/ReleaseBlocks": frozenset({Role.OPERATOR}),
+    "/ingest.v1.Replication/Replicate": frozenset({Role.PEER}),
+    "/ingest.v1.Replication/ProducerMarks": frozenset({Role.PEER}),
 }
 """gRPC method -> the roles of which a caller needs one. A method not listed is refused to everyone."""
 

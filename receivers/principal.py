@@ -22,6 +22,8 @@ class Role(StrEnum):
     PRODUCER = "producer"
     OPERATOR = "operator"
     READER = "reader"
+    PEER = "peer"
+    """Another node of the cluster: replicates blocks to this one, asks its producers' marks."""
 
 
 ALL_ROLES = frozenset(Role)

@@ -310,6 +310,469 @@ class Cancel(_message.Message):
 Global___Cancel: _TypeAlias = Cancel  # noqa: Y015
 
 @_typing.final
+class ListPartitionsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAMS_FIELD_NUMBER: _builtins.int
+    SEAL_BLOCKS_FIELD_NUMBER: _builtins.int
+    seal_blocks: _builtins.bool
+    """Seal what the receivers hold first (as GetRate.seal_blocks), so a batch planned now takes it."""
+    @_builtins.property
+    def streams(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Empty: every stream this node serves."""
+
+    def __init__(
+        self,
+        *,
+        streams: _abc.Iterable[_builtins.str] | None = ...,
+        seal_blocks: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["seal_blocks", b"seal_blocks", "streams", b"streams"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListPartitionsRequest: _TypeAlias = ListPartitionsRequest  # noqa: Y015
+
+@_typing.final
+class PartitionInfo(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    START_OFFSET_FIELD_NUMBER: _builtins.int
+    END_OFFSET_FIELD_NUMBER: _builtins.int
+    LEADER_FIELD_NUMBER: _builtins.int
+    stream: _builtins.str
+    owner: _builtins.int
+    """The node whose receiver took the records (the owner of the partition)."""
+    start_offset: _builtins.int
+    """Offsets of the first record still held and after the last readable one (durable on enough
+    copies); start == end: nothing held.
+    """
+    end_offset: _builtins.int
+    leader: _builtins.bool
+    """True on the owner itself, false on a follower's copy."""
+    def __init__(
+        self,
+        *,
+        stream: _builtins.str = ...,
+        owner: _builtins.int = ...,
+        start_offset: _builtins.int = ...,
+        end_offset: _builtins.int = ...,
+        leader: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_offset", b"end_offset", "leader", b"leader", "owner", b"owner", "start_offset", b"start_offset", "stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PartitionInfo: _TypeAlias = PartitionInfo  # noqa: Y015
+
+@_typing.final
+class ListPartitionsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    PARTITIONS_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.int
+    @_builtins.property
+    def partitions(self) -> _containers.RepeatedCompositeFieldContainer[Global___PartitionInfo]: ...
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.int = ...,
+        partitions: _abc.Iterable[Global___PartitionInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "partitions", b"partitions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListPartitionsResponse: _TypeAlias = ListPartitionsResponse  # noqa: Y015
+
+@_typing.final
+class ReadBlocksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    FROM_OFFSET_FIELD_NUMBER: _builtins.int
+    TO_OFFSET_FIELD_NUMBER: _builtins.int
+    stream: _builtins.str
+    owner: _builtins.int
+    from_offset: _builtins.int
+    to_offset: _builtins.int
+    def __init__(
+        self,
+        *,
+        stream: _builtins.str = ...,
+        owner: _builtins.int = ...,
+        from_offset: _builtins.int = ...,
+        to_offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_offset", b"from_offset", "owner", b"owner", "stream", b"stream", "to_offset", b"to_offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadBlocksRequest: _TypeAlias = ReadBlocksRequest  # noqa: Y015
+
+@_typing.final
+class BlockChunk(_message.Message):
+    """Rows of one block: an Arrow IPC stream (schema + batches) of the block's columns (key, value,
+    timestamp), the first of which has offset first_offset.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FIRST_OFFSET_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    ARROW_IPC_FIELD_NUMBER: _builtins.int
+    first_offset: _builtins.int
+    count: _builtins.int
+    arrow_ipc: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        first_offset: _builtins.int = ...,
+        count: _builtins.int = ...,
+        arrow_ipc: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrow_ipc", b"arrow_ipc", "count", b"count", "first_offset", b"first_offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BlockChunk: _TypeAlias = BlockChunk  # noqa: Y015
+
+@_typing.final
+class ReleaseBlocksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    OWNER_FIELD_NUMBER: _builtins.int
+    BEFORE_OFFSET_FIELD_NUMBER: _builtins.int
+    stream: _builtins.str
+    owner: _builtins.int
+    before_offset: _builtins.int
+    """Every record below this offset is committed by Spark."""
+    def __init__(
+        self,
+        *,
+        stream: _builtins.str = ...,
+        owner: _builtins.int = ...,
+        before_offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["before_offset", b"before_offset", "owner", b"owner", "stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseBlocksRequest: _TypeAlias = ReleaseBlocksRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseBlocksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCKS_RELEASED_FIELD_NUMBER: _builtins.int
+    blocks_released: _builtins.int
+    def __init__(
+        self,
+        *,
+        blocks_released: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks_released", b"blocks_released"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseBlocksResponse: _TypeAlias = ReleaseBlocksResponse  # noqa: Y015
+
+@_typing.final
+class ReplicateRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HELLO_FIELD_NUMBER: _builtins.int
+    BLOCK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def hello(self) -> Global___ReplicaHello: ...
+    @_builtins.property
+    def block(self) -> Global___ReplicaBlock: ...
+    def __init__(
+        self,
+        *,
+        hello: Global___ReplicaHello | None = ...,
+        block: Global___ReplicaBlock | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["block", b"block", "hello", b"hello", "kind", b"kind"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block", b"block", "hello", b"hello", "kind", b"kind"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["hello", "block"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___ReplicateRequest: _TypeAlias = ReplicateRequest  # noqa: Y015
+
+@_typing.final
+class ReplicaHello(_message.Message):
+    """First message: who sends."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OWNER_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    REPLICATION_FIELD_NUMBER: _builtins.int
+    owner: _builtins.int
+    nodes: _builtins.int
+    """The owner's view of the cluster size and replication: a follower refuses a mismatch."""
+    replication: _builtins.int
+    def __init__(
+        self,
+        *,
+        owner: _builtins.int = ...,
+        nodes: _builtins.int = ...,
+        replication: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["nodes", b"nodes", "owner", b"owner", "replication", b"replication"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaHello: _TypeAlias = ReplicaHello  # noqa: Y015
+
+@_typing.final
+class ReplicaBlock(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ProducersEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    FIRST_OFFSET_FIELD_NUMBER: _builtins.int
+    COUNT_FIELD_NUMBER: _builtins.int
+    RECEIVED_AT_FIELD_NUMBER: _builtins.int
+    AFTER_RELEASE_FIELD_NUMBER: _builtins.int
+    PRODUCERS_FIELD_NUMBER: _builtins.int
+    ARROW_IPC_FIELD_NUMBER: _builtins.int
+    stream: _builtins.str
+    seq: _builtins.int
+    first_offset: _builtins.int
+    count: _builtins.int
+    received_at: _builtins.float
+    after_release: _builtins.bool
+    """The owner released everything below this block: a follower behind it skips ahead."""
+    arrow_ipc: _builtins.bytes
+    """The block's records (key, value, timestamp) as an Arrow IPC stream."""
+    @_builtins.property
+    def producers(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Producer key -> the sequence number after its last record in this block."""
+
+    def __init__(
+        self,
+        *,
+        stream: _builtins.str = ...,
+        seq: _builtins.int = ...,
+        first_offset: _builtins.int = ...,
+        count: _builtins.int = ...,
+        received_at: _builtins.float = ...,
+        after_release: _builtins.bool = ...,
+        producers: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        arrow_ipc: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_release", b"after_release", "arrow_ipc", b"arrow_ipc", "count", b"count", "first_offset", b"first_offset", "producers", b"producers", "received_at", b"received_at", "seq", b"seq", "stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaBlock: _TypeAlias = ReplicaBlock  # noqa: Y015
+
+@_typing.final
+class ReplicateResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    ACK_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def state(self) -> Global___ReplicaState:
+        """The follower's state of each of the owner's streams, on connect: the next block seq it needs."""
+
+    @_builtins.property
+    def ack(self) -> Global___ReplicaAck:
+        """A block is durable on the follower."""
+
+    def __init__(
+        self,
+        *,
+        state: Global___ReplicaState | None = ...,
+        ack: Global___ReplicaAck | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "kind", b"kind", "state", b"state"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "kind", b"kind", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["state", "ack"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___ReplicateResponse: _TypeAlias = ReplicateResponse  # noqa: Y015
+
+@_typing.final
+class ReplicaState(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class NextSeqEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    NEXT_SEQ_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def next_seq(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        next_seq: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_seq", b"next_seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaState: _TypeAlias = ReplicaState  # noqa: Y015
+
+@_typing.final
+class ReplicaAck(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    SEQ_FIELD_NUMBER: _builtins.int
+    stream: _builtins.str
+    seq: _builtins.int
+    def __init__(
+        self,
+        *,
+        stream: _builtins.str = ...,
+        seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["seq", b"seq", "stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaAck: _TypeAlias = ReplicaAck  # noqa: Y015
+
+@_typing.final
+class ProducerMarksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    PRODUCERS_FIELD_NUMBER: _builtins.int
+    stream: _builtins.str
+    @_builtins.property
+    def producers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Producer keys (principal-scoped producer ids, as in the block log)."""
+
+    def __init__(
+        self,
+        *,
+        stream: _builtins.str = ...,
+        producers: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["producers", b"producers", "stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProducerMarksRequest: _TypeAlias = ProducerMarksRequest  # noqa: Y015
+
+@_typing.final
+class ProducerMarksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class MarksEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    MARKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def marks(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    def __init__(
+        self,
+        *,
+        marks: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["marks", b"marks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProducerMarksResponse: _TypeAlias = ProducerMarksResponse  # noqa: Y015
+
+@_typing.final
 class ListSessionsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -654,6 +1117,7 @@ class RateStatus(_message.Message):
     LAST_BATCH_FIELD_NUMBER: _builtins.int
     STREAMS_FIELD_NUMBER: _builtins.int
     CAPACITY_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
     records_per_second: _builtins.float
     """The ingest rate over all streams, records per second; +Inf means unlimited."""
     min_rate: _builtins.float
@@ -674,6 +1138,10 @@ class RateStatus(_message.Message):
 
     @_builtins.property
     def streams(self) -> _containers.RepeatedCompositeFieldContainer[Global___StreamRate]: ...
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeRate]:
+        """On a cluster's driver: the rate's split among the receiver nodes."""
+
     def __init__(
         self,
         *,
@@ -686,14 +1154,59 @@ class RateStatus(_message.Message):
         last_batch: Global___BatchMetrics | None = ...,
         streams: _abc.Iterable[Global___StreamRate] | None = ...,
         capacity: _builtins.float = ...,
+        nodes: _abc.Iterable[Global___NodeRate] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_batch", b"last_batch"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "estimator", b"estimator", "estimator_state", b"estimator_state", "last_batch", b"last_batch", "max_rate", b"max_rate", "min_rate", b"min_rate", "pinned", b"pinned", "records_per_second", b"records_per_second", "streams", b"streams"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "estimator", b"estimator", "estimator_state", b"estimator_state", "last_batch", b"last_batch", "max_rate", b"max_rate", "min_rate", b"min_rate", "nodes", b"nodes", "pinned", b"pinned", "records_per_second", b"records_per_second", "streams", b"streams"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RateStatus: _TypeAlias = RateStatus  # noqa: Y015
+
+@_typing.final
+class NodeRate(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    TARGET_FIELD_NUMBER: _builtins.int
+    RECORDS_PER_SECOND_FIELD_NUMBER: _builtins.int
+    UP_FIELD_NUMBER: _builtins.int
+    TAKEN_PER_SECOND_FIELD_NUMBER: _builtins.int
+    BUSY_FIELD_NUMBER: _builtins.int
+    BACKLOG_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.int
+    target: _builtins.str
+    records_per_second: _builtins.float
+    """The node's share of the rate, records per second."""
+    up: _builtins.bool
+    """False: it did not answer lately; its share went to the others."""
+    taken_per_second: _builtins.float
+    """Records per second its receivers took lately, and whether its publishers want more."""
+    busy: _builtins.bool
+    backlog: _builtins.int
+    """Records on it not yet read by Spark."""
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.int = ...,
+        target: _builtins.str = ...,
+        records_per_second: _builtins.float = ...,
+        up: _builtins.bool = ...,
+        taken_per_second: _builtins.float = ...,
+        busy: _builtins.bool = ...,
+        backlog: _builtins.int = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backlog", b"backlog", "busy", b"busy", "node_id", b"node_id", "reason", b"reason", "records_per_second", b"records_per_second", "taken_per_second", b"taken_per_second", "target", b"target", "up", b"up"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeRate: _TypeAlias = NodeRate  # noqa: Y015
 
 @_typing.final
 class UpdateRateRequest(_message.Message):

@@ -470,3 +470,308 @@ class Sessions:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class BlocksStub:
+    """---- cluster: blocks, replication ------------------------------------------------------------
+
+    A cluster is a static list of receiver nodes, each with an id (int32 >= 0) and a target. Each node
+    writes the records it takes into its own log per stream: the partition (stream, owner node id), with
+    offsets of its own, like a Kafka topic partition. With replication R, the owner sends every block to
+    the next R - 1 nodes of the list (its followers) before acking it, and only blocks on enough copies
+    are readable. Any node holding a copy (a "holder": the owner or a follower) serves reads of it.
+
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ListPartitions = channel.unary_unary(
+                '/ingest.v1.Blocks/ListPartitions',
+                request_serializer=ingest_dot_v1_dot_ingest__pb2.ListPartitionsRequest.SerializeToString,
+                response_deserializer=ingest_dot_v1_dot_ingest__pb2.ListPartitionsResponse.FromString,
+                _registered_method=True)
+        self.ReadBlocks = channel.unary_stream(
+                '/ingest.v1.Blocks/ReadBlocks',
+                request_serializer=ingest_dot_v1_dot_ingest__pb2.ReadBlocksRequest.SerializeToString,
+                response_deserializer=ingest_dot_v1_dot_ingest__pb2.BlockChunk.FromString,
+                _registered_method=True)
+        self.ReleaseBlocks = channel.unary_unary(
+                '/ingest.v1.Blocks/ReleaseBlocks',
+                request_serializer=ingest_dot_v1_dot_ingest__pb2.ReleaseBlocksRequest.SerializeToString,
+                response_deserializer=ingest_dot_v1_dot_ingest__pb2.ReleaseBlocksResponse.FromString,
+                _registered_method=True)
+
+
+class BlocksServicer:
+    """---- cluster: blocks, replication ------------------------------------------------------------
+
+    A cluster is a static list of receiver nodes, each with an id (int32 >= 0) and a target. Each node
+    writes the records it takes into its own log per stream: the partition (stream, owner node id), with
+    offsets of its own, like a Kafka topic partition. With replication R, the owner sends every block to
+    the next R - 1 nodes of the list (its followers) before acking it, and only blocks on enough copies
+    are readable. Any node holding a copy (a "holder": the owner or a follower) serves reads of it.
+
+    """
+
+    def ListPartitions(self, request, context):
+        """The partitions of these streams this node holds (its own and its replicas), with their readable
+        range. Role reader.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadBlocks(self, request, context):
+        """Records [from_offset, to_offset) of one partition, as Arrow IPC. Role reader.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseBlocks(self, request, context):
+        """Spark has committed a partition up to this offset: its blocks wholly below may go. Role operator.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_BlocksServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ListPartitions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListPartitions,
+                    request_deserializer=ingest_dot_v1_dot_ingest__pb2.ListPartitionsRequest.FromString,
+                    response_serializer=ingest_dot_v1_dot_ingest__pb2.ListPartitionsResponse.SerializeToString,
+            ),
+            'ReadBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadBlocks,
+                    request_deserializer=ingest_dot_v1_dot_ingest__pb2.ReadBlocksRequest.FromString,
+                    response_serializer=ingest_dot_v1_dot_ingest__pb2.BlockChunk.SerializeToString,
+            ),
+            'ReleaseBlocks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseBlocks,
+                    request_deserializer=ingest_dot_v1_dot_ingest__pb2.ReleaseBlocksRequest.FromString,
+                    response_serializer=ingest_dot_v1_dot_ingest__pb2.ReleaseBlocksResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'ingest.v1.Blocks', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('ingest.v1.Blocks', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Blocks:
+    """---- cluster: blocks, replication ------------------------------------------------------------
+
+    A cluster is a static list of receiver nodes, each with an id (int32 >= 0) and a target. Each node
+    writes the records it takes into its own log per stream: the partition (stream, owner node id), with
+    offsets of its own, like a Kafka topic partition. With replication R, the owner sends every block to
+    the next R - 1 nodes of the list (its followers) before acking it, and only blocks on enough copies
+    are readable. Any node holding a copy (a "holder": the owner or a follower) serves reads of it.
+
+    """
+
+    @staticmethod
+    def ListPartitions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ingest.v1.Blocks/ListPartitions',
+            ingest_dot_v1_dot_ingest__pb2.ListPartitionsRequest.SerializeToString,
+            ingest_dot_v1_dot_ingest__pb2.ListPartitionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/ingest.v1.Blocks/ReadBlocks',
+            ingest_dot_v1_dot_ingest__pb2.ReadBlocksRequest.SerializeToString,
+            ingest_dot_v1_dot_ingest__pb2.BlockChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ingest.v1.Blocks/ReleaseBlocks',
+            ingest_dot_v1_dot_ingest__pb2.ReleaseBlocksRequest.SerializeToString,
+            ingest_dot_v1_dot_ingest__pb2.ReleaseBlocksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class ReplicationStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Replicate = channel.stream_stream(
+                '/ingest.v1.Replication/Replicate',
+                request_serializer=ingest_dot_v1_dot_ingest__pb2.ReplicateRequest.SerializeToString,
+                response_deserializer=ingest_dot_v1_dot_ingest__pb2.ReplicateResponse.FromString,
+                _registered_method=True)
+        self.ProducerMarks = channel.unary_unary(
+                '/ingest.v1.Replication/ProducerMarks',
+                request_serializer=ingest_dot_v1_dot_ingest__pb2.ProducerMarksRequest.SerializeToString,
+                response_deserializer=ingest_dot_v1_dot_ingest__pb2.ProducerMarksResponse.FromString,
+                _registered_method=True)
+
+
+class ReplicationServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Replicate(self, request_iterator, context):
+        """An owner sends its blocks to a follower, in order, per stream. Role peer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ProducerMarks(self, request, context):
+        """The highest sequence number this node knows a producer reached on a stream, over every partition
+        it holds. A node asks its peers before it takes a producer's session, so that records a dead node
+        had replicated are not taken twice. Role peer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ReplicationServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Replicate': grpc.stream_stream_rpc_method_handler(
+                    servicer.Replicate,
+                    request_deserializer=ingest_dot_v1_dot_ingest__pb2.ReplicateRequest.FromString,
+                    response_serializer=ingest_dot_v1_dot_ingest__pb2.ReplicateResponse.SerializeToString,
+            ),
+            'ProducerMarks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ProducerMarks,
+                    request_deserializer=ingest_dot_v1_dot_ingest__pb2.ProducerMarksRequest.FromString,
+                    response_serializer=ingest_dot_v1_dot_ingest__pb2.ProducerMarksResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'ingest.v1.Replication', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('ingest.v1.Replication', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Replication:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Replicate(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/ingest.v1.Replication/Replicate',
+            ingest_dot_v1_dot_ingest__pb2.ReplicateRequest.SerializeToString,
+            ingest_dot_v1_dot_ingest__pb2.ReplicateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ProducerMarks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ingest.v1.Replication/ProducerMarks',
+            ingest_dot_v1_dot_ingest__pb2.ProducerMarksRequest.SerializeToString,
+            ingest_dot_v1_dot_ingest__pb2.ProducerMarksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

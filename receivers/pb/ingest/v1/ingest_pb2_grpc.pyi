@@ -192,3 +192,131 @@ class SessionsServicer(metaclass=_abc_1.ABCMeta):
         """Cancel a session: it gets Cancel{code, reason}, its accepted records are acked, then the call ends."""
 
 def add_SessionsServicer_to_server(servicer: SessionsServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class BlocksStub:
+    """---- cluster: blocks, replication ------------------------------------------------------------
+
+    A cluster is a static list of receiver nodes, each with an id (int32 >= 0) and a target. Each node
+    writes the records it takes into its own log per stream: the partition (stream, owner node id), with
+    offsets of its own, like a Kafka topic partition. With replication R, the owner sends every block to
+    the next R - 1 nodes of the list (its followers) before acking it, and only blocks on enough copies
+    are readable. Any node holding a copy (a "holder": the owner or a follower) serves reads of it.
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> BlocksAsyncStub: ...
+    ListPartitions: _grpc.UnaryUnaryMultiCallable[_ingest_pb2.ListPartitionsRequest, _ingest_pb2.ListPartitionsResponse]
+    """The partitions of these streams this node holds (its own and its replicas), with their readable
+    range. Role reader.
+    """
+    ReadBlocks: _grpc.UnaryStreamMultiCallable[_ingest_pb2.ReadBlocksRequest, _ingest_pb2.BlockChunk]
+    """Records [from_offset, to_offset) of one partition, as Arrow IPC. Role reader."""
+    ReleaseBlocks: _grpc.UnaryUnaryMultiCallable[_ingest_pb2.ReleaseBlocksRequest, _ingest_pb2.ReleaseBlocksResponse]
+    """Spark has committed a partition up to this offset: its blocks wholly below may go. Role operator."""
+
+@_typing.type_check_only
+class BlocksAsyncStub(BlocksStub):
+    """---- cluster: blocks, replication ------------------------------------------------------------
+
+    A cluster is a static list of receiver nodes, each with an id (int32 >= 0) and a target. Each node
+    writes the records it takes into its own log per stream: the partition (stream, owner node id), with
+    offsets of its own, like a Kafka topic partition. With replication R, the owner sends every block to
+    the next R - 1 nodes of the list (its followers) before acking it, and only blocks on enough copies
+    are readable. Any node holding a copy (a "holder": the owner or a follower) serves reads of it.
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    ListPartitions: _aio.UnaryUnaryMultiCallable[_ingest_pb2.ListPartitionsRequest, _ingest_pb2.ListPartitionsResponse]  # type: ignore[assignment]
+    """The partitions of these streams this node holds (its own and its replicas), with their readable
+    range. Role reader.
+    """
+    ReadBlocks: _aio.UnaryStreamMultiCallable[_ingest_pb2.ReadBlocksRequest, _ingest_pb2.BlockChunk]  # type: ignore[assignment]
+    """Records [from_offset, to_offset) of one partition, as Arrow IPC. Role reader."""
+    ReleaseBlocks: _aio.UnaryUnaryMultiCallable[_ingest_pb2.ReleaseBlocksRequest, _ingest_pb2.ReleaseBlocksResponse]  # type: ignore[assignment]
+    """Spark has committed a partition up to this offset: its blocks wholly below may go. Role operator."""
+
+class BlocksServicer(metaclass=_abc_1.ABCMeta):
+    """---- cluster: blocks, replication ------------------------------------------------------------
+
+    A cluster is a static list of receiver nodes, each with an id (int32 >= 0) and a target. Each node
+    writes the records it takes into its own log per stream: the partition (stream, owner node id), with
+    offsets of its own, like a Kafka topic partition. With replication R, the owner sends every block to
+    the next R - 1 nodes of the list (its followers) before acking it, and only blocks on enough copies
+    are readable. Any node holding a copy (a "holder": the owner or a follower) serves reads of it.
+    """
+
+    @_abc_1.abstractmethod
+    def ListPartitions(
+        self,
+        request: _ingest_pb2.ListPartitionsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ingest_pb2.ListPartitionsResponse, _abc.Awaitable[_ingest_pb2.ListPartitionsResponse]]:
+        """The partitions of these streams this node holds (its own and its replicas), with their readable
+        range. Role reader.
+        """
+
+    @_abc_1.abstractmethod
+    def ReadBlocks(
+        self,
+        request: _ingest_pb2.ReadBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_ingest_pb2.BlockChunk], _abc.AsyncIterator[_ingest_pb2.BlockChunk]]:
+        """Records [from_offset, to_offset) of one partition, as Arrow IPC. Role reader."""
+
+    @_abc_1.abstractmethod
+    def ReleaseBlocks(
+        self,
+        request: _ingest_pb2.ReleaseBlocksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ingest_pb2.ReleaseBlocksResponse, _abc.Awaitable[_ingest_pb2.ReleaseBlocksResponse]]:
+        """Spark has committed a partition up to this offset: its blocks wholly below may go. Role operator."""
+
+def add_BlocksServicer_to_server(servicer: BlocksServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class ReplicationStub:
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> ReplicationAsyncStub: ...
+    Replicate: _grpc.StreamStreamMultiCallable[_ingest_pb2.ReplicateRequest, _ingest_pb2.ReplicateResponse]
+    """An owner sends its blocks to a follower, in order, per stream. Role peer."""
+    ProducerMarks: _grpc.UnaryUnaryMultiCallable[_ingest_pb2.ProducerMarksRequest, _ingest_pb2.ProducerMarksResponse]
+    """The highest sequence number this node knows a producer reached on a stream, over every partition
+    it holds. A node asks its peers before it takes a producer's session, so that records a dead node
+    had replicated are not taken twice. Role peer.
+    """
+
+@_typing.type_check_only
+class ReplicationAsyncStub(ReplicationStub):
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    Replicate: _aio.StreamStreamMultiCallable[_ingest_pb2.ReplicateRequest, _ingest_pb2.ReplicateResponse]  # type: ignore[assignment]
+    """An owner sends its blocks to a follower, in order, per stream. Role peer."""
+    ProducerMarks: _aio.UnaryUnaryMultiCallable[_ingest_pb2.ProducerMarksRequest, _ingest_pb2.ProducerMarksResponse]  # type: ignore[assignment]
+    """The highest sequence number this node knows a producer reached on a stream, over every partition
+    it holds. A node asks its peers before it takes a producer's session, so that records a dead node
+    had replicated are not taken twice. Role peer.
+    """
+
+class ReplicationServicer(metaclass=_abc_1.ABCMeta):
+    @_abc_1.abstractmethod
+    def Replicate(
+        self,
+        request_iterator: _MaybeAsyncIterator[_ingest_pb2.ReplicateRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_ingest_pb2.ReplicateResponse], _abc.AsyncIterator[_ingest_pb2.ReplicateResponse]]:
+        """An owner sends its blocks to a follower, in order, per stream. Role peer."""
+
+    @_abc_1.abstractmethod
+    def ProducerMarks(
+        self,
+        request: _ingest_pb2.ProducerMarksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ingest_pb2.ProducerMarksResponse, _abc.Awaitable[_ingest_pb2.ProducerMarksResponse]]:
+        """The highest sequence number this node knows a producer reached on a stream, over every partition
+        it holds. A node asks its peers before it takes a producer's session, so that records a dead node
+        had replicated are not taken twice. Role peer.
+        """
+
+def add_ReplicationServicer_to_server(servicer: ReplicationServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
