@@ -80,6 +80,12 @@ class ReceiverStopped(ReceiverError):
     status = "UNAVAILABLE"
 
 
+class ClusterUnavailable(ReceiverError):
+    """The cluster cannot answer safely now (peers that hold what is needed do not answer); retry."""
+
+    status = "UNAVAILABLE"
+
+
 class SessionCancelled(ReceiverError):
     """The server cancelled the session; the call ends with the canceller's code and reason."""
 

@@ -11,7 +11,7 @@ protocol says.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -23,6 +23,7 @@ from receivers.errors import ReceiverError
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 
 Handler = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Message]]
+StreamHandler = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Message]]
 
 
 def add_parsed_servicer(
@@ -52,8 +53,19 @@ def add_parsed_servicer(
                 request_deserializer=None,
                 response_serializer=serialize,
             )
+        elif method.server_streaming:  # a request, a stream of responses (Blocks.ReadBlocks)
+            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                _parsing_stream(
+                    implementation,
+                    GetMessageClass(method.input_type),
+                    f"/{descriptor.full_name}/{method.name}",
+                    authenticator,
+                ),
+                request_deserializer=None,
+                response_serializer=serialize,
+            )
         else:  # pragma: no cover - ingest.v1 has none
-            raise TypeError(f"{descriptor.full_name}.{method.name}: a one-way stream is not served here")
+            raise TypeError(f"{descriptor.full_name}.{method.name}: a client stream is not served here")
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(descriptor.full_name, handlers),))
     # as the generated code does (grpcio >= 1.65; not in its type stubs yet): served without a lookup
     server.add_registered_method_handlers(descriptor.full_name, handlers)  # type: ignore[attr-defined]
@@ -78,3 +90,27 @@ def _parsing(
         return await handler(request, context)
 
     return parse_then_handle
+
+
+def _parsing_stream(
+    handler: StreamHandler, request_type: type[Message], method: str, authenticator: Authenticator | None
+) -> StreamHandler:
+    async def parse_then_stream(
+        raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[Message]:
+        if authenticator is not None:
+            try:
+                authenticator.caller(context, method)
+            except ReceiverError as error:
+                await context.abort(getattr(grpc.StatusCode, error.status), str(error))
+        try:
+            request = request_type.FromString(raw)
+        except DecodeError as exc:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"undecodable {request_type.DESCRIPTOR.name} of {len(raw)} bytes: {exc}",
+            )
+        async for response in handler(request, context):
+            yield response
+
+    return parse_then_stream

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 import grpc
 
@@ -36,10 +36,10 @@ from receivers.limits import SessionLedger, limit_key
 from receivers.parsed_service import add_parsed_servicer
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
-from receivers.principal import Principal
+from receivers.principal import Principal, producer_key
 from receivers.receiver import Receiver
 from receivers.session import Session
-from receivers.wire import check_record_bytes, decode_batch, decode_request
+from receivers.wire import check_producer_id, check_record_bytes, decode_batch, decode_request
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,11 @@ class PublishService(pb_grpc.IngestServicer):
         *,
         open_timeout: float = 10.0,
         authenticator: Authenticator | None = None,
+        producer_marks: Callable[[str, str], Awaitable[int | None]] | None = None,
     ) -> None:
         self._receivers = receivers
+        # in a cluster: (stream, producer key) -> how far the other nodes hold the producer's records
+        self._producer_marks = producer_marks
         self._open_timeout = open_timeout
         self._authenticator = authenticator or Authenticator()
         self.ledger = SessionLedger()
@@ -134,6 +137,12 @@ class PublishService(pb_grpc.IngestServicer):
             known = ", ".join(sorted(self._receivers)) or "none"
             raise UnknownStream(f"no stream named {shown(stream)} on this server (streams: {known})")
         producer_id = first.open.producer_id
+        if producer_id and self._producer_marks is not None:
+            check_producer_id(producer_id)
+            key = producer_key(principal, producer_id)
+            mark = await self._producer_marks(stream, key)
+            if mark is not None:
+                receiver.learn_producer_mark(key, mark)
         state = receiver.producer(producer_id, principal) if producer_id else None
         self.ledger.admit(principal, key, stream, fenced=state.sessions if state is not None else ())
         return receiver, receiver.open_session(producer_id, first.open.resume_from_seq, principal)

@@ -131,7 +131,8 @@ _SHORT_WITHIN = 0.5  # seconds: an owner short of room this recently lets silent
 MEMORY_BUDGET = "memory_budget"
 DISK_BUDGET = "disk_budget"
 DISK_ERROR = "disk_error"
-PAUSE_REASONS = (MEMORY_BUDGET, DISK_BUDGET, DISK_ERROR)
+REPLICATION = "replication"
+PAUSE_REASONS = (MEMORY_BUDGET, DISK_BUDGET, DISK_ERROR, REPLICATION)
 """Why credit can be paused (the `reason` label of sluice_credit_paused)."""
 
 
@@ -311,6 +312,7 @@ class Receiver:
         self._disk_used: int | None = None
         self._disk_polled_at = -math.inf
         self._write_error: str | None = None
+        self._replication_status = ""
         self._next_block_seq, self._next_offset = store.recover(self.stream)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -454,6 +456,30 @@ class Receiver:
     def producer(self, producer_id: str, principal: Principal = ANONYMOUS) -> ProducerState | None:
         """The table entry of `principal`'s producer, if it is known (for operators and tests)."""
         return self._producers.get(producer_key(principal, producer_id))
+
+    def producer_state(self, key: str) -> ProducerState | None:
+        """The table entry of a producer key (receivers.principal.producer_key)."""
+        return self._producers.get(key)
+
+    def learn_producer_mark(self, key: str, mark: int) -> None:
+        """Another node holds this producer's records below `mark` (copies of a failed node's blocks):
+        take them as accepted and durable here, so that a resend of them is dropped as duplicates and
+        acked. Left alone while the producer has records here not durable yet."""
+        state = self._producers.get(key)
+        if state is None:
+            self._producers[key] = ProducerState(mark, mark)
+            self._evict_producers()
+        elif mark > state.accepted_up_to and state.durable_up_to >= state.accepted_up_to:
+            state.accepted_up_to = state.durable_up_to = mark
+
+    def ack_durable(self) -> None:
+        """Ack what became durable since the last look (the store says so: e.g. a follower acked)."""
+        self._ack_durable()
+
+    def set_replication_paused(self, paused: bool, status: str) -> None:
+        """Withhold new credit while too few copies are in sync to ack (receivers.replication)."""
+        self._replication_status = status
+        self._set_paused(REPLICATION, paused)
 
     @property
     def known_producers(self) -> int:
@@ -821,6 +847,9 @@ class Receiver:
                 f"buffered + {self._outstanding} records of credit outstanding at "
                 f"~{_size(self.record_bytes_estimate)}/record); resumes as blocks are sealed"
             )
+        if reason == REPLICATION:
+            status = self._replication_status
+            return f"too few copies in sync to ack ({status}); resumes when followers catch up"
         if reason == DISK_BUDGET:
             return (
                 f"disk budget {_size(self.config.disk_budget_bytes or 0)} reached "
@@ -837,6 +866,8 @@ class Receiver:
             return (
                 f"memory budget ({_size(self.committed_bytes)} of {_size(self.config.buffer_bytes)} in use)"
             )
+        if reason == REPLICATION:
+            return f"enough copies in sync ({self._replication_status})"
         if reason == DISK_BUDGET:
             return (
                 f"disk budget ({_size(self._disk_used or 0)} on disk of "

@@ -303,6 +303,19 @@ class _Writer:
     """Every block with a lower seq is durable under the policy (fsynced, or "off")."""
 
 
+@dataclass(frozen=True)
+class RawBlock:
+    """A block as the log stores it: header fields, producers table, Arrow IPC payload."""
+
+    seq: int
+    first_offset: int
+    count: int
+    receiver: int
+    received_at: float
+    producers: dict[str, int]
+    payload: bytes | pa.Buffer
+
+
 # ---- the store -----------------------------------------------------------------------------------
 
 
@@ -380,8 +393,6 @@ class WalBlockStore(BlockStore):
         `producers` maps each producer with records in the block to the seq after its last one there.
         On an error (OSError) nothing of the block stays in the log: the same block can be written again.
         """
-        writer = self._writer(stream)
-        producers_raw = _encode_producers(producers)
         count = sum(b.num_rows for b in batches)
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, BLOCK_SCHEMA) as ipc:
@@ -393,6 +404,17 @@ class WalBlockStore(BlockStore):
             if batch.num_rows:
                 received_at = batch.column("timestamp")[0].value / 1e6
                 break
+        raw = RawBlock(seq, first_offset, count, receiver, received_at, dict(producers or {}), payload)
+        return self.append_raw(stream, raw)
+
+    def append_raw(self, stream: str, block: RawBlock) -> tuple[BlockInfo, int]:
+        """Append a block already encoded (a replica of another node's block, as read_raw() gave it
+        there); as write(), whose checks and durability it shares."""
+        seq, first_offset, count, receiver = block.seq, block.first_offset, block.count, block.receiver
+        received_at, producers, payload = block.received_at, block.producers, block.payload
+        writer = self._writer(stream)
+        producers_raw = _encode_producers(producers)
+        payload_size = payload.size if isinstance(payload, pa.Buffer) else len(payload)
         with writer.lock:
             if seq != writer.next_seq:
                 raise ValueError(f"stream {stream!r}: block seq {seq} written, {writer.next_seq} expected")
@@ -407,7 +429,7 @@ class WalBlockStore(BlockStore):
                     0,
                     0,
                     len(producers_raw),
-                    payload.size,
+                    payload_size,
                     seq,
                     first_offset,
                     count,
@@ -417,7 +439,7 @@ class WalBlockStore(BlockStore):
             )
             struct.pack_into("<I", header, _CRC_AT, _frame_crc(header, [producers_raw, payload]))
             parts: list[Any] = [bytes(header), producers_raw, payload]
-            size = HEADER.size + len(producers_raw) + payload.size
+            size = HEADER.size + len(producers_raw) + payload_size
             fd = self._segment_for(writer, seq)
             before = writer.size
             try:
@@ -503,6 +525,13 @@ class WalBlockStore(BlockStore):
     def read(self, block: BlockInfo) -> Iterator[pa.RecordBatch]:
         path, frame = self._locate(block)
         h = frame.header
+        body = self._read_frame(block, path, frame)
+        reader = pa.ipc.open_stream(pa.py_buffer(body[h.producers_len :]))
+        yield from reader
+
+    def _read_frame(self, block: BlockInfo, path: Path, frame: _Frame) -> memoryview:
+        """The frame's bytes after its header, checked against its CRC and `block`."""
+        h = frame.header
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -525,8 +554,50 @@ class WalBlockStore(BlockStore):
                 f"block {block.seq} of stream {block.stream!r} holds offsets {h.first_offset}+{h.count}, "
                 f"not {block.first_offset}+{block.count}"
             )
-        reader = pa.ipc.open_stream(pa.py_buffer(body[h.producers_len :]))
-        yield from reader
+        return body
+
+    def read_raw(self, block: BlockInfo) -> RawBlock:
+        """The block as stored: its producers table and its payload (an Arrow IPC stream), checked
+        against its CRC, for a replica elsewhere (append_raw there)."""
+        path, frame = self._locate(block)
+        h = frame.header
+        body = self._read_frame(block, path, frame)
+        producers = _decode_producers(body[: h.producers_len])
+        payload = bytes(body[h.producers_len :])
+        return RawBlock(h.seq, h.first_offset, h.count, h.receiver, h.received_at, producers, payload)
+
+    def released_offset(self, stream: str) -> int:
+        """The record offset after the last block released so far (0: none)."""
+        return self._read_released(stream).next_offset
+
+    def released_producers(self, stream: str) -> dict[str, int]:
+        """The producers table of the blocks released so far (the released mark's)."""
+        return dict(self._read_released(stream).producers)
+
+    def skip_to(self, stream: str, seq: int, offset: int, producers: Mapping[str, int] | None = None) -> None:
+        """Continue the log of `stream` at block `seq` and record `offset`: every block before was
+        released where this log is a replica of (it was down while they were written and released).
+        What the log held is dropped; the released mark keeps the producers. Writing process only."""
+        writer = self._writer(stream)
+        with writer.lock:
+            if seq <= writer.next_seq:
+                return
+            writer.folder.mkdir(parents=True, exist_ok=True)
+            with self._mark_lock(writer.folder):
+                released = self._read_released(stream, fresh=True)
+                table = dict(released.producers)
+                _merge_producers(table, writer.producers)
+                _merge_producers(table, producers or {})
+                self._close_writer(writer)
+                state = _Released(max(seq, released.next_seq), max(offset, released.next_offset), table)
+                self._write_released(writer.folder, state)
+                for _, path in self._segments(writer.folder):
+                    path.unlink(missing_ok=True)
+                self._forget_index(writer.folder, set())
+                writer.segment, writer.size = None, 0
+                writer.next_seq, writer.next_offset = state.next_seq, state.next_offset
+                writer.durable_seq = writer.next_seq
+                writer.producers = dict(table)
 
     def release(self, stream: str, before_seq: int) -> int:
         folder = self._folder(stream)

@@ -1,0 +1,182 @@
+"""The Blocks service: Spark's executors read a node's partitions over gRPC, never its disk.
+
+ListPartitions says which partitions (stream, owner) this node holds and their readable range: its own
+(blocks durable on enough copies: receivers.replication) and its copies of other nodes'. ReadBlocks
+streams records [from, to) of one of them as Arrow IPC, a chunk per block; a range this node does not
+hold whole is FAILED_PRECONDITION, so the reader asks another holder. ReleaseBlocks drops what Spark
+committed (idempotent, as the single-node release).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Mapping
+from itertools import pairwise
+from typing import Any
+
+import grpc
+import pyarrow as pa
+
+from receivers.block import BLOCK_SCHEMA, BlockInfo
+from receivers.block_store import BlockStore, release_below
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from receivers.receiver import Receiver
+from receivers.replica_store import ReplicaStore
+from receivers.wal import BlockNotFoundError, WalBlockStore
+
+SEAL_WAIT = 1.0
+"""At most this long for a seal asked by ListPartitions, and then as long for its copies."""
+
+
+class BlocksService:
+    """Serves Blocks for this node (register with add_parsed_servicer)."""
+
+    def __init__(
+        self,
+        node_id: int,
+        receivers: Mapping[str, Receiver],
+        store: BlockStore,
+        local: WalBlockStore,
+        replicas: ReplicaStore | None = None,
+    ) -> None:
+        self._node_id = node_id
+        self._receivers = receivers
+        self._store = store  # this node's partitions, as readable (committed) blocks
+        self._local = local
+        self._replicas = replicas
+
+    async def ListPartitions(
+        self, request: pb.ListPartitionsRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ListPartitionsResponse:
+        streams = list(dict.fromkeys(request.streams)) or list(self._receivers)
+        unknown = [s for s in streams if s not in self._receivers]
+        if unknown:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"no stream named {unknown[0]!r} on this node (streams: {', '.join(self._receivers)})",
+            )
+        if request.seal_blocks:
+            await self._seal(streams)
+        partitions = await asyncio.to_thread(self._partitions, streams)
+        return pb.ListPartitionsResponse(node_id=self._node_id, partitions=partitions)
+
+    async def _seal(self, streams: list[str]) -> None:
+        seals = [self._receivers[s].seal_now() for s in streams]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*seals), SEAL_WAIT)
+        deadline = time.monotonic() + SEAL_WAIT  # sealed blocks are readable once copied
+        while time.monotonic() < deadline and any(  # noqa: ASYNC110 - polls the followers' acks
+            self._store.durable_seq(s) < self._local.durable_seq(s) for s in streams
+        ):
+            await asyncio.sleep(0.01)
+
+    def _partitions(self, streams: list[str]) -> list[pb.PartitionInfo]:
+        found = []
+        for stream in streams:
+            start, end = _extent(self._store.blocks(stream), self._local.released_offset(stream))
+            found.append(
+                pb.PartitionInfo(
+                    stream=stream, owner=self._node_id, start_offset=start, end_offset=end, leader=True
+                )
+            )
+        if self._replicas is not None:
+            for owner in self._replicas.owners():
+                copy = self._replicas.store(owner)
+                for stream in streams:
+                    start, end = _extent(copy.blocks(stream), copy.released_offset(stream))
+                    found.append(
+                        pb.PartitionInfo(stream=stream, owner=owner, start_offset=start, end_offset=end)
+                    )
+        return found
+
+    async def ReadBlocks(
+        self, request: pb.ReadBlocksRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.BlockChunk]:
+        stream, owner, lo, hi = request.stream, request.owner, request.from_offset, request.to_offset
+        if stream not in self._receivers:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no stream named {stream!r} on this node")
+        if not 0 <= lo < hi:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"need 0 <= from_offset < to_offset, got {lo}, {hi}"
+            )
+        store = self._holding(owner)
+        if store is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node {self._node_id} holds no copy of node {owner}'s blocks",
+            )
+            return
+        blocks = [
+            b
+            for b in await asyncio.to_thread(store.blocks, stream)
+            if b.end_offset > lo and b.first_offset < hi
+        ]
+        if not _covers(blocks, lo, hi):
+            have = [(b.first_offset, b.end_offset) for b in blocks]
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node {self._node_id} does not hold records {lo}..{hi - 1} of node {owner}'s stream "
+                f"{stream!r} (it holds {have or 'none of them'}): released, or not copied here yet",
+            )
+        for block in blocks:
+            try:
+                chunk = await asyncio.to_thread(_chunk, store, block, lo, hi)
+            except BlockNotFoundError as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+                return
+            yield chunk
+
+    async def ReleaseBlocks(
+        self, request: pb.ReleaseBlocksRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ReleaseBlocksResponse:
+        if request.stream not in self._receivers:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no stream named {request.stream!r} on this node")
+        if request.before_offset < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "before_offset must be >= 0")
+        store = self._holding(request.owner)
+        if store is None:
+            return pb.ReleaseBlocksResponse()
+        end = {request.stream: request.before_offset}
+        released = await asyncio.to_thread(release_below, store, [request.stream], end)
+        return pb.ReleaseBlocksResponse(blocks_released=released)
+
+    def _holding(self, owner: int) -> BlockStore | None:
+        if owner == self._node_id:
+            return self._store
+        if self._replicas is not None and owner in self._replicas.owners():
+            return self._replicas.store(owner)
+        return None
+
+
+def _extent(blocks: list[BlockInfo], released: int) -> tuple[int, int]:
+    if not blocks:
+        return released, released
+    return blocks[0].first_offset, blocks[-1].end_offset
+
+
+def _covers(blocks: list[BlockInfo], lo: int, hi: int) -> bool:
+    return (
+        bool(blocks)
+        and blocks[0].first_offset <= lo
+        and blocks[-1].end_offset >= hi
+        and all(a.end_offset == b.first_offset for a, b in pairwise(blocks))
+    )
+
+
+def _chunk(store: BlockStore, block: BlockInfo, lo: int, hi: int) -> pb.BlockChunk:
+    """Rows of `block` within offsets [lo, hi) as one Arrow IPC stream."""
+    first = max(lo, block.first_offset)
+    last = min(hi, block.end_offset)
+    sink = pa.BufferOutputStream()
+    row = block.first_offset  # offset of the current batch's first row
+    with pa.ipc.new_stream(sink, BLOCK_SCHEMA) as ipc:
+        for batch in store.read(block):
+            a, b = max(first, row), min(last, row + batch.num_rows)
+            if a < b:
+                ipc.write_batch(batch.slice(a - row, b - a))
+            row += batch.num_rows
+            if row >= last:
+                break
+    return pb.BlockChunk(first_offset=first, count=last - first, arrow_ipc=sink.getvalue().to_pybytes())

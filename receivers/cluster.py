@@ -1,0 +1,126 @@
+"""The cluster: a static list of receiver nodes, and where each node's blocks are replicated.
+
+Each node writes what it takes into its own log per stream, the partition (stream, owner), with offsets
+of its own (a Kafka topic partition). With replication R its blocks are copied to the next R - 1 nodes of
+the list, its followers (a ring: placement needs no coordinator and every node computes the same one),
+and acked only once durable on enough copies (receivers.replication). The owner and its followers are
+the partition's holders: any of them serves reads of it.
+
+The node list is a file, one node per line: ``ID HOST:PORT`` (``#`` starts a comment), or the same
+entries given as ``ID=HOST:PORT`` on the command line.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+_ENTRY = re.compile(r"^(\d{1,9})\s*[=\s]\s*(\S+:\d{1,5})$")
+
+
+class ClusterConfigError(ValueError):
+    """The node list, this node's id, or the replication settings do not fit together."""
+
+
+@dataclass(frozen=True)
+class Node:
+    id: int
+    target: str
+    """host:port of its gRPC server."""
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """The receiver nodes, this node's place among them (None on the driver), and replication."""
+
+    nodes: tuple[Node, ...]
+    node_id: int | None = None
+    replication: int = 1
+    """Copies of each block, on distinct nodes, the owner's included."""
+    min_insync: int = 1
+    """Copies a block needs before it is acked (Kafka's min.insync.replicas): with fewer followers in
+    sync, intake pauses rather than ack with fewer copies."""
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            raise ClusterConfigError("the node list names no node")
+        ids = [n.id for n in self.nodes]
+        targets = [n.target for n in self.nodes]
+        for what, values in (("node id", [str(i) for i in ids]), ("target", targets)):
+            repeated = sorted({v for v in values if values.count(v) > 1})
+            if repeated:
+                raise ClusterConfigError(f"the node list repeats {what} {', '.join(repeated)}")
+        if self.node_id is not None and self.node_id not in ids:
+            raise ClusterConfigError(
+                f"this node's id {self.node_id} is not in the node list (ids: {', '.join(map(str, ids))})"
+            )
+        if not 1 <= self.replication <= len(self.nodes):
+            raise ClusterConfigError(
+                f"replication must be 1..{len(self.nodes)} (the number of nodes), got {self.replication}"
+            )
+        if not 1 <= self.min_insync <= self.replication:
+            raise ClusterConfigError(
+                f"min-insync must be 1..{self.replication} (the replication), got {self.min_insync}"
+            )
+
+    def node(self, node_id: int) -> Node:
+        for node in self.nodes:
+            if node.id == node_id:
+                return node
+        raise KeyError(node_id)
+
+    @property
+    def me(self) -> Node:
+        if self.node_id is None:
+            raise ClusterConfigError("this process is not a receiver node")
+        return self.node(self.node_id)
+
+    @property
+    def peers(self) -> tuple[Node, ...]:
+        """Every node but this one."""
+        return tuple(n for n in self.nodes if n.id != self.node_id)
+
+    def followers(self, owner: int) -> tuple[Node, ...]:
+        """The nodes holding copies of `owner`'s partitions: the next replication - 1 in list order."""
+        at = [n.id for n in self.nodes].index(owner)
+        return tuple(self.nodes[(at + k) % len(self.nodes)] for k in range(1, self.replication))
+
+    def holders(self, owner: int) -> tuple[Node, ...]:
+        """The owner, then its followers: where `owner`'s partitions can be read."""
+        return (self.node(owner), *self.followers(owner))
+
+    def followed(self, node_id: int) -> tuple[Node, ...]:
+        """The owners whose partitions `node_id` holds copies of."""
+        return tuple(
+            n for n in self.nodes if n.id != node_id and node_id in {f.id for f in self.followers(n.id)}
+        )
+
+
+def parse_nodes(entries: Iterable[str], *, source: str = "the node list") -> tuple[Node, ...]:
+    """Nodes from `ID HOST:PORT` / `ID=HOST:PORT` entries; blank lines and # comments skipped."""
+    nodes = []
+    for number, line in enumerate(entries, start=1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        match = _ENTRY.match(text)
+        if match is None:
+            raise ClusterConfigError(f"{source}, line {number}: expected 'ID HOST:PORT', got {text!r}")
+        port = int(match.group(2).rsplit(":", 1)[1])
+        if not 0 < port <= 65535:
+            raise ClusterConfigError(f"{source}, line {number}: port {port} is not 1-65535")
+        nodes.append(Node(int(match.group(1)), match.group(2)))
+    if not nodes:
+        raise ClusterConfigError(f"{source} names no node")
+    return tuple(nodes)
+
+
+def load_nodes(path: Path) -> tuple[Node, ...]:
+    """The node list file (see the module docstring)."""
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ClusterConfigError(f"cannot read the node list {path}: {exc.strerror or exc}") from None
+    return parse_nodes(text.splitlines(), source=str(path))

@@ -1,0 +1,371 @@
+"""Replication before ack: an owner copies each block to its followers and acks it once enough have it.
+
+The owner's receivers write blocks to the local log through ReplicatedBlockStore; one FollowerLink per
+follower streams them, in order per stream, over Replication.Replicate, and the follower acks each once
+durable. ReplicatedBlockStore.durable_seq, which the receiver acks by, is the seq below which a block is
+durable here and on every in-sync follower, and only while 1 + in-sync followers >= min_insync: with
+fewer, nothing more is acked and the server pauses credit (reason "replication") rather than ack with
+fewer copies than the operator asked for (Kafka's min.insync.replicas).
+
+In sync (Kafka's ISR): a follower joins once it has caught up with the log (a new or returning follower
+is first sent what it misses, read back from the log, without holding acks up meanwhile), and leaves
+when its connection drops or it makes no progress for `lag_timeout` while behind. Each change is logged
+(WARNING when a follower leaves, INFO when it joins) and shown by in_sync() for metrics and operators.
+
+Blocks Spark released before a follower got them are not sent: the first block sent then says so
+(after_release) and carries the released producers table, and the copy skips ahead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+
+import grpc
+import pyarrow as pa
+
+from receivers.block import BlockInfo
+from receivers.block_store import BlockStore
+from receivers.cluster import Cluster, Node
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from receivers.wal import WalBlockStore
+
+log = logging.getLogger(__name__)
+
+WINDOW_BLOCKS = 64
+"""Blocks sent to a follower and not yet acked, at most: bounds what a slow follower costs in memory."""
+LAG_TIMEOUT = 5.0
+RECONNECT_MIN, RECONNECT_MAX = 0.1, 2.0
+
+ChannelFactory = Callable[[str], grpc.aio.Channel]
+"""target -> a channel to it (with the node's TLS credentials); the caller closes it."""
+Metadata = tuple[tuple[str, str], ...]
+Call = grpc.aio.StreamStreamCall[pb.ReplicateRequest, pb.ReplicateResponse]
+
+
+class FollowerLink:
+    """The stream of blocks to one follower, and what it has acked."""
+
+    def __init__(self, follower: Node, replicator: Replicator) -> None:
+        self.follower = follower
+        self._replicator = replicator
+        self.acked: dict[str, int] = {}
+        """Stream -> the seq of the next block the follower needs (every lower one is durable there)."""
+        self.connected = False
+        self.in_sync = False
+        self.progress_at = time.monotonic()
+        self.error: str | None = None
+        self._sent: dict[str, int] = {}
+        self._ack_arrived = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"replicate-to-{self.follower.id}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    def behind(self) -> bool:
+        local = self._replicator.local
+        return any(self.acked.get(s, 0) < local.durable_seq(s) for s in self._replicator.streams)
+
+    def check(self, now: float) -> None:
+        """Join or leave the in-sync set (called by the replicator on each round)."""
+        if not self.connected:
+            self._leave("it is not connected" + (f" ({self.error})" if self.error else ""))
+        elif not self.behind():
+            self.progress_at = now
+            if not self.in_sync:
+                self.in_sync = True
+                log.info("follower %d (%s) is in sync", self.follower.id, self.follower.target)
+        elif now - self.progress_at > self._replicator.lag_timeout:
+            self._leave(f"it acked nothing for {self._replicator.lag_timeout:g} s while behind")
+
+    def _leave(self, why: str) -> None:
+        if self.in_sync:
+            self.in_sync = False
+            node = self.follower
+            log.warning("follower %d (%s) left the in-sync set: %s", node.id, node.target, why)
+
+    async def _run(self) -> None:
+        backoff = RECONNECT_MIN
+        while True:
+            try:
+                await self._session()
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as exc:
+                self.error = f"{exc.code().name}: {exc.details()}"
+            except Exception as exc:
+                self.error = repr(exc)
+                log.exception("replication to node %d failed", self.follower.id)
+            self.connected = False
+            self._replicator.changed()
+            await asyncio.sleep(backoff)
+            backoff = min(RECONNECT_MAX, backoff * 2)
+            if self.error is not None and backoff == RECONNECT_MAX:
+                log.debug("replication to node %d: %s", self.follower.id, self.error)
+
+    async def _session(self) -> None:
+        replicator = self._replicator
+        channel = replicator.channel(self.follower.target)
+        try:
+            stub = pb_grpc.ReplicationStub(channel)
+            call: Call = stub.Replicate(metadata=replicator.metadata)  # type: ignore[call-arg]  # stubs lag
+            hello = pb.ReplicaHello(
+                owner=replicator.cluster.me.id,
+                nodes=len(replicator.cluster.nodes),
+                replication=replicator.cluster.replication,
+            )
+            await call.write(pb.ReplicateRequest(hello=hello))
+            responses = aiter(call)
+            first = await anext(responses, None)
+            if first is None or first.WhichOneof("kind") != "state":
+                raise ConnectionError("the follower did not answer the hello with its state")
+            self.acked = {s: first.state.next_seq.get(s, 0) for s in replicator.streams}
+            ahead = [s for s in replicator.streams if self.acked[s] > replicator.local.durable_seq(s)]
+            if ahead:  # acking on top would let the copy drop this node's new blocks as ones it has
+                raise ConnectionError(
+                    f"the follower holds blocks of stream(s) {', '.join(ahead)} beyond this node's log: "
+                    "this node's log was lost or replaced; restore it from the follower's copy"
+                )
+            self._sent = dict(self.acked)
+            self.connected, self.error = True, None
+            self.progress_at = time.monotonic()
+            replicator.changed()
+            reader = asyncio.create_task(self._read_acks(responses))
+            try:
+                await self._send_loop(call, reader)
+            finally:
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                    await reader
+                call.cancel()
+        finally:
+            await channel.close(None)
+
+    async def _read_acks(self, responses: AsyncIterator[pb.ReplicateResponse]) -> None:
+        async for response in responses:
+            if response.WhichOneof("kind") != "ack":
+                continue
+            stream, seq = response.ack.stream, response.ack.seq
+            if seq + 1 > self.acked.get(stream, 0):
+                self.acked[stream] = seq + 1
+                self.progress_at = time.monotonic()
+            self._ack_arrived.set()
+            self._replicator.changed()
+        raise ConnectionError("the follower ended the replication stream")
+
+    async def _send_loop(self, call: Call, reader: asyncio.Task[None]) -> None:
+        replicator = self._replicator
+        while True:
+            if reader.done():
+                reader.result()  # raises why the follower's side ended
+            sent_any = False
+            for stream in replicator.streams:
+                in_flight = sum(self._sent.get(s, 0) - self.acked.get(s, 0) for s in replicator.streams)
+                room = WINDOW_BLOCKS - in_flight
+                if room <= 0:
+                    break
+                blocks = await asyncio.to_thread(
+                    _pending_blocks, replicator.local, stream, self._sent[stream], room
+                )
+                for block, message in blocks:
+                    await call.write(pb.ReplicateRequest(block=message))
+                    self._sent[stream] = block.seq + 1
+                    sent_any = True
+            if not sent_any:
+                waits = [
+                    asyncio.ensure_future(replicator.wake.wait()),
+                    asyncio.ensure_future(self._ack_arrived.wait()),
+                ]
+                await asyncio.wait([*waits, reader], timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                for waiter in waits:
+                    waiter.cancel()
+                self._ack_arrived.clear()
+
+
+def _pending_blocks(
+    local: WalBlockStore, stream: str, from_seq: int, limit: int
+) -> list[tuple[BlockInfo, pb.ReplicaBlock]]:
+    """The next blocks a follower needs, from seq `from_seq`, as messages (blocking: reads the log)."""
+    durable = local.durable_seq(stream)
+    found: list[tuple[BlockInfo, pb.ReplicaBlock]] = []
+    for block in local.blocks(stream, from_seq):
+        if block.seq >= durable or len(found) >= limit:
+            break
+        raw = local.read_raw(block)
+        producers = raw.producers
+        after_release = block.seq > from_seq
+        if after_release:  # the copy skips what Spark released: it needs their producers too
+            producers = {**local.released_producers(stream)}
+            for key, mark in raw.producers.items():
+                producers[key] = max(mark, producers.get(key, 0))
+        message = pb.ReplicaBlock(
+            stream=stream,
+            seq=raw.seq,
+            first_offset=raw.first_offset,
+            count=raw.count,
+            received_at=raw.received_at,
+            after_release=after_release,
+            producers=producers,
+            arrow_ipc=bytes(raw.payload),
+        )
+        found.append((block, message))
+        from_seq = block.seq + 1
+    return found
+
+
+class Replicator:
+    """This node's links to its followers, and the seq below which each stream's blocks may be acked."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        local: WalBlockStore,
+        streams: Sequence[str],
+        *,
+        channel: ChannelFactory,
+        metadata: Metadata = (),
+        lag_timeout: float = LAG_TIMEOUT,
+    ) -> None:
+        self.cluster = cluster
+        self.local = local
+        self.streams = list(streams)
+        self.channel = channel
+        self.metadata = metadata
+        self.lag_timeout = lag_timeout
+        self.links = [FollowerLink(node, self) for node in cluster.followers(cluster.me.id)]
+        self.wake = asyncio.Event()
+        self._committed: dict[str, int] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._checker: asyncio.Task[None] | None = None
+        self._listeners: list[Callable[[], None]] = []
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        for link in self.links:
+            link.start()
+        self._checker = asyncio.create_task(self._check_loop(), name="replication-isr")
+
+    async def stop(self) -> None:
+        if self._checker is not None:
+            self._checker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._checker
+        for link in self.links:
+            await link.stop()
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (on the event loop) when acks or the in-sync set change."""
+        self._listeners.append(listener)
+
+    def notify_written(self) -> None:
+        """A block was written to the local log (any thread): send it."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._wake_links)
+
+    def _wake_links(self) -> None:
+        self.wake.set()
+        self.wake = asyncio.Event()
+
+    def changed(self) -> None:
+        now = time.monotonic()
+        for link in self.links:
+            link.check(now)
+        for listener in self._listeners:
+            listener()
+
+    def in_sync(self) -> list[Node]:
+        return [link.follower for link in self.links if link.in_sync]
+
+    @property
+    def copies_in_sync(self) -> int:
+        """This node plus its in-sync followers."""
+        return 1 + sum(link.in_sync for link in self.links)
+
+    @property
+    def can_ack(self) -> bool:
+        return self.copies_in_sync >= self.cluster.min_insync
+
+    def status(self) -> str:
+        parts = []
+        for link in self.links:
+            state = "in sync" if link.in_sync else ("catching up" if link.connected else "down")
+            parts.append(f"node {link.follower.id} {state}")
+        return ", ".join(parts) or "no followers"
+
+    def committed_seq(self, stream: str) -> int:
+        """Blocks of `stream` below this seq are durable on enough copies to be acked and read."""
+        local = self.local.durable_seq(stream)
+        previous = self._committed.get(stream, 0)
+        if not self.can_ack:
+            return previous
+        committed = min([local, *(link.acked.get(stream, 0) for link in self.links if link.in_sync)])
+        committed = max(previous, committed)
+        self._committed[stream] = committed
+        return committed
+
+    async def _check_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            self.changed()
+
+
+class ReplicatedBlockStore(BlockStore):
+    """The local log, with durable_seq meaning "durable on enough copies" (see the module docstring)."""
+
+    def __init__(self, local: WalBlockStore, replicator: Replicator) -> None:
+        self.local = local
+        self.replicator = replicator
+
+    def recover(self, stream: str) -> tuple[int, int]:
+        return self.local.recover(stream)
+
+    def write(  # noqa: PLR0917 - BlockStore's signature
+        self,
+        stream: str,
+        seq: int,
+        first_offset: int,
+        receiver: int,
+        batches: Sequence[pa.RecordBatch],
+        producers: Mapping[str, int] | None = None,
+    ) -> tuple[BlockInfo, int]:
+        written = self.local.write(stream, seq, first_offset, receiver, batches, producers)
+        self.replicator.notify_written()
+        return written
+
+    def producers(self, stream: str) -> dict[str, int]:
+        return self.local.producers(stream)
+
+    def blocks(self, stream: str, from_seq: int = 0) -> list[BlockInfo]:
+        committed = self.replicator.committed_seq(stream)
+        return [b for b in self.local.blocks(stream, from_seq) if b.seq < committed]
+
+    def read(self, block: BlockInfo) -> Iterator[pa.RecordBatch]:
+        return self.local.read(block)
+
+    def release(self, stream: str, before_seq: int) -> int:
+        return self.local.release(stream, before_seq)
+
+    def durable_seq(self, stream: str) -> int:
+        if not self.replicator.links:
+            return self.local.durable_seq(stream)
+        return self.replicator.committed_seq(stream)
+
+    def flush(self) -> None:
+        self.local.flush()
+
+    def disk_bytes(self, stream: str | None = None) -> int:
+        return self.local.disk_bytes(stream)
+
+    def trim(self, stream: str) -> int:
+        return self.local.trim(stream)

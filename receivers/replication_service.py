@@ -1,0 +1,154 @@
+"""The follower's side of replication (Replication.Replicate), and producer marks (ProducerMarks).
+
+Replicate: the owner says hello (its id and its view of the cluster), the follower answers with the next
+block seq it needs per stream, then stores each block durably and acks it (receivers.replica_store).
+
+ProducerMarks: how far this node knows a producer got on a stream, over the partitions it holds: its
+copies of other nodes' blocks, and its own receiver's table, where records the producer has in flight
+are first waited for (up to MARK_WAIT) so that a node asking at failover never takes records that are
+about to be written here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from receivers.auth import Authenticator
+from receivers.cluster import Cluster
+from receivers.errors import ReceiverError
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from receivers.receiver import Receiver
+from receivers.replica_store import ReplicaGapError, ReplicaStore, merge_marks
+from receivers.wal import RawBlock
+
+REPLICATE = "/ingest.v1.Replication/Replicate"
+HELLO_TIMEOUT = 10.0
+MARK_WAIT = 5.0
+MAX_MARK_KEYS = 1000
+
+
+class ReplicationService:
+    """Serves Replication for this node's copies (register with add_parsed_servicer)."""
+
+    def __init__(
+        self,
+        cluster: Cluster,
+        replicas: ReplicaStore,
+        receivers: Mapping[str, Receiver],
+        authenticator: Authenticator,
+        *,
+        sync_each: bool = False,
+    ) -> None:
+        self._cluster = cluster
+        self._replicas = replicas
+        self._receivers = receivers
+        self._authenticator = authenticator
+        self._sync_each = sync_each  # the fsync policy is group commit: sync each copy before its ack
+
+    async def Replicate(
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.ReplicateResponse]:
+        try:
+            self._authenticator.caller(context, REPLICATE)
+        except ReceiverError as error:
+            await context.abort(getattr(grpc.StatusCode, error.status), str(error))
+        requests = aiter(request_iterator)
+        try:
+            first = pb.ReplicateRequest.FromString(await asyncio.wait_for(anext(requests), HELLO_TIMEOUT))
+        except (StopAsyncIteration, TimeoutError):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no ReplicaHello first")
+        except DecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable ReplicateRequest: {exc}")
+        owner = await self._check_hello(first, context)
+        streams = list(self._receivers)
+        state = {s: await asyncio.to_thread(self._replicas.next_seq, owner, s) for s in streams}
+        yield pb.ReplicateResponse(state=pb.ReplicaState(next_seq=state))
+        async for raw in requests:
+            try:
+                message = pb.ReplicateRequest.FromString(raw)
+            except DecodeError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable ReplicateRequest: {exc}")
+            if message.WhichOneof("kind") != "block":
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "only ReplicaBlock after the hello")
+            block = message.block
+            if block.stream not in self._receivers:
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"stream {block.stream!r} is not served here (streams: {', '.join(streams)})",
+                )
+            if block.seq < 0 or block.first_offset < 0 or block.count < 0:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "negative seq, offset or count")
+            copy = RawBlock(
+                block.seq,
+                block.first_offset,
+                block.count,
+                owner,
+                block.received_at,
+                dict(block.producers),
+                block.arrow_ipc,
+            )
+            try:
+                await asyncio.to_thread(self._store, owner, block.stream, copy, block.after_release)
+            except ReplicaGapError as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            except ValueError as exc:  # the log refused it (seq/offset order): the owner's view is off
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"block refused: {exc}")
+            yield pb.ReplicateResponse(ack=pb.ReplicaAck(stream=block.stream, seq=block.seq))
+
+    def _store(self, owner: int, stream: str, block: RawBlock, after_release: bool) -> None:
+        self._replicas.append(owner, stream, block, after_release=after_release)
+        if self._sync_each:
+            self._replicas.store(owner).flush()
+
+    async def _check_hello(
+        self, first: pb.ReplicateRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> int:
+        if first.WhichOneof("kind") != "hello":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the first message must be ReplicaHello")
+        hello = first.hello
+        cluster = self._cluster
+        if (hello.nodes, hello.replication) != (len(cluster.nodes), cluster.replication):
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node {hello.owner} sees {hello.nodes} nodes with replication {hello.replication}, "
+                f"this node {len(cluster.nodes)} with replication {cluster.replication}: "
+                "give every node the same list",
+            )
+        known = hello.owner in {n.id for n in cluster.nodes}
+        if not known or cluster.node_id not in {n.id for n in cluster.followers(hello.owner)}:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node {cluster.node_id} is not a follower of node {hello.owner} in its node list",
+            )
+        return hello.owner
+
+    async def ProducerMarks(
+        self, request: pb.ProducerMarksRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ProducerMarksResponse:
+        if len(request.producers) > MAX_MARK_KEYS:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_MARK_KEYS} producers per call"
+            )
+        receiver = self._receivers.get(request.stream)
+        if receiver is None:
+            return pb.ProducerMarksResponse()
+        keys = list(dict.fromkeys(request.producers))
+        marks = await asyncio.to_thread(self._replicas.marks, request.stream, keys)
+        deadline = time.monotonic() + MARK_WAIT
+        for key in keys:
+            while (state := receiver.producer_state(key)) and state.durable_up_to < state.accepted_up_to:
+                if time.monotonic() > deadline:
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"records of a producer on stream {request.stream!r} are not durable here yet; retry",
+                    )
+                await asyncio.sleep(0.02)
+            if state is not None:
+                merge_marks(marks, {key: state.durable_up_to})
+        return pb.ProducerMarksResponse(marks=marks)
