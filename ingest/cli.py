@@ -1054,6 +1054,29 @@ def _share(stream: pb.StreamRate) -> str:
     return f" ({stream.share_reason}{took}{bounds})"
 
 
+def _show_nodes(nodes: Sequence[pb.NodeRate]) -> None:
+    """On a cluster's driver: the rate's split among receiver nodes, one line each."""
+    up = sum(1 for node in nodes if node.up)
+    print(f"receiver nodes: {up} of {len(nodes)} up")
+    rows = [("node", "target", "state", "share/s", "taken/s", "busy", "backlog", "why")]
+    rows += [
+        (
+            str(node.node_id),
+            node.target,
+            "up" if node.up else "DOWN",
+            "unlimited" if math.isinf(node.records_per_second) else f"{node.records_per_second:,.0f}",
+            f"{node.taken_per_second:,.0f}",
+            "yes" if node.busy else "no",
+            f"{node.backlog:,}",
+            node.reason,
+        )
+        for node in nodes
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    for *cells, why in rows:
+        print("  " + "".join(cell.ljust(width + 2) for cell, width in zip(cells, widths, strict=True)) + why)
+
+
 def _show_rate(status: pb.RateStatus | None) -> int:
     if status is None:
         return EXIT_FAILED
@@ -1064,6 +1087,8 @@ def _show_rate(status: pb.RateStatus | None) -> int:
         paused = f" (credit paused: {', '.join(stream.credit_paused)})" if stream.credit_paused else ""
         rate = _rate_text(stream.records_per_second)
         print(f"stream {stream.stream}: {rate} records/s{_share(stream)}{paused}")
+    if status.nodes:
+        _show_nodes(status.nodes)
     if status.estimator_state:
         print("estimator state: " + ", ".join(f"{k}={v}" for k, v in sorted(status.estimator_state.items())))
     if status.HasField("last_batch"):

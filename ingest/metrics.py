@@ -11,7 +11,7 @@ import math
 import socket
 import ssl
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 from ingest.tls import ServerTls
 from receivers.auth import Authenticator
 from receivers.errors import PermissionDenied, Unauthenticated
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.principal import Role
 from receivers.receiver import PAUSE_REASONS, Receiver
 from receivers.wal import WalBlockStore
@@ -34,8 +35,8 @@ METRICS_ROLES = frozenset({Role.READER, Role.OPERATOR})
 
 
 class SluiceCollector(Collector):
-    """Exports receiver counters per stream, the block log's recovery counters and disk use, and the
-    Spark side's completed batches."""
+    """Exports receiver counters per stream, the block log's recovery counters and disk use, the
+    Spark side's completed batches, and on a cluster's driver each receiver node's share (`nodes`)."""
 
     def __init__(
         self,
@@ -43,10 +44,12 @@ class SluiceCollector(Collector):
         batches_completed: Callable[[], int],
         *,
         wal: WalBlockStore | None = None,
+        nodes: Callable[[], Sequence[pb.NodeRate]] | None = None,
     ) -> None:
         self._receivers = receivers
         self._batches_completed = batches_completed
         self._wal = wal
+        self._nodes = nodes
 
     def collect(self) -> Iterator[Metric]:
         counters: dict[str, tuple[str, Callable[[Receiver], float]]] = {
@@ -143,6 +146,27 @@ class SluiceCollector(Collector):
         yield CounterMetricFamily(
             "sluice_batches_completed", "Spark micro-batches completed.", value=self._batches_completed()
         )
+        if self._nodes is not None:
+            yield from self._collect_nodes(self._nodes())
+
+    @staticmethod
+    def _collect_nodes(nodes: Sequence[pb.NodeRate]) -> Iterator[Metric]:
+        gauges: dict[str, tuple[str, Callable[[pb.NodeRate], float]]] = {
+            "node_rate_records_per_second": (
+                "The receiver node's share of the rate, records per second (0 while down; +Inf: unlimited).",
+                lambda n: n.records_per_second,
+            ),
+            "node_up": ("1 while the receiver node answers the driver, else 0.", lambda n: float(n.up)),
+            "node_backlog_records": (
+                "Records on the receiver node not yet read by Spark.",
+                lambda n: n.backlog,
+            ),
+        }
+        for name, (doc, read) in gauges.items():
+            gauge = GaugeMetricFamily(f"sluice_{name}", doc, labels=["node"])
+            for node in nodes:
+                gauge.add_metric([str(node.node_id)], read(node))
+            yield gauge
 
     def _rate_share(self, receiver: Receiver) -> float:
         total = sum(r.rate for r in self._receivers.values())

@@ -239,7 +239,7 @@ class NodeRates:
         node.busy = any(s.busy for s in status.streams)
         if not node.up:
             node.up = True
-            log.info("receiver node %d at %s answers: up, it has a share of the rate", node.node_id, node.target)
+            log.info("receiver node %d at %s answers: up", node.node_id, node.target)
 
     def _failed(self, node: _Node, exc: grpc.aio.AioRpcError) -> None:
         node.failures += 1

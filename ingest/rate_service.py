@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 
@@ -20,7 +20,7 @@ log = logging.getLogger(__name__)
 Context = grpc.aio.ServicerContext[object, object]
 
 
-def rate_status(controller: RateController) -> pb.RateStatus:
+def rate_status(controller: RateController, nodes: Sequence[pb.NodeRate] = ()) -> pb.RateStatus:
     paused = controller.credit_paused()
     shares = controller.stream_shares()
     status = pb.RateStatus(
@@ -45,6 +45,7 @@ def rate_status(controller: RateController) -> pb.RateStatus:
             for stream, (share, demand, policy) in shares.items()
         ],
         capacity=controller.estimator.capacity or 0.0,
+        nodes=nodes,
     )
     batch = controller.last_batch
     if batch is not None:
@@ -67,9 +68,19 @@ SEAL_TIMEOUT = 1.0
 
 
 class RateControlService(pb_grpc.RateControlServicer):
-    def __init__(self, controller: RateController, receivers: Mapping[str, Receiver] | None = None) -> None:
+    def __init__(
+        self,
+        controller: RateController,
+        receivers: Mapping[str, Receiver] | None = None,
+        *,
+        nodes: Callable[[], Sequence[pb.NodeRate]] | None = None,
+    ) -> None:
         self._controller = controller
         self._receivers = receivers or {}
+        self._nodes = nodes  # on a cluster's driver: the rate's split among receiver nodes (NodeRates)
+
+    def _status(self) -> pb.RateStatus:
+        return rate_status(self._controller, self._nodes() if self._nodes is not None else ())
 
     async def GetRate(self, request: pb.GetRateRequest, context: Context) -> pb.RateStatus:
         if request.wait_for_batch_seconds:
@@ -86,28 +97,28 @@ class RateControlService(pb_grpc.RateControlServicer):
                 log.warning(
                     "receivers did not seal within %.1f s; the next batch takes what is sealed", SEAL_TIMEOUT
                 )
-        return rate_status(self._controller)
+        return self._status()
 
     async def UpdateRate(self, request: pb.UpdateRateRequest, context: Context) -> pb.RateStatus:
         try:
             self._controller.update(request.records_per_second, pin=request.pin)
         except InvalidRateError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return rate_status(self._controller)
+        return self._status()
 
     async def SetBounds(self, request: pb.SetBoundsRequest, context: Context) -> pb.RateStatus:
         try:
             self._controller.set_bounds(request.min_rate, request.max_rate)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return rate_status(self._controller)
+        return self._status()
 
     async def SetEstimator(self, request: pb.SetEstimatorRequest, context: Context) -> pb.RateStatus:
         try:
             self._controller.set_estimator(request.estimator)
         except UnknownEstimatorError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return rate_status(self._controller)
+        return self._status()
 
     async def StartBatch(self, request: pb.StartBatchRequest, context: Context) -> pb.StartBatchResponse:
         try:
