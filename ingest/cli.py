@@ -233,7 +233,11 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     push = commands.add_parser("push", help="push lines of a file (or - for stdin) as records")
     push.add_argument("file", help="a file, or - for standard input")
     push.add_argument(
-        "--target", type=_target, default=f"127.0.0.1:{DEFAULT_PORT}", help="server (default: %(default)s)"
+        "--target",
+        type=_targets,
+        default=f"127.0.0.1:{DEFAULT_PORT}",
+        help="server, or receiver nodes comma-separated (HOST:PORT,HOST:PORT) to fail over between in "
+        "order (default: %(default)s)",
     )
     push.add_argument("--stream", default="default", help="stream (default: %(default)s)")
     push.add_argument(
@@ -501,6 +505,16 @@ def _target(text: str) -> str:
     if ":" in host and not (host.startswith("[") and host.endswith("]")):
         raise argparse.ArgumentTypeError(f"invalid target {text!r}: an IPv6 host goes in brackets, [{host}]")
     return text
+
+
+def _targets(text: str) -> str:
+    """One target or several, comma-separated (push fails over between them), each as _target."""
+    from ingest.client.producer import parse_targets  # noqa: PLC0415
+
+    try:
+        return ",".join(_target(name) for name in parse_targets(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _fsync_policy(text: str) -> FsyncPolicy:

@@ -16,6 +16,8 @@ SluiceError                 base of everything the SDK raises
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
 
 __all__ = [
@@ -74,16 +76,19 @@ class FlushTimeoutError(SluiceError, TimeoutError):
 
 class ReconnectTimeoutError(RPCError):
     """The producer's session ended with a retriable status and no new session could be opened within
-    `reconnect_timeout` seconds; `status` and the message name the last failure."""
+    `reconnect_timeout` seconds; `status` and the message name the last failure (and the `targets`
+    tried, when given)."""
 
-    def __init__(self, last: RPCError, attempts: int, elapsed: float) -> None:
+    def __init__(self, last: RPCError, attempts: int, elapsed: float, *, targets: Sequence[str] = ()) -> None:
+        to = f" to {', '.join(targets)}" if targets else ""
         super().__init__(
             last.status,
-            f"gave up reconnecting after {attempts} attempt(s) in {elapsed:.2f} s; "
+            f"gave up reconnecting after {attempts} attempt(s){to} in {elapsed:.2f} s; "
             f"last error: {last.message}",
         )
         self.last = last
         self.attempts = attempts
+        self.targets = tuple(targets)
 
 
 class StartTimeoutError(RPCError):

@@ -19,6 +19,19 @@ fenced by a newer session of the same producer id, UNAUTHENTICATED, PERMISSION_D
 producer: resending would not help or would fight the newer session. So does a TLS handshake that fails
 on the certificates (an untrusted or expired server certificate), which no retry mends.
 
+Failover: `target` may name several receiver nodes ("a:7000,b:7000" or a sequence). The producer uses
+one at a time (`producer.target`). When its session is lost with a retriable status it tries the next
+target in order, then the one after, round robin from the one after the failed node; a target that
+cannot be reached is skipped at once, and the backoff comes between full rounds. Each attempt resumes
+as above: Open{producer_id, resume_from_seq = first unacked}, then every unacked record in order.
+`reconnect_timeout` bounds the whole outage over all targets, and the first session goes round the
+targets the same way within `start_timeout`. A status that is not retriable on one node fails the
+producer without trying the others: another node would refuse the same client the same way. The
+producer ids and marks are per node, so a record acked by neither node before the failover is sent to
+both once; the cluster (nodes replicate blocks and producer marks, and a node asks its peers for a
+producer's mark before taking its session) makes that exactly once. Without it, failover loses
+nothing but may store such records twice.
+
 Credentials (ingest.client.credentials): TLS roots, a client certificate and a bearer token, sent on
 every session's call.
 """
@@ -95,6 +108,27 @@ def _transport_failure(error: RPCError) -> bool:
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
+def parse_targets(target: str | Sequence[str]) -> tuple[str, ...]:
+    """The receiver nodes named by `target`: one "host:port", a comma-separated list of them, or a
+    sequence of either; ValueError for an empty list, an empty entry or a target named twice."""
+    given = [target] if isinstance(target, str) else list(target)
+    targets: list[str] = []
+    for item in given:
+        if not isinstance(item, str):
+            raise TypeError(f"a target is a str such as 'host:port', not {type(item).__name__}")
+        for entry in item.split(","):
+            name = entry.strip()
+            if not name:
+                raise ValueError(f"empty target in {target!r}: use 'host:port' or 'host:port,host:port'")
+            if name in targets:
+                # a round would visit it twice: more likely a typo for another node than meant
+                raise ValueError(f"target {name!r} is named twice in {target!r}")
+            targets.append(name)
+    if not targets:
+        raise ValueError("no target: give at least one 'host:port'")
+    return tuple(targets)
+
+
 Call = grpc.aio.StreamStreamCall[pb.PublishRequest, pb.PublishResponse]
 _CALL_ENDED = (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
 _ERROR_DELIVERY = 1.0
@@ -125,6 +159,9 @@ class Producer:
 
     Use as `async with Producer(target, stream) as producer: await producer.send(b"...")`.
 
+    `target`: "host:port", or several receiver nodes ("a:7000,b:7000" or a sequence) to fail over
+    between, in order (module docstring); `targets` holds them, `target` is the one in use.
+
     `producer_id` names the producer for deduplication (default: a random id, so one Producer object is
     one producer); give the same id to one producer at a time only: a second session with the same id
     fences the first (it fails with ABORTED).
@@ -135,7 +172,10 @@ class Producer:
     sequence numbers, so they start at it.
 
     `start_timeout` bounds how long start() retries a server that cannot be reached (UNAVAILABLE), with
-    the reconnect backoff, logging a WARNING that names the target; then StartTimeoutError. 0: one try.
+    the reconnect backoff, logging a WARNING that names the targets; then StartTimeoutError. 0: one
+    round of the targets.
+
+    `channel`: a channel of the caller's (one target only), used as is and left open by close().
 
     `credentials` (ingest.client.credentials.Credentials, e.g. `Credentials.from_env()`): TLS and a
     bearer token; default plaintext without a token. UNAUTHENTICATED and PERMISSION_DENIED end the
@@ -144,7 +184,7 @@ class Producer:
 
     def __init__(  # noqa: PLR0915 - one assignment per setting
         self,
-        target: str,
+        target: str | Sequence[str],
         stream: str,
         *,
         producer_id: str | None = None,
@@ -173,7 +213,12 @@ class Producer:
             raise ValueError("need 0 < reconnect_backoff <= max_reconnect_backoff")
         if not 0 <= first_seq < _SEQ_END:
             raise ValueError(f"first_seq must be in 0..{_SEQ_END - 1}, got {first_seq}")
-        self.target = target
+        self.targets = parse_targets(target)
+        if channel is not None and len(self.targets) > 1:
+            raise ValueError(
+                f"channel= serves one target, not {len(self.targets)}: {', '.join(self.targets)}"
+            )
+        self._current = 0  # index in targets of the node in use (or tried last)
         self.stream = stream
         self.producer_id = producer_id or uuid.uuid4().hex
         self.batch_size = batch_size
@@ -186,8 +231,11 @@ class Producer:
         self.reconnect_timeout = reconnect_timeout
         self.start_timeout = start_timeout
         self.credentials = credentials or Credentials()  # its token goes on `channel`'s calls too
+        # one channel per target used, made on first use; a caller's channel is theirs to close
+        self._channels: dict[str, grpc.aio.Channel] = {}
         self._own_channel = channel is None
-        self._channel = channel
+        if channel is not None:
+            self._channels[self.targets[0]] = channel
         self._state = _State.NEW
         self._call: Call | None = None
         self._values: list[bytes] = []  # not sent yet (in this session), from _sent_seq on
@@ -213,6 +261,11 @@ class Producer:
         """Sessions opened again after the previous one ended with a retriable status."""
         self.resent = 0
         """Records queued again for sending after a reconnect (sent before, not acked)."""
+
+    @property
+    def target(self) -> str:
+        """The target of the session in use (or being opened): one of `targets`."""
+        return self.targets[self._current]
 
     # ---- counters --------------------------------------------------------------------------------
 
@@ -254,25 +307,12 @@ class Producer:
     # ---- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the session; returns once Open is written. While the server cannot be reached
-        (UNAVAILABLE: not up yet, restarting) this retries with the reconnect backoff for up to
+        """Open the session; returns once Open is written. While no target can be reached (UNAVAILABLE:
+        not up yet, restarting) this goes round the targets, backing off between rounds, for up to
         `start_timeout` seconds, then raises StartTimeoutError; any other status raises RPCError at once."""
         if self._state is not _State.NEW:
             raise ProducerClosedError(f"producer is {self._state.value}; a producer starts once")
         self._state = _State.OPEN
-        if self._channel is None:
-            backoff_ms = int(self.reconnect_backoff * 1000)
-            self._channel = self.credentials.channel(
-                self.target,
-                options=[
-                    ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
-                    ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
-                    # the channel's own reconnects must not lag behind ours after a server restart
-                    ("grpc.initial_reconnect_backoff_ms", backoff_ms),
-                    ("grpc.min_reconnect_backoff_ms", backoff_ms),
-                    ("grpc.max_reconnect_backoff_ms", int(self.max_reconnect_backoff * 1000)),
-                ],
-            )
         try:
             call = await self._open_first_call()
         except BaseException:
@@ -288,26 +328,27 @@ class Producer:
         delay = self.reconnect_backoff
         attempts = 0
         while True:
-            attempts += 1
-            try:
-                call = await self._open_call()
-            except grpc.aio.AioRpcError as exc:
-                failure = RPCError.from_grpc(exc)
-                if not reconnectable(failure):
-                    raise failure from None
-            else:
+            for index in self._round(0):
+                attempts += 1
+                try:
+                    call = await self._open_call(index)
+                except RPCError as exc:
+                    if not reconnectable(exc):
+                        raise
+                    failure = exc
+                    continue
                 if attempts > 1:
                     log.info("connected to %s after %.1f s", self.target, loop.time() - started)
                 return call
             elapsed = loop.time() - started
             if elapsed >= self.start_timeout:
                 raise StartTimeoutError(
-                    self.target, failure, attempts, elapsed, tls=self.credentials.secure
+                    ", ".join(self.targets), failure, attempts, elapsed, tls=self.credentials.secure
                 )
-            if attempts == 1:
+            if attempts == len(self.targets):
                 log.warning(
                     "waiting for server at %s (%s: %s); retrying for up to %g s",
-                    self.target,
+                    ", ".join(self.targets),
                     failure.status.name,
                     failure.message,
                     self.start_timeout,
@@ -315,13 +356,43 @@ class Producer:
             await asyncio.sleep(min(delay * random.uniform(0.5, 1.0), self.start_timeout - elapsed))  # noqa: S311
             delay = min(delay * 2, self.max_reconnect_backoff)
 
-    async def _open_call(self) -> Call:
-        assert self._channel is not None
-        publish = pb_grpc.IngestStub(self._channel).Publish
+    def _round(self, first: int) -> list[int]:
+        """Indexes of every target once, in order, from `first` (wrapping round)."""
+        n = len(self.targets)
+        return [(first + i) % n for i in range(n)]
+
+    def _channel_for(self, target: str) -> grpc.aio.Channel:
+        channel = self._channels.get(target)
+        if channel is None:
+            backoff_ms = int(self.reconnect_backoff * 1000)
+            channel = self.credentials.channel(
+                target,
+                options=[
+                    ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+                    ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+                    # the channel's own reconnects must not lag behind ours after a server restart
+                    ("grpc.initial_reconnect_backoff_ms", backoff_ms),
+                    ("grpc.min_reconnect_backoff_ms", backoff_ms),
+                    ("grpc.max_reconnect_backoff_ms", int(self.max_reconnect_backoff * 1000)),
+                ],
+            )
+            self._channels[target] = channel
+        return channel
+
+    async def _open_call(self, index: int) -> Call:
+        """Open a session with targets[index] (now `target`): Open written, or RPCError."""
+        self._current = index
+        publish = pb_grpc.IngestStub(self._channel_for(self.target)).Publish
         call: Call = publish(metadata=self.credentials.metadata)  # type: ignore[call-arg]  # stubs lag
         opening = pb.Open(stream=self.stream, producer_id=self.producer_id, resume_from_seq=self._acked_seq)
         try:
-            await call.write(pb.PublishRequest(open=opening))
+            try:
+                await call.write(pb.PublishRequest(open=opening))
+            except grpc.aio.AioRpcError as exc:
+                raise RPCError.from_grpc(exc) from None
+            except asyncio.InvalidStateError:
+                # the call ended before Open went out (the node failed it at once): its status says why
+                raise RPCError(await call.code(), await call.details() or "") from None
         except BaseException:
             call.cancel()
             raise
@@ -390,9 +461,10 @@ class Producer:
                 await task
         if self._call is not None:
             self._call.cancel()
-        if self._own_channel and self._channel is not None:
-            await self._channel.close(None)
-            self._channel = None
+        channels, self._channels = self._channels, {}
+        if self._own_channel:
+            for channel in channels.values():
+                await channel.close(None)
         self._wake()
 
     def __del__(self) -> None:
@@ -550,16 +622,20 @@ class Producer:
         return None
 
     async def _reconnect(self, failure: RPCError) -> Call:
-        """Back off, then open a new session resuming at the first unacked record; give up after
-        reconnect_timeout seconds without a session that the server answered."""
+        """Back off, then open a new session resuming at the first unacked record, trying the targets
+        in turn from the one after the lost one; give up after reconnect_timeout seconds without a
+        session that a server answered."""
         loop = asyncio.get_running_loop()
+        lost = self.target
         if self._lost_since is None:
             self._lost_since = loop.time()
+            others = f" (then {', '.join(self.targets[i] for i in self._round(self._current + 1))})"
             log.warning(
-                "session with the server at %s lost (%s: %s); reconnecting for up to %g s",
-                self.target,
+                "session with the server at %s lost (%s: %s); reconnecting%s for up to %g s",
+                lost,
                 failure.status.name,
                 failure.message,
+                others if len(self.targets) > 1 else "",
                 self.reconnect_timeout,
             )
         delay = self.reconnect_backoff
@@ -567,23 +643,35 @@ class Producer:
         while True:
             elapsed = loop.time() - self._lost_since
             if elapsed >= self.reconnect_timeout:
-                self._error = ReconnectTimeoutError(failure, attempts, elapsed)
+                self._error = ReconnectTimeoutError(failure, attempts, elapsed, targets=self.targets)
                 raise self._error
+            # back off per round of targets, not per target: a dead node is skipped at once
             await asyncio.sleep(min(delay * random.uniform(0.5, 1.0), self.reconnect_timeout - elapsed))  # noqa: S311
             delay = min(delay * 2, self.max_reconnect_backoff)
-            attempts += 1
             self._requeue_unacked()
-            try:
-                call = await self._open_call()
-            except grpc.aio.AioRpcError as exc:
-                failure = RPCError.from_grpc(exc)
-                if not reconnectable(failure):
-                    self._error = failure
-                    raise failure from None
-                continue
-            self.reconnects += 1
-            self.cancel_reason = None  # a new session: the old one's cancel is history
-            return call
+            for index in self._round(self._current + 1):
+                attempts += 1
+                try:
+                    call = await self._open_call(index)
+                except RPCError as exc:
+                    failure = exc
+                    if not reconnectable(failure):
+                        self._error = failure
+                        raise
+                    if loop.time() - self._lost_since >= self.reconnect_timeout:
+                        break
+                    continue
+                self.reconnects += 1
+                self.cancel_reason = None  # a new session: the old one's cancel is history
+                if self.target != lost:
+                    log.info(
+                        "failed over from %s to %s after %.1f s; resending %d unacked records",
+                        lost,
+                        self.target,
+                        loop.time() - self._lost_since,
+                        self.unacked,
+                    )
+                return call
 
     def _requeue_unacked(self) -> None:
         """Put the sent, unacked records back in front of the unsent ones, to be sent again in order."""

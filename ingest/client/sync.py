@@ -20,7 +20,7 @@ class SyncProducer:
     `send_many` amortises the thread hop; `send` costs one hop per record.
     """
 
-    def __init__(self, target: str, stream: str, **kwargs: Any) -> None:
+    def __init__(self, target: str | Sequence[str], stream: str, **kwargs: Any) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sluice-producer", daemon=True)
         self._thread.start()
@@ -32,7 +32,7 @@ class SyncProducer:
             raise
 
     @staticmethod
-    async def _make(target: str, stream: str, kwargs: dict[str, Any]) -> Producer:
+    async def _make(target: str | Sequence[str], stream: str, kwargs: dict[str, Any]) -> Producer:
         return Producer(target, stream, **kwargs)  # created on the loop that will use it
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
@@ -46,6 +46,15 @@ class SyncProducer:
 
     def flush(self, timeout: float | None = None) -> None:
         self._run(self._producer.flush(timeout))
+
+    @property
+    def target(self) -> str:
+        """The target in use (Producer.target)."""
+        return self._producer.target
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return self._producer.targets
 
     @property
     def acked(self) -> int:
