@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ratecontrol import ESTIMATORS, RateBounds, StreamPolicy, UnknownEstimatorError, check_rate
 from receivers.block import check_stream_name
+from receivers.cluster import Cluster
 from receivers.principal import Limits
 from receivers.receiver import ReceiverConfig
 from receivers.wal import DEFAULT_SEGMENT_BYTES, FsyncPolicy
@@ -141,6 +142,14 @@ class ServeConfig:
     """Run the Spark query in this process; off for a receive-only node."""
     security: SecurityConfig = field(default_factory=SecurityConfig)
     """TLS, authentication, per-principal limits."""
+    cluster: Cluster | None = None
+    """The receiver nodes and this node's id among them (`--role receiver`); None: a single node."""
+    peer_token_file: Path | None = None
+    """Bearer token (of a principal with the peer role) this node sends to its peers; with mutual TLS
+    its own certificate identifies it instead."""
+    health_port: int | None = None
+    """Also serve the gRPC health service alone, in plaintext, on this port of every address (for
+    Kubernetes' grpc probes, which do not speak TLS); None: only on the main port."""
 
     def __post_init__(self) -> None:
         if not self.streams:
@@ -155,10 +164,10 @@ class ServeConfig:
                 f"a stream weight or rate bound names {', '.join(map(repr, unknown))}, which this node "
                 f"does not serve (streams: {', '.join(self.streams)})"
             )
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be 0-65535, got {self.port}")
-        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"metrics port must be 0-65535, got {self.metrics_port}")
+        ports = (("port", self.port), ("metrics port", self.metrics_port), ("health port", self.health_port))
+        for what, port in ports:
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{what} must be 0-65535, got {port}")
         if self.port != 0 and self.port == self.metrics_port and self.host == self.metrics_host:
             raise ValueError(f"the gRPC port and the metrics port are both {self.port}: give them two")
         if not 0 < self.trigger_interval < math.inf:

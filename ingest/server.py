@@ -11,9 +11,11 @@ import logging
 import os
 import ssl
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from ingest.config import ServeConfig
@@ -21,9 +23,11 @@ from ingest.metrics import MetricsServer, SluiceCollector
 from ingest.preflight import DataDirLock, bind_address, make_dirs
 from ingest.rate_controller import WATCHDOG_TICK, RateController
 from ingest.rate_service import RateControlService
+from ingest.receiver_node import ReceiverNode
 from ingest.sessions_service import SessionsService
 from ingest.tls import ServerTls, TlsFileError
 from receivers.auth import PIPELINE, Authenticator, AuthFileError, AuthTable, revoke
+from receivers.block_store import BlockStore
 from receivers.parsed_service import add_parsed_servicer
 from receivers.publish_service import PublishService
 from receivers.receiver import Receiver
@@ -67,7 +71,15 @@ class SluiceServer:
             self.store = WalBlockStore(
                 config.blocks_dir, fsync=config.fsync, segment_bytes=config.wal_segment_bytes
             )
-            self.receivers = {s: Receiver(s, self.store, config.receiver) for s in config.streams}
+            self.node: ReceiverNode | None = None
+            """A cluster's receiver node: replication, copies, block reads (None: a single node)."""
+            writes: BlockStore = self.store
+            receiver_config = config.receiver
+            if config.cluster is not None:
+                self.node = ReceiverNode(config, config.cluster, self.store)
+                writes = self.node.store
+                receiver_config = replace(receiver_config, receiver_id=config.cluster.me.id)
+            self.receivers = {s: Receiver(s, writes, receiver_config) for s in config.streams}
         except BaseException:
             self._release_lock()
             raise
@@ -94,6 +106,11 @@ class SluiceServer:
         """The bound gRPC port, once started."""
         self._stopped = asyncio.Event()
         self._watchdog: asyncio.Task[None] | None = None
+        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # stubs lack .aio
+        """grpc.health.v1: SERVING for "" and ingest.v1.Ingest while the server takes records."""
+        self._health_server: grpc.aio.Server | None = None
+        self.health_port: int | None = None
+        """The bound plaintext health port (config.health_port), once started."""
 
     def _batches_completed(self) -> int:
         return self.batches_completed()  # looked up at scrape time: the Spark side may attach later
@@ -143,13 +160,7 @@ class SluiceServer:
                 ("grpc.max_connection_idle_ms", round(MAX_CONNECTION_IDLE * 1000)),
             ]
         )
-        PublishService(
-            self.receivers, open_timeout=self.config.security.handshake_timeout, authenticator=self.auth
-        ).add_to_server(server)  # parses client messages itself, authenticates each call
-        # requests parsed in the handler: an undecodable one is INVALID_ARGUMENT, not gRPC's UNKNOWN
-        rate = RateControlService(self.rate, self.receivers)
-        add_parsed_servicer(server, rate, "RateControl", authenticator=self.auth)
-        add_parsed_servicer(server, SessionsService(self.receivers), "Sessions", authenticator=self.auth)
+        self._add_services(server)
         address = bind_address(self.config.host, self.config.port)
         detail = ""
         try:
@@ -169,9 +180,9 @@ class SluiceServer:
             await server.stop(None)
             raise OSError(f"cannot bind gRPC to {address} (in use, or not an address of this host){detail}")
         try:
-            for receiver in self.receivers.values():
-                await receiver.start()
+            await self._start_receivers()
             await server.start()
+            await self._start_health_port()
         except BaseException:  # e.g. the block log cannot be read: leave nothing bound
             await server.stop(None)
             if self._metrics is not None:
@@ -179,6 +190,8 @@ class SluiceServer:
                 self._metrics = None
             raise
         self._grpc = server
+        for service in ("", "ingest.v1.Ingest"):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         _write_private(self.pipeline_token_file, self._pipeline_token + "\n")
         self._watchdog = asyncio.create_task(self._watch_batches(), name="sluice-batch-watchdog")
         log.info(
@@ -188,6 +201,21 @@ class SluiceServer:
             self.transport,
             self.metrics_port,
         )
+
+    def _add_services(self, server: grpc.aio.Server) -> None:
+        PublishService(
+            self.receivers,
+            open_timeout=self.config.security.handshake_timeout,
+            authenticator=self.auth,
+            producer_marks=self.node.peer_marks.mark if self.node is not None else None,
+        ).add_to_server(server)  # parses client messages itself, authenticates each call
+        # requests parsed in the handler: an undecodable one is INVALID_ARGUMENT, not gRPC's UNKNOWN
+        rate = RateControlService(self.rate, self.receivers)
+        add_parsed_servicer(server, rate, "RateControl", authenticator=self.auth)
+        add_parsed_servicer(server, SessionsService(self.receivers), "Sessions", authenticator=self.auth)
+        if self.node is not None:
+            self.node.add_services(server, self.receivers, self.auth)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
 
     @property
     def transport(self) -> str:
@@ -257,16 +285,44 @@ class SluiceServer:
         self._stopped.set()
         if self._watchdog is not None:
             self._watchdog.cancel()
+        await self.health.enter_graceful_shutdown()  # probes see NOT_SERVING from now on
+        if self.node is not None:
+            await self.node.drain()
         for receiver in self.receivers.values():
             await receiver.stop()
+        if self.node is not None:
+            await self.node.stop()
         if self._grpc is not None:
             await self._grpc.stop(grace)
+        if self._health_server is not None:
+            await self._health_server.stop(None)
         if self._metrics is not None:
             self._metrics.close()
         self.store.close()
         # the token file stays: `sluice serve` drains Spark after this, and the source may first read
         # it then; the token dies with this process (only its hash was ever kept), the next run rewrites it
         self._release_lock()
+
+    async def _start_receivers(self) -> None:
+        for receiver in self.receivers.values():
+            await receiver.start()
+        if self.node is not None:
+            await self.node.start()
+
+    async def _start_health_port(self) -> None:
+        port = self.config.health_port
+        if port is None:
+            return
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        try:
+            self.health_port = server.add_insecure_port(bind_address("0.0.0.0", port)) or None  # noqa: S104 - probes come from the kubelet
+        except RuntimeError:
+            self.health_port = None
+        if self.health_port is None:
+            raise OSError(f"cannot bind the health port {port}")
+        await server.start()
+        self._health_server = server
 
     async def _watch_batches(self) -> None:
         while True:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 
 from ingest.config import RateConfig, SecurityConfig, ServeConfig
 from ingest.server import SluiceServer
+from receivers.cluster import Cluster, Node
 from receivers.receiver import ReceiverConfig
 from receivers.wal import FsyncPolicy
 
@@ -25,13 +27,16 @@ async def running_server(
     fsync: FsyncPolicy | None = None,
     security: SecurityConfig | None = None,
     host: str = "127.0.0.1",
+    cluster: Cluster | None = None,
+    port: int = 0,
     **receiver: Any,
 ) -> AsyncIterator[SluiceServer]:
     """A SluiceServer without Spark on a free port of `host` (loopback); `receiver` overrides
     ReceiverConfig, `security` (TLS, auth file, limits) is none unless given."""
     config = ServeConfig(
         host=host,
-        port=0,
+        port=port,
+        cluster=cluster,
         metrics_port=0 if metrics else None,
         data_dir=data_dir,
         streams=streams or ("s",),
@@ -48,6 +53,24 @@ async def running_server(
         yield server
     finally:
         await server.stop(grace=1)
+
+
+def free_ports(n: int) -> list[int]:
+    """n ports free on loopback now (a cluster's node list needs them before its servers start)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def loopback_cluster(n: int, replication: int = 1, min_insync: int = 1) -> list[Cluster]:
+    """The Cluster of each of n nodes on free loopback ports (node ids 0..n-1)."""
+    nodes = tuple(Node(i, f"127.0.0.1:{port}") for i, port in enumerate(free_ports(n)))
+    return [Cluster(nodes, i, replication, min_insync) for i in range(n)]
 
 
 async def wait_until(condition: Callable[[], bool], timeout: float = 10) -> None:

@@ -1,0 +1,110 @@
+"""The wiring of a cluster's receiver node (`sluice serve --role receiver`).
+
+A receiver node is the single-node server (ingest.server.SluiceServer) plus: replication of its blocks
+to its followers before acking them (receivers.replication), copies of the blocks of the nodes it
+follows (receivers.replica_store, the Replication service), the Blocks service through which Spark's
+executors read both, and producer marks asked of its peers when a producer fails over to it
+(receivers.producer_marks). Peers are called with this node's TLS certificate (mutual TLS) and, when
+given, a peer token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import grpc
+
+from ingest.config import ServeConfig
+from receivers.auth import Authenticator
+from receivers.block_store import BlockStore
+from receivers.blocks_service import BlocksService
+from receivers.cluster import Cluster
+from receivers.parsed_service import add_parsed_servicer
+from receivers.producer_marks import PeerMarks
+from receivers.receiver import Receiver
+from receivers.replica_store import ReplicaStore
+from receivers.replication import Metadata, ReplicatedBlockStore, Replicator
+from receivers.replication_service import ReplicationService
+from receivers.wal import WalBlockStore
+
+REPLICAS_DIR = "replicas"
+DRAIN_WAIT = 2.0
+"""At stop, wait this long at most for followers to ack what was written, so it is acked too."""
+
+
+class ReceiverNode:
+    """Replication, copies and block reads for one node; SluiceServer drives it."""
+
+    def __init__(self, config: ServeConfig, cluster: Cluster, local: WalBlockStore) -> None:
+        self.cluster = cluster
+        self.local = local
+        self.metadata: Metadata = _peer_metadata(config.peer_token_file)
+        self._config = config
+        self.replicas = ReplicaStore(
+            config.data_dir / REPLICAS_DIR, fsync=config.fsync, segment_bytes=config.wal_segment_bytes
+        )
+        self.replicator = Replicator(
+            cluster, local, config.streams, channel=self.channel, metadata=self.metadata
+        )
+        self.store: BlockStore = ReplicatedBlockStore(local, self.replicator)
+        """What this node's receivers write to: acked (durable_seq) once on enough copies."""
+        self.peer_marks = PeerMarks(cluster, self.replicas, self.channel, metadata=self.metadata)
+        self._receivers: Mapping[str, Receiver] = {}
+
+    def channel(self, target: str) -> grpc.aio.Channel:
+        """A channel to a peer, with this node's certificate when it serves TLS."""
+        tls = self._config.security.tls
+        if tls is None:
+            return grpc.aio.insecure_channel(target)
+        roots = tls.client_ca_file.read_bytes() if tls.client_ca_file is not None else None
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=roots,
+            private_key=tls.key_file.read_bytes(),
+            certificate_chain=tls.cert_file.read_bytes(),
+        )
+        return grpc.aio.secure_channel(target, credentials)
+
+    def add_services(
+        self, server: grpc.aio.Server, receivers: Mapping[str, Receiver], auth: Authenticator
+    ) -> None:
+        self._receivers = receivers
+        me = self.cluster.me.id
+        blocks = BlocksService(me, receivers, self.store, self.local, self.replicas)
+        add_parsed_servicer(server, blocks, "Blocks", authenticator=auth)
+        sync_each = self._config.fsync.mode == "interval"
+        replication = ReplicationService(self.cluster, self.replicas, receivers, auth, sync_each=sync_each)
+        add_parsed_servicer(server, replication, "Replication", authenticator=auth)
+        self.replicator.on_change(self._replication_changed)
+
+    def _replication_changed(self) -> None:
+        paused = not self.replicator.can_ack
+        status = self.replicator.status()
+        for receiver in self._receivers.values():
+            receiver.ack_durable()
+            receiver.set_replication_paused(paused, status)
+
+    async def start(self) -> None:
+        await self.replicator.start()
+
+    async def drain(self) -> None:
+        """Give followers a moment to ack what is written, so that it is acked to its producers."""
+        deadline = time.monotonic() + DRAIN_WAIT
+        while time.monotonic() < deadline and self.replicator.can_ack:
+            if all(self.store.durable_seq(s) >= self.local.durable_seq(s) for s in self._receivers):
+                return
+            await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        await self.replicator.stop()
+        await self.peer_marks.close()
+        self.replicas.close()
+
+
+def _peer_metadata(token_file: Path | None) -> Metadata:
+    if token_file is None:
+        return ()
+    token = token_file.read_text().strip()
+    return (("authorization", f"Bearer {token}"),)
