@@ -255,6 +255,8 @@ class Producer:
         self._room_listeners: list[Callable[[], None]] = []
         self._write_lock = asyncio.Lock()  # grpc.aio allows one write at a time per call
         self._lost_since: float | None = None  # when the session was lost, until a new one is up
+        self._outage_backoff = reconnect_backoff  # before the next round of targets in this outage
+        self._outage_rounds = 0  # rounds of targets tried in this outage
         self.cancel_reason: str | None = None
         """Why the server last cancelled a session, if it did."""
         self.reconnects = 0
@@ -622,13 +624,15 @@ class Producer:
         return None
 
     async def _reconnect(self, failure: RPCError) -> Call:
-        """Back off, then open a new session resuming at the first unacked record, trying the targets
-        in turn from the one after the lost one; give up after reconnect_timeout seconds without a
-        session that a server answered."""
+        """Open a new session resuming at the first unacked record, trying the targets in turn from
+        the one after the lost one, backing off between rounds; give up after reconnect_timeout seconds
+        without a session that a server answered."""
         loop = asyncio.get_running_loop()
         lost = self.target
         if self._lost_since is None:
             self._lost_since = loop.time()
+            self._outage_backoff = self.reconnect_backoff
+            self._outage_rounds = 0
             others = f" (then {', '.join(self.targets[i] for i in self._round(self._current + 1))})"
             log.warning(
                 "session with the server at %s lost (%s: %s); reconnecting%s for up to %g s",
@@ -638,16 +642,21 @@ class Producer:
                 others if len(self.targets) > 1 else "",
                 self.reconnect_timeout,
             )
-        delay = self.reconnect_backoff
         attempts = 0
         while True:
             elapsed = loop.time() - self._lost_since
             if elapsed >= self.reconnect_timeout:
                 self._error = ReconnectTimeoutError(failure, attempts, elapsed, targets=self.targets)
                 raise self._error
-            # back off per round of targets, not per target: a dead node is skipped at once
-            await asyncio.sleep(min(delay * random.uniform(0.5, 1.0), self.reconnect_timeout - elapsed))  # noqa: S311
-            delay = min(delay * 2, self.max_reconnect_backoff)
+            # back off per round of targets, not per target: a dead node is skipped at once. The first
+            # round of an outage starts at once at the next node; with one target, that is the server
+            # just lost, so wait first. The backoff grows over the outage, also when nodes take Open
+            # and then end the session before granting credit (not ready)
+            if self._outage_rounds or len(self.targets) == 1:
+                pause = self._outage_backoff * random.uniform(0.5, 1.0)  # noqa: S311
+                await asyncio.sleep(min(pause, self.reconnect_timeout - elapsed))
+                self._outage_backoff = min(self._outage_backoff * 2, self.max_reconnect_backoff)
+            self._outage_rounds += 1
             self._requeue_unacked()
             for index in self._round(self._current + 1):
                 attempts += 1
