@@ -40,6 +40,7 @@ from ingest.preflight import DataDirLock, check_security, prepare
 from ratecontrol import StreamPolicy
 from receivers.auth import new_token, token_hash
 from receivers.block import InvalidStreamNameError
+from receivers.cluster import Cluster, load_nodes
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.principal import Limits
@@ -107,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         help="/metrics bind address (default: %(default)s)",
     )
     _security_flags(serve)
+    _cluster_flags(serve)
     serve.add_argument(
         "--data-dir",
         type=Path,
@@ -338,6 +340,62 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     certs.add_argument("--force", action="store_true", help="replace files that exist")
     certs.set_defaults(run=_dev_certs)
     return parser
+
+
+def _cluster_flags(serve: argparse.ArgumentParser) -> None:
+    """`sluice serve`'s flags for a cluster's receiver node (docs/scaling.md)."""
+    group = serve.add_argument_group(
+        "cluster", "run as one receiver node of several; blocks replicated to followers before acks"
+    )
+    group.add_argument(
+        "--role",
+        choices=["single", "receiver"],
+        default="single",
+        help="single: ingest and Spark in this process (the default); receiver: a cluster's receiver node "
+        "(ingest, its block log, copies of other nodes' blocks; no Spark)",
+    )
+    group.add_argument(
+        "--nodes", type=Path, metavar="FILE", help="the receiver nodes, one 'ID HOST:PORT' per line"
+    )
+    group.add_argument(
+        "--node-id",
+        type=_int_in(0, 999_999_999, "a node id"),
+        default=None,
+        metavar="ID",
+        help="this node's id in --nodes (default: $SLUICE_NODE_ID)",
+    )
+    group.add_argument(
+        "--replication", type=_int_in(1, 1000, "a replication"), default=1, metavar="N",
+        help="copies of each block on distinct nodes before it is acked (default: %(default)s)",
+    )
+    group.add_argument(
+        "--min-insync", type=_int_in(1, 1000, "a copy count"), default=None, metavar="N",
+        help="copies needed to ack: with fewer followers in sync credit pauses (default: 1, keep acking)",
+    )
+    group.add_argument(
+        "--peer-token-file", type=Path, metavar="FILE",
+        help="bearer token (a principal with the peer role) sent to the other nodes",
+    )
+    group.add_argument(
+        "--health-port", type=_int_in(0, 65535, "a port"), default=None, metavar="PORT",
+        help="also serve grpc.health.v1 alone, in plaintext, on this port (for Kubernetes probes)",
+    )
+
+
+def _cluster(args: argparse.Namespace) -> Cluster | None:
+    if args.role == "single":
+        if args.nodes is not None:
+            raise ValueError("--nodes needs --role receiver")
+        return None
+    if args.nodes is None:
+        raise ValueError(f"--role {args.role} needs --nodes FILE (one 'ID HOST:PORT' per line)")
+    node_id = args.node_id
+    if node_id is None:
+        env = os.environ.get("SLUICE_NODE_ID", "")
+        if not env.isdigit():
+            raise ValueError("--role receiver needs --node-id ID (or $SLUICE_NODE_ID)")
+        node_id = int(env)
+    return Cluster(load_nodes(args.nodes), node_id, args.replication, args.min_insync or 1)
 
 
 def _security_flags(serve: argparse.ArgumentParser) -> None:
@@ -616,8 +674,11 @@ def _serve(args: argparse.Namespace) -> int:
             master=args.master,
             pipeline=args.pipeline,
             trigger_interval=args.trigger_interval,
-            spark=not args.no_spark,
+            spark=not args.no_spark and args.role == "single",
             security=_security(args),
+            cluster=_cluster(args),
+            peer_token_file=args.peer_token_file,
+            health_port=args.health_port,
         )
         # the TLS files and the auth file, before Spark's JVM (seconds): a bad file fails at once
         check_security(config)

@@ -1,0 +1,99 @@
+"""Two `sluice serve --role receiver` processes with replication 2; `sluice push` to both; the node it
+pushes to is killed with SIGKILL mid-push. Every record is acked, and the survivor holds each record
+exactly once: its copy of the dead node's blocks plus its own (the resend of what was copied but not
+acked is dropped by the producer marks)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+from receivers.wal import WalBlockStore
+from tests.support import free_ports
+
+pytestmark = pytest.mark.cluster
+
+
+def values(root: Path) -> list[bytes]:
+    store = WalBlockStore(root)
+    found: list[bytes] = []
+    for block in store.blocks("default"):
+        for batch in store.read(block):
+            found.extend(batch.column("value").to_pylist())
+    return found
+
+
+def serve(tmp_path: Path, node: int, port: int, log: IO[bytes]) -> subprocess.Popen[bytes]:
+    command = [
+        sys.executable,
+        "-m",
+        "ingest.cli",
+        "serve",
+        "--role",
+        "receiver",
+        "--nodes",
+        str(tmp_path / "nodes"),
+    ]
+    command += ["--node-id", str(node), "--port", str(port), "--metrics-port", "-1", "--replication", "2"]
+    command += ["--data-dir", str(tmp_path / f"d{node}")]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
+
+
+def wait_listening(log: Path, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while b"serving streams" not in (log.read_bytes() if log.exists() else b""):
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+
+
+def test_sigkill_of_the_node_a_push_goes_to_loses_and_doubles_nothing(tmp_path: Path) -> None:
+    ports = free_ports(2)
+    (tmp_path / "nodes").write_text("".join(f"{i} 127.0.0.1:{p}\n" for i, p in enumerate(ports)))
+    with contextlib.ExitStack() as files:
+        logs = [files.enter_context(open(tmp_path / f"n{i}.log", "wb")) for i in range(2)]
+        run_cluster(tmp_path, ports, logs)
+    held = values(tmp_path / "d1" / "replicas" / "0") + values(tmp_path / "d1" / "blocks")
+    counts = collections.Counter(held)
+    assert len(counts) == TOTAL, "records lost"
+    assert len(held) == TOTAL, f"{len(held) - TOTAL} records doubled"
+
+
+TOTAL = 200_000
+
+
+def run_cluster(tmp_path: Path, ports: list[int], logs: list[IO[bytes]]) -> None:
+    nodes = [serve(tmp_path, i, p, logs[i]) for i, p in enumerate(ports)]
+    try:
+        for i in range(2):
+            wait_listening(tmp_path / f"n{i}.log")
+        (tmp_path / "records").write_text("".join(f"{i}\n" for i in range(TOTAL)))
+        targets = ",".join(f"127.0.0.1:{p}" for p in ports)
+        push = subprocess.Popen(
+            [sys.executable, "-m", "ingest.cli", "push", str(tmp_path / "records"), "--target", targets],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        # kill node 0 once it has taken some of the records
+        deadline = time.monotonic() + 60
+        while not any((tmp_path / "d1" / "replicas" / "0").rglob("*.wal")):
+            assert time.monotonic() < deadline and push.poll() is None
+            time.sleep(0.02)
+        os.kill(nodes[0].pid, signal.SIGKILL)
+        out, _ = push.communicate(timeout=120)
+        assert push.returncode == 0, out.decode()
+        assert b"all acked" in out
+        assert b"failed over" in out  # it did go through a failover
+    finally:
+        for node in nodes:
+            node.send_signal(signal.SIGTERM)
+        for node in nodes:
+            node.wait(timeout=30)
