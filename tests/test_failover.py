@@ -209,11 +209,11 @@ async def test_a_refusal_is_not_failed_over(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("target", "message"),
     [
-        ("", "empty target"),
+        ("", "an empty entry"),
         ([], "no target"),
-        ("a:1,,b:2", "empty target"),
-        ("a:1,", "empty target"),
-        (["a:1", " "], "empty target"),
+        ("a:1,,b:2", "an empty entry"),
+        ("a:1,", "an empty entry"),
+        (["a:1", " "], "an empty entry"),
         ("a:1,a:1", "'a:1' is named twice"),
         (["a:1", "b:2,a:1"], "'a:1' is named twice"),
     ],

@@ -119,13 +119,13 @@ def parse_targets(target: str | Sequence[str]) -> tuple[str, ...]:
         for entry in item.split(","):
             name = entry.strip()
             if not name:
-                raise ValueError(f"empty target in {target!r}: use 'host:port' or 'host:port,host:port'")
+                raise ValueError(f"invalid target {target!r}: an empty entry; use 'host:port[,host:port]'")
             if name in targets:
                 # a round would visit it twice: more likely a typo for another node than meant
-                raise ValueError(f"target {name!r} is named twice in {target!r}")
+                raise ValueError(f"invalid target {target!r}: {name!r} is named twice")
             targets.append(name)
     if not targets:
-        raise ValueError("no target: give at least one 'host:port'")
+        raise ValueError(f"invalid target {target!r}: no target; give at least one 'host:port'")
     return tuple(targets)
 
 
