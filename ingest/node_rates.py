@@ -71,7 +71,8 @@ class _Node:
     busy: bool = False
     backlog: int = 0
     share: NodeShare = dataclasses.field(default_factory=lambda: NodeShare(0.0, "no answer yet"))
-    settled: float | None = None  # the node's rate after our last UpdateRate
+    sent: float | None = None  # the share last sent to it
+    settled: float | None = None  # its rate after that UpdateRate (clamped into its own bounds)
 
 
 class NodeRates:
@@ -216,18 +217,18 @@ class NodeRates:
             self._failed(node, exc)
             return
         # the node clamps into its own bounds: compare later answers with where it settled, not the share
-        node.settled = settled.records_per_second
+        node.sent, node.settled = share, settled.records_per_second
         log.debug("node %d (%s): rate %s records/s (%s)", node.node_id, node.target, share, node.share.reason)
 
     def _moved(self, node: _Node, status: pb.RateStatus, share: float) -> bool:
         """Whether the node should be told `share`: it never was, it is not pinned to what it was told
         (restarted, or an operator set it), or the share moved by more than CHANGE."""
-        have = status.records_per_second
-        if node.settled is None or not status.pinned or have != node.settled:
+        sent = node.sent
+        if sent is None or not status.pinned or status.records_per_second != node.settled:
             return True
-        if math.isinf(share) or math.isinf(have):
-            return share != have
-        return abs(share - have) > CHANGE * have
+        if math.isinf(share) or math.isinf(sent):
+            return share != sent
+        return abs(share - sent) > CHANGE * sent
 
     def _answered(self, node: _Node, status: pb.RateStatus) -> None:
         node.failures = 0
@@ -260,7 +261,7 @@ class NodeRates:
             )
         if node.up:
             node.up = False
-            node.settled = None  # it may come back with another rate: tell it its share again
+            node.sent = None  # it may come back with another rate: tell it its share again
             self.split()
 
 
