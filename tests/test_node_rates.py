@@ -8,11 +8,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -39,6 +42,7 @@ from ratecontrol.nodes import (
     split_equal,
     split_nodes,
 )
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 INF = math.inf
@@ -192,8 +196,9 @@ def node_rate(server: SluiceServer) -> float:
 
 
 async def test_shares_arrive_as_node_rates_and_a_stopped_node_is_down_its_share_to_the_others(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="ingest.node_rates")
     servers: list[SluiceServer] = []
     async with contextlib.AsyncExitStack() as stack:
         for i in range(3):
@@ -215,6 +220,17 @@ async def test_shares_arrive_as_node_rates_and_a_stopped_node_is_down_its_share_
             down = node_rates.snapshot()[3]
             assert (down.records_per_second, down.reason) == (0.0, DOWN)
             assert sum(n.records_per_second for n in node_rates.snapshot()) == pytest.approx(8_000)
+            await asyncio.sleep(0.5)  # more failed calls: still one WARNING
+            warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+            assert len(warnings) == 1
+            assert f"receiver node 3 at {nodes[3]} is down" in warnings[0].getMessage()
+            # back on the same port (and data dir): up at its first answer, with its share again
+            back = await stack.enter_async_context(
+                running_server(tmp_path / "node3", port=servers[3].port)
+            )
+            await wait_until(lambda: node_rates.snapshot()[3].up, timeout=5)
+            await wait_until(lambda: all(node_rate(s) == pytest.approx(2_000) for s in [*servers[:3], back]))
+            assert f"receiver node 3 at {nodes[3]} answers: up" in caplog.text
 
 
 async def test_a_busy_node_gets_the_rate_idle_nodes_leave_and_sluice_rate_get_shows_the_nodes(
@@ -299,3 +315,37 @@ async def test_metrics_show_each_node_and_a_node_that_never_answers_is_down(tmp_
     assert samples[("sluice_node_up", "7")] == 1
     assert samples[("sluice_node_up", "8")] == 0
     assert samples[("sluice_node_backlog_records", "7")] == 0
+
+
+class HangingRateControl(RateControlService):
+    """A receiver node's RateControl that stops answering (a hung process, a black-holed network)
+    once `hang` is set: calls wait until their deadline."""
+
+    hang = False
+
+    async def GetRate(self, request: pb.GetRateRequest, context: Any) -> pb.RateStatus:
+        if self.hang:
+            await asyncio.Event().wait()
+        return await super().GetRate(request, context)
+
+
+async def test_a_node_that_hangs_is_down_after_a_timed_out_call_and_delays_no_other(tmp_path: Path) -> None:
+    async with running_server(tmp_path / "a") as a, running_server(tmp_path / "b") as b:
+        service = HangingRateControl(b.rate)
+        rpc = grpc.aio.server()
+        pb_grpc.add_RateControlServicer_to_server(service, rpc)
+        port = rpc.add_insecure_port("127.0.0.1:0")
+        await rpc.start()
+        try:
+            targets = {1: a.target, 2: f"127.0.0.1:{port}"}
+            async with NodeRates(targets, lambda: 6_000.0, interval=0.1, timeout=0.5) as node_rates:
+                await wait_until(lambda: [node_rate(a), node_rate(b)] == pytest.approx([3_000, 3_000]))
+                service.hang = True
+                hung = time.monotonic()
+                await wait_until(lambda: not node_rates.snapshot()[1].up, timeout=5)
+                # a call that ran into its 0.5 s deadline after 1 s without an answer (DOWN_SECONDS): down
+                assert time.monotonic() - hung < 2.0
+                # meanwhile node a is asked every 0.1 s: it has the whole rate at once
+                await wait_until(lambda: node_rate(a) == pytest.approx(6_000), timeout=1)
+        finally:
+            await rpc.stop(None)
