@@ -113,6 +113,7 @@ class NodeRates:
         }
         self._task: asyncio.Task[None] | None = None
         self._closed = False
+        self._split_at = -math.inf  # time.monotonic() of the last split
 
     # ---- lifecycle ----
 
@@ -172,7 +173,10 @@ class NodeRates:
         ]
 
     def split(self) -> None:
-        """Divide the rate again by what the nodes reported last (each answer and failure does this)."""
+        """Divide the rate again by what the nodes reported last: after answers (at most every quarter
+        interval: with hundreds of nodes a split after each would cost a core) and when a node goes up
+        or down."""
+        self._split_at = time.monotonic()
         try:
             backlog = self._backlog()
         except Exception:  # the backlog's source is the driver's wiring: rate control goes on without it
@@ -205,8 +209,8 @@ class NodeRates:
         except grpc.aio.AioRpcError as exc:
             self._failed(node, exc)
             return
-        self._answered(node, status)
-        self.split()
+        if self._answered(node, status) or time.monotonic() - self._split_at >= self._interval / 4:
+            self.split()
         share = node.share.rate
         if share <= 0 or not self._moved(node, status, share):
             return
@@ -230,7 +234,8 @@ class NodeRates:
             return share != sent
         return abs(share - sent) > CHANGE * sent
 
-    def _answered(self, node: _Node, status: pb.RateStatus) -> None:
+    def _answered(self, node: _Node, status: pb.RateStatus) -> bool:
+        """Take a node's answer in; whether it was down (or never up) until now."""
         node.failures = 0
         node.last_answer = time.monotonic()
         node.warned = False
@@ -238,9 +243,11 @@ class NodeRates:
         taken = sum(s.taken_per_second for s in status.streams)
         node.taken = taken if math.isfinite(taken) and taken > 0 else 0.0
         node.busy = any(s.busy for s in status.streams)
-        if not node.up:
-            node.up = True
-            log.info("receiver node %d at %s answers: up", node.node_id, node.target)
+        if node.up:
+            return False
+        node.up = True
+        log.info("receiver node %d at %s answers: up", node.node_id, node.target)
+        return True
 
     def _failed(self, node: _Node, exc: grpc.aio.AioRpcError) -> None:
         node.failures += 1

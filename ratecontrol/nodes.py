@@ -21,6 +21,7 @@ cluster, for tests and benchmarks to compare. Pure: no clock, no I/O.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -130,13 +131,11 @@ def _fill(total: float, lows: Sequence[float], highs: Sequence[float]) -> list[f
 
     # the sum is piecewise linear in the level, bending where a node leaves its low or meets its high:
     # find the segment holding `total`, then solve on it
+    # (bisected over the bends: a driver splits among up to hundreds of nodes several times a second)
     bends = sorted({x for pair in zip(lows, highs, strict=True) for x in pair if math.isfinite(x)})
-    below, above = 0.0, math.inf
-    for bend in bends:
-        if sum(at(bend)) >= total:
-            above = bend
-            break
-        below = bend
+    first = bisect.bisect_left(bends, True, key=lambda bend: sum(at(bend)) >= total)
+    below = bends[first - 1] if first > 0 else 0.0
+    above = bends[first] if first < len(bends) else math.inf
     inside = (below + above) / 2 if math.isfinite(above) else 2 * below + 1
     rising = sum(1 for lo, hi in zip(lows, highs, strict=True) if lo < inside < hi)
     level = below + (total - sum(at(below))) / rising if rising else below
