@@ -643,6 +643,7 @@ def _security(args: argparse.Namespace) -> SecurityConfig:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    receive_only = args.no_spark or args.role != "single"
     try:
         config = ServeConfig(
             host=args.host,
@@ -661,8 +662,9 @@ def _serve(args: argparse.Namespace) -> int:
                 disk_budget_bytes=args.disk_budget,
             ),
             rate=RateConfig(
-                estimator=args.estimator or ("fixed" if args.no_spark else "model"),
-                initial_rate=(math.inf if args.no_spark else 10_000.0)
+                # a receiver node without Spark here takes its rate from operators (or the driver)
+                estimator=args.estimator or ("fixed" if receive_only else "model"),
+                initial_rate=(math.inf if receive_only else 10_000.0)
                 if args.initial_rate is None
                 else args.initial_rate,
                 min_rate=args.min_rate,
