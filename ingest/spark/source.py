@@ -109,6 +109,8 @@ converted with timezone UTC, and rejects the batch on any difference (int32 vs i
 MAX_RECORDS_PER_PARTITION = 1_000_000
 
 OPTION_PATH = "path"
+OPTION_RECEIVERS = "receivers"
+"""A cluster's receiver nodes, "ID=HOST:PORT,...", instead of `path`: see ingest.spark.cluster_source."""
 OPTION_STREAMS = "streams"
 OPTION_MAX_RECORDS = "maxRecordsPerBatch"
 OPTION_MIN_PARTITIONS = "minPartitions"
@@ -175,7 +177,89 @@ class BlockPartition(InputPartition):
         return sum(hi - lo for *_, lo, hi in self.slices)
 
 
-class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+class LiveCapPlanning:
+    """Batch planning under a read limit and the live rate cap, shared by the single-node reader and
+    the cluster one (ingest.spark.cluster_source): the live cap, the catch-up deferral, the StartBatch
+    report. The reader sets the attributes below in its __init__."""
+
+    rate_target: str | None
+    rate_files: tuple[str | None, ...]
+    trigger_seconds: float
+    _rate_client: LiveRateCap | None
+    _planned_at: float | None
+    _available_now_target: Any
+
+    def _plan(
+        self,
+        start: Mapping[str, int],
+        available: Mapping[str, int],
+        limit: ReadLimit,
+        live: int | None,
+        phase: float,
+    ) -> Offset:
+        """The end offset of the batch planned now over `available` ({key: available end}; a key is a
+        stream, or a cluster's partition): the read limit or the live cap, water-filled over the keys
+        by _stream_weights; deferred (end = start) when it is a catch-up trigger too small to run."""
+        if live is not None and (
+            isinstance(limit, ReadAllAvailable) or (isinstance(limit, ReadMaxRows) and live < limit.max_rows)
+        ):
+            # the live rate caps every batch (getDefaultReadLimit is asked once per query start):
+            # a backlog after a restart never becomes one giant batch, the first batch is bounded too
+            limit = ReadMaxRows(live)
+        if isinstance(limit, ReadAllAvailable):
+            end = _sorted(available)
+        elif isinstance(limit, ReadMaxRows):
+            end = _sorted(_admit(start, available, limit.max_rows, self._stream_weights()))
+        else:
+            raise TypeError(f"sluice source: unsupported read limit {limit!r}")
+        records = sum(end[s] - start.get(s, 0) for s in end)
+        if records == 0:
+            return end
+        now = time.monotonic()
+        if live is not None and self._catch_up_too_small(records, limit, phase, now):
+            log.debug("catch-up trigger with %d records: deferred to the grid", records)
+            return _sorted({s: start.get(s, 0) for s in end})  # no new data: Spark waits for the grid
+        self._planned_at = now
+        if self._rate_client is not None:
+            # Spark runs a batch now: the server's watchdog looks at it while it overruns
+            backlog = sum(max(0, available[s] - end.get(s, 0)) for s in available)
+            self._rate_client.start_batch(records, backlog)
+        return end
+
+    def _catch_up_too_small(self, records: int, limit: ReadLimit, phase: float, now: float) -> bool:
+        """Whether this trigger, under a live cap, is a catch-up one, off the grid and soon after the
+        last batch, whose batch would hold under CATCH_UP_MIN_SHARE of the cap in force (see
+        CATCH_UP_WINDOW)."""
+        return (
+            self._rate_client is not None
+            and self._rate_client.answered  # a server that steers; not one stopped to drain
+            and isinstance(limit, ReadMaxRows)  # the live cap or a smaller limit applies
+            and records < CATCH_UP_MIN_SHARE * limit.max_rows
+            and self._available_now_target is None
+            and self._planned_at is not None
+            and now - self._planned_at < CATCH_UP_WINDOW * self.trigger_seconds
+            and phase >= min(ON_GRID * self.trigger_seconds, 0.1)
+        )
+
+    def _live_cap(self) -> int | None:
+        if self.rate_target is None:
+            return None
+        if self._rate_client is None:
+            try:  # read here, in the worker that plans batches: no token travels in a pickled reader
+                ca_file, cert_file, key_file, token_file = self.rate_files
+                credentials = Credentials.from_files(
+                    ca_file=ca_file, cert_file=cert_file, key_file=key_file, token_file=token_file
+                )
+            except CredentialsError as exc:
+                raise ValueError(f"sluice source: the rate server's credentials: {exc}") from None
+            self._rate_client = LiveRateCap(self.rate_target, credentials=credentials)
+        return self._rate_client.records_per_batch(self.trigger_seconds)
+
+    def _stream_weights(self) -> Mapping[str, float] | None:
+        return self._rate_client.weights if self._rate_client is not None else None
+
+
+class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Plans micro-batches over sealed blocks and reads them as Arrow record batches.
 
     Spark keeps one instance per query in a long-lived Python worker (offsets, partitions, commit) and
@@ -230,31 +314,7 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         phase = time.time() % self.trigger_seconds if self.trigger_seconds > 0 else 0.0
         live = self._live_cap()  # first: it may wait for the last batch's metrics
         available = {s: self._available_end(s, start.get(s, 0)) for s in self.streams}
-        if live is not None and (
-            isinstance(limit, ReadAllAvailable) or (isinstance(limit, ReadMaxRows) and live < limit.max_rows)
-        ):
-            # the live rate caps every batch (getDefaultReadLimit is asked once per query start):
-            # a backlog after a restart never becomes one giant batch, the first batch is bounded too
-            limit = ReadMaxRows(live)
-        if isinstance(limit, ReadAllAvailable):
-            end = _sorted(available)
-        elif isinstance(limit, ReadMaxRows):
-            end = _sorted(_admit(start, available, limit.max_rows, self._stream_weights()))
-        else:
-            raise TypeError(f"sluice source: unsupported read limit {limit!r}")
-        records = sum(end[s] - start.get(s, 0) for s in end)
-        if records == 0:
-            return end
-        now = time.monotonic()
-        if live is not None and self._catch_up_too_small(records, limit, phase, now):
-            log.debug("catch-up trigger with %d records: deferred to the grid", records)
-            return _sorted({s: start.get(s, 0) for s in end})  # no new data: Spark waits for the grid
-        self._planned_at = now
-        if self._rate_client is not None:
-            # Spark runs a batch now: the server's watchdog looks at it while it overruns
-            backlog = sum(max(0, available[s] - end.get(s, 0)) for s in available)
-            self._rate_client.start_batch(records, backlog)
-        return end
+        return self._plan(start, available, limit, live, phase)
 
     def reportLatestOffset(self) -> Offset:
         # what is there now: Spark reports it as the source's latestOffset, so latest - end is the
@@ -308,38 +368,6 @@ class SluiceStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     # ---- helpers ------------------------------------------------------------------------------
 
-    def _catch_up_too_small(self, records: int, limit: ReadLimit, phase: float, now: float) -> bool:
-        """Whether this trigger, under a live cap, is a catch-up one, off the grid and soon after the
-        last batch, whose batch would hold under CATCH_UP_MIN_SHARE of the cap in force (see
-        CATCH_UP_WINDOW)."""
-        return (
-            self._rate_client is not None
-            and self._rate_client.answered  # a server that steers; not one stopped to drain
-            and isinstance(limit, ReadMaxRows)  # the live cap or a smaller limit applies
-            and records < CATCH_UP_MIN_SHARE * limit.max_rows
-            and self._available_now_target is None
-            and self._planned_at is not None
-            and now - self._planned_at < CATCH_UP_WINDOW * self.trigger_seconds
-            and phase >= min(ON_GRID * self.trigger_seconds, 0.1)
-        )
-
-    def _live_cap(self) -> int | None:
-        if self.rate_target is None:
-            return None
-        if self._rate_client is None:
-            try:  # read here, in the worker that plans batches: no token travels in a pickled reader
-                ca_file, cert_file, key_file, token_file = self.rate_files
-                credentials = Credentials.from_files(
-                    ca_file=ca_file, cert_file=cert_file, key_file=key_file, token_file=token_file
-                )
-            except CredentialsError as exc:
-                raise ValueError(f"sluice source: the rate server's credentials: {exc}") from None
-            self._rate_client = LiveRateCap(self.rate_target, credentials=credentials)
-        return self._rate_client.records_per_batch(self.trigger_seconds)
-
-    def _stream_weights(self) -> Mapping[str, float] | None:
-        return self._rate_client.weights if self._rate_client is not None else None
-
     def _available_end(self, stream: str, start: int) -> int:
         """Offset after the last record of `stream` that a batch from `start` may read."""
         blocks = self.store.blocks(stream)
@@ -360,11 +388,22 @@ class SluiceDataSource(DataSource):
     def schema(self) -> StructType:
         return SCHEMA
 
-    def streamReader(self, schema: StructType) -> SluiceStreamReader:
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         if schema != SCHEMA:
             raise ValueError(
                 f"sluice source: the schema is fixed ({SCHEMA_DDL}); got {schema.simpleString()}"
             )
+        has_path = bool(self.options.get(OPTION_PATH))
+        has_receivers = bool(self.options.get(OPTION_RECEIVERS))
+        if has_path == has_receivers:
+            raise ValueError(
+                f"sluice source: give exactly one of option {OPTION_PATH!r} (a block store on this host) "
+                f"and option {OPTION_RECEIVERS!r} (a cluster's receiver nodes, 'ID=HOST:PORT,...')"
+            )
+        if has_receivers:
+            from ingest.spark.cluster_source import ClusterStreamReader  # noqa: PLC0415 - it imports this module
+
+            return ClusterStreamReader(self.options)
         return SluiceStreamReader(self.options)
 
 
@@ -379,21 +418,26 @@ def read_block(
         a, b = max(lo, row), min(hi, row + n)
         if a < b:
             part = batch.slice(a - row, b - a)
-            first = block.first_offset + a
-            yield pa.RecordBatch.from_arrays(
-                [
-                    part.column("key"),
-                    part.column("value"),
-                    pa.repeat(pa.scalar(block.stream, pa.string()), b - a),
-                    pa.repeat(pa.scalar(block.receiver, pa.int32()), b - a),
-                    pa.array(np.arange(first, first + (b - a), dtype=np.int64)),
-                    part.column("timestamp"),
-                ],
-                schema=ARROW_SCHEMA,
-            )
+            yield positioned(part, block.stream, block.receiver, block.first_offset + a)
         row += n
         if row >= hi:
             return
+
+
+def positioned(part: pa.RecordBatch, stream: str, receiver: int, first: int) -> pa.RecordBatch:
+    """Block rows (BLOCK_SCHEMA) as ARROW_SCHEMA rows: their stream, receiver and offsets (`first` on)."""
+    n = part.num_rows
+    return pa.RecordBatch.from_arrays(
+        [
+            part.column("key"),
+            part.column("value"),
+            pa.repeat(pa.scalar(stream, pa.string()), n),
+            pa.repeat(pa.scalar(receiver, pa.int32()), n),
+            pa.array(np.arange(first, first + n, dtype=np.int64)),
+            part.column("timestamp"),
+        ],
+        schema=ARROW_SCHEMA,
+    )
 
 
 def parse_streams(value: str) -> list[str]:

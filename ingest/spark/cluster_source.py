@@ -1,0 +1,505 @@
+"""The "sluice" source in cluster mode: a cluster's partitions, read over the network.
+
+Usage (instead of the ``path`` option, never with it)::
+
+    df = (spark.readStream.format("sluice")
+          .option("receivers", "0=node0:50051,1=node1:50051,2=node2:50051")  # node id = target
+          .option("streams", "clicks,orders")
+          .option("rateTarget", "driver:50052")        # optional: the driver's RateControl server
+          .option("rateCaFile", "/etc/sluice/ca.crt")  # the rate* credentials serve every call, to
+          .option("rateTokenFile", "/etc/sluice/pipeline.token")  # the nodes too
+          .load())
+
+Each receiver node writes what it takes into its own log per stream, the partition (stream, owner),
+with offsets of its own (receivers.cluster). Offsets are therefore nested, as the Kafka source's are per
+topic partition: ``{stream: {"<owner>": next record offset}}``, keys sorted (Spark compares offsets by
+their JSON text). Planning asks every node's Blocks.ListPartitions in parallel: a partition's available
+end is the highest readable end among its holders (the owner and its followers), and a node that does
+not answer is skipped, its partitions read from their copies. Tasks read with Blocks.ReadBlocks from the
+first holder that has the whole range (owner first), going on to the next on an outage or a missing
+range; no task opens a local path. Committed batches are released on every node (ReleaseBlocks);
+`sluice serve --role driver` (ingest.cluster_driver) releases them as each batch completes.
+
+Every call carries the rate* options' credentials: the token's principal needs the reader role
+(ListPartitions, ReadBlocks) and the operator role (ReleaseBlocks, and the rate). The files are read
+where they are used, the planning worker and each task: they must be there on the executors' hosts too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pyarrow as pa
+from pyspark.sql.datasource import DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+
+from ingest.client.credentials import Credentials, CredentialsError
+from ingest.spark.live_rate import LiveRateCap
+from ingest.spark.source import (
+    OPTION_MAX_RECORDS,
+    OPTION_MIN_PARTITIONS,
+    OPTION_RATE_TARGET,
+    OPTION_RECEIVERS,
+    OPTION_STREAMS,
+    OPTION_TRIGGER_SECONDS,
+    RATE_CREDENTIAL_OPTIONS,
+    LiveCapPlanning,
+    SliceTuple,
+    _balanced,
+    _positive_int_option,
+    _required,
+    _weight,
+    parse_streams,
+    positioned,
+)
+from receivers.cluster import ClusterConfigError, parse_nodes
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+ClusterOffset = dict[str, dict[str, int]]
+"""{stream: {"<owner node id>": next record offset}}: JSON keys are strings."""
+FlatOffset = dict[str, int]
+"""{"stream/owner": next record offset}: the same, one level (stream names have no '/')."""
+
+LIST_TIMEOUT = 3.0
+"""Seconds a node has to answer ListPartitions: it may seal first (up to 1 s) and wait as long for the
+copies; a node slower than that is skipped for this batch."""
+READ_TIMEOUT = 300.0
+"""Seconds one ReadBlocks call may take (a task's whole range from one holder)."""
+RELEASE_TIMEOUT = 5.0
+
+_RETRY_ELSEWHERE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.FAILED_PRECONDITION,  # this holder lacks the range: released, or not copied yet
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNKNOWN,
+    }
+)
+"""Codes after which the next holder is tried. The others (a refused token, a bad request) would get
+the same answer anywhere: the task fails at once with it."""
+
+
+class PartitionUnreadableError(RuntimeError):
+    """No holder of a partition could serve a task's range of it."""
+
+
+def partition_key(stream: str, owner: int) -> str:
+    return f"{stream}/{owner}"
+
+
+def split_key(key: str) -> tuple[str, int]:
+    stream, _, owner = key.rpartition("/")
+    return stream, int(owner)
+
+
+def flatten(offset: Mapping[str, Mapping[str, int]]) -> FlatOffset:
+    """{stream: {owner: n}} -> {"stream/owner": n}."""
+    return {partition_key(s, int(o)): n for s, owners in offset.items() for o, n in owners.items()}
+
+
+def nest(flat: Mapping[str, int]) -> ClusterOffset:
+    """{"stream/owner": n} -> {stream: {"owner": n}}, sorted (streams by name, owners by number)."""
+    nested: dict[str, dict[int, int]] = {}
+    for key, n in flat.items():
+        stream, owner = split_key(key)
+        nested.setdefault(stream, {})[owner] = n
+    return {s: {str(o): nested[s][o] for o in sorted(nested[s])} for s in sorted(nested)}
+
+
+def is_cluster_offset(offset: object, streams: Sequence[str]) -> bool:
+    """Whether `offset` is this source's nested offset over some of `streams`."""
+    return (
+        isinstance(offset, dict)
+        and bool(offset)
+        and set(offset) <= set(streams)
+        and all(
+            isinstance(owners, dict)
+            and all(isinstance(o, str) and o.isdigit() and type(n) is int for o, n in owners.items())
+            for owners in offset.values()
+        )
+    )
+
+
+def parse_receivers(value: str) -> dict[int, str]:
+    """The `receivers` option, "ID=HOST:PORT,...", as node id -> target (in the given order)."""
+    try:
+        nodes = parse_nodes(value.split(","), source=f"sluice source: option {OPTION_RECEIVERS!r}")
+    except ClusterConfigError as exc:
+        raise ValueError(str(exc)) from None
+    ids, targets = [n.id for n in nodes], [n.target for n in nodes]
+    if len(set(ids)) != len(ids) or len(set(targets)) != len(targets):
+        raise ValueError(f"sluice source: option {OPTION_RECEIVERS!r} repeats a node id or target: {value!r}")
+    return {n.id: n.target for n in nodes}
+
+
+def credentials_from(files: Sequence[str | None]) -> Credentials:
+    """Credentials from the rate* options' files (ca, cert, key, token), as a clear ValueError."""
+    ca_file, cert_file, key_file, token_file = files
+    try:
+        return Credentials.from_files(
+            ca_file=ca_file, cert_file=cert_file, key_file=key_file, token_file=token_file
+        )
+    except CredentialsError as exc:
+        raise ValueError(f"sluice source: the receiver nodes' credentials: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one node said it holds of one partition."""
+
+    node_id: int
+    start: int
+    end: int
+    leader: bool
+
+
+class ClusterView:
+    """The partitions of a cluster's streams as its nodes reported them (ListPartitions answers)."""
+
+    def __init__(self, order: Sequence[int]) -> None:
+        self._order = {node_id: i for i, node_id in enumerate(order)}
+        self.holdings: dict[str, list[Holding]] = {}
+        """partition key -> what each answering node holds of it."""
+        self.answered: set[int] = set()
+
+    def add(self, response: pb.ListPartitionsResponse, streams: Sequence[str]) -> None:
+        self.answered.add(response.node_id)
+        for p in response.partitions:
+            if p.stream in streams:
+                holding = Holding(response.node_id, p.start_offset, p.end_offset, p.leader)
+                self.holdings.setdefault(partition_key(p.stream, p.owner), []).append(holding)
+
+    def end(self, key: str) -> int:
+        """What a batch may read up to: the highest readable end among the partition's holders."""
+        return max((h.end for h in self.holdings.get(key, ())), default=0)
+
+    def floor(self, key: str) -> int:
+        """Where a partition the query has not seen yet starts: its first record any holder still has
+        (a new node's partition: 0). The lowest start among holders that hold something, so that no
+        record is skipped (a follower slow to release gives a few committed records again, at most)."""
+        held = [h.start for h in self.holdings.get(key, ()) if h.end > h.start]
+        return min(held) if held else max((h.end for h in self.holdings.get(key, ())), default=0)
+
+    def holders(self, key: str, lo: int, hi: int) -> list[int]:
+        """Nodes to read [lo, hi) from, owner first then followers (node list order): those that
+        reported holding the range, then those that reported the partition at all; none reported it:
+        every node, the owner first (the node list knows no placement here, and a node that does not
+        hold it says so at once)."""
+        _, owner = split_key(key)
+
+        def rank(node_id: int) -> tuple[bool, int]:
+            return node_id != owner, self._order.get(node_id, len(self._order))
+
+        reported = self.holdings.get(key, [])
+        covering = sorted((h.node_id for h in reported if h.start <= lo and h.end >= hi), key=rank)
+        others = sorted((h.node_id for h in reported if h.node_id not in covering), key=rank)
+        found = covering + others
+        return found or sorted(self._order, key=rank)
+
+
+@dataclass(frozen=True)
+class RangeSpec:
+    """Records [lo, hi) of partition (stream, owner), and where to read them (targets, in order)."""
+
+    stream: str
+    owner: int
+    lo: int
+    hi: int
+    targets: tuple[tuple[int, str], ...]
+    """(node id, host:port) of the holders to try, in order."""
+
+
+class ClusterPartition(InputPartition):
+    """One range of one partition, read by one Spark task over gRPC."""
+
+    def __init__(self, spec: RangeSpec, credential_files: tuple[str | None, ...]) -> None:
+        super().__init__(None)
+        self.spec = spec
+        self.credential_files = credential_files  # paths: no token travels in a pickled task
+
+    @property
+    def records(self) -> int:
+        return self.spec.hi - self.spec.lo
+
+
+class ClusterStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Plans micro-batches over a cluster's partitions and reads them from their holders.
+
+    As the single-node reader: one instance lives in the planning worker, copies are pickled into the
+    tasks; channels are opened lazily and never pickled."""
+
+    def __init__(self, options: Mapping[str, str]) -> None:
+        self.nodes = parse_receivers(_required(options, OPTION_RECEIVERS))
+        self.streams = parse_streams(_required(options, OPTION_STREAMS))
+        self.max_records_per_batch = _positive_int_option(options, OPTION_MAX_RECORDS)
+        self.min_partitions = _positive_int_option(options, OPTION_MIN_PARTITIONS) or 1
+        self.rate_target = options.get(OPTION_RATE_TARGET) or None
+        self.rate_files = tuple(options.get(option) or None for option in RATE_CREDENTIAL_OPTIONS)
+        self.trigger_seconds = float(options.get(OPTION_TRIGGER_SECONDS) or 1.0)
+        self._rate_client: LiveRateCap | None = None
+        self._planned_at: float | None = None
+        self._available_now_target: FlatOffset | None = None
+        self._weights_for: Sequence[str] = ()  # the partition keys _stream_weights shares weights over
+        self._latest: FlatOffset | None = None  # available ends at the last plan, for reportLatestOffset
+        self._client: BlocksClient | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_rate_client"] = None
+        state["_client"] = None
+        return state
+
+    @property
+    def client(self) -> BlocksClient:
+        if self._client is None:
+            self._client = BlocksClient(self.nodes, credentials_from(self.rate_files))
+        return self._client
+
+    # ---- offsets (driver-side worker) ---------------------------------------------------------
+
+    def initialOffset(self) -> ClusterOffset:
+        view = self.client.view(self.streams, seal=False)
+        return nest({key: view.floor(key) for key in view.holdings})
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self.max_records_per_batch is None:
+            return ReadAllAvailable()
+        return ReadMaxRows(self.max_records_per_batch)
+
+    def latestOffset(self, start: ClusterOffset, limit: ReadLimit) -> ClusterOffset:
+        phase = time.time() % self.trigger_seconds if self.trigger_seconds > 0 else 0.0
+        live = self._live_cap()  # first: it may wait for the last batch's metrics
+        view = self.client.view(self.streams, seal=True)
+        begun = flatten(start)
+        # a partition new to the query (a node's first blocks, or a node seen for the first time)
+        # starts at its first record still held
+        at = {key: begun.get(key, view.floor(key)) for key in {*begun, *view.holdings}}
+        available = {key: max(at[key], view.end(key)) for key in at}
+        target = self._available_now_target
+        if target is not None:
+            available = {k: min(v, max(at[k], target.get(k, at[k]))) for k, v in available.items()}
+        self._latest = {k: v for k, v in available.items() if k in view.holdings}
+        self._weights_for = [k for k in available if available[k] > at[k]]
+        end = self._plan(at, available, limit, live, phase)
+        # no offset for a partition that has nothing for this batch and that Spark has not seen: its
+        # end would differ from the start's JSON and make an empty batch
+        return nest({k: n for k, n in end.items() if k in begun or n > at[k]})
+
+    def reportLatestOffset(self) -> ClusterOffset:
+        if self._latest is None:
+            view = self.client.view(self.streams, seal=False)
+            self._latest = {key: view.end(key) for key in view.holdings}
+        return nest(self._latest)
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        view = self.client.view(self.streams, seal=True)
+        self._available_now_target = {key: view.end(key) for key in view.holdings}
+
+    def partitions(self, start: ClusterOffset, end: ClusterOffset) -> Sequence[ClusterPartition]:
+        begun, ends = flatten(start), flatten(end)
+        # asked again: a restarted query plans its unfinished batch without latestOffset
+        view = self.client.view(self.streams, seal=False)
+        slices: list[SliceTuple] = []
+        for key in sorted(ends, key=split_key):
+            stream, owner = split_key(key)
+            lo = begun[key] if key in begun else min(view.floor(key), ends[key])
+            if ends[key] > lo:
+                slices.append((stream, 0, 0, 0, owner, lo, ends[key]))
+        # balanced as the single-node source balances slices of blocks; a task reads one range
+        specs = []
+        for run in _balanced(slices, self.min_partitions):
+            for stream, _, _, _, owner, lo, hi in run:
+                holders = view.holders(partition_key(stream, owner), lo, hi)
+                targets = tuple((n, self.nodes[n]) for n in holders if n in self.nodes)
+                specs.append(RangeSpec(stream, owner, lo, hi, targets))
+        return [ClusterPartition(spec, self.rate_files) for spec in specs]
+
+    def commit(self, end: ClusterOffset) -> None:
+        # Spark has durably recorded every batch up to `end` (the driver has usually released already)
+        self.client.release(end)
+
+    def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+        if self._rate_client is not None:
+            self._rate_client.close()
+
+    # ---- reading (executor-side worker) -------------------------------------------------------
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, ClusterPartition)
+        yield from read_range(partition.spec, credentials_from(partition.credential_files))
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _stream_weights(self) -> Mapping[str, float] | None:
+        # the live rate weighs streams; a stream's weight is shared by its partitions that have records
+        weights = self._rate_client.weights if self._rate_client is not None else None
+        streams = [split_key(k)[0] for k in self._weights_for]
+        pairs = zip(self._weights_for, streams, strict=True)
+        return {k: _weight(weights, s) / streams.count(s) for k, s in pairs}
+
+
+class BlocksClient:
+    """Blocks calls to every node of a cluster (node id -> target), blocking, with `credentials`."""
+
+    def __init__(self, nodes: Mapping[int, str], credentials: Credentials) -> None:
+        self.nodes = dict(nodes)
+        self._metadata = credentials.metadata
+        self._channels = {n: credentials.sync_channel(t) for n, t in self.nodes.items()}
+        self._stubs = {n: pb_grpc.BlocksStub(c) for n, c in self._channels.items()}
+        self._pool = ThreadPoolExecutor(min(32, len(self.nodes)), thread_name_prefix="sluice-blocks")
+        self._failing: set[int] = set()  # nodes whose last ListPartitions failed: logged once per outage
+
+    def view(self, streams: Sequence[str], *, seal: bool, timeout: float = LIST_TIMEOUT) -> ClusterView:
+        """Every node's ListPartitions, asked in parallel; the nodes that do not answer are left out."""
+        request = pb.ListPartitionsRequest(streams=list(streams), seal_blocks=seal)
+        view = ClusterView(list(self.nodes))
+        calls = {n: self._pool.submit(self._list, n, request, timeout) for n in self.nodes}
+        for node_id, call in calls.items():
+            try:
+                response = call.result()
+            except grpc.RpcError as exc:
+                if node_id not in self._failing:
+                    log.warning(
+                        "receiver node %d (%s) did not list its partitions (%s): its partitions are read "
+                        "from their copies until it answers",
+                        node_id,
+                        self.nodes[node_id],
+                        describe(exc),
+                    )
+                self._failing.add(node_id)
+                continue
+            if node_id in self._failing:
+                log.info("receiver node %d (%s) answers again", node_id, self.nodes[node_id])
+                self._failing.discard(node_id)
+            view.add(response, streams)
+        return view
+
+    def _list(
+        self, node_id: int, request: pb.ListPartitionsRequest, timeout: float
+    ) -> pb.ListPartitionsResponse:
+        response: pb.ListPartitionsResponse = self._stubs[node_id].ListPartitions(
+            request, timeout=timeout, metadata=self._metadata
+        )
+        return response
+
+    def release(self, end: Mapping[str, Mapping[str, int]], timeout: float = RELEASE_TIMEOUT) -> int:
+        """Release every partition below `end` ({stream: {owner: offset}}) on every node (each drops
+        what it holds of it). Errors are logged, not raised: release is idempotent and the next commit
+        retries it. Returns the blocks released."""
+        calls = [
+            (node_id, key, self._pool.submit(self._release, node_id, stream, int(owner), before, timeout))
+            for stream, owners in end.items()
+            for owner, before in owners.items()
+            for node_id in self.nodes
+            for key in [partition_key(stream, int(owner))]
+        ]
+        released = 0
+        for node_id, key, call in calls:
+            try:
+                released += call.result()
+            except grpc.RpcError as exc:
+                log.warning(
+                    "cannot release partition %s below %s on node %d (%s): retried at the next commit",
+                    key,
+                    flatten(end)[key],
+                    node_id,
+                    describe(exc),
+                )
+        return released
+
+    def _release(self, node_id: int, stream: str, owner: int, before: int, timeout: float) -> int:
+        request = pb.ReleaseBlocksRequest(stream=stream, owner=owner, before_offset=before)
+        response = self._stubs[node_id].ReleaseBlocks(request, timeout=timeout, metadata=self._metadata)
+        return int(response.blocks_released)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        for channel in self._channels.values():
+            channel.close()
+
+
+def read_range(
+    spec: RangeSpec, credentials: Credentials, timeout: float = READ_TIMEOUT
+) -> Iterator[pa.RecordBatch]:
+    """Records [lo, hi) of the partition as ARROW_SCHEMA batches, from the first holder that serves
+    them; a holder that fails part way is left for the next one from the first record not yet given."""
+    at = spec.lo
+    failures: list[str] = []
+    for node_id, target in spec.targets:
+        try:
+            with credentials.sync_channel(target) as channel:
+                request = pb.ReadBlocksRequest(
+                    stream=spec.stream, owner=spec.owner, from_offset=at, to_offset=spec.hi
+                )
+                chunks = pb_grpc.BlocksStub(channel).ReadBlocks(
+                    request, timeout=timeout, metadata=credentials.metadata
+                )
+                for chunk in chunks:
+                    # whole chunks only: a holder failing part way leaves no half chunk given
+                    batches = _chunk_batches(chunk, spec, at)
+                    yield from batches
+                    at += chunk.count
+                if at >= spec.hi:
+                    return
+                failures.append(f"node {node_id} ({target}): ended at record {at}")
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            failures.append(f"node {node_id} ({target}): {describe(exc)}")
+            if code is not None and code not in _RETRY_ELSEWHERE:
+                break
+        except (_BadChunk, pa.ArrowInvalid) as exc:
+            failures.append(f"node {node_id} ({target}): a bad chunk: {exc}")
+        if failures:
+            log.info("reading %s/%d at %d: %s; next holder", spec.stream, spec.owner, at, failures[-1])
+    raise PartitionUnreadableError(
+        f"sluice source: no holder of partition {spec.stream!r}/{spec.owner} served records "
+        f"{at}..{spec.hi - 1} (of {spec.lo}..{spec.hi - 1}): " + "; ".join(failures or ["no holder known"])
+    )
+
+
+class _BadChunk(Exception):
+    pass
+
+
+def _chunk_batches(chunk: pb.BlockChunk, spec: RangeSpec, at: int) -> list[pa.RecordBatch]:
+    """A chunk's rows as ARROW_SCHEMA batches, if it is the one due at `at` and says what it holds."""
+    if chunk.first_offset != at or chunk.count <= 0 or at + chunk.count > spec.hi:
+        raise _BadChunk(f"records {chunk.first_offset}+{chunk.count} where {at} was next")
+    batches = []
+    got = at
+    for batch in pa.ipc.open_stream(chunk.arrow_ipc):
+        batches.append(positioned(batch, spec.stream, spec.owner, got))
+        got += batch.num_rows
+    if got != at + chunk.count:
+        raise _BadChunk(f"the chunk at {at} says {chunk.count} records and holds {got - at}")
+    return batches
+
+
+def describe(exc: grpc.RpcError) -> str:
+    """A gRPC error as 'CODE: details' (its str() is a multi-line dump)."""
+    if isinstance(exc, grpc.Call):
+        code = exc.code()
+        return f"{code.name if code else 'UNKNOWN'}: {exc.details()}"
+    return repr(exc)
+
