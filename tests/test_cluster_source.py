@@ -1,0 +1,287 @@
+"""The "sluice" source in cluster mode (option receivers): offsets, partitions and reads over the Blocks
+service of real receiver nodes (grpc.aio servers on loopback, each with its own data dir), and a real
+streaming query over them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
+
+from ingest.client import Producer
+from ingest.client.credentials import Credentials
+from ingest.server import SluiceServer
+from ingest.spark.cluster_source import (
+    ClusterPartition,
+    ClusterStreamReader,
+    ClusterView,
+    PartitionUnreadableError,
+    RangeSpec,
+    flatten,
+    is_cluster_offset,
+    nest,
+    read_range,
+)
+from ingest.spark.source import ARROW_SCHEMA, SCHEMA, SluiceDataSource
+from receivers.cluster import Cluster
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from tests.support import free_ports, loopback_cluster, running_server
+
+
+@contextlib.asynccontextmanager
+async def nodes(
+    tmp_path: Path, clusters: list[Cluster], *streams: str
+) -> AsyncIterator[dict[int, SluiceServer]]:
+    async with contextlib.AsyncExitStack() as stack:
+        servers = {}
+        for cluster in clusters:
+            me = cluster.me
+            port = int(me.target.rsplit(":", 1)[1])
+            servers[me.id] = await stack.enter_async_context(
+                running_server(tmp_path / f"node{me.id}", *(streams or ("s",)), cluster=cluster, port=port)
+            )
+        yield servers
+
+
+def receivers_option(clusters: list[Cluster]) -> str:
+    return ",".join(f"{n.id}={n.target}" for n in clusters[0].nodes)
+
+
+def reader(clusters: list[Cluster], streams: str = "s", **options: str) -> ClusterStreamReader:
+    return ClusterStreamReader({"receivers": receivers_option(clusters), "streams": streams, **options})
+
+
+async def push(target: str, n: int, tag: str, stream: str = "s") -> list[bytes]:
+    values = [f"{tag}{i}".encode() for i in range(n)]
+    async with Producer(target, stream, producer_id=f"p-{tag}", linger=0) as producer:
+        await producer.send_many(values)
+        await producer.flush(timeout=30)
+        assert producer.acked == n
+    return values
+
+
+def read_all(r: ClusterStreamReader, parts: list[ClusterPartition]) -> pa.Table:
+    batches = [b for p in parts for b in r.read(p)]
+    return pa.Table.from_batches(batches, schema=ARROW_SCHEMA)
+
+
+# ---- pure parts ------------------------------------------------------------------------------------
+
+
+def test_offsets_nest_sorted_with_string_owner_keys() -> None:
+    flat = {"s/10": 5, "a/2": 1, "s/2": 7}
+    assert list(nest(flat)) == ["a", "s"]
+    assert list(nest(flat)["s"]) == ["2", "10"]  # by node number: stable JSON text
+    assert flatten(nest(flat)) == flat
+    assert is_cluster_offset({"s": {"0": 3}}, ["s"])
+    assert not is_cluster_offset({"s": 3}, ["s"])
+    assert not is_cluster_offset({"x": {"0": 3}}, ["s"])
+
+
+def test_bad_options_are_clear_value_errors() -> None:
+    for options, words in (
+        ({"streams": "s"}, "exactly one of option 'path'"),
+        ({"streams": "s", "path": "/tmp/x", "receivers": "0=a:1"}, "exactly one of option 'path'"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            SluiceDataSource(options).streamReader(SCHEMA)
+    for receivers, words in (
+        ("0=a", "expected 'ID HOST:PORT'"),
+        ("x=a:1", "expected 'ID HOST:PORT'"),
+        ("0=a:1,0=b:2", "repeats"),
+        ("0=a:1,1=a:1", "repeats"),
+        ("0=a:70000", "port"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            ClusterStreamReader({"receivers": receivers, "streams": "s"})
+    with pytest.raises(ValueError, match="names no stream"):
+        ClusterStreamReader({"receivers": "0=a:1", "streams": ","})
+    r = ClusterStreamReader({"receivers": "0=a:1", "streams": "s", "rateTokenFile": "/nonexistent/token"})
+    with pytest.raises(ValueError, match="receiver nodes' credentials"):
+        r.initialOffset()
+    chosen = SluiceDataSource({"receivers": "0=a:1", "streams": "s"}).streamReader(SCHEMA)
+    assert isinstance(chosen, ClusterStreamReader)
+
+
+def view(*answers: tuple[int, list[tuple[int, int, int]]]) -> ClusterView:
+    """A ClusterView of nodes 0..2 from (node, [(owner, start, end)]) answers for stream s."""
+    v = ClusterView([0, 1, 2])
+    for node_id, parts in answers:
+        v.add(
+            pb.ListPartitionsResponse(
+                node_id=node_id,
+                partitions=[
+                    pb.PartitionInfo(stream="s", owner=o, start_offset=a, end_offset=b, leader=o == node_id)
+                    for o, a, b in parts
+                ],
+            ),
+            ["s"],
+        )
+    return v
+
+
+def test_view_merges_holders_ends_floors_and_orders_owner_first() -> None:
+    v = view((1, [(1, 0, 50), (0, 40, 90)]), (2, [(2, 0, 0), (1, 10, 70), (0, 0, 0)]), (0, [(0, 60, 100)]))
+    assert v.end("s/0") == 100 and v.end("s/1") == 70 and v.end("s/2") == 0
+    assert v.floor("s/0") == 40  # lowest start still held: node 1's copy was not released as far
+    assert v.floor("s/1") == 0 and v.floor("s/2") == 0  # a new node's partition starts at record 0
+    assert v.holders("s/0", 60, 90) == [0, 1, 2]  # owner, then the follower; node 2 only reported
+    assert v.holders("s/0", 40, 90) == [1, 0, 2]  # the owner released 40..59: not first
+    assert v.holders("s/1", 10, 50) == [1, 2]
+    assert ClusterView([5, 3, 4]).holders("s/4", 0, 1) == [4, 5, 3]  # nobody answered: all, owner first
+
+
+def test_admission_water_fills_over_partitions_with_stream_weights_shared() -> None:
+    r = ClusterStreamReader({"receivers": "0=a:1,1=b:2", "streams": "a,b"})
+    r._weights_for = ["a/0", "a/1", "b/0"]
+    start = {"a/0": 0, "a/1": 0, "b/0": 0}
+    end = r._plan(start, {"a/0": 1000, "a/1": 1000, "b/0": 1000}, ReadMaxRows(300), None, 0.0)
+    # streams 1:1, stream a's share halved over its two partitions
+    assert end == {"a/0": 75, "a/1": 75, "b/0": 150}
+    end = r._plan(start, {"a/0": 10, "a/1": 1000, "b/0": 1000}, ReadMaxRows(300), None, 0.0)
+    assert end["a/0"] == 10 and sum(end.values()) == 300  # a partition needing less leaves the rest
+
+
+# ---- against real receiver nodes ---------------------------------------------------------------
+
+
+async def test_offsets_partitions_and_reads_over_three_nodes(tmp_path: Path) -> None:
+    clusters = loopback_cluster(3, replication=2, min_insync=2)
+    async with nodes(tmp_path, clusters) as servers:
+        r = reader(clusters, minPartitions="4")
+        initial = await asyncio.to_thread(r.initialOffset)
+        assert initial == {"s": {"0": 0, "1": 0, "2": 0}}
+        sent = {i: await push(servers[i].target, n, f"n{i}-") for i, n in ((0, 300), (1, 200), (2, 100))}
+        end = await asyncio.to_thread(r.latestOffset, initial, ReadAllAvailable())
+        assert end == {"s": {"0": 300, "1": 200, "2": 100}}
+        assert await asyncio.to_thread(r.reportLatestOffset) == end
+        parts = list(await asyncio.to_thread(r.partitions, initial, end))
+        assert len(parts) >= 4
+        for p in parts:  # each names the owner first, then its follower (ring: owner + 1)
+            owner = p.spec.owner
+            assert [n for n, _ in p.spec.targets][:2] == [owner, (owner + 1) % 3]
+        table = await asyncio.to_thread(read_all, r, parts)
+        assert table.schema == ARROW_SCHEMA
+        rows = table.to_pylist()
+        assert len(rows) == 600
+        for i, values in sent.items():
+            mine = sorted((r["offset"], r["value"]) for r in rows if r["receiver"] == i)
+            assert mine == list(enumerate(values))
+        assert {r["stream"] for r in rows} == {"s"}
+        # a capped batch: admission over partitions, every partition gets its part
+        capped = await asyncio.to_thread(r.latestOffset, initial, ReadMaxRows(150))
+        assert sum(capped["s"].values()) == 150
+        assert all(49 <= n <= 51 for n in capped["s"].values()), capped  # thirds of floats
+        # the next batch from there; committed blocks leave every holder
+        await asyncio.to_thread(r.commit, end)
+        for i, server in servers.items():
+            assert server.store.blocks("s") == [], f"node {i} kept committed blocks"
+        assert await asyncio.to_thread(r.latestOffset, end, ReadAllAvailable()) == end
+
+
+async def test_a_new_partition_starts_at_record_zero_and_an_idle_one_adds_no_offset(tmp_path: Path) -> None:
+    clusters = loopback_cluster(2)
+    async with nodes(tmp_path, clusters) as servers:
+        await push(servers[0].target, 10, "a")
+        r = reader(clusters)
+        start = {"s": {"0": 10}}  # the query saw only node 0's partition so far
+        assert await asyncio.to_thread(r.latestOffset, start, ReadAllAvailable()) == start
+        await push(servers[1].target, 5, "b")
+        end = await asyncio.to_thread(r.latestOffset, start, ReadAllAvailable())
+        assert end == {"s": {"0": 10, "1": 5}}
+        parts = await asyncio.to_thread(r.partitions, start, end)
+        table = await asyncio.to_thread(read_all, r, list(parts))
+        assert table.column("value").to_pylist() == [f"b{i}".encode() for i in range(5)]
+        assert table.column("offset").to_pylist() == list(range(5))
+
+
+async def test_a_holder_that_is_down_is_skipped_for_its_copy(tmp_path: Path) -> None:
+    clusters = loopback_cluster(2, replication=2, min_insync=2)  # acked: on both
+    async with nodes(tmp_path, clusters) as servers:
+        values = await push(servers[0].target, 200, "v")
+        r = reader(clusters)
+        initial = await asyncio.to_thread(r.initialOffset)
+        planned = await asyncio.to_thread(r.partitions, initial, {"s": {"0": 200}})
+        assert [n for n, _ in planned[0].spec.targets] == [0, 1]
+        await servers[0].stop(grace=1)  # the owner dies after the batch was planned
+        table = await asyncio.to_thread(read_all, r, list(planned))
+        assert table.column("value").to_pylist() == values
+        assert set(table.column("receiver").to_pylist()) == {0}
+        # planning goes on without it: its partition is read from node 1's copy
+        started = time.monotonic()
+        end = await asyncio.to_thread(r.latestOffset, initial, ReadAllAvailable())
+        assert time.monotonic() - started < 10
+        assert end["s"]["0"] == 200
+        parts = await asyncio.to_thread(r.partitions, initial, end)
+        assert [n for n, _ in parts[0].spec.targets] == [1]
+
+
+async def test_no_holder_serving_the_range_names_every_holders_error(tmp_path: Path) -> None:
+    clusters = loopback_cluster(1)
+    dead = f"127.0.0.1:{free_ports(1)[0]}"
+    async with nodes(tmp_path, clusters) as servers:
+        await push(servers[0].target, 10, "v")
+        spec = RangeSpec("s", 0, 5, 20, ((3, dead), (0, clusters[0].me.target)))
+        def read() -> list[pa.RecordBatch]:
+            return list(read_range(spec, Credentials(), timeout=5))
+
+        with pytest.raises(PartitionUnreadableError) as caught:
+            await asyncio.to_thread(read)
+        message = str(caught.value)
+        assert "'s'/0" in message and "5..19" in message
+        assert f"node 3 ({dead}): UNAVAILABLE" in message
+        assert "node 0" in message and "FAILED_PRECONDITION" in message
+
+
+# ---- a streaming query -------------------------------------------------------------------------
+
+
+@pytest.mark.spark
+async def test_a_query_over_the_cluster_reads_every_record_once(spark: Any, tmp_path: Path) -> None:
+    clusters = loopback_cluster(2, replication=2)
+    async with nodes(tmp_path, clusters, "s", "t") as servers:
+        df = (
+            spark.readStream.format("sluice")
+            .option("receivers", receivers_option(clusters))
+            .option("streams", "s,t")
+            .option("maxRecordsPerBatch", "700")
+            .load()
+        )
+        sink = tmp_path / "sink"
+        query = await asyncio.to_thread(
+            lambda: df.writeStream.format("parquet")
+            .option("path", str(sink))
+            .option("checkpointLocation", str(tmp_path / "checkpoint"))
+            .trigger(processingTime="200 milliseconds")
+            .start()
+        )
+        try:
+            sent = set()
+            for i, (stream, n) in enumerate((("s", 1000), ("t", 500))):
+                for node in (0, 1):
+                    values = await push(servers[node].target, n, f"{stream}{node}-{i}", stream)
+                    sent |= {(stream, node, v) for v in values}
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                assert query.exception() is None, query.exception()
+                progress = query.lastProgress
+                if progress and sum(p["numInputRows"] for p in query.recentProgress) >= len(sent):
+                    break
+                await asyncio.sleep(0.5)
+            await asyncio.to_thread(query.processAllAvailable)
+        finally:
+            await asyncio.to_thread(query.stop)
+        rows = await asyncio.to_thread(
+            lambda: spark.read.parquet(str(sink)).select("stream", "receiver", "offset", "value").collect()
+        )
+        got = [(r["stream"], r["receiver"], bytes(r["value"])) for r in rows]
+        assert len(got) == len(sent)
+        assert set(got) == sent
+        assert len({(r["stream"], r["receiver"], r["offset"]) for r in rows}) == len(rows)
