@@ -39,6 +39,7 @@ from py4j.protocol import Py4JError
 
 from ingest.config import ServeConfig
 from ingest.server import SluiceServer
+from ingest.spark.cluster_source import flatten, is_cluster_offset
 from ingest.spark.listener import BatchCompleted, BatchListener
 from ingest.spark.pipeline import Pipeline, load_pipeline, parquet_pipeline, start_query
 from ratecontrol import BatchMetrics
@@ -63,6 +64,8 @@ class SparkDriver:
         rate_target: str | None = None,
         rate_token_file: Path | None = None,
         store: BlockStore | None = None,
+        release: Callable[[Mapping[str, int]], object] | None = None,
+        source_options: Mapping[str, str] | None = None,
     ) -> None:
         self.spark = spark
         self.rate_target = rate_target
@@ -83,10 +86,16 @@ class SparkDriver:
         self._listener = BatchListener(self._on_batch, on_idle=self._on_idle)
         self._subscribers: list[Callable[[BatchCompleted], None]] = []
         self.query: Any = None
-        self.store: BlockStore = (
-            store if store is not None else WalBlockStore(config.blocks_dir, fsync=config.fsync)
-        )
+        if store is None and release is None:
+            store = WalBlockStore(config.blocks_dir, fsync=config.fsync)
+        self.store: BlockStore | None = store
         """Where committed blocks are released (the server's store in `sluice serve`)."""
+        self._release = release
+        """Releases a committed end offset instead of the store: a cluster's driver passes one that
+        asks every receiver node (ReleaseBlocks); it gets {"stream/owner": offset} (see _sluice_offset)."""
+        self.source_options = dict(source_options or {})
+        """Options of the "sluice" source instead of the block store's path: a cluster's `receivers`
+        and the credentials."""
         self._checkpoint: Path | None = None  # the query's checkpoint root, when it is a local path
         # one thread: releases are blocking file work, off Spark's listener thread, and run in order
         self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-release")
@@ -107,9 +116,10 @@ class SparkDriver:
             self._batches += 1
             self._records += batch.num_input_rows
             self.last_batch = batch
-        if self.query is not None and _is_sluice_offset(batch.end_offset, self.config.streams):
+        end = _sluice_offset(batch.end_offset, self.config.streams)
+        if self.query is not None and end is not None:
             # (an event before start() knows its query is covered by start()'s checkpoint release)
-            self._submit_release(batch.batch_id, batch.end_offset)
+            self._submit_release(batch.batch_id, end)
         for subscriber in self._subscribers:
             subscriber(batch)
 
@@ -134,7 +144,10 @@ class SparkDriver:
                 # async progress tracking: not committed yet; a later batch's release covers these blocks
                 log.debug("batch %d reported before its commit log entry: not released yet", batch_id)
                 return
-            release_below(self.store, self.config.streams, end)
+            if self._release is not None:
+                self._release(end)
+            elif self.store is not None:
+                release_below(self.store, self.config.streams, end)
         except Exception:  # the next batch (or start) releases them; ingestion must not die of it
             log.exception("releasing the blocks of committed batch %d failed", batch_id)
 
@@ -148,7 +161,8 @@ class SparkDriver:
         self.spark.streams.addListener(self._listener)
         self.query = start_query(
             self.spark,
-            store_root=str(self.config.blocks_dir),
+            store_root=None if self.source_options else str(self.config.blocks_dir),
+            source_options=self.source_options,
             streams=list(self.config.streams),
             pipeline=self.pipeline,
             checkpoint_dir=str(self.config.checkpoint_dir / self.query_name),
@@ -196,7 +210,8 @@ class SparkDriver:
 def last_commit(checkpoint: Path, streams: Sequence[str]) -> tuple[int, dict[str, int]] | None:
     """The last batch in the checkpoint's commit log and the Sluice source's end offset of it, from the
     offset log (`offsets/<id>`: a version line, a metadata line, then one offset per source: the first
-    that is {stream: record offset} over `streams` is ours); None when there is none or it is unreadable.
+    that is the Sluice source's over `streams` is ours, see _sluice_offset); None when there is none or
+    it is unreadable.
     """
     try:
         ids = [int(name) for name in _listdir(checkpoint / "commits") if name.isdigit()]
@@ -212,14 +227,33 @@ def last_commit(checkpoint: Path, streams: Sequence[str]) -> tuple[int, dict[str
             offset = json.loads(line)
         except ValueError:
             continue  # "-": a source without an offset in this batch
-        if _is_sluice_offset(offset, streams):
-            return batch_id, dict(offset)
+        end = _sluice_offset(offset, streams)
+        if end is not None:
+            return batch_id, end
+    return None
+
+
+def _sluice_offset(offset: object, streams: Sequence[str]) -> dict[str, int] | None:
+    """The Sluice source's offset in one flat form, or None when `offset` is another source's (of a
+    pipeline that reads several: the listener reports the first source's). The single-node source's
+    {stream: record offset} as it is; the cluster source's {stream: {"<owner>": record offset}} (or
+    the listener's flat {"stream/owner": record offset}) as {"stream/owner": record offset}."""
+    if not isinstance(offset, dict) or not offset:
+        return None
+    if _is_sluice_offset(offset, streams):
+        return dict(offset)
+    if is_cluster_offset(offset, streams):
+        return flatten(offset)
+    if all(isinstance(k, str) and type(v) is int for k, v in offset.items()):
+        keys = [k.rpartition("/") for k in offset]
+        if all(sep and s in streams and o.isdigit() for s, sep, o in keys):
+            return dict(offset)
     return None
 
 
 def _is_sluice_offset(offset: object, streams: Sequence[str]) -> TypeGuard[dict[str, int]]:
-    """Whether `offset` is the Sluice source's ({stream: record offset} over some of `streams}), not
-    another source's of a pipeline that reads several (the listener reports the first source's)."""
+    """Whether `offset` is the single-node Sluice source's ({stream: record offset} over some of
+    `streams`)."""
     return (
         isinstance(offset, dict)
         and bool(offset)

@@ -28,7 +28,8 @@ class BatchCompleted:
     timestamp: str
     """When the trigger started, ISO 8601 UTC as Spark reports it."""
     start_offset: dict[str, int] | None = None
-    """The sluice source's start offset ({stream: record offset}) of the batch, when it has one."""
+    """The sluice source's start offset ({stream: record offset}; in cluster mode {"stream/owner":
+    record offset}, one key per partition) of the batch, when it has one."""
     end_offset: dict[str, int] | None = None
     """Where the batch ended ({stream: record offset}), when known."""
     latest_offset: dict[str, int] | None = None
@@ -162,6 +163,9 @@ def _source_offset(progress: Any, which: str) -> dict[str, int] | None:
         offset = json.loads(raw) if isinstance(raw, str) else raw
     except (AttributeError, IndexError, ValueError):
         return None
+    if isinstance(offset, dict) and offset and all(isinstance(v, dict) for v in offset.values()):
+        # the cluster source's {stream: {"<owner>": offset}}: one key per partition, "stream/owner"
+        offset = {f"{s}/{o}": n for s, owners in offset.items() for o, n in owners.items()}
     if not isinstance(offset, dict) or not all(isinstance(v, int) for v in offset.values()):
         return None
     return {str(k): int(v) for k, v in offset.items()}

@@ -8,7 +8,7 @@ the service's business: the checkpoint (unless the pipeline chose one), the trig
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from py4j.protocol import Py4JError
@@ -78,7 +78,7 @@ def load_pipeline(spec: str) -> Pipeline:
 def start_query(
     spark: SparkSession,
     *,
-    store_root: str | Path,
+    store_root: str | Path | None,
     streams: Sequence[str],
     pipeline: Pipeline,
     checkpoint_dir: str | Path,
@@ -87,21 +87,23 @@ def start_query(
     max_records_per_batch: int | None = None,
     rate_target: str | None = None,
     rate_token_file: str | Path | None = None,
+    source_options: Mapping[str, str] | None = None,
 ) -> StreamingQuery:
     """Start a streaming query reading `streams` from the block store at store_root through `pipeline`.
 
     trigger_seconds is the micro-batch interval (0: start the next batch as soon as one ends);
     max_records_per_batch caps a batch at whole blocks (see the source's maxRecordsPerBatch);
     rate_target (host:port of the Sluice server) caps each batch at the live rate x trigger interval;
-    rate_token_file holds the bearer token the source asks it with (a server with authentication).
+    rate_token_file holds the bearer token the source asks it with (a server with authentication);
+    source_options are more of the source's options (a cluster's `receivers`, with store_root None).
     """
     if trigger_seconds < 0:
         raise ValueError(f"trigger_seconds must be >= 0, got {trigger_seconds}")
-    reader = (
-        spark.readStream.format(SOURCE_NAME)
-        .option("path", str(store_root))
-        .option(OPTION_STREAMS, ",".join(streams))
-    )
+    reader = spark.readStream.format(SOURCE_NAME).option(OPTION_STREAMS, ",".join(streams))
+    if store_root is not None:
+        reader = reader.option("path", str(store_root))
+    for name, value in (source_options or {}).items():
+        reader = reader.option(name, value)
     if max_records_per_batch is not None:
         reader = reader.option(OPTION_MAX_RECORDS, str(max_records_per_batch))
     # one partition per core at least, so a batch of a few blocks is not read by one task

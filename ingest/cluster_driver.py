@@ -1,0 +1,281 @@
+"""A cluster's driver (`sluice serve --role driver`): the Spark query over the receiver nodes, and the
+rate they take.
+
+The receiver nodes (`--role receiver`) take and replicate records; the driver runs no receiver. It runs
+the streaming query with the "sluice" source in cluster mode (ingest.spark.cluster_source), which reads
+every node's partitions over the Blocks service, and closes the rate loop as a single node does: each
+completed batch's metrics go to a RateController, served by this process's own RateControl server (the
+source's rateTarget, so each batch is capped at the live rate); NodeRates (ingest.node_rates) divides
+that rate among the nodes, braked by each node's backlog (`backlog()`: records its partitions hold that
+Spark has not committed, from ListPartitions every BACKLOG_INTERVAL). Each batch in Spark's commit log
+is released on every node (ReleaseBlocks) from its progress event, by SparkDriver.
+
+Credentials: one set for every call (the nodes and this driver's rate server): the token's principal
+needs the reader and operator roles. With `auth_file` the rate server authenticates with it (the
+cluster's auth file); with `tls` it serves TLS (the source's rateCaFile must trust it, as it trusts the
+nodes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from ingest.client.credentials import Credentials
+from ingest.config import RateConfig, ServeConfig, TlsConfig
+from ingest.driver import SparkDriver, batch_metrics
+from ingest.node_rates import NodeRates
+from ingest.rate_controller import RateController
+from ingest.rate_service import RateControlService
+from ingest.spark.cluster_source import BlocksClient, nest, split_key
+from ingest.spark.listener import BatchCompleted
+from ingest.spark.source import (
+    OPTION_MAX_RECORDS,
+    OPTION_RATE_CA_FILE,
+    OPTION_RATE_CERT_FILE,
+    OPTION_RATE_KEY_FILE,
+    OPTION_RATE_TOKEN_FILE,
+    OPTION_RECEIVERS,
+)
+from ingest.tls import ServerTls
+from receivers.auth import Authenticator, AuthTable
+from receivers.parsed_service import add_parsed_servicer
+
+log = logging.getLogger(__name__)
+
+QUERY_NAME = "sluice-cluster"
+BACKLOG_INTERVAL = 1.0
+"""Seconds between two looks at every node's partitions for the backlog NodeRates brakes with."""
+
+
+@dataclass(frozen=True)
+class DriverConfig:
+    """What `sluice serve --role driver` runs."""
+
+    nodes: Mapping[int, str]
+    """The receiver nodes: node id -> host:port (receivers.cluster's list)."""
+    streams: tuple[str, ...]
+    data_dir: Path = Path("sluice-driver")
+    """The query's checkpoint, and the default Parquet sink (data_dir/sink)."""
+    master: str = "local[*]"
+    pipeline: str | None = None
+    trigger_interval: float = 1.0
+    rate: RateConfig = field(default_factory=RateConfig)
+    max_records_per_batch: int | None = None
+    rate_host: str = "127.0.0.1"
+    """Where this driver's RateControl server listens (the source, in Spark's driver-side Python
+    worker, asks it; operators' `sluice rate` too)."""
+    rate_port: int = 0
+    ca_file: Path | None = None
+    """TLS to the nodes (and to the rate server): the CA their certificates chain to."""
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    token_file: Path | None = None
+    """A principal with the reader and operator roles."""
+    auth_file: Path | None = None
+    """The rate server's auth file (the cluster's); None: it takes any caller (bind it to loopback)."""
+    tls: TlsConfig | None = None
+    """The rate server's TLS; None: plaintext."""
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            raise ValueError("a driver needs the receiver nodes (none given)")
+        if not self.streams:
+            raise ValueError("a driver needs the streams to read (none given)")
+
+    def credentials(self) -> Credentials:
+        return Credentials.from_files(
+            ca_file=self.ca_file, cert_file=self.cert_file, key_file=self.key_file, token_file=self.token_file
+        )
+
+    def serve_config(self) -> ServeConfig:
+        """The single-node config SparkDriver reads: streams, checkpoint and sink, trigger, pipeline."""
+        return ServeConfig(
+            data_dir=self.data_dir,
+            streams=self.streams,
+            master=self.master,
+            pipeline=self.pipeline,
+            trigger_interval=self.trigger_interval,
+            rate=self.rate,
+            metrics_port=None,
+        )
+
+    def source_options(self) -> dict[str, str]:
+        options = {OPTION_RECEIVERS: ",".join(f"{n}={t}" for n, t in sorted(self.nodes.items()))}
+        for name, path in (
+            (OPTION_RATE_CA_FILE, self.ca_file),
+            (OPTION_RATE_CERT_FILE, self.cert_file),
+            (OPTION_RATE_KEY_FILE, self.key_file),
+            (OPTION_RATE_TOKEN_FILE, self.token_file),
+        ):
+            if path is not None:
+                options[name] = str(path)
+        if self.max_records_per_batch is not None:
+            options[OPTION_MAX_RECORDS] = str(self.max_records_per_batch)
+        return options
+
+
+class ClusterDriver:
+    """The driver's parts: rate server, rate controller, node rates, backlog, Spark query.
+
+    `await start(spark)` ... `await stop()`, on one event loop."""
+
+    def __init__(self, config: DriverConfig) -> None:
+        self.config = config
+        self.credentials = config.credentials()  # a bad file fails here, before Spark starts
+        self.rate = RateController({}, config.rate, batch_interval=config.trigger_interval)
+        self.blocks = BlocksClient(config.nodes, self.credentials)
+        self.node_rates = NodeRates(
+            config.nodes,
+            self.rate,
+            credentials=self.credentials,
+            backlog=self.backlog,
+            trigger_interval=config.trigger_interval,
+        )
+        self.spark_driver: SparkDriver | None = None
+        self.rate_target: str | None = None
+        self._server: grpc.aio.Server | None = None
+        self._committed: dict[str, int] = {}  # {"stream/owner": offset} of the last completed batch
+        self._held: dict[str, int] = {}  # {"stream/owner": readable end} at the last look
+        self._lock = threading.Lock()
+        self._poller: asyncio.Task[None] | None = None
+
+    # ---- the node backlog (NodeRates' hook) ----
+
+    def backlog(self) -> dict[int, int]:
+        """Records each node's partitions hold that Spark has not committed yet, as of the last look
+        at the nodes (a node that did not answer: its partitions as last seen)."""
+        with self._lock:
+            per_node: dict[int, int] = dict.fromkeys(self.config.nodes, 0)
+            for key, end in self._held.items():
+                owner = split_key(key)[1]
+                per_node[owner] = per_node.get(owner, 0) + max(0, end - self._committed.get(key, 0))
+            return per_node
+
+    async def _watch_backlog(self) -> None:
+        while True:
+            try:
+                view = await asyncio.to_thread(self.blocks.view, self.config.streams, seal=False)
+            except Exception:  # the brake is advisory: rates go on without it
+                log.exception("cannot look at the nodes' partitions for their backlog")
+            else:
+                with self._lock:
+                    self._held.update({key: view.end(key) for key in view.holdings})
+            await asyncio.sleep(BACKLOG_INTERVAL)
+
+    def _on_batch(self, batch: BatchCompleted, loop: asyncio.AbstractEventLoop) -> None:
+        """On a py4j thread: note what is committed, hand the metrics to the loop's controller."""
+        end = batch.end_offset or {}
+        if all("/" in key for key in end):
+            with self._lock:
+                self._committed.update(end)
+        if loop.is_closed():
+            return
+        metrics = batch_metrics(batch, self.config.trigger_interval, lambda stream, offset: None)
+        loop.call_soon_threadsafe(self.rate.on_batch, metrics)
+
+    # ---- lifecycle ----
+
+    async def start(self, spark: Any) -> None:
+        """Serve RateControl, start node rates and the backlog watch, then the Spark query (seconds)."""
+        config = self.config
+        auth = Authenticator(AuthTable.load(config.auth_file) if config.auth_file is not None else None)
+        server = grpc.aio.server()
+        service = RateControlService(self.rate, {}, nodes=self.node_rates.snapshot)
+        add_parsed_servicer(server, service, "RateControl", authenticator=auth)
+        address = f"{config.rate_host}:{config.rate_port}"
+        if config.tls is not None:
+            port = server.add_secure_port(address, ServerTls(config.tls).grpc_credentials())
+        else:
+            port = server.add_insecure_port(address)
+        await server.start()
+        self._server = server
+        host = "127.0.0.1" if config.rate_host in ("0.0.0.0", "::", "") else config.rate_host  # noqa: S104
+        self.rate_target = f"{host}:{port}"
+        self.node_rates.start()
+        self._poller = asyncio.create_task(self._watch_backlog(), name="sluice-node-backlog")
+        loop = asyncio.get_running_loop()
+        driver = SparkDriver(
+            spark,
+            config.serve_config(),
+            query_name=QUERY_NAME,
+            rate_target=self.rate_target,
+            release=self.release,
+            source_options=config.source_options(),
+        )
+        driver.on_batch(lambda batch: self._on_batch(batch, loop))
+        self.spark_driver = driver
+        await asyncio.to_thread(driver.start)
+
+    def release(self, end: Mapping[str, int]) -> None:
+        """Release a committed end offset ({"stream/owner": offset}) on every node (blocking)."""
+        self.blocks.release(nest({k: v for k, v in end.items() if "/" in k}))
+
+    def error(self) -> str | None:
+        return self.spark_driver.error() if self.spark_driver is not None else None
+
+    async def stop(self) -> None:
+        """Stop the query (releasing its last commit), then the rate parts (idempotent)."""
+        if self.spark_driver is not None:
+            await asyncio.to_thread(self.spark_driver.stop)
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None
+        await self.node_rates.close()
+        if self._server is not None:
+            await self._server.stop(1)
+            self._server = None
+        self.blocks.close()
+
+
+async def run_driver(config: DriverConfig, *, stop: asyncio.Event | None = None) -> int:
+    """Run a cluster's driver until SIGINT/SIGTERM (or `stop`); 0, or 1 when the query failed."""
+    from ingest.spark.session import build_session, java_problem  # noqa: PLC0415 - Spark is slow to import
+
+    problem = java_problem()
+    if problem is not None:
+        print(f"sluice: {problem}", file=sys.stderr)
+        return 2
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread: `stop` only
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        driver = ClusterDriver(config)
+    except ValueError as exc:  # a credentials file, the auth file
+        print(f"sluice: {exc}", file=sys.stderr)
+        return 2
+    # Spark's JVM first: a fork while gRPC's threads run can break both (see ingest.cli)
+    spark = await asyncio.to_thread(build_session, config.master)
+    try:
+        await driver.start(spark)
+        print(
+            f"sluice: driver of {len(config.nodes)} receiver nodes, streams {', '.join(config.streams)}; "
+            f"rate on {driver.rate_target}",
+            file=sys.stderr,
+            flush=True,
+        )
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 1.0)
+            if driver.error() is not None:
+                print(f"sluice: the Spark query failed: {driver.error()}", file=sys.stderr)
+                return 1
+        return 0
+    finally:
+        await driver.stop()
+        await asyncio.to_thread(spark.stop)
+
