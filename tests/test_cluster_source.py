@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pyarrow as pa
 import pytest
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
@@ -285,3 +286,85 @@ async def test_a_query_over_the_cluster_reads_every_record_once(spark: Any, tmp_
         assert len(got) == len(sent)
         assert set(got) == sent
         assert len({(r["stream"], r["receiver"], r["offset"]) for r in rows}) == len(rows)
+
+
+# ---- the driver: committed cluster offsets released on every node -------------------------------
+
+
+def blocks_held(server: SluiceServer) -> int:
+    """Blocks of stream s a node holds: its own and its copies of other nodes'."""
+    node = server.node
+    assert node is not None
+    copies = sum(len(node.replicas.store(o).blocks("s")) for o in node.replicas.owners())
+    return len(server.store.blocks("s")) + copies
+
+
+def test_last_commit_reads_the_cluster_sources_nested_offset(tmp_path: Path) -> None:
+    from ingest.driver import _sluice_offset, last_commit
+
+    (tmp_path / "commits").mkdir()
+    (tmp_path / "offsets").mkdir()
+    (tmp_path / "commits" / "3").write_text("v1\n{}\n")
+    (tmp_path / "offsets" / "3").write_text('v1\n{"batchWatermarkMs":0}\n{"s":{"0":12,"10":4},"t":{"1":7}}\n')
+    assert last_commit(tmp_path, ["s", "t"]) == (3, {"s/0": 12, "s/10": 4, "t/1": 7})
+    assert _sluice_offset({"s/0": 5, "t/2": 1}, ["s", "t"]) == {"s/0": 5, "t/2": 1}  # the listener's
+    assert _sluice_offset({"s": 5}, ["s"]) == {"s": 5}  # the single-node source's, as before
+    assert _sluice_offset({"x/0": 5}, ["s"]) is None  # another source's
+    assert _sluice_offset({"topic": {"0": 5}}, ["s"]) is None  # Kafka's
+
+
+@pytest.mark.spark
+async def test_the_cluster_driver_runs_the_query_and_releases_on_every_node(
+    spark: Any, tmp_path: Path
+) -> None:
+    from ingest.cluster_driver import ClusterDriver, DriverConfig
+    from ingest.config import RateConfig
+    from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+
+    clusters = loopback_cluster(2, replication=2, min_insync=2)
+    async with nodes(tmp_path, clusters) as servers:
+        config = DriverConfig(
+            nodes={n.id: n.target for n in clusters[0].nodes},
+            streams=("s",),
+            data_dir=tmp_path / "driver",
+            trigger_interval=0.5,
+            rate=RateConfig(estimator="fixed", initial_rate=100_000.0),
+        )
+        driver = ClusterDriver(config)
+        await driver.start(spark)
+        try:
+            sent = {v for i in (0, 1) for v in await push(servers[i].target, 400, f"n{i}-")}
+            sink = config.serve_config().sink_dir
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                assert driver.error() is None, driver.error()
+                if (driver.spark_driver and driver.spark_driver.records_processed) == len(sent):
+                    break
+                await asyncio.sleep(0.5)
+            rows = await asyncio.to_thread(lambda: spark.read.parquet(str(sink)).select("value").collect())
+            assert sorted(bytes(r["value"]) for r in rows) == sorted(sent)
+            # the batch's progress event released its blocks on both holders of both partitions,
+            # with no later batch to commit it
+            deadline = time.monotonic() + 30
+            while any(blocks_held(s) for s in servers.values()):
+                assert time.monotonic() < deadline, "committed blocks were not released"
+                await asyncio.sleep(0.2)
+            # the driver's own rate server: the source's rateTarget, with the node table
+            async with grpc.aio.insecure_channel(driver.rate_target or "") as channel:
+                status = await pb_grpc.RateControlStub(channel).GetRate(pb.GetRateRequest())
+            assert {n.node_id for n in status.nodes} == {0, 1}
+            await asyncio.sleep(1.5)  # a look at the nodes after the release
+            assert driver.backlog() == {0: 0, 1: 0}
+        finally:
+            await driver.stop()
+
+
+def test_the_listener_reports_cluster_offsets_per_partition() -> None:
+    from types import SimpleNamespace
+
+    from ingest.spark.listener import _source_offset
+
+    progress = SimpleNamespace(sources=[SimpleNamespace(endOffset='{"s":{"0":12,"1":4}}')])
+    assert _source_offset(progress, "endOffset") == {"s/0": 12, "s/1": 4}
+    progress = SimpleNamespace(sources=[SimpleNamespace(endOffset='{"s":12}')])
+    assert _source_offset(progress, "endOffset") == {"s": 12}
