@@ -368,3 +368,56 @@ def test_the_listener_reports_cluster_offsets_per_partition() -> None:
     assert _source_offset(progress, "endOffset") == {"s/0": 12, "s/1": 4}
     progress = SimpleNamespace(sources=[SimpleNamespace(endOffset='{"s":12}')])
     assert _source_offset(progress, "endOffset") == {"s": 12}
+
+
+async def test_credentials_serve_every_call_and_a_refusal_is_clear(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from ingest.config import SecurityConfig
+    from ingest.spark.cluster_source import ClusterRefusedError
+    from receivers.auth import new_token, token_hash
+
+    tokens = {name: new_token() for name in ("pipeline", "app", "watcher")}
+    auth = tmp_path / "auth.toml"
+    auth.write_text(
+        "".join(
+            f'[principals.{name}]\nroles = {roles}\ntoken_sha256 = ["{token_hash(tokens[name])}"]\n\n'
+            for name, roles in (
+                ("pipeline", '["reader", "operator"]'),
+                ("app", '["producer"]\nstreams = ["s"]'),
+                ("watcher", '["reader"]'),
+            )
+        )
+    )
+    files = {}
+    for name, token in tokens.items():
+        files[name] = tmp_path / f"{name}.token"
+        files[name].write_text(token + "\n")
+    clusters = loopback_cluster(1)
+    port = int(clusters[0].me.target.rsplit(":", 1)[1])
+    security = SecurityConfig(auth_file=auth)
+    async with running_server(
+        tmp_path / "node0", "s", cluster=clusters[0], port=port, security=security
+    ) as server:
+        values = [f"v{i}".encode() for i in range(50)]
+        credentials = Credentials(token=tokens["app"])
+        async with Producer(clusters[0].me.target, "s", linger=0, credentials=credentials) as producer:
+            await producer.send_many(values)
+            await producer.flush(timeout=30)
+        r = reader(clusters, rateTokenFile=str(files["pipeline"]))
+        end = await asyncio.to_thread(r.latestOffset, {"s": {"0": 0}}, ReadAllAvailable())
+        assert end == {"s": {"0": 50}}
+        parts = await asyncio.to_thread(r.partitions, {"s": {"0": 0}}, end)
+        table = await asyncio.to_thread(read_all, r, list(parts))
+        assert table.column("value").to_pylist() == values
+        # a reader without the operator role reads, and its release is refused: logged, not raised
+        watcher = reader(clusters, rateTokenFile=str(files["watcher"]))
+        await asyncio.to_thread(watcher.commit, end)
+        assert "cannot release partition s/0 below 50 on node 0 (PERMISSION_DENIED" in caplog.text
+        assert server.store.blocks("s")
+        await asyncio.to_thread(r.commit, end)
+        assert server.store.blocks("s") == []
+        # no token: every node refuses, and planning says so instead of finding nothing for ever
+        with pytest.raises(ClusterRefusedError, match="UNAUTHENTICATED") as caught:
+            await asyncio.to_thread(reader(clusters).latestOffset, {"s": {"0": 50}}, ReadAllAvailable())
+        assert "reader and operator roles" in str(caught.value)

@@ -102,6 +102,13 @@ class PartitionUnreadableError(RuntimeError):
     """No holder of a partition could serve a task's range of it."""
 
 
+class ClusterRefusedError(RuntimeError):
+    """Every receiver node that answered refused the source's credentials: no batch can ever read."""
+
+
+_REFUSED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+
+
 def partition_key(stream: str, owner: int) -> str:
     return f"{stream}/{owner}"
 
@@ -375,10 +382,13 @@ class BlocksClient:
         request = pb.ListPartitionsRequest(streams=list(streams), seal_blocks=seal)
         view = ClusterView(list(self.nodes))
         calls = {n: self._pool.submit(self._list, n, request, timeout) for n in self.nodes}
+        refused = []
         for node_id, call in calls.items():
             try:
                 response = call.result()
             except grpc.RpcError as exc:
+                if isinstance(exc, grpc.Call) and exc.code() in _REFUSED:
+                    refused.append(f"node {node_id} ({self.nodes[node_id]}): {describe(exc)}")
                 if node_id not in self._failing:
                     log.warning(
                         "receiver node %d (%s) did not list its partitions (%s): its partitions are read "
@@ -393,6 +403,12 @@ class BlocksClient:
                 log.info("receiver node %d (%s) answers again", node_id, self.nodes[node_id])
                 self._failing.discard(node_id)
             view.add(response, streams)
+        if refused and not view.answered:
+            # not an outage that passes: a query that went on would read nothing, silently, for ever
+            raise ClusterRefusedError(
+                "sluice source: the receiver nodes refused the source's credentials (the rateTokenFile "
+                "option's principal needs the reader and operator roles): " + "; ".join(refused)
+            )
         return view
 
     def _list(

@@ -12,6 +12,9 @@ Usage::
           .option("rateTokenFile", "/etc/sluice/pipeline.token")  # an operator's token
           .load())
 
+With option ``receivers`` ("ID=HOST:PORT,...") instead of ``path``, the source reads a cluster's
+receiver nodes over the network, with per-partition offsets: see ingest.spark.cluster_source.
+
 Columns (modelled on Spark's Kafka source; see SCHEMA_DDL):
 
     key        binary     record key, null when the producer sent none
