@@ -382,7 +382,7 @@ class BlocksClient:
         request = pb.ListPartitionsRequest(streams=list(streams), seal_blocks=seal)
         view = ClusterView(list(self.nodes))
         calls = {n: self._pool.submit(self._list, n, request, timeout) for n in self.nodes}
-        refused = []
+        refused: list[str] = []
         for node_id, call in calls.items():
             try:
                 response = call.result()
