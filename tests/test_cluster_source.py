@@ -421,3 +421,19 @@ async def test_credentials_serve_every_call_and_a_refusal_is_clear(
         with pytest.raises(ClusterRefusedError, match="UNAUTHENTICATED") as caught:
             await asyncio.to_thread(reader(clusters).latestOffset, {"s": {"0": 50}}, ReadAllAvailable())
         assert "reader and operator roles" in str(caught.value)
+
+
+async def test_a_block_over_grpcs_default_4_mib_is_read(tmp_path: Path) -> None:
+    clusters = loopback_cluster(1)
+    port = int(clusters[0].me.target.rsplit(":", 1)[1])
+    node = tmp_path / "n0"
+    async with running_server(node, "s", cluster=clusters[0], port=port, block_interval=2.0) as server:
+        values = [f"{i:08d}".encode() * 40 for i in range(20_000)]  # 6.4 MB within one block interval
+        async with Producer(server.target, "s", batch_size=2_000, linger=0) as producer:
+            await producer.send_many(values)
+            await producer.flush(timeout=60)
+        assert max(b.count for b in server.store.blocks("s")) * 320 > 4 * 2**20
+        spec = RangeSpec("s", 0, 0, len(values), ((0, server.target),))
+        batches = await asyncio.to_thread(lambda: list(read_range(spec, Credentials())))
+        table = pa.Table.from_batches(batches, schema=ARROW_SCHEMA)
+        assert table.column("value").to_pylist() == values
