@@ -132,7 +132,9 @@ class ClusterDriver:
 
     def __init__(self, config: DriverConfig) -> None:
         self.config = config
-        self.credentials = config.credentials()  # a bad file fails here, before Spark starts
+        # a bad file fails here, before Spark starts (CredentialsError, AuthFileError: ValueErrors)
+        self.credentials = config.credentials()
+        self.auth = Authenticator(AuthTable.load(config.auth_file) if config.auth_file is not None else None)
         self.rate = RateController({}, config.rate, batch_interval=config.trigger_interval)
         self.blocks = BlocksClient(config.nodes, self.credentials)
         self.node_rates = NodeRates(
@@ -189,10 +191,9 @@ class ClusterDriver:
     async def start(self, spark: Any) -> None:
         """Serve RateControl, start node rates and the backlog watch, then the Spark query (seconds)."""
         config = self.config
-        auth = Authenticator(AuthTable.load(config.auth_file) if config.auth_file is not None else None)
         server = grpc.aio.server()
         service = RateControlService(self.rate, {}, nodes=self.node_rates.snapshot)
-        add_parsed_servicer(server, service, "RateControl", authenticator=auth)
+        add_parsed_servicer(server, service, "RateControl", authenticator=self.auth)
         address = f"{config.rate_host}:{config.rate_port}"
         if config.tls is not None:
             port = server.add_secure_port(address, ServerTls(config.tls).grpc_credentials())

@@ -437,3 +437,45 @@ async def test_a_block_over_grpcs_default_4_mib_is_read(tmp_path: Path) -> None:
         batches = await asyncio.to_thread(lambda: list(read_range(spec, Credentials())))
         table = pa.Table.from_batches(batches, schema=ARROW_SCHEMA)
         assert table.column("value").to_pylist() == values
+
+
+async def test_run_driver_refuses_bad_files_before_starting_spark(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ingest.cluster_driver import DriverConfig, run_driver
+
+    missing = tmp_path / "nope.token"
+    config = DriverConfig(nodes={0: "127.0.0.1:1"}, streams=("s",), data_dir=tmp_path, token_file=missing)
+    assert await run_driver(config) == 2
+    assert str(missing) in capsys.readouterr().err
+    bad_auth = tmp_path / "auth.toml"
+    bad_auth.write_text("[principals.x]\nroles = []\n")
+    assert await run_driver(DriverConfig(nodes={0: "127.0.0.1:1"}, streams=("s",), auth_file=bad_auth)) == 2
+    assert "roles is empty" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="receiver nodes"):
+        DriverConfig(nodes={}, streams=("s",))
+
+
+@pytest.mark.spark
+async def test_a_query_reads_a_dead_nodes_partition_from_its_copy(spark: Any, tmp_path: Path) -> None:
+    clusters = loopback_cluster(2, replication=2, min_insync=2)
+    async with nodes(tmp_path, clusters) as servers:
+        sent = {(i, v) for i in (0, 1) for v in await push(servers[i].target, 300, f"n{i}-")}
+        await servers[0].stop(grace=1)  # node 0's records live on in node 1's copy
+        df = (
+            spark.readStream.format("sluice")
+            .option("receivers", receivers_option(clusters))
+            .option("streams", "s")
+            .load()
+        )
+        query = await asyncio.to_thread(
+            lambda: df.writeStream.format("memory").queryName("dead_node").trigger(availableNow=True).start()
+        )
+        try:
+            await asyncio.to_thread(query.awaitTermination, 120)
+            assert query.exception() is None, query.exception()
+            rows = await asyncio.to_thread(spark.sql("select receiver, value from dead_node").collect)
+        finally:
+            await asyncio.to_thread(query.stop)
+        got = [(r["receiver"], bytes(r["value"])) for r in rows]
+        assert len(got) == len(sent) and set(got) == sent
