@@ -349,10 +349,11 @@ def _cluster_flags(serve: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--role",
-        choices=["single", "receiver"],
+        choices=["single", "receiver", "driver"],
         default="single",
         help="single: ingest and Spark in this process (the default); receiver: a cluster's receiver node "
-        "(ingest, its block log, copies of other nodes' blocks; no Spark)",
+        "(ingest, its block log, copies of other nodes' blocks; no Spark); driver: the Spark query over "
+        "the receiver nodes and the rate they share (its RateControl on --host/--port)",
     )
     group.add_argument(
         "--nodes", type=Path, metavar="FILE", help="the receiver nodes, one 'ID HOST:PORT' per line"
@@ -374,7 +375,8 @@ def _cluster_flags(serve: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--peer-token-file", type=Path, metavar="FILE",
-        help="bearer token (a principal with the peer role) sent to the other nodes",
+        help="bearer token sent to the other nodes: a principal with the peer role (receiver), or with "
+        "reader and operator (driver)",
     )
     group.add_argument(
         "--health-port", type=_int_in(0, 65535, "a port"), default=None, metavar="PORT",
@@ -642,7 +644,44 @@ def _security(args: argparse.Namespace) -> SecurityConfig:
     )
 
 
+def _drive(args: argparse.Namespace) -> int:
+    """`sluice serve --role driver`: ingest.cluster_driver."""
+    from ingest.cluster_driver import DriverConfig, run_driver  # noqa: PLC0415 - only the driver needs Spark
+
+    if args.nodes is None:
+        return _fail("--role driver needs --nodes FILE (one 'ID HOST:PORT' per line)", EXIT_USAGE)
+    try:
+        security = _security(args)
+        config = DriverConfig(
+            nodes={node.id: node.target for node in load_nodes(args.nodes)},
+            streams=tuple(args.streams or ("default",)),
+            data_dir=args.data_dir,
+            master=args.master,
+            pipeline=args.pipeline,
+            trigger_interval=args.trigger_interval,
+            rate=RateConfig(
+                estimator=args.estimator or "model",
+                initial_rate=10_000.0 if args.initial_rate is None else args.initial_rate,
+                min_rate=args.min_rate,
+                max_rate=args.max_rate,
+            ),
+            rate_host=args.host,
+            rate_port=args.port,
+            ca_file=args.client_ca,
+            cert_file=args.tls_cert,
+            key_file=args.tls_key,
+            token_file=args.peer_token_file,
+            auth_file=args.auth_file,
+            tls=security.tls,
+        )
+    except ValueError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    return asyncio.run(run_driver(config))
+
+
 def _serve(args: argparse.Namespace) -> int:
+    if args.role == "driver":
+        return _drive(args)
     receive_only = args.no_spark or args.role != "single"
     try:
         config = ServeConfig(
