@@ -439,7 +439,9 @@ class BlocksClient:
             try:
                 released += call.result()
             except grpc.RpcError as exc:
-                log.warning(
+                # a node planning already found down was warned about once: not again at every commit
+                log.log(
+                    logging.DEBUG if node_id in self._failing else logging.WARNING,
                     "cannot release partition %s below %s on node %d (%s): retried at the next commit",
                     key,
                     flatten(end)[key],
