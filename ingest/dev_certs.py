@@ -116,7 +116,7 @@ def write_dev_certs(
     ca_file.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
 
     def issue(
-        stem: str, common_name: str, usage: x509.ObjectIdentifier, sans: Sequence[str]
+        stem: str, common_name: str, usage: Sequence[x509.ObjectIdentifier], sans: Sequence[str]
     ) -> tuple[Path, Path]:
         key = _key()
         builder = (
@@ -128,7 +128,7 @@ def write_dev_certs(
             .not_valid_before(before)
             .not_valid_after(after)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+            .add_extension(x509.ExtendedKeyUsage(list(usage)), critical=False)
         )
         if sans:
             names = x509.SubjectAlternativeName([_san(h) for h in sans])
@@ -145,6 +145,8 @@ def write_dev_certs(
         return cert_file, key_file
 
     server_hosts = list(dict.fromkeys([*hosts, *SERVER_HOSTS]))
-    server_cert, server_key = issue("server", server_hosts[0], ExtendedKeyUsageOID.SERVER_AUTH, server_hosts)
-    issued = {name: issue(name, name, ExtendedKeyUsageOID.CLIENT_AUTH, ()) for name in clients}
+    # clientAuth too: a cluster's node presents its server certificate to its peers (mutual TLS)
+    both = (ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH)
+    server_cert, server_key = issue("server", server_hosts[0], both, server_hosts)
+    issued = {name: issue(name, name, (ExtendedKeyUsageOID.CLIENT_AUTH,), ()) for name in clients}
     return DevCerts(ca_file, server_cert, server_key, issued)
