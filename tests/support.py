@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import socket
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
+
+import pyarrow.parquet as pq
 
 from ingest.config import RateConfig, SecurityConfig, ServeConfig
 from ingest.server import SluiceServer
@@ -79,3 +83,28 @@ async def wait_until(condition: Callable[[], bool], timeout: float = 10) -> None
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.005)
+
+
+def committed_files(sink: Path) -> list[str]:
+    """Files Spark's file sink committed, from its _spark_metadata log (others may be half written)."""
+    files: set[str] = set()
+    log = sink / "_spark_metadata"
+    if not log.is_dir():
+        return []
+    for entry in sorted(
+        log.iterdir(), key=lambda p: int(p.name.split(".")[0]) if p.name[0].isdigit() else -1
+    ):
+        if not entry.name[0].isdigit():
+            continue
+        for line in entry.read_text().splitlines()[1:]:  # first line is the log version
+            record = json.loads(line)
+            if record["action"] == "add":
+                files.add(record["path"])
+            else:
+                files.discard(record["path"])
+    return sorted(files)
+
+
+def sink_values(sink: Path) -> list[bytes]:
+    files = [urllib.parse.urlparse(f).path for f in committed_files(sink)]
+    return [v for f in files for v in pq.read_table(f, columns=["value"]).column("value").to_pylist()]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -14,10 +13,10 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 
 from receivers.wal import FsyncPolicy
+from tests.support import sink_values
 
 # the console script pip installed beside the interpreter: what a user runs
 SLUICE = [str(Path(sys.executable).parent / "sluice")]
@@ -27,31 +26,6 @@ def sluice(
     *args: str, stdin: bytes | None = None, timeout: float = 120
 ) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run([*SLUICE, *args], input=stdin, capture_output=True, timeout=timeout, check=False)
-
-
-def committed_files(sink: Path) -> list[str]:
-    """Files Spark's file sink committed, from its _spark_metadata log (others may be half written)."""
-    files: set[str] = set()
-    log = sink / "_spark_metadata"
-    if not log.is_dir():
-        return []
-    for entry in sorted(
-        log.iterdir(), key=lambda p: int(p.name.split(".")[0]) if p.name[0].isdigit() else -1
-    ):
-        if not entry.name[0].isdigit():
-            continue
-        for line in entry.read_text().splitlines()[1:]:  # first line is the log version
-            record = json.loads(line)
-            if record["action"] == "add":
-                files.add(record["path"])
-            else:
-                files.discard(record["path"])
-    return sorted(files)
-
-
-def sink_values(sink: Path) -> list[bytes]:
-    files = [urllib.parse.urlparse(f).path for f in committed_files(sink)]
-    return [v for f in files for v in pq.read_table(f, columns=["value"]).column("value").to_pylist()]
 
 
 def wait_for_line(proc: subprocess.Popen[bytes], log: Path, pattern: str, timeout: float) -> re.Match[bytes]:
