@@ -71,22 +71,33 @@ def add_parsed_servicer(
     server.add_registered_method_handlers(descriptor.full_name, handlers)  # type: ignore[attr-defined]
 
 
+async def _authorized_request(
+    raw: bytes,
+    context: grpc.aio.ServicerContext[Any, Any],
+    request_type: type[Message],
+    method: str,
+    authenticator: Authenticator | None,
+) -> Message:
+    """The call authenticated and authorized first, then its request parsed; aborts the call if not."""
+    if authenticator is not None:
+        try:
+            authenticator.caller(context, method)
+        except ReceiverError as error:
+            await context.abort(getattr(grpc.StatusCode, error.status), str(error))
+    try:
+        return request_type.FromString(raw)
+    except DecodeError as exc:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"undecodable {request_type.DESCRIPTOR.name} of {len(raw)} bytes: {exc}",
+        )
+
+
 def _parsing(
     handler: Handler, request_type: type[Message], method: str, authenticator: Authenticator | None
 ) -> Handler:
     async def parse_then_handle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
-        if authenticator is not None:
-            try:
-                authenticator.caller(context, method)
-            except ReceiverError as error:
-                await context.abort(getattr(grpc.StatusCode, error.status), str(error))
-        try:
-            request = request_type.FromString(raw)
-        except DecodeError as exc:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"undecodable {request_type.DESCRIPTOR.name} of {len(raw)} bytes: {exc}",
-            )
+        request = await _authorized_request(raw, context, request_type, method, authenticator)
         return await handler(request, context)
 
     return parse_then_handle
@@ -98,18 +109,7 @@ def _parsing_stream(
     async def parse_then_stream(
         raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Message]:
-        if authenticator is not None:
-            try:
-                authenticator.caller(context, method)
-            except ReceiverError as error:
-                await context.abort(getattr(grpc.StatusCode, error.status), str(error))
-        try:
-            request = request_type.FromString(raw)
-        except DecodeError as exc:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"undecodable {request_type.DESCRIPTOR.name} of {len(raw)} bytes: {exc}",
-            )
+        request = await _authorized_request(raw, context, request_type, method, authenticator)
         async for response in handler(request, context):
             yield response
 

@@ -45,22 +45,13 @@ from pyspark.sql.streaming.datasource import (
 )
 
 from ingest.client.credentials import Credentials, CredentialsError
-from ingest.spark.live_rate import LiveRateCap
 from ingest.spark.source import (
-    OPTION_MAX_RECORDS,
-    OPTION_MIN_PARTITIONS,
-    OPTION_RATE_TARGET,
     OPTION_RECEIVERS,
-    OPTION_STREAMS,
-    OPTION_TRIGGER_SECONDS,
-    RATE_CREDENTIAL_OPTIONS,
     LiveCapPlanning,
     SliceTuple,
     _balanced,
-    _positive_int_option,
     _required,
     _weight,
-    parse_streams,
     positioned,
 )
 from receivers.cluster import ClusterConfigError, parse_nodes
@@ -260,14 +251,7 @@ class ClusterStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigg
 
     def __init__(self, options: Mapping[str, str]) -> None:
         self.nodes = parse_receivers(_required(options, OPTION_RECEIVERS))
-        self.streams = parse_streams(_required(options, OPTION_STREAMS))
-        self.max_records_per_batch = _positive_int_option(options, OPTION_MAX_RECORDS)
-        self.min_partitions = _positive_int_option(options, OPTION_MIN_PARTITIONS) or 1
-        self.rate_target = options.get(OPTION_RATE_TARGET) or None
-        self.rate_files = tuple(options.get(option) or None for option in RATE_CREDENTIAL_OPTIONS)
-        self.trigger_seconds = float(options.get(OPTION_TRIGGER_SECONDS) or 1.0)
-        self._rate_client: LiveRateCap | None = None
-        self._planned_at: float | None = None
+        self._read_planning_options(options)
         self._available_now_target: FlatOffset | None = None
         self._weights_for: Sequence[str] = ()  # the partition keys _stream_weights shares weights over
         self._latest: FlatOffset | None = None  # available ends at the last plan, for reportLatestOffset

@@ -192,6 +192,18 @@ class LiveCapPlanning:
     _planned_at: float | None
     _available_now_target: Any
 
+    def _read_planning_options(self, options: Mapping[str, str]) -> None:
+        """The options both readers take: streams, limits, the live rate server and its files."""
+        self.streams = parse_streams(_required(options, OPTION_STREAMS))
+        self.max_records_per_batch = _positive_int_option(options, OPTION_MAX_RECORDS)
+        self.min_partitions = _positive_int_option(options, OPTION_MIN_PARTITIONS) or 1
+        self.rate_target = options.get(OPTION_RATE_TARGET) or None
+        # paths only: the files are read where the rate is asked (see _live_cap)
+        self.rate_files = tuple(options.get(option) or None for option in RATE_CREDENTIAL_OPTIONS)
+        self.trigger_seconds = float(options.get(OPTION_TRIGGER_SECONDS) or 1.0)
+        self._rate_client = None
+        self._planned_at = None  # time.monotonic() of the last batch planned with records
+
     def _plan(
         self,
         start: Mapping[str, int],
@@ -271,15 +283,7 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
 
     def __init__(self, options: Mapping[str, str]) -> None:
         self.root = _required(options, OPTION_PATH)
-        self.streams = parse_streams(_required(options, OPTION_STREAMS))
-        self.max_records_per_batch = _positive_int_option(options, OPTION_MAX_RECORDS)
-        self.min_partitions = _positive_int_option(options, OPTION_MIN_PARTITIONS) or 1
-        self.rate_target = options.get(OPTION_RATE_TARGET) or None
-        # paths only: the files are read where the rate is asked (see _live_cap)
-        self.rate_files = tuple(options.get(option) or None for option in RATE_CREDENTIAL_OPTIONS)
-        self.trigger_seconds = float(options.get(OPTION_TRIGGER_SECONDS) or 1.0)
-        self._rate_client: LiveRateCap | None = None
-        self._planned_at: float | None = None  # time.monotonic() of the last batch planned with records
+        self._read_planning_options(options)
         self._store: WalBlockStore | None = None
         self._available_now_target: Offset | None = None
 
