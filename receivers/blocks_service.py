@@ -21,6 +21,7 @@ import pyarrow as pa
 
 from receivers.block import BLOCK_SCHEMA, BlockInfo
 from receivers.block_store import BlockStore, release_below
+from receivers.errors import shown
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.receiver import Receiver
 from receivers.replica_store import ReplicaStore
@@ -55,7 +56,7 @@ class BlocksService:
         if unknown:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND,
-                f"no stream named {unknown[0]!r} on this node (streams: {', '.join(self._receivers)})",
+                f"no stream named {shown(unknown[0])} on this node (streams: {', '.join(self._receivers)})",
             )
         if request.seal_blocks:
             await self._seal(streams)
@@ -96,7 +97,7 @@ class BlocksService:
     ) -> AsyncIterator[pb.BlockChunk]:
         stream, owner, lo, hi = request.stream, request.owner, request.from_offset, request.to_offset
         if stream not in self._receivers:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no stream named {stream!r} on this node")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no stream named {shown(stream)} on this node")
         if not 0 <= lo < hi:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"need 0 <= from_offset < to_offset, got {lo}, {hi}"
@@ -132,7 +133,9 @@ class BlocksService:
         self, request: pb.ReleaseBlocksRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ReleaseBlocksResponse:
         if request.stream not in self._receivers:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no stream named {request.stream!r} on this node")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"no stream named {shown(request.stream)} on this node"
+            )
         if request.before_offset < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "before_offset must be >= 0")
         store = self._holding(request.owner)

@@ -17,9 +17,11 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import grpc
+import pyarrow as pa
 from google.protobuf.message import DecodeError
 
 from receivers.auth import Authenticator
+from receivers.block import BLOCK_SCHEMA
 from receivers.cluster import Cluster
 from receivers.errors import ReceiverError
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
@@ -31,6 +33,22 @@ REPLICATE = "/ingest.v1.Replication/Replicate"
 HELLO_TIMEOUT = 10.0
 MARK_WAIT = 5.0
 MAX_MARK_KEYS = 1000
+
+
+class InvalidBlockError(ValueError):
+    """A replicated block's payload is not the Arrow IPC stream its header says."""
+
+
+def _check_payload(block: RawBlock) -> None:
+    try:
+        table = pa.ipc.open_stream(block.payload).read_all()
+    except pa.ArrowException as exc:
+        raise InvalidBlockError(f"block {block.seq}: its payload is not an Arrow IPC stream: {exc}") from None
+    if not table.schema.equals(BLOCK_SCHEMA) or table.num_rows != block.count:
+        raise InvalidBlockError(
+            f"block {block.seq}: its payload holds {table.num_rows} rows of {table.schema}, "
+            f"not {block.count} of the block schema"
+        )
 
 
 class ReplicationService:
@@ -95,6 +113,8 @@ class ReplicationService:
             )
             try:
                 await asyncio.to_thread(self._store, owner, block.stream, copy, block.after_release)
+            except InvalidBlockError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except ReplicaGapError as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             except ValueError as exc:  # the log refused it (seq/offset order): the owner's view is off
@@ -102,6 +122,7 @@ class ReplicationService:
             yield pb.ReplicateResponse(ack=pb.ReplicaAck(stream=block.stream, seq=block.seq))
 
     def _store(self, owner: int, stream: str, block: RawBlock, after_release: bool) -> None:
+        _check_payload(block)  # a copy that cannot be read back would fail Spark's tasks much later
         self._replicas.append(owner, stream, block, after_release=after_release)
         if self._sync_each:
             self._replicas.store(owner).flush()

@@ -14,6 +14,7 @@ import pytest
 
 from ingest.client import Producer
 from ingest.server import SluiceServer
+from receivers.block import BLOCK_SCHEMA
 from receivers.cluster import Cluster, ClusterConfigError, Node, parse_nodes
 from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -148,3 +149,59 @@ async def test_a_resend_to_another_node_after_failover_is_not_stored_twice(tmp_p
         stored = await read_partition(clusters[2].me.target, 2, 0, 50)
         assert stored == values(50, "new")  # the resent 100 were duplicates of node 0's
         assert (await partitions(clusters[2].me.target))[2] == (0, 50)
+
+
+async def test_a_replication_stream_out_of_order_or_with_a_bad_block_is_refused_and_stores_nothing(
+    tmp_path: Path,
+) -> None:
+    clusters = loopback_cluster(2, replication=2)
+    async with nodes(tmp_path, clusters, skip=frozenset({1})) as servers:
+
+        async def replicate(*messages: pb.ReplicateRequest) -> tuple[grpc.StatusCode, str]:
+            async with grpc.aio.insecure_channel(clusters[0].me.target) as channel:
+                call = pb_grpc.ReplicationStub(channel).Replicate()
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    for message in messages:
+                        await call.write(message)
+                    await call.done_writing()
+                    async for _ in call:
+                        pass
+                return info.value.code(), info.value.details() or ""
+
+        hello = pb.ReplicateRequest(hello=pb.ReplicaHello(owner=1, nodes=2, replication=2))
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, BLOCK_SCHEMA):
+            pass
+        empty = sink.getvalue().to_pybytes()  # a sound block of no records: only its seq is wrong
+        block = pb.ReplicaBlock(stream="s", seq=0, first_offset=0, count=3, arrow_ipc=b"not arrow")
+        cases = [
+            ((pb.ReplicateRequest(block=block),), grpc.StatusCode.FAILED_PRECONDITION, "first message"),
+            (
+                (pb.ReplicateRequest(hello=pb.ReplicaHello(owner=1, nodes=5, replication=2)),),
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "same list",
+            ),
+            (
+                (pb.ReplicateRequest(hello=pb.ReplicaHello(owner=0, nodes=2, replication=2)),),
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "not a follower",
+            ),
+            (
+                (hello, pb.ReplicateRequest(block=block)),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "not an Arrow IPC stream",
+            ),
+            (
+                (
+                    hello,
+                    pb.ReplicateRequest(block=pb.ReplicaBlock(stream="s", seq=5, count=0, arrow_ipc=empty)),
+                ),
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "5 of node 1",
+            ),
+        ]
+        for messages, status, words in cases:
+            code, details = await replicate(*messages)
+            assert code == status and words in details, (code, details)
+        node = servers[0].node
+        assert node is not None and node.replicas.blocks(1, "s") == []
