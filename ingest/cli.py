@@ -397,7 +397,15 @@ def _cluster(args: argparse.Namespace) -> Cluster | None:
         if not env.isdigit():
             raise ValueError("--role receiver needs --node-id ID (or $SLUICE_NODE_ID)")
         node_id = int(env)
-    return Cluster(load_nodes(args.nodes), node_id, args.replication, args.min_insync or 1)
+    cluster = Cluster(load_nodes(args.nodes), node_id, args.replication, args.min_insync or 1)
+    listed = int(cluster.me.target.rsplit(":", 1)[1])
+    if args.role == "receiver" and listed != args.port:
+        # peers would reach another process there (or none): a wrong --node-id or a second node by mistake
+        raise ValueError(
+            f"node {node_id} is listed at {cluster.me.target} in {args.nodes}, but --port is {args.port}: "
+            "give its own --node-id, or the port its entry names"
+        )
+    return cluster
 
 
 def _security_flags(serve: argparse.ArgumentParser) -> None:

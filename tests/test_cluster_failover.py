@@ -97,3 +97,31 @@ def run_cluster(tmp_path: Path, ports: list[int], logs: list[IO[bytes]]) -> None
             node.send_signal(signal.SIGTERM)
         for node in nodes:
             node.wait(timeout=30)
+
+
+def test_a_receiver_started_with_the_wrong_node_id_or_port_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "nodes").write_text("0 127.0.0.1:51101\n1 127.0.0.1:51102\n")
+    base = [
+        sys.executable,
+        "-m",
+        "ingest.cli",
+        "serve",
+        "--role",
+        "receiver",
+        "--nodes",
+        str(tmp_path / "nodes"),
+    ]
+    for extra, words in (
+        (["--node-id", "1", "--port", "51101"], "listed at 127.0.0.1:51102"),
+        (["--node-id", "7", "--port", "51101"], "not in the node list"),
+        (["--port", "51101"], "needs --node-id"),
+    ):
+        env = {k: v for k, v in os.environ.items() if k != "SLUICE_NODE_ID"}
+        done = subprocess.run(
+            [*base, *extra, "--data-dir", str(tmp_path / "d")],
+            capture_output=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 2 and words.encode() in done.stderr, done.stderr
