@@ -76,6 +76,13 @@ METHOD_ROLES: Mapping[str, frozenset[Role]] = {
     "/ingest.v1.Blocks/ReleaseBlocks": frozenset({Role.OPERATOR}),
     "/ingest.v1.Replication/Replicate": frozenset({Role.PEER}),
     "/ingest.v1.Replication/ProducerMarks": frozenset({Role.PEER}),
+    "/ingest.v1.Admin/GetConfig": frozenset({Role.READER, Role.OPERATOR}),
+    "/ingest.v1.Admin/SetConfig": frozenset({Role.OPERATOR}),
+    "/ingest.v1.Admin/ListStreams": frozenset({Role.READER, Role.OPERATOR}),
+    "/ingest.v1.Admin/AddStream": frozenset({Role.OPERATOR}),
+    "/ingest.v1.Admin/RemoveStream": frozenset({Role.OPERATOR}),
+    "/ingest.v1.Admin/GetPipeline": frozenset({Role.READER, Role.OPERATOR}),
+    "/ingest.v1.Admin/SwapPipeline": frozenset({Role.OPERATOR}),
 }
 """gRPC method -> the roles of which a caller needs one. A method not listed is refused to everyone."""
 

@@ -21,6 +21,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -1118,6 +1119,7 @@ class RateStatus(_message.Message):
     STREAMS_FIELD_NUMBER: _builtins.int
     CAPACITY_FIELD_NUMBER: _builtins.int
     NODES_FIELD_NUMBER: _builtins.int
+    PIPELINE_STREAMS_FIELD_NUMBER: _builtins.int
     records_per_second: _builtins.float
     """The ingest rate over all streams, records per second; +Inf means unlimited."""
     min_rate: _builtins.float
@@ -1142,6 +1144,12 @@ class RateStatus(_message.Message):
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeRate]:
         """On a cluster's driver: the rate's split among the receiver nodes."""
 
+    @_builtins.property
+    def pipeline_streams(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The streams the Spark query reads now (served and draining ones; see Admin.RemoveStream); the
+        Sluice source follows this set at every batch it plans, so streams come and go without a restart.
+        """
+
     def __init__(
         self,
         *,
@@ -1155,10 +1163,11 @@ class RateStatus(_message.Message):
         streams: _abc.Iterable[Global___StreamRate] | None = ...,
         capacity: _builtins.float = ...,
         nodes: _abc.Iterable[Global___NodeRate] | None = ...,
+        pipeline_streams: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_batch", b"last_batch"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "estimator", b"estimator", "estimator_state", b"estimator_state", "last_batch", b"last_batch", "max_rate", b"max_rate", "min_rate", b"min_rate", "nodes", b"nodes", "pinned", b"pinned", "records_per_second", b"records_per_second", "streams", b"streams"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "estimator", b"estimator", "estimator_state", b"estimator_state", "last_batch", b"last_batch", "max_rate", b"max_rate", "min_rate", b"min_rate", "nodes", b"nodes", "pinned", b"pinned", "pipeline_streams", b"pipeline_streams", "records_per_second", b"records_per_second", "streams", b"streams"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1273,3 +1282,430 @@ class SetEstimatorRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SetEstimatorRequest: _TypeAlias = SetEstimatorRequest  # noqa: Y015
+
+@_typing.final
+class GetConfigRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Names of settings (empty: all). An unknown name is NOT_FOUND."""
+
+    def __init__(
+        self,
+        *,
+        keys: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetConfigRequest: _TypeAlias = GetConfigRequest  # noqa: Y015
+
+@_typing.final
+class ConfigSetting(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    VALUE_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    HELP_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """The setting's name, as the `sluice serve` flag without its dashes ("block-interval")."""
+    value: _builtins.str
+    """Its value as text, in the flag's syntax ("" for none, e.g. no disk budget)."""
+    source: _builtins.str
+    """"default", "command-line" or "dynamic" (set at run time, kept under the data dir)."""
+    help: _builtins.str
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        value: _builtins.str = ...,
+        source: _builtins.str = ...,
+        help: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["help", b"help", "key", b"key", "source", b"source", "value", b"value"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConfigSetting: _TypeAlias = ConfigSetting  # noqa: Y015
+
+@_typing.final
+class ConfigView(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SETTINGS_FIELD_NUMBER: _builtins.int
+    VERSION_FIELD_NUMBER: _builtins.int
+    version: _builtins.int
+    """Bumped by every applied change; kept across restarts."""
+    @_builtins.property
+    def settings(self) -> _containers.RepeatedCompositeFieldContainer[Global___ConfigSetting]: ...
+    def __init__(
+        self,
+        *,
+        settings: _abc.Iterable[Global___ConfigSetting] | None = ...,
+        version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["settings", b"settings", "version", b"version"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConfigView: _TypeAlias = ConfigView  # noqa: Y015
+
+@_typing.final
+class SetConfigRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class SetEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SET_FIELD_NUMBER: _builtins.int
+    RESET_FIELD_NUMBER: _builtins.int
+    VALIDATE_ONLY_FIELD_NUMBER: _builtins.int
+    EXPECTED_VERSION_FIELD_NUMBER: _builtins.int
+    validate_only: _builtins.bool
+    """Validate only: apply nothing, answer what the settings would become."""
+    expected_version: _builtins.int
+    """Applied only if the config's version is still this (0: any), so two operators do not overwrite
+    each other unseen: FAILED_PRECONDITION otherwise.
+    """
+    @_builtins.property
+    def set(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """key -> value, in the `sluice serve` flag's syntax."""
+
+    @_builtins.property
+    def reset(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Keys to take back to their command-line (or default) value."""
+
+    def __init__(
+        self,
+        *,
+        set: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        reset: _abc.Iterable[_builtins.str] | None = ...,
+        validate_only: _builtins.bool = ...,
+        expected_version: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_version", b"expected_version", "reset", b"reset", "set", b"set", "validate_only", b"validate_only"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetConfigRequest: _TypeAlias = SetConfigRequest  # noqa: Y015
+
+@_typing.final
+class ListStreamsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListStreamsRequest: _TypeAlias = ListStreamsRequest  # noqa: Y015
+
+@_typing.final
+class StreamView(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    BACKLOG_FIELD_NUMBER: _builtins.int
+    SESSIONS_FIELD_NUMBER: _builtins.int
+    stream: _builtins.str
+    state: _builtins.str
+    """"serving", "draining" (removed, its backlog still read by the query), or "kept" (removed, its
+    unprocessed blocks kept in the log for when it is added again).
+    """
+    backlog: _builtins.int
+    """Records in the log not yet processed by the query."""
+    sessions: _builtins.int
+    def __init__(
+        self,
+        *,
+        stream: _builtins.str = ...,
+        state: _builtins.str = ...,
+        backlog: _builtins.int = ...,
+        sessions: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backlog", b"backlog", "sessions", b"sessions", "state", b"state", "stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamView: _TypeAlias = StreamView  # noqa: Y015
+
+@_typing.final
+class StreamsView(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def streams(self) -> _containers.RepeatedCompositeFieldContainer[Global___StreamView]: ...
+    def __init__(
+        self,
+        *,
+        streams: _abc.Iterable[Global___StreamView] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["streams", b"streams"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamsView: _TypeAlias = StreamsView  # noqa: Y015
+
+@_typing.final
+class AddStreamRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    stream: _builtins.str
+    def __init__(
+        self,
+        *,
+        stream: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AddStreamRequest: _TypeAlias = AddStreamRequest  # noqa: Y015
+
+@_typing.final
+class RemoveStreamRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Backlog:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _BacklogEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[RemoveStreamRequest._Backlog.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        BACKLOG_UNSPECIFIED: RemoveStreamRequest._Backlog.ValueType  # 0
+        """INVALID_ARGUMENT: the operator must choose"""
+        DRAIN: RemoveStreamRequest._Backlog.ValueType  # 1
+        """the query processes what was acked, then the stream leaves it"""
+        KEEP: RemoveStreamRequest._Backlog.ValueType  # 2
+        """the stream leaves the query now; its unprocessed blocks stay in the log"""
+
+    class Backlog(_Backlog, metaclass=_BacklogEnumTypeWrapper): ...
+    BACKLOG_UNSPECIFIED: RemoveStreamRequest.Backlog.ValueType  # 0
+    """INVALID_ARGUMENT: the operator must choose"""
+    DRAIN: RemoveStreamRequest.Backlog.ValueType  # 1
+    """the query processes what was acked, then the stream leaves it"""
+    KEEP: RemoveStreamRequest.Backlog.ValueType  # 2
+    """the stream leaves the query now; its unprocessed blocks stay in the log"""
+
+    STREAM_FIELD_NUMBER: _builtins.int
+    BACKLOG_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    stream: _builtins.str
+    backlog: Global___RemoveStreamRequest.Backlog.ValueType
+    reason: _builtins.str
+    """Told to its publishers in Cancel."""
+    def __init__(
+        self,
+        *,
+        stream: _builtins.str = ...,
+        backlog: Global___RemoveStreamRequest.Backlog.ValueType = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backlog", b"backlog", "reason", b"reason", "stream", b"stream"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveStreamRequest: _TypeAlias = RemoveStreamRequest  # noqa: Y015
+
+@_typing.final
+class GetPipelineRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetPipelineRequest: _TypeAlias = GetPipelineRequest  # noqa: Y015
+
+@_typing.final
+class PipelineSwap(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class StartOffsetsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    FROM_PIPELINE_FIELD_NUMBER: _builtins.int
+    TO_PIPELINE_FIELD_NUMBER: _builtins.int
+    OUTCOME_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    REQUESTED_AT_FIELD_NUMBER: _builtins.int
+    DURATION_SECONDS_FIELD_NUMBER: _builtins.int
+    PROCESSING_GAP_SECONDS_FIELD_NUMBER: _builtins.int
+    START_OFFSETS_FIELD_NUMBER: _builtins.int
+    KEPT_STATE_FIELD_NUMBER: _builtins.int
+    from_pipeline: _builtins.str
+    to_pipeline: _builtins.str
+    outcome: _builtins.str
+    """"done", "rolled back" """
+    error: _builtins.str
+    """Why it was rolled back."""
+    requested_at: _builtins.float
+    """Epoch seconds the swap was asked, and seconds it took until the new query's first batch."""
+    duration_seconds: _builtins.float
+    processing_gap_seconds: _builtins.float
+    """From the end of the old query's last batch to the end of the new query's first batch."""
+    kept_state: _builtins.bool
+    @_builtins.property
+    def start_offsets(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Per stream, the offset the new query started at (the old query's last committed end)."""
+
+    def __init__(
+        self,
+        *,
+        from_pipeline: _builtins.str = ...,
+        to_pipeline: _builtins.str = ...,
+        outcome: _builtins.str = ...,
+        error: _builtins.str = ...,
+        requested_at: _builtins.float = ...,
+        duration_seconds: _builtins.float = ...,
+        processing_gap_seconds: _builtins.float = ...,
+        start_offsets: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        kept_state: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_seconds", b"duration_seconds", "error", b"error", "from_pipeline", b"from_pipeline", "kept_state", b"kept_state", "outcome", b"outcome", "processing_gap_seconds", b"processing_gap_seconds", "requested_at", b"requested_at", "start_offsets", b"start_offsets", "to_pipeline", b"to_pipeline"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PipelineSwap: _TypeAlias = PipelineSwap  # noqa: Y015
+
+@_typing.final
+class PipelineView(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PIPELINE_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    TRIGGER_INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int
+    LAST_SWAP_FIELD_NUMBER: _builtins.int
+    QUERY_ID_FIELD_NUMBER: _builtins.int
+    pipeline: _builtins.str
+    """"module:function", or "" for the built-in Parquet sink."""
+    generation: _builtins.int
+    """0 for the first query; +1 for every swap that was kept."""
+    state: _builtins.str
+    """"running", "swapping", "stopped", "failed" """
+    checkpoint: _builtins.str
+    trigger_interval_seconds: _builtins.float
+    query_id: _builtins.str
+    @_builtins.property
+    def last_swap(self) -> Global___PipelineSwap: ...
+    def __init__(
+        self,
+        *,
+        pipeline: _builtins.str = ...,
+        generation: _builtins.int = ...,
+        state: _builtins.str = ...,
+        checkpoint: _builtins.str = ...,
+        trigger_interval_seconds: _builtins.float = ...,
+        last_swap: Global___PipelineSwap | None = ...,
+        query_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_swap", b"last_swap"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "generation", b"generation", "last_swap", b"last_swap", "pipeline", b"pipeline", "query_id", b"query_id", "state", b"state", "trigger_interval_seconds", b"trigger_interval_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PipelineView: _TypeAlias = PipelineView  # noqa: Y015
+
+@_typing.final
+class SwapPipelineRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PIPELINE_FIELD_NUMBER: _builtins.int
+    KEEP_STATE_FIELD_NUMBER: _builtins.int
+    FIRST_BATCH_TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    pipeline: _builtins.str
+    """"module:function" returning a DataStreamWriter for the source DataFrame; "" for the built-in
+    Parquet sink. Must import here: INVALID_ARGUMENT otherwise, and nothing stops.
+    """
+    keep_state: _builtins.bool
+    """Continue the old query's checkpoint (offsets and operator state), for a pipeline whose state Spark
+    deems compatible; Spark refuses incompatible state at the first batch, and the swap rolls back.
+    False (the default): a new checkpoint, started at the old query's last committed offsets.
+    """
+    first_batch_timeout_seconds: _builtins.float
+    """Seconds the new query has to complete its first batch before it is rolled back; 0: 120."""
+    def __init__(
+        self,
+        *,
+        pipeline: _builtins.str = ...,
+        keep_state: _builtins.bool = ...,
+        first_batch_timeout_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_batch_timeout_seconds", b"first_batch_timeout_seconds", "keep_state", b"keep_state", "pipeline", b"pipeline"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SwapPipelineRequest: _TypeAlias = SwapPipelineRequest  # noqa: Y015

@@ -775,3 +775,351 @@ class Replication:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class AdminStub:
+    """Change the running system without a restart (role operator). Every change is validated first and
+    applied whole or not at all; applied changes are logged, counted in metrics and kept under the data
+    dir, so they survive a restart (they override the command line's values, like Kafka's dynamic configs).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.GetConfig = channel.unary_unary(
+                '/ingest.v1.Admin/GetConfig',
+                request_serializer=ingest_dot_v1_dot_ingest__pb2.GetConfigRequest.SerializeToString,
+                response_deserializer=ingest_dot_v1_dot_ingest__pb2.ConfigView.FromString,
+                _registered_method=True)
+        self.SetConfig = channel.unary_unary(
+                '/ingest.v1.Admin/SetConfig',
+                request_serializer=ingest_dot_v1_dot_ingest__pb2.SetConfigRequest.SerializeToString,
+                response_deserializer=ingest_dot_v1_dot_ingest__pb2.ConfigView.FromString,
+                _registered_method=True)
+        self.ListStreams = channel.unary_unary(
+                '/ingest.v1.Admin/ListStreams',
+                request_serializer=ingest_dot_v1_dot_ingest__pb2.ListStreamsRequest.SerializeToString,
+                response_deserializer=ingest_dot_v1_dot_ingest__pb2.StreamsView.FromString,
+                _registered_method=True)
+        self.AddStream = channel.unary_unary(
+                '/ingest.v1.Admin/AddStream',
+                request_serializer=ingest_dot_v1_dot_ingest__pb2.AddStreamRequest.SerializeToString,
+                response_deserializer=ingest_dot_v1_dot_ingest__pb2.StreamsView.FromString,
+                _registered_method=True)
+        self.RemoveStream = channel.unary_unary(
+                '/ingest.v1.Admin/RemoveStream',
+                request_serializer=ingest_dot_v1_dot_ingest__pb2.RemoveStreamRequest.SerializeToString,
+                response_deserializer=ingest_dot_v1_dot_ingest__pb2.StreamsView.FromString,
+                _registered_method=True)
+        self.GetPipeline = channel.unary_unary(
+                '/ingest.v1.Admin/GetPipeline',
+                request_serializer=ingest_dot_v1_dot_ingest__pb2.GetPipelineRequest.SerializeToString,
+                response_deserializer=ingest_dot_v1_dot_ingest__pb2.PipelineView.FromString,
+                _registered_method=True)
+        self.SwapPipeline = channel.unary_unary(
+                '/ingest.v1.Admin/SwapPipeline',
+                request_serializer=ingest_dot_v1_dot_ingest__pb2.SwapPipelineRequest.SerializeToString,
+                response_deserializer=ingest_dot_v1_dot_ingest__pb2.PipelineView.FromString,
+                _registered_method=True)
+
+
+class AdminServicer:
+    """Change the running system without a restart (role operator). Every change is validated first and
+    applied whole or not at all; applied changes are logged, counted in metrics and kept under the data
+    dir, so they survive a restart (they override the command line's values, like Kafka's dynamic configs).
+    """
+
+    def GetConfig(self, request, context):
+        """The settings that can change at run time, their values, and where each value comes from.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetConfig(self, request, context):
+        """Set and/or reset settings: all of them or (INVALID_ARGUMENT / FAILED_PRECONDITION) none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListStreams(self, request, context):
+        """The streams this node serves, and those being drained.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AddStream(self, request, context):
+        """Start receiving a new stream (ALREADY_EXISTS if served); the query reads it from its next batch.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveStream(self, request, context):
+        """Stop receiving a stream: its publishers get Cancel with the reason; nothing acked is lost.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetPipeline(self, request, context):
+        """The running pipeline, and how the last swap went.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SwapPipeline(self, request, context):
+        """Replace the running Spark query at a batch boundary; the receivers keep acking meanwhile. Returns
+        once the new query has completed its first batch, or after a rollback (FAILED_PRECONDITION with
+        the error; the old pipeline runs again). Concurrent swaps: ABORTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'GetConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetConfig,
+                    request_deserializer=ingest_dot_v1_dot_ingest__pb2.GetConfigRequest.FromString,
+                    response_serializer=ingest_dot_v1_dot_ingest__pb2.ConfigView.SerializeToString,
+            ),
+            'SetConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetConfig,
+                    request_deserializer=ingest_dot_v1_dot_ingest__pb2.SetConfigRequest.FromString,
+                    response_serializer=ingest_dot_v1_dot_ingest__pb2.ConfigView.SerializeToString,
+            ),
+            'ListStreams': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListStreams,
+                    request_deserializer=ingest_dot_v1_dot_ingest__pb2.ListStreamsRequest.FromString,
+                    response_serializer=ingest_dot_v1_dot_ingest__pb2.StreamsView.SerializeToString,
+            ),
+            'AddStream': grpc.unary_unary_rpc_method_handler(
+                    servicer.AddStream,
+                    request_deserializer=ingest_dot_v1_dot_ingest__pb2.AddStreamRequest.FromString,
+                    response_serializer=ingest_dot_v1_dot_ingest__pb2.StreamsView.SerializeToString,
+            ),
+            'RemoveStream': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveStream,
+                    request_deserializer=ingest_dot_v1_dot_ingest__pb2.RemoveStreamRequest.FromString,
+                    response_serializer=ingest_dot_v1_dot_ingest__pb2.StreamsView.SerializeToString,
+            ),
+            'GetPipeline': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPipeline,
+                    request_deserializer=ingest_dot_v1_dot_ingest__pb2.GetPipelineRequest.FromString,
+                    response_serializer=ingest_dot_v1_dot_ingest__pb2.PipelineView.SerializeToString,
+            ),
+            'SwapPipeline': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwapPipeline,
+                    request_deserializer=ingest_dot_v1_dot_ingest__pb2.SwapPipelineRequest.FromString,
+                    response_serializer=ingest_dot_v1_dot_ingest__pb2.PipelineView.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'ingest.v1.Admin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('ingest.v1.Admin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admin:
+    """Change the running system without a restart (role operator). Every change is validated first and
+    applied whole or not at all; applied changes are logged, counted in metrics and kept under the data
+    dir, so they survive a restart (they override the command line's values, like Kafka's dynamic configs).
+    """
+
+    @staticmethod
+    def GetConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ingest.v1.Admin/GetConfig',
+            ingest_dot_v1_dot_ingest__pb2.GetConfigRequest.SerializeToString,
+            ingest_dot_v1_dot_ingest__pb2.ConfigView.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ingest.v1.Admin/SetConfig',
+            ingest_dot_v1_dot_ingest__pb2.SetConfigRequest.SerializeToString,
+            ingest_dot_v1_dot_ingest__pb2.ConfigView.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListStreams(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ingest.v1.Admin/ListStreams',
+            ingest_dot_v1_dot_ingest__pb2.ListStreamsRequest.SerializeToString,
+            ingest_dot_v1_dot_ingest__pb2.StreamsView.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AddStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ingest.v1.Admin/AddStream',
+            ingest_dot_v1_dot_ingest__pb2.AddStreamRequest.SerializeToString,
+            ingest_dot_v1_dot_ingest__pb2.StreamsView.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ingest.v1.Admin/RemoveStream',
+            ingest_dot_v1_dot_ingest__pb2.RemoveStreamRequest.SerializeToString,
+            ingest_dot_v1_dot_ingest__pb2.StreamsView.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPipeline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ingest.v1.Admin/GetPipeline',
+            ingest_dot_v1_dot_ingest__pb2.GetPipelineRequest.SerializeToString,
+            ingest_dot_v1_dot_ingest__pb2.PipelineView.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwapPipeline(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/ingest.v1.Admin/SwapPipeline',
+            ingest_dot_v1_dot_ingest__pb2.SwapPipelineRequest.SerializeToString,
+            ingest_dot_v1_dot_ingest__pb2.PipelineView.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

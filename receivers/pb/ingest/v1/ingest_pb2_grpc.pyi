@@ -320,3 +320,124 @@ class ReplicationServicer(metaclass=_abc_1.ABCMeta):
         """
 
 def add_ReplicationServicer_to_server(servicer: ReplicationServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
+
+class AdminStub:
+    """Change the running system without a restart (role operator). Every change is validated first and
+    applied whole or not at all; applied changes are logged, counted in metrics and kept under the data
+    dir, so they survive a restart (they override the command line's values, like Kafka's dynamic configs).
+    """
+
+    @_typing.overload
+    def __new__(cls, channel: _grpc.Channel) -> _Self: ...
+    @_typing.overload
+    def __new__(cls, channel: _aio.Channel) -> AdminAsyncStub: ...
+    GetConfig: _grpc.UnaryUnaryMultiCallable[_ingest_pb2.GetConfigRequest, _ingest_pb2.ConfigView]
+    """The settings that can change at run time, their values, and where each value comes from."""
+    SetConfig: _grpc.UnaryUnaryMultiCallable[_ingest_pb2.SetConfigRequest, _ingest_pb2.ConfigView]
+    """Set and/or reset settings: all of them or (INVALID_ARGUMENT / FAILED_PRECONDITION) none."""
+    ListStreams: _grpc.UnaryUnaryMultiCallable[_ingest_pb2.ListStreamsRequest, _ingest_pb2.StreamsView]
+    """The streams this node serves, and those being drained."""
+    AddStream: _grpc.UnaryUnaryMultiCallable[_ingest_pb2.AddStreamRequest, _ingest_pb2.StreamsView]
+    """Start receiving a new stream (ALREADY_EXISTS if served); the query reads it from its next batch."""
+    RemoveStream: _grpc.UnaryUnaryMultiCallable[_ingest_pb2.RemoveStreamRequest, _ingest_pb2.StreamsView]
+    """Stop receiving a stream: its publishers get Cancel with the reason; nothing acked is lost."""
+    GetPipeline: _grpc.UnaryUnaryMultiCallable[_ingest_pb2.GetPipelineRequest, _ingest_pb2.PipelineView]
+    """The running pipeline, and how the last swap went."""
+    SwapPipeline: _grpc.UnaryUnaryMultiCallable[_ingest_pb2.SwapPipelineRequest, _ingest_pb2.PipelineView]
+    """Replace the running Spark query at a batch boundary; the receivers keep acking meanwhile. Returns
+    once the new query has completed its first batch, or after a rollback (FAILED_PRECONDITION with
+    the error; the old pipeline runs again). Concurrent swaps: ABORTED.
+    """
+
+@_typing.type_check_only
+class AdminAsyncStub(AdminStub):
+    """Change the running system without a restart (role operator). Every change is validated first and
+    applied whole or not at all; applied changes are logged, counted in metrics and kept under the data
+    dir, so they survive a restart (they override the command line's values, like Kafka's dynamic configs).
+    """
+
+    def __init__(self, channel: _aio.Channel) -> None: ...
+    GetConfig: _aio.UnaryUnaryMultiCallable[_ingest_pb2.GetConfigRequest, _ingest_pb2.ConfigView]  # type: ignore[assignment]
+    """The settings that can change at run time, their values, and where each value comes from."""
+    SetConfig: _aio.UnaryUnaryMultiCallable[_ingest_pb2.SetConfigRequest, _ingest_pb2.ConfigView]  # type: ignore[assignment]
+    """Set and/or reset settings: all of them or (INVALID_ARGUMENT / FAILED_PRECONDITION) none."""
+    ListStreams: _aio.UnaryUnaryMultiCallable[_ingest_pb2.ListStreamsRequest, _ingest_pb2.StreamsView]  # type: ignore[assignment]
+    """The streams this node serves, and those being drained."""
+    AddStream: _aio.UnaryUnaryMultiCallable[_ingest_pb2.AddStreamRequest, _ingest_pb2.StreamsView]  # type: ignore[assignment]
+    """Start receiving a new stream (ALREADY_EXISTS if served); the query reads it from its next batch."""
+    RemoveStream: _aio.UnaryUnaryMultiCallable[_ingest_pb2.RemoveStreamRequest, _ingest_pb2.StreamsView]  # type: ignore[assignment]
+    """Stop receiving a stream: its publishers get Cancel with the reason; nothing acked is lost."""
+    GetPipeline: _aio.UnaryUnaryMultiCallable[_ingest_pb2.GetPipelineRequest, _ingest_pb2.PipelineView]  # type: ignore[assignment]
+    """The running pipeline, and how the last swap went."""
+    SwapPipeline: _aio.UnaryUnaryMultiCallable[_ingest_pb2.SwapPipelineRequest, _ingest_pb2.PipelineView]  # type: ignore[assignment]
+    """Replace the running Spark query at a batch boundary; the receivers keep acking meanwhile. Returns
+    once the new query has completed its first batch, or after a rollback (FAILED_PRECONDITION with
+    the error; the old pipeline runs again). Concurrent swaps: ABORTED.
+    """
+
+class AdminServicer(metaclass=_abc_1.ABCMeta):
+    """Change the running system without a restart (role operator). Every change is validated first and
+    applied whole or not at all; applied changes are logged, counted in metrics and kept under the data
+    dir, so they survive a restart (they override the command line's values, like Kafka's dynamic configs).
+    """
+
+    @_abc_1.abstractmethod
+    def GetConfig(
+        self,
+        request: _ingest_pb2.GetConfigRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ingest_pb2.ConfigView, _abc.Awaitable[_ingest_pb2.ConfigView]]:
+        """The settings that can change at run time, their values, and where each value comes from."""
+
+    @_abc_1.abstractmethod
+    def SetConfig(
+        self,
+        request: _ingest_pb2.SetConfigRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ingest_pb2.ConfigView, _abc.Awaitable[_ingest_pb2.ConfigView]]:
+        """Set and/or reset settings: all of them or (INVALID_ARGUMENT / FAILED_PRECONDITION) none."""
+
+    @_abc_1.abstractmethod
+    def ListStreams(
+        self,
+        request: _ingest_pb2.ListStreamsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ingest_pb2.StreamsView, _abc.Awaitable[_ingest_pb2.StreamsView]]:
+        """The streams this node serves, and those being drained."""
+
+    @_abc_1.abstractmethod
+    def AddStream(
+        self,
+        request: _ingest_pb2.AddStreamRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ingest_pb2.StreamsView, _abc.Awaitable[_ingest_pb2.StreamsView]]:
+        """Start receiving a new stream (ALREADY_EXISTS if served); the query reads it from its next batch."""
+
+    @_abc_1.abstractmethod
+    def RemoveStream(
+        self,
+        request: _ingest_pb2.RemoveStreamRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ingest_pb2.StreamsView, _abc.Awaitable[_ingest_pb2.StreamsView]]:
+        """Stop receiving a stream: its publishers get Cancel with the reason; nothing acked is lost."""
+
+    @_abc_1.abstractmethod
+    def GetPipeline(
+        self,
+        request: _ingest_pb2.GetPipelineRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ingest_pb2.PipelineView, _abc.Awaitable[_ingest_pb2.PipelineView]]:
+        """The running pipeline, and how the last swap went."""
+
+    @_abc_1.abstractmethod
+    def SwapPipeline(
+        self,
+        request: _ingest_pb2.SwapPipelineRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_ingest_pb2.PipelineView, _abc.Awaitable[_ingest_pb2.PipelineView]]:
+        """Replace the running Spark query at a batch boundary; the receivers keep acking meanwhile. Returns
+        once the new query has completed its first batch, or after a rollback (FAILED_PRECONDITION with
+        the error; the old pipeline runs again). Concurrent swaps: ABORTED.
+        """
+
+def add_AdminServicer_to_server(servicer: AdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
