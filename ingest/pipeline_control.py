@@ -1,0 +1,61 @@
+"""What the Admin service asks of the running Spark query: its view, a swap, a restart.
+
+The Admin service (ingest.admin_service) is served by the gRPC server, which starts before Spark and
+also runs without it (`--no-spark`, a cluster's receiver nodes): it holds a PipelineControl only once
+a driver attaches one (SluiceServer.pipeline_control). The implementation lives with the driver
+(ingest.pipeline_manager).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
+
+DEFAULT_FIRST_BATCH_TIMEOUT = 120.0
+"""Seconds a new query has to complete its first batch before a swap rolls back."""
+
+
+class PipelineError(Exception):
+    """Base of what a pipeline change refuses; the message is told to the operator."""
+
+
+class InvalidPipeline(PipelineError, ValueError):
+    """The new pipeline cannot even be tried (a malformed spec, a module that does not import): nothing
+    was stopped. INVALID_ARGUMENT."""
+
+
+class SwapInProgress(PipelineError):
+    """Another swap or restart is under way. ABORTED."""
+
+
+class SwapRolledBack(PipelineError):
+    """The new query failed to start or failed its first batch; the old pipeline runs again.
+    FAILED_PRECONDITION, with the new query's error."""
+
+    def __init__(self, message: str, view: pb.PipelineView) -> None:
+        super().__init__(message)
+        self.view = view
+
+
+class PipelineUnavailable(PipelineError):
+    """No query runs here (no Spark on this node, or it stopped). FAILED_PRECONDITION."""
+
+
+class PipelineControl(Protocol):
+    """The running query's lifecycle, as the Admin service sees it."""
+
+    def view(self) -> pb.PipelineView:
+        """The pipeline that runs now and how the last swap went."""
+        ...
+
+    async def swap(self, spec: str, *, keep_state: bool, first_batch_timeout: float) -> pb.PipelineView:
+        """Replace the query by `spec` ("" for the built-in Parquet sink) at a batch boundary; return
+        once its first batch completed. Raises InvalidPipeline, SwapInProgress, SwapRolledBack,
+        PipelineUnavailable."""
+        ...
+
+    async def restart(self, *, trigger_interval: float) -> None:
+        """Restart the same query on its own checkpoint (state kept) with a new trigger interval.
+        Raises SwapInProgress, SwapRolledBack (the old interval runs again), PipelineUnavailable."""
+        ...
