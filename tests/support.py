@@ -33,6 +33,7 @@ async def running_server(
     host: str = "127.0.0.1",
     cluster: Cluster | None = None,
     port: int = 0,
+    peer_token_file: Path | None = None,
     **receiver: Any,
 ) -> AsyncIterator[SluiceServer]:
     """A SluiceServer without Spark on a free port of `host` (loopback); `receiver` overrides
@@ -49,6 +50,7 @@ async def running_server(
         spark=False,
         segment_bytes=segment_bytes,
         security=security or SecurityConfig(),
+        peer_token_file=peer_token_file,
         **({} if fsync is None else {"fsync": fsync}),
     )
     server = SluiceServer(config)

@@ -1,0 +1,156 @@
+"""The cluster's services under an auth file: each role gets what it needs and nothing else.
+
+Two receiver nodes (replication 2) on loopback with an auth file: the nodes call each other as the peer
+principal (its token in --peer-token-file); producers, readers and operators get PERMISSION_DENIED on the
+cluster methods their roles do not cover, unknown callers UNAUTHENTICATED, and a refused call stores,
+releases or reveals nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from ingest.client import Producer
+from ingest.client.credentials import Credentials
+from ingest.config import SecurityConfig
+from ingest.server import SluiceServer
+from receivers.auth import new_token, token_hash
+from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from tests.support import loopback_cluster, running_server, wait_until
+
+ROLES = {"app": "producer", "watcher": "reader", "ops": "operator", "node": "peer"}
+TOKENS = {name: new_token() for name in ROLES}
+
+
+def write_auth_file(path: Path) -> Path:
+    sections = []
+    for name, role in ROLES.items():
+        streams = '\nstreams = ["s"]' if role == "producer" else ""
+        digest = token_hash(TOKENS[name])
+        sections.append(f'[principals.{name}]\nroles = ["{role}"]{streams}\ntoken_sha256 = ["{digest}"]\n')
+    path.write_text("\n".join(sections))
+    return path
+
+
+def bearer(name: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {TOKENS[name]}"),)
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[dict[int, SluiceServer]]:
+    security = SecurityConfig(auth_file=write_auth_file(tmp_path / "auth.toml"))
+    peer_token = tmp_path / "peer.token"
+    peer_token.write_text(TOKENS["node"])
+    peer_token.chmod(0o600)
+    async with contextlib.AsyncExitStack() as stack:
+        servers = {}
+        for node in loopback_cluster(2, replication=2, min_insync=2):
+            port = int(node.me.target.rsplit(":", 1)[1])
+            servers[node.me.id] = await stack.enter_async_context(
+                running_server(
+                    tmp_path / f"node{node.me.id}",
+                    "s",
+                    cluster=node,
+                    port=port,
+                    security=security,
+                    peer_token_file=peer_token,
+                )
+            )
+        yield servers
+
+
+Call = Callable[[grpc.aio.Channel, tuple[tuple[str, str], ...]], Awaitable[object]]
+
+
+async def _read(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...]) -> object:
+    request = pb.ReadBlocksRequest(stream="s", owner=0, from_offset=0, to_offset=10)
+    return [chunk async for chunk in pb_grpc.BlocksStub(channel).ReadBlocks(request, metadata=metadata)]
+
+
+async def _replicate(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...]) -> object:
+    call = pb_grpc.ReplicationStub(channel).Replicate(metadata=metadata)  # type: ignore[call-arg]
+    hello = pb.ReplicaHello(owner=1, nodes=2, replication=2)
+    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        await call.write(pb.ReplicateRequest(hello=hello))
+        payload = b"not arrow"
+        block = pb.ReplicaBlock(stream="s", seq=0, first_offset=0, count=1, arrow_ipc=payload)
+        await call.write(pb.ReplicateRequest(block=block))
+    return [response async for response in call]
+
+
+CALLS: dict[str, Call] = {
+    "ListPartitions": lambda ch, md: pb_grpc.BlocksStub(ch).ListPartitions(
+        pb.ListPartitionsRequest(), metadata=md
+    ),
+    "ReadBlocks": _read,
+    "ReleaseBlocks": lambda ch, md: pb_grpc.BlocksStub(ch).ReleaseBlocks(
+        pb.ReleaseBlocksRequest(stream="s", owner=0, before_offset=5), metadata=md
+    ),
+    "Replicate": _replicate,
+    "ProducerMarks": lambda ch, md: pb_grpc.ReplicationStub(ch).ProducerMarks(
+        pb.ProducerMarksRequest(stream="s", producers=["app/p"]), metadata=md
+    ),
+}
+ALLOWED = {
+    "app": set(),
+    "watcher": {"ListPartitions", "ReadBlocks"},
+    "ops": {"ListPartitions", "ReleaseBlocks"},
+    "node": {"Replicate", "ProducerMarks"},
+}
+
+
+async def status(target: str, method: str, metadata: tuple[tuple[str, str], ...]) -> grpc.StatusCode:
+    async with grpc.aio.insecure_channel(target) as channel:
+        try:
+            await asyncio.wait_for(CALLS[method](channel, metadata), 10)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code()
+        return grpc.StatusCode.OK
+
+
+def log_state(server: SluiceServer) -> tuple[object, ...]:
+    node = server.node
+    assert node is not None
+    return (
+        node.local.released_offset("s"),
+        node.local.durable_seq("s"),
+        node.replicas.owners(),
+        [node.replicas.next_seq(o, "s") for o in node.replicas.owners()],
+    )
+
+
+async def test_nodes_replicate_as_the_peer_principal_and_each_role_gets_only_its_methods(
+    cluster: dict[int, SluiceServer],
+) -> None:
+    target = cluster[0].target
+    async with Producer(target, "s", credentials=Credentials(token=TOKENS["app"]), linger=0) as app:
+        await app.send_many([b"r"] * 10)
+        await app.flush(20)  # acked: so the peer token got the block onto node 1
+    assert cluster[1].node is not None
+    await wait_until(lambda: cluster[1].node is not None and cluster[1].node.replicas.owners() == [0])
+    before = [log_state(s) for s in cluster.values()]
+
+    for name, allowed in ALLOWED.items():
+        for method in CALLS:
+            code = await status(target, method, bearer(name))
+            if method in allowed:
+                assert code not in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED), (
+                    name,
+                    method,
+                    code,
+                )
+            else:
+                assert code is grpc.StatusCode.PERMISSION_DENIED, (name, method, code)
+        if name == "ops":  # its ReleaseBlocks went through: the only call that changes the log
+            before = [log_state(s) for s in cluster.values()]
+    for method in CALLS:
+        assert await status(target, method, ()) is grpc.StatusCode.UNAUTHENTICATED, method
+        forged = (("authorization", f"Bearer {new_token()}"),)
+        assert await status(target, method, forged) is grpc.StatusCode.UNAUTHENTICATED, method
+    assert [log_state(s) for s in cluster.values()] == before
