@@ -681,6 +681,10 @@ def _drive(args: argparse.Namespace) -> int:
             token_file=args.peer_token_file,
             auth_file=args.auth_file,
             tls=security.tls,
+            metrics_host=args.metrics_host,
+            metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+            metrics_tls=args.metrics_tls,
+            health_port=args.health_port,
         )
     except ValueError as exc:
         return _fail(str(exc), EXIT_USAGE)

@@ -24,16 +24,21 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from ingest.client.credentials import Credentials
 from ingest.config import RateConfig, ServeConfig, TlsConfig
 from ingest.driver import SparkDriver, batch_metrics
+from ingest.metrics import MetricsServer, SluiceCollector
 from ingest.node_rates import NodeRates
 from ingest.rate_controller import RateController
 from ingest.rate_service import RateControlService
@@ -86,8 +91,21 @@ class DriverConfig:
     """The rate server's auth file (the cluster's); None: it takes any caller (bind it to loopback)."""
     tls: TlsConfig | None = None
     """The rate server's TLS; None: plaintext."""
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = None
+    """Prometheus /metrics (the global rate, each node's share, up and backlog, batches); None: off.
+    With `auth_file` a reader's or operator's token is needed, with `metrics_tls` it is HTTPS."""
+    metrics_tls: bool = False
+    health_port: int | None = None
+    """Also serve grpc.health.v1 alone, in plaintext, on this port (Kubernetes' probes); the rate
+    server serves it in any case. SERVING while the query runs."""
 
     def __post_init__(self) -> None:
+        if self.metrics_tls and self.tls is None:
+            raise ValueError("metrics TLS needs the driver's certificate and key (--tls-cert, --tls-key)")
+        for what, port in (("metrics port", self.metrics_port), ("health port", self.health_port)):
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{what} must be 0-65535, got {port}")
         if not self.nodes:
             raise ValueError("a driver needs the receiver nodes (none given)")
         if not self.streams:
@@ -151,6 +169,21 @@ class ClusterDriver:
         self._held: dict[str, int] = {}  # {"stream/owner": readable end} at the last look
         self._lock = threading.Lock()
         self._poller: asyncio.Task[None] | None = None
+        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # stubs lack .aio
+        """grpc.health.v1 on the rate server (and health_port): SERVING while the query runs."""
+        self._health_server: grpc.aio.Server | None = None
+        self.health_port: int | None = None
+        self.registry = CollectorRegistry()
+        self.registry.register(SluiceCollector({}, self._batches_completed, nodes=self.node_rates.snapshot))
+        self.registry.register(_RateCollector(self.rate))
+        self._metrics: MetricsServer | None = None
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self._metrics.port if self._metrics is not None else None
+
+    def _batches_completed(self) -> int:
+        return self.spark_driver.batches_completed if self.spark_driver is not None else 0
 
     # ---- the node backlog (NodeRates' hook) ----
 
@@ -191,9 +224,20 @@ class ClusterDriver:
     async def start(self, spark: Any) -> None:
         """Serve RateControl, start node rates and the backlog watch, then the Spark query (seconds)."""
         config = self.config
+        if config.metrics_port is not None:
+            tls = ServerTls(config.tls) if config.metrics_tls and config.tls is not None else None
+            self._metrics = MetricsServer(
+                self.registry,
+                config.metrics_host,
+                config.metrics_port,
+                tls=tls,
+                authenticator=self.auth if config.auth_file is not None else None,
+            )
         server = grpc.aio.server()
         service = RateControlService(self.rate, {}, nodes=self.node_rates.snapshot)
         add_parsed_servicer(server, service, "RateControl", authenticator=self.auth)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{config.rate_host}:{config.rate_port}"
         if config.tls is not None:
             port = server.add_secure_port(address, ServerTls(config.tls).grpc_credentials())
@@ -216,7 +260,26 @@ class ClusterDriver:
         )
         driver.on_batch(lambda batch: self._on_batch(batch, loop))
         self.spark_driver = driver
+        if config.health_port is not None:
+            await self._start_health_port(config.health_port)
         await asyncio.to_thread(driver.start)
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+
+    async def _start_health_port(self, port: int) -> None:
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        try:
+            bound = server.add_insecure_port(f"0.0.0.0:{port}")  # every address: probes come from the kubelet
+        except RuntimeError:
+            bound = 0
+        if not bound:
+            raise OSError(f"cannot bind the health port {port}")
+        await server.start()
+        self._health_server, self.health_port = server, bound
+
+    async def query_failed(self) -> None:
+        """Probes see NOT_SERVING: the query failed (the process exits next)."""
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
 
     def release(self, end: Mapping[str, int]) -> None:
         """Release a committed end offset ({"stream/owner": offset}) on every node (blocking)."""
@@ -227,6 +290,7 @@ class ClusterDriver:
 
     async def stop(self) -> None:
         """Stop the query (releasing its last commit), then the rate parts (idempotent)."""
+        await self.health.enter_graceful_shutdown()
         if self.spark_driver is not None:
             await asyncio.to_thread(self.spark_driver.stop)
         if self._poller is not None:
@@ -238,7 +302,28 @@ class ClusterDriver:
         if self._server is not None:
             await self._server.stop(1)
             self._server = None
+        if self._health_server is not None:
+            await self._health_server.stop(None)
+            self._health_server = None
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
         self.blocks.close()
+
+
+class _RateCollector(Collector):
+    """The driver's global rate and capacity estimate (the receivers' own /metrics show their share)."""
+
+    def __init__(self, rate: RateController) -> None:
+        self._rate = rate
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily(
+            "sluice_cluster_rate_records_per_second",
+            "The rate over every receiver node, records per second (+Inf: unlimited), split by node in "
+            "sluice_node_rate_records_per_second.",
+            value=self._rate.rate,
+        )
 
 
 async def run_driver(config: DriverConfig, *, stop: asyncio.Event | None = None) -> int:
@@ -263,9 +348,11 @@ async def run_driver(config: DriverConfig, *, stop: asyncio.Event | None = None)
     spark = await asyncio.to_thread(build_session, config.master)
     try:
         await driver.start(spark)
+        metrics = "" if driver.metrics_port is None else f", metrics on :{driver.metrics_port}/metrics"
+        health_port = "" if driver.health_port is None else f", health on :{driver.health_port}"
         print(
             f"sluice: driver of {len(config.nodes)} receiver nodes, streams {', '.join(config.streams)}; "
-            f"rate on {driver.rate_target}",
+            f"rate on {driver.rate_target}{metrics}{health_port}",
             file=sys.stderr,
             flush=True,
         )
@@ -273,6 +360,7 @@ async def run_driver(config: DriverConfig, *, stop: asyncio.Event | None = None)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
             if driver.error() is not None:
+                await driver.query_failed()
                 print(f"sluice: the Spark query failed: {driver.error()}", file=sys.stderr)
                 return 1
         return 0

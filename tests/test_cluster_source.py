@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 import grpc
 import pyarrow as pa
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
 from ingest.client import Producer
@@ -329,6 +331,8 @@ async def test_the_cluster_driver_runs_the_query_and_releases_on_every_node(
             data_dir=tmp_path / "driver",
             trigger_interval=0.5,
             rate=RateConfig(estimator="fixed", initial_rate=100_000.0),
+            metrics_port=0,
+            health_port=0,
         )
         driver = ClusterDriver(config)
         await driver.start(spark)
@@ -355,6 +359,20 @@ async def test_the_cluster_driver_runs_the_query_and_releases_on_every_node(
             assert {n.node_id for n in status.nodes} == {0, 1}
             await asyncio.sleep(1.5)  # a look at the nodes after the release
             assert driver.backlog() == {0: 0, 1: 0}
+            # /metrics: each node's share, up and backlog; the global rate; the batches
+            url = f"http://127.0.0.1:{driver.metrics_port}/metrics"
+            page = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=10).read().decode())
+            for node in (0, 1):
+                assert f'sluice_node_up{{node="{node}"}} 1.0' in page
+                assert f'sluice_node_backlog_records{{node="{node}"}} 0.0' in page
+                assert f'sluice_node_rate_records_per_second{{node="{node}"}}' in page
+            assert "sluice_cluster_rate_records_per_second 100000.0" in page
+            assert "sluice_batches_completed_total" in page
+            # grpc.health.v1 on the rate server and on the plaintext health port: SERVING while it runs
+            for target in (driver.rate_target or "", f"127.0.0.1:{driver.health_port}"):
+                async with grpc.aio.insecure_channel(target) as channel:
+                    check = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+                assert check.status == health_pb2.HealthCheckResponse.SERVING, target
         finally:
             await driver.stop()
 

@@ -224,10 +224,13 @@ def test_probes_and_ports_match_the_flags(workload: Doc) -> None:
         assert "prometheus.io/scrape" not in annotations
 
 
-def test_receivers_are_probed_on_the_health_service() -> None:
-    container = _container(RECEIVERS)
+@pytest.mark.parametrize("workload", [RECEIVERS, DRIVER], ids=["receiver", "driver"])
+def test_workloads_are_probed_on_the_health_service(workload: Doc) -> None:
+    container = _container(workload)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert "grpc" in container[probe], probe
+        if probe in container:
+            assert "grpc" in container[probe], probe
+    assert "livenessProbe" in container and "startupProbe" in container
 
 
 def _mount_of(workload: Doc, source: str, name: str) -> str:
