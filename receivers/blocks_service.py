@@ -27,6 +27,8 @@ from receivers.receiver import Receiver
 from receivers.replica_store import ReplicaStore
 from receivers.wal import BlockNotFoundError, WalBlockStore
 
+CHUNK_BYTES = 4 * 1024 * 1024
+"""About this many bytes of records per BlockChunk (more when one record is larger)."""
 SEAL_WAIT = 1.0
 """At most this long for a seal asked by ListPartitions, and then as long for its copies."""
 
@@ -123,11 +125,12 @@ class BlocksService:
             )
         for block in blocks:
             try:
-                chunk = await asyncio.to_thread(_chunk, store, block, lo, hi)
+                chunks = await asyncio.to_thread(_chunks, store, block, lo, hi)
             except BlockNotFoundError as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
                 return
-            yield chunk
+            for chunk in chunks:
+                yield chunk
 
     async def ReleaseBlocks(
         self, request: pb.ReleaseBlocksRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -168,18 +171,43 @@ def _covers(blocks: list[BlockInfo], lo: int, hi: int) -> bool:
     )
 
 
-def _chunk(store: BlockStore, block: BlockInfo, lo: int, hi: int) -> pb.BlockChunk:
-    """Rows of `block` within offsets [lo, hi) as one Arrow IPC stream."""
+def _chunks(store: BlockStore, block: BlockInfo, lo: int, hi: int) -> list[pb.BlockChunk]:
+    """Rows of `block` within offsets [lo, hi) as Arrow IPC streams of about CHUNK_BYTES each: a block
+    can be far larger than a gRPC message may be (a quarter of the buffer's records, or one huge batch)."""
     first = max(lo, block.first_offset)
     last = min(hi, block.end_offset)
-    sink = pa.BufferOutputStream()
+    chunks: list[pb.BlockChunk] = []
+    pending: list[pa.RecordBatch] = []
+    pending_bytes = 0
+    at = first  # offset of the first row in `pending`
+
+    def cut() -> None:
+        nonlocal pending, pending_bytes, at
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, BLOCK_SCHEMA) as ipc:
+            for piece in pending:
+                ipc.write_batch(piece)
+        count = sum(piece.num_rows for piece in pending)
+        chunks.append(pb.BlockChunk(first_offset=at, count=count, arrow_ipc=sink.getvalue().to_pybytes()))
+        at += count
+        pending, pending_bytes = [], 0
+
     row = block.first_offset  # offset of the current batch's first row
-    with pa.ipc.new_stream(sink, BLOCK_SCHEMA) as ipc:
-        for batch in store.read(block):
-            a, b = max(first, row), min(last, row + batch.num_rows)
-            if a < b:
-                ipc.write_batch(batch.slice(a - row, b - a))
-            row += batch.num_rows
-            if row >= last:
-                break
-    return pb.BlockChunk(first_offset=first, count=last - first, arrow_ipc=sink.getvalue().to_pybytes())
+    for batch in store.read(block):
+        a, b = max(first, row), min(last, row + batch.num_rows)
+        if a < b:
+            part = batch.slice(a - row, b - a)
+            # rows per piece so that a piece is about CHUNK_BYTES at this batch's mean row size
+            step = max(1, CHUNK_BYTES * part.num_rows // max(1, part.nbytes))
+            for start in range(0, part.num_rows, step):
+                piece = part.slice(start, step)
+                if pending and pending_bytes + piece.nbytes > CHUNK_BYTES:
+                    cut()
+                pending.append(piece)
+                pending_bytes += piece.nbytes
+        row += batch.num_rows
+        if row >= last:
+            break
+    if pending:
+        cut()
+    return chunks
