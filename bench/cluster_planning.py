@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 
-from ingest.client import Producer
 from ingest.spark.cluster_source import ClusterStreamReader
+from sluice_client import Producer
 from tests.support import loopback_cluster, running_server
 
 

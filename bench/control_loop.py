@@ -49,7 +49,6 @@ from pyspark import StorageLevel
 from pyspark.streaming import StreamingContext
 from pyspark.streaming.listener import StreamingListener
 
-from ingest.client import Producer
 from ingest.config import RateConfig, ServeConfig
 from ingest.driver import SparkDriver, batch_metrics, drive_rate
 from ingest.server import SluiceServer
@@ -60,6 +59,7 @@ from ratecontrol import BatchMetrics
 from ratecontrol.simulate import UNJUDGED, Pipeline, Simulation
 from receivers.block import BLOCK_SCHEMA
 from receivers.wal import FsyncPolicy, WalBlockStore
+from sluice_client import Producer
 
 INTERVAL = 1.0
 STREAM = "bench"

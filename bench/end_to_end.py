@@ -20,12 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ingest.client import Producer
 from ingest.config import RateConfig, ServeConfig
 from ingest.driver import SparkDriver
 from ingest.server import SluiceServer
 from ingest.spark.pipeline import parquet_pipeline
 from ingest.spark.session import build_session
+from sluice_client import Producer
 
 
 def publish(target: str, records: int, record_bytes: int, results: Any) -> None:

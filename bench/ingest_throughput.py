@@ -30,15 +30,15 @@ from typing import Any
 import grpc
 import pyarrow as pa
 
-from ingest.client import Credentials, Producer
 from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
 from receivers.block import BlockInfo
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import ReceiverConfig
 from receivers.wal import FsyncPolicy, WalBlockStore
-from receivers.wire import encode_batch
+from sluice_client import Credentials, Producer
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client.wire import encode_batch
 
 MAX_MSG = 64 * 1024 * 1024
 

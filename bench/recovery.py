@@ -25,8 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ingest.client import Producer
-from ingest.errors import SluiceError
+from sluice_client import Producer
+from sluice_client.errors import SluiceError
 
 STREAM = "default"
 SLUICE = [str(Path(sys.executable).parent / "sluice")]

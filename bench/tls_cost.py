@@ -23,12 +23,12 @@ from typing import Any
 
 from ingest_throughput import MAX_MSG, push_producer  # this folder: run as python bench/tls_cost.py
 
-from ingest.client.credentials import Credentials
 from ingest.config import RateConfig, SecurityConfig, ServeConfig, TlsConfig
 from ingest.dev_certs import write_dev_certs
 from ingest.server import SluiceServer
 from receivers.auth import token_hash
 from receivers.wal import FsyncPolicy
+from sluice_client.credentials import Credentials
 
 TOKEN = "bench-token-" + "x" * 32
 

@@ -5,7 +5,7 @@ the server: not authenticated (UNAUTHENTICATED) or not permitted (PERMISSION_DEN
 
 The client commands (push, rate, sessions) take credentials the usual gRPC way: --ca-file, --cert-file,
 --key-file and --token-file, or SLUICE_CA_FILE, SLUICE_CERT_FILE, SLUICE_KEY_FILE and SLUICE_TOKEN_FILE or
-SLUICE_TOKEN (ingest.client.credentials); never a token on the command line.
+SLUICE_TOKEN (sluice_client.credentials); never a token on the command line.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from typing import IO, TYPE_CHECKING, TypeVar
 
 import grpc
 
-from ingest.client.credentials import Credentials, CredentialsError
 from ingest.config import (
     DEFAULT_METRICS_PORT,
     DEFAULT_PORT,
@@ -35,21 +34,22 @@ from ingest.config import (
     ServeConfig,
     TlsConfig,
 )
-from ingest.errors import FlushTimeoutError, RPCError, SluiceError
 from ingest.preflight import DataDirLock, check_security, prepare
 from ratecontrol import StreamPolicy
 from receivers.auth import new_token, token_hash
 from receivers.block import InvalidStreamNameError
 from receivers.cluster import Cluster, load_nodes
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.principal import Limits
 from receivers.receiver import ReceiverConfig
 from receivers.sizes import parse_size
 from receivers.wal import FsyncPolicy
+from sluice_client.credentials import Credentials, CredentialsError
+from sluice_client.errors import FlushTimeoutError, RPCError, SluiceError
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from ingest.client import Producer
+    from sluice_client import Producer
 
 log = logging.getLogger("sluice")
 
@@ -577,7 +577,7 @@ def _target(text: str) -> str:
 
 def _targets(text: str) -> str:
     """One target or several, comma-separated (push fails over between them), each as _target."""
-    from ingest.client.producer import parse_targets  # noqa: PLC0415
+    from sluice_client.producer import parse_targets  # noqa: PLC0415
 
     try:
         return ",".join(_target(name) for name in parse_targets(text))
@@ -931,7 +931,7 @@ def _push(args: argparse.Namespace) -> int:
 
 
 async def _push_async(args: argparse.Namespace, source: IO[bytes], progress: _Progress) -> int:
-    from ingest.client import Producer  # noqa: PLC0415
+    from sluice_client import Producer  # noqa: PLC0415
 
     try:
         producer = Producer(

@@ -35,7 +35,6 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ingest.client.credentials import Credentials
 from ingest.config import RateConfig, ServeConfig, TlsConfig
 from ingest.driver import SparkDriver, batch_metrics
 from ingest.metrics import MetricsServer, SluiceCollector
@@ -55,6 +54,7 @@ from ingest.spark.source import (
 from ingest.tls import ServerTls
 from receivers.auth import Authenticator, AuthTable
 from receivers.parsed_service import add_parsed_servicer
+from sluice_client.credentials import Credentials
 
 log = logging.getLogger(__name__)
 

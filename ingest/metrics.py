@@ -23,10 +23,10 @@ from prometheus_client.registry import Collector
 from ingest.tls import ServerTls
 from receivers.auth import Authenticator
 from receivers.errors import PermissionDenied, Unauthenticated
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.principal import Role
 from receivers.receiver import PAUSE_REASONS, Receiver
 from receivers.wal import WalBlockStore
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 log = logging.getLogger(__name__)
 

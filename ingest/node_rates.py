@@ -24,10 +24,10 @@ from typing import Protocol
 
 import grpc
 
-from ingest.client.credentials import Credentials
 from ratecontrol.nodes import NodeLoad, NodeShare, split_nodes
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client.credentials import Credentials
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

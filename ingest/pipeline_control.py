@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 DEFAULT_FIRST_BATCH_TIMEOUT = 120.0
 """Seconds a new query has to complete its first batch before a swap rolls back."""

@@ -11,9 +11,9 @@ import grpc
 
 from ingest.rate_controller import RateController
 from ratecontrol import InvalidRateError, UnknownEstimatorError
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import Receiver
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

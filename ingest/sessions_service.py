@@ -6,10 +6,10 @@ from collections.abc import Mapping
 
 import grpc
 
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import Receiver
 from receivers.session import SESSION_IDS
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 _CANCELLED = grpc.StatusCode.CANCELLED.value[0]
 _VALID_CODES = {code.value[0] for code in grpc.StatusCode} - {grpc.StatusCode.OK.value[0]}

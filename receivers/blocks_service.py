@@ -22,10 +22,10 @@ import pyarrow as pa
 from receivers.block import BLOCK_SCHEMA, BlockInfo
 from receivers.block_store import BlockStore, release_below
 from receivers.errors import shown
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.receiver import Receiver
 from receivers.replica_store import ReplicaStore
 from receivers.wal import BlockNotFoundError, WalBlockStore
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 CHUNK_BYTES = 4 * 1024 * 1024
 """About this many bytes of records per BlockChunk (more when one record is larger)."""

@@ -20,6 +20,8 @@ module stays free of gRPC.
 
 from __future__ import annotations
 
+from sluice_client.flow import FlowViolation
+
 SHOWN_CHARS = 200
 """Client-supplied text echoed in a status message is cut to this many characters: a status message
 travels in an HTTP/2 trailer, and one over the peer's metadata limit replaces the status itself."""
@@ -43,7 +45,7 @@ class ReceiverError(Exception):
     """A numeric gRPC status code, when it was given as a number (it then wins over `status`)."""
 
 
-class ProtocolViolation(ReceiverError):
+class ProtocolViolation(ReceiverError, FlowViolation):
     status = "FAILED_PRECONDITION"
 
 

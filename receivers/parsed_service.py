@@ -20,7 +20,7 @@ from google.protobuf.message_factory import GetMessageClass
 
 from receivers.auth import Authenticator
 from receivers.errors import ReceiverError
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 Handler = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], Awaitable[Message]]
 StreamHandler = Callable[[Any, grpc.aio.ServicerContext[Any, Any]], AsyncIterator[Message]]

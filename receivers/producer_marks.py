@@ -22,10 +22,10 @@ import grpc
 
 from receivers.cluster import Cluster
 from receivers.errors import ClusterUnavailable
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.replica_store import ReplicaStore
 from receivers.replication import ChannelFactory, Metadata
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

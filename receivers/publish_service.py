@@ -34,12 +34,12 @@ from receivers.errors import (
 )
 from receivers.limits import SessionLedger, limit_key
 from receivers.parsed_service import add_parsed_servicer
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.principal import Principal, producer_key
 from receivers.receiver import Receiver
 from receivers.session import Session
 from receivers.wire import check_producer_id, check_record_bytes, decode_batch, decode_request
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -104,11 +104,11 @@ from receivers.errors import (
     cut,
 )
 from receivers.fairness import OwnerDemand, allocate, owner_of
-from receivers.flow import MAX_DEMAND, Subscription
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.principal import ANONYMOUS, Principal, producer_key
 from receivers.session import SESSION_IDS, Session
 from receivers.wire import check_producer_id, check_seq_range
+from sluice_client.flow import MAX_DEMAND, Subscription
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ import pyarrow as pa
 from receivers.block import BlockInfo
 from receivers.block_store import BlockStore
 from receivers.cluster import Cluster, Node
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.wal import WalBlockStore
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from receivers.auth import Authenticator
 from receivers.block import BLOCK_SCHEMA
 from receivers.cluster import Cluster
 from receivers.errors import ReceiverError
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.receiver import Receiver
 from receivers.replica_store import ReplicaGapError, ReplicaStore, merge_marks
 from receivers.wal import RawBlock
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 REPLICATE = "/ingest.v1.Replication/Replicate"
 HELLO_TIMEOUT = 10.0

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from receivers.errors import ReceiverError
-from receivers.flow import MAX_DEMAND
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.principal import ANONYMOUS, Principal, producer_key
+from sluice_client.flow import MAX_DEMAND
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 
 class SessionIds:

@@ -1,4 +1,5 @@
-"""Batches on the wire <-> Arrow record batches, without one Python object per record; the wire's limits.
+"""Batches on the wire -> Arrow record batches, without one Python object per record; the wire's limits.
+(The client encodes them: sluice_client.wire.)
 
 A Batch carries keys and values in Arrow's binary layout (concatenated bytes plus little-endian int32
 offsets), so the receiver wraps the message's bytes as Arrow buffers and validates them in C.
@@ -8,14 +9,13 @@ Every value a client sends that reaches the block log is bounded here and checke
 
 - sequence numbers: a record's seq is below SEQ_LIMIT, so a batch ends at SEQ_LIMIT at the latest;
 - producer id: at most MAX_PRODUCER_ID_BYTES bytes of UTF-8;
-- record values and keys: int32 offsets (_MAX_OFFSET bytes per batch), under the server's message size
-  limit (`ServeConfig.max_message_bytes`, enforced by gRPC: RESOURCE_EXHAUSTED).
+- record values and keys: int32 offsets (sluice_client.wire.MAX_OFFSET bytes per batch), under the
+  server's message size limit (`ServeConfig.max_message_bytes`, enforced by gRPC: RESOURCE_EXHAUSTED).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -24,13 +24,12 @@ from google.protobuf.message import DecodeError
 
 from receivers.block import BLOCK_SCHEMA
 from receivers.errors import InvalidBatch, InvalidMessage, SequenceOutOfRange
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 if sys.byteorder != "little":  # pragma: no cover - the wire layout is little-endian
     raise ImportError("Sluice's wire layout needs a little-endian host")
 
 _TIMESTAMP = BLOCK_SCHEMA.field("timestamp").type
-_MAX_OFFSET = 2**31 - 1  # int32 offsets
 
 SEQ_LIMIT = 2**64 - 1
 """The end of the sequence range: every record's seq is below it, so first_seq + count <= SEQ_LIMIT.
@@ -90,34 +89,6 @@ def check_record_bytes(records: pa.RecordBatch, limit: int, first_seq: int, whos
     )
 
 
-def encode_batch(
-    first_seq: int, values: Sequence[bytes], keys: Sequence[bytes | None] | None = None
-) -> pb.Batch:
-    """Pack records into a Batch message. `keys` is None when no record has a key."""
-    count = len(values)
-    if count == 0:
-        raise ValueError("a batch needs at least one record")
-    # join + one length pass is about twice as fast as building an Arrow array from the list
-    data = b"".join(values)
-    offsets = np.zeros(count + 1, dtype=np.int64)
-    np.cumsum(np.fromiter(map(len, values), dtype=np.int64, count=count), out=offsets[1:])
-    if offsets[-1] != len(data):  # a value that is not a flat bytes-like object (e.g. a typed memoryview)
-        raise TypeError("record values must be bytes")
-    if offsets[-1] > _MAX_OFFSET:
-        raise ValueError(f"a batch holds at most {_MAX_OFFSET} bytes of values, got {offsets[-1]}")
-    batch = pb.Batch(
-        first_seq=first_seq, count=count, values=data, value_offsets=offsets.astype("<i4").tobytes()
-    )
-    if keys is not None and any(k is not None for k in keys):
-        if len(keys) != count:
-            raise ValueError(f"{len(keys)} keys for {count} values")
-        key_validity, key_offsets, key_data = _buffers(pa.array(keys, type=pa.binary()))
-        batch.keys = key_data
-        batch.key_offsets = key_offsets
-        batch.key_validity = key_validity
-    return batch
-
-
 def decode_batch(batch: pb.Batch, timestamp_us: int) -> pa.RecordBatch:
     """Validate a Batch and view it as a record batch with BLOCK_SCHEMA; raise InvalidBatch if malformed."""
     count = batch.count
@@ -134,21 +105,6 @@ def decode_batch(batch: pb.Batch, timestamp_us: int) -> pa.RecordBatch:
         keys = pa.nulls(count, pa.binary())
     timestamps = pa.array(np.full(count, timestamp_us, dtype=np.int64), type=_TIMESTAMP)
     return pa.RecordBatch.from_arrays([keys, values, timestamps], schema=BLOCK_SCHEMA)
-
-
-def _buffers(array: pa.Array) -> tuple[bytes, bytes, bytes]:
-    """(validity bitmap or b"", offsets from 0, data) of a binary array, as bytes."""
-    if array.offset:
-        array = pa.concat_arrays([array])  # re-base a sliced array so its offsets start at 0
-    validity, offsets, data = array.buffers()
-    count = len(array)
-    offset_bytes = offsets.slice(0, 4 * (count + 1)).to_pybytes()
-    end = int(np.frombuffer(offset_bytes, dtype="<i4")[-1])
-    data_bytes = data.slice(0, end).to_pybytes() if data is not None else b""
-    validity_bytes = b""
-    if validity is not None and array.null_count:
-        validity_bytes = validity.slice(0, (count + 7) // 8).to_pybytes()
-    return validity_bytes, offset_bytes, data_bytes
 
 
 def _binary_array(count: int, offsets: bytes, data: bytes, validity: bytes, what: str) -> pa.Array:

@@ -1,7 +1,8 @@
 """Fail when an import crosses the architecture's layers.
 
-ingest -> receivers -> ratecontrol: ratecontrol imports neither of the others (nor gRPC, Spark, I/O
-libraries), receivers never imports ingest or pyspark.
+ingest -> receivers -> sluice_client, and ratecontrol: ratecontrol imports none of the others (nor gRPC,
+Spark, I/O libraries), receivers never imports ingest or pyspark, and the client SDK (sluice_client)
+imports none of the server's packages, Spark, pyarrow or pandas.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 FORBIDDEN = {
     "ratecontrol": {"ingest", "receivers", "grpc", "pyspark", "pyarrow", "prometheus_client", "asyncio"},
     "receivers": {"ingest", "pyspark"},
+    # the client SDK: neither the server's code nor Spark (nor the server's heavy libraries)
+    "sluice_client": {"ingest", "receivers", "ratecontrol", "pyspark", "pyarrow", "pandas"},
 }
 
 

@@ -1,10 +1,10 @@
-"""Generate the Python code and mypy stubs for proto/ into receivers/pb/.
+"""Generate the Python code and mypy stubs for proto/ into sluice_client/pb/.
 
 Usage: python scripts/gen_protos.py [--check]
 
 --check regenerates into a temporary folder and fails (exit 1) when the committed code differs.
-The generated code lives under receivers/ because both receivers and ingest speak the wire contract
-and the dependency direction is ingest -> receivers.
+The generated code lives in the client SDK (sluice_client), which needs it and nothing of the server's;
+the server's packages import it from there (as Kafka's broker takes its protocol from kafka-clients).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
-OUT_DIR = ROOT / "receivers" / "pb"
-PACKAGE = "receivers.pb"
+OUT_DIR = ROOT / "sluice_client" / "pb"
+PACKAGE = "sluice_client.pb"
 
 
 def generate(out: Path) -> None:

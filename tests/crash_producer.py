@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-from ingest.client import Producer
+from sluice_client import Producer
 
 PRODUCER_ID = "crash-test-producer"
 

@@ -22,20 +22,20 @@ import pytest
 from pki import CertificateAuthority
 from support import running_server, wait_until
 
-from ingest.client import Producer
-from ingest.client.credentials import Credentials
 from ingest.config import RateConfig, SecurityConfig, ServeConfig
-from ingest.errors import RPCError
 from ingest.server import SluiceServer
 from ingest.sessions_service import SessionsService
 from receivers.auth import METHOD_ROLES, Authenticator, AuthTable, new_token, revoke, token_hash
 from receivers.errors import PermissionDenied, Unauthenticated
 from receivers.parsed_service import add_parsed_servicer
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.publish_service import PublishService
 from receivers.receiver import Receiver, ReceiverConfig
 from receivers.wal import WalBlockStore
+from sluice_client import Producer
+from sluice_client.credentials import Credentials
+from sluice_client.errors import RPCError
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 STREAMS = ("clicks", "orders", "secret")
 TOKENS = {name: new_token() for name in ("clicks-app", "orders-app", "watcher", "ops")}

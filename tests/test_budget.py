@@ -23,13 +23,13 @@ from prometheus_client import generate_latest
 from support import running_server, wait_until
 
 from ingest.cli import _show_rate
-from ingest.client import Producer
 from ingest.rate_service import rate_status
 from ingest.server import SluiceServer
 from receivers.block import BLOCK_SCHEMA
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.receiver import DISK_BUDGET, DISK_ERROR, MEMORY_BUDGET, ReceiverConfig
 from receivers.wal import FsyncPolicy, WalBlockStore
+from sluice_client import Producer
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 
 def records(prefix: str, n: int, size: int) -> list[bytes]:

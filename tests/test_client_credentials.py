@@ -17,12 +17,12 @@ import pytest
 from pki import CertificateAuthority
 from support import running_server
 
-from ingest.client import Producer, SyncProducer
-from ingest.client.credentials import Credentials, CredentialsError
 from ingest.config import SecurityConfig, TlsConfig
-from ingest.errors import RPCError
 from ingest.server import SluiceServer
 from receivers.auth import new_token, token_hash
+from sluice_client import Producer, SyncProducer
+from sluice_client.credentials import Credentials, CredentialsError
+from sluice_client.errors import RPCError
 
 SLUICE = [str(Path(sys.executable).parent / "sluice")]
 PRODUCER, OPERATOR, TINY = new_token(), new_token(), new_token()

@@ -15,13 +15,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from ingest.client import Producer
-from ingest.client.credentials import Credentials
 from ingest.config import SecurityConfig
 from ingest.server import SluiceServer
 from receivers.auth import new_token, token_hash
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client import Producer
+from sluice_client.credentials import Credentials
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from tests.support import loopback_cluster, running_server, wait_until
 
 ROLES = {"app": "producer", "watcher": "reader", "ops": "operator", "node": "peer"}

@@ -18,8 +18,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
-from ingest.client import Producer
-from ingest.client.credentials import Credentials
 from ingest.server import SluiceServer
 from ingest.spark.cluster_source import (
     ClusterPartition,
@@ -34,7 +32,9 @@ from ingest.spark.cluster_source import (
 )
 from ingest.spark.source import ARROW_SCHEMA, SCHEMA, SluiceDataSource
 from receivers.cluster import Cluster
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client import Producer
+from sluice_client.credentials import Credentials
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from tests.support import free_ports, loopback_cluster, running_server
 
 
@@ -321,7 +321,7 @@ async def test_the_cluster_driver_runs_the_query_and_releases_on_every_node(
 ) -> None:
     from ingest.cluster_driver import ClusterDriver, DriverConfig
     from ingest.config import RateConfig
-    from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+    from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
     clusters = loopback_cluster(2, replication=2, min_insync=2)
     async with nodes(tmp_path, clusters) as servers:

@@ -21,7 +21,6 @@ import pyarrow as pa
 import pytest
 from support import running_server
 
-from ingest.client import Producer
 from ingest.config import RateConfig, ServeConfig
 from ingest.driver import SparkDriver, drive_rate
 from ingest.server import SluiceServer
@@ -29,6 +28,7 @@ from ingest.spark.pipeline import parquet_pipeline, start_query
 from receivers.block import BLOCK_SCHEMA
 from receivers.receiver import ReceiverConfig
 from receivers.wal import STATE_FILE, FsyncPolicy, WalBlockStore
+from sluice_client import Producer
 
 N = 20_000
 

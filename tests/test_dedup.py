@@ -17,16 +17,17 @@ import pytest
 from prometheus_client import generate_latest
 from support import wait_until
 
-from ingest.client import Producer, SyncProducer
-from ingest.client.producer import reconnectable
 from ingest.config import RateConfig, ServeConfig
-from ingest.errors import FlushTimeoutError, ReconnectTimeoutError, RPCError, UnackedRecordsError
 from ingest.server import SluiceServer
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import ReceiverConfig
 from receivers.wal import FsyncPolicy, WalBlockStore
-from receivers.wire import decode_batch, encode_batch
+from receivers.wire import decode_batch
+from sluice_client import Producer, SyncProducer
+from sluice_client.errors import FlushTimeoutError, ReconnectTimeoutError, RPCError, UnackedRecordsError
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client.producer import reconnectable
+from sluice_client.wire import encode_batch
 
 
 class Node:

@@ -13,8 +13,8 @@ import pyarrow as pa
 import pytest
 from support import running_server, wait_until
 
-from ingest.client import Producer
 from ingest.server import SluiceServer
+from sluice_client import Producer
 
 
 @pytest.fixture

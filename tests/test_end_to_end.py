@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from ingest.client import Producer
 from ingest.config import RateConfig, ServeConfig
 from ingest.driver import SparkDriver
 from ingest.server import SluiceServer
 from receivers.receiver import ReceiverConfig
+from sluice_client import Producer
 
 pytestmark = pytest.mark.spark
 

@@ -24,12 +24,12 @@ import pytest
 from support import running_server, wait_until
 
 from ingest import cli
-from ingest.client import Credentials, Producer, SyncProducer
 from ingest.config import SecurityConfig
-from ingest.errors import ReconnectTimeoutError, RPCError, StartTimeoutError
 from ingest.server import SluiceServer
 from receivers.auth import new_token, token_hash
 from receivers.wal import WalBlockStore
+from sluice_client import Credentials, Producer, SyncProducer
+from sluice_client.errors import ReconnectTimeoutError, RPCError, StartTimeoutError
 
 FAST = {"linger": 0.001, "reconnect_backoff": 0.02, "max_reconnect_backoff": 0.2}
 
@@ -68,7 +68,7 @@ async def kill(server: SluiceServer, how: str) -> None:
 async def test_a_producer_fails_over_to_the_next_node_and_loses_nothing(
     tmp_path: Path, how: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="ingest.client.producer")
+    caplog.set_level(logging.INFO, logger="sluice_client.producer")
     sent = [b"r%05d" % i for i in range(3000)]
     async with running_server(tmp_path / "a") as a, running_server(tmp_path / "b") as b:
         producer = Producer([a.target, b.target], "s", reconnect_timeout=20, start_timeout=10, **FAST)

@@ -19,14 +19,14 @@ from typing import Any
 import grpc
 from support import running_server, wait_until
 
-from ingest.client import Producer
-from ingest.client.credentials import Credentials
 from ingest.config import SecurityConfig
 from ingest.server import SluiceServer
 from receivers.auth import new_token, token_hash
 from receivers.fairness import OwnerDemand, allocate, water_fill
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client import Producer
+from sluice_client.credentials import Credentials
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 TOKENS = {name: new_token() for name in ("greedy", "polite", "hoarder")}
 

@@ -12,12 +12,12 @@ import reactivex
 from prometheus_client import REGISTRY
 from support import running_server
 
-from ingest.client import Producer
-from ingest.client.flow import from_observable as counted_from_observable
-from ingest.client.flow import publish
 from ingest.server import SluiceServer
-from receivers.publishers import BufferOverflowError, IterablePublisher, OverflowStrategy
-from receivers.rx import from_observable
+from sluice_client import Producer
+from sluice_client.publish import from_observable as counted_from_observable
+from sluice_client.publish import publish
+from sluice_client.publishers import BufferOverflowError, IterablePublisher, OverflowStrategy
+from sluice_client.rx import from_observable
 
 
 @pytest.fixture

@@ -19,14 +19,15 @@ import pyarrow as pa
 import pytest
 from support import running_server, wait_until
 
-from ingest.client import Producer
 from ingest.server import SluiceServer
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.publish_service import PublishService
 from receivers.receiver import Receiver, ReceiverConfig
 from receivers.wal import WalBlockStore
-from receivers.wire import MAX_PRODUCER_ID_BYTES, SEQ_LIMIT, encode_batch
+from receivers.wire import MAX_PRODUCER_ID_BYTES, SEQ_LIMIT
+from sluice_client import Producer
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client.wire import encode_batch
 
 PUBLISH = "/ingest.v1.Ingest/Publish"
 STREAM = "s"

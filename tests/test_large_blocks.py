@@ -10,12 +10,12 @@ from pathlib import Path
 import grpc
 import pyarrow as pa
 
-from ingest.client import Producer
 from ingest.server import SluiceServer
 from receivers.blocks_service import CHUNK_BYTES
 from receivers.cluster import Cluster
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client import Producer
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from tests.support import loopback_cluster, running_server
 
 RECORD = 1_000_000

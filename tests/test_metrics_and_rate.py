@@ -16,14 +16,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support import running_server
 
-from ingest.client import Producer, SyncProducer
 from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import ReceiverConfig
 from receivers.wal import WalBlockStore
-from receivers.wire import decode_batch, encode_batch
+from receivers.wire import decode_batch
+from sluice_client import Producer, SyncProducer
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client.wire import encode_batch
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 

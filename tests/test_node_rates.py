@@ -25,7 +25,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from support import running_server, wait_until
 
-from ingest.client import Producer
 from ingest.metrics import SluiceCollector
 from ingest.node_rates import NodeRates
 from ingest.rate_service import RateControlService
@@ -42,8 +41,9 @@ from ratecontrol.nodes import (
     split_equal,
     split_nodes,
 )
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client import Producer
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 INF = math.inf
 SLUICE = [str(Path(sys.executable).parent / "sluice")]

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from receivers.errors import ProtocolViolation
-from receivers.flow import MAX_DEMAND
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
 from receivers.session import Outbox
+from sluice_client.flow import MAX_DEMAND
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 
 async def test_credit_and_acks_coalesce_and_cancel_goes_out_once() -> None:

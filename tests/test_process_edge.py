@@ -24,12 +24,12 @@ import pytest
 from support import running_server
 from test_cli import SLUICE, sluice, wait_for_line
 
-from ingest.client import Producer, SyncProducer
 from ingest.config import RateConfig, ServeConfig
-from ingest.errors import RPCError, StartTimeoutError
 from ingest.preflight import DataDirInUseError, DataDirLock
 from ingest.server import SluiceServer
 from receivers.wal import FsyncPolicy, WalBlockStore
+from sluice_client import Producer, SyncProducer
+from sluice_client.errors import RPCError, StartTimeoutError
 
 SERVING = r"serving streams default on (127\.0\.0\.1:\d+)"
 

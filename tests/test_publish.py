@@ -11,15 +11,15 @@ import grpc
 import pytest
 from support import running_server, wait_until
 
-from ingest.client import Producer
 from ingest.config import RateConfig, ServeConfig
-from ingest.errors import ReconnectTimeoutError, RPCError
 from ingest.server import SluiceServer
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import ReceiverConfig
 from receivers.wal import FsyncPolicy
-from receivers.wire import encode_batch
+from sluice_client import Producer
+from sluice_client.errors import ReconnectTimeoutError, RPCError
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client.wire import encode_batch
 
 
 def make_config(tmp_path: Path, **receiver: float) -> ServeConfig:

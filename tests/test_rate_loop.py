@@ -17,14 +17,14 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 from support import running_server, wait_until
 
 from ingest import cli
-from ingest.client import Producer
 from ingest.driver import batch_metrics
 from ingest.rate_controller import RateController
 from ingest.spark.listener import BatchCompleted
 from ingest.spark.source import SluiceStreamReader
 from ratecontrol import BatchMetrics, ModelEstimator
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client import Producer
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 TARGET = inspect.signature(ModelEstimator).parameters["target_utilisation"].default
 """The model's default share of capacity in steady state."""

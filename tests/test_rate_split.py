@@ -17,13 +17,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import wait_until
 
 from ingest import cli
-from ingest.client import Producer
 from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
 from ratecontrol import StreamPolicy
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import ReceiverConfig
+from sluice_client import Producer
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 TOTAL = 20_000.0
 WINDOW = 3.0

@@ -12,13 +12,13 @@ import grpc
 import pyarrow as pa
 import pytest
 
-from ingest.client import Producer
 from ingest.server import SluiceServer
 from receivers.block import BLOCK_SCHEMA
 from receivers.cluster import Cluster, ClusterConfigError, Node, parse_nodes
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import REPLICATION
+from sluice_client import Producer
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from tests.support import loopback_cluster, running_server, wait_until
 
 

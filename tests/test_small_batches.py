@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from support import wait_until
 
-from ingest.client import Producer
 from ingest.config import RateConfig, ServeConfig
 from ingest.driver import SparkDriver, drive_rate
 from ingest.server import SluiceServer
 from receivers.receiver import ReceiverConfig
+from sluice_client import Producer
 
 pytestmark = pytest.mark.spark
 

@@ -24,12 +24,12 @@ import pytest
 from pki import CertificateAuthority, Issued
 from support import running_server
 
-from ingest.client import Producer
 from ingest.config import SecurityConfig, TlsConfig
 from ingest.server import SluiceServer
 from ingest.tls import TlsFileError, load_tls
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client import Producer
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 SLUICE = [str(Path(sys.executable).parent / "sluice")]
 
@@ -431,8 +431,8 @@ async def test_a_producer_refused_its_certificate_is_told_it_may_be_that(
 ) -> None:
     """A server that refuses the client's certificate closes the socket in the handshake, which the
     client cannot tell from no server at all: the StartTimeoutError names the likelier cause."""
-    from ingest.client import Credentials
-    from ingest.errors import StartTimeoutError
+    from sluice_client import Credentials
+    from sluice_client.errors import StartTimeoutError
 
     ca, server_cert = pki
     security = SecurityConfig(tls=TlsConfig(server_cert.cert_file, server_cert.key_file, ca.cert_file))

@@ -22,7 +22,8 @@ from receivers.wal import (
     FsyncPolicy,
     WalBlockStore,
 )
-from receivers.wire import decode_batch, encode_batch
+from receivers.wire import decode_batch
+from sluice_client.wire import encode_batch
 
 OFF = FsyncPolicy.off()
 

@@ -27,13 +27,14 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 
-from ingest.client import Producer
 from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from receivers.receiver import ReceiverConfig
-from receivers.wire import MAX_PRODUCER_ID_BYTES, SEQ_LIMIT, encode_batch
+from receivers.wire import MAX_PRODUCER_ID_BYTES, SEQ_LIMIT
+from sluice_client import Producer
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client.wire import encode_batch
 
 T = TypeVar("T")
 STREAM = "s"

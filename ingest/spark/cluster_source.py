@@ -44,7 +44,6 @@ from pyspark.sql.streaming.datasource import (
     SupportsTriggerAvailableNow,
 )
 
-from ingest.client.credentials import Credentials, CredentialsError
 from ingest.spark.source import (
     OPTION_RECEIVERS,
     LiveCapPlanning,
@@ -55,8 +54,9 @@ from ingest.spark.source import (
     positioned,
 )
 from receivers.cluster import ClusterConfigError, parse_nodes
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client.credentials import Credentials, CredentialsError
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ over gRPC (RateControl.GetRate), synchronously: latestOffset is a plain call. If
 answer, the last cap it gave holds (none before the first answer), so a hiccup neither stalls Spark nor
 lets a backlog through uncapped.
 
-On a secured server the calls carry credentials (ingest.client.credentials): `sluice serve` hands its
+On a secured server the calls carry credentials (sluice_client.credentials): `sluice serve` hands its
 own source a per-run token (principal "sluice-pipeline": operator and reader) and a plaintext port on
 127.0.0.1 when gRPC is TLS; a separate Spark job gives the source's rateCaFile, rateCertFile,
 rateKeyFile and rateTokenFile options. A refusal (UNAUTHENTICATED, PERMISSION_DENIED) warns once, like
@@ -23,9 +23,9 @@ import math
 
 import grpc
 
-from ingest.client.credentials import Credentials
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client.credentials import Credentials
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 

@@ -71,11 +71,11 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from ingest.client.credentials import Credentials, CredentialsError
 from ingest.spark.live_rate import LiveRateCap
 from receivers.block import BlockInfo, check_stream_name
 from receivers.block_store import BlockStore, release_below
 from receivers.wal import WalBlockStore
+from sluice_client.credentials import Credentials, CredentialsError
 
 log = logging.getLogger(__name__)
 

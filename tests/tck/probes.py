@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from reactivex.abc import ObserverBase
 
-from receivers.flow import Subscriber
+from sluice_client.flow import Subscriber
 
 
 class ProbeSubscription:

@@ -25,8 +25,8 @@ import pytest
 import reactivex
 from reactivex.disposable import Disposable
 
-from receivers.flow import MAX_DEMAND, Publisher, Subscriber
-from receivers.publishers import (
+from sluice_client.flow import MAX_DEMAND, Publisher, Subscriber
+from sluice_client.publishers import (
     BufferedPublisher,
     IterablePublisher,
     ManualSubscriber,
@@ -34,7 +34,7 @@ from receivers.publishers import (
     RecordingSubscriber,
     SubscriptionRejected,
 )
-from receivers.rx import from_observable, to_observable
+from sluice_client.rx import from_observable, to_observable
 
 from .probes import CapturePublisher, ProbeSubscription, RxRecorder, eventually
 

@@ -10,9 +10,8 @@ from typing import Any
 
 import pytest
 
-from receivers.errors import ProtocolViolation
-from receivers.flow import Subscriber
-from receivers.publishers import (
+from sluice_client.flow import FlowViolation, Subscriber
+from sluice_client.publishers import (
     BufferedPublisher,
     BufferFullTimeout,
     BufferOverflowError,
@@ -332,7 +331,7 @@ async def test_map_unrequested_item_is_a_protocol_violation() -> None:
     processor, probe, downstream = _processor_with_probe(lambda x: x)
     processor.on_next(1)  # nothing was requested (rule 1.1)
     assert probe.cancelled
-    assert isinstance(downstream.error, ProtocolViolation)
+    assert isinstance(downstream.error, FlowViolation)
 
 
 async def test_map_upstream_end_before_a_downstream_subscribes() -> None:

@@ -12,15 +12,15 @@ import reactivex
 from reactivex.disposable import Disposable
 from reactivex.subject import Subject
 
-from receivers.flow import MAX_DEMAND
-from receivers.publishers import (
+from sluice_client.flow import MAX_DEMAND
+from sluice_client.publishers import (
     BufferOverflowError,
     IterablePublisher,
     ManualSubscriber,
     OverflowStrategy,
     RecordingSubscriber,
 )
-from receivers.rx import from_async_iterable, from_observable, to_observable
+from sluice_client.rx import from_async_iterable, from_observable, to_observable
 
 from .probes import CapturePublisher, ProbeSubscription, RxRecorder, eventually
 

@@ -18,13 +18,13 @@ import grpc
 import pytest
 from support import running_server, wait_until
 
-from ingest.client import Producer
-from ingest.errors import ProtocolError, RPCError
 from ingest.server import SluiceServer
-from receivers.flow import MAX_DEMAND, Subscription
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
-from receivers.wire import encode_batch
+from sluice_client import Producer
+from sluice_client.errors import ProtocolError, RPCError
+from sluice_client.flow import MAX_DEMAND, Subscription
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client.wire import encode_batch
 
 # ---- the server side: a raw peer against the real server ------------------------------------------
 

@@ -32,7 +32,7 @@ both once; the cluster (nodes replicate blocks and producer marks, and a node as
 producer's mark before taking its session) makes that exactly once. Without it, failover loses
 nothing but may store such records twice.
 
-Credentials (ingest.client.credentials): TLS roots, a client certificate and a bearer token, sent on
+Credentials (sluice_client.credentials): TLS roots, a client certificate and a bearer token, sent on
 every session's call.
 """
 
@@ -51,8 +51,8 @@ from types import TracebackType
 
 import grpc
 
-from ingest.client.credentials import Credentials
-from ingest.errors import (
+from sluice_client.credentials import Credentials
+from sluice_client.errors import (
     FlushTimeoutError,
     ProducerClosedError,
     ProtocolError,
@@ -62,10 +62,10 @@ from ingest.errors import (
     StartTimeoutError,
     UnackedRecordsError,
 )
-from receivers.flow import MAX_DEMAND
-from receivers.pb.ingest.v1 import ingest_pb2 as pb
-from receivers.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
-from receivers.wire import encode_batch
+from sluice_client.flow import MAX_DEMAND
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client.wire import encode_batch
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class Producer:
 
     `channel`: a channel of the caller's (one target only), used as is and left open by close().
 
-    `credentials` (ingest.client.credentials.Credentials, e.g. `Credentials.from_env()`): TLS and a
+    `credentials` (sluice_client.credentials.Credentials, e.g. `Credentials.from_env()`): TLS and a
     bearer token; default plaintext without a token. UNAUTHENTICATED and PERMISSION_DENIED end the
     producer at once (RPCError), as does RESOURCE_EXHAUSTED from a per-principal limit.
     """
@@ -533,7 +533,7 @@ class Producer:
         """Queue one record without waiting; raise BufferError when the buffer is full (`max_buffered`
         records; the byte bound applies to send and send_many only).
 
-        For code that manages demand itself (ingest.client.flow): it asks only for `room` records.
+        For code that manages demand itself (sluice_client.publish): it asks only for `room` records.
         """
         self._check_open()
         if self._held >= self.max_buffered:

@@ -16,12 +16,12 @@ from typing import TypeAlias
 
 from reactivex import Observable
 
-from ingest.client.metrics import RECORDS_DROPPED
-from ingest.client.producer import Producer
-from ingest.errors import ProducerClosedError, SluiceError
-from receivers.flow import Publisher, Subscription
-from receivers.publishers import OverflowStrategy
-from receivers.rx import from_observable as _from_observable
+from sluice_client.errors import ProducerClosedError, SluiceError
+from sluice_client.flow import Publisher, Subscription
+from sluice_client.metrics import RECORDS_DROPPED
+from sluice_client.producer import Producer
+from sluice_client.publishers import OverflowStrategy
+from sluice_client.rx import from_observable as _from_observable
 
 __all__ = ["Record", "from_observable", "publish"]
 
@@ -127,6 +127,6 @@ async def publish(
 def from_observable(
     observable: Observable[Record], *, capacity: int, overflow: OverflowStrategy = OverflowStrategy.ERROR
 ) -> Publisher[Record]:
-    """receivers.rx.from_observable with its drops counted in `sluice_client_records_dropped_total`."""
+    """sluice_client.rx.from_observable with its drops counted in `sluice_client_records_dropped_total`."""
     dropped = RECORDS_DROPPED.labels(overflow=overflow.name)
     return _from_observable(observable, capacity=capacity, overflow=overflow, on_drop=dropped.inc)

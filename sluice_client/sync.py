@@ -8,7 +8,7 @@ from collections.abc import Coroutine, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
-from ingest.client.producer import Producer
+from sluice_client.producer import Producer
 
 T = TypeVar("T")
 

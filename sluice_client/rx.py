@@ -18,8 +18,8 @@ import reactivex
 from reactivex import Observable, abc
 from reactivex.disposable import Disposable, SingleAssignmentDisposable
 
-from receivers.flow import Publisher, Subscriber, Subscription
-from receivers.publishers import BufferedPublisher, IterablePublisher, OverflowStrategy, _require
+from sluice_client.flow import Publisher, Subscriber, Subscription
+from sluice_client.publishers import BufferedPublisher, IterablePublisher, OverflowStrategy, _require
 
 __all__ = ["ObservablePublisher", "from_async_iterable", "from_observable", "to_observable"]
 

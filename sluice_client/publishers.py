@@ -26,8 +26,7 @@ from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
-from receivers.errors import ProtocolViolation
-from receivers.flow import MAX_DEMAND, Subscriber, Subscription
+from sluice_client.flow import MAX_DEMAND, FlowViolation, Subscriber, Subscription
 
 __all__ = [
     "BufferFullTimeout",
@@ -488,7 +487,7 @@ class MapProcessor(Generic[T, R]):
     upstream subscription arrives is passed on when it does, and an upstream that ends before a downstream
     subscribes ends the downstream right after its on_subscribe. If `function` raises or returns None, the
     upstream is cancelled and the downstream gets on_error. An upstream sending more than was requested
-    breaks rule 1.1: it is cancelled and the downstream gets on_error(ProtocolViolation).
+    breaks rule 1.1: it is cancelled and the downstream gets on_error(FlowViolation).
     """
 
     def __init__(self, function: Callable[[T], R]) -> None:
@@ -517,7 +516,7 @@ class MapProcessor(Generic[T, R]):
             return
         downstream = self._downstream
         if downstream is None or downstream.demand == 0:
-            self._fail(ProtocolViolation("the upstream sent an item that was not requested (rule 1.1)"))
+            self._fail(FlowViolation("the upstream sent an item that was not requested (rule 1.1)"))
             return
         try:
             result = self._function(item)

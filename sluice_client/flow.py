@@ -14,7 +14,7 @@ Sluice speaks this contract on the wire and in process; the roles map one to one
 
 Signals are plain synchronous method calls made on the event loop thread, as on the JVM: an
 implementation must not block in any of them (no I/O, no waiting; hand slow work to a task). The asyncio
-implementations in `receivers.publishers` deliver signals serially from the loop, never from inside
+implementations in `sluice_client.publishers` deliver signals serially from the loop, never from inside
 another signal of the same subscriber, and accept request/cancel from any thread (they hop to the loop).
 
 The rules (github.com/reactive-streams/reactive-streams-jvm, README "Specification"), and how they read in
@@ -72,7 +72,11 @@ from __future__ import annotations
 
 from typing import Protocol, TypeVar
 
-__all__ = ["MAX_DEMAND", "Processor", "Publisher", "Subscriber", "Subscription"]
+
+class FlowViolation(Exception):
+    """A Reactive Streams rule was broken (e.g. rule 1.1: an item that was not requested)."""
+
+__all__ = ["MAX_DEMAND", "FlowViolation", "Processor", "Publisher", "Subscriber", "Subscription"]
 
 MAX_DEMAND = 2**63 - 1
 """Demand saturates here (rule 3.17): Long.MAX_VALUE on the JVM, the largest Request.n on the wire."""

@@ -19,7 +19,7 @@ from its resume point. Anonymous producers (empty producer_id) are not deduplica
 
 from collections import abc as _abc
 from grpc import aio as _aio
-from receivers.pb.ingest.v1 import ingest_pb2 as _ingest_pb2
+from sluice_client.pb.ingest.v1 import ingest_pb2 as _ingest_pb2
 import abc as _abc_1
 import grpc as _grpc
 import sys

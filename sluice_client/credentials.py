@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from ingest.errors import SluiceError
+from sluice_client.errors import SluiceError
 
 __all__ = ["Credentials", "CredentialsError"]
 

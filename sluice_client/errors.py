@@ -1,0 +1,132 @@
+"""Errors the Sluice SDK and service raise: one boundary between gRPC and the user.
+
+SluiceError                 base of everything the SDK raises
+├── RPCError                a gRPC call failed; `status` is the grpc.StatusCode, `retriable` says
+│   │                       whether trying again later can succeed
+│   ├── ReconnectTimeoutError   the producer lost its session and could not open a new one within
+│   │                           its `reconnect_timeout`; `status` is that of the last failure
+│   └── StartTimeoutError   the producer could not open its first session within `start_timeout`
+│                           (the server was not there); `status` is that of the last failure
+├── ProtocolError           the server broke the Flow contract (e.g. Request(n <= 0), rule 3.9)
+├── ProducerClosedError     the producer was closed, or failed, and takes no more records
+├── FlushTimeoutError       flush() ran out of time with records not yet acked; `unacked` says how many
+└── UnackedRecordsError     close() ended with records never acked: `unacked` (how many) and `records`
+                            (the records themselves, in order); `__cause__` says why
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+__all__ = [
+    "FlushTimeoutError",
+    "ProducerClosedError",
+    "ProtocolError",
+    "RPCError",
+    "ReconnectTimeoutError",
+    "SluiceError",
+    "StartTimeoutError",
+    "UnackedRecordsError",
+]
+
+_RETRIABLE = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
+)
+
+
+class SluiceError(Exception):
+    """Base of every error the SDK raises."""
+
+
+class RPCError(SluiceError):
+    """A gRPC call ended with a status other than OK."""
+
+    def __init__(self, status: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{status.name}: {message}")
+        self.status = status
+        self.message = message
+
+    @property
+    def retriable(self) -> bool:
+        """True when the same call may succeed later (server busy, stopping, or over a limit)."""
+        return self.status in _RETRIABLE
+
+    @classmethod
+    def from_grpc(cls, error: grpc.aio.AioRpcError) -> RPCError:
+        return cls(error.code(), error.details() or "")
+
+
+class ProtocolError(SluiceError):
+    """The server broke the Flow contract."""
+
+
+class ProducerClosedError(SluiceError):
+    """The producer takes no more records: it was closed or it failed."""
+
+
+class FlushTimeoutError(SluiceError, TimeoutError):
+    """Records were still unacked when the time ran out."""
+
+    def __init__(self, unacked: int, timeout: float) -> None:
+        super().__init__(f"{unacked} records not acked within {timeout:g} s")
+        self.unacked = unacked
+
+
+class ReconnectTimeoutError(RPCError):
+    """The producer's session ended with a retriable status and no new session could be opened within
+    `reconnect_timeout` seconds; `status` and the message name the last failure (and the `targets`
+    tried, when given)."""
+
+    def __init__(self, last: RPCError, attempts: int, elapsed: float, *, targets: Sequence[str] = ()) -> None:
+        to = f" to {', '.join(targets)}" if targets else ""
+        super().__init__(
+            last.status,
+            f"gave up reconnecting after {attempts} attempt(s){to} in {elapsed:.2f} s; "
+            f"last error: {last.message}",
+        )
+        self.last = last
+        self.attempts = attempts
+        self.targets = tuple(targets)
+
+
+class StartTimeoutError(RPCError):
+    """The producer could not open its first session within `start_timeout` seconds: the server at
+    `target` did not answer (UNAVAILABLE) at any of `attempts` tries; `last` is the last failure."""
+
+    def __init__(
+        self, target: str, last: RPCError, attempts: int, elapsed: float, *, tls: bool = False
+    ) -> None:
+        # a server that refuses the client's certificate closes the socket in the handshake: on the
+        # client that looks like no server at all, so say what else it may be
+        hint = ""
+        if tls and "Socket closed" in last.message:
+            hint = (
+                " (if the server is up, it may have refused this client's TLS certificate: a server with "
+                "a client CA needs a certificate it signed, unexpired)"
+            )
+        super().__init__(
+            last.status,
+            f"no server at {target} within {elapsed:.1f} s ({attempts} attempt(s)); "
+            f"last error: {last.message}{hint}",
+        )
+        self.target = target
+        self.last = last
+        self.attempts = attempts
+
+
+class UnackedRecordsError(SluiceError):
+    """close() ended (timeout, failure) with records the server never acked.
+
+    `records` holds them as (value, key) in sequence order, the first numbered `first_seq`; they may or
+    may not have reached the server. `__cause__` is the error that stopped the delivery.
+    """
+
+    def __init__(
+        self, records: list[tuple[bytes, bytes | None]], first_seq: int, cause: BaseException
+    ) -> None:
+        super().__init__(f"{len(records)} records never acked ({cause})")
+        self.records = records
+        self.first_seq = first_seq
+        self.unacked = len(records)
