@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -108,3 +109,31 @@ def test_keys_are_encoded_in_arrows_binary_layout() -> None:
             assert got & mask == want & mask
         value_array = pa.array(values, type=pa.binary())
         assert batch.value_offsets == value_array.buffers()[1].to_pybytes()[: 4 * (n + 1)]
+
+
+def test_the_sdk_builds_as_its_own_wheel_without_the_server(tmp_path: Path) -> None:
+    import zipfile
+
+    # a copy: the build writes build/ and egg-info next to the project file
+    source = tmp_path / "sluice_client"
+    shutil.copytree(ROOT / "sluice_client", source, ignore=shutil.ignore_patterns("__pycache__"))
+    wheel_dir = tmp_path / "w"
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheel_dir), *[
+            str(source)
+        ]],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = wheel_dir.glob("sluice_client-*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        names = archive.namelist()
+        metadata = archive.read(next(n for n in names if n.endswith("METADATA"))).decode()
+    packages = {n.split("/")[0] for n in names if not n.startswith("sluice_client-")}
+    assert packages == {"sluice_client"}
+    assert "sluice_client/pb/ingest/v1/ingest_pb2.py" in names
+    requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
+    assert requires and not any(x in line for line in requires for x in ("pyspark", "pyarrow", "pandas"))
