@@ -118,10 +118,9 @@ def test_the_sdk_builds_as_its_own_wheel_without_the_server(tmp_path: Path) -> N
     source = tmp_path / "sluice_client"
     shutil.copytree(ROOT / "sluice_client", source, ignore=shutil.ignore_patterns("__pycache__"))
     wheel_dir = tmp_path / "w"
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
     built = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(wheel_dir), *[
-            str(source)
-        ]],
+        [*pip_wheel, "-w", str(wheel_dir), str(source)],
         check=False,
         capture_output=True,
         text=True,
