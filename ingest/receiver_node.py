@@ -26,11 +26,13 @@ from receivers.parsed_service import add_parsed_servicer
 from receivers.producer_marks import PeerMarks
 from receivers.receiver import Receiver
 from receivers.replica_store import ReplicaStore
-from receivers.replication import Metadata, ReplicatedBlockStore, Replicator
+from receivers.replication import Metadata, ReplicatedBlockStore, Replicator, truncate_uncommitted
 from receivers.replication_service import ReplicationService
 from receivers.wal import WalBlockStore
 
 REPLICAS_DIR = "replicas"
+COMMITTED_FILE = "committed.json"
+"""In the data dir: each stream's committed seq (receivers.replication), with replication > 1."""
 DRAIN_WAIT = 2.0
 """At stop, wait this long at most for followers to ack what was written, so it is acked too."""
 
@@ -46,8 +48,18 @@ class ReceiverNode:
         self.replicas = ReplicaStore(
             config.data_dir / REPLICAS_DIR, fsync=config.fsync, segment_bytes=config.wal_segment_bytes
         )
+        committed_file = None
+        if cluster.followers(cluster.me.id):
+            # before the receivers recover: what a crash left past the committed seqs goes
+            committed_file = config.data_dir / COMMITTED_FILE
+            truncate_uncommitted(local, config.streams, committed_file)
         self.replicator = Replicator(
-            cluster, local, config.streams, channel=self.channel, metadata=self.metadata
+            cluster,
+            local,
+            config.streams,
+            channel=self.channel,
+            metadata=self.metadata,
+            committed_file=committed_file,
         )
         self.store: BlockStore = ReplicatedBlockStore(local, self.replicator)
         """What this node's receivers write to: acked (durable_seq) once on enough copies."""

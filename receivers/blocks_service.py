@@ -88,7 +88,7 @@ class BlocksService:
             for owner in self._replicas.owners():
                 copy = self._replicas.store(owner)
                 for stream in streams:
-                    start, end = _extent(copy.blocks(stream), copy.released_offset(stream))
+                    start, end = _extent(self._readable(owner, stream), copy.released_offset(stream))
                     found.append(
                         pb.PartitionInfo(stream=stream, owner=owner, start_offset=start, end_offset=end)
                     )
@@ -113,7 +113,7 @@ class BlocksService:
             return
         blocks = [
             b
-            for b in await asyncio.to_thread(store.blocks, stream)
+            for b in await asyncio.to_thread(self._readable, owner, stream)
             if b.end_offset > lo and b.first_offset < hi
         ]
         if not _covers(blocks, lo, hi):
@@ -147,6 +147,16 @@ class BlocksService:
         end = {request.stream: request.before_offset}
         released = await asyncio.to_thread(release_below, store, [request.stream], end)
         return pb.ReleaseBlocksResponse(blocks_released=released)
+
+    def _readable(self, owner: int, stream: str) -> list[BlockInfo]:
+        """The blocks of `owner`'s partition this node serves: its own committed ones, or those of its
+        copy below what the owner last said was committed (others may be dropped: never acked).
+        Blocking."""
+        if owner == self._node_id:
+            return self._store.blocks(stream)
+        assert self._replicas is not None
+        limit = self._replicas.committed(owner, stream)
+        return [b for b in self._replicas.store(owner).blocks(stream) if b.seq < limit]
 
     def _holding(self, owner: int) -> BlockStore | None:
         if owner == self._node_id:

@@ -9,12 +9,31 @@ copy knows how far each of the owner's producers got: receivers.producer_marks a
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from receivers.block import BlockInfo
 from receivers.wal import FsyncPolicy, RawBlock, WalBlockStore
+
+COMMITTED = "committed.json"
+"""<root>/<owner>.committed.json: what the owner said is committed, per stream."""
+
+
+class OwnerLogLostError(ValueError):
+    """The owner's log ends before blocks this copy knows were committed."""
+
+
+def _read_committed(path: Path) -> dict[str, int]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}  # none, or torn: the owner says it again on its next connection
+    if not isinstance(data, dict):
+        return {}
+    return {str(k): v for k, v in data.items() if isinstance(v, int) and v >= 0}
 
 
 class ReplicaGapError(ValueError):
@@ -34,6 +53,8 @@ class ReplicaStore:
         self._next: dict[tuple[int, str], int] = {}
         self._lock = threading.Lock()
         self._stream_locks: dict[tuple[int, str], threading.Lock] = {}
+        self._committed: dict[int, dict[str, int]] = {}  # owner -> stream -> committed seq (as told)
+        self._marks: dict[tuple[int, str], tuple[int, dict[str, int]]] = {}  # (folded to seq, table)
 
     def owners(self) -> list[int]:
         """Owners with a copy here (on disk, whether or not this process wrote to it)."""
@@ -76,15 +97,83 @@ class ReplicaStore:
     def blocks(self, owner: int, stream: str) -> list[BlockInfo]:
         return self.store(owner).blocks(stream)
 
+    # ---- what the owner committed (its high watermark) -------------------------------------------
+
+    def committed(self, owner: int, stream: str) -> int:
+        """The seq below which the owner said `stream`'s blocks are committed (0: it said nothing)."""
+        with self._lock:
+            table = self._committed.get(owner)
+            if table is None:
+                table = self._committed[owner] = _read_committed(self._committed_path(owner))
+            return table.get(stream, 0)
+
+    def set_committed(self, owner: int, committed: Mapping[str, int]) -> None:
+        """The owner says these are committed (they only grow). Kept on disk without fsync: it only has
+        to be at most the truth, and the owner says it again on every connection. Blocking."""
+        self.committed(owner, "")  # loaded
+        with self._lock:
+            table = self._committed[owner]
+            grown = {s: n for s, n in committed.items() if n > table.get(s, 0)}
+            if not grown:
+                return
+            table.update(grown)
+            snapshot = dict(table)
+        path = self._committed_path(owner)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.with_name(path.name + ".tmp")
+        temp.write_text(json.dumps(snapshot))
+        os.replace(temp, path)
+
+    def _committed_path(self, owner: int) -> Path:
+        return self.root / f"{owner}.{COMMITTED}"
+
+    def drop_uncommitted(self, owner: int, stream: str, log_end: int) -> int:
+        """The owner's log ends at `log_end` (it dropped what it never committed after a crash): drop
+        this copy's blocks from there; the number dropped. Raises OwnerLogLostError when the copy
+        knows blocks past `log_end` were committed: the owner's log was lost. Blocking."""
+        with self._stream_lock(owner, stream):
+            if self._next_locked(owner, stream) <= log_end:
+                return 0
+            if self.committed(owner, stream) > log_end:
+                raise OwnerLogLostError(
+                    f"node {owner}'s log of stream {stream!r} ends at block {log_end}, but this copy "
+                    f"holds blocks committed up to {self.committed(owner, stream)}: its log was lost or "
+                    "replaced; restore it from this copy"
+                )
+            dropped, _ = self.store(owner).truncate_from(stream, log_end)
+            del self._next[(owner, stream)]
+            self._marks.pop((owner, stream), None)
+            return dropped
+
     def marks(self, stream: str, producers: Iterable[str]) -> dict[str, int]:
-        """Producer key -> the highest seq any copy here holds of it (keys with none left out)."""
+        """Producer key -> the highest seq any copy here holds of it in a committed block (keys with
+        none left out): an uncommitted block may be dropped (its records resent), so its marks do not
+        count. Blocking."""
         wanted = set(producers)
         found: dict[str, int] = {}
         for owner in self.owners():
-            table = self.store(owner).producers(stream)
+            table = self._committed_marks(owner, stream)
             for key in wanted & table.keys():
                 found[key] = max(found.get(key, 0), table[key])
         return found
+
+    def _committed_marks(self, owner: int, stream: str) -> dict[str, int]:
+        """The producers table as of the committed seq, folded in from the blocks' own marks as it
+        grows (headers only), and from the released mark past a gap (a release or a skip)."""
+        with self._stream_lock(owner, stream):
+            store = self.store(owner)
+            limit = self.committed(owner, stream)
+            folded, table = self._marks.get((owner, stream), (0, {}))
+            if folded >= limit:
+                return table
+            table = dict(table)
+            blocks = [b for b in store.blocks(stream, folded) if b.seq < limit]
+            if not blocks or blocks[0].seq > folded:  # released (or skipped) meanwhile
+                merge_marks(table, store.released_producers(stream))
+            for block in blocks:
+                merge_marks(table, store.block_producers(block))
+            self._marks[(owner, stream)] = (limit, table)
+            return table
 
     def flush(self) -> None:
         for store in list(self._stores.values()):

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 
 import grpc
 import pyarrow as pa
@@ -60,6 +63,9 @@ class FollowerLink:
         self.progress_at = time.monotonic()
         self.error: str | None = None
         self._sent: dict[str, int] = {}
+        self._told: dict[str, int] = {}  # the committed seqs this follower was last told
+        self.knows: dict[str, int] = {}
+        """Stream -> the committed seq the follower confirmed it took (it serves below it)."""
         self._ack_arrived = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -123,6 +129,8 @@ class FollowerLink:
                 owner=replicator.cluster.me.id,
                 nodes=len(replicator.cluster.nodes),
                 replication=replicator.cluster.replication,
+                log_end={s: replicator.local.durable_seq(s) for s in replicator.streams},
+                committed_seq=replicator.persisted(),
             )
             await call.write(pb.ReplicateRequest(hello=hello))
             responses = aiter(call)
@@ -137,6 +145,8 @@ class FollowerLink:
                     "this node's log was lost or replaced; restore it from the follower's copy"
                 )
             self._sent = dict(self.acked)
+            self._told = dict(hello.committed_seq)  # taken before the follower answered the hello
+            self.knows = dict(self._told)
             self.connected, self.error = True, None
             self.progress_at = time.monotonic()
             replicator.changed()
@@ -153,7 +163,13 @@ class FollowerLink:
 
     async def _read_acks(self, responses: AsyncIterator[pb.ReplicateResponse]) -> None:
         async for response in responses:
-            if response.WhichOneof("kind") != "ack":
+            kind = response.WhichOneof("kind")
+            if kind == "committed":
+                for stream, seq in response.committed.committed_seq.items():
+                    self.knows[stream] = max(seq, self.knows.get(stream, 0))
+                self._replicator.changed()
+                continue
+            if kind != "ack":
                 continue
             stream, seq = response.ack.stream, response.ack.seq
             if seq + 1 > self.acked.get(stream, 0):
@@ -181,6 +197,10 @@ class FollowerLink:
                     await call.write(pb.ReplicateRequest(block=message))
                     self._sent[stream] = block.seq + 1
                     sent_any = True
+            committed = replicator.persisted()
+            if committed != self._told:
+                await call.write(pb.ReplicateRequest(commit=pb.ReplicaCommit(committed_seq=committed)))
+                self._told = committed
             if not sent_any:
                 waits = [
                     asyncio.ensure_future(replicator.wake.wait()),
@@ -235,6 +255,7 @@ class Replicator:
         channel: ChannelFactory,
         metadata: Metadata = (),
         lag_timeout: float = LAG_TIMEOUT,
+        committed_file: Path | None = None,
     ) -> None:
         self.cluster = cluster
         self.local = local
@@ -245,6 +266,13 @@ class Replicator:
         self.links = [FollowerLink(node, self) for node in cluster.followers(cluster.me.id)]
         self.wake = asyncio.Event()
         self._committed: dict[str, int] = {}
+        """Stream -> the highest seq found committable (on enough copies), maybe not yet persisted."""
+        self.committed_file = committed_file
+        self._persisted: dict[str, int] = read_committed(committed_file) if committed_file else {}
+        """Stream -> the committed seq on disk: what is acked, read, and told to followers."""
+        self._acked: dict[str, int] = {}  # stream -> what committed_seq last returned (it only grows)
+        self._persist_wanted = asyncio.Event()
+        self._persister: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._checker: asyncio.Task[None] | None = None
         self._listeners: list[Callable[[], None]] = []
@@ -254,12 +282,15 @@ class Replicator:
         for link in self.links:
             link.start()
         self._checker = asyncio.create_task(self._check_loop(), name="replication-isr")
+        if self.committed_file is not None:
+            self._persister = asyncio.create_task(self._persist_loop(), name="replication-committed")
 
     async def stop(self) -> None:
-        if self._checker is not None:
-            self._checker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._checker
+        for task in (self._checker, self._persister):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for link in self.links:
             await link.stop()
 
@@ -304,20 +335,118 @@ class Replicator:
         return ", ".join(parts) or "no followers"
 
     def committed_seq(self, stream: str) -> int:
-        """Blocks of `stream` below this seq are durable on enough copies to be acked and read."""
+        """Blocks of `stream` below this seq are durable on enough copies to be acked and read, and that
+        is on disk (committed_file): a restarted owner drops what is past it (truncate_uncommitted), so
+        nothing acked or read may be."""
         local = self.local.durable_seq(stream)
         previous = self._committed.get(stream, 0)
-        if not self.can_ack:
-            return previous
-        committed = min([local, *(link.acked.get(stream, 0) for link in self.links if link.in_sync)])
-        committed = max(previous, committed)
-        self._committed[stream] = committed
-        return committed
+        committed = previous
+        if self.can_ack:
+            committed = min([local, *(link.acked.get(stream, 0) for link in self.links if link.in_sync)])
+            committed = max(previous, committed)
+            self._committed[stream] = committed
+        if self.committed_file is None:
+            return committed
+        persisted = self._persisted.get(stream, 0)
+        if committed > persisted:
+            self._want_persist()
+        # acked (and read here) once every in-sync follower also knows it committed, so that it serves
+        # it should this node die: otherwise an acked block could be unreadable until this node returns
+        known = min([persisted, *(link.knows.get(stream, 0) for link in self.links if link.in_sync)])
+        acked = max(self._acked.get(stream, 0), known)
+        self._acked[stream] = acked
+        return acked
+
+    def _want_persist(self) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            self._persist_wanted.set()
+        else:  # Blocks reads ask from worker threads
+            loop.call_soon_threadsafe(self._persist_wanted.set)
+
+    def persisted(self) -> dict[str, int]:
+        """Stream -> the committed seq on disk (what followers are told)."""
+        return dict(self._persisted)
+
+    async def _persist_loop(self) -> None:
+        """Write the committed seqs whenever they advance: one write covers every advance since the
+        last (group commit), then the receivers ack up to them (changed())."""
+        assert self.committed_file is not None
+        while True:
+            await self._persist_wanted.wait()
+            self._persist_wanted.clear()
+            wanted = {**self._persisted, **self._committed}
+            if wanted == self._persisted:
+                continue
+            sync = self.local.fsync.mode == "every-block"
+            await asyncio.to_thread(write_committed, self.committed_file, wanted, sync=sync)
+            self._persisted = wanted
+            self._wake_links()
+            self.changed()
 
     async def _check_loop(self) -> None:
         while True:
             await asyncio.sleep(0.25)
             self.changed()
+
+
+def read_committed(path: Path) -> dict[str, int]:
+    """The committed seqs persisted at `path` ({} when there is none)."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read the committed seqs ({exc}); the node cannot tell acked "
+                         "blocks from unacked ones: restore the file or remove the data dir") from exc
+    if not isinstance(data, dict) or not all(isinstance(v, int) and v >= 0 for v in data.values()):
+        raise ValueError(f"{path}: not a map of stream to committed seq")
+    return {str(k): v for k, v in data.items()}
+
+
+def write_committed(path: Path, committed: Mapping[str, int], *, sync: bool) -> None:
+    """Replace the file atomically (temp, fsync when `sync`, rename, fsync of the folder)."""
+    temp = path.with_name(path.name + ".tmp")
+    with open(temp, "w") as file:
+        json.dump(dict(committed), file)
+        if sync:
+            file.flush()
+            os.fsync(file.fileno())
+    os.replace(temp, path)
+    if sync:
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def truncate_uncommitted(local: WalBlockStore, streams: Sequence[str], committed_file: Path) -> None:
+    """At an owner's start (replication > 1), before its receivers recover: drop the blocks past each
+    stream's persisted committed seq. They were never acked nor readable anywhere, and their producers
+    resend them, here or on another node (which took them: a peer's marks did not have them); kept,
+    they would be read twice. A data dir from before committed seqs were kept: its log counts as
+    committed."""
+    if not committed_file.exists():
+        write_committed(committed_file, {s: local.recover(s)[0] for s in streams}, sync=True)
+        return
+    committed = read_committed(committed_file)
+    for stream in streams:
+        blocks, records = local.truncate_from(stream, committed.get(stream, 0))
+        if blocks:
+            log.warning(
+                "stream %r: dropped %d block(s), %d record(s), written before a crash and never committed "
+                "(not on enough copies, never acked): their producers resend them",
+                stream,
+                blocks,
+                records,
+            )
 
 
 class ReplicatedBlockStore(BlockStore):

@@ -25,7 +25,7 @@ from receivers.block import BLOCK_SCHEMA
 from receivers.cluster import Cluster
 from receivers.errors import ReceiverError
 from receivers.receiver import Receiver
-from receivers.replica_store import ReplicaGapError, ReplicaStore, merge_marks
+from receivers.replica_store import OwnerLogLostError, ReplicaGapError, ReplicaStore, merge_marks
 from receivers.wal import RawBlock
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
@@ -49,6 +49,11 @@ def _check_payload(block: RawBlock) -> None:
             f"block {block.seq}: its payload holds {table.num_rows} rows of {table.schema}, "
             f"not {block.count} of the block schema"
         )
+
+
+def _known(values: Mapping[str, int], streams: list[str]) -> dict[str, int]:
+    """The entries for streams served here with a sane seq (others are ignored, not stored)."""
+    return {s: n for s, n in values.items() if s in streams and 0 <= n < 2**62}
 
 
 class ReplicationService:
@@ -85,6 +90,7 @@ class ReplicationService:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable ReplicateRequest: {exc}")
         owner = await self._check_hello(first, context)
         streams = list(self._receivers)
+        await self._align(owner, first.hello, streams, context)
         state = {s: await asyncio.to_thread(self._replicas.next_seq, owner, s) for s in streams}
         yield pb.ReplicateResponse(state=pb.ReplicaState(next_seq=state))
         async for raw in requests:
@@ -92,8 +98,16 @@ class ReplicationService:
                 message = pb.ReplicateRequest.FromString(raw)
             except DecodeError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable ReplicateRequest: {exc}")
-            if message.WhichOneof("kind") != "block":
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "only ReplicaBlock after the hello")
+            kind = message.WhichOneof("kind")
+            if kind == "commit":
+                committed = _known(message.commit.committed_seq, streams)
+                await asyncio.to_thread(self._replicas.set_committed, owner, committed)
+                yield pb.ReplicateResponse(committed=pb.ReplicaCommit(committed_seq=committed))
+                continue
+            if kind != "block":
+                await context.abort(
+                    grpc.StatusCode.FAILED_PRECONDITION, "only ReplicaBlock or ReplicaCommit after the hello"
+                )
             block = message.block
             if block.stream not in self._receivers:
                 await context.abort(
@@ -120,6 +134,22 @@ class ReplicationService:
             except ValueError as exc:  # the log refused it (seq/offset order): the owner's view is off
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"block refused: {exc}")
             yield pb.ReplicateResponse(ack=pb.ReplicaAck(stream=block.stream, seq=block.seq))
+
+    async def _align(
+        self,
+        owner: int,
+        hello: pb.ReplicaHello,
+        streams: list[str],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        """Take the owner's committed seqs, and drop what the copy holds past the owner's log (blocks
+        the owner dropped at a restart: never committed)."""
+        await asyncio.to_thread(self._replicas.set_committed, owner, _known(hello.committed_seq, streams))
+        for stream, end in _known(hello.log_end, streams).items():
+            try:
+                await asyncio.to_thread(self._replicas.drop_uncommitted, owner, stream, end)
+            except OwnerLogLostError as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
 
     def _store(self, owner: int, stream: str, block: RawBlock, after_release: bool) -> None:
         _check_payload(block)  # a copy that cannot be read back would fail Spark's tasks much later

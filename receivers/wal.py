@@ -566,6 +566,42 @@ class WalBlockStore(BlockStore):
         payload = bytes(body[h.producers_len :])
         return RawBlock(h.seq, h.first_offset, h.count, h.receiver, h.received_at, producers, payload)
 
+    def block_producers(self, block: BlockInfo) -> dict[str, int]:
+        """The producer marks written with `block` (its header's table; the payload is not read)."""
+        path, frame = self._locate(block)
+        return self._read_producers(path, frame)
+
+    def truncate_from(self, stream: str, seq: int) -> tuple[int, int]:
+        """Drop the blocks of `stream` with seq >= `seq` (never acked ones, on a restart of their owner:
+        receivers.replication); return (blocks, records) dropped. The stream's writer is closed: the next
+        recover() (or write) rebuilds its state, producers table included, from what is left."""
+        folder = self._folder(stream)
+        with self._writers_lock:
+            old = self._writers.pop(stream, None)
+        if old is not None:
+            with old.lock:
+                self._close_writer(old)
+        blocks = records = 0
+        if not folder.is_dir():
+            return 0, 0
+        for name_seq, path in self._segments(folder):
+            frames = [f for f in self._segment_frames(path) if f.header.seq >= seq]
+            blocks += len(frames)
+            records += sum(f.header.count for f in frames)
+            if name_seq >= seq and name_seq > 0:
+                path.unlink(missing_ok=True)  # wholly past the cut (the first segment stays, emptied)
+            elif frames:
+                with open(path, "r+b") as file:
+                    file.truncate(frames[0].offset)
+                    if self.fsync.mode != "off":
+                        os.fsync(file.fileno())
+        with self._index_lock:
+            for key in [k for k in self._index if k.parent == folder]:
+                del self._index[key]
+        if self.fsync.mode != "off":
+            _fsync_path(folder)
+        return blocks, records
+
     def released_offset(self, stream: str) -> int:
         """The record offset after the last block released so far (0: none)."""
         return self._read_released(stream).next_offset

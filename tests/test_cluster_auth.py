@@ -78,9 +78,7 @@ async def _replicate(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str],
     hello = pb.ReplicaHello(owner=1, nodes=2, replication=2)
     with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
         await call.write(pb.ReplicateRequest(hello=hello))
-        payload = b"not arrow"
-        block = pb.ReplicaBlock(stream="s", seq=0, first_offset=0, count=1, arrow_ipc=payload)
-        await call.write(pb.ReplicateRequest(block=block))
+        await call.done_writing()
     return [response async for response in call]
 
 

@@ -503,25 +503,76 @@ class ReplicateRequest(_message.Message):
 
     HELLO_FIELD_NUMBER: _builtins.int
     BLOCK_FIELD_NUMBER: _builtins.int
+    COMMIT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___ReplicaHello: ...
     @_builtins.property
     def block(self) -> Global___ReplicaBlock: ...
+    @_builtins.property
+    def commit(self) -> Global___ReplicaCommit: ...
     def __init__(
         self,
         *,
         hello: Global___ReplicaHello | None = ...,
         block: Global___ReplicaBlock | None = ...,
+        commit: Global___ReplicaCommit | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["block", b"block", "hello", b"hello", "kind", b"kind"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["block", b"block", "commit", b"commit", "hello", b"hello", "kind", b"kind"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block", b"block", "hello", b"hello", "kind", b"kind"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block", b"block", "commit", b"commit", "hello", b"hello", "kind", b"kind"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["hello", "block"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["hello", "block", "commit"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
 Global___ReplicateRequest: _TypeAlias = ReplicateRequest  # noqa: Y015
+
+@_typing.final
+class ReplicaCommit(_message.Message):
+    """The owner's committed seq (its high watermark) advanced: blocks below it are on enough copies (and
+    acked once the followers confirm); a follower serves, and reports producer marks from, its copy only
+    below it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class CommittedSeqEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    COMMITTED_SEQ_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def committed_seq(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """stream -> the seq below which every block is committed"""
+
+    def __init__(
+        self,
+        *,
+        committed_seq: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_seq", b"committed_seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicaCommit: _TypeAlias = ReplicaCommit  # noqa: Y015
 
 @_typing.final
 class ReplicaHello(_message.Message):
@@ -529,23 +580,76 @@ class ReplicaHello(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LogEndEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class CommittedSeqEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     OWNER_FIELD_NUMBER: _builtins.int
     NODES_FIELD_NUMBER: _builtins.int
     REPLICATION_FIELD_NUMBER: _builtins.int
+    LOG_END_FIELD_NUMBER: _builtins.int
+    COMMITTED_SEQ_FIELD_NUMBER: _builtins.int
     owner: _builtins.int
     nodes: _builtins.int
     """The owner's view of the cluster size and replication: a follower refuses a mismatch."""
     replication: _builtins.int
+    @_builtins.property
+    def log_end(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """stream -> the seq after the owner's last block, and its committed seq. A follower drops blocks of
+        its copy at or past log_end (the owner dropped them: never committed), unless it knows them
+        committed: then the owner's log was lost, and the follower refuses.
+        """
+
+    @_builtins.property
+    def committed_seq(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
     def __init__(
         self,
         *,
         owner: _builtins.int = ...,
         nodes: _builtins.int = ...,
         replication: _builtins.int = ...,
+        log_end: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        committed_seq: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["nodes", b"nodes", "owner", b"owner", "replication", b"replication"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_seq", b"committed_seq", "log_end", b"log_end", "nodes", b"nodes", "owner", b"owner", "replication", b"replication"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -622,6 +726,7 @@ class ReplicateResponse(_message.Message):
 
     STATE_FIELD_NUMBER: _builtins.int
     ACK_FIELD_NUMBER: _builtins.int
+    COMMITTED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def state(self) -> Global___ReplicaState:
         """The follower's state of each of the owner's streams, on connect: the next block seq it needs."""
@@ -630,17 +735,24 @@ class ReplicateResponse(_message.Message):
     def ack(self) -> Global___ReplicaAck:
         """A block is durable on the follower."""
 
+    @_builtins.property
+    def committed(self) -> Global___ReplicaCommit:
+        """The follower took a ReplicaCommit: it serves those blocks even while the owner is down. The
+        owner acks a block to its producer only once every in-sync follower said so.
+        """
+
     def __init__(
         self,
         *,
         state: Global___ReplicaState | None = ...,
         ack: Global___ReplicaAck | None = ...,
+        committed: Global___ReplicaCommit | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "kind", b"kind", "state", b"state"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "committed", b"committed", "kind", b"kind", "state", b"state"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "kind", b"kind", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "committed", b"committed", "kind", b"kind", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["state", "ack"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["state", "ack", "committed"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 

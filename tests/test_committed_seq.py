@@ -1,0 +1,109 @@
+"""A restarted owner serves nothing it never committed (Kafka's high watermark, adapted).
+
+The owner persists each stream's committed seq before acking below it; at a restart it drops the blocks
+past it (written before a crash, never on enough copies, never acked), and tells its followers, which
+serve, and report producer marks from, only committed blocks and drop what the owner dropped. So a
+producer that resent its unacked records to another node finds them there once, not twice."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+
+from sluice_client import Producer
+from tests.support import loopback_cluster, running_server, wait_until
+from tests.test_replication import partitions, read_partition, values
+
+T = TypeVar("T")
+
+
+async def retried(call: Callable[[str], Awaitable[T]], target: str) -> T:
+    """`call(target)`, retried while the target is UNAVAILABLE: in one process gRPC shares a
+    subchannel, which stays in backoff a while after the node was down."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return await call(target)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is not grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+def _node(tmp_path: Path, cluster: object, **kwargs: object) -> contextlib.AbstractAsyncContextManager:  # type: ignore[type-arg]
+    port = int(cluster.me.target.rsplit(":", 1)[1])  # type: ignore[attr-defined]
+    return running_server(tmp_path / f"node{cluster.me.id}", "s", cluster=cluster, port=port)  # type: ignore[attr-defined,arg-type]
+
+
+async def test_an_unacked_tail_is_dropped_at_restart_and_its_resend_is_stored_once(tmp_path: Path) -> None:
+    # a ring of 4, replication 2: node 0's follower is node 1, node 2's is node 3
+    clusters = loopback_cluster(4, replication=2, min_insync=2)
+    async with _node(tmp_path, clusters[2]), _node(tmp_path, clusters[3]):
+        async with _node(tmp_path, clusters[1]) as node1, _node(tmp_path, clusters[0]) as node0:
+            await wait_until(lambda: bool(node0.node and node0.node.replicator.in_sync()))
+            async with Producer(clusters[0].me.target, "s", producer_id="p", linger=0) as producer:
+                await producer.send_many(values(100))
+                await producer.flush(timeout=10)
+                await node1.stop(grace=1)  # the follower dies: node 0 writes on, cannot ack
+                await producer.send_many(values(150)[100:])
+                local = node0.node.local  # type: ignore[union-attr]
+                await wait_until(lambda: sum(b.count for b in local.blocks("s")) == 150, 10)
+                assert producer.acked == 100
+                await producer.abort()
+        # node 0 is gone with records 100..149 in its log alone. Its follower comes back, and the
+        # producer resends them to node 2, which asks node 0's follower how far "p" got: 100
+        async with _node(tmp_path, clusters[1]):
+            node2 = clusters[2].me.target
+            async with Producer(node2, "s", producer_id="p", linger=0, first_seq=100) as again:
+                await again.send_many(values(150)[100:])
+                await again.flush(timeout=15)
+            async with _node(tmp_path, clusters[0]) as back:  # node 0 returns
+                assert back.node is not None
+                assert sum(b.count for b in back.node.local.blocks("s")) == 100  # its tail dropped
+                await wait_until(lambda: bool(back.node and back.node.replicator.in_sync()))
+                await asyncio.sleep(0.5)
+                for holder in (clusters[0], clusters[1]):
+                    assert (await retried(partitions, holder.me.target))[0] == (0, 100)
+                assert await read_partition(clusters[1].me.target, 0, 0, 100) == values(100)
+        assert await read_partition(clusters[2].me.target, 2, 0, 50) == values(150)[100:]
+
+
+async def test_blocks_acked_with_one_copy_survive_a_restart(tmp_path: Path) -> None:
+    # min-insync 1, the follower never up: node 0 acks alone, and its committed seq is on disk
+    clusters = loopback_cluster(2, replication=2, min_insync=1)
+    async with _node(tmp_path, clusters[0]) as node0:
+        async with Producer(clusters[0].me.target, "s", producer_id="p", linger=0) as producer:
+            await producer.send_many(values(50))
+            await producer.flush(timeout=10)
+        assert node0.node is not None and node0.node.replicator.persisted()["s"] >= 1
+    async with _node(tmp_path, clusters[0]) as again:
+        assert again.node is not None
+        assert sum(b.count for b in again.node.local.blocks("s")) == 50  # nothing acked was dropped
+        assert await retried(lambda t: read_partition(t, 0, 0, 50), clusters[0].me.target) == values(50)
+
+
+async def test_a_follower_serves_and_marks_only_what_its_owner_committed(tmp_path: Path) -> None:
+    clusters = loopback_cluster(2, replication=2, min_insync=2)
+    async with _node(tmp_path, clusters[1]) as node1, _node(tmp_path, clusters[0]) as node0:
+        await wait_until(lambda: bool(node0.node and node0.node.replicator.in_sync()))
+        async with Producer(clusters[0].me.target, "s", producer_id="p", linger=0) as producer:
+            await producer.send_many(values(30))
+            await producer.flush(timeout=10)
+        replicas = node1.node.replicas  # type: ignore[union-attr]
+        await wait_until(lambda: replicas.committed(0, "s") >= 1)
+        (key,) = node0.receivers["s"]._producers  # the producer's key, as the log writes it
+        # the owner's word is all that counts: told less, the copy serves and marks less
+        committed = replicas.committed(0, "s")
+        replicas._committed[0]["s"] = 0  # as if the owner had not said so yet
+        replicas._marks.clear()
+        assert (await partitions(clusters[1].me.target))[0] == (0, 0)
+        assert replicas.marks("s", [key]) == {}
+        replicas.set_committed(0, {"s": committed})
+        assert (await partitions(clusters[1].me.target))[0] == (0, 30)
+        assert replicas.marks("s", [key]) == {key: 30}
