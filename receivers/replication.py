@@ -39,6 +39,8 @@ from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
+FRAGMENT_BYTES = 4 * 1024 * 1024
+"""A block's payload goes to a follower in messages of at most this many bytes (see fragments())."""
 WINDOW_BLOCKS = 64
 """Blocks sent to a follower and not yet acked, at most: bounds what a slow follower costs in memory."""
 LAG_TIMEOUT = 5.0
@@ -194,7 +196,8 @@ class FollowerLink:
                     _pending_blocks, replicator.local, stream, self._sent[stream], room
                 )
                 for block, message in blocks:
-                    await call.write(pb.ReplicateRequest(block=message))
+                    for piece in fragments(message):
+                        await call.write(pb.ReplicateRequest(block=piece))
                     self._sent[stream] = block.seq + 1
                     sent_any = True
             committed = replicator.persisted()
@@ -210,6 +213,23 @@ class FollowerLink:
                 for waiter in waits:
                     waiter.cancel()
                 self._ack_arrived.clear()
+
+
+def fragments(block: pb.ReplicaBlock, size: int = FRAGMENT_BYTES) -> list[pb.ReplicaBlock]:
+    """`block` as messages of at most about `size` bytes of payload each: the first with its header,
+    the others with the rest of its payload (`more` set on all but the last)."""
+    payload = block.arrow_ipc
+    if len(payload) <= size:
+        return [block]
+    first = pb.ReplicaBlock()
+    first.CopyFrom(block)
+    first.arrow_ipc, first.more = payload[:size], True
+    found = [first]
+    for at in range(size, len(payload), size):
+        last = at + size >= len(payload)
+        piece = payload[at : at + size]
+        found.append(pb.ReplicaBlock(stream=block.stream, seq=block.seq, arrow_ipc=piece, more=not last))
+    return found
 
 
 def _pending_blocks(

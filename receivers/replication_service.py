@@ -33,6 +33,9 @@ REPLICATE = "/ingest.v1.Replication/Replicate"
 HELLO_TIMEOUT = 10.0
 MARK_WAIT = 5.0
 MAX_MARK_KEYS = 1000
+MAX_BLOCK_BYTES = 2**31 - 1
+"""A copied block's payload, at most (its offsets are int32; a receiver's memory budget bounds it far
+below this)."""
 
 
 class InvalidBlockError(ValueError):
@@ -54,6 +57,44 @@ def _check_payload(block: RawBlock) -> None:
 def _known(values: Mapping[str, int], streams: list[str]) -> dict[str, int]:
     """The entries for streams served here with a sane seq (others are ignored, not stored)."""
     return {s: n for s, n in values.items() if s in streams and 0 <= n < 2**62}
+
+
+class FragmentError(ValueError):
+    """A block's payload fragments came out of order or past MAX_BLOCK_BYTES."""
+
+
+class _Assembler:
+    """Joins a block sent in fragments (receivers.replication.fragments) back into one message."""
+
+    def __init__(self) -> None:
+        self._first: pb.ReplicaBlock | None = None
+        self._pieces: list[bytes] = []
+        self._size = 0
+
+    def take(self, block: pb.ReplicaBlock) -> pb.ReplicaBlock | None:
+        """The whole block once its last fragment arrived, else None."""
+        first = self._first
+        if first is None:
+            if not block.more:
+                return block
+            self._first, self._pieces, self._size = block, [block.arrow_ipc], len(block.arrow_ipc)
+            return None
+        if (block.stream, block.seq) != (first.stream, first.seq):
+            raise FragmentError(
+                f"block {first.seq} of stream {first.stream!r} was cut off by block {block.seq} of "
+                f"{block.stream!r}"
+            )
+        self._pieces.append(block.arrow_ipc)
+        self._size += len(block.arrow_ipc)
+        if self._size > MAX_BLOCK_BYTES:
+            raise FragmentError(f"block {first.seq} is over {MAX_BLOCK_BYTES} bytes")
+        if block.more:
+            return None
+        whole = pb.ReplicaBlock()
+        whole.CopyFrom(first)
+        whole.arrow_ipc, whole.more = b"".join(self._pieces), False
+        self._first, self._pieces, self._size = None, [], 0
+        return whole
 
 
 class ReplicationService:
@@ -92,6 +133,7 @@ class ReplicationService:
         streams = list(self._receivers)
         await self._align(owner, first.hello, streams, context)
         state = {s: await asyncio.to_thread(self._replicas.next_seq, owner, s) for s in streams}
+        assembler = _Assembler()
         yield pb.ReplicateResponse(state=pb.ReplicaState(next_seq=state))
         async for raw in requests:
             try:
@@ -108,32 +150,47 @@ class ReplicationService:
                 await context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION, "only ReplicaBlock or ReplicaCommit after the hello"
                 )
-            block = message.block
-            if block.stream not in self._receivers:
-                await context.abort(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"stream {block.stream!r} is not served here (streams: {', '.join(streams)})",
-                )
-            if block.seq < 0 or block.first_offset < 0 or block.count < 0:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "negative seq, offset or count")
-            copy = RawBlock(
-                block.seq,
-                block.first_offset,
-                block.count,
-                owner,
-                block.received_at,
-                dict(block.producers),
-                block.arrow_ipc,
-            )
             try:
-                await asyncio.to_thread(self._store, owner, block.stream, copy, block.after_release)
-            except InvalidBlockError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except ReplicaGapError as exc:
+                block = assembler.take(message.block)
+            except FragmentError as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            except ValueError as exc:  # the log refused it (seq/offset order): the owner's view is off
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"block refused: {exc}")
+            if block is None:  # more of its payload to come
+                continue
+            await self._keep(owner, block, streams, context)
             yield pb.ReplicateResponse(ack=pb.ReplicaAck(stream=block.stream, seq=block.seq))
+
+    async def _keep(
+        self,
+        owner: int,
+        block: pb.ReplicaBlock,
+        streams: list[str],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        """Check a copied block and store it durably (aborting the call when it cannot be)."""
+        if block.stream not in self._receivers:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"stream {block.stream!r} is not served here (streams: {', '.join(streams)})",
+            )
+        if block.seq < 0 or block.first_offset < 0 or block.count < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "negative seq, offset or count")
+        copy = RawBlock(
+            block.seq,
+            block.first_offset,
+            block.count,
+            owner,
+            block.received_at,
+            dict(block.producers),
+            block.arrow_ipc,
+        )
+        try:
+            await asyncio.to_thread(self._store, owner, block.stream, copy, block.after_release)
+        except InvalidBlockError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except ReplicaGapError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except ValueError as exc:  # the log refused it (seq/offset order): the owner's view is off
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"block refused: {exc}")
 
     async def _align(
         self,

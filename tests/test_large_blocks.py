@@ -61,3 +61,33 @@ async def test_a_block_larger_than_a_message_is_read_in_chunks(tmp_path: Path) -
         values, chunks = await read_all(servers[0].target, 0, len(sent))
         assert values == sent
         assert chunks >= 40 * RECORD // CHUNK_BYTES
+
+
+async def test_a_block_larger_than_a_message_is_replicated_and_read_from_the_copy(tmp_path: Path) -> None:
+    # min-insync 2: before, the copy's message was over the follower's limit, the follower dropped out
+    # for good, and nothing was ever acked again
+    async with cluster_of(tmp_path, loopback_cluster(2, replication=2, min_insync=2)) as servers:
+        sent = await push_big(servers[0].target, 40)
+        node1 = servers[1].node
+        assert node1 is not None
+        assert node1.replicas.blocks(0, "s")[0].count > 8  # one block of many messages' worth, copied
+        values, _ = await read_all(servers[1].target, 0, len(sent))
+        assert values == sent
+
+
+def test_fragments_join_back_and_a_cut_off_block_is_refused() -> None:
+    import pytest
+
+    from receivers.replication import fragments
+    from receivers.replication_service import FragmentError, _Assembler
+
+    block = pb.ReplicaBlock(stream="s", seq=3, first_offset=7, count=2, arrow_ipc=bytes(range(256)) * 40)
+    pieces = fragments(block, size=1000)
+    assert len(pieces) == 11 and all(p.more for p in pieces[:-1]) and not pieces[-1].more
+    assembler = _Assembler()
+    assert [assembler.take(p) for p in pieces[:-1]] == [None] * 10
+    assert assembler.take(pieces[-1]) == block
+    assert fragments(block, size=len(block.arrow_ipc)) == [block]
+    assembler.take(pieces[0])
+    with pytest.raises(FragmentError, match="cut off"):
+        assembler.take(pb.ReplicaBlock(stream="s", seq=4, arrow_ipc=b"x"))

@@ -687,6 +687,7 @@ class ReplicaBlock(_message.Message):
     AFTER_RELEASE_FIELD_NUMBER: _builtins.int
     PRODUCERS_FIELD_NUMBER: _builtins.int
     ARROW_IPC_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
     stream: _builtins.str
     seq: _builtins.int
     first_offset: _builtins.int
@@ -696,6 +697,10 @@ class ReplicaBlock(_message.Message):
     """The owner released everything below this block: a follower behind it skips ahead."""
     arrow_ipc: _builtins.bytes
     """The block's records (key, value, timestamp) as an Arrow IPC stream."""
+    more: _builtins.bool
+    """The payload goes on in the next ReplicaBlock (same stream and seq, only arrow_ipc and more set): a
+    block may be far larger than a gRPC message.
+    """
     @_builtins.property
     def producers(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Producer key -> the sequence number after its last record in this block."""
@@ -711,10 +716,11 @@ class ReplicaBlock(_message.Message):
         after_release: _builtins.bool = ...,
         producers: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         arrow_ipc: _builtins.bytes = ...,
+        more: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_release", b"after_release", "arrow_ipc", b"arrow_ipc", "count", b"count", "first_offset", b"first_offset", "producers", b"producers", "received_at", b"received_at", "seq", b"seq", "stream", b"stream"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_release", b"after_release", "arrow_ipc", b"arrow_ipc", "count", b"count", "first_offset", b"first_offset", "more", b"more", "producers", b"producers", "received_at", b"received_at", "seq", b"seq", "stream", b"stream"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
