@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import os
@@ -291,6 +292,23 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     estimator = rate_commands.add_parser("estimator", help="choose the estimator", parents=[server])
     estimator.add_argument("name", metavar="NAME", help="model, spark-pid or fixed")
     estimator.set_defaults(run=_rate_estimator)
+
+    settings = commands.add_parser("config", help="read or change settings of the running service")
+    config_commands = settings.add_subparsers(required=True, metavar="ACTION")
+    config_get = config_commands.add_parser("get", help="settings, values and sources", parents=[server])
+    config_get.add_argument("keys", nargs="*", metavar="KEY", help="settings to show (default: all)")
+    config_get.set_defaults(run=_config_get)
+    config_set = config_commands.add_parser(
+        "set", help="change settings now (all or none); kept across restarts", parents=[server]
+    )
+    config_set.add_argument("changes", nargs="+", type=_key_value, metavar="KEY=VALUE")
+    config_set.add_argument("--validate-only", action="store_true", help="check, change nothing")
+    config_set.set_defaults(run=_config_set)
+    config_reset = config_commands.add_parser(
+        "reset", help="back to the command line's values", parents=[server]
+    )
+    config_reset.add_argument("keys", nargs="+", metavar="KEY")
+    config_reset.set_defaults(run=_config_reset)
 
     sessions = commands.add_parser("sessions", help="list or cancel publisher sessions")
     session_commands = sessions.add_subparsers(required=True, metavar="ACTION")
@@ -792,7 +810,10 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock) -> int:  # noqa: 
             return _fail(f"cannot start Spark on {config.master}: {exc}")
     try:
         server = SluiceServer(
-            config, batches_completed=lambda: driver.batches_completed if driver else 0, data_dir_lock=lock
+            config,
+            batches_completed=lambda: driver.batches_completed if driver else 0,
+            data_dir_lock=lock,
+            defaults=dataclasses.replace(config, receiver=ReceiverConfig(), rate=RateConfig()),
         )
         await server.start()
     except (OSError, ValueError) as exc:  # ValueError: a TLS or auth file changed since it was checked
@@ -1101,6 +1122,47 @@ def _push_failed(args: argparse.Namespace, producer: Producer, read: int, error:
         command.append("--no-progress")
     same_input = " (with the same input on stdin)" if args.file == "-" else ""
     _fail(f"to resume without duplicates{same_input}, run: {shlex.join(command)}")
+
+
+# ---- config --------------------------------------------------------------------------------------
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, e.g. block-interval=0.1, got {text!r}")
+    return key.strip(), value.strip()
+
+
+def _show_config(view: pb.ConfigView) -> int:
+    width = max((len(s.key) for s in view.settings), default=3)
+    for setting in view.settings:
+        value = setting.value or "(none)"
+        print(f"{setting.key:<{width}}  {value:<12}  {setting.source}")
+    print(f"(version {view.version})")
+    return 0
+
+
+def _config_get(args: argparse.Namespace) -> int:
+    request = pb.GetConfigRequest(keys=args.keys)
+    return _show_config(
+        _unary(args, "config get", lambda ch, md: pb_grpc.AdminStub(ch).GetConfig(request, metadata=md))
+    )
+
+
+def _config_set(args: argparse.Namespace) -> int:
+    request = pb.SetConfigRequest(set=dict(args.changes), validate_only=args.validate_only)
+    view = _unary(args, "config set", lambda ch, md: pb_grpc.AdminStub(ch).SetConfig(request, metadata=md))
+    if args.validate_only:
+        print("valid: nothing was changed")
+    return _show_config(view)
+
+
+def _config_reset(args: argparse.Namespace) -> int:
+    request = pb.SetConfigRequest(reset=args.keys)
+    return _show_config(
+        _unary(args, "config reset", lambda ch, md: pb_grpc.AdminStub(ch).SetConfig(request, metadata=md))
+    )
 
 
 # ---- sessions ------------------------------------------------------------------------------------

@@ -374,3 +374,27 @@ def _best_family(host: str, port: int) -> tuple[socket.AddressFamily, tuple[str,
         host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
     return family, (str(sockaddr[0]), port)
+
+
+class SettingsCollector(Collector):
+    """Changes of the settings at run time (ingest.runtime_config), by key and result."""
+
+    def __init__(
+        self, changes: Callable[[], Mapping[tuple[str, str], int]], version: Callable[[], int]
+    ) -> None:
+        self._changes = changes
+        self._version = version
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "sluice_config_changes",
+            "Settings changed at run time (Admin.SetConfig, `sluice config`), by key and result: applied, "
+            "or invalid (refused, nothing changed).",
+            labels=["key", "result"],
+        )
+        for (key, result), count in sorted(self._changes().items()):
+            family.add_metric([key, result], count)
+        yield family
+        yield GaugeMetricFamily(
+            "sluice_config_version", "The settings' version: +1 per applied change.", value=self._version()
+        )

@@ -18,12 +18,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from ingest.admin_service import AdminService
 from ingest.config import ServeConfig
-from ingest.metrics import MetricsServer, SluiceCollector
+from ingest.metrics import MetricsServer, SettingsCollector, SluiceCollector
 from ingest.preflight import DataDirLock, bind_address, make_dirs
 from ingest.rate_controller import WATCHDOG_TICK, RateController
 from ingest.rate_service import RateControlService
 from ingest.receiver_node import ReceiverNode
+from ingest.runtime_config import RuntimeConfig
 from ingest.sessions_service import SessionsService
 from ingest.tls import ServerTls, TlsFileError
 from receivers.auth import PIPELINE, Authenticator, AuthFileError, AuthTable, revoke
@@ -55,7 +57,12 @@ class SluiceServer:
         *,
         batches_completed: Callable[[], int] = lambda: 0,
         data_dir_lock: DataDirLock | None = None,
+        defaults: ServeConfig | None = None,
     ) -> None:
+        self.runtime = RuntimeConfig(config, defaults=defaults)
+        """Settings changed at run time (Admin, `sluice config`), kept under the data dir; they override
+        `config`'s (SettingError, a ValueError, when that file is unreadable)."""
+        config = self.runtime.current
         self.config = config
         security = config.security
         # the files before the lock: a bad one fails here with nothing held (the CLI checked them already)
@@ -99,6 +106,8 @@ class SluiceServer:
         """The ingest rate: fed by batch metrics (on_batch) and by operators (RateControl)."""
         self.registry = CollectorRegistry()
         self.registry.register(SluiceCollector(self.receivers, self._batches_completed, wal=self.store))
+        runtime = self.runtime
+        self.registry.register(SettingsCollector(lambda: dict(runtime.changes), lambda: runtime.version))
         self.batches_completed = batches_completed
         self._grpc: grpc.aio.Server | None = None
         self._metrics: MetricsServer | None = None
@@ -213,9 +222,22 @@ class SluiceServer:
         rate = RateControlService(self.rate, self.receivers)
         add_parsed_servicer(server, rate, "RateControl", authenticator=self.auth)
         add_parsed_servicer(server, SessionsService(self.receivers), "Sessions", authenticator=self.auth)
+        admin = AdminService(self.runtime, self.receivers, self.apply_settings)
+        add_parsed_servicer(server, admin, "Admin", authenticator=self.auth)
         if self.node is not None:
             self.node.add_services(server, self.receivers, self.auth)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+
+    def apply_settings(self, old: ServeConfig, new: ServeConfig) -> None:
+        """Apply settings changed at run time (already validated and kept by self.runtime)."""
+        if new.receiver != old.receiver:
+            for receiver in self.receivers.values():
+                receiver.reconfigure(new.receiver)
+        if (new.rate.min_rate, new.rate.max_rate) != (old.rate.min_rate, old.rate.max_rate):
+            self.rate.set_bounds(new.rate.min_rate, new.rate.max_rate)
+        if new.rate.estimator != old.rate.estimator:
+            self.rate.set_estimator(new.rate.estimator)
+        self.config = new
 
     @property
     def transport(self) -> str:

@@ -79,6 +79,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import dataclasses
 import logging
 import math
 import struct
@@ -448,6 +449,16 @@ class Receiver:
     @property
     def active_sessions(self) -> int:
         return len(self._sessions)
+
+    def reconfigure(self, config: ReceiverConfig) -> None:
+        """Take new buffering, credit and sealing settings at run time (its receiver id is kept). Credit
+        and budgets follow at the next refill; a new block interval at once (the block being filled is
+        sealed now, the next one after the new interval)."""
+        old = self.config
+        self.config = dataclasses.replace(config, receiver_id=old.receiver_id)
+        if config.block_interval != old.block_interval or config.seal_at != old.seal_at:
+            self._seal_wanted.set()
+        self._replenish()
 
     @property
     def sessions(self) -> list[Session]:

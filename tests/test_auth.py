@@ -118,6 +118,19 @@ UNARY: Mapping[str, tuple[Callable[[grpc.aio.Channel], Any], Callable[[], Any]]]
         pb_grpc.SessionsStub,
         lambda: pb.CancelSessionRequest(session_id=1, code=7, reason="x"),
     ),
+    "/ingest.v1.Admin/GetConfig": (pb_grpc.AdminStub, pb.GetConfigRequest),
+    "/ingest.v1.Admin/SetConfig": (
+        pb_grpc.AdminStub,
+        lambda: pb.SetConfigRequest(set={"block-interval": "0.5"}),
+    ),
+    "/ingest.v1.Admin/ListStreams": (pb_grpc.AdminStub, pb.ListStreamsRequest),
+    "/ingest.v1.Admin/AddStream": (pb_grpc.AdminStub, lambda: pb.AddStreamRequest(stream="new")),
+    "/ingest.v1.Admin/RemoveStream": (
+        pb_grpc.AdminStub,
+        lambda: pb.RemoveStreamRequest(stream="clicks", backlog=pb.RemoveStreamRequest.KEEP),
+    ),
+    "/ingest.v1.Admin/GetPipeline": (pb_grpc.AdminStub, pb.GetPipelineRequest),
+    "/ingest.v1.Admin/SwapPipeline": (pb_grpc.AdminStub, lambda: pb.SwapPipelineRequest(pipeline="x:y")),
 }
 PUBLISH = "/ingest.v1.Ingest/Publish"
 EVERY_METHOD = (*UNARY, PUBLISH)
@@ -171,6 +184,7 @@ def taken(server: SluiceServer) -> dict[str, Any]:
     state: dict[str, Any] = {
         "rate": (server.rate.rate, server.rate.bounds, server.rate.estimator.name, server.rate.pinned),
         "sessions": sorted(s.id for r in server.receivers.values() for s in r.sessions if not s.cancelled),
+        "settings": (server.runtime.version, server.runtime.overrides),
     }
     for name, receiver in server.receivers.items():
         stats = receiver.stats
@@ -225,11 +239,12 @@ async def test_no_or_bad_credentials_are_unauthenticated_on_every_method(server:
 
 
 GET_RATE = "/ingest.v1.RateControl/GetRate"
+READS = ("/ingest.v1.Admin/GetConfig", "/ingest.v1.Admin/ListStreams", "/ingest.v1.Admin/GetPipeline")
 LIST_SESSIONS = "/ingest.v1.Sessions/ListSessions"
 ROLES_REFUSED = {
     # principal -> the methods its roles do not cover
     "clicks-app": [m for m in EVERY_METHOD if m != PUBLISH],
-    "watcher": [m for m in EVERY_METHOD if m not in (GET_RATE, LIST_SESSIONS)],
+    "watcher": [m for m in EVERY_METHOD if m not in (GET_RATE, LIST_SESSIONS, *READS)],
     "ops": [PUBLISH],
 }
 

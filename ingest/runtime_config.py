@@ -1,0 +1,254 @@
+"""Settings that change while the service runs (`sluice config`, the Admin service).
+
+Each setting is named as its `sluice serve` flag without the dashes and takes the flag's syntax. A change
+is validated by building the whole new ServeConfig (so every check of ReceiverConfig, RateConfig and
+ServeConfig runs, cross-field ones included) before anything is applied; a request applies all its
+changes or none. Applied changes are kept in DATA_DIR/runtime-config.json (written atomically) and, at
+the next start, override the command line's values, as Kafka's dynamic broker configs override
+server.properties.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+from ingest.config import ServeConfig
+from ratecontrol import ESTIMATORS
+from receivers.sizes import parse_size
+
+log = logging.getLogger(__name__)
+
+FILE = "runtime-config.json"
+
+DEFAULT, COMMAND_LINE, DYNAMIC = "default", "command-line", "dynamic"
+
+
+class SettingError(ValueError):
+    """A setting name or value the service refuses; nothing was changed."""
+
+
+class UnknownSettingError(SettingError, KeyError):
+    """No such setting (or not one that changes at run time)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class VersionConflictError(SettingError):
+    """The config changed since the version the caller read."""
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise SettingError(f"{text!r} is not a number") from None
+    if math.isnan(value):
+        raise SettingError("NaN is not a value")
+    return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise SettingError(f"{text!r} is not an integer") from None
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise SettingError(str(exc)) from None
+
+
+def _optional(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """"" (or "none") means the flag's default of None."""
+    return lambda text: None if text.strip().lower() in ("", "none") else parse(text)
+
+
+def _estimator(text: str) -> str:
+    if text not in ESTIMATORS:
+        raise SettingError(f"unknown estimator {text!r}; known: {', '.join(ESTIMATORS)}")
+    return text
+
+
+def _text(value: object) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return "inf" if math.isinf(value) else f"{value:g}"
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str
+    help: str
+    parse: Callable[[str], object]
+    section: str
+    """"receiver" (ReceiverConfig) or "rate" (RateConfig)."""
+    field: str
+
+    def read(self, config: ServeConfig) -> object:
+        return getattr(getattr(config, self.section), self.field)
+
+
+SETTINGS: dict[str, Setting] = {
+    s.key: s
+    for s in (
+        Setting("block-interval", "seconds between sealed blocks", _float, "receiver", "block_interval"),
+        Setting("prefetch", "credit a session is topped up to", _int, "receiver", "prefetch"),
+        Setting("low-tide", "top a session up when its credit falls to this ('' : half the prefetch)",
+                _optional(_int), "receiver", "low_tide"),
+        Setting("block-records", "seal a block early once this many records wait ('': a quarter of the "
+                "buffer)", _optional(_int), "receiver", "block_records"),
+        Setting("buffer-records", "records buffered + credit outstanding per stream", _int, "receiver",
+                "buffer_records"),
+        Setting("buffer-bytes", "per stream, the memory budget in bytes (e.g. 512MiB)", _size, "receiver",
+                "buffer_bytes"),
+        Setting("disk-budget", "bytes the block log may take on disk ('': none)", _optional(_size),
+                "receiver", "disk_budget_bytes"),
+        Setting("min-rate", "lowest rate, records/s", _float, "rate", "min_rate"),
+        Setting("max-rate", "highest rate, records/s (inf: none)", _float, "rate", "max_rate"),
+        Setting("estimator", "rate estimator: " + ", ".join(ESTIMATORS), _estimator, "rate", "estimator"),
+    )
+}
+
+
+def _with(config: ServeConfig, values: Mapping[str, object]) -> ServeConfig:
+    """`config` with settings key -> parsed value; its checks raise SettingError."""
+    sections: dict[str, dict[str, object]] = {"receiver": {}, "rate": {}}
+    for key, value in values.items():
+        setting = SETTINGS[key]
+        sections[setting.section][setting.field] = value
+    try:
+        receiver = dataclasses.replace(config.receiver, **sections["receiver"])  # type: ignore[arg-type]
+        rate = dataclasses.replace(config.rate, **sections["rate"])  # type: ignore[arg-type]
+        return dataclasses.replace(config, receiver=receiver, rate=rate)
+    except (ValueError, TypeError) as exc:
+        raise SettingError(str(exc)) from None
+
+
+class RuntimeConfig:
+    """The command line's config, the dynamic overrides on top, and their version."""
+
+    def __init__(self, base: ServeConfig, defaults: ServeConfig | None = None) -> None:
+        self.base = base
+        """What the command line gave (with the defaults for what it did not)."""
+        self._defaults = defaults
+        self.path = base.data_dir / FILE
+        self.overrides: dict[str, str] = {}
+        self.version = 0
+        self.changes: dict[tuple[str, str], int] = {}
+        """(key, "applied" | "invalid") -> count, for metrics."""
+        self._lock = threading.Lock()
+        self._load()
+        self.current = self._build(self.overrides)
+        """The config in force: base with the overrides."""
+
+    def _load(self) -> None:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            raise SettingError(f"{self.path}: cannot read the runtime settings: {exc}") from None
+        overrides = data.get("overrides") if isinstance(data, dict) else None
+        if not isinstance(overrides, dict) or not isinstance(data.get("version", 0), int):
+            raise SettingError(f"{self.path}: not a runtime settings file (overrides, version)")
+        try:
+            self._build({str(k): str(v) for k, v in overrides.items()})
+        except SettingError as exc:
+            raise SettingError(f"{self.path}: {exc}") from None
+        self.overrides = {str(k): str(v) for k, v in overrides.items()}
+        self.version = data.get("version", 0)
+        for key, value in self.overrides.items():
+            was = _text(SETTINGS[key].read(self.base))
+            log.info("setting %s = %s (dynamic, %s; the command line said %s)", key, value, self.path, was)
+
+    def _build(self, overrides: Mapping[str, str]) -> ServeConfig:
+        parsed = {}
+        for key, text in overrides.items():
+            setting = SETTINGS.get(key)
+            if setting is None:
+                raise UnknownSettingError(f"no setting {key!r}; settings: {', '.join(SETTINGS)}")
+            try:
+                parsed[key] = setting.parse(text)
+            except SettingError as exc:
+                raise SettingError(f"{key}: {exc}") from None
+        return _with(self.base, parsed)
+
+    def source(self, key: str) -> str:
+        if key in self.overrides:
+            return DYNAMIC
+        if self._defaults is not None and SETTINGS[key].read(self._defaults) == SETTINGS[key].read(self.base):
+            return DEFAULT
+        return COMMAND_LINE
+
+    def view(self, keys: Iterable[str] = ()) -> list[tuple[str, str, str, str]]:
+        """(key, value, source, help) of `keys` (all when empty); UnknownSettingError for others."""
+        wanted = list(keys) or list(SETTINGS)
+        for key in wanted:
+            if key not in SETTINGS:
+                raise UnknownSettingError(f"no setting {key!r}; settings: {', '.join(SETTINGS)}")
+        return [
+            (key, _text(SETTINGS[key].read(self.current)), self.source(key), SETTINGS[key].help)
+            for key in wanted
+        ]
+
+    def change(
+        self,
+        set_: Mapping[str, str],
+        reset: Iterable[str] = (),
+        *,
+        validate_only: bool = False,
+        expected_version: int = 0,
+    ) -> tuple[ServeConfig, ServeConfig]:
+        """Validate every change, then (unless validate_only) keep and persist them all: (old, new)
+        configs. SettingError (UnknownSettingError, VersionConflictError) and nothing changes."""
+        reset = list(reset)
+        with self._lock:
+            try:
+                if expected_version and expected_version != self.version:
+                    raise VersionConflictError(
+                        f"the settings are at version {self.version}, not {expected_version}: read them again"
+                    )
+                for key in [*set_, *reset]:
+                    if key not in SETTINGS:
+                        raise UnknownSettingError(f"no setting {key!r}; settings: {', '.join(SETTINGS)}")
+                overrides = {k: v for k, v in self.overrides.items() if k not in reset}
+                overrides.update({k: v.strip() for k, v in set_.items()})
+                new = self._build(overrides)
+            except SettingError:
+                for key in [*set_, *reset]:
+                    self._count(key, "invalid")
+                raise
+            old = self.current
+            if validate_only:
+                return old, new
+            self._persist(overrides, self.version + 1)
+            self.overrides, self.version, self.current = overrides, self.version + 1, new
+            for key in [*set_, *reset]:
+                self._count(key, "applied")
+            return old, new
+
+    def _count(self, key: str, result: str) -> None:
+        label = key if key in SETTINGS else "unknown"
+        self.changes[(label, result)] = self.changes.get((label, result), 0) + 1
+
+    def _persist(self, overrides: Mapping[str, str], version: int) -> None:
+        temp = self.path.with_name(self.path.name + ".tmp")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(temp, "w") as file:
+            json.dump({"version": version, "overrides": dict(overrides)}, file, indent=1)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, self.path)

@@ -1,0 +1,150 @@
+"""Settings changed while the service runs: the Admin service and `sluice config`, on a real server.
+
+Every change is validated whole first (an invalid one changes nothing and says why), applied at once
+(a new block interval shows in the time to an ack), counted, and kept across a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client import generate_latest
+
+from ingest.server import SluiceServer
+from sluice_client import Producer
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from tests.support import running_server
+
+
+@contextlib.asynccontextmanager
+async def admin(server: SluiceServer) -> AsyncIterator[pb_grpc.AdminStub]:
+    async with grpc.aio.insecure_channel(server.target) as channel:
+        yield pb_grpc.AdminStub(channel)
+
+
+def settings(view: pb.ConfigView) -> dict[str, tuple[str, str]]:
+    return {s.key: (s.value, s.source) for s in view.settings}
+
+
+async def ack_seconds(server: SluiceServer, n: int = 10) -> float:
+    async with Producer(server.target, "s", linger=0) as producer:
+        start = time.monotonic()
+        await producer.send_many([b"x"] * n)
+        await producer.flush(30)
+        return time.monotonic() - start
+
+
+async def test_a_setting_changes_at_once_and_survives_a_restart(tmp_path: Path) -> None:
+    async with running_server(tmp_path / "d", "s", block_interval=2.0) as server, admin(server) as stub:
+        assert await ack_seconds(server) > 1.0  # a block every 2 s
+        view = await stub.SetConfig(pb.SetConfigRequest(set={"block-interval": "0.05", "max-rate": "5000"}))
+        assert settings(view)["block-interval"] == ("0.05", "dynamic")
+        assert view.version == 1
+        assert await ack_seconds(server) < 1.0  # the next block is sealed at the new interval
+        assert server.receivers["s"].config.block_interval == 0.05
+        assert server.rate.bounds.max_rate == 5000 and server.rate.rate <= 5000
+        got = settings(await stub.GetConfig(pb.GetConfigRequest(keys=["block-interval", "prefetch"])))
+        assert got == {"block-interval": ("0.05", "dynamic"), "prefetch": ("250000", "command-line")}
+    # a restart with the same command line: the dynamic value wins, and is still reported as such
+    async with running_server(tmp_path / "d", "s", block_interval=2.0) as server, admin(server) as stub:
+        assert server.receivers["s"].config.block_interval == 0.05
+        assert server.rate.bounds.max_rate == 5000
+        view = await stub.GetConfig(pb.GetConfigRequest())
+        assert view.version == 1 and settings(view)["block-interval"] == ("0.05", "dynamic")
+        view = await stub.SetConfig(pb.SetConfigRequest(reset=["block-interval", "max-rate"]))
+        assert settings(view)["block-interval"] == ("2", "command-line")
+        assert server.receivers["s"].config.block_interval == 2.0
+        assert math.isinf(server.rate.bounds.max_rate)
+
+
+INVALID = [
+    ({"block-interval": "nan"}, grpc.StatusCode.INVALID_ARGUMENT, "NaN"),
+    ({"block-interval": "-1"}, grpc.StatusCode.INVALID_ARGUMENT, "block_interval"),
+    ({"block-interval": "inf"}, grpc.StatusCode.INVALID_ARGUMENT, "finite"),
+    ({"prefetch": "10", "low-tide": "10"}, grpc.StatusCode.INVALID_ARGUMENT, "low_tide"),
+    ({"prefetch": "1e9"}, grpc.StatusCode.INVALID_ARGUMENT, "integer"),
+    ({"buffer-bytes": "lots"}, grpc.StatusCode.INVALID_ARGUMENT, "buffer-bytes"),
+    ({"min-rate": "500", "max-rate": "100"}, grpc.StatusCode.INVALID_ARGUMENT, "rate"),
+    ({"estimator": "magic"}, grpc.StatusCode.INVALID_ARGUMENT, "unknown estimator"),
+    ({"block-interval": "0.1", "no-such-thing": "1"}, grpc.StatusCode.NOT_FOUND, "no setting"),
+    ({"master": "local[2]"}, grpc.StatusCode.NOT_FOUND, "no setting"),
+]
+
+
+async def test_an_invalid_change_changes_nothing_and_says_why(tmp_path: Path) -> None:
+    async with running_server(tmp_path / "d", "s") as server, admin(server) as stub:
+        before = settings(await stub.GetConfig(pb.GetConfigRequest()))
+        config = server.receivers["s"].config
+        for changes, code, words in INVALID:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.SetConfig(pb.SetConfigRequest(set=changes))
+            assert caught.value.code() is code, (changes, caught.value.details())
+            assert words in (caught.value.details() or ""), (changes, caught.value.details())
+        after = await stub.GetConfig(pb.GetConfigRequest())
+        assert settings(after) == before and after.version == 0
+        assert server.receivers["s"].config == config
+        assert not (tmp_path / "d" / "runtime-config.json").exists()
+        # validate only: answers what it would be, changes nothing
+        view = await stub.SetConfig(pb.SetConfigRequest(set={"prefetch": "1000"}, validate_only=True))
+        assert settings(view)["prefetch"][0] == "250000" and server.runtime.version == 0
+        # two operators: the second, who read version 1, is refused once the first changed it
+        await stub.SetConfig(pb.SetConfigRequest(set={"prefetch": "900"}))
+        await stub.SetConfig(pb.SetConfigRequest(set={"prefetch": "1000"}, expected_version=1))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.SetConfig(pb.SetConfigRequest(set={"prefetch": "2000"}, expected_version=1))
+        assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert server.receivers["s"].config.prefetch == 1000
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.GetConfig(pb.GetConfigRequest(keys=["nope"]))
+        assert caught.value.code() is grpc.StatusCode.NOT_FOUND
+        counts = server.runtime.changes
+        assert counts[("prefetch", "applied")] == 2 and counts[("block-interval", "invalid")] >= 3
+        page = generate_latest(server.registry).decode()
+        assert 'sluice_config_changes_total{key="prefetch",result="applied"} 2.0' in page
+        assert "sluice_config_version 2.0" in page
+
+
+async def test_a_corrupt_settings_file_stops_the_start_with_its_name(tmp_path: Path) -> None:
+    data = tmp_path / "d"
+    data.mkdir()
+    (data / "runtime-config.json").write_text('{"version": 1, "overrides": {"block-interval": "-5"}}')
+    with pytest.raises(ValueError, match=r"runtime-config\.json: block_interval must be > 0"):
+        async with running_server(data, "s"):
+            pass
+    (data / "runtime-config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"runtime-config\.json"):
+        async with running_server(data, "s"):
+            pass
+
+
+async def test_sluice_config_get_set_reset(tmp_path: Path) -> None:
+    async with running_server(tmp_path / "d", "s") as server:
+        def cli(*args: str) -> subprocess.CompletedProcess[str]:
+            command = [sys.executable, "-m", "ingest.cli", "config", *args, "--target", server.target]
+            return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+        done = await asyncio.to_thread(cli, "set", "block-interval=0.1", "prefetch=5000")
+        assert done.returncode == 0, done.stderr
+        assert "block-interval" in done.stdout and "dynamic" in done.stdout
+        assert server.receivers["s"].config.prefetch == 5000
+        done = await asyncio.to_thread(cli, "get", "prefetch")
+        assert done.returncode == 0 and "5000" in done.stdout and "block-interval" not in done.stdout
+        done = await asyncio.to_thread(cli, "set", "low-tide=9000")
+        assert done.returncode == 1 and "INVALID_ARGUMENT" in done.stderr and "low_tide" in done.stderr
+        done = await asyncio.to_thread(cli, "set", "prefetch")  # no value: a usage error
+        assert done.returncode == 2 and "KEY=VALUE" in done.stderr
+        done = await asyncio.to_thread(cli, "reset", "prefetch", "block-interval")
+        assert done.returncode == 0, done.stderr
+        assert server.receivers["s"].config.prefetch == 250_000
+        saved = json.loads((tmp_path / "d" / "runtime-config.json").read_text())
+        assert saved == {"version": 2, "overrides": {}}
