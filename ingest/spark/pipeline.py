@@ -1,14 +1,18 @@
 """Pipelines: what a Sluice streaming query does with the records, and starting the query.
 
 A pipeline takes the source DataFrame (columns: see ingest.spark.source.SCHEMA_DDL) and returns a
-configured DataStreamWriter: the transformations, the sink and its options. start_query adds what is
-the service's business: the checkpoint (unless the pipeline chose one), the trigger and the name.
+configured DataStreamWriter: the transformations, the sink and its options. It may take a second
+argument, a PipelineContext: where the service wants this query's files (a swapped-in pipeline gets a
+folder of its own, see PipelineContext.sink_dir). start_query adds what is the service's business: the
+checkpoint (unless the pipeline chose one), the trigger and the name.
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from py4j.protocol import Py4JError
@@ -26,7 +30,25 @@ from ingest.spark.source import (
     SOURCE_NAME,
 )
 
-Pipeline = Callable[[DataFrame], DataStreamWriter]
+
+
+@dataclass(frozen=True)
+class PipelineContext:
+    """What the service tells a pipeline that takes a second argument."""
+
+    sink_dir: Path
+    """The folder for this query's output, if it writes files. The first query gets DATA_DIR/sink; each
+    pipeline swapped in later gets a folder of its own (sink-g1, sink-g2, ...): Spark's file sink skips
+    every batch id its folder's _spark_metadata already holds, so a new query (a new checkpoint, batch
+    ids from 0 again) writing into an old query's folder would silently drop its first batches."""
+    generation: int = 0
+    """0 for the service's first query, +1 for every swap kept."""
+    streams: tuple[str, ...] = field(default_factory=tuple)
+    """The streams the query reads when it starts (streams added later come in as they are added)."""
+
+
+Pipeline = Callable[..., DataStreamWriter]
+"""function(df) or function(df, context: PipelineContext), returning a configured DataStreamWriter."""
 
 _CHECKPOINT = "checkpointLocation"
 
@@ -39,6 +61,23 @@ def parquet_pipeline(sink_dir: str | Path) -> Pipeline:
         return df.writeStream.format("parquet").outputMode("append").option("path", path)
 
     return pipeline
+
+
+def builtin_parquet(df: DataFrame, context: PipelineContext) -> DataStreamWriter:
+    """The built-in pipeline: every record, all columns, appended as Parquet under context.sink_dir."""
+    return parquet_pipeline(context.sink_dir)(df)
+
+
+def takes_context(pipeline: Pipeline) -> bool:
+    """Whether `pipeline` takes a second positional argument (the PipelineContext)."""
+    try:
+        parameters = inspect.signature(pipeline).parameters.values()
+    except (TypeError, ValueError):  # a builtin or a C callable: call it as function(df)
+        return False
+    positional = [
+        p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+    ]
+    return len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in positional)
 
 
 def load_pipeline(spec: str) -> Pipeline:
@@ -88,6 +127,7 @@ def start_query(
     rate_target: str | None = None,
     rate_token_file: str | Path | None = None,
     source_options: Mapping[str, str] | None = None,
+    context: PipelineContext | None = None,
 ) -> StreamingQuery:
     """Start a streaming query reading `streams` from the block store at store_root through `pipeline`.
 
@@ -95,7 +135,9 @@ def start_query(
     max_records_per_batch caps a batch at whole blocks (see the source's maxRecordsPerBatch);
     rate_target (host:port of the Sluice server) caps each batch at the live rate x trigger interval;
     rate_token_file holds the bearer token the source asks it with (a server with authentication);
-    source_options are more of the source's options (a cluster's `receivers`, with store_root None).
+    source_options are more of the source's options (a cluster's `receivers`, with store_root None);
+    context is handed to a pipeline that takes one (by default: sink_dir is the checkpoint's path with
+    "-sink" added).
     """
     if trigger_seconds < 0:
         raise ValueError(f"trigger_seconds must be >= 0, got {trigger_seconds}")
@@ -114,7 +156,14 @@ def start_query(
         )
         if rate_token_file is not None:
             reader = reader.option(OPTION_RATE_TOKEN_FILE, str(rate_token_file))
-    writer = pipeline(reader.load())
+    df = reader.load()
+    if takes_context(pipeline):
+        if context is None:
+            checkpoint = Path(checkpoint_dir)
+            context = PipelineContext(checkpoint.with_name(f"{checkpoint.name}-sink"), streams=tuple(streams))
+        writer = pipeline(df, context)
+    else:
+        writer = pipeline(df)
     if not isinstance(writer, DataStreamWriter):
         raise TypeError(f"pipeline {pipeline!r} returned {type(writer).__name__}, not a DataStreamWriter")
     if not _has_option(writer, _CHECKPOINT):
