@@ -31,7 +31,6 @@ from ingest.spark.source import (
 )
 
 
-
 @dataclass(frozen=True)
 class PipelineContext:
     """What the service tells a pipeline that takes a second argument."""
