@@ -1,39 +1,59 @@
 """The Admin service: change the running system (docs/runtime.md).
 
 GetConfig and SetConfig read and change the settings of ingest.runtime_config (validated whole, applied
-all or none, logged, counted, kept across restarts); ListStreams lists the streams served. Adding and
-removing streams and swapping the pipeline are not built yet: UNIMPLEMENTED, saying so.
+all or none, logged, counted, kept across restarts; a new trigger interval restarts the query at a batch
+boundary first). ListStreams, AddStream and RemoveStream change the streams served (ingest.streams);
+GetPipeline and SwapPipeline the Spark query (ingest.pipeline_manager).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import grpc
 
 from ingest.config import ServeConfig
+from ingest.pipeline_control import (
+    InvalidPipeline,
+    PipelineControl,
+    PipelineUnavailable,
+    SwapInProgress,
+    SwapRolledBack,
+)
 from ingest.runtime_config import RuntimeConfig, SettingError, UnknownSettingError, VersionConflictError
-from receivers.receiver import Receiver
+from ingest.streams import REMOVED, SERVING
+from receivers.errors import cut
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from ingest.server import SluiceServer
 
 log = logging.getLogger(__name__)
 
 Context = grpc.aio.ServicerContext[object, object]
-NOT_YET = "not built yet in this version (docs/runtime.md): {what} needs a restart with new flags"
+NO_QUERY = "no Spark query runs on this node (started with --no-spark, or a cluster's receiver node)"
+MAX_SPEC = 1000
+MAX_FIRST_BATCH_TIMEOUT = 3600.0
 
 
 class AdminService(pb_grpc.AdminServicer):
     def __init__(
         self,
         runtime: RuntimeConfig,
-        receivers: Mapping[str, Receiver],
+        server: SluiceServer,
         apply: Callable[[ServeConfig, ServeConfig], None],
     ) -> None:
         self._runtime = runtime
-        self._receivers = receivers
+        self._server = server
         self._apply = apply
+
+    @property
+    def _pipeline(self) -> PipelineControl | None:
+        return self._server.pipeline_control
 
     def _view(self, keys: list[str] | None = None) -> pb.ConfigView:
         settings = [
@@ -52,13 +72,16 @@ class AdminService(pb_grpc.AdminServicer):
     async def SetConfig(self, request: pb.SetConfigRequest, context: Context) -> pb.ConfigView:
         if not request.set and not request.reset:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "nothing to set or reset")
+        changes = dict(request.set)
         try:
-            old, new = self._runtime.change(
-                dict(request.set),
-                list(request.reset),
-                validate_only=request.validate_only,
-                expected_version=request.expected_version,
-            )
+            old, new = self._change(request, validate_only=True)
+            if request.validate_only:
+                return self._view()
+            if new.trigger_interval != old.trigger_interval and self._pipeline is not None:
+                # Spark fixes a query's trigger when it starts: restart it at a batch boundary first;
+                # a restart that fails rolls back, and no setting of this request changes
+                await self._pipeline.restart(trigger_interval=new.trigger_interval)
+            old, new = self._change(request, validate_only=False)
         except UnknownSettingError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
             raise
@@ -68,10 +91,14 @@ class AdminService(pb_grpc.AdminServicer):
         except SettingError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"nothing changed: {exc}")
             raise
-        if request.validate_only:
-            return self._view()
+        except SwapInProgress as exc:
+            await context.abort(grpc.StatusCode.ABORTED, f"nothing changed: {exc}")
+            raise
+        except (SwapRolledBack, PipelineUnavailable) as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"nothing changed: {exc}")
+            raise
         self._apply(old, new)
-        changed = ", ".join(f"{k}={v}" for k, v in request.set.items())
+        changed = ", ".join(f"{k}={v}" for k, v in changes.items())
         reset = ", ".join(request.reset)
         log.info(
             "settings version %d by %s: %s%s",
@@ -82,26 +109,106 @@ class AdminService(pb_grpc.AdminServicer):
         )
         return self._view()
 
-    async def ListStreams(self, request: pb.ListStreamsRequest, context: Context) -> pb.StreamsView:
-        return pb.StreamsView(
-            streams=[
-                pb.StreamView(stream=name, state="serving", sessions=receiver.active_sessions)
-                for name, receiver in self._receivers.items()
-            ]
+    def _change(
+        self, request: pb.SetConfigRequest, *, validate_only: bool
+    ) -> tuple[ServeConfig, ServeConfig]:
+        return self._runtime.change(
+            dict(request.set),
+            list(request.reset),
+            validate_only=validate_only,
+            expected_version=request.expected_version,
         )
 
+    def _streams_view(self) -> pb.StreamsView:
+        server = self._server
+        views = []
+        for name, state in server.streams.states.items():
+            if state == REMOVED:
+                continue
+            receiver = server.receivers.get(name)
+            views.append(
+                pb.StreamView(
+                    stream=name,
+                    state=state,
+                    backlog=server.stream_backlog(name),
+                    sessions=receiver.active_sessions if receiver is not None and state == SERVING else 0,
+                )
+            )
+        return pb.StreamsView(streams=views)
+
+    async def ListStreams(self, request: pb.ListStreamsRequest, context: Context) -> pb.StreamsView:
+        return self._streams_view()
+
     async def AddStream(self, request: pb.AddStreamRequest, context: Context) -> pb.StreamsView:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, NOT_YET.format(what="adding a stream"))
-        raise AssertionError
+        from ingest.server import StreamChangeRefused, StreamExistsError  # noqa: PLC0415 - it imports this
+
+        try:
+            await self._server.add_stream(request.stream)
+        except StreamExistsError as exc:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+        except StreamChangeRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except ValueError as exc:  # the name
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except OSError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, f"the stream states could not be written: {exc}")
+        log.info("stream %s added by %s", request.stream, context.peer())
+        return self._streams_view()
 
     async def RemoveStream(self, request: pb.RemoveStreamRequest, context: Context) -> pb.StreamsView:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, NOT_YET.format(what="removing a stream"))
-        raise AssertionError
+        from ingest.server import StreamChangeRefused, UnknownStreamError  # noqa: PLC0415 - it imports this
+
+        if request.backlog not in (pb.RemoveStreamRequest.DRAIN, pb.RemoveStreamRequest.KEEP):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "backlog must be DRAIN (process what was acked, then remove) or KEEP (stop reading now, "
+                "keep the unprocessed blocks for when the stream is added again)",
+            )
+        try:
+            await self._server.remove_stream(
+                request.stream,
+                drain=request.backlog == pb.RemoveStreamRequest.DRAIN,
+                reason=cut(request.reason),
+            )
+        except UnknownStreamError as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except StreamChangeRefused as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except OSError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, f"the stream states could not be written: {exc}")
+        log.info("stream %s removed by %s", request.stream, context.peer())
+        return self._streams_view()
 
     async def GetPipeline(self, request: pb.GetPipelineRequest, context: Context) -> pb.PipelineView:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, NOT_YET.format(what="the pipeline view"))
-        raise AssertionError
+        if self._pipeline is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, NO_QUERY)
+            raise AssertionError
+        return self._pipeline.view()
 
     async def SwapPipeline(self, request: pb.SwapPipelineRequest, context: Context) -> pb.PipelineView:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, NOT_YET.format(what="swapping the pipeline"))
+        timeout = request.first_batch_timeout_seconds
+        if not (math.isfinite(timeout) and 0 <= timeout <= MAX_FIRST_BATCH_TIMEOUT):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"first_batch_timeout_seconds must be 0 (the default) to {MAX_FIRST_BATCH_TIMEOUT:g}, "
+                f"got {timeout}",
+            )
+        if len(request.pipeline) > MAX_SPEC:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"the pipeline spec is over {MAX_SPEC} characters"
+            )
+        if self._pipeline is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, NO_QUERY)
+            raise AssertionError
+        log.info("pipeline swap to %s asked by %s", request.pipeline or "the built-in sink", context.peer())
+        try:
+            return await self._pipeline.swap(
+                request.pipeline, keep_state=request.keep_state, first_batch_timeout=timeout
+            )
+        except InvalidPipeline as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"nothing was stopped: {exc}")
+        except SwapInProgress as exc:
+            await context.abort(grpc.StatusCode.ABORTED, str(exc))
+        except (SwapRolledBack, PipelineUnavailable) as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         raise AssertionError

@@ -831,26 +831,41 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock) -> int:  # noqa: 
         flush=True,
     )
     try:
+        manager = None
         if spark is not None:
             from ingest.driver import SparkDriver, drive_rate  # noqa: PLC0415
+            from ingest.pipeline_manager import PipelineManager, PipelineStateError  # noqa: PLC0415
 
-            # its own source asks the rate with this run's token (a plaintext loopback port under TLS)
+            # its own source asks the rate with this run's token (a plaintext loopback port under TLS);
+            # server.config: the command line with the settings changed at run time
             driver = SparkDriver(
-                spark, config, rate_target=server.rate_target, rate_token_file=server.pipeline_token_file
+                spark,
+                server.config,
+                rate_target=server.rate_target,
+                rate_token_file=server.pipeline_token_file,
+                streams=server.streams.known,
             )
             drive_rate(driver, server, asyncio.get_running_loop())
-            await asyncio.to_thread(driver.start)
+            try:
+                manager = PipelineManager(driver, server, asyncio.get_running_loop())
+            except PipelineStateError as exc:
+                await server.stop()
+                return _fail(f"cannot start the Spark query: {exc}")
+            server.pipeline_control = manager
+            await manager.start()
+            sink = manager.current.spec or config.data_dir / manager.current.sink
             print(
-                f"sluice: Spark query running on {config.master}; sink: {config.pipeline or config.sink_dir}",
+                f"sluice: Spark query running on {config.master}; sink: {sink}",
                 file=sys.stderr,
                 flush=True,
             )
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
-            if driver is not None and driver.error() is not None:
+            failure = manager.failure() if manager is not None else None
+            if failure is not None:
                 await server.stop()
-                return _fail(f"the Spark query failed: {driver.error()}")
+                return _fail(f"the Spark query failed: {failure}")
         log.info("stopping: sealing and acking what was received")
         await server.stop()
         if driver is not None:

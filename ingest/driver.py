@@ -32,6 +32,7 @@ import threading
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -41,7 +42,14 @@ from ingest.config import ServeConfig
 from ingest.server import SluiceServer
 from ingest.spark.cluster_source import flatten, is_cluster_offset
 from ingest.spark.listener import BatchCompleted, BatchListener
-from ingest.spark.pipeline import Pipeline, load_pipeline, parquet_pipeline, start_query
+from ingest.spark.pipeline import (
+    Pipeline,
+    PipelineContext,
+    load_pipeline,
+    parquet_pipeline,
+    start_query,
+)
+from ingest.spark.source import OPTION_STARTING_OFFSETS
 from ratecontrol import BatchMetrics
 from receivers.block_store import BlockStore, release_below
 from receivers.wal import WalBlockStore
@@ -49,6 +57,20 @@ from receivers.wal import WalBlockStore
 log = logging.getLogger(__name__)
 
 QUERY_NAME = "sluice"
+
+
+@dataclass(frozen=True)
+class QueryPlan:
+    """One query the driver runs: its pipeline, checkpoint, trigger and where a fresh one starts."""
+
+    pipeline: Pipeline
+    checkpoint: Path
+    trigger_interval: float
+    streams: tuple[str, ...]
+    """What the source reads at start (with a rate target it follows the server's set after that)."""
+    starting_offsets: Mapping[str, int] | None = None
+    """Where a fresh checkpoint starts (the last query's committed end); None: the first blocks."""
+    context: PipelineContext | None = None
 
 
 class SparkDriver:
@@ -66,6 +88,7 @@ class SparkDriver:
         store: BlockStore | None = None,
         release: Callable[[Mapping[str, int]], object] | None = None,
         source_options: Mapping[str, str] | None = None,
+        streams: Callable[[], Sequence[str]] | None = None,
     ) -> None:
         self.spark = spark
         self.rate_target = rate_target
@@ -97,6 +120,12 @@ class SparkDriver:
         """Options of the "sluice" source instead of the block store's path: a cluster's `receivers`
         and the credentials."""
         self._checkpoint: Path | None = None  # the query's checkpoint root, when it is a local path
+        self._streams = streams or (lambda: config.streams)
+        """Every stream a committed offset may name (streams come and go at run time)."""
+        self._commit_subscribers: list[Callable[[dict[str, int]], None]] = []
+        self._listening = False
+        self.plan: QueryPlan | None = None
+        """What the running (or last) query was started with."""
         # one thread: releases are blocking file work, off Spark's listener thread, and run in order
         self._releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sluice-release")
 
@@ -116,7 +145,7 @@ class SparkDriver:
             self._batches += 1
             self._records += batch.num_input_rows
             self.last_batch = batch
-        end = _sluice_offset(batch.end_offset, self.config.streams)
+        end = _sluice_offset(batch.end_offset, self._streams())
         if self.query is not None and end is not None:
             # (an event before start() knows its query is covered by start()'s checkpoint release)
             self._submit_release(batch.batch_id, end)
@@ -147,39 +176,86 @@ class SparkDriver:
             if self._release is not None:
                 self._release(end)
             elif self.store is not None:
-                release_below(self.store, self.config.streams, end)
+                release_below(self.store, list(end), end)
         except Exception:  # the next batch (or start) releases them; ingestion must not die of it
             log.exception("releasing the blocks of committed batch %d failed", batch_id)
+            return
+        for subscriber in self._commit_subscribers:
+            try:
+                subscriber(dict(end))
+            except Exception:
+                log.exception("a commit subscriber failed for batch %d", batch_id)
 
     def on_batch(self, callback: Callable[[BatchCompleted], None]) -> None:
         """Call `callback` for every completed batch of this query, ON A PY4J THREAD: hand it over."""
         self._subscribers.append(callback)
 
-    def start(self) -> None:
-        """Start the query (blocking for a few seconds: call from a worker thread in async code)."""
-        _clear_interrupted_writes(self.config.checkpoint_dir / self.query_name)
-        self.spark.streams.addListener(self._listener)
+    def on_commit(self, callback: Callable[[dict[str, int]], None]) -> None:
+        """Call `callback` with the end offset ({stream: offset}) of every batch found in the commit log
+        and released, ON THE RELEASE THREAD: hand it over."""
+        self._commit_subscribers.append(callback)
+
+    @property
+    def trigger_interval(self) -> float:
+        """The running query's trigger interval (seconds)."""
+        return self.plan.trigger_interval if self.plan is not None else self.config.trigger_interval
+
+    @property
+    def checkpoint(self) -> Path | None:
+        """The running query's checkpoint root, when it is on the local file system."""
+        return self._checkpoint
+
+    def default_plan(self) -> QueryPlan:
+        return QueryPlan(
+            pipeline=self.pipeline,
+            checkpoint=self.config.checkpoint_dir / self.query_name,
+            trigger_interval=self.config.trigger_interval,
+            streams=tuple(self.config.streams),
+        )
+
+    def start(self, plan: QueryPlan | None = None) -> None:
+        """Start the query (blocking for a few seconds: call from a worker thread in async code); `plan`
+        by default: the config's pipeline, checkpoint and trigger. Raises what Spark or the pipeline
+        raise when it cannot start (the query is None then)."""
+        plan = plan or self.default_plan()
+        _clear_interrupted_writes(plan.checkpoint)
+        if not self._listening:
+            self.spark.streams.addListener(self._listener)
+            self._listening = True
+        options = dict(self.source_options)
+        if plan.starting_offsets:
+            options[OPTION_STARTING_OFFSETS] = json.dumps(dict(sorted(plan.starting_offsets.items())))
+        self.query = None
+        self.plan = plan
         self.query = start_query(
             self.spark,
             store_root=None if self.source_options else str(self.config.blocks_dir),
-            source_options=self.source_options,
-            streams=list(self.config.streams),
-            pipeline=self.pipeline,
-            checkpoint_dir=str(self.config.checkpoint_dir / self.query_name),
-            trigger_seconds=self.config.trigger_interval,
+            source_options=options,
+            streams=list(plan.streams),
+            pipeline=plan.pipeline,
+            checkpoint_dir=str(plan.checkpoint),
+            trigger_seconds=plan.trigger_interval,
             query_name=self.query_name,
             rate_target=self.rate_target,
             rate_token_file=self.rate_token_file,
+            context=plan.context,
         )
         log.info("Spark query %s started", self.query.id)
         self._checkpoint = _local_checkpoint(self.query)
+        self._release_last_commit()
+
+    def stop_query(self) -> None:
+        """Stop the running query only (blocking); the driver can start another. Idempotent."""
+        if self.query is not None and self.query.isActive:
+            _quiet_job_cancel(self.spark)
+            self.query.stop()
         self._release_last_commit()
 
     def _release_last_commit(self) -> None:
         """Release what the checkpoint's last commit covers: what a crash (or a stop) left between a
         batch's commit and its event's release, which no later batch may ever come to release."""
         if self._checkpoint is not None:
-            committed = last_commit(self._checkpoint, self.config.streams)
+            committed = last_commit(self._checkpoint, self._streams())
             if committed is not None:
                 self._submit_release(*committed)
 
@@ -193,7 +269,9 @@ class SparkDriver:
         if self.query is not None:
             _quiet_job_cancel(self.spark)
             self.query.stop()
-        self.spark.streams.removeListener(self._listener)
+        if self._listening:
+            self.spark.streams.removeListener(self._listener)
+            self._listening = False
         # the last batch's event may still be on its way (the listener bus is asynchronous) and is
         # dropped with the listener: release from the commit log, then wait for the releases
         self._release_last_commit()
@@ -337,19 +415,24 @@ def batch_metrics(
 
 def drive_rate(driver: SparkDriver, server: SluiceServer, loop: asyncio.AbstractEventLoop) -> None:
     """Close the loop: every completed batch's metrics go to the server's rate controller, on its loop;
-    and the driver releases committed blocks in the server's own store (one index, one cache)."""
-    interval = driver.config.trigger_interval
+    the driver releases committed blocks in the server's own store (one index, one cache) and tells
+    the server what was committed (draining streams end there)."""
     driver.store = server.store
 
     def on_loop(batch: BatchCompleted) -> None:
-        server.rate.on_batch(batch_metrics(batch, interval, server.received_at))
+        server.rate.on_batch(batch_metrics(batch, driver.trigger_interval, server.received_at))
 
     def hand_over(batch: BatchCompleted) -> None:  # on a py4j thread
         if loop.is_closed():
             return  # the server's loop ended before Spark's last event: nobody to steer any more
         loop.call_soon_threadsafe(on_loop, batch)
 
+    def committed(end: dict[str, int]) -> None:  # on the release thread
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(server.on_committed, end)
+
     driver.on_batch(hand_over)
+    driver.on_commit(committed)
 
 
 def _quiet_job_cancel(spark: Any) -> None:

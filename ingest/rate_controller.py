@@ -104,7 +104,9 @@ class RateController:
         )
         self.pinned = False
         self.last_batch: BatchMetrics | None = None
+        self._all_policies = dict(config.stream_policies)
         self._policies = {s: p for s, p in config.stream_policies.items() if s in receivers}
+        self._warmup = 0  # batches of a restarted query not fed to the estimator (query_started)
         self._demands = {stream: Demand(busy=False) for stream in receivers}
         self._shares: dict[str, Share] = {}
         self._intake: dict[str, tuple[float, int]] = {}  # stream -> (when, records taken by then)
@@ -150,6 +152,27 @@ class RateController:
             if receiver.rate != share.rate:
                 receiver.set_rate(share.rate)
 
+    def set_batch_interval(self, seconds: float) -> None:
+        """The query's trigger interval changed (ValueError unless finite and > 0)."""
+        if not 0 < seconds < math.inf:
+            raise ValueError(f"batch interval must be > 0 and finite, got {seconds}")
+        self._batch_interval = seconds
+
+    def streams_changed(self) -> None:
+        """The receivers' streams changed (Admin.AddStream/RemoveStream): split the rate over the new set."""
+        self._policies = {s: p for s, p in self._all_policies.items() if s in self._receivers}
+        self._demands = {s: self._demands.get(s, Demand(busy=False)) for s in self._receivers}
+        self._intake = {s: v for s, v in self._intake.items() if s in self._receivers}
+        self._split()
+
+    def query_started(self, warmup_batches: int = STARTUP_BATCHES) -> None:
+        """A new query took over (a pipeline swap, a new trigger interval): its first batches pay the
+        start-up of a fresh query (workers, plans) and are not the pipeline's capacity, so they are not
+        fed to the estimator; the rate holds meanwhile."""
+        self._warmup = warmup_batches
+        self._watches.clear()  # the old query's batches will never report
+        self._completed.set()
+
     def credit_paused(self) -> dict[str, list[str]]:
         """Stream -> why its credit is paused now (sorted reasons: see receivers.receiver.PAUSE_REASONS)."""
         return {stream: sorted(receiver.paused) for stream, receiver in self._receivers.items()}
@@ -165,6 +188,10 @@ class RateController:
             if not self._watches:
                 self._completed.set()
         self.last_batch = batch
+        if self._warmup > 0 and batch.records > 0:
+            self._warmup -= 1
+            log.debug("batch %s of a restarted query: start-up, not fed to the estimator", batch)
+            return
         proposal = self.estimator.compute(batch)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(

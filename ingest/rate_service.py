@@ -74,13 +74,21 @@ class RateControlService(pb_grpc.RateControlServicer):
         receivers: Mapping[str, Receiver] | None = None,
         *,
         nodes: Callable[[], Sequence[pb.NodeRate]] | None = None,
+        pipeline: Callable[[], tuple[Sequence[str], bool]] | None = None,
     ) -> None:
         self._controller = controller
         self._receivers = receivers or {}
         self._nodes = nodes  # on a cluster's driver: the rate's split among receiver nodes (NodeRates)
+        self._pipeline = pipeline
+        """The streams the query reads now and whether batches are held back (a swap stops the query)."""
 
     def _status(self) -> pb.RateStatus:
-        return rate_status(self._controller, self._nodes() if self._nodes is not None else ())
+        status = rate_status(self._controller, self._nodes() if self._nodes is not None else ())
+        if self._pipeline is not None:
+            streams, hold = self._pipeline()
+            status.pipeline_streams.extend(streams)
+            status.hold_batches = hold
+        return status
 
     async def GetRate(self, request: pb.GetRateRequest, context: Context) -> pb.RateStatus:
         if request.wait_for_batch_seconds:

@@ -94,16 +94,18 @@ class Setting:
     help: str
     parse: Callable[[str], object]
     section: str
-    """"receiver" (ReceiverConfig) or "rate" (RateConfig)."""
+    """"receiver" (ReceiverConfig), "rate" (RateConfig) or "" (ServeConfig itself)."""
     field: str
 
     def read(self, config: ServeConfig) -> object:
-        return getattr(getattr(config, self.section), self.field)
+        return getattr(getattr(config, self.section) if self.section else config, self.field)
 
 
 SETTINGS: dict[str, Setting] = {
     s.key: s
     for s in (
+        Setting("trigger-interval", "seconds between micro-batches (restarts the query at a batch "
+                "boundary)", _float, "", "trigger_interval"),
         Setting("block-interval", "seconds between sealed blocks", _float, "receiver", "block_interval"),
         Setting("prefetch", "credit a session is topped up to", _int, "receiver", "prefetch"),
         Setting("low-tide", "top a session up when its credit falls to this ('' : half the prefetch)",
@@ -125,14 +127,14 @@ SETTINGS: dict[str, Setting] = {
 
 def _with(config: ServeConfig, values: Mapping[str, object]) -> ServeConfig:
     """`config` with settings key -> parsed value; its checks raise SettingError."""
-    sections: dict[str, dict[str, object]] = {"receiver": {}, "rate": {}}
+    sections: dict[str, dict[str, object]] = {"receiver": {}, "rate": {}, "": {}}
     for key, value in values.items():
         setting = SETTINGS[key]
         sections[setting.section][setting.field] = value
     try:
         receiver = dataclasses.replace(config.receiver, **sections["receiver"])  # type: ignore[arg-type]
         rate = dataclasses.replace(config.rate, **sections["rate"])  # type: ignore[arg-type]
-        return dataclasses.replace(config, receiver=receiver, rate=rate)
+        return dataclasses.replace(config, receiver=receiver, rate=rate, **sections[""])  # type: ignore[arg-type]
     except (ValueError, TypeError) as exc:
         raise SettingError(str(exc)) from None
 

@@ -21,14 +21,17 @@ from prometheus_client import CollectorRegistry
 from ingest.admin_service import AdminService
 from ingest.config import ServeConfig
 from ingest.metrics import MetricsServer, SettingsCollector, SluiceCollector
+from ingest.pipeline_control import PipelineControl
 from ingest.preflight import DataDirLock, bind_address, make_dirs
 from ingest.rate_controller import WATCHDOG_TICK, RateController
 from ingest.rate_service import RateControlService
 from ingest.receiver_node import ReceiverNode
 from ingest.runtime_config import RuntimeConfig
 from ingest.sessions_service import SessionsService
+from ingest.streams import DRAINING, KEPT, REMOVED, SERVING, StreamRegistry
 from ingest.tls import ServerTls, TlsFileError
 from receivers.auth import PIPELINE, Authenticator, AuthFileError, AuthTable, revoke
+from receivers.block import check_stream_name
 from receivers.block_store import BlockStore
 from receivers.parsed_service import add_parsed_servicer
 from receivers.publish_service import PublishService
@@ -51,7 +54,7 @@ class SluiceServer:
     drained); stop() releases a lock the server took.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0915 - one constructor wires the node
         self,
         config: ServeConfig,
         *,
@@ -78,6 +81,10 @@ class SluiceServer:
             self.store = WalBlockStore(
                 config.blocks_dir, fsync=config.fsync, segment_bytes=config.wal_segment_bytes
             )
+            self.streams = StreamRegistry(config.data_dir, config.streams)
+            """The streams served, draining and kept (Admin.AddStream/RemoveStream; streams.json)."""
+            for stream in [*self.streams.of(DRAINING), *self.streams.of(KEPT)]:
+                self.store.recover(stream)  # no receiver writes it, but its tail must be whole to read
             self.node: ReceiverNode | None = None
             """A cluster's receiver node: replication, copies, block reads (None: a single node)."""
             writes: BlockStore = self.store
@@ -86,7 +93,8 @@ class SluiceServer:
                 self.node = ReceiverNode(config, config.cluster, self.store)
                 writes = self.node.store
                 receiver_config = replace(receiver_config, receiver_id=config.cluster.me.id)
-            self.receivers = {s: Receiver(s, writes, receiver_config) for s in config.streams}
+            self._writes = writes
+            self.receivers = {s: Receiver(s, writes, receiver_config) for s in self.streams.serving}
         except BaseException:
             self._release_lock()
             raise
@@ -102,6 +110,14 @@ class SluiceServer:
         written 0600 at start, left at stop (`sluice serve` drains Spark after it; only this process
         ever knew the token); the source asks the rate at `rate_target` with it."""
         self._loopback_port: int | None = None
+        self.hold_batches = False
+        """Set by the pipeline manager while it stops the query at a batch boundary (a swap): the
+        source, asking the rate before each batch, plans no new one (RateStatus.hold_batches)."""
+        self.committed: dict[str, int] = {}
+        """Stream -> the end offset of the last batch Spark committed (on_committed), this run."""
+        self._stream_lock = asyncio.Lock()  # one stream change at a time
+        self.pipeline_control: PipelineControl | None = None
+        """The Spark query's lifecycle, once a driver attaches one (Admin.GetPipeline, SwapPipeline)."""
         self.rate = RateController(self.receivers, config.rate, batch_interval=config.trigger_interval)
         """The ingest rate: fed by batch metrics (on_batch) and by operators (RateControl)."""
         self.registry = CollectorRegistry()
@@ -219,10 +235,12 @@ class SluiceServer:
             producer_marks=self.node.peer_marks.mark if self.node is not None else None,
         ).add_to_server(server)  # parses client messages itself, authenticates each call
         # requests parsed in the handler: an undecodable one is INVALID_ARGUMENT, not gRPC's UNKNOWN
-        rate = RateControlService(self.rate, self.receivers)
+        rate = RateControlService(
+            self.rate, self.receivers, pipeline=lambda: (self.streams.read_by_query, self.hold_batches)
+        )
         add_parsed_servicer(server, rate, "RateControl", authenticator=self.auth)
         add_parsed_servicer(server, SessionsService(self.receivers), "Sessions", authenticator=self.auth)
-        admin = AdminService(self.runtime, self.receivers, self.apply_settings)
+        admin = AdminService(self.runtime, self, self.apply_settings)
         add_parsed_servicer(server, admin, "Admin", authenticator=self.auth)
         if self.node is not None:
             self.node.add_services(server, self.receivers, self.auth)
@@ -237,7 +255,92 @@ class SluiceServer:
             self.rate.set_bounds(new.rate.min_rate, new.rate.max_rate)
         if new.rate.estimator != old.rate.estimator:
             self.rate.set_estimator(new.rate.estimator)
+        if new.trigger_interval != old.trigger_interval:
+            self.rate.set_batch_interval(new.trigger_interval)
         self.config = new
+
+    # ---- streams at run time (Admin.AddStream / RemoveStream) -------------------------------------
+
+    async def add_stream(self, stream: str) -> None:
+        """Serve `stream` from now on (ValueError: a bad name; StreamExistsError: served already; a
+        cluster's streams are static: StreamChangeRefused). A kept or removed stream comes back where
+        its log ends; the query reads it from its next batch, from its frozen offset if it had one."""
+        stream = check_stream_name(stream)
+        async with self._stream_lock:
+            if self.node is not None:
+                raise StreamChangeRefused("a cluster's streams are fixed by its nodes' --stream flags")
+            state = self.streams.states.get(stream)
+            if state == SERVING:
+                raise StreamExistsError(f"stream {stream!r} is served already")
+            receiver = Receiver(stream, self._writes, self.config.receiver)
+            await receiver.start()
+            try:
+                await asyncio.to_thread(self.streams.set, [(stream, SERVING)])
+            except OSError:
+                await receiver.stop()
+                raise
+            self.receivers[stream] = receiver
+            self.rate.streams_changed()
+        log.info("stream %s added%s", stream, f" (it was {state})" if state else "")
+
+    async def remove_stream(self, stream: str, *, drain: bool, reason: str) -> None:
+        """Stop serving `stream`: its publishers get Cancel (NOT_FOUND, with `reason`) after what they
+        sent is sealed and acked. drain: the query still reads what was acked, then the stream is
+        removed; else it is kept: the query stops reading it now and its blocks wait in the log.
+        UnknownStreamError when it is not served."""
+        async with self._stream_lock:
+            if self.node is not None:
+                raise StreamChangeRefused("a cluster's streams are fixed by its nodes' --stream flags")
+            receiver = self.receivers.get(stream)
+            if receiver is None:
+                state = self.streams.states.get(stream)
+                served = ", ".join(self.streams.serving) or "none"
+                detail = f"it is {state}" if state else f"streams: {served}"
+                raise UnknownStreamError(f"stream {stream!r} is not served ({detail})")
+            if self.streams.read_by_query == [stream]:
+                # a query must read some stream; and an empty set reads, to an older source, as "none
+                # named": it would fall back to its option's streams, kept ones included
+                raise StreamChangeRefused(
+                    f"stream {stream!r} is the last one the query reads: add another first"
+                )
+            state = DRAINING if drain else KEPT
+            await asyncio.to_thread(self.streams.set, [(stream, state)])
+            del self.receivers[stream]  # first: a publisher opening now is told the stream is unknown
+            self.rate.streams_changed()
+            why = f"stream {stream!r} was removed" + (f": {reason}" if reason else "")
+            await receiver.stop(code=grpc.StatusCode.NOT_FOUND.value[0], reason=why)
+        log.info("stream %s removed (%s)%s", stream, state, f": {reason}" if reason else "")
+        self._check_drained()
+
+    def on_committed(self, end: dict[str, int]) -> None:
+        """Spark committed a batch ending at `end` ({stream: offset}; on the loop): draining streams
+        whose whole log it covers are removed."""
+        for stream, offset in end.items():
+            self.committed[stream] = max(offset, self.committed.get(stream, 0))
+        self._check_drained()
+
+    def _check_drained(self) -> None:
+        done = []
+        for stream in self.streams.of(DRAINING):
+            blocks = self.store.blocks(stream)
+            if not blocks or self.committed.get(stream, -1) >= blocks[-1].end_offset:
+                done.append(stream)
+        if done:
+            try:
+                self.streams.set([(s, REMOVED) for s in done])
+            except OSError:  # the next commit tries again
+                log.exception("cannot record streams %s as drained", done)
+                return
+            for stream in done:
+                log.info("stream %s drained: every acked record was processed; removed", stream)
+
+    def stream_backlog(self, stream: str) -> int:
+        """Records of `stream` in the log past what Spark committed (as far as this run knows)."""
+        blocks = self.store.blocks(stream)
+        if not blocks:
+            return 0
+        start = max(blocks[0].first_offset, self.committed.get(stream, 0))
+        return max(0, blocks[-1].end_offset - start)
 
     @property
     def transport(self) -> str:
@@ -357,6 +460,21 @@ class SluiceServer:
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
+
+
+class StreamExistsError(ValueError):
+    """AddStream of a stream served already: ALREADY_EXISTS."""
+
+
+class UnknownStreamError(KeyError):
+    """RemoveStream of a stream not served: NOT_FOUND."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class StreamChangeRefused(RuntimeError):
+    """Streams cannot change on this node (a cluster's): FAILED_PRECONDITION."""
 
 
 PIPELINE_TOKEN_FILE = "pipeline.token"  # noqa: S105 - a file name

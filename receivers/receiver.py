@@ -348,8 +348,9 @@ class Receiver:
         for session in list(self._sessions):
             self.fail(session, error, ack_first=False)
 
-    async def stop(self) -> None:
-        """Stop granting credit, seal and ack what was taken, then cancel every session (UNAVAILABLE)."""
+    async def stop(self, *, code: int = UNAVAILABLE, reason: str = "receiver stopping") -> None:
+        """Stop granting credit, seal and ack what was taken, then cancel every session with `code` and
+        `reason` (UNAVAILABLE by default: a restart, the client retries; a removed stream says so)."""
         if self._stopping:
             return
         self._stopping = True
@@ -370,7 +371,7 @@ class Receiver:
             if session.completed and session.durable_up_to == session.next_seq:
                 session.outbox.finish()
             else:
-                self.cancel(session, UNAVAILABLE, "receiver stopping")
+                self.cancel(session, code, reason)
             # records whose block could not be written are not acked: end the call all the same
             session.outbox.finish(ReceiverStopped(f"receiver for stream {self.stream!r} stopped"))
         self.tap.on_completed()

@@ -50,6 +50,12 @@ class LiveRateCap:
         self.weights: dict[str, float] = {}
         """Stream -> its weight in the server's split of the rate, as of the last answer: a batch's
         cap is shared out the same way."""
+        self.streams: list[str] | None = None
+        """The streams the server wants read now (RateStatus.pipeline_streams, as of the last answer);
+        None when it names none (an older server, or a cluster's driver): the query's option holds."""
+        self.hold = False
+        """The server is stopping the query at a batch boundary: plan no new batch (as of the last
+        answer; a server that does not answer holds nothing back)."""
 
     def records_per_batch(self, trigger_seconds: float) -> int | None:
         """max(rate, estimated capacity) x trigger interval, at least 1; None while unlimited or unknown.
@@ -64,9 +70,12 @@ class LiveRateCap:
             status = self._stub.GetRate(request, timeout=self._timeout + BATCH_WAIT, metadata=self._metadata)
             rate = max(status.records_per_second, status.capacity)
             self.weights = {s.stream: s.weight for s in status.streams if s.weight > 0}
+            self.streams = list(status.pipeline_streams) or None
+            self.hold = status.hold_batches
         except grpc.RpcError as exc:
             self._no_answer(exc)
             self.answered = False
+            self.hold = False  # a server that is gone swaps nothing: `sluice serve` drains Spark then
             return self._last
         if self._failing:
             log.info("the server at %s answers again: the live rate caps batches", self._target)

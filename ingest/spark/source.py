@@ -10,6 +10,7 @@ Usage::
           .option("rateTarget", "sluice.example.com:50051")  # optional: cap batches at the live rate
           .option("rateCaFile", "/etc/sluice/ca.crt")   # TLS to it; rateCertFile/rateKeyFile: mTLS
           .option("rateTokenFile", "/etc/sluice/pipeline.token")  # an operator's token
+          .option("startingOffsets", '{"clicks": 1200}')  # optional: where a new query starts
           .load())
 
 With option ``receivers`` ("ID=HOST:PORT,...") instead of ``path``, the source reads a cluster's
@@ -25,7 +26,16 @@ Columns (modelled on Spark's Kafka source; see SCHEMA_DDL):
     timestamp  timestamp  time the receiver took the record, UTC       (Kafka: timestamp)
 
 Offsets are ``{stream: next record offset}``, like the Kafka source's: everything of a stream below
-that offset belongs to earlier micro-batches. A record offset is a position in the stream's block log:
+that offset belongs to earlier micro-batches. A fresh query starts at ``startingOffsets`` (JSON, as the
+Kafka source's option) for the streams it names, else at the first block still in the store.
+
+The stream set follows the server. With ``rateTarget``, the server's answer before each batch names the
+streams to read (RateStatus.pipeline_streams: streams added at run time come in, removed ones leave) and
+can hold batches back while the service stops the query at a batch boundary (hold_batches, for a
+pipeline swap). A stream that leaves keeps its offset in every later offset, frozen, so a stream added
+back resumes where it stopped and nothing is read twice.
+
+A record offset is a position in the stream's block log:
 blocks hold consecutive offsets without gaps, each knows its first one, so a batch is the slices of
 the blocks that cover [start[s], end[s]) of every stream. Admission control is therefore exact to the
 record (ReadMaxRows(n) admits n records, cutting a block if need be), and a batch is split into
@@ -45,6 +55,7 @@ data loss.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -115,6 +126,9 @@ OPTION_PATH = "path"
 OPTION_RECEIVERS = "receivers"
 """A cluster's receiver nodes, "ID=HOST:PORT,...", instead of `path`: see ingest.spark.cluster_source."""
 OPTION_STREAMS = "streams"
+OPTION_STARTING_OFFSETS = "startingOffsets"
+"""JSON {stream: record offset}: where a fresh query starts reading those streams (a swapped-in query
+starts at the last one's committed end); more streams than `streams` are carried, frozen."""
 OPTION_MAX_RECORDS = "maxRecordsPerBatch"
 OPTION_MIN_PARTITIONS = "minPartitions"
 """Spread each batch's blocks over at least this many partitions (as far as there are blocks)."""
@@ -201,6 +215,7 @@ class LiveCapPlanning:
         # paths only: the files are read where the rate is asked (see _live_cap)
         self.rate_files = tuple(options.get(option) or None for option in RATE_CREDENTIAL_OPTIONS)
         self.trigger_seconds = float(options.get(OPTION_TRIGGER_SECONDS) or 1.0)
+        self.starting_offsets = parse_starting_offsets(options.get(OPTION_STARTING_OFFSETS))
         self._rate_client = None
         self._planned_at = None  # time.monotonic() of the last batch planned with records
 
@@ -273,6 +288,15 @@ class LiveCapPlanning:
     def _stream_weights(self) -> Mapping[str, float] | None:
         return self._rate_client.weights if self._rate_client is not None else None
 
+    def _current_streams(self) -> list[str]:
+        """The streams to read now: the server's set as of its last answer, else the option's."""
+        live = self._rate_client.streams if self._rate_client is not None else None
+        return live if live else self.streams
+
+    def _held(self) -> bool:
+        """Whether the server holds batches back (it is stopping the query at a batch boundary)."""
+        return self._rate_client is not None and self._rate_client.hold
+
 
 class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTriggerAvailableNow):
     """Plans micro-batches over sealed blocks and reads them as Arrow record batches.
@@ -306,10 +330,11 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
     def initialOffset(self) -> Offset:
         # records below the first block present were released (processed by an earlier query) or
         # never existed; 0 when the stream is empty, and partitions() tolerates the missing prefix then
-        offsets = {}
+        offsets = dict(self.starting_offsets)
         for stream in self.streams:
-            present = self.store.blocks(stream)
-            offsets[stream] = present[0].first_offset if present else 0
+            if stream not in offsets:
+                present = self.store.blocks(stream)
+                offsets[stream] = present[0].first_offset if present else 0
         return _sorted(offsets)
 
     def getDefaultReadLimit(self) -> ReadLimit:
@@ -320,14 +345,17 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
     def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:
         phase = time.time() % self.trigger_seconds if self.trigger_seconds > 0 else 0.0
         live = self._live_cap()  # first: it may wait for the last batch's metrics
-        available = {s: self._available_end(s, start.get(s, 0)) for s in self.streams}
-        return self._plan(start, available, limit, live, phase)
+        if self._held():
+            return _sorted(start)  # no new data: the batch that runs now is the query's last
+        available = {s: self._available_end(s, start.get(s, 0)) for s in self._current_streams()}
+        # a stream not read now keeps its offset, frozen: added back, it resumes there
+        return _sorted({**start, **self._plan(start, available, limit, live, phase)})
 
     def reportLatestOffset(self) -> Offset:
         # what is there now: Spark reports it as the source's latestOffset, so latest - end is the
         # backlog a capped batch left behind
         latest = {}
-        for stream in self.streams:
+        for stream in self._current_streams():
             blocks = self.store.blocks(stream)
             if blocks:
                 latest[stream] = blocks[-1].end_offset
@@ -363,7 +391,7 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
     def commit(self, end: Offset) -> None:
         # Spark has durably recorded every batch up to `end`: the blocks wholly below it are done (the
         # driver has usually released them already, on the batch's progress event: then this is a no-op)
-        release_below(self.store, self.streams, end)
+        release_below(self.store, list(end), end)
 
     # ---- reading (executor-side worker) -------------------------------------------------------
 
@@ -453,6 +481,24 @@ def parse_streams(value: str) -> list[str]:
     if not names:
         raise ValueError(f"sluice source: option {OPTION_STREAMS!r} names no stream: {value!r}")
     return [check_stream_name(name) for name in dict.fromkeys(names)]
+
+
+def parse_starting_offsets(value: str | None) -> Offset:
+    """The startingOffsets option: JSON {stream: record offset >= 0}; {} when absent."""
+    if not value:
+        return {}
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict) or not all(
+        isinstance(k, str) and type(v) is int and v >= 0 for k, v in parsed.items()
+    ):
+        raise ValueError(
+            f"sluice source: option {OPTION_STARTING_OFFSETS!r} must be a JSON object of stream -> "
+            f"record offset >= 0, got {value!r}"
+        )
+    return _sorted({check_stream_name(k): v for k, v in parsed.items()})
 
 
 def _admit(

@@ -1238,6 +1238,7 @@ class RateStatus(_message.Message):
     CAPACITY_FIELD_NUMBER: _builtins.int
     NODES_FIELD_NUMBER: _builtins.int
     PIPELINE_STREAMS_FIELD_NUMBER: _builtins.int
+    HOLD_BATCHES_FIELD_NUMBER: _builtins.int
     records_per_second: _builtins.float
     """The ingest rate over all streams, records per second; +Inf means unlimited."""
     min_rate: _builtins.float
@@ -1247,6 +1248,10 @@ class RateStatus(_message.Message):
     capacity: _builtins.float
     """The estimator's estimate of what the pipeline can process, records per second; 0 when unknown.
     A batch may take up to max(rate, capacity) x interval records, so a backlog drains.
+    """
+    hold_batches: _builtins.bool
+    """Set while the service stops its Spark query at a batch boundary (a pipeline swap, a new trigger
+    interval): the Sluice source plans no new batch meanwhile, so the running one is the last.
     """
     @_builtins.property
     def estimator_state(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
@@ -1282,10 +1287,11 @@ class RateStatus(_message.Message):
         capacity: _builtins.float = ...,
         nodes: _abc.Iterable[Global___NodeRate] | None = ...,
         pipeline_streams: _abc.Iterable[_builtins.str] | None = ...,
+        hold_batches: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_batch", b"last_batch"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "estimator", b"estimator", "estimator_state", b"estimator_state", "last_batch", b"last_batch", "max_rate", b"max_rate", "min_rate", b"min_rate", "nodes", b"nodes", "pinned", b"pinned", "pipeline_streams", b"pipeline_streams", "records_per_second", b"records_per_second", "streams", b"streams"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "estimator", b"estimator", "estimator_state", b"estimator_state", "hold_batches", b"hold_batches", "last_batch", b"last_batch", "max_rate", b"max_rate", "min_rate", b"min_rate", "nodes", b"nodes", "pinned", b"pinned", "pipeline_streams", b"pipeline_streams", "records_per_second", b"records_per_second", "streams", b"streams"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

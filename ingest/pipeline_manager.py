@@ -1,0 +1,440 @@
+"""The running Spark query's lifecycle: swapping the pipeline and changing the trigger while intake goes on.
+
+A swap (Admin.SwapPipeline, `sluice pipeline swap`) or a new trigger interval (`sluice config set
+trigger-interval=...`) replaces the query at a batch boundary:
+
+1. Hold: the server tells the source to plan no new batch (RateStatus.hold_batches); the batch that
+   runs finishes and commits; the old query stops between batches. The receivers take and ack records
+   the whole time: they never wait for Spark, the blocks wait in the log.
+2. Start the new query. Without keep_state it gets a checkpoint (and a sink folder) of its own and
+   starts at the old checkpoint's last committed end offsets (the source's startingOffsets): nothing
+   processed twice, nothing skipped. With keep_state it continues the old checkpoint (offsets and
+   operator state, where Spark deems the new plan compatible).
+3. Prove it: the new query must complete its first batch within the timeout. If it fails to start, fails
+   that batch or runs out of time, it is stopped and the old query starts again on its own checkpoint,
+   where it left off: a rollback, reported with the new query's error.
+
+DATA_DIR/pipeline.json records the generation in force, written before the new query starts with
+"trial" set and again once it is proven: a crash mid-swap restarts the new query if it committed a batch
+(its output exists, so going back would process those records twice), else the old one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ingest.driver import QueryPlan, SparkDriver, last_commit
+from ingest.pipeline_control import (
+    DEFAULT_FIRST_BATCH_TIMEOUT,
+    InvalidPipeline,
+    PipelineUnavailable,
+    SwapInProgress,
+    SwapRolledBack,
+)
+from ingest.spark.listener import BatchCompleted
+from ingest.spark.pipeline import PipelineContext, builtin_parquet, load_pipeline
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+
+if TYPE_CHECKING:
+    from ingest.server import SluiceServer
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "pipeline.json"
+BOUNDARY_TIMEOUT = 60.0
+"""Seconds the old query's batch in flight has to finish once held; past that it is stopped anyway and
+its batch is redone by the next query (a sink that is not idempotent may then see it twice)."""
+POLL = 0.05
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One pipeline in the service's history, as pipeline.json keeps it."""
+
+    spec: str
+    """"module:function", or "" for the built-in Parquet sink."""
+    number: int
+    checkpoint: str
+    """Folder under DATA_DIR/checkpoints."""
+    sink: str
+    """Folder under DATA_DIR for PipelineContext.sink_dir."""
+    starting_offsets: dict[str, int] | None = None
+    kept_state: bool = False
+
+    @staticmethod
+    def from_json(data: Any) -> Generation:
+        if not isinstance(data, dict):
+            raise TypeError("not an object")
+        offsets = data.get("starting_offsets")
+        return Generation(
+            spec=str(data["spec"]),
+            number=int(data["number"]),
+            checkpoint=_folder(data["checkpoint"]),
+            sink=_folder(data["sink"]),
+            starting_offsets=None if offsets is None else {str(k): int(v) for k, v in offsets.items()},
+            kept_state=bool(data.get("kept_state", False)),
+        )
+
+
+def _folder(name: object) -> str:
+    """A plain folder name (no separators, no '..'): the file cannot point the service elsewhere."""
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
+        raise ValueError(f"not a folder name: {name!r}")
+    return name
+
+
+class PipelineStateError(ValueError):
+    """pipeline.json is unreadable or not one: the start stops, naming it."""
+
+
+class PipelineManager:
+    """PipelineControl for `sluice serve`: owns the driver's query from start to stop."""
+
+    def __init__(self, driver: SparkDriver, server: SluiceServer, loop: asyncio.AbstractEventLoop) -> None:
+        self._driver = driver
+        self._server = server
+        self._loop = loop
+        config = server.config
+        self._data_dir = config.data_dir
+        self._checkpoints = config.checkpoint_dir
+        self._path = config.data_dir / STATE_FILE
+        self.trigger_interval = config.trigger_interval
+        self._lock = asyncio.Lock()
+        self._state = "stopped"
+        self._failure: str | None = None
+        self._last_swap: pb.PipelineSwap | None = None
+        self._batches: dict[str, BatchCompleted] = {}  # query id -> its last completed batch
+        self._batch_seen = asyncio.Event()
+        self.current = Generation(config.pipeline or "", 0, driver.query_name, "sink")
+        self._load()
+        driver.on_batch(self._on_batch_thread)
+
+    # ---- persistence ------------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        try:
+            data = json.loads(self._path.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            raise PipelineStateError(f"{self._path}: cannot read the pipeline state: {exc}") from None
+        try:
+            current = Generation.from_json(data["current"])
+            previous = Generation.from_json(data["previous"]) if data.get("previous") else None
+            trial_base = int(data.get("trial_base", -1))
+            trial = bool(data.get("trial", False))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise PipelineStateError(f"{self._path}: not a pipeline state file: {exc}") from None
+        if trial and previous is not None:
+            # a crash mid-swap: the new query is kept if it committed a batch (its output exists)
+            if _last_commit_id(self._checkpoints / current.checkpoint) > trial_base:
+                log.info("pipeline %s (generation %d) committed a batch before the restart: kept",
+                         current.spec or "built-in", current.number)
+            else:
+                log.info("the swap to %s did not complete before the restart: back to %s",
+                         current.spec or "built-in", previous.spec or "built-in")
+                current = previous
+            self._persist(current, None)
+        if current.spec:
+            log.info("pipeline %s (generation %d, swapped in at run time; %s)", current.spec,
+                     current.number, self._path)
+        self.current = current
+
+    def _persist(
+        self, current: Generation, previous: Generation | None, trial_base: int | None = None
+    ) -> None:
+        data = {
+            "current": asdict(current),
+            "previous": asdict(previous) if previous is not None else None,
+            "trial": trial_base is not None,
+            "trial_base": -1 if trial_base is None else trial_base,
+        }
+        temp = self._path.with_name(self._path.name + ".tmp")
+        with open(temp, "w") as file:
+            json.dump(data, file, indent=1)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, self._path)
+
+    # ---- the query -------------------------------------------------------------------------------
+
+    def _plan(self, generation: Generation, trigger: float) -> QueryPlan:
+        """The driver's plan for `generation` (InvalidPipeline if its spec does not load)."""
+        if generation.spec:
+            try:
+                pipeline = load_pipeline(generation.spec)
+            except ValueError as exc:
+                raise InvalidPipeline(str(exc)) from None
+        else:
+            pipeline = builtin_parquet
+        streams = tuple(self._server.streams.read_by_query)
+        return QueryPlan(
+            pipeline=pipeline,
+            checkpoint=self._checkpoints / generation.checkpoint,
+            trigger_interval=trigger,
+            streams=streams,
+            starting_offsets=generation.starting_offsets,
+            context=PipelineContext(self._data_dir / generation.sink, generation.number, streams),
+        )
+
+    async def start(self) -> None:
+        """Start the generation in force (at service start). Raises what Spark raises."""
+        plan = self._plan(self.current, self.trigger_interval)
+        await asyncio.to_thread(self._driver.start, plan)
+        self._state = "running"
+
+    def failure(self) -> str | None:
+        """Why the service must stop: the query died outside a swap, or a rollback could not restart it."""
+        if self._failure is not None:
+            return self._failure
+        if self._lock.locked():
+            return None  # a swap stops and starts queries: not a failure until it says so
+        return self._driver.error()
+
+    def _on_batch_thread(self, batch: BatchCompleted) -> None:  # on a py4j thread
+        if not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._on_batch, batch)
+
+    def _on_batch(self, batch: BatchCompleted) -> None:
+        self._batches[batch.query_id] = batch
+        self._batch_seen.set()
+
+    # ---- PipelineControl -------------------------------------------------------------------------
+
+    def view(self) -> pb.PipelineView:
+        query = self._driver.query
+        checkpoint = self._driver.checkpoint
+        view = pb.PipelineView(
+            pipeline=self.current.spec,
+            generation=self.current.number,
+            state=self._state if self._failure is None else "failed",
+            checkpoint=str(checkpoint or self._checkpoints / self.current.checkpoint),
+            trigger_interval_seconds=self.trigger_interval,
+            query_id=str(query.id) if query is not None else "",
+        )
+        if self._state == "running" and self._driver.error() is not None:
+            view.state = "failed"
+        if self._last_swap is not None:
+            view.last_swap.CopyFrom(self._last_swap)
+        return view
+
+    async def swap(self, spec: str, *, keep_state: bool, first_batch_timeout: float) -> pb.PipelineView:
+        spec = spec.strip()
+        if spec:
+            try:
+                await asyncio.to_thread(load_pipeline, spec)  # imports the module: may take a while
+            except ValueError as exc:
+                raise InvalidPipeline(str(exc)) from None
+        old = self.current
+        number = old.number + 1
+        if keep_state:
+            new = Generation(spec, number, old.checkpoint, old.sink, old.starting_offsets, kept_state=True)
+        else:
+            new = Generation(spec, number, f"{self._driver.query_name}-g{number}", f"sink-g{number}")
+        return await self._replace(new, self.trigger_interval, first_batch_timeout, what="swap")
+
+    async def restart(self, *, trigger_interval: float) -> None:
+        await self._replace(self.current, trigger_interval, DEFAULT_FIRST_BATCH_TIMEOUT, what="restart")
+
+    async def _replace(
+        self, new: Generation, trigger: float, timeout: float, *, what: str
+    ) -> pb.PipelineView:
+        if self._lock.locked():
+            raise SwapInProgress("a pipeline swap or restart is under way: try again when it is done")
+        async with self._lock:
+            query = self._driver.query
+            if query is None or self._failure is not None:
+                raise PipelineUnavailable("no Spark query runs here")
+            timeout = timeout if timeout > 0 else DEFAULT_FIRST_BATCH_TIMEOUT
+            old, old_trigger = self.current, self.trigger_interval
+            requested = time.time()
+            self._state = "swapping"
+            old_id = str(query.id)
+            await self._stop_at_boundary()
+            old_checkpoint = self._checkpoints / old.checkpoint
+            committed = last_commit(old_checkpoint, self._server.streams.known())
+            old_end = self._batch_end(old_id)
+            fresh = new.checkpoint != old.checkpoint
+            if fresh:
+                # where the old query's committed batches end; nothing committed: where it started
+                start = committed[1] if committed is not None else old.starting_offsets
+                new = replace(new, starting_offsets=dict(start) if start else None)
+            base = _last_commit_id(self._checkpoints / new.checkpoint)
+            if what == "swap":
+                self._persist(new, old, trial_base=base)
+            try:
+                new_id = await self._start_and_prove(new, trigger, timeout)
+            except Exception as exc:  # noqa: BLE001 - whatever the new query raised, the old one comes back
+                error = _describe(exc)
+                log.error("%s to %s failed, rolling back to %s: %s", what,  # noqa: TRY400 - said in one line
+                          new.spec or "built-in", old.spec or "built-in", error)
+                await self._roll_back(old, old_trigger)
+                self._last_swap = self._record(old, new, "rolled back", error, requested, old_end, None)
+                raise SwapRolledBack(f"{what} rolled back, the old pipeline runs again: {error}",
+                                     self.view()) from None
+            if what == "swap":
+                self._persist(new, old)
+            self.current, self.trigger_interval = new, trigger
+            self._state = "running"
+            self._last_swap = self._record(old, new, "done", "", requested, old_end, self._batch_end(new_id))
+            log.info("%s done: pipeline %s (generation %d), trigger %g s, first batch after %.1f s",
+                     what, new.spec or "built-in", new.number, trigger, self._last_swap.duration_seconds)
+            return self.view()
+
+    async def _stop_at_boundary(self) -> None:
+        """Hold batches, let the one in flight commit, stop the query between batches."""
+        driver = self._driver
+        self._server.hold_batches = True
+        try:
+            deadline = time.monotonic() + BOUNDARY_TIMEOUT
+            while driver.query is not None and driver.query.isActive:
+                if await asyncio.to_thread(self._between_batches):
+                    break
+                if time.monotonic() > deadline:
+                    log.warning("the query's batch did not finish within %g s: stopping it mid-batch; "
+                                "the next query redoes that batch", BOUNDARY_TIMEOUT)
+                    break
+                await asyncio.sleep(POLL)
+            await asyncio.to_thread(driver.stop_query)
+        finally:
+            self._server.hold_batches = False
+
+    def _between_batches(self) -> bool:
+        """Whether no trigger runs and every planned batch is committed (blocking: py4j)."""
+        query = self._driver.query
+        if query is None or not query.isActive:
+            return True
+        if query.status.get("isTriggerActive", True):
+            return False
+        checkpoint = self._driver.checkpoint
+        if checkpoint is None:
+            return True  # not a local checkpoint: the trigger being idle is all we can see
+        return _last_id(checkpoint / "offsets") == _last_commit_id(checkpoint)
+
+    async def _start_and_prove(self, new: Generation, trigger: float, timeout: float) -> str:
+        """Start `new` and wait for its first batch; raise why it failed. Returns its query id."""
+        plan = self._plan(new, trigger)
+        self._server.rate.query_started()
+        await asyncio.to_thread(self._driver.start, plan)
+        query = self._driver.query
+        assert query is not None
+        query_id = str(query.id)
+        deadline = time.monotonic() + timeout
+        idle_since: float | None = None
+        while query_id not in self._batches:
+            if not query.isActive:
+                exc = query.exception()
+                why = _cause(str(exc)) if exc is not None else "no error given"
+                raise RuntimeError(f"the new query stopped before its first batch: {why}")
+            now = time.monotonic()
+            if now > deadline:
+                raise TimeoutError(f"the new query did not complete its first batch within {timeout:g} s")
+            # no batch comes while nothing waits (a restart on the same checkpoint with no new data):
+            # a query that is up, idle and has nothing to read is proven as far as it can be
+            if await asyncio.to_thread(self._idle_with_nothing_to_read, plan):
+                idle_since = idle_since or now
+                if now - idle_since > trigger + 1.0:
+                    log.info("the new query is idle with nothing to read: kept without a first batch")
+                    break
+            else:
+                idle_since = None
+            self._batch_seen.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._batch_seen.wait(), 0.2)
+        return query_id
+
+    def _idle_with_nothing_to_read(self, plan: QueryPlan) -> bool:
+        query = self._driver.query
+        if query is None or not query.isActive:
+            return False
+        status = query.status
+        if status.get("isTriggerActive", True) or status.get("isDataAvailable", True):
+            return False
+        committed = last_commit(plan.checkpoint, self._server.streams.known())
+        start: Mapping[str, int] = committed[1] if committed is not None else (plan.starting_offsets or {})
+        for stream in self._server.streams.read_by_query:
+            blocks = self._server.store.blocks(stream)
+            if blocks and blocks[-1].end_offset > start.get(stream, 0):
+                return False
+        return True
+
+    async def _roll_back(self, old: Generation, trigger: float) -> None:
+        await asyncio.to_thread(self._driver.stop_query)
+        self._persist(old, None)
+        self._server.rate.query_started()
+        try:
+            await asyncio.to_thread(self._driver.start, self._plan(old, trigger))
+        except Exception as exc:  # noqa: BLE001 - py4j and PySpark raise many kinds: the service stops
+            self._failure = f"the rollback could not restart the old pipeline: {_describe(exc)}"
+            self._state = "failed"
+            log.error("%s", self._failure)  # noqa: TRY400 - the cause is in the message
+            raise PipelineUnavailable(self._failure) from None
+        self.current, self.trigger_interval = old, trigger
+        self._state = "running"
+
+    def _batch_end(self, query_id: str | None) -> float | None:
+        batch = self._batches.get(query_id) if query_id else None
+        return batch.started_at + batch.processing_seconds if batch is not None else None
+
+    def _record(  # noqa: PLR0917 - private, one call site each
+        self,
+        old: Generation,
+        new: Generation,
+        outcome: str,
+        error: str,
+        requested: float,
+        old_end: float | None,
+        new_end: float | None,
+    ) -> pb.PipelineSwap:
+        swap = pb.PipelineSwap(
+            from_pipeline=old.spec,
+            to_pipeline=new.spec,
+            outcome=outcome,
+            error=error,
+            requested_at=requested,
+            duration_seconds=(new_end if new_end is not None else time.time()) - requested,
+            start_offsets=new.starting_offsets or {},
+            kept_state=new.kept_state,
+        )
+        if old_end is not None and new_end is not None:
+            swap.processing_gap_seconds = new_end - old_end
+        return swap
+
+
+def _last_id(folder: Path) -> int:
+    try:
+        ids = [int(p.name) for p in folder.iterdir() if p.name.isdigit()]
+    except FileNotFoundError:
+        return -1
+    return max(ids, default=-1)
+
+
+def _last_commit_id(checkpoint: Path) -> int:
+    return _last_id(checkpoint / "commits")
+
+
+_CAUSE = re.compile(r"^\s*(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception): .+$")
+
+
+def _describe(exc: BaseException) -> str:
+    """An error in one line (see _cause)."""
+    return _cause(str(exc).strip() or type(exc).__name__)
+
+
+def _cause(text: str) -> str:
+    """One line of a Spark error: those are pages of JVM and Python stack, whose last "XError: ..." line
+    (the pipeline's own exception, raised in a Python worker) says more than the first."""
+    lines = text.splitlines() or [""]
+    causes = [line.strip() for line in lines if _CAUSE.match(line)]
+    line = causes[-1] if "Traceback (most recent call last)" in text and causes else lines[0]
+    return line if len(line) <= 500 else line[:497] + "..."

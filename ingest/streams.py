@@ -1,0 +1,97 @@
+"""The streams a node serves, and what became of those an operator removed (Admin.AddStream/RemoveStream).
+
+A stream is "serving" (a receiver takes records), "draining" (removed: no intake, the query still reads
+what was acked, then it is "removed"), "kept" (removed: the query stops reading it now, its unprocessed
+blocks stay in the log, and adding it back resumes where the query stopped) or "removed" (gone; its
+blocks released). The query reads serving and draining streams (RateStatus.pipeline_streams).
+
+Once a change was made, DATA_DIR/streams.json holds every stream's state and overrides the command
+line's `--stream` list at the next start, as runtime-config.json does for settings: a stream removed at
+run time stays removed after a restart even when the command line still names it. A stream the command
+line names that the file does not know is served (the operator added a flag).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from receivers.block import check_stream_name
+
+log = logging.getLogger(__name__)
+
+FILE = "streams.json"
+
+SERVING, DRAINING, KEPT, REMOVED = "serving", "draining", "kept", "removed"
+STATES = (SERVING, DRAINING, KEPT, REMOVED)
+
+
+class StreamStateError(ValueError):
+    """The streams file is unreadable or not one: the start stops, naming it."""
+
+
+class StreamRegistry:
+    """Stream -> state, persisted atomically on every change once one was made."""
+
+    def __init__(self, data_dir: Path, command_line: Sequence[str]) -> None:
+        self.path = data_dir / FILE
+        self.states: dict[str, str] = dict.fromkeys(command_line, SERVING)
+        self._load(command_line)
+
+    def _load(self, command_line: Sequence[str]) -> None:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            raise StreamStateError(f"{self.path}: cannot read the stream states: {exc}") from None
+        states = data.get("streams") if isinstance(data, dict) else None
+        if not isinstance(states, dict) or not all(
+            isinstance(k, str) and v in STATES for k, v in states.items()
+        ):
+            raise StreamStateError(f"{self.path}: not a stream states file ({{'streams': {{name: state}}}})")
+        try:
+            loaded = {check_stream_name(k): v for k, v in states.items()}
+        except ValueError as exc:
+            raise StreamStateError(f"{self.path}: {exc}") from None
+        for stream in command_line:
+            if loaded.get(stream, SERVING) != SERVING:
+                log.info("stream %s is %s (changed at run time, %s); the command line names it", stream,
+                         loaded[stream], self.path)
+        self.states = {**dict.fromkeys(command_line, SERVING), **loaded}
+        for stream in command_line:
+            if stream not in loaded:
+                self.states[stream] = SERVING
+
+    def of(self, state: str) -> list[str]:
+        return [s for s, st in self.states.items() if st == state]
+
+    @property
+    def serving(self) -> list[str]:
+        return self.of(SERVING)
+
+    @property
+    def read_by_query(self) -> list[str]:
+        """What the query reads now: serving and draining streams."""
+        return [s for s, st in self.states.items() if st in (SERVING, DRAINING)]
+
+    def known(self) -> list[str]:
+        """Every stream ever served here (a query's offsets may name any of them)."""
+        return list(self.states)
+
+    def set(self, changes: Iterable[tuple[str, str]]) -> None:
+        """Persist the new states first, then keep them (OSError: nothing changes)."""
+        states = dict(self.states)
+        for stream, state in changes:
+            assert state in STATES, state
+            states[stream] = state
+        temp = self.path.with_name(self.path.name + ".tmp")
+        with open(temp, "w") as file:
+            json.dump({"streams": states}, file, indent=1)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temp, self.path)
+        self.states = states

@@ -1,0 +1,39 @@
+"""Pipelines the swap tests swap in (loaded by spec, "swap_pipelines:tag_a")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql.streaming.readwriter import DataStreamWriter
+
+from ingest.spark.pipeline import PipelineContext
+
+
+def _tagged(df: DataFrame, context: PipelineContext, tag: str) -> DataStreamWriter:
+    out = df.select("stream", "offset", "value", F.lit(tag).alias("pipeline"))
+    return out.writeStream.format("parquet").outputMode("append").option("path", str(context.sink_dir))
+
+
+def tag_a(df: DataFrame, context: PipelineContext) -> DataStreamWriter:
+    return _tagged(df, context, "a")
+
+
+def tag_b(df: DataFrame, context: PipelineContext) -> DataStreamWriter:
+    return _tagged(df, context, "b")
+
+
+def broken_at_start(df: DataFrame) -> DataStreamWriter:
+    raise RuntimeError("this pipeline cannot be built")
+
+
+def fails_first_batch(df: DataFrame, context: PipelineContext) -> DataStreamWriter:
+    def write(batch: DataFrame, batch_id: int) -> None:
+        raise RuntimeError(f"the sink refuses batch {batch_id}")
+
+    return df.writeStream.foreachBatch(write)
+
+
+def not_a_writer(df: DataFrame) -> Any:
+    return df
