@@ -46,7 +46,7 @@ VIEWS_SQL = {
         "SELECT e.event_type, e.person, e.auction, e.bid, "
         "coalesce(e.person.dateTime, e.auction.dateTime, e.bid.dateTime) AS dateTime, "
         "offset AS source_offset "
-        f"FROM (SELECT from_json(CAST(value AS STRING), '{EVENT_SCHEMA}') AS e, offset FROM {{source}})"
+        "FROM (SELECT from_json(CAST(value AS STRING), '{schema}') AS e, offset FROM {source})"
     ),
     "person": (
         "SELECT person.id, person.name, person.emailAddress, person.creditCard, person.city, "
@@ -61,18 +61,6 @@ VIEWS_SQL = {
         "SELECT bid.auction, bid.bidder, bid.price, bid.channel, bid.url, dateTime, bid.extra, "
         "source_offset FROM {events} WHERE event_type = 2"
     ),
-}
-
-SQL = {
-    "events": (
-        "SELECT e.event_type, e.person, e.auction, e.bid, "
-        "coalesce(e.person.dateTime, e.auction.dateTime, e.bid.dateTime) AS dateTime, "
-        "offset AS source_offset "
-        f"FROM (SELECT from_json(CAST(value AS STRING), '{EVENT_SCHEMA}') AS e, offset FROM source)"
-    ),
-    "person": "SELECT person.*, source_offset FROM events WHERE event_type = 0",
-    "auction": "SELECT auction.*, source_offset FROM events WHERE event_type = 1",
-    "bid": "SELECT bid.*, source_offset FROM events WHERE event_type = 2",
 }
 
 SQL = {
@@ -150,7 +138,7 @@ def register_views(df: DataFrame, suffix: str, watermark: str = Windows.watermar
     names = {view: f"nexmark_{view}_{suffix}" for view in ("source", *VIEWS_SQL)}
     df.createOrReplaceTempView(names["source"])
     for view, sql in VIEWS_SQL.items():
-        parsed = spark.sql(sql.format(**names))
+        parsed = spark.sql(sql.format(schema=EVENT_SCHEMA, **names))
         if view == "events":
             parsed = parsed.withWatermark("dateTime", watermark)
         parsed.createOrReplaceTempView(names[view])
