@@ -113,7 +113,7 @@ class PipelineManager:
         self._state = "stopped"
         self._failure: str | None = None
         self._last_swap: pb.PipelineSwap | None = None
-        self._batches: dict[str, BatchCompleted] = {}  # query id -> its last completed batch
+        self._batches: dict[str, BatchCompleted] = {}  # run id -> its last completed batch
         self._batch_seen = asyncio.Event()
         self.current = Generation(config.pipeline or "", 0, driver.query_name, "sink")
         self._load()
@@ -206,7 +206,7 @@ class PipelineManager:
             self._loop.call_soon_threadsafe(self._on_batch, batch)
 
     def _on_batch(self, batch: BatchCompleted) -> None:
-        self._batches[batch.query_id] = batch
+        self._batches[batch.run_id] = batch
         self._batch_seen.set()
 
     # ---- PipelineControl -------------------------------------------------------------------------
@@ -259,7 +259,7 @@ class PipelineManager:
             old, old_trigger = self.current, self.trigger_interval
             requested = time.time()
             self._state = "swapping"
-            old_id = str(query.id)
+            old_id = str(query.runId)
             await self._stop_at_boundary()
             old_checkpoint = self._checkpoints / old.checkpoint
             committed = last_commit(old_checkpoint, self._server.streams.known())
@@ -328,7 +328,7 @@ class PipelineManager:
         await asyncio.to_thread(self._driver.start, plan)
         query = self._driver.query
         assert query is not None
-        query_id = str(query.id)
+        query_id = str(query.runId)  # a restart on the same checkpoint keeps the query id
         deadline = time.monotonic() + timeout
         idle_since: float | None = None
         while query_id not in self._batches:
@@ -382,8 +382,8 @@ class PipelineManager:
         self.current, self.trigger_interval = old, trigger
         self._state = "running"
 
-    def _batch_end(self, query_id: str | None) -> float | None:
-        batch = self._batches.get(query_id) if query_id else None
+    def _batch_end(self, run_id: str | None) -> float | None:
+        batch = self._batches.get(run_id) if run_id else None
         return batch.started_at + batch.processing_seconds if batch is not None else None
 
     def _record(  # noqa: PLR0917 - private, one call site each

@@ -27,6 +27,8 @@ class BatchCompleted:
     """Wall time of the whole trigger (progress durationMs["triggerExecution"])."""
     timestamp: str
     """When the trigger started, ISO 8601 UTC as Spark reports it."""
+    run_id: str = ""
+    """The query run's id: a query restarted on its checkpoint keeps its id and gets a new run id."""
     start_offset: dict[str, int] | None = None
     """The sluice source's start offset ({stream: record offset}; in cluster mode {"stream/owner":
     record offset}, one key per partition) of the batch, when it has one."""
@@ -75,6 +77,7 @@ class BatchListener(StreamingQueryListener):
             progress = event.progress
             completed = BatchCompleted(
                 query_id=str(progress.id),
+                run_id=str(progress.runId),
                 batch_id=int(progress.batchId),
                 num_input_rows=int(progress.numInputRows),
                 processing_seconds=float(progress.durationMs.get("triggerExecution", 0)) / 1000.0,

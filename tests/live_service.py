@@ -1,0 +1,123 @@
+"""A live service in the test process, as `sluice serve` runs it (server, Spark driver, pipeline manager),
+and a producer that keeps pushing: for the tests that change the running system under load."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from ingest.config import RateConfig, ServeConfig
+from ingest.driver import SparkDriver, drive_rate
+from ingest.pipeline_manager import PipelineManager
+from ingest.server import SluiceServer
+from receivers.receiver import ReceiverConfig
+from sluice_client import Producer
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+
+
+@contextlib.asynccontextmanager
+async def service(
+    spark: Any, data_dir: Path, *streams: str, pipeline: str = ""
+) -> AsyncIterator[SluiceServer]:
+    """What `sluice serve` runs, in this process: the server, the driver and the pipeline manager."""
+    config = ServeConfig(
+        port=0,
+        metrics_port=None,
+        data_dir=data_dir,
+        streams=streams or ("events",),
+        receiver=ReceiverConfig(block_interval=0.05),
+        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
+        trigger_interval=0.5,
+        pipeline=pipeline,
+    )
+    server = SluiceServer(config)
+    await server.start()
+    driver = SparkDriver(
+        spark,
+        server.config,
+        query_name=f"swap{abs(hash(data_dir)) % 10_000}",
+        rate_target=server.rate_target,
+        rate_token_file=server.pipeline_token_file,
+        streams=server.streams.known,
+    )
+    drive_rate(driver, server, asyncio.get_running_loop())
+    manager = PipelineManager(driver, server, asyncio.get_running_loop())
+    server.pipeline_control = manager
+    await manager.start()
+    try:
+        yield server
+    finally:
+        await server.stop(grace=1)
+        await asyncio.to_thread(driver.stop)
+
+
+class Load:
+    """A producer that keeps pushing numbered records; records when acks arrive."""
+
+    def __init__(self, target: str, stream: str, per_tick: int = 200) -> None:
+        self.target, self.stream, self.per_tick = target, stream, per_tick
+        self.sent = 0
+        self.ack_times: list[tuple[float, int]] = []
+        self._stop = asyncio.Event()
+        self.error: BaseException | None = None
+
+    async def run(self) -> None:
+        try:
+            async with Producer(self.target, self.stream, batch_size=500) as producer:
+                while not self._stop.is_set():
+                    values = [f"{self.stream}-{self.sent + i}".encode() for i in range(self.per_tick)]
+                    await producer.send_many(values)
+                    self.sent += len(values)
+                    await asyncio.sleep(0.02)
+                    self.ack_times.append((time.monotonic(), producer.acked))
+                await producer.flush(timeout=60)
+                self.ack_times.append((time.monotonic(), producer.acked))
+        except BaseException as exc:
+            self.error = exc
+            raise
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def longest_ack_pause(self, since: float, until: float) -> float:
+        """The longest time acks did not advance between `since` and `until` (monotonic)."""
+        longest, last_change, last = 0.0, since, -1
+        for when, acked in self.ack_times:
+            if when < since or when > until:
+                continue
+            if acked != last:
+                longest = max(longest, when - last_change)
+                last_change, last = when, acked
+        return longest
+
+
+def offsets_in(spark: Any, *sinks: Path) -> list[int]:
+    from pyspark.errors import AnalysisException
+
+    offsets: list[int] = []
+    for sink in sinks:
+        try:
+            offsets += [r["offset"] for r in spark.read.parquet(str(sink)).select("offset").collect()]
+        except AnalysisException:  # no batch committed there
+            continue
+    return offsets
+
+
+async def wait_for_offsets(spark: Any, n: int, *sinks: Path, timeout: float = 120) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = await asyncio.to_thread(offsets_in, spark, *sinks)
+        if len(got) >= n or time.monotonic() > deadline:
+            return got
+        await asyncio.sleep(0.5)
+
+
+def admin(server: SluiceServer) -> Any:
+    return pb_grpc.AdminStub(grpc.aio.insecure_channel(server.target))
