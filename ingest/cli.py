@@ -310,6 +310,51 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     config_reset.add_argument("keys", nargs="+", metavar="KEY")
     config_reset.set_defaults(run=_config_reset)
 
+    streams = commands.add_parser("streams", help="list, add or remove streams of the running service")
+    stream_commands = streams.add_subparsers(required=True, metavar="ACTION")
+    streams_list = stream_commands.add_parser("list", help="streams, states, backlogs", parents=[server])
+    streams_list.set_defaults(run=_streams_list)
+    streams_add = stream_commands.add_parser("add", help="serve a new stream now", parents=[server])
+    streams_add.add_argument("name", metavar="STREAM")
+    streams_add.set_defaults(run=_streams_add)
+    streams_remove = stream_commands.add_parser(
+        "remove", help="stop serving a stream: its publishers are cancelled", parents=[server]
+    )
+    streams_remove.add_argument("name", metavar="STREAM")
+    backlog = streams_remove.add_mutually_exclusive_group(required=True)
+    backlog.add_argument(
+        "--drain", action="store_true", help="the query processes what was acked, then the stream is gone"
+    )
+    backlog.add_argument(
+        "--keep", action="store_true", help="the query stops reading it now; its blocks wait for an add"
+    )
+    streams_remove.add_argument("--reason", default="", help="told to its publishers")
+    streams_remove.set_defaults(run=_streams_remove)
+
+    pipeline = commands.add_parser("pipeline", help="show or swap the running Spark pipeline")
+    pipeline_commands = pipeline.add_subparsers(required=True, metavar="ACTION")
+    pipeline_get = pipeline_commands.add_parser(
+        "get", help="the pipeline and the last swap", parents=[server]
+    )
+    pipeline_get.set_defaults(run=_pipeline_get)
+    swap = pipeline_commands.add_parser(
+        "swap", help="replace the query at a batch boundary; intake goes on", parents=[server]
+    )
+    swap.add_argument(
+        "spec", metavar="MODULE:FUNCTION", help="the new pipeline ('builtin': the Parquet sink)"
+    )
+    swap.add_argument(
+        "--keep-state", action="store_true", help="continue the old checkpoint (offsets and operator state)"
+    )
+    swap.add_argument(
+        "--first-batch-timeout",
+        type=_float_in(1, 3600, "seconds"),
+        default=120.0,
+        metavar="S",
+        help="seconds the new query has to complete its first batch before it is rolled back (120)",
+    )
+    swap.set_defaults(run=_pipeline_swap)
+
     sessions = commands.add_parser("sessions", help="list or cancel publisher sessions")
     session_commands = sessions.add_subparsers(required=True, metavar="ACTION")
     listing = session_commands.add_parser("list", help="the open sessions", parents=[server])
@@ -1167,7 +1212,12 @@ def _config_get(args: argparse.Namespace) -> int:
 
 def _config_set(args: argparse.Namespace) -> int:
     request = pb.SetConfigRequest(set=dict(args.changes), validate_only=args.validate_only)
-    view = _unary(args, "config set", lambda ch, md: pb_grpc.AdminStub(ch).SetConfig(request, metadata=md))
+    view = _unary(
+        args,
+        "config set",
+        lambda ch, md: pb_grpc.AdminStub(ch).SetConfig(request, metadata=md),
+        timeout=300,  # a new trigger interval restarts the query and waits for its first batch
+    )
     if args.validate_only:
         print("valid: nothing was changed")
     return _show_config(view)
@@ -1178,6 +1228,81 @@ def _config_reset(args: argparse.Namespace) -> int:
     return _show_config(
         _unary(args, "config reset", lambda ch, md: pb_grpc.AdminStub(ch).SetConfig(request, metadata=md))
     )
+
+
+# ---- streams and the pipeline --------------------------------------------------------------------
+
+
+def _show_streams(view: pb.StreamsView) -> int:
+    print("stream\tstate\tbacklog\tsessions")
+    for s in view.streams:
+        print(f"{s.stream}\t{s.state}\t{s.backlog}\t{s.sessions}")
+    return 0
+
+
+def _streams_list(args: argparse.Namespace) -> int:
+    request = pb.ListStreamsRequest()
+    return _show_streams(
+        _unary(args, "streams list", lambda ch, md: pb_grpc.AdminStub(ch).ListStreams(request, metadata=md))
+    )
+
+
+def _streams_add(args: argparse.Namespace) -> int:
+    request = pb.AddStreamRequest(stream=args.name)
+    return _show_streams(
+        _unary(args, "streams add", lambda ch, md: pb_grpc.AdminStub(ch).AddStream(request, metadata=md))
+    )
+
+
+def _streams_remove(args: argparse.Namespace) -> int:
+    backlog = pb.RemoveStreamRequest.DRAIN if args.drain else pb.RemoveStreamRequest.KEEP
+    request = pb.RemoveStreamRequest(stream=args.name, backlog=backlog, reason=args.reason)
+    return _show_streams(
+        _unary(
+            args, "streams remove", lambda ch, md: pb_grpc.AdminStub(ch).RemoveStream(request, metadata=md)
+        )
+    )
+
+
+def _show_pipeline(view: pb.PipelineView) -> int:
+    name = view.pipeline or "built-in Parquet sink"
+    print(f"pipeline: {name} (generation {view.generation}, {view.state})")
+    print(f"trigger: {view.trigger_interval_seconds:g} s; checkpoint: {view.checkpoint}")
+    print(f"query: {view.query_id}")
+    if view.HasField("last_swap"):
+        swap = view.last_swap
+        line = (
+            f"last swap: {swap.from_pipeline or 'built-in'} -> {swap.to_pipeline or 'built-in'}: "
+            f"{swap.outcome} in {swap.duration_seconds:.1f} s"
+        )
+        if swap.processing_gap_seconds:
+            line += f", processing gap {swap.processing_gap_seconds:.1f} s"
+        if swap.start_offsets:
+            line += ", started at " + ", ".join(f"{k}={v}" for k, v in sorted(swap.start_offsets.items()))
+        print(line + (f"; error: {swap.error}" if swap.error else ""))
+    return 0
+
+
+def _pipeline_get(args: argparse.Namespace) -> int:
+    request = pb.GetPipelineRequest()
+    return _show_pipeline(
+        _unary(args, "pipeline get", lambda ch, md: pb_grpc.AdminStub(ch).GetPipeline(request, metadata=md))
+    )
+
+
+def _pipeline_swap(args: argparse.Namespace) -> int:
+    spec = "" if args.spec == "builtin" else args.spec
+    request = pb.SwapPipelineRequest(
+        pipeline=spec, keep_state=args.keep_state, first_batch_timeout_seconds=args.first_batch_timeout
+    )
+    view = _unary(
+        args,
+        "pipeline swap",
+        lambda ch, md: pb_grpc.AdminStub(ch).SwapPipeline(request, metadata=md),
+        # the old batch's end, the new query's start and its first batch; a boundary wait of up to 60 s
+        timeout=args.first_batch_timeout + 90,
+    )
+    return _show_pipeline(view)
 
 
 # ---- sessions ------------------------------------------------------------------------------------
@@ -1311,7 +1436,10 @@ Metadata = tuple[tuple[str, str], ...]
 
 
 def _unary(
-    args: argparse.Namespace, what: str, call: Callable[[grpc.aio.Channel, Metadata], Awaitable[T]]
+    args: argparse.Namespace,
+    what: str,
+    call: Callable[[grpc.aio.Channel, Metadata], Awaitable[T]],
+    timeout: float = 10.0,
 ) -> T:
     """One unary call to the server at args.target with the credentials of `args`; on failure print why
     (status and details) in one line and raise _Failed (EXIT_DENIED when the server refused them)."""
@@ -1321,13 +1449,13 @@ def _unary(
     async def run() -> T:
         async with credentials.channel(target) as channel:
             try:
-                return await asyncio.wait_for(call(channel, credentials.metadata), 10)
+                return await asyncio.wait_for(call(channel, credentials.metadata), timeout)
             except grpc.aio.AioRpcError as exc:
                 code = EXIT_DENIED if exc.code() in _DENIED else EXIT_FAILED
                 message = f"{what} on {target}: {exc.code().name}: {exc.details()}"
                 raise _Failed(_fail(message, code)) from None
             except TimeoutError:
-                raise _Failed(_fail(f"{what} on {target}: no answer within 10 s")) from None
+                raise _Failed(_fail(f"{what} on {target}: no answer within {timeout:g} s")) from None
 
     return asyncio.run(run())
 
