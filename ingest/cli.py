@@ -870,7 +870,7 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock) -> int:  # noqa: 
     if server.metrics_port is not None and config.security.metrics_tls:
         metrics += " (https)"
     print(
-        f"sluice: serving streams {', '.join(config.streams)} on {server.target}{metrics}; "
+        f"sluice: serving streams {', '.join(server.streams.serving)} on {server.target}{metrics}; "
         f"{server.transport}{', tokens required' if server.auth.table is not None else ''}",
         file=sys.stderr,
         flush=True,
