@@ -145,13 +145,14 @@ class AdminService(pb_grpc.AdminServicer):
         try:
             await self._server.add_stream(request.stream)
         except StreamExistsError as exc:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, str(exc))
+            await self._refuse(context, "add", grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except StreamChangeRefused as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            await self._refuse(context, "add", grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:  # the name
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await self._refuse(context, "add", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OSError as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, f"the stream states could not be written: {exc}")
+            await self._refuse(context, "add", grpc.StatusCode.INTERNAL, f"the stream states: {exc}")
+        self._count("add", "applied")
         log.info("stream %s added by %s", request.stream, context.peer())
         return self._streams_view()
 
@@ -159,7 +160,9 @@ class AdminService(pb_grpc.AdminServicer):
         from ingest.server import StreamChangeRefused, UnknownStreamError  # noqa: PLC0415 - it imports this
 
         if request.backlog not in (pb.RemoveStreamRequest.DRAIN, pb.RemoveStreamRequest.KEEP):
-            await context.abort(
+            await self._refuse(
+                context,
+                "remove",
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "backlog must be DRAIN (process what was acked, then remove) or KEEP (stop reading now, "
                 "keep the unprocessed blocks for when the stream is added again)",
@@ -171,13 +174,22 @@ class AdminService(pb_grpc.AdminServicer):
                 reason=cut(request.reason),
             )
         except UnknownStreamError as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+            await self._refuse(context, "remove", grpc.StatusCode.NOT_FOUND, str(exc))
         except StreamChangeRefused as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            await self._refuse(context, "remove", grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except OSError as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, f"the stream states could not be written: {exc}")
+            await self._refuse(context, "remove", grpc.StatusCode.INTERNAL, f"the stream states: {exc}")
+        self._count("remove", "applied")
         log.info("stream %s removed by %s", request.stream, context.peer())
         return self._streams_view()
+
+    def _count(self, action: str, result: str) -> None:
+        changes = self._server.stream_changes
+        changes[(action, result)] = changes.get((action, result), 0) + 1
+
+    async def _refuse(self, context: Context, action: str, code: grpc.StatusCode, message: str) -> None:
+        self._count(action, "refused")
+        await context.abort(code, message)
 
     async def GetPipeline(self, request: pb.GetPipelineRequest, context: Context) -> pb.PipelineView:
         if self._pipeline is None:

@@ -49,7 +49,7 @@ from ingest.spark.pipeline import (
     parquet_pipeline,
     start_query,
 )
-from ingest.spark.source import OPTION_STARTING_OFFSETS
+from ingest.spark.source import OPTION_FOLLOW_STREAMS, OPTION_STARTING_OFFSETS
 from ratecontrol import BatchMetrics
 from receivers.block_store import BlockStore, release_below
 from receivers.wal import WalBlockStore
@@ -223,6 +223,8 @@ class SparkDriver:
             self.spark.streams.addListener(self._listener)
             self._listening = True
         options = dict(self.source_options)
+        if not self.source_options:  # this service's own store: streams come and go with the server's
+            options[OPTION_FOLLOW_STREAMS] = "true"
         if plan.starting_offsets:
             options[OPTION_STARTING_OFFSETS] = json.dumps(dict(sorted(plan.starting_offsets.items())))
         self.query = None

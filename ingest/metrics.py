@@ -398,3 +398,56 @@ class SettingsCollector(Collector):
         yield GaugeMetricFamily(
             "sluice_config_version", "The settings' version: +1 per applied change.", value=self._version()
         )
+
+
+class RuntimeChangesCollector(Collector):
+    """Streams and the pipeline changed at run time (Admin: AddStream, RemoveStream, SwapPipeline, a new
+    trigger interval)."""
+
+    def __init__(
+        self,
+        stream_changes: Callable[[], Mapping[tuple[str, str], int]],
+        stream_states: Callable[[], Mapping[str, str]],
+        swaps: Callable[[], Mapping[tuple[str, str], int]],
+        generation: Callable[[], int | None],
+    ) -> None:
+        self._stream_changes = stream_changes
+        self._stream_states = stream_states
+        self._swaps = swaps
+        self._generation = generation
+
+    def collect(self) -> Iterator[Metric]:
+        changes = CounterMetricFamily(
+            "sluice_stream_changes",
+            "Streams added or removed at run time, by action (add, remove) and result (applied, refused).",
+            labels=["action", "result"],
+        )
+        for (action, result), count in sorted(self._stream_changes().items()):
+            changes.add_metric([action, result], count)
+        yield changes
+        states = GaugeMetricFamily(
+            "sluice_streams", "Streams by state: serving, draining, kept (removed ones are not counted).",
+            labels=["state"],
+        )
+        counts: dict[str, int] = {"serving": 0, "draining": 0, "kept": 0}
+        for state in self._stream_states().values():
+            if state in counts:
+                counts[state] += 1
+        for state, count in counts.items():
+            states.add_metric([state], count)
+        yield states
+        swaps = CounterMetricFamily(
+            "sluice_pipeline_changes",
+            "Spark query replacements at a batch boundary, by kind (swap, restart: a new trigger interval) "
+            "and outcome (done, rolled_back).",
+            labels=["kind", "outcome"],
+        )
+        for (kind, outcome), count in sorted(self._swaps().items()):
+            swaps.add_metric([kind, outcome], count)
+        yield swaps
+        generation = self._generation()
+        if generation is not None:
+            yield GaugeMetricFamily(
+                "sluice_pipeline_generation", "The running pipeline's generation: +1 per swap kept.",
+                value=generation,
+            )

@@ -8,6 +8,7 @@ a driver attaches one (SluiceServer.pipeline_control). The implementation lives 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
@@ -44,6 +45,16 @@ class PipelineUnavailable(PipelineError):
 
 class PipelineControl(Protocol):
     """The running query's lifecycle, as the Admin service sees it."""
+
+    @property
+    def changes(self) -> Mapping[tuple[str, str], int]:
+        """(kind: "swap" | "restart", outcome: "done" | "rolled_back") -> count, for metrics."""
+        ...
+
+    @property
+    def generation(self) -> int:
+        """The running pipeline's generation (0, then +1 per swap kept)."""
+        ...
 
     def view(self) -> pb.PipelineView:
         """The pipeline that runs now and how the last swap went."""

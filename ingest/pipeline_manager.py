@@ -113,6 +113,7 @@ class PipelineManager:
         self._state = "stopped"
         self._failure: str | None = None
         self._last_swap: pb.PipelineSwap | None = None
+        self._changes: dict[tuple[str, str], int] = {}
         self._batches: dict[str, BatchCompleted] = {}  # run id -> its last completed batch
         self._batch_seen = asyncio.Event()
         self.current = Generation(config.pipeline or "", 0, driver.query_name, "sink")
@@ -211,6 +212,17 @@ class PipelineManager:
 
     # ---- PipelineControl -------------------------------------------------------------------------
 
+    @property
+    def changes(self) -> Mapping[tuple[str, str], int]:
+        return self._changes
+
+    @property
+    def generation(self) -> int:
+        return self.current.number
+
+    def _count(self, kind: str, outcome: str) -> None:
+        self._changes[(kind, outcome)] = self._changes.get((kind, outcome), 0) + 1
+
     def view(self) -> pb.PipelineView:
         query = self._driver.query
         checkpoint = self._driver.checkpoint
@@ -278,6 +290,7 @@ class PipelineManager:
                 error = _describe(exc)
                 log.error("%s to %s failed, rolling back to %s: %s", what,  # noqa: TRY400 - said in one line
                           new.spec or "built-in", old.spec or "built-in", error)
+                self._count(what, "rolled_back")
                 await self._roll_back(old, old_trigger)
                 self._last_swap = self._record(old, new, "rolled back", error, requested, old_end, None)
                 raise SwapRolledBack(f"{what} rolled back, the old pipeline runs again: {error}",
@@ -286,6 +299,7 @@ class PipelineManager:
                 self._persist(new, old)
             self.current, self.trigger_interval = new, trigger
             self._state = "running"
+            self._count(what, "done")
             self._last_swap = self._record(old, new, "done", "", requested, old_end, self._batch_end(new_id))
             log.info("%s done: pipeline %s (generation %d), trigger %g s, first batch after %.1f s",
                      what, new.spec or "built-in", new.number, trigger, self._last_swap.duration_seconds)

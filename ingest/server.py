@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from ingest.admin_service import AdminService
 from ingest.config import ServeConfig
-from ingest.metrics import MetricsServer, SettingsCollector, SluiceCollector
+from ingest.metrics import MetricsServer, RuntimeChangesCollector, SettingsCollector, SluiceCollector
 from ingest.pipeline_control import PipelineControl
 from ingest.preflight import DataDirLock, bind_address, make_dirs
 from ingest.rate_controller import WATCHDOG_TICK, RateController
@@ -124,6 +124,16 @@ class SluiceServer:
         self.registry.register(SluiceCollector(self.receivers, self._batches_completed, wal=self.store))
         runtime = self.runtime
         self.registry.register(SettingsCollector(lambda: dict(runtime.changes), lambda: runtime.version))
+        self.stream_changes: dict[tuple[str, str], int] = {}
+        """(action: "add" | "remove", result: "applied" | "refused") -> count (the Admin service counts)."""
+        self.registry.register(
+            RuntimeChangesCollector(
+                lambda: dict(self.stream_changes),
+                lambda: dict(self.streams.states),
+                lambda: dict(self.pipeline_control.changes) if self.pipeline_control is not None else {},
+                lambda: self.pipeline_control.generation if self.pipeline_control is not None else None,
+            )
+        )
         self.batches_completed = batches_completed
         self._grpc: grpc.aio.Server | None = None
         self._metrics: MetricsServer | None = None

@@ -29,11 +29,12 @@ Offsets are ``{stream: next record offset}``, like the Kafka source's: everythin
 that offset belongs to earlier micro-batches. A fresh query starts at ``startingOffsets`` (JSON, as the
 Kafka source's option) for the streams it names, else at the first block still in the store.
 
-The stream set follows the server. With ``rateTarget``, the server's answer before each batch names the
-streams to read (RateStatus.pipeline_streams: streams added at run time come in, removed ones leave) and
-can hold batches back while the service stops the query at a batch boundary (hold_batches, for a
-pipeline swap). A stream that leaves keeps its offset in every later offset, frozen, so a stream added
-back resumes where it stopped and nothing is read twice.
+With ``rateTarget``, the server's answer before each batch can hold batches back while the service
+stops the query at a batch boundary (RateStatus.hold_batches, for a pipeline swap); with
+``followServerStreams`` ("true", as `sluice serve` runs its own query) it also names the streams to read
+(RateStatus.pipeline_streams: streams added at run time come in, removed ones leave). A stream that
+leaves keeps its offset in every later offset, frozen, so a stream added back resumes where it stopped
+and nothing is read twice.
 
 A record offset is a position in the stream's block log:
 blocks hold consecutive offsets without gaps, each knows its first one, so a batch is the slices of
@@ -126,6 +127,8 @@ OPTION_PATH = "path"
 OPTION_RECEIVERS = "receivers"
 """A cluster's receiver nodes, "ID=HOST:PORT,...", instead of `path`: see ingest.spark.cluster_source."""
 OPTION_STREAMS = "streams"
+OPTION_FOLLOW_STREAMS = "followServerStreams"
+""""true": read the streams the rate server names before each batch instead of the `streams` option's."""
 OPTION_STARTING_OFFSETS = "startingOffsets"
 """JSON {stream: record offset}: where a fresh query starts reading those streams (a swapped-in query
 starts at the last one's committed end); more streams than `streams` are carried, frozen."""
@@ -216,6 +219,7 @@ class LiveCapPlanning:
         self.rate_files = tuple(options.get(option) or None for option in RATE_CREDENTIAL_OPTIONS)
         self.trigger_seconds = float(options.get(OPTION_TRIGGER_SECONDS) or 1.0)
         self.starting_offsets = parse_starting_offsets(options.get(OPTION_STARTING_OFFSETS))
+        self.follow_streams = (options.get(OPTION_FOLLOW_STREAMS) or "false").strip().lower() == "true"
         self._rate_client = None
         self._planned_at = None  # time.monotonic() of the last batch planned with records
 
@@ -289,8 +293,9 @@ class LiveCapPlanning:
         return self._rate_client.weights if self._rate_client is not None else None
 
     def _current_streams(self) -> list[str]:
-        """The streams to read now: the server's set as of its last answer, else the option's."""
-        live = self._rate_client.streams if self._rate_client is not None else None
+        """The streams to read now: the server's set as of its last answer when following it, else the
+        option's."""
+        live = self._rate_client.streams if self._rate_client is not None and self.follow_streams else None
         return live if live else self.streams
 
     def _held(self) -> bool:
