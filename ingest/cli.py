@@ -878,26 +878,14 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock) -> int:  # noqa: 
     try:
         manager = None
         if spark is not None:
-            from ingest.driver import SparkDriver, drive_rate  # noqa: PLC0415
-            from ingest.pipeline_manager import PipelineManager, PipelineStateError  # noqa: PLC0415
+            from ingest.pipeline_manager import PipelineStateError  # noqa: PLC0415
+            from ingest.spark_side import attach_spark  # noqa: PLC0415
 
-            # its own source asks the rate with this run's token (a plaintext loopback port under TLS);
-            # server.config: the command line with the settings changed at run time
-            driver = SparkDriver(
-                spark,
-                server.config,
-                rate_target=server.rate_target,
-                rate_token_file=server.pipeline_token_file,
-                streams=server.streams.known,
-            )
-            drive_rate(driver, server, asyncio.get_running_loop())
             try:
-                manager = PipelineManager(driver, server, asyncio.get_running_loop())
+                driver, manager = await attach_spark(spark, server)
             except PipelineStateError as exc:
                 await server.stop()
                 return _fail(f"cannot start the Spark query: {exc}")
-            server.pipeline_control = manager
-            await manager.start()
             sink = manager.current.spec or config.data_dir / manager.current.sink
             print(
                 f"sluice: Spark query running on {config.master}; sink: {sink}",

@@ -7,16 +7,15 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 
 from ingest.config import RateConfig, ServeConfig
-from ingest.driver import SparkDriver, drive_rate
-from ingest.pipeline_manager import PipelineManager
 from ingest.server import SluiceServer
+from ingest.spark_side import attach_spark
 from receivers.receiver import ReceiverConfig
 from sluice_client import Producer
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -39,18 +38,7 @@ async def service(
     )
     server = SluiceServer(config)
     await server.start()
-    driver = SparkDriver(
-        spark,
-        server.config,
-        query_name=f"swap{abs(hash(data_dir)) % 10_000}",
-        rate_target=server.rate_target,
-        rate_token_file=server.pipeline_token_file,
-        streams=server.streams.known,
-    )
-    drive_rate(driver, server, asyncio.get_running_loop())
-    manager = PipelineManager(driver, server, asyncio.get_running_loop())
-    server.pipeline_control = manager
-    await manager.start()
+    driver, _ = await attach_spark(spark, server, query_name=f"swap{abs(hash(data_dir)) % 10_000}")
     try:
         yield server
     finally:
@@ -58,11 +46,20 @@ async def service(
         await asyncio.to_thread(driver.stop)
 
 
-class Load:
-    """A producer that keeps pushing numbered records; records when acks arrive."""
+Make = Callable[[int, int], tuple[list[bytes], list[bytes | None] | None]]
+"""(first record number, count) -> the records' values and keys."""
 
-    def __init__(self, target: str, stream: str, per_tick: int = 200) -> None:
+
+def numbered(stream: str) -> Make:
+    return lambda first, n: ([f"{stream}-{first + i}".encode() for i in range(n)], None)
+
+
+class Load:
+    """A producer that keeps pushing records (`per_tick` every 20 ms); records when acks arrive."""
+
+    def __init__(self, target: str, stream: str, per_tick: int = 200, make: Make | None = None) -> None:
         self.target, self.stream, self.per_tick = target, stream, per_tick
+        self.make = make or numbered(stream)
         self.sent = 0
         self.ack_times: list[tuple[float, int]] = []
         self._stop = asyncio.Event()
@@ -72,8 +69,8 @@ class Load:
         try:
             async with Producer(self.target, self.stream, batch_size=500) as producer:
                 while not self._stop.is_set():
-                    values = [f"{self.stream}-{self.sent + i}".encode() for i in range(self.per_tick)]
-                    await producer.send_many(values)
+                    values, keys = self.make(self.sent, self.per_tick)
+                    await producer.send_many(values, keys)
                     self.sent += len(values)
                     await asyncio.sleep(0.02)
                     self.ack_times.append((time.monotonic(), producer.acked))
