@@ -1265,6 +1265,8 @@ def _show_pipeline(view: pb.PipelineView) -> int:
         )
         if swap.processing_gap_seconds:
             line += f", processing gap {swap.processing_gap_seconds:.1f} s"
+        if swap.startup_seconds:
+            line += f" (new query's start-up {swap.startup_seconds:.1f} s)"
         if swap.start_offsets:
             line += ", started at " + ", ".join(f"{k}={v}" for k, v in sorted(swap.start_offsets.items()))
         print(line + (f"; error: {swap.error}" if swap.error else ""))

@@ -273,6 +273,7 @@ class PipelineManager:
             self._state = "swapping"
             old_id = str(query.runId)
             await self._stop_at_boundary()
+            stopped = time.time()
             old_checkpoint = self._checkpoints / old.checkpoint
             committed = last_commit(old_checkpoint, self._server.streams.known())
             old_end = self._batch_end(old_id)
@@ -285,7 +286,7 @@ class PipelineManager:
             if what == "swap":
                 self._persist(new, old, trial_base=base)
             try:
-                new_id = await self._start_and_prove(new, trigger, timeout)
+                new_id, started = await self._start_and_prove(new, trigger, timeout)
             except Exception as exc:  # noqa: BLE001 - whatever the new query raised, the old one comes back
                 error = _describe(exc)
                 log.error("%s to %s failed, rolling back to %s: %s", what,  # noqa: TRY400 - said in one line
@@ -301,6 +302,10 @@ class PipelineManager:
             self._state = "running"
             self._count(what, "done")
             self._last_swap = self._record(old, new, "done", "", requested, old_end, self._batch_end(new_id))
+            self._last_swap.boundary_seconds = stopped - requested
+            first = self._batches.get(new_id)
+            if first is not None:
+                self._last_swap.startup_seconds = max(0.0, first.started_at - started)
             log.info("%s done: pipeline %s (generation %d), trigger %g s, first batch after %.1f s",
                      what, new.spec or "built-in", new.number, trigger, self._last_swap.duration_seconds)
             return self.view()
@@ -335,10 +340,12 @@ class PipelineManager:
             return True  # not a local checkpoint: the trigger being idle is all we can see
         return _last_id(checkpoint / "offsets") == _last_commit_id(checkpoint)
 
-    async def _start_and_prove(self, new: Generation, trigger: float, timeout: float) -> str:
-        """Start `new` and wait for its first batch; raise why it failed. Returns its query id."""
+    async def _start_and_prove(self, new: Generation, trigger: float, timeout: float) -> tuple[str, float]:
+        """Start `new` and wait for its first batch; raise why it failed. Returns its run id and when
+        (epoch s) it was started."""
         plan = self._plan(new, trigger)
         self._server.rate.query_started()
+        started = time.time()
         await asyncio.to_thread(self._driver.start, plan)
         query = self._driver.query
         assert query is not None
@@ -365,7 +372,7 @@ class PipelineManager:
             self._batch_seen.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._batch_seen.wait(), 0.2)
-        return query_id
+        return query_id, started
 
     def _idle_with_nothing_to_read(self, plan: QueryPlan) -> bool:
         query = self._driver.query

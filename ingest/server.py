@@ -33,6 +33,7 @@ from ingest.tls import ServerTls, TlsFileError
 from receivers.auth import PIPELINE, Authenticator, AuthFileError, AuthTable, revoke
 from receivers.block import check_stream_name
 from receivers.block_store import BlockStore
+from receivers.errors import shown
 from receivers.parsed_service import add_parsed_servicer
 from receivers.publish_service import PublishService
 from receivers.receiver import Receiver
@@ -275,7 +276,13 @@ class SluiceServer:
         """Serve `stream` from now on (ValueError: a bad name; StreamExistsError: served already; a
         cluster's streams are static: StreamChangeRefused). A kept or removed stream comes back where
         its log ends; the query reads it from its next batch, from its frozen offset if it had one."""
-        stream = check_stream_name(stream)
+        try:
+            stream = check_stream_name(stream)
+        except ValueError:
+            raise ValueError(
+                f"invalid stream name {shown(stream)}: 1-128 characters of letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit"
+            ) from None
         async with self._stream_lock:
             if self.node is not None:
                 raise StreamChangeRefused("a cluster's streams are fixed by its nodes' --stream flags")
@@ -306,7 +313,7 @@ class SluiceServer:
                 state = self.streams.states.get(stream)
                 served = ", ".join(self.streams.serving) or "none"
                 detail = f"it is {state}" if state else f"streams: {served}"
-                raise UnknownStreamError(f"stream {stream!r} is not served ({detail})")
+                raise UnknownStreamError(f"stream {shown(stream)} is not served ({detail})")
             if self.streams.read_by_query == [stream]:
                 # a query must read some stream; and an empty set reads, to an older source, as "none
                 # named": it would fall back to its option's streams, kept ones included

@@ -1723,6 +1723,8 @@ class PipelineSwap(_message.Message):
     PROCESSING_GAP_SECONDS_FIELD_NUMBER: _builtins.int
     START_OFFSETS_FIELD_NUMBER: _builtins.int
     KEPT_STATE_FIELD_NUMBER: _builtins.int
+    BOUNDARY_SECONDS_FIELD_NUMBER: _builtins.int
+    STARTUP_SECONDS_FIELD_NUMBER: _builtins.int
     from_pipeline: _builtins.str
     to_pipeline: _builtins.str
     outcome: _builtins.str
@@ -1735,6 +1737,10 @@ class PipelineSwap(_message.Message):
     processing_gap_seconds: _builtins.float
     """From the end of the old query's last batch to the end of the new query's first batch."""
     kept_state: _builtins.bool
+    boundary_seconds: _builtins.float
+    """From the hold (no new batch planned) to the old query stopped between batches."""
+    startup_seconds: _builtins.float
+    """From the new query's start to the start of its first batch: its start-up."""
     @_builtins.property
     def start_offsets(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Per stream, the offset the new query started at (the old query's last committed end)."""
@@ -1751,10 +1757,12 @@ class PipelineSwap(_message.Message):
         processing_gap_seconds: _builtins.float = ...,
         start_offsets: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         kept_state: _builtins.bool = ...,
+        boundary_seconds: _builtins.float = ...,
+        startup_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["duration_seconds", b"duration_seconds", "error", b"error", "from_pipeline", b"from_pipeline", "kept_state", b"kept_state", "outcome", b"outcome", "processing_gap_seconds", b"processing_gap_seconds", "requested_at", b"requested_at", "start_offsets", b"start_offsets", "to_pipeline", b"to_pipeline"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundary_seconds", b"boundary_seconds", "duration_seconds", b"duration_seconds", "error", b"error", "from_pipeline", b"from_pipeline", "kept_state", b"kept_state", "outcome", b"outcome", "processing_gap_seconds", b"processing_gap_seconds", "requested_at", b"requested_at", "start_offsets", b"start_offsets", "startup_seconds", b"startup_seconds", "to_pipeline", b"to_pipeline"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

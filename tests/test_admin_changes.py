@@ -1,0 +1,103 @@
+"""The Admin service's stream and pipeline methods on a real server without Spark: what they refuse, with
+which status, and what they keep across a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from support import running_server
+
+from ingest.streams import StreamStateError
+from sluice_client import Producer
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+
+DRAIN, KEEP = pb.RemoveStreamRequest.DRAIN, pb.RemoveStreamRequest.KEEP
+
+
+async def refused(call: object, code: grpc.StatusCode) -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as exc:
+        await call  # type: ignore[misc]
+    assert exc.value.code() == code, exc.value.details()
+    details = exc.value.details() or ""
+    assert len(details) < 600
+    return details
+
+
+async def test_stream_changes_are_checked_and_kept(tmp_path: Path) -> None:
+    async with running_server(tmp_path, "a", metrics=True) as server:
+        stub = pb_grpc.AdminStub(grpc.aio.insecure_channel(server.target))
+        for name in ("", "x" * 10_000, "bad name", "../etc"):
+            await refused(stub.AddStream(pb.AddStreamRequest(stream=name)), grpc.StatusCode.INVALID_ARGUMENT)
+        await refused(stub.AddStream(pb.AddStreamRequest(stream="a")), grpc.StatusCode.ALREADY_EXISTS)
+        await refused(stub.RemoveStream(pb.RemoveStreamRequest(stream="a")), grpc.StatusCode.INVALID_ARGUMENT)
+        said = await refused(
+            stub.RemoveStream(pb.RemoveStreamRequest(stream="y" * 10_000, backlog=KEEP)),
+            grpc.StatusCode.NOT_FOUND,
+        )
+        assert "streams: a" in said
+        await refused(
+            stub.RemoveStream(pb.RemoveStreamRequest(stream="a", backlog=DRAIN)),
+            grpc.StatusCode.FAILED_PRECONDITION,
+        )
+        view = await stub.AddStream(pb.AddStreamRequest(stream="b"))
+        assert [(s.stream, s.state) for s in view.streams] == [("a", "serving"), ("b", "serving")]
+        async with Producer(server.target, "b") as producer:  # served at once
+            await producer.send_many([b"1", b"2", b"3"])
+            await producer.flush(timeout=10)
+        # no query runs here: a drained stream waits (draining) with its backlog
+        view = await stub.RemoveStream(
+            pb.RemoveStreamRequest(stream="b", backlog=DRAIN, reason="r" * 100_000)
+        )
+        assert [(s.stream, s.state, s.backlog) for s in view.streams] == [
+            ("a", "serving", 0),
+            ("b", "draining", 3),
+        ]
+        await refused(
+            stub.RemoveStream(pb.RemoveStreamRequest(stream="b", backlog=KEEP)), grpc.StatusCode.NOT_FOUND
+        )
+        import urllib.request
+
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics").read().decode()
+        assert 'sluice_streams{state="draining"} 1.0' in metrics
+        assert 'sluice_stream_changes_total{action="add",result="applied"} 1.0' in metrics
+        assert 'sluice_stream_changes_total{action="add",result="refused"} 5.0' in metrics
+        # the pipeline methods need a query
+        await refused(stub.GetPipeline(pb.GetPipelineRequest()), grpc.StatusCode.FAILED_PRECONDITION)
+        for timeout in (math.nan, -1.0, math.inf, 1e9):
+            await refused(
+                stub.SwapPipeline(
+                    pb.SwapPipelineRequest(pipeline="m:f", first_batch_timeout_seconds=timeout)
+                ),
+                grpc.StatusCode.INVALID_ARGUMENT,
+            )
+        await refused(
+            stub.SwapPipeline(pb.SwapPipelineRequest(pipeline="m:" + "f" * 5000)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        )
+        await refused(
+            stub.SwapPipeline(pb.SwapPipelineRequest(pipeline="m:f")), grpc.StatusCode.FAILED_PRECONDITION
+        )
+    assert json.loads((tmp_path / "streams.json").read_text()) == {
+        "streams": {"a": "serving", "b": "draining"}
+    }
+    # after a restart with the same flags: b is still draining, not served
+    async with running_server(tmp_path, "a") as server:
+        assert list(server.receivers) == ["a"] and server.streams.states["b"] == "draining"
+        assert server.stream_backlog("b") == 3
+    # a flag naming a new stream serves it
+    async with running_server(tmp_path, "a", "c") as server:
+        assert sorted(server.receivers) == ["a", "c"]
+
+
+async def test_a_bad_streams_file_stops_the_start_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "streams.json").write_text('{"streams": {"a": "flying"}}')
+    with pytest.raises(StreamStateError, match=r"streams\.json"):
+        async with running_server(tmp_path, "a"):
+            pass
