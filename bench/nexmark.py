@@ -1,6 +1,6 @@
 """Nexmark end to end: events/s each query gets through a real Sluice server into Spark (local[2]).
 
-Run: python bench/nexmark.py [--events 300000] [--queries q0,q1,q2,q5,q7,q8] [--trigger 1]
+Run: python bench/nexmark.py [--events 1000000] [--queries q0,q1,q2,q5,q7,q8] [--trigger 1]
 
 Per query: a fresh Sluice server (fsync on, unthrottled) with the query as its pipeline, run by a
 SparkDriver on one shared Spark session, as in bench/end_to_end.py. A publisher subprocess makes the
@@ -135,7 +135,7 @@ async def run(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--events", type=int, default=300_000, help="events pushed per query")
+    parser.add_argument("--events", type=int, default=1_000_000, help="events pushed per query")
     parser.add_argument("--queries", default=",".join(QUERIES), help="comma-separated, e.g. q0,q1")
     parser.add_argument("--trigger", type=float, default=1.0, help="trigger interval, seconds")
     parser.add_argument("--seed", type=int, default=42)
