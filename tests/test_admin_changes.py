@@ -63,7 +63,7 @@ async def test_stream_changes_are_checked_and_kept(tmp_path: Path) -> None:
             stub.RemoveStream(pb.RemoveStreamRequest(stream="b", backlog=KEEP)), grpc.StatusCode.NOT_FOUND
         )
         url = f"http://127.0.0.1:{server.metrics_port}/metrics"
-        metrics = (await asyncio.to_thread(lambda: urllib.request.urlopen(url).read())).decode()  # noqa: S310
+        metrics = (await asyncio.to_thread(lambda: urllib.request.urlopen(url).read())).decode()
         assert 'sluice_streams{state="draining"} 1.0' in metrics
         assert 'sluice_stream_changes_total{action="add",result="applied"} 1.0' in metrics
         assert 'sluice_stream_changes_total{action="add",result="refused"} 5.0' in metrics
