@@ -34,6 +34,7 @@ from ingest.config import (
     SecurityConfig,
     ServeConfig,
     TlsConfig,
+    parse_estimator_params,
 )
 from ingest.preflight import DataDirLock, check_security, prepare
 from ratecontrol import StreamPolicy
@@ -180,6 +181,13 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         "--estimator",
         default=None,
         help="rate estimator: model, spark-pid or fixed (default: model; fixed with --no-spark)",
+    )
+    serve.add_argument(
+        "--estimator-params",
+        type=_estimator_params,
+        default={},
+        metavar="NAME=VALUE,...",
+        help="the estimator's own parameters, e.g. proportional=1,integral=0.2 for spark-pid",
     )
     serve.add_argument(
         "--initial-rate",
@@ -585,6 +593,13 @@ def _int_in(low: int, high: int, what: str) -> Callable[[str], int]:
     return parse
 
 
+def _estimator_params(text: str) -> dict[str, float]:
+    try:
+        return parse_estimator_params(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _size(text: str) -> int:
     try:
         size = parse_size(text)
@@ -784,6 +799,7 @@ def _serve(args: argparse.Namespace) -> int:
                 min_rate=args.min_rate,
                 max_rate=args.max_rate,
                 stream_policies=_stream_policies(args),
+                estimator_params=args.estimator_params,
             ),
             fsync=args.fsync,
             segment_bytes=args.segment_bytes,

@@ -8,7 +8,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ratecontrol import ESTIMATORS, RateBounds, StreamPolicy, UnknownEstimatorError, check_rate
+from ratecontrol import (
+    ESTIMATORS,
+    RateBounds,
+    StreamPolicy,
+    UnknownEstimatorError,
+    check_rate,
+    make_estimator,
+)
 from receivers.block import check_stream_name
 from receivers.cluster import Cluster
 from receivers.principal import Limits
@@ -35,6 +42,9 @@ class RateConfig:
     stream_policies: Mapping[str, StreamPolicy] = field(default_factory=dict)
     """Stream -> its weight and bounds in the split of the rate among streams (others: weight 1, no
     bounds); `sluice serve --stream-weight/--stream-min-rate/--stream-max-rate`."""
+    estimator_params: Mapping[str, float] = field(default_factory=dict)
+    """The estimator's own parameters (e.g. spark-pid's proportional, integral, derivative; model's
+    horizon, target_utilisation): `--estimator-params horizon=3,target_utilisation=0.9`."""
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
@@ -42,7 +52,36 @@ class RateConfig:
                 f"unknown estimator {self.estimator!r}; known: {', '.join(ESTIMATORS)}"
             )
         check_rate(self.initial_rate)
-        RateBounds(self.min_rate, self.max_rate)
+        bounds = RateBounds(self.min_rate, self.max_rate)
+        if self.estimator_params:  # the estimator checks its own: unknown names, values out of range
+            make_estimator(
+                self.estimator, bounds=bounds, initial_rate=self.initial_rate, **self.estimator_params
+            )
+
+
+def parse_estimator_params(text: str) -> dict[str, float]:
+    """"name=value,name=value" (numbers) -> {name: value}; "" -> {}. ValueError naming the problem."""
+    params: dict[str, float] = {}
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        name, sep, value = part.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise ValueError(f"estimator parameter {part.strip()!r} is not name=value")
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError(f"estimator parameter {name}: {value.strip()!r} is not a number") from None
+        if not math.isfinite(number):
+            raise ValueError(f"estimator parameter {name}: {value.strip()!r} is not finite")
+        integral = number.is_integer() and "." not in value and "e" not in value.lower()
+        params[name] = int(number) if integral else number
+    return params
+
+
+def format_estimator_params(params: Mapping[str, float]) -> str:
+    return ",".join(f"{k}={v:g}" for k, v in sorted(params.items()))
 
 
 def is_loopback(host: str) -> bool:

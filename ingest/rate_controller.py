@@ -98,7 +98,8 @@ class RateController:
         self._rate = self._clamp(check_rate(config.initial_rate))
         # a fresh query's first batch pays ~10 s of worker start-up and the second is still slow (seen
         # here: 1,000 records in 2 s, read as 2 ms a record); fitting either collapses the rate
-        gains = {"warmup_batches": STARTUP_BATCHES} if config.estimator == "model" else {}
+        gains: dict[str, float] = {"warmup_batches": STARTUP_BATCHES} if config.estimator == "model" else {}
+        gains.update(config.estimator_params)
         self.estimator: RateEstimator = make_estimator(
             config.estimator, bounds=self._bounds, initial_rate=self._rate, **gains
         )
@@ -312,10 +313,13 @@ class RateController:
         self.estimator.set_bounds(bounds)
         self._apply(self._clamp(self._rate))
 
-    def set_estimator(self, name: str) -> None:
-        """Switch estimator (UnknownEstimatorError if unknown); it starts from the current rate; unpins."""
+    def set_estimator(self, name: str, params: Mapping[str, float] | None = None) -> None:
+        """Switch estimator, with its own parameters (UnknownEstimatorError if unknown, ValueError for a
+        bad parameter: nothing changes then); it starts from the current rate; unpins."""
         # mid-run, the next batch is a normal one: only a query's first batch carries start-up cost
-        gains = {"warmup_batches": 0} if name == "model" and self.last_batch is not None else {}
+        restarted = name == "model" and self.last_batch is not None
+        gains: dict[str, float] = {"warmup_batches": 0} if restarted else {}
+        gains.update(params or {})
         self.estimator = make_estimator(name, bounds=self._bounds, initial_rate=self._rate, **gains)
         self.pinned = False
 

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from ingest.config import ServeConfig
+from ingest.config import ServeConfig, format_estimator_params, parse_estimator_params
 from ratecontrol import ESTIMATORS
 from receivers.sizes import parse_size
 
@@ -80,9 +80,18 @@ def _estimator(text: str) -> str:
     return text
 
 
+def _estimator_params(text: str) -> dict[str, float]:
+    try:
+        return parse_estimator_params(text)
+    except ValueError as exc:
+        raise SettingError(str(exc)) from None
+
+
 def _text(value: object) -> str:
     if value is None:
         return ""
+    if isinstance(value, Mapping):
+        return format_estimator_params(value)
     if isinstance(value, float):
         return "inf" if math.isinf(value) else f"{value:g}"
     return str(value)
@@ -121,6 +130,8 @@ SETTINGS: dict[str, Setting] = {
         Setting("min-rate", "lowest rate, records/s", _float, "rate", "min_rate"),
         Setting("max-rate", "highest rate, records/s (inf: none)", _float, "rate", "max_rate"),
         Setting("estimator", "rate estimator: " + ", ".join(ESTIMATORS), _estimator, "rate", "estimator"),
+        Setting("estimator-params", "the estimator's parameters, name=value,... (e.g. horizon=3)",
+                _estimator_params, "rate", "estimator_params"),
     )
 }
 

@@ -264,8 +264,8 @@ class SluiceServer:
                 receiver.reconfigure(new.receiver)
         if (new.rate.min_rate, new.rate.max_rate) != (old.rate.min_rate, old.rate.max_rate):
             self.rate.set_bounds(new.rate.min_rate, new.rate.max_rate)
-        if new.rate.estimator != old.rate.estimator:
-            self.rate.set_estimator(new.rate.estimator)
+        if (new.rate.estimator, new.rate.estimator_params) != (old.rate.estimator, old.rate.estimator_params):
+            self.rate.set_estimator(new.rate.estimator, new.rate.estimator_params)
         if new.trigger_interval != old.trigger_interval:
             self.rate.set_batch_interval(new.trigger_interval)
         self.config = new

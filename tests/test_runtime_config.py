@@ -78,7 +78,40 @@ INVALID = [
     ({"estimator": "magic"}, grpc.StatusCode.INVALID_ARGUMENT, "unknown estimator"),
     ({"block-interval": "0.1", "no-such-thing": "1"}, grpc.StatusCode.NOT_FOUND, "no setting"),
     ({"master": "local[2]"}, grpc.StatusCode.NOT_FOUND, "no setting"),
+    ({"trigger-interval": "0"}, grpc.StatusCode.INVALID_ARGUMENT, "trigger interval"),
+    ({"trigger-interval": "inf"}, grpc.StatusCode.INVALID_ARGUMENT, "trigger interval"),
+    ({"estimator-params": "horizon"}, grpc.StatusCode.INVALID_ARGUMENT, "name=value"),
+    ({"estimator-params": "horizon=fast"}, grpc.StatusCode.INVALID_ARGUMENT, "not a number"),
+    ({"estimator-params": "kp=1"}, grpc.StatusCode.INVALID_ARGUMENT, "no parameter kp"),
+    (
+        {"estimator": "spark-pid", "estimator-params": "horizon=3"},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "horizon",
+    ),
+    (
+        {"estimator": "spark-pid", "estimator-params": "integral=-1"},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "integral",
+    ),
 ]
+
+
+async def test_the_estimator_and_its_parameters_change_together(tmp_path: Path) -> None:
+    async with running_server(tmp_path / "d", "s") as server, admin(server) as stub:
+        view = await stub.SetConfig(
+            pb.SetConfigRequest(
+                set={"estimator": "spark-pid", "estimator-params": "proportional=0.5,integral=0"}
+            )
+        )
+        assert settings(view)["estimator-params"] == ("integral=0,proportional=0.5", "dynamic")
+        assert server.rate.estimator.name == "spark-pid"
+        assert server.rate.estimator.state()["proportional"] == 0.5
+        # parameters of one estimator do not fit another: the operator changes both at once
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.SetConfig(pb.SetConfigRequest(set={"estimator": "model"}))
+        assert "proportional" in (caught.value.details() or "")
+        await stub.SetConfig(pb.SetConfigRequest(set={"estimator": "model", "estimator-params": ""}))
+        assert server.rate.estimator.name == "model"
 
 
 async def test_an_invalid_change_changes_nothing_and_says_why(tmp_path: Path) -> None:
@@ -129,6 +162,7 @@ async def test_a_corrupt_settings_file_stops_the_start_with_its_name(tmp_path: P
 
 async def test_sluice_config_get_set_reset(tmp_path: Path) -> None:
     async with running_server(tmp_path / "d", "s") as server:
+
         def cli(*args: str) -> subprocess.CompletedProcess[str]:
             command = [sys.executable, "-m", "ingest.cli", "config", *args, "--target", server.target]
             return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
