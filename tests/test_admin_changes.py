@@ -100,3 +100,34 @@ async def test_a_bad_streams_file_stops_the_start_naming_it(tmp_path: Path) -> N
     with pytest.raises(StreamStateError, match=r"streams\.json"):
         async with running_server(tmp_path, "a"):
             pass
+
+
+async def test_a_swap_cut_by_a_crash_resumes_the_query_that_committed(tmp_path: Path) -> None:
+    """pipeline.json after a crash mid-swap: the new query is kept only if it committed a batch."""
+    from ingest.driver import SparkDriver
+    from ingest.pipeline_manager import PipelineManager, PipelineStateError
+
+    def state(trial_base: int) -> str:
+        old = {"spec": "m:old", "number": 0, "checkpoint": "sluice", "sink": "sink"}
+        new = {"spec": "m:new", "number": 1, "checkpoint": "sluice-g1", "sink": "sink-g1",
+               "starting_offsets": {"s": 10}}  # fmt: skip
+        return json.dumps({"current": new, "previous": old, "trial": True, "trial_base": trial_base})
+
+    async with running_server(tmp_path, "s") as server:
+        loop = asyncio.get_running_loop()
+        # the new query never committed: back to the old one, and the file says so
+        (tmp_path / "pipeline.json").write_text(state(-1))
+        manager = PipelineManager(SparkDriver(None, server.config, store=server.store), server, loop)
+        assert manager.current.spec == "m:old"
+        assert json.loads((tmp_path / "pipeline.json").read_text())["trial"] is False
+        # it committed batch 0: kept (its output exists; going back would process those records twice)
+        (tmp_path / "checkpoints" / "sluice-g1" / "commits").mkdir(parents=True)
+        (tmp_path / "checkpoints" / "sluice-g1" / "commits" / "0").write_text("v1\n{}")
+        (tmp_path / "pipeline.json").write_text(state(-1))
+        manager = PipelineManager(SparkDriver(None, server.config, store=server.store), server, loop)
+        assert (manager.current.spec, manager.current.starting_offsets) == ("m:new", {"s": 10})
+        # a file that points outside the data dir, or is not one, stops the start naming it
+        for bad in ('{"current": {"spec": "", "number": 0, "checkpoint": "../../etc", "sink": "x"}}', "[1"):
+            (tmp_path / "pipeline.json").write_text(bad)
+            with pytest.raises(PipelineStateError, match=r"pipeline\.json"):
+                PipelineManager(SparkDriver(None, server.config, store=server.store), server, loop)
