@@ -77,7 +77,7 @@ class BatchListener(StreamingQueryListener):
             progress = event.progress
             completed = BatchCompleted(
                 query_id=str(progress.id),
-                run_id=str(progress.runId),
+                run_id=str(getattr(progress, "runId", "") or ""),  # older events, tests: none
                 batch_id=int(progress.batchId),
                 num_input_rows=int(progress.numInputRows),
                 processing_seconds=float(progress.durationMs.get("triggerExecution", 0)) / 1000.0,
