@@ -1,11 +1,11 @@
 """What a pipeline swap costs while Nexmark events flow: the ingestion pause, the processing gap, and the
 extra delay the records waiting through the swap see.
 
-Run: python bench/swap.py [--rate 5000] [--swaps 3] [--trigger 1]
+Run: python bench/swap.py [--rate 5000] [--swaps 3] [--trigger 1] [--queries q1,q2]
 
 One Sluice service in this process (server, Spark local[2], the pipeline manager, as `sluice serve` runs
-them), a producer pushing Nexmark events at --rate through the SDK, and swaps Q1 -> Q2 -> Q1 ... at
-intervals. Measured in the same run, against a baseline from the minutes before the first swap:
+them), a producer pushing Nexmark events at --rate through the SDK, and swaps (--queries: Q1 -> Q2 ->
+Q1 ...) at intervals. Measured in the same run, against a baseline from the minutes before the first swap:
 
 - ingestion pause: the longest time acks did not advance during a swap, against the longest in a window
   of the same length before it (goal: none, i.e. ratio ~1: acks never wait for Spark);
@@ -41,7 +41,6 @@ from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 STREAM = "nexmark"
-QUERIES = ("ingest.nexmark.queries:q1", "ingest.nexmark.queries:q2")
 
 
 async def produce(target: str, rate: float, stop: asyncio.Event, acks: list[tuple[float, int]]) -> int:
@@ -73,6 +72,7 @@ def longest_pause(acks: list[tuple[float, int]], since: float, until: float) -> 
 
 
 async def run(args: argparse.Namespace) -> None:
+    queries = [f"ingest.nexmark.queries:{q.strip()}" for q in args.queries.split(",")]
     spark = build_session("local[2]", app_name="sluice-bench-swap")
     with tempfile.TemporaryDirectory(prefix="sluice-swap-") as tmp:
         config = ServeConfig(
@@ -83,7 +83,7 @@ async def run(args: argparse.Namespace) -> None:
             receiver=ReceiverConfig(block_interval=0.1),
             rate=RateConfig(estimator="fixed", initial_rate=math.inf),
             trigger_interval=args.trigger,
-            pipeline=QUERIES[0],
+            pipeline=queries[0],
         )
         server = SluiceServer(config)
         await server.start()
@@ -107,14 +107,16 @@ async def run(args: argparse.Namespace) -> None:
             await asyncio.sleep(args.warm_up)
             for k in range(args.swaps):
                 before = [lat for _, end, lat in latencies if end > time.time() - args.settle]
+                old_runs = {r for r, _, _ in latencies}
                 calm_from = time.monotonic() - args.settle
                 calm_pause = longest_pause(acks, calm_from, time.monotonic())
                 asked = time.monotonic()
-                view = await stub.SwapPipeline(pb.SwapPipelineRequest(pipeline=QUERIES[(k + 1) % 2]))
+                request = pb.SwapPipelineRequest(pipeline=queries[(k + 1) % len(queries)])
+                view = await stub.SwapPipeline(request)
                 done = time.monotonic()
                 swap = view.last_swap
                 await asyncio.sleep(args.settle)
-                new_run = next((r for r, end, _ in latencies if end >= swap.requested_at), None)
+                new_run = next((r for r, _, _ in latencies if r not in old_runs), None)
                 after = [lat for r, _, lat in latencies if r == new_run][:3]
                 base = statistics.median(before) if before else float("nan")
                 rows.append(
@@ -160,6 +162,7 @@ def main() -> None:
     )
     parser.add_argument("--rate", type=float, default=5000.0, help="events per second pushed")
     parser.add_argument("--swaps", type=int, default=3)
+    parser.add_argument("--queries", default="q1,q2", help="the pipelines swapped in turn (Nexmark names)")
     parser.add_argument("--trigger", type=float, default=1.0, help="trigger interval, seconds")
     parser.add_argument("--warm-up", type=float, default=20.0, help="seconds before the first swap")
     parser.add_argument("--settle", type=float, default=10.0, help="seconds between swaps")
