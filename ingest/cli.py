@@ -519,6 +519,14 @@ def _security_flags(serve: argparse.ArgumentParser) -> None:
         "(default: whenever there is an --auth-file)",
     )
     group.add_argument(
+        "--max-message-bytes",
+        type=_size,
+        default=ServeConfig.max_message_bytes,
+        metavar="SIZE",
+        help="largest gRPC message the server takes or sends (default: 32MiB); a Publish message over it "
+        "ends its call with RESOURCE_EXHAUSTED",
+    )
+    group.add_argument(
         "--handshake-timeout",
         type=_float_in(0.1, 3600.0, "a handshake timeout"),
         default=SecurityConfig.handshake_timeout,
@@ -811,6 +819,7 @@ def _serve(args: argparse.Namespace) -> int:
             cluster=_cluster(args),
             peer_token_file=args.peer_token_file,
             health_port=args.health_port,
+            max_message_bytes=args.max_message_bytes,
         )
         # the TLS files and the auth file, before Spark's JVM (seconds): a bad file fails at once
         check_security(config)
