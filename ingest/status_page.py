@@ -30,7 +30,7 @@ main { padding: 16px 24px 32px; max-width: 1500px; margin: 0 auto; }
 .badge.warn { background: #92400e; color: #fef3c7; }
 #banner { display: none; margin: 0 0 12px; padding: 8px 12px; border-radius: 6px;
   background: #fee2e2; color: #991b1b; }
-.tiles { display: grid; grid-template-columns: repeat(auto-fill, minmax(165px, 1fr)); gap: 10px;
+.tiles { display: grid; grid-template-columns: repeat(auto-fill, minmax(230px, 1fr)); gap: 10px;
   margin-bottom: 16px; }
 .tile { background: var(--card); border: 1px solid var(--line); border-radius: 8px; padding: 10px 12px; }
 .tile .label { color: var(--muted); font-size: 12px; text-transform: uppercase; letter-spacing: .03em; }
@@ -84,14 +84,14 @@ th:first-child, td:first-child, td.text, th.text { text-align: left; }
     <small id="v-buffered-bytes" data-value="">-</small></div></div>
   <div class="tile"><div class="label">Block log on disk</div>
     <div class="value"><span id="v-wal-disk-bytes" data-value="">-</span></div></div>
-  <div class="tile"><div class="label">Received / acked</div>
+  <div class="tile"><div class="label">Records received</div>
     <div class="value"><span id="v-records-received" data-value="">-</span>
-    <small>/ <span id="v-records-acked" data-value="">-</span></small></div></div>
+    <small>acked <span id="v-records-acked" data-value="">-</span></small></div></div>
   <div class="tile"><div class="label">Sessions</div>
     <div class="value"><span id="v-sessions-active" data-value="">-</span></div></div>
-  <div class="tile"><div class="label">Batches</div>
+  <div class="tile"><div class="label">Spark batches completed</div>
     <div class="value"><span id="v-batches" data-value="">-</span>
-    <small id="v-estimator"></small></div></div>
+    <small>estimator <span id="v-estimator"></span></small></div></div>
 </section>
 <section class="charts">
   <div class="card"><h2>Rates (records/s)</h2><div class="legend" id="l-rates"></div>
@@ -123,7 +123,8 @@ th:first-child, td:first-child, td.text, th.text { text-align: left; }
 </main>
 <script>
 "use strict";
-const WINDOW = 300;  // seconds shown in the charts
+const WINDOWS = [60, 120, 300];  // seconds shown in the charts: the smallest that holds the history
+let WINDOW = 60;
 const PALETTE = ["#2563eb", "#16a34a", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#65a30d", "#475569"];
 let updates = 0;
 
@@ -219,10 +220,11 @@ function drawChart(canvasId, legendId, series, now, fmt) {
     ctx.fillText(fmt(v), left - 6, yy);
   }
   ctx.textAlign = "center"; ctx.textBaseline = "top";
-  for (let ago = WINDOW; ago >= 0; ago -= 60) {
+  for (let ago = WINDOW; ago >= 0; ago -= WINDOW / 5) {
     const xx = Math.round(x(now - ago)) + 0.5;
     ctx.beginPath(); ctx.moveTo(xx, top); ctx.lineTo(xx, top + ph); ctx.stroke();
-    ctx.fillText(ago ? "-" + ago / 60 + " min" : "now", Math.min(xx, left + pw - 14), top + ph + 5);
+    const label = ago >= 60 && ago % 60 === 0 ? "-" + ago / 60 + " min" : "-" + ago + " s";
+    ctx.fillText(ago ? label : "now", Math.min(xx, left + pw - 14), top + ph + 5);
   }
   ctx.save();
   ctx.beginPath(); ctx.rect(left, top, pw, ph); ctx.clip();
@@ -263,6 +265,8 @@ function drawChart(canvasId, legendId, series, now, fmt) {
 
 function render(d) {
   const now = d.time, h = d.history, b = d.batches, tot = d.totals, lb = d.last_batch;
+  const oldest = Math.min(h.t.length ? h.t[0] : now, b.t.length ? b.t[0] : now);
+  WINDOW = WINDOWS.find((w) => now - oldest <= w) || WINDOWS[WINDOWS.length - 1];
   document.getElementById("target").textContent =
     (d.target || "") + (d.transport ? " \\u00b7 " + d.transport : "");
   const health = document.getElementById("health");
