@@ -363,6 +363,23 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     )
     swap.set_defaults(run=_pipeline_swap)
 
+    status = commands.add_parser(
+        "status",
+        help="a live view of rates, batches, streams, sessions and the pipeline",
+        parents=[server],
+        description="The status page's numbers in the terminal, redrawn every second (Ctrl-C ends it). "
+        "Read over gRPC with the usual credentials; with --metrics, from the metrics port's /status.json, "
+        "which adds record counts, buffered bytes and the block log on disk.",
+    )
+    status.add_argument("--once", action="store_true", help="print one frame and exit")
+    status.add_argument(
+        "--metrics",
+        metavar="URL",
+        help="read /status.json from the metrics port instead, e.g. http://127.0.0.1:9464 (the token and, "
+        "for https, the CA and client certificate of the credentials are used)",
+    )
+    status.set_defaults(run=_status)
+
     sessions = commands.add_parser("sessions", help="list or cancel publisher sessions")
     session_commands = sessions.add_subparsers(required=True, metavar="ACTION")
     listing = session_commands.add_parser("list", help="the open sessions", parents=[server])
@@ -1309,6 +1326,39 @@ def _pipeline_swap(args: argparse.Namespace) -> int:
         timeout=args.first_batch_timeout + 90,
     )
     return _show_pipeline(view)
+
+
+# ---- status --------------------------------------------------------------------------------------
+
+
+def _status(args: argparse.Namespace) -> int:
+    from ingest.status_cli import StatusReadError, run_status, status_json_url  # noqa: PLC0415 - rich only here
+
+    if args.metrics is not None:
+        try:
+            status_json_url(args.metrics)
+        except ValueError as exc:
+            return _fail(str(exc), EXIT_USAGE)
+    credentials = _credentials(args)
+    cert_file = args.cert_file or os.environ.get("SLUICE_CERT_FILE") or None
+    key_file = args.key_file or os.environ.get("SLUICE_KEY_FILE") or None
+    where = args.metrics or args.target
+    try:
+        asyncio.run(
+            run_status(
+                args.target,
+                credentials,
+                once=args.once,
+                metrics_url=args.metrics,
+                cert_file=Path(cert_file) if cert_file else None,
+                key_file=Path(key_file) if key_file else None,
+            )
+        )
+    except StatusReadError as exc:
+        return _fail(f"status of {where}: {exc}", EXIT_DENIED if exc.denied else EXIT_FAILED)
+    except KeyboardInterrupt:
+        return 0  # the live view ends this way
+    return 0
 
 
 # ---- sessions ------------------------------------------------------------------------------------
