@@ -51,6 +51,8 @@ from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from sluice_client import Producer
 
 log = logging.getLogger("sluice")
@@ -1006,6 +1008,67 @@ class _Progress:
             self.drawn = False
 
 
+class _LiveProgress:
+    """On a terminal: a rich progress bar on stderr counting ACKED records (durable, what a resumed push
+    would skip), redrawn every REDRAW seconds from the start, also while the push waits for credit or
+    acks. Its total is the input's records once read to the end, estimated from the bytes before."""
+
+    REDRAW = 0.25
+
+    def __init__(self, console: Console, total_bytes: int | None) -> None:
+        from rich.progress import (  # noqa: PLC0415 - only on a terminal
+            BarColumn,
+            Progress,
+            TaskProgressColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self.total_bytes = total_bytes
+        self.progress = Progress(
+            TextColumn("[bold]push"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[acked]} acked{task.fields[of]}"),
+            TextColumn("[cyan]{task.fields[rate]} acked/s"),
+            TimeElapsedColumn(),
+            console=console,
+            auto_refresh=False,  # redrawn by `follow`, at its pace, with fresh numbers
+        )
+        self.task = self.progress.add_task("push", total=None, acked="0", of="", rate="0")
+        self.start = time.monotonic()
+        self.progress.start()
+
+    def update(self, done_bytes: int, records: int, acked: int, *, ended: bool) -> None:
+        total: float | None = None
+        if ended:
+            total = records
+        elif self.total_bytes and done_bytes:
+            total = records * self.total_bytes / done_bytes
+        rate = acked / max(time.monotonic() - self.start, 1e-9)
+        of = "" if total is None else f" of {'' if ended else '~'}{total:,.0f}"
+        shown = max(total, acked) if total is not None else None
+        self.progress.update(
+            self.task, completed=acked, total=shown, acked=f"{acked:,}", of=of, rate=f"{rate:,.0f}"
+        )
+        self.progress.refresh()
+
+    async def follow(self, state: Callable[[], tuple[int, int, int, bool]]) -> None:
+        """Redraw from `state()` (bytes read, records read, records acked, input ended) until cancelled."""
+        while True:
+            done_bytes, records, acked, ended = state()
+            self.update(done_bytes, records, acked, ended=ended)
+            await asyncio.sleep(self.REDRAW)
+
+    def show(self, done_bytes: int, records: int, acked: int, final: bool = False) -> None:
+        if final:
+            self.update(done_bytes, records, acked, ended=True)
+            self.stop()
+
+    def stop(self) -> None:
+        self.progress.stop()
+
+
 def _push(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         return _fail("--batch-size must be >= 1", EXIT_USAGE)
@@ -1024,15 +1087,24 @@ def _push(args: argparse.Namespace) -> int:
             source, total = path.open("rb"), path.stat().st_size
         except OSError as exc:
             return _fail(f"cannot read {args.file}: {exc.strerror}", EXIT_USAGE)
-    progress = _Progress(sys.stderr, total, enabled=not args.no_progress)
+    progress: _Progress | _LiveProgress
+    if not args.no_progress and sys.stderr.isatty():
+        from rich.console import Console  # noqa: PLC0415 - only on a terminal
+
+        progress = _LiveProgress(Console(stderr=True), total)
+    else:
+        progress = _Progress(sys.stderr, total, enabled=not args.no_progress)
     try:
         return asyncio.run(_push_async(args, source, progress))
     finally:
+        progress.stop()
         if source is not sys.stdin.buffer:
             source.close()
 
 
-async def _push_async(args: argparse.Namespace, source: IO[bytes], progress: _Progress) -> int:
+async def _push_async(
+    args: argparse.Namespace, source: IO[bytes], progress: _Progress | _LiveProgress
+) -> int:
     from sluice_client import Producer  # noqa: PLC0415
 
     try:
@@ -1055,15 +1127,25 @@ async def _push_async(args: argparse.Namespace, source: IO[bytes], progress: _Pr
             f"the input has {read.skipped:,} records, fewer than --resume-from {args.resume_from:,}: "
             "not the input of the push to resume?"
         )
+    follow = None
+    if isinstance(progress, _LiveProgress):  # from the first second on, acks or not
+        follow = asyncio.create_task(
+            progress.follow(
+                lambda: (read.done_bytes, read.records, producer.acked - args.resume_from, read.ended)
+            ),
+            name="sluice-push-progress",
+        )
     try:
         await producer.start()
         while (lines := await read.next_lines()) is not None:
             await producer.send_many(lines)
             progress.show(read.done_bytes, read.records, producer.acked - args.resume_from)
         await _flush_while_acking(producer, args.timeout)
+        await _stopped(follow)
         progress.show(read.done_bytes, read.records, producer.acked - args.resume_from, final=True)
         await producer.close(args.timeout)
     except (SluiceError, asyncio.CancelledError) as exc:
+        await _stopped(follow)
         await producer.abort()
         progress.stop()
         denied = _denial(exc)
@@ -1079,6 +1161,13 @@ async def _push_async(args: argparse.Namespace, source: IO[bytes], progress: _Pr
         file=sys.stderr,
     )
     return 0
+
+
+async def _stopped(task: asyncio.Task[None] | None) -> None:
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def _flush_while_acking(producer: Producer, timeout: float) -> None:
@@ -1107,6 +1196,11 @@ class _InputLines:
         self.skipped = 0
         self._carry: bytes | None = b""  # a line's start, read without its end; None at the end
         self._pending: list[bytes] = []
+
+    @property
+    def ended(self) -> bool:
+        """The whole input was read: `records` is its count once the last lines are handed on."""
+        return self._carry is None and not self._pending
 
     async def skip(self, n: int) -> bool:
         """Pass over the first `n` records; False when the input has fewer."""
