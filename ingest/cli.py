@@ -51,6 +51,8 @@ from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from sluice_client import Producer
 
 log = logging.getLogger("sluice")
@@ -362,6 +364,23 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         help="seconds the new query has to complete its first batch before it is rolled back (120)",
     )
     swap.set_defaults(run=_pipeline_swap)
+
+    status = commands.add_parser(
+        "status",
+        help="a live view of rates, batches, streams, sessions and the pipeline",
+        parents=[server],
+        description="The status page's numbers in the terminal, redrawn every second (Ctrl-C ends it). "
+        "Read over gRPC with the usual credentials; with --metrics, from the metrics port's /status.json, "
+        "which adds record counts, buffered bytes and the block log on disk.",
+    )
+    status.add_argument("--once", action="store_true", help="print one frame and exit")
+    status.add_argument(
+        "--metrics",
+        metavar="URL",
+        help="read /status.json from the metrics port instead, e.g. http://127.0.0.1:9464 (the token and, "
+        "for https, the CA and client certificate of the credentials are used)",
+    )
+    status.set_defaults(run=_status)
 
     sessions = commands.add_parser("sessions", help="list or cancel publisher sessions")
     session_commands = sessions.add_subparsers(required=True, metavar="ACTION")
@@ -998,6 +1017,67 @@ class _Progress:
             self.drawn = False
 
 
+class _LiveProgress:
+    """On a terminal: a rich progress bar on stderr counting ACKED records (durable, what a resumed push
+    would skip), redrawn every REDRAW seconds from the start, also while the push waits for credit or
+    acks. Its total is the input's records once read to the end, estimated from the bytes before."""
+
+    REDRAW = 0.25
+
+    def __init__(self, console: Console, total_bytes: int | None) -> None:
+        from rich.progress import (  # noqa: PLC0415 - only on a terminal
+            BarColumn,
+            Progress,
+            TaskProgressColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self.total_bytes = total_bytes
+        self.progress = Progress(
+            TextColumn("[bold]push"),
+            BarColumn(),
+            TaskProgressColumn(),
+            TextColumn("{task.fields[acked]} acked{task.fields[of]}"),
+            TextColumn("[cyan]{task.fields[rate]} acked/s"),
+            TimeElapsedColumn(),
+            console=console,
+            auto_refresh=False,  # redrawn by `follow`, at its pace, with fresh numbers
+        )
+        self.task = self.progress.add_task("push", total=None, acked="0", of="", rate="0")
+        self.start = time.monotonic()
+        self.progress.start()
+
+    def update(self, done_bytes: int, records: int, acked: int, *, ended: bool) -> None:
+        total: float | None = None
+        if ended:
+            total = records
+        elif self.total_bytes and done_bytes:
+            total = records * self.total_bytes / done_bytes
+        rate = acked / max(time.monotonic() - self.start, 1e-9)
+        of = "" if total is None else f" of {'' if ended else '~'}{total:,.0f}"
+        shown = max(total, acked) if total is not None else None
+        self.progress.update(
+            self.task, completed=acked, total=shown, acked=f"{acked:,}", of=of, rate=f"{rate:,.0f}"
+        )
+        self.progress.refresh()
+
+    async def follow(self, state: Callable[[], tuple[int, int, int, bool]]) -> None:
+        """Redraw from `state()` (bytes read, records read, records acked, input ended) until cancelled."""
+        while True:
+            done_bytes, records, acked, ended = state()
+            self.update(done_bytes, records, acked, ended=ended)
+            await asyncio.sleep(self.REDRAW)
+
+    def show(self, done_bytes: int, records: int, acked: int, final: bool = False) -> None:
+        if final:
+            self.update(done_bytes, records, acked, ended=True)
+            self.stop()
+
+    def stop(self) -> None:
+        self.progress.stop()
+
+
 def _push(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         return _fail("--batch-size must be >= 1", EXIT_USAGE)
@@ -1016,15 +1096,24 @@ def _push(args: argparse.Namespace) -> int:
             source, total = path.open("rb"), path.stat().st_size
         except OSError as exc:
             return _fail(f"cannot read {args.file}: {exc.strerror}", EXIT_USAGE)
-    progress = _Progress(sys.stderr, total, enabled=not args.no_progress)
+    progress: _Progress | _LiveProgress
+    if not args.no_progress and sys.stderr.isatty():
+        from rich.console import Console  # noqa: PLC0415 - only on a terminal
+
+        progress = _LiveProgress(Console(stderr=True), total)
+    else:
+        progress = _Progress(sys.stderr, total, enabled=not args.no_progress)
     try:
         return asyncio.run(_push_async(args, source, progress))
     finally:
+        progress.stop()
         if source is not sys.stdin.buffer:
             source.close()
 
 
-async def _push_async(args: argparse.Namespace, source: IO[bytes], progress: _Progress) -> int:
+async def _push_async(
+    args: argparse.Namespace, source: IO[bytes], progress: _Progress | _LiveProgress
+) -> int:
     from sluice_client import Producer  # noqa: PLC0415
 
     try:
@@ -1047,15 +1136,25 @@ async def _push_async(args: argparse.Namespace, source: IO[bytes], progress: _Pr
             f"the input has {read.skipped:,} records, fewer than --resume-from {args.resume_from:,}: "
             "not the input of the push to resume?"
         )
+    follow = None
+    if isinstance(progress, _LiveProgress):  # from the first second on, acks or not
+        follow = asyncio.create_task(
+            progress.follow(
+                lambda: (read.done_bytes, read.records, producer.acked - args.resume_from, read.ended)
+            ),
+            name="sluice-push-progress",
+        )
     try:
         await producer.start()
         while (lines := await read.next_lines()) is not None:
             await producer.send_many(lines)
             progress.show(read.done_bytes, read.records, producer.acked - args.resume_from)
         await _flush_while_acking(producer, args.timeout)
+        await _stopped(follow)
         progress.show(read.done_bytes, read.records, producer.acked - args.resume_from, final=True)
         await producer.close(args.timeout)
     except (SluiceError, asyncio.CancelledError) as exc:
+        await _stopped(follow)
         await producer.abort()
         progress.stop()
         denied = _denial(exc)
@@ -1071,6 +1170,13 @@ async def _push_async(args: argparse.Namespace, source: IO[bytes], progress: _Pr
         file=sys.stderr,
     )
     return 0
+
+
+async def _stopped(task: asyncio.Task[None] | None) -> None:
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def _flush_while_acking(producer: Producer, timeout: float) -> None:
@@ -1099,6 +1205,11 @@ class _InputLines:
         self.skipped = 0
         self._carry: bytes | None = b""  # a line's start, read without its end; None at the end
         self._pending: list[bytes] = []
+
+    @property
+    def ended(self) -> bool:
+        """The whole input was read: `records` is its count once the last lines are handed on."""
+        return self._carry is None and not self._pending
 
     async def skip(self, n: int) -> bool:
         """Pass over the first `n` records; False when the input has fewer."""
@@ -1318,6 +1429,39 @@ def _pipeline_swap(args: argparse.Namespace) -> int:
         timeout=args.first_batch_timeout + 90,
     )
     return _show_pipeline(view)
+
+
+# ---- status --------------------------------------------------------------------------------------
+
+
+def _status(args: argparse.Namespace) -> int:
+    from ingest.status_cli import StatusReadError, run_status, status_json_url  # noqa: PLC0415 - rich only here
+
+    if args.metrics is not None:
+        try:
+            status_json_url(args.metrics)
+        except ValueError as exc:
+            return _fail(str(exc), EXIT_USAGE)
+    credentials = _credentials(args)
+    cert_file = args.cert_file or os.environ.get("SLUICE_CERT_FILE") or None
+    key_file = args.key_file or os.environ.get("SLUICE_KEY_FILE") or None
+    where = args.metrics or args.target
+    try:
+        asyncio.run(
+            run_status(
+                args.target,
+                credentials,
+                once=args.once,
+                metrics_url=args.metrics,
+                cert_file=Path(cert_file) if cert_file else None,
+                key_file=Path(key_file) if key_file else None,
+            )
+        )
+    except StatusReadError as exc:
+        return _fail(f"status of {where}: {exc}", EXIT_DENIED if exc.denied else EXIT_FAILED)
+    except KeyboardInterrupt:
+        return 0  # the live view ends this way
+    return 0
 
 
 # ---- sessions ------------------------------------------------------------------------------------

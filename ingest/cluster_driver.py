@@ -41,6 +41,7 @@ from ingest.metrics import MetricsServer, SluiceCollector
 from ingest.node_rates import NodeRates
 from ingest.rate_controller import RateController
 from ingest.rate_service import RateControlService
+from ingest.reflection import enable_reflection
 from ingest.spark.cluster_source import BlocksClient, nest, split_key
 from ingest.spark.listener import BatchCompleted
 from ingest.spark.source import (
@@ -237,6 +238,7 @@ class ClusterDriver:
         service = RateControlService(self.rate, {}, nodes=self.node_rates.snapshot)
         add_parsed_servicer(server, service, "RateControl", authenticator=self.auth)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        enable_reflection(server, ["RateControl"])
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{config.rate_host}:{config.rate_port}"
         if config.tls is not None:

@@ -1,11 +1,13 @@
 """Prometheus metrics: a collector that reads the receivers' counters at scrape time, and the /metrics
-endpoint (HTTP or HTTPS, optionally behind a reader's token or a client certificate).
+endpoint (HTTP or HTTPS, optionally behind a reader's token or a client certificate), which also serves
+the live status page (/status, /status.json: ingest.status) under the same rules.
 
 One registry per server (not the global one), so several servers can live in one process (tests).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import socket
@@ -20,6 +22,7 @@ from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ingest.status_page import PAGE
 from ingest.tls import ServerTls
 from receivers.auth import Authenticator
 from receivers.errors import PermissionDenied, Unauthenticated
@@ -329,11 +332,53 @@ def _refuse(
     return [body]
 
 
+STATUS_HEADERS = [
+    ("Cache-Control", "no-store"),
+    ("X-Content-Type-Options", "nosniff"),
+    # the page is self-contained: nothing loads from elsewhere, it talks to its own origin only
+    (
+        "Content-Security-Policy",
+        "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+        "img-src data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    ),
+]
+
+StatusSource = Callable[[], dict[str, Any] | None]
+"""The numbers of /status.json now, or None while the server cannot answer (starting, stopping)."""
+
+
+def _with_status(app: Callable[..., Iterable[bytes]], status: StatusSource) -> Callable[..., Iterable[bytes]]:
+    """`app` (the Prometheus text on any other path), plus GET /status (the page) and /status.json."""
+
+    def dispatch(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path not in ("/status", "/status/", "/status.json"):
+            return app(environ, start_response)
+        if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
+            return _refuse(start_response, "405 Method Not Allowed", "use GET", [("Allow", "GET, HEAD")])
+        if path == "/status/":  # the page's relative status.json must resolve to /status.json
+            start_response("308 Permanent Redirect", [("Location", "/status"), ("Content-Length", "0")])
+            return [b""]
+        if path == "/status":
+            body, kind = PAGE.encode(), "text/html; charset=utf-8"
+        else:
+            numbers = status()
+            if numbers is None:
+                return _refuse(start_response, "503 Service Unavailable", "the server is not running", [])
+            body, kind = json.dumps(numbers, allow_nan=False).encode(), "application/json"
+        headers = [("Content-Type", kind), ("Content-Length", str(len(body))), *STATUS_HEADERS]
+        start_response("200 OK", headers)
+        return [body] if environ.get("REQUEST_METHOD") == "GET" else [b""]
+
+    return dispatch
+
+
 class MetricsServer:
-    """Serves /metrics from background threads: HTTP, or HTTPS with the server's certificate (`tls`,
-    reloaded with it); `authenticator` given: only a reader or operator, by token or client
-    certificate. `client_certificates`: with a client CA, "required" (any certificate it signed gets
-    in), "optional" (verified when sent: the token or the certificate names the principal)."""
+    """Serves /metrics (and, given `status`, the status page) from background threads: HTTP, or HTTPS
+    with the server's certificate (`tls`, reloaded with it); `authenticator` given: only a reader or
+    operator, by token or client certificate, on every path. `client_certificates`: with a client CA,
+    "required" (any certificate it signed gets in), "optional" (verified when sent: the token or the
+    certificate names the principal)."""
 
     def __init__(
         self,
@@ -345,8 +390,11 @@ class MetricsServer:
         client_certificates: ssl.VerifyMode = ssl.CERT_NONE,
         authenticator: Authenticator | None = None,
         handshake_timeout: float = 10.0,
+        status: StatusSource | None = None,
     ) -> None:
         app = make_wsgi_app(registry)
+        if status is not None:
+            app = _with_status(app, status)
         if authenticator is not None:
             app = _guarded(app, authenticator)
         context = None if tls is None else lambda: tls.ssl_context(client_certificates)

@@ -14,6 +14,7 @@ that gets busy has its share back within a tick or two; operators set weights an
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import logging
 import math
@@ -56,6 +57,9 @@ as busy: a saturating publisher runs out every credit tick (0.05 s), so a few ti
 
 INTAKE_SECONDS = 0.5
 """Time constant of the records/s a stream took, as the split sees it (an exponential average)."""
+
+RECENT_BATCHES = 300
+"""Completed batches kept for the status page (recent_batches)."""
 
 WATCHES = 4
 """Most started batches kept while their metrics are on the way (none arrive without a listener)."""
@@ -105,6 +109,10 @@ class RateController:
         )
         self.pinned = False
         self.last_batch: BatchMetrics | None = None
+        self.recent_batches: collections.deque[tuple[float, BatchMetrics]] = collections.deque(
+            maxlen=RECENT_BATCHES
+        )
+        """The last completed batches, with when their metrics arrived (epoch s): the status page's."""
         self._all_policies = dict(config.stream_policies)
         self._policies = {s: p for s, p in config.stream_policies.items() if s in receivers}
         self._warmup = 0  # batches of a restarted query not fed to the estimator (query_started)
@@ -189,6 +197,7 @@ class RateController:
             if not self._watches:
                 self._completed.set()
         self.last_batch = batch
+        self.recent_batches.append((time.time(), batch))
         if self._warmup > 0 and batch.records > 0:
             self._warmup -= 1
             log.debug("batch %s of a restarted query: start-up, not fed to the estimator", batch)

@@ -26,8 +26,10 @@ from ingest.preflight import DataDirLock, bind_address, make_dirs
 from ingest.rate_controller import WATCHDOG_TICK, RateController
 from ingest.rate_service import RateControlService
 from ingest.receiver_node import ReceiverNode
+from ingest.reflection import enable_reflection
 from ingest.runtime_config import RuntimeConfig
 from ingest.sessions_service import SessionsService
+from ingest.status import StatusBoard
 from ingest.streams import DRAINING, KEPT, REMOVED, SERVING, StreamRegistry
 from ingest.tls import ServerTls, TlsFileError
 from receivers.auth import PIPELINE, Authenticator, AuthFileError, AuthTable, revoke
@@ -122,7 +124,23 @@ class SluiceServer:
         self.rate = RateController(self.receivers, config.rate, batch_interval=config.trigger_interval)
         """The ingest rate: fed by batch metrics (on_batch) and by operators (RateControl)."""
         self.registry = CollectorRegistry()
-        self.registry.register(SluiceCollector(self.receivers, self._batches_completed, wal=self.store))
+        collector = SluiceCollector(self.receivers, self._batches_completed, wal=self.store)
+        self.registry.register(collector)
+        self.status = StatusBoard(
+            collector,
+            self.rate,
+            self.receivers,
+            stream_states=lambda: self.streams.states,
+            stream_backlog=self.stream_backlog,
+            pipeline=lambda: self.pipeline_control.view() if self.pipeline_control is not None else None,
+            health=self._health_text,
+            about=lambda: {
+                "target": self.target,
+                "transport": self.transport,
+                "batches_completed": self._batches_completed(),
+            },
+        )
+        """The status page's numbers and their history (/status, /status.json beside /metrics)."""
         runtime = self.runtime
         self.registry.register(SettingsCollector(lambda: dict(runtime.changes), lambda: runtime.version))
         self.stream_changes: dict[tuple[str, str], int] = {}
@@ -142,11 +160,50 @@ class SluiceServer:
         """The bound gRPC port, once started."""
         self._stopped = asyncio.Event()
         self._watchdog: asyncio.Task[None] | None = None
+        self._health_watch: asyncio.Task[None] | None = None
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # stubs lack .aio
-        """grpc.health.v1: SERVING for "" and ingest.v1.Ingest while the server takes records."""
+        """grpc.health.v1: ingest.v1.Ingest is SERVING while the server takes records (its block log is
+        open); "" while it takes records and, where Spark runs (config.spark), its query runs."""
+        self._query_failure: Callable[[], str | None] | None = None
+        self._serving: bool | None = None  # what "" was last set to
         self._health_server: grpc.aio.Server | None = None
         self.health_port: int | None = None
         """The bound plaintext health port (config.health_port), once started."""
+
+    async def attach_query(self, failure: Callable[[], str | None]) -> None:
+        """The Spark query runs now; `failure()` says why it failed (None while it runs or a swap is
+        under way): health's "" follows it, SERVING while it runs, NOT_SERVING once it failed."""
+        self._query_failure = failure
+        if self._grpc is not None:
+            await self._update_health()
+
+    def query_failure(self) -> str | None:
+        """Why the attached query failed; "not started" where Spark runs and none is attached yet."""
+        if self._query_failure is None:
+            return "not started" if self.config.spark else None
+        return self._query_failure()
+
+    def _health_text(self) -> str:
+        """What health's "" says now, for the status page."""
+        if self._stopped.is_set():
+            return "NOT_SERVING (stopping)"
+        failure = self.query_failure()
+        return "SERVING" if failure is None else f"NOT_SERVING (query {failure})"
+
+    async def _update_health(self) -> None:
+        serving = self.query_failure() is None
+        if serving != self._serving and not self._stopped.is_set():
+            self._serving = serving
+            status = health_pb2.HealthCheckResponse
+            await self.health.set("", status.SERVING if serving else status.NOT_SERVING)
+
+    async def _watch_health(self) -> None:
+        while True:
+            await asyncio.sleep(HEALTH_TICK)
+            try:
+                await self._update_health()
+            except Exception:  # a failure() that raises must not end the probe's updates
+                log.exception("health update failed")
 
     def _batches_completed(self) -> int:
         return self.batches_completed()  # looked up at scrape time: the Spark side may attach later
@@ -226,10 +283,12 @@ class SluiceServer:
                 self._metrics = None
             raise
         self._grpc = server
-        for service in ("", "ingest.v1.Ingest"):
-            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(INGEST_HEALTH, health_pb2.HealthCheckResponse.SERVING)  # the block log is open
+        await self._update_health()
         _write_private(self.pipeline_token_file, self._pipeline_token + "\n")
         self._watchdog = asyncio.create_task(self._watch_batches(), name="sluice-batch-watchdog")
+        self._health_watch = asyncio.create_task(self._watch_health(), name="sluice-health")
+        self.status.start()
         log.info(
             "serving streams %s on %s (%s), metrics on %s",
             ", ".join(self.receivers),
@@ -253,9 +312,12 @@ class SluiceServer:
         add_parsed_servicer(server, SessionsService(self.receivers), "Sessions", authenticator=self.auth)
         admin = AdminService(self.runtime, self, self.apply_settings)
         add_parsed_servicer(server, admin, "Admin", authenticator=self.auth)
+        services = ["Ingest", "RateControl", "Sessions", "Admin"]
         if self.node is not None:
             self.node.add_services(server, self.receivers, self.auth)
+            services += ["Blocks", "Replication"]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        enable_reflection(server, services)
 
     def apply_settings(self, old: ServeConfig, new: ServeConfig) -> None:
         """Apply settings changed at run time (already validated and kept by self.runtime)."""
@@ -384,6 +446,7 @@ class SluiceServer:
             client_certificates=verify,
             authenticator=self.auth if token else None,
             handshake_timeout=security.handshake_timeout,
+            status=self.status.snapshot_threadsafe,
         )
 
     def reload_security(self) -> list[str]:
@@ -425,8 +488,10 @@ class SluiceServer:
         if self._stopped.is_set():
             return
         self._stopped.set()
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        for task in (self._watchdog, self._health_watch):
+            if task is not None:
+                task.cancel()
+        self.status.stop()
         await self.health.enter_graceful_shutdown()  # probes see NOT_SERVING from now on
         if self.node is not None:
             await self.node.drain()
@@ -493,6 +558,11 @@ class UnknownStreamError(KeyError):
 class StreamChangeRefused(RuntimeError):
     """Streams cannot change on this node (a cluster's): FAILED_PRECONDITION."""
 
+
+INGEST_HEALTH = "ingest.v1.Ingest"
+"""The health service name of intake alone (a readiness probe for taking records, Spark or not)."""
+HEALTH_TICK = 0.5
+"""Seconds between looks at the query's health."""
 
 PIPELINE_TOKEN_FILE = "pipeline.token"  # noqa: S105 - a file name
 """Under the data dir: the token of the server's own Spark source, for this run only."""

@@ -33,4 +33,5 @@ async def attach_spark(
     manager = PipelineManager(driver, server, loop)
     server.pipeline_control = manager
     await manager.start()
+    await server.attach_query(manager.failure)  # health's "" is SERVING from now on, until it fails
     return driver, manager

@@ -48,8 +48,9 @@ def scrape(
     ca: CertificateAuthority | None = None,
     token: str | None = None,
     client: Issued | None = None,
+    path: str = "/metrics",
 ) -> tuple[int, dict[str, str], str]:
-    """GET /metrics: status, headers, body."""
+    """GET `path` (/metrics): status, headers, body."""
     assert server.metrics_port is not None
     context = None
     if ca is not None:
@@ -57,7 +58,7 @@ def scrape(
         if client is not None:
             context.load_cert_chain(client.cert_file, client.key_file)
     scheme = "https" if ca is not None else "http"
-    request = urllib.request.Request(f"{scheme}://localhost:{server.metrics_port}/metrics")
+    request = urllib.request.Request(f"{scheme}://localhost:{server.metrics_port}{path}")
     if token is not None:
         request.add_header("Authorization", f"Bearer {token}")
     try:
@@ -119,6 +120,32 @@ async def test_metrics_token(tmp_path: Path) -> None:
     async with metrics_server(tmp_path / "2", security) as server:
         status, _, _ = await asyncio.to_thread(scrape, server)
         assert status == 200
+
+
+@pytest.mark.parametrize("path", ["/status", "/status.json"])
+async def test_status_page_under_the_same_rules(
+    tmp_path: Path, pki: tuple[CertificateAuthority, Issued], path: str
+) -> None:
+    """The status page and its numbers: a reader's or operator's token, over the metrics port's TLS."""
+    ca, server_cert = pki
+    tls = TlsConfig(server_cert.cert_file, server_cert.key_file)
+    security = SecurityConfig(tls=tls, metrics_tls=True, auth_file=auth_file(tmp_path / "auth.toml"))
+    async with metrics_server(tmp_path, security) as server:
+        status, headers, body = await asyncio.to_thread(scrape, server, ca=ca, path=path)
+        assert status == 401, body
+        assert headers["WWW-Authenticate"].startswith("Bearer")
+        assert "Sluice" not in body and "records_received" not in body
+        status, _, body = await asyncio.to_thread(scrape, server, ca=ca, token=TOKENS["producer"], path=path)
+        assert status == 403, body
+        expected = "<title>Sluice status</title>" if path == "/status" else '"records_received_total"'
+        for role in ("reader", "operator"):
+            token = TOKENS[role]
+            status, headers, body = await asyncio.to_thread(scrape, server, ca=ca, token=token, path=path)
+            assert status == 200, body
+            assert expected in body
+            assert "default-src 'none'" in headers["Content-Security-Policy"]
+        with pytest.raises((urllib.error.URLError, ConnectionError)):  # plain HTTP to the HTTPS port
+            await asyncio.to_thread(scrape, server, token=TOKENS["reader"], path=path)
 
 
 async def test_metrics_mutual_tls(tmp_path: Path, pki: tuple[CertificateAuthority, Issued]) -> None:

@@ -1,0 +1,370 @@
+"""`sluice status`: the status page's numbers in a terminal, redrawn every second (rich).
+
+By default it asks the server over gRPC, with the client's credentials like every other command:
+RateControl.GetRate (the rate, each stream's share and intake, the last batch), Admin.ListStreams,
+Sessions.ListSessions and Admin.GetPipeline. gRPC does not carry the byte counts (buffered, the block
+log on disk) nor the record counters: given --metrics URL it reads the page's own /status.json instead
+(the token as a bearer header, the CA and client certificate for HTTPS), which has them all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import ssl
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from sluice_client.credentials import Credentials
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+
+Json = dict[str, Any]
+REFRESH = 1.0
+"""Seconds between frames."""
+CALL_TIMEOUT = 5.0
+
+
+class StatusReadError(Exception):
+    """The numbers could not be read; `denied` when the server refused the credentials."""
+
+    def __init__(self, message: str, *, denied: bool = False) -> None:
+        super().__init__(message)
+        self.denied = denied
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+async def read_grpc(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...]) -> Json:
+    """The numbers over gRPC, shaped as /status.json (what gRPC does not carry is left out)."""
+    rate_stub, admin = pb_grpc.RateControlStub(channel), pb_grpc.AdminStub(channel)
+    try:
+        rate, streams, sessions = await asyncio.gather(
+            rate_stub.GetRate(pb.GetRateRequest(), metadata=metadata, timeout=CALL_TIMEOUT),
+            admin.ListStreams(pb.ListStreamsRequest(), metadata=metadata, timeout=CALL_TIMEOUT),
+            pb_grpc.SessionsStub(channel).ListSessions(
+                pb.ListSessionsRequest(), metadata=metadata, timeout=CALL_TIMEOUT
+            ),
+        )
+    except grpc.aio.AioRpcError as exc:
+        denied = exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+        raise StatusReadError(f"{exc.code().name}: {exc.details()}", denied=denied) from None
+    try:
+        health = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=CALL_TIMEOUT
+        )
+        serving = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
+    except grpc.aio.AioRpcError as exc:
+        serving = f"health unknown ({exc.code().name})"
+    pipeline: Json | None = None
+    try:
+        view = await admin.GetPipeline(pb.GetPipelineRequest(), metadata=metadata, timeout=CALL_TIMEOUT)
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:  # that one: no Spark query on this node
+            raise StatusReadError(f"{exc.code().name}: {exc.details()}") from None
+    else:
+        pipeline = {
+            "pipeline": view.pipeline or "built-in Parquet sink",
+            "generation": view.generation,
+            "state": view.state,
+            "trigger_interval": view.trigger_interval_seconds,
+            "last_swap": (
+                {
+                    "from": view.last_swap.from_pipeline or "built-in",
+                    "to": view.last_swap.to_pipeline or "built-in",
+                    "outcome": view.last_swap.outcome,
+                    "duration": view.last_swap.duration_seconds,
+                    "error": view.last_swap.error,
+                }
+                if view.HasField("last_swap")
+                else None
+            ),
+        }
+    shares = {s.stream: s for s in rate.streams}
+    rows = []
+    for view_ in streams.streams:
+        share = shares.get(view_.stream)
+        rows.append(
+            {
+                "stream": view_.stream,
+                "state": view_.state,
+                "backlog": view_.backlog,
+                "sessions_active": view_.sessions,
+                "rate_limit": _finite(share.records_per_second) if share is not None else None,
+                "input_rate": share.taken_per_second if share is not None else None,
+                "share": share.share_reason if share is not None else None,
+                "credit_paused": list(share.credit_paused) if share is not None else [],
+            }
+        )
+    last = None
+    if rate.HasField("last_batch"):
+        b = rate.last_batch
+        delay = b.processing_delay_seconds
+        last = {
+            "batch_id": b.batch_id,
+            "records": b.records,
+            "processing_rate": b.records / delay if b.records > 0 and delay > 0 else None,
+            "scheduling_delay": b.scheduling_delay_seconds,
+            "batch_duration": delay,
+        }
+    return {
+        "source": "gRPC",
+        "health": serving,
+        "rate": {
+            "limit": _finite(rate.records_per_second),
+            "min": _finite(rate.min_rate),
+            "max": _finite(rate.max_rate),
+            "estimator": rate.estimator,
+            "pinned": rate.pinned,
+            "input": sum(s.taken_per_second for s in rate.streams),
+        },
+        "last_batch": last,
+        "streams": rows,
+        "sessions": [
+            {
+                "session_id": s.session_id,
+                "stream": s.stream,
+                "principal": s.principal,
+                "producer_id": s.producer_id,
+                "credit": s.credit,
+                "next_seq": s.next_seq,
+                "durable_up_to": s.durable_up_to,
+                "state": "cancelled" if s.cancelled else "completed" if s.completed else "open",
+            }
+            for s in sessions.sessions
+        ],
+        "pipeline": pipeline,
+    }
+
+
+def status_json_url(url: str) -> str:
+    """--metrics: the metrics port's base URL (http://host:9464), or /status.json itself (ValueError
+    for a URL that is not http or https)."""
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"--metrics takes an http:// or https:// URL, got {url!r}")
+    url = url.rstrip("/")
+    for tail in ("/status.json", "/status", "/metrics"):
+        url = url.removesuffix(tail)
+    return url + "/status.json"
+
+
+def read_http(
+    url: str, credentials: Credentials, cert_file: Path | None = None, key_file: Path | None = None
+) -> Json:
+    """/status.json from the metrics port (blocking): the token as a bearer header; for HTTPS the CA
+    and the client certificate (files) of the credentials."""
+    token = credentials.token
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(url, headers=headers)  # noqa: S310 - http(s) only: status_json_url
+    context = None
+    if url.startswith("https:"):
+        roots = credentials.root_certificates
+        context = ssl.create_default_context(cadata=roots.decode() if roots is not None else None)
+        if cert_file is not None:
+            context.load_cert_chain(cert_file, key_file)
+    try:
+        with urllib.request.urlopen(request, timeout=CALL_TIMEOUT, context=context) as response:  # noqa: S310 - the operator's URL
+            data: Json = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        with exc:
+            why = exc.read().decode(errors="replace").strip()
+        raise StatusReadError(f"HTTP {exc.code}: {why}", denied=exc.code in (401, 403)) from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise StatusReadError(str(getattr(exc, "reason", exc))) from None
+    data["source"] = "status.json"
+    return data
+
+
+# ---- rendering ---------------------------------------------------------------------------------------
+
+
+def _num(value: float | None) -> str:
+    if value is None:
+        return "-"
+    if abs(value) >= 1e6:
+        return f"{value / 1e6:,.2f}M"
+    return f"{value:,.0f}" if abs(value) >= 100 or float(value).is_integer() else f"{value:,.1f}"
+
+
+def _rate(value: float | None) -> str:
+    return "unlimited" if value is None else _num(value)
+
+
+def _bytes(value: float | None) -> str:
+    if value is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024 or unit == "GiB":
+            return f"{value:,.0f} {unit}" if unit == "B" else f"{value:,.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.0f} ms" if value < 1 else f"{value:.2f} s"
+
+
+def _summary(data: Json) -> Table:
+    rate, last, totals = data.get("rate", {}), data.get("last_batch"), data.get("totals")
+    summary = Table.grid(padding=(0, 3))
+    for style, justify in (("dim", "left"), ("bold", "right"), ("dim", "left"), ("bold", "right")):
+        summary.add_column(style=style, justify=justify)  # type: ignore[arg-type]  # a JustifyMethod
+    estimator = f"{rate.get('estimator', '-')}{', pinned' if rate.get('pinned') else ''}"
+    limit = f"{_rate(rate.get('limit'))} rec/s ({estimator})"
+    summary.add_row("input rate", f"{_num(rate.get('input'))} rec/s", "rate limit", limit)
+    if last is None:
+        summary.add_row("processing rate", "-", "last batch", "none yet")
+    else:
+        batch = f"#{last['batch_id']}, {_num(last['records'])} records"
+        summary.add_row("processing rate", f"{_num(last['processing_rate'])} rec/s", "last batch", batch)
+        summary.add_row(
+            "scheduling delay", _seconds(last["scheduling_delay"]),
+            "batch duration", _seconds(last["batch_duration"]),
+        )
+    if totals is not None:
+        buffered = f"{_num(totals['buffered_records'])} rec, {_bytes(totals['buffered_bytes'])}"
+        summary.add_row("buffered", buffered, "block log on disk", _bytes(totals["wal_disk_bytes"]))
+        summary.add_row(
+            "records received", _num(totals["records_received_total"]),
+            "records acked", _num(totals["records_acked_total"]),
+        )
+    return summary
+
+
+_TEXT_COLUMNS = frozenset({"stream", "state", "share", "credit paused", "id", "principal", "producer"})
+
+
+def _table(title: str, columns: list[tuple[str, Callable[[Json], str]]], rows: list[Json]) -> Table:
+    table = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left", title_style="bold")
+    for name, _ in columns:
+        table.add_column(name, justify="left" if name in _TEXT_COLUMNS else "right")
+    for row in rows:
+        table.add_row(*(show(row) for _, show in columns))
+    return table
+
+
+def _streams(data: Json) -> Table:
+    columns: list[tuple[str, Callable[[Json], str]]] = [
+        ("stream", lambda s: s["stream"]),
+        ("state", lambda s: s["state"]),
+        ("input/s", lambda s: _num(s.get("input_rate"))),
+        ("rate limit", lambda s: _rate(s.get("rate_limit")) if s["state"] == "serving" else "-"),
+        ("share", lambda s: s.get("share") or ""),
+    ]
+    if data.get("totals") is not None:  # from /status.json
+        columns += [
+            ("received", lambda s: _num(s.get("records_received_total"))),
+            ("acked", lambda s: _num(s.get("records_acked_total"))),
+            ("buffered", lambda s: _num(s.get("buffered_records"))),
+            ("on disk", lambda s: _bytes(s.get("wal_disk_bytes"))),
+        ]
+    columns += [
+        ("backlog", lambda s: _num(s.get("backlog"))),
+        ("sessions", lambda s: _num(s.get("sessions_active"))),
+        ("credit paused", lambda s: ", ".join(s.get("credit_paused", []))),
+    ]
+    return _table("streams", columns, data.get("streams", []))
+
+
+def _sessions(data: Json) -> Table:
+    columns: list[tuple[str, Callable[[Json], str]]] = [
+        ("id", lambda s: str(s["session_id"])),
+        ("stream", lambda s: s["stream"]),
+        ("principal", lambda s: s["principal"]),
+        ("producer", lambda s: s["producer_id"]),
+        ("credit", lambda s: _num(s["credit"])),
+        ("next seq", lambda s: _num(s["next_seq"])),
+        ("durable up to", lambda s: _num(s["durable_up_to"])),
+        ("state", lambda s: s["state"]),
+    ]
+    return _table("sessions", columns, data.get("sessions", []))
+
+
+def _pipeline(data: Json) -> Text:
+    pipeline = data.get("pipeline")
+    if pipeline is None:
+        return Text("pipeline: no Spark query on this node", style="dim")
+    text = Text.assemble(
+        ("pipeline: ", "dim"),
+        (pipeline["pipeline"], "bold"),
+        f" (generation {pipeline['generation']}, ",
+        (pipeline["state"], "green" if pipeline["state"] == "running" else "bold red"),
+        f", trigger {pipeline['trigger_interval']:g} s)",
+    )
+    swap = pipeline.get("last_swap")
+    if swap:
+        error = f" ({swap['error']})" if swap.get("error") else ""
+        text.append(
+            f"; last swap {swap['from']} -> {swap['to']}: {swap['outcome']} in {_seconds(swap['duration'])}"
+            + error
+        )
+    return text
+
+
+def render(data: Json, target: str, *, error: str | None = None) -> RenderableType:
+    """One frame: the summary, the pipeline, the streams, the sessions."""
+    title = Text.assemble(("sluice status ", "bold"), (f"{target} ", "cyan"))
+    title.append(f"({data.get('source', '-')}, {time.strftime('%H:%M:%S')})", "dim")
+    health = data.get("health")
+    if health:
+        title.append(f"  {health}", "green" if health == "SERVING" else "bold red")
+    parts: list[RenderableType] = [title, _summary(data), _pipeline(data), _streams(data)]
+    parts.append(_sessions(data) if data.get("sessions") else Text("no open sessions", style="dim"))
+    if error is not None:
+        parts.append(Text(f"cannot read the status: {error} (retrying)", style="bold red"))
+    return Group(*parts)
+
+
+async def run_status(
+    target: str,
+    credentials: Credentials,
+    *,
+    once: bool,
+    metrics_url: str | None = None,
+    cert_file: Path | None = None,
+    key_file: Path | None = None,
+    console: Console | None = None,
+) -> None:
+    """Show the status once (StatusReadError when it cannot be read), or live until cancelled (a
+    failed read is shown in the frame and retried)."""
+    console = console or Console()
+    async with credentials.channel(target) as channel:
+
+        async def read() -> Json:
+            if metrics_url is not None:
+                url = status_json_url(metrics_url)
+                return await asyncio.to_thread(read_http, url, credentials, cert_file, key_file)
+            return await read_grpc(channel, credentials.metadata)
+
+        where = metrics_url or target
+        if once:
+            console.print(render(await read(), where))
+            return
+        data: Json = {}
+        with Live(console=console, auto_refresh=False, transient=False) as live:
+            while True:
+                try:
+                    data = await read()
+                    live.update(render(data, where), refresh=True)
+                except StatusReadError as exc:
+                    if exc.denied:
+                        raise
+                    live.update(render(data, where, error=str(exc)), refresh=True)
+                await asyncio.sleep(REFRESH)

@@ -1,0 +1,69 @@
+"""`sluice status` as a user runs it (a subprocess) against a real server with TLS and tokens: over
+gRPC, and from the metrics port's /status.json."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from pki import CertificateAuthority
+from support import running_server
+from test_metrics_security import TOKENS, auth_file
+
+from ingest.config import SecurityConfig, TlsConfig
+from sluice_client import Credentials, Producer
+
+SLUICE = str(Path(sys.executable).parent / "sluice")
+
+
+async def status(*args: str, token: str | None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    env["COLUMNS"] = "160"  # a wide "terminal": rich wraps nothing
+    if token is not None:
+        env["SLUICE_TOKEN"] = token
+    return await asyncio.to_thread(
+        subprocess.run, [SLUICE, "status", "--once", *args], capture_output=True, text=True, env=env,
+        timeout=60, check=False,
+    )
+
+
+async def test_status_once_over_grpc_and_status_json(tmp_path: Path) -> None:
+    ca = CertificateAuthority(tmp_path / "pki")
+    cert = ca.issue("localhost", server=True, file_stem="server")
+    tls_config = TlsConfig(cert.cert_file, cert.key_file)
+    security = SecurityConfig(tls=tls_config, metrics_tls=True, auth_file=auth_file(tmp_path / "a.toml"))
+    data = tmp_path / "data"
+    async with running_server(data, "orders", "clicks", metrics=True, security=security) as server:
+        server.rate.update(50_000)
+        credentials = Credentials(root_certificates=ca.cert_file.read_bytes(), token=TOKENS["producer"])
+        target = f"localhost:{server.port}"
+        producer = Producer(target, "orders", producer_id="producer-seen-by-status", credentials=credentials)
+        async with producer as p:
+            await p.send_many([b"x" * 50] * 3_000)
+            await p.flush(timeout=30)
+            tls = ["--target", target, "--ca-file", str(ca.cert_file)]
+            shown = await status(*tls, token=TOKENS["reader"])
+            assert shown.returncode == 0, shown.stderr
+            out = shown.stdout
+            assert "(gRPC" in out and "SERVING" in out
+            assert "50,000 rec/s" in out  # the rate limit
+            assert "orders" in out and "clicks" in out and "serving" in out
+            assert "producer-seen-by-status" in out  # its session is open
+            assert "no Spark query on this node" in out
+
+            metrics = f"https://localhost:{server.metrics_port}"
+            shown = await status(*tls, "--metrics", metrics, token=TOKENS["reader"])
+            assert shown.returncode == 0, shown.stderr
+            assert "(status.json" in shown.stdout and "records received" in shown.stdout
+            assert "3,000" in shown.stdout  # received and acked
+            assert "producer-seen-by-status" in shown.stdout
+
+            for extra in ([], ["--metrics", metrics]):
+                refused = await status(*tls, *extra, token=None)
+                assert refused.returncode == 3, refused.stderr  # no token: refused, said so
+                assert "status of" in refused.stderr
+            bad = await status(*tls, "--metrics", "file:///etc/passwd", token=TOKENS["reader"])
+            assert bad.returncode == 2 and "http:// or https://" in bad.stderr
