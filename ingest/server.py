@@ -230,7 +230,7 @@ class SluiceServer:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         _write_private(self.pipeline_token_file, self._pipeline_token + "\n")
         self._watchdog = asyncio.create_task(self._watch_batches(), name="sluice-batch-watchdog")
-        log.info(
+        log.debug(  # `sluice serve` says it, once (ingest.logs)
             "serving streams %s on %s (%s), metrics on %s",
             ", ".join(self.receivers),
             self.target,

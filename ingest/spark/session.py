@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
+import json
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from pyspark.sql import SparkSession
 
 import ingest
-from ingest.logs import SPARK_LOG_LEVELS
+from ingest.logs import SPARK_LOG_LEVELS, JsonFormatter
 from ingest.logs import SPARK_QUIET as QUIET
 from ingest.spark.source import SluiceDataSource
 
@@ -48,7 +52,12 @@ NOISY_LOGGERS = (
     # disabled.": at every query start, about a default the user did not choose
     "org.apache.spark.sql.execution.streaming.runtime.ResolveWriteToStream",
     "org.apache.spark.sql.execution.streaming.ResolveWriteToStream",
+    # "Unable to load native-hadoop library for your platform...": at every start, harmless
+    "org.apache.hadoop.util.NativeCodeLoader",
 )
+
+JVM_NOISE = (b"WARNING: Using incubator modules:",)
+"""Lines the JVM itself (not log4j) prints at every start: dropped from the JVM's stderr."""
 
 
 def log4j2_properties(level: str = QUIET, json_lines: bool = False) -> str:
@@ -122,10 +131,57 @@ def build_session(
     builder = SparkSession.builder.master(master).appName(app_name)
     for key, value in settings.items():
         builder = builder.config(key, value)
-    spark: SparkSession = builder.getOrCreate()
+    if log_json is None:
+        spark: SparkSession = builder.getOrCreate()
+    else:
+        with _filtered_stderr(log_json):  # the JVM inherits it, and its Python workers from it
+            spark = builder.getOrCreate()
     set_spark_log_level(spark, log_level)
     spark.dataSource.register(SluiceDataSource)
     return spark
+
+
+@contextlib.contextmanager
+def _filtered_stderr(json_lines: bool) -> Iterator[None]:
+    """While in the block, fd 2 is a pipe, so that a process started then (Spark's JVM) writes its
+    stderr there for good; a thread copies each line onto the real stderr, without JVM_NOISE and, with
+    `json_lines`, each line that is not a JSON object (a JVM message outside log4j, a Python worker's
+    traceback) wrapped in one (logger "spark.stderr")."""
+    read_fd, write_fd = os.pipe()
+    sys.stderr.flush()
+    real = os.dup(2)
+    out = os.dup(real)
+    threading.Thread(
+        target=_copy_lines, args=(read_fd, out, json_lines), name="sluice-jvm-stderr", daemon=True
+    ).start()
+    os.dup2(write_fd, 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(real, 2)
+        os.close(real)
+        os.close(write_fd)  # the pipe ends (and the thread with it) when the JVM and its workers do
+
+
+def _copy_lines(read_fd: int, out_fd: int, json_lines: bool) -> None:
+    with os.fdopen(read_fd, "rb") as pipe, os.fdopen(out_fd, "wb", buffering=0) as out:
+        for line in pipe:
+            if line.startswith(JVM_NOISE):
+                continue
+            if json_lines and not _is_json_object(line):
+                text = line.decode(errors="replace").rstrip("\r\n")
+                record = logging.LogRecord("spark.stderr", logging.WARNING, __file__, 0, text, None, None)
+                out.write(JsonFormatter().format(record).encode() + b"\n")
+            else:
+                out.write(line)
+
+
+def _is_json_object(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
 
 
 def set_spark_log_level(spark: SparkSession, level: str = QUIET) -> None:
