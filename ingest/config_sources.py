@@ -263,7 +263,7 @@ def apply_sources(
     for source, values, path in layers:  # the environment after the file: it wins
         for name, value in values.items():
             key = keys[name]
-            where = key.env if source == ENV else f"{name} in {path}"
+            where = key.env if source == ENV else f"{name} (in {path})"
             converted = convert(key, value, where, from_env=source == ENV)
             if key.dest in explicit or converted is _UNSET:
                 continue
