@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -21,12 +22,13 @@ import shlex
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, TypeVar
 
 import grpc
 
+from ingest import logs
 from ingest.config import (
     DEFAULT_METRICS_PORT,
     DEFAULT_PORT,
@@ -36,10 +38,22 @@ from ingest.config import (
     TlsConfig,
     parse_estimator_params,
 )
+from ingest.config_sources import (
+    CONFIG_ENV,
+    RUNTIME,
+    ConfigError,
+    Key,
+    Origin,
+    apply_sources,
+    explicit_dests,
+    keys_of,
+    name_keys,
+    subparser,
+)
+from ingest.logs import SPARK_LOG_LEVELS, SPARK_QUIET
 from ingest.preflight import DataDirLock, check_security, prepare
-from ratecontrol import StreamPolicy
+from ratecontrol import InvalidRateError, StreamPolicy, UnknownEstimatorError
 from receivers.auth import new_token, token_hash
-from receivers.block import InvalidStreamNameError
 from receivers.cluster import Cluster, load_nodes
 from receivers.principal import Limits
 from receivers.receiver import ReceiverConfig
@@ -53,6 +67,7 @@ from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 if TYPE_CHECKING:
     from rich.console import Console
 
+    from ingest.cluster_driver import DriverConfig
     from sluice_client import Producer
 
 log = logging.getLogger("sluice")
@@ -72,12 +87,16 @@ DEFAULT_BATCH_SIZE = 4096
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("py4j").setLevel(max(logging.WARNING, logging.getLogger().level))  # a line per call
+    args.origins = {}
+    if getattr(args, "layered_settings", False):  # serve, config check: flags > environment > file
+        try:
+            _layer_settings(args, argv, os.environ)
+        except ConfigError as exc:
+            logs.setup(args.log_level, args.log_format)
+            return _fail(str(exc), EXIT_USAGE)
+    logs.setup(args.log_level, args.log_format)
     try:
         code: int = args.run(args)
     except _Failed as failed:
@@ -90,12 +109,58 @@ def main(argv: Sequence[str] | None = None) -> int:
     return code
 
 
+def _layer_settings(args: argparse.Namespace, argv: Sequence[str], environ: Mapping[str, str]) -> None:
+    """Fill in `args` from the environment and the config file (ingest.config_sources) for what the
+    command line did not give; args.origins: destination -> where its value came from."""
+    keys = _serve_keys()
+    config_file = args.config
+    if config_file is None and environ.get(CONFIG_ENV):
+        config_file = Path(environ[CONFIG_ENV])
+    args.config = config_file
+    args.origins = apply_sources(args, keys, explicit_dests(_parser(), argv), environ, config_file)
+
+
+def _serve_keys() -> dict[str, Key]:
+    """The settings of `sluice serve`, by key: its flags without their dashes."""
+    return keys_of(subparser(_parser(), "serve"))
+
+
 def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of flags reads best
     parser = argparse.ArgumentParser(prog="sluice", description="Backpressure-aware ingestion for Spark.")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", default="info", choices=logs.LEVELS)
+    parser.add_argument(
+        "--log-format", default=logs.PLAIN, choices=logs.FORMATS, help="plain lines or JSON lines on stderr"
+    )
     commands = parser.add_subparsers(required=True, metavar="COMMAND")
 
-    serve = commands.add_parser("serve", help="run the service until SIGINT/SIGTERM")
+    serve = commands.add_parser(
+        "serve",
+        help="run the service until SIGINT/SIGTERM",
+        description="Run the service until SIGINT/SIGTERM. Every flag can also be set in the config file "
+        "(--config; key: the flag without its dashes) or the environment (SLUICE_ + the flag in upper case, "
+        "dashes as underscores); flags win over the environment, the environment over the file "
+        "(docs/configuration.md).",
+    )
+    serve.add_argument(
+        "--config",
+        type=Path,
+        metavar="TOML",
+        help=f"settings file, keys named as these flags (default: ${CONFIG_ENV}, else none)",
+    )
+    # here too, so that `sluice serve --log-format json` and the file and the environment can set them
+    serve.add_argument("--log-level", default=argparse.SUPPRESS, choices=logs.LEVELS, help="(default: info)")
+    serve.add_argument(
+        "--log-format",
+        default=argparse.SUPPRESS,
+        choices=logs.FORMATS,
+        help="plain lines, or JSON lines (Spark's too) on stderr (default: plain)",
+    )
+    serve.add_argument(
+        "--spark-log-level",
+        default=SPARK_QUIET,
+        choices=SPARK_LOG_LEVELS,
+        help="Spark's log4j level; quiet: warn without two known idle warnings (default: %(default)s)",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default: %(default)s)")
     serve.add_argument(
         "--port", type=int, default=DEFAULT_PORT, help="gRPC port, 0 = any (default: %(default)s)"
@@ -241,7 +306,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         help="the same as --fsync off (benchmarks on throwaway data only)",
     )
     serve.add_argument("--no-spark", action="store_true", help="receive and store blocks without Spark")
-    serve.set_defaults(run=_serve)
+    serve.set_defaults(run=_serve, layered_settings=True)
 
     push = commands.add_parser("push", help="push lines of a file (or - for stdin) as records")
     push.add_argument("file", help="a file, or - for standard input")
@@ -303,8 +368,20 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     estimator.add_argument("name", metavar="NAME", help="model, spark-pid or fixed")
     estimator.set_defaults(run=_rate_estimator)
 
-    settings = commands.add_parser("config", help="read or change settings of the running service")
+    settings = commands.add_parser(
+        "config", help="check the settings offline, or read or change those of the running service"
+    )
     config_commands = settings.add_subparsers(required=True, metavar="ACTION")
+    config_check = config_commands.add_parser(
+        "check",
+        parents=[serve],
+        add_help=False,
+        help="check serve's settings (file, environment, flags) without starting anything",
+        description="Validate the settings `sluice serve` would run with, as it does (every value, the TLS "
+        "and auth files, the pipeline, Java, DATA_DIR/runtime-config.json), and print each with its "
+        "source, without binding a port, locking the data dir or starting Spark. Exit 0 if valid, 2 if not.",
+    )
+    config_check.set_defaults(run=_config_check)
     config_get = config_commands.add_parser("get", help="settings, values and sources", parents=[server])
     config_get.add_argument("keys", nargs="*", metavar="KEY", help="settings to show (default: all)")
     config_get.set_defaults(run=_config_get)
@@ -726,7 +803,7 @@ class _Failed(Exception):
 
 
 def _fail(message: str, code: int = EXIT_FAILED) -> int:
-    print(f"sluice: {message}", file=sys.stderr)
+    logs.say(message, level=logging.ERROR)
     return code
 
 
@@ -757,27 +834,43 @@ def _security(args: argparse.Namespace) -> SecurityConfig:
     )
 
 
-def _drive(args: argparse.Namespace) -> int:
-    """`sluice serve --role driver`: ingest.cluster_driver."""
-    from ingest.cluster_driver import DriverConfig, run_driver  # noqa: PLC0415 - only the driver needs Spark
+def _checked(args: argparse.Namespace, build: Callable[[], T], fallback: Sequence[str] = ()) -> T:
+    """build(); its ValueError as a ConfigError naming the user's keys as they wrote them (a message
+    naming none is said to be about the `fallback` keys)."""
+    try:
+        return build()
+    except ValueError as exc:
+        raise ConfigError(name_keys(str(exc), args.origins, _serve_keys(), fallback)) from None
+
+
+def _driver_config(args: argparse.Namespace) -> DriverConfig:
+    """`sluice serve --role driver`'s DriverConfig; ValueError (ConfigError) for anything wrong."""
+    from ingest.cluster_driver import DriverConfig  # noqa: PLC0415 - only the driver needs it
 
     if args.nodes is None:
-        return _fail("--role driver needs --nodes FILE (one 'ID HOST:PORT' per line)", EXIT_USAGE)
-    try:
-        security = _security(args)
-        config = DriverConfig(
+        raise ConfigError(name_keys("--role driver needs --nodes FILE (one 'ID HOST:PORT' per line)",
+                                    args.origins, _serve_keys()))
+    security = _checked(args, lambda: _security(args))
+    rate = _checked(
+        args,
+        lambda: RateConfig(
+            estimator=args.estimator or "model",
+            initial_rate=10_000.0 if args.initial_rate is None else args.initial_rate,
+            min_rate=args.min_rate,
+            max_rate=args.max_rate,
+        ),
+        ("estimator", "initial-rate"),
+    )
+    return _checked(
+        args,
+        lambda: DriverConfig(
             nodes={node.id: node.target for node in load_nodes(args.nodes)},
             streams=tuple(args.streams or ("default",)),
             data_dir=args.data_dir,
             master=args.master,
             pipeline=args.pipeline,
             trigger_interval=args.trigger_interval,
-            rate=RateConfig(
-                estimator=args.estimator or "model",
-                initial_rate=10_000.0 if args.initial_rate is None else args.initial_rate,
-                min_rate=args.min_rate,
-                max_rate=args.max_rate,
-            ),
+            rate=rate,
             rate_host=args.host,
             rate_port=args.port,
             ca_file=args.client_ca,
@@ -790,86 +883,134 @@ def _drive(args: argparse.Namespace) -> int:
             metrics_port=None if args.metrics_port < 0 else args.metrics_port,
             metrics_tls=args.metrics_tls,
             health_port=args.health_port,
-        )
+        ),
+    )
+
+
+def _drive(args: argparse.Namespace) -> int:
+    """`sluice serve --role driver`: ingest.cluster_driver."""
+    from ingest.cluster_driver import run_driver  # noqa: PLC0415 - only the driver needs Spark
+
+    try:
+        config = _driver_config(args)
     except ValueError as exc:
         return _fail(str(exc), EXIT_USAGE)
-    return asyncio.run(run_driver(config))
+    return asyncio.run(run_driver(config, spark_log_level=args.spark_log_level))
 
 
-def _serve(args: argparse.Namespace) -> int:
-    if args.role == "driver":
-        return _drive(args)
-    receive_only = args.no_spark or args.role != "single"
+def _rate_config(args: argparse.Namespace, receive_only: bool) -> RateConfig:
+    """The rate flags as a RateConfig; ConfigError naming the flag at fault."""
+    policies = _checked(args, lambda: _stream_policies(args))
+
+    def build() -> RateConfig:
+        return RateConfig(
+            # a receiver node without Spark here takes its rate from operators (or the driver)
+            estimator=args.estimator or ("fixed" if receive_only else "model"),
+            initial_rate=(math.inf if receive_only else 10_000.0)
+            if args.initial_rate is None
+            else args.initial_rate,
+            min_rate=args.min_rate,
+            max_rate=args.max_rate,
+            stream_policies=policies,
+            estimator_params=args.estimator_params,
+        )
+
     try:
-        config = ServeConfig(
+        return build()
+    except UnknownEstimatorError:
+        return _checked(args, build, ("estimator",))
+    except InvalidRateError:
+        return _checked(args, build, ("initial-rate",))
+    except ValueError:  # RateBounds names min_rate/max_rate; anything else is the estimator's parameter
+        return _checked(args, build, ("estimator-params",))
+
+
+def _serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The ServeConfig of serve's settings, checked as `sluice serve` checks them before it starts
+    anything (the TLS files and the auth file too); ValueError (ConfigError) naming the user's keys."""
+    receive_only = args.no_spark or args.role != "single"
+    receiver = _checked(
+        args,
+        lambda: ReceiverConfig(
+            block_interval=args.block_interval,
+            buffer_records=args.buffer_records,
+            prefetch=max(1, args.buffer_records // 2) if args.prefetch is None else args.prefetch,
+            low_tide=args.low_tide,
+            block_records=args.block_records,
+            buffer_bytes=args.buffer_bytes,
+            disk_budget_bytes=args.disk_budget,
+        ),
+    )
+    rate = _rate_config(args, receive_only)
+    security = _checked(args, lambda: _security(args))
+    cluster = _checked(args, lambda: _cluster(args))
+    config = _checked(
+        args,
+        lambda: ServeConfig(
             host=args.host,
             port=args.port,
             metrics_host=args.metrics_host,
             metrics_port=None if args.metrics_port < 0 else args.metrics_port,
             data_dir=args.data_dir,
             streams=tuple(args.streams or ("default",)),
-            receiver=ReceiverConfig(
-                block_interval=args.block_interval,
-                buffer_records=args.buffer_records,
-                prefetch=max(1, args.buffer_records // 2) if args.prefetch is None else args.prefetch,
-                low_tide=args.low_tide,
-                block_records=args.block_records,
-                buffer_bytes=args.buffer_bytes,
-                disk_budget_bytes=args.disk_budget,
-            ),
-            rate=RateConfig(
-                # a receiver node without Spark here takes its rate from operators (or the driver)
-                estimator=args.estimator or ("fixed" if receive_only else "model"),
-                initial_rate=(math.inf if receive_only else 10_000.0)
-                if args.initial_rate is None
-                else args.initial_rate,
-                min_rate=args.min_rate,
-                max_rate=args.max_rate,
-                stream_policies=_stream_policies(args),
-                estimator_params=args.estimator_params,
-            ),
+            receiver=receiver,
+            rate=rate,
             fsync=args.fsync,
             segment_bytes=args.segment_bytes,
             master=args.master,
             pipeline=args.pipeline,
             trigger_interval=args.trigger_interval,
             spark=not args.no_spark and args.role == "single",
-            security=_security(args),
-            cluster=_cluster(args),
+            security=security,
+            cluster=cluster,
             peer_token_file=args.peer_token_file,
             health_port=args.health_port,
             max_message_bytes=args.max_message_bytes,
-        )
-        # the TLS files and the auth file, before Spark's JVM (seconds): a bad file fails at once
-        check_security(config)
-    except (ValueError, InvalidStreamNameError) as exc:
+        ),
+    )
+    # the TLS files and the auth file, before Spark's JVM (seconds): a bad file fails at once
+    _checked(args, lambda: check_security(config))
+    return config
+
+
+def _spark_prerequisites(config: ServeConfig | DriverConfig) -> None:
+    """Java, and the pipeline's module and function: ValueError unless Spark can run the query."""
+    if isinstance(config, ServeConfig) and not config.spark:
+        return
+    from ingest.spark.session import java_problem  # noqa: PLC0415 - only serve needs Spark
+
+    problem = java_problem()
+    if problem is not None:
+        raise ValueError(problem)
+    if config.pipeline:
+        from ingest.spark.pipeline import load_pipeline  # noqa: PLC0415
+
+        load_pipeline(config.pipeline)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    if args.role == "driver":
+        return _drive(args)
+    try:
+        config = _serve_config(args)
+        _spark_prerequisites(config)
+    except ValueError as exc:
         return _fail(str(exc), EXIT_USAGE)
-    if config.spark:
-        from ingest.spark.session import java_problem  # noqa: PLC0415 - only serve needs Spark
-
-        problem = java_problem()
-        if problem is not None:
-            return _fail(problem, EXIT_USAGE)
-        if config.pipeline:
-            from ingest.spark.pipeline import load_pipeline  # noqa: PLC0415
-
-            try:
-                load_pipeline(config.pipeline)
-            except ValueError as exc:
-                return _fail(str(exc), EXIT_USAGE)
     try:
         # before Spark's JVM, which takes seconds: a taken port or data dir fails at once. The lock is
         # held until this process ends (Spark drains into the data dir after the server stops).
         lock = prepare(config)
     except OSError as exc:
         return _fail(f"cannot start the server: {exc}")
+    settings = f"; settings from {args.config}" if args.config is not None else ""
+    logs.say(f"starting: data dir {config.data_dir}{settings}", event="start")
     try:
-        return asyncio.run(_serve_async(config, lock))
+        return asyncio.run(_serve_async(config, lock, args.spark_log_level))
     finally:
         lock.release()
 
 
-async def _serve_async(config: ServeConfig, lock: DataDirLock) -> int:  # noqa: PLR0912, PLR0915 - one lifecycle
+async def _serve_async(config: ServeConfig, lock: DataDirLock, spark_log_level: str = SPARK_QUIET) -> int:  # noqa: PLR0912, PLR0915 - one lifecycle
     from ingest.server import SluiceServer  # noqa: PLC0415
 
     driver = None
@@ -894,7 +1035,14 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock) -> int:  # noqa: 
         # launch Spark's JVM (a fork + exec of this process) before gRPC runs any thread: a fork while
         # gRPC's pollers run can break both the child and the server's event engine
         try:
-            spark = await asyncio.to_thread(build_session, config.master)
+            spark = await asyncio.to_thread(
+                functools.partial(
+                    build_session,
+                    config.master,
+                    log_level=spark_log_level,
+                    log_json=logs.log_format() == logs.JSON,
+                )
+            )
         except Exception as exc:  # noqa: BLE001 - py4j and PySpark raise many kinds; the JVM said why above
             return _fail(f"cannot start Spark on {config.master}: {exc}")
     try:
@@ -913,11 +1061,10 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock) -> int:  # noqa: 
     metrics = "" if server.metrics_port is None else f", metrics on :{server.metrics_port}/metrics"
     if server.metrics_port is not None and config.security.metrics_tls:
         metrics += " (https)"
-    print(
-        f"sluice: serving streams {', '.join(server.streams.serving)} on {server.target}{metrics}; "
+    logs.say(
+        f"serving streams {', '.join(server.streams.serving)} on {server.target}{metrics}; "
         f"{server.transport}{', tokens required' if server.auth.table is not None else ''}",
-        file=sys.stderr,
-        flush=True,
+        event="serving",
     )
     try:
         manager = None
@@ -931,11 +1078,7 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock) -> int:  # noqa: 
                 await server.stop()
                 return _fail(f"cannot start the Spark query: {exc}")
             sink = manager.current.spec or config.data_dir / manager.current.sink
-            print(
-                f"sluice: Spark query running on {config.master}; sink: {sink}",
-                file=sys.stderr,
-                flush=True,
-            )
+            logs.say(f"Spark query running on {config.master}; sink: {sink}", event="query-started")
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
@@ -943,7 +1086,7 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock) -> int:  # noqa: 
             if failure is not None:
                 await server.stop()
                 return _fail(f"the Spark query failed: {failure}")
-        log.info("stopping: sealing and acking what was received")
+        logs.say("stopping: sealing and acking what was received", event="stopping")
         await server.stop()
         if driver is not None:
             log.info("letting Spark process the sealed blocks (at most %g s)", DRAIN_SECONDS)
@@ -957,7 +1100,7 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock) -> int:  # noqa: 
             await asyncio.to_thread(driver.stop)
         if spark is not None:
             await asyncio.to_thread(spark.stop)
-    print("sluice: stopped", file=sys.stderr, flush=True)
+    logs.say("stopped", event="stopped")
     return 0
 
 
@@ -1352,6 +1495,81 @@ def _config_reset(args: argparse.Namespace) -> int:
     return _show_config(
         _unary(args, "config reset", lambda ch, md: pb_grpc.AdminStub(ch).SetConfig(request, metadata=md))
     )
+
+
+def _config_check(args: argparse.Namespace) -> int:
+    """`sluice config check`: serve's checks, offline; the settings with their sources, or the problem."""
+    from ingest.runtime_config import SETTINGS, RuntimeConfig  # noqa: PLC0415
+
+    overrides: dict[str, str] = {}
+    runtime_file = ""
+    try:
+        config: ServeConfig | DriverConfig
+        if args.role == "driver":
+            config = _driver_config(args)
+        else:
+            config = _serve_config(args)
+            # DATA_DIR/runtime-config.json, read (never written) and checked as the server will
+            runtime = RuntimeConfig(config)
+            overrides, runtime_file = runtime.overrides, str(runtime.path)
+        _spark_prerequisites(config)
+    except ValueError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    keys = _serve_keys()
+    effective = _effective(config) if isinstance(config, ServeConfig) else {}
+    rows = [("key", "value", "source")]
+    names = keys_by_dest(keys)
+    for dest, origin in args.origins.items():
+        name = names[dest].name
+        if name in overrides and name in SETTINGS:
+            changed = Origin(RUNTIME, origin.key, runtime_file)
+            rows.append((name, overrides[name] or "(none)", changed.described))
+            continue
+        value = effective.get(name, getattr(args, dest, None))
+        rows.append((name, _shown(value), origin.described))
+    width = [max(len(row[i]) for row in rows) for i in range(2)]
+    for key, value, source in rows:
+        print(f"{key:<{width[0]}}  {value:<{width[1]}}  {source}")
+    file = f" (config file {args.config})" if args.config is not None else ""
+    logs.say(f"the settings are valid{file}; nothing was started", event="config-valid")
+    return 0
+
+
+def keys_by_dest(keys: Mapping[str, Key]) -> dict[str, Key]:
+    """Each destination's first key (--fsync's, not --no-fsync's)."""
+    first: dict[str, Key] = {}
+    for key in keys.values():
+        first.setdefault(key.dest, key)
+    return first
+
+
+def _effective(config: ServeConfig) -> dict[str, object]:
+    """The values serve derives for the flags whose default is a rule ("half the buffer", ...)."""
+    return {
+        "prefetch": config.receiver.prefetch,
+        "low-tide": config.receiver.refill_at,
+        "block-records": config.receiver.seal_at,
+        "segment-bytes": config.wal_segment_bytes,
+        "estimator": config.rate.estimator,
+        "initial-rate": config.rate.initial_rate,
+    }
+
+
+def _shown(value: object) -> str:  # noqa: PLR0911 - one case per type
+    """A setting's value as a flag would take it."""
+    if value is None:
+        return "(none)"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return "inf" if math.isinf(value) else f"{value:g}"
+    if isinstance(value, tuple):  # STREAM=VALUE
+        return "=".join(map(_shown, value))
+    if isinstance(value, list):
+        return ",".join(map(_shown, value)) or "(none)"
+    if isinstance(value, dict):
+        return ",".join(f"{k}={_shown(v)}" for k, v in value.items()) or "(none)"
+    return str(value)
 
 
 # ---- streams and the pipeline --------------------------------------------------------------------

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
-import sys
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -37,6 +37,7 @@ from prometheus_client.registry import Collector
 
 from ingest.config import RateConfig, ServeConfig, TlsConfig
 from ingest.driver import SparkDriver, batch_metrics
+from ingest.logs import JSON, SPARK_QUIET, log_format, say
 from ingest.metrics import MetricsServer, SluiceCollector
 from ingest.node_rates import NodeRates
 from ingest.rate_controller import RateController
@@ -328,13 +329,15 @@ class _RateCollector(Collector):
         )
 
 
-async def run_driver(config: DriverConfig, *, stop: asyncio.Event | None = None) -> int:
+async def run_driver(
+    config: DriverConfig, *, stop: asyncio.Event | None = None, spark_log_level: str = SPARK_QUIET
+) -> int:
     """Run a cluster's driver until SIGINT/SIGTERM (or `stop`); 0, or 1 when the query failed."""
     from ingest.spark.session import build_session, java_problem  # noqa: PLC0415 - Spark is slow to import
 
     problem = java_problem()
     if problem is not None:
-        print(f"sluice: {problem}", file=sys.stderr)
+        say(problem, level=logging.ERROR)
         return 2
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -344,26 +347,29 @@ async def run_driver(config: DriverConfig, *, stop: asyncio.Event | None = None)
     try:
         driver = ClusterDriver(config)
     except ValueError as exc:  # a credentials file, the auth file
-        print(f"sluice: {exc}", file=sys.stderr)
+        say(str(exc), level=logging.ERROR)
         return 2
     # Spark's JVM first: a fork while gRPC's threads run can break both (see ingest.cli)
-    spark = await asyncio.to_thread(build_session, config.master)
+    spark = await asyncio.to_thread(
+        functools.partial(
+            build_session, config.master, log_level=spark_log_level, log_json=log_format() == JSON
+        )
+    )
     try:
         await driver.start(spark)
         metrics = "" if driver.metrics_port is None else f", metrics on :{driver.metrics_port}/metrics"
         health_port = "" if driver.health_port is None else f", health on :{driver.health_port}"
-        print(
-            f"sluice: driver of {len(config.nodes)} receiver nodes, streams {', '.join(config.streams)}; "
+        say(
+            f"driver of {len(config.nodes)} receiver nodes, streams {', '.join(config.streams)}; "
             f"rate on {driver.rate_target}{metrics}{health_port}",
-            file=sys.stderr,
-            flush=True,
+            event="serving",
         )
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 1.0)
             if driver.error() is not None:
                 await driver.query_failed()
-                print(f"sluice: the Spark query failed: {driver.error()}", file=sys.stderr)
+                say(f"the Spark query failed: {driver.error()}", level=logging.ERROR)
                 return 1
         return 0
     finally:

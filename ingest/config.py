@@ -208,7 +208,7 @@ class ServeConfig:
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{what} must be 0-65535, got {port}")
         if self.port != 0 and self.port == self.metrics_port and self.host == self.metrics_host:
-            raise ValueError(f"the gRPC port and the metrics port are both {self.port}: give them two")
+            raise ValueError(f"port and metrics port are both {self.port}: give them two")
         if not 0 < self.trigger_interval < math.inf:
             raise ValueError(f"trigger interval must be > 0 seconds and finite, got {self.trigger_interval}")
         if math.isinf(self.receiver.block_interval):  # nothing would be acked below block_records

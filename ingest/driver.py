@@ -242,7 +242,7 @@ class SparkDriver:
             rate_token_file=self.rate_token_file,
             context=plan.context,
         )
-        log.info("Spark query %s started", self.query.id)
+        log.debug("Spark query %s started", self.query.id)  # said by `sluice serve`, and by swaps
         self._checkpoint = _local_checkpoint(self.query)
         self._release_last_commit()
 

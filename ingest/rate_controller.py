@@ -299,7 +299,8 @@ class RateController:
         waiting = self._waiting(watch)
         proposal = self.estimator.overrun(watch.records, elapsed, self._batch_interval, waiting)
         if proposal is not None:
-            log.info(
+            # DEBUG, as the estimator's per-batch changes: under a lasting overload this is every batch
+            log.debug(
                 "batch of %d records still running after %.2f s, %d waiting: rate %s -> %s records/s",
                 watch.records,
                 elapsed,

@@ -108,10 +108,18 @@ class RateControlService(pb_grpc.RateControlServicer):
         return self._status()
 
     async def UpdateRate(self, request: pb.UpdateRateRequest, context: Context) -> pb.RateStatus:
+        was = self._controller.rate
         try:
             self._controller.update(request.records_per_second, pin=request.pin)
         except InvalidRateError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        log.info(
+            "rate %g -> %g records/s%s, set by %s",
+            was,
+            self._controller.rate,
+            " (pinned)" if request.pin else "",
+            context.peer(),
+        )
         return self._status()
 
     async def SetBounds(self, request: pb.SetBoundsRequest, context: Context) -> pb.RateStatus:
@@ -119,6 +127,13 @@ class RateControlService(pb_grpc.RateControlServicer):
             self._controller.set_bounds(request.min_rate, request.max_rate)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        log.info(
+            "rate bounds %g .. %g records/s (rate %g), set by %s",
+            request.min_rate,
+            request.max_rate,
+            self._controller.rate,
+            context.peer(),
+        )
         return self._status()
 
     async def SetEstimator(self, request: pb.SetEstimatorRequest, context: Context) -> pb.RateStatus:
@@ -126,6 +141,7 @@ class RateControlService(pb_grpc.RateControlServicer):
             self._controller.set_estimator(request.estimator)
         except UnknownEstimatorError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        log.info("rate estimator %s, set by %s", request.estimator, context.peer())
         return self._status()
 
     async def StartBatch(self, request: pb.StartBatchRequest, context: Context) -> pb.StartBatchResponse:

@@ -289,7 +289,7 @@ class SluiceServer:
         self._watchdog = asyncio.create_task(self._watch_batches(), name="sluice-batch-watchdog")
         self._health_watch = asyncio.create_task(self._watch_health(), name="sluice-health")
         self.status.start()
-        log.info(
+        log.debug(  # `sluice serve` says it, once (ingest.logs)
             "serving streams %s on %s (%s), metrics on %s",
             ", ".join(self.receivers),
             self.target,

@@ -674,6 +674,14 @@ class Receiver:
         if session.ended:
             return
         self.stats.sessions_failed += 1
+        log.warning(
+            "session %d on stream %r (producer %r) ends with %s: %s",
+            session.id,
+            self.stream,
+            session.producer_id,
+            error.status,
+            error,
+        )
         if ack_first and not session.cancelled and session.durable_up_to < session.next_seq:
             # a Cancel without the message: nothing more is taken, the error follows the last ack
             session.cancelled = True

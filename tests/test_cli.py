@@ -217,7 +217,7 @@ def test_serve_rejects_bad_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert result.returncode == 2
     assert b"argument --disk-budget: invalid size '12XB'" in result.stderr
     tiny = sluice("serve", "--no-spark", "--data-dir", str(tmp_path), "--segment-bytes", "100")
-    assert tiny.returncode == 2 and b"segment bytes must be >= 4096" in tiny.stderr
+    assert tiny.returncode == 2 and b"--segment-bytes must be >= 4096" in tiny.stderr
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,7 @@ DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUN = {"sh", "bash", "python"}
 PARSED = {"toml", "json", "sql"}
 SHOWN = {"text", ""}
-_FENCE = re.compile(r"^```(\S*)\s*$")
+_FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 _SKIP = re.compile(r"^<!-- docs: not run: (.+) -->$")
 
 
@@ -55,11 +55,12 @@ def blocks(path: Path) -> list[Block]:
         if fence is None:
             i += 1
             continue
-        start, lang = i, fence.group(1)
+        start, indent, lang = i, len(fence.group(1)), fence.group(2)
         i += 1
         body: list[str] = []
-        while i < len(lines) and lines[i].rstrip() != "```":
-            body.append(lines[i])
+        while i < len(lines) and lines[i].strip() != "```":
+            line = lines[i]
+            body.append(line[indent:] if not line[:indent].strip() else line.lstrip())
             i += 1
         above = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
         skip = _SKIP.match(above.strip())

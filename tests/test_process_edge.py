@@ -155,20 +155,21 @@ def test_serve_refuses_unusable_data_dirs_ports_and_settings_at_once(tmp_path: P
     assert result.returncode == 1 and f"{blocks_file} is a file".encode() in result.stderr
     port = str(free_port())
     same = sluice("serve", "--no-spark", "--port", port, "--metrics-port", port, timeout=60)
-    assert same.returncode == 2 and b"the gRPC port and the metrics port are both" in same.stderr
+    assert same.returncode == 2 and b"--port and --metrics-port are both" in same.stderr
     out_of_range = sluice("serve", "--no-spark", "--port", "70000", timeout=60)
-    assert out_of_range.returncode == 2 and b"port must be 0-65535, got 70000" in out_of_range.stderr
+    assert out_of_range.returncode == 2 and b"--port must be 0-65535, got 70000" in out_of_range.stderr
     (tmp_path / "e" / "sluice.lock").mkdir(parents=True)
     result = sluice("serve", *no_spark(0, tmp_path / "e"), timeout=60)
     assert result.returncode == 1 and b"cannot open the lock file" in result.stderr
-    # an explicit 0 is checked, not read as "the default"; an endless interval would ack nothing
+    # an explicit 0 is checked, not read as "the default"; an endless interval would ack nothing; each
+    # message names the flag, not the field (ingest.config_sources)
     for flags, message in [
-        (["--prefetch", "0"], b"prefetch must be >= 1, got 0"),
-        (["--initial-rate", "0"], b"rate must be > 0 records/s"),
-        (["--block-interval", "inf"], b"block interval must be finite"),
-        (["--trigger-interval", "inf"], b"trigger interval must be > 0 seconds and finite"),
+        (["--prefetch", "0"], b"--prefetch must be >= 1, got 0"),
+        (["--initial-rate", "0"], b"--initial-rate: rate must be > 0 records/s"),
+        (["--block-interval", "inf"], b"--block-interval must be finite"),
+        (["--trigger-interval", "inf"], b"--trigger-interval must be > 0 seconds and finite"),
         # Spark's JVM would check it seconds later and die with a Java and a Python stack trace
-        (["--master", "bogus"], b"master 'bogus': Spark takes yarn, spark://..., k8s://... or local..."),
+        (["--master", "bogus"], b"--master 'bogus': Spark takes yarn, spark://..., k8s://... or local..."),
     ]:
         spark = flags[0] == "--master"
         where = ["--port", "0", "--data-dir", str(tmp_path / "f")]

@@ -265,7 +265,7 @@ def test_serve_refuses_bad_tls_files_before_starting(
             "holds no PEM certificate",
         ),
         (["--auth-file", str(server_cert.cert_file)], "is not valid TOML"),
-        (["--metrics-tls"], "metrics TLS needs the server's certificate and key"),
+        (["--metrics-tls"], "--metrics-tls needs the server's certificate and key"),  # the flag's name
     ):
         result = sluice("serve", "--no-spark", "--port", "0", "--data-dir", str(data), *args)
         assert result.returncode == 2, (args, result.stderr.decode())

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import json
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Mapping
+import tempfile
+import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from pyspark.sql import SparkSession
 
 import ingest
+from ingest.logs import SPARK_LOG_LEVELS, JsonFormatter
+from ingest.logs import SPARK_QUIET as QUIET
 from ingest.spark.source import SluiceDataSource
 
 MIN_JAVA = 17
@@ -35,29 +43,157 @@ _LOCAL_DEFAULTS = {
 }
 
 
+NOISY_LOGGERS = (
+    # "Current batch is falling behind. The trigger interval is ...": every idle trigger of a query
+    # whose batch took longer than its interval; Sluice's rate control and metrics say it better
+    "org.apache.spark.sql.execution.streaming.runtime.ProcessingTimeExecutor",
+    "org.apache.spark.sql.execution.streaming.ProcessingTimeExecutor",  # before Spark 4.1
+    # "spark.sql.adaptive.enabled is not supported in streaming DataFrames/Datasets and will be
+    # disabled.": at every query start, about a default the user did not choose
+    "org.apache.spark.sql.execution.streaming.runtime.ResolveWriteToStream",
+    "org.apache.spark.sql.execution.streaming.ResolveWriteToStream",
+    # "Unable to load native-hadoop library for your platform...": at every start, harmless
+    "org.apache.hadoop.util.NativeCodeLoader",
+)
+
+JVM_NOISE = (b"WARNING: Using incubator modules:",)
+"""Lines the JVM itself (not log4j) prints at every start: dropped from the JVM's stderr."""
+
+
+def log4j2_properties(level: str = QUIET, json_lines: bool = False) -> str:
+    """A log4j2 configuration for Spark's JVM: stderr, one line per event (Spark's own JSON layout with
+    `json_lines`), at `level` (SPARK_LOG_LEVELS)."""
+    if level not in SPARK_LOG_LEVELS:
+        raise ValueError(f"Spark log level {level!r}: one of {', '.join(SPARK_LOG_LEVELS)}")
+    lines = [
+        f"rootLogger.level = {'warn' if level == QUIET else level}",
+        "rootLogger.appenderRef.stderr.ref = console",
+        "appender.console.type = Console",
+        "appender.console.name = console",
+        "appender.console.target = SYSTEM_ERR",
+    ]
+    if json_lines:
+        lines += [
+            "appender.console.layout.type = JsonTemplateLayout",
+            "appender.console.layout.eventTemplateUri = classpath:org/apache/spark/SparkLayout.json",
+        ]
+    else:
+        lines += [
+            "appender.console.layout.type = PatternLayout",
+            "appender.console.layout.pattern = %d{yyyy-MM-dd HH:mm:ss,SSS} %p spark.%c{1}: %m%n%ex",
+        ]
+    quiet = [("jetty", "org.sparkproject.jetty", "warn")]
+    if level == QUIET:
+        quiet += [(f"noisy{i}", name, "error") for i, name in enumerate(NOISY_LOGGERS)]
+    for ref, name, at in quiet:
+        lines += [f"logger.{ref}.name = {name}", f"logger.{ref}.level = {at}"]
+    return "\n".join(lines) + "\n"
+
+
 def build_session(
-    master: str = "local[*]", app_name: str = "sluice", conf: Mapping[str, str] | None = None
+    master: str = "local[*]",
+    app_name: str = "sluice",
+    conf: Mapping[str, str] | None = None,
+    *,
+    log_level: str = QUIET,
+    log_json: bool | None = None,
 ) -> SparkSession:
     """Get or create the Spark session, with the "sluice" data source registered.
 
     `conf` overrides the defaults. An already running session is reused (Spark's getOrCreate): then
     only runtime settings take effect. Raises RuntimeError with java_problem()'s message when Java is
     missing, rather than letting Spark fail with a launcher error.
+
+    `log_level` (SPARK_LOG_LEVELS) applies to Spark's log4j loggers. With `log_json` set (True: JSON
+    lines, False: plain) the JVM starts with log4j2_properties(), so that even its first lines, before
+    the session exists, have that format and level; otherwise Spark's default configuration prints
+    those and the levels are set once the session is up.
     """
     problem = java_problem()
     if problem is not None:
         raise RuntimeError(problem)
+    if log_level not in SPARK_LOG_LEVELS:
+        raise ValueError(f"Spark log level {log_level!r}: one of {', '.join(SPARK_LOG_LEVELS)}")
     local = master.startswith("local")
     _point_workers_at_this_python(local)
     settings = dict(_LOCAL_DEFAULTS) if local else {"spark.sql.session.timeZone": "UTC"}
     settings.update(conf or {})
+    if log_json is not None:
+        with tempfile.NamedTemporaryFile(
+            "w", prefix="sluice-log4j2-", suffix=".properties", delete=False
+        ) as f:
+            f.write(log4j2_properties(log_level, log_json))
+        log4j_file = Path(f.name)
+        atexit.register(log4j_file.unlink, missing_ok=True)  # log4j may read it again while Spark runs
+        option = f"-Dlog4j2.configurationFile={log4j_file.as_uri()}"
+        given = settings.get("spark.driver.extraJavaOptions", "")
+        settings["spark.driver.extraJavaOptions"] = f"{given} {option}".strip()
     builder = SparkSession.builder.master(master).appName(app_name)
     for key, value in settings.items():
         builder = builder.config(key, value)
-    spark: SparkSession = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("WARN")
+    if log_json is None:
+        spark: SparkSession = builder.getOrCreate()
+    else:
+        with _filtered_stderr(log_json):  # the JVM inherits it, and its Python workers from it
+            spark = builder.getOrCreate()
+    set_spark_log_level(spark, log_level)
     spark.dataSource.register(SluiceDataSource)
     return spark
+
+
+@contextlib.contextmanager
+def _filtered_stderr(json_lines: bool) -> Iterator[None]:
+    """While in the block, fd 2 is a pipe, so that a process started then (Spark's JVM) writes its
+    stderr there for good; a thread copies each line onto the real stderr, without JVM_NOISE and, with
+    `json_lines`, each line that is not a JSON object (a JVM message outside log4j, a Python worker's
+    traceback) wrapped in one (logger "spark.stderr")."""
+    read_fd, write_fd = os.pipe()
+    sys.stderr.flush()
+    real = os.dup(2)
+    out = os.dup(real)
+    threading.Thread(
+        target=_copy_lines, args=(read_fd, out, json_lines), name="sluice-jvm-stderr", daemon=True
+    ).start()
+    os.dup2(write_fd, 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(real, 2)
+        os.close(real)
+        os.close(write_fd)  # the pipe ends (and the thread with it) when the JVM and its workers do
+
+
+def _copy_lines(read_fd: int, out_fd: int, json_lines: bool) -> None:
+    with os.fdopen(read_fd, "rb") as pipe, os.fdopen(out_fd, "wb", buffering=0) as out:
+        for line in pipe:
+            if line.startswith(JVM_NOISE):
+                continue
+            if json_lines and not _is_json_object(line):
+                text = line.decode(errors="replace").rstrip("\r\n")
+                record = logging.LogRecord("spark.stderr", logging.WARNING, __file__, 0, text, None, None)
+                out.write(JsonFormatter().format(record).encode() + b"\n")
+            else:
+                out.write(line)
+
+
+def _is_json_object(line: bytes) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def set_spark_log_level(spark: SparkSession, level: str = QUIET) -> None:
+    """Spark's log4j levels at run time: the root's, and NOISY_LOGGERS' at ERROR when `level` is quiet."""
+    spark.sparkContext.setLogLevel("WARN" if level == QUIET else level.upper())
+    if level != QUIET:
+        return
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None  # a running session has its gateway
+    error = jvm.org.apache.logging.log4j.Level.ERROR
+    for name in NOISY_LOGGERS:
+        jvm.org.apache.logging.log4j.core.config.Configurator.setLevel(name, error)
 
 
 def java_problem() -> str | None:

@@ -1,0 +1,82 @@
+"""What `sluice` writes on stderr: plain lines (the default) or JSON lines (`--log-format json`).
+
+One line per lifecycle event (start, serving, the Spark query started, a pipeline swap, stop), per rate
+or settings change and per failed session; nothing per record or per batch above DEBUG. Lifecycle lines
+go through say(): "sluice: ..." in plain mode, as the CLI always printed them, or a JSON object with an
+"event" field. Spark's JVM logs through log4j on the same stderr; ingest.spark.session gives it the same
+format (docs/configuration.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from datetime import UTC, datetime
+
+PLAIN, JSON = "plain", "json"
+FORMATS = (PLAIN, JSON)
+LEVELS = ("debug", "info", "warning", "error")
+SPARK_QUIET = "quiet"
+SPARK_LOG_LEVELS = (SPARK_QUIET, "off", "fatal", "error", "warn", "info", "debug", "trace", "all")
+"""`--spark-log-level`: "quiet" (the default) is WARN without the warnings of
+ingest.spark.session.NOISY_LOGGERS; any other is log4j's level for all of Spark's loggers."""
+PLAIN_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+_format = PLAIN
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per record: time (UTC, ISO 8601), level, logger, message, and event and
+    exception when there are."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry: dict[str, object] = {
+            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        event = getattr(record, "event", None)
+        if event:
+            entry["event"] = event
+        if record.exc_info:
+            entry["exception"] = self.formatException(record.exc_info)
+        if record.stack_info:
+            entry["stack"] = self.formatStack(record.stack_info)
+        return json.dumps(entry, ensure_ascii=False, default=str)
+
+
+def setup(level: str = "info", log_format: str = PLAIN) -> None:
+    """Log to stderr at `level` in `log_format`. Like logging.basicConfig, it leaves a root logger that
+    already has handlers alone (a test harness's), but say() follows `log_format` either way."""
+    global _format  # noqa: PLW0603 - one process, one log format
+    if log_format not in FORMATS:
+        raise ValueError(f"log format {log_format!r}: one of {', '.join(FORMATS)}")
+    _format = log_format
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(JsonFormatter() if log_format == JSON else logging.Formatter(PLAIN_FORMAT))
+        root.addHandler(handler)
+        root.setLevel(getattr(logging, level.upper()))
+        if log_format == JSON:
+            logging.captureWarnings(True)  # a Python warning is a log line too, not a bare stderr line
+    # py4j logs a line per call to the JVM
+    logging.getLogger("py4j").setLevel(max(logging.WARNING, root.level))
+
+
+def log_format() -> str:
+    return _format
+
+
+def say(message: str, *, event: str | None = None, level: int = logging.INFO) -> None:
+    """A line for the operator on stderr, whatever the log level: "sluice: message", or in JSON mode an
+    object with the message and its lifecycle `event` (start, serving, query-started, stopped, ...)."""
+    if _format == JSON:
+        record = logging.LogRecord("sluice", level, __file__, 0, message, None, None)
+        record.event = event
+        line = JsonFormatter().format(record)
+    else:
+        line = f"sluice: {message}"
+    print(line, file=sys.stderr, flush=True)

@@ -1,0 +1,230 @@
+"""`sluice serve`'s settings from flags, SLUICE_* variables and a TOML file; `sluice config check`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from test_cli import SLUICE, wait_for_line
+
+from ingest import cli
+from ingest.config_sources import OTHER_ENV, keys_of, subparser
+
+
+def clean_env(**more: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    return env | {"PYTHONUNBUFFERED": "1"} | more
+
+
+def check(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*SLUICE, "config", "check", *args],
+        capture_output=True,
+        text=True,
+        env=clean_env() if env is None else env,
+        timeout=120,
+        check=False,
+    )
+
+
+def rows(stdout: str) -> dict[str, tuple[str, str]]:
+    """config check's listing: key -> (value, source)."""
+    table = {}
+    for line in stdout.splitlines()[1:]:
+        key, value, source = re.split(r"\s{2,}", line.strip(), maxsplit=2)
+        table[key] = (value, source)
+    return table
+
+
+def test_every_serve_flag_is_a_key_of_the_file_and_the_environment() -> None:
+    parser = cli._parser()
+    serve = subparser(parser, "serve")
+    keys = keys_of(serve)
+    flags = {o for a in serve._actions for o in a.option_strings if o.startswith("--")}
+    flags -= {"--help", "--config", "--no-metrics-auth"}  # --no-metrics-auth: metrics-auth = false
+    assert {key.flag for key in keys.values()} == flags
+    assert {"no-spark", "no-fsync", "block-interval", "stream", "log-format", "spark-log-level"} <= set(keys)
+    assert keys["block-interval"].env == "SLUICE_BLOCK_INTERVAL"
+    assert keys["node-id"].env == "SLUICE_NODE_ID"  # the variable a receiver node always took
+    assert len({key.env for key in keys.values()}) == len(keys)
+    assert not {key.env for key in keys.values()} & OTHER_ENV
+    # `config check` takes exactly serve's flags
+    assert set(keys_of(subparser(parser, "config", "check"))) == set(keys)
+
+
+def test_flags_beat_the_environment_which_beats_the_file(tmp_path: Path) -> None:
+    config = tmp_path / "sluice.toml"
+    config.write_text(
+        'block-interval = 0.1\nbuffer-records = 1000\nport = 1111\nstream = ["a", "b"]\n'
+        'stream-weight = {a = 3}\nmax-rate = inf\nno-spark = true\nmin-rate = 50\n'
+    )
+    env = clean_env(SLUICE_BLOCK_INTERVAL="0.3", SLUICE_PORT="2222", SLUICE_MIN_RATE="200",
+                    SLUICE_CONFIG=str(config), SLUICE_TOKEN="not a setting", SLUICE_CA_FILE="/x")
+    # a flag given with its default value still wins
+    result = check("--port", "3333", "--min-rate", "100", "--data-dir", str(tmp_path / "data"), env=env)
+    assert result.returncode == 0, result.stderr
+    table = rows(result.stdout)
+    assert table["block-interval"] == ("0.3", "env SLUICE_BLOCK_INTERVAL")
+    assert table["buffer-records"] == ("1000", f"file {config}")
+    assert table["port"] == ("3333", "flag")
+    assert table["min-rate"] == ("100", "flag")
+    assert table["stream"] == ("a,b", f"file {config}")
+    assert table["stream-weight"] == ("a=3", f"file {config}")
+    assert table["max-rate"] == ("inf", f"file {config}")
+    assert table["no-spark"] == ("true", f"file {config}")
+    assert table["trigger-interval"] == ("1", "default")
+    assert table["prefetch"] == ("500", "default")  # the rule's value: half the buffer
+    assert "the settings are valid" in result.stderr
+    # nothing was started: no data dir, and --config on the command line beats $SLUICE_CONFIG
+    assert not (tmp_path / "data").exists()
+    other = tmp_path / "other.toml"
+    other.write_text("no-spark = true\nbuffer-records = 7\n")
+    again = check("--config", str(other), env=env)
+    assert again.returncode == 0, again.stderr
+    assert rows(again.stdout)["buffer-records"] == ("7", f"file {other}")
+
+
+def test_settings_changed_at_run_time_override_the_start_up_ones(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    runtime = {"version": 2, "overrides": {"block-interval": "0.5"}}
+    (data / "runtime-config.json").write_text(json.dumps(runtime))
+    result = check("--no-spark", "--data-dir", str(data), "--block-interval", "0.1")
+    assert result.returncode == 0, result.stderr
+    assert rows(result.stdout)["block-interval"] == ("0.5", f"runtime {data / 'runtime-config.json'}")
+    (data / "runtime-config.json").write_text(json.dumps({"version": 3, "overrides": {"prefetch": "-1"}}))
+    bad = check("--no-spark", "--data-dir", str(data))
+    assert bad.returncode == 2
+    assert f"{data / 'runtime-config.json'}: prefetch" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_unknown_keys_and_variables_are_errors_naming_them(tmp_path: Path) -> None:
+    config = tmp_path / "sluice.toml"
+    config.write_text("blok-interval = 0.2\n")
+    result = check("--config", str(config))
+    assert result.returncode == 2
+    assert f"config file {config}: unknown key 'blok-interval'" in result.stderr
+    config.write_text("[receiver]\nblock-interval = 0.2\n")
+    result = check("--config", str(config))
+    assert result.returncode == 2 and "unknown key 'receiver' (tables are not used" in result.stderr
+    config.write_text("block-interval = \n")
+    result = check("--config", str(config))
+    assert result.returncode == 2 and "not valid TOML" in result.stderr
+    result = check("--config", str(tmp_path / "missing.toml"))
+    assert result.returncode == 2 and "missing.toml: no such file" in result.stderr
+    result = check(env=clean_env(SLUICE_BLOK_INTERVAL="0.2"))
+    assert result.returncode == 2 and "environment variable SLUICE_BLOK_INTERVAL names no" in result.stderr
+    # the variables Sluice already used are not settings, and not errors
+    known = clean_env(SLUICE_NODE_ID="4", SLUICE_TOKEN="t", SLUICE_NAMESPACE="n", SLUICE_POD_NAME="p")
+    result = check("--no-spark", env=known)
+    assert result.returncode == 0, result.stderr
+    assert rows(result.stdout)["node-id"] == ("4", "env SLUICE_NODE_ID")
+
+
+# (key, bad value, what the message says): errors from argparse types, from the dataclasses' checks
+# naming fields (block_interval, low_tide, min_rate) and from checks naming no key at all
+BAD_VALUES = [
+    ("block-interval", "0", "must be > 0 seconds"),
+    ("block-interval", "abc", "invalid float value: 'abc'"),
+    ("low-tide", "600000", "must be in [0, --prefetch)"),
+    ("min-rate", "0", "must be > 0 and finite"),
+    ("initial-rate", "-5", "rate must be > 0 records/s"),
+    ("estimator", "magic", "unknown estimator 'magic'"),
+    ("trigger-interval", "0", "must be > 0 seconds and finite"),
+    ("segment-bytes", "100", "must be >= 4096"),
+    ("handshake-timeout", "0", "a handshake timeout is in 0.1..3600"),
+]
+
+
+@pytest.mark.parametrize("source", ["flag", "env", "file"])
+@pytest.mark.parametrize(("key", "value", "says"), BAD_VALUES)
+def test_an_invalid_value_names_the_key_as_the_user_wrote_it(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    source: str,
+    key: str,
+    value: str,
+    says: str,
+) -> None:
+    for name in [n for n in os.environ if n.startswith("SLUICE_")]:
+        monkeypatch.delenv(name)
+    argv = ["config", "check", "--no-spark", "--data-dir", str(tmp_path / "data")]
+    config = tmp_path / "sluice.toml"
+    if source == "flag":
+        argv += [f"--{key}", value]
+        spelled = f"--{key}"
+    elif source == "env":
+        variable = "SLUICE_" + key.upper().replace("-", "_")
+        monkeypatch.setenv(variable, value)
+        spelled = variable
+    else:
+        number = re.fullmatch(r"-?\d+(\.\d+)?", value)
+        config.write_text(f"{key} = {value if number else json.dumps(value)}\n")
+        argv += ["--config", str(config)]
+        spelled = f"{key} (in {config})"
+    try:
+        code = cli.main(argv)
+    except SystemExit as exited:  # argparse's own error, for a flag its type refuses
+        code = exited.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert spelled in err and says in err, err
+    if "-" in key:
+        assert key.replace("-", "_") not in err, err  # never the field's name
+
+
+def test_config_check_runs_serves_checks_without_starting_anything(tmp_path: Path) -> None:
+    with socket.socket() as busy:  # check binds nothing: a taken port is the server's business
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        result = check("--no-spark", "--port", port, "--data-dir", str(tmp_path / "d"))
+    assert result.returncode == 0, result.stderr
+    assert not (tmp_path / "d").exists()
+    bad_pipeline = check("--pipeline", "no_such_module:f", "--data-dir", str(tmp_path / "d"))
+    assert bad_pipeline.returncode == 2 and "no module named 'no_such_module'" in bad_pipeline.stderr
+    missing = tmp_path / "auth.toml"
+    no_auth = check("--no-spark", "--auth-file", str(missing))
+    assert no_auth.returncode == 2 and str(missing) in no_auth.stderr, no_auth.stderr
+    exposed = check("--no-spark", env=clean_env(SLUICE_HOST="0.0.0.0"))
+    assert exposed.returncode == 2 and "refusing to serve gRPC in plaintext on 0.0.0.0" in exposed.stderr
+    tls = check("--no-spark", env=clean_env(SLUICE_TLS_CERT="/nonexistent/cert.pem"))
+    # each key as written: the one set in the environment, and the flag of the one missing
+    assert tls.returncode == 2 and "TLS needs both SLUICE_TLS_CERT and --tls-key" in tls.stderr, tls.stderr
+    assert not (tmp_path / "d").exists()
+
+
+def test_metrics_bind_the_chosen_address_and_a_clean_stop_has_no_traceback(tmp_path: Path) -> None:
+    log = tmp_path / "serve.log"
+    env = clean_env(SLUICE_METRICS_HOST="127.0.0.2", SLUICE_NO_SPARK="1")
+    with log.open("wb") as log_file:
+        serve = subprocess.Popen(
+            [*SLUICE, "serve", "--port", "0", "--metrics-port", "0", "--data-dir", str(tmp_path / "data")],
+            stderr=log_file,
+            env=env,
+        )
+    try:
+        match = wait_for_line(serve, log, r"metrics on :(\d+)/metrics", 60)
+        port = int(match.group(1))
+        body = urllib.request.urlopen(f"http://127.0.0.2:{port}/metrics", timeout=10).read().decode()
+        assert "sluice_records_received_total" in body
+        with pytest.raises(urllib.error.URLError):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
+    finally:
+        serve.send_signal(signal.SIGINT)
+        try:
+            code = serve.wait(timeout=60)
+        finally:
+            serve.kill()
+    text = log.read_text()
+    assert code == 0, text
+    assert "Traceback" not in text and "sluice: stopped" in text, text
