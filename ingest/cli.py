@@ -36,21 +36,21 @@ from ingest.config import (
     TlsConfig,
     parse_estimator_params,
 )
-from ingest.preflight import DataDirLock, check_security, prepare
+from ingest.extras import server_extra_problem
 from ratecontrol import StreamPolicy
 from receivers.auth import new_token, token_hash
-from receivers.block import InvalidStreamNameError
 from receivers.cluster import Cluster, load_nodes
+from receivers.config import FsyncPolicy, ReceiverConfig
+from receivers.names import InvalidStreamNameError
 from receivers.principal import Limits
-from receivers.receiver import ReceiverConfig
 from receivers.sizes import parse_size
-from receivers.wal import FsyncPolicy
 from sluice_client.credentials import Credentials, CredentialsError
 from sluice_client.errors import FlushTimeoutError, RPCError, SluiceError
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
+    from ingest.preflight import DataDirLock
     from sluice_client import Producer
 
 log = logging.getLogger("sluice")
@@ -703,6 +703,13 @@ def _fail(message: str, code: int = EXIT_FAILED) -> int:
     return code
 
 
+def _need_server_extra(command: str, *, spark: bool) -> None:
+    """The light install (no server extra) has the client commands only: say how to get the rest."""
+    problem = server_extra_problem(command, spark=spark)
+    if problem is not None:
+        raise _Failed(_fail(problem, EXIT_USAGE))
+
+
 # ---- serve ---------------------------------------------------------------------------------------
 
 
@@ -770,6 +777,10 @@ def _drive(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    _need_server_extra("serve", spark=args.role == "driver" or (args.role == "single" and not args.no_spark))
+    # cryptography (TLS) and the rest of the server's modules: only once they are known to be there
+    from ingest.preflight import check_security, prepare  # noqa: PLC0415
+
     if args.role == "driver":
         return _drive(args)
     receive_only = args.no_spark or args.role != "single"
@@ -934,6 +945,7 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock) -> int:  # noqa: 
 
 
 def _dev_certs(args: argparse.Namespace) -> int:
+    _need_server_extra("dev-certs", spark=False)
     from ingest.dev_certs import write_dev_certs  # noqa: PLC0415 - cryptography only for this command
 
     try:

@@ -13,7 +13,7 @@ import pytest
 from ingest.config import RateConfig, ServeConfig
 from ingest.driver import SparkDriver
 from ingest.server import SluiceServer
-from receivers.receiver import ReceiverConfig
+from receivers.config import ReceiverConfig
 from sluice_client import Producer
 
 pytestmark = pytest.mark.spark

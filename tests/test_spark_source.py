@@ -28,7 +28,8 @@ from ingest.spark.source import (
     _admit,
 )
 from receivers.block import BLOCK_SCHEMA, BlockInfo
-from receivers.wal import FsyncPolicy, WalBlockStore
+from receivers.config import FsyncPolicy
+from receivers.wal import WalBlockStore
 
 BASE_US = 1_700_000_000_000_000  # 2023-11-14T22:13:20Z in microseconds
 

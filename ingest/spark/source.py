@@ -84,8 +84,9 @@ from pyspark.sql.types import (
 )
 
 from ingest.spark.live_rate import LiveRateCap
-from receivers.block import BlockInfo, check_stream_name
+from receivers.block import BlockInfo
 from receivers.block_store import BlockStore, release_below
+from receivers.names import check_stream_name
 from receivers.wal import WalBlockStore
 from sluice_client.credentials import Credentials, CredentialsError
 
