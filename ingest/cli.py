@@ -707,7 +707,8 @@ def _need_server_extra(command: str, *, spark: bool) -> None:
     """The light install (no server extra) has the client commands only: say how to get the rest."""
     problem = server_extra_problem(command, spark=spark)
     if problem is not None:
-        raise _Failed(_fail(problem, EXIT_USAGE))
+        print(problem, file=sys.stderr)  # it starts with "sluice COMMAND": no prefix
+        raise _Failed(EXIT_USAGE)
 
 
 # ---- serve ---------------------------------------------------------------------------------------
