@@ -58,7 +58,8 @@ from ingest.spark.session import build_session
 from ratecontrol import BatchMetrics
 from ratecontrol.simulate import UNJUDGED, Pipeline, Simulation
 from receivers.block import BLOCK_SCHEMA
-from receivers.wal import FsyncPolicy, WalBlockStore
+from receivers.config import FsyncPolicy
+from receivers.wal import WalBlockStore
 from sluice_client import Producer
 
 INTERVAL = 1.0

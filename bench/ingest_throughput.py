@@ -33,8 +33,8 @@ import pyarrow as pa
 from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
 from receivers.block import BlockInfo
-from receivers.receiver import ReceiverConfig
-from receivers.wal import FsyncPolicy, WalBlockStore
+from receivers.config import FsyncPolicy, ReceiverConfig
+from receivers.wal import WalBlockStore
 from sluice_client import Credentials, Producer
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc

@@ -35,7 +35,7 @@ from ingest.server import SluiceServer
 from ingest.spark.listener import BatchCompleted
 from ingest.spark.session import build_session
 from ingest.spark_side import attach_spark
-from receivers.receiver import ReceiverConfig
+from receivers.config import ReceiverConfig
 from sluice_client import Producer
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc

@@ -27,7 +27,7 @@ from ingest.config import RateConfig, SecurityConfig, ServeConfig, TlsConfig
 from ingest.dev_certs import write_dev_certs
 from ingest.server import SluiceServer
 from receivers.auth import token_hash
-from receivers.wal import FsyncPolicy
+from receivers.config import FsyncPolicy
 from sluice_client.credentials import Credentials
 
 TOKEN = "bench-token-" + "x" * 32

@@ -50,15 +50,14 @@ from ingest.config_sources import (
     name_keys,
     subparser,
 )
+from ingest.extras import server_extra_problem
 from ingest.logs import SPARK_LOG_LEVELS, SPARK_QUIET
-from ingest.preflight import DataDirLock, check_security, prepare
 from ratecontrol import InvalidRateError, StreamPolicy, UnknownEstimatorError
 from receivers.auth import new_token, token_hash
 from receivers.cluster import Cluster, load_nodes
+from receivers.config import FsyncPolicy, ReceiverConfig
 from receivers.principal import Limits
-from receivers.receiver import ReceiverConfig
 from receivers.sizes import parse_size
-from receivers.wal import FsyncPolicy
 from sluice_client.credentials import Credentials, CredentialsError
 from sluice_client.errors import FlushTimeoutError, RPCError, SluiceError
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
@@ -68,6 +67,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from ingest.cluster_driver import DriverConfig
+    from ingest.preflight import DataDirLock
     from sluice_client import Producer
 
 log = logging.getLogger("sluice")
@@ -807,6 +807,14 @@ def _fail(message: str, code: int = EXIT_FAILED) -> int:
     return code
 
 
+def _need_server_extra(command: str, *, spark: bool) -> None:
+    """The light install (no server extra) has the client commands only: say how to get the rest."""
+    problem = server_extra_problem(command, spark=spark)
+    if problem is not None:
+        print(problem, file=sys.stderr)  # it starts with "sluice COMMAND": no prefix
+        raise _Failed(EXIT_USAGE)
+
+
 # ---- serve ---------------------------------------------------------------------------------------
 
 
@@ -969,6 +977,8 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
         ),
     )
     # the TLS files and the auth file, before Spark's JVM (seconds): a bad file fails at once
+    from ingest.preflight import check_security  # noqa: PLC0415 - cryptography: the server extra
+
     _checked(args, lambda: check_security(config))
     return config
 
@@ -989,6 +999,10 @@ def _spark_prerequisites(config: ServeConfig | DriverConfig) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    _need_server_extra("serve", spark=args.role == "driver" or (args.role == "single" and not args.no_spark))
+    # cryptography (TLS) and the rest of the server's modules: only once they are known to be there
+    from ingest.preflight import prepare  # noqa: PLC0415
+
     if args.role == "driver":
         return _drive(args)
     try:
@@ -1105,6 +1119,7 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock, spark_log_level: 
 
 
 def _dev_certs(args: argparse.Namespace) -> int:
+    _need_server_extra("dev-certs", spark=False)
     from ingest.dev_certs import write_dev_certs  # noqa: PLC0415 - cryptography only for this command
 
     try:
@@ -1499,6 +1514,7 @@ def _config_reset(args: argparse.Namespace) -> int:
 
 def _config_check(args: argparse.Namespace) -> int:
     """`sluice config check`: serve's checks, offline; the settings with their sources, or the problem."""
+    _need_server_extra("config check", spark=False)
     from ingest.runtime_config import SETTINGS, RuntimeConfig  # noqa: PLC0415
 
     overrides: dict[str, str] = {}

@@ -16,11 +16,10 @@ from ratecontrol import (
     check_rate,
     make_estimator,
 )
-from receivers.block import check_stream_name
 from receivers.cluster import Cluster
+from receivers.config import DEFAULT_SEGMENT_BYTES, FsyncPolicy, ReceiverConfig
+from receivers.names import check_stream_name
 from receivers.principal import Limits
-from receivers.receiver import ReceiverConfig
-from receivers.wal import DEFAULT_SEGMENT_BYTES, FsyncPolicy
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9464

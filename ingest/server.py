@@ -33,9 +33,9 @@ from ingest.status import StatusBoard
 from ingest.streams import DRAINING, KEPT, REMOVED, SERVING, StreamRegistry
 from ingest.tls import ServerTls, TlsFileError
 from receivers.auth import PIPELINE, Authenticator, AuthFileError, AuthTable, revoke
-from receivers.block import check_stream_name
 from receivers.block_store import BlockStore
 from receivers.errors import shown
+from receivers.names import check_stream_name
 from receivers.parsed_service import add_parsed_servicer
 from receivers.publish_service import PublishService
 from receivers.receiver import Receiver

@@ -19,7 +19,7 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from receivers.block import check_stream_name
+from receivers.names import check_stream_name
 
 log = logging.getLogger(__name__)
 

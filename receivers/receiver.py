@@ -92,8 +92,8 @@ import pyarrow as pa
 from reactivex.subject import Subject
 
 from ratecontrol import UNLIMITED, TokenBucket
-from receivers.block import check_stream_name
 from receivers.block_store import BlockStore
+from receivers.config import ReceiverConfig
 from receivers.errors import (
     InvalidBatch,
     ProtocolViolation,
@@ -105,6 +105,7 @@ from receivers.errors import (
     cut,
 )
 from receivers.fairness import OwnerDemand, allocate, owner_of
+from receivers.names import check_stream_name
 from receivers.principal import ANONYMOUS, Principal, producer_key
 from receivers.session import SESSION_IDS, Session
 from receivers.wire import check_producer_id, check_seq_range
@@ -122,7 +123,6 @@ _DATA_ERRORS = (ValueError, ArithmeticError, TypeError, LookupError, struct.erro
 ABORTED = 10
 """gRPC status code a fenced session ends with: a newer session of its producer took over."""
 
-MIB = 1024 * 1024
 INITIAL_RECORD_BYTES = 1024
 """Bytes per record the memory budget assumes until records were seen."""
 _EWMA_WEIGHT = 1 / 8
@@ -135,75 +135,6 @@ DISK_ERROR = "disk_error"
 REPLICATION = "replication"
 PAUSE_REASONS = (MEMORY_BUDGET, DISK_BUDGET, DISK_ERROR, REPLICATION)
 """Why credit can be paused (the `reason` label of sluice_credit_paused)."""
-
-
-@dataclass(frozen=True)
-class ReceiverConfig:
-    """How a receiver buffers, grants credit and seals. Shared by every stream of a server."""
-
-    block_interval: float = 0.2
-    """Seconds between sealed blocks; the latency floor from receipt to ack."""
-    buffer_records: int = 500_000
-    """Records buffered plus credit outstanding, at most: the memory bound of a stream."""
-    prefetch: int = 250_000
-    """Credit a session is topped up to (the first grant too), as far as the buffer allows."""
-    low_tide: int | None = None
-    """A session is topped up when its unused credit falls to this; None: half of prefetch."""
-    block_records: int | None = None
-    """Seal early once this many records wait, so under load the buffer cycles faster than the
-    interval (like Kafka's batch.size next to linger.ms); None: a quarter of buffer_records."""
-    credit_tick: float = 0.05
-    """Seconds between credit refills when the rate, not the buffer, limits credit."""
-    receiver_id: int = 0
-    """Id written with every block (the analogue of a Kafka partition)."""
-    max_producers: int = 100_000
-    """Producers remembered for deduplication per stream (least recently used evicted first)."""
-    buffer_bytes: int = 256 * MIB
-    """Per stream, bytes of records taken and not yet sealed plus the bytes outstanding credit may bring
-    (estimated per record: see the module docstring): the memory budget."""
-    disk_budget_bytes: int | None = None
-    """Bytes the whole block store (every stream) may take on disk before credit pauses; None: no
-    budget. A soft limit: what was already granted or taken is still sealed."""
-    disk_poll_interval: float = 0.25
-    """Seconds between polls of the store's disk use (when there is a disk budget or writes fail)."""
-    reclaim_after: float = 1.0
-    """Seconds a session may hold credit without sending while its owner holds more than its fair share
-    and another owner waits for room: then it is cancelled (UNAVAILABLE), its credit back in the pool.
-    Credit cannot be taken back otherwise, so this is what bounds a hoarder that came first."""
-
-    def __post_init__(self) -> None:
-        if not self.block_interval > 0:
-            raise ValueError(f"block_interval must be > 0 seconds, got {self.block_interval}")
-        if self.buffer_records < 1:
-            raise ValueError(f"buffer_records must be >= 1, got {self.buffer_records}")
-        if self.prefetch < 1:
-            raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
-        if self.low_tide is not None and not 0 <= self.low_tide < self.prefetch:
-            raise ValueError(f"low_tide must be in [0, prefetch), got {self.low_tide}")
-        if self.block_records is not None and self.block_records < 1:
-            raise ValueError(f"block_records must be >= 1, got {self.block_records}")
-        if not self.credit_tick > 0:
-            raise ValueError(f"credit_tick must be > 0 seconds, got {self.credit_tick}")
-        if self.max_producers < 1:
-            raise ValueError(f"max_producers must be >= 1, got {self.max_producers}")
-        if self.buffer_bytes < 1:
-            raise ValueError(f"buffer_bytes must be >= 1, got {self.buffer_bytes}")
-        if self.disk_budget_bytes is not None and self.disk_budget_bytes < 1:
-            raise ValueError(
-                f"disk_budget_bytes must be >= 1 (or None: no budget), got {self.disk_budget_bytes}"
-            )
-        if not self.disk_poll_interval > 0:
-            raise ValueError(f"disk_poll_interval must be > 0 seconds, got {self.disk_poll_interval}")
-        if not 0 < self.reclaim_after < math.inf:
-            raise ValueError(f"reclaim_after must be > 0 seconds and finite, got {self.reclaim_after}")
-
-    @property
-    def seal_at(self) -> int:
-        return max(1, self.buffer_records // 4) if self.block_records is None else self.block_records
-
-    @property
-    def refill_at(self) -> int:
-        return self.prefetch // 2 if self.low_tide is None else self.low_tide
 
 
 @dataclass

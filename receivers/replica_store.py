@@ -16,7 +16,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from receivers.block import BlockInfo
-from receivers.wal import FsyncPolicy, RawBlock, WalBlockStore
+from receivers.config import FsyncPolicy
+from receivers.wal import RawBlock, WalBlockStore
 
 COMMITTED = "committed.json"
 """<root>/<owner>.committed.json: what the owner said is committed, per stream."""

@@ -72,12 +72,14 @@ import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pyarrow as pa
 
-from receivers.block import BLOCK_SCHEMA, BlockInfo, check_stream_name
+from receivers.block import BLOCK_SCHEMA, BlockInfo
 from receivers.block_store import BlockStore
+from receivers.config import DEFAULT_SEGMENT_BYTES, FsyncPolicy
+from receivers.names import check_stream_name
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +97,6 @@ STATE_FILE = "released.json"
 LOCK_FILE = "released.lock"
 """flock()ed by whoever rewrites released.json or deletes segments (see _mark_lock)."""
 _OLD_MARK = "released"  # the high-water mark of the file-per-block store this log replaced
-DEFAULT_SEGMENT_BYTES = 64 * 1024 * 1024
 
 
 class WalError(RuntimeError):
@@ -108,59 +109,6 @@ class CorruptBlockError(WalError):
 
 class BlockNotFoundError(WalError, LookupError):
     """A block is not in the log (released, or never written)."""
-
-
-# ---- fsync policy --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FsyncPolicy:
-    """When appended blocks are fsynced. Build with every_block(), interval(ms), off() or parse(text)."""
-
-    mode: Literal["every-block", "interval", "off"] = "every-block"
-    interval_ms: int = 0
-    """Milliseconds between background fsyncs; only for mode "interval"."""
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("every-block", "interval", "off"):
-            raise ValueError(f"unknown fsync mode {self.mode!r}: every-block, interval or off")
-        if self.mode == "interval" and self.interval_ms < 1:
-            raise ValueError(f"fsync interval must be >= 1 ms, got {self.interval_ms}")
-        if self.mode != "interval" and self.interval_ms != 0:
-            raise ValueError(f"an interval only goes with mode 'interval', not {self.mode!r}")
-
-    @classmethod
-    def every_block(cls) -> FsyncPolicy:
-        """fsync before every write returns (the default): acked blocks survive a power loss."""
-        return cls("every-block")
-
-    @classmethod
-    def interval(cls, ms: int) -> FsyncPolicy:
-        """fsync every `ms` milliseconds in the background: acked blocks survive a process crash, not
-        a power loss within `ms`."""
-        return cls("interval", ms)
-
-    @classmethod
-    def off(cls) -> FsyncPolicy:
-        """Never fsync: for benchmarks on throwaway data."""
-        return cls("off")
-
-    @classmethod
-    def parse(cls, text: str) -> FsyncPolicy:
-        """'every-block', 'interval:MS' (MS a positive integer) or 'off'; ValueError otherwise."""
-        value = text.strip().lower()
-        if value == "every-block":
-            return cls.every_block()
-        if value == "off":
-            return cls.off()
-        if value.startswith("interval:"):
-            number = value.removeprefix("interval:")
-            if number.isdigit() and int(number) >= 1:
-                return cls.interval(int(number))
-        raise ValueError(f"invalid fsync policy {text!r}: use every-block, interval:MS (MS >= 1) or off")
-
-    def __str__(self) -> str:
-        return f"interval:{self.interval_ms}" if self.mode == "interval" else self.mode
 
 
 # ---- statistics ----------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ import grpc
 from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
 from ingest.spark_side import attach_spark
-from receivers.receiver import ReceiverConfig
+from receivers.config import ReceiverConfig
 from sluice_client import Producer
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 

@@ -18,8 +18,7 @@ import pyarrow.parquet as pq
 from ingest.config import RateConfig, SecurityConfig, ServeConfig
 from ingest.server import SluiceServer
 from receivers.cluster import Cluster, Node
-from receivers.receiver import ReceiverConfig
-from receivers.wal import FsyncPolicy
+from receivers.config import FsyncPolicy, ReceiverConfig
 
 
 @contextlib.asynccontextmanager

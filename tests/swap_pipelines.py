@@ -12,7 +12,7 @@ from ingest.spark.pipeline import PipelineContext
 
 
 def _tagged(df: DataFrame, context: PipelineContext, tag: str) -> DataStreamWriter:
-    out = df.select("stream", "offset", "value", F.lit(tag).alias("pipeline"))
+    out = df.select("topic", "offset", "value", F.lit(tag).alias("pipeline"))
     return out.writeStream.format("parquet").outputMode("append").option("path", str(context.sink_dir))
 
 

@@ -26,10 +26,11 @@ from ingest.config import RateConfig, SecurityConfig, ServeConfig
 from ingest.server import SluiceServer
 from ingest.sessions_service import SessionsService
 from receivers.auth import METHOD_ROLES, Authenticator, AuthTable, new_token, revoke, token_hash
+from receivers.config import ReceiverConfig
 from receivers.errors import PermissionDenied, Unauthenticated
 from receivers.parsed_service import add_parsed_servicer
 from receivers.publish_service import PublishService
-from receivers.receiver import Receiver, ReceiverConfig
+from receivers.receiver import Receiver
 from receivers.wal import WalBlockStore
 from sluice_client import Producer
 from sluice_client.credentials import Credentials

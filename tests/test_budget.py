@@ -26,8 +26,9 @@ from ingest.cli import _show_rate
 from ingest.rate_service import rate_status
 from ingest.server import SluiceServer
 from receivers.block import BLOCK_SCHEMA
-from receivers.receiver import DISK_BUDGET, DISK_ERROR, MEMORY_BUDGET, ReceiverConfig
-from receivers.wal import FsyncPolicy, WalBlockStore
+from receivers.config import FsyncPolicy, ReceiverConfig
+from receivers.receiver import DISK_BUDGET, DISK_ERROR, MEMORY_BUDGET
+from receivers.wal import WalBlockStore
 from sluice_client import Producer
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from receivers.wal import FsyncPolicy
+from receivers.config import FsyncPolicy
 from tests.support import sink_values
 
 # the console script pip installed beside the interpreter: what a user runs
@@ -184,7 +184,7 @@ def test_serve_on_a_busy_port_fails_clearly(tmp_path: Path) -> None:
 def test_serve_parses_sizes() -> None:
     from ingest.cli import _parser
     from ingest.config import ServeConfig
-    from receivers.receiver import ReceiverConfig
+    from receivers.config import ReceiverConfig
     from receivers.sizes import parse_size
 
     assert parse_size("1048576") == 1 << 20

@@ -175,9 +175,10 @@ async def test_offsets_partitions_and_reads_over_three_nodes(tmp_path: Path) -> 
         rows = table.to_pylist()
         assert len(rows) == 600
         for i, values in sent.items():
-            mine = sorted((r["offset"], r["value"]) for r in rows if r["receiver"] == i)
+            mine = sorted((r["offset"], r["value"]) for r in rows if r["partition"] == i)
             assert mine == list(enumerate(values))
-        assert {r["stream"] for r in rows} == {"s"}
+        assert {r["topic"] for r in rows} == {"s"}
+        assert {r["timestampType"] for r in rows} == {1}
         # a capped batch: admission over partitions, every partition gets its part
         capped = await asyncio.to_thread(r.latestOffset, initial, ReadMaxRows(150))
         assert sum(capped["s"].values()) == 150
@@ -216,7 +217,7 @@ async def test_a_holder_that_is_down_is_skipped_for_its_copy(tmp_path: Path) -> 
         await servers[0].stop(grace=1)  # the owner dies after the batch was planned
         table = await asyncio.to_thread(read_all, r, list(planned))
         assert table.column("value").to_pylist() == values
-        assert set(table.column("receiver").to_pylist()) == {0}
+        assert set(table.column("partition").to_pylist()) == {0}
         # planning goes on without it: its partition is read from node 1's copy
         started = time.monotonic()
         end = await asyncio.to_thread(r.latestOffset, initial, ReadAllAvailable())
@@ -282,12 +283,12 @@ async def test_a_query_over_the_cluster_reads_every_record_once(spark: Any, tmp_
         finally:
             await asyncio.to_thread(query.stop)
         rows = await asyncio.to_thread(
-            lambda: spark.read.parquet(str(sink)).select("stream", "receiver", "offset", "value").collect()
+            lambda: spark.read.parquet(str(sink)).select("topic", "partition", "offset", "value").collect()
         )
-        got = [(r["stream"], r["receiver"], bytes(r["value"])) for r in rows]
+        got = [(r["topic"], r["partition"], bytes(r["value"])) for r in rows]
         assert len(got) == len(sent)
         assert set(got) == sent
-        assert len({(r["stream"], r["receiver"], r["offset"]) for r in rows}) == len(rows)
+        assert len({(r["topic"], r["partition"], r["offset"]) for r in rows}) == len(rows)
 
 
 # ---- the driver: committed cluster offsets released on every node -------------------------------
@@ -492,8 +493,8 @@ async def test_a_query_reads_a_dead_nodes_partition_from_its_copy(spark: Any, tm
         try:
             await asyncio.to_thread(query.awaitTermination, 120)
             assert query.exception() is None, query.exception()
-            rows = await asyncio.to_thread(spark.sql("select receiver, value from dead_node").collect)
+            rows = await asyncio.to_thread(spark.sql("select partition, value from dead_node").collect)
         finally:
             await asyncio.to_thread(query.stop)
-        got = [(r["receiver"], bytes(r["value"])) for r in rows]
+        got = [(r["partition"], bytes(r["value"])) for r in rows]
         assert len(got) == len(sent) and set(got) == sent

@@ -26,8 +26,8 @@ from ingest.driver import SparkDriver, drive_rate
 from ingest.server import SluiceServer
 from ingest.spark.pipeline import parquet_pipeline, start_query
 from receivers.block import BLOCK_SCHEMA
-from receivers.receiver import ReceiverConfig
-from receivers.wal import STATE_FILE, FsyncPolicy, WalBlockStore
+from receivers.config import FsyncPolicy, ReceiverConfig
+from receivers.wal import STATE_FILE, WalBlockStore
 from sluice_client import Producer
 
 N = 20_000
@@ -225,7 +225,8 @@ async def test_a_kill_while_spark_wrote_its_first_offsets_does_not_block_every_r
 RELEASER = """
 import sys, time
 from pathlib import Path
-from receivers.wal import FsyncPolicy, WalBlockStore
+from receivers.wal import WalBlockStore
+from receivers.config import FsyncPolicy
 
 root, go, first, last, step = sys.argv[1], Path(sys.argv[2]), *map(int, sys.argv[3:])
 store = WalBlockStore(root, fsync=FsyncPolicy.off())

@@ -19,8 +19,8 @@ from support import wait_until
 
 from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
-from receivers.receiver import ReceiverConfig
-from receivers.wal import FsyncPolicy, WalBlockStore
+from receivers.config import FsyncPolicy, ReceiverConfig
+from receivers.wal import WalBlockStore
 from receivers.wire import decode_batch
 from sluice_client import Producer, SyncProducer
 from sluice_client.errors import FlushTimeoutError, ReconnectTimeoutError, RPCError, UnackedRecordsError

@@ -476,6 +476,10 @@ def test_the_image_installs_the_packages_pyproject_names() -> None:
     assert {"pyproject.toml", _pyproject()["project"]["readme"]} <= copied
     env = " ".join(rest for ins, rest in base if ins == "ENV")
     assert f"/opt/sluice/venv/lib/python{python.group(1)}/site-packages/pyspark" in env
+    # `pip install sluice` alone has no Spark, Arrow or TLS checks: an image that serves takes the extra
+    installs = [rest for ins, rest in base if ins == "RUN" and "pip install" in rest]
+    assert any("'/tmp/sluice-src[server]'" in rest for rest in installs), installs
+    assert "server" in _pyproject()["project"]["optional-dependencies"]
 
 
 def test_the_executor_image_starts_sparks_executor(tmp_path: Path) -> None:

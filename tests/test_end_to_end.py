@@ -13,7 +13,7 @@ import pytest
 from ingest.config import RateConfig, ServeConfig
 from ingest.driver import SparkDriver
 from ingest.server import SluiceServer
-from receivers.receiver import ReceiverConfig
+from receivers.config import ReceiverConfig
 from sluice_client import Producer
 
 pytestmark = pytest.mark.spark
@@ -61,13 +61,14 @@ async def test_100k_records_reach_the_parquet_sink_exactly(spark: Any, tmp_path:
             assert driver.error() is None, driver.error()
             await asyncio.sleep(1)
         df = spark.read.parquet(str(config.sink_dir))
-        assert df.columns[:6] == ["key", "value", "stream", "receiver", "offset", "timestamp"]
-        rows = df.orderBy("offset").select("key", "value", "stream", "offset").collect()
+        assert df.columns == ["key", "value", "topic", "partition", "offset", "timestamp", "timestampType"]
+        rows = df.orderBy("offset").select("key", "value", "topic", "offset", "timestampType").collect()
         assert len(rows) == N
         assert [r["offset"] for r in rows] == list(range(N))
         assert [bytes(r["value"]) for r in rows] == values
         assert [None if r["key"] is None else bytes(r["key"]) for r in rows] == keys
-        assert {r["stream"] for r in rows} == {"events"}
+        assert {r["topic"] for r in rows} == {"events"}
+        assert {r["timestampType"] for r in rows} == {1}  # Kafka's LogAppendTime: the receiver's clock
         deadline = time.monotonic() + 30  # progress events reach the listener asynchronously
         while driver.batches_completed < 1 and time.monotonic() < deadline:
             await asyncio.sleep(0.2)

@@ -20,8 +20,9 @@ import pytest
 from support import running_server, wait_until
 
 from ingest.server import SluiceServer
+from receivers.config import ReceiverConfig
 from receivers.publish_service import PublishService
-from receivers.receiver import Receiver, ReceiverConfig
+from receivers.receiver import Receiver
 from receivers.wal import WalBlockStore
 from receivers.wire import MAX_PRODUCER_ID_BYTES, SEQ_LIMIT
 from sluice_client import Producer

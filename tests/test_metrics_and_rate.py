@@ -18,7 +18,7 @@ from support import running_server
 
 from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
-from receivers.receiver import ReceiverConfig
+from receivers.config import ReceiverConfig
 from receivers.wal import WalBlockStore
 from receivers.wire import decode_batch
 from sluice_client import Producer, SyncProducer

@@ -32,7 +32,8 @@ from ingest.nexmark.generator import (
     push,
 )
 from receivers.block import BLOCK_SCHEMA
-from receivers.wal import FsyncPolicy, WalBlockStore
+from receivers.config import FsyncPolicy
+from receivers.wal import WalBlockStore
 from tests.support import running_server
 
 STREAM = "nexmark"

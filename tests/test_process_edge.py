@@ -27,7 +27,8 @@ from test_cli import SLUICE, sluice, wait_for_line
 from ingest.config import RateConfig, ServeConfig
 from ingest.preflight import DataDirInUseError, DataDirLock
 from ingest.server import SluiceServer
-from receivers.wal import FsyncPolicy, WalBlockStore
+from receivers.config import FsyncPolicy
+from receivers.wal import WalBlockStore
 from sluice_client import Producer, SyncProducer
 from sluice_client.errors import RPCError, StartTimeoutError
 

@@ -13,8 +13,7 @@ from support import running_server, wait_until
 
 from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
-from receivers.receiver import ReceiverConfig
-from receivers.wal import FsyncPolicy
+from receivers.config import FsyncPolicy, ReceiverConfig
 from sluice_client import Producer
 from sluice_client.errors import ReconnectTimeoutError, RPCError
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb

@@ -20,7 +20,7 @@ from ingest import cli
 from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
 from ratecontrol import StreamPolicy
-from receivers.receiver import ReceiverConfig
+from receivers.config import ReceiverConfig
 from sluice_client import Producer
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc

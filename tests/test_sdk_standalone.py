@@ -1,15 +1,21 @@
-"""The client SDK (sluice_client) needs neither the server's code nor Spark.
+"""The light install (`pip install sluice`): the client SDK and the CLI's client commands without Spark.
 
 A subprocess refuses every import of ingest, receivers, ratecontrol, pyspark, pyarrow and pandas, then
 pushes records to a real server with Producer, SyncProducer and the Reactive Streams bridge (publish +
 from_observable), with keys and without: all are acked and in the server's block log. And the SDK's
 numpy encoding of keys is byte for byte Arrow's layout (what the receiver wraps as Arrow buffers).
+
+The project's wheel, built from a copy of the sources, names no server library outside the `server` extra,
+and the `sluice` console script it declares runs the client commands (push, rate get, streams list, token)
+in a subprocess that refuses the server's libraries, while `sluice serve` and `sluice dev-certs` there
+fail with the install line (exit 2).
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -111,12 +117,90 @@ def test_keys_are_encoded_in_arrows_binary_layout() -> None:
         assert batch.value_offsets == value_array.buffers()[1].to_pybytes()[: 4 * (n + 1)]
 
 
-def test_the_sdk_builds_as_its_own_wheel_without_the_server(tmp_path: Path) -> None:
-    import zipfile
+SERVER_ONLY = ("pyspark", "pyarrow", "pandas", "cryptography", "grpcio-health-checking")
+"""Distributions only the server needs: in the wheel's Requires-Dist under extra == "server" alone."""
 
-    # a copy: the build writes build/ and egg-info next to the project file
-    source = tmp_path / "sluice_client"
-    shutil.copytree(ROOT / "sluice_client", source, ignore=shutil.ignore_patterns("__pycache__"))
+# the console script's code (entry point ingest.cli:main) behind an import blocker: what a light install has
+CLI = textwrap.dedent(
+    """
+    import importlib.abc, sys
+
+    FORBIDDEN = {"pyspark", "pyarrow", "pandas", "cryptography", "grpc_health", "py4j"}
+
+    class Refuse(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in FORBIDDEN:
+                raise ImportError(f"the light CLI imported {name}")
+            return None
+
+    sys.meta_path.insert(0, Refuse())
+
+    from ingest.cli import main
+
+    code = main(sys.argv[1:])
+    loaded = sorted(m for m in sys.modules if m.split(".")[0] in FORBIDDEN)
+    assert not loaded, loaded
+    sys.exit(code)
+    """
+)
+
+
+def _light_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", CLI, *args],
+        check=False,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+async def test_the_cli_pushes_and_refuses_to_serve_without_the_server_extra(tmp_path: Path) -> None:
+    lines = [f"line {i}" for i in range(300)]
+    records = tmp_path / "records.txt"
+    records.write_text("".join(f"{line}\n" for line in lines))
+    async with running_server(tmp_path / "data", "s") as server:
+        pushed = await asyncio.to_thread(
+            _light_cli, "push", str(records), "--target", server.target, "--stream", "s", "--no-progress"
+        )
+        assert pushed.returncode == 0, pushed.stderr[-3000:]
+        rate = await asyncio.to_thread(_light_cli, "rate", "get", "--target", server.target)
+        assert rate.returncode == 0, rate.stderr[-3000:]
+        streams = await asyncio.to_thread(_light_cli, "streams", "list", "--target", server.target)
+        assert streams.returncode == 0, streams.stderr[-3000:]
+        assert "s" in streams.stdout.split()
+        values = []
+        for block in server.store.blocks("s"):
+            for batch in server.store.read(block):
+                values.extend(batch.column("value").to_pylist())
+    assert sorted(values) == sorted(line.encode() for line in lines)
+
+    token = await asyncio.to_thread(_light_cli, "token")
+    assert token.returncode == 0, token.stderr[-3000:]
+    assert len(token.stdout.strip()) >= 40
+
+    for command, args in (("serve", ()), ("serve", ("--role", "receiver")), ("dev-certs", (str(tmp_path),))):
+        refused = await asyncio.to_thread(
+            _light_cli, command, *args, *(("--data-dir", str(tmp_path / "d")) if command == "serve" else ())
+        )
+        assert refused.returncode == 2, (command, args, refused.stderr[-3000:])
+        first = refused.stderr.strip().splitlines()[0]
+        assert first.startswith(f"sluice {command} needs the server extra: pip install 'sluice[server]'")
+        assert "pyarrow" in first
+        assert ("pyspark" in first) == (args == ()), first  # a receiver node runs no Spark
+    assert not (tmp_path / "d").exists()  # refused before anything was made
+    assert not (tmp_path / "ca.crt").exists()
+
+
+def _build_wheel(tmp_path: Path) -> Path:
+    # a copy of what the wheel is built from: the build writes build/ and egg-info next to pyproject.toml
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    for package in ("ingest", "receivers", "ratecontrol", "sluice_client"):
+        shutil.copytree(ROOT / package, source / package, ignore=shutil.ignore_patterns("__pycache__"))
     wheel_dir = tmp_path / "w"
     pip_wheel = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
     built = subprocess.run(
@@ -127,12 +211,35 @@ def test_the_sdk_builds_as_its_own_wheel_without_the_server(tmp_path: Path) -> N
         timeout=240,
     )
     assert built.returncode == 0, built.stderr[-3000:]
-    (wheel,) = wheel_dir.glob("sluice_client-*.whl")
-    with zipfile.ZipFile(wheel) as archive:
+    (wheel,) = wheel_dir.glob("sluice-*.whl")
+    return wheel
+
+
+def test_the_wheel_needs_no_server_library_outside_the_server_extra(tmp_path: Path) -> None:
+    import zipfile
+    from email.parser import Parser
+
+    with zipfile.ZipFile(_build_wheel(tmp_path)) as archive:
         names = archive.namelist()
-        metadata = archive.read(next(n for n in names if n.endswith("METADATA"))).decode()
-    packages = {n.split("/")[0] for n in names if not n.startswith("sluice_client-")}
-    assert packages == {"sluice_client"}
+        metadata = Parser().parsestr(archive.read(next(n for n in names if n.endswith("/METADATA"))).decode())
+        entry_points = archive.read(next(n for n in names if n.endswith("/entry_points.txt"))).decode()
+    packages = {n.split("/")[0] for n in names if ".dist-info/" not in n}
+    assert packages == {"ingest", "receivers", "ratecontrol", "sluice_client"}
     assert "sluice_client/pb/ingest/v1/ingest_pb2.py" in names
-    requires = [line for line in metadata.splitlines() if line.startswith("Requires-Dist:")]
-    assert requires and not any(x in line for line in requires for x in ("pyspark", "pyarrow", "pandas"))
+    assert "sluice_client/py.typed" in names
+    assert "sluice = ingest.cli:main" in entry_points
+
+    requires = metadata.get_all("Requires-Dist") or []
+    by_extra: dict[str | None, set[str]] = {}
+    for line in requires:
+        requirement, _, marker = line.partition(";")
+        name = re.split(r"[\s<>=!~\[(]", requirement.strip(), maxsplit=1)[0].lower()
+        extra = re.search(r"extra\s*==\s*[\"']([\w-]+)[\"']", marker)
+        by_extra.setdefault(extra.group(1) if extra else None, set()).add(name)
+    base = by_extra[None]
+    assert {"grpcio", "protobuf", "numpy", "reactivex", "prometheus-client"} <= base
+    assert not base & set(SERVER_ONLY), base
+    assert set(SERVER_ONLY) <= by_extra["server"]
+    # CI installs .[dev] and runs everything: the server comes with it
+    assert any(re.match(r"sluice\[server\].*extra\s*==\s*[\"']dev[\"']", line) for line in requires), requires
+    assert set(metadata.get_all("Provides-Extra") or []) >= {"server", "dev"}

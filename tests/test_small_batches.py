@@ -14,7 +14,7 @@ from support import wait_until
 from ingest.config import RateConfig, ServeConfig
 from ingest.driver import SparkDriver, drive_rate
 from ingest.server import SluiceServer
-from receivers.receiver import ReceiverConfig
+from receivers.config import ReceiverConfig
 from sluice_client import Producer
 
 pytestmark = pytest.mark.spark

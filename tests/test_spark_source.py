@@ -19,6 +19,7 @@ from ingest.spark.pipeline import load_pipeline, parquet_pipeline, start_query
 from ingest.spark.session import _java_major
 from ingest.spark.source import (
     ARROW_SCHEMA,
+    LOG_APPEND_TIME,
     MAX_RECORDS_PER_PARTITION,
     SCHEMA,
     SCHEMA_DDL,
@@ -28,12 +29,14 @@ from ingest.spark.source import (
     _admit,
 )
 from receivers.block import BLOCK_SCHEMA, BlockInfo
-from receivers.wal import FsyncPolicy, WalBlockStore
+from receivers.config import FsyncPolicy
+from receivers.wal import WalBlockStore
 
 BASE_US = 1_700_000_000_000_000  # 2023-11-14T22:13:20Z in microseconds
 
 Row = tuple[str, int, int, bytes | None, bytes, int]
-"""(stream, offset, receiver, key, value, timestamp in microseconds): one record as the tests expect it."""
+"""(topic: the stream, offset, partition: the receiver, key, value, timestamp in microseconds): one record
+as the tests expect it."""
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -86,16 +89,20 @@ def rows_of(batches: list[pa.RecordBatch]) -> list[Row]:
     for r in table.to_pylist():
         ts = r["timestamp"]
         micros = int(ts.timestamp()) * 1_000_000 + ts.microsecond
-        out.append((r["stream"], r["offset"], r["receiver"], r["key"], r["value"], micros))
+        assert r["timestampType"] == LOG_APPEND_TIME, r
+        out.append((r["topic"], r["offset"], r["partition"], r["key"], r["value"], micros))
     return out
 
 
 def sink_rows(spark: Any, sink: Path) -> list[Row]:
     df = spark.read.schema(SCHEMA).parquet(str(sink))
-    result = df.selectExpr("stream", "offset", "receiver", "key", "value", "unix_micros(timestamp) AS ts")
+    result = df.selectExpr(
+        "topic", "offset", "partition", "key", "value", "unix_micros(timestamp) AS ts", "timestampType"
+    ).collect()
+    assert {r.timestampType for r in result} <= {LOG_APPEND_TIME}
     return [
-        (r.stream, r.offset, r.receiver, None if r.key is None else bytes(r.key), bytes(r.value), r.ts)
-        for r in result.collect()
+        (r.topic, r.offset, r.partition, None if r.key is None else bytes(r.key), bytes(r.value), r.ts)
+        for r in result
     ]
 
 
@@ -129,7 +136,19 @@ def wait_until(condition: Any, what: str, timeout: float = 60.0) -> None:
 def test_arrow_schema_is_what_spark_expects() -> None:
     # PySpark rejects yielded batches unless their schema equals this conversion exactly
     assert ARROW_SCHEMA.equals(to_arrow_schema(SCHEMA, timezone="UTC"))
-    assert SCHEMA.fieldNames() == ["key", "value", "stream", "receiver", "offset", "timestamp"]
+    # Spark's Kafka source's columns and types (without headers, which needs includeHeaders=true), so a
+    # Kafka pipeline reads this source unchanged
+    kafka = [
+        ("key", "binary"),
+        ("value", "binary"),
+        ("topic", "string"),
+        ("partition", "int"),
+        ("offset", "bigint"),
+        ("timestamp", "timestamp"),
+        ("timestampType", "int"),
+    ]
+    assert [(f.name, f.dataType.simpleString()) for f in SCHEMA.fields] == kafka
+    assert LOG_APPEND_TIME == 1  # Kafka: 0 CreateTime (the producer's clock), 1 LogAppendTime (the broker's)
 
 
 def test_read_yields_kafka_like_columns(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ def stream_offsets(spark: Any, sink: Path, stream: str) -> list[int]:
     from pyspark.errors import AnalysisException
 
     try:
-        rows = spark.read.parquet(str(sink)).where(f"stream = '{stream}'").select("offset").collect()
+        rows = spark.read.parquet(str(sink)).where(f"topic = '{stream}'").select("offset").collect()
     except AnalysisException:
         return []
     return [r["offset"] for r in rows]

@@ -14,14 +14,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from receivers.block import BlockInfo, InvalidStreamNameError
-from receivers.wal import (
-    HEADER,
-    BlockNotFoundError,
-    CorruptBlockError,
-    FsyncPolicy,
-    WalBlockStore,
-)
+from receivers.block import BlockInfo
+from receivers.config import FsyncPolicy
+from receivers.names import InvalidStreamNameError
+from receivers.wal import HEADER, BlockNotFoundError, CorruptBlockError, WalBlockStore
 from receivers.wire import decode_batch
 from sluice_client.wire import encode_batch
 

@@ -29,7 +29,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, rule,
 
 from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
-from receivers.receiver import ReceiverConfig
+from receivers.config import ReceiverConfig
 from receivers.wire import MAX_PRODUCER_ID_BYTES, SEQ_LIMIT
 from sluice_client import Producer
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb

@@ -37,10 +37,10 @@ EVENT_SCHEMA = (
 """The events table: Flink nexmark's single table. Times are ISO-8601 UTC text ("...T05:33:28.123Z"),
 which from_json's default timestamp format reads, whatever the session's time zone."""
 
-# The views, as SQL over the source (columns key, value, stream, receiver, offset, timestamp); every
-# view keeps the record's stream offset as source_offset. The watermark is set once, on the events
-# view's dateTime, in DataFrame code (Spark SQL has no clause for it; Spark refuses a second one on the
-# way to a stateful operator): person, auction and bid take their dateTime from there.
+# The views, as SQL over the source (Kafka's columns: key, value, topic, partition, offset, timestamp,
+# timestampType); every view keeps the record's stream offset as source_offset. The watermark is set
+# once, on the events view's dateTime, in DataFrame code (Spark SQL has no clause for it; Spark refuses a
+# second one on the way to a stateful operator): person, auction and bid take their dateTime from there.
 VIEWS_SQL = {
     "events": (
         "SELECT e.event_type, e.person, e.auction, e.bid, "

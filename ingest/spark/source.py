@@ -16,14 +16,17 @@ Usage::
 With option ``receivers`` ("ID=HOST:PORT,...") instead of ``path``, the source reads a cluster's
 receiver nodes over the network, with per-partition offsets: see ingest.spark.cluster_source.
 
-Columns (modelled on Spark's Kafka source; see SCHEMA_DDL):
+Columns (Spark's Kafka source's names and types, so Kafka pipelines read it unchanged; see SCHEMA_DDL):
 
-    key        binary     record key, null when the producer sent none
-    value      binary     record payload
-    stream     string     stream name                                  (Kafka: topic)
-    receiver   int        id of the receiver that sealed the block     (Kafka: partition)
-    offset     long       stream offset of the record                  (Kafka: offset)
-    timestamp  timestamp  time the receiver took the record, UTC       (Kafka: timestamp)
+    key            binary     record key, null when the producer sent none
+    value          binary     record payload
+    topic          string     stream name
+    partition      int        id of the receiver that sealed the block (cluster mode: the owner node)
+    offset         long       offset of the record in its stream (cluster mode: in its partition)
+    timestamp      timestamp  time the receiver took the record, UTC
+    timestampType  int        always 1 (Kafka's LogAppendTime: set by the broker, not the producer)
+
+Kafka's ``headers`` column (includeHeaders=true) is not there: records carry no headers yet.
 
 Offsets are ``{stream: next record offset}``, like the Kafka source's: everything of a stream below
 that offset belongs to earlier micro-batches. A fresh query starts at ``startingOffsets`` (JSON, as the
@@ -84,8 +87,9 @@ from pyspark.sql.types import (
 )
 
 from ingest.spark.live_rate import LiveRateCap
-from receivers.block import BlockInfo, check_stream_name
+from receivers.block import BlockInfo
 from receivers.block_store import BlockStore, release_below
+from receivers.names import check_stream_name
 from receivers.wal import WalBlockStore
 from sluice_client.credentials import Credentials, CredentialsError
 
@@ -93,17 +97,25 @@ log = logging.getLogger(__name__)
 
 SOURCE_NAME = "sluice"
 
-SCHEMA_DDL = "key BINARY, value BINARY, stream STRING, receiver INT, offset BIGINT, timestamp TIMESTAMP"
-"""Output schema as a DDL string; all columns nullable, like the Kafka source's."""
+SCHEMA_DDL = (
+    "key BINARY, value BINARY, topic STRING, partition INT, offset BIGINT, timestamp TIMESTAMP, "
+    "timestampType INT"
+)
+"""Output schema as a DDL string: the Kafka source's columns (without headers), all nullable like its."""
+
+LOG_APPEND_TIME = 1
+"""The `timestampType` of every record: Kafka's LogAppendTime (0 is CreateTime, set by the producer); the
+timestamp is when the receiver took the record."""
 
 SCHEMA = StructType(
     [
         StructField("key", BinaryType()),
         StructField("value", BinaryType()),
-        StructField("stream", StringType()),
-        StructField("receiver", IntegerType()),
+        StructField("topic", StringType()),
+        StructField("partition", IntegerType()),
         StructField("offset", LongType()),
         StructField("timestamp", TimestampType()),
+        StructField("timestampType", IntegerType()),
     ]
 )
 """Output schema as a StructType (the same as SCHEMA_DDL)."""
@@ -112,10 +124,11 @@ ARROW_SCHEMA = pa.schema(
     [
         pa.field("key", pa.binary()),
         pa.field("value", pa.binary()),
-        pa.field("stream", pa.string()),
-        pa.field("receiver", pa.int32()),
+        pa.field("topic", pa.string()),
+        pa.field("partition", pa.int32()),
         pa.field("offset", pa.int64()),
         pa.field("timestamp", pa.timestamp("us", tz="UTC")),
+        pa.field("timestampType", pa.int32()),
     ]
 )
 """The Arrow schema read() yields. PySpark compares it (types and nullability) with the declared schema
@@ -465,7 +478,8 @@ def read_block(
 
 
 def positioned(part: pa.RecordBatch, stream: str, receiver: int, first: int) -> pa.RecordBatch:
-    """Block rows (BLOCK_SCHEMA) as ARROW_SCHEMA rows: their stream, receiver and offsets (`first` on)."""
+    """Block rows (BLOCK_SCHEMA) as ARROW_SCHEMA rows: their stream as topic, receiver as partition, and
+    offsets (`first` on)."""
     n = part.num_rows
     return pa.RecordBatch.from_arrays(
         [
@@ -475,6 +489,7 @@ def positioned(part: pa.RecordBatch, stream: str, receiver: int, first: int) -> 
             pa.repeat(pa.scalar(receiver, pa.int32()), n),
             pa.array(np.arange(first, first + n, dtype=np.int64)),
             part.column("timestamp"),
+            pa.repeat(pa.scalar(LOG_APPEND_TIME, pa.int32()), n),
         ],
         schema=ARROW_SCHEMA,
     )

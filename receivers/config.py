@@ -1,0 +1,135 @@
+"""The receiving side's settings: how a receiver buffers and seals (ReceiverConfig), how the block log
+syncs (FsyncPolicy).
+
+Plain data with no Arrow and no gRPC, so the configuration and the CLI's client commands load without the
+server's libraries (the light `pip install sluice`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+MIB = 1024 * 1024
+DEFAULT_SEGMENT_BYTES = 64 * MIB
+"""Bytes a block log segment grows to before the next block starts a new one."""
+
+
+@dataclass(frozen=True)
+class ReceiverConfig:
+    """How a receiver buffers, grants credit and seals. Shared by every stream of a server."""
+
+    block_interval: float = 0.2
+    """Seconds between sealed blocks; the latency floor from receipt to ack."""
+    buffer_records: int = 500_000
+    """Records buffered plus credit outstanding, at most: the memory bound of a stream."""
+    prefetch: int = 250_000
+    """Credit a session is topped up to (the first grant too), as far as the buffer allows."""
+    low_tide: int | None = None
+    """A session is topped up when its unused credit falls to this; None: half of prefetch."""
+    block_records: int | None = None
+    """Seal early once this many records wait, so under load the buffer cycles faster than the
+    interval (like Kafka's batch.size next to linger.ms); None: a quarter of buffer_records."""
+    credit_tick: float = 0.05
+    """Seconds between credit refills when the rate, not the buffer, limits credit."""
+    receiver_id: int = 0
+    """Id written with every block (the analogue of a Kafka partition)."""
+    max_producers: int = 100_000
+    """Producers remembered for deduplication per stream (least recently used evicted first)."""
+    buffer_bytes: int = 256 * MIB
+    """Per stream, bytes of records taken and not yet sealed plus the bytes outstanding credit may bring
+    (estimated per record: see the module docstring): the memory budget."""
+    disk_budget_bytes: int | None = None
+    """Bytes the whole block store (every stream) may take on disk before credit pauses; None: no
+    budget. A soft limit: what was already granted or taken is still sealed."""
+    disk_poll_interval: float = 0.25
+    """Seconds between polls of the store's disk use (when there is a disk budget or writes fail)."""
+    reclaim_after: float = 1.0
+    """Seconds a session may hold credit without sending while its owner holds more than its fair share
+    and another owner waits for room: then it is cancelled (UNAVAILABLE), its credit back in the pool.
+    Credit cannot be taken back otherwise, so this is what bounds a hoarder that came first."""
+
+    def __post_init__(self) -> None:
+        if not self.block_interval > 0:
+            raise ValueError(f"block_interval must be > 0 seconds, got {self.block_interval}")
+        if self.buffer_records < 1:
+            raise ValueError(f"buffer_records must be >= 1, got {self.buffer_records}")
+        if self.prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
+        if self.low_tide is not None and not 0 <= self.low_tide < self.prefetch:
+            raise ValueError(f"low_tide must be in [0, prefetch), got {self.low_tide}")
+        if self.block_records is not None and self.block_records < 1:
+            raise ValueError(f"block_records must be >= 1, got {self.block_records}")
+        if not self.credit_tick > 0:
+            raise ValueError(f"credit_tick must be > 0 seconds, got {self.credit_tick}")
+        if self.max_producers < 1:
+            raise ValueError(f"max_producers must be >= 1, got {self.max_producers}")
+        if self.buffer_bytes < 1:
+            raise ValueError(f"buffer_bytes must be >= 1, got {self.buffer_bytes}")
+        if self.disk_budget_bytes is not None and self.disk_budget_bytes < 1:
+            raise ValueError(
+                f"disk_budget_bytes must be >= 1 (or None: no budget), got {self.disk_budget_bytes}"
+            )
+        if not self.disk_poll_interval > 0:
+            raise ValueError(f"disk_poll_interval must be > 0 seconds, got {self.disk_poll_interval}")
+        if not 0 < self.reclaim_after < math.inf:
+            raise ValueError(f"reclaim_after must be > 0 seconds and finite, got {self.reclaim_after}")
+
+    @property
+    def seal_at(self) -> int:
+        return max(1, self.buffer_records // 4) if self.block_records is None else self.block_records
+
+    @property
+    def refill_at(self) -> int:
+        return self.prefetch // 2 if self.low_tide is None else self.low_tide
+
+
+@dataclass(frozen=True)
+class FsyncPolicy:
+    """When appended blocks are fsynced. Build with every_block(), interval(ms), off() or parse(text)."""
+
+    mode: Literal["every-block", "interval", "off"] = "every-block"
+    interval_ms: int = 0
+    """Milliseconds between background fsyncs; only for mode "interval"."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("every-block", "interval", "off"):
+            raise ValueError(f"unknown fsync mode {self.mode!r}: every-block, interval or off")
+        if self.mode == "interval" and self.interval_ms < 1:
+            raise ValueError(f"fsync interval must be >= 1 ms, got {self.interval_ms}")
+        if self.mode != "interval" and self.interval_ms != 0:
+            raise ValueError(f"an interval only goes with mode 'interval', not {self.mode!r}")
+
+    @classmethod
+    def every_block(cls) -> FsyncPolicy:
+        """fsync before every write returns (the default): acked blocks survive a power loss."""
+        return cls("every-block")
+
+    @classmethod
+    def interval(cls, ms: int) -> FsyncPolicy:
+        """fsync every `ms` milliseconds in the background: acked blocks survive a process crash, not
+        a power loss within `ms`."""
+        return cls("interval", ms)
+
+    @classmethod
+    def off(cls) -> FsyncPolicy:
+        """Never fsync: for benchmarks on throwaway data."""
+        return cls("off")
+
+    @classmethod
+    def parse(cls, text: str) -> FsyncPolicy:
+        """'every-block', 'interval:MS' (MS a positive integer) or 'off'; ValueError otherwise."""
+        value = text.strip().lower()
+        if value == "every-block":
+            return cls.every_block()
+        if value == "off":
+            return cls.off()
+        if value.startswith("interval:"):
+            number = value.removeprefix("interval:")
+            if number.isdigit() and int(number) >= 1:
+                return cls.interval(int(number))
+        raise ValueError(f"invalid fsync policy {text!r}: use every-block, interval:MS (MS >= 1) or off")
+
+    def __str__(self) -> str:
+        return f"interval:{self.interval_ms}" if self.mode == "interval" else self.mode
