@@ -718,6 +718,10 @@ class Producer:
                         while len(self._values) < self.batch_size and not self._flushing:
                             await self._wait_change()
             n = self._batch_length()
+            if n == 0:
+                # the linger waited through a change that took the credit or the records away (a
+                # failover resets the credit, a requeue moves records): wait for both again
+                continue
             values = self._values[:n]
             keys = self._keys[:n] if self._keys is not None else None
             del self._values[:n]
