@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import re
 import time
 from collections.abc import Mapping
@@ -43,6 +42,7 @@ from ingest.pipeline_control import (
 )
 from ingest.spark.listener import BatchCompleted
 from ingest.spark.pipeline import PipelineContext, builtin_parquet, load_pipeline
+from receivers.files import replace_json
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 if TYPE_CHECKING:
@@ -160,12 +160,7 @@ class PipelineManager:
             "trial": trial_base is not None,
             "trial_base": -1 if trial_base is None else trial_base,
         }
-        temp = self._path.with_name(self._path.name + ".tmp")
-        with open(temp, "w") as file:
-            json.dump(data, file, indent=1)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, self._path)
+        replace_json(self._path, data)
 
     # ---- the query -------------------------------------------------------------------------------
 

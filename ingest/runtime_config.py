@@ -14,13 +14,13 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from ingest.config import ServeConfig, format_estimator_params, parse_estimator_params
 from ratecontrol import ESTIMATORS
+from receivers.files import replace_json
 from receivers.sizes import parse_size
 
 log = logging.getLogger(__name__)
@@ -258,10 +258,4 @@ class RuntimeConfig:
         self.changes[(label, result)] = self.changes.get((label, result), 0) + 1
 
     def _persist(self, overrides: Mapping[str, str], version: int) -> None:
-        temp = self.path.with_name(self.path.name + ".tmp")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(temp, "w") as file:
-            json.dump({"version": version, "overrides": dict(overrides)}, file, indent=1)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, self.path)
+        replace_json(self.path, {"version": version, "overrides": dict(overrides)})

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from receivers.files import replace_json
 from receivers.names import check_stream_name
 
 log = logging.getLogger(__name__)
@@ -88,10 +88,5 @@ class StreamRegistry:
         for stream, state in changes:
             assert state in STATES, state
             states[stream] = state
-        temp = self.path.with_name(self.path.name + ".tmp")
-        with open(temp, "w") as file:
-            json.dump({"streams": states}, file, indent=1)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temp, self.path)
+        replace_json(self.path, {"streams": states})
         self.states = states

@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -33,6 +32,7 @@ import pyarrow as pa
 from receivers.block import BlockInfo
 from receivers.block_store import BlockStore
 from receivers.cluster import Cluster, Node
+from receivers.files import replace_json
 from receivers.wal import WalBlockStore
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -432,19 +432,7 @@ def read_committed(path: Path) -> dict[str, int]:
 
 def write_committed(path: Path, committed: Mapping[str, int], *, sync: bool) -> None:
     """Replace the file atomically (temp, fsync when `sync`, rename, fsync of the folder)."""
-    temp = path.with_name(path.name + ".tmp")
-    with open(temp, "w") as file:
-        json.dump(dict(committed), file)
-        if sync:
-            file.flush()
-            os.fsync(file.fileno())
-    os.replace(temp, path)
-    if sync:
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    replace_json(path, dict(committed), sync=sync)
 
 
 def truncate_uncommitted(local: WalBlockStore, streams: Sequence[str], committed_file: Path) -> None:

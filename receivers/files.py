@@ -1,0 +1,27 @@
+"""Small state files replaced whole: written aside, made durable, then renamed over the old one, so a
+crash leaves the old file or the new one, never half of either."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def replace_json(path: Path, data: object, *, sync: bool = True) -> None:
+    """Replace `path` with `data` as JSON: a temp file beside it, fsynced (when `sync`), renamed over it,
+    then the folder fsynced so the rename itself survives a power loss. OSError: the old file stays."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(path.name + ".tmp")
+    with open(temp, "w") as file:
+        json.dump(data, file, indent=1)
+        if sync:
+            file.flush()
+            os.fsync(file.fileno())
+    os.replace(temp, path)
+    if sync:
+        folder = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(folder)
+        finally:
+            os.close(folder)
