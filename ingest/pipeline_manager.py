@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import re
 import time
@@ -42,7 +41,7 @@ from ingest.pipeline_control import (
 )
 from ingest.spark.listener import BatchCompleted
 from ingest.spark.pipeline import PipelineContext, builtin_parquet, load_pipeline
-from receivers.files import replace_json
+from receivers.files import read_json, replace_json
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 if TYPE_CHECKING:
@@ -123,12 +122,9 @@ class PipelineManager:
     # ---- persistence ------------------------------------------------------------------------------
 
     def _load(self) -> None:
-        try:
-            data = json.loads(self._path.read_text())
-        except FileNotFoundError:
+        data = read_json(self._path, "the pipeline state", PipelineStateError)
+        if data is None:
             return
-        except (OSError, ValueError) as exc:
-            raise PipelineStateError(f"{self._path}: cannot read the pipeline state: {exc}") from None
         try:
             current = Generation.from_json(data["current"])
             previous = Generation.from_json(data["previous"]) if data.get("previous") else None

@@ -11,7 +11,6 @@ server.properties.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import threading
@@ -20,7 +19,7 @@ from dataclasses import dataclass
 
 from ingest.config import ServeConfig, format_estimator_params, parse_estimator_params
 from ratecontrol import ESTIMATORS
-from receivers.files import replace_json
+from receivers.files import read_json, replace_json
 from receivers.sizes import parse_size
 
 log = logging.getLogger(__name__)
@@ -168,12 +167,9 @@ class RuntimeConfig:
         """The config in force: base with the overrides."""
 
     def _load(self) -> None:
-        try:
-            data = json.loads(self.path.read_text())
-        except FileNotFoundError:
+        data = read_json(self.path, "the runtime settings", SettingError)
+        if data is None:
             return
-        except (OSError, ValueError) as exc:
-            raise SettingError(f"{self.path}: cannot read the runtime settings: {exc}") from None
         overrides = data.get("overrides") if isinstance(data, dict) else None
         if not isinstance(overrides, dict) or not isinstance(data.get("version", 0), int):
             raise SettingError(f"{self.path}: not a runtime settings file (overrides, version)")

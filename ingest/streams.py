@@ -13,12 +13,11 @@ line names that the file does not know is served (the operator added a flag).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from receivers.files import replace_json
+from receivers.files import read_json, replace_json
 from receivers.names import check_stream_name
 
 log = logging.getLogger(__name__)
@@ -42,12 +41,9 @@ class StreamRegistry:
         self._load(command_line)
 
     def _load(self, command_line: Sequence[str]) -> None:
-        try:
-            data = json.loads(self.path.read_text())
-        except FileNotFoundError:
+        data = read_json(self.path, "the stream states", StreamStateError)
+        if data is None:
             return
-        except (OSError, ValueError) as exc:
-            raise StreamStateError(f"{self.path}: cannot read the stream states: {exc}") from None
         states = data.get("streams") if isinstance(data, dict) else None
         if not isinstance(states, dict) or not all(
             isinstance(k, str) and v in STATES for k, v in states.items()

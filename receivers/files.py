@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def replace_json(path: Path, data: object, *, sync: bool = True) -> None:
@@ -25,3 +27,14 @@ def replace_json(path: Path, data: object, *, sync: bool = True) -> None:
             os.fsync(folder)
         finally:
             os.close(folder)
+
+
+def read_json(path: Path, what: str, error: Callable[[str], Exception]) -> Any:
+    """The JSON in `path`, None when there is no such file; `error("PATH: cannot read WHAT: why")` raised
+    when it cannot be read or parsed (a start must stop on it and name it, never skip it)."""
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise error(f"{path}: cannot read {what}: {exc}") from None
