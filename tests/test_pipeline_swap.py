@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from live_service import Load, admin, offsets_in, service, wait_for_offsets
 
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
@@ -23,6 +24,11 @@ async def test_swap_under_load_loses_nothing_and_doubles_nothing(spark: Any, tmp
         pushing = asyncio.create_task(load.run())
         await asyncio.sleep(3)
         stub = admin(server)
+        # where Spark runs, the service is SERVING once its query runs (and intake once the log is open)
+        health = health_pb2_grpc.HealthStub(grpc.aio.insecure_channel(server.target))
+        for name in ("", "ingest.v1.Ingest"):
+            answer = await health.Check(health_pb2.HealthCheckRequest(service=name))
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING, name
         before = await stub.GetPipeline(pb.GetPipelineRequest())
         assert (before.pipeline, before.generation, before.state) == ("swap_pipelines:tag_a", 0, "running")
         asked = time.monotonic()
