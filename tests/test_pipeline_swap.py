@@ -4,6 +4,7 @@ pushing; the sinks are compared with what was acked (every offset exactly once).
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -65,8 +66,10 @@ async def test_a_swap_that_fails_is_rolled_back(spark: Any, tmp_path: Path) -> N
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "no_such_module" in (refused.value.details() or "")
         # fails as it is built, then fails its first batch: both rolled back, the old query runs on
-        for spec, said in (("swap_pipelines:broken_at_start", "cannot be built"),
-                           ("swap_pipelines:fails_first_batch", "refuses batch")):
+        for spec, said in (
+            ("swap_pipelines:broken_at_start", "cannot be built"),
+            ("swap_pipelines:fails_first_batch", "refuses batch"),
+        ):
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 await stub.SwapPipeline(pb.SwapPipelineRequest(pipeline=spec, first_batch_timeout_seconds=60))
             assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -128,3 +131,33 @@ def source_offsets(spark: Any, sink: Path) -> list[int]:
         return [r[0] for r in spark.read.parquet(str(sink)).select("source_offset").collect()]
     except AnalysisException:
         return []
+
+
+async def test_keep_state_continues_the_old_checkpoint(spark: Any, tmp_path: Path) -> None:
+    async with service(spark, tmp_path, pipeline="swap_pipelines:tag_a") as server:
+        load = Load(server.target, "events")
+        pushing = asyncio.create_task(load.run())
+        await asyncio.sleep(3)
+        stub = admin(server)
+        before = await stub.GetPipeline(pb.GetPipelineRequest())
+        view = await stub.SwapPipeline(
+            pb.SwapPipelineRequest(pipeline="swap_pipelines:tag_b", keep_state=True)
+        )
+        await asyncio.sleep(2)
+        load.stop()
+        await pushing
+        assert view.last_swap.outcome == "done" and view.last_swap.kept_state
+        # the same checkpoint (offsets, commits, state) and so the same query id and sink folder
+        assert (view.generation, view.checkpoint, view.query_id) == (1, before.checkpoint, before.query_id)
+        offsets = await wait_for_offsets(spark, load.sent, tmp_path / "sink")
+        assert sorted(offsets) == list(range(load.sent))
+        rows = await asyncio.to_thread(
+            lambda: spark.read.parquet(str(tmp_path / "sink")).select("offset", "pipeline").collect()
+        )
+        tags = {r["pipeline"] for r in rows}
+        assert tags == {"a", "b"}
+        last_a = max(r["offset"] for r in rows if r["pipeline"] == "a")
+        assert last_a < min(r["offset"] for r in rows if r["pipeline"] == "b")
+    # after a restart the kept generation runs again
+    saved = json.loads((tmp_path / "pipeline.json").read_text())
+    assert saved["current"]["spec"] == "swap_pipelines:tag_b" and saved["trial"] is False
