@@ -260,7 +260,9 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         "--initial-rate",
         type=float,
         default=None,
-        help="records/s before the first batch is measured (default: 10000; inf with --no-spark)",
+        help="records/s before the first batch is measured (default: inf with the model estimator, which "
+        "bounds each batch by the receivers' memory until it has measured one, and with --no-spark; else "
+        "10000)",
     )
     serve.add_argument("--min-rate", type=float, default=100.0, help="lowest rate (default: %(default)s)")
     serve.add_argument("--max-rate", type=float, default=math.inf, help="highest rate (default: inf)")
@@ -910,11 +912,16 @@ def _rate_config(args: argparse.Namespace, receive_only: bool) -> RateConfig:
     """The rate flags as a RateConfig; ConfigError naming the flag at fault."""
     policies = _checked(args, lambda: _stream_policies(args))
 
+    # a receiver node without Spark here takes its rate from operators (or the driver)
+    estimator = args.estimator or ("fixed" if receive_only else "model")
+
     def build() -> RateConfig:
         return RateConfig(
             # a receiver node without Spark here takes its rate from operators (or the driver)
-            estimator=args.estimator or ("fixed" if receive_only else "model"),
-            initial_rate=(math.inf if receive_only else 10_000.0)
+            estimator=estimator,
+            # full speed from the first record: the model estimator's batches are bounded by the
+            # receivers' memory until it has measured one (RateStatus.unmeasured_batch_records)
+            initial_rate=(math.inf if receive_only or estimator == "model" else 10_000.0)
             if args.initial_rate is None
             else args.initial_rate,
             min_rate=args.min_rate,

@@ -81,7 +81,11 @@ class LiveRateCap:
             log.info("the server at %s answers again: the live rate caps batches", self._target)
             self._failing = False
         self.answered = True
-        self._last = None if math.isinf(rate) else max(1, int(rate * max(trigger_seconds, 0.001)))
+        if math.isinf(rate):
+            # unlimited: no cap, unless the server bounds the batches it has not measured yet
+            self._last = status.unmeasured_batch_records or None
+        else:
+            self._last = max(1, int(rate * max(trigger_seconds, 0.001)))
         return self._last
 
     def _no_answer(self, exc: grpc.RpcError) -> None:

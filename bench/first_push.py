@@ -1,0 +1,131 @@
+"""A user's first push: a fresh `sluice serve` with every default, then `sluice push` of a 1M-line file,
+timed from the first send to the last record in the Parquet sink; against the same from a fresh start
+with an unthrottled rate (`--estimator fixed --initial-rate inf`), measured in the same run.
+
+Run: python bench/first_push.py [--records 1000000] [--rounds 1]
+
+Each run is a real `sluice serve` process on a fresh data dir (the README's command), started and waited
+for until it says its Spark query runs; then a real `sluice push` process. The sink is counted from the
+file sink's committed files (their Parquet footers), every 0.2 s. The goal (issue 17): defaults reach at
+least 80% of the unthrottled end-to-end rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+SLUICE = [sys.executable, "-m", "ingest.cli"]
+
+
+def committed_rows(sink: Path, seen: dict[str, int]) -> int:
+    """Rows in the files the sink's _spark_metadata log has committed (footers read once per file)."""
+    log = sink / "_spark_metadata"
+    if not log.is_dir():
+        return 0
+    files: set[str] = set()
+    for entry in sorted(
+        log.iterdir(), key=lambda p: int(p.name.split(".")[0]) if p.name[0].isdigit() else -1
+    ):
+        if not entry.name[0].isdigit() or entry.name.endswith(".tmp"):
+            continue
+        for line in entry.read_text().splitlines()[1:]:
+            record = json.loads(line)
+            path = urllib.parse.urlparse(record["path"]).path
+            if record["action"] == "add":
+                files.add(path)
+            else:
+                files.discard(path)
+    total = 0
+    for path in files:
+        if path not in seen:
+            seen[path] = pq.read_metadata(path).num_rows
+        total += seen[path]
+    return total
+
+
+def run_once(records_file: Path, records: int, extra: list[str], label: str) -> float:
+    with tempfile.TemporaryDirectory(prefix="sluice-first-") as tmp:
+        data = Path(tmp) / "data"
+        serve = subprocess.Popen(
+            [*SLUICE, "serve", "--data-dir", str(data), "--port", "0", "--metrics-port", "-1", *extra],
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        assert serve.stderr is not None
+        target = None
+        started = time.monotonic()
+        for line in serve.stderr:
+            found = re.search(r"serving streams .* on (\S+?)[;,]", line)
+            if found:
+                target = found.group(1)
+            if "Spark query running" in line or "query-started" in line:
+                break
+            if time.monotonic() - started > 180:
+                raise RuntimeError("sluice serve did not start in 180 s")
+        assert target is not None, "no serving line"
+        ready = time.monotonic() - started
+        push = subprocess.Popen(
+            [*SLUICE, "push", "--target", target, "--no-progress", str(records_file)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        first_send = time.monotonic()
+        seen: dict[str, int] = {}
+        acked_at = None
+        while True:
+            if acked_at is None and push.poll() is not None:
+                acked_at = time.monotonic() - first_send
+                if push.returncode != 0:
+                    raise RuntimeError(f"sluice push failed: {push.stderr.read() if push.stderr else ''}")
+            if committed_rows(data / "sink", seen) >= records:
+                break
+            if time.monotonic() - first_send > 600:
+                raise RuntimeError("the sink did not get every record in 600 s")
+            time.sleep(0.2)
+        in_sink = time.monotonic() - first_send
+        os.killpg(serve.pid, signal.SIGTERM)
+        serve.wait(timeout=180)
+    print(
+        f"{label:<12} ready after {ready:5.1f} s; all acked {acked_at or in_sink:5.1f} s, all in the sink "
+        f"{in_sink:5.1f} s after the first send: {records / in_sink:,.0f} records/s",
+        flush=True,
+    )
+    return in_sink
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--records", type=int, default=1_000_000)
+    parser.add_argument("--rounds", type=int, default=1)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        records_file = Path(tmp) / "records.txt"
+        records_file.write_text("".join(f"record {i}\n" for i in range(args.records)))
+        ratios = []
+        for _ in range(args.rounds):
+            unthrottled = run_once(
+                records_file, args.records, ["--estimator", "fixed", "--initial-rate", "inf"], "unthrottled"
+            )
+            defaults = run_once(records_file, args.records, [], "defaults")
+            ratios.append(unthrottled / defaults)
+            print(f"defaults reach {ratios[-1]:.2f}x of the unthrottled end-to-end rate (goal: >= 0.80)")
+
+
+if __name__ == "__main__":
+    main()
