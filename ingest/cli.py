@@ -1094,7 +1094,7 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock, spark_log_level: 
             from ingest.spark_side import attach_spark  # noqa: PLC0415
 
             try:
-                driver, manager = await attach_spark(spark, server)
+                driver, manager = await attach_spark(spark, server, warm=True)
             except PipelineStateError as exc:
                 await server.stop()
                 return _fail(f"cannot start the Spark query: {exc}")

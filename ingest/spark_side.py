@@ -4,19 +4,45 @@ releases) and the pipeline manager (swaps, restarts). One wiring for the CLI, th
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from ingest.driver import QUERY_NAME, SparkDriver, drive_rate
 from ingest.pipeline_manager import PipelineManager
 from ingest.server import SluiceServer
 
+WARM_TIMEOUT = 60.0
+"""Seconds `attach_spark(warm=True)` waits for the query's first trigger before it says it is ready."""
+
+
+def warm_python_workers(spark: Any) -> None:
+    """Start Spark's Python worker daemon and a worker per core now (blocking): a fresh query's first
+    batch otherwise pays for them (seconds), with records already waiting. Workers are reused after."""
+    cores = max(1, int(spark.sparkContext.defaultParallelism))
+    spark.sparkContext.parallelize(range(cores), cores).map(lambda x: x).count()
+
+
+def wait_first_trigger(driver: SparkDriver, timeout: float = WARM_TIMEOUT) -> None:
+    """Wait (blocking) until the query has planned and run its first trigger, or waits for data: its
+    planning worker and source are then up."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        query = driver.query
+        if query is None or not query.isActive or query.lastProgress is not None:
+            return
+        status = query.status
+        if not status.get("isTriggerActive", True) and "Waiting for data" in str(status.get("message", "")):
+            return
+        time.sleep(0.1)
+
 
 async def attach_spark(
-    spark: Any, server: SluiceServer, *, query_name: str = QUERY_NAME
+    spark: Any, server: SluiceServer, *, query_name: str = QUERY_NAME, warm: bool = False
 ) -> tuple[SparkDriver, PipelineManager]:
     """Start the server's query on `spark` (the generation pipeline.json names, else the config's
     pipeline). Raises PipelineStateError (a bad pipeline.json) before anything starts, or what Spark
-    raises when the query cannot start."""
+    raises when the query cannot start. warm: start Spark's Python workers first and return once the
+    query has run its first trigger, so the first records do not wait for them (`sluice serve`)."""
     loop = asyncio.get_running_loop()
     # its own source asks the rate with this run's token (a plaintext loopback port under TLS);
     # server.config: the command line with the settings changed at run time
@@ -32,6 +58,10 @@ async def attach_spark(
     drive_rate(driver, server, loop)
     manager = PipelineManager(driver, server, loop)
     server.pipeline_control = manager
+    if warm:
+        await asyncio.to_thread(warm_python_workers, spark)
     await manager.start()
+    if warm:
+        await asyncio.to_thread(wait_first_trigger, driver)
     await server.attach_query(manager.failure)  # health's "" is SERVING from now on, until it fails
     return driver, manager
