@@ -180,7 +180,9 @@ class AdminService(pb_grpc.AdminServicer):
         except OSError as exc:
             await self._refuse(context, "remove", grpc.StatusCode.INTERNAL, f"the stream states: {exc}")
         self._count("remove", "applied")
-        log.info("stream %s removed by %s", request.stream, context.peer())
+        backlog = "drain" if request.backlog == pb.RemoveStreamRequest.DRAIN else "keep"
+        peer, reason = context.peer(), cut(request.reason)
+        log.info("stream %s removed (%s) by %s: %s", request.stream, backlog, peer, reason)
         return self._streams_view()
 
     def _count(self, action: str, result: str) -> None:

@@ -360,7 +360,8 @@ class SluiceServer:
                 raise
             self.receivers[stream] = receiver
             self.rate.streams_changed()
-        log.info("stream %s added%s", stream, f" (it was {state})" if state else "")
+        # the Admin service logs the change once, with its caller
+        log.debug("stream %s added%s", stream, f" (it was {state})" if state else "")
 
     async def remove_stream(self, stream: str, *, drain: bool, reason: str) -> None:
         """Stop serving `stream`: its publishers get Cancel (NOT_FOUND, with `reason`) after what they
@@ -388,7 +389,7 @@ class SluiceServer:
             self.rate.streams_changed()
             why = f"stream {stream!r} was removed" + (f": {reason}" if reason else "")
             await receiver.stop(code=grpc.StatusCode.NOT_FOUND.value[0], reason=why)
-        log.info("stream %s removed (%s)%s", stream, state, f": {reason}" if reason else "")
+        log.debug("stream %s removed (%s)%s", stream, state, f": {reason}" if reason else "")
         self._check_drained()
 
     def on_committed(self, end: dict[str, int]) -> None:
