@@ -20,6 +20,9 @@ import argparse
 import asyncio
 import math
 import multiprocessing as mp
+import os
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -178,18 +181,47 @@ def run(variant: str, args: argparse.Namespace) -> float:
             target=serve, args=(kind, ports, data_dir, args.buffer, args.block_interval), daemon=True
         )
         proc.start()
+        spy = None
         try:
             target = f"127.0.0.1:{ports.get(timeout=60)}"
+            if args.profile and variant != "bare":
+                spy = start_profile(proc.pid, Path(args.profile) / f"{variant}.txt")
             values = [b"v" * args.record_bytes] * args.batch
+            server_cpu, client_cpu, wall = process_cpu(proc.pid), time.process_time(), time.perf_counter()
             if variant in ("bare", "credit"):
                 batch = encode_batch(0, values)
                 elapsed = asyncio.run(push_raw(target, args.records, batch, obey_credit=variant == "credit"))
             else:
                 elapsed = asyncio.run(push_producer(target, args.records, values, args.batch))
+            wall = time.perf_counter() - wall
+            CPU[variant] = ((process_cpu(proc.pid) - server_cpu) / wall, (time.process_time() - client_cpu) / wall)
         finally:
+            if spy is not None:
+                spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
+                spy.wait(60)
             proc.terminate()
             proc.join(10)
     return args.records / elapsed
+
+
+CPU: dict[str, tuple[float, float]] = {}
+"""variant -> (server, client) CPU seconds per second of the last run: which side is the bound."""
+
+
+def process_cpu(pid: int) -> float:
+    """User + system CPU seconds of process `pid`, all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_profile(pid: int, out: Path) -> subprocess.Popen[bytes]:
+    """py-spy on the server process: collapsed stacks (one line per stack, then its sample count),  
+    frames included, so the C cost under a Python call shows. Summarize with bench/profile_summary.py."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    command = ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "250", "--native", "--output", str(out)]
+    spy = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # py-spy attaches before the load starts
+    return spy
 
 
 VARIANTS = {
@@ -212,14 +244,26 @@ def main() -> None:
     )
     parser.add_argument("--block-interval", type=float, default=ReceiverConfig().block_interval)
     parser.add_argument("--repeat", type=int, default=2, help="runs of each; the best counts")
+    parser.add_argument(
+        "--profile", metavar="DIR", help="record each server with py-spy into DIR/<variant>.txt (slower)"
+    )
     parser.add_argument("--only", choices=sorted(VARIANTS), action="append", help="run only these (and bare)")
     args = parser.parse_args()
     chosen = ["bare", *[v for v in VARIANTS if v != "bare" and (not args.only or v in args.only)]]
-    results = {v: max(run(v, args) for _ in range(args.repeat)) for v in chosen}
+    results, cpu = {}, {}
+    for variant in chosen:
+        for _ in range(args.repeat):
+            rate = run(variant, args)
+            if rate > results.get(variant, 0.0):
+                results[variant], cpu[variant] = rate, CPU[variant]
     head = f"{args.records:,} records of {args.record_bytes} B, {args.batch} records/batch"
     print(f"{head}, buffer {args.buffer:,}, best of {args.repeat}")
     for variant, rate in results.items():
-        print(f"  {VARIANTS[variant]:<20} {rate:>12,.0f} rec/s   {rate / results['bare']:6.1%} of bare gRPC")
+        server, client = cpu[variant]
+        print(
+            f"  {VARIANTS[variant]:<20} {rate:>12,.0f} rec/s   {rate / results['bare']:6.1%} of bare gRPC"
+            f"   cpu: server {server:4.0%} client {client:4.0%}"
+        )
 
 
 if __name__ == "__main__":
