@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from receivers.block import BlockInfo
-from receivers.config import FsyncPolicy
+from receivers.config import DEFAULT_SEGMENT_BYTES, FsyncPolicy
 from receivers.wal import RawBlock, WalBlockStore
 
 COMMITTED = "committed.json"
@@ -68,8 +68,8 @@ class ReplicaStore:
         with self._lock:
             store = self._stores.get(owner)
             if store is None:
-                kwargs = {} if self._segment_bytes is None else {"segment_bytes": self._segment_bytes}
-                store = WalBlockStore(self.root / str(owner), fsync=self._fsync, **kwargs)
+                segment_bytes = DEFAULT_SEGMENT_BYTES if self._segment_bytes is None else self._segment_bytes
+                store = WalBlockStore(self.root / str(owner), fsync=self._fsync, segment_bytes=segment_bytes)
                 self._stores[owner] = store
             return store
 

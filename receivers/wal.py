@@ -60,19 +60,20 @@ next write, and the released mark (written first, with the full producers table)
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import itertools
 import json
 import logging
+import mmap
 import os
 import re
 import struct
 import threading
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 
@@ -96,6 +97,11 @@ _SEGMENT_NAME = re.compile(r"^(\d{20})\.wal$")
 STATE_FILE = "released.json"
 LOCK_FILE = "released.lock"
 """flock()ed by whoever rewrites released.json or deletes segments (see _mark_lock)."""
+ALIGN = 4096
+"""Under "every-block" segments are written with O_DIRECT where the file system allows it: the data goes
+from the frame's buffer to the disk without a copy into the page cache, which on the development VM cost
+as much CPU as the rest of the ingest path. Direct writes must start and end on this boundary (the page
+size, a multiple of every common logical block size), so such frames are padded to it."""
 _OLD_MARK = "released"  # the high-water mark of the file-per-block store this log replaced
 
 
@@ -249,6 +255,16 @@ class _Writer:
     lock: threading.Lock = field(default_factory=threading.Lock)
     durable_seq: int = 0
     """Every block with a lower seq is durable under the policy (fsynced, or "off")."""
+    direct: bool = False
+    """`fd` was opened with O_DIRECT: frames are padded to ALIGN."""
+    _frame: mmap.mmap | None = None
+
+    def frame_buffer(self, size: int) -> memoryview:
+        """A page-aligned buffer of at least `size` bytes to build a frame in, kept for the next block
+        (a fresh one per block costs a page fault per page)."""
+        if self._frame is None or len(self._frame) < size:
+            self._frame = mmap.mmap(-1, max(size, 1 << 20))  # the old one goes once its views do
+        return memoryview(self._frame)[:size]
 
 
 @dataclass(frozen=True)
@@ -277,12 +293,16 @@ class WalBlockStore(BlockStore):
         *,
         fsync: FsyncPolicy | None = None,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
+        direct_io: bool = True,
     ) -> None:
+        """`direct_io`: under "every-block", write segments with O_DIRECT where the file system allows
+        (see ALIGN); False writes through the page cache (and pads nothing)."""
         if segment_bytes < 1:
             raise ValueError(f"segment_bytes must be >= 1, got {segment_bytes}")
         self.root = Path(root)
         self.fsync = fsync if fsync is not None else FsyncPolicy.every_block()
         self.segment_bytes = segment_bytes
+        self.direct_io = direct_io
         self._writers: dict[str, _Writer] = {}
         self._writers_lock = threading.Lock()
         self._index: dict[Path, _SegmentIndex] = {}
@@ -342,27 +362,42 @@ class WalBlockStore(BlockStore):
         On an error (OSError) nothing of the block stays in the log: the same block can be written again.
         """
         count = sum(b.num_rows for b in batches)
-        sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, BLOCK_SCHEMA) as ipc:
-            for batch in batches:
-                ipc.write_batch(batch)
-        payload = sink.getvalue()
         received_at = 0.0
         for batch in batches:
             if batch.num_rows:
                 received_at = batch.column("timestamp")[0].value / 1e6
                 break
-        raw = RawBlock(seq, first_offset, count, receiver, received_at, dict(producers or {}), payload)
-        return self.append_raw(stream, raw)
+        sizer = pa.MockOutputStream()  # the payload's size first: it is encoded in place, in the frame
+        with pa.ipc.new_stream(sizer, BLOCK_SCHEMA) as ipc:
+            for batch in batches:
+                ipc.write_batch(batch)
+
+        def encode(into: memoryview) -> None:
+            with pa.ipc.new_stream(pa.FixedSizeBufferWriter(pa.py_buffer(into)), BLOCK_SCHEMA) as ipc:
+                for batch in batches:
+                    ipc.write_batch(batch)
+
+        block = RawBlock(seq, first_offset, count, receiver, received_at, dict(producers or {}), b"")
+        return self._append(stream, block, sizer.size(), encode)
 
     def append_raw(self, stream: str, block: RawBlock) -> tuple[BlockInfo, int]:
         """Append a block already encoded (a replica of another node's block, as read_raw() gave it
         there); as write(), whose checks and durability it shares."""
+        payload = memoryview(block.payload)
+
+        def copy(into: memoryview) -> None:
+            into[:] = payload
+
+        return self._append(stream, block, payload.nbytes, copy)
+
+    def _append(
+        self, stream: str, block: RawBlock, payload_size: int, fill: Callable[[memoryview], None]
+    ) -> tuple[BlockInfo, int]:
+        """Append `block` (its payload, `payload_size` bytes, written by `fill` into the frame)."""
         seq, first_offset, count, receiver = block.seq, block.first_offset, block.count, block.receiver
-        received_at, producers, payload = block.received_at, block.producers, block.payload
+        producers = block.producers
         writer = self._writer(stream)
         producers_raw = _encode_producers(producers)
-        payload_size = payload.size if isinstance(payload, pa.Buffer) else len(payload)
         with writer.lock:
             if seq != writer.next_seq:
                 raise ValueError(f"stream {stream!r}: block seq {seq} written, {writer.next_seq} expected")
@@ -370,35 +405,44 @@ class WalBlockStore(BlockStore):
                 raise ValueError(
                     f"stream {stream!r}: block first_offset {first_offset} below {writer.next_offset}"
                 )
-            header = bytearray(
-                HEADER.pack(
-                    MAGIC,
-                    VERSION,
-                    0,
-                    0,
-                    len(producers_raw),
-                    payload_size,
-                    seq,
-                    first_offset,
-                    count,
-                    receiver,
-                    received_at,
-                )
-            )
-            struct.pack_into("<I", header, _CRC_AT, _frame_crc(header, [producers_raw, payload]))
-            parts: list[Any] = [bytes(header), producers_raw, payload]
-            size = HEADER.size + len(producers_raw) + payload_size
             fd = self._segment_for(writer, seq)
+            size = HEADER.size + len(producers_raw) + payload_size
+            # direct I/O writes whole pages: the payload is padded with zeros to end on one, which the
+            # Arrow IPC stream (read up to its end-of-stream marker) and the CRC (it covers them) allow
+            padded = -(-size // ALIGN) * ALIGN if writer.direct else size
+            frame = writer.frame_buffer(padded)
+            start = HEADER.size + len(producers_raw)
+            frame[HEADER.size : start] = producers_raw
+            fill(frame[start : start + payload_size])
+            frame[size:padded] = bytes(padded - size)
+            HEADER.pack_into(
+                frame,
+                0,
+                MAGIC,
+                VERSION,
+                0,
+                0,
+                len(producers_raw),
+                padded - start,
+                seq,
+                first_offset,
+                count,
+                receiver,
+                block.received_at,
+            )
+            struct.pack_into(
+                "<I", frame, _CRC_AT, _frame_crc(frame[: HEADER.size], [frame[HEADER.size : padded]])
+            )
             before = writer.size
             try:
-                _write_all(fd, parts, size)
+                _write_all(fd, frame[:padded], writer.direct)
                 if self.fsync.mode == "every-block":
                     os.fsync(fd)
             except BaseException:
                 # leave no partial frame behind, so the retried block lands where this one began
                 self._undo_append(writer, before)
                 raise
-            writer.size += size
+            writer.size += padded
             writer.dirty = True
             writer.next_seq = seq + 1
             if self.fsync.mode != "interval":
@@ -408,7 +452,7 @@ class WalBlockStore(BlockStore):
                 _merge_producers(writer.producers, producers)
         if self.fsync.mode == "interval":
             self._start_flusher()
-        return BlockInfo(stream, seq, first_offset, count, receiver), size
+        return BlockInfo(stream, seq, first_offset, count, receiver), padded
 
     def durable_seq(self, stream: str) -> int:
         """Every block of `stream` with a lower seq is durable: at once under "every-block" and "off",
@@ -813,11 +857,13 @@ class WalBlockStore(BlockStore):
         """The fd to append block `seq` to: the newest segment, or a new one when that one is full."""
         if writer.fd is not None and writer.size < self.segment_bytes:
             return writer.fd
-        if writer.fd is None and writer.segment is not None and writer.size < self.segment_bytes:
+        # a segment written without direct I/O (an older version, another policy) may end off a page
+        reusable = not self._direct_wanted() or writer.size % ALIGN == 0
+        if writer.fd is None and writer.segment is not None and writer.size < self.segment_bytes and reusable:
             with contextlib.suppress(FileNotFoundError):  # removed by hand: start a new one
-                fd = os.open(writer.segment, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+                fd, direct = self._open_segment(writer.segment, 0)
                 if os.fstat(fd).st_size == writer.size:
-                    writer.fd = fd
+                    writer.fd, writer.direct = fd, direct
                     return fd
                 os.close(fd)  # a failed append left bytes behind: start afresh in a new segment
         self._close_writer(writer)
@@ -829,13 +875,30 @@ class WalBlockStore(BlockStore):
         if path == writer.segment:  # the newest segment is empty but a failed append left bytes in it
             with contextlib.suppress(FileNotFoundError):
                 os.truncate(path, 0)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd, writer.direct = self._open_segment(path, os.O_CREAT)
         writer.fd, writer.segment, writer.size = fd, path, os.fstat(fd).st_size
         if self.fsync.mode == "every-block":
             _fsync_path(writer.folder)
         else:
             writer.folder_dirty = True
         return fd
+
+    def _direct_wanted(self) -> bool:
+        return self.direct_io and self.fsync.mode == "every-block" and hasattr(os, "O_DIRECT")
+
+    def _open_segment(self, path: Path, create: int) -> tuple[int, bool]:
+        """Open a segment to append to: (fd, whether with O_DIRECT). Falls back to buffered writes
+        where the file system refuses direct I/O (EINVAL: tmpfs on older kernels, some FUSE mounts)."""
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | create
+        if self._direct_wanted():
+            try:
+                return os.open(path, flags | os.O_DIRECT, 0o644), True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                log.info("%s: no direct I/O on this file system; the log writes through the page cache", path)
+                self.direct_io = False
+        return os.open(path, flags, 0o644), False
 
     def _undo_append(self, writer: _Writer, size: int) -> None:
         if writer.fd is None:
@@ -1049,10 +1112,12 @@ def _valid_frame(fd: int, pos: int, size: int, last_seq: int) -> tuple[_Header, 
     return header, table
 
 
-def _write_all(fd: int, parts: list[Any], size: int) -> None:
-    written = os.writev(fd, parts)
-    if written < size:  # a short write (signal, disk nearly full): write the rest
-        rest = memoryview(b"".join(bytes(p) for p in parts))[written:]
+def _write_all(fd: int, frame: memoryview, direct: bool) -> None:
+    written = os.write(fd, frame)
+    if written < len(frame):  # a short write (signal, disk nearly full)
+        if direct:  # the rest is not page-aligned: fail, and the caller cuts the part written
+            raise OSError(errno.ENOSPC, f"short direct write: {written} of {len(frame)} bytes")
+        rest = frame[written:]
         while rest:
             n = os.write(fd, rest)
             rest = rest[n:]

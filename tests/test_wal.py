@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import multiprocessing as mp
 import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -17,7 +19,7 @@ from hypothesis import strategies as st
 from receivers.block import BlockInfo
 from receivers.config import FsyncPolicy
 from receivers.names import InvalidStreamNameError
-from receivers.wal import HEADER, BlockNotFoundError, CorruptBlockError, WalBlockStore
+from receivers.wal import ALIGN, HEADER, BlockNotFoundError, CorruptBlockError, WalBlockStore
 from receivers.wire import decode_batch
 from sluice_client.wire import encode_batch
 
@@ -464,16 +466,16 @@ def test_disk_bytes_of_missing_streams(tmp_path: Path) -> None:
 def test_a_failed_undo_moves_on_to_a_new_segment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = WalBlockStore(tmp_path, fsync=OFF)
     fill(store, 2)
-    real_writev = os.writev
+    real_write = os.write
 
-    def torn_writev(fd: int, parts: list[bytes]) -> int:
-        real_writev(fd, [bytes(parts[0])[:10]])
+    def torn_write(fd: int, data: bytes) -> int:
+        real_write(fd, bytes(data)[:10])
         raise OSError(28, "No space left on device")
 
     def no_truncate(fd: int, size: int) -> None:
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(os, "writev", torn_writev)
+    monkeypatch.setattr(os, "write", torn_write)
     monkeypatch.setattr(os, "ftruncate", no_truncate)
     with pytest.raises(OSError, match="No space"):
         store.write("s", 2, 6, 1, [records(3, 6)])
@@ -485,3 +487,65 @@ def test_a_failed_undo_moves_on_to_a_new_segment(tmp_path: Path, monkeypatch: py
     assert restarted.recover("s") == (3, 9)
     assert restarted.stats.bytes_truncated == 10
     assert values(restarted) == expected(9)
+
+
+def direct_io_here(path: Path) -> bool:
+    try:
+        os.close(os.open(path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+    except OSError:
+        return False
+    finally:
+        (path / "probe").unlink(missing_ok=True)
+    return True
+
+
+def test_every_block_writes_pages_directly_and_reads_back(tmp_path: Path) -> None:
+    if not direct_io_here(tmp_path):
+        pytest.skip("no O_DIRECT on this file system")
+    store = WalBlockStore(tmp_path)  # every-block: O_DIRECT, frames padded to whole pages
+    written = fill(store, 5, per_block=7)
+    assert all(size % ALIGN == 0 for size in (p.stat().st_size for p in segments(tmp_path)))
+    assert frame_starts(segments(tmp_path)[0]) == [i * ALIGN for i in range(5)]  # small blocks: a page each
+    assert values(store) == expected(35)
+    assert store.blocks("s") == written
+    raw = store.read_raw(written[2])  # a replica takes the padded payload as it is
+    replica = WalBlockStore(tmp_path / "replica", direct_io=False)
+    replica.skip_to("s", 2, raw.first_offset)
+    replica.append_raw("s", raw)
+    assert [
+        v for b in replica.blocks("s") for x in replica.read(b) for v in x.column("value").to_pylist()
+    ] == (expected(21)[14:])
+    restarted = WalBlockStore(tmp_path)
+    assert restarted.recover("s") == (5, 35)
+    assert restarted.stats.bytes_truncated == 0
+    fill(restarted, 1, per_block=7)  # continues the same segment, still aligned
+    assert len(segments(tmp_path)) == 1 and segments(tmp_path)[0].stat().st_size % ALIGN == 0
+    assert values(restarted) == expected(42)
+
+
+def test_a_log_written_through_the_page_cache_continues_in_a_new_aligned_segment(tmp_path: Path) -> None:
+    if not direct_io_here(tmp_path):
+        pytest.skip("no O_DIRECT on this file system")
+    fill(WalBlockStore(tmp_path, direct_io=False), 2)  # an older version's log: frames end anywhere
+    assert segments(tmp_path)[0].stat().st_size % ALIGN != 0
+    store = WalBlockStore(tmp_path)
+    fill(store, 2)
+    assert [int(p.stem) for p in segments(tmp_path)] == [0, 2]
+    assert values(store) == expected(12)
+    assert WalBlockStore(tmp_path).recover("s") == (4, 12)
+
+
+def test_no_direct_io_falls_back_to_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_open = os.open
+
+    def refuse_direct(path: Any, flags: int, mode: int = 0o777) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, mode)
+
+    monkeypatch.setattr(os, "open", refuse_direct)
+    store = WalBlockStore(tmp_path)
+    fill(store, 3)
+    assert not store.direct_io
+    assert values(store) == expected(9)
+    assert segments(tmp_path)[0].stat().st_size % ALIGN != 0  # unpadded
