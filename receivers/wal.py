@@ -1113,14 +1113,12 @@ def _valid_frame(fd: int, pos: int, size: int, last_seq: int) -> tuple[_Header, 
 
 
 def _write_all(fd: int, frame: memoryview, direct: bool) -> None:
-    written = os.write(fd, frame)
-    if written < len(frame):  # a short write (signal, disk nearly full)
-        if direct:  # the rest is not page-aligned: fail, and the caller cuts the part written
-            raise OSError(errno.ENOSPC, f"short direct write: {written} of {len(frame)} bytes")
-        rest = frame[written:]
-        while rest:
-            n = os.write(fd, rest)
-            rest = rest[n:]
+    rest = frame
+    while rest:  # a short write (signal, disk nearly full): write the rest, which raises if it must
+        n = os.write(fd, rest)
+        if direct and n % ALIGN:  # the rest would start off a page: give up, the caller cuts it
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: a direct write stopped at {n} bytes")
+        rest = rest[n:]
 
 
 def _read_old_mark(folder: Path) -> _Released:

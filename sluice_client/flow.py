@@ -76,6 +76,7 @@ from typing import Protocol, TypeVar
 class FlowViolation(Exception):
     """A Reactive Streams rule was broken (e.g. rule 1.1: an item that was not requested)."""
 
+
 __all__ = ["MAX_DEMAND", "FlowViolation", "Processor", "Publisher", "Subscriber", "Subscription"]
 
 MAX_DEMAND = 2**63 - 1

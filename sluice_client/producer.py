@@ -50,6 +50,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 
 import grpc
+import numpy as np
 
 from sluice_client.credentials import Credentials
 from sluice_client.errors import (
@@ -65,7 +66,7 @@ from sluice_client.errors import (
 from sluice_client.flow import MAX_DEMAND
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
-from sluice_client.wire import encode_batch
+from sluice_client.wire import encode_batch, value_ends
 
 log = logging.getLogger(__name__)
 
@@ -142,16 +143,79 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
+class _Pending:
+    """Records not sent yet: values, and keys once one has a key. Sending takes from the front: a head
+    index, compacted now and then, so that taking a batch does not move the whole backlog."""
+
+    __slots__ = ("_head", "_keys", "_values")
+
+    def __init__(self) -> None:
+        self._values: list[bytes] = []
+        self._keys: list[bytes | None] | None = None  # None while no record here has a key
+        self._head = 0
+
+    def __len__(self) -> int:
+        return len(self._values) - self._head
+
+    @property
+    def has_keys(self) -> bool:
+        return self._keys is not None
+
+    def append(self, value: bytes, key: bytes | None) -> None:
+        if key is not None and self._keys is None:
+            self._keys = [None] * len(self._values)
+        self._values.append(value)
+        if self._keys is not None:
+            self._keys.append(key)
+
+    def extend(self, values: Sequence[bytes]) -> None:
+        """Records without keys."""
+        self._values.extend(values)
+        if self._keys is not None:
+            self._keys.extend([None] * len(values))
+
+    def peek(self, n: int) -> tuple[list[bytes], list[bytes | None] | None]:
+        """The first `n` records (values, and keys or None) without taking them."""
+        end = self._head + n
+        keys = self._keys[self._head : end] if self._keys is not None else None
+        return self._values[self._head : end], keys
+
+    def drop(self, n: int) -> None:
+        """Take the first `n` records away (sent)."""
+        self._head += n
+        if self._head >= len(self._values):
+            self._values, self._keys, self._head = [], None, 0
+        elif self._head >= 65536 and self._head * 2 >= len(self._values):  # amortized: O(1) a record
+            self._compact()
+
+    def prepend(self, values: list[bytes], keys: list[bytes | None] | None) -> None:
+        """Put records back in front (to be sent again, before the others)."""
+        self._compact()
+        if keys is not None or self._keys is not None:
+            none: list[bytes | None] = [None]
+            mine = self._keys if self._keys is not None else none * len(self._values)
+            self._keys = (keys if keys is not None else none * len(values)) + mine
+        self._values[:0] = values
+
+    def _compact(self) -> None:
+        del self._values[: self._head]
+        if self._keys is not None:
+            del self._keys[: self._head]
+        self._head = 0
+
+
 class _Sent:
     """A batch sent and not yet acked: kept to be resent after a reconnect."""
 
     __slots__ = ("first_seq", "keys", "nbytes", "values")
 
-    def __init__(self, first_seq: int, values: list[bytes], keys: list[bytes | None] | None) -> None:
+    def __init__(
+        self, first_seq: int, values: list[bytes], keys: list[bytes | None] | None, nbytes: int
+    ) -> None:
         self.first_seq = first_seq
         self.values = values
         self.keys = keys
-        self.nbytes = sum(map(len, values))
+        self.nbytes = nbytes
 
 
 class Producer:
@@ -238,8 +302,7 @@ class Producer:
             self._channels[self.targets[0]] = channel
         self._state = _State.NEW
         self._call: Call | None = None
-        self._values: list[bytes] = []  # not sent yet (in this session), from _sent_seq on
-        self._keys: list[bytes | None] | None = None  # None while no buffered record has a key
+        self._pending = _Pending()  # not sent yet (in this session), from _sent_seq on
         self._buffered_bytes = 0
         self._unacked: collections.deque[_Sent] = collections.deque()  # sent, not acked, in order
         self._unacked_count = 0
@@ -294,7 +357,7 @@ class Producer:
     @property
     def unacked(self) -> int:
         """Records accepted by send() and not yet acked."""
-        return self._sent_seq + len(self._values) - self._acked_seq
+        return self._sent_seq + len(self._pending) - self._acked_seq
 
     def unacked_records(self) -> list[tuple[bytes, bytes | None]]:
         """The records not acked yet, as (value, key) in sequence order from `acked` on."""
@@ -302,8 +365,9 @@ class Producer:
         for sent in self._unacked:
             keys = sent.keys if sent.keys is not None else [None] * len(sent.values)
             records.extend(zip(sent.values, keys, strict=True))
-        keys = self._keys if self._keys is not None else [None] * len(self._values)
-        records.extend(zip(self._values, keys, strict=True))
+        values, pending_keys = self._pending.peek(len(self._pending))
+        none: list[bytes | None] = [None]
+        records.extend(zip(values, pending_keys or none * len(values), strict=True))
         return records
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -490,8 +554,8 @@ class Producer:
             room = self.max_buffered - self._held
             end = min(len(values), start + room)
             chunk = values[start:end]
-            if keys is None and self._keys is None:
-                self._values.extend(chunk)
+            if keys is None and not self._pending.has_keys:
+                self._pending.extend(chunk)
                 self._buffered_bytes += sum(map(len, chunk))
                 self._wake()
             else:
@@ -502,21 +566,17 @@ class Producer:
     def _append(self, value: bytes, key: bytes | None) -> None:
         if not isinstance(value, bytes | bytearray | memoryview):
             raise TypeError(f"record value must be bytes, not {type(value).__name__}")
-        if key is not None and self._keys is None:
-            self._keys = [None] * len(self._values)
-        self._values.append(value)
-        if self._keys is not None:
-            self._keys.append(key)
+        self._pending.append(value, key)
         self._buffered_bytes += len(value)
         # the first record starts the linger clock (and an idle producer's reconnect); a full batch goes
-        held = len(self._values)
+        held = len(self._pending)
         if held == 1 or held >= self.batch_size or self._buffered_bytes >= self.batch_bytes:
             self._wake()
 
     @property
     def _held(self) -> int:
         """Records in memory: unsent plus sent and unacked."""
-        return len(self._values) + self._unacked_count
+        return len(self._pending) + self._unacked_count
 
     def _bytes_full(self) -> bool:
         limit = self.max_buffered_bytes
@@ -557,7 +617,7 @@ class Producer:
         `timeout` runs out (the records stay queued), or the error that failed the producer."""
         if self._state is _State.NEW:
             raise ProducerClosedError("producer not started")
-        target = self._sent_seq + len(self._values)
+        target = self._sent_seq + len(self._pending)
         self._flushing += 1
         self._wake()
         try:
@@ -689,17 +749,14 @@ class Producer:
             return
         values: list[bytes] = []
         keys: list[bytes | None] | None = None
-        if self._keys is not None or any(s.keys is not None for s in self._unacked):
+        if any(s.keys is not None for s in self._unacked):
             keys = []
         for sent in self._unacked:
             values.extend(sent.values)
             if keys is not None:
                 keys.extend(sent.keys if sent.keys is not None else [None] * len(sent.values))
-        if keys is not None:
-            keys.extend(self._keys if self._keys is not None else [None] * len(self._values))
         self.resent += len(values)
-        self._values[:0] = values
-        self._keys = keys
+        self._pending.prepend(values, keys)
         self._buffered_bytes += self._unacked_bytes
         self._sent_seq = self._acked_seq
         self._unacked.clear()
@@ -709,28 +766,28 @@ class Producer:
     async def _send_loop(self, call: Call) -> None:
         while True:
             # wait for credit and a batch worth sending: full, lingered long enough, or flushing
-            while not (self._credit > 0 and self._values):
+            while not (self._credit > 0 and self._pending):
                 await self._wait_change()
-            small = len(self._values) < self.batch_size and self._buffered_bytes < self.batch_bytes
+            small = len(self._pending) < self.batch_size and self._buffered_bytes < self.batch_bytes
             if small and not self._flushing and self.linger > 0:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(self.linger):
-                        while len(self._values) < self.batch_size and not self._flushing:
+                        while len(self._pending) < self.batch_size and not self._flushing:
                             await self._wait_change()
-            n = self._batch_length()
+            n = min(self._credit, len(self._pending), self.batch_size)
             if n == 0:
                 # the linger waited through a change that took the credit or the records away (a
                 # failover resets the credit, a requeue moves records): wait for both again
                 continue
-            values = self._values[:n]
-            keys = self._keys[:n] if self._keys is not None else None
-            del self._values[:n]
-            if self._keys is not None:
-                del self._keys[:n]
-                if not self._values:
-                    self._keys = None
-            batch = encode_batch(self._sent_seq, values, keys)
-            sent = _Sent(self._sent_seq, values, keys)
+            values, keys = self._pending.peek(n)
+            ends = value_ends(values)  # one pass over the lengths: the batch's byte cut and its layout
+            if ends[-1] > self.batch_bytes:  # (roughly) within batch_bytes, at least one record
+                n = max(1, int(np.searchsorted(ends, self.batch_bytes)) + 1)
+                values, ends = values[:n], ends[:n]
+                keys = keys[:n] if keys is not None else None
+            self._pending.drop(n)
+            batch = encode_batch(self._sent_seq, values, keys, value_ends=ends)
+            sent = _Sent(self._sent_seq, values, keys, int(ends[-1]))
             self._unacked.append(sent)
             self._unacked_count += n
             self._unacked_bytes += sent.nbytes
@@ -743,17 +800,6 @@ class Producer:
                     await call.write(pb.PublishRequest(batch=batch))
             except _CALL_ENDED:
                 return  # the call ended; the read loop has (or will have) the status that says why
-
-    def _batch_length(self) -> int:
-        """Records in the next batch: within credit, batch_size and (roughly) batch_bytes."""
-        n = min(self._credit, len(self._values), self.batch_size)
-        if self._buffered_bytes > self.batch_bytes:
-            size = 0
-            for i in range(n):
-                size += len(self._values[i])
-                if size >= self.batch_bytes:
-                    return i + 1
-        return n
 
     def _acked_to(self, up_to: int) -> None:
         """Drop the records below `up_to` from memory: they are durable."""
