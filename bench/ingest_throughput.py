@@ -285,7 +285,10 @@ def main() -> None:
         "--profile", metavar="DIR", help="record each server with py-spy into DIR/<variant>.txt (slower)"
     )
     parser.add_argument("--only", choices=sorted(VARIANTS), action="append", help="run only these (and bare)")
+    parser.add_argument("--quick", action="store_true", help="bare and fsync only, 3M records, once each")
     args = parser.parse_args()
+    if args.quick:
+        args.records, args.repeat, args.only = 3_000_000, 1, ["fsync"]
     chosen = ["bare", *[v for v in VARIANTS if v != "bare" and (not args.only or v in args.only)]]
     results, cpu = {}, {}
     for variant in chosen:

@@ -13,7 +13,7 @@ import collections
 import re
 from pathlib import Path
 
-IDLE = re.compile(r"epoll_wait|select \(selectors|_run_once \(asyncio/base_events.py:\d+\);select|poll \(|futex")
+IDLE = re.compile(r"epoll_wait|select \(selectors|poll \(|futex")
 FRAME = re.compile(r"^(?P<func>[^ ]+) \((?P<file>[^:)]+)(?::\d+)?\)$")
 
 
@@ -43,7 +43,7 @@ def main() -> None:
             continue
         count = int(count_text)
         frames = [frame_name(f) for f in stack.split(";")]
-        if not frames or IDLE.search(stack.split(";")[-1]) or "epoll_wait" in stack or "(selectors.py" in stack:
+        if not frames or IDLE.search(stack.split(";")[-1]) or "(selectors.py" in stack:
             idle += count
             continue
         busy += count

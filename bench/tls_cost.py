@@ -130,12 +130,16 @@ def main() -> None:
                 results[variant].append(run(variant, args, certs))
     best = {v: max(rates) for v, rates in results.items()}
     fsync = "fsync every block" if args.fsync else "log not fsynced"
-    print(f"{args.records:,} records of {args.record_bytes} B, {args.batch} records/batch, {fsync}, "
-          f"best of {args.rounds} interleaved rounds")
+    print(
+        f"{args.records:,} records of {args.record_bytes} B, {args.batch} records/batch, {fsync}, "
+        f"best of {args.rounds} interleaved rounds"
+    )
     for variant, rate in best.items():
         spread = f"{min(results[variant]):,.0f}-{max(results[variant]):,.0f}"
-        print(f"  {VARIANTS[variant]:<12} {rate:>12,.0f} rec/s   {rate / best['plain']:6.1%} of plaintext"
-              f"   (rounds {spread})")
+        print(
+            f"  {VARIANTS[variant]:<12} {rate:>12,.0f} rec/s   {rate / best['plain']:6.1%} of plaintext"
+            f"   (rounds {spread})"
+        )
 
 
 if __name__ == "__main__":
