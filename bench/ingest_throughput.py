@@ -41,6 +41,7 @@ from receivers.block import BlockInfo
 from receivers.config import FsyncPolicy, ReceiverConfig
 from receivers.wal import WalBlockStore
 from sluice_client import Credentials, Producer
+from sluice_client.allocator import tune_malloc
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from sluice_client.wire import encode_batch
@@ -82,6 +83,8 @@ FSYNC = {"fsync": FsyncPolicy.every_block(), "interval": FsyncPolicy.interval(50
 
 
 def serve(kind: str, ports: Any, data_dir: str, buffer: int, block_interval: float) -> None:
+    tune_malloc()  # every variant, the bare baseline too: it moves the same large messages
+
     async def main() -> None:
         if kind == "bare":
             server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MSG)])
@@ -271,6 +274,7 @@ VARIANTS = {
 
 
 def main() -> None:
+    tune_malloc()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=2_000_000)
     parser.add_argument("--record-bytes", type=int, default=100)

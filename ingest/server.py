@@ -40,6 +40,7 @@ from receivers.parsed_service import add_parsed_servicer
 from receivers.publish_service import PublishService
 from receivers.receiver import Receiver
 from receivers.wal import WalBlockStore
+from sluice_client.allocator import tune_malloc
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +236,7 @@ class SluiceServer:
 
     async def start(self) -> None:
         """Bind and serve; raise OSError (and leave nothing running) when a port cannot be bound."""
+        tune_malloc()  # messages and blocks are large buffers: keep them off mmap (sluice_client.allocator)
         security = self.config.security
         for warning in self.tls.material.warnings() if self.tls is not None else ():
             log.warning("%s", warning)

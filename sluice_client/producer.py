@@ -52,6 +52,7 @@ from types import TracebackType
 import grpc
 import numpy as np
 
+from sluice_client.allocator import tune_malloc
 from sluice_client.credentials import Credentials
 from sluice_client.errors import (
     FlushTimeoutError,
@@ -378,6 +379,7 @@ class Producer:
         `start_timeout` seconds, then raises StartTimeoutError; any other status raises RPCError at once."""
         if self._state is not _State.NEW:
             raise ProducerClosedError(f"producer is {self._state.value}; a producer starts once")
+        tune_malloc()  # batches are large buffers: keep them off mmap (sluice_client.allocator)
         self._state = _State.OPEN
         try:
             call = await self._open_first_call()

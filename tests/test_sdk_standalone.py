@@ -14,6 +14,8 @@ fail with the install line (exit 2).
 from __future__ import annotations
 
 import asyncio
+import os
+import platform
 import random
 import re
 import shutil
@@ -243,3 +245,15 @@ def test_the_wheel_needs_no_server_library_outside_the_server_extra(tmp_path: Pa
     # CI installs .[dev] and runs everything: the server comes with it
     assert any(re.match(r"sluice\[server\].*extra\s*==\s*[\"']dev[\"']", line) for line in requires), requires
     assert set(metadata.get_all("Provides-Extra") or []) >= {"server", "dev"}
+
+
+def test_tune_malloc_takes_on_glibc_and_can_be_turned_off() -> None:
+    """The SDK keeps large buffers off mmap (sluice_client.allocator); SLUICE_MALLOC_TUNING=0 leaves
+    malloc alone. In fresh processes: the setting is once per process."""
+    code = "from sluice_client.allocator import tune_malloc; print(tune_malloc(), tune_malloc())"
+    tuned = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    glibc = platform.libc_ver()[0] == "glibc"
+    assert tuned.stdout.split() == ([str(glibc)] * 2)
+    env = {**os.environ, "SLUICE_MALLOC_TUNING": "0"}
+    left = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert left.stdout.split() == ["False", "False"]
