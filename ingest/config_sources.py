@@ -39,6 +39,8 @@ OTHER_ENV = frozenset(
         "SLUICE_POD_NAME",
         # tests/test_crash.py
         "SLUICE_CRASH_SEED",
+        # sluice_client.allocator: the SDK's and the server's malloc settings
+        "SLUICE_MALLOC_TUNING",
     }
 )
 """SLUICE_* variables that name no serve flag but are known: not errors. (SLUICE_NODE_ID is --node-id's.)"""
