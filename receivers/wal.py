@@ -70,12 +70,16 @@ import os
 import re
 import struct
 import threading
-import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+
+try:  # the same CRC-32 as zlib's (same values, the log's format), with ISA-L's SIMD: ~60 GB/s, not ~7
+    from isal.isal_zlib import crc32
+except ImportError:  # pragma: no cover - isal comes with the server's extra; zlib's is the fallback
+    from zlib import crc32
 
 from receivers.block import BLOCK_SCHEMA, BlockInfo
 from receivers.block_store import BlockStore
@@ -201,9 +205,9 @@ def _decode_producers(raw: bytes | memoryview) -> dict[str, int]:
 
 
 def _frame_crc(header: bytes | bytearray | memoryview, rest: Sequence[bytes | memoryview | pa.Buffer]) -> int:
-    crc = zlib.crc32(header[_AFTER_CRC:], zlib.crc32(header[:_CRC_AT]))
+    crc = crc32(header[_AFTER_CRC:], crc32(header[:_CRC_AT]))
     for part in rest:
-        crc = zlib.crc32(part, crc)
+        crc = crc32(part, crc)
     return crc
 
 
