@@ -16,11 +16,12 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
 from ingest.spark.listener import BatchCompleted, BatchListener
 from ingest.spark.pipeline import load_pipeline, parquet_pipeline, start_query
-from ingest.spark.session import _java_major
+from ingest.spark.session import CHECKPOINT_MANAGER_KEY, FILE_SYSTEM_CHECKPOINT_MANAGERS, _java_major
 from ingest.spark.source import (
     ARROW_SCHEMA,
     LOG_APPEND_TIME,
     MAX_RECORDS_PER_PARTITION,
+    PARTITION_RECORDS,
     SCHEMA,
     SCHEMA_DDL,
     BlockPartition,
@@ -209,6 +210,52 @@ def test_min_partitions_spreads_a_small_batch(tmp_path: Path) -> None:
     assert len(many.partitions(start, {"a": 5})) == 5
 
 
+def test_a_small_batch_is_not_spread_below_min_partition_records(tmp_path: Path) -> None:
+    store = WalBlockStore(tmp_path, fsync=FsyncPolicy.off())
+    expected = write_blocks(store, "a", [10] * 10)
+    reader = reader_for(tmp_path, "a", minPartitions="4", minPartitionRecords="30")
+    start = reader.initialOffset()
+    # 25 records: one task (a second would hold fewer than 30)
+    assert [p.records for p in reader.partitions(start, {"a": 25})] == [25]
+    # 70 records: two tasks of at least 30, not four of 17 or 18
+    assert [p.records for p in reader.partitions(start, {"a": 70})] == [35, 35]
+    # 100 records: three, the most that hold 30 each; never more than minPartitions
+    parts = reader.partitions(start, {"a": 100})
+    assert [p.records for p in parts] == [34, 34, 32]
+    assert rows_of([b for p in parts for b in reader.read(p)]) == expected
+    wide = reader_for(tmp_path, "a", minPartitions="2", minPartitionRecords="1")
+    assert len(wide.partitions(start, {"a": 100})) == 2
+
+
+def test_start_query_sizes_partitions_by_records() -> None:
+    options: dict[str, str] = {}
+
+    class Reader:
+        def format(self, _name: str) -> Reader:
+            return self
+
+        def option(self, key: str, value: str) -> Reader:
+            options[key] = value
+            return self
+
+        def load(self) -> None:
+            raise RuntimeError("stop here")
+
+    spark = SimpleNamespace(readStream=Reader(), sparkContext=SimpleNamespace(defaultParallelism=2))
+    with pytest.raises(RuntimeError, match="stop here"):
+        start_query(
+            spark,  # type: ignore[arg-type]
+            store_root="root",
+            streams=["a"],
+            pipeline=parquet_pipeline("sink"),
+            checkpoint_dir="checkpoint",
+            trigger_seconds=1.0,
+            query_name="q",
+        )
+    assert options["minPartitions"] == "2"
+    assert options["minPartitionRecords"] == str(PARTITION_RECORDS)
+
+
 def test_a_capped_batch_is_shared_by_the_streams_weights() -> None:
     # the server splits intake by --stream-weight; a batch's cap follows the same weights, so a
     # backlog drains in the proportions it was taken in (an even split would let a=3's backlog grow)
@@ -389,6 +436,14 @@ def test_java_version_parsing() -> None:
 @pytest.mark.spark
 def test_schema_ddl_matches_struct(spark: Any) -> None:
     assert spark.createDataFrame([], SCHEMA_DDL).schema == SCHEMA
+
+
+@pytest.mark.spark
+def test_local_sessions_write_checkpoints_through_the_file_system_api(spark: Any) -> None:
+    # a class this Spark has (a wrong name would fail every query at its start)
+    name = spark.conf.get(CHECKPOINT_MANAGER_KEY)
+    assert name in FILE_SYSTEM_CHECKPOINT_MANAGERS
+    spark.sparkContext._jvm.java.lang.Class.forName(name)
 
 
 @pytest.mark.spark

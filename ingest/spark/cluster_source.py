@@ -321,7 +321,7 @@ class ClusterStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigg
                 slices.append((stream, 0, 0, 0, owner, lo, ends[key]))
         # balanced as the single-node source balances slices of blocks; a task reads one range
         specs = []
-        for run in _balanced(slices, self.min_partitions):
+        for run in _balanced(slices, self.min_partitions, self.min_partition_records):
             for stream, _, _, _, owner, lo, hi in run:
                 holders = view.holders(partition_key(stream, owner), lo, hi)
                 targets = tuple((n, self.nodes[n]) for n in holders if n in self.nodes)
@@ -508,4 +508,3 @@ def describe(exc: grpc.RpcError) -> str:
         code = exc.code()
         return f"{code.name if code else 'UNKNOWN'}: {exc.details()}"
     return repr(exc)
-

@@ -22,11 +22,13 @@ from pyspark.sql.streaming.readwriter import DataStreamWriter
 
 from ingest.spark.source import (
     OPTION_MAX_RECORDS,
+    OPTION_MIN_PARTITION_RECORDS,
     OPTION_MIN_PARTITIONS,
     OPTION_RATE_TARGET,
     OPTION_RATE_TOKEN_FILE,
     OPTION_STREAMS,
     OPTION_TRIGGER_SECONDS,
+    PARTITION_RECORDS,
     SOURCE_NAME,
 )
 
@@ -147,8 +149,11 @@ def start_query(
         reader = reader.option(name, value)
     if max_records_per_batch is not None:
         reader = reader.option(OPTION_MAX_RECORDS, str(max_records_per_batch))
-    # one partition per core at least, so a batch of a few blocks is not read by one task
+    # one partition per core, so a batch of a few blocks is not read by one task; but only as far as each
+    # partition gets PARTITION_RECORDS: a small batch in one task does not pay a task's fixed cost twice
     reader = reader.option(OPTION_MIN_PARTITIONS, str(spark.sparkContext.defaultParallelism))
+    if OPTION_MIN_PARTITION_RECORDS not in (source_options or {}):
+        reader = reader.option(OPTION_MIN_PARTITION_RECORDS, str(PARTITION_RECORDS))
     if rate_target is not None:
         reader = reader.option(OPTION_RATE_TARGET, rate_target).option(
             OPTION_TRIGGER_SECONDS, str(trigger_seconds)

@@ -16,12 +16,15 @@ import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from py4j.protocol import Py4JError
 from pyspark.sql import SparkSession
 
 import ingest
 from ingest.logs import SPARK_LOG_LEVELS, JsonFormatter
 from ingest.logs import SPARK_QUIET as QUIET
 from ingest.spark.source import SluiceDataSource
+
+log = logging.getLogger(__name__)
 
 MIN_JAVA = 17
 
@@ -42,6 +45,24 @@ _LOCAL_DEFAULTS = {
     "spark.driver.host": "127.0.0.1",
 }
 
+
+CHECKPOINT_MANAGER_KEY = "spark.sql.streaming.checkpointFileManagerClass"
+FILE_SYSTEM_CHECKPOINT_MANAGERS = (
+    "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager",  # 4.1+
+    "org.apache.spark.sql.execution.streaming.FileSystemBasedCheckpointFileManager",  # before
+)
+"""Spark's checkpoint file manager that writes through Hadoop's FileSystem API, by its name in each Spark.
+
+Every micro-batch writes three small files: the offset log's, the commit log's and the file sink's
+_spark_metadata entry. Spark's default manager writes them through Hadoop's FileContext API, which
+creates a file (and its .crc) with an explicit permission; without Hadoop's native library (pip's
+pyspark has none) the local file system sets it by forking `chmod`, twice a file, six processes a
+batch. Measured on 2 cores (offsets and commit log, 25,000-record batches): walCommit 35-57 ms and
+commitOffsets 40-71 ms with the default, 7-18 ms and 6-15 ms with this one, and a Parquet batch's fixed
+cost fell from about 470 to 200 ms. Both write a temporary file and rename it into place (atomic on a
+local disk, and what Spark falls back to where FileContext is missing), with the same temporary names
+(ingest.driver._clear_interrupted_writes), so exactly-once is unchanged. Only in local mode, where the
+checkpoint is on a local disk; a setting the caller gives wins."""
 
 NOISY_LOGGERS = (
     # "Current batch is falling behind. The trigger interval is ...": every idle trigger of a query
@@ -137,8 +158,27 @@ def build_session(
         with _filtered_stderr(log_json):  # the JVM inherits it, and its Python workers from it
             spark = builder.getOrCreate()
     set_spark_log_level(spark, log_level)
+    if local and CHECKPOINT_MANAGER_KEY not in settings:
+        use_file_system_checkpoints(spark)
     spark.dataSource.register(SluiceDataSource)
     return spark
+
+
+def use_file_system_checkpoints(spark: SparkSession) -> str | None:
+    """Have the session's streaming queries write their checkpoint and sink logs through Hadoop's
+    FileSystem API (see FILE_SYSTEM_CHECKPOINT_MANAGERS); returns the class set, None when this Spark
+    has none of them (then its default stays)."""
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None  # a running session has its gateway
+    for name in FILE_SYSTEM_CHECKPOINT_MANAGERS:
+        try:
+            jvm.java.lang.Class.forName(name)
+        except Py4JError:  # ClassNotFoundException: not in this Spark
+            log.debug("no %s in this Spark", name)
+            continue
+        spark.conf.set(CHECKPOINT_MANAGER_KEY, name)
+        return name
+    return None
 
 
 @contextlib.contextmanager

@@ -147,7 +147,18 @@ OPTION_STARTING_OFFSETS = "startingOffsets"
 starts at the last one's committed end); more streams than `streams` are carried, frozen."""
 OPTION_MAX_RECORDS = "maxRecordsPerBatch"
 OPTION_MIN_PARTITIONS = "minPartitions"
-"""Spread each batch's blocks over at least this many partitions (as far as there are blocks)."""
+"""Spread each batch's blocks over at least this many partitions (as far as there are blocks), each of at
+least minPartitionRecords records."""
+OPTION_MIN_PARTITION_RECORDS = "minPartitionRecords"
+"""A batch is cut into more partitions (up to minPartitions) only as far as each gets at least this many
+records (default 1). Every partition is a task, and a task has a fixed cost that a small batch pays for
+nothing: see PARTITION_RECORDS."""
+PARTITION_RECORDS = 100_000
+"""The minPartitionRecords start_query gives: a second task for a batch pays off only from about this
+many records. Measured on 2 cores, Parquet sink, 100 B records: each task costs about 60 ms of CPU on
+top of about 1.4 us per record (a Python worker round trip, the job's Hadoop configuration unpacked, a
+Parquet writer and its file); a 25,000-record batch took 6.3-7.1 us of CPU per record in one partition
+and 9.2-9.3 in two, a 100,000-record one 2.7-2.8 against 3.6, 500,000 about the same either way."""
 OPTION_RATE_TARGET = "rateTarget"
 """host:port of the Sluice server whose live rate caps each batch (rate x trigger interval)."""
 OPTION_TRIGGER_SECONDS = "triggerSeconds"
@@ -227,6 +238,7 @@ class LiveCapPlanning:
         self.streams = parse_streams(_required(options, OPTION_STREAMS))
         self.max_records_per_batch = _positive_int_option(options, OPTION_MAX_RECORDS)
         self.min_partitions = _positive_int_option(options, OPTION_MIN_PARTITIONS) or 1
+        self.min_partition_records = _positive_int_option(options, OPTION_MIN_PARTITION_RECORDS) or 1
         self.rate_target = options.get(OPTION_RATE_TARGET) or None
         # paths only: the files are read where the rate is asked (see _live_cap)
         self.rate_files = tuple(options.get(option) or None for option in RATE_CREDENTIAL_OPTIONS)
@@ -404,7 +416,10 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
                         last - b.first_offset,
                     )
                 )
-        return [BlockPartition(self.root, part) for part in _balanced(slices, self.min_partitions)]
+        return [
+            BlockPartition(self.root, part)
+            for part in _balanced(slices, self.min_partitions, self.min_partition_records)
+        ]
 
     def commit(self, end: Offset) -> None:
         # Spark has durably recorded every batch up to `end`: the blocks wholly below it are done (the
@@ -553,15 +568,20 @@ def _weight(weights: Mapping[str, float] | None, stream: str) -> float:
     return w if w > 0 and math.isfinite(w) else 1.0
 
 
-def _balanced(slices: Sequence[SliceTuple], min_partitions: int) -> list[list[SliceTuple]]:
+def _balanced(
+    slices: Sequence[SliceTuple], min_partitions: int, min_partition_records: int = 1
+) -> list[list[SliceTuple]]:
     """Cut the batch's slices into at least min_partitions runs of about equal record counts (at most
     MAX_RECORDS_PER_PARTITION each), splitting blocks where a cut falls: like the Kafka source's
     minPartitions, a batch of a few blocks still uses every core, and no task gets twice another's work.
+    A batch too small to give each of min_partitions runs min_partition_records gets fewer runs (one per
+    min_partition_records, at least one): a task's fixed cost is not worth paying for a few records.
     """
     total = sum(hi - lo for *_, lo, hi in slices)
     if total == 0:
         return []
-    parts = max(min_partitions, -(-total // MAX_RECORDS_PER_PARTITION))
+    spread = min(min_partitions, max(1, total // max(1, min_partition_records)))
+    parts = max(spread, -(-total // MAX_RECORDS_PER_PARTITION))
     per_part = -(-total // min(parts, total))
     runs: list[list[SliceTuple]] = []
     run: list[SliceTuple] = []
