@@ -40,7 +40,7 @@ class Bench:
 BENCHES = (
     Bench("ingest_throughput", "1. durable ingest", ("ingest_throughput.py",), 900),
     Bench("first_push", "2. full speed from the first second", ("first_push.py",), 900),
-    Bench("end_to_end", "3. end to end into Parquet", ("end_to_end.py", "--sink", "parquet"), 1200),
+    Bench("end_to_end", "3. end to end into Parquet", ("end_to_end.py",), 1200),
     Bench("latency", "4. latency send -> sink", ("latency.py",), 1800),
     Bench("overload_memory", "5. memory at 10x overload", ("overload_memory.py",), 3600),
     Bench("control_loop", "6. control under cost jumps", ("control_loop.py", "--profile", "jumps"), 2400),

@@ -104,10 +104,18 @@ class RateControlService(pb_grpc.RateControlServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"wait_for_batch_seconds: {exc}")
         if request.seal_blocks and self._receivers:
             # after the wait: as close to the source's look at the store as this call gets
-            sealing = asyncio.gather(*(r.seal_now() for r in self._receivers.values()))
+            # tasks, not a gather under wait_for: a caller's deadline cancels this handler, and a
+            # cancelled gather logged "_GatheringFuture exception was never retrieved" every time
+            sealing = [asyncio.ensure_future(r.seal_now()) for r in self._receivers.values()]
             try:
-                await asyncio.wait_for(sealing, SEAL_TIMEOUT)
-            except TimeoutError:
+                _, late = await asyncio.wait(sealing, timeout=SEAL_TIMEOUT)
+            finally:
+                for task in sealing:
+                    task.cancel()  # a no-op once done
+            for task in sealing:
+                if task.done() and not task.cancelled() and task.exception() is not None:
+                    log.error("sealing for GetRate failed", exc_info=task.exception())
+            if late:
                 log.warning(
                     "receivers did not seal within %.1f s; the next batch takes what is sealed", SEAL_TIMEOUT
                 )

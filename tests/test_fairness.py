@@ -74,7 +74,7 @@ async def steady(producer: Producer, rate: float, seconds: float, value: bytes) 
         for i in range(round(seconds / step)):
             await asyncio.sleep(max(0.0, start + i * step - time.monotonic()))
             await producer.send_many([value] * per_step)
-            sent_at.append((producer.sent + len(producer._values), time.monotonic()))
+            sent_at.append((producer.sent + len(producer._pending), time.monotonic()))
         await producer.flush(timeout=60)
         await wait_until(lambda: not sent_at)
     finally:
