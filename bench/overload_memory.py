@@ -335,7 +335,10 @@ def publisher_process(
         queued = 0
         try:
             while not stop.is_set():
-                due = len(values) if rate_each == float("inf") else int(rate_each * (time.monotonic() - t0))
+                if rate_each == float("inf"):
+                    due = queued + len(values)
+                else:
+                    due = int(rate_each * (time.monotonic() - t0))
                 n = min(len(values), due - queued)
                 if n <= 0:
                     await asyncio.sleep(0.01)
@@ -405,18 +408,22 @@ def _metric(metrics_url: str, name: str) -> float | None:
     return None
 
 
-def measure_capacity(status_url: str, batches: int, timeout: float) -> float:
-    """Records per second of batch time (sum of records / sum of batch durations) of the batches after
-    the first two that had records (they carry the start), once `batches` of them completed or after
-    `timeout` seconds: what the pipeline processes when it is busy all the time."""
+def measure_capacity(status_url: str, batches: int, timeout: float) -> tuple[float, int]:
+    """Records per second of batch time (sum of records / sum of batch durations) of the last `batches`
+    batches, once at least that many completed after the first two (they carry the start) and the
+    last one's scheduling delay is under 3 s (the backlog a start under saturation leaves is drained:
+    the overload then starts from a steady state), or after `timeout` seconds. What the pipeline
+    processes when it is busy all the time; and the number of batches it came from."""
     deadline = time.monotonic() + timeout
     while True:
         with urllib.request.urlopen(status_url, timeout=10) as resp:
             data = json.loads(resp.read())["batches"]
-        done = [(r, d) for r, d in zip(data["records"], data["batch_duration"], strict=True) if r and d]
-        if len(done) >= batches + 2 or (time.monotonic() > deadline and len(done) > 2):
-            done = done[2:]
-            return sum(r for r, _ in done) / sum(d for _, d in done)
+        rows = zip(data["records"], data["batch_duration"], data["scheduling_delay"], strict=True)
+        done = [(r, d, s) for r, d, s in rows if r and d][2:]
+        steady = len(done) >= batches and done[-1][2] < 3.0
+        if steady or (time.monotonic() > deadline and done):
+            done = done[-batches:]
+            return sum(r for r, _, _ in done) / sum(d for _, d, _ in done), len(done)
         if time.monotonic() > deadline + 300:
             raise RuntimeError(f"fewer than 3 batches with records in {timeout + 300:g} s")
         time.sleep(1)
@@ -528,17 +535,18 @@ def run_sluice(args: argparse.Namespace, tmp: Path) -> Run:
         # 1. capacity
         print(
             f"sluice: capacity: 4 publishers as fast as credit allows, until {args.calibrate_batches} "
-            f"batches after the first two (at most {args.calibrate:g} s)...",
+            f"batches after the first two and the backlog drained (at most {args.calibrate:g} s)...",
             flush=True,
         )
         calib = Publishers(target, 4, 1, float("inf"), args.record_bytes, args.max_buffered)
-        capacity = measure_capacity(status_url, args.calibrate_batches, args.calibrate)
+        capacity, measured_over = measure_capacity(status_url, args.calibrate_batches, args.calibrate)
         calib.stop()
         offered = args.overload * capacity
         run.notes["capacity"] = capacity
         run.notes["offered_rate"] = offered
         print(
-            f"sluice: capacity {capacity:,.0f} records/s (records per second of batch time); offering "
+            f"sluice: capacity {capacity:,.0f} records/s (records per second of batch time, "
+            f"{measured_over} batches, {time.monotonic() - t0:.0f} s after the start); offering "
             f"{args.overload:g}x = {offered:,.0f} records/s from {args.publishers} publishers in "
             f"{args.procs} processes for {args.duration:g} s",
             flush=True,
@@ -834,10 +842,10 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of overload per system")
     parser.add_argument("--warmup", type=float, default=60.0, help="seconds of overload counted as warm-up")
     parser.add_argument(
-        "--calibrate", type=float, default=90.0, help="at most this many seconds measuring capacity"
+        "--calibrate", type=float, default=240.0, help="at most this many seconds measuring capacity"
     )
     parser.add_argument("--calibrate-batches", type=int, default=8, help="batches capacity is measured over")
-    parser.add_argument("--quick", action="store_true", help="a short run: 120 s, 40 s warm-up")
+    parser.add_argument("--quick", action="store_true", help="a smoke test: 60 s of overload, 20 s warm-up, capacity within 60 s")
     parser.add_argument("--publishers", type=int, default=50)
     parser.add_argument("--procs", type=int, default=5, help="processes the publishers are spread over")
     parser.add_argument("--overload", type=float, default=10.0, help="offered load / capacity")
@@ -864,7 +872,7 @@ def main() -> None:
     # a SIGTERM (timeout, a CI runner) unwinds like ^C, so that the servers started are stopped
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.quick:
-        args.duration, args.warmup, args.calibrate, args.calibrate_batches = 120.0, 40.0, 40.0, 4
+        args.duration, args.warmup, args.calibrate, args.calibrate_batches = 60.0, 20.0, 60.0, 4
 
     with tempfile.TemporaryDirectory(prefix="sluice-overload-") as tmp_name:
         tmp = Path(tmp_name)
