@@ -845,7 +845,12 @@ def main() -> None:
         "--calibrate", type=float, default=240.0, help="at most this many seconds measuring capacity"
     )
     parser.add_argument("--calibrate-batches", type=int, default=8, help="batches capacity is measured over")
-    parser.add_argument("--quick", action="store_true", help="a smoke test: 60 s of overload, 20 s warm-up, capacity within 60 s")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke test: 60 s of overload, 20 s warm-up, capacity within 60 s (may not reach a steady "
+        "state)",
+    )
     parser.add_argument("--publishers", type=int, default=50)
     parser.add_argument("--procs", type=int, default=5, help="processes the publishers are spread over")
     parser.add_argument("--overload", type=float, default=10.0, help="offered load / capacity")
