@@ -399,6 +399,9 @@ class SluiceServer:
         whose whole log it covers are removed."""
         for stream, offset in end.items():
             self.committed[stream] = max(offset, self.committed.get(stream, 0))
+            receiver = self.receivers.get(stream)
+            if receiver is not None:
+                receiver.committed(offset)
         self._check_drained()
 
     def _check_drained(self) -> None:

@@ -84,6 +84,7 @@ import logging
 import math
 import struct
 import time
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -118,6 +119,10 @@ UNAVAILABLE = 14
 """gRPC status code for 'not accepted, safe to retry' (kept numeric: receivers do not import gRPC)."""
 CANCELLED = 1
 _ARRIVALS_KEPT = 10_000  # blocks whose arrival times are remembered: far more than a batch spans
+_COMMITS_KEPT = 3
+"""Arrival times are forgotten below the end of the third-last commit the receiver was told of: a
+batch's metrics ask for its start (the end of the commit before it), and may arrive after a later
+commit (they travel on another thread)."""
 _DATA_ERRORS = (ValueError, ArithmeticError, TypeError, LookupError, struct.error, pa.ArrowCapacityError)
 """What a block write raises on records or producer marks it cannot encode, as opposed to a broken store."""
 ABORTED = 10
@@ -248,8 +253,11 @@ class Receiver:
         self._next_block_seq, self._next_offset = store.recover(self.stream)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        # per recent block: its first offset, and (first offset, arrival time) of each batch in it
-        self._arrivals: deque[tuple[int, list[int], list[float]]] = deque(maxlen=_ARRIVALS_KEPT)
+        # per recent block: its first offset, and (first offset, arrival time) of each batch in it, in
+        # arrays (16 bytes a batch: a block holds a batch of every busy session); forgotten below
+        # what Spark committed (`committed`), and beyond _ARRIVALS_KEPT blocks without commits
+        self._arrivals: deque[tuple[int, array[int], array[float]]] = deque(maxlen=_ARRIVALS_KEPT)
+        self._commits: deque[int] = deque(maxlen=_COMMITS_KEPT)
         # written blocks not yet durable (fsync interval): (seq, anonymous sessions' acks, producer marks)
         self._awaiting_durable: deque[tuple[int, dict[Session, int], dict[str, int]]] = deque()
         self._producers: OrderedDict[str, ProducerState] = OrderedDict(
@@ -439,6 +447,23 @@ class Receiver:
         if block == len(arrivals) - 1 and offset >= self._next_offset:
             return None  # not sealed yet (or never)
         return times[bisect.bisect_right(offsets, offset) - 1]
+
+    def committed(self, end: int) -> None:
+        """Spark committed a batch ending at stream offset `end`: arrival times from before the end of
+        the third-last commit are forgotten (no batch's metrics ask for them any more), so what is kept
+        follows the backlog, not the time the server has run."""
+        self._commits.append(end)
+        if len(self._commits) < _COMMITS_KEPT:
+            return
+        below = min(self._commits)
+        arrivals = self._arrivals
+        while len(arrivals) > 1 and arrivals[1][0] <= below:
+            arrivals.popleft()  # the block after it starts at or below: nothing in it is asked for
+
+    @property
+    def arrivals_kept(self) -> int:
+        """Blocks whose arrival times are remembered (for tests and diagnosis)."""
+        return len(self._arrivals)
 
     # ---- sessions ------------------------------------------------------------------------------
 
@@ -1025,7 +1050,7 @@ class Receiver:
             [c.records for c in chunks],
             marks,
         )
-        offsets, times, at = [], [], info.first_offset
+        offsets, times, at = array("q"), array("d"), info.first_offset
         for chunk in chunks:  # a batch's records share their arrival time
             offsets.append(at)
             times.append(chunk.records.column(2)[0].value / 1e6)

@@ -99,6 +99,40 @@ async def test_batch_metrics_measure_how_long_the_oldest_record_waited(tmp_path:
         assert batch_metrics(unknown, 1.0, server.received_at).scheduling_delay == 0.0
 
 
+async def test_arrival_times_are_forgotten_below_what_spark_committed(tmp_path: Path) -> None:
+    """The index of arrival times follows the backlog: the server keeps what batches not yet measured
+    may ask for (from the third-last commit on), not every block since it started (it grew with every
+    block under load: issue 17's memory at overload)."""
+    async with running_server(tmp_path, "s") as server:
+        receiver = server.receivers["s"]
+        async with Producer(server.target, "s", linger=0) as producer:
+            for _ in range(6):  # 6 blocks of 10 records: offsets 0..59
+                await producer.send_many([b"x"] * 10)
+                await producer.flush()
+                await receiver.seal_now()
+        assert receiver.arrivals_kept == 6
+        first = server.received_at("s", 0)
+        assert first is not None
+        # commits at 10 and 20: too few to forget anything (a batch's metrics may come after them)
+        server.on_committed({"s": 10})
+        server.on_committed({"s": 20})
+        assert receiver.arrivals_kept == 6 and server.received_at("s", 0) == first
+        server.on_committed({"s": 35})  # the third: what lies below the third-last commit (10) goes
+        assert receiver.arrivals_kept == 5
+        assert server.received_at("s", 5) is None  # block 0 is forgotten
+        assert server.received_at("s", 10) is not None and server.received_at("s", 12) is not None
+        server.on_committed({"s": 45})  # below 20: blocks 0 and 1
+        assert receiver.arrivals_kept == 4
+        assert server.received_at("s", 19) is None and server.received_at("s", 20) is not None
+        server.on_committed({"s": 60})
+        assert receiver.arrivals_kept == 3  # below 35: block 3 (30..39) holds it
+        server.on_committed({"s": 60})
+        assert receiver.arrivals_kept == 2  # below 45
+        server.on_committed({"s": 60})  # everything committed: the last block stays, others go
+        assert receiver.arrivals_kept == 1
+        assert server.received_at("s", 55) is not None
+
+
 async def test_the_source_caps_each_batch_at_the_live_rate(tmp_path: Path) -> None:
     async with running_server(tmp_path, "s") as server:
         async with Producer(server.target, "s", linger=0) as producer:
