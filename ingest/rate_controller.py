@@ -287,11 +287,33 @@ class RateController:
     def check_overrun(self, now: float | None = None) -> None:
         """The watchdog: while the running batch overruns its interval, let the estimator lower the
         rate at once rather than when the batch completes (records keep arriving at the old rate
-        meanwhile, and each of them waits for a slower pipeline). Ignored while pinned."""
+        meanwhile, and each of them waits for a slower pipeline); and end a pause the estimator
+        planned for a point in the running batch (RateEstimator.resume). Ignored while pinned."""
         if not self._watches or self._watches[-1].taken_at_end is not None:
             return  # nothing runs, or it has ended and its metrics are on their way
         watch = self._watches[-1]
-        self._look(watch, (time.monotonic() if now is None else now) - watch.started)
+        elapsed = (time.monotonic() if now is None else now) - watch.started
+        if not self.pinned:
+            resumed = self.estimator.resume(elapsed)
+            if resumed is not None:
+                log.debug(
+                    "batch of %d records at %.2f s: intake resumes at %s records/s",
+                    watch.records,
+                    elapsed,
+                    resumed,
+                )
+                self._apply(self._clamp(check_rate(resumed)))
+        self._look(watch, elapsed)
+
+    def drain_batch_records(self) -> int:
+        """Records the next batch may take while the estimator drains a pile-up, when that is more
+        than max(rate, capacity) x interval (RateEstimator.batch_cap); 0 otherwise."""
+        interval = self._batch_interval
+        cap = self.estimator.batch_cap(interval)
+        usual = max(self._rate, self.estimator.capacity or 0.0) * interval
+        if not (math.isfinite(cap) and cap > usual):
+            return 0
+        return int(cap)
 
     def _look(self, watch: _Watch, elapsed: float) -> None:
         if self.pinned:

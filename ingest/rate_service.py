@@ -48,6 +48,9 @@ def rate_status(controller: RateController, nodes: Sequence[pb.NodeRate] = ()) -
         capacity=controller.estimator.capacity or 0.0,
         nodes=nodes,
     )
+    drain = controller.drain_batch_records()
+    if drain:
+        status.drain_batch_records = drain
     batch = controller.last_batch
     if batch is not None:
         status.last_batch.CopyFrom(

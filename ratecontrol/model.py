@@ -147,6 +147,8 @@ class ModelEstimator(RateEstimator):
         prior_fixed_cost: float = 0.25,
         max_fixed_share: float = 0.5,
         window: int = 16,
+        max_drain: float = 4.0,
+        drain_lateness: float = 1.0,
     ) -> None:
         """
         Args:
@@ -173,6 +175,11 @@ class ModelEstimator(RateEstimator):
                 take fixed cost / (1 - s) (Spark starts the next at once) rather than one interval, in
                 which ever fewer records fit: 0.5 spends at least half of each batch on records.
             window: most batches kept for the fit (>= 2).
+            max_drain: after a batch the watchdog saw overrun (a cost rise), the next batches may take
+                all that waits, up to what they process in this many intervals (>= 1), until a batch
+                finds no more waiting than a normal one holds (10).
+            drain_lateness: while draining, intake is paced (paused first if need be) so that the
+                batch after the next one starts at most this many intervals late (>= 0) (10).
         """
         super().__init__(bounds=bounds, initial_rate=initial_rate)
         _check_range("target_utilisation", target_utilisation, 0, 1, low_open=True)
@@ -187,6 +194,8 @@ class ModelEstimator(RateEstimator):
         _check_range("max_fixed_share", max_fixed_share, 0, 1, low_open=True, high_open=True)
         _check_range("warmup_batches", warmup_batches, 0, math.inf, high_open=True, whole=True)
         _check_range("window", window, 2, math.inf, high_open=True, whole=True)
+        _check_range("max_drain", max_drain, 1, math.inf, high_open=True)
+        _check_range("drain_lateness", drain_lateness, 0, math.inf, high_open=True)
         self.target_utilisation = target_utilisation
         self.horizon = horizon
         self.forgetting = forgetting
@@ -199,6 +208,8 @@ class ModelEstimator(RateEstimator):
         self.prior_fixed_cost = prior_fixed_cost
         self.max_fixed_share = max_fixed_share
         self.window = int(window)
+        self.max_drain = max_drain
+        self.drain_lateness = drain_lateness
 
         self._points: list[_Point] = []
         self._suspect_sign = 0  # sign of the previous batch's outlying error, 0 if it fitted
@@ -206,6 +217,7 @@ class ModelEstimator(RateEstimator):
         self._prior_from_data = False  # whether _prior_a is a fitted fixed cost rather than the guess
         self._batches = 0
         self._latest_time = -math.inf
+        self._last_fitted: tuple[int, float] | None = None  # (records, seconds) of the latest fitted batch
         self._changes = 0
         self._overruns = 0
         self._small_batches = 0  # batches far below the operating point: not fitted (8)
@@ -226,6 +238,9 @@ class ModelEstimator(RateEstimator):
         self._period = 1.0  # seconds a batch is planned to take: the interval, or more (2)
         self._backlog: float | None = None
         self._drain_seconds: float | None = None
+        self._draining = False  # the next batch may take all that waits, up to max_drain (10)
+        self._paused_until: tuple[float, float] | None = None  # (elapsed into the next batch, rate)
+        self._pauses = 0
 
     @property
     def capacity(self) -> float | None:
@@ -241,6 +256,7 @@ class ModelEstimator(RateEstimator):
             return None  # a stale or repeated event
         self._latest_time = batch.completed_at
         self._batches += 1
+        self._paused_until = None  # a pause planned for the batch that just completed ends with it
         watched, self._watched = self._watched, None
         interval = batch.batch_interval
         if self._batches == 1:
@@ -256,6 +272,7 @@ class ModelEstimator(RateEstimator):
                 self._capacity = max(self._capacity, batch.records / batch.processing_delay)
             return None
         self._observe(batch.records, batch.processing_delay)
+        self._last_fitted = (batch.records, batch.processing_delay)
         a, b, self._fit = self._solve(self._prior_a)
         if self._fit != "anchored":
             self._prior_a = a  # the fixed cost to assume when batch sizes stop varying
@@ -280,9 +297,22 @@ class ModelEstimator(RateEstimator):
 
         # the rate in force when the backlog piled up; an unthrottled start is read from the batch
         in_force = self.rate if math.isfinite(self.rate) else batch.records / interval
+        pace, pause = 1.0, 0.0
         if batch.waiting is not None:
-            # counted, not estimated: what the next batch, at capacity, cannot take
-            backlog = max(0.0, batch.waiting - capacity * period)
+            # counted, not estimated: what the next batch, at capacity, cannot take ...
+            take = capacity * period
+            if self._draining and batch.waiting > take:
+                # ... unless it drains what piled up behind an overrun (10): then it takes all of it
+                # (up to max_drain), and intake is paced so the batch after it holds about one period
+                per_record = (period - a) / (capacity * period)
+                take = max(take, min(batch.waiting, (self.max_drain * interval - a) / per_record))
+                upcoming = a + take * per_record  # seconds the next batch is planned to take
+                window = min(upcoming, (1 + self.drain_lateness) * interval)
+                pace = period / max(window, period)
+                pause = upcoming - window  # records taken before this far into it would wait too long
+            else:
+                self._draining = False
+            backlog = max(0.0, batch.waiting - take)
             # batches after the next one hold that much before anything new comes in
             floor = self.floor_fraction * capacity - backlog / period
         else:
@@ -297,11 +327,33 @@ class ModelEstimator(RateEstimator):
         self._backlog, self._drain_seconds = backlog, drain_seconds
 
         rate = self.target_utilisation * capacity - drain_seconds / (self.horizon * b * period)
-        rate = max(rate, floor)
+        rate = pace * max(rate, floor)
         self._proposed = min(rate, self.max_growth * largest / period, self.max_stretch * fastest)
         if batch.waiting is not None:
             self._probe(batch, batch.waiting, self._proposed, capacity, period)
+        if pause > 0:
+            # intake waits until that far into the next batch (resume), then runs at the paced rate
+            self._paused_until = (pause, self._proposed)
+            self._pauses += 1
+            return self.bounds.min_rate
         return self._proposed
+
+    def batch_cap(self, interval: float) -> float:
+        """max(rate, capacity) x interval; while draining (10), at least what the next batch processes
+        in max_drain intervals at the estimated cost."""
+        cap = super().batch_cap(interval)
+        a, capacity, period = self._a, self._capacity, self._period
+        if self._draining and a is not None and capacity is not None and 0 < capacity < math.inf:
+            per_record = (period - a) / (capacity * period)
+            if per_record > 0:
+                cap = max(cap, (self.max_drain * interval - a) / per_record)
+        return cap
+
+    def _resume(self, elapsed: float) -> float | None:
+        if self._paused_until is None or elapsed < self._paused_until[0]:
+            return None
+        rate, self._paused_until = self._paused_until[1], None
+        return rate
 
     def _set_capacity(self, batch: BatchMetrics, a: float, b: float) -> tuple[float, float]:
         """Capacity (records/s) from the fit a + b x records, and the seconds a batch is planned to
@@ -391,7 +443,14 @@ class ModelEstimator(RateEstimator):
         a, b, capacity = self._a, self._b, self._capacity
         if a is None or b is None or capacity is None:
             return None
-        if elapsed <= (a + b * records) * (1 + self.overrun_threshold):
+        predicted = a + b * records
+        if self._last_fitted is not None:
+            # nor longer than the latest batch's time per record says: a fit still weighing batches
+            # of an earlier, higher cost (seen: 1.2 s for a batch like one just done in 0.94 s) would
+            # keep the watchdog blind for a quarter of an interval while records pile up
+            last_records, last_seconds = self._last_fitted
+            predicted = min(predicted, a + max(0.0, last_seconds - a) * records / last_records)
+        if elapsed <= predicted * (1 + self.overrun_threshold):
             return None  # slower than usual, but within the noise a completed batch may show
         # the batch is still running, so its per-record cost is at least this: a lower bound, not a guess
         at_least = (elapsed - a) / records
@@ -404,6 +463,7 @@ class ModelEstimator(RateEstimator):
         if lowered:
             self._capacity = capacity = lower
             self._watched = elapsed
+            self._draining = True  # what piles up meanwhile goes in the next batch at once (10)
         if waiting is not None and waiting >= capacity * period:
             # the next batch is already there in full: what else comes in now only waits longer
             self._overruns += 1
@@ -531,6 +591,8 @@ class ModelEstimator(RateEstimator):
             "overrun_cuts": self._overruns,
             "small_batches": self._small_batches,
             "size_probes": self._probes,
+            "draining": self._draining,
+            "drain_pauses": self._pauses,
             "target_utilisation": self.target_utilisation,
             "horizon": self.horizon,
             "forgetting": self.forgetting,

@@ -20,6 +20,8 @@ end of batch 1 to the end of batch N (batch 1 carries start-up, which no control
 settle = start of the first batch of the first 5 in a row that start less than one interval late; a
 starved batch holds under half of capacity x interval (capacity when its records began to be
 admitted), counted from settling on and after the first 3 batches.
+`starved_after(t)` counts them among the batches that started at or after t instead (e.g. a cost
+change), and `jumps` builds a schedule of cost jumps that land at different phases of a batch.
 """
 
 from __future__ import annotations
@@ -38,6 +40,36 @@ STARVED_SHARE = 0.5
 """A batch holding under this share of capacity x interval is starved."""
 UNJUDGED = 3
 """First batches not counted as starved: formed at the initial rate, before any estimate applied."""
+
+
+JUMP_SPACING = 6.0
+"""Intervals between two cost changes of `jumps`: enough for a controller to settle in between."""
+GOLDEN = (math.sqrt(5) - 1) / 2
+"""Each change lands this much of an interval later in its batch than the one before (mod 1): the
+phases spread evenly over a batch, none aligned with another."""
+
+
+def jumps(
+    duration: float, factor: float, interval: float = 1.0, *, spacing: float = JUMP_SPACING
+) -> tuple[tuple[float, float], ...]:
+    """Pipeline.cost_changes for a per-record cost that jumps by `factor` and back, again and again.
+
+    The first change comes after a sixth of the run (rounded down to an interval), then one every
+    `spacing` intervals while one interval-spacing is left: up, back to 1, up, ... Each lands at
+    phase (0.1 + k x 0.618) mod 1 of an interval past a multiple of it (the trigger grid), so while
+    batches run on the grid the changes land early, late and in between in a batch.
+    """
+    if not (factor > 0 and math.isfinite(factor)):
+        raise ValueError(f"factor must be a finite number > 0, got {factor}")
+    changes: list[tuple[float, float]] = []
+    t = math.floor(duration / 6 / interval) * interval
+    k = 0
+    while t + spacing * interval <= duration:
+        phase = (0.1 + k * GOLDEN) % 1.0
+        changes.append((t + phase * interval, factor if k % 2 == 0 else 1.0))
+        k += 1
+        t += spacing * interval
+    return tuple(changes)
 
 
 @dataclass(frozen=True)
@@ -135,6 +167,14 @@ class Simulation:
             b.records < STARVED_SHARE * capacity * self.interval
             for b, capacity in zip(self.batches, self.capacities, strict=True)
         ]
+
+    def starved_after(self, since: float) -> int:
+        """Starved batches among those that started at or after `since` (seconds from the run's start)."""
+        return sum(
+            starved
+            for b, starved in zip(self.batches, self._starved(), strict=True)
+            if b.completed_at - b.processing_delay >= since
+        )
 
     @property
     def starved(self) -> int:
@@ -296,21 +336,27 @@ def simulate_structured(
         if start >= duration:
             break
         available = math.floor(admitted(start)) - consumed
-        cap = max(changes[-1][1], estimator.capacity or 0.0) * interval
-        records = max(0, min(available, math.floor(cap)))
+        cap = estimator.batch_cap(interval)  # max(rate, capacity) x interval, or more while draining
+        records = max(0, math.floor(min(available, cap)))
         oldest = arrival(consumed + 1) if records else start
         took = pipeline.processing_time(start, records) + (pipeline.startup if k == 1 else 0.0)
         consumed += records
         end = start + took
         if watchdog is not None:
-            # the server polls a running batch: past its interval, the estimator may cut the rate
-            t = start + interval + watchdog
-            while t < end:
+            # the server polls a running batch: a pause the estimator planned may end (resume), and
+            # past its interval the estimator may cut the rate
+            tick = 1
+            while (t := start + tick * watchdog) < end:
+                tick += 1
+                resumed = estimator.resume(t - start) if records else None
+                if resumed is not None:
+                    changes.append((t, resumed))
+                if t - start <= interval:
+                    continue
                 waiting = math.floor(admitted(t)) - consumed
                 cut = estimator.overrun(records, t - start, interval, waiting)
                 if cut is not None:
                     changes.append((t, cut))
-                t += watchdog
         batch = BatchMetrics(
             batch_id=k - 1,
             completed_at=end,

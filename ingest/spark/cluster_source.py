@@ -508,4 +508,3 @@ def describe(exc: grpc.RpcError) -> str:
         code = exc.code()
         return f"{code.name if code else 'UNKNOWN'}: {exc.details()}"
     return repr(exc)
-
