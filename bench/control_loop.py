@@ -29,9 +29,11 @@ the share of wall time Spark spent processing batches: it needs no capacity esti
 
 Measures are ratecontrol.simulate's (utilisation, peak Spark scheduling delay after the 3rd batch, time to
 settle, starved batches), on Spark's definition of scheduling delay (batch start - batch due time). A
-batch is starved when it holds under half of capacity x interval, capacity being the pipeline's when
-its oldest record arrived (simulate's definition); for "jumps" and "halved" the "after chg" column
-counts them among the batches that started at or after the first cost change.
+batch is starved when it holds under half of capacity x interval (simulate's definition: capacity when
+its oldest record arrived, a fall of the cost counted from the end of the first batch that started
+after it; the interval shortened to the time since the previous batch started); for "jumps" and
+"halved" the "after chg" column counts them among the batches that started at or after the first
+cost change.
 
 Sluice starts as `sluice serve` does: the model estimator unlimited (the first batches bounded by the
 receivers' memory until one is measured), spark-pid at 10,000 records/s (--initial-rate overrides).
@@ -70,7 +72,7 @@ from ingest.spark.listener import BatchCompleted, BatchListener
 from ingest.spark.pipeline import start_query
 from ingest.spark.session import build_session
 from ratecontrol import BatchMetrics
-from ratecontrol.simulate import UNJUDGED, Pipeline, Simulation, jumps
+from ratecontrol.simulate import UNJUDGED, Pipeline, Simulation, jumps, known_capacity
 from receivers.block import BLOCK_SCHEMA
 from receivers.config import FsyncPolicy
 from receivers.wal import WalBlockStore
@@ -254,7 +256,8 @@ def measure_in_situ_capacity(
     under `guess`'s capacity, one over it (batches then run back to back at the cap)."""
     points: list[tuple[int, float]] = []
     for share in (0.4, 1.3):
-        rate = share * guess.records_per_second
+        # a loaded machine once fitted the streaming guess at 0 rec/s (a fixed cost over the interval)
+        rate = share * max(guess.records_per_second, 10_000.0)
         batches = asyncio.run(
             run_sluice(spark, "fixed", cost, cost_file, (), args, duration=seconds, initial_rate=rate)
         )
@@ -282,7 +285,7 @@ def judge(batches: list[BatchMetrics], pipeline: Pipeline, duration: float) -> S
         return None
     starts = [b.completed_at - b.processing_delay for b in batches]
     capacities = tuple(
-        pipeline.capacity_at(max(0.0, start - b.scheduling_delay), INTERVAL)
+        known_capacity(pipeline, max(0.0, start - b.scheduling_delay), INTERVAL, batches)
         for b, start in zip(batches, starts, strict=True)
     )
     processed = sum(b.records for b in batches[1:])

@@ -82,6 +82,13 @@ class RateEstimator(ABC):
         behind a batch that overran)."""
         return max(self._rate, self.capacity or 0.0) * interval
 
+    @property
+    def intake_held(self) -> bool:
+        """Whether intake should take nothing for now, whatever the rate (a receiver then grants no
+        credit): a pause the estimator is in (the model's, while the next batch is full anyway or a
+        drain batch runs). Its rate meanwhile is min_rate. False by default."""
+        return False
+
     def set_bounds(self, bounds: RateBounds) -> None:
         """New bounds apply from the next output on (the rate in force is clamped at once)."""
         self._bounds = bounds

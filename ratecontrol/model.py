@@ -114,6 +114,9 @@ _OUTLIER_WEIGHT = 0.1
 _IDENTIFIABLE_CV = 0.1
 """Batch sizes must vary by this coefficient of variation before the fit's fixed cost is believed."""
 _MIN_PER_RECORD_COST = 1e-12
+_WATCHED_HOLD = 0.5
+"""Intervals into a drain batch that follows a batch the watchdog saw overrun during which intake is
+held anyway (10): a batch that overran by a cost rise late in it tells little of the new cost."""
 
 
 @dataclass
@@ -241,6 +244,7 @@ class ModelEstimator(RateEstimator):
         self._draining = False  # the next batch may take all that waits, up to max_drain (10)
         self._paused_until: tuple[float, float] | None = None  # (elapsed into the next batch, rate)
         self._pauses = 0
+        self._held = False  # intake takes nothing until the next completion or a planned resume
 
     @property
     def capacity(self) -> float | None:
@@ -257,6 +261,7 @@ class ModelEstimator(RateEstimator):
         self._latest_time = batch.completed_at
         self._batches += 1
         self._paused_until = None  # a pause planned for the batch that just completed ends with it
+        self._held = False
         watched, self._watched = self._watched, None
         interval = batch.batch_interval
         if self._batches == 1:
@@ -307,9 +312,15 @@ class ModelEstimator(RateEstimator):
                 per_record = (period - a) / (capacity * period)
                 take = max(take, min(batch.waiting, (self.max_drain * interval - a) / per_record))
                 upcoming = a + take * per_record  # seconds the next batch is planned to take
-                window = min(upcoming, (1 + self.drain_lateness) * interval)
+                # records taken before this far into it would wait too long for the batch after it
+                pause = max(0.0, upcoming - (1 + self.drain_lateness) * interval)
+                if watched is not None:
+                    # the cost rose within the batch just done, perhaps late in it: it shows only
+                    # part of the new cost, and the pile may take far longer than predicted (seen in
+                    # simulation: 3.1 s for a pile predicted at 1.3 s). Hold a while regardless.
+                    pause = max(pause, _WATCHED_HOLD * interval)
+                window = max(upcoming - pause, 0.0)  # what is taken from the resume on waits for it
                 pace = period / max(window, period)
-                pause = upcoming - window  # records taken before this far into it would wait too long
             else:
                 self._draining = False
             backlog = max(0.0, batch.waiting - take)
@@ -335,6 +346,7 @@ class ModelEstimator(RateEstimator):
             # intake waits until that far into the next batch (resume), then runs at the paced rate
             self._paused_until = (pause, self._proposed)
             self._pauses += 1
+            self._held = True
             return self.bounds.min_rate
         return self._proposed
 
@@ -353,7 +365,12 @@ class ModelEstimator(RateEstimator):
         if self._paused_until is None or elapsed < self._paused_until[0]:
             return None
         rate, self._paused_until = self._paused_until[1], None
+        self._held = False
         return rate
+
+    @property
+    def intake_held(self) -> bool:
+        return self._held
 
     def _set_capacity(self, batch: BatchMetrics, a: float, b: float) -> tuple[float, float]:
         """Capacity (records/s) from the fit a + b x records, and the seconds a batch is planned to
@@ -429,12 +446,19 @@ class ModelEstimator(RateEstimator):
     def _warm_up(self, batch: BatchMetrics) -> float | None:
         """A start-up batch is not fitted (its time carries worker start-up), but its throughput is a
         lower bound on the pipeline's: it may raise the rate by the same growth caps as a fitted batch,
-        never lower it. A warm pipeline is reached in a batch or two, a cold one changes nothing."""
+        never lower it. A warm pipeline is reached in a batch or two, a cold one changes nothing.
+
+        The exception is an unlimited start (`sluice serve`'s): while its batches keep up it stays
+        unlimited, but the first that overruns its interval shows intake outpacing the pipeline, and
+        its throughput (with the same caps) becomes the rate. Unlimited, a saturating publisher kept
+        filling the store while three 500k-record start-up batches ran, 6-11 s each: the next minute
+        of batches started 26-56 s late."""
         grown = min(
             self.max_stretch * batch.records / batch.processing_delay,
             self.max_growth * batch.records / batch.batch_interval,
         )
-        if not grown > self.rate:
+        unlimited = math.isinf(self.rate) and batch.processing_delay > batch.batch_interval
+        if not (grown > self.rate or unlimited):
             return None
         self._proposed = grown
         return grown
@@ -467,6 +491,7 @@ class ModelEstimator(RateEstimator):
         if waiting is not None and waiting >= capacity * period:
             # the next batch is already there in full: what else comes in now only waits longer
             self._overruns += 1
+            self._held = True
             return self.bounds.min_rate
         if not lowered:
             return None  # nothing the fit or an earlier look at this batch did not already know
@@ -593,6 +618,7 @@ class ModelEstimator(RateEstimator):
             "size_probes": self._probes,
             "draining": self._draining,
             "drain_pauses": self._pauses,
+            "intake_held": self._held,
             "target_utilisation": self.target_utilisation,
             "horizon": self.horizon,
             "forgetting": self.forgetting,

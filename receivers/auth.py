@@ -164,7 +164,7 @@ class AuthTable:
                 raise AuthFileError(f"{where}: roles is empty (give some of {', '.join(ALL_ROLES)})")
             streams = frozenset(_strings(entry.get("streams", []), f"{where} streams"))
             if Role.PRODUCER in roles and not streams:
-                raise AuthFileError(f"{where}: a producer needs streams (names, or \"*\" for every stream)")
+                raise AuthFileError(f'{where}: a producer needs streams (names, or "*" for every stream)')
             for digest in _strings(entry.get("token_sha256", []), f"{where} token_sha256"):
                 if not _HEX64.match(digest):
                     raise AuthFileError(
@@ -375,4 +375,3 @@ def _limits(entry: Mapping[str, Any], base: Limits, where: str) -> Limits:
         return Limits(**values)
     except ValueError as exc:
         raise AuthFileError(f"{where}: {exc}") from None
-

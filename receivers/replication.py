@@ -423,8 +423,10 @@ def read_committed(path: Path) -> dict[str, int]:
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: cannot read the committed seqs ({exc}); the node cannot tell acked "
-                         "blocks from unacked ones: restore the file or remove the data dir") from exc
+        raise ValueError(
+            f"{path}: cannot read the committed seqs ({exc}); the node cannot tell acked "
+            "blocks from unacked ones: restore the file or remove the data dir"
+        ) from exc
     if not isinstance(data, dict) or not all(isinstance(v, int) and v >= 0 for v in data.values()):
         raise ValueError(f"{path}: not a map of stream to committed seq")
     return {str(k): v for k, v in data.items()}
