@@ -214,6 +214,9 @@ class ModelEstimator(RateEstimator):
         self.max_drain = max_drain
         self.drain_lateness = drain_lateness
 
+        self._init_state()
+
+    def _init_state(self) -> None:
         self._points: list[_Point] = []
         self._suspect_sign = 0  # sign of the previous batch's outlying error, 0 if it fitted
         self._prior_a = 0.0  # seconds, set from prior_fixed_cost once the first batch gives the interval
@@ -260,8 +263,7 @@ class ModelEstimator(RateEstimator):
             return None  # a stale or repeated event
         self._latest_time = batch.completed_at
         self._batches += 1
-        self._paused_until = None  # a pause planned for the batch that just completed ends with it
-        self._held = False
+        self._paused_until, self._held = None, False  # a hold planned for the batch just done ends
         watched, self._watched = self._watched, None
         interval = batch.batch_interval
         if self._batches == 1:
@@ -277,7 +279,6 @@ class ModelEstimator(RateEstimator):
                 self._capacity = max(self._capacity, batch.records / batch.processing_delay)
             return None
         self._observe(batch.records, batch.processing_delay)
-        self._last_fitted = (batch.records, batch.processing_delay)
         a, b, self._fit = self._solve(self._prior_a)
         if self._fit != "anchored":
             self._prior_a = a  # the fixed cost to assume when batch sizes stop varying
@@ -304,25 +305,9 @@ class ModelEstimator(RateEstimator):
         in_force = self.rate if math.isfinite(self.rate) else batch.records / interval
         pace, pause = 1.0, 0.0
         if batch.waiting is not None:
-            # counted, not estimated: what the next batch, at capacity, cannot take ...
-            take = capacity * period
-            if self._draining and batch.waiting > take:
-                # ... unless it drains what piled up behind an overrun (10): then it takes all of it
-                # (up to max_drain), and intake is paced so the batch after it holds about one period
-                per_record = (period - a) / (capacity * period)
-                take = max(take, min(batch.waiting, (self.max_drain * interval - a) / per_record))
-                upcoming = a + take * per_record  # seconds the next batch is planned to take
-                # records taken before this far into it would wait too long for the batch after it
-                pause = max(0.0, upcoming - (1 + self.drain_lateness) * interval)
-                if watched is not None:
-                    # the cost rose within the batch just done, perhaps late in it: it shows only
-                    # part of the new cost, and the pile may take far longer than predicted (seen in
-                    # simulation: 3.1 s for a pile predicted at 1.3 s). Hold a while regardless.
-                    pause = max(pause, _WATCHED_HOLD * interval)
-                window = max(upcoming - pause, 0.0)  # what is taken from the resume on waits for it
-                pace = period / max(window, period)
-            else:
-                self._draining = False
+            # counted, not estimated: what the next batch, at capacity, cannot take, unless it drains
+            # a pile-up (10)
+            take, pace, pause = self._drain_plan(batch.waiting, a, capacity, period, watched=watched)
             backlog = max(0.0, batch.waiting - take)
             # batches after the next one hold that much before anything new comes in
             floor = self.floor_fraction * capacity - backlog / period
@@ -342,13 +327,41 @@ class ModelEstimator(RateEstimator):
         self._proposed = min(rate, self.max_growth * largest / period, self.max_stretch * fastest)
         if batch.waiting is not None:
             self._probe(batch, batch.waiting, self._proposed, capacity, period)
-        if pause > 0:
-            # intake waits until that far into the next batch (resume), then runs at the paced rate
-            self._paused_until = (pause, self._proposed)
-            self._pauses += 1
-            self._held = True
-            return self.bounds.min_rate
-        return self._proposed
+        return self._hold_into_next_batch(pause, self._proposed)
+
+    def _hold_into_next_batch(self, pause: float, rate: float) -> float:
+        """`rate`, or, for a pause > 0, min_rate and intake held until `pause` seconds into the next
+        batch (resume), then `rate`."""
+        if pause <= 0:
+            return rate
+        self._paused_until, self._held = (pause, rate), True
+        self._pauses += 1
+        return self.bounds.min_rate
+
+    def _drain_plan(
+        self, waiting: int, a: float, capacity: float, period: float, *, watched: float | None
+    ) -> tuple[float, float, float]:
+        """(records the next batch takes, share of the rate to admit, seconds into the next batch that
+        intake is held): a batch at capacity, the full rate, no hold; or, while draining what piled up
+        behind an overrun (10), all of it (up to max_drain), intake paced so the batch after it holds
+        about one period, and held first as long as what comes in would wait too long."""
+        take = capacity * period
+        if not (self._draining and waiting > take):
+            self._draining = False
+            return take, 1.0, 0.0
+        interval = self._interval
+        per_record = (period - a) / (capacity * period)
+        take = max(take, min(waiting, (self.max_drain * interval - a) / per_record))
+        upcoming = a + take * per_record  # seconds the next batch is planned to take
+        # records taken before this far into it would wait too long for the batch after it
+        pause = max(0.0, upcoming - (1 + self.drain_lateness) * interval)
+        if watched is not None:
+            # the cost rose within the batch just done, perhaps late in it: it shows only part of
+            # the new cost, and the pile may take far longer than predicted (seen in simulation:
+            # 3.1 s for a pile predicted at 1.3 s). Hold a while regardless.
+            pause = max(pause, _WATCHED_HOLD * interval)
+        window = max(upcoming - pause, 0.0)  # what is taken from the resume on waits for it
+        return take, period / max(window, period), pause
 
     def batch_cap(self, interval: float) -> float:
         """max(rate, capacity) x interval; while draining (10), at least what the next batch processes
@@ -499,6 +512,7 @@ class ModelEstimator(RateEstimator):
         return self.target_utilisation * lower
 
     def _observe(self, records: int, seconds: float) -> None:
+        self._last_fitted = (records, seconds)
         for point in self._points:
             point.weight *= self.forgetting
         sign = 0

@@ -302,7 +302,7 @@ def simulate(
     )
 
 
-def simulate_structured(
+def simulate_structured(  # noqa: PLR0915 - one simulated pipeline; its helpers share its state
     estimator: RateEstimator,
     pipeline: Pipeline,
     *,
@@ -359,6 +359,25 @@ def simulate_structured(
             total += span
         return math.inf
 
+    def plan(start: float) -> tuple[int, int]:
+        """Records there at `start` and what the source's cap lets the batch take of them."""
+        available = math.floor(admitted(start)) - consumed
+        cap = estimator.batch_cap(interval)  # max(rate, capacity) x interval, or more while draining
+        return available, max(0, math.floor(min(available, cap)))
+
+    def watch(start: float, end: float, records: int, consumed: int, tick: float) -> None:
+        """The server polls a running batch: a hold the estimator planned may end (resume), and past
+        its interval the estimator may cut the rate."""
+        k = 1
+        while (t := start + k * tick) < end:
+            k += 1
+            if records:
+                estimator.resume(t - start)
+                admit(t)
+            if t - start > interval:
+                estimator.overrun(records, t - start, interval, math.floor(admitted(t)) - consumed)
+                admit(t)
+
     batches: list[BatchMetrics] = []
     arrivals: list[float] = []  # when each batch's oldest record arrived
     rates: list[float] = []
@@ -372,35 +391,21 @@ def simulate_structured(
         last, start = start, max((math.floor(start / interval + 1e-9) + 1) * interval, end)
         if start >= duration:
             break
-        available = math.floor(admitted(start)) - consumed
-        cap = estimator.batch_cap(interval)  # max(rate, capacity) x interval, or more while draining
-        records = max(0, math.floor(min(available, cap)))
+        available, records = plan(start)
         off_grid = start > math.floor(start / interval + 1e-9) * interval + 1e-9
-        if off_grid and k > 1 and start - last < 0.75 * interval and records < catch_up_min_share * cap:
+        small = records < catch_up_min_share * estimator.batch_cap(interval)
+        if off_grid and k > 1 and start - last < 0.75 * interval and small:
             # the source defers a small catch-up batch to the grid (ingest.spark.source)
             start = (math.floor(start / interval) + 1) * interval
             if start >= duration:
                 break
-            available = math.floor(admitted(start)) - consumed
-            records = max(0, math.floor(min(available, estimator.batch_cap(interval))))
+            available, records = plan(start)
         oldest = arrival(consumed + 1) if records else start
         took = pipeline.processing_time(start, records) + (pipeline.startup if k == 1 else 0.0)
         consumed += records
         end = start + took
         if watchdog is not None:
-            # the server polls a running batch: a pause the estimator planned may end (resume), and
-            # past its interval the estimator may cut the rate
-            tick = 1
-            while (t := start + tick * watchdog) < end:
-                tick += 1
-                if records:
-                    estimator.resume(t - start)
-                    admit(t)
-                if t - start <= interval:
-                    continue
-                waiting = math.floor(admitted(t)) - consumed
-                estimator.overrun(records, t - start, interval, waiting)
-                admit(t)
+            watch(start, end, records, consumed, watchdog)
         batch = BatchMetrics(
             batch_id=k - 1,
             completed_at=end,
