@@ -248,6 +248,7 @@ class ModelEstimator(RateEstimator):
         self._paused_until: tuple[float, float] | None = None  # (elapsed into the next batch, rate)
         self._pauses = 0
         self._held = False  # intake takes nothing until the next completion or a planned resume
+        self._risen = 0  # batches left within which a fall of the cost is believed at once
 
     @property
     def capacity(self) -> float | None:
@@ -264,6 +265,7 @@ class ModelEstimator(RateEstimator):
         self._latest_time = batch.completed_at
         self._batches += 1
         self._paused_until, self._held = None, False  # a hold planned for the batch just done ends
+        self._risen = max(0, self._risen - 1)
         watched, self._watched = self._watched, None
         interval = batch.batch_interval
         if self._batches == 1:
@@ -278,7 +280,10 @@ class ModelEstimator(RateEstimator):
             if self._capacity is not None and batch.processing_delay <= _SHOWN_WITHIN * self._period:
                 self._capacity = max(self._capacity, batch.records / batch.processing_delay)
             return None
-        self._observe(batch.records, batch.processing_delay)
+        before = self._predicted(batch.records)
+        # judged against the fit whatever its size: the watchdog saw this batch overrun, or the cost
+        # rose lately and may fall back; a fit blending both costs otherwise hides the next change
+        self._observe(batch.records, batch.processing_delay, judge=watched is not None or self._risen > 0)
         a, b, self._fit = self._solve(self._prior_a)
         if self._fit != "anchored":
             self._prior_a = a  # the fixed cost to assume when batch sizes stop varying
@@ -287,17 +292,10 @@ class ModelEstimator(RateEstimator):
             measured = self._fit == "fitted" and math.isfinite(self._noise(a, b)[1])
             self._prior_from_data = self._prior_from_data or measured
         self._a, self._b = a, b  # outliers are judged against the fit itself, not the hedge below
-        if self._suspect_sign:
-            # one surprising batch: a cost change, or a GC pause? Faster than the fit: believe it (the
-            # stretch cap below bounds the risk). Slower, and the watchdog saw it overrun: believe it
-            # too (a cost change mid-batch even shows only part of the new cost). Slower otherwise: go
-            # halfway, geometrically. At most 4x either way; a second surprise confirms the change.
-            alone = min(max((batch.processing_delay - a) / batch.records, b / 4), 4 * b)
-            b = alone if self._suspect_sign < 0 or watched is not None else math.sqrt(b * alone)
-        if watched is not None:
-            # what the watchdog saw this batch do, under this fit's fixed cost: no bounce back up
-            b = max(b, (watched - a) / batch.records)
+        b = self._hedged(batch, a, b, watched)
         capacity, period = self._set_capacity(batch, a, b)
+        if self._fell(before, batch.processing_delay, a, period):
+            capacity = self._sped_up(batch, a, capacity, period)
         largest = max(p.records for p in self._points)
         fastest = max(p.records / p.seconds for p in self._points)
 
@@ -337,6 +335,57 @@ class ModelEstimator(RateEstimator):
         self._paused_until, self._held = (pause, rate), True
         self._pauses += 1
         return self.bounds.min_rate
+
+    def _hedged(self, batch: BatchMetrics, a: float, b: float, watched: float | None) -> float:
+        """The per-record cost to plan by after `batch`: the fit's, unless the batch was a surprise or
+        the watchdog saw it run (see 5 and 7)."""
+        if self._suspect_sign:
+            # one surprising batch: a cost change, or a GC pause? Faster than the fit: believe it (the
+            # stretch cap below bounds the risk). Slower, and the watchdog saw it overrun: believe it
+            # too (a cost change mid-batch even shows only part of the new cost). Slower otherwise: go
+            # halfway, geometrically. At most 4x either way; a second surprise confirms the change.
+            alone = min(max((batch.processing_delay - a) / batch.records, b / 4), 4 * b)
+            b = alone if self._suspect_sign < 0 or watched is not None else math.sqrt(b * alone)
+        if watched is not None:
+            # what the watchdog saw this batch do, under this fit's fixed cost: no bounce back up
+            b = max(b, (watched - a) / batch.records)
+        return b
+
+    def _predicted(self, records: int) -> float | None:
+        """Seconds the latest fit predicts for a batch of `records` (None before a fit)."""
+        if self._a is None or self._b is None:
+            return None
+        return self._a + self._b * records
+
+    def _fell(self, before: float | None, seconds: float, a: float, period: float) -> bool:
+        """Whether a batch of `seconds` shows the per-record cost fell: far faster than the fit before
+        it predicted, with a fit that tells the costs apart well enough (not a bound or a probe from
+        the floor, and the batch mostly records: on a loaded machine a fixed cost over the interval
+        and its noise make any batch look fast or slow)."""
+        return (
+            before is not None
+            and self._risen > 0  # back down after a rise the watchdog saw, within a window of it
+            and seconds < (1 - self.change_threshold) * before
+            and self._fit != "bounded"
+            and not self._probing
+            and period <= self._interval  # not a fixed cost over the interval (2)
+            and seconds - a >= (1 - self.max_fixed_share) * (period - a)
+        )
+
+    def _sped_up(self, batch: BatchMetrics, a: float, capacity: float, period: float) -> float:
+        """A batch far faster than the fit before it predicted: the cost fell back after a jump.
+        Its records took (seconds - a) / records each, which a fit still weighing the slower batches
+        (an anchored fit does not judge a batch of another size an outlier) reads as a fraction of
+        the fall: capacity at that per-record cost, within max_stretch x what the batch showed, so
+        the rate is back in a batch or two rather than six (seen: 15k, 21k, 27k, 32k, 36k, 38k of
+        45k records/s, and batches starved meanwhile)."""
+        seconds, records = batch.processing_delay, batch.records
+        if seconds <= a:
+            return capacity
+        at_cost = (period - a) / ((seconds - a) / records * period)
+        self._capacity = max(capacity, min(at_cost, self.max_stretch * records / seconds))
+        self._risen = 0
+        return self._capacity
 
     def _drain_plan(
         self, waiting: int, a: float, capacity: float, period: float, *, watched: float | None
@@ -462,15 +511,26 @@ class ModelEstimator(RateEstimator):
         never lower it. A warm pipeline is reached in a batch or two, a cold one changes nothing.
 
         The exception is an unlimited start (`sluice serve`'s): while its batches keep up it stays
-        unlimited, but the first that overruns its interval shows intake outpacing the pipeline, and
-        its throughput (with the same caps) becomes the rate. Unlimited, a saturating publisher kept
-        filling the store while three 500k-record start-up batches ran, 6-11 s each: the next minute
-        of batches started 26-56 s late."""
+        unlimited, but the first that overruns its interval shows intake outpacing the pipeline: its
+        throughput (with the same caps) becomes the rate, less what drains what waits beyond a batch
+        over the horizon, and the capacity (a lower bound) the source caps batches by. Unlimited, a
+        saturating publisher kept filling the store while three 500k-record start-up batches ran,
+        6-11 s each: the next minute of batches started 26-56 s late."""
         grown = min(
             self.max_stretch * batch.records / batch.processing_delay,
             self.max_growth * batch.records / batch.batch_interval,
         )
         unlimited = math.isinf(self.rate) and batch.processing_delay > batch.batch_interval
+        if unlimited:
+            # its throughput is a capacity measured (a lower bound: the source caps batches by it)
+            self._capacity = max(self._capacity or 0.0, batch.records / batch.processing_delay)
+        if self._capacity is not None and batch.waiting is not None:
+            # after an unlimited start, what waits beyond a batch at that capacity drains over the
+            # horizon before intake grows again
+            interval = batch.batch_interval
+            excess = max(0.0, batch.waiting - self._capacity * interval)
+            drained = self.target_utilisation * self._capacity - excess / (self.horizon * interval)
+            grown = max(self.bounds.min_rate, min(grown, drained))
         if not (grown > self.rate or unlimited):
             return None
         self._proposed = grown
@@ -501,6 +561,7 @@ class ModelEstimator(RateEstimator):
             self._capacity = capacity = lower
             self._watched = elapsed
             self._draining = True  # what piles up meanwhile goes in the next batch at once (10)
+            self._risen = self.window  # batches within which a fall back is believed at once
         if waiting is not None and waiting >= capacity * period:
             # the next batch is already there in full: what else comes in now only waits longer
             self._overruns += 1
@@ -511,7 +572,7 @@ class ModelEstimator(RateEstimator):
         self._overruns += 1
         return self.target_utilisation * lower
 
-    def _observe(self, records: int, seconds: float) -> None:
+    def _observe(self, records: int, seconds: float, *, judge: bool = False) -> None:
         self._last_fitted = (records, seconds)
         for point in self._points:
             point.weight *= self.forgetting
@@ -519,14 +580,16 @@ class ModelEstimator(RateEstimator):
         # a fit anchored on the configured prior (not on a fixed cost from data) is a guess away from
         # the batch sizes it was fitted on: a batch of another size is what corrects it, no outlier.
         # Near those sizes it predicts exactly, whatever the split between the two costs.
-        judged = self._prior_from_data or self._near_fitted_sizes(records)
+        judged = judge or self._prior_from_data or self._near_fitted_sizes(records)
         if judged and len(self._points) >= 2 and self._a is not None and self._b is not None:
             predicted = self._a + self._b * records
             # off by more than the batches' own noise too: on a loaded machine batches alike took
             # 0.8-1.6 s, and every other one read as a cost change reset the fit
             noise = self._noise(self._a, self._b)[1]
             off = self.change_threshold * predicted
-            if math.isfinite(noise):
+            # (not where the watchdog's evidence or a recent rise says to judge: the noise of a fit
+            # blending two costs, 3x of it, hid a 3.5x jump and its fall back)
+            if math.isfinite(noise) and not judge:
                 off = max(off, _SURPRISE_NOISE * noise)
             if abs(seconds - predicted) > off:
                 sign = 1 if seconds > predicted else -1

@@ -59,7 +59,8 @@ def jumps(
 ) -> tuple[tuple[float, float], ...]:
     """Pipeline.cost_changes for a per-record cost that jumps by `factor` and back, again and again.
 
-    The first change comes after a sixth of the run (rounded down to an interval), then one every
+    The first change comes after a quarter of the run (rounded down to an interval: the start, with
+    its own transient, is over by then), then one every
     `spacing` intervals while one interval-spacing is left: up, back to 1, up, ... Each lands at
     phase (0.1 + k x 0.618) mod 1 of an interval past a multiple of it (the trigger grid), so while
     batches run on the grid the changes land early, late and in between in a batch.
@@ -67,7 +68,7 @@ def jumps(
     if not (factor > 0 and math.isfinite(factor)):
         raise ValueError(f"factor must be a finite number > 0, got {factor}")
     changes: list[tuple[float, float]] = []
-    t = math.floor(duration / 6 / interval) * interval
+    t = math.floor(duration / 4 / interval) * interval
     k = 0
     while t + spacing * interval <= duration:
         phase = (0.1 + k * GOLDEN) % 1.0
@@ -194,6 +195,12 @@ class Simulation:
             b.records < STARVED_SHARE * capacity * span
             for b, capacity, span in zip(self.batches, self.capacities, spans, strict=True)
         ]
+
+    def peak_delay_since(self, since: float) -> float:
+        """Largest lateness of the batches that started at or after `since` (seconds from the start)."""
+        return max(
+            (b.lateness for b in self.batches if b.completed_at - b.processing_delay >= since), default=0.0
+        )
 
     def starved_after(self, since: float) -> int:
         """Starved batches among those that started at or after `since` (seconds from the run's start)."""

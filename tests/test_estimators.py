@@ -1014,13 +1014,13 @@ def jumped(
 
 def test_jumps_land_at_phases_spread_over_the_interval() -> None:
     changes = jumps(60.0, 3.5)
-    assert [factor for _, factor in changes] == [3.5, 1.0] * 4
-    assert changes[0][0] == pytest.approx(10.1)
+    assert [factor for _, factor in changes] == [3.5, 1.0, 3.5, 1.0, 3.5, 1.0, 3.5]
+    assert changes[0][0] == pytest.approx(15.1)
     assert all(5.0 < b - a < 7.0 for (a, _), (b, _) in itertools.pairwise(changes))
     phases = sorted(since % 1.0 for since, _ in changes)
     assert phases[0] < 0.15 and phases[-1] > 0.8  # early and late in a batch ...
     assert min(b - a for a, b in itertools.pairwise(phases)) > 0.05  # ... and no two alike
-    assert jumps(24.0, 3.5)[0][0] == pytest.approx(4.1) and len(jumps(24.0, 3.5)) == 3
+    assert jumps(24.0, 3.5)[0][0] == pytest.approx(6.1) and len(jumps(24.0, 3.5)) == 3
     with pytest.raises(ValueError, match="factor"):
         jumps(60.0, 0.0)
 
@@ -1040,6 +1040,7 @@ def test_model_keeps_cost_jumps_within_two_intervals_and_starves_no_batch(
     sim, changes = jumped("model", pipeline, factor)
     summary = sim.summary()
     assert sim.peak_delay(UNJUDGED) <= 2.0, summary
+    assert sim.peak_delay_since(changes[0][0]) == sim.peak_delay(UNJUDGED)
     assert sim.starved_after(changes[0][0]) == 0, summary
     assert sim.utilisation >= 0.7, summary
 
@@ -1058,7 +1059,7 @@ def test_after_a_jump_one_batch_drains_the_pile_and_intake_waits_for_it() -> Non
     late: seen on a 3.5x jump at the very start of a batch."""
     sim, _ = jumped("model", BENCH_LIKE, 3.5)
     starts = [b.completed_at - b.processing_delay for b in sim.batches]
-    jumped_at = next(i for i, start in enumerate(starts) if start >= 10.0)
+    jumped_at = next(i for i, start in enumerate(starts) if start >= 15.0)
     overran, drain, after = sim.batches[jumped_at : jumped_at + 3]
     assert overran.processing_delay > 2.5  # the jump landed in its fixed cost
     assert drain.records > overran.records  # the whole pile, more than a batch's cap
