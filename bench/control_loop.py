@@ -261,7 +261,9 @@ def measure_in_situ_capacity(
         # a loaded machine once fitted the streaming guess at 0 rec/s (a fixed cost over the interval)
         rate = share * max(guess.records_per_second, 10_000.0)
         batches = asyncio.run(
-            run_sluice(spark, "fixed", cost, cost_file, (), args, duration=seconds, initial_rate=rate)
+            run_sluice(
+                spark, "fixed", cost, cost_file, (), args, duration=seconds, initial_rate=rate, warmup=0
+            )
         )
         points += [(b.records, b.processing_delay) for b in batches[3:] if b.records]
     return _fit(points)
@@ -366,7 +368,12 @@ class LineServer:
 
 
 def run_dstream(
-    spark: Any, cost: float, cost_file: CostFile, changes: tuple[tuple[float, float], ...], args: Any
+    spark: Any,
+    cost: float,
+    cost_file: CostFile,
+    changes: tuple[tuple[float, float], ...],
+    args: Any,
+    warmup: float = 0.0,
 ) -> list[BatchMetrics]:
     raw: list[tuple[int, int, int, int, int]] = []
 
@@ -393,7 +400,7 @@ def run_dstream(
         ssc.addStreamingListener(Collector())
         lines = ssc.socketTextStream("127.0.0.1", lines_server.port, StorageLevel.MEMORY_AND_DISK)
         lines.mapPartitions(partition_cost(cost, str(cost_file.path))).foreachRDD(_collect)
-        t0 = next_grid_point(time.time())
+        t0 = next_grid_point(time.time() + warmup)
         cancel = cost_file.schedule(t0, changes)
         ssc.start()
         time.sleep(max(0.0, t0 + args.duration - time.time()))
@@ -407,6 +414,8 @@ def run_dstream(
     for batch_ms, records, scheduling_ms, processing_ms, end_ms in raw:
         if scheduling_ms < 0 or processing_ms < 0 or end_ms < 0:
             continue  # unknown (-1): not a completed batch as far as the measures go
+        if end_ms / 1000 < t0:
+            continue  # done during the warm-up
         batches.append(
             BatchMetrics(
                 batch_id=len(batches),
@@ -461,8 +470,10 @@ async def run_sluice(
     *,
     duration: float | None = None,
     initial_rate: float | None = None,
+    warmup: float | None = None,
 ) -> list[BatchMetrics]:
     duration = args.duration if duration is None else duration
+    warmup = warmup if warmup is not None else (args.warmup or 0.0)
     loop = asyncio.get_running_loop()
     collected: list[tuple[BatchMetrics, float]] = []
     path = str(cost_file.path)
@@ -499,10 +510,15 @@ async def run_sluice(
         try:
             await asyncio.to_thread(driver.start)
             ctx = mp.get_context("spawn")
-            t0 = next_grid_point(time.time())
+            if warmup > 0:  # the sender runs from now; the measured run starts after the warm-up
+                t0 = next_grid_point(time.time() + warmup)
+                sending = t0 - time.time() + duration
+            else:
+                t0 = next_grid_point(time.time())
+                await asyncio.sleep(max(0.0, t0 - time.time()))
+                sending = duration
             cancel = cost_file.schedule(t0, changes)
-            await asyncio.sleep(max(0.0, t0 - time.time()))
-            proc = ctx.Process(target=publish, args=(server.target, args.record_bytes, duration), daemon=True)
+            proc = ctx.Process(target=publish, args=(server.target, args.record_bytes, sending), daemon=True)
             proc.start()
             while time.time() < t0 + duration:
                 if driver.error():
@@ -717,9 +733,18 @@ def main() -> None:
     parser.add_argument("--record-bytes", type=int, default=100)
     parser.add_argument("--batches", action="store_true", help="also print every batch of every run")
     parser.add_argument("--quick", action="store_true", help="smoke run: jumps, 24 s, DStream and model")
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=None,
+        help="seconds the sender runs before the measured run (default: 20 for jumps, where the start's "
+        "transient is not the figure, 0 otherwise)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.profile, args.duration = "jumps", 24.0
+        args.warmup = 10.0 if args.warmup is None else args.warmup
+
     if not (args.factor > 0 and math.isfinite(args.factor)):
         parser.error("--factor must be a finite number > 0")
     cost = args.cost_us / 1e6
@@ -760,11 +785,14 @@ def main() -> None:
                         f"at {INTERVAL:g} s batches; running for {d:g} s...",
                         flush=True,
                     )
+                    warmup = args.warmup if args.warmup is not None else (20.0 if profile == "jumps" else 0.0)
                     if system == "sparkpid-dstream":
-                        batches = run_dstream(spark, cost, cost_file, changes, args)
+                        batches = run_dstream(spark, cost, cost_file, changes, args, warmup)
                     else:
                         estimator = "spark-pid" if system == "sluice-spark-pid" else "model"
-                        batches = asyncio.run(run_sluice(spark, estimator, cost, cost_file, changes, args))
+                        batches = asyncio.run(
+                            run_sluice(spark, estimator, cost, cost_file, changes, args, warmup=warmup)
+                        )
                     sim = judge(batches, cap.pipeline(changes), d)
                     if args.batches:
                         print_batches(system, batches)
@@ -792,7 +820,11 @@ def main() -> None:
                     + ", ".join(f"{since:.2f}" for since, _ in changes)
                     + " s",
                 }.get(profile, "")
-                print(f"profile {profile}: {d:g} s, 1 s batches, {args.cost_us:g} us/record{described}")
+                warmed = args.warmup if args.warmup is not None else (20.0 if profile == "jumps" else 0.0)
+                after = f", after {warmed:g} s of warm-up" if warmed else ""
+                print(
+                    f"profile {profile}: {d:g} s{after}, 1 s batches, {args.cost_us:g} us/record{described}"
+                )
                 print(
                     f"{'system':<18} | {'cap rec/s':>9} | {'avg util':>10} | {'busy':>7} | "
                     f"{'peak delay s':>14} | {'after chg s':>11} | {'settle s':>10} | {'starved':>7} | "

@@ -342,6 +342,10 @@ class RateController:
         interval = self._batch_interval
         cap = self.estimator.batch_cap(interval)
         usual = max(self._rate, self.estimator.capacity or 0.0) * interval
+        if self._watches:
+            # what piled up while the latest batch ran, not a backlog that was there before it
+            watch = self._watches[-1]
+            cap = min(cap, max(usual, self._waiting(watch) - watch.backlog))
         if not (math.isfinite(cap) and cap > usual):
             return 0
         return int(cap)

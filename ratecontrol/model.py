@@ -245,6 +245,7 @@ class ModelEstimator(RateEstimator):
         self._backlog: float | None = None
         self._drain_seconds: float | None = None
         self._draining = False  # the next batch may take all that waits, up to max_drain (10)
+        self._drain_take: float | None = None  # ... namely this many records, once a completion said
         self._paused_until: tuple[float, float] | None = None  # (elapsed into the next batch, rate)
         self._pauses = 0
         self._held = False  # intake takes nothing until the next completion or a planned resume
@@ -305,7 +306,7 @@ class ModelEstimator(RateEstimator):
         if batch.waiting is not None:
             # counted, not estimated: what the next batch, at capacity, cannot take, unless it drains
             # a pile-up (10)
-            take, pace, pause = self._drain_plan(batch.waiting, a, capacity, period, watched=watched)
+            take, pace, pause = self._drain_plan(batch, a, capacity, period, watched=watched)
             backlog = max(0.0, batch.waiting - take)
             # batches after the next one hold that much before anything new comes in
             floor = self.floor_fraction * capacity - backlog / period
@@ -388,19 +389,24 @@ class ModelEstimator(RateEstimator):
         return self._capacity
 
     def _drain_plan(
-        self, waiting: int, a: float, capacity: float, period: float, *, watched: float | None
+        self, batch: BatchMetrics, a: float, capacity: float, period: float, *, watched: float | None
     ) -> tuple[float, float, float]:
         """(records the next batch takes, share of the rate to admit, seconds into the next batch that
         intake is held): a batch at capacity, the full rate, no hold; or, while draining what piled up
-        behind an overrun (10), all of it (up to max_drain), intake paced so the batch after it holds
-        about one period, and held first as long as what comes in would wait too long."""
+        behind an overrun (10), all of that pile (`pile`: what came in while the batch ran; up to
+        max_drain), intake paced so the batch after it holds about one period, and held first as long
+        as what comes in would wait too long. A backlog that was there before (a start, a restart)
+        drains as usual: taken whole, it once made batches of 4-6 s."""
+        waiting = batch.waiting or 0
+        pile = waiting - (batch.backlog or 0)  # what came in while it ran
         take = capacity * period
-        if not (self._draining and waiting > take):
-            self._draining = False
+        if not (self._draining and waiting > take and pile > take):
+            self._draining, self._drain_take = False, None
             return take, 1.0, 0.0
         interval = self._interval
         per_record = (period - a) / (capacity * period)
-        take = max(take, min(waiting, (self.max_drain * interval - a) / per_record))
+        take = max(take, min(pile, (self.max_drain * interval - a) / per_record))
+        self._drain_take = take
         upcoming = a + take * per_record  # seconds the next batch is planned to take
         # records taken before this far into it would wait too long for the batch after it
         pause = max(0.0, upcoming - (1 + self.drain_lateness) * interval)
@@ -420,7 +426,8 @@ class ModelEstimator(RateEstimator):
         if self._draining and a is not None and capacity is not None and 0 < capacity < math.inf:
             per_record = (period - a) / (capacity * period)
             if per_record > 0:
-                cap = max(cap, (self.max_drain * interval - a) / per_record)
+                drain = (self.max_drain * interval - a) / per_record
+                cap = max(cap, drain if self._drain_take is None else min(drain, self._drain_take))
         return cap
 
     def _resume(self, elapsed: float) -> float | None:
@@ -561,6 +568,7 @@ class ModelEstimator(RateEstimator):
             self._capacity = capacity = lower
             self._watched = elapsed
             self._draining = True  # what piles up meanwhile goes in the next batch at once (10)
+            self._drain_take = None  # (how much, the completion tells)
             self._risen = self.window  # batches within which a fall back is believed at once
         if waiting is not None and waiting >= capacity * period:
             # the next batch is already there in full: what else comes in now only waits longer

@@ -415,7 +415,9 @@ async def test_a_batch_planned_after_asking_for_a_seal_takes_every_record_taken(
                 await producer.close()
 
 
-async def test_a_cost_jump_drains_in_one_batch_while_intake_is_held(tmp_path: Path) -> None:
+async def test_a_cost_jump_drains_in_one_batch_while_intake_is_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Issue 17, item 6, the server's side: a batch that overruns by a cost jump while its next batch
     already waits in full holds intake (the receivers grant no credit: rate_hold, not min_rate's
     trickle); the source may then take the whole pile in one batch (RateStatus.drain_batch_records,
@@ -426,8 +428,11 @@ async def test_a_cost_jump_drains_in_one_batch_while_intake_is_held(tmp_path: Pa
         fitted(controller)  # 45k records/s at 1 s batches, 0.4 s of it fixed
         receiver = server.receivers["s"]
         usual = max(controller.rate, controller.estimator.capacity or 0.0)
+        taken = [0]  # records the receivers took, as the controller counts them
+        monkeypatch.setattr(controller, "_taken", lambda: taken[0])
         started = time.monotonic()
-        controller.batch_started(40_000, backlog=60_000, now=started)
+        controller.batch_started(40_000, now=started)
+        taken[0] = 60_000  # taken while it runs
         controller.check_overrun(now=started + 0.5)
         assert "rate_hold" not in receiver.paused
         controller.check_overrun(now=started + 1.2)  # 40k should have taken 0.93 s
@@ -435,7 +440,7 @@ async def test_a_cost_jump_drains_in_one_batch_while_intake_is_held(tmp_path: Pa
         cap = LiveRateCap(server.target)
         try:
             allowed = await asyncio.to_thread(cap.records_per_batch, 1.0)
-            assert allowed is not None and allowed > 60_000 > usual  # the pile in one batch
+            assert allowed == 60_000 > usual  # the pile in one batch, not more
             # the batch completes at 2.27 s (the cost rose 3.5x); the pile takes ~3.4 s: still held
             controller.on_batch(
                 dataclasses.replace(batch(5, 40_000, 0.4 + 3.5 * 40_000 / 75_000), waiting=60_000)
@@ -443,6 +448,7 @@ async def test_a_cost_jump_drains_in_one_batch_while_intake_is_held(tmp_path: Pa
             assert "rate_hold" in receiver.paused
             drain = time.monotonic()
             controller.batch_started(60_000, now=drain)
+            assert controller.drain_batch_records() == 0  # the pile is in it: nothing more piled up
             controller.check_overrun(now=drain + 0.1)
             assert "rate_hold" in receiver.paused
             controller.check_overrun(now=drain + 1.5)
