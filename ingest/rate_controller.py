@@ -343,9 +343,10 @@ class RateController:
         cap = self.estimator.batch_cap(interval)
         usual = max(self._rate, self.estimator.capacity or 0.0) * interval
         if self._watches:
-            # what piled up while the latest batch ran, not a backlog that was there before it
+            # what waits behind the latest batch: a pile-up while it ran, unless it took from a
+            # backlog left before it (a start's burst, a restart), which drains as usual
             watch = self._watches[-1]
-            cap = min(cap, max(usual, self._waiting(watch) - watch.backlog))
+            cap = usual if watch.backlog > usual else min(cap, self._waiting(watch))
         if not (math.isfinite(cap) and cap > usual):
             return 0
         return int(cap)

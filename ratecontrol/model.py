@@ -393,19 +393,19 @@ class ModelEstimator(RateEstimator):
     ) -> tuple[float, float, float]:
         """(records the next batch takes, share of the rate to admit, seconds into the next batch that
         intake is held): a batch at capacity, the full rate, no hold; or, while draining what piled up
-        behind an overrun (10), all of that pile (`pile`: what came in while the batch ran; up to
-        max_drain), intake paced so the batch after it holds about one period, and held first as long
-        as what comes in would wait too long. A backlog that was there before (a start, a restart)
-        drains as usual: taken whole, it once made batches of 4-6 s."""
+        behind an overrun (10), all of it (up to max_drain), intake paced so the batch after it holds
+        about one period, and held first as long as what comes in would wait too long. Not after a
+        batch that itself took from a backlog left before it (a start's burst, a restart): that drains
+        as usual; taken whole, a start's burst once made batches of 4-6 s."""
         waiting = batch.waiting or 0
-        pile = waiting - (batch.backlog or 0)  # what came in while it ran
         take = capacity * period
-        if not (self._draining and waiting > take and pile > take):
+        # (not when the batch itself took from a backlog that was there before it)
+        if not (self._draining and waiting > take and (batch.backlog or 0) <= take):
             self._draining, self._drain_take = False, None
             return take, 1.0, 0.0
         interval = self._interval
         per_record = (period - a) / (capacity * period)
-        take = max(take, min(pile, (self.max_drain * interval - a) / per_record))
+        take = max(take, min(waiting, (self.max_drain * interval - a) / per_record))
         self._drain_take = take
         upcoming = a + take * per_record  # seconds the next batch is planned to take
         # records taken before this far into it would wait too long for the batch after it

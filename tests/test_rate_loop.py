@@ -448,7 +448,7 @@ async def test_a_cost_jump_drains_in_one_batch_while_intake_is_held(
             assert "rate_hold" in receiver.paused
             drain = time.monotonic()
             controller.batch_started(60_000, now=drain)
-            assert controller.drain_batch_records() == 0  # the pile is in it: nothing more piled up
+            assert controller.drain_batch_records() == 0  # the pile is in it: nothing waits yet
             controller.check_overrun(now=drain + 0.1)
             assert "rate_hold" in receiver.paused
             controller.check_overrun(now=drain + 1.5)
