@@ -410,10 +410,12 @@ class ModelEstimator(RateEstimator):
         upcoming = a + take * per_record  # seconds the next batch is planned to take
         # records taken before this far into it would wait too long for the batch after it
         pause = max(0.0, upcoming - (1 + self.drain_lateness) * interval)
-        if watched is not None:
+        if watched is not None and upcoming > (1 + _WATCHED_HOLD / 2) * interval:
             # the cost rose within the batch just done, perhaps late in it: it shows only part of
             # the new cost, and the pile may take far longer than predicted (seen in simulation:
-            # 3.1 s for a pile predicted at 1.3 s). Hold a while regardless.
+            # 3.1 s for a pile predicted at 1.3 s). Hold a while regardless, unless the pile is about
+            # one batch (after a noisy overrun of a steady pipeline the hold left the next batches
+            # at a third of capacity).
             pause = max(pause, _WATCHED_HOLD * interval)
         window = max(upcoming - pause, 0.0)  # what is taken from the resume on waits for it
         return take, period / max(window, period), pause
