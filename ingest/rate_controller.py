@@ -346,7 +346,9 @@ class RateController:
             # what waits behind the latest batch: a pile-up while it ran, unless it took from a
             # backlog left before it (a start's burst, a restart), which drains as usual
             watch = self._watches[-1]
-            cap = usual if watch.backlog > usual else min(cap, self._waiting(watch))
+            # (not capped at the count of what waits: records taken between the source's planning and
+            # its StartBatch are in neither count, and the newest of the pile went to the batch after)
+            cap = usual if watch.backlog > usual else cap
         if not (math.isfinite(cap) and cap > usual):
             return 0
         return int(cap)
