@@ -1,7 +1,8 @@
 """Control under saturation: Spark's receiver backpressure against Sluice's estimators, in one run.
 
-Run: python bench/control_loop.py [--duration 60] [--profile steady|halved|both]
+Run: python bench/control_loop.py [--duration 60] [--profile jumps|steady|halved|both|all]
                                   [--only sparkpid-dstream|sluice-spark-pid|sluice-model] [--cost-us 20]
+                                  [--factor 3.5] [--initial-rate R] [--quick] [--batches]
 
 One Spark session (local[2]) runs, per profile, three systems with the same per-record cost (a Python
 busy-wait in the pipeline), the same 1 s batch interval and a sender that always offers more than capacity:
@@ -20,17 +21,34 @@ pre-written blocks without ingest, which reads ~40% higher. For the DStream row:
 spark.range in batch mode on one core, because its receiver pins the other core of local[2] for the
 whole run; batch mode has a smaller fixed cost per batch than a streaming trigger, so this is an upper
 bound. The "halved" profile doubles the per-record cost from 1/3 to 2/3 of the
-duration (a multiplier file the executors' workers read). The "busy" column is the share of wall time
-Spark spent processing batches: it needs no capacity estimate.
+duration (a multiplier file the executors' workers read). The "jumps" profile (the default, issue 17
+item 6) multiplies it by --factor (3.5) and back, again and again (ratecontrol.simulate.jumps: from a
+quarter of the run, a change every 6 s, each at another phase of the 1 s trigger grid, which the run's
+start is aligned to); each change's phase in the batch it landed in is printed, and its peak delay is
+judged over the batches from the first change on ("after chg s"; the start is the steady profile's).
+The "busy" column is the share of wall time Spark spent processing batches: it needs no capacity
+estimate.
 
 Measures are ratecontrol.simulate's (utilisation, peak Spark scheduling delay after the 3rd batch, time to
-settle, starved batches), on Spark's definition of scheduling delay (batch start - batch due time).
+settle, starved batches), on Spark's definition of scheduling delay (batch start - batch due time). A
+batch is starved when it holds under half of capacity x interval (simulate's definition: capacity when
+its oldest record arrived, a fall of the cost counted from the end of the first batch that started
+after it; the interval shortened to the time since the previous batch started); for "jumps" and
+"halved" the "after chg" column counts them among the batches that started at or after the first
+cost change.
+
+Sluice starts as `sluice serve` does: the model estimator unlimited (the first batches bounded by the
+receivers' memory until one is measured), spark-pid at 10,000 records/s (--initial-rate overrides).
+The last line is the RESULT line (bench/all.py's convention); --quick is a short smoke run (jumps, 24 s,
+Spark's DStream loop and sluice-model only).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import math
 import multiprocessing as mp
 import os
 import socket
@@ -56,7 +74,7 @@ from ingest.spark.listener import BatchCompleted, BatchListener
 from ingest.spark.pipeline import start_query
 from ingest.spark.session import build_session
 from ratecontrol import BatchMetrics
-from ratecontrol.simulate import UNJUDGED, Pipeline, Simulation
+from ratecontrol.simulate import UNJUDGED, Pipeline, Simulation, jumps, known_capacity
 from receivers.block import BLOCK_SCHEMA
 from receivers.config import FsyncPolicy
 from receivers.wal import WalBlockStore
@@ -134,6 +152,7 @@ class CostFile:
         tmp.replace(self.path)
 
     def schedule(self, t0: float, changes: tuple[tuple[float, float], ...]) -> threading.Event:
+        # the workers read the file per Arrow batch (10k records): a change is seen within ~0.1 s
         """Apply (seconds after t0, factor) changes on a thread; set the returned event to cancel."""
         cancel = threading.Event()
 
@@ -231,7 +250,7 @@ def measure_streaming_capacity(
 
 
 def measure_in_situ_capacity(
-    spark: Any, cost: float, cost_file: CostFile, args: Any, guess: Capacity, seconds: float = 15.0
+    spark: Any, cost: float, cost_file: CostFile, args: Any, guess: Capacity, seconds: float
 ) -> Capacity:
     """Fit fixed + per-record cost from Sluice itself at two pinned rates ("fixed" estimator), under
     the same ingest load as the runs: a saturating publisher, the server, the fsynced log and Spark share
@@ -239,9 +258,12 @@ def measure_in_situ_capacity(
     under `guess`'s capacity, one over it (batches then run back to back at the cap)."""
     points: list[tuple[int, float]] = []
     for share in (0.4, 1.3):
-        rate = share * guess.records_per_second
+        # a loaded machine once fitted the streaming guess at 0 rec/s (a fixed cost over the interval)
+        rate = share * max(guess.records_per_second, 10_000.0)
         batches = asyncio.run(
-            run_sluice(spark, "fixed", cost, cost_file, (), args, duration=seconds, initial_rate=rate)
+            run_sluice(
+                spark, "fixed", cost, cost_file, (), args, duration=seconds, initial_rate=rate, warmup=0
+            )
         )
         points += [(b.records, b.processing_delay) for b in batches[3:] if b.records]
     return _fit(points)
@@ -265,9 +287,10 @@ def judge(batches: list[BatchMetrics], pipeline: Pipeline, duration: float) -> S
     )
     if len(batches) < 2:
         return None
+    starts = [b.completed_at - b.processing_delay for b in batches]
     capacities = tuple(
-        pipeline.capacity_at(max(0.0, b.completed_at - b.processing_delay - b.scheduling_delay), INTERVAL)
-        for b in batches
+        known_capacity(pipeline, max(0.0, start - b.scheduling_delay), INTERVAL, batches)
+        for b, start in zip(batches, starts, strict=True)
     )
     processed = sum(b.records for b in batches[1:])
     possible = pipeline.capacity_between(batches[0].completed_at, batches[-1].completed_at, INTERVAL)
@@ -278,6 +301,27 @@ def judge(batches: list[BatchMetrics], pipeline: Pipeline, duration: float) -> S
         rates=(),
         utilisation=processed / possible if possible > 0 else 0.0,
     )
+
+
+def phases(batches: list[BatchMetrics], changes: tuple[tuple[float, float], ...]) -> list[float | None]:
+    """Where in its batch each cost change landed: (change - batch start) / batch time, None when no
+    batch ran then (between batches)."""
+    landed: list[float | None] = []
+    for since, _ in changes:
+        running = [b for b in batches if b.completed_at - b.processing_delay <= since < b.completed_at]
+        if running:
+            b = running[0]
+            landed.append((since - (b.completed_at - b.processing_delay)) / b.processing_delay)
+        else:
+            landed.append(None)
+    return landed
+
+
+def next_grid_point(now: float) -> float:
+    """The next multiple of the trigger interval in epoch time: Spark's ProcessingTime trigger (and a
+    DStream's batch clock) start batches on that grid, so cost changes scheduled from it land at
+    known phases of the interval."""
+    return math.floor(now / INTERVAL + 1) * INTERVAL
 
 
 # ---- (a) Spark Streaming receiver backpressure -----------------------------------------------------
@@ -324,7 +368,12 @@ class LineServer:
 
 
 def run_dstream(
-    spark: Any, cost: float, cost_file: CostFile, changes: tuple[tuple[float, float], ...], args: Any
+    spark: Any,
+    cost: float,
+    cost_file: CostFile,
+    changes: tuple[tuple[float, float], ...],
+    args: Any,
+    warmup: float = 0.0,
 ) -> list[BatchMetrics]:
     raw: list[tuple[int, int, int, int, int]] = []
 
@@ -351,7 +400,7 @@ def run_dstream(
         ssc.addStreamingListener(Collector())
         lines = ssc.socketTextStream("127.0.0.1", lines_server.port, StorageLevel.MEMORY_AND_DISK)
         lines.mapPartitions(partition_cost(cost, str(cost_file.path))).foreachRDD(_collect)
-        t0 = time.time()
+        t0 = next_grid_point(time.time() + warmup)
         cancel = cost_file.schedule(t0, changes)
         ssc.start()
         time.sleep(max(0.0, t0 + args.duration - time.time()))
@@ -365,6 +414,8 @@ def run_dstream(
     for batch_ms, records, scheduling_ms, processing_ms, end_ms in raw:
         if scheduling_ms < 0 or processing_ms < 0 or end_ms < 0:
             continue  # unknown (-1): not a completed batch as far as the measures go
+        if end_ms / 1000 < t0:
+            continue  # done during the warm-up
         batches.append(
             BatchMetrics(
                 batch_id=len(batches),
@@ -402,6 +453,13 @@ def publish(target: str, record_bytes: int, seconds: float) -> None:
     asyncio.run(main())
 
 
+def serve_initial_rate(estimator: str, args: Any) -> float:
+    """`sluice serve`'s default: the model estimator unlimited, spark-pid 10,000 records/s."""
+    if args.initial_rate is not None:
+        return float(args.initial_rate)
+    return math.inf if estimator == "model" else 10_000.0
+
+
 async def run_sluice(
     spark: Any,
     estimator: str,
@@ -412,8 +470,10 @@ async def run_sluice(
     *,
     duration: float | None = None,
     initial_rate: float | None = None,
+    warmup: float | None = None,
 ) -> list[BatchMetrics]:
     duration = args.duration if duration is None else duration
+    warmup = warmup if warmup is not None else (args.warmup or 0.0)
     loop = asyncio.get_running_loop()
     collected: list[tuple[BatchMetrics, float]] = []
     path = str(cost_file.path)
@@ -429,7 +489,7 @@ async def run_sluice(
             data_dir=Path(tmp),
             streams=(STREAM,),
             trigger_interval=INTERVAL,
-            rate=RateConfig(estimator=estimator)
+            rate=RateConfig(estimator=estimator, initial_rate=serve_initial_rate(estimator, args))
             if initial_rate is None
             else RateConfig(estimator=estimator, initial_rate=initial_rate),
         )
@@ -450,9 +510,15 @@ async def run_sluice(
         try:
             await asyncio.to_thread(driver.start)
             ctx = mp.get_context("spawn")
-            t0 = time.time()
+            if warmup > 0:  # the sender runs from now; the measured run starts after the warm-up
+                t0 = next_grid_point(time.time() + warmup)
+                sending = t0 - time.time() + duration
+            else:
+                t0 = next_grid_point(time.time())
+                await asyncio.sleep(max(0.0, t0 - time.time()))
+                sending = duration
             cancel = cost_file.schedule(t0, changes)
-            proc = ctx.Process(target=publish, args=(server.target, args.record_bytes, duration), daemon=True)
+            proc = ctx.Process(target=publish, args=(server.target, args.record_bytes, sending), daemon=True)
             proc.start()
             while time.time() < t0 + duration:
                 if driver.error():
@@ -504,38 +570,202 @@ def busy_share(sim: Simulation) -> float:
     return sum(b.processing_delay for b in batches[1:]) / span if span > 0 else 0.0
 
 
-def row(name: str, capacity: float, sim: Simulation | None, batches: int) -> str:
+@dataclass
+class Outcome:
+    """One system's run of one profile, judged."""
+
+    profile: str
+    system: str
+    capacity: float
+    sim: Simulation | None
+    batches: int
+    first_change: float | None
+
+    @property
+    def peak_intervals(self) -> float | None:
+        """Peak Spark scheduling delay, in trigger intervals: of the batches that started at or after
+        the first cost change where there is one (the start's own transient is the steady profile's
+        figure), else after the third batch."""
+        if self.sim is None:
+            return None
+        if self.first_change is not None:
+            return self.sim.peak_delay_since(self.first_change) / INTERVAL
+        return self.sim.peak_delay(UNJUDGED) / INTERVAL
+
+    @property
+    def starved_after_change(self) -> int | None:
+        if self.sim is None or self.first_change is None:
+            return None
+        return self.sim.starved_after(self.first_change)
+
+
+def row(outcome: Outcome) -> str:
+    sim, name = outcome.sim, outcome.system
     if sim is None:
-        return f"{name:<18} | {capacity:>9,.0f} | {'too few batches':^70} | {batches:>7}"
+        return f"{name:<18} | {outcome.capacity:>9,.0f} | {'too few batches':^98} | {outcome.batches:>7}"
     settle = "never" if sim.settle_time is None else f"{sim.settle_time:.1f}"
+    after = outcome.starved_after_change
+    since = "-" if outcome.first_change is None else f"{sim.peak_delay_since(outcome.first_change):.2f}"
     return (
-        f"{name:<18} | {capacity:>9,.0f} | {sim.utilisation:>10.1%} | {busy_share(sim):>7.1%} | "
-        f"{sim.peak_delay(UNJUDGED):>14.2f} | {settle:>10} | {sim.starved:>7} | {len(sim.batches):>7}"
+        f"{name:<18} | {outcome.capacity:>9,.0f} | {sim.utilisation:>10.1%} | {busy_share(sim):>7.1%} | "
+        f"{sim.peak_delay(UNJUDGED):>14.2f} | {since:>11} | {settle:>10} | {sim.starved:>7} | "
+        f"{'-' if after is None else after:>11} | {len(sim.batches):>7}"
     )
+
+
+def profile_changes(profile: str, duration: float, factor: float) -> tuple[tuple[float, float], ...]:
+    if profile == "halved":
+        return ((duration / 3, 2.0), (2 * duration / 3, 1.0))
+    if profile == "jumps":
+        return jumps(duration, factor, INTERVAL)
+    return ()
+
+
+def figure(
+    what: str,
+    value: float | None,
+    unit: str,
+    baseline: str,
+    baseline_value: float | None,
+    goal: str | None,
+    met: bool | None,
+    *,
+    ratio: bool = True,
+) -> dict[str, Any]:
+    return {
+        "what": what,
+        "value": None if value is None else round(value, 4),
+        "unit": unit,
+        "baseline": baseline,
+        "baseline_value": None if baseline_value is None else round(baseline_value, 4),
+        "ratio": round(value / baseline_value, 4) if ratio and value is not None and baseline_value else None,
+        "goal": goal,
+        "met": met,
+    }
+
+
+def result_line(outcomes: list[Outcome], factor: float) -> str:
+    """The RESULT line: sluice-model's figures per profile, Spark's DStream loop of the same run as the
+    baseline (sluice-spark-pid's where the DStream loop did not run)."""
+    figures: list[dict[str, Any]] = []
+    by = {(o.profile, o.system): o for o in outcomes}
+    for profile in dict.fromkeys(o.profile for o in outcomes):
+        model = by.get((profile, "sluice-model"))
+        if model is None or model.sim is None:
+            continue
+        base = by.get((profile, "sparkpid-dstream")) or by.get((profile, "sluice-spark-pid"))
+        base_sim = None if base is None else base.sim
+        base_name = "none" if base is None else f"{base.system}, same run"
+        label = f"{profile} x{factor:g}" if profile == "jumps" else profile
+        peak = model.peak_intervals
+        base_peak = None if base is None else base.peak_intervals
+        goal = "<= 2 intervals" if profile == "jumps" else None
+        met = (peak is not None and peak <= 2.0) if profile == "jumps" else None
+        figures.append(
+            figure(
+                f"{label}: peak scheduling delay, sluice-model",
+                peak,
+                "intervals",
+                base_name,
+                base_peak,
+                goal,
+                met,
+            )
+        )
+        if model.first_change is not None:
+            starved = model.starved_after_change
+            base_starved = None if base is None else base.starved_after_change
+            figures.append(
+                figure(
+                    f"{label}: starved batches after a change, sluice-model",
+                    starved,
+                    "batches",
+                    base_name,
+                    base_starved,
+                    "0" if profile == "jumps" else None,
+                    (starved == 0) if profile == "jumps" else None,
+                    ratio=False,
+                )
+            )
+        util = model.sim.utilisation
+        figures.append(
+            figure(
+                f"{label}: utilisation, sluice-model",
+                util,
+                "share of capacity",
+                base_name,
+                None if base_sim is None else base_sim.utilisation,
+                None,
+                None,
+            )
+        )
+        if profile != "jumps":
+            settle = model.sim.settle_time
+            figures.append(
+                figure(
+                    f"{label}: settled after, sluice-model",
+                    settle,
+                    "s",
+                    base_name,
+                    None if base_sim is None else base_sim.settle_time,
+                    None,
+                    None,
+                )
+            )
+    return "RESULT " + json.dumps({"bench": "control_loop", "figures": figures})
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=60.0, help="seconds per system and profile")
-    parser.add_argument("--profile", choices=["steady", "halved", "both"], default="both")
+    parser.add_argument(
+        "--profile",
+        choices=["jumps", "steady", "halved", "both", "all"],
+        default="jumps",
+        help="both: steady and halved; all: the three",
+    )
     parser.add_argument("--only", choices=SYSTEMS, default=None, help="run one system only")
     parser.add_argument("--cost-us", type=float, default=20.0, help="busy-wait per record, microseconds")
+    parser.add_argument("--factor", type=float, default=3.5, help="jumps: the per-record cost's multiplier")
+    parser.add_argument(
+        "--initial-rate", type=float, default=None, help="Sluice's initial rate (default: as sluice serve)"
+    )
     parser.add_argument("--record-bytes", type=int, default=100)
     parser.add_argument("--batches", action="store_true", help="also print every batch of every run")
+    parser.add_argument("--quick", action="store_true", help="smoke run: jumps, 24 s, DStream and model")
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=None,
+        help="seconds the sender runs before the measured run (default: 20 for jumps, where the start's "
+        "transient is not the figure, 0 otherwise)",
+    )
     args = parser.parse_args()
+    if args.quick:
+        args.profile, args.duration = "jumps", 24.0
+        args.warmup = 10.0 if args.warmup is None else args.warmup
+
+    if not (args.factor > 0 and math.isfinite(args.factor)):
+        parser.error("--factor must be a finite number > 0")
     cost = args.cost_us / 1e6
-    profiles = ["steady", "halved"] if args.profile == "both" else [args.profile]
+    profiles = {"both": ["steady", "halved"], "all": ["steady", "halved", "jumps"]}.get(
+        args.profile, [args.profile]
+    )
     systems = [args.only] if args.only else list(SYSTEMS)
+    if args.quick and not args.only:
+        systems = ["sparkpid-dstream", "sluice-model"]
+    in_situ_seconds = 8.0 if args.quick else 15.0
 
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     warnings.filterwarnings("ignore", category=FutureWarning)
     spark = build_session("local[2]", app_name="sluice-control-loop", conf=SESSION_CONF)
+    outcomes: list[Outcome] = []
     with tempfile.TemporaryDirectory(prefix="sluice-cost-") as tmp:
         cost_file = CostFile(Path(tmp) / "multiplier")
         try:
             for profile in profiles:
                 d = args.duration
-                changes = ((d / 3, 2.0), (2 * d / 3, 1.0)) if profile == "halved" else ()
+                changes = profile_changes(profile, d, args.factor)
                 lines = []
                 for system in systems:
                     # capacity right before each run: the machine is shared and drifts
@@ -544,7 +774,7 @@ def main() -> None:
                         how = "batch mode, 1 core: the receiver pins the other"
                     else:
                         guess = measure_streaming_capacity(spark, cost, str(cost_file.path))
-                        cap = measure_in_situ_capacity(spark, cost, cost_file, args, guess)
+                        cap = measure_in_situ_capacity(spark, cost, cost_file, args, guess, in_situ_seconds)
                         how = (
                             f"Sluice at two pinned rates under ingest load, 2 cores; without ingest "
                             f"{guess.records_per_second:,.0f} rec/s"
@@ -555,30 +785,58 @@ def main() -> None:
                         f"at {INTERVAL:g} s batches; running for {d:g} s...",
                         flush=True,
                     )
+                    warmup = args.warmup if args.warmup is not None else (20.0 if profile == "jumps" else 0.0)
                     if system == "sparkpid-dstream":
-                        batches = run_dstream(spark, cost, cost_file, changes, args)
+                        batches = run_dstream(spark, cost, cost_file, changes, args, warmup)
                     else:
                         estimator = "spark-pid" if system == "sluice-spark-pid" else "model"
-                        batches = asyncio.run(run_sluice(spark, estimator, cost, cost_file, changes, args))
+                        batches = asyncio.run(
+                            run_sluice(spark, estimator, cost, cost_file, changes, args, warmup=warmup)
+                        )
                     sim = judge(batches, cap.pipeline(changes), d)
                     if args.batches:
                         print_batches(system, batches)
-                    lines.append(row(system, cap.records_per_second, sim, len(batches)))
+                    if changes:
+                        landed = ", ".join(
+                            f"x{factor:g} at {since:.2f} s: "
+                            + ("between batches" if ph is None else f"{ph:.0%}")
+                            for (since, factor), ph in zip(changes, phases(batches, changes), strict=True)
+                        )
+                        print(f"  {system}: where each change landed in its batch: {landed}", flush=True)
+                    outcome = Outcome(
+                        profile,
+                        system,
+                        cap.records_per_second,
+                        sim,
+                        len(batches),
+                        changes[0][0] if changes else None,
+                    )
+                    outcomes.append(outcome)
+                    lines.append(row(outcome))
                 print()
+                described = {
+                    "halved": f", cost x2 from {d / 3:.0f} s to {2 * d / 3:.0f} s",
+                    "jumps": f", cost x{args.factor:g} and back at "
+                    + ", ".join(f"{since:.2f}" for since, _ in changes)
+                    + " s",
+                }.get(profile, "")
+                warmed = args.warmup if args.warmup is not None else (20.0 if profile == "jumps" else 0.0)
+                after = f", after {warmed:g} s of warm-up" if warmed else ""
                 print(
-                    f"profile {profile}: {d:g} s, 1 s batches, {args.cost_us:g} us/record"
-                    + (f", cost x2 from {d / 3:.0f} s to {2 * d / 3:.0f} s" if changes else "")
+                    f"profile {profile}: {d:g} s{after}, 1 s batches, {args.cost_us:g} us/record{described}"
                 )
                 print(
                     f"{'system':<18} | {'cap rec/s':>9} | {'avg util':>10} | {'busy':>7} | "
-                    f"{'peak delay s':>14} | {'settle s':>10} | {'starved':>7} | {'batches':>7}"
+                    f"{'peak delay s':>14} | {'after chg s':>11} | {'settle s':>10} | {'starved':>7} | "
+                    f"{'after chg':>11} | {'batches':>7}"
                 )
-                print("-" * 106)
+                print("-" * 134)
                 for line in lines:
                     print(line)
                 print(flush=True)
         finally:
             spark.stop()
+    print(result_line(outcomes, args.factor), flush=True)
 
 
 if __name__ == "__main__":

@@ -481,7 +481,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         "token",
         help="make a random bearer token and print the auth file line with its hash",
         description="Make a random token (256 bits) and write it to FILE (mode 0600) or standard output; "
-        "print the auth-file line token_sha256 = \"<hash>\" for its principal (to standard error when "
+        'print the auth-file line token_sha256 = "<hash>" for its principal (to standard error when '
         "the token goes to standard output). The server keeps only the hash.",
     )
     token.add_argument("--out", type=Path, metavar="FILE", help="write the token here (mode 0600)")
@@ -535,20 +535,31 @@ def _cluster_flags(serve: argparse.ArgumentParser) -> None:
         help="this node's id in --nodes (default: $SLUICE_NODE_ID)",
     )
     group.add_argument(
-        "--replication", type=_int_in(1, 1000, "a replication"), default=1, metavar="N",
+        "--replication",
+        type=_int_in(1, 1000, "a replication"),
+        default=1,
+        metavar="N",
         help="copies of each block on distinct nodes before it is acked (default: %(default)s)",
     )
     group.add_argument(
-        "--min-insync", type=_int_in(1, 1000, "a copy count"), default=None, metavar="N",
+        "--min-insync",
+        type=_int_in(1, 1000, "a copy count"),
+        default=None,
+        metavar="N",
         help="copies needed to ack: with fewer followers in sync credit pauses (default: 1, keep acking)",
     )
     group.add_argument(
-        "--peer-token-file", type=Path, metavar="FILE",
+        "--peer-token-file",
+        type=Path,
+        metavar="FILE",
         help="bearer token sent to the other nodes: a principal with the peer role (receiver), or with "
         "reader and operator (driver)",
     )
     group.add_argument(
-        "--health-port", type=_int_in(0, 65535, "a port"), default=None, metavar="PORT",
+        "--health-port",
+        type=_int_in(0, 65535, "a port"),
+        default=None,
+        metavar="PORT",
         help="also serve grpc.health.v1 alone, in plaintext, on this port (for Kubernetes probes)",
     )
 
@@ -858,8 +869,11 @@ def _driver_config(args: argparse.Namespace) -> DriverConfig:
     from ingest.cluster_driver import DriverConfig  # noqa: PLC0415 - only the driver needs it
 
     if args.nodes is None:
-        raise ConfigError(name_keys("--role driver needs --nodes FILE (one 'ID HOST:PORT' per line)",
-                                    args.origins, _serve_keys()))
+        raise ConfigError(
+            name_keys(
+                "--role driver needs --nodes FILE (one 'ID HOST:PORT' per line)", args.origins, _serve_keys()
+            )
+        )
     security = _checked(args, lambda: _security(args))
     rate = _checked(
         args,

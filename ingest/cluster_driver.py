@@ -375,4 +375,3 @@ async def run_driver(
     finally:
         await driver.stop()
         await asyncio.to_thread(spark.stop)
-

@@ -25,6 +25,7 @@ DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9464
 MIN_SEGMENT_BYTES = 4096
 
+
 @dataclass(frozen=True)
 class RateConfig:
     """The rate a node starts with and how it moves."""
@@ -59,7 +60,7 @@ class RateConfig:
 
 
 def parse_estimator_params(text: str) -> dict[str, float]:
-    """"name=value,name=value" (numbers) -> {name: value}; "" -> {}. ValueError naming the problem."""
+    """ "name=value,name=value" (numbers) -> {name: value}; "" -> {}. ValueError naming the problem."""
     params: dict[str, float] = {}
     for part in text.split(","):
         if not part.strip():

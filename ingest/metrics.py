@@ -474,7 +474,8 @@ class RuntimeChangesCollector(Collector):
             changes.add_metric([action, result], count)
         yield changes
         states = GaugeMetricFamily(
-            "sluice_streams", "Streams by state: serving, draining, kept (removed ones are not counted).",
+            "sluice_streams",
+            "Streams by state: serving, draining, kept (removed ones are not counted).",
             labels=["state"],
         )
         counts: dict[str, int] = {"serving": 0, "draining": 0, "kept": 0}
@@ -496,6 +497,7 @@ class RuntimeChangesCollector(Collector):
         generation = self._generation()
         if generation is not None:
             yield GaugeMetricFamily(
-                "sluice_pipeline_generation", "The running pipeline's generation: +1 per swap kept.",
+                "sluice_pipeline_generation",
+                "The running pipeline's generation: +1 per swap kept.",
                 value=generation,
             )

@@ -135,16 +135,26 @@ class PipelineManager:
         if trial and previous is not None:
             # a crash mid-swap: the new query is kept if it committed a batch (its output exists)
             if _last_commit_id(self._checkpoints / current.checkpoint) > trial_base:
-                log.info("pipeline %s (generation %d) committed a batch before the restart: kept",
-                         current.spec or "built-in", current.number)
+                log.info(
+                    "pipeline %s (generation %d) committed a batch before the restart: kept",
+                    current.spec or "built-in",
+                    current.number,
+                )
             else:
-                log.info("the swap to %s did not complete before the restart: back to %s",
-                         current.spec or "built-in", previous.spec or "built-in")
+                log.info(
+                    "the swap to %s did not complete before the restart: back to %s",
+                    current.spec or "built-in",
+                    previous.spec or "built-in",
+                )
                 current = previous
             self._persist(current, None)
         if current.spec:
-            log.info("pipeline %s (generation %d, swapped in at run time; %s)", current.spec,
-                     current.number, self._path)
+            log.info(
+                "pipeline %s (generation %d, swapped in at run time; %s)",
+                current.spec,
+                current.number,
+                self._path,
+            )
         self.current = current
 
     def _persist(
@@ -280,13 +290,19 @@ class PipelineManager:
                 new_id, started = await self._start_and_prove(new, trigger, timeout)
             except Exception as exc:  # noqa: BLE001 - whatever the new query raised, the old one comes back
                 error = _describe(exc)
-                log.error("%s to %s failed, rolling back to %s: %s", what,  # noqa: TRY400 - said in one line
-                          new.spec or "built-in", old.spec or "built-in", error)
+                log.error(
+                    "%s to %s failed, rolling back to %s: %s",
+                    what,  # noqa: TRY400 - said in one line
+                    new.spec or "built-in",
+                    old.spec or "built-in",
+                    error,
+                )
                 self._count(what, "rolled_back")
                 await self._roll_back(old, old_trigger)
                 self._last_swap = self._record(old, new, "rolled back", error, requested, old_end, None)
-                raise SwapRolledBack(f"{what} rolled back, the old pipeline runs again: {error}",
-                                     self.view()) from None
+                raise SwapRolledBack(
+                    f"{what} rolled back, the old pipeline runs again: {error}", self.view()
+                ) from None
             if what == "swap":
                 self._persist(new, old)
             self.current, self.trigger_interval = new, trigger
@@ -297,8 +313,14 @@ class PipelineManager:
             first = self._batches.get(new_id)
             if first is not None:
                 self._last_swap.startup_seconds = max(0.0, first.started_at - started)
-            log.info("%s done: pipeline %s (generation %d), trigger %g s, first batch after %.1f s",
-                     what, new.spec or "built-in", new.number, trigger, self._last_swap.duration_seconds)
+            log.info(
+                "%s done: pipeline %s (generation %d), trigger %g s, first batch after %.1f s",
+                what,
+                new.spec or "built-in",
+                new.number,
+                trigger,
+                self._last_swap.duration_seconds,
+            )
             return self.view()
 
     async def _stop_at_boundary(self) -> None:
@@ -311,8 +333,11 @@ class PipelineManager:
                 if await asyncio.to_thread(self._between_batches):
                     break
                 if time.monotonic() > deadline:
-                    log.warning("the query's batch did not finish within %g s: stopping it mid-batch; "
-                                "the next query redoes that batch", BOUNDARY_TIMEOUT)
+                    log.warning(
+                        "the query's batch did not finish within %g s: stopping it mid-batch; "
+                        "the next query redoes that batch",
+                        BOUNDARY_TIMEOUT,
+                    )
                     break
                 await asyncio.sleep(POLL)
             await asyncio.to_thread(driver.stop_query)

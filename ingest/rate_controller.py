@@ -119,6 +119,8 @@ class RateController:
         self._demands = {stream: Demand(busy=False) for stream in receivers}
         self._shares: dict[str, Share] = {}
         self._intake: dict[str, tuple[float, int]] = {}  # stream -> (when, records taken by then)
+        self._full_unmeasured = False  # unlimited and unmeasured, what waits fills the next batch
+        self._held = False  # whether the receivers grant no credit for now (_sync_hold)
         self._apply(self._rate)
 
     @property
@@ -181,6 +183,8 @@ class RateController:
         self._warmup = warmup_batches
         self._watches.clear()  # the old query's batches will never report
         self._completed.set()
+        self._full_unmeasured = False
+        self._sync_hold()
 
     def credit_paused(self) -> dict[str, list[str]]:
         """Stream -> why its credit is paused now (sorted reasons: see receivers.receiver.PAUSE_REASONS)."""
@@ -202,6 +206,7 @@ class RateController:
             self._warmup -= 1
             log.debug("batch %s of a restarted query: start-up, not fed to the estimator", batch)
             return
+        self._full_unmeasured = False  # a batch completed: the next one can take what waits
         proposal = self.estimator.compute(batch)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
@@ -213,6 +218,27 @@ class RateController:
             )
         if proposal is not None and not self.pinned:
             self._apply(self._clamp(check_rate(proposal)))
+        self._sync_hold()
+
+    def unmeasured_batch_records(self) -> int:
+        """While the rate is unlimited and the estimator has measured nothing (no capacity; `fixed`
+        excepted: an operator's unlimited rate is unbounded on purpose), the most records a batch may
+        take: what the receivers may hold in memory (RateStatus.unmeasured_batch_records); else 0."""
+        estimator = self.estimator
+        if math.isinf(self._rate) and not estimator.capacity and estimator.name != "fixed":
+            return sum(r.config.buffer_records for r in self._receivers.values())
+        return 0
+
+    def _sync_hold(self) -> None:
+        """Receivers grant no credit while the estimator holds intake (RateEstimator.intake_held) or,
+        unmeasured, what waits already fills the next batch (more would only wait); never pinned."""
+        held = not self.pinned and (self.estimator.intake_held or self._full_unmeasured)
+        if held == self._held:
+            return
+        self._held = held
+        log.debug("intake %s", "held" if held else "no longer held")
+        for receiver in self._receivers.values():
+            receiver.hold_credit(held)
 
     def _reported(self, records: int) -> _Watch | None:
         """The watch of the batch whose metrics arrived: the oldest with its record count (those before
@@ -287,11 +313,45 @@ class RateController:
     def check_overrun(self, now: float | None = None) -> None:
         """The watchdog: while the running batch overruns its interval, let the estimator lower the
         rate at once rather than when the batch completes (records keep arriving at the old rate
-        meanwhile, and each of them waits for a slower pipeline). Ignored while pinned."""
+        meanwhile, and each of them waits for a slower pipeline); and end a pause the estimator
+        planned for a point in the running batch (RateEstimator.resume). Ignored while pinned."""
         if not self._watches or self._watches[-1].taken_at_end is not None:
             return  # nothing runs, or it has ended and its metrics are on their way
         watch = self._watches[-1]
-        self._look(watch, (time.monotonic() if now is None else now) - watch.started)
+        elapsed = (time.monotonic() if now is None else now) - watch.started
+        bound = self.unmeasured_batch_records()
+        # unlimited from the first record, but no more than the next batch will take while this one
+        # runs: a saturating publisher otherwise fills the store for as long as start-up batches last
+        self._full_unmeasured = bool(bound) and self._waiting(watch) >= bound
+        if not self.pinned:
+            resumed = self.estimator.resume(elapsed)
+            if resumed is not None:
+                log.debug(
+                    "batch of %d records at %.2f s: intake resumes at %s records/s",
+                    watch.records,
+                    elapsed,
+                    resumed,
+                )
+                self._apply(self._clamp(check_rate(resumed)))
+        self._look(watch, elapsed)
+        self._sync_hold()
+
+    def drain_batch_records(self) -> int:
+        """Records the next batch may take while the estimator drains a pile-up, when that is more
+        than max(rate, capacity) x interval (RateEstimator.batch_cap); 0 otherwise."""
+        interval = self._batch_interval
+        cap = self.estimator.batch_cap(interval)
+        usual = max(self._rate, self.estimator.capacity or 0.0) * interval
+        if self._watches:
+            # what waits behind the latest batch: a pile-up while it ran, unless it took from a
+            # backlog left before it (a start's burst, a restart), which drains as usual
+            watch = self._watches[-1]
+            # (not capped at the count of what waits: records taken between the source's planning and
+            # its StartBatch are in neither count, and the newest of the pile went to the batch after)
+            cap = usual if watch.backlog > usual else cap
+        if not (math.isfinite(cap) and cap > usual):
+            return 0
+        return int(cap)
 
     def _look(self, watch: _Watch, elapsed: float) -> None:
         if self.pinned:
@@ -315,6 +375,7 @@ class RateController:
         rate = self._clamp(check_rate(rate))
         self.pinned = pin
         self._apply(rate)
+        self._sync_hold()
 
     def set_bounds(self, min_rate: float, max_rate: float) -> None:
         """New bounds (ValueError if invalid; nothing changes then); the rate is clamped into them."""
@@ -332,6 +393,7 @@ class RateController:
         gains.update(params or {})
         self.estimator = make_estimator(name, bounds=self._bounds, initial_rate=self._rate, **gains)
         self.pinned = False
+        self._sync_hold()
 
     def _clamp(self, rate: float) -> float:
         return min(self._bounds.max_rate, max(self._bounds.min_rate, rate))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import Callable, Mapping, Sequence
 
 import grpc
@@ -48,6 +47,9 @@ def rate_status(controller: RateController, nodes: Sequence[pb.NodeRate] = ()) -
         capacity=controller.estimator.capacity or 0.0,
         nodes=nodes,
     )
+    drain = controller.drain_batch_records()
+    if drain:
+        status.drain_batch_records = drain
     batch = controller.last_batch
     if batch is not None:
         status.last_batch.CopyFrom(
@@ -89,11 +91,9 @@ class RateControlService(pb_grpc.RateControlServicer):
             streams, hold = self._pipeline()
             status.pipeline_streams.extend(streams)
             status.hold_batches = hold
-        estimator = self._controller.estimator
-        if math.isinf(self._controller.rate) and not estimator.capacity and estimator.name != "fixed":
-            # full intake from the first record, but no batch larger than the receivers' memory bound
-            # until the estimator has measured one (an operator's "fixed" inf is unbounded on purpose)
-            status.unmeasured_batch_records = sum(r.config.buffer_records for r in self._receivers.values())
+        # full intake from the first record, but no batch larger than the receivers' memory bound
+        # until the estimator has measured one (an operator's "fixed" inf is unbounded on purpose)
+        status.unmeasured_batch_records = self._controller.unmeasured_batch_records()
         return status
 
     async def GetRate(self, request: pb.GetRateRequest, context: Context) -> pb.RateStatus:

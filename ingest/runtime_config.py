@@ -69,7 +69,7 @@ def _size(text: str) -> int:
 
 
 def _optional(parse: Callable[[str], object]) -> Callable[[str], object]:
-    """"" (or "none") means the flag's default of None."""
+    """ "" (or "none") means the flag's default of None."""
     return lambda text: None if text.strip().lower() in ("", "none") else parse(text)
 
 
@@ -112,25 +112,60 @@ class Setting:
 SETTINGS: dict[str, Setting] = {
     s.key: s
     for s in (
-        Setting("trigger-interval", "seconds between micro-batches (restarts the query at a batch "
-                "boundary)", _float, "", "trigger_interval"),
+        Setting(
+            "trigger-interval",
+            "seconds between micro-batches (restarts the query at a batch boundary)",
+            _float,
+            "",
+            "trigger_interval",
+        ),
         Setting("block-interval", "seconds between sealed blocks", _float, "receiver", "block_interval"),
         Setting("prefetch", "credit a session is topped up to", _int, "receiver", "prefetch"),
-        Setting("low-tide", "top a session up when its credit falls to this ('' : half the prefetch)",
-                _optional(_int), "receiver", "low_tide"),
-        Setting("block-records", "seal a block early once this many records wait ('': a quarter of the "
-                "buffer)", _optional(_int), "receiver", "block_records"),
-        Setting("buffer-records", "records buffered + credit outstanding per stream", _int, "receiver",
-                "buffer_records"),
-        Setting("buffer-bytes", "per stream, the memory budget in bytes (e.g. 512MiB)", _size, "receiver",
-                "buffer_bytes"),
-        Setting("disk-budget", "bytes the block log may take on disk ('': none)", _optional(_size),
-                "receiver", "disk_budget_bytes"),
+        Setting(
+            "low-tide",
+            "top a session up when its credit falls to this ('' : half the prefetch)",
+            _optional(_int),
+            "receiver",
+            "low_tide",
+        ),
+        Setting(
+            "block-records",
+            "seal a block early once this many records wait ('': a quarter of the buffer)",
+            _optional(_int),
+            "receiver",
+            "block_records",
+        ),
+        Setting(
+            "buffer-records",
+            "records buffered + credit outstanding per stream",
+            _int,
+            "receiver",
+            "buffer_records",
+        ),
+        Setting(
+            "buffer-bytes",
+            "per stream, the memory budget in bytes (e.g. 512MiB)",
+            _size,
+            "receiver",
+            "buffer_bytes",
+        ),
+        Setting(
+            "disk-budget",
+            "bytes the block log may take on disk ('': none)",
+            _optional(_size),
+            "receiver",
+            "disk_budget_bytes",
+        ),
         Setting("min-rate", "lowest rate, records/s", _float, "rate", "min_rate"),
         Setting("max-rate", "highest rate, records/s (inf: none)", _float, "rate", "max_rate"),
         Setting("estimator", "rate estimator: " + ", ".join(ESTIMATORS), _estimator, "rate", "estimator"),
-        Setting("estimator-params", "the estimator's parameters, name=value,... (e.g. horizon=3)",
-                _estimator_params, "rate", "estimator_params"),
+        Setting(
+            "estimator-params",
+            "the estimator's parameters, name=value,... (e.g. horizon=3)",
+            _estimator_params,
+            "rate",
+            "estimator_params",
+        ),
     )
 }
 

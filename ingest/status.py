@@ -207,14 +207,26 @@ class StatusBoard:
             "pipeline": _pipeline(pipeline) if pipeline is not None else None,
             "history": {
                 key: [point[key] for point in history]
-                for key in ("t", "input_rate", "rate_limit", "buffered_records", "buffered_bytes",
-                            "wal_disk_bytes")
+                for key in (
+                    "t",
+                    "input_rate",
+                    "rate_limit",
+                    "buffered_records",
+                    "buffered_bytes",
+                    "wal_disk_bytes",
+                )
             }
             | {"streams": {s: [p["streams"].get(s) for p in history] for s in self._receivers}},
             "batches": {
                 key: [_batch(at, batch)[key] for at, batch in batches]
-                for key in ("t", "batch_id", "records", "processing_rate", "scheduling_delay",
-                            "batch_duration")
+                for key in (
+                    "t",
+                    "batch_id",
+                    "records",
+                    "processing_rate",
+                    "scheduling_delay",
+                    "batch_duration",
+                )
             },
         }
 

@@ -235,15 +235,19 @@ def _summary(data: Json) -> Table:
         batch = f"#{last['batch_id']}, {_num(last['records'])} records"
         summary.add_row("processing rate", f"{_num(last['processing_rate'])} rec/s", "last batch", batch)
         summary.add_row(
-            "scheduling delay", _seconds(last["scheduling_delay"]),
-            "batch duration", _seconds(last["batch_duration"]),
+            "scheduling delay",
+            _seconds(last["scheduling_delay"]),
+            "batch duration",
+            _seconds(last["batch_duration"]),
         )
     if totals is not None:
         buffered = f"{_num(totals['buffered_records'])} rec, {_bytes(totals['buffered_bytes'])}"
         summary.add_row("buffered", buffered, "block log on disk", _bytes(totals["wal_disk_bytes"]))
         summary.add_row(
-            "records received", _num(totals["records_received_total"]),
-            "records acked", _num(totals["records_acked_total"]),
+            "records received",
+            _num(totals["records_received_total"]),
+            "records acked",
+            _num(totals["records_acked_total"]),
         )
     return summary
 

@@ -55,8 +55,12 @@ class StreamRegistry:
             raise StreamStateError(f"{self.path}: {exc}") from None
         for stream in command_line:
             if loaded.get(stream, SERVING) != SERVING:
-                log.info("stream %s is %s (changed at run time, %s); the command line names it", stream,
-                         loaded[stream], self.path)
+                log.info(
+                    "stream %s is %s (changed at run time, %s); the command line names it",
+                    stream,
+                    loaded[stream],
+                    self.path,
+                )
         self.states = {**dict.fromkeys(command_line, SERVING), **loaded}
         for stream in command_line:
             if stream not in loaded:

@@ -75,6 +75,20 @@ class RateEstimator(ABC):
         """
         return None
 
+    def batch_cap(self, interval: float) -> float:
+        """Most records the next batch may hold, where a source caps its batches (Sluice's asks before
+        each batch): max(rate, capacity) x interval by default (inf while the rate is unlimited and the
+        capacity unknown). An estimator may allow more for a while (the model, to drain what piled up
+        behind a batch that overran)."""
+        return max(self._rate, self.capacity or 0.0) * interval
+
+    @property
+    def intake_held(self) -> bool:
+        """Whether intake should take nothing for now, whatever the rate (a receiver then grants no
+        credit): a pause the estimator is in (the model's, while the next batch is full anyway or a
+        drain batch runs). Its rate meanwhile is min_rate. False by default."""
+        return False
+
     def set_bounds(self, bounds: RateBounds) -> None:
         """New bounds apply from the next output on (the rate in force is clamped at once)."""
         self._bounds = bounds
@@ -106,6 +120,24 @@ class RateEstimator(ABC):
         return self._rate
 
     def _overrun(self, records: int, elapsed: float, interval: float, waiting: int | None) -> float | None:
+        return None
+
+    def resume(self, elapsed: float) -> float | None:
+        """The rate to resume intake at, or None: the running batch has run `elapsed` seconds.
+
+        Called with the watchdog's looks (from the batch's start, not only past its interval). An
+        estimator that paused intake when a batch completed, until a point in the next one, ends the
+        pause here; the only way a look at a running batch raises the rate. None by default.
+        """
+        if not (math.isfinite(elapsed) and elapsed >= 0):
+            return None
+        rate = self._resume(elapsed)
+        if rate is None or math.isnan(rate):
+            return None
+        self._rate = self._bounds.clamp(rate)
+        return self._rate
+
+    def _resume(self, elapsed: float) -> float | None:
         return None
 
     def state(self) -> dict[str, StateValue]:

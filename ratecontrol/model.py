@@ -114,6 +114,9 @@ _OUTLIER_WEIGHT = 0.1
 _IDENTIFIABLE_CV = 0.1
 """Batch sizes must vary by this coefficient of variation before the fit's fixed cost is believed."""
 _MIN_PER_RECORD_COST = 1e-12
+_WATCHED_HOLD = 0.5
+"""Intervals into a drain batch that follows a batch the watchdog saw overrun during which intake is
+held anyway (10): a batch that overran by a cost rise late in it tells little of the new cost."""
 
 
 @dataclass
@@ -147,6 +150,8 @@ class ModelEstimator(RateEstimator):
         prior_fixed_cost: float = 0.25,
         max_fixed_share: float = 0.5,
         window: int = 16,
+        max_drain: float = 4.0,
+        drain_lateness: float = 1.0,
     ) -> None:
         """
         Args:
@@ -173,6 +178,11 @@ class ModelEstimator(RateEstimator):
                 take fixed cost / (1 - s) (Spark starts the next at once) rather than one interval, in
                 which ever fewer records fit: 0.5 spends at least half of each batch on records.
             window: most batches kept for the fit (>= 2).
+            max_drain: after a batch the watchdog saw overrun (a cost rise), the next batches may take
+                all that waits, up to what they process in this many intervals (>= 1), until a batch
+                finds no more waiting than a normal one holds (10).
+            drain_lateness: while draining, intake is paced (paused first if need be) so that the
+                batch after the next one starts at most this many intervals late (>= 0) (10).
         """
         super().__init__(bounds=bounds, initial_rate=initial_rate)
         _check_range("target_utilisation", target_utilisation, 0, 1, low_open=True)
@@ -187,6 +197,8 @@ class ModelEstimator(RateEstimator):
         _check_range("max_fixed_share", max_fixed_share, 0, 1, low_open=True, high_open=True)
         _check_range("warmup_batches", warmup_batches, 0, math.inf, high_open=True, whole=True)
         _check_range("window", window, 2, math.inf, high_open=True, whole=True)
+        _check_range("max_drain", max_drain, 1, math.inf, high_open=True)
+        _check_range("drain_lateness", drain_lateness, 0, math.inf, high_open=True)
         self.target_utilisation = target_utilisation
         self.horizon = horizon
         self.forgetting = forgetting
@@ -199,13 +211,19 @@ class ModelEstimator(RateEstimator):
         self.prior_fixed_cost = prior_fixed_cost
         self.max_fixed_share = max_fixed_share
         self.window = int(window)
+        self.max_drain = max_drain
+        self.drain_lateness = drain_lateness
 
+        self._init_state()
+
+    def _init_state(self) -> None:
         self._points: list[_Point] = []
         self._suspect_sign = 0  # sign of the previous batch's outlying error, 0 if it fitted
         self._prior_a = 0.0  # seconds, set from prior_fixed_cost once the first batch gives the interval
         self._prior_from_data = False  # whether _prior_a is a fitted fixed cost rather than the guess
         self._batches = 0
         self._latest_time = -math.inf
+        self._last_fitted: tuple[int, float] | None = None  # (records, seconds) of the latest fitted batch
         self._changes = 0
         self._overruns = 0
         self._small_batches = 0  # batches far below the operating point: not fitted (8)
@@ -226,6 +244,12 @@ class ModelEstimator(RateEstimator):
         self._period = 1.0  # seconds a batch is planned to take: the interval, or more (2)
         self._backlog: float | None = None
         self._drain_seconds: float | None = None
+        self._draining = False  # the next batch may take all that waits, up to max_drain (10)
+        self._drain_take: float | None = None  # ... namely this many records, once a completion said
+        self._paused_until: tuple[float, float] | None = None  # (elapsed into the next batch, rate)
+        self._pauses = 0
+        self._held = False  # intake takes nothing until the next completion or a planned resume
+        self._risen = 0  # batches left within which a fall of the cost is believed at once
 
     @property
     def capacity(self) -> float | None:
@@ -241,6 +265,8 @@ class ModelEstimator(RateEstimator):
             return None  # a stale or repeated event
         self._latest_time = batch.completed_at
         self._batches += 1
+        self._paused_until, self._held = None, False  # a hold planned for the batch just done ends
+        self._risen = max(0, self._risen - 1)
         watched, self._watched = self._watched, None
         interval = batch.batch_interval
         if self._batches == 1:
@@ -255,7 +281,10 @@ class ModelEstimator(RateEstimator):
             if self._capacity is not None and batch.processing_delay <= _SHOWN_WITHIN * self._period:
                 self._capacity = max(self._capacity, batch.records / batch.processing_delay)
             return None
-        self._observe(batch.records, batch.processing_delay)
+        before = self._predicted(batch.records)
+        # judged against the fit whatever its size: the watchdog saw this batch overrun, or the cost
+        # rose lately and may fall back; a fit blending both costs otherwise hides the next change
+        self._observe(batch.records, batch.processing_delay, judge=watched is not None or self._risen > 0)
         a, b, self._fit = self._solve(self._prior_a)
         if self._fit != "anchored":
             self._prior_a = a  # the fixed cost to assume when batch sizes stop varying
@@ -264,25 +293,21 @@ class ModelEstimator(RateEstimator):
             measured = self._fit == "fitted" and math.isfinite(self._noise(a, b)[1])
             self._prior_from_data = self._prior_from_data or measured
         self._a, self._b = a, b  # outliers are judged against the fit itself, not the hedge below
-        if self._suspect_sign:
-            # one surprising batch: a cost change, or a GC pause? Faster than the fit: believe it (the
-            # stretch cap below bounds the risk). Slower, and the watchdog saw it overrun: believe it
-            # too (a cost change mid-batch even shows only part of the new cost). Slower otherwise: go
-            # halfway, geometrically. At most 4x either way; a second surprise confirms the change.
-            alone = min(max((batch.processing_delay - a) / batch.records, b / 4), 4 * b)
-            b = alone if self._suspect_sign < 0 or watched is not None else math.sqrt(b * alone)
-        if watched is not None:
-            # what the watchdog saw this batch do, under this fit's fixed cost: no bounce back up
-            b = max(b, (watched - a) / batch.records)
+        b = self._hedged(batch, a, b, watched)
         capacity, period = self._set_capacity(batch, a, b)
+        if self._fell(before, batch.processing_delay, a, period):
+            capacity = self._sped_up(batch, a, capacity, period)
         largest = max(p.records for p in self._points)
         fastest = max(p.records / p.seconds for p in self._points)
 
         # the rate in force when the backlog piled up; an unthrottled start is read from the batch
         in_force = self.rate if math.isfinite(self.rate) else batch.records / interval
+        pace, pause = 1.0, 0.0
         if batch.waiting is not None:
-            # counted, not estimated: what the next batch, at capacity, cannot take
-            backlog = max(0.0, batch.waiting - capacity * period)
+            # counted, not estimated: what the next batch, at capacity, cannot take, unless it drains
+            # a pile-up (10)
+            take, pace, pause = self._drain_plan(batch, a, capacity, period, watched=watched)
+            backlog = max(0.0, batch.waiting - take)
             # batches after the next one hold that much before anything new comes in
             floor = self.floor_fraction * capacity - backlog / period
         else:
@@ -297,11 +322,126 @@ class ModelEstimator(RateEstimator):
         self._backlog, self._drain_seconds = backlog, drain_seconds
 
         rate = self.target_utilisation * capacity - drain_seconds / (self.horizon * b * period)
-        rate = max(rate, floor)
+        rate = pace * max(rate, floor)
         self._proposed = min(rate, self.max_growth * largest / period, self.max_stretch * fastest)
         if batch.waiting is not None:
             self._probe(batch, batch.waiting, self._proposed, capacity, period)
-        return self._proposed
+        return self._hold_into_next_batch(pause, self._proposed)
+
+    def _hold_into_next_batch(self, pause: float, rate: float) -> float:
+        """`rate`, or, for a pause > 0, min_rate and intake held until `pause` seconds into the next
+        batch (resume), then `rate`."""
+        if pause <= 0:
+            return rate
+        self._paused_until, self._held = (pause, rate), True
+        self._pauses += 1
+        return self.bounds.min_rate
+
+    def _hedged(self, batch: BatchMetrics, a: float, b: float, watched: float | None) -> float:
+        """The per-record cost to plan by after `batch`: the fit's, unless the batch was a surprise or
+        the watchdog saw it run (see 5 and 7)."""
+        if self._suspect_sign:
+            # one surprising batch: a cost change, or a GC pause? Faster than the fit: believe it (the
+            # stretch cap below bounds the risk). Slower, and the watchdog saw it overrun: believe it
+            # too (a cost change mid-batch even shows only part of the new cost). Slower otherwise: go
+            # halfway, geometrically. At most 4x either way; a second surprise confirms the change.
+            alone = min(max((batch.processing_delay - a) / batch.records, b / 4), 4 * b)
+            b = alone if self._suspect_sign < 0 or watched is not None else math.sqrt(b * alone)
+        if watched is not None:
+            # what the watchdog saw this batch do, under this fit's fixed cost: no bounce back up
+            b = max(b, (watched - a) / batch.records)
+        return b
+
+    def _predicted(self, records: int) -> float | None:
+        """Seconds the latest fit predicts for a batch of `records` (None before a fit)."""
+        if self._a is None or self._b is None:
+            return None
+        return self._a + self._b * records
+
+    def _fell(self, before: float | None, seconds: float, a: float, period: float) -> bool:
+        """Whether a batch of `seconds` shows the per-record cost fell: far faster than the fit before
+        it predicted, with a fit that tells the costs apart well enough (not a bound or a probe from
+        the floor, and the batch mostly records: on a loaded machine a fixed cost over the interval
+        and its noise make any batch look fast or slow)."""
+        return (
+            before is not None
+            and self._risen > 0  # back down after a rise the watchdog saw, within a window of it
+            and seconds < (1 - self.change_threshold) * before
+            and self._fit != "bounded"
+            and not self._probing
+            and period <= self._interval  # not a fixed cost over the interval (2)
+            and seconds - a >= (1 - self.max_fixed_share) * (period - a)
+        )
+
+    def _sped_up(self, batch: BatchMetrics, a: float, capacity: float, period: float) -> float:
+        """A batch far faster than the fit before it predicted: the cost fell back after a jump.
+        Its records took (seconds - a) / records each, which a fit still weighing the slower batches
+        (an anchored fit does not judge a batch of another size an outlier) reads as a fraction of
+        the fall: capacity at that per-record cost, within max_stretch x what the batch showed, so
+        the rate is back in a batch or two rather than six (seen: 15k, 21k, 27k, 32k, 36k, 38k of
+        45k records/s, and batches starved meanwhile)."""
+        seconds, records = batch.processing_delay, batch.records
+        if seconds <= a:
+            return capacity
+        at_cost = (period - a) / ((seconds - a) / records * period)
+        self._capacity = max(capacity, min(at_cost, self.max_stretch * records / seconds))
+        self._risen = 0
+        return self._capacity
+
+    def _drain_plan(
+        self, batch: BatchMetrics, a: float, capacity: float, period: float, *, watched: float | None
+    ) -> tuple[float, float, float]:
+        """(records the next batch takes, share of the rate to admit, seconds into the next batch that
+        intake is held): a batch at capacity, the full rate, no hold; or, while draining what piled up
+        behind an overrun (10), all of it (up to max_drain), intake paced so the batch after it holds
+        about one period, and held first as long as what comes in would wait too long. Not after a
+        batch that itself took from a backlog left before it (a start's burst, a restart): that drains
+        as usual; taken whole, a start's burst once made batches of 4-6 s."""
+        waiting = batch.waiting or 0
+        take = capacity * period
+        # (not when the batch itself took from a backlog that was there before it)
+        if not (self._draining and waiting > take and (batch.backlog or 0) <= take):
+            self._draining, self._drain_take = False, None
+            return take, 1.0, 0.0
+        interval = self._interval
+        per_record = (period - a) / (capacity * period)
+        take = max(take, min(waiting, (self.max_drain * interval - a) / per_record))
+        self._drain_take = take
+        upcoming = a + take * per_record  # seconds the next batch is planned to take
+        # records taken before this far into it would wait too long for the batch after it
+        pause = max(0.0, upcoming - (1 + self.drain_lateness) * interval)
+        if watched is not None and upcoming > (1 + _WATCHED_HOLD / 2) * interval:
+            # the cost rose within the batch just done, perhaps late in it: it shows only part of
+            # the new cost, and the pile may take far longer than predicted (seen in simulation:
+            # 3.1 s for a pile predicted at 1.3 s). Hold a while regardless, unless the pile is about
+            # one batch (after a noisy overrun of a steady pipeline the hold left the next batches
+            # at a third of capacity).
+            pause = max(pause, _WATCHED_HOLD * interval)
+        window = max(upcoming - pause, 0.0)  # what is taken from the resume on waits for it
+        return take, period / max(window, period), pause
+
+    def batch_cap(self, interval: float) -> float:
+        """max(rate, capacity) x interval; while draining (10), at least what the next batch processes
+        in max_drain intervals at the estimated cost."""
+        cap = super().batch_cap(interval)
+        a, capacity, period = self._a, self._capacity, self._period
+        if self._draining and a is not None and capacity is not None and 0 < capacity < math.inf:
+            per_record = (period - a) / (capacity * period)
+            if per_record > 0:
+                drain = (self.max_drain * interval - a) / per_record
+                cap = max(cap, drain if self._drain_take is None else min(drain, self._drain_take))
+        return cap
+
+    def _resume(self, elapsed: float) -> float | None:
+        if self._paused_until is None or elapsed < self._paused_until[0]:
+            return None
+        rate, self._paused_until = self._paused_until[1], None
+        self._held = False
+        return rate
+
+    @property
+    def intake_held(self) -> bool:
+        return self._held
 
     def _set_capacity(self, batch: BatchMetrics, a: float, b: float) -> tuple[float, float]:
         """Capacity (records/s) from the fit a + b x records, and the seconds a batch is planned to
@@ -377,12 +517,30 @@ class ModelEstimator(RateEstimator):
     def _warm_up(self, batch: BatchMetrics) -> float | None:
         """A start-up batch is not fitted (its time carries worker start-up), but its throughput is a
         lower bound on the pipeline's: it may raise the rate by the same growth caps as a fitted batch,
-        never lower it. A warm pipeline is reached in a batch or two, a cold one changes nothing."""
+        never lower it. A warm pipeline is reached in a batch or two, a cold one changes nothing.
+
+        The exception is an unlimited start (`sluice serve`'s): while its batches keep up it stays
+        unlimited, but the first that overruns its interval shows intake outpacing the pipeline: its
+        throughput (with the same caps) becomes the rate, less what drains what waits beyond a batch
+        over the horizon, and the capacity (a lower bound) the source caps batches by. Unlimited, a
+        saturating publisher kept filling the store while three 500k-record start-up batches ran,
+        6-11 s each: the next minute of batches started 26-56 s late."""
         grown = min(
             self.max_stretch * batch.records / batch.processing_delay,
             self.max_growth * batch.records / batch.batch_interval,
         )
-        if not grown > self.rate:
+        unlimited = math.isinf(self.rate) and batch.processing_delay > batch.batch_interval
+        if unlimited:
+            # its throughput is a capacity measured (a lower bound: the source caps batches by it)
+            self._capacity = max(self._capacity or 0.0, batch.records / batch.processing_delay)
+        if self._capacity is not None and batch.waiting is not None:
+            # after an unlimited start, what waits beyond a batch at that capacity drains over the
+            # horizon before intake grows again
+            interval = batch.batch_interval
+            excess = max(0.0, batch.waiting - self._capacity * interval)
+            drained = self.target_utilisation * self._capacity - excess / (self.horizon * interval)
+            grown = max(self.bounds.min_rate, min(grown, drained))
+        if not (grown > self.rate or unlimited):
             return None
         self._proposed = grown
         return grown
@@ -391,7 +549,14 @@ class ModelEstimator(RateEstimator):
         a, b, capacity = self._a, self._b, self._capacity
         if a is None or b is None or capacity is None:
             return None
-        if elapsed <= (a + b * records) * (1 + self.overrun_threshold):
+        predicted = a + b * records
+        if self._last_fitted is not None:
+            # nor longer than the latest batch's time per record says: a fit still weighing batches
+            # of an earlier, higher cost (seen: 1.2 s for a batch like one just done in 0.94 s) would
+            # keep the watchdog blind for a quarter of an interval while records pile up
+            last_records, last_seconds = self._last_fitted
+            predicted = min(predicted, a + max(0.0, last_seconds - a) * records / last_records)
+        if elapsed <= predicted * (1 + self.overrun_threshold):
             return None  # slower than usual, but within the noise a completed batch may show
         # the batch is still running, so its per-record cost is at least this: a lower bound, not a guess
         at_least = (elapsed - a) / records
@@ -404,30 +569,37 @@ class ModelEstimator(RateEstimator):
         if lowered:
             self._capacity = capacity = lower
             self._watched = elapsed
+            self._draining = True  # what piles up meanwhile goes in the next batch at once (10)
+            self._drain_take = None  # (how much, the completion tells)
+            self._risen = self.window  # batches within which a fall back is believed at once
         if waiting is not None and waiting >= capacity * period:
             # the next batch is already there in full: what else comes in now only waits longer
             self._overruns += 1
+            self._held = True
             return self.bounds.min_rate
         if not lowered:
             return None  # nothing the fit or an earlier look at this batch did not already know
         self._overruns += 1
         return self.target_utilisation * lower
 
-    def _observe(self, records: int, seconds: float) -> None:
+    def _observe(self, records: int, seconds: float, *, judge: bool = False) -> None:
+        self._last_fitted = (records, seconds)
         for point in self._points:
             point.weight *= self.forgetting
         sign = 0
         # a fit anchored on the configured prior (not on a fixed cost from data) is a guess away from
         # the batch sizes it was fitted on: a batch of another size is what corrects it, no outlier.
         # Near those sizes it predicts exactly, whatever the split between the two costs.
-        judged = self._prior_from_data or self._near_fitted_sizes(records)
+        judged = judge or self._prior_from_data or self._near_fitted_sizes(records)
         if judged and len(self._points) >= 2 and self._a is not None and self._b is not None:
             predicted = self._a + self._b * records
             # off by more than the batches' own noise too: on a loaded machine batches alike took
             # 0.8-1.6 s, and every other one read as a cost change reset the fit
             noise = self._noise(self._a, self._b)[1]
             off = self.change_threshold * predicted
-            if math.isfinite(noise):
+            # (not where the watchdog's evidence or a recent rise says to judge: the noise of a fit
+            # blending two costs, 3x of it, hid a 3.5x jump and its fall back)
+            if math.isfinite(noise) and not judge:
                 off = max(off, _SURPRISE_NOISE * noise)
             if abs(seconds - predicted) > off:
                 sign = 1 if seconds > predicted else -1
@@ -531,6 +703,9 @@ class ModelEstimator(RateEstimator):
             "overrun_cuts": self._overruns,
             "small_batches": self._small_batches,
             "size_probes": self._probes,
+            "draining": self._draining,
+            "drain_pauses": self._pauses,
+            "intake_held": self._held,
             "target_utilisation": self.target_utilisation,
             "horizon": self.horizon,
             "forgetting": self.forgetting,

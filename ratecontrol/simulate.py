@@ -19,7 +19,14 @@ Measures (`Simulation`): utilisation = records processed by batches 2..N / capac
 end of batch 1 to the end of batch N (batch 1 carries start-up, which no controller can help); time to
 settle = start of the first batch of the first 5 in a row that start less than one interval late; a
 starved batch holds under half of capacity x interval (capacity when its records began to be
-admitted), counted from settling on and after the first 3 batches.
+admitted: what its rate could know), counted from settling on and after the first 3 batches. Two
+refinements, which matter only where the cost changes or batches leave the trigger grid: the interval
+is the time since the previous batch started where that is shorter (a batch right after one that
+overran holds what arrived since, no more), and under `simulate_structured` (and the bench's judge) a
+fall of the cost counts from when a controller could see it, the end of the first batch that started
+after it (`known_capacity`): records taken before that came at the rate the slower pipeline allowed.
+`starved_after(t)` counts them among the batches that started at or after t instead (e.g. a cost
+change), and `jumps` builds a schedule of cost jumps that land at different phases of a batch.
 """
 
 from __future__ import annotations
@@ -38,6 +45,37 @@ STARVED_SHARE = 0.5
 """A batch holding under this share of capacity x interval is starved."""
 UNJUDGED = 3
 """First batches not counted as starved: formed at the initial rate, before any estimate applied."""
+
+
+JUMP_SPACING = 6.0
+"""Intervals between two cost changes of `jumps`: enough for a controller to settle in between."""
+GOLDEN = (math.sqrt(5) - 1) / 2
+"""Each change lands this much of an interval later in its batch than the one before (mod 1): the
+phases spread evenly over a batch, none aligned with another."""
+
+
+def jumps(
+    duration: float, factor: float, interval: float = 1.0, *, spacing: float = JUMP_SPACING
+) -> tuple[tuple[float, float], ...]:
+    """Pipeline.cost_changes for a per-record cost that jumps by `factor` and back, again and again.
+
+    The first change comes after a quarter of the run (rounded down to an interval: the start, with
+    its own transient, is over by then), then one every
+    `spacing` intervals while one interval-spacing is left: up, back to 1, up, ... Each lands at
+    phase (0.1 + k x 0.618) mod 1 of an interval past a multiple of it (the trigger grid), so while
+    batches run on the grid the changes land early, late and in between in a batch.
+    """
+    if not (factor > 0 and math.isfinite(factor)):
+        raise ValueError(f"factor must be a finite number > 0, got {factor}")
+    changes: list[tuple[float, float]] = []
+    t = math.floor(duration / 4 / interval) * interval
+    k = 0
+    while t + spacing * interval <= duration:
+        phase = (0.1 + k * GOLDEN) % 1.0
+        changes.append((t + phase * interval, factor if k % 2 == 0 else 1.0))
+        k += 1
+        t += spacing * interval
+    return tuple(changes)
 
 
 @dataclass(frozen=True)
@@ -96,6 +134,25 @@ class Pipeline:
         return sum(self.capacity_at(a, interval) * (b - a) for a, b in itertools.pairwise(edges))
 
 
+def known_capacity(
+    pipeline: Pipeline, t: float, interval: float, batches: tuple[BatchMetrics, ...] | list[BatchMetrics]
+) -> float:
+    """The pipeline's capacity at `t` as a controller could know it: a fall of the per-record cost
+    (more capacity) counts only from the end of the first of `batches` that started at or after it;
+    before that, the capacity before the fall (a rise counts at once)."""
+    capacity = pipeline.capacity_at(t, interval)
+    for since, _ in pipeline.cost_changes:
+        if since > t:
+            continue
+        seen = min(
+            (b.completed_at for b in batches if b.completed_at - b.processing_delay >= since),
+            default=math.inf,
+        )
+        if t < seen:
+            capacity = min(capacity, pipeline.capacity_at(math.nextafter(since, -math.inf), interval))
+    return capacity
+
+
 @dataclass(frozen=True)
 class Simulation:
     """One run: every batch as the estimator saw it, the pipeline's capacity, and the measures."""
@@ -131,10 +188,27 @@ class Simulation:
         return batch.completed_at - batch.processing_delay
 
     def _starved(self) -> list[bool]:
+        starts = [b.completed_at - b.processing_delay for b in self.batches]
+        # what a batch can hold is what arrived since the previous one took its records
+        spans = [self.interval] + [min(self.interval, max(0.0, t - s)) for s, t in itertools.pairwise(starts)]
         return [
-            b.records < STARVED_SHARE * capacity * self.interval
-            for b, capacity in zip(self.batches, self.capacities, strict=True)
+            b.records < STARVED_SHARE * capacity * span
+            for b, capacity, span in zip(self.batches, self.capacities, spans, strict=True)
         ]
+
+    def peak_delay_since(self, since: float) -> float:
+        """Largest lateness of the batches that started at or after `since` (seconds from the start)."""
+        return max(
+            (b.lateness for b in self.batches if b.completed_at - b.processing_delay >= since), default=0.0
+        )
+
+    def starved_after(self, since: float) -> int:
+        """Starved batches among those that started at or after `since` (seconds from the run's start)."""
+        return sum(
+            starved
+            for b, starved in zip(self.batches, self._starved(), strict=True)
+            if b.completed_at - b.processing_delay >= since
+        )
 
     @property
     def starved(self) -> int:
@@ -235,7 +309,7 @@ def simulate(
     )
 
 
-def simulate_structured(
+def simulate_structured(  # noqa: PLR0915 - one simulated pipeline; its helpers share its state
     estimator: RateEstimator,
     pipeline: Pipeline,
     *,
@@ -244,6 +318,7 @@ def simulate_structured(
     offered_rate: float = 100_000.0,
     watchdog: float | None = 0.1,
     backlog: int = 0,
+    catch_up_min_share: float = 0.0,
 ) -> Simulation:
     """Like `simulate`, but modelled on Sluice under Structured Streaming rather than a DStream receiver.
 
@@ -255,10 +330,19 @@ def simulate_structured(
 
     backlog: records already in the store at time 0 (e.g. what a server killed under load left behind
     for the restarted query), arrived at 0, before anything the rate admits.
+    catch_up_min_share: as the Sluice source does (0.5 there; 0 here by default: every trigger runs), a
+    trigger off the grid within 0.75 interval of the last batch's start whose batch would hold under
+    this share of the cap waits for the next grid point instead.
     """
     if backlog < 0:
         raise ValueError(f"backlog must be >= 0 records, got {backlog}")
     changes: list[tuple[float, float]] = [(0.0, estimator.rate)]
+
+    def admit(t: float) -> None:
+        """Admission from `t` on: the estimator's rate, or nothing while it holds intake."""
+        rate = 0.0 if estimator.intake_held else estimator.rate
+        if rate != changes[-1][1]:
+            changes.append((t, rate))
 
     def segments() -> list[tuple[float, float, float]]:
         ends = [since for since, _ in changes[1:]] + [math.inf]
@@ -282,8 +366,27 @@ def simulate_structured(
             total += span
         return math.inf
 
+    def plan(start: float) -> tuple[int, int]:
+        """Records there at `start` and what the source's cap lets the batch take of them."""
+        available = math.floor(admitted(start)) - consumed
+        cap = estimator.batch_cap(interval)  # max(rate, capacity) x interval, or more while draining
+        return available, max(0, math.floor(min(available, cap)))
+
+    def watch(start: float, end: float, records: int, consumed: int, tick: float) -> None:
+        """The server polls a running batch: a hold the estimator planned may end (resume), and past
+        its interval the estimator may cut the rate."""
+        k = 1
+        while (t := start + k * tick) < end:
+            k += 1
+            if records:
+                estimator.resume(t - start)
+                admit(t)
+            if t - start > interval:
+                estimator.overrun(records, t - start, interval, math.floor(admitted(t)) - consumed)
+                admit(t)
+
     batches: list[BatchMetrics] = []
-    capacities: list[float] = []
+    arrivals: list[float] = []  # when each batch's oldest record arrived
     rates: list[float] = []
     consumed = 0
     end = start = 0.0
@@ -292,25 +395,24 @@ def simulate_structured(
         k += 1
         # Spark's ProcessingTime trigger: the next multiple of the interval after the last trigger,
         # or at once when the batch ended later (no catching up on missed triggers)
-        start = max((math.floor(start / interval + 1e-9) + 1) * interval, end)
+        last, start = start, max((math.floor(start / interval + 1e-9) + 1) * interval, end)
         if start >= duration:
             break
-        available = math.floor(admitted(start)) - consumed
-        cap = max(changes[-1][1], estimator.capacity or 0.0) * interval
-        records = max(0, min(available, math.floor(cap)))
+        available, records = plan(start)
+        off_grid = start > math.floor(start / interval + 1e-9) * interval + 1e-9
+        small = records < catch_up_min_share * estimator.batch_cap(interval)
+        if off_grid and k > 1 and start - last < 0.75 * interval and small:
+            # the source defers a small catch-up batch to the grid (ingest.spark.source)
+            start = (math.floor(start / interval) + 1) * interval
+            if start >= duration:
+                break
+            available, records = plan(start)
         oldest = arrival(consumed + 1) if records else start
         took = pipeline.processing_time(start, records) + (pipeline.startup if k == 1 else 0.0)
         consumed += records
         end = start + took
         if watchdog is not None:
-            # the server polls a running batch: past its interval, the estimator may cut the rate
-            t = start + interval + watchdog
-            while t < end:
-                waiting = math.floor(admitted(t)) - consumed
-                cut = estimator.overrun(records, t - start, interval, waiting)
-                if cut is not None:
-                    changes.append((t, cut))
-                t += watchdog
+            watch(start, end, records, consumed, watchdog)
         batch = BatchMetrics(
             batch_id=k - 1,
             completed_at=end,
@@ -321,11 +423,10 @@ def simulate_structured(
             backlog=available - records,
             waiting=max(0, math.floor(admitted(end)) - consumed),
         )
-        rate = estimator.compute(batch)
-        if rate is not None:
-            changes.append((end, rate))
+        estimator.compute(batch)
+        admit(end)
         batches.append(batch)
-        capacities.append(pipeline.capacity_at(min(oldest, start), interval))
+        arrivals.append(min(oldest, start))
         rates.append(changes[-1][1])
 
     processed = sum(b.records for b in batches[1:])
@@ -333,7 +434,7 @@ def simulate_structured(
     return Simulation(
         interval=interval,
         batches=tuple(batches),
-        capacities=tuple(capacities),
+        capacities=tuple(known_capacity(pipeline, t, interval, batches) for t in arrivals),
         rates=tuple(rates),
         utilisation=processed / possible if possible > 0 else 0.0,
     )

@@ -138,7 +138,9 @@ MEMORY_BUDGET = "memory_budget"
 DISK_BUDGET = "disk_budget"
 DISK_ERROR = "disk_error"
 REPLICATION = "replication"
-PAUSE_REASONS = (MEMORY_BUDGET, DISK_BUDGET, DISK_ERROR, REPLICATION)
+RATE_HOLD = "rate_hold"
+"""The rate controller holds intake for a moment (ratecontrol: RateEstimator.intake_held)."""
+PAUSE_REASONS = (MEMORY_BUDGET, DISK_BUDGET, DISK_ERROR, REPLICATION, RATE_HOLD)
 """Why credit can be paused (the `reason` label of sluice_credit_paused)."""
 
 
@@ -427,6 +429,15 @@ class Receiver:
         """Ack what became durable since the last look (the store says so: e.g. a follower acked)."""
         self._ack_durable()
 
+    def hold_credit(self, held: bool) -> None:
+        """Grant no new credit while `held`, whatever the rate (the rate controller's short pauses:
+        a rate of min_rate would still let records trickle in); released, credit flows at once."""
+        if held == (RATE_HOLD in self._paused):
+            return
+        self._set_paused(RATE_HOLD, held)
+        if not held:
+            self._replenish()
+
     def set_replication_paused(self, paused: bool, status: str) -> None:
         """Withhold new credit while too few copies are in sync to ack (receivers.replication)."""
         self._replication_status = status
@@ -709,7 +720,7 @@ class Receiver:
         by_bytes = math.floor(free_bytes / smallest)
         empty = self._buffered == 0 and self._outstanding <= 0
         self._set_paused(MEMORY_BUDGET, by_bytes < 1 and not empty)
-        if DISK_ERROR in self._paused or DISK_BUDGET in self._paused:
+        if DISK_ERROR in self._paused or DISK_BUDGET in self._paused or RATE_HOLD in self._paused:
             return
         free = self.config.buffer_records - self._buffered - self._outstanding
         budget_bytes: float = self.config.buffer_bytes
@@ -794,7 +805,7 @@ class Receiver:
         if paused:
             self._paused[reason] = now
             self.stats.credit_pauses[reason] += 1
-            level = logging.WARNING
+            level = logging.DEBUG if reason == RATE_HOLD else logging.WARNING
             if reason == MEMORY_BUDGET:
                 if now - self._memory_logged_at < _MEMORY_LOG_EVERY:
                     level = logging.DEBUG
@@ -826,6 +837,8 @@ class Receiver:
         if reason == REPLICATION:
             status = self._replication_status
             return f"too few copies in sync to ack ({status}); resumes when followers catch up"
+        if reason == RATE_HOLD:
+            return "the rate controller holds intake while the pipeline drains what piled up"
         if reason == DISK_BUDGET:
             return (
                 f"disk budget {_size(self.config.disk_budget_bytes or 0)} reached "
@@ -844,6 +857,8 @@ class Receiver:
             )
         if reason == REPLICATION:
             return f"enough copies in sync ({self._replication_status})"
+        if reason == RATE_HOLD:
+            return "the rate controller's hold ended"
         if reason == DISK_BUDGET:
             return (
                 f"disk budget ({_size(self._disk_used or 0)} on disk of "

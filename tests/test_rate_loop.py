@@ -20,6 +20,7 @@ from ingest import cli
 from ingest.driver import batch_metrics
 from ingest.rate_controller import RateController
 from ingest.spark.listener import BatchCompleted
+from ingest.spark.live_rate import LiveRateCap
 from ingest.spark.source import SluiceStreamReader
 from ratecontrol import BatchMetrics, ModelEstimator
 from sluice_client import Producer
@@ -446,3 +447,79 @@ async def test_a_batch_planned_after_asking_for_a_seal_takes_every_record_taken(
         finally:
             for producer in producers:
                 await producer.close()
+
+
+async def test_a_cost_jump_drains_in_one_batch_while_intake_is_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 17, item 6, the server's side: a batch that overruns by a cost jump while its next batch
+    already waits in full holds intake (the receivers grant no credit: rate_hold, not min_rate's
+    trickle); the source may then take the whole pile in one batch (RateStatus.drain_batch_records,
+    LiveRateCap); intake stays held into that batch until the point the estimator planned, then runs
+    at a paced rate."""
+    async with running_server(tmp_path, "s") as server:
+        controller = server.rate
+        fitted(controller)  # 45k records/s at 1 s batches, 0.4 s of it fixed
+        receiver = server.receivers["s"]
+        usual = max(controller.rate, controller.estimator.capacity or 0.0)
+        taken = [0]  # records the receivers took, as the controller counts them
+        monkeypatch.setattr(controller, "_taken", lambda: taken[0])
+        started = time.monotonic()
+        controller.batch_started(40_000, now=started)
+        taken[0] = 60_000  # taken while it runs
+        controller.check_overrun(now=started + 0.5)
+        assert "rate_hold" not in receiver.paused
+        controller.check_overrun(now=started + 1.2)  # 40k should have taken 0.93 s
+        assert "rate_hold" in receiver.paused and controller.rate == controller.bounds.min_rate
+        cap = LiveRateCap(server.target)
+        try:
+            allowed = await asyncio.to_thread(cap.records_per_batch, 1.0)
+            assert allowed is not None and allowed >= 60_000 > usual  # the pile in one batch
+            # the batch completes at 2.27 s (the cost rose 3.5x); the pile takes ~3.4 s: still held
+            controller.on_batch(
+                dataclasses.replace(batch(5, 40_000, 0.4 + 3.5 * 40_000 / 75_000), waiting=60_000)
+            )
+            assert "rate_hold" in receiver.paused
+            drain = time.monotonic()
+            controller.batch_started(60_000, now=drain)
+            controller.check_overrun(now=drain + 0.1)
+            assert "rate_hold" in receiver.paused
+            controller.check_overrun(now=drain + 1.5)
+            assert "rate_hold" not in receiver.paused
+            assert controller.bounds.min_rate < controller.rate < TARGET * 45_000 / 3
+            assert receiver.stats.credit_pauses["rate_hold"] == 1
+            # the drain batch completes with no pile behind it: the usual cap again
+            controller.on_batch(
+                dataclasses.replace(batch(6, 60_000, 0.4 + 3.5 * 60_000 / 75_000), waiting=9_000)
+            )
+            assert controller.drain_batch_records() == 0
+            status = await asyncio.to_thread(cap.records_per_batch, 1.0)
+            assert status == int(max(controller.rate, controller.estimator.capacity or 0.0))
+        finally:
+            cap.close()
+
+
+async def test_an_unlimited_unmeasured_start_holds_intake_once_the_next_batch_is_full(tmp_path: Path) -> None:
+    """Unlimited from the first record (sluice serve's model start), but while a start-up batch runs no
+    more than the next batch will take (RateStatus.unmeasured_batch_records) is let in: more would only
+    wait, and a saturating publisher filled the store for 30 s of slow start-up batches."""
+    async with running_server(tmp_path, "s", buffer_records=1_000) as server:
+        controller = server.rate
+        controller.set_estimator("model")
+        assert math.isinf(controller.rate) and controller.unmeasured_batch_records() == 1_000
+        receiver = server.receivers["s"]
+        started = time.monotonic()
+        controller.batch_started(1_000, backlog=400, now=started)
+        controller.check_overrun(now=started + 0.1)
+        assert "rate_hold" not in receiver.paused
+        controller.batch_started(1_000, backlog=1_000, now=started)
+        controller.check_overrun(now=started + 0.2)
+        assert "rate_hold" in receiver.paused
+        # it completes: the next one takes what waits, intake runs again
+        controller.on_batch(batch(1, 1_000, 0.3))
+        assert "rate_hold" not in receiver.paused
+        # an operator's pin wins over any hold
+        controller.batch_started(1_000, backlog=5_000, now=started)
+        controller.update(math.inf, pin=True)
+        controller.check_overrun(now=started + 0.3)
+        assert "rate_hold" not in receiver.paused

@@ -58,7 +58,8 @@ class LiveRateCap:
         answer; a server that does not answer holds nothing back)."""
 
     def records_per_batch(self, trigger_seconds: float) -> int | None:
-        """max(rate, estimated capacity) x trigger interval, at least 1; None while unlimited or unknown.
+        """max(rate, estimated capacity) x trigger interval, at least 1 (or the server's drain allowance,
+        RateStatus.drain_batch_records, when larger); None while unlimited or unknown.
 
         Not the rate alone: a batch that takes only what arrives per interval never drains a backlog.
         The server first waits (up to BATCH_WAIT) for the metrics of the batch that just ended, if it
@@ -85,7 +86,8 @@ class LiveRateCap:
             # unlimited: no cap, unless the server bounds the batches it has not measured yet
             self._last = status.unmeasured_batch_records or None
         else:
-            self._last = max(1, int(rate * max(trigger_seconds, 0.001)))
+            # more while the estimator drains a pile-up behind an overrun, in one batch
+            self._last = max(1, int(rate * max(trigger_seconds, 0.001)), status.drain_batch_records)
         return self._last
 
     def _no_answer(self, exc: grpc.RpcError) -> None:

@@ -1240,6 +1240,7 @@ class RateStatus(_message.Message):
     PIPELINE_STREAMS_FIELD_NUMBER: _builtins.int
     HOLD_BATCHES_FIELD_NUMBER: _builtins.int
     UNMEASURED_BATCH_RECORDS_FIELD_NUMBER: _builtins.int
+    DRAIN_BATCH_RECORDS_FIELD_NUMBER: _builtins.int
     records_per_second: _builtins.float
     """The ingest rate over all streams, records per second; +Inf means unlimited."""
     min_rate: _builtins.float
@@ -1258,6 +1259,11 @@ class RateStatus(_message.Message):
     """While the rate is unlimited and the estimator has measured nothing yet (a fresh start with the
     default initial rate), a batch takes at most this many records (0: no such bound): what the
     receivers may hold in memory, so the first batches are bounded while intake runs at full speed.
+    """
+    drain_batch_records: _builtins.int
+    """While the estimator drains what piled up behind a batch that overran (the model, after a cost
+    rise), the next batch may take up to this many records, more than max(rate, capacity) x interval
+    (0: no such allowance): one batch clears the pile rather than several that each pay the fixed cost.
     """
     @_builtins.property
     def estimator_state(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
@@ -1295,10 +1301,11 @@ class RateStatus(_message.Message):
         pipeline_streams: _abc.Iterable[_builtins.str] | None = ...,
         hold_batches: _builtins.bool = ...,
         unmeasured_batch_records: _builtins.int = ...,
+        drain_batch_records: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_batch", b"last_batch"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "estimator", b"estimator", "estimator_state", b"estimator_state", "hold_batches", b"hold_batches", "last_batch", b"last_batch", "max_rate", b"max_rate", "min_rate", b"min_rate", "nodes", b"nodes", "pinned", b"pinned", "pipeline_streams", b"pipeline_streams", "records_per_second", b"records_per_second", "streams", b"streams", "unmeasured_batch_records", b"unmeasured_batch_records"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "drain_batch_records", b"drain_batch_records", "estimator", b"estimator", "estimator_state", b"estimator_state", "hold_batches", b"hold_batches", "last_batch", b"last_batch", "max_rate", b"max_rate", "min_rate", b"min_rate", "nodes", b"nodes", "pinned", b"pinned", "pipeline_streams", b"pipeline_streams", "records_per_second", b"records_per_second", "streams", b"streams", "unmeasured_batch_records", b"unmeasured_batch_records"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
