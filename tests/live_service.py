@@ -23,16 +23,17 @@ from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 @contextlib.asynccontextmanager
 async def service(
-    spark: Any, data_dir: Path, *streams: str, pipeline: str = ""
+    spark: Any, data_dir: Path, *streams: str, pipeline: str = "", rate: RateConfig | None = None
 ) -> AsyncIterator[SluiceServer]:
-    """What `sluice serve` runs, in this process: the server, the driver and the pipeline manager."""
+    """What `sluice serve` runs, in this process: the server, the driver and the pipeline manager
+    (`rate`: the operator's fixed unlimited rate unless given)."""
     config = ServeConfig(
         port=0,
         metrics_port=None,
         data_dir=data_dir,
         streams=streams or ("events",),
         receiver=ReceiverConfig(block_interval=0.05),
-        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
+        rate=rate or RateConfig(estimator="fixed", initial_rate=math.inf),
         trigger_interval=0.5,
         pipeline=pipeline,
     )
