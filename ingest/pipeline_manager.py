@@ -290,9 +290,9 @@ class PipelineManager:
                 new_id, started = await self._start_and_prove(new, trigger, timeout)
             except Exception as exc:  # noqa: BLE001 - whatever the new query raised, the old one comes back
                 error = _describe(exc)
-                log.error(
+                log.error(  # noqa: TRY400 - said in one line, the pipeline's own error
                     "%s to %s failed, rolling back to %s: %s",
-                    what,  # noqa: TRY400 - said in one line
+                    what,
                     new.spec or "built-in",
                     old.spec or "built-in",
                     error,
