@@ -123,14 +123,14 @@ def table(results: dict[str, dict[str, Any] | None]) -> str:
             continue
         for figure in result["figures"]:
             unit = figure.get("unit", "")
-            baseline = figure.get("baseline", "")
+            baseline = figure.get("baseline") or "-"
             if figure.get("baseline_value") is not None:
                 baseline = f"{baseline}: {number(figure['baseline_value'], unit)}"
             met = {True: "yes", False: "no", None: "-"}[figure.get("met")]
             ratio = figure.get("ratio")
             lines.append(
                 f"| {bench.item} | {figure['what']} | {number(figure['value'], unit)} | {baseline} | "
-                f"{'-' if ratio is None else f'{ratio:.2f}'} | {figure.get('goal', '')} | {met} |"
+                f"{'-' if ratio is None else f'{ratio:.2f}'} | {figure.get('goal') or '-'} | {met} |"
             )
     return "\n".join(lines)
 
