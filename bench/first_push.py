@@ -15,67 +15,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-import urllib.parse
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
-SLUICE = [sys.executable, "-m", "ingest.cli"]
-
-
-def committed_rows(sink: Path, seen: dict[str, int]) -> int:
-    """Rows in the files the sink's _spark_metadata log has committed (footers read once per file)."""
-    log = sink / "_spark_metadata"
-    if not log.is_dir():
-        return 0
-    files: set[str] = set()
-    for entry in sorted(
-        log.iterdir(), key=lambda p: int(p.name.split(".")[0]) if p.name[0].isdigit() else -1
-    ):
-        if not entry.name[0].isdigit() or entry.name.endswith(".tmp"):
-            continue
-        for line in entry.read_text().splitlines()[1:]:
-            record = json.loads(line)
-            path = urllib.parse.urlparse(record["path"]).path
-            if record["action"] == "add":
-                files.add(path)
-            else:
-                files.discard(path)
-    total = 0
-    for path in files:
-        if path not in seen:
-            seen[path] = pq.read_metadata(path).num_rows
-        total += seen[path]
-    return total
+from sluice_process import SLUICE, committed_rows, start_serve
 
 
 def run_once(records_file: Path, records: int, extra: list[str], label: str) -> float:
     with tempfile.TemporaryDirectory(prefix="sluice-first-") as tmp:
         data = Path(tmp) / "data"
-        serve = subprocess.Popen(
-            [*SLUICE, "serve", "--data-dir", str(data), "--port", "0", "--metrics-port", "-1", *extra],
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-        assert serve.stderr is not None
-        target = None
         started = time.monotonic()
-        for line in serve.stderr:
-            found = re.search(r"serving streams .* on (\S+?)[;,]", line)
-            if found:
-                target = found.group(1)
-            if "Spark query running" in line or "query-started" in line:
-                break
-            if time.monotonic() - started > 180:
-                raise RuntimeError("sluice serve did not start in 180 s")
-        assert target is not None, "no serving line"
+        serve, target = start_serve(data, extra)
         ready = time.monotonic() - started
         push = subprocess.Popen(
             [*SLUICE, "push", "--target", target, "--no-progress", str(records_file)],

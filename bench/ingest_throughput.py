@@ -1,6 +1,6 @@
 """Ingest throughput, each variant against a bare gRPC stream of the same batches in the same run.
 
-Run: python bench/ingest_throughput.py [--records 2000000] [--record-bytes 100] [--batch 4096]
+Run: python bench/ingest_throughput.py [--records 10000000] [--record-bytes 100] [--batch 4096]
 
 Servers run in a subprocess of their own (one core each side on a 2-core machine); the client runs here.
 Variants, from the transport's ceiling to the whole path:
@@ -276,7 +276,7 @@ VARIANTS = {
 def main() -> None:
     tune_malloc()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--records", type=int, default=2_000_000)
+    parser.add_argument("--records", type=int, default=10_000_000)
     parser.add_argument("--record-bytes", type=int, default=100)
     parser.add_argument("--batch", type=int, default=4096, help="records per Batch message")
     parser.add_argument(

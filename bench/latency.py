@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
 import struct
 import subprocess
@@ -39,8 +38,8 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow.dataset as ds
+from sluice_process import start_serve
 
-SLUICE = [sys.executable, "-m", "ingest.cli"]
 STREAM = "default"
 QUERY = "sluice"
 GOAL_INTERVALS = 2.0
@@ -160,31 +159,6 @@ def wait_committed(watcher: LogWatcher, total: int, timeout: float = 600) -> flo
 
 
 # ---- the run ------------------------------------------------------------------------------------
-
-
-def start_serve(data: Path, extra: list[str]) -> tuple[subprocess.Popen[str], str]:
-    serve = subprocess.Popen(
-        [*SLUICE, "serve", "--data-dir", str(data), "--port", "0", "--metrics-port", "-1", *extra],
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    assert serve.stderr is not None
-    target = None
-    started = time.monotonic()
-    for line in serve.stderr:
-        found = re.search(r"serving streams .* on (\S+?)[;,]", line)
-        if found:
-            target = found.group(1)
-        if "Spark query running" in line or "query-started" in line:
-            break
-        if time.monotonic() - started > 180:
-            raise RuntimeError("sluice serve did not start in 180 s")
-    if target is None:
-        raise RuntimeError("sluice serve said no serving line")
-    # keep reading its stderr, or a full pipe would stall it
-    threading.Thread(target=serve.stderr.read, daemon=True).start()
-    return serve, target
 
 
 def latencies(sink: Path, watcher: LogWatcher, lo: int, hi: int, after: float) -> np.ndarray:

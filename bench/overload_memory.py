@@ -286,29 +286,10 @@ class SinkCounter:
         self._lock = threading.Lock()
 
     def __call__(self) -> int:
-        import pyarrow.parquet as pq  # noqa: PLC0415 - the publishers' processes do not need it
+        from sluice_process import committed_rows  # noqa: PLC0415 - the publishers' processes do not need it
 
         with self._lock:
-            log = self.sink / "_spark_metadata"
-            if not log.is_dir():
-                return 0
-            files: set[str] = set()
-            entries = [p for p in log.iterdir() if p.name[0].isdigit() and not p.name.endswith(".tmp")]
-            for entry in sorted(entries, key=lambda p: int(p.name.split(".")[0])):
-                try:
-                    lines = entry.read_text().splitlines()[1:]
-                except FileNotFoundError:  # deleted by compaction meanwhile: the compact file has it
-                    continue
-                for line in lines:
-                    record = json.loads(line)
-                    path = urllib.parse.urlparse(record["path"]).path
-                    if record["action"] == "add":
-                        files.add(path)
-                    else:
-                        files.discard(path)
-            for path in files - self._rows.keys():
-                self._rows[path] = pq.read_metadata(path).num_rows
-            return sum(self._rows[p] for p in files)
+            return committed_rows(self.sink, self._rows)
 
 
 # ---- publishers ------------------------------------------------------------------------------------

@@ -149,8 +149,8 @@ def start_query(
         reader = reader.option(name, value)
     if max_records_per_batch is not None:
         reader = reader.option(OPTION_MAX_RECORDS, str(max_records_per_batch))
-    # one partition per core, so a batch of a few blocks is not read by one task; but only as far as each
-    # partition gets PARTITION_RECORDS: a small batch in one task does not pay a task's fixed cost twice
+    # one partition per core, so a batch of a few blocks is not read by one task (PARTITION_RECORDS: a
+    # caller may trade that for one task's fixed cost on small batches)
     reader = reader.option(OPTION_MIN_PARTITIONS, str(spark.sparkContext.defaultParallelism))
     if OPTION_MIN_PARTITION_RECORDS not in (source_options or {}):
         reader = reader.option(OPTION_MIN_PARTITION_RECORDS, str(PARTITION_RECORDS))

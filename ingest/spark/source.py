@@ -153,12 +153,15 @@ OPTION_MIN_PARTITION_RECORDS = "minPartitionRecords"
 """A batch is cut into more partitions (up to minPartitions) only as far as each gets at least this many
 records (default 1). Every partition is a task, and a task has a fixed cost that a small batch pays for
 nothing: see PARTITION_RECORDS."""
-PARTITION_RECORDS = 100_000
-"""The minPartitionRecords start_query gives: a second task for a batch pays off only from about this
-many records. Measured on 2 cores, Parquet sink, 100 B records: each task costs about 60 ms of CPU on
-top of about 1.4 us per record (a Python worker round trip, the job's Hadoop configuration unpacked, a
-Parquet writer and its file); a 25,000-record batch took 6.3-7.1 us of CPU per record in one partition
-and 9.2-9.3 in two, a 100,000-record one 2.7-2.8 against 3.6, 500,000 about the same either way."""
+PARTITION_RECORDS = 1
+"""The minPartitionRecords start_query gives: 1, every batch spread over the cores. A larger value saves
+a task's fixed cost on small batches (on 2 cores, Parquet sink, 100 B records: about 60 ms of CPU a
+task; a 25,000-record batch took 6.3-7.1 us of CPU per record in one partition and 9.2-9.3 in two), but
+it runs a costly pipeline's small batches on one core: `bench/control_loop.py --profile jumps` (20 us a
+record) with 100,000 measured half the capacity for small batches, and the model estimator, which fits
+one per-record cost for every batch size, swung between the two speeds (76 s peak delay and 15 starved
+batches in one run; 2.2 s and none with 1, the next run). A pipeline cheap per record can set it
+(source_options)."""
 OPTION_RATE_TARGET = "rateTarget"
 """host:port of the Sluice server whose live rate caps each batch (rate x trigger interval)."""
 OPTION_TRIGGER_SECONDS = "triggerSeconds"
