@@ -51,7 +51,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import socket
 import sys
 import tempfile
 import threading
@@ -63,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+from line_server import LineServer
 from pyspark import StorageLevel
 from pyspark.streaming import StreamingContext
 from pyspark.streaming.listener import StreamingListener
@@ -325,46 +325,6 @@ def next_grid_point(now: float) -> float:
 
 
 # ---- (a) Spark Streaming receiver backpressure -----------------------------------------------------
-
-
-class LineServer:
-    """A TCP server thread writing 100-byte lines to whoever connects, as fast as the socket takes them."""
-
-    def __init__(self, record_bytes: int) -> None:
-        self._payload = (b"v" * (record_bytes - 1) + b"\n") * 10_000
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self._sock.settimeout(0.5)
-        self.port: int = self._sock.getsockname()[1]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True, name="line-server")
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            threading.Thread(target=self._feed, args=(conn,), daemon=True).start()
-
-    def _feed(self, conn: socket.socket) -> None:
-        conn.settimeout(0.5)
-        view = memoryview(self._payload)
-        with conn:
-            while not self._stop.is_set():
-                try:
-                    conn.sendall(view)
-                except TimeoutError:
-                    continue  # a partial line at worst; the receiver is throttled, keep trying
-                except OSError:
-                    return
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._sock.close()
-        self._thread.join(2)
 
 
 def run_dstream(

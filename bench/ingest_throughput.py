@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -177,7 +178,16 @@ async def push_producer(
         return time.perf_counter() - started
 
 
-def run(variant: str, args: argparse.Namespace) -> float:
+@dataclass(frozen=True)
+class Run:
+    rate: float
+    cpu: tuple[float, float]
+    """(server, client) CPU seconds per second: which side is the bound."""
+    log: tuple[int, int] | None
+    """(blocks, bytes) the server's log holds after an fsync run."""
+
+
+def run(variant: str, args: argparse.Namespace) -> Run:
     kind = "null" if variant == "credit" else variant
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
@@ -200,20 +210,15 @@ def run(variant: str, args: argparse.Namespace) -> float:
                 elapsed = asyncio.run(push_producer(target, args.records, values, args.batch))
             wall = time.perf_counter() - wall
             client_cpu = time.process_time() - client_cpu
-            CPU[variant] = ((process_cpu(proc.pid) - server_cpu) / wall, client_cpu / wall)
-            if variant == "fsync":
-                LOG[variant] = log_blocks(Path(data_dir) / "blocks")
+            cpu = ((process_cpu(proc.pid) - server_cpu) / wall, client_cpu / wall)
+            log = log_blocks(Path(data_dir) / "blocks") if variant == "fsync" else None
         finally:
             if spy is not None:
                 spy.send_signal(signal.SIGINT)  # py-spy writes its profile on SIGINT
                 spy.wait(60)
             proc.terminate()
             proc.join(10)
-    return args.records / elapsed
-
-
-LOG: dict[str, tuple[int, int]] = {}
-"""variant -> (blocks, bytes) the server's log holds after the run."""
+    return Run(args.records / elapsed, cpu, log)
 
 
 def log_blocks(root: Path) -> tuple[int, int]:
@@ -228,7 +233,7 @@ def probe_disk(root: Path, block_bytes: int, total_bytes: int, direct: bool) -> 
     where it can). The better of the two is the disk's limit."""
     size = -(-block_bytes // 4096) * 4096
     buffer = mmap.mmap(-1, size)
-    buffer.write(os.urandom(min(size, 1 << 20)) * (size // (1 << 20)) + os.urandom(size % (1 << 20)))
+    buffer.write(os.urandom(size))
     path = root / f"probe-{direct}"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
     try:
@@ -240,10 +245,6 @@ def probe_disk(root: Path, block_bytes: int, total_bytes: int, direct: bool) -> 
     finally:
         os.close(fd)
         path.unlink()
-
-
-CPU: dict[str, tuple[float, float]] = {}
-"""variant -> (server, client) CPU seconds per second of the last run: which side is the bound."""
 
 
 def process_cpu(pid: int) -> float:
@@ -294,23 +295,25 @@ def main() -> None:
     if args.quick:
         args.records, args.repeat, args.only = 3_000_000, 1, ["fsync"]
     chosen = ["bare", *[v for v in VARIANTS if v != "bare" and (not args.only or v in args.only)]]
-    results, cpu = {}, {}
+    best: dict[str, Run] = {}
     for variant in chosen:
         for _ in range(args.repeat):
-            rate = run(variant, args)
-            if rate > results.get(variant, 0.0):
-                results[variant], cpu[variant] = rate, CPU[variant]
+            result = run(variant, args)
+            if variant not in best or result.rate > best[variant].rate:
+                best[variant] = result
+    results = {variant: r.rate for variant, r in best.items()}
     head = f"{args.records:,} records of {args.record_bytes} B, {args.batch} records/batch"
     print(f"{head}, buffer {args.buffer:,}, best of {args.repeat}")
     for variant, rate in results.items():
-        server, client = cpu[variant]
+        server, client = best[variant].cpu
         print(
             f"  {VARIANTS[variant]:<20} {rate:>12,.0f} rec/s   {rate / results['bare']:6.1%} of bare gRPC"
             f"   cpu: server {server:4.0%} client {client:4.0%}"
         )
     if "fsync" not in results:
         return
-    blocks, log_bytes = LOG["fsync"]
+    assert best["fsync"].log is not None
+    blocks, log_bytes = best["fsync"].log
     per_record = log_bytes / args.records
     block_bytes = log_bytes // max(blocks, 1)
     disk = {False: 0.0, True: 0.0}

@@ -48,7 +48,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -60,6 +59,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from line_server import LineServer
 
 ROOT = Path(__file__).resolve().parent.parent
 SLUICE = [sys.executable, "-m", "ingest.cli"]
@@ -606,57 +607,6 @@ def report_tracemalloc(trace: Path) -> None:
 
 
 # ---- Spark's socket source ---------------------------------------------------------------------------
-
-
-class LineServer:
-    """A TCP server thread writing `record_bytes`-byte lines to one client at `rate` lines/s, as fast as
-    the socket takes them when it falls behind (then it is always sending)."""
-
-    def __init__(self, record_bytes: int, rate: float) -> None:
-        self.chunk_lines = 10_000
-        self._payload = (b"v" * (record_bytes - 1) + b"\n") * self.chunk_lines
-        self.rate = rate
-        self.sent = 0
-        self.connected_at: float | None = None
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self._sock.settimeout(0.5)
-        self.port: int = self._sock.getsockname()[1]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True, name="line-server")
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self._feed(conn)  # one client: the socket source's reader
-            return
-
-    def _feed(self, conn: socket.socket) -> None:
-        conn.settimeout(0.5)
-        self.connected_at = t0 = time.monotonic()
-        view = memoryview(self._payload)
-        with conn:
-            while not self._stop.is_set():
-                if self.sent >= self.rate * (time.monotonic() - t0):
-                    time.sleep(0.002)
-                    continue
-                try:
-                    conn.sendall(view)
-                    self.sent += self.chunk_lines
-                except TimeoutError:
-                    continue  # a partial chunk at worst: lines stay 100 bytes but for one
-                except OSError:
-                    return
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._sock.close()
-        self._thread.join(2)
 
 
 def socket_child(args: argparse.Namespace) -> None:
