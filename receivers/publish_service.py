@@ -37,7 +37,7 @@ from receivers.parsed_service import add_parsed_servicer
 from receivers.principal import Principal, producer_key
 from receivers.receiver import Receiver
 from receivers.session import Session
-from receivers.wire import check_producer_id, check_record_bytes, decode_batch, decode_request
+from receivers.wire import WireBatch, check_producer_id, check_record_bytes, decode_batch, decode_request
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
@@ -124,11 +124,12 @@ class PublishService(pb_grpc.IngestServicer):
             raise ProtocolViolation("the stream ended before Open") from None
         except TimeoutError:
             raise ProtocolViolation(f"no Open within {self._open_timeout:g} s") from None
-        kind = first.WhichOneof("kind")
+        kind = _kind(first)
         if kind != "open":
             raise ProtocolViolation(
                 f"the first message must be Open (rules 1.9, 2.12), got {kind or 'nothing'}"
             )
+        assert isinstance(first, pb.PublishRequest)
         stream = first.open.stream
         if not principal.may_publish(stream):  # before the lookup: no stream names leak to outsiders
             raise PermissionDenied(f"principal {principal.name!r} may not publish to stream {shown(stream)}")
@@ -174,19 +175,22 @@ class PublishService(pb_grpc.IngestServicer):
             receiver.fail(session, ReceiverError(f"internal error: {exc!r}"))
 
     @staticmethod
-    def _handle(request: pb.PublishRequest, receiver: Receiver, session: Session) -> None:
+    def _handle(request: pb.PublishRequest | WireBatch, receiver: Receiver, session: Session) -> None:
         """Feed one client message to the receiver; raise a ReceiverError to end the session."""
-        kind = request.WhichOneof("kind")
+        kind = _kind(request)
         if session.completed and kind in ("batch", "complete", "error"):
             raise ProtocolViolation(f"{kind.capitalize()} after the publisher's Complete or Error (rule 1.7)")
         if kind == "batch":
-            records = decode_batch(request.batch, time.time_ns() // 1000)
+            batch = request if isinstance(request, WireBatch) else request.batch
+            records = decode_batch(batch, time.time_ns() // 1000)
             limit = session.principal.limits.max_record_bytes
             if limit is not None:
                 whose = f"principal {cut(session.principal.name)!r}"
-                check_record_bytes(records, limit, request.batch.first_seq, whose)
-            receiver.accept(session, request.batch.first_seq, records)
-        elif kind == "complete":
+                check_record_bytes(records, limit, batch.first_seq, whose)
+            receiver.accept(session, batch.first_seq, records)
+            return
+        assert isinstance(request, pb.PublishRequest)
+        if kind == "complete":
             receiver.complete(session)
         elif kind == "error":
             log.warning(
@@ -217,5 +221,10 @@ def _within_limit(message: pb.PublishRequest | bytes, principal: Principal) -> p
     return message
 
 
-def _parse(message: pb.PublishRequest | bytes) -> pb.PublishRequest:
+def _parse(message: pb.PublishRequest | bytes) -> pb.PublishRequest | WireBatch:
     return decode_request(message) if isinstance(message, bytes) else message
+
+
+def _kind(request: pb.PublishRequest | WireBatch) -> str | None:
+    """Which of open, batch, complete, error the message is (None: none is set)."""
+    return "batch" if isinstance(request, WireBatch) else request.WhichOneof("kind")

@@ -15,7 +15,9 @@ Every value a client sends that reaches the block log is bounded here and checke
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -44,13 +46,93 @@ producers and every server keeps up to `max_producers` of them in memory: 256 by
 about 25 MiB at the default 100k producers, and leave room for a UUID, a host name and a path."""
 
 
-def decode_request(data: bytes) -> pb.PublishRequest:
+@dataclass(frozen=True, slots=True)
+class WireBatch:
+    """A PublishRequest{batch} read in place: its bytes fields are views of the message, not copies
+    (protobuf's parse copies every value once more). Duck-types pb.Batch for decode_batch."""
+
+    first_seq: int
+    count: int
+    values: memoryview
+    value_offsets: memoryview
+    keys: memoryview
+    key_offsets: memoryview
+    key_validity: memoryview
+
+
+_EMPTY = memoryview(b"")
+_VARINT_FIELDS = {0x08: "first_seq", 0x10: "count"}  # tag byte (number << 3 | wire type 0)
+_BYTES_FIELDS = {0x1A: "values", 0x22: "value_offsets", 0x2A: "keys", 0x32: "key_offsets"}
+_BYTES_FIELDS[0x3A] = "key_validity"
+_LIMITS = {"first_seq": 2**64, "count": 2**32}  # uint64, uint32: a larger varint is left to protobuf
+
+
+class _NotPlain(Exception):
+    """The message is not a batch in the plain form: protobuf parses it."""
+
+
+def decode_request(data: bytes) -> pb.PublishRequest | WireBatch:
     """Parse a client message; an undecodable one (garbage, a string field that is not UTF-8) is an
-    InvalidMessage, so the call ends INVALID_ARGUMENT rather than with gRPC's UNKNOWN."""
+    InvalidMessage, so the call ends INVALID_ARGUMENT rather than with gRPC's UNKNOWN.
+
+    A message that is a Batch alone, each of its fields present once with its own wire type, is read in
+    place (WireBatch); anything else (other kinds, unknown or repeated fields, bad lengths) is parsed
+    by protobuf, so both give the same fields for every input."""
+    with contextlib.suppress(_NotPlain):
+        return _read_batch(data)
     try:
         return pb.PublishRequest.FromString(data)
     except DecodeError as exc:
         raise InvalidMessage(f"undecodable PublishRequest of {len(data)} bytes: {exc}") from None
+
+
+def _read_batch(data: bytes) -> WireBatch:
+    """`data` as a WireBatch if it is one in the plain form Sluice's SDK writes, else _NotPlain."""
+    if not data or data[0] != 0x12:  # field 2 (batch), length-delimited
+        raise _NotPlain
+    length, at = _varint(data, 1)
+    end = len(data)
+    if at + length != end:  # the batch must be the whole message
+        raise _NotPlain
+    numbers: dict[str, int] = {}
+    views: dict[str, memoryview] = {}
+    view = memoryview(data)
+    while at < end:
+        tag = data[at]
+        name = _VARINT_FIELDS.get(tag)
+        if name is not None:
+            value, at = _varint(data, at + 1)
+            if value >= _LIMITS[name] or name in numbers:
+                raise _NotPlain
+            numbers[name] = value
+            continue
+        name = _BYTES_FIELDS.get(tag)
+        size, at = _varint(data, at + 1)
+        if name is None or name in views or at + size > end:
+            raise _NotPlain
+        views[name], at = view[at : at + size], at + size
+    return WireBatch(
+        first_seq=numbers.get("first_seq", 0),
+        count=numbers.get("count", 0),
+        values=views.get("values", _EMPTY),
+        value_offsets=views.get("value_offsets", _EMPTY),
+        keys=views.get("keys", _EMPTY),
+        key_offsets=views.get("key_offsets", _EMPTY),
+        key_validity=views.get("key_validity", _EMPTY),
+    )
+
+
+def _varint(data: bytes, at: int) -> tuple[int, int]:
+    """The varint at `at` and the position after it; _NotPlain if it runs past the end or over 10
+    bytes."""
+    value = shift = 0
+    for i in range(at, min(at + 10, len(data))):
+        byte = data[i]
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, i + 1
+        shift += 7
+    raise _NotPlain
 
 
 def check_producer_id(producer_id: str) -> None:
@@ -89,7 +171,7 @@ def check_record_bytes(records: pa.RecordBatch, limit: int, first_seq: int, whos
     )
 
 
-def decode_batch(batch: pb.Batch, timestamp_us: int) -> pa.RecordBatch:
+def decode_batch(batch: pb.Batch | WireBatch, timestamp_us: int) -> pa.RecordBatch:
     """Validate a Batch and view it as a record batch with BLOCK_SCHEMA; raise InvalidBatch if malformed."""
     count = batch.count
     if count <= 0:
@@ -103,11 +185,16 @@ def decode_batch(batch: pb.Batch, timestamp_us: int) -> pa.RecordBatch:
         raise InvalidBatch("Batch.keys or key_validity set without key_offsets")
     else:
         keys = pa.nulls(count, pa.binary())
-    timestamps = pa.array(np.full(count, timestamp_us, dtype=np.int64), type=_TIMESTAMP)
+    # from the buffer: pa.array() of a numpy array imports pandas (half a second on a first batch)
+    timestamps = pa.Array.from_buffers(
+        _TIMESTAMP, count, [None, pa.py_buffer(np.full(count, timestamp_us, dtype=np.int64))]
+    )
     return pa.RecordBatch.from_arrays([keys, values, timestamps], schema=BLOCK_SCHEMA)
 
 
-def _binary_array(count: int, offsets: bytes, data: bytes, validity: bytes, what: str) -> pa.Array:
+def _binary_array(
+    count: int, offsets: bytes | memoryview, data: bytes | memoryview, validity: bytes | memoryview, what: str
+) -> pa.Array:
     if len(offsets) != 4 * (count + 1):
         raise InvalidBatch(
             f"Batch.{what}_offsets has {len(offsets)} bytes; count {count} needs 4 * (count + 1) = "
@@ -121,7 +208,12 @@ def _binary_array(count: int, offsets: bytes, data: bytes, validity: bytes, what
         array = pa.Array.from_buffers(
             pa.binary(),
             count,
-            [pa.py_buffer(validity) if validity else None, pa.py_buffer(offsets), pa.py_buffer(data)],
+            [
+                pa.py_buffer(validity) if validity else None,
+                # a view into a message may start anywhere: int32s get an aligned copy of their own
+                pa.py_buffer(bytes(offsets) if isinstance(offsets, memoryview) else offsets),
+                pa.py_buffer(data),
+            ],
         )
         array.validate(full=True)
     except pa.ArrowInvalid as exc:

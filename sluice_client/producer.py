@@ -66,8 +66,7 @@ from sluice_client.errors import (
 )
 from sluice_client.flow import MAX_DEMAND
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
-from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
-from sluice_client.wire import encode_batch, value_ends
+from sluice_client.wire import publish_batch, value_ends
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +130,15 @@ def parse_targets(target: str | Sequence[str]) -> tuple[str, ...]:
     return tuple(targets)
 
 
-Call = grpc.aio.StreamStreamCall[pb.PublishRequest, pb.PublishResponse]
+Call = grpc.aio.StreamStreamCall[pb.PublishRequest | bytes, pb.PublishResponse]
+PUBLISH = "/ingest.v1.Ingest/Publish"
+
+
+def _serialize_request(request: pb.PublishRequest | bytes) -> bytes:
+    """Batches go out already serialized (sluice_client.wire.publish_batch); the rest as messages."""
+    return request if isinstance(request, bytes) else request.SerializeToString()
+
+
 _CALL_ENDED = (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
 _ERROR_DELIVERY = 1.0
 """Seconds a protocol error waits for the server to end the call after telling it in-band."""
@@ -450,7 +457,12 @@ class Producer:
     async def _open_call(self, index: int) -> Call:
         """Open a session with targets[index] (now `target`): Open written, or RPCError."""
         self._current = index
-        publish = pb_grpc.IngestStub(self._channel_for(self.target)).Publish
+        publish = self._channel_for(self.target).stream_stream(
+            PUBLISH,
+            request_serializer=_serialize_request,
+            response_deserializer=pb.PublishResponse.FromString,
+            _registered_method=True,  # type: ignore[call-arg]  # as the generated stub does; stubs lag
+        )
         call: Call = publish(metadata=self.credentials.metadata)  # type: ignore[call-arg]  # stubs lag
         opening = pb.Open(stream=self.stream, producer_id=self.producer_id, resume_from_seq=self._acked_seq)
         try:
@@ -564,6 +576,10 @@ class Producer:
                 for i in range(start, end):
                     self._append(values[i], None if keys is None else keys[i])
             start = end
+            if len(self._pending) >= self.batch_size:
+                # a batch is ready: let the sender take it (and start its write) before more records
+                # are queued, or a caller filling a large buffer would hold the sender up meanwhile
+                await asyncio.sleep(0)
 
     def _append(self, value: bytes, key: bytes | None) -> None:
         if not isinstance(value, bytes | bytearray | memoryview):
@@ -766,6 +782,35 @@ class Producer:
         self._unacked_bytes = 0
 
     async def _send_loop(self, call: Call) -> None:
+        # one write in flight while the next batch is encoded: gRPC moves a message through its
+        # transport in its own threads, so encoding (Python) and sending overlap instead of taking
+        # turns; at most one batch waits besides the one being written
+        writing: asyncio.Task[bool] | None = None
+        try:
+            while True:
+                request = await self._next_request()
+                if writing is not None and not await writing:
+                    return  # the call ended; the read loop has (or will have) the status that says why
+                writing = asyncio.create_task(self._write(call, request))
+                await asyncio.sleep(0)  # let the write start before the next batch is encoded
+        finally:
+            if writing is not None and not writing.done():
+                writing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await writing
+
+    async def _write(self, call: Call, request: bytes) -> bool:
+        """Write one message; False if the call has ended."""
+        try:
+            async with self._write_lock:
+                await call.write(request)
+        except _CALL_ENDED:
+            return False
+        return True
+
+    async def _next_request(self) -> bytes:
+        """The next Batch to send, serialized, taken from the pending records within the credit (its
+        records count as sent from here on)."""
         while True:
             # wait for credit and a batch worth sending: full, lingered long enough, or flushing
             while not (self._credit > 0 and self._pending):
@@ -788,7 +833,7 @@ class Producer:
                 values, ends = values[:n], ends[:n]
                 keys = keys[:n] if keys is not None else None
             self._pending.drop(n)
-            batch = encode_batch(self._sent_seq, values, keys, value_ends=ends)
+            request = publish_batch(self._sent_seq, values, keys, value_ends=ends)
             sent = _Sent(self._sent_seq, values, keys, int(ends[-1]))
             self._unacked.append(sent)
             self._unacked_count += n
@@ -797,11 +842,7 @@ class Producer:
             self._credit -= n
             self._sent_seq += n
             self._ever_sent = max(self._ever_sent, self._sent_seq)
-            try:
-                async with self._write_lock:
-                    await call.write(pb.PublishRequest(batch=batch))
-            except _CALL_ENDED:
-                return  # the call ended; the read loop has (or will have) the status that says why
+            return request
 
     def _acked_to(self, up_to: int) -> None:
         """Drop the records below `up_to` from memory: they are durable."""
