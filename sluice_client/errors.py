@@ -66,6 +66,11 @@ class ProducerClosedError(SluiceError):
     """The producer takes no more records: it was closed or it failed."""
 
 
+class RecordTypeError(SluiceError, TypeError):
+    """A record's value or key is not bytes (send_many takes them unchecked: it is found when the batch
+    is encoded, and the producer fails with this error, its unsent records still in it)."""
+
+
 class FlushTimeoutError(SluiceError, TimeoutError):
     """Records were still unacked when the time ran out."""
 

@@ -38,6 +38,7 @@ every session's call.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import collections
 import contextlib
@@ -51,6 +52,7 @@ from types import TracebackType
 
 import grpc
 import numpy as np
+import numpy.typing as npt
 
 from sluice_client.allocator import tune_malloc
 from sluice_client.credentials import Credentials
@@ -59,6 +61,7 @@ from sluice_client.errors import (
     ProducerClosedError,
     ProtocolError,
     ReconnectTimeoutError,
+    RecordTypeError,
     RPCError,
     SluiceError,
     StartTimeoutError,
@@ -66,7 +69,7 @@ from sluice_client.errors import (
 )
 from sluice_client.flow import MAX_DEMAND
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
-from sluice_client.wire import publish_batch, value_ends
+from sluice_client.wire import publish_batch
 
 log = logging.getLogger(__name__)
 
@@ -152,13 +155,16 @@ class _State(enum.Enum):
 
 
 class _Pending:
-    """Records not sent yet: values, and keys once one has a key. Sending takes from the front: a head
-    index, compacted now and then, so that taking a batch does not move the whole backlog."""
+    """Records not sent yet: values, their lengths, and keys once one has a key. Sending takes from the
+    front: a head index, compacted now and then, so that taking a batch does not move the whole
+    backlog. Lengths are measured once, as records come in: the byte budget and the batch's layout
+    both need them, and measuring is a Python call per record."""
 
-    __slots__ = ("_head", "_keys", "_values")
+    __slots__ = ("_head", "_keys", "_lengths", "_values")
 
     def __init__(self) -> None:
         self._values: list[bytes] = []
+        self._lengths = array.array("q")  # len() of each value, in step with _values
         self._keys: list[bytes | None] | None = None  # None while no record here has a key
         self._head = 0
 
@@ -169,18 +175,29 @@ class _Pending:
     def has_keys(self) -> bool:
         return self._keys is not None
 
-    def append(self, value: bytes, key: bytes | None) -> None:
+    def append(self, value: bytes, key: bytes | None) -> int:
+        """Add a record; return its value's length."""
         if key is not None and self._keys is None:
             self._keys = [None] * len(self._values)
         self._values.append(value)
+        size = len(value)
+        self._lengths.append(size)
         if self._keys is not None:
             self._keys.append(key)
+        return size
 
-    def extend(self, values: Sequence[bytes]) -> None:
-        """Records without keys."""
+    def extend(self, values: Sequence[bytes]) -> int:
+        """Add records without keys; return the bytes of their values."""
+        try:
+            lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+        except TypeError:
+            bad = next(v for v in values if not isinstance(v, bytes | bytearray | memoryview))
+            raise RecordTypeError(f"record values must be bytes, not {type(bad).__name__}") from None
         self._values.extend(values)
+        self._lengths.frombytes(lengths.tobytes())
         if self._keys is not None:
             self._keys.extend([None] * len(values))
+        return int(lengths.sum())
 
     def peek(self, n: int) -> tuple[list[bytes], list[bytes | None] | None]:
         """The first `n` records (values, and keys or None) without taking them."""
@@ -188,11 +205,17 @@ class _Pending:
         keys = self._keys[self._head : end] if self._keys is not None else None
         return self._values[self._head : end], keys
 
+    def ends(self, n: int) -> npt.NDArray[np.int64]:
+        """Where each of the first `n` values ends in their concatenation (wire.value_ends of them)."""
+        # a copy, not a view: a buffer exported from the array would keep it from growing
+        lengths = np.frombuffer(self._lengths, dtype=np.int64, count=n, offset=8 * self._head).copy()
+        return np.cumsum(lengths, out=lengths)
+
     def drop(self, n: int) -> None:
         """Take the first `n` records away (sent)."""
         self._head += n
         if self._head >= len(self._values):
-            self._values, self._keys, self._head = [], None, 0
+            self._values, self._lengths, self._keys, self._head = [], array.array("q"), None, 0
         elif self._head >= 65536 and self._head * 2 >= len(self._values):  # amortized: O(1) a record
             self._compact()
 
@@ -204,12 +227,38 @@ class _Pending:
             mine = self._keys if self._keys is not None else none * len(self._values)
             self._keys = (keys if keys is not None else none * len(values)) + mine
         self._values[:0] = values
+        self._lengths[:0] = array.array("q", map(len, values))
 
     def _compact(self) -> None:
         del self._values[: self._head]
+        del self._lengths[: self._head]
         if self._keys is not None:
             del self._keys[: self._head]
         self._head = 0
+
+
+def _record_type_error(
+    first_seq: int, values: list[bytes], keys: list[bytes | None] | None
+) -> RecordTypeError:
+    """The error naming the first record of a batch whose value or key is not flat bytes."""
+
+    def flat(item: object) -> bool:
+        return isinstance(item, bytes | bytearray) or (
+            isinstance(item, memoryview) and item.nbytes == len(item)
+        )
+
+    for i, value in enumerate(values):
+        key = keys[i] if keys is not None else None
+        for what, item in (("value", value), ("key", key)):
+            if item is not None and not flat(item):
+                kind = type(item).__name__
+                if isinstance(item, memoryview):
+                    kind = f"a memoryview of {item.itemsize}-byte items"
+                return RecordTypeError(
+                    f"record {first_seq + i}: its {what} is {kind}, not bytes; the "
+                    "producer cannot send it (its unsent records: abort() returns them)"
+                )
+    return RecordTypeError(f"a record of the batch at {first_seq} is not bytes")  # pragma: no cover
 
 
 class _Sent:
@@ -569,8 +618,7 @@ class Producer:
             end = min(len(values), start + room)
             chunk = values[start:end]
             if keys is None and not self._pending.has_keys:
-                self._pending.extend(chunk)
-                self._buffered_bytes += sum(map(len, chunk))
+                self._buffered_bytes += self._pending.extend(chunk)
                 self._wake()
             else:
                 for i in range(start, end):
@@ -584,8 +632,7 @@ class Producer:
     def _append(self, value: bytes, key: bytes | None) -> None:
         if not isinstance(value, bytes | bytearray | memoryview):
             raise TypeError(f"record value must be bytes, not {type(value).__name__}")
-        self._pending.append(value, key)
-        self._buffered_bytes += len(value)
+        self._buffered_bytes += self._pending.append(value, key)
         # the first record starts the linger clock (and an idle producer's reconnect); a full batch goes
         held = len(self._pending)
         if held == 1 or held >= self.batch_size or self._buffered_bytes >= self.batch_bytes:
@@ -672,6 +719,8 @@ class Producer:
                 return
             if self._state is not _State.OPEN and not self.unacked:
                 return  # closing with everything acked: nothing to resend
+            if self._error is not None:  # the producer failed itself (a record it cannot send)
+                raise self._error
             if not reconnectable(failure, cancelled_in_band=self.cancel_reason is not None):
                 self._error = failure
                 raise failure
@@ -788,7 +837,13 @@ class Producer:
         writing: asyncio.Task[bool] | None = None
         try:
             while True:
-                request = await self._next_request()
+                try:
+                    request = await self._next_request()
+                except RecordTypeError as exc:
+                    self._error = exc  # what flush, send and close raise; _supervise keeps it
+                    self._wake()
+                    call.cancel()
+                    return
                 if writing is not None and not await writing:
                     return  # the call ended; the read loop has (or will have) the status that says why
                 writing = asyncio.create_task(self._write(call, request))
@@ -827,13 +882,16 @@ class Producer:
                 # failover resets the credit, a requeue moves records): wait for both again
                 continue
             values, keys = self._pending.peek(n)
-            ends = value_ends(values)  # one pass over the lengths: the batch's byte cut and its layout
+            ends = self._pending.ends(n)  # the batch's byte cut and its layout
             if ends[-1] > self.batch_bytes:  # (roughly) within batch_bytes, at least one record
                 n = max(1, int(np.searchsorted(ends, self.batch_bytes)) + 1)
                 values, ends = values[:n], ends[:n]
                 keys = keys[:n] if keys is not None else None
+            try:
+                request = publish_batch(self._sent_seq, values, keys, value_ends=ends)
+            except TypeError:
+                raise _record_type_error(self._sent_seq, values, keys) from None
             self._pending.drop(n)
-            request = publish_batch(self._sent_seq, values, keys, value_ends=ends)
             sent = _Sent(self._sent_seq, values, keys, int(ends[-1]))
             self._unacked.append(sent)
             self._unacked_count += n

@@ -15,7 +15,7 @@ from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
 from receivers.config import FsyncPolicy, ReceiverConfig
 from sluice_client import Producer
-from sluice_client.errors import ReconnectTimeoutError, RPCError
+from sluice_client.errors import ReconnectTimeoutError, RecordTypeError, RPCError
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from sluice_client.wire import encode_batch
@@ -87,6 +87,34 @@ async def test_producer_records_are_acked_and_stored(server: SluiceServer) -> No
     assert [r["value"] for r in rows] == [f"record-{i}".encode() for i in range(2_500)]
     assert [r["key"] for r in rows[:4]] == [None, b"k", None, b"k"]
     assert [b.first_offset for b in blocks] == [sum(x.count for x in blocks[:i]) for i in range(len(blocks))]
+
+
+@pytest.mark.parametrize(
+    ("bad", "named"),
+    [("text", "its value is str"), (memoryview(b"abcd").cast("I"), "its value is a memoryview of 4-byte")],
+)
+async def test_a_record_that_is_not_bytes_fails_the_producer_clearly(
+    server: SluiceServer, bad: object, named: str
+) -> None:
+    """send_many takes records unchecked (a check per record would cost as much as the rest of the
+    path): one that is not bytes fails the producer with its sequence number when its batch is encoded,
+    nothing of that batch is sent, and abort() gives every unsent record back; the server goes on."""
+    producer = Producer(server.target, "events", linger=0)
+    await producer.start()
+    await producer.send_many([b"a", b"b"])
+    await producer.flush(timeout=10)
+    await producer.send_many([b"c", bad, b"d"])  # type: ignore[list-item]
+    with pytest.raises(RecordTypeError, match=f"record 3: {named}"):
+        await producer.flush(timeout=10)
+    with pytest.raises(RecordTypeError):
+        await producer.send(b"e")
+    assert [value for value, _ in await producer.abort()] == [b"c", bad, b"d"]
+    with pytest.raises(RecordTypeError, match="must be bytes, not int"):  # found at once: no len()
+        async with Producer(server.target, "events") as other:
+            await other.send_many([b"x", 7])  # type: ignore[list-item]
+    async with Producer(server.target, "events") as fine:
+        await fine.send_many([b"f"])
+    assert sum(b.count for b in server.store.blocks("events")) == 3
 
 
 async def test_credit_violation_ends_only_that_session(server: SluiceServer) -> None:
