@@ -102,7 +102,7 @@ STATE_FILE = "released.json"
 LOCK_FILE = "released.lock"
 """flock()ed by whoever rewrites released.json or deletes segments (see _mark_lock)."""
 ALIGN = 4096
-"""Under "every-block" segments are written with O_DIRECT where the file system allows it: the data goes
+"""Segments are written with O_DIRECT (every fsync policy) where the file system allows it: the data goes
 from the frame's buffer to the disk without a copy into the page cache, which on the development VM cost
 as much CPU as the rest of the ingest path. Direct writes must start and end on this boundary (the page
 size, a multiple of every common logical block size), so such frames are padded to it."""
@@ -299,8 +299,10 @@ class WalBlockStore(BlockStore):
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         direct_io: bool = True,
     ) -> None:
-        """`direct_io`: under "every-block", write segments with O_DIRECT where the file system allows
-        (see ALIGN); False writes through the page cache (and pads nothing)."""
+        """`direct_io`: write segments with O_DIRECT where the file system allows (see ALIGN), under
+        every fsync policy (through the page cache, not fsyncing saved nothing: the copy into the cache
+        and its writeback cost more CPU than the device's write); False writes through the page cache
+        (and pads nothing)."""
         if segment_bytes < 1:
             raise ValueError(f"segment_bytes must be >= 1, got {segment_bytes}")
         self.root = Path(root)
@@ -888,7 +890,7 @@ class WalBlockStore(BlockStore):
         return fd
 
     def _direct_wanted(self) -> bool:
-        return self.direct_io and self.fsync.mode == "every-block" and hasattr(os, "O_DIRECT")
+        return self.direct_io and hasattr(os, "O_DIRECT")
 
     def _open_segment(self, path: Path, create: int) -> tuple[int, bool]:
         """Open a segment to append to: (fd, whether with O_DIRECT). Falls back to buffered writes
