@@ -328,7 +328,7 @@ VARIANTS = {
 def main() -> None:
     tune_malloc()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--records", type=int, default=10_000_000)
+    parser.add_argument("--records", type=int, default=20_000_000)
     parser.add_argument("--record-bytes", type=int, default=100)
     parser.add_argument("--batch", type=int, default=4096, help="records per Batch message")
     parser.add_argument(
