@@ -28,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,19 +129,39 @@ def serve(kind: str, ports: Any, data_dir: str, buffer: int, block_interval: flo
 
 class AckClock:
     """When acks came, to time the steady state: records acked between 10% and 90% of the total over
-    the time between (no connection set-up, no wait for the last partial block's interval)."""
+    the time between (no connection set-up, no wait for the last partial block's interval); with `cpu`
+    (the CPU seconds used so far by the server and by the client), what each used in that window."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, cpu: Callable[[], tuple[float, float]] | None = None) -> None:
         self.total = total
         self.points: list[tuple[float, int]] = []
+        self._cpu = cpu
+        self._marks = [total // 10, total * 9 // 10]
+        self.cpu_marks: list[tuple[float, float]] = []
 
     def acked(self, up_to: int) -> None:
         self.points.append((time.perf_counter(), up_to))
+        while self._cpu is not None and self._marks and up_to >= self._marks[0]:
+            self._marks.pop(0)
+            self.cpu_marks.append(self._cpu())
 
-    def steady_rate(self) -> float:
+    def _window(self) -> tuple[tuple[float, int], tuple[float, int]]:
         low = next(p for p in self.points if p[1] >= self.total // 10)
         high = next(p for p in self.points if p[1] >= self.total * 9 // 10)
+        return low, high
+
+    def steady_rate(self) -> float:
+        low, high = self._window()
         return (high[1] - low[1]) / (high[0] - low[0]) if high[0] > low[0] else math.inf
+
+    def steady_cpu(self) -> tuple[float, float] | None:
+        """(server, client) CPU seconds per second in the steady window."""
+        if len(self.cpu_marks) < 2:
+            return None
+        (low, _), (high, _) = self._window()
+        seconds = max(high - low, 1e-9)
+        (s0, c0), (s1, c1) = self.cpu_marks
+        return (s1 - s0) / seconds, (c1 - c0) / seconds
 
 
 def _as_bytes(request: pb.PublishRequest | bytes) -> bytes:
@@ -232,7 +252,7 @@ class Run:
     overall: float
     """Records/s from the first send to the last ack."""
     cpu: tuple[float, float]
-    """(server, client) CPU seconds per second: which side is the bound."""
+    """(server, client) CPU seconds per second in the steady window: which side is the bound."""
     log: tuple[int, int] | None
     """(blocks, bytes) the server's log holds after an fsync run."""
 
@@ -252,7 +272,8 @@ def run(variant: str, args: argparse.Namespace) -> Run:
             if args.profile and variant != "bare":
                 spy = start_profile(proc.pid, Path(args.profile) / f"{variant}.txt")
             values = [b"v" * args.record_bytes] * args.batch
-            clock = AckClock(args.records)
+            pid = proc.pid
+            clock = AckClock(args.records, lambda: (process_cpu(pid), time.process_time()))
             server_cpu, client_cpu, wall = process_cpu(proc.pid), time.process_time(), time.perf_counter()
             if variant in ("bare", "credit"):
                 push = push_raw(target, args.records, values, variant == "credit", clock)
@@ -261,7 +282,7 @@ def run(variant: str, args: argparse.Namespace) -> Run:
             elapsed = asyncio.run(push)
             wall = time.perf_counter() - wall
             client_cpu = time.process_time() - client_cpu
-            cpu = ((process_cpu(proc.pid) - server_cpu) / wall, client_cpu / wall)
+            cpu = clock.steady_cpu() or ((process_cpu(proc.pid) - server_cpu) / wall, client_cpu / wall)
             log = log_blocks(Path(data_dir) / "blocks") if variant == "fsync" else None
         finally:
             if spy is not None:
@@ -360,6 +381,7 @@ def main() -> None:
         print(
             f"  {VARIANTS[variant]:<20} {rate:>12,.0f} rec/s   {rate / results['bare']:6.1%} of bare gRPC"
             f"   cpu: server {server:4.0%} client {client:4.0%}"
+            f" ({server / rate * 1e9:3.0f} + {client / rate * 1e9:3.0f} ns/record)"
             f"   (first send to last ack: {best[variant].overall:,.0f} rec/s)"
         )
     if "fsync" not in results:
