@@ -46,7 +46,7 @@ from sluice_client import Credentials, Producer
 from sluice_client.allocator import tune_malloc
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
-from sluice_client.wire import publish_batch
+from sluice_client.wire import publish_batch, serialize_request
 
 MAX_MSG = 64 * 1024 * 1024
 
@@ -164,10 +164,6 @@ class AckClock:
         return (s1 - s0) / seconds, (c1 - c0) / seconds
 
 
-def _as_bytes(request: pb.PublishRequest | bytes) -> bytes:
-    return request if isinstance(request, bytes) else request.SerializeToString()
-
-
 async def push_raw(
     target: str, records: int, values: list[bytes], obey_credit: bool, clock: AckClock
 ) -> float:
@@ -178,7 +174,7 @@ async def push_raw(
     ) as channel:
         publish = channel.stream_stream(
             "/ingest.v1.Ingest/Publish",
-            request_serializer=_as_bytes,
+            request_serializer=serialize_request,
             response_deserializer=pb.PublishResponse.FromString,
         )
         call = publish()

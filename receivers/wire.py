@@ -61,10 +61,16 @@ class WireBatch:
 
 
 _EMPTY = memoryview(b"")
-_VARINT_FIELDS = {0x08: "first_seq", 0x10: "count"}  # tag byte (number << 3 | wire type 0)
-_BYTES_FIELDS = {0x1A: "values", 0x22: "value_offsets", 0x2A: "keys", 0x32: "key_offsets"}
-_BYTES_FIELDS[0x3A] = "key_validity"
-_LIMITS = {"first_seq": 2**64, "count": 2**32}  # uint64, uint32: a larger varint is left to protobuf
+# Batch's fields by tag byte (number << 3 | wire type); varints with the bound of their type (uint64,
+# uint32: a larger varint, which protobuf truncates, is left to protobuf)
+_VARINT_FIELDS = {0x08: ("first_seq", 2**64), 0x10: ("count", 2**32)}
+_BYTES_FIELDS = {
+    0x1A: "values",
+    0x22: "value_offsets",
+    0x2A: "keys",
+    0x32: "key_offsets",
+    0x3A: "key_validity",
+}
 
 
 class _NotPlain(Exception):
@@ -99,18 +105,18 @@ def _read_batch(data: bytes) -> WireBatch:
     view = memoryview(data)
     while at < end:
         tag = data[at]
-        name = _VARINT_FIELDS.get(tag)
-        if name is not None:
+        if tag in _VARINT_FIELDS:
+            name, bound = _VARINT_FIELDS[tag]
             value, at = _varint(data, at + 1)
-            if value >= _LIMITS[name] or name in numbers:
+            if value >= bound or name in numbers:
                 raise _NotPlain
             numbers[name] = value
             continue
-        name = _BYTES_FIELDS.get(tag)
+        field = _BYTES_FIELDS.get(tag)
         size, at = _varint(data, at + 1)
-        if name is None or name in views or at + size > end:
+        if field is None or field in views or at + size > end:
             raise _NotPlain
-        views[name], at = view[at : at + size], at + size
+        views[field], at = view[at : at + size], at + size
     return WireBatch(
         first_seq=numbers.get("first_seq", 0),
         count=numbers.get("count", 0),

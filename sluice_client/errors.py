@@ -71,6 +71,11 @@ class RecordTypeError(SluiceError, TypeError):
     is encoded, and the producer fails with this error, its unsent records still in it)."""
 
 
+class RecordTooLargeError(SluiceError, ValueError):
+    """A record is larger than a message may be: the producer fails with this error when it comes to
+    send it, its unsent records still in it (a session would only end and be reopened for it)."""
+
+
 class FlushTimeoutError(SluiceError, TimeoutError):
     """Records were still unacked when the time ran out."""
 

@@ -61,6 +61,7 @@ from sluice_client.errors import (
     ProducerClosedError,
     ProtocolError,
     ReconnectTimeoutError,
+    RecordTooLargeError,
     RecordTypeError,
     RPCError,
     SluiceError,
@@ -69,7 +70,7 @@ from sluice_client.errors import (
 )
 from sluice_client.flow import MAX_DEMAND
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
-from sluice_client.wire import publish_batch
+from sluice_client.wire import publish_batch, serialize_request
 
 log = logging.getLogger(__name__)
 
@@ -135,11 +136,6 @@ def parse_targets(target: str | Sequence[str]) -> tuple[str, ...]:
 
 Call = grpc.aio.StreamStreamCall[pb.PublishRequest | bytes, pb.PublishResponse]
 PUBLISH = "/ingest.v1.Ingest/Publish"
-
-
-def _serialize_request(request: pb.PublishRequest | bytes) -> bytes:
-    """Batches go out already serialized (sluice_client.wire.publish_batch); the rest as messages."""
-    return request if isinstance(request, bytes) else request.SerializeToString()
 
 
 _CALL_ENDED = (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
@@ -508,7 +504,7 @@ class Producer:
         self._current = index
         publish = self._channel_for(self.target).stream_stream(
             PUBLISH,
-            request_serializer=_serialize_request,
+            request_serializer=serialize_request,
             response_deserializer=pb.PublishResponse.FromString,
             _registered_method=True,  # type: ignore[call-arg]  # as the generated stub does; stubs lag
         )
@@ -839,7 +835,7 @@ class Producer:
             while True:
                 try:
                     request = await self._next_request()
-                except RecordTypeError as exc:
+                except (RecordTypeError, RecordTooLargeError) as exc:
                     self._error = exc  # what flush, send and close raise; _supervise keeps it
                     self._wake()
                     call.cancel()
@@ -887,10 +883,26 @@ class Producer:
                 n = max(1, int(np.searchsorted(ends, self.batch_bytes)) + 1)
                 values, ends = values[:n], ends[:n]
                 keys = keys[:n] if keys is not None else None
-            try:
-                request = publish_batch(self._sent_seq, values, keys, value_ends=ends)
-            except TypeError:
-                raise _record_type_error(self._sent_seq, values, keys) from None
+            while True:
+                try:
+                    request: bytes | None = publish_batch(self._sent_seq, values, keys, value_ends=ends)
+                except TypeError:
+                    raise _record_type_error(self._sent_seq, values, keys) from None
+                except ValueError:  # over int32 offsets
+                    request = None
+                if request is not None and len(request) <= DEFAULT_MAX_MESSAGE_BYTES:
+                    break
+                if n == 1:  # no session could ever take it: resending would loop
+                    key = keys[0] if keys is not None else None
+                    size = len(values[0]) + (len(key) if key is not None else 0)
+                    raise RecordTooLargeError(
+                        f"record {self._sent_seq} has {size} bytes of key and value: over the "
+                        f"{DEFAULT_MAX_MESSAGE_BYTES}-byte message limit; the producer cannot send it "
+                        "(its unsent records: abort() returns them)"
+                    )
+                n //= 2  # batch_bytes above the message limit: send the batch in smaller pieces
+                values, ends = values[:n], ends[:n]
+                keys = keys[:n] if keys is not None else None
             self._pending.drop(n)
             sent = _Sent(self._sent_seq, values, keys, int(ends[-1]))
             self._unacked.append(sent)

@@ -49,13 +49,9 @@ def encode_batch(
         raise ValueError("a batch needs at least one record")
     data, offsets = _binary(values, "values", value_ends)
     batch = pb.Batch(first_seq=first_seq, count=count, values=data, value_offsets=offsets)
-    if keys is not None and any(k is not None for k in keys):
-        if len(keys) != count:
-            raise ValueError(f"{len(keys)} keys for {count} values")
-        present = np.fromiter((k is not None for k in keys), dtype=bool, count=count)
-        batch.keys, batch.key_offsets = _binary([k if k is not None else b"" for k in keys], "keys")
-        # Arrow's validity bitmap: bit i (least significant first) set when key i is not null
-        batch.key_validity = np.packbits(present, bitorder="little").tobytes()
+    key_fields = _key_fields(keys, count)
+    if key_fields is not None:
+        batch.keys, batch.key_offsets, batch.key_validity = key_fields
     return batch
 
 
@@ -73,20 +69,13 @@ def publish_batch(
         raise ValueError("a batch needs at least one record")
     ends = _value_ends(values) if value_ends is None else value_ends
     size = int(ends[-1])
-    if size > MAX_OFFSET:
-        raise ValueError(f"a batch holds at most {MAX_OFFSET} bytes of values, got {size}")
-    offsets = np.zeros(count + 1, dtype="<i4")
-    offsets[1:] = ends
     # fields in number order, proto3 defaults (0, empty) left out, as protobuf serializes them
     head = (_varint_field(1, first_seq) if first_seq else b"") + _varint_field(2, count)
-    tail = _bytes_field(4, offsets.tobytes())
-    if keys is not None and any(k is not None for k in keys):
-        if len(keys) != count:
-            raise ValueError(f"{len(keys)} keys for {count} values")
-        present = np.fromiter((k is not None for k in keys), dtype=bool, count=count)
-        key_data, key_offsets = _binary([k if k is not None else b"" for k in keys], "keys")
-        tail += _bytes_field(5, key_data) + _bytes_field(6, key_offsets)
-        tail += _bytes_field(7, np.packbits(present, bitorder="little").tobytes())
+    tail = _bytes_field(4, _offsets(ends, "values"))
+    key_fields = _key_fields(keys, count)
+    if key_fields is not None:
+        key_data, key_offsets, key_validity = key_fields
+        tail += _bytes_field(5, key_data) + _bytes_field(6, key_offsets) + _bytes_field(7, key_validity)
     if size:
         head += _varint(3 << 3 | 2) + _varint(size)
     batch_size = len(head) + size + len(tail)
@@ -95,6 +84,12 @@ def publish_batch(
     if len(data) != len(prefix) + size + len(tail):  # an item that is not flat bytes (a typed memoryview)
         raise TypeError("record values must be bytes")
     return data
+
+
+def serialize_request(request: pb.PublishRequest | bytes) -> bytes:
+    """A Publish call's request serializer: batches go out already serialized (publish_batch), the rest
+    as messages."""
+    return request if isinstance(request, bytes) else request.SerializeToString()
 
 
 def _varint(n: int) -> bytes:
@@ -115,17 +110,34 @@ def _bytes_field(number: int, data: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(data)) + data if data else b""
 
 
+def _key_fields(keys: Sequence[bytes | None] | None, count: int) -> tuple[bytes, bytes, bytes] | None:
+    """(keys, key_offsets, key_validity) of a batch, or None when no record has a key."""
+    if keys is None or all(k is None for k in keys):
+        return None
+    if len(keys) != count:
+        raise ValueError(f"{len(keys)} keys for {count} values")
+    present = np.fromiter((k is not None for k in keys), dtype=bool, count=count)
+    data, offsets = _binary([k if k is not None else b"" for k in keys], "keys")
+    # Arrow's validity bitmap: bit i (least significant first) set when key i is not null
+    return data, offsets, np.packbits(present, bitorder="little").tobytes()
+
+
+def _offsets(ends: npt.NDArray[np.int64], what: str) -> bytes:
+    """Arrow's int32 offsets from 0 for items ending at `ends`; ValueError past MAX_OFFSET."""
+    if int(ends[-1]) > MAX_OFFSET:
+        raise ValueError(f"a batch holds at most {MAX_OFFSET} bytes of {what}, got {int(ends[-1])}")
+    offsets = np.zeros(len(ends) + 1, dtype="<i4")
+    offsets[1:] = ends
+    return offsets.tobytes()
+
+
 def _binary(
     items: Sequence[bytes], what: str, ends: npt.NDArray[np.int64] | None = None
 ) -> tuple[bytes, bytes]:
     """(data, int32 offsets from 0) of `items` in Arrow's binary layout."""
-    count = len(items)
     # join + one length pass is about twice as fast as building an Arrow array from the list
     data = b"".join(items)
-    offsets = np.zeros(count + 1, dtype=np.int64)
-    offsets[1:] = value_ends(items) if ends is None else ends
-    if offsets[-1] != len(data):  # an item that is not a flat bytes-like object (e.g. a typed memoryview)
+    ends = value_ends(items) if ends is None else ends
+    if int(ends[-1]) != len(data):  # an item that is not a flat bytes-like object (a typed memoryview)
         raise TypeError(f"record {what} must be bytes")
-    if offsets[-1] > MAX_OFFSET:
-        raise ValueError(f"a batch holds at most {MAX_OFFSET} bytes of {what}, got {offsets[-1]}")
-    return data, offsets.astype("<i4").tobytes()
+    return data, _offsets(ends, what)

@@ -15,9 +15,10 @@ from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
 from receivers.config import FsyncPolicy, ReceiverConfig
 from sluice_client import Producer
-from sluice_client.errors import ReconnectTimeoutError, RecordTypeError, RPCError
+from sluice_client.errors import ReconnectTimeoutError, RecordTooLargeError, RecordTypeError, RPCError
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client.producer import DEFAULT_MAX_MESSAGE_BYTES
 from sluice_client.wire import encode_batch
 
 
@@ -115,6 +116,25 @@ async def test_a_record_that_is_not_bytes_fails_the_producer_clearly(
     async with Producer(server.target, "events") as fine:
         await fine.send_many([b"f"])
     assert sum(b.count for b in server.store.blocks("events")) == 3
+
+
+async def test_a_record_over_the_message_limit_fails_the_producer_at_once(server: SluiceServer) -> None:
+    """A record no message can carry used to end and reopen sessions until the reconnect timeout (a
+    session up again reset it: forever); now the producer fails with RecordTooLargeError naming it. A
+    batch_bytes above the limit is sent in pieces that fit."""
+    async with Producer(server.target, "events", batch_bytes=64 * 1024 * 1024, batch_size=100) as producer:
+        await producer.send_many([bytes([i]) * (1024 * 1024) for i in range(40)])
+        await producer.flush(timeout=30)
+    assert sum(b.count for b in server.store.blocks("events")) == 40
+    producer = Producer(server.target, "events", linger=0)
+    await producer.start()
+    await producer.send(b"ok")
+    await producer.flush(timeout=10)
+    await producer.send_many([b"x" * (DEFAULT_MAX_MESSAGE_BYTES + 1)])
+    with pytest.raises(RecordTooLargeError, match=r"record 1 has 33554433 bytes .* message limit"):
+        await producer.flush(timeout=10)
+    assert [len(value) for value, _ in await producer.abort()] == [DEFAULT_MAX_MESSAGE_BYTES + 1]
+    assert sum(b.count for b in server.store.blocks("events")) == 41
 
 
 async def test_credit_violation_ends_only_that_session(server: SluiceServer) -> None:
