@@ -77,12 +77,26 @@ estimator instead:
    a tried batch that took about as long is tried larger again, one that took longer is held, a second
    in a row that took longer ends it (`_probe`). Not after a batch far slower than the others.
 
+10. (See `_drain_plan`: what piles up behind an overrun goes in the next batch at once.)
+
+11. A cost that jumps by J at the very start of a batch admitted at a share u of capacity makes it
+   take a + J (u period - a): the next starts J u - 1 intervals late where the fixed cost a is small,
+   whatever a controller does after. So the rate admits at most the share of capacity that a jump of
+   `jump_tolerance` (4) keeps within `jump_lateness` (1.8) intervals late, under the fixed cost fitted
+   (with a 0.24 s fixed cost at 1 s batches 84%, with none 70%, with 0.4 s all: the price in
+   throughput is paid where a jump would hurt most), and so does the source's cap for the batch after
+   one that ran slower than the fit by `overrun_threshold` (a jump late in it shows only in part).
+   When the cost falls back (a batch far faster than the fit, within change_threshold of what the fit
+   before the rise predicts), that fit applies again at once: the batches right after a rise are
+   small, mostly fixed cost, and read alone they recovered the rate over 4 batches, starving them.
+
 Until a first batch has been fitted it proposes no rate but a warm-up batch's raise (5): the initial
 rate stays in force.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -152,6 +166,8 @@ class ModelEstimator(RateEstimator):
         window: int = 16,
         max_drain: float = 4.0,
         drain_lateness: float = 1.0,
+        jump_tolerance: float = 4.0,
+        jump_lateness: float = 1.8,
     ) -> None:
         """
         Args:
@@ -183,6 +199,10 @@ class ModelEstimator(RateEstimator):
                 finds no more waiting than a normal one holds (10).
             drain_lateness: while draining, intake is paced (paused first if need be) so that the
                 batch after the next one starts at most this many intervals late (>= 0) (10).
+            jump_tolerance: a batch holds at most what keeps the next one within `jump_lateness`
+                intervals late even if the per-record cost jumps by this factor (>= 1; 1 = no such
+                bound) as the batch starts (11).
+            jump_lateness: see jump_tolerance (> 0); under 2 by a margin for the noise of batch times.
         """
         super().__init__(bounds=bounds, initial_rate=initial_rate)
         _check_range("target_utilisation", target_utilisation, 0, 1, low_open=True)
@@ -199,6 +219,8 @@ class ModelEstimator(RateEstimator):
         _check_range("window", window, 2, math.inf, high_open=True, whole=True)
         _check_range("max_drain", max_drain, 1, math.inf, high_open=True)
         _check_range("drain_lateness", drain_lateness, 0, math.inf, high_open=True)
+        _check_range("jump_tolerance", jump_tolerance, 1, math.inf, high_open=True)
+        _check_range("jump_lateness", jump_lateness, 0, math.inf, low_open=True, high_open=True)
         self.target_utilisation = target_utilisation
         self.horizon = horizon
         self.forgetting = forgetting
@@ -213,6 +235,8 @@ class ModelEstimator(RateEstimator):
         self.window = int(window)
         self.max_drain = max_drain
         self.drain_lateness = drain_lateness
+        self.jump_tolerance = jump_tolerance
+        self.jump_lateness = jump_lateness
 
         self._init_state()
 
@@ -250,6 +274,9 @@ class ModelEstimator(RateEstimator):
         self._pauses = 0
         self._held = False  # intake takes nothing until the next completion or a planned resume
         self._risen = 0  # batches left within which a fall of the cost is believed at once
+        self._slower = False  # the latest batch took over (1 + overrun_threshold) x the fit's prediction
+        self._before_rise: tuple[float, float, list[_Point]] | None = None  # the fit before it: a, b
+        # and its batches
 
     @property
     def capacity(self) -> float | None:
@@ -258,7 +285,15 @@ class ModelEstimator(RateEstimator):
         batch take longer than the interval (2)."""
         if self._capacity is None:
             return None
-        return self._capacity * self._period / self._interval
+        return self._capacity * self._cap_share() * self._period / self._interval
+
+    def _cap_share(self) -> float:
+        """The share of capacity the source lets the next batch hold: all of it, unless the batch
+        just done was slower than the fit, which a cost jump that landed late in it shows only in
+        part: then no more than a jump allows (11), whatever piled up meanwhile. Slower by more than
+        overrun_threshold, as the watchdog judges: a jump late in a batch may add less than
+        change_threshold to it."""
+        return self._jump_share() if self._slower else 1.0
 
     def _estimate(self, batch: BatchMetrics) -> float | None:
         if batch.completed_at <= self._latest_time:
@@ -282,17 +317,10 @@ class ModelEstimator(RateEstimator):
                 self._capacity = max(self._capacity, batch.records / batch.processing_delay)
             return None
         before = self._predicted(batch.records)
-        # judged against the fit whatever its size: the watchdog saw this batch overrun, or the cost
-        # rose lately and may fall back; a fit blending both costs otherwise hides the next change
-        self._observe(batch.records, batch.processing_delay, judge=watched is not None or self._risen > 0)
-        a, b, self._fit = self._solve(self._prior_a)
-        if self._fit != "anchored":
-            self._prior_a = a  # the fixed cost to assume when batch sizes stop varying
-            # a fixed cost to judge batches by: fitted where the noise could be measured, not from
-            # two batches (any line fits them) nor a bound
-            measured = self._fit == "fitted" and math.isfinite(self._noise(a, b)[1])
-            self._prior_from_data = self._prior_from_data or measured
-        self._a, self._b = a, b  # outliers are judged against the fit itself, not the hedge below
+        self._slower = before is not None and batch.processing_delay > (1 + self.overrun_threshold) * before
+        if self._fell_back(before, batch):
+            self._restore_before_rise()
+        a, b = self._refit(batch, watched=watched is not None)
         b = self._hedged(batch, a, b, watched)
         capacity, period = self._set_capacity(batch, a, b)
         if self._fell(before, batch.processing_delay, a, period):
@@ -323,10 +351,26 @@ class ModelEstimator(RateEstimator):
 
         rate = self.target_utilisation * capacity - drain_seconds / (self.horizon * b * period)
         rate = pace * max(rate, floor)
-        self._proposed = min(rate, self.max_growth * largest / period, self.max_stretch * fastest)
+        jump_safe = self._jump_share() * capacity  # (11)
+        self._proposed = min(rate, self.max_growth * largest / period, self.max_stretch * fastest, jump_safe)
         if batch.waiting is not None:
             self._probe(batch, batch.waiting, self._proposed, capacity, period)
         return self._hold_into_next_batch(pause, self._proposed)
+
+    def _refit(self, batch: BatchMetrics, *, watched: bool) -> tuple[float, float]:
+        """Fit the batch just done: (a, b), also kept as the fit outliers are judged against."""
+        # judged against the fit whatever its size: the watchdog saw this batch overrun, or the cost
+        # rose lately and may fall back; a fit blending both costs otherwise hides the next change
+        self._observe(batch.records, batch.processing_delay, judge=watched or self._risen > 0)
+        a, b, self._fit = self._solve(self._prior_a)
+        if self._fit != "anchored":
+            self._prior_a = a  # the fixed cost to assume when batch sizes stop varying
+            # a fixed cost to judge batches by: fitted where the noise could be measured, not from
+            # two batches (any line fits them) nor a bound
+            measured = self._fit == "fitted" and math.isfinite(self._noise(a, b)[1])
+            self._prior_from_data = self._prior_from_data or measured
+        self._a, self._b = a, b  # outliers are judged against the fit itself, not the caller's hedge
+        return a, b
 
     def _hold_into_next_batch(self, pause: float, rate: float) -> float:
         """`rate`, or, for a pause > 0, min_rate and intake held until `pause` seconds into the next
@@ -373,6 +417,32 @@ class ModelEstimator(RateEstimator):
             and seconds - a >= (1 - self.max_fixed_share) * (period - a)
         )
 
+    def _fell_back(self, before: float | None, batch: BatchMetrics) -> bool:
+        """Whether a batch shows the cost fell back to where it was before a rise the watchdog saw:
+        far faster than the fit predicted, and within change_threshold of what the fit before the
+        rise predicts for it. Then that fit applies again, batches and all. Unlike `_fell` this
+        holds for a batch that is mostly fixed cost (those after a rise are small): the fit before
+        the rise knows how its time splits, the batch's own time does not (a fixed cost misread from
+        the slow batches made the records of the first fast batch look twice as slow as they were,
+        and the rate took 4 batches to come back: batches starved meanwhile)."""
+        if before is None or self._risen <= 0 or self._before_rise is None or self._probing:
+            return False
+        a0, b0, _ = self._before_rise
+        expected = a0 + b0 * batch.records
+        seconds = batch.processing_delay
+        return (
+            seconds < (1 - self.change_threshold) * before
+            and abs(seconds - expected) <= self.change_threshold * expected
+        )
+
+    def _restore_before_rise(self) -> None:
+        """The fit before the rise holds again (11): judged by it, the batch just done joins it."""
+        if self._before_rise is None:
+            return
+        self._a, self._b, self._points = self._before_rise
+        self._before_rise, self._suspect_sign, self._risen = None, 0, 0
+        self._changes += 1
+
     def _sped_up(self, batch: BatchMetrics, a: float, capacity: float, period: float) -> float:
         """A batch far faster than the fit before it predicted: the cost fell back after a jump.
         Its records took (seconds - a) / records each, which a fit still weighing the slower batches
@@ -398,7 +468,7 @@ class ModelEstimator(RateEstimator):
         batch that itself took from a backlog left before it (a start's burst, a restart): that drains
         as usual; taken whole, a start's burst once made batches of 4-6 s."""
         waiting = batch.waiting or 0
-        take = capacity * period
+        take = capacity * self._cap_share() * period  # what the source lets the next batch hold
         # (not when the batch itself took from a backlog that was there before it)
         if not (self._draining and waiting > take and (batch.backlog or 0) <= take):
             self._draining, self._drain_take = False, None
@@ -464,6 +534,19 @@ class ModelEstimator(RateEstimator):
             capacity = min(capacity, self.max_stretch * fastest, self.max_growth * largest / period)
         self._capacity, self._period, self._interval = capacity, period, interval
         return capacity, period
+
+    def _jump_share(self) -> float:
+        """The share of capacity a batch may hold (11) so that, were each record to cost
+        jump_tolerance times as much from the batch's start, it ends within 1 + jump_lateness
+        intervals of its due time: the next batch starts at most jump_lateness late. (A batch of
+        fixed cost a, admitted at utilisation u, that a cost jump J hits at its start takes
+        a + J (u period - a): no controller that planned it fuller keeps the next one within that,
+        whatever it does afterwards.) Never under floor_fraction: no batch is starved for it."""
+        a, period = self._a, self._period
+        if a is None or period > self._interval:
+            return 1.0  # batches planned past their interval (2) are late anyway: nothing to keep
+        share = ((1 + self.jump_lateness) * self._interval - a) / (self.jump_tolerance * (period - a))
+        return min(1.0, max(share, self.floor_fraction))
 
     def _probe(
         self, batch: BatchMetrics, waiting: int, proposed: float, capacity: float, period: float
@@ -571,8 +654,10 @@ class ModelEstimator(RateEstimator):
             self._watched = elapsed
             self._draining = True  # what piles up meanwhile goes in the next batch at once (10)
             self._drain_take = None  # (how much, the completion tells)
+            if self._risen == 0:  # what the cost may fall back to
+                self._before_rise = (a, b, [dataclasses.replace(p) for p in self._points])
             self._risen = self.window  # batches within which a fall back is believed at once
-        if waiting is not None and waiting >= capacity * period:
+        if waiting is not None and waiting >= capacity * self._cap_share() * period:
             # the next batch is already there in full: what else comes in now only waits longer
             self._overruns += 1
             self._held = True
@@ -580,7 +665,7 @@ class ModelEstimator(RateEstimator):
         if not lowered:
             return None  # nothing the fit or an earlier look at this batch did not already know
         self._overruns += 1
-        return self.target_utilisation * lower
+        return min(self.target_utilisation, self._jump_share()) * lower
 
     def _observe(self, records: int, seconds: float, *, judge: bool = False) -> None:
         self._last_fitted = (records, seconds)

@@ -739,7 +739,10 @@ def test_model_believes_a_slower_batch_the_watchdog_saw_overrun() -> None:
     doubled = batch(5.5, 40_000, 0.4 + 40_000 / 37_500)  # per-record cost doubled: capacity 22.5k
     unseen, seen = fitted_model(), fitted_model()
     unseen.compute(doubled)
-    assert unseen.capacity == pytest.approx(45_000 / math.sqrt(2), rel=0.05)
+    assert unseen.state()["capacity_rps"] == pytest.approx(45_000 / math.sqrt(2), rel=0.05)
+    # the batch after a surprise holds at most what a jump of jump_tolerance would keep within
+    # jump_lateness (with a 0.4 s fixed cost, a 4x jump: 2.4 / (4 x 0.6) = all of it)
+    assert unseen.capacity is not None and unseen.capacity <= unseen.state()["capacity_rps"]
     assert seen.overrun(40_000, 1.2, 1.0) is not None
     seen.compute(doubled)
     assert seen.capacity == pytest.approx(22_500, rel=0.05)
@@ -818,7 +821,7 @@ def test_model_forgets_the_batch_a_cost_change_landed_in() -> None:
     # the per-record cost doubles halfway through an 80k batch, then a 50k batch runs at the new cost
     model.compute(batch(7.0, 80_000, 0.2 + 40_000 * before + 40_000 * 2 * before))
     model.compute(batch(8.0, 50_000, 0.2 + 50_000 * 2 * before))
-    assert model.capacity == pytest.approx(40_000, rel=0.05)
+    assert model.state()["capacity_rps"] == pytest.approx(40_000, rel=0.05)
     state = model.state()
     assert state["cost_changes"] == 1 and state["fixed_cost_s"] == pytest.approx(0.2, abs=0.05)
 
@@ -1025,10 +1028,35 @@ def test_jumps_land_at_phases_spread_over_the_interval() -> None:
         jumps(60.0, 0.0)
 
 
+SMALL_FIXED = Pipeline(fixed_cost=0.1, per_record_cost=0.9 / 70_000)
+"""A batch mostly records (a long trigger, a heavy per-record pipeline): a jump hits most of it."""
+NOISY_BENCH = dataclasses.replace(BENCH_LIKE, jitter=0.05)
+
+
 @pytest.mark.parametrize(
     ("pipeline", "factor"),
-    [(STEADY, 3.0), (STEADY, 3.5), (STEADY, 4.0), (BENCH_LIKE, 3.0), (BENCH_LIKE, 3.5)],
-    ids=["fixed-0.4s-x3", "fixed-0.4s-x3.5", "fixed-0.4s-x4", "bench-like-x3", "bench-like-x3.5"],
+    [
+        (STEADY, 3.0),
+        (STEADY, 3.5),
+        (STEADY, 4.0),
+        (BENCH_LIKE, 3.0),
+        (BENCH_LIKE, 3.5),
+        (BENCH_LIKE, 4.0),
+        (NOISY_BENCH, 3.5),
+        (SMALL_FIXED, 3.0),
+        (SMALL_FIXED, 3.5),
+    ],
+    ids=[
+        "fixed-0.4s-x3",
+        "fixed-0.4s-x3.5",
+        "fixed-0.4s-x4",
+        "bench-like-x3",
+        "bench-like-x3.5",
+        "bench-like-x4",
+        "noisy-bench-like-x3.5",
+        "fixed-0.1s-x3",
+        "fixed-0.1s-x3.5",
+    ],
 )
 def test_model_keeps_cost_jumps_within_two_intervals_and_starves_no_batch(
     pipeline: Pipeline, factor: float
@@ -1036,7 +1064,8 @@ def test_model_keeps_cost_jumps_within_two_intervals_and_starves_no_batch(
     """Issue 17, item 6: a cost that jumps by 3-4x and back, at any point in a batch, keeps the peak
     scheduling delay within 2 intervals and starves no batch that started after the change. (With a
     fixed cost of 0.24 s, a 4x jump at the very start of a full batch alone makes it take 3.2 s: no
-    controller that admitted a full batch before it can keep the next within 2 intervals.)"""
+    controller that admitted a full batch before it can keep the next within 2 intervals, so the
+    model admits what a 4x jump keeps within 1.8: `jump_tolerance`, `jump_lateness`.)"""
     sim, changes = jumped("model", pipeline, factor)
     summary = sim.summary()
     assert sim.peak_delay(UNJUDGED) <= 2.0, summary
@@ -1061,7 +1090,7 @@ def test_after_a_jump_one_batch_drains_the_pile_and_intake_waits_for_it() -> Non
     starts = [b.completed_at - b.processing_delay for b in sim.batches]
     jumped_at = next(i for i, start in enumerate(starts) if start >= 15.0)
     overran, drain, after = sim.batches[jumped_at : jumped_at + 3]
-    assert overran.processing_delay > 2.5  # the jump landed in its fixed cost
+    assert overran.processing_delay > 2.2  # the jump landed in its fixed cost
     assert drain.records > overran.records  # the whole pile, more than a batch's cap
     assert drain.lateness == pytest.approx(overran.processing_delay - 1.0, abs=0.05)
     assert drain.processing_delay > 2.5
