@@ -274,7 +274,9 @@ class ModelEstimator(RateEstimator):
         self._pauses = 0
         self._held = False  # intake takes nothing until the next completion or a planned resume
         self._risen = 0  # batches left within which a fall of the cost is believed at once
-        self._slower = False  # the latest batch took over (1 + overrun_threshold) x the fit's prediction
+        self._slower = False  # the latest batch, not the one before, took over (1 + overrun_threshold)
+        # x the fit's prediction
+        self._was_slower = False  # the latest batch did
         self._before_rise: tuple[float, float, list[_Point]] | None = None  # the fit before it: a, b
         # and its batches
 
@@ -292,7 +294,8 @@ class ModelEstimator(RateEstimator):
         just done was slower than the fit, which a cost jump that landed late in it shows only in
         part: then no more than a jump allows (11), whatever piled up meanwhile. Slower by more than
         overrun_threshold, as the watchdog judges: a jump late in a batch may add less than
-        change_threshold to it."""
+        change_threshold to it. Not after a second slower batch in a row: that one ran at the new
+        cost throughout, and capped, the pile behind the first aged in batches at the cap."""
         return self._jump_share() if self._slower else 1.0
 
     def _estimate(self, batch: BatchMetrics) -> float | None:
@@ -317,7 +320,9 @@ class ModelEstimator(RateEstimator):
                 self._capacity = max(self._capacity, batch.records / batch.processing_delay)
             return None
         before = self._predicted(batch.records)
-        self._slower = before is not None and batch.processing_delay > (1 + self.overrun_threshold) * before
+        # (a first one: a second in a row ran all at the new cost, which its time shows in full)
+        slower = before is not None and batch.processing_delay > (1 + self.overrun_threshold) * before
+        self._slower, self._was_slower = slower and not self._was_slower, slower
         if self._fell_back(before, batch):
             self._restore_before_rise()
         a, b = self._refit(batch, watched=watched is not None)
@@ -795,6 +800,8 @@ class ModelEstimator(RateEstimator):
             "horizon": self.horizon,
             "forgetting": self.forgetting,
             "floor_fraction": self.floor_fraction,
+            "jump_tolerance": self.jump_tolerance,
+            "jump_lateness": self.jump_lateness,
         }
 
 

@@ -1,0 +1,67 @@
+"""Simulated cost jumps over a grid of pipelines: where the model keeps issue 17 item 6's goals.
+
+Run: python bench/jump_sweep.py [--estimator-params jump_tolerance=1] [--fixed 0,0.1] [--factors 3,4]
+
+For each fixed cost per batch (seconds of a 1 s interval; the per-record cost is set so a batch per
+second holds 70k records), each jump factor and each noise level (+-0 or +-50 ms on every batch), 60 s
+of `ratecontrol.simulate.simulate_structured` with the `jumps` profile (the cost jumps by the factor
+and back every 6 s, at other phases of the interval each time), as in tests/test_estimators.py.
+Prints the peak scheduling delay after the first change (goal <= 2 intervals), the batches starved
+after it (goal 0) and the utilisation, then how many cases meet both goals. Takes about 30 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+from ratecontrol import RateBounds, make_estimator
+from ratecontrol.simulate import Pipeline, jumps, simulate_structured
+
+
+def _floats(text: str) -> list[float]:
+    return [float(part) for part in text.split(",") if part]
+
+
+def _params(text: str) -> dict[str, float]:
+    pairs = (item.split("=", 1) for item in text.split(",") if item)
+    return {key.strip(): float(value) for key, value in pairs}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fixed", type=_floats, default=[0.0, 0.1, 0.24, 0.4, 0.6])
+    parser.add_argument("--factors", type=_floats, default=[3.0, 3.5, 4.0])
+    parser.add_argument("--noise", type=_floats, default=[0.0, 0.05], help="seconds either way")
+    parser.add_argument("--estimator-params", type=_params, default={}, help="name=value,... for model")
+    args = parser.parse_args()
+    met = total = 0
+    print("fixed s | jump | noise s |  peak | starved |  util | goals")
+    for fixed in args.fixed:
+        for factor in args.factors:
+            for noise in args.noise:
+                pipeline = Pipeline(fixed_cost=fixed, per_record_cost=(1 - fixed) / 70_000, jitter=noise)
+                changes = jumps(60.0, factor)
+                bounds, params = RateBounds(100.0, math.inf), args.estimator_params
+                estimator = make_estimator("model", bounds=bounds, initial_rate=10_000.0, **params)
+                sim = simulate_structured(
+                    estimator,
+                    dataclasses.replace(pipeline, cost_changes=changes),
+                    duration=60.0,
+                    catch_up_min_share=0.5,
+                )
+                peak = sim.peak_delay_since(changes[0][0])
+                starved = sim.starved_after(changes[0][0])
+                ok = peak <= 2.0 and starved == 0
+                met += ok
+                total += 1
+                print(
+                    f"{fixed:>7.2f} | x{factor:<3g} | {noise:>7.2f} | {peak:>5.2f} | {starved:>7} | "
+                    f"{sim.utilisation:>5.1%} | {'met' if ok else 'MISSED'}"
+                )
+    print(f"{met} of {total} cases meet both goals (peak <= 2 intervals, no starved batch)")
+
+
+if __name__ == "__main__":
+    main()
