@@ -13,11 +13,10 @@ after it (goal 0) and the utilisation, then how many cases meet both goals. Take
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 
 from ratecontrol import RateBounds, make_estimator
-from ratecontrol.simulate import Pipeline, jumps, simulate_structured
+from ratecontrol.simulate import Pipeline, simulate_jumps
 
 
 def _floats(text: str) -> list[float]:
@@ -42,15 +41,9 @@ def main() -> None:
         for factor in args.factors:
             for noise in args.noise:
                 pipeline = Pipeline(fixed_cost=fixed, per_record_cost=(1 - fixed) / 70_000, jitter=noise)
-                changes = jumps(60.0, factor)
                 bounds, params = RateBounds(100.0, math.inf), args.estimator_params
                 estimator = make_estimator("model", bounds=bounds, initial_rate=10_000.0, **params)
-                sim = simulate_structured(
-                    estimator,
-                    dataclasses.replace(pipeline, cost_changes=changes),
-                    duration=60.0,
-                    catch_up_min_share=0.5,
-                )
+                sim, changes = simulate_jumps(estimator, pipeline, factor)
                 peak = sim.peak_delay_since(changes[0][0])
                 starved = sim.starved_after(changes[0][0])
                 ok = peak <= 2.0 and starved == 0

@@ -31,6 +31,7 @@ change), and `jumps` builds a schedule of cost jumps that land at different phas
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -438,3 +439,23 @@ def simulate_structured(  # noqa: PLR0915 - one simulated pipeline; its helpers 
         rates=tuple(rates),
         utilisation=processed / possible if possible > 0 else 0.0,
     )
+
+
+SOURCE_CATCH_UP_MIN_SHARE = 0.5
+"""The Sluice source's share below which a small catch-up batch off the grid waits for it."""
+
+
+def simulate_jumps(
+    estimator: RateEstimator, pipeline: Pipeline, factor: float, *, duration: float = 60.0
+) -> tuple[Simulation, tuple[tuple[float, float], ...]]:
+    """`duration` s of Sluice's loop (`simulate_structured`, the source deferring small catch-up
+    batches as it does) while the per-record cost jumps by `factor` and back (`jumps`). Returns the
+    run and the changes, whose first time is where issue 17's item 6 starts judging."""
+    changes = jumps(duration, factor)
+    sim = simulate_structured(
+        estimator,
+        dataclasses.replace(pipeline, cost_changes=changes),
+        duration=duration,
+        catch_up_min_share=SOURCE_CATCH_UP_MIN_SHARE,
+    )
+    return sim, changes

@@ -37,6 +37,7 @@ from ratecontrol.simulate import (
     jumps,
     known_capacity,
     simulate,
+    simulate_jumps,
     simulate_structured,
 )
 
@@ -1009,15 +1010,8 @@ def jumped(
 ) -> tuple[Simulation, tuple[tuple[float, float], ...]]:
     """60 s of Sluice's loop while the per-record cost jumps by `factor` and back every 6 s, at other
     phases of the trigger interval each time; the source defers small catch-up batches as it does."""
-    changes = jumps(60.0, factor)
     estimator = make_estimator(name, bounds=RateBounds(100.0, INF), initial_rate=SLUICE_START)
-    sim = simulate_structured(
-        estimator,
-        dataclasses.replace(pipeline, cost_changes=changes),
-        duration=60.0,
-        catch_up_min_share=0.5,
-    )
-    return sim, changes
+    return simulate_jumps(estimator, pipeline, factor)
 
 
 def test_jumps_land_at_phases_spread_over_the_interval() -> None:
