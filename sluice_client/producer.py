@@ -70,7 +70,7 @@ from sluice_client.errors import (
 )
 from sluice_client.flow import MAX_DEMAND
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
-from sluice_client.wire import publish_batch, serialize_request
+from sluice_client.wire import publish_parts, serialize_request
 
 log = logging.getLogger(__name__)
 
@@ -150,11 +150,11 @@ class _State(enum.Enum):
     CLOSED = "closed"
 
 
-class _Pending:
-    """Records not sent yet: values, their lengths, and keys once one has a key. Sending takes from the
-    front: a head index, compacted now and then, so that taking a batch does not move the whole
-    backlog. Lengths are measured once, as records come in: the byte budget and the batch's layout
-    both need them, and measuring is a Python call per record."""
+class _Listed:
+    """Records given one by one (send, send_many): values, their lengths, and keys once one has a key.
+    Sending takes from the front: a head index, compacted now and then, so that taking a batch does not
+    move the whole backlog. Lengths are measured once, as records come in: the byte budget and the
+    batch's layout both need them, and measuring is a Python call per record."""
 
     __slots__ = ("_head", "_keys", "_lengths", "_values")
 
@@ -166,10 +166,6 @@ class _Pending:
 
     def __len__(self) -> int:
         return len(self._values) - self._head
-
-    @property
-    def has_keys(self) -> bool:
-        return self._keys is not None
 
     def append(self, value: bytes, key: bytes | None) -> int:
         """Add a record; return its value's length."""
@@ -195,11 +191,15 @@ class _Pending:
             self._keys.extend([None] * len(values))
         return int(lengths.sum())
 
-    def peek(self, n: int) -> tuple[list[bytes], list[bytes | None] | None]:
-        """The first `n` records (values, and keys or None) without taking them."""
-        end = self._head + n
-        keys = self._keys[self._head : end] if self._keys is not None else None
-        return self._values[self._head : end], keys
+    def values(self, n: int) -> list[bytes]:
+        return self._values[self._head : self._head + n]
+
+    @property
+    def keyed(self) -> bool:
+        return self._keys is not None
+
+    def keys_of(self, n: int) -> list[bytes | None] | None:
+        return self._keys[self._head : self._head + n] if self._keys is not None else None
 
     def ends(self, n: int) -> npt.NDArray[np.int64]:
         """Where each of the first `n` values ends in their concatenation (wire.value_ends of them)."""
@@ -213,24 +213,191 @@ class _Pending:
         if self._head >= len(self._values):
             self._values, self._lengths, self._keys, self._head = [], array.array("q"), None, 0
         elif self._head >= 65536 and self._head * 2 >= len(self._values):  # amortized: O(1) a record
-            self._compact()
+            del self._values[: self._head]
+            del self._lengths[: self._head]
+            if self._keys is not None:
+                del self._keys[: self._head]
+            self._head = 0
 
-    def prepend(self, values: list[bytes], keys: list[bytes | None] | None) -> None:
-        """Put records back in front (to be sent again, before the others)."""
-        self._compact()
-        if keys is not None or self._keys is not None:
-            none: list[bytes | None] = [None]
-            mine = self._keys if self._keys is not None else none * len(self._values)
-            self._keys = (keys if keys is not None else none * len(values)) + mine
-        self._values[:0] = values
-        self._lengths[:0] = array.array("q", map(len, values))
 
-    def _compact(self) -> None:
-        del self._values[: self._head]
-        del self._lengths[: self._head]
-        if self._keys is not None:
-            del self._keys[: self._head]
+class _Packed:
+    """Records given as one buffer (send_packed; and records put back to be sent again): record i is
+    data[offsets[i]:offsets[i + 1]]. Taking records moves a head index; nothing is copied."""
+
+    __slots__ = ("_head", "data", "keys", "offsets")
+
+    def __init__(
+        self, data: bytes, offsets: npt.NDArray[np.int64], keys: list[bytes | None] | None = None
+    ) -> None:
+        self.data = data
+        self.offsets = offsets  # count + 1, non-decreasing, within data
+        self.keys = keys  # one per record, or None: no record has a key
         self._head = 0
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1 - self._head
+
+    def nbytes(self, n: int) -> int:
+        return int(self.offsets[self._head + n] - self.offsets[self._head])
+
+    def part(self, n: int) -> memoryview:
+        """The first `n` records' values, back to back."""
+        offsets = self.offsets
+        return memoryview(self.data)[int(offsets[self._head]) : int(offsets[self._head + n])]
+
+    def values(self, n: int) -> list[bytes]:
+        data, offsets = self.data, self.offsets[self._head : self._head + n + 1].tolist()
+        return [data[offsets[i] : offsets[i + 1]] for i in range(n)]
+
+    @property
+    def keyed(self) -> bool:
+        return self.keys is not None
+
+    def keys_of(self, n: int) -> list[bytes | None] | None:
+        return self.keys[self._head : self._head + n] if self.keys is not None else None
+
+    def ends(self, n: int) -> npt.NDArray[np.int64]:
+        head = self._head
+        ends: npt.NDArray[np.int64] = self.offsets[head + 1 : head + n + 1] - self.offsets[head]
+        return ends
+
+    def drop(self, n: int) -> None:
+        self._head += n
+
+
+class _Run:
+    """Consecutive records taken for one batch: the values' bytes as `parts` (concatenated, the values
+    back to back), where each value ends (`ends`, from 0), and one key per record or None."""
+
+    __slots__ = ("ends", "keys", "parts")
+
+    def __init__(
+        self,
+        parts: list[bytes | memoryview],
+        ends: npt.NDArray[np.int64],
+        keys: list[bytes | None] | None,
+    ) -> None:
+        self.parts = parts
+        self.ends = ends
+        self.keys = keys
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def packed(self, skip: int = 0) -> _Packed:
+        """These records from `skip` on as one buffer (a copy: to be sent again, or returned)."""
+        data = b"".join(self.parts)
+        offsets = np.zeros(len(self.ends) + 1, dtype=np.int64)
+        offsets[1:] = self.ends
+        keys = self.keys[skip:] if self.keys is not None else None
+        return _Packed(data, offsets[skip:], keys)
+
+
+class _Pending:
+    """Records not sent yet, in order: runs of records given one by one (_Listed) and of records given
+    as buffers (_Packed). A batch may take records from several runs."""
+
+    __slots__ = ("_count", "_runs")
+
+    def __init__(self) -> None:
+        self._runs: collections.deque[_Listed | _Packed] = collections.deque()
+        self._count = 0
+
+    def __len__(self) -> int:
+        return self._count
+
+    def _listed(self) -> _Listed:
+        if not self._runs or not isinstance(self._runs[-1], _Listed):
+            self._runs.append(_Listed())
+        run = self._runs[-1]
+        assert isinstance(run, _Listed)
+        return run
+
+    def append(self, value: bytes, key: bytes | None) -> int:
+        """Add a record; return its value's length."""
+        size = self._listed().append(value, key)
+        self._count += 1
+        return size
+
+    def extend(self, values: Sequence[bytes]) -> int:
+        """Add records without keys; return the bytes of their values."""
+        size = self._listed().extend(values)
+        self._count += len(values)
+        return size
+
+    def extend_packed(self, packed: _Packed) -> None:
+        if len(packed):
+            self._runs.append(packed)
+            self._count += len(packed)
+
+    def prepend(self, runs: Sequence[_Packed]) -> None:
+        """Put records back in front (to be sent again, before the others)."""
+        for run in reversed(runs):
+            if len(run):
+                self._runs.appendleft(run)
+                self._count += len(run)
+
+    def _spans(self, n: int) -> list[tuple[_Listed | _Packed, int]]:
+        """(run, records of it) covering the first `n` records."""
+        spans = []
+        for run in self._runs:
+            k = min(n, len(run))
+            spans.append((run, k))
+            n -= k
+            if n == 0:
+                break
+        return spans
+
+    def ends(self, n: int) -> npt.NDArray[np.int64]:
+        """Where each of the first `n` values ends in their concatenation (wire.value_ends of them)."""
+        spans = self._spans(n)
+        if len(spans) == 1:
+            run, k = spans[0]
+            return run.ends(k)
+        pieces, total = [], 0
+        for run, k in spans:
+            ends = run.ends(k)
+            pieces.append(ends + total)
+            total += int(ends[-1]) if k else 0
+        return np.concatenate(pieces)
+
+    def peek(self, n: int, ends: npt.NDArray[np.int64] | None = None) -> _Run:
+        """The first `n` records, without taking them (`ends`: self.ends(n), if the caller has it)."""
+        spans = self._spans(n)
+        parts: list[bytes | memoryview] = []
+        keys: list[bytes | None] | None = [] if any(run.keyed for run, _ in spans) else None
+        for run, k in spans:
+            if isinstance(run, _Listed):
+                parts.extend(run.values(k))
+            else:
+                parts.append(run.part(k))
+            if keys is not None:
+                run_keys = run.keys_of(k)
+                keys.extend(run_keys if run_keys is not None else [None] * k)
+        return _Run(parts, self.ends(n) if ends is None else ends, keys)
+
+    def records(self, n: int) -> tuple[list[bytes], list[bytes | None] | None]:
+        """The first `n` records as (values, keys or None), one object per record."""
+        values: list[bytes] = []
+        keys: list[bytes | None] = []
+        keyed = False
+        for run, k in self._spans(n):
+            values.extend(run.values(k))
+            run_keys = run.keys_of(k)
+            keyed = keyed or run_keys is not None
+            keys.extend(run_keys if run_keys is not None else [None] * k)
+        return values, keys if keyed else None
+
+    def drop(self, n: int) -> None:
+        """Take the first `n` records away (sent)."""
+        self._count -= n
+        while n:
+            run = self._runs[0]
+            k = min(n, len(run))
+            run.drop(k)
+            n -= k
+            if not len(run):
+                self._runs.popleft()
 
 
 def _record_type_error(
@@ -257,18 +424,56 @@ def _record_type_error(
     return RecordTypeError(f"a record of the batch at {first_seq} is not bytes")  # pragma: no cover
 
 
+def _packed_input(
+    values: bytes | bytearray | memoryview, offsets: npt.ArrayLike
+) -> tuple[int, bytes, npt.NDArray[np.int64]]:
+    """(records, values to keep, their offsets) of send_packed's arguments; TypeError or ValueError
+    saying what is wrong with them."""
+    try:
+        view = memoryview(values).cast("B")
+    except TypeError:
+        raise TypeError(
+            f"values must be a contiguous bytes-like object, not {type(values).__name__}"
+        ) from None
+    bounds = np.asarray(offsets)
+    if bounds.ndim != 1 or len(bounds) == 0:
+        raise ValueError("offsets must be a one-dimensional sequence of records + 1 integers")
+    if bounds.dtype.kind not in "iu":
+        raise TypeError(f"offsets must be integers, got {bounds.dtype}")
+    low, high = int(bounds.min()), int(bounds.max())
+    if low < 0 or high > len(view):
+        raise ValueError(f"offsets must lie within the {len(view)} bytes of values, got {low}..{high}")
+    bounds = bounds.astype(np.int64, copy=False)
+    if len(bounds) > 1 and bool((np.diff(bounds) < 0).any()):
+        at = int(np.argmax(np.diff(bounds) < 0))
+        raise ValueError(f"offsets must not decrease: offsets[{at}] > offsets[{at + 1}]")
+    if isinstance(values, bytes):
+        return len(bounds) - 1, values, bounds
+    first, last = int(bounds[0]), int(bounds[-1])
+    return len(bounds) - 1, view[first:last].tobytes(), bounds - first  # a copy: the caller's may change
+
+
 class _Sent:
-    """A batch sent and not yet acked: kept to be resent after a reconnect."""
+    """A batch sent and not yet acked: kept to be resent after a reconnect. `skip` of its records, at
+    the front, were acked since."""
 
-    __slots__ = ("first_seq", "keys", "nbytes", "values")
+    __slots__ = ("first_seq", "run", "skip")
 
-    def __init__(
-        self, first_seq: int, values: list[bytes], keys: list[bytes | None] | None, nbytes: int
-    ) -> None:
-        self.first_seq = first_seq
-        self.values = values
-        self.keys = keys
-        self.nbytes = nbytes
+    def __init__(self, first_seq: int, run: _Run) -> None:
+        self.first_seq = first_seq  # of its first record not acked
+        self.run = run
+        self.skip = 0
+
+    def __len__(self) -> int:
+        return len(self.run) - self.skip
+
+    @property
+    def nbytes(self) -> int:
+        ends = self.run.ends
+        return int(ends[-1]) - (int(ends[self.skip - 1]) if self.skip else 0)
+
+    def unacked(self) -> _Packed:
+        return self.run.packed(self.skip)
 
 
 class Producer:
@@ -414,13 +619,13 @@ class Producer:
 
     def unacked_records(self) -> list[tuple[bytes, bytes | None]]:
         """The records not acked yet, as (value, key) in sequence order from `acked` on."""
-        records: list[tuple[bytes, bytes | None]] = []
-        for sent in self._unacked:
-            keys = sent.keys if sent.keys is not None else [None] * len(sent.values)
-            records.extend(zip(sent.values, keys, strict=True))
-        values, pending_keys = self._pending.peek(len(self._pending))
+        pending = _Pending()
+        pending.prepend([sent.unacked() for sent in self._unacked])
+        values, keys = pending.records(len(pending))
+        more, more_keys = self._pending.records(len(self._pending))
         none: list[bytes | None] = [None]
-        records.extend(zip(values, pending_keys or none * len(values), strict=True))
+        records = list(zip(values, keys or none * len(values), strict=True))
+        records.extend(zip(more, more_keys or none * len(more), strict=True))
         return records
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -612,9 +817,8 @@ class Producer:
             await self._room_for(1)
             room = self.max_buffered - self._held
             end = min(len(values), start + room)
-            chunk = values[start:end]
-            if keys is None and not self._pending.has_keys:
-                self._buffered_bytes += self._pending.extend(chunk)
+            if keys is None:
+                self._buffered_bytes += self._pending.extend(values[start:end])
                 self._wake()
             else:
                 for i in range(start, end):
@@ -624,6 +828,25 @@ class Producer:
                 # a batch is ready: let the sender take it (and start its write) before more records
                 # are queued, or a caller filling a large buffer would hold the sender up meanwhile
                 await asyncio.sleep(0)
+
+    async def send_packed(self, values: bytes | bytearray | memoryview, offsets: npt.ArrayLike) -> None:
+        """Queue records given in Arrow's binary layout: record i is values[offsets[i]:offsets[i + 1]]
+        (len(offsets) - 1 records; offsets non-decreasing integers within `values`). Records have no
+        key. The cheapest way in: no Python object per record, the values go into the batch as one
+        piece. `values` is kept as it is when it is `bytes` (it cannot change), else copied once; waits
+        while the local buffer is full, as send_many does."""
+        count, data, bounds = _packed_input(values, offsets)
+        start = 0
+        while start < count:
+            await self._room_for(1)
+            end = min(count, start + self.max_buffered - self._held)
+            chunk = _Packed(data, bounds[start : end + 1])
+            self._pending.extend_packed(chunk)
+            self._buffered_bytes += chunk.nbytes(end - start)
+            self._wake()
+            start = end
+            if len(self._pending) >= self.batch_size:
+                await asyncio.sleep(0)  # as in send_many: let the sender take a ready batch
 
     def _append(self, value: bytes, key: bytes | None) -> None:
         if not isinstance(value, bytes | bytearray | memoryview):
@@ -810,16 +1033,9 @@ class Producer:
         self._credit = 0
         if not self._unacked:
             return
-        values: list[bytes] = []
-        keys: list[bytes | None] | None = None
-        if any(s.keys is not None for s in self._unacked):
-            keys = []
-        for sent in self._unacked:
-            values.extend(sent.values)
-            if keys is not None:
-                keys.extend(sent.keys if sent.keys is not None else [None] * len(sent.values))
-        self.resent += len(values)
-        self._pending.prepend(values, keys)
+        runs = [sent.unacked() for sent in self._unacked]
+        self.resent += sum(map(len, runs))
+        self._pending.prepend(runs)
         self._buffered_bytes += self._unacked_bytes
         self._sent_seq = self._acked_seq
         self._unacked.clear()
@@ -877,34 +1093,32 @@ class Producer:
                 # the linger waited through a change that took the credit or the records away (a
                 # failover resets the credit, a requeue moves records): wait for both again
                 continue
-            values, keys = self._pending.peek(n)
             ends = self._pending.ends(n)  # the batch's byte cut and its layout
             if ends[-1] > self.batch_bytes:  # (roughly) within batch_bytes, at least one record
                 n = max(1, int(np.searchsorted(ends, self.batch_bytes)) + 1)
-                values, ends = values[:n], ends[:n]
-                keys = keys[:n] if keys is not None else None
+                ends = ends[:n]
             while True:
+                run = self._pending.peek(n, ends)
                 try:
-                    request: bytes | None = publish_batch(self._sent_seq, values, keys, value_ends=ends)
+                    request: bytes | None = publish_parts(self._sent_seq, run.parts, run.ends, run.keys)
                 except TypeError:
-                    raise _record_type_error(self._sent_seq, values, keys) from None
+                    raise _record_type_error(self._sent_seq, *self._pending.records(n)) from None
                 except ValueError:  # over int32 offsets
                     request = None
                 if request is not None and len(request) <= DEFAULT_MAX_MESSAGE_BYTES:
                     break
                 if n == 1:  # no session could ever take it: resending would loop
-                    key = keys[0] if keys is not None else None
-                    size = len(values[0]) + (len(key) if key is not None else 0)
+                    key = run.keys[0] if run.keys is not None else None
+                    size = int(ends[0]) + (len(key) if key is not None else 0)
                     raise RecordTooLargeError(
                         f"record {self._sent_seq} has {size} bytes of key and value: over the "
                         f"{DEFAULT_MAX_MESSAGE_BYTES}-byte message limit; the producer cannot send it "
                         "(its unsent records: abort() returns them)"
                     )
                 n //= 2  # batch_bytes above the message limit: send the batch in smaller pieces
-                values, ends = values[:n], ends[:n]
-                keys = keys[:n] if keys is not None else None
+                ends = ends[:n]
             self._pending.drop(n)
-            sent = _Sent(self._sent_seq, values, keys, int(ends[-1]))
+            sent = _Sent(self._sent_seq, run)
             self._unacked.append(sent)
             self._unacked_count += n
             self._unacked_bytes += sent.nbytes
@@ -921,22 +1135,19 @@ class Producer:
         self._acked_seq = up_to
         while self._unacked:
             head = self._unacked[0]
-            end = head.first_seq + len(head.values)
+            end = head.first_seq + len(head)
             if end <= up_to:
                 self._unacked.popleft()
-                self._unacked_count -= len(head.values)
+                self._unacked_count -= len(head)
                 self._unacked_bytes -= head.nbytes
                 continue
             if head.first_seq < up_to:
                 k = up_to - head.first_seq
-                gone = sum(map(len, head.values[:k]))
-                head.values = head.values[k:]
-                if head.keys is not None:
-                    head.keys = head.keys[k:]
+                before = head.nbytes
+                head.skip += k
                 head.first_seq = up_to
-                head.nbytes -= gone
                 self._unacked_count -= k
-                self._unacked_bytes -= gone
+                self._unacked_bytes -= before - head.nbytes
             break
         for listener in list(self._room_listeners):
             listener()

@@ -64,10 +64,23 @@ def publish_batch(
 ) -> bytes:
     """The serialized PublishRequest{batch: encode_batch(...)} (the same bytes protobuf writes), built
     with one join of the values."""
-    count = len(values)
-    if count == 0:
+    if len(values) == 0:
         raise ValueError("a batch needs at least one record")
     ends = _value_ends(values) if value_ends is None else value_ends
+    return publish_parts(first_seq, values, ends, keys)
+
+
+def publish_parts(
+    first_seq: int,
+    parts: Sequence[bytes | memoryview],
+    ends: npt.NDArray[np.int64],
+    keys: Sequence[bytes | None] | None = None,
+) -> bytes:
+    """publish_batch of the records whose values, concatenated, are the concatenation of `parts` (one
+    part per record, or a buffer holding many: Producer.send_packed), record i ending at byte ends[i]."""
+    count = len(ends)
+    if count == 0:
+        raise ValueError("a batch needs at least one record")
     size = int(ends[-1])
     # fields in number order, proto3 defaults (0, empty) left out, as protobuf serializes them
     head = (_varint_field(1, first_seq) if first_seq else b"") + _varint_field(2, count)
@@ -80,7 +93,7 @@ def publish_batch(
         head += _varint(3 << 3 | 2) + _varint(size)
     batch_size = len(head) + size + len(tail)
     prefix = _varint(2 << 3 | 2) + _varint(batch_size) + head
-    data = b"".join([prefix, *values, tail])
+    data = b"".join([prefix, *parts, tail])
     if len(data) != len(prefix) + size + len(tail):  # an item that is not flat bytes (a typed memoryview)
         raise TypeError("record values must be bytes")
     return data
