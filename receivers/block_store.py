@@ -42,6 +42,19 @@ class BlockStore(ABC):
         last record in the block (for idempotent producers); see producers().
         """
 
+    def prepare(  # noqa: PLR0917, B027 - write()'s arguments; a hint that a store may ignore
+        self,
+        stream: str,
+        seq: int,
+        first_offset: int,
+        receiver: int,
+        batches: Sequence[pa.RecordBatch],
+        producers: Mapping[str, int] | None = None,
+    ) -> None:
+        """Get ready for a write() with these arguments, the next after the one in progress (called
+        from another thread while it runs): a store may encode the block meanwhile. Never raises:
+        errors are write()'s. Default: nothing."""
+
     @abstractmethod
     def producers(self, stream: str) -> dict[str, int]:
         """Producer id -> the sequence number after its last record stored (released blocks included)."""

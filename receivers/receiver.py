@@ -88,11 +88,13 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import pyarrow as pa
 from reactivex.subject import Subject
 
 from ratecontrol import UNLIMITED, TokenBucket
+from receivers.block import BlockInfo
 from receivers.block_store import BlockStore
 from receivers.config import ReceiverConfig
 from receivers.errors import (
@@ -988,21 +990,30 @@ class Receiver:
         """Seal what is pending into a durable block and ack it; False if the write failed."""
         if not self._pending:
             return True
+        chunks = self._take_pending()
+        # while a block is written, the next one (records that piled up meanwhile) is encoded, so the
+        # log's thread goes from one write to the next; for at most a block interval, so that the
+        # block generator's other duties (disk checks, idle sessions) keep their pace
+        chain_until = self._clock() + self.config.block_interval
+        while chunks:
+            try:
+                chunks = await self._write_block(chunks, ahead=self._clock() < chain_until) or []
+            except OSError as exc:
+                self._write_failed(chunks, exc)
+                return False
+            except Exception:  # a session's data the log cannot hold must not kill the stream
+                log.exception(
+                    "stream %r: block %d could not hold its records; writing each producer's apart",
+                    self.stream,
+                    self._next_block_seq,
+                )
+                return await self._seal_apart(chunks)
+        return True
+
+    def _take_pending(self) -> list[_Chunk]:
         chunks, self._pending = self._pending, []
         self._pending_records = 0
-        try:
-            await self._write_block(chunks)
-        except OSError as exc:
-            self._write_failed(chunks, exc)
-            return False
-        except Exception:  # a session's data the log cannot hold must not kill the stream
-            log.exception(
-                "stream %r: block %d could not hold its records; writing each producer's apart",
-                self.stream,
-                self._next_block_seq,
-            )
-            return await self._seal_apart(chunks)
-        return True
+        return chunks
 
     async def _seal_apart(self, chunks: list[_Chunk]) -> bool:
         """Write the chunks of each producer (or anonymous session) as a block of their own: those the log
@@ -1051,22 +1062,40 @@ class Receiver:
         for session in sessions:
             self.fail(session, error, ack_first=False)  # its records were dropped: no ack comes
 
-    async def _write_block(self, chunks: list[_Chunk]) -> None:
+    async def _write_block(self, chunks: list[_Chunk], ahead: bool = False) -> list[_Chunk] | None:
         """Write `chunks` as the next block and do its bookkeeping (ack, or queue for the group commit).
-        Raises what the store raises, with nothing of the block in the log."""
-        marks: dict[str, int] = {}  # producer key -> seq after its last record in the block
-        for chunk in chunks:
-            if chunk.session.producer_id:
-                marks[chunk.session.producer_key] = chunk.end_seq
-        info, size = await asyncio.to_thread(
-            self.store.write,
-            self.stream,
-            self._next_block_seq,
-            self._next_offset,
-            self.config.receiver_id,
-            [c.records for c in chunks],
-            marks,
+        Raises what the store raises, with nothing of the block in the log.
+
+        With `ahead`, if a block's worth of records is pending, they are taken and the store prepares
+        them as the block after this one while this one is written: returned, for the caller to write
+        next (on an error they are pending again, after this block's)."""
+        marks = _producer_marks(chunks)
+        write = asyncio.ensure_future(
+            asyncio.to_thread(
+                self.store.write,
+                self.stream,
+                self._next_block_seq,
+                self._next_offset,
+                self.config.receiver_id,
+                [c.records for c in chunks],
+                marks,
+            )
         )
+        after: list[_Chunk] | None = None
+        prepared: asyncio.Future[None] | None = None
+        try:
+            if ahead:
+                after, prepared = await self._prepare_ahead(write, chunks)
+            info, size = await write
+        except BaseException:
+            if after is not None:
+                self._pending = after + self._pending
+                self._pending_records = sum(c.records.num_rows for c in self._pending)
+            raise
+        finally:
+            if prepared is not None:
+                # the store's prepare never raises; it runs on (to its end) if this was cancelled
+                await asyncio.wait([prepared])
         offsets, times, at = array("q"), array("d"), info.first_offset
         for chunk in chunks:  # a batch's records share their arrival time
             offsets.append(at)
@@ -1096,6 +1125,38 @@ class Receiver:
         else:  # group commit (fsync interval): acked once the background fsync has covered the block
             self._awaiting_durable.append((info.seq, acked, marks))
         self._replenish()
+        return after
+
+    async def _prepare_ahead(
+        self, write: asyncio.Future[tuple[BlockInfo, int]], chunks: list[_Chunk]
+    ) -> tuple[list[_Chunk] | None, asyncio.Future[None] | None]:
+        """While `write` (of `chunks`) runs, wait for a block's worth of records to pile up; then take
+        them and have the store prepare them as the next block: (them, the preparation), or Nones."""
+        wanted: asyncio.Future[object] = asyncio.ensure_future(self._seal_wanted.wait())
+        either = [cast("asyncio.Future[object]", write), wanted]
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        wanted.cancel()
+        full = self._pending_records >= self.config.seal_at
+        if write.done() or not full or self._chain_stopped():
+            return None, None
+        self._seal_wanted.clear()  # taken here: the block generator need not seal them
+        after = self._take_pending()
+        prepared = asyncio.ensure_future(
+            asyncio.to_thread(
+                self.store.prepare,
+                self.stream,
+                self._next_block_seq + 1,
+                self._next_offset + sum(c.records.num_rows for c in chunks),
+                self.config.receiver_id,
+                [c.records for c in after],
+                _producer_marks(after),
+            )
+        )
+        return after, prepared
+
+    def _chain_stopped(self) -> bool:
+        """No block is prepared ahead: stopping, or a seal_now() waits for the round to end."""
+        return self._stopping or bool(self._seal_waiters)
 
     def _write_failed(self, chunks: list[_Chunk], exc: OSError) -> None:
         """Keep the records buffered and try again next interval; no new credit until a write succeeds."""
@@ -1141,6 +1202,15 @@ class Receiver:
             session.durable_up_to = up_to
             session.outbox.ack(up_to)
             self._end_if_settled(session)
+
+
+def _producer_marks(chunks: list[_Chunk]) -> dict[str, int]:
+    """Producer key -> the seq after its last record in these chunks (a block's producers table)."""
+    marks: dict[str, int] = {}
+    for chunk in chunks:
+        if chunk.session.producer_id:
+            marks[chunk.session.producer_key] = chunk.end_seq
+    return marks
 
 
 def _size(n: float) -> str:

@@ -262,6 +262,11 @@ class _Writer:
     direct: bool = False
     """`fd` was opened with O_DIRECT: frames are padded to ALIGN."""
     _frame: mmap.mmap | None = None
+    _spare: mmap.mmap | None = None
+    """The buffer prepare() encodes the next block in while `_frame`'s is written."""
+    prepared: _Prepared | None = None
+    prepare_lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held while `_spare` is written (prepare) or handed over (an append that takes `prepared`)."""
 
     def frame_buffer(self, size: int) -> memoryview:
         """A page-aligned buffer of at least `size` bytes to build a frame in, kept for the next block
@@ -269,6 +274,48 @@ class _Writer:
         if self._frame is None or len(self._frame) < size:
             self._frame = mmap.mmap(-1, max(size, 1 << 20))  # the old one goes once its views do
         return memoryview(self._frame)[:size]
+
+    def spare_buffer(self, size: int) -> memoryview:
+        """frame_buffer's twin, for prepare(): call with prepare_lock held."""
+        if self._spare is None or len(self._spare) < size:
+            self._spare = mmap.mmap(-1, max(size, 1 << 20))
+        return memoryview(self._spare)[:size]
+
+    def take_prepared(self, key: _BlockKey) -> _Prepared | None:
+        """The frame prepare() encoded for a block of this key, made the writer's frame buffer (the
+        old one becomes the spare); None if there is none for it. Call with prepare_lock held."""
+        prepared, self.prepared = self.prepared, None
+        if prepared is None or not prepared.key.matches(key):
+            return None
+        self._frame, self._spare = self._spare, self._frame
+        return prepared
+
+
+@dataclass(frozen=True)
+class _BlockKey:
+    """What a block's frame is built from: a prepared frame serves a write of the same."""
+
+    seq: int
+    first_offset: int
+    receiver: int
+    batches: tuple[pa.RecordBatch, ...]
+    producers: dict[str, int]
+
+    def matches(self, other: _BlockKey) -> bool:
+        return (
+            (self.seq, self.first_offset, self.receiver) == (other.seq, other.first_offset, other.receiver)
+            and len(self.batches) == len(other.batches)
+            and all(a is b for a, b in zip(self.batches, other.batches, strict=True))
+            and self.producers == other.producers
+        )
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    key: _BlockKey
+    frame: memoryview
+    """The whole frame, padded for `direct`."""
+    direct: bool
 
 
 @dataclass(frozen=True)
@@ -367,24 +414,40 @@ class WalBlockStore(BlockStore):
         `producers` maps each producer with records in the block to the seq after its last one there.
         On an error (OSError) nothing of the block stays in the log: the same block can be written again.
         """
-        count = sum(b.num_rows for b in batches)
-        received_at = 0.0
-        for batch in batches:
-            if batch.num_rows:
-                received_at = batch.column("timestamp")[0].value / 1e6
-                break
-        sizer = pa.MockOutputStream()  # the payload's size first: it is encoded in place, in the frame
-        with pa.ipc.new_stream(sizer, BLOCK_SCHEMA) as ipc:
-            for batch in batches:
-                ipc.write_batch(batch)
+        key = _BlockKey(seq, first_offset, receiver, tuple(batches), dict(producers or {}))
+        block, measure, encode = _encoding(key)
+        return self._append(stream, block, measure, encode, key)
 
-        def encode(into: memoryview) -> None:
-            with pa.ipc.new_stream(pa.FixedSizeBufferWriter(pa.py_buffer(into)), BLOCK_SCHEMA) as ipc:
-                for batch in batches:
-                    ipc.write_batch(batch)
-
-        block = RawBlock(seq, first_offset, count, receiver, received_at, dict(producers or {}), b"")
-        return self._append(stream, block, sizer.size(), encode)
+    def prepare(  # noqa: PLR0917 - write()'s arguments
+        self,
+        stream: str,
+        seq: int,
+        first_offset: int,
+        receiver: int,
+        batches: Sequence[pa.RecordBatch],
+        producers: Mapping[str, int] | None = None,
+    ) -> None:
+        """Encode the frame of the block a write() with these arguments will append, while the block
+        before it is written (another thread), so that the log's thread does not copy between writes.
+        A hint: write() encodes the block itself when nothing (or something else) was prepared, and an
+        error here (the block's data) is left for write() to raise."""
+        try:
+            writer = self._writer(stream)
+        except (OSError, ValueError):
+            return
+        key = _BlockKey(seq, first_offset, receiver, tuple(batches), dict(producers or {}))
+        with writer.prepare_lock:
+            writer.prepared = None
+            direct = self._direct_wanted() if writer.fd is None else writer.direct
+            try:
+                block, measure, encode = _encoding(key)
+                payload_size = measure()
+                size = HEADER.size + len(_encode_producers(block.producers)) + payload_size
+                frame = writer.spare_buffer(_padded(size, direct))
+                _build_frame(frame, block, payload_size, encode)
+            except Exception:  # noqa: BLE001 - write() meets it again and raises it where it is handled
+                return
+            writer.prepared = _Prepared(key, frame, direct)
 
     def append_raw(self, stream: str, block: RawBlock) -> tuple[BlockInfo, int]:
         """Append a block already encoded (a replica of another node's block, as read_raw() gave it
@@ -397,13 +460,18 @@ class WalBlockStore(BlockStore):
         return self._append(stream, block, payload.nbytes, copy)
 
     def _append(
-        self, stream: str, block: RawBlock, payload_size: int, fill: Callable[[memoryview], None]
+        self,
+        stream: str,
+        block: RawBlock,
+        payload_size: int | Callable[[], int],
+        fill: Callable[[memoryview], None],
+        key: _BlockKey | None = None,
     ) -> tuple[BlockInfo, int]:
-        """Append `block` (its payload, `payload_size` bytes, written by `fill` into the frame)."""
+        """Append `block` (its payload, `payload_size` bytes (or what calling it says), written by
+        `fill` into the frame; or the frame prepare() built for `key`)."""
         seq, first_offset, count, receiver = block.seq, block.first_offset, block.count, block.receiver
         producers = block.producers
         writer = self._writer(stream)
-        producers_raw = _encode_producers(producers)
         with writer.lock:
             if seq != writer.next_seq:
                 raise ValueError(f"stream {stream!r}: block seq {seq} written, {writer.next_seq} expected")
@@ -412,33 +480,16 @@ class WalBlockStore(BlockStore):
                     f"stream {stream!r}: block first_offset {first_offset} below {writer.next_offset}"
                 )
             fd = self._segment_for(writer, seq)
-            size = HEADER.size + len(producers_raw) + payload_size
-            # direct I/O writes whole pages: the payload is padded with zeros to end on one, which the
-            # Arrow IPC stream (read up to its end-of-stream marker) and the CRC (it covers them) allow
-            padded = -(-size // ALIGN) * ALIGN if writer.direct else size
-            frame = writer.frame_buffer(padded)
-            start = HEADER.size + len(producers_raw)
-            frame[HEADER.size : start] = producers_raw
-            fill(frame[start : start + payload_size])
-            frame[size:padded] = bytes(padded - size)
-            HEADER.pack_into(
-                frame,
-                0,
-                MAGIC,
-                VERSION,
-                0,
-                0,
-                len(producers_raw),
-                padded - start,
-                seq,
-                first_offset,
-                count,
-                receiver,
-                block.received_at,
-            )
-            struct.pack_into(
-                "<I", frame, _CRC_AT, _frame_crc(frame[: HEADER.size], [frame[HEADER.size : padded]])
-            )
+            with writer.prepare_lock:  # waits for a prepare() still encoding
+                prepared = writer.take_prepared(key) if key is not None else None
+            if prepared is not None and prepared.direct == writer.direct:
+                frame = prepared.frame
+                padded = len(frame)
+            else:
+                payload = payload_size if isinstance(payload_size, int) else payload_size()
+                padded = _padded(HEADER.size + len(_encode_producers(producers)) + payload, writer.direct)
+                frame = writer.frame_buffer(padded)
+                _build_frame(frame, block, payload, fill)
             before = writer.size
             try:
                 _write_all(fd, frame[:padded], writer.direct)
@@ -1116,6 +1167,67 @@ def _valid_frame(fd: int, pos: int, size: int, last_seq: int) -> tuple[_Header, 
     except (ValueError, struct.error, UnicodeDecodeError):
         return None
     return header, table
+
+
+def _encoding(key: _BlockKey) -> tuple[RawBlock, Callable[[], int], Callable[[memoryview], None]]:
+    """The block's header fields, how to measure its payload, and how to encode that into a frame."""
+    batches = key.batches
+    count = sum(b.num_rows for b in batches)
+    received_at = 0.0
+    for batch in batches:
+        if batch.num_rows:
+            received_at = batch.column("timestamp")[0].value / 1e6
+            break
+
+    def measure() -> int:  # the payload's size first: it is encoded in place, in the frame
+        sizer = pa.MockOutputStream()
+        with pa.ipc.new_stream(sizer, BLOCK_SCHEMA) as ipc:
+            for batch in batches:
+                ipc.write_batch(batch)
+        return int(sizer.size())
+
+    def encode(into: memoryview) -> None:
+        with pa.ipc.new_stream(pa.FixedSizeBufferWriter(pa.py_buffer(into)), BLOCK_SCHEMA) as ipc:
+            for batch in batches:
+                ipc.write_batch(batch)
+
+    block = RawBlock(key.seq, key.first_offset, count, key.receiver, received_at, key.producers, b"")
+    return block, measure, encode
+
+
+def _padded(size: int, direct: bool) -> int:
+    # direct I/O writes whole pages: the payload is padded with zeros to end on one, which the Arrow
+    # IPC stream (read up to its end-of-stream marker) and the CRC (it covers them) allow
+    return -(-size // ALIGN) * ALIGN if direct else size
+
+
+def _build_frame(
+    frame: memoryview, block: RawBlock, payload_size: int, fill: Callable[[memoryview], None]
+) -> None:
+    """Write the frame of `block` into `frame` (its padded size): header, producers, payload, zeros."""
+    producers_raw = _encode_producers(block.producers)
+    start = HEADER.size + len(producers_raw)
+    size = start + payload_size
+    padded = len(frame)
+    frame[HEADER.size : start] = producers_raw
+    fill(frame[start:size])
+    frame[size:padded] = bytes(padded - size)
+    HEADER.pack_into(
+        frame,
+        0,
+        MAGIC,
+        VERSION,
+        0,
+        0,
+        len(producers_raw),
+        padded - start,
+        block.seq,
+        block.first_offset,
+        block.count,
+        block.receiver,
+        block.received_at,
+    )
+    struct.pack_into("<I", frame, _CRC_AT, _frame_crc(frame[: HEADER.size], [frame[HEADER.size : padded]]))
 
 
 def _write_all(fd: int, frame: memoryview, direct: bool) -> None:
