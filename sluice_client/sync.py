@@ -8,6 +8,8 @@ from collections.abc import Coroutine, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
+import numpy.typing as npt
+
 from sluice_client.producer import Producer
 
 T = TypeVar("T")
@@ -43,6 +45,10 @@ class SyncProducer:
 
     def send_many(self, values: Sequence[bytes], keys: Sequence[bytes | None] | None = None) -> None:
         self._run(self._producer.send_many(values, keys))
+
+    def send_packed(self, values: bytes | bytearray | memoryview, offsets: npt.ArrayLike) -> None:
+        """Producer.send_packed: records in Arrow's binary layout, one buffer and its offsets."""
+        self._run(self._producer.send_packed(values, offsets))
 
     def flush(self, timeout: float | None = None) -> None:
         self._run(self._producer.flush(timeout))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import time
 from collections import Counter
@@ -430,6 +431,42 @@ async def test_producer_rides_out_a_crash_and_restart_without_loss_or_doubles(tm
     assert stored(tmp_path) == sent  # each record once, in order
 
 
+async def test_packed_and_keyed_records_ride_out_a_crash_in_order(tmp_path: Path) -> None:
+    """Records sent as buffers (send_packed) and keyed ones in between: after a crash the unacked
+    batches, spanning both kinds, are resent as one run each; stored once each, in order, keys kept."""
+    node = Node(tmp_path, block_interval=0.1)
+    await node.start()
+    sent = values("e", 0, 20_000)
+    keys = [f"k{i}".encode() if i % 1_000 >= 900 else None for i in range(len(sent))]
+    producer = Producer(node.target, "s", linger=0.001, batch_size=300, max_buffered=4_000)
+    await producer.start()
+    try:
+
+        async def feed() -> None:
+            for i in range(0, len(sent), 1_000):
+                await producer.send_packed(
+                    b"".join(sent[i : i + 900]), [0, *itertools.accumulate(map(len, sent[i : i + 900]))]
+                )
+                await producer.send_many(sent[i + 900 : i + 1_000], keys[i + 900 : i + 1_000])
+
+        feeding = asyncio.create_task(feed())
+        await wait_until(lambda: producer.acked >= 5_000)
+        await node.crash()
+        await asyncio.sleep(0.3)
+        await node.start()
+        await feeding
+        await producer.flush(timeout=20)
+        assert producer.resent > 0
+        await producer.close(timeout=10)
+    finally:
+        await producer.abort()
+        await node.stop()
+    store = WalBlockStore(tmp_path / "blocks", fsync=FsyncPolicy.off())
+    rows = [row for b in store.blocks("s") for batch in store.read(b) for row in batch.to_pylist()]
+    assert [r["value"] for r in rows] == sent
+    assert [r["key"] for r in rows] == keys
+
+
 async def test_flush_times_out_while_the_server_is_down_then_succeeds(tmp_path: Path) -> None:
     node = Node(tmp_path)
     await node.start()
@@ -463,12 +500,13 @@ async def test_close_reports_the_records_never_acked(tmp_path: Path) -> None:
         await node.stop()
         await producer.send(b"lost-1", key=b"k")
         await producer.send(b"lost-2")
+        await producer.send_packed(b"lost-3lost-4", [0, 6, 12])
         with pytest.raises(UnackedRecordsError) as info:
             await producer.close(timeout=0.3)
     finally:
         await node.stop()
-    assert info.value.unacked == 2
-    assert info.value.records == [(b"lost-1", b"k"), (b"lost-2", None)]
+    assert info.value.unacked == 4
+    assert info.value.records == [(b"lost-1", b"k"), (b"lost-2", None), (b"lost-3", None), (b"lost-4", None)]
     assert info.value.first_seq == 1
     assert isinstance(info.value.__cause__, FlushTimeoutError)
 

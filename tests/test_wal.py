@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import multiprocessing as mp
 import os
@@ -16,6 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from receivers import wal
 from receivers.block import BlockInfo
 from receivers.config import FsyncPolicy
 from receivers.names import InvalidStreamNameError
@@ -550,3 +552,71 @@ def test_no_direct_io_falls_back_to_the_page_cache(tmp_path: Path, monkeypatch: 
     assert not store.direct_io
     assert values(store) == expected(9)
     assert segments(tmp_path)[0].stat().st_size % ALIGN != 0  # unpadded
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_a_prepared_block_is_written_byte_for_byte_as_an_unprepared_one(
+    tmp_path: Path, direct_io: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prepare() encodes the next block while the one before is written (the receiver calls it from
+    another thread): the log it leaves is the same bytes; a prepare for other arguments (another seq,
+    other batches, other producers), or for data the log cannot hold, is ignored and write() does the
+    work (and raises) as without it."""
+    logs = {}
+    built = []  # frames encoded, by prepare() or write()
+    build = wal._build_frame
+    monkeypatch.setattr(wal, "_build_frame", lambda *args: built.append(1) or build(*args))
+    for prepared in (False, True):
+        store = WalBlockStore(tmp_path / str(prepared), fsync=FsyncPolicy.every_block(), direct_io=direct_io)
+        store.recover("s")
+        seq = offset = 0
+        for n in (1, 3, 700, 2, 5000):
+            batches, table = [records(n, offset), records(2, offset + n)], {"p": offset + n + 2}
+            if prepared:
+                store.prepare("s", seq, offset, 1, batches, table)
+            info, _ = store.write("s", seq, offset, 1, batches, table)
+            seq, offset = seq + 1, offset + info.count
+        assert len(built) == 5  # prepared: by prepare() alone
+        built.clear()
+        if prepared:
+            others = [records(3, offset)]
+            for args in [(seq + 1, offset, 1, others, None), (seq, offset, 1, [records(3, offset)], None)]:
+                store.prepare("s", *args)  # type: ignore[arg-type]
+                store.write("s", seq, offset, 1, others)
+                seq, offset = seq + 1, offset + 3
+            store.prepare("s", seq, offset, 1, others, {"q": 1})
+            store.write("s", seq, offset, 1, others, {"q": 2})
+            assert store.producers("s")["q"] == 2
+            bad = pa.record_batch([pa.array([1])], names=["x"])
+            store.prepare("s", seq + 1, offset + 3, 1, [bad])  # does not raise
+            with pytest.raises(Exception, match=r"[Ss]chema"):
+                store.write("s", seq + 1, offset + 3, 1, [bad])
+        store.close()
+        logs[prepared] = b"".join(
+            p.read_bytes() for p in sorted((tmp_path / str(prepared) / "s").glob("*.wal"))
+        )
+    assert logs[True].startswith(logs[False])
+    store = WalBlockStore(tmp_path / "True", fsync=OFF)
+    store.recover("s")
+    assert len(values(store)) == sum((n + 2 for n in (1, 3, 700, 2, 5000)), 9)
+
+
+def test_blocks_prepared_while_the_one_before_is_written_read_back(tmp_path: Path) -> None:
+    """The receiver's pattern, in threads: block n+1 prepared while block n is written."""
+    import concurrent.futures
+
+    store = WalBlockStore(tmp_path, fsync=FsyncPolicy.every_block())
+    store.recover("s")
+    sizes = [50, 3000, 1, 800, 20_000, 7, 4096, 333] * 3
+    firsts = list(itertools.accumulate(sizes, initial=0))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        writing = None
+        for seq, n in enumerate(sizes):
+            batches = [records(n, firsts[seq])]
+            if writing is not None:
+                store.prepare("s", seq, firsts[seq], 0, batches)  # while seq - 1 is written
+                writing.result()
+            writing = pool.submit(store.write, "s", seq, firsts[seq], 0, batches)
+        writing.result()
+    store.close()
+    assert values(WalBlockStore(tmp_path, fsync=OFF)) == expected(sum(sizes))

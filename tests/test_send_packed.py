@@ -1,0 +1,216 @@
+"""Producer.send_packed: records handed over as one buffer and Arrow offsets, over real gRPC on loopback,
+in order with records sent one by one, checked at the door."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ingest.config import RateConfig, ServeConfig
+from ingest.server import SluiceServer
+from receivers.config import ReceiverConfig
+from sluice_client import Producer, SyncProducer
+from sluice_client.errors import RecordTooLargeError
+from sluice_client.producer import DEFAULT_MAX_MESSAGE_BYTES, _Packed, _Pending, _Sent
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[SluiceServer]:
+    config = ServeConfig(
+        port=0,
+        metrics_port=None,
+        data_dir=tmp_path,
+        streams=("events",),
+        receiver=ReceiverConfig(block_interval=0.05, buffer_records=10_000, prefetch=1_000),
+        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
+        spark=False,
+    )
+    srv = SluiceServer(config)
+    await srv.start()
+    try:
+        yield srv
+    finally:
+        await srv.stop(grace=1)
+
+
+def rows(server: SluiceServer) -> list[tuple[bytes | None, bytes]]:
+    store = server.store
+    return [
+        (row["key"], row["value"])
+        for block in store.blocks("events")
+        for batch in store.read(block)
+        for row in batch.to_pylist()
+    ]
+
+
+def packed(values: list[bytes], start: int = 0) -> tuple[bytes, list[int]]:
+    """`values` in Arrow's layout, after `start` bytes of something else."""
+    offsets = [start]
+    for value in values:
+        offsets.append(offsets[-1] + len(value))
+    return b"#" * start + b"".join(values), offsets
+
+
+async def test_packed_records_are_stored_in_order_with_the_others(server: SluiceServer) -> None:
+    """Batches (of 7 here) take records across the runs of each call, keyed and packed alike."""
+    expected: list[tuple[bytes | None, bytes]] = []
+    async with Producer(server.target, "events", batch_size=7, linger=0.001) as producer:
+        for round_ in range(20):
+            await producer.send(f"one-{round_}".encode(), key=b"k")
+            expected.append((b"k", f"one-{round_}".encode()))
+            values = [f"p{round_}-{i}".encode() * (i % 3) for i in range(round_ + 1)]  # some empty
+            data, offsets = packed(values, start=round_ % 4)
+            await producer.send_packed(data, np.asarray(offsets, dtype=np.int32) if round_ % 2 else offsets)
+            expected += [(None, v) for v in values]
+            listed = [f"m{round_}-{i}".encode() for i in range(3)]
+            await producer.send_many(listed, keys=[None, b"x", None])
+            expected += list(zip([None, b"x", None], listed, strict=True))
+        await producer.flush(timeout=10)
+        assert producer.acked == len(expected)
+    assert rows(server) == expected
+
+
+async def test_a_mutable_buffer_is_copied_at_the_call(server: SluiceServer) -> None:
+    data = bytearray(b"aaabbb")
+    view = np.frombuffer(b"cccddd", dtype=np.uint8)
+    async with Producer(server.target, "events", linger=0.5) as producer:  # still unsent below
+        await producer.send_packed(data, [0, 3, 6])
+        await producer.send_packed(view, [3, 6])
+        data[:] = b"zzzzzz"
+        await producer.flush(timeout=10)
+    assert [v for _, v in rows(server)] == [b"aaa", b"bbb", b"ddd"]
+
+
+@pytest.mark.parametrize(
+    ("values", "offsets", "error", "message"),
+    [
+        (b"abc", [0, 2, 1], ValueError, r"must not decrease: offsets\[1\] > offsets\[2\]"),
+        (b"abc", [0, 4], ValueError, "within the 3 bytes of values, got 0..4"),
+        (b"abc", [-1, 2], ValueError, "within the 3 bytes of values, got -1..2"),
+        (b"abc", [], ValueError, "one-dimensional sequence of records \\+ 1 integers"),
+        (b"abc", [[0, 1], [1, 2]], ValueError, "one-dimensional"),
+        (b"abc", [0.0, 1.5], TypeError, "offsets must be integers, got float64"),
+        (b"abc", np.array([0, 2**63], dtype=np.uint64), ValueError, "within the 3 bytes"),
+        ("abc", [0, 3], TypeError, "contiguous bytes-like object, not str"),
+        (memoryview(b"abcdef")[::2], [0, 1], TypeError, "contiguous bytes-like object, not memoryview"),
+    ],
+)
+async def test_packed_input_is_checked_at_the_call(
+    server: SluiceServer, values: object, offsets: object, error: type[Exception], message: str
+) -> None:
+    """A bad call raises at once and queues nothing: the producer goes on."""
+    async with Producer(server.target, "events", linger=0) as producer:
+        with pytest.raises(error, match=message):
+            await producer.send_packed(values, offsets)  # type: ignore[arg-type]
+        await producer.send_packed(b"ok", [0, 2])
+        await producer.send_packed(b"", [0])  # no records: nothing to do
+        await producer.flush(timeout=10)
+        assert producer.acked == 1
+    assert [v for _, v in rows(server)] == [b"ok"]
+
+
+async def test_a_packed_record_over_the_message_limit_fails_the_producer(server: SluiceServer) -> None:
+    big = DEFAULT_MAX_MESSAGE_BYTES + 1
+    producer = Producer(server.target, "events", linger=0)
+    await producer.start()
+    await producer.send_packed(b"a", [0, 1])
+    await producer.flush(timeout=10)
+    await producer.send_packed(b"b" * (big + 1), [0, big, big + 1])
+    with pytest.raises(RecordTooLargeError, match=f"record 1 has {big} bytes"):
+        await producer.flush(timeout=30)
+    assert [len(v) for v, _ in await producer.abort()] == [big, 1]
+    assert [v for _, v in rows(server)] == [b"a"]
+
+
+async def test_a_large_buffer_waits_for_room_in_pieces(server: SluiceServer) -> None:
+    """A call with more records than max_buffered is taken in pieces as room frees up, without copies
+    of the caller's bytes."""
+    values = [i.to_bytes(4, "little") for i in range(50_000)]
+    data, offsets = packed(values)
+    async with Producer(server.target, "events", max_buffered=4_096, batch_size=512) as producer:
+        await producer.send_packed(data, offsets)
+        await producer.flush(timeout=30)
+    assert [v for _, v in rows(server)] == values
+
+
+async def test_the_sync_producer_sends_packed(server: SluiceServer) -> None:
+    def push() -> None:  # in a thread of its own: the server's loop runs on here
+        with SyncProducer(server.target, "events") as producer:
+            producer.send_packed(b"onetwo", [0, 3, 6])
+            producer.flush(timeout=10)
+
+    await asyncio.to_thread(push)
+    assert [v for _, v in rows(server)] == [b"one", b"two"]
+
+
+OPS = ["one", "many", "packed", "take", "ack", "requeue"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["one", "many", "packed", "take", "ack", "requeue"]), st.integers(0, 9))
+    )
+)
+def test_pending_records_keep_their_order_across_runs(ops: list[tuple[str, int]]) -> None:
+    """The Producer's queues (_Pending of runs, _Sent batches) against a plain list: records taken in
+    batches across runs, partly acked, put back in front, come out as they went in."""
+    pending, unacked = _Pending(), []
+    model: list[tuple[bytes, bytes | None]] = []  # pending, in order
+    sent_model: list[tuple[bytes, bytes | None]] = []  # sent, not acked, in order
+    counter = 0
+
+    def fresh(n: int) -> list[bytes]:
+        nonlocal counter
+        counter += n
+        return [f"v{counter - n + i}".encode() * (i % 3) for i in range(n)]
+
+    for op, n in ops:
+        if op == "one":
+            value = fresh(1)[0]
+            key = f"k{counter}".encode() if n % 2 else None
+            pending.append(value, key)
+            model.append((value, key))
+        elif op == "many":
+            values = fresh(n)
+            pending.extend(values)
+            model += [(v, None) for v in values]
+        elif op == "packed":
+            values = fresh(n)
+            data, offsets = packed(values, start=n % 3)
+            pending.extend_packed(_Packed(data, np.asarray(offsets, dtype=np.int64)))
+            model += [(v, None) for v in values]
+        elif op == "take" and len(pending):
+            k = min(len(pending), n + 1)
+            run = pending.peek(k)
+            assert b"".join(run.parts) == b"".join(v for v, _ in model[:k])
+            assert list(run.ends) == list(itertools.accumulate(len(v) for v, _ in model[:k]))
+            assert (run.keys or [None] * k) == [key for _, key in model[:k]]
+            pending.drop(k)
+            unacked.append(_Sent(0, run))
+            sent_model += model[:k]
+            del model[:k]
+        elif op == "ack" and unacked:
+            head = unacked[0]
+            k = min(len(head), n)
+            before = head.nbytes
+            head.skip += k
+            assert before - head.nbytes == sum(len(v) for v, _ in sent_model[:k])
+            del sent_model[:k]
+            if not len(head):
+                unacked.pop(0)
+        elif op == "requeue":
+            pending.prepend([sent.unacked() for sent in unacked])
+            model = sent_model + model
+            unacked, sent_model = [], []
+        assert len(pending) == len(model)
+        values, keys = pending.records(len(pending))
+        assert list(zip(values, keys or [None] * len(values), strict=True)) == model
