@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import math
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,10 +12,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import running_server
 
-from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
-from receivers.config import ReceiverConfig
 from sluice_client import Producer, SyncProducer
 from sluice_client.errors import RecordTooLargeError
 from sluice_client.producer import DEFAULT_MAX_MESSAGE_BYTES, _Packed, _Pending, _Sent
@@ -24,21 +22,8 @@ from sluice_client.producer import DEFAULT_MAX_MESSAGE_BYTES, _Packed, _Pending,
 
 @pytest.fixture
 async def server(tmp_path: Path) -> AsyncIterator[SluiceServer]:
-    config = ServeConfig(
-        port=0,
-        metrics_port=None,
-        data_dir=tmp_path,
-        streams=("events",),
-        receiver=ReceiverConfig(block_interval=0.05, buffer_records=10_000, prefetch=1_000),
-        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
-        spark=False,
-    )
-    srv = SluiceServer(config)
-    await srv.start()
-    try:
+    async with running_server(tmp_path, "events", buffer_records=10_000, prefetch=1_000) as srv:
         yield srv
-    finally:
-        await srv.stop(grace=1)
 
 
 def rows(server: SluiceServer) -> list[tuple[bytes | None, bytes]]:
