@@ -376,8 +376,8 @@ def main() -> None:
         args.records, args.repeat, args.only = 3_000_000, 1, ["fsync"]
     chosen = ["bare", *[v for v in VARIANTS if v != "bare" and (not args.only or v in args.only)]]
     best: dict[str, Run] = {}
-    for variant in chosen:
-        for _ in range(args.repeat):
+    for _ in range(args.repeat):  # rounds of every variant: a machine that drifts affects all alike
+        for variant in chosen:
             result = run(variant, args)
             if variant not in best or result.rate > best[variant].rate:
                 best[variant] = result
