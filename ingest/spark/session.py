@@ -152,16 +152,35 @@ def build_session(
     builder = SparkSession.builder.master(master).appName(app_name)
     for key, value in settings.items():
         builder = builder.config(key, value)
-    if log_json is None:
+    with _filtered_stderr(log_json) if log_json is not None else contextlib.nullcontext():
+        # the JVM inherits stderr, and its Python workers from it
+        _launch_jvm_apart({"spark.master": master, "spark.app.name": app_name, **settings})
         spark: SparkSession = builder.getOrCreate()
-    else:
-        with _filtered_stderr(log_json):  # the JVM inherits it, and its Python workers from it
-            spark = builder.getOrCreate()
     set_spark_log_level(spark, log_level)
     if local and CHECKPOINT_MANAGER_KEY not in settings:
         use_file_system_checkpoints(spark)
     spark.dataSource.register(SluiceDataSource)
     return spark
+
+
+def _launch_jvm_apart(settings: Mapping[str, str]) -> None:
+    """Start Spark's JVM (its py4j gateway) in a session of its own, unless one runs already.
+
+    A signal to this process's whole group (`timeout`, `kill -TERM -PGID`, a supervisor killing as a
+    group) would otherwise reach the JVM too, which exits at once while the server drains into it.
+    pyspark already keeps SIGINT (Ctrl-C) from it; the JVM still ends with this process, through the
+    pipe pyspark holds on its stdin. With a gateway already given (PYSPARK_GATEWAY_PORT, spark-submit)
+    pyspark connects to that one."""
+    from pyspark import SparkConf, SparkContext  # noqa: PLC0415 - with pyspark.sql, already loaded
+    from pyspark.java_gateway import launch_gateway  # noqa: PLC0415
+
+    if SparkContext._gateway is not None:
+        return
+    conf = SparkConf(loadDefaults=False)
+    for key, value in settings.items():
+        conf.set(key, value)
+    gateway = launch_gateway(conf, popen_kwargs={"start_new_session": True})  # type: ignore[no-untyped-call]
+    SparkContext._ensure_initialized(gateway=gateway)
 
 
 def use_file_system_checkpoints(spark: SparkSession) -> str | None:
