@@ -284,9 +284,14 @@ class _Writer:
     def take_prepared(self, key: _BlockKey) -> _Prepared | None:
         """The frame prepare() encoded for a block of this key, made the writer's frame buffer (the
         old one becomes the spare); None if there is none for it. Call with prepare_lock held."""
-        prepared, self.prepared = self.prepared, None
-        if prepared is None or not prepared.key.matches(key):
+        prepared = self.prepared
+        if prepared is None:
             return None
+        if not prepared.key.matches(key):
+            if prepared.key.seq <= key.seq:  # stale (its write came with other records): never used
+                self.prepared = None
+            return None  # or the next block's, prepared before this write took the lock: kept
+        self.prepared = None
         self._frame, self._spare = self._spare, self._frame
         return prepared
 

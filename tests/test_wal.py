@@ -584,6 +584,13 @@ def test_a_prepared_block_is_written_byte_for_byte_as_an_unprepared_one(
                 store.prepare("s", *args)  # type: ignore[arg-type]
                 store.write("s", seq, offset, 1, others)
                 seq, offset = seq + 1, offset + 3
+            built.clear()
+            following = [records(4, offset + 3)]
+            store.prepare("s", seq + 1, offset + 3, 1, following)  # the next block's, early
+            store.write("s", seq, offset, 1, others)  # encoded here; the next one's frame is kept
+            store.write("s", seq + 1, offset + 3, 1, following)
+            assert len(built) == 2
+            seq, offset = seq + 2, offset + 7
             store.prepare("s", seq, offset, 1, others, {"q": 1})
             store.write("s", seq, offset, 1, others, {"q": 2})
             assert store.producers("s")["q"] == 2
@@ -598,7 +605,7 @@ def test_a_prepared_block_is_written_byte_for_byte_as_an_unprepared_one(
     assert logs[True].startswith(logs[False])
     store = WalBlockStore(tmp_path / "True", fsync=OFF)
     store.recover("s")
-    assert len(values(store)) == sum((n + 2 for n in (1, 3, 700, 2, 5000)), 9)
+    assert len(values(store)) == sum((n + 2 for n in (1, 3, 700, 2, 5000)), 16)
 
 
 def test_blocks_prepared_while_the_one_before_is_written_read_back(tmp_path: Path) -> None:
