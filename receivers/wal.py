@@ -271,14 +271,12 @@ class _Writer:
     def frame_buffer(self, size: int) -> memoryview:
         """A page-aligned buffer of at least `size` bytes to build a frame in, kept for the next block
         (a fresh one per block costs a page fault per page)."""
-        if self._frame is None or len(self._frame) < size:
-            self._frame = mmap.mmap(-1, max(size, 1 << 20))  # the old one goes once its views do
+        self._frame = _at_least(self._frame, size)
         return memoryview(self._frame)[:size]
 
     def spare_buffer(self, size: int) -> memoryview:
         """frame_buffer's twin, for prepare(): call with prepare_lock held."""
-        if self._spare is None or len(self._spare) < size:
-            self._spare = mmap.mmap(-1, max(size, 1 << 20))
+        self._spare = _at_least(self._spare, size)
         return memoryview(self._spare)[:size]
 
     def take_prepared(self, key: _BlockKey) -> _Prepared | None:
@@ -294,6 +292,12 @@ class _Writer:
         self.prepared = None
         self._frame, self._spare = self._spare, self._frame
         return prepared
+
+
+def _at_least(buffer: mmap.mmap | None, size: int) -> mmap.mmap:
+    """`buffer`, or a larger one when it holds fewer than `size` bytes (the old one goes once its views
+    do)."""
+    return buffer if buffer is not None and len(buffer) >= size else mmap.mmap(-1, max(size, 1 << 20))
 
 
 @dataclass(frozen=True)
@@ -447,9 +451,9 @@ class WalBlockStore(BlockStore):
             try:
                 block, measure, encode = _encoding(key)
                 payload_size = measure()
-                size = HEADER.size + len(_encode_producers(block.producers)) + payload_size
-                frame = writer.spare_buffer(_padded(size, direct))
-                _build_frame(frame, block, payload_size, encode)
+                producers_raw, padded = _frame_layout(block, payload_size, direct)
+                frame = writer.spare_buffer(padded)
+                _build_frame(frame, block, producers_raw, payload_size, encode)
             except Exception:  # noqa: BLE001 - write() meets it again and raises it where it is handled
                 return
             writer.prepared = _Prepared(key, frame, direct)
@@ -492,9 +496,9 @@ class WalBlockStore(BlockStore):
                 padded = len(frame)
             else:
                 payload = payload_size if isinstance(payload_size, int) else payload_size()
-                padded = _padded(HEADER.size + len(_encode_producers(producers)) + payload, writer.direct)
+                producers_raw, padded = _frame_layout(block, payload, writer.direct)
                 frame = writer.frame_buffer(padded)
-                _build_frame(frame, block, payload, fill)
+                _build_frame(frame, block, producers_raw, payload, fill)
             before = writer.size
             try:
                 _write_all(fd, frame[:padded], writer.direct)
@@ -1200,17 +1204,23 @@ def _encoding(key: _BlockKey) -> tuple[RawBlock, Callable[[], int], Callable[[me
     return block, measure, encode
 
 
-def _padded(size: int, direct: bool) -> int:
+def _frame_layout(block: RawBlock, payload_size: int, direct: bool) -> tuple[bytes, int]:
+    """(the producers section, the frame's size) of `block` with a payload of `payload_size` bytes."""
+    producers_raw = _encode_producers(block.producers)
+    size = HEADER.size + len(producers_raw) + payload_size
     # direct I/O writes whole pages: the payload is padded with zeros to end on one, which the Arrow
     # IPC stream (read up to its end-of-stream marker) and the CRC (it covers them) allow
-    return -(-size // ALIGN) * ALIGN if direct else size
+    return producers_raw, -(-size // ALIGN) * ALIGN if direct else size
 
 
 def _build_frame(
-    frame: memoryview, block: RawBlock, payload_size: int, fill: Callable[[memoryview], None]
+    frame: memoryview,
+    block: RawBlock,
+    producers_raw: bytes,
+    payload_size: int,
+    fill: Callable[[memoryview], None],
 ) -> None:
     """Write the frame of `block` into `frame` (its padded size): header, producers, payload, zeros."""
-    producers_raw = _encode_producers(block.producers)
     start = HEADER.size + len(producers_raw)
     size = start + payload_size
     padded = len(frame)
