@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import json
 import math
-import mmap
 import multiprocessing as mp
 import os
 import signal
@@ -43,7 +42,7 @@ from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
 from receivers.block import BlockInfo
 from receivers.config import FsyncPolicy, ReceiverConfig
-from receivers.wal import WalBlockStore
+from receivers.wal import WalBlockStore, frame_memory
 from receivers.wire import WireBatch, decode_request
 from sluice_client import Credentials, Producer
 from sluice_client.allocator import tune_malloc
@@ -309,10 +308,11 @@ def log_blocks(root: Path) -> tuple[int, int]:
 def probe_disk(root: Path, block_bytes: int, total_bytes: int, direct: bool) -> float:
     """Bytes/s of appending `block_bytes` blocks to a new file, each followed by fsync (what the log does
     per block): through the page cache, or with O_DIRECT from a page-aligned buffer (as the log does
-    where it can). The better of the two is the disk's limit."""
+    where it can, in memory of the same kind: frame_memory). The better of the two is the disk's
+    limit."""
     size = -(-block_bytes // 4096) * 4096
-    buffer = mmap.mmap(-1, size)
-    buffer.write(os.urandom(size))
+    buffer = memoryview(frame_memory(size))[:size]
+    buffer[:] = os.urandom(size)
     path = root / f"probe-{direct}"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
     try:

@@ -297,7 +297,30 @@ class _Writer:
 def _at_least(buffer: mmap.mmap | None, size: int) -> mmap.mmap:
     """`buffer`, or a larger one when it holds fewer than `size` bytes (the old one goes once its views
     do)."""
-    return buffer if buffer is not None and len(buffer) >= size else mmap.mmap(-1, max(size, 1 << 20))
+    return buffer if buffer is not None and len(buffer) >= size else frame_memory(max(size, 1 << 20))
+
+
+HUGE_PAGE = 2 * 1024 * 1024
+"""x86-64's and arm64's transparent huge page: frame buffers are made of whole ones."""
+
+
+def frame_memory(size: int) -> mmap.mmap:
+    """Page-aligned memory to build frames in, `size` rounded up to whole huge pages: private (shared
+    anonymous memory is shmem, which gets no transparent huge pages by default) and advised to be
+    backed by huge pages where the kernel allows it (THP "always" or "madvise").
+
+    A direct write pins each page of its buffer for the device and unpins it on completion: with 4 KiB
+    pages that is about 4,000 pages per 16 MB block, some 7% of the machine's CPU at 12M records/s
+    (get_user_pages, the bio's page list, the completion worker); with 2 MiB pages, eight."""
+    size = -(-max(size, 1) // HUGE_PAGE) * HUGE_PAGE
+    private = getattr(mmap, "MAP_PRIVATE", None)
+    if private is None:  # pragma: no cover - Windows: no flags
+        buffer = mmap.mmap(-1, size)
+    else:
+        buffer = mmap.mmap(-1, size, flags=private | mmap.MAP_ANONYMOUS)
+    with contextlib.suppress(AttributeError, OSError):  # no MADV_HUGEPAGE (not Linux), or refused
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    return buffer
 
 
 @dataclass(frozen=True)

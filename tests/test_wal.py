@@ -627,3 +627,38 @@ def test_blocks_prepared_while_the_one_before_is_written_read_back(tmp_path: Pat
         writing.result()
     store.close()
     assert values(WalBlockStore(tmp_path, fsync=OFF)) == expected(sum(sizes))
+
+
+def _mapping_flags(address: int) -> list[str]:
+    """VmFlags of the mapping of this process that holds `address` (from /proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs Linux's /proc/self/smaps")
+def test_frame_memory_is_private_huge_page_memory(tmp_path: Path) -> None:
+    """Frames are built in private memory advised for huge pages (what direct writes pin cheaply), whole
+    huge pages of it; the log's own buffers are of that kind."""
+    import ctypes
+
+    memory = wal.frame_memory(5_000_000)
+    assert len(memory) == 3 * wal.HUGE_PAGE
+    address = ctypes.addressof(ctypes.c_char.from_buffer(memory))
+    assert address % ALIGN == 0
+    flags = _mapping_flags(address)
+    assert "sh" not in flags, flags  # shared anonymous memory is shmem: no THP by default
+    assert "hg" in flags, flags  # MADV_HUGEPAGE
+
+    store = WalBlockStore(tmp_path)
+    store.write("s", 0, 0, 0, [decode_batch(encode_batch(0, [b"x" * 100] * 10), 1)])
+    writer = store._writers["s"]
+    frame = writer._frame
+    assert frame is not None
+    assert "hg" in _mapping_flags(ctypes.addressof(ctypes.c_char.from_buffer(frame)))
