@@ -297,7 +297,7 @@ class _Writer:
 def _at_least(buffer: mmap.mmap | None, size: int) -> mmap.mmap:
     """`buffer`, or a larger one when it holds fewer than `size` bytes (the old one goes once its views
     do)."""
-    return buffer if buffer is not None and len(buffer) >= size else frame_memory(max(size, 1 << 20))
+    return buffer if buffer is not None and len(buffer) >= size else frame_memory(size)
 
 
 HUGE_PAGE = 2 * 1024 * 1024
