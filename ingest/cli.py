@@ -297,8 +297,9 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         type=_fsync_policy,
         default=FsyncPolicy.every_block(),
         metavar="every-block|interval:MS|off",
-        help="when the block log is fsynced: before every block is acked (the default); every MS "
-        "milliseconds (acked blocks survive a crash of the process, not a power loss); or never",
+        help="when the block log is fsynced: before every block is acked (the default); in the background "
+        "at least every MS milliseconds and once 8 MiB wait, acks waiting for it (fewer fsyncs when blocks "
+        "are small, up to MS ms later acks); or never (acked blocks may be lost in a power loss)",
     )
     durability.add_argument(
         "--no-fsync",

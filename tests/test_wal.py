@@ -355,6 +355,27 @@ def test_interval_policy_fsyncs_in_the_background(tmp_path: Path, monkeypatch: p
     assert values(WalBlockStore(tmp_path)) == expected(9)
 
 
+def test_interval_policy_fsyncs_early_once_sync_bytes_wait(tmp_path: Path) -> None:
+    """A stream that appends SYNC_BYTES does not wait out the interval for its fsync (its acks would);
+    below that, nothing is fsynced before the interval."""
+    store = WalBlockStore(tmp_path, fsync=FsyncPolicy.interval(600_000))  # ten minutes: never in this test
+    seq, offset = store.recover("s")
+    small = records(3)
+    store.write("s", seq, offset, 0, [small])
+    time.sleep(0.2)
+    assert store.durable_seq("s") == seq  # below SYNC_BYTES: waits for the interval
+    value = b"x" * (1024 * 1024)
+    big = decode_batch(encode_batch(0, [value] * (wal.SYNC_BYTES // len(value))), 0)
+    started = time.monotonic()
+    store.write("s", seq + 1, offset + 3, 0, [big])
+    while store.durable_seq("s") < seq + 2 and time.monotonic() - started < 30:
+        time.sleep(0.01)
+    assert store.durable_seq("s") == seq + 2  # both blocks: the early fsync covers what came before
+    assert not store._writers["s"].dirty and store._writers["s"].unsynced == 0
+    store.close()
+    assert store._flusher is None
+
+
 def test_every_block_policy_fsyncs_before_returning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = WalBlockStore(tmp_path)
     fill(store, 1)  # creates the segment
