@@ -262,7 +262,7 @@ class _Writer:
     fd: int | None = None
     dirty: bool = False
     unsynced: int = 0
-    """Bytes appended since the last fsync began (the interval policy's early fsync: SYNC_BYTES)."""
+    """Under the interval policy, bytes appended since the last fsync began (its early fsync: SYNC_BYTES)."""
     folder_dirty: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     durable_seq: int = 0
@@ -542,9 +542,10 @@ class WalBlockStore(BlockStore):
                 raise
             writer.size += padded
             writer.dirty = True
-            writer.unsynced += padded
-            if self.fsync.mode == "interval" and writer.unsynced >= SYNC_BYTES:
-                self._sync_wanted.set()
+            if self.fsync.mode == "interval":
+                writer.unsynced += padded
+                if writer.unsynced >= SYNC_BYTES:
+                    self._sync_wanted.set()
             writer.next_seq = seq + 1
             if self.fsync.mode != "interval":
                 writer.durable_seq = writer.next_seq
