@@ -1294,6 +1294,7 @@ def _push(args: argparse.Namespace) -> int:
 async def _push_async(
     args: argparse.Namespace, source: IO[bytes], progress: _Progress | _LiveProgress
 ) -> int:
+    from ingest.input_lines import InputLines  # noqa: PLC0415 - numpy: only for a push
     from sluice_client import Producer  # noqa: PLC0415
 
     try:
@@ -1309,7 +1310,7 @@ async def _push_async(
         )
     except ValueError as exc:  # a flag the SDK refuses (a batch size over its buffer, a seq past 2^64-2)
         return _fail(f"cannot push with these flags: {exc}", EXIT_USAGE)
-    read = _InputLines(source)
+    read = InputLines(source)
     # before the session opens: its Open tells the server that the records below are this producer's
     if not await read.skip(args.resume_from):
         return _fail(
@@ -1327,7 +1328,7 @@ async def _push_async(
     try:
         await producer.start()
         while (lines := await read.next_lines()) is not None:
-            await producer.send_many(lines)
+            await producer.send_packed(lines.data, lines.offsets)
             progress.show(read.done_bytes, read.records, producer.acked - args.resume_from)
         await _flush_while_acking(producer, args.timeout)
         await _stopped(follow)
@@ -1371,60 +1372,6 @@ async def _flush_while_acking(producer: Producer, timeout: float) -> None:
                 raise
         else:
             return
-
-
-class _InputLines:
-    """The input's lines (records), read in chunks; skip() passes over those an earlier push sent."""
-
-    CHUNK_BYTES = 1 << 20
-
-    def __init__(self, source: IO[bytes]) -> None:
-        self.source = source
-        self.done_bytes = 0
-        self.records = 0  # handed on by next_lines
-        self.skipped = 0
-        self._carry: bytes | None = b""  # a line's start, read without its end; None at the end
-        self._pending: list[bytes] = []
-
-    @property
-    def ended(self) -> bool:
-        """The whole input was read: `records` is its count once the last lines are handed on."""
-        return self._carry is None and not self._pending
-
-    async def skip(self, n: int) -> bool:
-        """Pass over the first `n` records; False when the input has fewer."""
-        while self.skipped < n:
-            lines = await self._read()
-            if lines is None:
-                return False
-            k = min(n - self.skipped, len(lines))
-            self.skipped += k
-            self._pending = lines[k:]
-        return True
-
-    async def next_lines(self) -> list[bytes] | None:
-        """The next lines to send (possibly none); None at the end of the input."""
-        lines, self._pending = self._pending, []
-        if not lines:
-            read = await self._read()
-            if read is None:
-                return None
-            lines = read
-        self.records += len(lines)
-        return lines
-
-    async def _read(self) -> list[bytes] | None:
-        if self._carry is None:
-            return None
-        chunk = await asyncio.to_thread(self.source.read, self.CHUNK_BYTES)
-        self.done_bytes += len(chunk)
-        if chunk:
-            lines = (self._carry + chunk).split(b"\n")
-            self._carry = lines.pop()
-            return lines
-        lines = [self._carry] if self._carry else []  # a last line without a newline is a record too
-        self._carry = None
-        return lines
 
 
 def _denial(error: BaseException) -> RPCError | None:

@@ -1,0 +1,63 @@
+"""`sluice push`'s input reader: the records it hands on are the input's lines, whatever the chunking."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ingest.input_lines import InputLines
+
+
+def expected(text: bytes) -> list[bytes]:
+    """A line ends at a newline (not part of it); a last line without one is a record too."""
+    lines = text.split(b"\n")
+    return lines[:-1] if lines[-1] == b"" else lines
+
+
+def read_all(text: bytes, chunk: int, skip: int = 0) -> tuple[list[bytes], InputLines, bool]:
+    reader = InputLines(io.BytesIO(text))
+    reader.CHUNK_BYTES = chunk  # type: ignore[misc] - small chunks: lines cross them
+
+    async def go() -> tuple[list[bytes], bool]:
+        enough = await reader.skip(skip)
+        records: list[bytes] = []
+        while (lines := await reader.next_lines()) is not None:
+            bounds = lines.offsets.tolist()
+            records += [lines.data[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        return records, enough
+
+    records, enough = asyncio.run(go())
+    return records, reader, enough
+
+
+# lines from a small alphabet, so that newlines, carriage returns and empty lines are common
+TEXT = st.lists(st.sampled_from([b"a", b"bc", b"\n", b"\r\n", b"\n\n", b"x" * 40]), max_size=60).map(b"".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(TEXT, st.integers(1, 50), st.integers(0, 70))
+def test_records_are_the_lines_for_any_chunking(text: bytes, chunk: int, skip: int) -> None:
+    records, reader, enough = read_all(text, chunk, skip)
+    lines = expected(text)
+    assert enough == (skip <= len(lines))
+    if enough:
+        assert records == lines[skip:]
+        assert reader.records == len(lines) - skip
+        assert reader.skipped == skip
+    assert reader.ended
+    assert reader.done_bytes == len(text)
+
+
+def test_a_line_longer_than_many_chunks_is_one_record() -> None:
+    long = b"y" * 10_000
+    records, _, _ = read_all(b"a\n" + long + b"\nb", chunk=7)
+    assert records == [b"a", long, b"b"]
+
+
+def test_empty_input_has_no_records() -> None:
+    records, reader, enough = read_all(b"", chunk=4)
+    assert (records, reader.records, enough) == ([], 0, True)
+    assert read_all(b"", chunk=4, skip=1)[2] is False
