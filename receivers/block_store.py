@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import pyarrow as pa
 
@@ -82,6 +82,12 @@ class BlockStore(ABC):
         default every block is durable when write() returns."""
         return sys.maxsize
 
+    def on_durable(self, stream: str, listener: Callable[[], None]) -> Callable[[], None]:
+        """Have `listener()` called (from any thread, quickly) whenever blocks of `stream` written
+        earlier became durable since (a background fsync), so that their acks need not wait for the
+        receiver's next look; return what stops the calls. Stores durable on write never call it."""
+        return _no_op
+
     def flush(self) -> None:  # noqa: B027 - an optional hook: most stores are durable on write
         """Make every block written so far durable now (stores that sync in the background). Blocking."""
 
@@ -107,3 +113,7 @@ def release_below(store: BlockStore, streams: Sequence[str], end: Mapping[str, i
         if done:
             released += store.release(stream, done[-1] + 1)
     return released
+
+
+def _no_op() -> None:
+    return None

@@ -256,6 +256,7 @@ class Receiver:
         self._replication_status = ""
         self._next_block_seq, self._next_offset = store.recover(self.stream)
         self._task: asyncio.Task[None] | None = None
+        self._unwatch_durable: Callable[[], None] | None = None
         self._stopping = False
         # per recent block: its first offset, and (first offset, arrival time) of each batch in it, in
         # arrays (16 bytes a batch: a block holds a batch of every busy session); forgotten below
@@ -277,6 +278,13 @@ class Receiver:
                 self._disk_polled_at = self._clock()
                 self._disk_used = await asyncio.to_thread(self.store.disk_bytes)
                 self._set_paused(DISK_BUDGET, self._disk_used >= self.config.disk_budget_bytes)
+            loop = asyncio.get_running_loop()
+
+            def durable_moved() -> None:  # the store's thread (a background fsync)
+                with contextlib.suppress(RuntimeError):  # the loop closed: nothing left to ack
+                    loop.call_soon_threadsafe(self._ack_durable)
+
+            self._unwatch_durable = self.store.on_durable(self.stream, durable_moved)
             self._task = asyncio.create_task(self._run(), name=f"receiver-{self.stream}")
             self._task.add_done_callback(self._run_ended)
 
@@ -310,6 +318,8 @@ class Receiver:
             with contextlib.suppress(OSError):
                 await asyncio.to_thread(self.store.flush)
             self._ack_durable()
+        if self._unwatch_durable is not None:
+            self._unwatch_durable()
         for session in list(self._sessions):
             if session.completed and session.durable_up_to == session.next_seq:
                 session.outbox.finish()

@@ -500,6 +500,10 @@ class ReplicatedBlockStore(BlockStore):
             return self.local.durable_seq(stream)
         return self.replicator.committed_seq(stream)
 
+    def on_durable(self, stream: str, listener: Callable[[], None]) -> Callable[[], None]:
+        # the local fsync may complete a commit; followers' acks reach the receivers by on_change
+        return self.local.on_durable(stream, listener)
+
     def flush(self) -> None:
         self.local.flush()
 

@@ -406,6 +406,8 @@ class WalBlockStore(BlockStore):
         self._flusher: threading.Thread | None = None
         self._closing = threading.Event()
         self._sync_wanted = threading.Event()  # SYNC_BYTES appended: the flusher need not wait longer
+        self._durable_listeners: dict[str, list[Callable[[], None]]] = {}
+        self._listeners_lock = threading.Lock()
 
     # ---- statistics ----------------------------------------------------------------------------
 
@@ -1047,32 +1049,59 @@ class WalBlockStore(BlockStore):
             self._sync_wanted.clear()
             self.flush()
 
+    def on_durable(self, stream: str, listener: Callable[[], None]) -> Callable[[], None]:
+        """As BlockStore.on_durable: called from flush() (the interval policy's flusher thread)."""
+        with self._listeners_lock:
+            self._durable_listeners.setdefault(stream, []).append(listener)
+
+        def stop() -> None:
+            with self._listeners_lock, contextlib.suppress(ValueError):
+                self._durable_listeners.get(stream, []).remove(listener)
+
+        return stop
+
     def flush(self) -> None:
         """fsync every segment with appends not yet fsynced (the interval policy's background work)."""
         with self._writers_lock:
-            writers = list(self._writers.values())
-        for writer in writers:
+            writers = list(self._writers.items())
+        moved: list[str] = []  # streams whose durable_seq this flush advanced
+        for stream, writer in writers:
+            before = writer.durable_seq
+            self._flush_writer(writer)
+            if writer.durable_seq > before:
+                moved.append(stream)
+        for stream in moved:
+            with self._listeners_lock:
+                listeners = list(self._durable_listeners.get(stream, ()))
+            for listener in listeners:
+                try:
+                    listener()
+                except Exception:
+                    log.exception("a listener of stream %r's durable blocks failed", stream)
+
+    def _flush_writer(self, writer: _Writer) -> None:
+        """fsync `writer`'s segment if appends wait for it, and move its durable_seq."""
+        with writer.lock:
+            if writer.fd is None or not (writer.dirty or writer.folder_dirty):
+                writer.durable_seq = writer.next_seq  # nothing unsynced (a roll fsynced it)
+                return
+            fd = os.dup(writer.fd)  # fsync outside the lock: appends go on meanwhile
+            folder_dirty = writer.folder_dirty
+            covered = writer.next_seq  # what this fsync makes durable
+            writer.dirty = writer.folder_dirty = False
+            writer.unsynced = 0
+        try:
+            os.fsync(fd)
+            if folder_dirty:
+                _fsync_path(writer.folder)
+        except OSError:
+            log.exception("background fsync of %s failed", writer.folder)
+            writer.dirty = writer.folder_dirty = True
+        else:
             with writer.lock:
-                if writer.fd is None or not (writer.dirty or writer.folder_dirty):
-                    writer.durable_seq = writer.next_seq  # nothing unsynced (a roll fsynced it)
-                    continue
-                fd = os.dup(writer.fd)  # fsync outside the lock: appends go on meanwhile
-                folder_dirty = writer.folder_dirty
-                covered = writer.next_seq  # what this fsync makes durable
-                writer.dirty = writer.folder_dirty = False
-                writer.unsynced = 0
-            try:
-                os.fsync(fd)
-                if folder_dirty:
-                    _fsync_path(writer.folder)
-            except OSError:
-                log.exception("background fsync of %s failed", writer.folder)
-                writer.dirty = writer.folder_dirty = True
-            else:
-                with writer.lock:
-                    writer.durable_seq = max(writer.durable_seq, covered)
-            finally:
-                os.close(fd)
+                writer.durable_seq = max(writer.durable_seq, covered)
+        finally:
+            os.close(fd)
 
     # ---- the index -----------------------------------------------------------------------------
 

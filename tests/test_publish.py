@@ -305,6 +305,22 @@ async def test_fsync_interval_is_group_commit_acks_wait_for_the_background_fsync
         assert producer.acked == 15
 
 
+async def test_group_commit_acks_once_the_background_fsync_lands(tmp_path: Path) -> None:
+    # the receiver's own looks are 30 s apart (block interval, credit tick): the ack within seconds
+    # can only come from the store saying that the fsync landed
+    fsync = FsyncPolicy.interval(60_000)
+    async with running_server(tmp_path, "s", fsync=fsync, block_interval=30, credit_tick=30) as server:
+        receiver = server.receivers["s"]
+        async with Producer(server.target, "s", linger=0) as producer:
+            await producer.send_many([b"q"] * 10)
+            await wait_until(lambda: receiver.stats.records_received == 10)
+            await receiver.seal_now()
+            assert server.store.durable_seq("s") == 0
+            assert producer.acked == 0
+            await asyncio.to_thread(server.store.flush)  # what the flusher thread does, an interval on
+            await wait_until(lambda: producer.acked == 10, timeout=5)
+
+
 async def test_stopping_fsyncs_and_acks_what_waits_for_the_group_commit(tmp_path: Path) -> None:
     async with running_server(tmp_path, "s", fsync=FsyncPolicy.interval(60_000)) as server:
         producer = Producer(server.target, "s", linger=0, reconnect_timeout=0)

@@ -376,6 +376,25 @@ def test_interval_policy_fsyncs_early_once_sync_bytes_wait(tmp_path: Path) -> No
     assert store._flusher is None
 
 
+def test_durable_listeners_hear_of_each_flush_that_moves_their_stream(tmp_path: Path) -> None:
+    store = WalBlockStore(tmp_path, fsync=FsyncPolicy.interval(600_000))  # flushed by hand only
+    heard: list[str] = []
+    stop_s = store.on_durable("s", lambda: heard.append("s"))
+    store.on_durable("t", lambda: heard.append("t"))
+    seq, offset = store.recover("s")
+    store.write("s", seq, offset, 0, [records(3)])
+    assert heard == []  # written, not durable
+    store.flush()
+    assert (heard, store.durable_seq("s")) == (["s"], seq + 1)  # only the stream that moved
+    store.flush()
+    assert heard == ["s"]  # nothing new became durable
+    stop_s()
+    store.write("s", seq + 1, offset + 3, 0, [records(3)])
+    store.flush()
+    assert heard == ["s"] and store.durable_seq("s") == seq + 2  # stopped
+    store.close()
+
+
 def test_every_block_policy_fsyncs_before_returning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = WalBlockStore(tmp_path)
     fill(store, 1)  # creates the segment
