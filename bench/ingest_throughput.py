@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import multiprocessing as mp
@@ -83,6 +84,13 @@ class NullStore(WalBlockStore):
 
     def durable_seq(self, stream: str) -> int:
         return sys.maxsize  # nothing to wait for: acks go out at once
+
+
+# every run's client on one event loop: a loop closed after a run (asyncio.run) could still be called
+# by grpc.aio's completion queue for that run's channel ("Event loop is closed" printed at teardown)
+@functools.cache
+def client_loop() -> asyncio.AbstractEventLoop:
+    return asyncio.new_event_loop()
 
 
 FSYNC = {"fsync": FsyncPolicy.every_block(), "interval": FsyncPolicy.interval(50)}
@@ -285,7 +293,7 @@ def run(variant: str, args: argparse.Namespace) -> Run:
             else:
                 packed = not variant.endswith("-list")
                 push = push_producer(target, args.records, values, args.batch, clock=clock, packed=packed)
-            elapsed = asyncio.run(push)
+            elapsed = client_loop().run_until_complete(push)
             wall = time.perf_counter() - wall
             client_cpu = time.process_time() - client_cpu
             cpu = clock.steady_cpu() or ((process_cpu(proc.pid) - server_cpu) / wall, client_cpu / wall)
