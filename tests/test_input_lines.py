@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,14 +20,14 @@ def expected(text: bytes) -> list[bytes]:
 
 def read_all(text: bytes, chunk: int, skip: int = 0) -> tuple[list[bytes], InputLines, bool]:
     reader = InputLines(io.BytesIO(text))
-    reader.CHUNK_BYTES = chunk  # type: ignore[misc] - small chunks: lines cross them
+    reader.CHUNK_BYTES = chunk  # small chunks: lines cross them
 
     async def go() -> tuple[list[bytes], bool]:
         enough = await reader.skip(skip)
         records: list[bytes] = []
         while (lines := await reader.next_lines()) is not None:
             bounds = lines.offsets.tolist()
-            records += [lines.data[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+            records += [lines.data[a:b] for a, b in itertools.pairwise(bounds)]
         return records, enough
 
     records, enough = asyncio.run(go())
