@@ -35,9 +35,9 @@ class Lines:
     def cut(cls, text: bytes) -> tuple[Lines, bytes]:
         """The complete lines of `text` (each ended by a newline), and the rest after the last newline."""
         ends = np.flatnonzero(np.frombuffer(text, np.uint8) == _NEWLINE)
-        offsets = np.zeros(len(ends) + 1, np.int64)
         if not len(ends):
-            return cls(b"", offsets), text
+            return _NO_LINES, text
+        offsets = np.zeros(len(ends) + 1, np.int64)
         # the newlines taken out: line i ends before newline i, less the i newlines before it
         offsets[1:] = ends - np.arange(len(ends))
         end = int(ends[-1]) + 1  # the rest after it is left out: it stays in the carry
@@ -46,6 +46,7 @@ class Lines:
 
 
 _NEWLINE = ord("\n")
+_NO_LINES = Lines(b"", np.zeros(1, np.int64))
 
 
 class InputLines:
@@ -100,10 +101,10 @@ class InputLines:
             last = b"".join(self._carry)
             self._carry = None
             # a last line without a newline is a record too
-            return Lines.cut(last + b"\n")[0] if last else Lines(b"", np.zeros(1, np.int64))
+            return Lines.cut(last + b"\n")[0] if last else _NO_LINES
         if _NEWLINE not in chunk:
             self._carry.append(chunk)
-            return Lines(b"", np.zeros(1, np.int64))
+            return _NO_LINES
         lines, rest = Lines.cut(b"".join([*self._carry, chunk]) if self._carry else chunk)
         self._carry = [rest] if rest else []
         return lines
