@@ -1782,7 +1782,9 @@ def _show_rate(status: pb.RateStatus | None) -> int:
     if status.nodes:
         _show_nodes(status.nodes)
     if status.estimator_state:
-        print("estimator state: " + ", ".join(f"{k}={v}" for k, v in sorted(status.estimator_state.items())))
+        heard = " (its proposals ignored while pinned)" if status.pinned else ""
+        state = ", ".join(f"{k}={v}" for k, v in sorted(status.estimator_state.items()))
+        print(f"estimator state{heard}: {state}")
     if status.HasField("last_batch"):
         b = status.last_batch
         print(

@@ -374,6 +374,7 @@ class RateController:
         """An operator sets the rate (InvalidRateError if it is not one; nothing changes then)."""
         rate = self._clamp(check_rate(rate))
         self.pinned = pin
+        self.estimator.adopt(rate)
         self._apply(rate)
         self._sync_hold()
 

@@ -94,6 +94,16 @@ class RateEstimator(ABC):
         self._bounds = bounds
         self._rate = bounds.clamp(self._rate)
 
+    def adopt(self, rate: float) -> None:
+        """An operator set the rate in force (`sluice rate set`): the estimator goes on from it, as Spark's
+        estimators go on from their latest output, rather than from a rate no longer in force."""
+        self._rate = self._bounds.clamp(check_rate(rate))
+        self._adopted(self._rate)
+
+    def _adopted(self, rate: float) -> None:
+        """Hook for adopt(): bring any state that holds the rate in force up to `rate` (clamped)."""
+        return None  # nothing beyond the rate itself by default
+
     def compute(self, batch: BatchMetrics) -> float | None:
         """A new rate in records/s after `batch` completed, or None for no new rate."""
         rate = self._estimate(batch)

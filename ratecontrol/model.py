@@ -507,6 +507,9 @@ class ModelEstimator(RateEstimator):
                 cap = max(cap, drain if self._drain_take is None else min(drain, self._drain_take))
         return cap
 
+    def _adopted(self, rate: float) -> None:
+        self._paused_until, self._held = None, False  # the operator's rate holds from now, not a plan
+
     def _resume(self, elapsed: float) -> float | None:
         if self._paused_until is None or elapsed < self._paused_until[0]:
             return None

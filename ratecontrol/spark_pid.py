@@ -120,6 +120,12 @@ class SparkPIDEstimator(RateEstimator):
         self._latest_error = error
         return new_rate
 
+    def _adopted(self, rate: float) -> None:
+        # Spark's latestRate is the rate its next error is measured against; before the first run it is
+        # set from the first batch's processing rate, and an unlimited rate is no base to step from
+        if not self._first_run and math.isfinite(rate):
+            self._latest_rate = rate
+
     def _state(self) -> dict[str, StateValue]:
         return {
             "proportional": self.proportional,

@@ -95,6 +95,7 @@ def test_serve_and_push_subprocesses(tmp_path: Path) -> None:
         assert "rate: 50000 records/s (model, pinned)" in shown
         assert "stream default: 50000 records/s" in shown
         assert "last batch: #" in shown  # the listener fed the controller
+        assert "estimator state (its proposals ignored while pinned): " in shown
         bad = sluice("rate", "set", "nan", "--target", target)
         assert bad.returncode == 1
         assert b"INVALID_ARGUMENT" in bad.stderr

@@ -188,6 +188,13 @@ def test_fixed_never_proposes_a_rate() -> None:
     assert fixed.rate == 1000.0
 
 
+def test_fixed_takes_an_operators_rate_as_its_own() -> None:
+    fixed = FixedEstimator(initial_rate=1_000_000.0)
+    fixed.adopt(300_000.0)
+    assert fixed.rate == 300_000.0 and fixed.state()["rate"] == 300_000.0
+    assert fixed.compute(batch(1.0, 1000, 0.5)) is None and fixed.rate == 300_000.0
+
+
 # --- Spark's PID, worked by hand from PIDRateEstimator.compute ------------------------------------------
 
 
@@ -240,6 +247,24 @@ def test_spark_pid_all_three_terms_and_time_between_updates() -> None:
     assert pid.compute(batch(14.5, 4000, 2.5, late=1.0, batch_interval=2.0)) == pytest.approx(
         1791.3125, rel=1e-12
     )
+
+
+def test_spark_pid_goes_on_from_an_operators_rate() -> None:
+    """An operator's rate (adopt) becomes Spark's latestRate: the next error is measured against the rate
+    that was in force, not the PID's own last output."""
+    pid = SparkPIDEstimator(proportional=0.5, integral=0.0)
+    pid.adopt(7_000)  # before the first run: nothing to step from yet, the first run primes as ever
+    assert pid.rate == 7_000 and pid.state()["first_run"] == 1
+    assert pid.compute(batch(2.0, 45_000, 1.0)) is None  # latestRate := 45000
+    pid.adopt(20_000)
+    assert pid.state()["latest_rate"] == 20_000 and pid.rate == 20_000
+    # time=3000, 20000 records in 1000 ms (what the operator's rate let in): processingRate = 20000
+    # error = 20000 - 20000 = 0: newRate = 20000 (from the PID's own 45000 it would be
+    # 45000 - 0.5 * 25000 = 32500)
+    assert pid.compute(batch(3.0, 20_000, 1.0)) == 20_000.0
+    pid.adopt(math.inf)  # no base to step from: latestRate stays
+    assert pid.state()["latest_rate"] == 20_000 and math.isinf(pid.rate)
+    assert pid.compute(batch(4.0, 20_000, 1.0)) == 20_000.0
 
 
 def test_spark_pid_no_new_rate_cases_leave_its_state_alone() -> None:
@@ -450,6 +475,23 @@ def test_new_bounds_hold_at_once_and_for_every_later_rate(
     for metrics in run[half:]:
         check_in_bounds(estimator, estimator.compute(metrics))
     check_in_bounds(estimator, None)
+
+
+@settings(max_examples=50)
+@given(factory=factories(), run=runs(), rate=st.floats(min_value=1e-3, max_value=1e12) | st.just(INF))
+def test_an_operators_rate_is_taken_clamped_and_later_rates_stay_in_bounds(
+    factory: Factory, run: list[BatchMetrics], rate: float
+) -> None:
+    estimator = factory()
+    half = len(run) // 2
+    for metrics in run[:half]:
+        estimator.compute(metrics)
+    estimator.adopt(rate)
+    assert estimator.rate == estimator.bounds.clamp(rate) and not estimator.intake_held
+    for metrics in run[half:]:
+        check_in_bounds(estimator, estimator.compute(metrics))
+        for value in estimator.state().values():
+            assert not (isinstance(value, float) and math.isnan(value))
 
 
 def after(factory: Factory, history: list[BatchMetrics], last: BatchMetrics) -> float | None:

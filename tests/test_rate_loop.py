@@ -62,6 +62,32 @@ async def test_estimated_rates_reach_the_receivers_clamped_and_split(tmp_path: P
         assert not controller.pinned
 
 
+async def test_an_operators_rate_is_the_one_the_estimator_goes_on_from(tmp_path: Path) -> None:
+    """`sluice rate set` (unpinned) under any estimator: GetRate's estimator state shows the rate in
+    force, and a model holding intake until a point in the next batch lets the operator's rate in now."""
+    async with running_server(tmp_path, "s") as server:
+        controller = server.rate
+        controller.set_estimator("fixed")
+        controller.update(300_000)
+        assert controller.rate == controller.estimator.rate == 300_000
+        assert controller.estimator.state()["rate"] == 300_000
+        controller.set_estimator("model")
+        receiver = server.receivers["s"]
+        model = controller.estimator
+        assert isinstance(model, ModelEstimator)
+        started = time.monotonic()
+        controller.batch_started(1_000, backlog=0, now=started)
+        # the model's plan after a drain batch (_hold_into_next_batch): hold intake until 5 s into the
+        # next batch, then 50,000 records/s
+        model._paused_until, model._held = (5.0, 50_000.0), True
+        controller.check_overrun(now=started + 0.1)
+        assert "rate_hold" in receiver.paused
+        controller.update(40_000)
+        assert not model.intake_held and "rate_hold" not in receiver.paused
+        controller.check_overrun(now=started + 6.0)  # the plan's point passes: the operator's rate holds
+        assert controller.rate == model.rate == 40_000
+
+
 async def test_batch_metrics_measure_how_long_the_oldest_record_waited(tmp_path: Path) -> None:
     async with running_server(tmp_path, "s") as server:
         async with Producer(server.target, "s", linger=0) as producer:
