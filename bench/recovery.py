@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import re
 import signal
@@ -73,10 +74,17 @@ async def first_ack(target: str, timeout: float = 600) -> None:
             return
 
 
+# one event loop for every grpc.aio client of the run: a loop closed by asyncio.run could still be called
+# by grpc.aio's completion queue for an earlier channel ("Event loop is closed" at teardown)
+@functools.cache
+def client_loop() -> asyncio.AbstractEventLoop:
+    return asyncio.new_event_loop()
+
+
 def timed_start(data: Path, port: int, log: Path) -> tuple[subprocess.Popen[bytes], float]:
     started = time.perf_counter()
     proc = spawn(data, port, log)
-    asyncio.run(first_ack(f"127.0.0.1:{port}"))
+    client_loop().run_until_complete(first_ack(f"127.0.0.1:{port}"))
     return proc, time.perf_counter() - started
 
 
@@ -121,7 +129,7 @@ def main() -> None:
         proc, baseline = timed_start(data, port, log)
         print(f"start on an empty log:        {baseline:6.2f} s (baseline)", flush=True)
         started = time.perf_counter()
-        acked = asyncio.run(fill(target, int(args.gigabytes * 1e9), args.record_bytes))
+        acked = client_loop().run_until_complete(fill(target, int(args.gigabytes * 1e9), args.record_bytes))
         took = time.perf_counter() - started
         print(
             f"filled: {acked:,} records of {args.record_bytes} B acked in {took:.1f} s; "
@@ -135,7 +143,7 @@ def main() -> None:
             os.killpg(proc.pid, signal.SIGKILL)
             await sender
 
-        asyncio.run(kill_mid_ingest())
+        client_loop().run_until_complete(kill_mid_ingest())
         proc.wait()
         size = log_bytes(data)
         restarted, recovery = timed_start(data, port, log)

@@ -21,7 +21,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ingest_throughput import MAX_MSG, push_producer  # this folder: run as python bench/tls_cost.py
+from ingest_throughput import (  # this folder: run as python bench/tls_cost.py
+    MAX_MSG,
+    client_loop,
+    push_producer,
+)
 
 from ingest.config import RateConfig, SecurityConfig, ServeConfig, TlsConfig
 from ingest.dev_certs import write_dev_certs
@@ -91,7 +95,7 @@ def run(variant: str, args: argparse.Namespace, certs: dict[str, str]) -> float:
         try:
             target = f"127.0.0.1:{ports.get(timeout=60)}"
             values = [b"v" * args.record_bytes] * args.batch
-            elapsed = asyncio.run(
+            elapsed = client_loop().run_until_complete(  # one loop for every run's grpc.aio client
                 # send_many, as when its figures in docs/benchmarks.md were taken
                 push_producer(
                     target, args.records, values, args.batch, credentials(variant, certs), packed=False
