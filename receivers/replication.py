@@ -482,6 +482,18 @@ class ReplicatedBlockStore(BlockStore):
         self.replicator.notify_written()
         return written
 
+    def prepare(  # noqa: PLR0917 - BlockStore's signature
+        self,
+        stream: str,
+        seq: int,
+        first_offset: int,
+        receiver: int,
+        batches: Sequence[pa.RecordBatch],
+        producers: Mapping[str, int] | None = None,
+    ) -> None:
+        # the local log encodes the next block while this one is written, as on a single node
+        self.local.prepare(stream, seq, first_offset, receiver, batches, producers)
+
     def producers(self, stream: str) -> dict[str, int]:
         return self.local.producers(stream)
 

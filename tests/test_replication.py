@@ -13,12 +13,17 @@ import pyarrow as pa
 import pytest
 
 from ingest.server import SluiceServer
+from receivers import wal
 from receivers.block import BLOCK_SCHEMA
+from receivers.block_store import BlockStore
 from receivers.cluster import Cluster, ClusterConfigError, Node, parse_nodes
 from receivers.receiver import REPLICATION
+from receivers.replication import ReplicatedBlockStore
+from receivers.wire import decode_batch
 from sluice_client import Producer
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client.wire import encode_batch
 from tests.support import loopback_cluster, running_server, wait_until
 
 
@@ -80,6 +85,34 @@ def test_the_node_list_and_placement() -> None:
     ):
         with pytest.raises(ClusterConfigError, match=word):
             bad()
+
+
+async def test_a_cluster_nodes_store_passes_every_hook_to_its_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ReplicatedBlockStore wraps the local log: each BlockStore method is its own, so no optional hook
+    falls back to BlockStore's default (prepare() did: a cluster node encoded no block ahead, and its
+    log's thread copied between writes); and a prepared block is the frame the next write appends."""
+    hooks = {name for name, member in vars(BlockStore).items() if callable(member) and name[0] != "_"}
+    assert hooks <= set(vars(ReplicatedBlockStore)), hooks - set(vars(ReplicatedBlockStore))
+    built = []
+    build = wal._build_frame
+    monkeypatch.setattr(wal, "_build_frame", lambda *args: built.append(1) or build(*args))
+    clusters = loopback_cluster(2, replication=2, min_insync=1)
+    async with nodes(tmp_path, clusters, skip=frozenset({1})) as servers:
+        assert servers[0].node is not None
+        store = servers[0].node.store  # what the node's receivers write to
+        assert isinstance(store, ReplicatedBlockStore)
+        store.recover("t")  # a stream no receiver writes: the test is its only writer
+        batch = decode_batch(encode_batch(0, [b"a", b"b"]), 0)
+        built.clear()
+        store.prepare("t", 0, 0, 0, [batch], {"p": 2})
+        assert built == [1]
+        store.write("t", 0, 0, 0, [batch], {"p": 2})
+        assert built == [1]  # the prepared frame, not a second encoding
+        assert [r.column("value").to_pylist() for r in store.local.read(store.local.blocks("t")[0])] == [
+            [b"a", b"b"]
+        ]
 
 
 async def test_a_block_is_acked_once_its_follower_has_it_and_reads_from_either_holder(tmp_path: Path) -> None:
