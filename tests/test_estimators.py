@@ -444,10 +444,24 @@ def factories(draw: st.DrawFn) -> Factory:
 
 
 def check_in_bounds(estimator: RateEstimator, rate: float | None) -> None:
+    """`rate` (an output) and the rate in force are numbers within the bounds; no NaN in the state an
+    operator reads."""
     if rate is not None:
         assert not math.isnan(rate)
         assert 0 < estimator.bounds.min_rate <= rate <= estimator.bounds.max_rate
     assert estimator.bounds.min_rate <= estimator.rate <= estimator.bounds.max_rate
+    for value in estimator.state().values():
+        assert not (isinstance(value, float) and math.isnan(value))
+
+
+def changed_midway(estimator: RateEstimator, run: list[BatchMetrics], change: Callable[[], None]) -> None:
+    """Feed the first half of `run`, make `change`, feed the rest: every later rate in bounds."""
+    half = len(run) // 2
+    for metrics in run[:half]:
+        estimator.compute(metrics)
+    change()
+    for metrics in run[half:]:
+        check_in_bounds(estimator, estimator.compute(metrics))
 
 
 @settings(max_examples=200)
@@ -458,8 +472,6 @@ def test_every_rate_is_a_number_within_the_bounds(factory: Factory, run: list[Ba
     estimator = factory()
     for metrics in run:
         check_in_bounds(estimator, estimator.compute(metrics))
-        for value in estimator.state().values():
-            assert not (isinstance(value, float) and math.isnan(value))
 
 
 @settings(max_examples=50)
@@ -468,12 +480,7 @@ def test_new_bounds_hold_at_once_and_for_every_later_rate(
     factory: Factory, run: list[BatchMetrics], new_bounds: RateBounds
 ) -> None:
     estimator = factory()
-    half = len(run) // 2
-    for metrics in run[:half]:
-        estimator.compute(metrics)
-    estimator.set_bounds(new_bounds)
-    for metrics in run[half:]:
-        check_in_bounds(estimator, estimator.compute(metrics))
+    changed_midway(estimator, run, lambda: estimator.set_bounds(new_bounds))
     check_in_bounds(estimator, None)
 
 
@@ -483,15 +490,12 @@ def test_an_operators_rate_is_taken_clamped_and_later_rates_stay_in_bounds(
     factory: Factory, run: list[BatchMetrics], rate: float
 ) -> None:
     estimator = factory()
-    half = len(run) // 2
-    for metrics in run[:half]:
-        estimator.compute(metrics)
-    estimator.adopt(rate)
-    assert estimator.rate == estimator.bounds.clamp(rate) and not estimator.intake_held
-    for metrics in run[half:]:
-        check_in_bounds(estimator, estimator.compute(metrics))
-        for value in estimator.state().values():
-            assert not (isinstance(value, float) and math.isnan(value))
+
+    def adopt() -> None:
+        estimator.adopt(rate)
+        assert estimator.rate == estimator.bounds.clamp(rate) and not estimator.intake_held
+
+    changed_midway(estimator, run, adopt)
 
 
 def after(factory: Factory, history: list[BatchMetrics], last: BatchMetrics) -> float | None:
