@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import json
 import math
 import multiprocessing as mp
@@ -38,6 +37,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pyarrow as pa
+from sluice_process import client_loop  # this folder: run as python bench/ingest_throughput.py
 
 from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
@@ -84,13 +84,6 @@ class NullStore(WalBlockStore):
 
     def durable_seq(self, stream: str) -> int:
         return sys.maxsize  # nothing to wait for: acks go out at once
-
-
-# every run's client on one event loop: a loop closed after a run (asyncio.run) could still be called
-# by grpc.aio's completion queue for that run's channel ("Event loop is closed" printed at teardown)
-@functools.cache
-def client_loop() -> asyncio.AbstractEventLoop:
-    return asyncio.new_event_loop()
 
 
 FSYNC = {"fsync": FsyncPolicy.every_block(), "interval": FsyncPolicy.interval(50)}

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
 import os
 import re
 import signal
@@ -25,6 +24,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from sluice_process import client_loop  # this folder: run as python bench/recovery.py
 
 from sluice_client import Producer
 from sluice_client.errors import SluiceError
@@ -72,13 +73,6 @@ async def first_ack(target: str, timeout: float = 600) -> None:
             await asyncio.sleep(0.02)
         else:
             return
-
-
-# one event loop for every grpc.aio client of the run: a loop closed by asyncio.run could still be called
-# by grpc.aio's completion queue for an earlier channel ("Event loop is closed" at teardown)
-@functools.cache
-def client_loop() -> asyncio.AbstractEventLoop:
-    return asyncio.new_event_loop()
 
 
 def timed_start(data: Path, port: int, log: Path) -> tuple[subprocess.Popen[bytes], float]:

@@ -1,7 +1,10 @@
-"""What several benchmarks share: a real `sluice serve` process, and the rows a file sink has committed."""
+"""What several benchmarks share: a real `sluice serve` process, the rows a file sink has committed, and one
+event loop for a benchmark's gRPC clients."""
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 import re
 import subprocess
@@ -14,6 +17,13 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 SLUICE = [sys.executable, "-m", "ingest.cli"]
+
+
+# every run's grpc.aio client on one event loop: a loop closed by asyncio.run after a run could still be
+# called by grpc.aio's completion queue for that run's channel ("Event loop is closed" printed at teardown)
+@functools.cache
+def client_loop() -> asyncio.AbstractEventLoop:
+    return asyncio.new_event_loop()
 
 
 def start_serve(data: Path, extra: list[str], timeout: float = 180) -> tuple[subprocess.Popen[str], str]:

@@ -21,11 +21,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ingest_throughput import (  # this folder: run as python bench/tls_cost.py
-    MAX_MSG,
-    client_loop,
-    push_producer,
-)
+from ingest_throughput import MAX_MSG, push_producer  # this folder: run as python bench/tls_cost.py
+from sluice_process import client_loop
 
 from ingest.config import RateConfig, SecurityConfig, ServeConfig, TlsConfig
 from ingest.dev_certs import write_dev_certs
