@@ -13,6 +13,8 @@ Variants, from the transport's ceiling to the whole path:
   producer, WAL 50ms    appended, fsynced every 50 ms in the background (--fsync interval:50)
   producer, fsync       the default: the log fsynced after every block, before its records are acked
     the same, send_many the same with records handed over as a list of bytes (an object per record)
+  keyed, send_packed    fsync, each record with a 16 B key, keys laid out beside the values
+    the same, send_many the same keys as a list (an object per key)
 Ratios are against the bare stream measured in the same run, so they hold on a noisy machine.
 """
 
@@ -228,9 +230,10 @@ async def push_producer(
     credentials: Credentials | None = None,
     clock: AckClock | None = None,
     packed: bool = True,
+    keyed: bool = False,
 ) -> float:
     """Seconds for one Producer to send `records` (cycling through `values`) until all are acked: with
-    send_packed, or (`packed` False) send_many of a list of bytes."""
+    send_packed, or (`packed` False) send_many of a list of bytes; `keyed`: each with a 16 B key."""
     async with Producer(
         target, "bench", batch_size=batch, batch_bytes=MAX_MSG // 2, credentials=credentials
     ) as producer:
@@ -238,14 +241,20 @@ async def push_producer(
             producer.on_room(lambda: clock.acked(producer.acked))
         # packed: the same records as one buffer and their offsets (send_packed: no object per record)
         data, offsets = b"".join(values), np.concatenate([[0], value_ends(values)])
+        keys = [b"key-%012d" % i for i in range(len(values))] if keyed else None
+        key_data = b"".join(keys) if keys else None
+        key_offsets = np.concatenate([[0], value_ends(keys)]) if keys else None
         started = time.perf_counter()
         sent = 0
         while sent < records:
             n = min(len(values), records - sent)
             if packed:
-                await producer.send_packed(data, offsets[: n + 1])
+                if key_offsets is not None:
+                    await producer.send_packed(data, offsets[: n + 1], key_data, key_offsets[: n + 1])
+                else:
+                    await producer.send_packed(data, offsets[: n + 1])
             else:
-                await producer.send_many(values[:n])
+                await producer.send_many(values[:n], keys[:n] if keys else None)
             sent += n
         await producer.flush(timeout=300)
         return time.perf_counter() - started
@@ -264,7 +273,7 @@ class Run:
 
 
 def run(variant: str, args: argparse.Namespace) -> Run:
-    kind = "null" if variant == "credit" else variant.removesuffix("-list")
+    kind = "null" if variant == "credit" else variant.split("-", maxsplit=1)[0]
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
     with tempfile.TemporaryDirectory(dir=args.data_dir) as data_dir:
@@ -284,8 +293,10 @@ def run(variant: str, args: argparse.Namespace) -> Run:
             if variant in ("bare", "credit"):
                 push = push_raw(target, args.records, values, variant == "credit", clock)
             else:
-                packed = not variant.endswith("-list")
-                push = push_producer(target, args.records, values, args.batch, clock=clock, packed=packed)
+                packed, keyed = not variant.endswith("-list"), "-keyed" in variant
+                push = push_producer(
+                    target, args.records, values, args.batch, clock=clock, packed=packed, keyed=keyed
+                )
             elapsed = client_loop().run_until_complete(push)
             wall = time.perf_counter() - wall
             client_cpu = time.process_time() - client_cpu
@@ -352,6 +363,8 @@ VARIANTS = {
     "interval": "producer, WAL 50ms",
     "fsync": "producer, fsync",
     "fsync-list": "  the same, send_many",
+    "fsync-keyed": "keyed, send_packed",
+    "fsync-keyed-list": "  the same, send_many",
 }
 
 

@@ -70,7 +70,7 @@ from sluice_client.errors import (
 )
 from sluice_client.flow import MAX_DEMAND
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
-from sluice_client.wire import publish_parts, serialize_request
+from sluice_client.wire import Keys, PackedKeys, publish_parts, serialize_request
 
 log = logging.getLogger(__name__)
 
@@ -178,17 +178,19 @@ class _Listed:
             self._keys.append(key)
         return size
 
-    def extend(self, values: Sequence[bytes]) -> int:
-        """Add records without keys; return the bytes of their values."""
+    def extend(self, values: Sequence[bytes], keys: Sequence[bytes | None] | None = None) -> int:
+        """Add records (keys: one per value, or None for none); return the bytes of their values."""
         try:
             lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
         except TypeError:
             bad = next(v for v in values if not isinstance(v, bytes | bytearray | memoryview))
             raise RecordTypeError(f"record values must be bytes, not {type(bad).__name__}") from None
+        if keys is not None and self._keys is None:
+            self._keys = [None] * len(self._values)
         self._values.extend(values)
         self._lengths.frombytes(lengths.tobytes())
         if self._keys is not None:
-            self._keys.extend([None] * len(values))
+            self._keys.extend(keys if keys is not None else [None] * len(values))
         return int(lengths.sum())
 
     def values(self, n: int) -> list[bytes]:
@@ -220,18 +222,60 @@ class _Listed:
             self._head = 0
 
 
+class _KeyColumn:
+    """The keys of a _Packed's records in Arrow's layout: key i is data[offsets[i]:offsets[i + 1]],
+    and record i has none where valid[i] is False (its span is empty). `valid` None: all have one."""
+
+    __slots__ = ("data", "offsets", "valid")
+
+    def __init__(
+        self, data: bytes, offsets: npt.NDArray[np.int64], valid: npt.NDArray[np.bool_] | None
+    ) -> None:
+        self.data = data
+        self.offsets = offsets  # records + 1, non-decreasing, within data
+        self.valid = valid
+
+    @classmethod
+    def of(cls, keys: Keys, skip: int) -> _KeyColumn:
+        """A batch's keys from record `skip` on, as a column (a copy: to be sent again)."""
+        if isinstance(keys, PackedKeys):
+            data, ends, valid = b"".join(keys.parts), keys.ends, keys.valid
+        else:  # one per record, sent once already: each is flat bytes or None
+            valid = np.fromiter((k is not None for k in keys), dtype=bool, count=len(keys))
+            present = [k for k in keys if k is not None]
+            data = b"".join(present)
+            ends = np.zeros(len(keys), dtype=np.int64)
+            ends[valid] = np.fromiter(map(len, present), dtype=np.int64, count=len(present))
+            ends = np.cumsum(ends)
+        offsets = np.zeros(len(ends) + 1, dtype=np.int64)
+        offsets[1:] = ends
+        return cls(data, offsets[skip:], valid[skip:] if valid is not None else None)
+
+    def part(self, head: int, n: int) -> PackedKeys:
+        """Records head .. head + n - 1's keys, laid out for the wire (views, no copy)."""
+        offsets = self.offsets
+        start, end = int(offsets[head]), int(offsets[head + n])
+        valid = self.valid[head : head + n] if self.valid is not None else None
+        return PackedKeys([memoryview(self.data)[start:end]], offsets[head + 1 : head + n + 1] - start, valid)
+
+    def listed(self, head: int, n: int) -> list[bytes | None]:
+        """Records head .. head + n - 1's keys, one object each."""
+        data, offsets = self.data, self.offsets[head : head + n + 1].tolist()
+        valid = self.valid[head : head + n].tolist() if self.valid is not None else [True] * n
+        return [data[offsets[i] : offsets[i + 1]] if valid[i] else None for i in range(n)]
+
+
 class _Packed:
     """Records given as one buffer (send_packed; and records put back to be sent again): record i is
-    data[offsets[i]:offsets[i + 1]]. Taking records moves a head index; nothing is copied."""
+    data[offsets[i]:offsets[i + 1]], its key (if `keys`) in a column beside it. Taking records moves a
+    head index; nothing is copied."""
 
     __slots__ = ("_head", "data", "keys", "offsets")
 
-    def __init__(
-        self, data: bytes, offsets: npt.NDArray[np.int64], keys: list[bytes | None] | None = None
-    ) -> None:
+    def __init__(self, data: bytes, offsets: npt.NDArray[np.int64], keys: _KeyColumn | None = None) -> None:
         self.data = data
         self.offsets = offsets  # count + 1, non-decreasing, within data
-        self.keys = keys  # one per record, or None: no record has a key
+        self.keys = keys  # None: no record has a key
         self._head = 0
 
     def __len__(self) -> int:
@@ -254,7 +298,11 @@ class _Packed:
         return self.keys is not None
 
     def keys_of(self, n: int) -> list[bytes | None] | None:
-        return self.keys[self._head : self._head + n] if self.keys is not None else None
+        return self.keys.listed(self._head, n) if self.keys is not None else None
+
+    def key_part(self, n: int) -> PackedKeys | None:
+        """The first `n` records' keys, laid out for the wire; None if no record here has a key."""
+        return self.keys.part(self._head, n) if self.keys is not None else None
 
     def ends(self, n: int) -> npt.NDArray[np.int64]:
         head = self._head
@@ -267,7 +315,8 @@ class _Packed:
 
 class _Run:
     """Consecutive records taken for one batch: the values' bytes as `parts` (concatenated, the values
-    back to back), where each value ends (`ends`, from 0), and one key per record or None."""
+    back to back), where each value ends (`ends`, from 0), and their keys (one per record, or laid out
+    when they came packed) or None."""
 
     __slots__ = ("ends", "keys", "parts")
 
@@ -275,7 +324,7 @@ class _Run:
         self,
         parts: list[bytes | memoryview],
         ends: npt.NDArray[np.int64],
-        keys: list[bytes | None] | None,
+        keys: Keys | None,
     ) -> None:
         self.parts = parts
         self.ends = ends
@@ -289,8 +338,16 @@ class _Run:
         data = b"".join(self.parts)
         offsets = np.zeros(len(self.ends) + 1, dtype=np.int64)
         offsets[1:] = self.ends
-        keys = self.keys[skip:] if self.keys is not None else None
+        keys = _KeyColumn.of(self.keys, skip) if self.keys is not None else None
         return _Packed(data, offsets[skip:], keys)
+
+    def key_size(self, i: int) -> int:
+        """Bytes of record i's key (0 without one)."""
+        keys = self.keys
+        if isinstance(keys, PackedKeys):
+            return keys.size(i)
+        key = keys[i] if keys is not None else None
+        return len(key) if key is not None else 0
 
 
 class _Pending:
@@ -319,9 +376,9 @@ class _Pending:
         self._count += 1
         return size
 
-    def extend(self, values: Sequence[bytes]) -> int:
-        """Add records without keys; return the bytes of their values."""
-        size = self._listed().extend(values)
+    def extend(self, values: Sequence[bytes], keys: Sequence[bytes | None] | None = None) -> int:
+        """Add records (keys: one per value, or None); return the bytes of their values."""
+        size = self._listed().extend(values, keys)
         self._count += len(values)
         return size
 
@@ -365,16 +422,12 @@ class _Pending:
         """The first `n` records, without taking them (`ends`: self.ends(n), if the caller has it)."""
         spans = self._spans(n)
         parts: list[bytes | memoryview] = []
-        keys: list[bytes | None] | None = [] if any(run.keyed for run, _ in spans) else None
         for run, k in spans:
             if isinstance(run, _Listed):
                 parts.extend(run.values(k))
             else:
                 parts.append(run.part(k))
-            if keys is not None:
-                run_keys = run.keys_of(k)
-                keys.extend(run_keys if run_keys is not None else [None] * k)
-        return _Run(parts, self.ends(n) if ends is None else ends, keys)
+        return _Run(parts, self.ends(n) if ends is None else ends, _batch_keys(spans))
 
     def records(self, n: int) -> tuple[list[bytes], list[bytes | None] | None]:
         """The first `n` records as (values, keys or None), one object per record."""
@@ -398,6 +451,34 @@ class _Pending:
             n -= k
             if not len(run):
                 self._runs.popleft()
+
+
+def _batch_keys(spans: list[tuple[_Listed | _Packed, int]]) -> Keys | None:
+    """The keys of a batch taken from `spans`: None if none has a key; laid out (PackedKeys, no object
+    per record) when every keyed span came packed; else one per record."""
+    if not any(run.keyed for run, _ in spans):
+        return None
+    if any(isinstance(run, _Listed) and run.keyed for run, _ in spans):
+        keys: list[bytes | None] = []
+        for run, k in spans:
+            run_keys = run.keys_of(k)
+            keys.extend(run_keys if run_keys is not None else [None] * k)
+        return keys
+    pieces = [(run.key_part(k) if isinstance(run, _Packed) else None, k) for run, k in spans]
+    if len(pieces) == 1 and pieces[0][0] is not None:
+        return pieces[0][0]
+    parts: list[bytes | memoryview] = []
+    ends, valid, total = [], [], 0
+    for piece, k in pieces:
+        if piece is None:  # records without keys: empty spans
+            ends.append(np.full(k, total, dtype=np.int64))
+            valid.append(np.zeros(k, dtype=bool))
+            continue
+        parts.extend(piece.parts)
+        ends.append(piece.ends + total)
+        valid.append(piece.valid if piece.valid is not None else np.ones(k, dtype=bool))
+        total += int(piece.ends[-1])
+    return PackedKeys(parts, np.concatenate(ends), np.concatenate(valid))
 
 
 def _record_type_error(
@@ -424,33 +505,69 @@ def _record_type_error(
     return RecordTypeError(f"a record of the batch at {first_seq} is not bytes")  # pragma: no cover
 
 
+Buffer = bytes | bytearray | memoryview
+
+
 def _packed_input(
-    values: bytes | bytearray | memoryview, offsets: npt.ArrayLike
+    values: Buffer, offsets: npt.ArrayLike, what: str = "values", offsets_name: str = "offsets"
 ) -> tuple[int, bytes, npt.NDArray[np.int64]]:
-    """(records, values to keep, their offsets) of send_packed's arguments; TypeError or ValueError
-    saying what is wrong with them."""
+    """(records, values to keep, their offsets) of send_packed's arguments (`what`: "values" or
+    "keys"); TypeError or ValueError saying what is wrong with them."""
     try:
         view = memoryview(values).cast("B")
     except TypeError:
         raise TypeError(
-            f"values must be a contiguous bytes-like object, not {type(values).__name__}"
+            f"{what} must be a contiguous bytes-like object, not {type(values).__name__}"
         ) from None
     bounds = np.asarray(offsets)
     if bounds.ndim != 1 or len(bounds) == 0:
-        raise ValueError("offsets must be a one-dimensional sequence of records + 1 integers")
+        raise ValueError(f"{offsets_name} must be a one-dimensional sequence of records + 1 integers")
     if bounds.dtype.kind not in "iu":
-        raise TypeError(f"offsets must be integers, got {bounds.dtype}")
+        raise TypeError(f"{offsets_name} must be integers, got {bounds.dtype}")
     low, high = int(bounds.min()), int(bounds.max())
     if low < 0 or high > len(view):
-        raise ValueError(f"offsets must lie within the {len(view)} bytes of values, got {low}..{high}")
+        raise ValueError(f"{offsets_name} must lie within the {len(view)} bytes of {what}, got {low}..{high}")
     bounds = bounds.astype(np.int64, copy=False)
     if len(bounds) > 1 and bool((np.diff(bounds) < 0).any()):
         at = int(np.argmax(np.diff(bounds) < 0))
-        raise ValueError(f"offsets must not decrease: offsets[{at}] > offsets[{at + 1}]")
+        raise ValueError(f"{offsets_name} must not decrease: {offsets_name}[{at}] > {offsets_name}[{at + 1}]")
     if isinstance(values, bytes):
         return len(bounds) - 1, values, bounds
     first, last = int(bounds[0]), int(bounds[-1])
     return len(bounds) - 1, view[first:last].tobytes(), bounds - first  # a copy: the caller's may change
+
+
+def _packed_keys(
+    count: int, keys: Buffer | None, key_offsets: npt.ArrayLike | None, key_validity: npt.ArrayLike | None
+) -> _KeyColumn | None:
+    """The key column of send_packed's key arguments (None: no record has a key); TypeError or
+    ValueError saying what is wrong with them."""
+    if keys is None and key_offsets is None:
+        if key_validity is not None:
+            raise ValueError("key_validity needs keys and key_offsets")
+        return None
+    if keys is None or key_offsets is None:
+        raise ValueError("keys and key_offsets go together: give both, or neither for records without keys")
+    n, data, bounds = _packed_input(keys, key_offsets, "keys", "key_offsets")
+    if n != count:
+        raise ValueError(f"key_offsets gives {n} keys for {count} records: one key per record")
+    if key_validity is None:
+        return _KeyColumn(data, bounds, None)
+    valid = np.asarray(key_validity)
+    if valid.dtype != np.bool_:
+        raise TypeError(f"key_validity must be booleans (True: the record has a key), got {valid.dtype}")
+    if valid.shape != (count,):
+        raise ValueError(f"key_validity has shape {valid.shape}: one boolean per record, {count}")
+    if valid.all():
+        return _KeyColumn(data, bounds, None)
+    lengths = np.diff(bounds)
+    if lengths[~valid].any():  # Arrow lets a null's span hold bytes: leave them out of the column
+        start = int(bounds[0])
+        raw = np.frombuffer(data, dtype=np.uint8)[start : int(bounds[-1])]
+        data = raw[np.repeat(valid, lengths)].tobytes()
+        bounds = np.zeros(count + 1, dtype=np.int64)
+        np.cumsum(np.where(valid, lengths, 0), out=bounds[1:])
+    return _KeyColumn(data, bounds, valid.copy())
 
 
 class _Sent:
@@ -817,30 +934,46 @@ class Producer:
             await self._room_for(1)
             room = self.max_buffered - self._held
             end = min(len(values), start + room)
-            if keys is None:
-                self._buffered_bytes += self._pending.extend(values[start:end])
-                self._wake()
-            else:
-                for i in range(start, end):
-                    self._append(values[i], None if keys is None else keys[i])
+            self._buffered_bytes += self._pending.extend(
+                values[start:end], keys[start:end] if keys is not None else None
+            )
+            self._wake()
             start = end
             if len(self._pending) >= self.batch_size:
                 # a batch is ready: let the sender take it (and start its write) before more records
                 # are queued, or a caller filling a large buffer would hold the sender up meanwhile
                 await asyncio.sleep(0)
 
-    async def send_packed(self, values: bytes | bytearray | memoryview, offsets: npt.ArrayLike) -> None:
+    async def send_packed(
+        self,
+        values: Buffer,
+        offsets: npt.ArrayLike,
+        keys: Buffer | None = None,
+        key_offsets: npt.ArrayLike | None = None,
+        key_validity: npt.ArrayLike | None = None,
+    ) -> None:
         """Queue records given in Arrow's binary layout: record i is values[offsets[i]:offsets[i + 1]]
-        (len(offsets) - 1 records; offsets non-decreasing integers within `values`). Records have no
-        key. The cheapest way in: no Python object per record, the values go into the batch as one
-        piece. `values` is kept as it is when it is `bytes` (it cannot change), else copied once; waits
-        while the local buffer is full, as send_many does."""
+        (len(offsets) - 1 records; offsets non-decreasing integers within `values`). Keys, if given,
+        are laid out the same way: record i's key is keys[key_offsets[i]:key_offsets[i + 1]], and
+        with `key_validity` (one bool per record) a record whose entry is False has no key; without
+        keys no record has one. The cheapest way in: no Python object per record, values and keys go
+        into the batch as one piece each. A `bytes` buffer is kept as it is (it cannot change), any
+        other is copied once; waits while the local buffer is full, as send_many does."""
         count, data, bounds = _packed_input(values, offsets)
+        key_column = _packed_keys(count, keys, key_offsets, key_validity)
         start = 0
         while start < count:
             await self._room_for(1)
             end = min(count, start + self.max_buffered - self._held)
-            chunk = _Packed(data, bounds[start : end + 1])
+            chunk_keys = None
+            if key_column is not None:
+                valid = key_column.valid
+                chunk_keys = _KeyColumn(
+                    key_column.data,
+                    key_column.offsets[start : end + 1],
+                    valid[start:end] if valid is not None else None,
+                )
+            chunk = _Packed(data, bounds[start : end + 1], chunk_keys)
             self._pending.extend_packed(chunk)
             self._buffered_bytes += chunk.nbytes(end - start)
             self._wake()
@@ -1108,8 +1241,7 @@ class Producer:
                 if request is not None and len(request) <= DEFAULT_MAX_MESSAGE_BYTES:
                     break
                 if n == 1:  # no session could ever take it: resending would loop
-                    key = run.keys[0] if run.keys is not None else None
-                    size = int(ends[0]) + (len(key) if key is not None else 0)
+                    size = int(ends[0]) + run.key_size(0)
                     raise RecordTooLargeError(
                         f"record {self._sent_seq} has {size} bytes of key and value: over the "
                         f"{DEFAULT_MAX_MESSAGE_BYTES}-byte message limit; the producer cannot send it "

@@ -46,9 +46,17 @@ class SyncProducer:
     def send_many(self, values: Sequence[bytes], keys: Sequence[bytes | None] | None = None) -> None:
         self._run(self._producer.send_many(values, keys))
 
-    def send_packed(self, values: bytes | bytearray | memoryview, offsets: npt.ArrayLike) -> None:
-        """Producer.send_packed: records in Arrow's binary layout, one buffer and its offsets."""
-        self._run(self._producer.send_packed(values, offsets))
+    def send_packed(
+        self,
+        values: bytes | bytearray | memoryview,
+        offsets: npt.ArrayLike,
+        keys: bytes | bytearray | memoryview | None = None,
+        key_offsets: npt.ArrayLike | None = None,
+        key_validity: npt.ArrayLike | None = None,
+    ) -> None:
+        """Producer.send_packed: records in Arrow's binary layout, one buffer and its offsets (and
+        their keys so, if any)."""
+        self._run(self._producer.send_packed(values, offsets, keys, key_offsets, key_validity))
 
     def flush(self, timeout: float | None = None) -> None:
         self._run(self._producer.flush(timeout))

@@ -12,8 +12,11 @@ serializing copied every value three more times).
 
 from __future__ import annotations
 
+import functools
+import operator
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -33,6 +36,28 @@ def value_ends(items: Sequence[bytes]) -> npt.NDArray[np.int64]:
 
 
 _value_ends = value_ends  # publish_batch's keyword hides the function's name
+
+
+@dataclass(frozen=True, slots=True)
+class PackedKeys:
+    """A batch's keys already in Arrow's layout (Producer.send_packed's keys): their bytes are the
+    concatenation of `parts`, key i ends at byte ends[i]; where valid[i] is False record i has no key
+    (and an empty span). `valid` None: every record has one."""
+
+    parts: Sequence[bytes | memoryview]
+    ends: npt.NDArray[np.int64]
+    valid: npt.NDArray[np.bool_] | None = None
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def size(self, i: int) -> int:
+        """Bytes of key i (0 without one)."""
+        return int(self.ends[i]) - (int(self.ends[i - 1]) if i else 0)
+
+
+Keys = Sequence[bytes | None] | PackedKeys
+"""A batch's keys: one per record (None: no key), or already laid out."""
 
 
 def encode_batch(
@@ -74,7 +99,7 @@ def publish_parts(
     first_seq: int,
     parts: Sequence[bytes | memoryview],
     ends: npt.NDArray[np.int64],
-    keys: Sequence[bytes | None] | None = None,
+    keys: Keys | None = None,
 ) -> bytes:
     """publish_batch of the records whose values, concatenated, are the concatenation of `parts` (one
     part per record, or a buffer holding many: Producer.send_packed), record i ending at byte ends[i]."""
@@ -123,16 +148,48 @@ def _bytes_field(number: int, data: bytes) -> bytes:
     return _varint(number << 3 | 2) + _varint(len(data)) + data if data else b""
 
 
-def _key_fields(keys: Sequence[bytes | None] | None, count: int) -> tuple[bytes, bytes, bytes] | None:
+def _key_fields(keys: Keys | None, count: int) -> tuple[bytes, bytes, bytes] | None:
     """(keys, key_offsets, key_validity) of a batch, or None when no record has a key."""
-    if keys is None or all(k is None for k in keys):
+    if isinstance(keys, PackedKeys):
+        return _packed_key_fields(keys, count)
+    if keys is None:
         return None
     if len(keys) != count:
         raise ValueError(f"{len(keys)} keys for {count} values")
-    present = np.fromiter((k is not None for k in keys), dtype=bool, count=count)
-    data, offsets = _binary([k if k is not None else b"" for k in keys], "keys")
+    nulls = keys.count(None)
+    if nulls == count:
+        return None
+    if nulls == 0:  # the common case of keyed records: no pass to find the nulls
+        present = np.ones(count, dtype=bool)
+        data, offsets = _binary(keys, "keys")  # type: ignore[arg-type] # no None among them
+    else:
+        # map and filter with a C predicate: no Python frame per key
+        present = np.fromiter(map(_is_key, keys), dtype=bool, count=count)
+        lengths = np.zeros(count, dtype=np.int64)
+        lengths[present] = np.fromiter(map(len, filter(_is_key, keys)), dtype=np.int64)  # type: ignore[arg-type]
+        data = b"".join(filter(_is_key, keys))  # type: ignore[arg-type]
+        ends = np.cumsum(lengths)
+        if int(ends[-1]) != len(data):  # a key that is not a flat bytes-like object (a typed memoryview)
+            raise TypeError("record keys must be bytes")
+        offsets = _offsets(ends, "keys")
     # Arrow's validity bitmap: bit i (least significant first) set when key i is not null
     return data, offsets, np.packbits(present, bitorder="little").tobytes()
+
+
+_is_key = functools.partial(operator.is_not, None)
+"""k is not None, as a C call."""
+
+
+def _packed_key_fields(keys: PackedKeys, count: int) -> tuple[bytes, bytes, bytes] | None:
+    if len(keys) != count:
+        raise ValueError(f"{len(keys)} keys for {count} values")
+    present = np.ones(count, dtype=bool) if keys.valid is None else keys.valid
+    if not present.any():
+        return None
+    data = b"".join(keys.parts)
+    if len(data) != int(keys.ends[-1]):  # pragma: no cover - the Producer lays them out
+        raise ValueError(f"{len(data)} bytes of keys, their offsets say {int(keys.ends[-1])}")
+    return data, _offsets(keys.ends, "keys"), np.packbits(present, bitorder="little").tobytes()
 
 
 def _offsets(ends: npt.NDArray[np.int64], what: str) -> bytes:

@@ -432,20 +432,37 @@ async def test_producer_rides_out_a_crash_and_restart_without_loss_or_doubles(tm
 
 
 async def test_packed_and_keyed_records_ride_out_a_crash_in_order(tmp_path: Path) -> None:
-    """Records sent as buffers (send_packed) and keyed ones in between: after a crash the unacked
-    batches, spanning both kinds, are resent as one run each; stored once each, in order, keys kept."""
+    """Records sent as buffers (send_packed, every other call with packed keys, some null) and keyed
+    ones in between: after a crash the unacked batches, spanning all three kinds, are resent as one
+    run each; stored once each, in order, keys kept."""
     node = Node(tmp_path, block_interval=0.1)
     await node.start()
     sent = values("e", 0, 20_000)
-    keys = [f"k{i}".encode() if i % 1_000 >= 900 else None for i in range(len(sent))]
+
+    def key(i: int) -> bytes | None:
+        if i % 1_000 >= 900:  # send_many's
+            return f"k{i}".encode()
+        if i // 1_000 % 2 or i % 7 == 0:  # packed without keys, or a null among packed keys
+            return None
+        return f"p{i}".encode() * (i % 3)  # some empty, not null
+
+    keys = [key(i) for i in range(len(sent))]
     producer = Producer(node.target, "s", linger=0.001, batch_size=300, max_buffered=4_000)
     await producer.start()
     try:
 
         async def feed() -> None:
             for i in range(0, len(sent), 1_000):
+                chunk, chunk_keys = sent[i : i + 900], [k or b"" for k in keys[i : i + 900]]
+                packed_keys = {}
+                if i // 1_000 % 2 == 0:
+                    packed_keys = {
+                        "keys": b"".join(chunk_keys),
+                        "key_offsets": [0, *itertools.accumulate(map(len, chunk_keys))],
+                        "key_validity": [k is not None for k in keys[i : i + 900]],
+                    }
                 await producer.send_packed(
-                    b"".join(sent[i : i + 900]), [0, *itertools.accumulate(map(len, sent[i : i + 900]))]
+                    b"".join(chunk), [0, *itertools.accumulate(map(len, chunk))], **packed_keys
                 )
                 await producer.send_many(sent[i + 900 : i + 1_000], keys[i + 900 : i + 1_000])
 

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,7 +18,8 @@ from support import running_server
 from ingest.server import SluiceServer
 from sluice_client import Producer, SyncProducer
 from sluice_client.errors import RecordTooLargeError
-from sluice_client.producer import DEFAULT_MAX_MESSAGE_BYTES, _Packed, _Pending, _Sent
+from sluice_client.producer import DEFAULT_MAX_MESSAGE_BYTES, _KeyColumn, _Packed, _Pending, _Sent
+from sluice_client.wire import Keys, PackedKeys
 
 
 @pytest.fixture
@@ -63,6 +65,71 @@ async def test_packed_records_are_stored_in_order_with_the_others(server: Sluice
     assert rows(server) == expected
 
 
+def packed_keys(keys: list[bytes | None], start: int = 0, junk: bytes = b"") -> dict[str, object]:
+    """send_packed's key arguments for `keys` (None: no key), after `start` bytes of something else;
+    a null's span holds `junk` (Arrow allows bytes there)."""
+    data, offsets = packed([k if k is not None else junk for k in keys], start)
+    return {"keys": data, "key_offsets": offsets, "key_validity": np.array([k is not None for k in keys])}
+
+
+def listed(keys: Keys | None, n: int) -> list[bytes | None]:
+    """A batch's keys one per record, whichever form the Producer laid them out in."""
+    if keys is None:
+        return [None] * n
+    if not isinstance(keys, PackedKeys):
+        return list(keys)
+    data, ends = b"".join(keys.parts), [0, *keys.ends.tolist()]
+    valid = keys.valid.tolist() if keys.valid is not None else [True] * n
+    assert len(ends) == n + 1
+    assert all(ends[i] == ends[i + 1] for i in range(n) if not valid[i])  # a null's span is empty
+    return [data[ends[i] : ends[i + 1]] if valid[i] else None for i in range(n)]
+
+
+async def test_packed_keys_are_stored_with_their_records(server: SluiceServer) -> None:
+    """Keys laid out beside the values: empty keys stay empty, a False in key_validity is no key even
+    where its span holds bytes, and batches spanning packed, listed and unkeyed calls keep every key."""
+    expected: list[tuple[bytes | None, bytes]] = []
+    async with Producer(server.target, "events", batch_size=5, linger=0.001) as producer:
+        for round_ in range(12):
+            values = [f"v{round_}-{i}".encode() for i in range(round_ + 1)]
+            keys = [None if i % 4 == 1 else f"k{round_}-{i}".encode() * (i % 3) for i in range(round_ + 1)]
+            data, offsets = packed(values, start=round_ % 3)
+            if round_ % 3 == 0:  # every record has a key: no validity given
+                keys = [k if k is not None else b"" for k in keys]
+                data_keys, key_offsets = packed(keys, start=1)  # type: ignore[arg-type]
+                await producer.send_packed(data, offsets, data_keys, np.array(key_offsets, dtype=np.uint32))
+            else:
+                await producer.send_packed(
+                    data, offsets, **packed_keys(keys, round_ % 2, b"junk" * (round_ % 2))
+                )
+            expected += list(zip(keys, values, strict=True))
+            await producer.send_packed(*packed([b"plain"]))
+            expected.append((None, b"plain"))
+            if round_ % 4 == 3:
+                await producer.send(b"listed", key=b"lk")
+                expected.append((b"lk", b"listed"))
+        await producer.flush(timeout=10)
+    assert rows(server) == expected
+
+
+async def test_keys_from_an_arrow_array_as_docs_sdk_says(server: SluiceServer) -> None:
+    keys = pa.array([b"k1", None, b"", b"k4"], pa.binary())
+    _, offsets, data = keys.buffers()
+    async with Producer(server.target, "events", linger=0) as producer:
+        validity = keys.is_valid().to_numpy(zero_copy_only=False)
+        await producer.send_packed(b"abcd", [0, 1, 2, 3, 4], data, np.frombuffer(offsets, np.int32), validity)
+        await producer.flush(timeout=10)
+    assert rows(server) == [(b"k1", b"a"), (None, b"b"), (b"", b"c"), (b"k4", b"d")]
+
+
+async def test_a_batch_of_packed_keys_none_of_them_set_sends_no_keys(server: SluiceServer) -> None:
+    async with Producer(server.target, "events", linger=0) as producer:
+        await producer.send_packed(b"ab", [0, 1, 2], b"xy", [0, 1, 2], [False, False])
+        await producer.send_packed(bytearray(b"cd"), [0, 1, 2], bytearray(b"k"), [0, 0, 1])
+        await producer.flush(timeout=10)
+    assert rows(server) == [(None, b"a"), (None, b"b"), (b"", b"c"), (b"k", b"d")]
+
+
 async def test_a_mutable_buffer_is_copied_at_the_call(server: SluiceServer) -> None:
     data = bytearray(b"aaabbb")
     view = np.frombuffer(b"cccddd", dtype=np.uint8)
@@ -86,6 +153,16 @@ async def test_a_mutable_buffer_is_copied_at_the_call(server: SluiceServer) -> N
         (b"abc", np.array([0, 2**63], dtype=np.uint64), ValueError, "within the 3 bytes"),
         ("abc", [0, 3], TypeError, "contiguous bytes-like object, not str"),
         (memoryview(b"abcdef")[::2], [0, 1], TypeError, "contiguous bytes-like object, not memoryview"),
+        (b"ab", {"keys": b"k"}, ValueError, "keys and key_offsets go together"),
+        (b"ab", {"key_offsets": [0, 1, 1]}, ValueError, "keys and key_offsets go together"),
+        (b"ab", {"key_validity": [True, True]}, ValueError, "key_validity needs keys and key_offsets"),
+        (b"ab", {"keys": b"k", "key_offsets": [0, 1]}, ValueError, "gives 1 keys for 2 records"),
+        (b"ab", {"keys": b"kk", "key_offsets": [0, 2, 1]}, ValueError, r"key_offsets\[1\] > key_offsets"),
+        (b"ab", {"keys": b"k", "key_offsets": [0, 1, 2]}, ValueError, "within the 1 bytes of keys"),
+        (b"ab", {"keys": "k", "key_offsets": [0, 1, 1]}, TypeError, "keys must be a contiguous"),
+        (b"ab", {"keys": b"k", "key_offsets": [0, 0.5, 1]}, TypeError, "key_offsets must be integers"),
+        (b"ab", {"keys": b"k", "key_offsets": [0, 1, 1], "key_validity": [1, 0]}, TypeError, "booleans"),
+        (b"ab", {"keys": b"k", "key_offsets": [0, 1, 1], "key_validity": [True]}, ValueError, "one boolean"),
     ],
 )
 async def test_packed_input_is_checked_at_the_call(
@@ -94,7 +171,10 @@ async def test_packed_input_is_checked_at_the_call(
     """A bad call raises at once and queues nothing: the producer goes on."""
     async with Producer(server.target, "events", linger=0) as producer:
         with pytest.raises(error, match=message):
-            await producer.send_packed(values, offsets)  # type: ignore[arg-type]
+            if isinstance(offsets, dict):  # key arguments, with two records' values
+                await producer.send_packed(values, [0, 1, 2], **offsets)  # type: ignore[arg-type]
+            else:
+                await producer.send_packed(values, offsets)  # type: ignore[arg-type]
         await producer.send_packed(b"ok", [0, 2])
         await producer.send_packed(b"", [0])  # no records: nothing to do
         await producer.flush(timeout=10)
@@ -108,10 +188,10 @@ async def test_a_packed_record_over_the_message_limit_fails_the_producer(server:
     await producer.start()
     await producer.send_packed(b"a", [0, 1])
     await producer.flush(timeout=10)
-    await producer.send_packed(b"b" * (big + 1), [0, big, big + 1])
-    with pytest.raises(RecordTooLargeError, match=f"record 1 has {big} bytes"):
+    await producer.send_packed(b"b" * (big + 1), [0, big, big + 1], b"kkk", [0, 2, 3])
+    with pytest.raises(RecordTooLargeError, match=f"record 1 has {big + 2} bytes of key and value"):
         await producer.flush(timeout=30)
-    assert [len(v) for v, _ in await producer.abort()] == [big, 1]
+    assert [(len(v), k) for v, k in await producer.abort()] == [(big, b"kk"), (1, b"k")]
     assert [v for _, v in rows(server)] == [b"a"]
 
 
@@ -130,10 +210,11 @@ async def test_the_sync_producer_sends_packed(server: SluiceServer) -> None:
     def push() -> None:  # in a thread of its own: the server's loop runs on here
         with SyncProducer(server.target, "events") as producer:
             producer.send_packed(b"onetwo", [0, 3, 6])
+            producer.send_packed(b"three", [0, 5], b"k3", [0, 2])
             producer.flush(timeout=10)
 
     await asyncio.to_thread(push)
-    assert [v for _, v in rows(server)] == [b"one", b"two"]
+    assert rows(server) == [(None, b"one"), (None, b"two"), (b"k3", b"three")]
 
 
 OPS = ["one", "many", "packed", "take", "ack", "requeue"]
@@ -142,7 +223,10 @@ OPS = ["one", "many", "packed", "take", "ack", "requeue"]
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(
-        st.tuples(st.sampled_from(["one", "many", "packed", "take", "ack", "requeue"]), st.integers(0, 9))
+        st.tuples(
+            st.sampled_from(["one", "many", "packed", "packed-keys", "take", "ack", "requeue"]),
+            st.integers(0, 9),
+        )
     )
 )
 def test_pending_records_keep_their_order_across_runs(ops: list[tuple[str, int]]) -> None:
@@ -173,12 +257,25 @@ def test_pending_records_keep_their_order_across_runs(ops: list[tuple[str, int]]
             data, offsets = packed(values, start=n % 3)
             pending.extend_packed(_Packed(data, np.asarray(offsets, dtype=np.int64)))
             model += [(v, None) for v in values]
+        elif op == "packed-keys":
+            values = fresh(n)
+            data, offsets = packed(values, start=n % 3)
+            keys: list[bytes | None] = [
+                None if (counter + i) % 3 == 0 else v[:2] for i, v in enumerate(values)
+            ]
+            key_data, key_offsets = packed([k or b"" for k in keys], start=n % 2)
+            valid = np.array([k is not None for k in keys]) if n % 4 else None  # None: every key set
+            if valid is None:
+                keys = [k or b"" for k in keys]
+            column = _KeyColumn(key_data, np.asarray(key_offsets, dtype=np.int64), valid)
+            pending.extend_packed(_Packed(data, np.asarray(offsets, dtype=np.int64), column))
+            model += list(zip(values, keys, strict=True))
         elif op == "take" and len(pending):
             k = min(len(pending), n + 1)
             run = pending.peek(k)
             assert b"".join(run.parts) == b"".join(v for v, _ in model[:k])
             assert list(run.ends) == list(itertools.accumulate(len(v) for v, _ in model[:k]))
-            assert (run.keys or [None] * k) == [key for _, key in model[:k]]
+            assert listed(run.keys, k) == [key for _, key in model[:k]]
             pending.drop(k)
             unacked.append(_Sent(0, run))
             sent_model += model[:k]

@@ -4,6 +4,9 @@ or a client and a server that use protobuf would see different records."""
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -11,7 +14,7 @@ from hypothesis import strategies as st
 from receivers.errors import InvalidMessage
 from receivers.wire import WireBatch, decode_batch, decode_request
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
-from sluice_client.wire import encode_batch, publish_batch
+from sluice_client.wire import PackedKeys, encode_batch, publish_batch, publish_parts, value_ends
 
 Drawn = tuple[int, list[bytes], list[bytes | None] | None]
 """first_seq, values, keys (None: no record has a key)"""
@@ -44,6 +47,33 @@ def test_publish_batch_refuses_what_encode_batch_refuses() -> None:
         publish_batch(0, [memoryview(b"abcd").cast("I")])  # one item, four bytes
     with pytest.raises(ValueError, match="keys for"):
         publish_batch(0, [b"a", b"b"], [b"k"])
+    with pytest.raises(TypeError, match="keys must be bytes"):  # among nulls, or not
+        publish_batch(0, [b"a", b"b"], [memoryview(b"abcd").cast("I"), None])
+    with pytest.raises(TypeError, match="keys must be bytes"):
+        publish_batch(0, [b"a", b"b"], [memoryview(b"abcd").cast("I"), b"k"])
+
+
+@given(batches(), st.integers(1, 5))
+@settings(max_examples=300, deadline=None)
+def test_keys_reach_the_receiver_as_sent_one_by_one_or_laid_out(batch: Drawn, pieces: int) -> None:
+    """Keys given one per record and the same keys laid out (PackedKeys, in `pieces` parts) are the same
+    bytes on the wire, and the receiver reads back each key, empty ones and nulls apart."""
+    first_seq, values, keys = batch
+    ends = value_ends(values)
+    sent = publish_parts(first_seq, values, ends, keys)
+    got = decode_batch(decode_request(sent), 0)
+    assert got.column("key").to_pylist() == (keys if keys is not None else [None] * len(values))
+    if keys is None:
+        return
+    flat = [k if k is not None else b"" for k in keys]
+    data = b"".join(flat)
+    cuts = sorted({0, len(data), *(len(data) * i // pieces for i in range(pieces))})
+    laid_out = PackedKeys(
+        [memoryview(data)[a:b] for a, b in itertools.pairwise(cuts)],
+        value_ends(flat),
+        np.array([k is not None for k in keys]),
+    )
+    assert publish_parts(first_seq, values, ends, laid_out) == sent
 
 
 def _same_as_protobuf(data: bytes) -> None:
