@@ -344,6 +344,14 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         help="skip the first N records of the input, sent and acked by an earlier push with the same "
         "--producer-id (a failed push prints the command)",
     )
+    push.add_argument(
+        "--key-separator",
+        metavar="SEP",
+        help="each line is KEY SEP VALUE, cut at the first SEP; a line without SEP is a value without a "
+        "key. SEP may hold the escapes \\t, \\\\ and \\xNN (a byte in hex), e.g. '\\t' "
+        "for a tab; give a SEP that starts with - as --key-separator=SEP "
+        "(default: whole lines are values, no keys)",
+    )
     push.add_argument("--no-progress", action="store_true", help="no progress bar")
     _credential_flags(push)
     push.set_defaults(run=_push)
@@ -1258,16 +1266,58 @@ class _LiveProgress:
         self.progress.stop()
 
 
-def _push(args: argparse.Namespace) -> int:
+_ESCAPES = {ord("t"): b"\t", ord("\\"): b"\\"}
+
+
+def key_separator(text: str) -> bytes:
+    """The bytes of `sluice push --key-separator`: the argument's bytes, with the escapes \\t, \\\\ and
+    \\xNN; ValueError for an unknown escape, an empty separator or one holding a newline."""
+    raw, out, i = os.fsencode(text), bytearray(), 0
+    while i < len(raw):
+        if raw[i] != ord("\\"):
+            out.append(raw[i])
+            i += 1
+            continue
+        escape = raw[i + 1 : i + 2]
+        if escape == b"x":
+            digits = raw[i + 2 : i + 4]
+            if len(digits) != 2 or not all(chr(d) in "0123456789abcdefABCDEF" for d in digits):
+                raise ValueError("\\x takes two hex digits (\\x2d is -)")
+            out.append(int(digits, 16))
+            i += 4
+        elif escape and escape[0] in _ESCAPES:
+            out += _ESCAPES[escape[0]]
+            i += 2
+        else:
+            raise ValueError("a backslash starts \\t, \\\\ or \\xNN; write \\\\ for a backslash")
+    if not out or b"\n" in out:
+        raise ValueError("a separator is one or more bytes, without a newline (lines end there)")
+    return bytes(out)
+
+
+def _push_flags_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with `sluice push`'s flags, if anything."""
     if args.batch_size < 1:
-        return _fail("--batch-size must be >= 1", EXIT_USAGE)
+        return "--batch-size must be >= 1"
     if not args.timeout > 0:
-        return _fail("--timeout must be > 0 seconds", EXIT_USAGE)
+        return "--timeout must be > 0 seconds"
     if args.resume_from < 0:
-        return _fail("--resume-from must be >= 0", EXIT_USAGE)
+        return "--resume-from must be >= 0"
+    if args.key_separator is not None:
+        try:
+            key_separator(args.key_separator)
+        except ValueError as exc:
+            return f"--key-separator {args.key_separator!r}: {exc}"
     if args.resume_from and not args.producer_id:
         # under another id the server could not tell which of the records after N it already holds
-        return _fail("--resume-from needs the --producer-id of the push it resumes", EXIT_USAGE)
+        return "--resume-from needs the --producer-id of the push it resumes"
+    return None
+
+
+def _push(args: argparse.Namespace) -> int:
+    error = _push_flags_error(args)
+    if error is not None:
+        return _fail(error, EXIT_USAGE)
     if args.file == "-":
         source, total = sys.stdin.buffer, None
     else:
@@ -1325,10 +1375,19 @@ async def _push_async(
             ),
             name="sluice-push-progress",
         )
+    separator = key_separator(args.key_separator) if args.key_separator is not None else None
+    keyless = 0  # lines without the separator
     try:
         await producer.start()
         while (lines := await read.next_lines()) is not None:
-            await producer.send_packed(lines.data, lines.offsets)
+            if separator is None:
+                await producer.send_packed(lines.data, lines.offsets)
+            else:
+                cut = lines.keyed(separator)
+                keyless += len(lines) - int(cut.key_validity.sum())
+                await producer.send_packed(
+                    cut.values, cut.value_offsets, cut.keys, cut.key_offsets, cut.key_validity
+                )
             progress.show(read.done_bytes, read.records, producer.acked - args.resume_from)
         await _flush_while_acking(producer, args.timeout)
         await _stopped(follow)
@@ -1350,6 +1409,12 @@ async def _push_async(
         f"sluice: pushed {read.records:,} records to stream {args.stream!r}{skipped}; all acked",
         file=sys.stderr,
     )
+    if keyless and separator is not None:  # a wrong separator would otherwise pass unnoticed
+        print(
+            f"sluice: {keyless:,} of them had no {separator.decode(errors='backslashreplace')!r} and went "
+            "without a key",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -1429,6 +1494,8 @@ def _push_failed(args: argparse.Namespace, producer: Producer, read: int, error:
         command += ["--batch-size", str(args.batch_size)]
     if args.timeout != PUSH_TIMEOUT:
         command += ["--timeout", f"{args.timeout:g}"]
+    if args.key_separator is not None:  # one token: a separator such as "--" must not read as a flag
+        command.append(f"--key-separator={args.key_separator}")
     if args.no_progress:
         command.append("--no-progress")
     same_input = " (with the same input on stdin)" if args.file == "-" else ""

@@ -4,7 +4,8 @@ Each chunk's lines go to the Producer as one buffer (send_packed), never as an o
 newlines are found and taken out in C (numpy, bytes.replace), so a push costs the same per byte
 whatever its lines' length, and a line longer than a chunk is joined once, when its end is read.
 A line is everything up to a newline (b"\\n"), which is not part of it; a carriage return before it is;
-a last line without a newline is a record too.
+a last line without a newline is a record too. With a key separator (`sluice push --key-separator`) a
+line is cut at the separator's first occurrence into key and value, again for the whole chunk at once.
 """
 
 from __future__ import annotations
@@ -43,6 +44,56 @@ class Lines:
         end = int(ends[-1]) + 1  # the rest after it is left out: it stays in the carry
         body = text if end == len(text) else text[:end]
         return cls(body.replace(b"\n", b""), offsets), text[end:]
+
+    def keyed(self, separator: bytes) -> KeyedLines:
+        """Each line cut at the first `separator` in it: the key before, the value after (either may be
+        empty); a line without one is all value, without a key."""
+        data = np.frombuffer(self.data, np.uint8)
+        starts, ends = self.offsets[:-1], self.offsets[1:]
+        width = len(separator)
+        hits = np.ones(max(len(data) - width + 1, 0), dtype=bool)  # where the separator starts
+        for j, byte in enumerate(separator):
+            hits &= data[j : len(data) - width + 1 + j] == byte
+        found = np.flatnonzero(hits)
+        # each line's first hit at or after its start; one that runs past the line's end belongs to no
+        # line (lines are back to back), and no later hit could lie within that line either
+        at = np.searchsorted(found, starts)
+        first = np.append(found, len(data))[at]
+        has_key = first + width <= ends
+        key_ends = np.where(has_key, first, starts)
+        value_starts = np.where(has_key, first + width, starts)
+        return KeyedLines(
+            _gather(data, value_starts, ends),
+            _offsets(ends - value_starts),
+            _gather(data, starts, key_ends),
+            _offsets(key_ends - starts),
+            has_key,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class KeyedLines:
+    """Lines cut into keys and values, in send_packed's layout (key_validity False: no key)."""
+
+    values: bytes
+    value_offsets: npt.NDArray[np.int64]
+    keys: bytes
+    key_offsets: npt.NDArray[np.int64]
+    key_validity: npt.NDArray[np.bool_]
+
+
+def _gather(data: npt.NDArray[np.uint8], starts: npt.NDArray[np.int64], ends: npt.NDArray[np.int64]) -> bytes:
+    """The bytes of data[starts[i]:ends[i]] for every i, back to back (the ranges are in order, apart)."""
+    edges = np.zeros(len(data) + 1, np.int64)
+    np.add.at(edges, starts, 1)
+    np.add.at(edges, ends, -1)
+    return data[np.cumsum(edges[:-1]) > 0].tobytes()
+
+
+def _offsets(lengths: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets
 
 
 _NEWLINE = ord("\n")

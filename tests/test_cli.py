@@ -120,6 +120,66 @@ def test_push_to_a_server_that_is_not_there(tmp_path: Path) -> None:
     assert b"UNAVAILABLE" in result.stderr
 
 
+def test_push_with_a_key_separator(tmp_path: Path) -> None:
+    """`sluice push --key-separator` against a real `sluice serve --no-spark`: each line cut at its
+    first separator, from a file and from stdin; lines without one go without a key, and it says so."""
+    data = tmp_path / "data"
+    log = tmp_path / "serve.log"
+    source = tmp_path / "keyed.txt"
+    source.write_bytes(b"user-1\tclicked\nuser-2\tviewed\tpage 2\nno separator here\n\tempty key\n")
+    with log.open("wb") as log_file:
+        serve = subprocess.Popen(
+            [*SLUICE, "serve", "--no-spark", "--port", "0", "--metrics-port", "-1", "--data-dir", str(data)],
+            stderr=log_file,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        target = wait_for_line(serve, log, r"on (127\.0\.0\.1:\d+)", 60).group(1).decode()
+        pushed = sluice("push", str(source), "--target", target, "--no-progress", "--key-separator", "\\t")
+        assert pushed.returncode == 0, pushed.stderr.decode()
+        assert b"pushed 4 records" in pushed.stderr
+        assert b"1 of them had no '\\t' and went without a key" in pushed.stderr
+        piped = sluice(
+            "push",
+            "-",
+            "--target",
+            target,
+            "--no-progress",
+            "--key-separator",
+            "\\x3d>",
+            stdin=b"k=>v=>w\n=>",
+        )
+        assert piped.returncode == 0, piped.stderr.decode()
+        assert b"without a key" not in piped.stderr
+        for bad, why in [
+            ("", "one or more bytes"),
+            ("a\nb", "without a newline"),
+            ("\\n", "a backslash starts"),
+            ("\\x4", "two hex digits"),
+            ("a\\", "a backslash starts"),
+        ]:
+            refused = sluice("push", str(source), "--target", target, f"--key-separator={bad}")
+            assert refused.returncode == 2, bad
+            assert f"--key-separator {bad!r}: ".encode() in refused.stderr and why.encode() in refused.stderr
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=60)
+    from receivers.wal import WalBlockStore
+
+    store = WalBlockStore(data / "blocks", fsync=FsyncPolicy.off())
+    rows = [
+        (r["key"], r["value"]) for b in store.blocks("default") for t in store.read(b) for r in t.to_pylist()
+    ]
+    assert rows == [
+        (b"user-1", b"clicked"),
+        (b"user-2", b"viewed\tpage 2"),
+        (None, b"no separator here"),
+        (b"", b"empty key"),
+        (b"k", b"v=>w"),
+        (b"", b""),
+    ]
+
+
 def test_push_a_missing_file() -> None:
     result = sluice("push", "/nonexistent/file.txt")
     assert result.returncode == 2

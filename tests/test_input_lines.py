@@ -62,3 +62,42 @@ def test_empty_input_has_no_records() -> None:
     records, reader, enough = read_all(b"", chunk=4)
     assert (records, reader.records, enough) == ([], 0, True)
     assert read_all(b"", chunk=4, skip=1)[2] is False
+
+
+def cut_by_hand(line: bytes, separator: bytes) -> tuple[bytes | None, bytes]:
+    """`sluice push --key-separator`: the key before the first separator, the value after; no separator,
+    no key."""
+    at = line.find(separator)
+    return (None, line) if at < 0 else (line[:at], line[at + len(separator) :])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.sampled_from([b"a", b"ab", b"b", b"\t", b":", b"\n", b"aab", b""]), max_size=40).map(
+        b"".join
+    ),
+    st.sampled_from([b"\t", b":", b"a", b"ab", b"aa", b"ba", b"aab", b"\t:"]),
+    st.integers(1, 30),
+    st.integers(0, 5),
+)
+def test_keyed_lines_are_cut_at_the_first_separator(
+    text: bytes, separator: bytes, chunk: int, skip: int
+) -> None:
+    """Whatever the chunking: every line's key and value as cut by hand, separators that overlap
+    themselves (aa in aaa) or would run across two lines (lines are back to back) included."""
+    reader = InputLines(io.BytesIO(text))
+    reader.CHUNK_BYTES = chunk
+
+    async def go() -> list[tuple[bytes | None, bytes]]:
+        await reader.skip(skip)
+        records: list[tuple[bytes | None, bytes]] = []
+        while (lines := await reader.next_lines()) is not None:
+            cut = lines.keyed(separator)
+            values = [cut.values[a:b] for a, b in itertools.pairwise(cut.value_offsets.tolist())]
+            keys = [cut.keys[a:b] for a, b in itertools.pairwise(cut.key_offsets.tolist())]
+            valid = cut.key_validity.tolist()
+            assert all(keys[i] == b"" for i in range(len(keys)) if not valid[i])  # a null's span is empty
+            records += [(k if v else None, value) for k, v, value in zip(keys, valid, values, strict=True)]
+        return records
+
+    assert asyncio.run(go()) == [cut_by_hand(line, separator) for line in expected(text)[skip:]]

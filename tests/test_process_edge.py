@@ -231,7 +231,9 @@ def test_a_failed_push_prints_how_to_resume_and_the_resume_doubles_nothing(
 ) -> None:
     total = 200_000
     source = tmp_path / "records.txt"
-    source.write_text("".join(f"{i}\n" for i in range(total)))
+    # keyed lines, their separator (->) given escaped and reading as a flag unless one token: the resume
+    # command keeps it as given
+    source.write_text("".join(f"k{i % 7}->{i}\n" for i in range(total)))
     port, metrics_port, data = free_port(), free_port(), tmp_path / "data"
     # throttled (5 s for the input), so that the push is still running when the server dies
     throttled = ["--initial-rate", "40000", "--block-interval", "0.05", "--metrics-port", str(metrics_port)]
@@ -239,8 +241,9 @@ def test_a_failed_push_prints_how_to_resume_and_the_resume_doubles_nothing(
     servers.append(first)
     first.wait_serving()
     target = f"127.0.0.1:{port}"
+    flags = ["--timeout", "3", "--batch-size", "1000", "--key-separator=\\x2d>"]
     push = subprocess.Popen(
-        [*SLUICE, "push", str(source), "--target", target, "--timeout", "3", "--batch-size", "1000"],
+        [*SLUICE, "push", str(source), "--target", target, *flags],
         stderr=subprocess.PIPE,
     )
     try:
@@ -275,6 +278,11 @@ def test_a_failed_push_prints_how_to_resume_and_the_resume_doubles_nothing(
     doubled = [v for v, n in stored.items() if n > 1]
     assert not doubled, f"{len(doubled)} records stored twice, e.g. {doubled[:5]}"
     assert sorted(stored) == sorted(str(i).encode() for i in range(total))
+    store = WalBlockStore(data / "blocks", fsync=FsyncPolicy.off())
+    rows = (
+        row for block in store.blocks("default") for batch in store.read(block) for row in batch.to_pylist()
+    )
+    assert all(row["key"] == f"k{int(row['value']) % 7}".encode() for row in rows)
 
 
 def test_push_resume_flags_are_checked(tmp_path: Path) -> None:
