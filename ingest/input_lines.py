@@ -83,11 +83,27 @@ class KeyedLines:
 
 
 def _gather(data: npt.NDArray[np.uint8], starts: npt.NDArray[np.int64], ends: npt.NDArray[np.int64]) -> bytes:
-    """The bytes of data[starts[i]:ends[i]] for every i, back to back (the ranges are in order, apart)."""
-    edges = np.zeros(len(data) + 1, np.int64)
-    np.add.at(edges, starts, 1)
-    np.add.at(edges, ends, -1)
-    return data[np.cumsum(edges[:-1]) > 0].tobytes()
+    """The bytes of data[starts[i]:ends[i]] for every i, back to back (the ranges are in order, apart).
+    Indexed by the positions of whichever is smaller, the bytes kept or the gaps between them (keys are
+    short, values long); numpy's cost is per index, so this keeps both near a copy."""
+    lengths = ends - starts
+    kept = int(lengths.sum())
+    if kept * 2 <= len(data) or len(starts) < 2:
+        return data[_positions(starts, lengths, kept)].tobytes()
+    low, high = int(starts[0]), int(ends[-1])
+    gap_lengths = starts[1:] - ends[:-1]
+    keep = np.ones(high - low, np.bool_)
+    keep[_positions(ends[:-1] - low, gap_lengths, len(keep) - kept)] = False
+    return data[low:high][keep].tobytes()
+
+
+def _positions(
+    starts: npt.NDArray[np.int64], lengths: npt.NDArray[np.int64], total: int
+) -> npt.NDArray[np.int64]:
+    """Every position within the ranges (starts[i], lengths[i]), in order: each byte's range start,
+    shifted by the bytes of the ranges before it, plus its place in the whole."""
+    shift = np.repeat(starts - (np.cumsum(lengths) - lengths), lengths)
+    return shift + np.arange(total, dtype=np.int64)
 
 
 def _offsets(lengths: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:

@@ -6,10 +6,11 @@ import asyncio
 import io
 import itertools
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ingest.input_lines import InputLines
+from ingest.input_lines import InputLines, _gather
 
 
 def expected(text: bytes) -> list[bytes]:
@@ -101,3 +102,15 @@ def test_keyed_lines_are_cut_at_the_first_separator(
         return records
 
     assert asyncio.run(go()) == [cut_by_hand(line, separator) for line in expected(text)[skip:]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200), st.lists(st.integers(0, 200), max_size=30))
+def test_gathered_ranges_are_the_ranges_back_to_back(data: bytes, cuts: list[int]) -> None:
+    """Ranges in order and apart, mostly long (values) or mostly short (keys), empty ones among them:
+    both ways of gathering give the bytes by hand."""
+    bounds = sorted(min(c, len(data)) for c in cuts)
+    pairs = list(zip(bounds[::2], bounds[1::2], strict=False))
+    starts = np.array([a for a, _ in pairs], dtype=np.int64)
+    ends = np.array([b for _, b in pairs], dtype=np.int64)
+    assert _gather(np.frombuffer(data, np.uint8), starts, ends) == b"".join(data[a:b] for a, b in pairs)
