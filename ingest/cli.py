@@ -24,7 +24,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
@@ -85,6 +85,18 @@ DEFAULT_BATCH_SIZE = 4096
 """On SIGTERM, how long Spark may take to process what was sealed before the query is stopped anyway."""
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse, but a flag given a bare -- as its value (`--stream=--`) is a usage error: argparse drops
+    the -- (it reads it as the end of the flags) and stores an empty list, which no command expects."""
+
+    def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
+        if action.option_strings and action.nargs is None and arg_strings == ["--"]:
+            self.error(
+                f"argument {'/'.join(action.option_strings)}: -- is not a value here (it ends the flags)"
+            )
+        return super()._get_values(action, arg_strings)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -126,7 +138,7 @@ def _serve_keys() -> dict[str, Key]:
 
 
 def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of flags reads best
-    parser = argparse.ArgumentParser(prog="sluice", description="Backpressure-aware ingestion for Spark.")
+    parser = _ArgumentParser(prog="sluice", description="Backpressure-aware ingestion for Spark.")
     parser.add_argument("--log-level", default="info", choices=logs.LEVELS)
     parser.add_argument(
         "--log-format", default=logs.PLAIN, choices=logs.FORMATS, help="plain lines or JSON lines on stderr"
@@ -357,7 +369,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     push.set_defaults(run=_push)
 
     rate = commands.add_parser("rate", help="read or set the ingest rate")
-    server = argparse.ArgumentParser(add_help=False)
+    server = _ArgumentParser(add_help=False)
     server.add_argument(
         "--target", type=_target, default=f"127.0.0.1:{DEFAULT_PORT}", help="server (default: %(default)s)"
     )

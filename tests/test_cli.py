@@ -180,6 +180,26 @@ def test_push_with_a_key_separator(tmp_path: Path) -> None:
     ]
 
 
+def test_a_bare_double_dash_as_a_flags_value_is_a_usage_error(tmp_path: Path) -> None:
+    """argparse drops a -- given as a value (--stream=--) and stores an empty list: that crashed push
+    and rate with a traceback. Now it is a usage error naming the flag; -- still ends the flags."""
+    for command in (
+        ["push", "-", "--stream=--"],
+        ["push", "-", "--producer-id=--"],
+        ["push", "-", "--key-separator=--"],
+        ["rate", "set", "--target=--", "5"],
+    ):
+        result = sluice(*command, stdin=b"a\n", timeout=60)
+        flag = next(a for a in command if a.endswith("=--")).removesuffix("=--")
+        assert result.returncode == 2, command
+        assert f"argument {flag}: -- is not a value here".encode() in result.stderr, result.stderr
+        assert b"Traceback" not in result.stderr
+    source = tmp_path / "in.txt"  # -- before the file still ends the flags
+    source.write_text("a\n")
+    result = sluice("push", "--target", "127.0.0.1:1", "--timeout", "0.5", "--", str(source), timeout=60)
+    assert result.returncode == 1 and b"UNAVAILABLE" in result.stderr, result.stderr
+
+
 def test_push_a_missing_file() -> None:
     result = sluice("push", "/nonexistent/file.txt")
     assert result.returncode == 2
