@@ -85,16 +85,25 @@ class KeyedLines:
 def _gather(data: npt.NDArray[np.uint8], starts: npt.NDArray[np.int64], ends: npt.NDArray[np.int64]) -> bytes:
     """The bytes of data[starts[i]:ends[i]] for every i, back to back (the ranges are in order, apart).
     Indexed by the positions of whichever is smaller, the bytes kept or the gaps between them (keys are
-    short, values long); numpy's cost is per index, so this keeps both near a copy."""
+    short, values long): numpy's cost is per index, so this keeps both near a copy. Where both are long
+    (a line joined from many chunks), a slice per range costs less, and no index array is built."""
     lengths = ends - starts
     kept = int(lengths.sum())
-    if kept * 2 <= len(data) or len(starts) < 2:
+    gaps = len(data) - kept if len(starts) > 1 else len(data)  # (one range has no gaps to index)
+    if len(starts) * _SLICE_BYTES <= min(kept, gaps):
+        view = memoryview(data.data)  # ndarray.data: the buffer itself
+        return b"".join([view[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)])
+    if kept <= gaps:
         return data[_positions(starts, lengths, kept)].tobytes()
     low, high = int(starts[0]), int(ends[-1])
     gap_lengths = starts[1:] - ends[:-1]
     keep = np.ones(high - low, np.bool_)
     keep[_positions(ends[:-1] - low, gap_lengths, len(keep) - kept)] = False
     return data[low:high][keep].tobytes()
+
+
+_SLICE_BYTES = 128
+"""Bytes an index per byte costs about as much as one slice (a Python object) does."""
 
 
 def _positions(
