@@ -70,7 +70,7 @@ from sluice_client.errors import (
 )
 from sluice_client.flow import MAX_DEMAND
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
-from sluice_client.wire import Keys, PackedKeys, publish_parts, serialize_request
+from sluice_client.wire import Keys, PackedKeys, lay_out_keys, publish_parts, serialize_request
 
 log = logging.getLogger(__name__)
 
@@ -238,18 +238,11 @@ class _KeyColumn:
     @classmethod
     def of(cls, keys: Keys, skip: int) -> _KeyColumn:
         """A batch's keys from record `skip` on, as a column (a copy: to be sent again)."""
-        if isinstance(keys, PackedKeys):
-            data, ends, valid = b"".join(keys.parts), keys.ends, keys.valid
-        else:  # one per record, sent once already: each is flat bytes or None
-            valid = np.fromiter((k is not None for k in keys), dtype=bool, count=len(keys))
-            present = [k for k in keys if k is not None]
-            data = b"".join(present)
-            ends = np.zeros(len(keys), dtype=np.int64)
-            ends[valid] = np.fromiter(map(len, present), dtype=np.int64, count=len(present))
-            ends = np.cumsum(ends)
-        offsets = np.zeros(len(ends) + 1, dtype=np.int64)
-        offsets[1:] = ends
-        return cls(data, offsets[skip:], valid[skip:] if valid is not None else None)
+        laid = keys if isinstance(keys, PackedKeys) else lay_out_keys(keys)  # sent once: flat bytes
+        offsets = np.zeros(len(laid) + 1, dtype=np.int64)
+        offsets[1:] = laid.ends
+        valid = laid.valid[skip:] if laid.valid is not None else None
+        return cls(b"".join(laid.parts), offsets[skip:], valid)
 
     def part(self, head: int, n: int) -> PackedKeys:
         """Records head .. head + n - 1's keys, laid out for the wire (views, no copy)."""

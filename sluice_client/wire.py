@@ -156,24 +156,28 @@ def _key_fields(keys: Keys | None, count: int) -> tuple[bytes, bytes, bytes] | N
         return None
     if len(keys) != count:
         raise ValueError(f"{len(keys)} keys for {count} values")
+    return _packed_key_fields(lay_out_keys(keys), count)
+
+
+def lay_out_keys(keys: Sequence[bytes | None]) -> PackedKeys:
+    """Keys given one per record (None: no key), laid out: one join, lengths measured in C, and the
+    nulls looked for only when there are some. TypeError for a key that is not flat bytes."""
+    count = len(keys)
     nulls = keys.count(None)
     if nulls == count:
-        return None
-    if nulls == 0:  # the common case of keyed records: no pass to find the nulls
-        present = np.ones(count, dtype=bool)
-        data, offsets = _binary(keys, "keys")  # type: ignore[arg-type] # no None among them
+        return PackedKeys([], np.zeros(count, dtype=np.int64), np.zeros(count, dtype=bool))
+    valid = None
+    if nulls == 0:  # the common case of keyed records
+        data, ends = b"".join(keys), value_ends(keys)  # type: ignore[arg-type] # no None among them
     else:
         # map and filter with a C predicate: no Python frame per key
-        present = np.fromiter(map(_is_key, keys), dtype=bool, count=count)
+        valid = np.fromiter(map(_is_key, keys), dtype=bool, count=count)
         lengths = np.zeros(count, dtype=np.int64)
-        lengths[present] = np.fromiter(map(len, filter(_is_key, keys)), dtype=np.int64)  # type: ignore[arg-type]
-        data = b"".join(filter(_is_key, keys))  # type: ignore[arg-type]
-        ends = np.cumsum(lengths)
-        if int(ends[-1]) != len(data):  # a key that is not a flat bytes-like object (a typed memoryview)
-            raise TypeError("record keys must be bytes")
-        offsets = _offsets(ends, "keys")
-    # Arrow's validity bitmap: bit i (least significant first) set when key i is not null
-    return data, offsets, np.packbits(present, bitorder="little").tobytes()
+        lengths[valid] = np.fromiter(map(len, filter(_is_key, keys)), dtype=np.int64)  # type: ignore[arg-type]
+        data, ends = b"".join(filter(_is_key, keys)), np.cumsum(lengths)  # type: ignore[arg-type]
+    if int(ends[-1]) != len(data):  # a key that is not a flat bytes-like object (a typed memoryview)
+        raise TypeError("record keys must be bytes")
+    return PackedKeys([data], ends, valid)
 
 
 _is_key = functools.partial(operator.is_not, None)
@@ -181,6 +185,7 @@ _is_key = functools.partial(operator.is_not, None)
 
 
 def _packed_key_fields(keys: PackedKeys, count: int) -> tuple[bytes, bytes, bytes] | None:
+    # Arrow's validity bitmap: bit i (least significant first) set when key i is not null
     if len(keys) != count:
         raise ValueError(f"{len(keys)} keys for {count} values")
     present = np.ones(count, dtype=bool) if keys.valid is None else keys.valid
