@@ -2,8 +2,9 @@
 
 Records are buffered locally and leave in batches of up to `batch_size` records or `batch_bytes` bytes,
 after at most `linger` seconds, and never beyond the credit the server granted. A record stays in memory
-until the server acks it as durable: `max_buffered` (and `max_buffered_bytes`, if set) bounds the records
-not yet sent plus those sent and not yet acked, so `send` waits when it is reached.
+until the server acks it as durable: `max_buffered` (and `max_buffered_bytes`, if set: values' and keys'
+bytes) bounds the records not yet sent plus those sent and not yet acked, so `send` waits when it is
+reached.
 
 Resending: every record gets a sequence number (0, 1, 2, ... per producer). When the session ends with a
 retriable status (UNAVAILABLE: the server is stopping, went away, or the connection dropped) the producer
@@ -43,7 +44,9 @@ import asyncio
 import collections
 import contextlib
 import enum
+import functools
 import logging
+import operator
 import random
 import uuid
 import warnings
@@ -168,7 +171,8 @@ class _Listed:
         return len(self._values) - self._head
 
     def append(self, value: bytes, key: bytes | None) -> int:
-        """Add a record; return its value's length."""
+        """Add a record; return the bytes of its value and key."""
+        key_size = len(key) if key is not None else 0
         if key is not None and self._keys is None:
             self._keys = [None] * len(self._values)
         self._values.append(value)
@@ -176,22 +180,24 @@ class _Listed:
         self._lengths.append(size)
         if self._keys is not None:
             self._keys.append(key)
-        return size
+        return size + key_size
 
     def extend(self, values: Sequence[bytes], keys: Sequence[bytes | None] | None = None) -> int:
-        """Add records (keys: one per value, or None for none); return the bytes of their values."""
+        """Add records (keys: one per value, or None for none); return the bytes of their values and
+        keys."""
         try:
             lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
         except TypeError:
             bad = next(v for v in values if not isinstance(v, bytes | bytearray | memoryview))
             raise RecordTypeError(f"record values must be bytes, not {type(bad).__name__}") from None
+        key_size = _key_bytes(keys) if keys is not None else 0
         if keys is not None and self._keys is None:
             self._keys = [None] * len(self._values)
         self._values.extend(values)
         self._lengths.frombytes(lengths.tobytes())
         if self._keys is not None:
             self._keys.extend(keys if keys is not None else [None] * len(values))
-        return int(lengths.sum())
+        return int(lengths.sum()) + key_size
 
     def values(self, n: int) -> list[bytes]:
         return self._values[self._head : self._head + n]
@@ -275,7 +281,8 @@ class _Packed:
         return len(self.offsets) - 1 - self._head
 
     def nbytes(self, n: int) -> int:
-        return int(self.offsets[self._head + n] - self.offsets[self._head])
+        """Bytes of the first `n` records' values and keys (the keys' span: what the column holds)."""
+        return int(self.offsets[self._head + n] - self.offsets[self._head]) + self.key_bytes(n)
 
     def part(self, n: int) -> memoryview:
         """The first `n` records' values, back to back."""
@@ -292,6 +299,13 @@ class _Packed:
 
     def keys_of(self, n: int) -> list[bytes | None] | None:
         return self.keys.listed(self._head, n) if self.keys is not None else None
+
+    def key_bytes(self, n: int) -> int:
+        """Bytes of the first `n` records' keys (their span in the column)."""
+        if self.keys is None:
+            return 0
+        offsets = self.keys.offsets
+        return int(offsets[self._head + n] - offsets[self._head])
 
     def key_part(self, n: int) -> PackedKeys | None:
         """The first `n` records' keys, laid out for the wire; None if no record here has a key."""
@@ -333,6 +347,16 @@ class _Run:
         offsets[1:] = self.ends
         keys = _KeyColumn.of(self.keys, skip) if self.keys is not None else None
         return _Packed(data, offsets[skip:], keys)
+
+    def key_bytes(self, skip: int = 0) -> int:
+        """Bytes of the keys of these records from `skip` on."""
+        keys = self.keys
+        if keys is None:
+            return 0
+        if isinstance(keys, PackedKeys):
+            ends = keys.ends
+            return int(ends[-1]) - (int(ends[skip - 1]) if skip else 0) if len(ends) else 0
+        return _key_bytes(keys[skip:] if skip else keys)
 
     def key_size(self, i: int) -> int:
         """Bytes of record i's key (0 without one)."""
@@ -444,6 +468,23 @@ class _Pending:
             n -= k
             if not len(run):
                 self._runs.popleft()
+
+
+def _key_bytes(keys: Sequence[bytes | None]) -> int:
+    """Bytes of the keys (None: none), measured in C; RecordTypeError for one that is not bytes."""
+    try:
+        return len(b"".join(keys))  # type: ignore[arg-type] # the common case: no None; 4 ns a key
+    except TypeError:
+        pass
+    try:
+        return len(b"".join(filter(_has_key, keys)))  # type: ignore[arg-type] # no None left
+    except TypeError:
+        bad = next(k for k in keys if k is not None and not isinstance(k, bytes | bytearray | memoryview))
+        raise RecordTypeError(f"record keys must be bytes, not {type(bad).__name__}") from None
+
+
+_has_key = functools.partial(operator.is_not, None)
+"""k is not None, as a C call."""
 
 
 def _batch_keys(spans: list[tuple[_Listed | _Packed, int]]) -> Keys | None:
@@ -567,20 +608,24 @@ class _Sent:
     """A batch sent and not yet acked: kept to be resent after a reconnect. `skip` of its records, at
     the front, were acked since."""
 
-    __slots__ = ("first_seq", "run", "skip")
+    __slots__ = ("_key_bytes", "first_seq", "run", "skip")
 
     def __init__(self, first_seq: int, run: _Run) -> None:
         self.first_seq = first_seq  # of its first record not acked
         self.run = run
         self.skip = 0
+        self._key_bytes = run.key_bytes()  # measured once: a batch is mostly acked whole
 
     def __len__(self) -> int:
         return len(self.run) - self.skip
 
     @property
     def nbytes(self) -> int:
-        ends = self.run.ends
-        return int(ends[-1]) - (int(ends[self.skip - 1]) if self.skip else 0)
+        """Bytes of its unacked records' values and keys (as they counted while pending)."""
+        ends, skip = self.run.ends, self.skip
+        if not skip:
+            return int(ends[-1]) + self._key_bytes
+        return int(ends[-1]) - int(ends[skip - 1]) + self.run.key_bytes(skip)
 
     def unacked(self) -> _Packed:
         return self.run.packed(self.skip)
@@ -977,6 +1022,8 @@ class Producer:
     def _append(self, value: bytes, key: bytes | None) -> None:
         if not isinstance(value, bytes | bytearray | memoryview):
             raise TypeError(f"record value must be bytes, not {type(value).__name__}")
+        if key is not None and not isinstance(key, bytes | bytearray | memoryview):
+            raise TypeError(f"record key must be bytes, not {type(key).__name__}")
         self._buffered_bytes += self._pending.append(value, key)
         # the first record starts the linger clock (and an idle producer's reconnect); a full batch goes
         held = len(self._pending)
@@ -1226,6 +1273,11 @@ class Producer:
             while True:
                 run = self._pending.peek(n, ends)
                 try:
+                    if run.keys is not None and not isinstance(run.keys, PackedKeys):
+                        # laid out here rather than by the encoder: their size is then known
+                        # without another pass (max_buffered_bytes counts keys), and a resend's
+                        # copy (_KeyColumn.of) finds them laid out
+                        run.keys = lay_out_keys(run.keys)
                     request: bytes | None = publish_parts(self._sent_seq, run.parts, run.ends, run.keys)
                 except TypeError:
                     raise _record_type_error(self._sent_seq, *self._pending.records(n)) from None

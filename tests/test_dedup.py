@@ -595,6 +595,45 @@ async def test_max_buffered_bytes_bounds_unacked_bytes(tmp_path: Path) -> None:
     assert stored(tmp_path) == [b"a" * 600, b"b" * 600, b"c"]
 
 
+@pytest.mark.parametrize("way", ["send", "send_many", "send_packed"])
+async def test_max_buffered_bytes_counts_keys(tmp_path: Path, way: str) -> None:
+    """Keys are memory the producer holds too: records of 10 B values with 600 B keys reach a
+    1,000-byte bound at the second record, however the keys were given (they did not count before: a
+    producer with large keys held many times its bound)."""
+    node = Node(tmp_path)
+    await node.start()
+    producer = Producer(node.target, "s", linger=0, max_buffered_bytes=1_000)
+    await producer.start()
+    records = [(b"v%09d" % i, b"k" * 600) for i in range(3)]
+
+    async def give(pairs: list[tuple[bytes, bytes]]) -> None:
+        if way == "send":
+            for value, key in pairs:
+                await producer.send(value, key)
+        elif way == "send_many":
+            await producer.send_many([v for v, _ in pairs], [k for _, k in pairs])
+        else:
+            ends = list(itertools.accumulate(len(v) for v, _ in pairs))
+            key_ends = list(itertools.accumulate(len(k) for _, k in pairs))
+            values, keys = b"".join(v for v, _ in pairs), b"".join(k for _, k in pairs)
+            await producer.send_packed(values, [0, *ends], keys, [0, *key_ends])
+
+    try:
+        await node.stop()
+        await give(records[:1])
+        await give(records[1:2])  # 1,220 bytes held: the bound is reached
+        assert producer.room == 0
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(give(records[2:]), 0.3)
+        await node.start()
+        await give(records[2:])
+        await producer.close(timeout=10)
+    finally:
+        await producer.abort()
+        await node.stop()
+    assert stored(tmp_path) == [v for v, _ in records]
+
+
 async def test_sync_producer_reports_unacked_records(tmp_path: Path) -> None:
 
     node = Node(tmp_path)

@@ -118,6 +118,22 @@ async def test_a_record_that_is_not_bytes_fails_the_producer_clearly(
     assert sum(b.count for b in server.store.blocks("events")) == 3
 
 
+async def test_a_key_without_a_length_is_refused_at_the_call(server: SluiceServer) -> None:
+    """Keys are measured as they are queued (they count in max_buffered_bytes): one that is not bytes
+    and has no length is refused by the call that gave it, nothing of that call is queued, and the
+    producer goes on."""
+    async with Producer(server.target, "events", linger=0) as producer:
+        with pytest.raises(TypeError, match="record key must be bytes, not int"):
+            await producer.send(b"a", 5)  # type: ignore[arg-type]
+        with pytest.raises(RecordTypeError, match="record keys must be bytes, not float"):
+            await producer.send_many([b"b", b"c"], [b"k", 1.5])  # type: ignore[list-item]
+        await producer.send_many([b"d"], [b"k"])
+        await producer.flush(timeout=10)
+    blocks = server.store.blocks("events")
+    rows = [row for b in blocks for batch in server.store.read(b) for row in batch.to_pylist()]
+    assert [(r["key"], r["value"]) for r in rows] == [(b"k", b"d")]
+
+
 async def test_a_record_over_the_message_limit_fails_the_producer_at_once(server: SluiceServer) -> None:
     """A record no message can carry used to end and reopen sessions until the reconnect timeout (a
     session up again reset it: forever); now the producer fails with RecordTooLargeError naming it. A

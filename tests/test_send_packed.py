@@ -19,7 +19,7 @@ from ingest.server import SluiceServer
 from sluice_client import Producer, SyncProducer
 from sluice_client.errors import RecordTooLargeError
 from sluice_client.producer import DEFAULT_MAX_MESSAGE_BYTES, _KeyColumn, _Packed, _Pending, _Sent
-from sluice_client.wire import Keys, PackedKeys
+from sluice_client.wire import Keys, PackedKeys, lay_out_keys
 
 
 @pytest.fixture
@@ -231,8 +231,14 @@ OPS = ["one", "many", "packed", "take", "ack", "requeue"]
 )
 def test_pending_records_keep_their_order_across_runs(ops: list[tuple[str, int]]) -> None:
     """The Producer's queues (_Pending of runs, _Sent batches) against a plain list: records taken in
-    batches across runs, partly acked, put back in front, come out as they went in."""
+    batches across runs, partly acked, put back in front, come out as they went in; and the bytes they
+    count (values and keys: what max_buffered_bytes bounds) are the model's, however they moved."""
     pending, unacked = _Pending(), []
+    held = 0  # bytes pending, as the Producer counts them (_buffered_bytes)
+
+    def size(records: list[tuple[bytes, bytes | None]]) -> int:
+        return sum(len(v) + len(k or b"") for v, k in records)
+
     model: list[tuple[bytes, bytes | None]] = []  # pending, in order
     sent_model: list[tuple[bytes, bytes | None]] = []  # sent, not acked, in order
     counter = 0
@@ -246,16 +252,19 @@ def test_pending_records_keep_their_order_across_runs(ops: list[tuple[str, int]]
         if op == "one":
             value = fresh(1)[0]
             key = f"k{counter}".encode() if n % 2 else None
-            pending.append(value, key)
+            held += pending.append(value, key)
             model.append((value, key))
         elif op == "many":
             values = fresh(n)
-            pending.extend(values)
-            model += [(v, None) for v in values]
+            many_keys = [None if i % 2 else b"key" * i for i in range(n)] if n % 2 else None
+            held += pending.extend(values, many_keys)
+            model += list(zip(values, many_keys or [None] * n, strict=True))
         elif op == "packed":
             values = fresh(n)
             data, offsets = packed(values, start=n % 3)
-            pending.extend_packed(_Packed(data, np.asarray(offsets, dtype=np.int64)))
+            chunk = _Packed(data, np.asarray(offsets, dtype=np.int64))
+            held += chunk.nbytes(n)
+            pending.extend_packed(chunk)
             model += [(v, None) for v in values]
         elif op == "packed-keys":
             values = fresh(n)
@@ -268,7 +277,9 @@ def test_pending_records_keep_their_order_across_runs(ops: list[tuple[str, int]]
             if valid is None:
                 keys = [k or b"" for k in keys]
             column = _KeyColumn(key_data, np.asarray(key_offsets, dtype=np.int64), valid)
-            pending.extend_packed(_Packed(data, np.asarray(offsets, dtype=np.int64), column))
+            chunk = _Packed(data, np.asarray(offsets, dtype=np.int64), column)
+            held += chunk.nbytes(n)
+            pending.extend_packed(chunk)
             model += list(zip(values, keys, strict=True))
         elif op == "take" and len(pending):
             k = min(len(pending), n + 1)
@@ -276,8 +287,12 @@ def test_pending_records_keep_their_order_across_runs(ops: list[tuple[str, int]]
             assert b"".join(run.parts) == b"".join(v for v, _ in model[:k])
             assert list(run.ends) == list(itertools.accumulate(len(v) for v, _ in model[:k]))
             assert listed(run.keys, k) == [key for _, key in model[:k]]
+            if run.keys is not None and not isinstance(run.keys, PackedKeys) and n % 2:
+                run.keys = lay_out_keys(run.keys)  # as the Producer does before it sends them
             pending.drop(k)
             unacked.append(_Sent(0, run))
+            assert unacked[-1].nbytes == size(model[:k])
+            held -= unacked[-1].nbytes
             sent_model += model[:k]
             del model[:k]
         elif op == "ack" and unacked:
@@ -285,14 +300,17 @@ def test_pending_records_keep_their_order_across_runs(ops: list[tuple[str, int]]
             k = min(len(head), n)
             before = head.nbytes
             head.skip += k
-            assert before - head.nbytes == sum(len(v) for v, _ in sent_model[:k])
+            assert before - head.nbytes == size(sent_model[:k])
             del sent_model[:k]
             if not len(head):
                 unacked.pop(0)
         elif op == "requeue":
+            held += sum(sent.nbytes for sent in unacked)
             pending.prepend([sent.unacked() for sent in unacked])
             model = sent_model + model
             unacked, sent_model = [], []
         assert len(pending) == len(model)
+        assert held == size(model)
+        assert sum(sent.nbytes for sent in unacked) == size(sent_model)
         values, keys = pending.records(len(pending))
         assert list(zip(values, keys or [None] * len(values), strict=True)) == model
