@@ -52,6 +52,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Sequence
 from types import TracebackType
+from typing import Any
 
 import grpc
 import numpy as np
@@ -571,6 +572,32 @@ def _packed_input(
     return len(bounds) - 1, view[first:last].tobytes(), bounds - first  # a copy: the caller's may change
 
 
+_ARROW_OFFSETS = {"binary": np.int32, "string": np.int32, "large_binary": np.int64, "large_string": np.int64}
+
+
+def _arrow_binary(
+    array: Any, what: str
+) -> tuple[int, memoryview, npt.NDArray[np.int64], npt.NDArray[np.bool_] | None]:
+    """(length, data, offsets into it, validity or None without nulls) of a pyarrow binary or string
+    array, read from its buffers where its slice starts (pyarrow is not imported: the SDK does not
+    need it, and an array brings its own)."""
+    if hasattr(array, "combine_chunks"):  # a ChunkedArray: one array (a copy when it has several)
+        array = array.combine_chunks()
+    dtype = _ARROW_OFFSETS.get(str(getattr(array, "type", None)))
+    if dtype is None or not hasattr(array, "buffers"):
+        kind = getattr(array, "type", type(array).__name__)
+        raise TypeError(f"{what} must be a pyarrow binary or string array, not {kind}")
+    count, start = len(array), int(array.offset)
+    _, offsets_buffer, data_buffer = array.buffers()[:3]
+    if count == 0:
+        return 0, memoryview(b""), np.zeros(1, dtype=np.int64), None
+    skip = start * np.dtype(dtype).itemsize
+    offsets = np.frombuffer(offsets_buffer, dtype=dtype, count=count + 1, offset=skip)
+    data = memoryview(data_buffer) if data_buffer is not None else memoryview(b"")
+    valid = array.is_valid().to_numpy(zero_copy_only=False) if array.null_count else None
+    return count, data, offsets.astype(np.int64), valid
+
+
 def _packed_keys(
     count: int, keys: Buffer | None, key_offsets: npt.ArrayLike | None, key_validity: npt.ArrayLike | None
 ) -> _KeyColumn | None:
@@ -1018,6 +1045,23 @@ class Producer:
             start = end
             if len(self._pending) >= self.batch_size:
                 await asyncio.sleep(0)  # as in send_many: let the sender take a ready batch
+
+    async def send_arrow(self, values: Any, keys: Any = None) -> None:
+        """Queue records from a pyarrow array of binary or string values (a ChunkedArray too), one
+        record per element, and their keys from a second such array of the same length (a null key:
+        a record without one). Sliced arrays are fine; a null value is refused (a record has a value:
+        send an empty one). send_packed underneath: no Python object per record."""
+        count, data, offsets, present = _arrow_binary(values, "values")
+        if present is not None:
+            at = int(np.argmin(present))
+            raise ValueError(f"values[{at}] is null: every record has a value (an empty one is fine)")
+        if keys is None:
+            await self.send_packed(data, offsets)
+            return
+        key_count, key_data, key_offsets, valid = _arrow_binary(keys, "keys")
+        if key_count != count:
+            raise ValueError(f"{key_count} keys for {count} values")
+        await self.send_packed(data, offsets, key_data, key_offsets, valid)
 
     def _append(self, value: bytes, key: bytes | None) -> None:
         if not isinstance(value, bytes | bytearray | memoryview):

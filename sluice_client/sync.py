@@ -58,6 +58,10 @@ class SyncProducer:
         their keys so, if any)."""
         self._run(self._producer.send_packed(values, offsets, keys, key_offsets, key_validity))
 
+    def send_arrow(self, values: Any, keys: Any = None) -> None:
+        """Producer.send_arrow: records (and keys) from pyarrow binary or string arrays."""
+        self._run(self._producer.send_arrow(values, keys))
+
     def flush(self, timeout: float | None = None) -> None:
         self._run(self._producer.flush(timeout))
 

@@ -112,7 +112,7 @@ async def test_packed_keys_are_stored_with_their_records(server: SluiceServer) -
     assert rows(server) == expected
 
 
-async def test_keys_from_an_arrow_array_as_docs_sdk_says(server: SluiceServer) -> None:
+async def test_keys_from_an_arrow_arrays_buffers(server: SluiceServer) -> None:
     keys = pa.array([b"k1", None, b"", b"k4"], pa.binary())
     _, offsets, data = keys.buffers()
     async with Producer(server.target, "events", linger=0) as producer:
@@ -120,6 +120,60 @@ async def test_keys_from_an_arrow_array_as_docs_sdk_says(server: SluiceServer) -
         await producer.send_packed(b"abcd", [0, 1, 2, 3, 4], data, np.frombuffer(offsets, np.int32), validity)
         await producer.flush(timeout=10)
     assert rows(server) == [(b"k1", b"a"), (None, b"b"), (b"", b"c"), (b"k4", b"d")]
+
+
+async def test_send_arrow_reads_sliced_chunked_and_large_arrays(server: SluiceServer) -> None:
+    """send_arrow reads each array where its slice starts (an offset into shared buffers), of every
+    binary and string type, chunked or not; null keys are records without a key."""
+    values = pa.array([b"skip", b"a", b"bb", b"", b"dddd", b"tail"], pa.binary())
+    keys = pa.array(["x", "k1", None, "", "k4", "y"], pa.large_string())
+    async with Producer(server.target, "events", linger=0) as producer:
+        await producer.send_arrow(values.slice(1, 4), keys.slice(1, 4))
+        await producer.send_arrow(pa.chunked_array([pa.array(["e"]), pa.array(["ff", "g"])]))
+        chunked_keys = pa.chunked_array([pa.array([None, b"ki"], pa.binary())])
+        await producer.send_arrow(pa.array([b"h", b"i"], pa.large_binary()), chunked_keys)
+        await producer.send_arrow(pa.array([], pa.binary()), pa.array([], pa.binary()))
+        await producer.flush(timeout=10)
+    assert rows(server) == [
+        (b"k1", b"a"),
+        (None, b"bb"),
+        (b"", b""),
+        (b"k4", b"dddd"),
+        (None, b"e"),
+        (None, b"ff"),
+        (None, b"g"),
+        (None, b"h"),
+        (b"ki", b"i"),
+    ]
+    sync = await asyncio.to_thread(SyncProducer, server.target, "events", linger=0)
+    try:
+        await asyncio.to_thread(sync.send_arrow, pa.array([b"j"]), pa.array([b"kj"]))
+        await asyncio.to_thread(sync.flush, 10)
+    finally:
+        await asyncio.to_thread(sync.close, 10)
+    assert rows(server)[-1] == (b"kj", b"j")
+
+
+@pytest.mark.parametrize(
+    ("values", "keys", "error", "message"),
+    [
+        (pa.array([b"a", None, b"c"]).slice(1), None, ValueError, r"values\[0\] is null"),
+        (pa.array([1, 2]), None, TypeError, "values must be a pyarrow binary or string array, not int64"),
+        ([b"a"], None, TypeError, "not list"),
+        (pa.array([b"a"]), pa.array([b"k", b"l"]), ValueError, "2 keys for 1 values"),
+        (pa.array([b"a"]), pa.array([7]), TypeError, "keys must be a pyarrow binary or string array"),
+        (pa.array([b"a"]), pa.array(["k"]).dictionary_encode(), TypeError, "keys must be a pyarrow binary"),
+    ],
+)
+async def test_send_arrow_refuses_what_it_cannot_send(
+    server: SluiceServer, values: object, keys: object, error: type[Exception], message: str
+) -> None:
+    async with Producer(server.target, "events", linger=0) as producer:
+        with pytest.raises(error, match=message):
+            await producer.send_arrow(values, keys)
+        await producer.send_arrow(pa.array([b"ok"]))
+        await producer.flush(timeout=10)
+    assert rows(server) == [(None, b"ok")]
 
 
 async def test_a_batch_of_packed_keys_none_of_them_set_sends_no_keys(server: SluiceServer) -> None:
