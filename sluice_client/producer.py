@@ -44,9 +44,7 @@ import asyncio
 import collections
 import contextlib
 import enum
-import functools
 import logging
-import operator
 import random
 import uuid
 import warnings
@@ -74,7 +72,7 @@ from sluice_client.errors import (
 )
 from sluice_client.flow import MAX_DEMAND
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
-from sluice_client.wire import Keys, PackedKeys, lay_out_keys, publish_parts, serialize_request
+from sluice_client.wire import Keys, PackedKeys, is_key, lay_out_keys, publish_parts, serialize_request
 
 log = logging.getLogger(__name__)
 
@@ -478,14 +476,10 @@ def _key_bytes(keys: Sequence[bytes | None]) -> int:
     except TypeError:
         pass
     try:
-        return len(b"".join(filter(_has_key, keys)))  # type: ignore[arg-type] # no None left
+        return len(b"".join(filter(is_key, keys)))  # type: ignore[arg-type] # no None left
     except TypeError:
         bad = next(k for k in keys if k is not None and not isinstance(k, bytes | bytearray | memoryview))
         raise RecordTypeError(f"record keys must be bytes, not {type(bad).__name__}") from None
-
-
-_has_key = functools.partial(operator.is_not, None)
-"""k is not None, as a C call."""
 
 
 def _batch_keys(spans: list[tuple[_Listed | _Packed, int]]) -> Keys | None:
@@ -1343,7 +1337,9 @@ class Producer:
             self._unacked.append(sent)
             self._unacked_count += n
             self._unacked_bytes += sent.nbytes
-            self._buffered_bytes -= sent.nbytes
+            # nothing pending holds no bytes: a bytearray key changed after its send call (measured
+            # then, laid out now) must not leave a count behind that blocks send() for good
+            self._buffered_bytes = self._buffered_bytes - sent.nbytes if self._pending else 0
             self._credit -= n
             self._sent_seq += n
             self._ever_sent = max(self._ever_sent, self._sent_seq)
@@ -1370,6 +1366,8 @@ class Producer:
                 self._unacked_count -= k
                 self._unacked_bytes -= before - head.nbytes
             break
+        if not self._unacked:
+            self._unacked_bytes = 0  # as in _next_request: no count outlives its records
         for listener in list(self._room_listeners):
             listener()
 

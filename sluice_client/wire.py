@@ -171,16 +171,16 @@ def lay_out_keys(keys: Sequence[bytes | None]) -> PackedKeys:
         data, ends = b"".join(keys), value_ends(keys)  # type: ignore[arg-type] # no None among them
     else:
         # map and filter with a C predicate: no Python frame per key
-        valid = np.fromiter(map(_is_key, keys), dtype=bool, count=count)
+        valid = np.fromiter(map(is_key, keys), dtype=bool, count=count)
         lengths = np.zeros(count, dtype=np.int64)
-        lengths[valid] = np.fromiter(map(len, filter(_is_key, keys)), dtype=np.int64)  # type: ignore[arg-type]
-        data, ends = b"".join(filter(_is_key, keys)), np.cumsum(lengths)  # type: ignore[arg-type]
+        lengths[valid] = np.fromiter(map(len, filter(is_key, keys)), dtype=np.int64)  # type: ignore[arg-type]
+        data, ends = b"".join(filter(is_key, keys)), np.cumsum(lengths)  # type: ignore[arg-type]
     if int(ends[-1]) != len(data):  # a key that is not a flat bytes-like object (a typed memoryview)
         raise TypeError("record keys must be bytes")
     return PackedKeys([data], ends, valid)
 
 
-_is_key = functools.partial(operator.is_not, None)
+is_key = functools.partial(operator.is_not, None)
 """k is not None, as a C call."""
 
 

@@ -634,6 +634,25 @@ async def test_max_buffered_bytes_counts_keys(tmp_path: Path, way: str) -> None:
     assert stored(tmp_path) == [v for v, _ in records]
 
 
+async def test_a_key_changed_after_its_send_leaves_no_bytes_counted(tmp_path: Path) -> None:
+    """A bytearray key is measured when queued and laid out when sent: if the caller empties it in
+    between, the bytes it counted must not stay counted (here they would fill the bound for good)."""
+    node = Node(tmp_path)
+    await node.start()
+    try:
+        async with Producer(node.target, "s", linger=0, max_buffered_bytes=1_000) as producer:
+            key = bytearray(b"k" * 1_000)
+            await producer.send_many([b"a"], [key])  # type: ignore[list-item]
+            key.clear()  # before the sender takes the batch: no await since the call
+            await producer.flush(timeout=10)
+            assert producer.room > 0
+            await asyncio.wait_for(producer.send_many([b"b" * 200]), 5)
+            await producer.flush(timeout=10)
+    finally:
+        await node.stop()
+    assert stored(tmp_path) == [b"a", b"b" * 200]
+
+
 async def test_sync_producer_reports_unacked_records(tmp_path: Path) -> None:
 
     node = Node(tmp_path)
