@@ -275,14 +275,22 @@ class Run:
     """(blocks, bytes) the server's log holds after an fsync run."""
 
 
+def block_buffer(block_bytes: int) -> memoryview:
+    """A block of random bytes, padded to whole pages, in the memory the log writes from (frame_memory:
+    page-aligned for O_DIRECT, huge pages)."""
+    size = -(-block_bytes // 4096) * 4096
+    buffer = memoryview(frame_memory(size))[:size]
+    buffer[:] = os.urandom(size)
+    return buffer
+
+
 def write_beside(
     path: str, block_bytes: int, per_record: float, acked: Any, ready: Any, stop: Any
 ) -> None:
     """Append `block_bytes` blocks to `path` with O_DIRECT, each fsynced, keeping up with the log's bytes
     for the records acked so far (`acked`, shared): what the log writes, without the log's other work."""
-    size = -(-block_bytes // 4096) * 4096
-    buffer = memoryview(frame_memory(size))[:size]
-    buffer[:] = os.urandom(size)
+    buffer = block_buffer(block_bytes)
+    size = len(buffer)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     written = 0
     ready.set()
@@ -370,9 +378,7 @@ def probe_disk(root: Path, block_bytes: int, total_bytes: int, direct: bool) -> 
     per block): through the page cache, or with O_DIRECT from a page-aligned buffer (as the log does
     where it can, in memory of the same kind: frame_memory). The better of the two is the disk's
     limit."""
-    size = -(-block_bytes // 4096) * 4096
-    buffer = memoryview(frame_memory(size))[:size]
-    buffer[:] = os.urandom(size)
+    buffer = block_buffer(block_bytes)
     path = root / f"probe-{direct}"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
     try:
