@@ -42,6 +42,7 @@ BENCHES = (
     Bench("first_push", "2. full speed from the first second", ("first_push.py",), 900),
     Bench("end_to_end", "3. end to end into Parquet", ("end_to_end.py",), 1200),
     Bench("latency", "4. latency send -> sink", ("latency.py",), 1800),
+    Bench("ack_latency", "4. ack after a lull", ("ack_latency.py",), 300),
     Bench("overload_memory", "5. memory at 10x overload", ("overload_memory.py",), 3600),
     Bench("control_loop", "6. control under cost jumps", ("control_loop.py", "--profile", "jumps"), 2400),
 )

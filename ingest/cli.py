@@ -210,6 +210,14 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         help="seconds between sealed blocks (default: %(default)s)",
     )
     serve.add_argument(
+        "--block-linger",
+        type=_seconds_or_off,
+        default=ReceiverConfig.block_linger,
+        metavar="SECONDS|off",
+        help="seal a block early once no batch has come for this long, so a flush or a lone record is "
+        "acked in about this long plus a write, not a block interval (default: %(default)s)",
+    )
+    serve.add_argument(
         "--buffer-records",
         type=int,
         default=500_000,
@@ -700,6 +708,19 @@ def _limit(parse: Callable[[str], T]) -> Callable[[str], T | None]:
     return parse_limit
 
 
+def _seconds_or_off(text: str) -> float | None:
+    """An argparse type: seconds (>= 0, finite), or "off" (None)."""
+    if text.strip().lower() == "off":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither seconds nor off") from None
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0 (finite) or off, got {text}")
+    return value
+
+
 def _float_in(low: float, high: float, what: str) -> Callable[[str], float]:
     """An argparse type: a number in [low, high] (so not nan or inf), else a usage error."""
 
@@ -983,6 +1004,7 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
         args,
         lambda: ReceiverConfig(
             block_interval=args.block_interval,
+            block_linger=args.block_linger,
             buffer_records=args.buffer_records,
             prefetch=max(1, args.buffer_records // 2) if args.prefetch is None else args.prefetch,
             low_tide=args.low_tide,
@@ -1613,6 +1635,7 @@ def _effective(config: ServeConfig) -> dict[str, object]:
         "prefetch": config.receiver.prefetch,
         "low-tide": config.receiver.refill_at,
         "block-records": config.receiver.seal_at,
+        "block-linger": "off" if config.receiver.block_linger is None else config.receiver.block_linger,
         "segment-bytes": config.wal_segment_bytes,
         "estimator": config.rate.estimator,
         "initial-rate": config.rate.initial_rate,

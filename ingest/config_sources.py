@@ -279,6 +279,7 @@ def apply_sources(
 FIELD_KEYS: dict[str, str] = {
     "block_interval": "block-interval",
     "block interval": "block-interval",
+    "block_linger": "block-linger",
     "buffer_records": "buffer-records",
     "buffer_bytes": "buffer-bytes",
     "disk_budget_bytes": "disk-budget",

@@ -73,6 +73,11 @@ def _optional(parse: Callable[[str], object]) -> Callable[[str], object]:
     return lambda text: None if text.strip().lower() in ("", "none") else parse(text)
 
 
+def _off_or(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """ "off" (or "", as None is shown) means None: the feature off."""
+    return lambda text: None if text.strip().lower() in ("", "off") else parse(text)
+
+
 def _estimator(text: str) -> str:
     if text not in ESTIMATORS:
         raise SettingError(f"unknown estimator {text!r}; known: {', '.join(ESTIMATORS)}")
@@ -104,9 +109,15 @@ class Setting:
     section: str
     """"receiver" (ReceiverConfig), "rate" (RateConfig) or "" (ServeConfig itself)."""
     field: str
+    none: str = ""
+    """How None is shown: "" (the flag's default rule) unless None means something else ("off")."""
 
     def read(self, config: ServeConfig) -> object:
         return getattr(getattr(config, self.section) if self.section else config, self.field)
+
+    def text(self, config: ServeConfig) -> str:
+        value = self.read(config)
+        return self.none if value is None else _text(value)
 
 
 SETTINGS: dict[str, Setting] = {
@@ -120,6 +131,14 @@ SETTINGS: dict[str, Setting] = {
             "trigger_interval",
         ),
         Setting("block-interval", "seconds between sealed blocks", _float, "receiver", "block_interval"),
+        Setting(
+            "block-linger",
+            "seal early once no batch has come for this long ('off': never)",
+            _off_or(_float),
+            "receiver",
+            "block_linger",
+            none="off",
+        ),
         Setting("prefetch", "credit a session is topped up to", _int, "receiver", "prefetch"),
         Setting(
             "low-tide",
@@ -215,7 +234,7 @@ class RuntimeConfig:
         self.overrides = {str(k): str(v) for k, v in overrides.items()}
         self.version = data.get("version", 0)
         for key, value in self.overrides.items():
-            was = _text(SETTINGS[key].read(self.base))
+            was = SETTINGS[key].text(self.base)
             log.info("setting %s = %s (dynamic, %s; the command line said %s)", key, value, self.path, was)
 
     def _build(self, overrides: Mapping[str, str]) -> ServeConfig:
@@ -244,7 +263,7 @@ class RuntimeConfig:
             if key not in SETTINGS:
                 raise UnknownSettingError(f"no setting {key!r}; settings: {', '.join(SETTINGS)}")
         return [
-            (key, _text(SETTINGS[key].read(self.current)), self.source(key), SETTINGS[key].help)
+            (key, SETTINGS[key].text(self.current), self.source(key), SETTINGS[key].help)
             for key in wanted
         ]
 

@@ -21,7 +21,12 @@ class ReceiverConfig:
     """How a receiver buffers, grants credit and seals. Shared by every stream of a server."""
 
     block_interval: float = 0.2
-    """Seconds between sealed blocks; the latency floor from receipt to ack."""
+    """Seconds between sealed blocks, at most (the longest a record waits for its block)."""
+    block_linger: float | None = 0.01
+    """Seal early once no batch has come for this many seconds, so a lull's records (a flush, a
+    lone record) are durable and acked after about this long plus a write rather than up to a block
+    interval; a steady stream never pauses that long, and its blocks are cut as before. Sets the
+    most blocks a lull can make: 1 / (block_linger + a write) a second. None: off."""
     buffer_records: int = 500_000
     """Records buffered plus credit outstanding, at most: the memory bound of a stream."""
     prefetch: int = 250_000
@@ -53,6 +58,10 @@ class ReceiverConfig:
     def __post_init__(self) -> None:
         if not self.block_interval > 0:
             raise ValueError(f"block_interval must be > 0 seconds, got {self.block_interval}")
+        if self.block_linger is not None and not 0 <= self.block_linger < math.inf:
+            raise ValueError(
+                f"block_linger must be >= 0 seconds and finite (or None: off), got {self.block_linger}"
+            )
         if self.buffer_records < 1:
             raise ValueError(f"buffer_records must be >= 1, got {self.buffer_records}")
         if self.prefetch < 1:

@@ -15,8 +15,9 @@ publisher cannot starve a slow one; a session silent for `reclaim_after` while i
 than its share and another owner is short of room is cancelled (UNAVAILABLE), the only way to take
 credit back. A session holding credit unused for its principal's idle_timeout ends UNAVAILABLE too.
 
-Every `block_interval` (or sooner, once `block_records` wait) the block generator seals what was taken
-into one block, writes it durably to the block store, then acks each session up to its last record in it.
+Every `block_interval` (or sooner: once `block_records` wait, or once no batch has come for
+`block_linger`) the block generator seals what was taken into one block, writes it durably to the block
+store, then acks each session up to its last record in it.
 
 Resource budgets (credit pauses). New credit is withheld, for one of three reasons, while:
 
@@ -120,7 +121,9 @@ log = logging.getLogger(__name__)
 UNAVAILABLE = 14
 """gRPC status code for 'not accepted, safe to retry' (kept numeric: receivers do not import gRPC)."""
 CANCELLED = 1
-_ARRIVALS_KEPT = 10_000  # blocks whose arrival times are remembered: far more than a batch spans
+_ARRIVALS_KEPT = 10_000
+"""Blocks whose arrival times are remembered while Spark commits nothing: far more than a batch spans
+(at most ~100 s of a trickle that block_linger seals record by record, 2,000 s of the interval's)."""
 _COMMITS_KEPT = 3
 """Arrival times are forgotten below the end of the third-last commit the receiver was told of: a
 batch's metrics ask for its start (the end of the commit before it), and may arrive after a later
@@ -240,6 +243,8 @@ class Receiver:
         self._seal_rounds = 0  # seals the block generator has run (written or failed)
         self._sealing = False  # a seal is running: what is pending now goes into the next one
         self._seal_waiters: list[tuple[int, asyncio.Future[None]]] = []  # (round to wait for, waiter)
+        self._last_batch_at = -math.inf  # when a batch last added pending records (clock)
+        self._linger: asyncio.TimerHandle | None = None  # the block_linger check, while records pend
         self._buffered = 0
         self._buffered_bytes = 0
         self._outstanding = 0
@@ -290,6 +295,7 @@ class Receiver:
 
     def _run_ended(self, task: asyncio.Task[None]) -> None:
         self._release_seal_waiters(everyone=True)  # no seal comes any more
+        self._cancel_linger()
         # the block generator must never die quietly: clients would wait for acks forever
         if task.cancelled() or task.exception() is None:
             return
@@ -305,6 +311,7 @@ class Receiver:
         if self._stopping:
             return
         self._stopping = True
+        self._cancel_linger()
         if self._task is not None:
             # let the block generator finish the seal it may be in, rather than cancel it: a block
             # written but cancelled before its bookkeeping would be in the log and never acked
@@ -412,6 +419,10 @@ class Receiver:
         self.config = dataclasses.replace(config, receiver_id=old.receiver_id)
         if config.block_interval != old.block_interval or config.seal_at != old.seal_at:
             self._seal_wanted.set()
+        if config.block_linger != old.block_linger:
+            self._cancel_linger()
+            if self._pending:
+                self._arm_linger()
         self._replenish()
 
     @property
@@ -586,24 +597,31 @@ class Receiver:
         if duplicates:
             self.stats.records_deduplicated += duplicates
             records = records.slice(duplicates)
-        fresh = count - duplicates
-        if fresh:
-            self._buffered += fresh
-            self._buffered_bytes += nbytes
-            owner = self._owners[session.owner]
-            owner.buffered += fresh
-            owner.buffered_bytes += nbytes
-            self._pending.append(_Chunk(records, session, session.next_seq, nbytes))
-            self._pending_records += fresh
-            if self._pending_records >= self.config.seal_at:
-                self._seal_wanted.set()
-            self.stats.records_received += fresh
-            self.tap.on_next(records)
+        if count > duplicates:
+            self._buffer(session, records, nbytes)
         if state is not None:
             state.accepted_up_to = max(state.accepted_up_to, session.next_seq)
             if duplicates:
                 self._ack(session, min(session.next_seq, state.durable_up_to))
         self._replenish()
+
+    def _buffer(self, session: Session, records: pa.RecordBatch, nbytes: int) -> None:
+        """Take `records` (new ones, ending at the session's next seq) into the next block."""
+        fresh = records.num_rows
+        self._buffered += fresh
+        self._buffered_bytes += nbytes
+        owner = self._owners[session.owner]
+        owner.buffered += fresh
+        owner.buffered_bytes += nbytes
+        self._pending.append(_Chunk(records, session, session.next_seq, nbytes))
+        self._pending_records += fresh
+        self._last_batch_at = session.active_at
+        if self._pending_records >= self.config.seal_at:
+            self._seal_wanted.set()
+        elif self._linger is None:
+            self._arm_linger()
+        self.stats.records_received += fresh
+        self.tap.on_next(records)
 
     def _observe_record_bytes(self, nbytes: int, count: int, owner: _Owner) -> None:
         """Feed the bytes-per-record estimates of the memory budget (the stream's and the owner's) with a
@@ -936,6 +954,32 @@ class Receiver:
             await self._check_disk()
             self._police_idle()
             self._replenish()
+
+    def _arm_linger(self, delay: float | None = None) -> None:
+        """Check for a lull `delay` (default: block_linger) from now. One timer while records pend,
+        however many batches come: each check re-arms for what is left of the lull since the last."""
+        linger = self.config.block_linger
+        if linger is None or self._task is None or self._stopping:
+            return
+        self._linger = asyncio.get_running_loop().call_later(
+            linger if delay is None else delay, self._linger_due
+        )
+
+    def _linger_due(self) -> None:
+        self._linger = None
+        linger = self.config.block_linger
+        if linger is None or not self._pending:
+            return  # off, or sealed meanwhile: the next batch arms it again
+        rest = self._last_batch_at + linger - self._clock()
+        if rest > 0:
+            self._arm_linger(rest)
+        else:
+            self._seal_wanted.set()
+
+    def _cancel_linger(self) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
 
     def _police_idle(self) -> None:
         """End sessions that hold credit and send nothing: after their principal's idle_timeout, or after

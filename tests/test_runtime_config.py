@@ -45,7 +45,11 @@ async def ack_seconds(server: SluiceServer, n: int = 10) -> float:
 
 
 async def test_a_setting_changes_at_once_and_survives_a_restart(tmp_path: Path) -> None:
-    async with running_server(tmp_path / "d", "s", block_interval=2.0) as server, admin(server) as stub:
+    # without the linger, an ack waits for the block interval
+    async with (
+        running_server(tmp_path / "d", "s", block_interval=2.0, block_linger=None) as server,
+        admin(server) as stub,
+    ):
         assert await ack_seconds(server) > 1.0  # a block every 2 s
         view = await stub.SetConfig(pb.SetConfigRequest(set={"block-interval": "0.05", "max-rate": "5000"}))
         assert settings(view)["block-interval"] == ("0.05", "dynamic")
@@ -56,7 +60,10 @@ async def test_a_setting_changes_at_once_and_survives_a_restart(tmp_path: Path) 
         got = settings(await stub.GetConfig(pb.GetConfigRequest(keys=["block-interval", "prefetch"])))
         assert got == {"block-interval": ("0.05", "dynamic"), "prefetch": ("250000", "command-line")}
     # a restart with the same command line: the dynamic value wins, and is still reported as such
-    async with running_server(tmp_path / "d", "s", block_interval=2.0) as server, admin(server) as stub:
+    async with (
+        running_server(tmp_path / "d", "s", block_interval=2.0, block_linger=None) as server,
+        admin(server) as stub,
+    ):
         assert server.receivers["s"].config.block_interval == 0.05
         assert server.rate.bounds.max_rate == 5000
         view = await stub.GetConfig(pb.GetConfigRequest())
@@ -65,6 +72,22 @@ async def test_a_setting_changes_at_once_and_survives_a_restart(tmp_path: Path) 
         assert settings(view)["block-interval"] == ("2", "command-line")
         assert server.receivers["s"].config.block_interval == 2.0
         assert math.isinf(server.rate.bounds.max_rate)
+
+
+async def test_the_block_linger_is_a_setting_off_by_name(tmp_path: Path) -> None:
+    async with running_server(tmp_path, "s", block_interval=3.0) as server, admin(server) as stub:
+        assert await ack_seconds(server) < 1.0  # the default linger seals the lull's block
+        view = await stub.SetConfig(pb.SetConfigRequest(set={"block-linger": "off"}))
+        assert settings(view)["block-linger"] == ("off", "dynamic")
+        assert server.receivers["s"].config.block_linger is None
+        assert await ack_seconds(server) > 1.5  # now it waits for the interval
+        view = await stub.SetConfig(pb.SetConfigRequest(set={"block-linger": "0.02"}))
+        assert settings(view)["block-linger"] == ("0.02", "dynamic")
+        assert await ack_seconds(server) < 1.0
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.SetConfig(pb.SetConfigRequest(set={"block-linger": "-1"}))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "block_linger" in (refused.value.details() or "")
 
 
 INVALID = [
