@@ -16,6 +16,7 @@ Every value a client sends that reaches the block log is bounded here and checke
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from dataclasses import dataclass
 
@@ -190,12 +191,19 @@ def decode_batch(batch: pb.Batch | WireBatch, timestamp_us: int) -> pa.RecordBat
     elif batch.keys or batch.key_validity:
         raise InvalidBatch("Batch.keys or key_validity set without key_offsets")
     else:
-        keys = pa.nulls(count, pa.binary())
+        keys = _no_keys(count)
     # from the buffer: pa.array() of a numpy array imports pandas (half a second on a first batch)
     timestamps = pa.Array.from_buffers(
         _TIMESTAMP, count, [None, pa.py_buffer(np.full(count, timestamp_us, dtype=np.int64))]
     )
     return pa.RecordBatch.from_arrays([keys, values, timestamps], schema=BLOCK_SCHEMA)
+
+
+@functools.lru_cache(maxsize=4)
+def _no_keys(count: int) -> pa.Array:
+    """The key column of `count` records without keys: immutable, so batches of a size share one (it
+    is allocated and zeroed otherwise, 4 bytes a record, for every batch)."""
+    return pa.nulls(count, pa.binary())
 
 
 def _binary_array(
@@ -224,7 +232,7 @@ def _binary_array(
         array.validate(full=True)
     except pa.ArrowInvalid as exc:
         raise InvalidBatch(f"Batch.{what}s or {what}_offsets are malformed: {exc}") from exc
-    first = int(np.frombuffer(offsets[:4], dtype="<i4")[0])
+    first = int.from_bytes(offsets[:4], "little", signed=True)
     if first != 0:
         raise InvalidBatch(f"Batch.{what}_offsets must start at 0, got {first}")
     return array
