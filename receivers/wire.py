@@ -191,12 +191,17 @@ def decode_batch(batch: pb.Batch | WireBatch, timestamp_us: int) -> pa.RecordBat
     elif batch.keys or batch.key_validity:
         raise InvalidBatch("Batch.keys or key_validity set without key_offsets")
     else:
-        keys = _no_keys(count)
+        keys = _no_keys(count) if count <= _SHARED_NO_KEYS else pa.nulls(count, pa.binary())
     # from the buffer: pa.array() of a numpy array imports pandas (half a second on a first batch)
     timestamps = pa.Array.from_buffers(
         _TIMESTAMP, count, [None, pa.py_buffer(np.full(count, timestamp_us, dtype=np.int64))]
     )
     return pa.RecordBatch.from_arrays([keys, values, timestamps], schema=BLOCK_SCHEMA)
+
+
+_SHARED_NO_KEYS = 65_536
+"""Batches of up to this many records share their all-null key column (256 KiB at most, four sizes
+kept): a larger one is the client's to pay for and is freed with its batch."""
 
 
 @functools.lru_cache(maxsize=4)
