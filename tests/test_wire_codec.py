@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from receivers.errors import InvalidMessage
-from receivers.wire import WireBatch, decode_batch, decode_request
+from receivers.wire import _SHARED_NO_KEYS, WireBatch, decode_batch, decode_request
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.wire import PackedKeys, encode_batch, publish_batch, publish_parts, value_ends
 
@@ -153,3 +153,15 @@ def test_field_values_at_their_limits() -> None:
         b"\x12\x00",  # an empty batch
     ):
         _same_as_protobuf(raw)
+
+
+def test_batches_without_keys_share_a_key_column_up_to_a_bound() -> None:
+    """The all-null key column is shared by batches of a size (not allocated per message), but never
+    for a batch large enough that keeping its column would pin memory a client chose to spend."""
+    small = [decode_batch(decode_request(publish_batch(i * 10, [b"v"] * 10)), 1) for i in range(2)]
+    assert small[0].column("key").buffers()[1].address == small[1].column("key").buffers()[1].address
+    assert small[0].column("key").null_count == 10
+    count = _SHARED_NO_KEYS + 1
+    large = [decode_batch(decode_request(publish_batch(0, [b""] * count)), 1) for _ in range(2)]
+    assert large[0].column("key").null_count == count
+    assert large[0].column("key").buffers()[1].address != large[1].column("key").buffers()[1].address
