@@ -959,8 +959,8 @@ class Receiver:
         """Check for a lull `delay` (default: block_linger) from now. One timer while records pend,
         however many batches come: each check re-arms for what is left of the lull since the last."""
         linger = self.config.block_linger
-        if linger is None or self._task is None or self._stopping:
-            return
+        if linger is None or self._task is None or self._stopping or DISK_ERROR in self._paused:
+            return  # a failing disk is retried every block interval, not at every lull
         self._linger = asyncio.get_running_loop().call_later(
             linger if delay is None else delay, self._linger_due
         )

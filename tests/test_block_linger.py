@@ -91,3 +91,29 @@ def test_the_flag_and_the_setting_take_seconds_or_off(capsys: pytest.CaptureFixt
     assert setting.parse("0.02") == 0.02
     with pytest.raises(SettingError):
         setting.parse("soon")
+
+
+async def test_a_failing_disk_is_retried_at_the_block_interval_not_at_every_lull(tmp_path: Path) -> None:
+    async with running_server(tmp_path, block_interval=0.5, block_linger=0.01) as server:
+        receiver = server.receivers["s"]
+        write = receiver.store.write
+        failing = True
+
+        def full_disk(*args: object) -> object:
+            if failing:
+                raise OSError(28, "No space left on device")
+            return write(*args)  # type: ignore[arg-type]
+
+        receiver.store.write = full_disk  # type: ignore[method-assign]
+        async with Producer(server.target, "s", linger=0) as producer:
+            started = time.monotonic()
+            for i in range(20):  # a batch every 60 ms: a lull after each
+                await producer.send(b"%d" % i)
+                await asyncio.sleep(0.06)
+            elapsed = time.monotonic() - started
+            # the first lull's seal fails; then retries come every block interval (0.5 s), not at
+            # each of the 20 lulls
+            assert 1 <= receiver.stats.block_write_errors <= 2 + elapsed / 0.5
+            failing = False
+            await producer.flush(timeout=30)
+        assert sum(b.count for b in server.store.blocks("s")) == 20
