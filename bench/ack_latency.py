@@ -18,47 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
+from sluice_process import start_serve  # this folder: run as python bench/ack_latency.py
 
 from receivers.config import FsyncPolicy
 from receivers.wal import WalBlockStore
 from sluice_client import SyncProducer
-
-SLUICE = [sys.executable, "-m", "ingest.cli"]
-
-
-def start_serve(data: Path, extra: list[str]) -> tuple[subprocess.Popen[str], str]:
-    serve = subprocess.Popen(
-        [
-            *SLUICE,
-            "serve",
-            "--no-spark",
-            "--data-dir",
-            str(data),
-            "--port",
-            "0",
-            "--metrics-port",
-            "-1",
-            *extra,
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert serve.stderr is not None
-    for line in serve.stderr:
-        found = re.search(r"serving streams .* on (\S+?)[;,]", line)
-        if found:
-            threading.Thread(target=serve.stderr.read, daemon=True).start()
-            return serve, found.group(1)
-    raise RuntimeError("sluice serve ended before serving")
 
 
 def send_flush(target: str, records: int) -> np.ndarray:
@@ -110,7 +80,7 @@ def trickle(target: str, producers: int, seconds: float) -> int:
 def measure(args: argparse.Namespace, extra: list[str]) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="sluice-ack-") as tmp:
         data = Path(tmp)
-        serve, target = start_serve(data, extra)
+        serve, target = start_serve(data, ["--no-spark", *extra])
         try:
             flushes = send_flush(target, args.records)
             pushed = push(target, args.push_records, 5)

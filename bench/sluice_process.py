@@ -28,7 +28,9 @@ def client_loop() -> asyncio.AbstractEventLoop:
 
 def start_serve(data: Path, extra: list[str], timeout: float = 180) -> tuple[subprocess.Popen[str], str]:
     """`sluice serve` on `data` (a free port, no metrics), started in its own process group and waited
-    for until it says its Spark query runs; (the process, its target). Its stderr is drained after."""
+    for until it says its Spark query runs (with --no-spark: that it serves); (the process, its target).
+    Its stderr is drained after."""
+    spark = "--no-spark" not in extra
     serve = subprocess.Popen(
         [*SLUICE, "serve", "--data-dir", str(data), "--port", "0", "--metrics-port", "-1", *extra],
         stderr=subprocess.PIPE,
@@ -42,6 +44,8 @@ def start_serve(data: Path, extra: list[str], timeout: float = 180) -> tuple[sub
         found = re.search(r"serving streams .* on (\S+?)[;,]", line)
         if found:
             target = found.group(1)
+            if not spark:
+                break
         if "Spark query running" in line or "query-started" in line:
             break
         if time.monotonic() - started > timeout:

@@ -249,6 +249,11 @@ class _KeyColumn:
         valid = laid.valid[skip:] if laid.valid is not None else None
         return cls(b"".join(laid.parts), offsets[skip:], valid)
 
+    def slice(self, start: int, end: int) -> _KeyColumn:
+        """Records start .. end - 1's keys, over the same data (no copy, offsets not rebased)."""
+        valid = self.valid[start:end] if self.valid is not None else None
+        return _KeyColumn(self.data, self.offsets[start : end + 1], valid)
+
     def part(self, head: int, n: int) -> PackedKeys:
         """Records head .. head + n - 1's keys, laid out for the wire (views, no copy)."""
         offsets = self.offsets
@@ -1024,14 +1029,7 @@ class Producer:
         while start < count:
             await self._room_for(1)
             end = min(count, start + self.max_buffered - self._held)
-            chunk_keys = None
-            if key_column is not None:
-                valid = key_column.valid
-                chunk_keys = _KeyColumn(
-                    key_column.data,
-                    key_column.offsets[start : end + 1],
-                    valid[start:end] if valid is not None else None,
-                )
+            chunk_keys = key_column.slice(start, end) if key_column is not None else None
             chunk = _Packed(data, bounds[start : end + 1], chunk_keys)
             self._pending.extend_packed(chunk)
             self._buffered_bytes += chunk.nbytes(end - start)
