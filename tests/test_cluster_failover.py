@@ -51,6 +51,9 @@ def serve(tmp_path: Path, node: int, port: int, log: IO[bytes]) -> subprocess.Po
     ]
     command += ["--node-id", str(node), "--port", str(port), "--metrics-port", "-1", "--replication", "2"]
     command += ["--data-dir", str(tmp_path / f"d{node}")]
+    # paced (fixed estimator, receiver role) so the push lasts ~4 s and the kill lands mid-push: unpaced,
+    # 200,000 records could all be acked before node 0's first replica showed up on node 1
+    command += ["--initial-rate", str(RATE)]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log)
 
 
@@ -76,6 +79,7 @@ def test_sigkill_of_the_node_a_push_goes_to_loses_and_doubles_nothing(tmp_path: 
 
 
 TOTAL = 200_000
+RATE = 50_000
 
 
 def run_cluster(tmp_path: Path, ports: list[int], logs: list[IO[bytes]]) -> None:
@@ -95,6 +99,7 @@ def run_cluster(tmp_path: Path, ports: list[int], logs: list[IO[bytes]]) -> None
         while not any((tmp_path / "d1" / "replicas" / "0").rglob("*.wal")):
             assert time.monotonic() < deadline and push.poll() is None
             time.sleep(0.02)
+        assert push.poll() is None, "the push ended before the kill: nothing failed over"
         os.kill(nodes[0].pid, signal.SIGKILL)
         out, _ = push.communicate(timeout=120)
         assert push.returncode == 0, out.decode()
