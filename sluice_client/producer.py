@@ -574,6 +574,16 @@ def _packed_input(
 _ARROW_OFFSETS = {"binary": np.int32, "string": np.int32, "large_binary": np.int64, "large_string": np.int64}
 
 
+def _without_offsets(arrow_type: Any) -> bool:
+    """Whether `arrow_type` holds binary or string values without an offsets buffer: views, fixed-size
+    binary, or a dictionary of binary or string values (numbers, which cast to strings, are not)."""
+    name = str(arrow_type)
+    if name in ("binary_view", "string_view") or name.startswith("fixed_size_binary["):
+        return True
+    values = getattr(arrow_type, "value_type", None)  # a dictionary's
+    return name.startswith("dictionary<") and (str(values) in _ARROW_OFFSETS or _without_offsets(values))
+
+
 def _arrow_binary(
     array: Any, what: str
 ) -> tuple[int, memoryview, npt.NDArray[np.int64], npt.NDArray[np.bool_] | None]:
@@ -582,6 +592,8 @@ def _arrow_binary(
     need it, and an array brings its own)."""
     if hasattr(array, "combine_chunks"):  # a ChunkedArray: one array (a copy when it has several)
         array = array.combine_chunks()
+    if _without_offsets(getattr(array, "type", None)):
+        array = array.cast("large_binary")  # no offsets to read: laid out with them (a copy)
     dtype = _ARROW_OFFSETS.get(str(getattr(array, "type", None)))
     if dtype is None or not hasattr(array, "buffers"):
         kind = getattr(array, "type", type(array).__name__)
@@ -1041,8 +1053,9 @@ class Producer:
     async def send_arrow(self, values: Any, keys: Any = None) -> None:
         """Queue records from a pyarrow array of binary or string values (a ChunkedArray too), one
         record per element, and their keys from a second such array of the same length (a null key:
-        a record without one). Sliced arrays are fine; a null value is refused (a record has a value:
-        send an empty one). send_packed underneath: no Python object per record."""
+        a record without one). Sliced arrays are fine; view, fixed-size binary and dictionary arrays are
+        laid out as large_binary first (a copy); a null value is refused (a record has a value: send an
+        empty one). send_packed underneath: no Python object per record."""
         count, data, offsets, present = _arrow_binary(values, "values")
         if present is not None:
             at = int(np.argmin(present))

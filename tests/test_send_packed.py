@@ -154,6 +154,27 @@ async def test_send_arrow_reads_sliced_chunked_and_large_arrays(server: SluiceSe
     assert rows(server)[-1] == (b"kj", b"j")
 
 
+async def test_send_arrow_lays_out_view_fixed_size_and_dictionary_arrays(server: SluiceServer) -> None:
+    """Arrays without an offsets buffer (views, fixed-size binary, dictionaries of strings) are sent as
+    their values, sliced where their slice starts, nulls kept as null keys."""
+    views = pa.array(["skip", "a long value past twelve bytes", "b", None], pa.string_view())
+    async with Producer(server.target, "events", linger=0) as producer:
+        await producer.send_arrow(views.slice(1, 2), pa.array([b"k1", None], pa.binary_view()))
+        await producer.send_arrow(pa.array([b"ab", b"cd", b"ef"], pa.binary(2)).slice(1))
+        keys = pa.array(["x", None, "x"]).dictionary_encode()
+        await producer.send_arrow(pa.array(["v", "w", "v"]).dictionary_encode(), keys)
+        await producer.flush(timeout=10)
+    assert rows(server) == [
+        (b"k1", b"a long value past twelve bytes"),
+        (None, b"b"),
+        (None, b"cd"),
+        (None, b"ef"),
+        (b"x", b"v"),
+        (None, b"w"),
+        (b"x", b"v"),
+    ]
+
+
 @pytest.mark.parametrize(
     ("values", "keys", "error", "message"),
     [
@@ -162,7 +183,8 @@ async def test_send_arrow_reads_sliced_chunked_and_large_arrays(server: SluiceSe
         ([b"a"], None, TypeError, "not list"),
         (pa.array([b"a"]), pa.array([b"k", b"l"]), ValueError, "2 keys for 1 values"),
         (pa.array([b"a"]), pa.array([7]), TypeError, "keys must be a pyarrow binary or string array"),
-        (pa.array([b"a"]), pa.array(["k"]).dictionary_encode(), TypeError, "keys must be a pyarrow binary"),
+        (pa.array([b"a"]), pa.array([7]).dictionary_encode(), TypeError, "keys must be a pyarrow binary"),
+        (pa.array([b"a"]), pa.array([1.5], pa.float64()), TypeError, "keys must be a pyarrow binary"),
     ],
 )
 async def test_send_arrow_refuses_what_it_cannot_send(
