@@ -91,8 +91,11 @@ class _ArgumentParser(argparse.ArgumentParser):
 
     def _get_values(self, action: argparse.Action, arg_strings: list[str]) -> Any:
         if action.option_strings and action.nargs is None and arg_strings == ["--"]:
+            # --key-separator reads escapes: the one flag where -- is a value worth having
+            hint = "; write it escaped: '\\x2d\\x2d'" if action.dest == "key_separator" else ""
             self.error(
                 f"argument {'/'.join(action.option_strings)}: -- is not a value here (it ends the flags)"
+                + hint
             )
         return super()._get_values(action, arg_strings)
 

@@ -193,6 +193,8 @@ def test_a_bare_double_dash_as_a_flags_value_is_a_usage_error(tmp_path: Path) ->
         flag = next(a for a in command if a.endswith("=--")).removesuffix("=--")
         assert result.returncode == 2, command
         assert f"argument {flag}: -- is not a value here".encode() in result.stderr, result.stderr
+        # only the separator reads escapes: only it is told how to give -- anyway
+        assert (b"write it escaped: '\\x2d\\x2d'" in result.stderr) == (flag == "--key-separator")
         assert b"Traceback" not in result.stderr
     source = tmp_path / "in.txt"  # -- before the file still ends the flags
     source.write_text("a\n")
