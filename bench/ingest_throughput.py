@@ -367,6 +367,12 @@ def run(variant: str, args: argparse.Namespace, log_shape: tuple[int, float] | N
     return Run(clock.steady_rate(), args.records / elapsed, cpu, log)
 
 
+def shape_of(log: tuple[int, int], records: int) -> tuple[int, float]:
+    """(average block bytes, bytes per record) of a log of (blocks, bytes) holding `records`."""
+    blocks, log_bytes = log
+    return log_bytes // max(blocks, 1), log_bytes / records
+
+
 def log_blocks(root: Path) -> tuple[int, int]:
     store = WalBlockStore(root)
     blocks = len(store.blocks("bench"))
@@ -458,8 +464,7 @@ def main() -> None:
         for variant in chosen:
             result = run(variant, args, log_shape)
             if variant == "fsync" and result.log is not None and log_shape is None:
-                blocks, log_bytes = result.log
-                log_shape = (log_bytes // max(blocks, 1), log_bytes / args.records)
+                log_shape = shape_of(result.log, args.records)
             if variant not in best or result.rate > best[variant].rate:
                 best[variant] = result
     results = {variant: r.rate for variant, r in best.items()}
@@ -476,9 +481,8 @@ def main() -> None:
     if "fsync" not in results:
         return
     assert best["fsync"].log is not None
-    blocks, log_bytes = best["fsync"].log
-    per_record = log_bytes / args.records
-    block_bytes = log_bytes // max(blocks, 1)
+    log_bytes = best["fsync"].log[1]
+    block_bytes, per_record = shape_of(best["fsync"].log, args.records)
     disk = {False: 0.0, True: 0.0}
     with tempfile.TemporaryDirectory(dir=args.data_dir) as probe_dir:
         for _ in range(args.repeat):
