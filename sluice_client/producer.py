@@ -592,12 +592,13 @@ def _arrow_binary(
     need it, and an array brings its own)."""
     if hasattr(array, "combine_chunks"):  # a ChunkedArray: one array (a copy when it has several)
         array = array.combine_chunks()
-    if _without_offsets(getattr(array, "type", None)):
+    kind = getattr(array, "type", None)
+    if _without_offsets(kind) and hasattr(array, "buffers"):  # an array, not a scalar of that type
         array = array.cast("large_binary")  # no offsets to read: laid out with them (a copy)
     dtype = _ARROW_OFFSETS.get(str(getattr(array, "type", None)))
     if dtype is None or not hasattr(array, "buffers"):
-        kind = getattr(array, "type", type(array).__name__)
-        raise TypeError(f"{what} must be a pyarrow binary or string array, not {kind}")
+        shown = kind if kind is not None and hasattr(array, "buffers") else type(array).__name__
+        raise TypeError(f"{what} must be a pyarrow binary or string array, not {shown}")
     count, start = len(array), int(array.offset)
     _, offsets_buffer, data_buffer = array.buffers()[:3]
     if count == 0:

@@ -181,6 +181,7 @@ async def test_send_arrow_lays_out_view_fixed_size_and_dictionary_arrays(server:
         (pa.array([b"a", None, b"c"]).slice(1), None, ValueError, r"values\[0\] is null"),
         (pa.array([1, 2]), None, TypeError, "values must be a pyarrow binary or string array, not int64"),
         ([b"a"], None, TypeError, "not list"),
+        (pa.scalar(b"a", pa.binary_view()), None, TypeError, "not BinaryViewScalar"),
         (pa.array([b"a"]), pa.array([b"k", b"l"]), ValueError, "2 keys for 1 values"),
         (pa.array([b"a"]), pa.array([7]), TypeError, "keys must be a pyarrow binary or string array"),
         (pa.array([b"a"]), pa.array([7]).dictionary_encode(), TypeError, "keys must be a pyarrow binary"),
