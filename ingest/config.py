@@ -24,6 +24,10 @@ from receivers.principal import Limits
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9464
 MIN_SEGMENT_BYTES = 4096
+MAX_SEGMENT_BYTES = 2**40
+MAX_GRPC_MESSAGE_BYTES = 2**31 - 1
+"""gRPC's channel options are C ints: a larger max message length fails its server's creation."""
+MAX_TRIGGER_INTERVAL = 86_400.0
 
 
 @dataclass(frozen=True)
@@ -211,16 +215,30 @@ class ServeConfig:
             raise ValueError(f"port and metrics port are both {self.port}: give them two")
         if not 0 < self.trigger_interval < math.inf:
             raise ValueError(f"trigger interval must be > 0 seconds and finite, got {self.trigger_interval}")
-        if math.isinf(self.receiver.block_interval):  # nothing would be acked below block_records
-            raise ValueError("block interval must be finite")
+        if self.trigger_interval > MAX_TRIGGER_INTERVAL:
+            raise ValueError(
+                f"trigger interval must be at most {MAX_TRIGGER_INTERVAL:g} seconds (a day), "
+                f"got {self.trigger_interval:g}"
+            )
         if self.spark and not (self.master == "yarn" or self.master.startswith(("spark", "k8s", "local"))):
             # Spark's own check, made before its JVM starts (and dies with a Java stack trace)
             raise ValueError(f"master {self.master!r}: Spark takes yarn, spark://..., k8s://... or local...")
+        self._check_sizes()
+        self._check_exposure()
+
+    def _check_sizes(self) -> None:
         if self.segment_bytes is not None and self.segment_bytes < MIN_SEGMENT_BYTES:
             raise ValueError(f"segment bytes must be >= {MIN_SEGMENT_BYTES}, got {self.segment_bytes}")
-        if self.max_message_bytes < 1024:
-            raise ValueError(f"max message bytes must be >= 1024, got {self.max_message_bytes}")
-        self._check_exposure()
+        if self.segment_bytes is not None and self.segment_bytes > MAX_SEGMENT_BYTES:
+            # a segment is deleted whole: one that never fills is never deleted
+            raise ValueError(
+                f"segment bytes must be at most {MAX_SEGMENT_BYTES:,} (1 TiB), got {self.segment_bytes:,}"
+            )
+        if not 1024 <= self.max_message_bytes <= MAX_GRPC_MESSAGE_BYTES:
+            raise ValueError(
+                f"max message bytes must be 1024..{MAX_GRPC_MESSAGE_BYTES:,} (gRPC takes a message's "
+                f"length as a 32-bit int), got {self.max_message_bytes:,}"
+            )
 
     def _check_exposure(self) -> None:
         """Safe defaults: nothing leaves this machine in plaintext unless the operator says so."""

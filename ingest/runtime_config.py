@@ -230,7 +230,11 @@ class RuntimeConfig:
         try:
             self._build({str(k): str(v) for k, v in overrides.items()})
         except SettingError as exc:
-            raise SettingError(f"{self.path}: {exc}") from None
+            # from an older version with other bounds, or edited by hand: say how to get going again
+            raise SettingError(
+                f"{self.path}: {exc} (this file holds what `sluice config set` changed: correct the "
+                "value there, or delete the file to start from the command line's settings)"
+            ) from None
         self.overrides = {str(k): str(v) for k, v in overrides.items()}
         self.version = data.get("version", 0)
         for key, value in self.overrides.items():

@@ -25,6 +25,9 @@ from ratecontrol.rate import UNLIMITED
 
 IDLE_FLOOR = 0.05
 """Share of its weighted share of the rate a stream keeps while idle: credit to ramp from."""
+MIN_WEIGHT, MAX_WEIGHT = 1e-6, 1e6
+"""A stream's weight lies in between: weights are relative, and the sum of weights beyond this
+overflowed to inf and gave every stream a rate of 0."""
 HEADROOM = 1.5
 """A stream that takes less than its share may use this multiple of what it took before it counts as
 busy again; it grows by that factor per split meanwhile."""
@@ -35,15 +38,18 @@ class StreamPolicy:
     """An operator's say in one stream's share (`sluice serve --stream-weight/-min-rate/-max-rate`)."""
 
     weight: float = 1.0
-    """Share among busy streams, relative to the others' (> 0, finite)."""
+    """Share among busy streams, relative to the others' (MIN_WEIGHT..MAX_WEIGHT)."""
     min_rate: float = 0.0
     """Records/s the stream keeps however little it takes, as far as the node's rate allows (>= 0)."""
     max_rate: float = UNLIMITED
     """Records/s the stream never exceeds (> 0 and >= min_rate; inf for none)."""
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.weight) and self.weight > 0):
-            raise ValueError(f"a stream's weight must be a finite number > 0, got {self.weight}")
+        if not MIN_WEIGHT <= self.weight <= MAX_WEIGHT:
+            raise ValueError(
+                f"a stream's weight must be a number in {MIN_WEIGHT:g}..{MAX_WEIGHT:g} (weights are "
+                f"relative), got {self.weight}"
+            )
         if not (math.isfinite(self.min_rate) and self.min_rate >= 0):
             raise ValueError(f"a stream's min rate must be a finite number >= 0, got {self.min_rate}")
         if math.isnan(self.max_rate) or self.max_rate <= 0 or self.max_rate < self.min_rate:

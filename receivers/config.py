@@ -15,6 +15,15 @@ MIB = 1024 * 1024
 DEFAULT_SEGMENT_BYTES = 64 * MIB
 """Bytes a block log segment grows to before the next block starts a new one."""
 
+MAX_RECORDS = 10**12
+"""The most a count of records in the settings may be (buffer, prefetch, ...): beyond any machine's
+memory, and sums of them stay exact in a double and within the int64 fields of the rate API."""
+MAX_BYTES = 2**60
+"""The most a byte budget may be (1 EiB)."""
+MAX_SECONDS = 3600.0
+"""The longest block interval or linger: an hour. A record waits that long for its ack at most; what
+is longer is a typo (1e300 was taken, and nothing was ever acked)."""
+
 
 @dataclass(frozen=True)
 class ReceiverConfig:
@@ -56,12 +65,8 @@ class ReceiverConfig:
     Credit cannot be taken back otherwise, so this is what bounds a hoarder that came first."""
 
     def __post_init__(self) -> None:
-        if not self.block_interval > 0:
-            raise ValueError(f"block_interval must be > 0 seconds, got {self.block_interval}")
-        if self.block_linger is not None and not 0 <= self.block_linger < math.inf:
-            raise ValueError(
-                f"block_linger must be >= 0 seconds and finite (or None: off), got {self.block_linger}"
-            )
+        self._check_intervals()
+        self._check_bounds()
         if self.buffer_records < 1:
             raise ValueError(f"buffer_records must be >= 1, got {self.buffer_records}")
         if self.prefetch < 1:
@@ -84,6 +89,41 @@ class ReceiverConfig:
             raise ValueError(f"disk_poll_interval must be > 0 seconds, got {self.disk_poll_interval}")
         if not 0 < self.reclaim_after < math.inf:
             raise ValueError(f"reclaim_after must be > 0 seconds and finite, got {self.reclaim_after}")
+
+    def _check_intervals(self) -> None:
+        if not self.block_interval > 0:
+            raise ValueError(f"block_interval must be > 0 seconds, got {self.block_interval}")
+        if not self.block_interval <= MAX_SECONDS:  # nothing would be acked below block_records
+            raise ValueError(
+                f"block_interval must be finite, at most {MAX_SECONDS:g} seconds, got {self.block_interval:g}"
+            )
+        linger = self.block_linger
+        if linger is not None and not 0 <= linger < math.inf:
+            raise ValueError(f"block_linger must be >= 0 seconds and finite (or None: off), got {linger}")
+        if linger is not None and linger > MAX_SECONDS:
+            raise ValueError(
+                f"block_linger must be at most {MAX_SECONDS:g} seconds (or None: off), got {linger:g}"
+            )
+
+    def _check_bounds(self) -> None:
+        """Upper bounds, so that an extreme value is refused here rather than overflowing a field of
+        the rate API (buffer_records 1e23 ended `sluice rate get` with UNKNOWN) or stalling a stream."""
+        counts = {
+            "buffer_records": self.buffer_records,
+            "prefetch": self.prefetch,
+            "low_tide": self.low_tide,
+            "block_records": self.block_records,
+            "max_producers": self.max_producers,
+        }
+        for name, value in counts.items():
+            if value is not None and value > MAX_RECORDS:
+                raise ValueError(f"{name} must be at most {MAX_RECORDS:,}, got {value:,}")
+        for name, value in (
+            ("buffer_bytes", self.buffer_bytes),
+            ("disk_budget_bytes", self.disk_budget_bytes),
+        ):
+            if value is not None and value > MAX_BYTES:
+                raise ValueError(f"{name} must be at most {MAX_BYTES:,} (1 EiB), got {value:,}")
 
     @property
     def seal_at(self) -> int:

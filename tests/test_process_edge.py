@@ -169,6 +169,12 @@ def test_serve_refuses_unusable_data_dirs_ports_and_settings_at_once(tmp_path: P
         (["--initial-rate", "0"], b"--initial-rate: rate must be > 0 records/s"),
         (["--block-interval", "inf"], b"--block-interval must be finite"),
         (["--trigger-interval", "inf"], b"--trigger-interval must be > 0 seconds and finite"),
+        (["--trigger-interval", "1e300"], b"--trigger-interval must be at most 86400 seconds (a day)"),
+        (["--block-interval", "1e300"], b"--block-interval must be finite, at most 3600 seconds"),
+        (["--buffer-records", "9" * 23], b"--buffer-records must be at most 1,000,000,000,000"),
+        # gRPC's option is a C int: 3 GiB crashed the server's creation with a traceback
+        (["--max-message-bytes", "3GiB"], b"--max-message-bytes must be 1024..2,147,483,647"),
+        (["--segment-bytes", "2TiB"], b"--segment-bytes must be at most 1,099,511,627,776 (1 TiB)"),
         # Spark's JVM would check it seconds later and die with a Java and a Python stack trace
         (["--master", "bogus"], b"--master 'bogus': Spark takes yarn, spark://..., k8s://... or local..."),
     ]:

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ratecontrol import Demand, Share, StreamPolicy, split_rate
-from ratecontrol.share import IDLE_FLOOR
+from ratecontrol.share import IDLE_FLOOR, MAX_WEIGHT, MIN_WEIGHT
 
 INF = math.inf
 
@@ -53,11 +53,21 @@ def test_bounds_hold_and_what_nobody_wants_is_spread_by_weight() -> None:
 
 @pytest.mark.parametrize(
     "fields", [{"weight": 0.0}, {"weight": INF}, {"weight": math.nan}, {"min_rate": -1.0}, {"max_rate": 0.0},
-               {"min_rate": 10.0, "max_rate": 5.0}, {"min_rate": INF}, {"max_rate": math.nan}]
+               {"min_rate": 10.0, "max_rate": 5.0}, {"min_rate": INF}, {"max_rate": math.nan},
+               {"weight": 1e308}, {"weight": 1e-320}]
 )  # fmt: skip
 def test_policies_reject_impossible_values(fields: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="a stream's"):
         StreamPolicy(**fields)
+
+
+def test_the_extreme_weights_still_split_the_whole_rate() -> None:
+    # two weights of 1e308 once summed to inf, and both streams got a rate of 0
+    busy = {"a": Demand(True), "b": Demand(True)}
+    top = StreamPolicy(weight=MAX_WEIGHT)
+    assert rates(split_rate(1000.0, busy, {"a": top, "b": top})) == {"a": 500.0, "b": 500.0}
+    apart = rates(split_rate(1000.0, busy, {"a": StreamPolicy(weight=MIN_WEIGHT), "b": top}))
+    assert 0 < apart["a"] < 1e-6 and apart["b"] == pytest.approx(1000.0)
 
 
 def test_impossible_demands_and_gains_are_refused() -> None:

@@ -132,6 +132,8 @@ def test_serve_refuses_bad_stream_weights_and_bounds(
     cases = [
         (["--stream", "a", "--stream-weight", "b=3"], "names 'b', which this node does not serve"),
         (["--stream", "a", "--stream-weight", "a=0"], "stream 'a': a stream's weight must be"),
+        # two such weights summed to inf and every stream's rate came out 0
+        (["--stream", "a", "--stream-weight", "a=1e308"], "must be a number in 1e-06..1e+06"),
         (["--stream", "a", "--stream-weight", "a"], "expected STREAM=NUMBER"),
         (["--stream", "a", "--stream-max-rate", "a=5", "--stream-max-rate", "a=6"], "names stream 'a' twice"),
         (["--stream", "a", "--stream-min-rate", "a=50", "--stream-max-rate", "a=6"], "max rate must be"),

@@ -103,6 +103,16 @@ INVALID = [
     ({"master": "local[2]"}, grpc.StatusCode.NOT_FOUND, "no setting"),
     ({"trigger-interval": "0"}, grpc.StatusCode.INVALID_ARGUMENT, "trigger interval"),
     ({"trigger-interval": "inf"}, grpc.StatusCode.INVALID_ARGUMENT, "trigger interval"),
+    # extreme but finite: 1e300 s was taken and nothing was acked again; counts past int64 ended
+    # `sluice rate get` and `sluice status` with UNKNOWN (a field of RateStatus overflowed)
+    ({"trigger-interval": "1e300"}, grpc.StatusCode.INVALID_ARGUMENT, "at most 86400 seconds"),
+    ({"block-interval": "1e300"}, grpc.StatusCode.INVALID_ARGUMENT, "at most 3600 seconds"),
+    ({"block-linger": "3601"}, grpc.StatusCode.INVALID_ARGUMENT, "at most 3600 seconds"),
+    ({"buffer-records": "9" * 23}, grpc.StatusCode.INVALID_ARGUMENT, "at most 1,000,000,000,000"),
+    ({"prefetch": str(2**63)}, grpc.StatusCode.INVALID_ARGUMENT, "prefetch must be at most"),
+    ({"block-records": str(10**12 + 1)}, grpc.StatusCode.INVALID_ARGUMENT, "block_records must be at most"),
+    ({"buffer-bytes": "99999999TiB"}, grpc.StatusCode.INVALID_ARGUMENT, "(1 EiB)"),
+    ({"disk-budget": "99999999TiB"}, grpc.StatusCode.INVALID_ARGUMENT, "disk_budget_bytes must be at most"),
     ({"estimator-params": "horizon"}, grpc.StatusCode.INVALID_ARGUMENT, "name=value"),
     ({"estimator-params": "horizon=fast"}, grpc.StatusCode.INVALID_ARGUMENT, "not a number"),
     ({"estimator-params": "kp=1"}, grpc.StatusCode.INVALID_ARGUMENT, "no parameter kp"),
@@ -174,9 +184,10 @@ async def test_a_corrupt_settings_file_stops_the_start_with_its_name(tmp_path: P
     data = tmp_path / "d"
     data.mkdir()
     (data / "runtime-config.json").write_text('{"version": 1, "overrides": {"block-interval": "-5"}}')
-    with pytest.raises(ValueError, match=r"runtime-config\.json: block_interval must be > 0"):
+    with pytest.raises(ValueError, match=r"runtime-config\.json: block_interval must be > 0") as refused:
         async with running_server(data, "s"):
             pass
+    assert "delete the file to start from the command line's settings" in str(refused.value)
     (data / "runtime-config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"runtime-config\.json"):
         async with running_server(data, "s"):
