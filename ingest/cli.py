@@ -62,6 +62,7 @@ from sluice_client.credentials import Credentials, CredentialsError
 from sluice_client.errors import FlushTimeoutError, RPCError, SluiceError
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client.producer import DEFAULT_MAX_BUFFERED
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -1334,8 +1335,10 @@ def key_separator(text: str) -> bytes:
 
 def _push_flags_error(args: argparse.Namespace) -> str | None:
     """What is wrong with `sluice push`'s flags, if anything."""
-    if args.batch_size < 1:
-        return "--batch-size must be >= 1"
+    if not 1 <= args.batch_size <= DEFAULT_MAX_BUFFERED:
+        # a batch is at most what the push keeps unacked
+        held, given = f"{DEFAULT_MAX_BUFFERED:,}", f"{args.batch_size:,}"
+        return f"--batch-size must be 1..{held} (the records a push holds until acked), got {given}"
     if not args.timeout > 0:
         return "--timeout must be > 0 seconds"
     if args.resume_from < 0:

@@ -77,6 +77,8 @@ from sluice_client.wire import Keys, PackedKeys, is_key, lay_out_keys, publish_p
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+DEFAULT_MAX_BUFFERED = 500_000
+"""Records a Producer holds unsent + unacked by default: room for a server's default prefetch (250k)."""
 _FAILED_PRECONDITION = 9  # gRPC status code carried in-band by Error
 _SEQ_END = 2**64 - 1  # sequence numbers are below it: acks and producer marks are uint64
 RECONNECT_STATUSES = frozenset({grpc.StatusCode.UNAVAILABLE})
@@ -707,7 +709,7 @@ class Producer:
         batch_size: int = 4096,
         batch_bytes: int = 1024 * 1024,
         linger: float = 0.005,
-        max_buffered: int = 500_000,  # unsent + unacked: room for a server's default prefetch (250k)
+        max_buffered: int = DEFAULT_MAX_BUFFERED,
         max_buffered_bytes: int | None = None,
         reconnect_backoff: float = 0.05,
         max_reconnect_backoff: float = 5.0,
@@ -718,7 +720,10 @@ class Producer:
         credentials: Credentials | None = None,
     ) -> None:
         if batch_size < 1 or batch_bytes < 1 or max_buffered < batch_size:
-            raise ValueError("need batch_size >= 1, batch_bytes >= 1 and max_buffered >= batch_size")
+            raise ValueError(
+                "need batch_size >= 1, batch_bytes >= 1 and max_buffered >= batch_size; got batch_size "
+                f"{batch_size}, batch_bytes {batch_bytes}, max_buffered {max_buffered}"
+            )
         if max_buffered_bytes is not None and max_buffered_bytes < 1:
             raise ValueError(f"max_buffered_bytes must be >= 1 or None, got {max_buffered_bytes}")
         seconds = {"linger": linger, "reconnect_timeout": reconnect_timeout, "start_timeout": start_timeout}

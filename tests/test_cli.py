@@ -309,7 +309,7 @@ def test_serve_rejects_bad_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[s
         (["sessions", "cancel", str(2**64)], b"a session id is in 1..18446744073709551615"),
         (["sessions", "cancel", "-1"], b"a session id is in 1.."),
         (["sessions", "cancel", "5", "--code", str(2**31)], b"a status code is in"),
-        (["push", "-", "--batch-size", "99999999999"], b"cannot push with these flags"),
+        (["push", "-", "--batch-size", "99999999999"], b"--batch-size must be 1..500,000"),
         (
             ["push", "-", "--producer-id", "p", "--resume-from", str(2**64 - 1)],
             b"cannot push with these flags",
