@@ -1009,7 +1009,14 @@ class Producer:
 
     async def send_many(self, values: Sequence[bytes], keys: Sequence[bytes | None] | None = None) -> None:
         """Queue many records at once; cheaper per record than send()."""
-        if keys is not None and len(keys) != len(values):
+        try:
+            count = len(values)
+        except TypeError:  # a generator or another iterator: Python's own message names no fix
+            raise TypeError(
+                f"send_many takes a sequence of records (a list or tuple), not {type(values).__name__}; "
+                "give list(...) of an iterator, or use publish() to pull from one as credit comes"
+            ) from None
+        if keys is not None and len(keys) != count:
             raise ValueError(f"{len(keys)} keys for {len(values)} values")
         start = 0
         while start < len(values):
@@ -1127,6 +1134,8 @@ class Producer:
     async def flush(self, timeout: float | None = None) -> None:
         """Wait until every record queued so far is acked, across reconnects; FlushTimeoutError when
         `timeout` runs out (the records stay queued), or the error that failed the producer."""
+        if timeout is not None and not timeout >= 0:  # NaN too: asyncio would never time it out
+            raise ValueError(f"timeout must be >= 0 seconds (or None: no limit), got {timeout}")
         if self._state is _State.NEW:
             raise ProducerClosedError("producer not started")
         target = self._sent_seq + len(self._pending)

@@ -118,6 +118,20 @@ async def test_a_record_that_is_not_bytes_fails_the_producer_clearly(
     assert sum(b.count for b in server.store.blocks("events")) == 3
 
 
+async def test_an_iterator_and_a_bad_flush_timeout_are_refused_at_the_call(server: SluiceServer) -> None:
+    """A generator failed inside send_many with Python's "has no len()"; a NaN flush timeout never ran
+    out. Both are refused by the call, and the producer goes on."""
+    async with Producer(server.target, "events", linger=0) as producer:
+        with pytest.raises(TypeError, match=r"send_many takes a sequence of records .* not generator"):
+            await producer.send_many(v for v in [b"a"])  # type: ignore[arg-type]
+        for timeout in (-1.0, math.nan):
+            with pytest.raises(ValueError, match="timeout must be >= 0 seconds"):
+                await producer.flush(timeout)
+        await producer.send_many([b"b"])
+        await producer.flush(timeout=10)
+        assert producer.acked == 1
+
+
 async def test_a_key_without_a_length_is_refused_at_the_call(server: SluiceServer) -> None:
     """Keys are measured as they are queued (they count in max_buffered_bytes): one that is not bytes
     and has no length is refused by the call that gave it, nothing of that call is queued, and the
