@@ -1134,7 +1134,7 @@ class Producer:
     async def flush(self, timeout: float | None = None) -> None:
         """Wait until every record queued so far is acked, across reconnects; FlushTimeoutError when
         `timeout` runs out (the records stay queued), or the error that failed the producer."""
-        if timeout is not None and not timeout >= 0:  # NaN too: asyncio would never time it out
+        if timeout is not None and not timeout >= 0:  # NaN too: asyncio ends a NaN timeout at once
             raise ValueError(f"timeout must be >= 0 seconds (or None: no limit), got {timeout}")
         if self._state is _State.NEW:
             raise ProducerClosedError("producer not started")

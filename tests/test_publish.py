@@ -119,8 +119,8 @@ async def test_a_record_that_is_not_bytes_fails_the_producer_clearly(
 
 
 async def test_an_iterator_and_a_bad_flush_timeout_are_refused_at_the_call(server: SluiceServer) -> None:
-    """A generator failed inside send_many with Python's "has no len()"; a NaN flush timeout was taken
-    (asyncio never ends a NaN timeout). Both are refused by the call, and the producer goes on."""
+    """A generator failed inside send_many with Python's "has no len()"; a NaN flush timeout ran out at
+    once ("not acked within nan s"). Both are refused by the call, and the producer goes on."""
     async with Producer(server.target, "events", linger=0) as producer:
         with pytest.raises(TypeError, match=r"send_many takes a sequence of records .* not generator"):
             await producer.send_many(v for v in [b"a"])  # type: ignore[arg-type]
