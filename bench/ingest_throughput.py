@@ -284,9 +284,7 @@ def block_buffer(block_bytes: int) -> memoryview:
     return buffer
 
 
-def write_beside(
-    path: str, block_bytes: int, per_record: float, acked: Any, ready: Any, stop: Any
-) -> None:
+def write_beside(path: str, block_bytes: int, per_record: float, acked: Any, ready: Any, stop: Any) -> None:
     """Append `block_bytes` blocks to `path` with O_DIRECT, each fsynced, keeping up with the log's bytes
     for the records acked so far (`acked`, shared): what the log writes, without the log's other work."""
     buffer = block_buffer(block_bytes)

@@ -267,8 +267,7 @@ class RuntimeConfig:
             if key not in SETTINGS:
                 raise UnknownSettingError(f"no setting {key!r}; settings: {', '.join(SETTINGS)}")
         return [
-            (key, SETTINGS[key].text(self.current), self.source(key), SETTINGS[key].help)
-            for key in wanted
+            (key, SETTINGS[key].text(self.current), self.source(key), SETTINGS[key].help) for key in wanted
         ]
 
     def change(

@@ -649,7 +649,7 @@ def test_the_serve_limit_flags_are_the_base_of_auth_file_principals(tmp_path: Pa
 
     path = tmp_path / "auth.toml"
     path.write_text(
-        '[defaults]\nidle_timeout_seconds = 30\n'
+        "[defaults]\nidle_timeout_seconds = 30\n"
         '[principals.plain]\nroles = ["reader"]\n'
         '[principals.own]\nroles = ["reader"]\nmax_sessions = 3\n'
     )

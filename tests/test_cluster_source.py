@@ -233,6 +233,7 @@ async def test_no_holder_serving_the_range_names_every_holders_error(tmp_path: P
     async with nodes(tmp_path, clusters) as servers:
         await push(servers[0].target, 10, "v")
         spec = RangeSpec("s", 0, 5, 20, ((3, dead), (0, clusters[0].me.target)))
+
         def read() -> list[pa.RecordBatch]:
             return list(read_range(spec, Credentials(), timeout=5))
 
@@ -260,11 +261,13 @@ async def test_a_query_over_the_cluster_reads_every_record_once(spark: Any, tmp_
         )
         sink = tmp_path / "sink"
         query = await asyncio.to_thread(
-            lambda: df.writeStream.format("parquet")
-            .option("path", str(sink))
-            .option("checkpointLocation", str(tmp_path / "checkpoint"))
-            .trigger(processingTime="200 milliseconds")
-            .start()
+            lambda: (
+                df.writeStream.format("parquet")
+                .option("path", str(sink))
+                .option("checkpointLocation", str(tmp_path / "checkpoint"))
+                .trigger(processingTime="200 milliseconds")
+                .start()
+            )
         )
         try:
             sent = set()

@@ -64,10 +64,16 @@ def test_flags_beat_the_environment_which_beats_the_file(tmp_path: Path) -> None
     config = tmp_path / "sluice.toml"
     config.write_text(
         'block-interval = 0.1\nbuffer-records = 1000\nport = 1111\nstream = ["a", "b"]\n'
-        'stream-weight = {a = 3}\nmax-rate = inf\nno-spark = true\nmin-rate = 50\n'
+        "stream-weight = {a = 3}\nmax-rate = inf\nno-spark = true\nmin-rate = 50\n"
     )
-    env = clean_env(SLUICE_BLOCK_INTERVAL="0.3", SLUICE_PORT="2222", SLUICE_MIN_RATE="200",
-                    SLUICE_CONFIG=str(config), SLUICE_TOKEN="not a setting", SLUICE_CA_FILE="/x")
+    env = clean_env(
+        SLUICE_BLOCK_INTERVAL="0.3",
+        SLUICE_PORT="2222",
+        SLUICE_MIN_RATE="200",
+        SLUICE_CONFIG=str(config),
+        SLUICE_TOKEN="not a setting",
+        SLUICE_CA_FILE="/x",
+    )
     # a flag given with its default value still wins
     result = check("--port", "3333", "--min-rate", "100", "--data-dir", str(tmp_path / "data"), env=env)
     assert result.returncode == 0, result.stderr

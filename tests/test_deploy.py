@@ -236,8 +236,11 @@ def test_workloads_are_probed_on_the_health_service(workload: Doc) -> None:
 def _mount_of(workload: Doc, source: str, name: str) -> str:
     """Where `workload`'s container mounts the volume made from ConfigMap/Secret/PVC `name`."""
     key = {"configMap": "name", "secret": "secretName", "persistentVolumeClaim": "claimName"}[source]
-    volumes = [v["name"] for v in workload["spec"]["template"]["spec"].get("volumes", []) if
-               source in v and v[source][key] == name]
+    volumes = [
+        v["name"]
+        for v in workload["spec"]["template"]["spec"].get("volumes", [])
+        if source in v and v[source][key] == name
+    ]
     assert len(volumes) == 1, f"{workload['metadata']['name']} has {len(volumes)} volumes of {name}"
     mounts = [m["mountPath"] for m in _container(workload)["volumeMounts"] if m["name"] == volumes[0]]
     assert len(mounts) == 1
@@ -332,15 +335,18 @@ def test_the_driver_may_run_its_executors() -> None:
     assert DRIVER["spec"]["strategy"]["type"] == "Recreate"
     assert DRIVER["spec"]["replicas"] == 1
     bindings = [
-        b for b in _all("RoleBinding")
+        b
+        for b in _all("RoleBinding")
         if {"kind": "ServiceAccount", "name": account} in b["subjects"] and b["roleRef"]["kind"] == "Role"
     ]
     assert len(bindings) == 1
     role = _one("Role", bindings[0]["roleRef"]["name"])
     granted = {
         (resource, verb)
-        for rule in role["rules"] if rule["apiGroups"] == [""]
-        for resource in rule["resources"] for verb in rule["verbs"]
+        for rule in role["rules"]
+        if rule["apiGroups"] == [""]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
     }
     needed = {("pods", v) for v in ("create", "get", "list", "watch", "delete", "deletecollection")}
     for resource in ("services", "configmaps", "persistentvolumeclaims"):
@@ -368,7 +374,12 @@ def serve_options() -> dict[str, set[str] | None]:
     env = {**os.environ, "COLUMNS": "250"}  # one option per line
     result = subprocess.run(
         [sys.executable, "-m", "ingest.cli", "serve", "--help"],
-        capture_output=True, text=True, timeout=60, check=True, env=env, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        env=env,
+        cwd=ROOT,
     )
     options: dict[str, set[str] | None] = {}
     for line in result.stdout.splitlines():
@@ -496,17 +507,29 @@ def test_the_executor_image_starts_sparks_executor(tmp_path: Path) -> None:
     fake.write_text('#!/bin/sh\nfor a in "$@"; do echo "$a"; done\n')
     fake.chmod(0o755)
     env = {
-        "PATH": os.environ["PATH"], "JAVA_HOME": str(java_home), "SPARK_HOME": "/spark",
-        "SPARK_EXECUTOR_MEMORY": "2g", "SPARK_DRIVER_URL": "spark://CoarseGrainedScheduler@sluice-driver:7078",
-        "SPARK_EXECUTOR_ID": "3", "SPARK_EXECUTOR_CORES": "1", "SPARK_APPLICATION_ID": "spark-app",
-        "SPARK_EXECUTOR_POD_IP": "10.0.0.7", "SPARK_RESOURCE_PROFILE_ID": "0",
+        "PATH": os.environ["PATH"],
+        "JAVA_HOME": str(java_home),
+        "SPARK_HOME": "/spark",
+        "SPARK_EXECUTOR_MEMORY": "2g",
+        "SPARK_DRIVER_URL": "spark://CoarseGrainedScheduler@sluice-driver:7078",
+        "SPARK_EXECUTOR_ID": "3",
+        "SPARK_EXECUTOR_CORES": "1",
+        "SPARK_APPLICATION_ID": "spark-app",
+        "SPARK_EXECUTOR_POD_IP": "10.0.0.7",
+        "SPARK_RESOURCE_PROFILE_ID": "0",
         "SPARK_EXECUTOR_POD_NAME": "sluice-exec-1",
         # Spark numbers the JVM options; 10 must come after 2
-        "SPARK_JAVA_OPT_10": "-Dlast=1", "SPARK_JAVA_OPT_2": "-Dsecond=1", "SPARK_JAVA_OPT_0": "-Dfirst=1",
+        "SPARK_JAVA_OPT_10": "-Dlast=1",
+        "SPARK_JAVA_OPT_2": "-Dsecond=1",
+        "SPARK_JAVA_OPT_0": "-Dfirst=1",
     }
     result = subprocess.run(
         ["bash", str(DEPLOY / "spark-executor-entrypoint.sh"), "executor"],
-        capture_output=True, text=True, timeout=30, check=True, env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+        env=env,
     )
     argv = result.stdout.splitlines()
     assert argv[:5] == ["-Dfirst=1", "-Dsecond=1", "-Dlast=1", "-Xms2g", "-Xmx2g"]
@@ -514,14 +537,22 @@ def test_the_executor_image_starts_sparks_executor(tmp_path: Path) -> None:
     assert argv[5:8] == ["-cp", "/spark/conf:/spark/jars/*", backend]
     given = dict(zip(argv[8::2], argv[9::2], strict=True))
     assert given == {
-        "--driver-url": env["SPARK_DRIVER_URL"], "--executor-id": "3", "--cores": "1",
-        "--app-id": "spark-app", "--hostname": "10.0.0.7", "--resourceProfileId": "0",
+        "--driver-url": env["SPARK_DRIVER_URL"],
+        "--executor-id": "3",
+        "--cores": "1",
+        "--app-id": "spark-app",
+        "--hostname": "10.0.0.7",
+        "--resourceProfileId": "0",
         "--podName": "sluice-exec-1",
     }
     # anything but "executor" runs as given
     passthrough = subprocess.run(
         ["bash", str(DEPLOY / "spark-executor-entrypoint.sh"), "echo", "as given"],
-        capture_output=True, text=True, timeout=30, check=True, env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+        env=env,
     )
     assert passthrough.stdout == "as given\n"
 

@@ -140,8 +140,10 @@ def _exported_series() -> dict[str, str]:
                 for call in ast.walk(scope):
                     if not isinstance(call, ast.Call) or _callee(call) not in _SERIES_SUFFIXES:
                         continue
-                    argument = call.args[0] if call.args else next(
-                        (k.value for k in call.keywords if k.arg == "name"), None
+                    argument = (
+                        call.args[0]
+                        if call.args
+                        else next((k.value for k in call.keywords if k.arg == "name"), None)
                     )
                     if argument is None:
                         continue
@@ -201,10 +203,17 @@ def test_the_rules_use_only_exported_metrics() -> None:
         used |= set(_METRIC.findall(rule["expr"]))
     # what the rules watch (the brief of each alert): removing one of these from the rules fails here
     assert {
-        "sluice_batches_completed_total", "sluice_records_acked_total", "sluice_rate_limit",
-        "sluice_records_received_total", "sluice_node_backlog_records", "sluice_credit_paused",
-        "sluice_block_write_errors_total", "sluice_wal_truncations_total", "sluice_node_up",
-        "sluice_wal_disk_bytes", "sluice_wal_disk_budget_bytes",
+        "sluice_batches_completed_total",
+        "sluice_records_acked_total",
+        "sluice_rate_limit",
+        "sluice_records_received_total",
+        "sluice_node_backlog_records",
+        "sluice_credit_paused",
+        "sluice_block_write_errors_total",
+        "sluice_wal_truncations_total",
+        "sluice_node_up",
+        "sluice_wal_disk_bytes",
+        "sluice_wal_disk_budget_bytes",
     } <= used
 
 
@@ -357,17 +366,24 @@ def test_the_dashboard_uses_only_exported_metrics_and_its_own_variables() -> Non
     dashboard = _dashboard()
     variables = set(_variables(dashboard))
     used: set[str] = set()
-    for expr in _expressions(dashboard) + [v["query"]["query"] for v in _variables(dashboard).values()
-                                           if v["type"] == "query"]:
+    for expr in _expressions(dashboard) + [
+        v["query"]["query"] for v in _variables(dashboard).values() if v["type"] == "query"
+    ]:
         assert _unknown_metrics(expr) == set(), expr
         used |= set(_METRIC.findall(expr))
         for name in re.findall(r"\$\{?(\w+)", expr):
             assert name in variables | _GRAFANA_BUILTINS, f"{expr}: ${name} is no variable"
     # the status page's panels: input, rate limit, Spark's batches, buffers, block log and budget, pauses
     assert {
-        "sluice_records_received_total", "sluice_rate_limit", "sluice_batches_completed_total",
-        "sluice_buffered_records", "sluice_buffered_bytes", "sluice_wal_disk_bytes",
-        "sluice_wal_disk_budget_bytes", "sluice_credit_paused", "sluice_node_backlog_records",
+        "sluice_records_received_total",
+        "sluice_rate_limit",
+        "sluice_batches_completed_total",
+        "sluice_buffered_records",
+        "sluice_buffered_bytes",
+        "sluice_wal_disk_bytes",
+        "sluice_wal_disk_budget_bytes",
+        "sluice_credit_paused",
+        "sluice_node_backlog_records",
     } <= used
     # per stream: every expression over a family with a stream label is filtered by $stream, but for a
     # total of all streams (the disk budget is one for the whole block log)
@@ -385,15 +401,23 @@ def _per_stream_series() -> set[str]:
     per_stream_literals = [
         str(call.args[0].value)
         for call in ast.walk(tree)
-        if isinstance(call, ast.Call) and call.args and isinstance(call.args[0], ast.Constant)
+        if isinstance(call, ast.Call)
+        and call.args
+        and isinstance(call.args[0], ast.Constant)
         and any(
-            k.arg == "labels" and isinstance(k.value, ast.List) and k.value.elts
-            and isinstance(k.value.elts[0], ast.Constant) and k.value.elts[0].value == "stream"
+            k.arg == "labels"
+            and isinstance(k.value, ast.List)
+            and k.value.elts
+            and isinstance(k.value.elts[0], ast.Constant)
+            and k.value.elts[0].value == "stream"
             for k in call.keywords
         )
     ]
     collect = next(
-        n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "collect"
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.FunctionDef)
+        and n.name == "collect"
         and any(isinstance(c, ast.Constant) and c.value == "records_received" for c in ast.walk(n))
     )
     keyed = [f"sluice_{k}" for d in ("counters", "gauges") for k in _dict_keys(collect, d)]
@@ -444,7 +468,12 @@ def _serve_accepts(args: list[str]) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "250"}
     return subprocess.run(
         [sys.executable, "-m", "ingest.cli", "serve", *args, "--help"],
-        capture_output=True, text=True, timeout=60, check=False, env=env, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+        cwd=ROOT,
     )
 
 
@@ -534,7 +563,8 @@ def test_sluice_serve_accepts_the_units_flags() -> None:
         assert result.returncode == 0, f"{own + extra}: {result.stderr}"
     # the checks can fail
     assert _unknown_flags([*own, "--no-such-flag", "--stream"], options) == [
-        "--no-such-flag", "--stream without a value"
+        "--no-such-flag",
+        "--stream without a value",
     ]
     assert _serve_accepts([*own, "--disk-budget", "lots"]).returncode == 2
 
@@ -599,8 +629,10 @@ async def _until(what: str, check: Any, timeout: float = 60.0) -> Any:
 
 def _grafana_to_promql(expr: str) -> str:
     return (
-        expr.replace("$__rate_interval", "1m").replace("$__range", "5m")
-        .replace("$instance", ".*").replace("$stream", ".*")
+        expr.replace("$__rate_interval", "1m")
+        .replace("$__range", "5m")
+        .replace("$instance", ".*")
+        .replace("$stream", ".*")
     )
 
 
@@ -615,23 +647,33 @@ async def test_prometheus_scrapes_sluice_with_the_rules_loaded(tmp_path: Path) -
         assert server.metrics_port is not None
         (port,) = free_ports(1)
         config = tmp_path / "prometheus.yml"
-        config.write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(ALERTS)],
-            "scrape_configs": [{
-                "job_name": "sluice",
-                "static_configs": [{"targets": [f"127.0.0.1:{server.metrics_port}"]}],
-            }],
-        }))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "rule_files": [str(ALERTS)],
+                    "scrape_configs": [
+                        {
+                            "job_name": "sluice",
+                            "static_configs": [{"targets": [f"127.0.0.1:{server.metrics_port}"]}],
+                        }
+                    ],
+                }
+            )
+        )
         api = f"http://127.0.0.1:{port}/api/v1"
         with (tmp_path / "prometheus.log").open("w") as log:
             process = await asyncio.to_thread(
                 subprocess.Popen,
                 [
-                    PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                    PROMETHEUS,
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                     f"--web.listen-address=127.0.0.1:{port}",
                 ],
-                stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=tmp_path,
             )
             try:
                 await _check_prometheus(api, records, process)

@@ -324,4 +324,3 @@ def test_peer_hosts_and_limit_keys() -> None:
     assert peer_host("") == "unknown peer"
     assert limit_key(ANONYMOUS, "ipv4:10.0.0.7:4000") == "anonymous@10.0.0.7"
     assert limit_key(Principal("app"), "ipv4:10.0.0.7:4000") == "app"
-

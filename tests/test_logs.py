@@ -42,8 +42,18 @@ def test_serve_logs_its_lifecycle_and_stops_cleanly(
     config.write_text(f'spark-log-level = "{spark_log_level}"\nmaster = "local[1]"\ntrigger-interval = 0.5\n')
     with log.open("wb") as log_file:
         serve = subprocess.Popen(
-            [*SLUICE, "serve", "--config", str(config), "--port", "0", "--metrics-port", "0",
-             "--data-dir", str(tmp_path / "data")],
+            [
+                *SLUICE,
+                "serve",
+                "--config",
+                str(config),
+                "--port",
+                "0",
+                "--metrics-port",
+                "0",
+                "--data-dir",
+                str(tmp_path / "data"),
+            ],
             stderr=log_file,
             env=env,
         )
@@ -78,8 +88,13 @@ def test_serve_logs_its_lifecycle_and_stops_cleanly(
         assert "native-hadoop" not in text, text
     assert "Using incubator modules" not in text, text
     if log_format == "plain":
-        for line in ("sluice: starting", "sluice: serving streams default", "sluice: Spark query running",
-                     "sluice: stopping", "sluice: stopped"):
+        for line in (
+            "sluice: starting",
+            "sluice: serving streams default",
+            "sluice: Spark query running",
+            "sluice: stopping",
+            "sluice: stopped",
+        ):
             assert line in text, text
         assert re.search(r"INFO ingest.rate_service: rate \S+ -> 20000 records/s, set by", text), text
         return

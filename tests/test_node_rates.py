@@ -225,9 +225,7 @@ async def test_shares_arrive_as_node_rates_and_a_stopped_node_is_down_its_share_
             assert len(warnings) == 1
             assert f"receiver node 3 at {nodes[3]} is down" in warnings[0].getMessage()
             # back on the same port (and data dir): up at its first answer, with its share again
-            back = await stack.enter_async_context(
-                running_server(tmp_path / "node3", port=servers[3].port)
-            )
+            back = await stack.enter_async_context(running_server(tmp_path / "node3", port=servers[3].port))
             await wait_until(lambda: node_rates.snapshot()[3].up, timeout=5)
             await wait_until(lambda: all(node_rate(s) == pytest.approx(2_000) for s in [*servers[:3], back]))
             assert f"receiver node 3 at {nodes[3]} answers: up" in caplog.text

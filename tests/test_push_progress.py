@@ -48,7 +48,11 @@ async def test_push_progress_on_a_terminal_redraws_while_waiting_for_acks(tmp_pa
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
         started = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
-            SLUICE, "push", str(source), "--target", server.target,
+            SLUICE,
+            "push",
+            str(source),
+            "--target",
+            server.target,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=slave,
@@ -71,8 +75,11 @@ async def test_push_progress_on_a_terminal_redraws_while_waiting_for_acks(tmp_pa
     assert f"{RECORDS:,} acked of {RECORDS:,}" in plain
     assert took > 0.6 * RECORDS / RATE  # the server was slow indeed
     # each frame with its acked count, in order
-    frames = [(at, int(m.group(1).replace(b",", b""))) for at, data in chunks
-              for m in re.finditer(rb"([\d,]+) acked(?!/s)", ANSI.sub(b"", data))]
+    frames = [
+        (at, int(m.group(1).replace(b",", b"")))
+        for at, data in chunks
+        for m in re.finditer(rb"([\d,]+) acked(?!/s)", ANSI.sub(b"", data))
+    ]
     counts = [count for _, count in frames]
     assert counts == sorted(counts), counts  # acked only grows
     assert len(set(counts)) >= 5, counts  # seen growing while acks came in, not only at the end

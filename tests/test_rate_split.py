@@ -72,9 +72,7 @@ async def test_an_idle_stream_leaves_its_share_to_the_busy_one_and_gets_it_back(
         data_dir=tmp_path,
         streams=("a", "b"),
         receiver=ReceiverConfig(block_interval=0.02),
-        rate=RateConfig(
-            estimator="fixed", initial_rate=TOTAL, stream_policies={"a": StreamPolicy(weight=3)}
-        ),
+        rate=RateConfig(estimator="fixed", initial_rate=TOTAL, stream_policies={"a": StreamPolicy(weight=3)}),
         spark=False,
     )
     server = SluiceServer(config)

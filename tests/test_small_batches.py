@@ -48,9 +48,11 @@ async def test_single_record_batches_leave_the_rate_warm(spark: Any, tmp_path: P
                 await producer.flush(timeout=30)
                 await wait_until(lambda n=i: driver.records_processed >= n, timeout=120)  # type: ignore[misc]
                 await wait_until(
-                    lambda: controller.last_batch is not None
-                    and driver.last_batch is not None
-                    and controller.last_batch.batch_id == driver.last_batch.batch_id
+                    lambda: (
+                        controller.last_batch is not None
+                        and driver.last_batch is not None
+                        and controller.last_batch.batch_id == driver.last_batch.batch_id
+                    )
                 )
                 assert driver.error() is None, driver.error()
         state = controller.estimator.state()

@@ -65,7 +65,7 @@ async def test_reflection_lists_the_services(tmp_path: Path) -> None:
 
 
 async def test_health_follows_the_query(tmp_path: Path) -> None:
-    """"" is SERVING while records are taken and, once a query is attached, while it runs; the intake's
+    """ "" is SERVING while records are taken and, once a query is attached, while it runs; the intake's
     own service stays SERVING through a query's failure (records are still taken and acked)."""
     async with running_server(tmp_path, "s") as server:
         assert await health_of(server.target, "") == SERVING  # no Spark here: the block log is enough
@@ -286,7 +286,10 @@ async def test_status_page_in_chromium(busy_server: SluiceServer, tmp_path: Path
 
     shot = tmp_path / "status.png"
     _, console = await run_chromium(
-        "--virtual-time-budget=3000", "--window-size=1400,1800", "--hide-scrollbars", f"--screenshot={shot}",
+        "--virtual-time-budget=3000",
+        "--window-size=1400,1800",
+        "--hide-scrollbars",
+        f"--screenshot={shot}",
         url,
     )
     assert console == [], console
@@ -301,4 +304,3 @@ def test_chromium_console_is_read(tmp_path: Path) -> None:
     page.write_text("<script>undefinedFunction()</script>")
     _, console = asyncio.run(run_chromium("--virtual-time-budget=500", "--dump-dom", page.as_uri()))
     assert any("undefinedFunction" in line for line in console), console
-

@@ -25,8 +25,13 @@ async def status(*args: str, token: str | None) -> subprocess.CompletedProcess[s
     if token is not None:
         env["SLUICE_TOKEN"] = token
     return await asyncio.to_thread(
-        subprocess.run, [SLUICE, "status", "--once", *args], capture_output=True, text=True, env=env,
-        timeout=60, check=False,
+        subprocess.run,
+        [SLUICE, "status", "--once", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
     )
 
 

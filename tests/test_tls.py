@@ -288,6 +288,7 @@ def test_serve_refuses_plaintext_on_a_non_loopback_address(tmp_path: Path) -> No
     proc, log = start_serve(tmp_path, "--host", "0.0.0.0", "--insecure", "--metrics-port", "-1")
     try:
         port = int(wait_for(proc, log, r"serving streams default on 0\.0\.0\.0:(\d+)").group(1))
+
         async def rate() -> pb.RateStatus:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
                 return await get_rate(ch)
