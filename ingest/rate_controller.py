@@ -19,7 +19,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from ingest.config import RateConfig
 from ratecontrol import (
@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 
 STARTUP_BATCHES = 2
 """Batches of a fresh query the model estimator does not fit."""
+
+RECALLED_INTERVALS = 2.0
+"""An unmeasured batch takes at most this many trigger intervals of a capacity remembered from an
+earlier run of the same pipeline (ingest.rate_memory): room for a pipeline that got faster."""
 
 WATCHDOG_TICK = 0.1
 """Seconds between looks at a running batch (check_overrun), as the server calls it."""
@@ -108,6 +112,9 @@ class RateController:
             config.estimator, bounds=self._bounds, initial_rate=self._rate, **gains
         )
         self.pinned = False
+        self._recalled: float | None = None
+        self.on_capacity: Callable[[float], None] | None = None
+        """Called with the estimator's capacity after each batch it measured (ingest.rate_memory)."""
         self.last_batch: BatchMetrics | None = None
         self.recent_batches: collections.deque[tuple[float, BatchMetrics]] = collections.deque(
             maxlen=RECENT_BATCHES
@@ -219,14 +226,26 @@ class RateController:
         if proposal is not None and not self.pinned:
             self._apply(self._clamp(check_rate(proposal)))
         self._sync_hold()
+        capacity = self.estimator.capacity
+        if self.on_capacity is not None and capacity is not None and 0 < capacity < math.inf:
+            self.on_capacity(capacity)
+
+    def recall(self, capacity: float | None) -> None:
+        """A capacity (records/s) the pipeline showed in an earlier run: until this run measures one,
+        it bounds unmeasured batches (unmeasured_batch_records); None forgets it."""
+        self._recalled = capacity if capacity is not None and 0 < capacity < math.inf else None
 
     def unmeasured_batch_records(self) -> int:
         """While the rate is unlimited and the estimator has measured nothing (no capacity; `fixed`
         excepted: an operator's unlimited rate is unbounded on purpose), the most records a batch may
-        take: what the receivers may hold in memory (RateStatus.unmeasured_batch_records); else 0."""
+        take: what the receivers may hold in memory, or less when a capacity was recalled (RECALLED_
+        INTERVALS x it x the trigger interval) (RateStatus.unmeasured_batch_records); else 0."""
         estimator = self.estimator
         if math.isinf(self._rate) and not estimator.capacity and estimator.name != "fixed":
-            return sum(r.config.buffer_records for r in self._receivers.values())
+            memory = sum(r.config.buffer_records for r in self._receivers.values())
+            if self._recalled is None:
+                return memory
+            return max(1, min(memory, math.ceil(RECALLED_INTERVALS * self._recalled * self._batch_interval)))
         return 0
 
     def _sync_hold(self) -> None:

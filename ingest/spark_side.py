@@ -9,6 +9,7 @@ from typing import Any
 
 from ingest.driver import QUERY_NAME, SparkDriver, drive_rate
 from ingest.pipeline_manager import PipelineManager
+from ingest.rate_memory import RateMemory
 from ingest.server import SluiceServer
 
 WARM_TIMEOUT = 60.0
@@ -58,6 +59,10 @@ async def attach_spark(
     drive_rate(driver, server, loop)
     manager = PipelineManager(driver, server, loop)
     server.pipeline_control = manager
+    # the capacity an earlier run of this pipeline showed bounds the first batches (ingest.rate_memory)
+    memory = RateMemory(server.config.data_dir)
+    server.rate.recall(memory.recall(manager.current.spec))
+    server.rate.on_capacity = lambda capacity: memory.remember(manager.current.spec, capacity)
     if warm:
         await asyncio.to_thread(warm_python_workers, spark)
     await manager.start()
