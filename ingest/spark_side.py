@@ -4,6 +4,7 @@ releases) and the pipeline manager (swaps, restarts). One wiring for the CLI, th
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import Any
 
@@ -11,6 +12,8 @@ from ingest.driver import QUERY_NAME, SparkDriver, drive_rate
 from ingest.pipeline_manager import PipelineManager
 from ingest.rate_memory import RateMemory
 from ingest.server import SluiceServer
+
+log = logging.getLogger(__name__)
 
 WARM_TIMEOUT = 60.0
 """Seconds `attach_spark(warm=True)` waits for the query's first trigger before it says it is ready."""
@@ -61,7 +64,16 @@ async def attach_spark(
     server.pipeline_control = manager
     # the capacity an earlier run of this pipeline showed bounds the first batches (ingest.rate_memory)
     memory = RateMemory(server.config.data_dir)
-    server.rate.recall(memory.recall(manager.current.spec))
+    recalled = memory.recall(manager.current.spec)
+    server.rate.recall(recalled)
+    if recalled is not None and server.rate.unmeasured_batch_records():  # the model, unlimited: bounded
+        log.info(
+            "this pipeline showed %.0f records/s before (%s): until it is measured again, a batch takes "
+            "at most %d records",
+            recalled,
+            memory.path,
+            server.rate.unmeasured_batch_records(),
+        )
     server.rate.on_capacity = lambda capacity: memory.remember(manager.current.spec, capacity)
     if warm:
         await asyncio.to_thread(warm_python_workers, spark)

@@ -100,15 +100,18 @@ async def test_a_recalled_capacity_bounds_the_unmeasured_batches_below_memory(tm
 
 
 async def test_a_restarted_query_takes_first_batches_of_the_capacity_it_showed(
-    spark: Any, tmp_path: Path
+    spark: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Real Spark: the source plans the first batches of a restart by the recalled capacity. Without it,
     the first batch would take every record waiting (5,000: under the memory bound of 500,000)."""
     model = RateConfig(estimator="model", initial_rate=math.inf)
     (tmp_path / FILE).write_text(json.dumps({"pipeline": "", "capacity": 400.0}))
     bound = math.ceil(RECALLED_INTERVALS * 400.0 * 0.5)  # service()'s trigger interval: 0.5 s
+    caplog.set_level(logging.INFO, "ingest.spark_side")
     async with service(spark, tmp_path, "events", rate=model) as server:
         assert server.rate.unmeasured_batch_records() == bound
+        assert f"this pipeline showed 400 records/s before ({tmp_path / FILE})" in caplog.text
+        assert f"a batch takes at most {bound} records" in caplog.text
         async with Producer(server.target, "events") as producer:
             await producer.send_many([b"r%d" % i for i in range(5_000)])
             await producer.flush(timeout=60)
