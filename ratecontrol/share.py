@@ -26,8 +26,8 @@ from ratecontrol.rate import UNLIMITED
 IDLE_FLOOR = 0.05
 """Share of its weighted share of the rate a stream keeps while idle: credit to ramp from."""
 MIN_WEIGHT, MAX_WEIGHT = 1e-6, 1e6
-"""A stream's weight lies in between: weights are relative, and the sum of weights beyond this
-overflowed to inf and gave every stream a rate of 0."""
+"""A stream's weight lies in between. Weights are relative, so this loses nothing: two of 1e308 summed
+to inf and gave every stream a rate of 0, and one of 1e-320 left its stream a rate of 1e-317."""
 HEADROOM = 1.5
 """A stream that takes less than its share may use this multiple of what it took before it counts as
 busy again; it grows by that factor per split meanwhile."""
