@@ -44,6 +44,11 @@ STARTUP_BATCHES = 2
 RECALLED_INTERVALS = 2.0
 """An unmeasured batch takes at most this many trigger intervals of a capacity remembered from an
 earlier run of the same pipeline (ingest.rate_memory): room for a pipeline that got faster."""
+LOADED_SHARE = 0.5
+"""The capacity is handed on to be remembered only after a batch that kept the pipeline busy for at
+least this share of its interval: under a light load it is an extrapolation from small batches (the
+built-in sink read 8k records/s that way, a hundredth of the truth), and a restart bounded by it would
+catch up on a backlog slowly."""
 
 WATCHDOG_TICK = 0.1
 """Seconds between looks at a running batch (check_overrun), as the server calls it."""
@@ -227,7 +232,8 @@ class RateController:
             self._apply(self._clamp(check_rate(proposal)))
         self._sync_hold()
         capacity = self.estimator.capacity
-        if self.on_capacity is not None and capacity is not None and 0 < capacity < math.inf:
+        loaded = batch.processing_delay >= LOADED_SHARE * batch.batch_interval
+        if self.on_capacity is not None and loaded and capacity is not None and 0 < capacity < math.inf:
             self.on_capacity(capacity)
 
     def recall(self, capacity: float | None) -> None:

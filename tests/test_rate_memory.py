@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from jump_pipelines import COST_SECONDS, factor_file
 from live_service import service, wait_for_offsets
 from support import running_server
 
@@ -94,6 +95,10 @@ async def test_a_recalled_capacity_bounds_the_unmeasured_batches_below_memory(tm
             controller.on_batch(batch(k, 20_000, 0.5))
         assert controller.unmeasured_batch_records() == 0
         assert seen and seen[-1] == controller.estimator.capacity and 0 < seen[-1] < math.inf
+        # a batch that kept the pipeline busy under half its interval proves little: not handed on
+        count = len(seen)
+        controller.on_batch(batch(6, 100, 0.4))
+        assert len(seen) == count and controller.estimator.capacity
         controller.set_estimator("fixed")  # an operator's unlimited rate is never capped
         controller.update(math.inf)
         assert controller.unmeasured_batch_records() == 0
@@ -103,12 +108,15 @@ async def test_a_restarted_query_takes_first_batches_of_the_capacity_it_showed(
     spark: Any, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Real Spark: the source plans the first batches of a restart by the recalled capacity. Without it,
-    the first batch would take every record waiting (5,000: under the memory bound of 500,000)."""
+    the first batch would take every record waiting (5,000: under the memory bound of 500,000). The
+    pipeline costs 1 ms a record, so its batches keep it busy and what it measures is remembered."""
     model = RateConfig(estimator="model", initial_rate=math.inf)
-    (tmp_path / FILE).write_text(json.dumps({"pipeline": "", "capacity": 400.0}))
+    pipeline = "jump_pipelines:costly"
+    factor_file(tmp_path / "sink").write_text(str(1e-3 / COST_SECONDS))
+    (tmp_path / FILE).write_text(json.dumps({"pipeline": pipeline, "capacity": 400.0}))
     bound = math.ceil(RECALLED_INTERVALS * 400.0 * 0.5)  # service()'s trigger interval: 0.5 s
     caplog.set_level(logging.INFO, "ingest.spark_side")
-    async with service(spark, tmp_path, "events", rate=model) as server:
+    async with service(spark, tmp_path, "events", pipeline=pipeline, rate=model) as server:
         assert server.rate.unmeasured_batch_records() == bound
         assert f"this pipeline showed 400 records/s before ({tmp_path / FILE})" in caplog.text
         assert f"a batch takes at most {bound} records" in caplog.text
@@ -126,4 +134,4 @@ async def test_a_restarted_query_takes_first_batches_of_the_capacity_it_showed(
             await asyncio.sleep(0.1)
         assert server.rate.estimator.capacity, sizes
         kept = json.loads((tmp_path / FILE).read_text())
-        assert kept["pipeline"] == "" and kept["capacity"] != 400.0 and kept["capacity"] > 0, kept
+        assert kept["pipeline"] == pipeline and kept["capacity"] != 400.0 and kept["capacity"] > 0, kept
