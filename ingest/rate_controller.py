@@ -233,8 +233,8 @@ class RateController:
         self._sync_hold()
         capacity = self.estimator.capacity
         loaded = batch.processing_delay >= LOADED_SHARE * batch.batch_interval
-        if self.on_capacity is not None and loaded and capacity is not None and 0 < capacity < math.inf:
-            self.on_capacity(capacity)
+        if self.on_capacity is not None and loaded and capacity is not None:
+            self.on_capacity(capacity)  # RateMemory.remember keeps only a positive, finite one
 
     def recall(self, capacity: float | None) -> None:
         """A capacity (records/s) the pipeline showed in an earlier run: until this run measures one,

@@ -66,13 +66,14 @@ async def attach_spark(
     memory = RateMemory(server.config.data_dir)
     recalled = memory.recall(manager.current.spec)
     server.rate.recall(recalled)
-    if recalled is not None and server.rate.unmeasured_batch_records():  # the model, unlimited: bounded
+    bound = server.rate.unmeasured_batch_records()  # 0 unless the model runs unlimited
+    if recalled is not None and bound:
         log.info(
             "this pipeline showed %.0f records/s before (%s): until it is measured again, a batch takes "
             "at most %d records",
             recalled,
             memory.path,
-            server.rate.unmeasured_batch_records(),
+            bound,
         )
     server.rate.on_capacity = lambda capacity: memory.remember(manager.current.spec, capacity)
     if warm:

@@ -1017,12 +1017,12 @@ class Producer:
                 "give list(...) of an iterator, or use publish() to pull from one as credit comes"
             ) from None
         if keys is not None and len(keys) != count:
-            raise ValueError(f"{len(keys)} keys for {len(values)} values")
+            raise ValueError(f"{len(keys)} keys for {count} values")
         start = 0
-        while start < len(values):
+        while start < count:
             await self._room_for(1)
             room = self.max_buffered - self._held
-            end = min(len(values), start + room)
+            end = min(count, start + room)
             self._buffered_bytes += self._pending.extend(
                 values[start:end], keys[start:end] if keys is not None else None
             )
