@@ -285,8 +285,9 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         type=float,
         default=None,
         help="records/s before the first batch is measured (default: inf with the model estimator, which "
-        "bounds each batch by the receivers' memory until it has measured one, and with --no-spark; else "
-        "10000)",
+        "bounds each batch by the receivers' memory until it has measured one, and with --no-spark; a "
+        "driver: the capacity its pipeline showed in an earlier run (DATA_DIR/rate-memory.json), else 10000; "
+        "else 10000)",
     )
     serve.add_argument("--min-rate", type=float, default=100.0, help="lowest rate (default: %(default)s)")
     serve.add_argument("--max-rate", type=float, default=math.inf, help="highest rate (default: inf)")
@@ -941,6 +942,7 @@ def _driver_config(args: argparse.Namespace) -> DriverConfig:
             pipeline=args.pipeline,
             trigger_interval=args.trigger_interval,
             rate=rate,
+            recall_capacity=args.initial_rate is None,
             rate_host=args.host,
             rate_port=args.port,
             ca_file=args.client_ca,

@@ -25,7 +25,7 @@ import logging
 import signal
 import threading
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from ingest.logs import JSON, SPARK_QUIET, log_format, say
 from ingest.metrics import MetricsServer, SluiceCollector
 from ingest.node_rates import NodeRates
 from ingest.rate_controller import RateController
+from ingest.rate_memory import RateMemory
 from ingest.rate_service import RateControlService
 from ingest.reflection import enable_reflection
 from ingest.spark.cluster_source import BlocksClient, nest, split_key
@@ -78,6 +79,10 @@ class DriverConfig:
     pipeline: str | None = None
     trigger_interval: float = 1.0
     rate: RateConfig = field(default_factory=RateConfig)
+    recall_capacity: bool = True
+    """Start the rate at the capacity this pipeline showed in an earlier run (DATA_DIR/rate-memory.json,
+    ingest.rate_memory) instead of `rate.initial_rate`; False when the operator gave an initial rate. Not
+    under the fixed estimator (its rate is the operator's)."""
     max_records_per_batch: int | None = None
     rate_host: str = "127.0.0.1"
     """Where this driver's RateControl server listens (the source, in Spark's driver-side Python
@@ -155,7 +160,19 @@ class ClusterDriver:
         # a bad file fails here, before Spark starts (CredentialsError, AuthFileError: ValueErrors)
         self.credentials = config.credentials()
         self.auth = Authenticator(AuthTable.load(config.auth_file) if config.auth_file is not None else None)
-        self.rate = RateController({}, config.rate, batch_interval=config.trigger_interval)
+        # the rate starts where an earlier run of this pipeline measured its capacity: without it, at
+        # 10,000 records/s (a single node bounds its first batches instead: no receivers run here)
+        pipeline = config.pipeline or ""
+        self.rate_memory = RateMemory(config.data_dir)
+        self.recalled: float | None = None
+        rate = config.rate
+        if config.recall_capacity and rate.estimator != "fixed":
+            recalled = self.rate_memory.recall(pipeline)
+            if recalled is not None:
+                self.recalled = min(max(recalled, rate.min_rate), rate.max_rate)
+                rate = replace(rate, initial_rate=self.recalled)
+        self.rate = RateController({}, rate, batch_interval=config.trigger_interval)
+        self.rate.on_capacity = lambda capacity: self.rate_memory.remember(pipeline, capacity)
         self.blocks = BlocksClient(config.nodes, self.credentials)
         self.node_rates = NodeRates(
             config.nodes,
@@ -357,6 +374,11 @@ async def run_driver(
     )
     try:
         await driver.start(spark)
+        if driver.recalled is not None:
+            say(
+                f"this pipeline showed {driver.recalled:.0f} records/s before ({driver.rate_memory.path}): "
+                "the rate starts there"
+            )
         metrics = "" if driver.metrics_port is None else f", metrics on :{driver.metrics_port}/metrics"
         health_port = "" if driver.health_port is None else f", health on :{driver.health_port}"
         say(

@@ -6,7 +6,8 @@ takes 50 s over, a batch at a time, until the estimator has measured one. A rest
 pipeline need not guess: the capacity the estimator last measured is kept here (a few times a minute
 at most) and, when the query that starts runs the same pipeline spec, bounds those first batches to
 RECALLED_INTERVALS x it x the trigger interval (never more than memory allows). A fast pipeline's bound
-stays the memory's; another pipeline, or no file, starts as a fresh data dir does.
+stays the memory's; another pipeline, or no file, starts as a fresh data dir does. A cluster's driver
+(ingest.cluster_driver), which runs no receivers, starts its rate at the recalled capacity instead.
 
 A hint, not state: the file is written without fsync, and one that cannot be read is logged and
 ignored (the start goes on unbounded by it), unlike pipeline.json or runtime-config.json.
@@ -44,13 +45,13 @@ class RateMemory:
         try:
             data = read_json(self.path, "the remembered capacity", ValueError)
         except ValueError as exc:
-            log.warning("%s; the first batches are bounded by memory alone", exc)
+            log.warning("%s; ignored: the start goes on as a fresh one", exc)
             return None
         if data is None:
             return None
         capacity = data.get("capacity") if isinstance(data, dict) else None
         if not isinstance(capacity, int | float) or not 0 < capacity < math.inf:
-            log.warning("%s: no capacity in it; the first batches are bounded by memory alone", self.path)
+            log.warning("%s: no capacity in it; ignored: the start goes on as a fresh one", self.path)
             return None
         if data.get("pipeline") != pipeline:
             return None  # measured on another pipeline: says nothing about this one

@@ -54,7 +54,7 @@ def test_a_capacity_is_recalled_only_for_the_pipeline_it_was_measured_on(
         (tmp_path / FILE).write_text(text)
         with caplog.at_level(logging.WARNING, "ingest.rate_memory"):
             assert RateMemory(tmp_path).recall("") is None
-        assert "bounded by memory alone" in caplog.text
+        assert "ignored: the start goes on as a fresh one" in caplog.text
         caplog.clear()
     # a data dir it cannot write to: one warning, no error
     blocked = RateMemory(tmp_path / FILE / "below")
@@ -135,3 +135,40 @@ async def test_a_restarted_query_takes_first_batches_of_the_capacity_it_showed(
         assert server.rate.estimator.capacity, sizes
         kept = json.loads((tmp_path / FILE).read_text())
         assert kept["pipeline"] == pipeline and kept["capacity"] != 400.0 and kept["capacity"] > 0, kept
+
+
+async def test_a_cluster_driver_starts_its_rate_at_the_capacity_its_pipeline_showed(tmp_path: Path) -> None:
+    """A driver runs no receivers, so its first batches are bounded by its rate: the recalled capacity
+    (clamped to the rate bounds), not the default 10,000 records/s; never over an operator's choice."""
+    from ingest import cli
+    from ingest.cluster_driver import ClusterDriver, DriverConfig
+
+    def start_rate(**options: Any) -> tuple[float, float | None]:
+        config = DriverConfig(nodes={0: "127.0.0.1:1"}, streams=("s",), data_dir=tmp_path, **options)
+        driver = ClusterDriver(config)
+        driver.blocks.close()
+        return driver.rate.rate, driver.recalled
+
+    assert start_rate() == (10_000.0, None)  # nothing remembered: the default
+    RateMemory(tmp_path).remember("", 123_456.0)
+    assert start_rate() == (123_456.0, 123_456.0)
+    assert start_rate(pipeline="mod:other") == (10_000.0, None)  # measured on another pipeline
+    assert start_rate(rate=RateConfig(max_rate=50_000.0)) == (50_000.0, 50_000.0)
+    assert start_rate(recall_capacity=False) == (10_000.0, None)  # --initial-rate given
+    assert start_rate(rate=RateConfig(estimator="fixed")) == (10_000.0, None)  # the operator's rate
+    # what its estimator measures under load is kept for the next start
+    config = DriverConfig(nodes={0: "127.0.0.1:1"}, streams=("s",), data_dir=tmp_path / "fresh")
+    (tmp_path / "fresh").mkdir()
+    driver = ClusterDriver(config)
+    driver.blocks.close()
+    for k in range(6):
+        driver.rate.on_batch(batch(k, 20_000, 0.5))
+    capacity = driver.rate.estimator.capacity
+    assert capacity and RateMemory(tmp_path / "fresh").recall("") == capacity
+    # `sluice serve --role driver`: an initial rate given by the operator is never replaced
+    nodes = tmp_path / "nodes"
+    nodes.write_text("0 127.0.0.1:7000\n")
+    for extra, recall in (([], True), (["--initial-rate", "5000"], False)):
+        args = cli._parser().parse_args(["serve", "--role", "driver", "--nodes", str(nodes), *extra])
+        args.origins = {}
+        assert cli._driver_config(args).recall_capacity is recall
