@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import signal
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from ingest.driver import SparkDriver, batch_metrics
 from ingest.logs import JSON, SPARK_QUIET, log_format, say
 from ingest.metrics import MetricsServer, SluiceCollector
 from ingest.node_rates import NodeRates
+from ingest.preflight import DataDirLock, check_port
 from ingest.rate_controller import RateController
 from ingest.rate_memory import RateMemory
 from ingest.rate_service import RateControlService
@@ -252,7 +252,7 @@ class ClusterDriver:
                 tls=tls,
                 authenticator=self.auth if config.auth_file is not None else None,
             )
-        server = grpc.aio.server()
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a taken port fails
         service = RateControlService(self.rate, {}, nodes=self.node_rates.snapshot)
         add_parsed_servicer(server, service, "RateControl", authenticator=self.auth)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
@@ -286,7 +286,7 @@ class ClusterDriver:
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
 
     async def _start_health_port(self, port: int) -> None:
-        server = grpc.aio.server()
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a taken port fails
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             bound = server.add_insecure_port(f"0.0.0.0:{port}")  # every address: probes come from the kubelet
@@ -352,6 +352,9 @@ async def run_driver(
     """Run a cluster's driver until SIGINT/SIGTERM (or `stop`); 0, or 1 when the query failed."""
     from ingest.spark.session import build_session, java_problem  # noqa: PLC0415 - Spark is slow to import
 
+    def session() -> Any:
+        return build_session(config.master, log_level=spark_log_level, log_json=log_format() == JSON)
+
     problem = java_problem()
     if problem is not None:
         say(problem, level=logging.ERROR)
@@ -366,12 +369,40 @@ async def run_driver(
     except ValueError as exc:  # a credentials file, the auth file
         say(str(exc), level=logging.ERROR)
         return 2
+    try:
+        lock = prepare_driver(config)
+    except OSError as exc:
+        driver.blocks.close()
+        say(f"cannot start the driver: {exc}", level=logging.ERROR)
+        return 1
+    try:
+        return await _run(driver, stop, session)
+    finally:
+        lock.release()
+
+
+def prepare_driver(config: DriverConfig) -> DataDirLock:
+    """What can fail before Spark's JVM starts (seconds): the data dir, locked for this process (two
+    drivers on one checkpoint fail each other's batches), and the ports (gRPC's SO_REUSEPORT would let a
+    second driver share the rate port, its callers split between the two). An OSError, nothing held."""
+    lock = DataDirLock(config.data_dir)
+    try:
+        check_port(config.rate_host, config.rate_port, "cannot serve the rate on")
+        if config.metrics_port is not None:
+            check_port(config.metrics_host, config.metrics_port, "cannot serve metrics on")
+        if config.health_port is not None:
+            check_port("0.0.0.0", config.health_port, "cannot serve health on")  # noqa: S104 - as it binds
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+async def _run(driver: ClusterDriver, stop: asyncio.Event, session: Callable[[], Any]) -> int:
+    """run_driver's lifecycle, once the data dir is locked: Spark (`session()`), the driver, the wait."""
+    config = driver.config
     # Spark's JVM first: a fork while gRPC's threads run can break both (see ingest.cli)
-    spark = await asyncio.to_thread(
-        functools.partial(
-            build_session, config.master, log_level=spark_log_level, log_json=log_format() == JSON
-        )
-    )
+    spark = await asyncio.to_thread(session)
     try:
         await driver.start(spark)
         if driver.recalled is not None:

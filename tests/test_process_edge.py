@@ -138,6 +138,54 @@ def test_a_taken_port_or_data_dir_fails_before_spark_starts(tmp_path: Path, serv
             assert took < 15, (name, took)  # Spark's start alone takes 25 s+ on this machine
 
 
+def test_a_second_cluster_driver_on_a_taken_data_dir_or_port_fails_before_spark_starts(
+    tmp_path: Path,
+) -> None:
+    """Two drivers on one data dir share its checkpoint (one fails the other's batches once records
+    come); a driver on a taken rate port started and shared it (gRPC's SO_REUSEPORT). Both now fail at
+    once, before Spark's JVM, and leave what holds them alone."""
+    nodes = tmp_path / "nodes"
+    nodes.write_text(f"0 127.0.0.1:{free_port()}\n")
+    held = DataDirLock(tmp_path / "held")  # as a running driver holds its data dir
+    port, metrics_port = free_port(), free_port()
+    with socket.socket() as rate_busy, socket.socket() as metrics_busy:
+        for sock, taken in ((rate_busy, port), (metrics_busy, metrics_port)):
+            sock.bind(("127.0.0.1", taken))
+            sock.listen()
+        driver = ["serve", "--role", "driver", "--nodes", str(nodes)]
+        cases = {
+            "data dir": (
+                ["--data-dir", str(tmp_path / "held"), "--port", "0", "--metrics-port", "-1"],
+                f"data dir {tmp_path / 'held'} is in use by another sluice server (pid {os.getpid()})",
+            ),
+            "rate port": (
+                ["--data-dir", str(tmp_path / "a"), "--port", str(port), "--metrics-port", "-1"],
+                f"cannot serve the rate on 127.0.0.1:{port}: address in use",
+            ),
+            "metrics port": (
+                ["--data-dir", str(tmp_path / "b"), "--port", "0", "--metrics-port", str(metrics_port)],
+                f"cannot serve metrics on 127.0.0.1:{metrics_port}: address in use",
+            ),
+        }
+        for name, (flags, message) in cases.items():
+            started = time.monotonic()
+            result = sluice(*driver, *flags, timeout=120)
+            took = time.monotonic() - started
+            assert result.returncode == 1, (name, result.stderr.decode())
+            assert f"cannot start the driver: {message}".encode() in result.stderr, (name, result.stderr)
+            assert b"Traceback" not in result.stderr and b"Spark" not in result.stderr, name
+            assert took < 15, (name, took)  # Spark's start alone takes 25 s+ on this machine
+    assert held.held
+    # the lock is the process's: once the holder is gone, a driver may take the data dir (checked
+    # without starting Spark)
+    held.release()
+    from ingest.cluster_driver import DriverConfig, prepare_driver
+
+    lock = prepare_driver(DriverConfig(nodes={0: "127.0.0.1:1"}, streams=("s",), data_dir=tmp_path / "held"))
+    assert (tmp_path / "held" / "sluice.lock").read_text().strip() == str(os.getpid())
+    lock.release()
+
+
 def test_serve_refuses_unusable_data_dirs_ports_and_settings_at_once(tmp_path: Path) -> None:
     a_file = tmp_path / "file"
     a_file.write_text("not a directory")
