@@ -188,6 +188,8 @@ def prepare(config: ServeConfig) -> DataDirLock:
         check_port(config.host, config.port, "cannot bind gRPC to")
         if config.metrics_port is not None:
             check_port(config.metrics_host, config.metrics_port, "cannot serve metrics on")
+        if config.health_port is not None:
+            check_port("0.0.0.0", config.health_port, "cannot serve health on")  # noqa: S104 - as it binds
     except BaseException:
         lock.release()
         raise

@@ -126,6 +126,10 @@ def test_a_taken_port_or_data_dir_fails_before_spark_starts(tmp_path: Path, serv
                 ["--port", "0", "--data-dir", str(tmp_path / "c"), "--metrics-port", str(metrics_port)],
                 f"cannot serve metrics on 127.0.0.1:{metrics_port}: address in use".encode(),
             ),
+            "health": (  # the metrics socket: the health port binds every address, so it is taken too
+                ["--port", "0", "--data-dir", str(tmp_path / "d"), "--health-port", str(metrics_port)],
+                f"cannot serve health on 0.0.0.0:{metrics_port}: address in use".encode(),
+            ),
         }
         for name, (flags, message) in cases.items():
             started = time.monotonic()
