@@ -194,35 +194,90 @@ class AdminService(pb_grpc.AdminServicer):
         await context.abort(code, message)
 
     async def GetPipeline(self, request: pb.GetPipelineRequest, context: Context) -> pb.PipelineView:
-        if self._pipeline is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, NO_QUERY)
-            raise AssertionError
-        return self._pipeline.view()
+        return await get_pipeline(self._pipeline, context)
 
     async def SwapPipeline(self, request: pb.SwapPipelineRequest, context: Context) -> pb.PipelineView:
-        timeout = request.first_batch_timeout_seconds
-        if not (math.isfinite(timeout) and 0 <= timeout <= MAX_FIRST_BATCH_TIMEOUT):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"first_batch_timeout_seconds must be 0 (the default) to {MAX_FIRST_BATCH_TIMEOUT:g}, "
-                f"got {timeout}",
-            )
-        if len(request.pipeline) > MAX_SPEC:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"the pipeline spec is over {MAX_SPEC} characters"
-            )
-        if self._pipeline is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, NO_QUERY)
-            raise AssertionError
-        log.info("pipeline swap to %s asked by %s", request.pipeline or "the built-in sink", context.peer())
-        try:
-            return await self._pipeline.swap(
-                request.pipeline, keep_state=request.keep_state, first_batch_timeout=timeout
-            )
-        except InvalidPipeline as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"nothing was stopped: {exc}")
-        except SwapInProgress as exc:
-            await context.abort(grpc.StatusCode.ABORTED, str(exc))
-        except (SwapRolledBack, PipelineUnavailable) as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return await swap_pipeline(self._pipeline, request, context)
+
+
+async def get_pipeline(control: PipelineControl | None, context: Context) -> pb.PipelineView:
+    """Admin.GetPipeline on a node (`control` None: no query runs there)."""
+    if control is None:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, NO_QUERY)
+        raise AssertionError
+    return control.view()
+
+
+async def swap_pipeline(
+    control: PipelineControl | None, request: pb.SwapPipelineRequest, context: Context
+) -> pb.PipelineView:
+    """Admin.SwapPipeline on a node (`control` None: no query runs there)."""
+    timeout = request.first_batch_timeout_seconds
+    if not (math.isfinite(timeout) and 0 <= timeout <= MAX_FIRST_BATCH_TIMEOUT):
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"first_batch_timeout_seconds must be 0 (the default) to {MAX_FIRST_BATCH_TIMEOUT:g}, "
+            f"got {timeout}",
+        )
+    if len(request.pipeline) > MAX_SPEC:
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT, f"the pipeline spec is over {MAX_SPEC} characters"
+        )
+    if control is None:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, NO_QUERY)
+        raise AssertionError
+    log.info("pipeline swap to %s asked by %s", request.pipeline or "the built-in sink", context.peer())
+    try:
+        return await control.swap(
+            request.pipeline, keep_state=request.keep_state, first_batch_timeout=timeout
+        )
+    except InvalidPipeline as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"nothing was stopped: {exc}")
+    except SwapInProgress as exc:
+        await context.abort(grpc.StatusCode.ABORTED, str(exc))
+    except (SwapRolledBack, PipelineUnavailable) as exc:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+    raise AssertionError
+
+
+ON_THE_NODES = (
+    "a cluster's driver has no settings or streams of its own to change: they are each receiver node's "
+    "(sluice config set / sluice streams ... --target NODE); here: the pipeline (sluice pipeline)"
+)
+
+
+class DriverAdminService(pb_grpc.AdminServicer):
+    """Admin on a cluster's driver (ingest.cluster_driver): GetPipeline and SwapPipeline; the settings
+    and streams calls are refused with where to make them (FAILED_PRECONDITION)."""
+
+    def __init__(self, pipeline: Callable[[], PipelineControl | None]) -> None:
+        self._pipeline = pipeline
+
+    async def GetPipeline(self, request: pb.GetPipelineRequest, context: Context) -> pb.PipelineView:
+        return await get_pipeline(self._pipeline(), context)
+
+    async def SwapPipeline(self, request: pb.SwapPipelineRequest, context: Context) -> pb.PipelineView:
+        return await swap_pipeline(self._pipeline(), request, context)
+
+    async def _elsewhere(self, context: Context) -> None:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, ON_THE_NODES)
+
+    async def GetConfig(self, request: pb.GetConfigRequest, context: Context) -> pb.ConfigView:
+        await self._elsewhere(context)
+        raise AssertionError
+
+    async def SetConfig(self, request: pb.SetConfigRequest, context: Context) -> pb.ConfigView:
+        await self._elsewhere(context)
+        raise AssertionError
+
+    async def ListStreams(self, request: pb.ListStreamsRequest, context: Context) -> pb.StreamsView:
+        await self._elsewhere(context)
+        raise AssertionError
+
+    async def AddStream(self, request: pb.AddStreamRequest, context: Context) -> pb.StreamsView:
+        await self._elsewhere(context)
+        raise AssertionError
+
+    async def RemoveStream(self, request: pb.RemoveStreamRequest, context: Context) -> pb.StreamsView:
+        await self._elsewhere(context)
         raise AssertionError

@@ -23,8 +23,8 @@ import contextlib
 import logging
 import signal
 import threading
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +34,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ingest.admin_service import DriverAdminService
 from ingest.config import RateConfig, ServeConfig, TlsConfig
 from ingest.driver import SparkDriver, batch_metrics
 from ingest.logs import JSON, SPARK_QUIET, log_format, say
 from ingest.metrics import MetricsServer, SluiceCollector
 from ingest.node_rates import NodeRates
+from ingest.pipeline_manager import PipelineManager
 from ingest.preflight import DataDirLock, check_port
 from ingest.rate_controller import RateController
 from ingest.rate_memory import RateMemory
@@ -160,19 +162,13 @@ class ClusterDriver:
         # a bad file fails here, before Spark starts (CredentialsError, AuthFileError: ValueErrors)
         self.credentials = config.credentials()
         self.auth = Authenticator(AuthTable.load(config.auth_file) if config.auth_file is not None else None)
-        # the rate starts where an earlier run of this pipeline measured its capacity: without it, at
-        # 10,000 records/s (a single node bounds its first batches instead: no receivers run here)
-        pipeline = config.pipeline or ""
+        self.rate = RateController({}, config.rate, batch_interval=config.trigger_interval)
         self.rate_memory = RateMemory(config.data_dir)
         self.recalled: float | None = None
-        rate = config.rate
-        if config.recall_capacity and rate.estimator != "fixed":
-            recalled = self.rate_memory.recall(pipeline)
-            if recalled is not None:
-                self.recalled = min(max(recalled, rate.min_rate), rate.max_rate)
-                rate = replace(rate, initial_rate=self.recalled)
-        self.rate = RateController({}, rate, batch_interval=config.trigger_interval)
-        self.rate.on_capacity = lambda capacity: self.rate_memory.remember(pipeline, capacity)
+        """The capacity the running pipeline showed in an earlier run, which the rate started at."""
+        self.hold_batches = False
+        """While True the source plans no new batch (a pipeline swap stops the query between batches)."""
+        self.manager: PipelineManager | None = None
         self.blocks = BlocksClient(config.nodes, self.credentials)
         self.node_rates = NodeRates(
             config.nodes,
@@ -253,10 +249,18 @@ class ClusterDriver:
                 authenticator=self.auth if config.auth_file is not None else None,
             )
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a taken port fails
-        service = RateControlService(self.rate, {}, nodes=self.node_rates.snapshot)
+        service = RateControlService(
+            self.rate,
+            {},
+            nodes=self.node_rates.snapshot,
+            pipeline=lambda: (self.config.streams, self.hold_batches),
+        )
         add_parsed_servicer(server, service, "RateControl", authenticator=self.auth)
+        add_parsed_servicer(
+            server, DriverAdminService(lambda: self.manager), "Admin", authenticator=self.auth
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        enable_reflection(server, ["RateControl"])
+        enable_reflection(server, ["RateControl", "Admin"])
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
         address = f"{config.rate_host}:{config.rate_port}"
         if config.tls is not None:
@@ -280,10 +284,44 @@ class ClusterDriver:
         )
         driver.on_batch(lambda batch: self._on_batch(batch, loop))
         self.spark_driver = driver
+        # the pipeline in force: the config's, or the one a swap put in (DATA_DIR/pipeline.json)
+        manager = PipelineManager(driver, self, loop)
+        self.manager = manager
+        self.recall(manager.current.spec)
+        self.rate.on_capacity = lambda capacity: self.rate_memory.remember(manager.current.spec, capacity)
         if config.health_port is not None:
             await self._start_health_port(config.health_port)
-        await asyncio.to_thread(driver.start)
+        await manager.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+
+    def recall(self, pipeline: str) -> float | None:
+        """Start the rate at the capacity `pipeline` showed in an earlier run (ingest.rate_memory), as
+        config.recall_capacity allows; what it started at, or None."""
+        if not self.config.recall_capacity or self.config.rate.estimator == "fixed":
+            return None
+        recalled = self.rate_memory.recall(pipeline)
+        if recalled is not None:
+            self.rate.update(recalled)  # clamped to the bounds; the estimator starts there
+            self.recalled = self.rate.rate
+        return self.recalled
+
+    # ---- the query's host (ingest.pipeline_manager.QueryHost) ----
+
+    def query_streams(self) -> tuple[str, ...]:
+        return self.config.streams
+
+    def known_streams(self) -> Sequence[str]:
+        return self.config.streams
+
+    def unread(self, start: Mapping[str, int]) -> bool:
+        """Whether any node holds records of a partition past `start` ({"stream/owner": offset}; a
+        partition not in it: past its first record still held). Blocking; True when a node cannot
+        be asked (a new query is then proven by a batch)."""
+        try:
+            view = self.blocks.view(self.config.streams, seal=False)
+        except Exception:  # noqa: BLE001 - any failure to look means: do not assume nothing waits
+            return True
+        return any(view.end(key) > start.get(key, view.floor(key)) for key in view.holdings)
 
     async def _start_health_port(self, port: int) -> None:
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a taken port fails
@@ -306,6 +344,9 @@ class ClusterDriver:
         self.blocks.release(nest({k: v for k, v in end.items() if "/" in k}))
 
     def error(self) -> str | None:
+        """Why the query failed for good (a swap stops and starts queries: not a failure meanwhile)."""
+        if self.manager is not None:
+            return self.manager.failure()
         return self.spark_driver.error() if self.spark_driver is not None else None
 
     async def stop(self) -> None:

@@ -17,6 +17,10 @@ trigger-interval=...`) replaces the query at a batch boundary:
 DATA_DIR/pipeline.json records the generation in force, written before the new query starts with
 "trial" set and again once it is proven: a crash mid-swap restarts the new query if it committed a batch
 (its output exists, so going back would process those records twice), else the old one.
+
+The manager runs the query of a single node (`sluice serve`: its SluiceServer is the QueryHost) and of a
+cluster's driver (ingest.cluster_driver.ClusterDriver): the host holds batches back, resets the rate's
+warm-up, and says which streams a query reads and whether records wait.
 """
 
 from __future__ import annotations
@@ -26,10 +30,10 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ingest.driver import QueryPlan, SparkDriver, last_commit
 from ingest.pipeline_control import (
@@ -45,7 +49,7 @@ from receivers.files import read_json, replace_json
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 if TYPE_CHECKING:
-    from ingest.server import SluiceServer
+    from ingest.rate_controller import RateController
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +96,28 @@ def _folder(name: object) -> str:
     return name
 
 
+class QueryHost(Protocol):
+    """What the manager needs of the process that runs the query (SluiceServer, ClusterDriver)."""
+
+    hold_batches: bool
+    """While True the source plans no new batch (RateStatus.hold_batches): a swap's batch boundary."""
+
+    @property
+    def rate(self) -> RateController: ...
+
+    def query_streams(self) -> tuple[str, ...]:
+        """The streams a query started now reads."""
+        ...
+
+    def known_streams(self) -> Sequence[str]:
+        """Every stream a committed offset may name."""
+        ...
+
+    def unread(self, start: Mapping[str, int]) -> bool:
+        """Whether records wait past `start` (a query's end offsets, as last_commit gives them)."""
+        ...
+
+
 class PipelineStateError(ValueError):
     """pipeline.json is unreadable or not one: the start stops, naming it."""
 
@@ -99,11 +125,11 @@ class PipelineStateError(ValueError):
 class PipelineManager:
     """PipelineControl for `sluice serve`: owns the driver's query from start to stop."""
 
-    def __init__(self, driver: SparkDriver, server: SluiceServer, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, driver: SparkDriver, host: QueryHost, loop: asyncio.AbstractEventLoop) -> None:
         self._driver = driver
-        self._server = server
+        self._host = host
         self._loop = loop
-        config = server.config
+        config = driver.config
         self._data_dir = config.data_dir
         self._checkpoints = config.checkpoint_dir
         self._path = config.data_dir / STATE_FILE
@@ -179,7 +205,7 @@ class PipelineManager:
                 raise InvalidPipeline(str(exc)) from None
         else:
             pipeline = builtin_parquet
-        streams = tuple(self._server.streams.read_by_query)
+        streams = self._host.query_streams()
         return QueryPlan(
             pipeline=pipeline,
             checkpoint=self._checkpoints / generation.checkpoint,
@@ -273,10 +299,20 @@ class PipelineManager:
             requested = time.time()
             self._state = "swapping"
             old_id = str(query.runId)
+            if new.checkpoint != old.checkpoint:
+                # a failed try of this generation number left its folders: its checkpoint would
+                # replay the try's planned batch from where the old query stood then, and a file
+                # sink skips batch ids its metadata already lists. Before the old query stops.
+                try:
+                    for folder in (self._checkpoints / new.checkpoint, self._data_dir / new.sink):
+                        _set_aside(folder)
+                except OSError as exc:
+                    self._state = "running"
+                    raise PipelineUnavailable(f"nothing was stopped: {exc}") from None
             await self._stop_at_boundary()
             stopped = time.time()
             old_checkpoint = self._checkpoints / old.checkpoint
-            committed = last_commit(old_checkpoint, self._server.streams.known())
+            committed = last_commit(old_checkpoint, self._host.known_streams())
             old_end = self._batch_end(old_id)
             fresh = new.checkpoint != old.checkpoint
             if fresh:
@@ -326,7 +362,7 @@ class PipelineManager:
     async def _stop_at_boundary(self) -> None:
         """Hold batches, let the one in flight commit, stop the query between batches."""
         driver = self._driver
-        self._server.hold_batches = True
+        self._host.hold_batches = True
         try:
             deadline = time.monotonic() + BOUNDARY_TIMEOUT
             while driver.query is not None and driver.query.isActive:
@@ -342,7 +378,7 @@ class PipelineManager:
                 await asyncio.sleep(POLL)
             await asyncio.to_thread(driver.stop_query)
         finally:
-            self._server.hold_batches = False
+            self._host.hold_batches = False
 
     def _between_batches(self) -> bool:
         """Whether no trigger runs and every planned batch is committed (blocking: py4j)."""
@@ -360,7 +396,7 @@ class PipelineManager:
         """Start `new` and wait for its first batch; raise why it failed. Returns its run id and when
         (epoch s) it was started."""
         plan = self._plan(new, trigger)
-        self._server.rate.query_started()
+        self._host.rate.query_started()
         started = time.time()
         await asyncio.to_thread(self._driver.start, plan)
         query = self._driver.query
@@ -397,18 +433,14 @@ class PipelineManager:
         status = query.status
         if status.get("isTriggerActive", True) or status.get("isDataAvailable", True):
             return False
-        committed = last_commit(plan.checkpoint, self._server.streams.known())
+        committed = last_commit(plan.checkpoint, self._host.known_streams())
         start: Mapping[str, int] = committed[1] if committed is not None else (plan.starting_offsets or {})
-        for stream in self._server.streams.read_by_query:
-            blocks = self._server.store.blocks(stream)
-            if blocks and blocks[-1].end_offset > start.get(stream, 0):
-                return False
-        return True
+        return not self._host.unread(start)
 
     async def _roll_back(self, old: Generation, trigger: float) -> None:
         await asyncio.to_thread(self._driver.stop_query)
         self._persist(old, None)
-        self._server.rate.query_started()
+        self._host.rate.query_started()
         try:
             await asyncio.to_thread(self._driver.start, self._plan(old, trigger))
         except Exception as exc:  # noqa: BLE001 - py4j and PySpark raise many kinds: the service stops
@@ -446,6 +478,18 @@ class PipelineManager:
         if old_end is not None and new_end is not None:
             swap.processing_gap_seconds = new_end - old_end
         return swap
+
+
+def _set_aside(folder: Path) -> None:
+    """Rename `folder`, if it exists, to the first free "<name>.abandoned-<n>" beside it (kept for the
+    operator, never read again)."""
+    if not folder.exists():
+        return
+    n = 1
+    while (aside := folder.with_name(f"{folder.name}.abandoned-{n}")).exists():
+        n += 1
+    folder.rename(aside)
+    log.warning("%s was left by a swap that did not complete: moved to %s", folder, aside.name)
 
 
 def _last_id(folder: Path) -> int:

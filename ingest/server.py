@@ -10,7 +10,7 @@ import asyncio
 import logging
 import os
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -177,6 +177,21 @@ class SluiceServer:
         self._query_failure = failure
         if self._grpc is not None:
             await self._update_health()
+
+    # ---- the query's host (ingest.pipeline_manager.QueryHost) ----
+
+    def query_streams(self) -> tuple[str, ...]:
+        return tuple(self.streams.read_by_query)
+
+    def known_streams(self) -> Sequence[str]:
+        return self.streams.known()
+
+    def unread(self, start: Mapping[str, int]) -> bool:
+        for stream in self.streams.read_by_query:
+            blocks = self.store.blocks(stream)
+            if blocks and blocks[-1].end_offset > start.get(stream, 0):
+                return True
+        return False
 
     def query_failure(self) -> str | None:
         """Why the attached query failed; "not started" where Spark runs and none is attached yet."""

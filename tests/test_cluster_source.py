@@ -111,6 +111,13 @@ def test_bad_options_are_clear_value_errors() -> None:
         r.initialOffset()
     chosen = SluiceDataSource({"receivers": "0=a:1", "streams": "s"}).streamReader(SCHEMA)
     assert isinstance(chosen, ClusterStreamReader)
+    # startingOffsets (a swapped-in query's start): nested as the offsets, or flat as the listener's
+    for given in ('{"s": {"0": 5, "1": 0}}', '{"s/0": 5, "s/1": 0}'):
+        r = ClusterStreamReader({"receivers": "0=a:1", "streams": "s", "startingOffsets": given})
+        assert r.starting_offsets == {"s/0": 5, "s/1": 0}
+    for bad in ('{"s": 5}', '{"s/x": 1}', '{"s/0": -1}', '{"s/0": 1.5}', '["s/0"]', "{", '{"/0": 1}'):
+        with pytest.raises(ValueError, match="startingOffsets"):
+            ClusterStreamReader({"receivers": "0=a:1", "streams": "s", "startingOffsets": bad})
 
 
 def view(*answers: tuple[int, list[tuple[int, int, int]]]) -> ClusterView:
@@ -204,6 +211,29 @@ async def test_a_new_partition_starts_at_record_zero_and_an_idle_one_adds_no_off
         table = await asyncio.to_thread(read_all, r, list(parts))
         assert table.column("value").to_pylist() == [f"b{i}".encode() for i in range(5)]
         assert table.column("offset").to_pylist() == list(range(5))
+
+
+async def test_a_query_starts_at_its_starting_offsets_and_plans_nothing_while_held(tmp_path: Path) -> None:
+    """A pipeline swap on a cluster's driver: the new query starts where the old one's commits end
+    (startingOffsets), and while the driver's rate server holds batches the old one plans none."""
+    clusters = loopback_cluster(2)
+    async with nodes(tmp_path, clusters) as servers:
+        await push(servers[0].target, 10, "a")
+        await push(servers[1].target, 4, "b")
+        r = reader(clusters, startingOffsets='{"s/0": 7}')
+        assert await asyncio.to_thread(r.initialOffset) == {"s": {"0": 7, "1": 0}}
+        # a node's rate server stands in for the driver's: it serves RateStatus.hold_batches
+        held = reader(clusters, rateTarget=servers[0].target)
+        start = {"s": {"0": 2}}
+        assert await asyncio.to_thread(held.latestOffset, start, ReadAllAvailable()) == {
+            "s": {"0": 10, "1": 4}
+        }
+        servers[0].hold_batches = True
+        assert await asyncio.to_thread(held.latestOffset, start, ReadAllAvailable()) == start
+        servers[0].hold_batches = False
+        assert await asyncio.to_thread(held.latestOffset, start, ReadAllAvailable()) == {
+            "s": {"0": 10, "1": 4}
+        }
 
 
 async def test_a_holder_that_is_down_is_skipped_for_its_copy(tmp_path: Path) -> None:

@@ -78,10 +78,16 @@ async def test_a_swap_that_fails_is_rolled_back(spark: Any, tmp_path: Path) -> N
             assert (view.pipeline, view.generation, view.state) == ("swap_pipelines:tag_a", 0, "running")
             assert view.last_swap.outcome == "rolled back" and said in view.last_swap.error
         await asyncio.sleep(1)
+        # the next swap takes the failed one's generation number: it starts where the old query is
+        # now, not where the failed try began (its checkpoint would have replayed that try's batch)
+        view = await stub.SwapPipeline(pb.SwapPipelineRequest(pipeline="swap_pipelines:tag_b"))
+        assert view.last_swap.outcome == "done" and view.generation == 1, view.last_swap
+        await asyncio.sleep(1)
         load.stop()
         await pushing
-        offsets = await wait_for_offsets(spark, load.sent, tmp_path / "sink")
-        assert sorted(offsets) == list(range(load.sent))
+        offsets = await wait_for_offsets(spark, load.sent, tmp_path / "sink", tmp_path / "sink-g1")
+        assert sorted(offsets) == list(range(load.sent))  # each acked record once, across both sinks
+        assert min(offsets_in(spark, tmp_path / "sink-g1")) == view.last_swap.start_offsets["events"]
 
 
 async def test_nexmark_q1_to_q2_under_load(spark: Any, tmp_path: Path) -> None:

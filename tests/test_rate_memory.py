@@ -143,28 +143,20 @@ async def test_a_cluster_driver_starts_its_rate_at_the_capacity_its_pipeline_sho
     from ingest import cli
     from ingest.cluster_driver import ClusterDriver, DriverConfig
 
-    def start_rate(**options: Any) -> tuple[float, float | None]:
+    def start_rate(pipeline: str = "", **options: Any) -> tuple[float, float | None]:
         config = DriverConfig(nodes={0: "127.0.0.1:1"}, streams=("s",), data_dir=tmp_path, **options)
         driver = ClusterDriver(config)
         driver.blocks.close()
+        driver.recall(pipeline)  # as start() does, for the pipeline in force
         return driver.rate.rate, driver.recalled
 
     assert start_rate() == (10_000.0, None)  # nothing remembered: the default
     RateMemory(tmp_path).remember("", 123_456.0)
     assert start_rate() == (123_456.0, 123_456.0)
-    assert start_rate(pipeline="mod:other") == (10_000.0, None)  # measured on another pipeline
+    assert start_rate("mod:other") == (10_000.0, None)  # measured on another pipeline
     assert start_rate(rate=RateConfig(max_rate=50_000.0)) == (50_000.0, 50_000.0)
     assert start_rate(recall_capacity=False) == (10_000.0, None)  # --initial-rate given
     assert start_rate(rate=RateConfig(estimator="fixed")) == (10_000.0, None)  # the operator's rate
-    # what its estimator measures under load is kept for the next start
-    config = DriverConfig(nodes={0: "127.0.0.1:1"}, streams=("s",), data_dir=tmp_path / "fresh")
-    (tmp_path / "fresh").mkdir()
-    driver = ClusterDriver(config)
-    driver.blocks.close()
-    for k in range(6):
-        driver.rate.on_batch(batch(k, 20_000, 0.5))
-    capacity = driver.rate.estimator.capacity
-    assert capacity and RateMemory(tmp_path / "fresh").recall("") == capacity
     # `sluice serve --role driver`: an initial rate given by the operator is never replaced
     nodes = tmp_path / "nodes"
     nodes.write_text("0 127.0.0.1:7000\n")

@@ -27,6 +27,7 @@ where they are used, the planning worker and each task: they must be there on th
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -46,6 +47,7 @@ from pyspark.sql.streaming.datasource import (
 
 from ingest.spark.source import (
     OPTION_RECEIVERS,
+    OPTION_STARTING_OFFSETS,
     LiveCapPlanning,
     SliceTuple,
     _balanced,
@@ -54,6 +56,7 @@ from ingest.spark.source import (
     positioned,
 )
 from receivers.cluster import ClusterConfigError, parse_nodes
+from receivers.names import check_stream_name
 from sluice_client.credentials import Credentials, CredentialsError
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -139,6 +142,42 @@ def is_cluster_offset(offset: object, streams: Sequence[str]) -> bool:
             for owners in offset.values()
         )
     )
+
+
+def parse_starting_offsets(value: str | None) -> FlatOffset:
+    """The startingOffsets option in cluster mode: JSON, nested as the source's offsets ({stream:
+    {"owner": record offset}}) or flat as the listener reports them ({"stream/owner": record offset});
+    {} when absent. A ValueError naming the option otherwise."""
+    if not value:
+        return {}
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    flat: dict[str, int] = {}
+    if isinstance(parsed, dict):
+        for key, n in parsed.items():
+            if isinstance(n, dict):
+                flat.update({f"{key}/{o}": v for o, v in n.items()})
+            else:
+                flat[key] = n
+    valid = isinstance(parsed, dict)
+    for key, n in flat.items():
+        stream, sep, owner = key.rpartition("/")
+        if not (sep and stream and owner.isdigit() and type(n) is int and n >= 0):
+            valid = False
+            break
+        try:
+            check_stream_name(stream)
+        except ValueError:
+            valid = False
+            break
+    if not valid:
+        raise ValueError(
+            f"sluice source: option {OPTION_STARTING_OFFSETS!r} must be a JSON object of stream -> "
+            f'{{"owner": record offset >= 0}} (or "stream/owner" -> record offset), got {value!r}'
+        )
+    return {partition_key(*split_key(k)): n for k, n in flat.items()}
 
 
 def parse_receivers(value: str) -> dict[int, str]:
@@ -271,9 +310,16 @@ class ClusterStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigg
 
     # ---- offsets (driver-side worker) ---------------------------------------------------------
 
+    @staticmethod
+    def _parse_starting_offsets(value: str | None) -> FlatOffset:
+        return parse_starting_offsets(value)
+
     def initialOffset(self) -> ClusterOffset:
+        # startingOffsets (a swap's new query: where the old one's commits end), else each
+        # partition's first record still held
         view = self.client.view(self.streams, seal=False)
-        return nest({key: view.floor(key) for key in view.holdings})
+        start = {k: n for k, n in self.starting_offsets.items() if split_key(k)[0] in self.streams}
+        return nest({**{key: view.floor(key) for key in view.holdings}, **start})
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.max_records_per_batch is None:
@@ -283,6 +329,8 @@ class ClusterStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigg
     def latestOffset(self, start: ClusterOffset, limit: ReadLimit) -> ClusterOffset:
         phase = time.time() % self.trigger_seconds if self.trigger_seconds > 0 else 0.0
         live = self._live_cap()  # first: it may wait for the last batch's metrics
+        if self._held():
+            return start  # no new data: the batch that runs now is the query's last (a swap)
         view = self.client.view(self.streams, seal=True)
         begun = flatten(start)
         # a partition new to the query (a node's first blocks, or a node seen for the first time)

@@ -246,10 +246,15 @@ class LiveCapPlanning:
         # paths only: the files are read where the rate is asked (see _live_cap)
         self.rate_files = tuple(options.get(option) or None for option in RATE_CREDENTIAL_OPTIONS)
         self.trigger_seconds = float(options.get(OPTION_TRIGGER_SECONDS) or 1.0)
-        self.starting_offsets = parse_starting_offsets(options.get(OPTION_STARTING_OFFSETS))
+        self.starting_offsets = self._parse_starting_offsets(options.get(OPTION_STARTING_OFFSETS))
         self.follow_streams = (options.get(OPTION_FOLLOW_STREAMS) or "false").strip().lower() == "true"
         self._rate_client = None
         self._planned_at = None  # time.monotonic() of the last batch planned with records
+
+    @staticmethod
+    def _parse_starting_offsets(value: str | None) -> Offset:
+        """The startingOffsets option as this reader's offsets ({key: record offset})."""
+        return parse_starting_offsets(value)
 
     def _plan(
         self,
