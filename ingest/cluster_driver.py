@@ -40,7 +40,7 @@ from ingest.driver import SparkDriver, batch_metrics
 from ingest.logs import JSON, SPARK_QUIET, log_format, say
 from ingest.metrics import MetricsServer, SluiceCollector
 from ingest.node_rates import NodeRates
-from ingest.pipeline_manager import PipelineManager
+from ingest.pipeline_manager import PipelineManager, PipelineStateError
 from ingest.preflight import DataDirLock, check_port
 from ingest.rate_controller import RateController
 from ingest.rate_memory import RateMemory
@@ -445,7 +445,11 @@ async def _run(driver: ClusterDriver, stop: asyncio.Event, session: Callable[[],
     # Spark's JVM first: a fork while gRPC's threads run can break both (see ingest.cli)
     spark = await asyncio.to_thread(session)
     try:
-        await driver.start(spark)
+        try:
+            await driver.start(spark)
+        except PipelineStateError as exc:  # pipeline.json, or the pipeline in force does not load
+            say(f"cannot start the Spark query: {exc}", level=logging.ERROR)
+            return 1
         if driver.recalled is not None:
             say(
                 f"this pipeline showed {driver.recalled:.0f} records/s before ({driver.rate_memory.path}): "

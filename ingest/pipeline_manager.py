@@ -216,8 +216,16 @@ class PipelineManager:
         )
 
     async def start(self) -> None:
-        """Start the generation in force (at service start). Raises what Spark raises."""
-        plan = self._plan(self.current, self.trigger_interval)
+        """Start the generation in force (at service start). Raises PipelineStateError when its
+        pipeline does not load, else what Spark raises."""
+        try:
+            plan = self._plan(self.current, self.trigger_interval)
+        except InvalidPipeline as exc:
+            swapped = f", swapped in at run time: {self._path}" if self.current.number else ""
+            raise PipelineStateError(
+                f"the pipeline in force (generation {self.current.number}{swapped}) does not load: {exc}; "
+                "make its module importable here (PYTHONPATH) and start again"
+            ) from None
         await asyncio.to_thread(self._driver.start, plan)
         self._state = "running"
 

@@ -126,6 +126,17 @@ async def test_a_swap_cut_by_a_crash_resumes_the_query_that_committed(tmp_path: 
         (tmp_path / "pipeline.json").write_text(state(-1))
         manager = PipelineManager(SparkDriver(None, server.config, store=server.store), server, loop)
         assert (manager.current.spec, manager.current.starting_offsets) == ("m:new", {"s": 10})
+        # a swapped-in pipeline that no longer loads (its module gone from the path) stops the start
+        # with what to do, before Spark is asked for anything
+        gone = {"spec": "no_such_module_here:p", "number": 1, "checkpoint": "sluice-g1", "sink": "sink-g1"}
+        (tmp_path / "pipeline.json").write_text(
+            json.dumps({"current": gone, "previous": None, "trial": False})
+        )
+        manager = PipelineManager(SparkDriver(None, server.config, store=server.store), server, loop)
+        with pytest.raises(
+            PipelineStateError, match=r"generation 1, swapped in .*make its module importable"
+        ):
+            await manager.start()
         # a file that points outside the data dir, or is not one, stops the start naming it
         for bad in ('{"current": {"spec": "", "number": 0, "checkpoint": "../../etc", "sink": "x"}}', "[1"):
             (tmp_path / "pipeline.json").write_text(bad)
