@@ -10,6 +10,10 @@ that rate among the nodes, braked by each node's backlog (`backlog()`: records i
 Spark has not committed, from ListPartitions every BACKLOG_INTERVAL). Each batch in Spark's commit log
 is released on every node (ReleaseBlocks) from its progress event, by SparkDriver.
 
+The query's lifecycle is a PipelineManager's, as on a single node (this driver is its QueryHost): the
+rate server also serves Admin's GetPipeline and SwapPipeline (`sluice pipeline swap --target DRIVER`),
+holding batches through RateStatus.hold_batches while the old query stops between batches.
+
 Credentials: one set for every call (the nodes and this driver's rate server): the token's principal
 needs the reader and operator roles. With `auth_file` the rate server authenticates with it (the
 cluster's auth file); with `tls` it serves TLS (the source's rateCaFile must trust it, as it trusts the
