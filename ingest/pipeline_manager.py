@@ -123,7 +123,7 @@ class PipelineStateError(ValueError):
 
 
 class PipelineManager:
-    """PipelineControl for `sluice serve`: owns the driver's query from start to stop."""
+    """PipelineControl for `sluice serve` and a cluster's driver: owns the query from start to stop."""
 
     def __init__(self, driver: SparkDriver, host: QueryHost, loop: asyncio.AbstractEventLoop) -> None:
         self._driver = driver

@@ -115,7 +115,16 @@ def test_bad_options_are_clear_value_errors() -> None:
     for given in ('{"s": {"0": 5, "1": 0}}', '{"s/0": 5, "s/1": 0}'):
         r = ClusterStreamReader({"receivers": "0=a:1", "streams": "s", "startingOffsets": given})
         assert r.starting_offsets == {"s/0": 5, "s/1": 0}
-    for bad in ('{"s": 5}', '{"s/x": 1}', '{"s/0": -1}', '{"s/0": 1.5}', '["s/0"]', "{", '{"/0": 1}'):
+    for bad in (
+        '{"s": 5}',
+        '{"s/x": 1}',
+        '{"s/0": -1}',
+        '{"s/0": 1.5}',
+        '["s/0"]',
+        "{",
+        '{"/0": 1}',
+        '{"s/²": 1}',
+    ):
         with pytest.raises(ValueError, match="startingOffsets"):
             ClusterStreamReader({"receivers": "0=a:1", "streams": "s", "startingOffsets": bad})
 

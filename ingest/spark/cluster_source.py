@@ -164,7 +164,7 @@ def parse_starting_offsets(value: str | None) -> FlatOffset:
     valid = isinstance(parsed, dict)
     for key, n in flat.items():
         stream, sep, owner = key.rpartition("/")
-        if not (sep and stream and owner.isdigit() and type(n) is int and n >= 0):
+        if not (sep and stream and owner.isascii() and owner.isdigit() and type(n) is int and n >= 0):
             valid = False
             break
         try:
