@@ -54,13 +54,16 @@ async def read_grpc(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], 
     """The numbers over gRPC, shaped as /status.json (what gRPC does not carry is left out)."""
     rate_stub, admin = pb_grpc.RateControlStub(channel), pb_grpc.AdminStub(channel)
     try:
-        rate, streams, sessions = await asyncio.gather(
-            rate_stub.GetRate(pb.GetRateRequest(), metadata=metadata, timeout=CALL_TIMEOUT),
-            admin.ListStreams(pb.ListStreamsRequest(), metadata=metadata, timeout=CALL_TIMEOUT),
-            pb_grpc.SessionsStub(channel).ListSessions(
-                pb.ListSessionsRequest(), metadata=metadata, timeout=CALL_TIMEOUT
-            ),
-        )
+        rate = await rate_stub.GetRate(pb.GetRateRequest(), metadata=metadata, timeout=CALL_TIMEOUT)
+        if rate.nodes:  # a cluster's driver: no streams or sessions of its own, the nodes' rates
+            streams, sessions = pb.StreamsView(), pb.ListSessionsResponse()
+        else:
+            streams, sessions = await asyncio.gather(
+                admin.ListStreams(pb.ListStreamsRequest(), metadata=metadata, timeout=CALL_TIMEOUT),
+                pb_grpc.SessionsStub(channel).ListSessions(
+                    pb.ListSessionsRequest(), metadata=metadata, timeout=CALL_TIMEOUT
+                ),
+            )
     except grpc.aio.AioRpcError as exc:
         denied = exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
         raise StatusReadError(f"{exc.code().name}: {exc.details()}", denied=denied) from None
@@ -131,7 +134,8 @@ async def read_grpc(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], 
             "max": _finite(rate.max_rate),
             "estimator": rate.estimator,
             "pinned": rate.pinned,
-            "input": sum(s.taken_per_second for s in rate.streams),
+            # a driver takes nothing itself: its input is the nodes'
+            "input": sum(s.taken_per_second for s in (rate.nodes or rate.streams)),
         },
         "last_batch": last,
         "streams": rows,
@@ -149,6 +153,19 @@ async def read_grpc(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], 
             for s in sessions.sessions
         ],
         "pipeline": pipeline,
+        "nodes": [
+            {
+                "node": n.node_id,
+                "target": n.target,
+                "up": n.up,
+                "rate_limit": _finite(n.records_per_second),
+                "input_rate": n.taken_per_second,
+                "busy": n.busy,
+                "backlog": n.backlog,
+                "share": n.reason,
+            }
+            for n in rate.nodes
+        ],
     }
 
 
@@ -252,7 +269,9 @@ def _summary(data: Json) -> Table:
     return summary
 
 
-_TEXT_COLUMNS = frozenset({"stream", "state", "share", "credit paused", "id", "principal", "producer"})
+_TEXT_COLUMNS = frozenset(
+    {"stream", "state", "share", "credit paused", "id", "principal", "producer", "target"}
+)
 
 
 def _table(title: str, columns: list[tuple[str, Callable[[Json], str]]], rows: list[Json]) -> Table:
@@ -301,6 +320,19 @@ def _sessions(data: Json) -> Table:
     return _table("sessions", columns, data.get("sessions", []))
 
 
+def _nodes(data: Json) -> Table:
+    columns: list[tuple[str, Callable[[Json], str]]] = [
+        ("node", lambda n: str(n["node"])),
+        ("target", lambda n: n["target"]),
+        ("state", lambda n: "up" if n["up"] else "down"),
+        ("input/s", lambda n: _num(n.get("input_rate"))),
+        ("rate limit", lambda n: _rate(n.get("rate_limit"))),
+        ("backlog", lambda n: _num(n.get("backlog"))),
+        ("share", lambda n: n.get("share") or ""),
+    ]
+    return _table("receiver nodes", columns, data.get("nodes", []))
+
+
 def _pipeline(data: Json) -> Text:
     pipeline = data.get("pipeline")
     if pipeline is None:
@@ -329,8 +361,12 @@ def render(data: Json, target: str, *, error: str | None = None) -> RenderableTy
     health = data.get("health")
     if health:
         title.append(f"  {health}", "green" if health == "SERVING" else "bold red")
-    parts: list[RenderableType] = [title, _summary(data), _pipeline(data), _streams(data)]
-    parts.append(_sessions(data) if data.get("sessions") else Text("no open sessions", style="dim"))
+    parts: list[RenderableType] = [title, _summary(data), _pipeline(data)]
+    if data.get("nodes"):  # a cluster's driver: its streams and sessions are the nodes' (their status)
+        parts.append(_nodes(data))
+    else:
+        parts.append(_streams(data))
+        parts.append(_sessions(data) if data.get("sessions") else Text("no open sessions", style="dim"))
     if error is not None:
         parts.append(Text(f"cannot read the status: {error} (retrying)", style="bold red"))
     return Group(*parts)

@@ -36,6 +36,7 @@ from sluice_client import Producer
 from sluice_client.credentials import Credentials
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from tests.support import free_ports, loopback_cluster, running_server
+from tests.test_status_cli import status as status_cli
 
 
 @contextlib.asynccontextmanager
@@ -400,6 +401,13 @@ async def test_the_cluster_driver_runs_the_query_and_releases_on_every_node(
             async with grpc.aio.insecure_channel(driver.rate_target or "") as channel:
                 status = await pb_grpc.RateControlStub(channel).GetRate(pb.GetRateRequest())
             assert {n.node_id for n in status.nodes} == {0, 1}
+            # `sluice status` on the driver: its pipeline and the nodes' table (no streams of its own)
+            shown = await status_cli("--target", driver.rate_target or "", token=None)
+            assert shown.returncode == 0, shown.stderr
+            assert "receiver nodes" in shown.stdout and "built-in Parquet sink" in shown.stdout, shown.stdout
+            for node in clusters[0].nodes:
+                assert node.target in shown.stdout, shown.stdout
+            assert "100,000 rec/s" in shown.stdout and "sessions" not in shown.stdout, shown.stdout
             await asyncio.sleep(1.5)  # a look at the nodes after the release
             assert driver.backlog() == {0: 0, 1: 0}
             # /metrics: each node's share, up and backlog; the global rate; the batches
