@@ -213,6 +213,8 @@ def read_http(
 def _num(value: float | None) -> str:
     if value is None:
         return "-"
+    if abs(value) >= 1e12 or 0 < abs(value) < 0.05:  # an operator's extreme rate: 1e+300, 1e-06
+        return f"{value:.3g}"
     if abs(value) >= 1e6:
         return f"{value / 1e6:,.2f}M"
     return f"{value:,.0f}" if abs(value) >= 100 or float(value).is_integer() else f"{value:,.1f}"
