@@ -45,7 +45,7 @@ from ingest.logs import JSON, SPARK_QUIET, log_format, say
 from ingest.metrics import MetricsServer, SluiceCollector
 from ingest.node_rates import NodeRates
 from ingest.pipeline_manager import PipelineManager, PipelineStateError
-from ingest.preflight import DataDirLock, check_port
+from ingest.preflight import DataDirLock, check_ports, lock_checked
 from ingest.rate_controller import RateController
 from ingest.rate_memory import RateMemory
 from ingest.rate_service import RateControlService
@@ -430,17 +430,14 @@ def prepare_driver(config: DriverConfig) -> DataDirLock:
     """What can fail before Spark's JVM starts (seconds): the data dir, locked for this process (two
     drivers on one checkpoint fail each other's batches), and the ports (gRPC's SO_REUSEPORT would let a
     second driver share the rate port, its callers split between the two). An OSError, nothing held."""
-    lock = DataDirLock(config.data_dir)
-    try:
-        check_port(config.rate_host, config.rate_port, "cannot serve the rate on")
-        if config.metrics_port is not None:
-            check_port(config.metrics_host, config.metrics_port, "cannot serve metrics on")
-        if config.health_port is not None:
-            check_port("0.0.0.0", config.health_port, "cannot serve health on")  # noqa: S104 - as it binds
-    except BaseException:
-        lock.release()
-        raise
-    return lock
+    return lock_checked(
+        config.data_dir,
+        lambda: check_ports(
+            (config.rate_host, config.rate_port, "cannot serve the rate on"),
+            (config.metrics_host, config.metrics_port),
+            config.health_port,
+        ),
+    )
 
 
 async def _run(driver: ClusterDriver, stop: asyncio.Event, session: Callable[[], Any]) -> int:

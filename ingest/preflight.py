@@ -19,6 +19,7 @@ import errno
 import fcntl
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from ingest.config import ServeConfig
@@ -175,22 +176,41 @@ def check_security(config: ServeConfig) -> None:
         AuthTable.load(security.auth_file, base=security.limits)
 
 
-def prepare(config: ServeConfig) -> DataDirLock:
-    """Everything `sluice serve` can check before it starts Spark: the data dir (locked for this
-    process: hold the returned lock for the process's life and give it to SluiceServer), the folders
-    it will use, and both ports. An OSError that says what is wrong, and nothing held, otherwise."""
-    lock = DataDirLock(config.data_dir)
+def check_ports(grpc_port: tuple[str, int, str], metrics: tuple[str, int | None], health: int | None) -> None:
+    """check_port for a server's gRPC port ((host, port, what it is for)), its metrics port and its
+    plaintext health port (which binds every address), those that are set."""
+    check_port(*grpc_port)
+    if metrics[1] is not None:
+        check_port(metrics[0], metrics[1], "cannot serve metrics on")
+    if health is not None:
+        check_port("0.0.0.0", health, "cannot serve health on")  # noqa: S104 - as it binds
+
+
+def lock_checked(data_dir: Path, check: Callable[[], None]) -> DataDirLock:
+    """Lock `data_dir` (DataDirLock), then run `check`; if it raises, the lock is released first."""
+    lock = DataDirLock(data_dir)
     try:
-        make_dirs(config.blocks_dir)
-        check_dirs(*(config.blocks_dir / stream for stream in config.streams))
-        if config.spark:
-            check_dirs(config.checkpoint_dir, config.sink_dir)
-        check_port(config.host, config.port, "cannot bind gRPC to")
-        if config.metrics_port is not None:
-            check_port(config.metrics_host, config.metrics_port, "cannot serve metrics on")
-        if config.health_port is not None:
-            check_port("0.0.0.0", config.health_port, "cannot serve health on")  # noqa: S104 - as it binds
+        check()
     except BaseException:
         lock.release()
         raise
     return lock
+
+
+def prepare(config: ServeConfig) -> DataDirLock:
+    """Everything `sluice serve` can check before it starts Spark: the data dir (locked for this
+    process: hold the returned lock for the process's life and give it to SluiceServer), the folders
+    it will use, and its ports. An OSError that says what is wrong, and nothing held, otherwise."""
+
+    def check() -> None:
+        make_dirs(config.blocks_dir)
+        check_dirs(*(config.blocks_dir / stream for stream in config.streams))
+        if config.spark:
+            check_dirs(config.checkpoint_dir, config.sink_dir)
+        check_ports(
+            (config.host, config.port, "cannot bind gRPC to"),
+            (config.metrics_host, config.metrics_port),
+            config.health_port,
+        )
+
+    return lock_checked(config.data_dir, check)

@@ -27,7 +27,6 @@ where they are used, the planning worker and each task: they must be there on th
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -53,6 +52,7 @@ from ingest.spark.source import (
     _balanced,
     _required,
     _weight,
+    json_option,
     positioned,
 )
 from receivers.cluster import ClusterConfigError, parse_nodes
@@ -150,10 +150,7 @@ def parse_starting_offsets(value: str | None) -> FlatOffset:
     {} when absent. A ValueError naming the option otherwise."""
     if not value:
         return {}
-    try:
-        parsed = json.loads(value)
-    except ValueError:
-        parsed = None
+    parsed = json_option(value)
     flat: dict[str, int] = {}
     if isinstance(parsed, dict):
         for key, n in parsed.items():

@@ -526,14 +526,19 @@ def parse_streams(value: str) -> list[str]:
     return [check_stream_name(name) for name in dict.fromkeys(names)]
 
 
+def json_option(value: str) -> object:
+    """An option's JSON value, or None when it is not JSON (the caller names the option)."""
+    try:
+        return json.loads(value)
+    except ValueError:
+        return None
+
+
 def parse_starting_offsets(value: str | None) -> Offset:
     """The startingOffsets option: JSON {stream: record offset >= 0}; {} when absent."""
     if not value:
         return {}
-    try:
-        parsed = json.loads(value)
-    except ValueError:
-        parsed = None
+    parsed = json_option(value)
     if not isinstance(parsed, dict) or not all(
         isinstance(k, str) and type(v) is int and v >= 0 for k, v in parsed.items()
     ):
