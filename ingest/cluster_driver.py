@@ -319,11 +319,13 @@ class ClusterDriver:
 
     def unread(self, start: Mapping[str, int]) -> bool:
         """Whether any node holds records of a partition past `start` ({"stream/owner": offset}; a
-        partition not in it: past its first record still held). Blocking; True when a node cannot
-        be asked (a new query is then proven by a batch)."""
+        partition not in it: past its first record still held; a node that does not answer: as its
+        copies say). Blocking; True when no node answers (a new query is then proven by a batch)."""
         try:
             view = self.blocks.view(self.config.streams, seal=False)
         except Exception:  # noqa: BLE001 - any failure to look means: do not assume nothing waits
+            return True
+        if not view.answered:
             return True
         return any(view.end(key) > start.get(key, view.floor(key)) for key in view.holdings)
 

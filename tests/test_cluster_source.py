@@ -246,6 +246,29 @@ async def test_a_query_starts_at_its_starting_offsets_and_plans_nothing_while_he
         }
 
 
+async def test_the_driver_tells_a_swapped_in_query_whether_records_wait(tmp_path: Path) -> None:
+    """ClusterDriver.unread (the pipeline manager's idle check): past the given offsets, or past a
+    partition's first record still held; with no node answering it cannot tell, so records may wait."""
+    from ingest.cluster_driver import ClusterDriver, DriverConfig
+
+    clusters = loopback_cluster(2)
+    async with nodes(tmp_path, clusters) as servers:
+        await push(servers[0].target, 10, "a")
+        targets = {n.id: n.target for n in clusters[0].nodes}
+        driver = ClusterDriver(DriverConfig(nodes=targets, streams=("s",), data_dir=tmp_path / "d"))
+        try:
+            assert await asyncio.to_thread(driver.unread, {"s/0": 10}) is False  # node 1 holds nothing
+            assert await asyncio.to_thread(driver.unread, {"s/0": 4}) is True
+            assert await asyncio.to_thread(driver.unread, {}) is True  # from the first record held
+        finally:
+            driver.blocks.close()
+    gone = ClusterDriver(DriverConfig(nodes=targets, streams=("s",), data_dir=tmp_path / "d"))
+    try:
+        assert await asyncio.to_thread(gone.unread, {"s/0": 10}) is True  # no node answers
+    finally:
+        gone.blocks.close()
+
+
 async def test_a_holder_that_is_down_is_skipped_for_its_copy(tmp_path: Path) -> None:
     clusters = loopback_cluster(2, replication=2, min_insync=2)  # acked: on both
     async with nodes(tmp_path, clusters) as servers:
