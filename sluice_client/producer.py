@@ -560,13 +560,15 @@ def _packed_input(
         raise ValueError(f"{offsets_name} must be a one-dimensional sequence of records + 1 integers")
     if bounds.dtype.kind not in "iu":
         raise TypeError(f"{offsets_name} must be integers, got {bounds.dtype}")
-    low, high = int(bounds.min()), int(bounds.max())
+    # one pass (this runs for every call): non-decreasing, then its ends bound them all
+    decreasing = bounds[1:] < bounds[:-1]
+    if decreasing.any():
+        at = int(np.argmax(decreasing))
+        raise ValueError(f"{offsets_name} must not decrease: {offsets_name}[{at}] > {offsets_name}[{at + 1}]")
+    low, high = int(bounds[0]), int(bounds[-1])
     if low < 0 or high > len(view):
         raise ValueError(f"{offsets_name} must lie within the {len(view)} bytes of {what}, got {low}..{high}")
     bounds = bounds.astype(np.int64, copy=False)
-    if len(bounds) > 1 and bool((np.diff(bounds) < 0).any()):
-        at = int(np.argmax(np.diff(bounds) < 0))
-        raise ValueError(f"{offsets_name} must not decrease: {offsets_name}[{at}] > {offsets_name}[{at + 1}]")
     if isinstance(values, bytes):
         return len(bounds) - 1, values, bounds
     first, last = int(bounds[0]), int(bounds[-1])
