@@ -54,7 +54,7 @@ from ingest.extras import server_extra_problem
 from ingest.logs import SPARK_LOG_LEVELS, SPARK_QUIET
 from ratecontrol import InvalidRateError, StreamPolicy, UnknownEstimatorError
 from receivers.auth import new_token, token_hash
-from receivers.cluster import Cluster, load_nodes
+from receivers.cluster import Cluster, ClusterConfigError, load_nodes
 from receivers.config import FsyncPolicy, ReceiverConfig
 from receivers.principal import Limits
 from receivers.sizes import parse_size
@@ -907,6 +907,8 @@ def _checked(args: argparse.Namespace, build: Callable[[], T], fallback: Sequenc
     naming none is said to be about the `fallback` keys)."""
     try:
         return build()
+    except ClusterConfigError as exc:  # about the node list's lines: its words ("port") are not keys
+        raise ConfigError(str(exc)) from None
     except ValueError as exc:
         raise ConfigError(name_keys(str(exc), args.origins, _serve_keys(), fallback)) from None
 

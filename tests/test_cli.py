@@ -321,3 +321,15 @@ def test_values_the_wire_cannot_carry_are_usage_errors(args: list[str], says: by
     result = sluice(*args, "--target", "127.0.0.1:1", stdin=b"x\n", timeout=60)
     assert result.returncode == 2, result.stderr
     assert says in result.stderr and b"Traceback" not in result.stderr, result.stderr
+
+
+def test_a_bad_node_list_is_said_in_its_own_words(tmp_path: Path) -> None:
+    """A node list's errors name its file and line; the word "port" in them is not the --port flag
+    (the serve errors' renaming of field names to flags turned it into "--port 99999")."""
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text("0 127.0.0.1:99999\n")
+    for role in (["--role", "receiver", "--node-id", "0", "--port", "51101"], ["--role", "driver"]):
+        result = sluice("serve", *role, "--nodes", str(nodes), "--data-dir", str(tmp_path / "d"), timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert f"{nodes}, line 1: port 99999 is not 1-65535".encode() in result.stderr, result.stderr
+        assert b"Traceback" not in result.stderr
