@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -25,7 +25,9 @@ from ingest.pipeline_control import (
 )
 from ingest.runtime_config import RuntimeConfig, SettingError, UnknownSettingError, VersionConflictError
 from ingest.streams import REMOVED, SERVING
-from receivers.errors import cut
+from receivers.auth import Authenticator
+from receivers.errors import ReceiverError, cut
+from receivers.publish_service import PUBLISH, status_code
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
@@ -280,4 +282,47 @@ class DriverAdminService(pb_grpc.AdminServicer):
 
     async def RemoveStream(self, request: pb.RemoveStreamRequest, context: Context) -> pb.StreamsView:
         await self._elsewhere(context)
+        raise AssertionError
+
+
+NO_RECORDS_HERE = (
+    "this is a Sluice cluster's driver (its rate and admin port): it takes no records and holds no "
+    "sessions; publish to the receiver nodes (the targets of its --nodes list: sluice push --target "
+    "NODE,NODE ..., sluice sessions --target NODE)"
+)
+
+
+class DriverIngestService(pb_grpc.IngestServicer):
+    """Ingest on a cluster's driver: Publish refused with where to publish (a push aimed at the driver
+    by mistake said only UNIMPLEMENTED "Method not found!"). The caller is authenticated first, so an
+    outsider learns nothing but that it may not publish."""
+
+    def __init__(self, authenticator: Authenticator) -> None:
+        self._authenticator = authenticator
+
+    async def Publish(  # type: ignore[override] # the messages are bytes: add_parsed_servicer
+        self, request_iterator: AsyncIterator[bytes], context: Context
+    ) -> AsyncIterator[pb.PublishResponse]:
+        try:
+            self._authenticator.caller(context, PUBLISH)
+        except ReceiverError as error:
+            await context.abort(status_code(error), str(error))
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, NO_RECORDS_HERE)
+        yield pb.PublishResponse()  # pragma: no cover - abort raises; this makes it a generator
+
+
+class DriverSessionsService(pb_grpc.SessionsServicer):
+    """Sessions on a cluster's driver: refused with where the sessions are (add_parsed_servicer
+    authenticates the caller first)."""
+
+    async def ListSessions(
+        self, request: pb.ListSessionsRequest, context: Context
+    ) -> pb.ListSessionsResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, NO_RECORDS_HERE)
+        raise AssertionError
+
+    async def CancelSession(
+        self, request: pb.CancelSessionRequest, context: Context
+    ) -> pb.CancelSessionResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, NO_RECORDS_HERE)
         raise AssertionError

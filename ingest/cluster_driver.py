@@ -38,7 +38,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ingest.admin_service import DriverAdminService
+from ingest.admin_service import DriverAdminService, DriverIngestService, DriverSessionsService
 from ingest.config import RateConfig, ServeConfig, TlsConfig
 from ingest.driver import SparkDriver, batch_metrics
 from ingest.logs import JSON, SPARK_QUIET, log_format, say
@@ -263,6 +263,9 @@ class ClusterDriver:
         add_parsed_servicer(
             server, DriverAdminService(lambda: self.manager), "Admin", authenticator=self.auth
         )
+        # a push or a sessions call aimed here by mistake is told where to go
+        add_parsed_servicer(server, DriverIngestService(self.auth), "Ingest")
+        add_parsed_servicer(server, DriverSessionsService(), "Sessions", authenticator=self.auth)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         enable_reflection(server, ["RateControl", "Admin"])
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)

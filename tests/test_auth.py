@@ -671,3 +671,41 @@ def test_the_serve_limit_flags_are_the_base_of_auth_file_principals(tmp_path: Pa
     finally:
         server.store.close()
         server._release_lock()
+
+
+async def test_a_drivers_refusals_of_publish_and_sessions_come_after_authentication(tmp_path: Path) -> None:
+    """A cluster's driver takes no records: a push or a sessions call aimed at it by mistake is told
+    to go to the receiver nodes (it said only UNIMPLEMENTED "Method not found!"), once the caller is
+    authenticated; an outsider gets UNAUTHENTICATED, as on every other method."""
+    from ingest.admin_service import DriverIngestService, DriverSessionsService
+
+    authenticator = Authenticator(AuthTable.load(write_auth_file(tmp_path / "auth.toml")))
+    server = grpc.aio.server()
+    add_parsed_servicer(server, DriverIngestService(authenticator), "Ingest")
+    add_parsed_servicer(server, DriverSessionsService(), "Sessions", authenticator=authenticator)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            ingest, sessions = pb_grpc.IngestStub(channel), pb_grpc.SessionsStub(channel)
+            for metadata, code in (
+                ((), grpc.StatusCode.UNAUTHENTICATED),
+                (bearer("watcher"), grpc.StatusCode.PERMISSION_DENIED),  # a reader may not publish
+                (bearer("clicks-app"), grpc.StatusCode.UNIMPLEMENTED),
+            ):
+                call = ingest.Publish(metadata=metadata)
+                await call.write(pb.PublishRequest(open=pb.Open(stream="clicks")))
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call.read()
+                assert refused.value.code() == code, refused.value
+                if code == grpc.StatusCode.UNIMPLEMENTED:
+                    assert "publish to the receiver nodes" in (refused.value.details() or "")
+            with pytest.raises(grpc.aio.AioRpcError) as outsider:
+                await sessions.ListSessions(pb.ListSessionsRequest())
+            assert outsider.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(grpc.aio.AioRpcError) as elsewhere:
+                await sessions.ListSessions(pb.ListSessionsRequest(), metadata=bearer("watcher"))
+            assert elsewhere.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert "sluice sessions --target NODE" in (elsewhere.value.details() or "")
+    finally:
+        await server.stop(None)

@@ -431,6 +431,14 @@ async def test_the_cluster_driver_runs_the_query_and_releases_on_every_node(
             for node in clusters[0].nodes:
                 assert node.target in shown.stdout, shown.stdout
             assert "100,000 rec/s" in shown.stdout and "sessions" not in shown.stdout, shown.stdout
+            # a push aimed at the driver by mistake is told where to go
+            async with grpc.aio.insecure_channel(driver.rate_target or "") as channel:
+                call = pb_grpc.IngestStub(channel).Publish()
+                await call.write(pb.PublishRequest(open=pb.Open(stream="s")))
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call.read()
+            assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            assert "publish to the receiver nodes" in (refused.value.details() or "")
             await asyncio.sleep(1.5)  # a look at the nodes after the release
             assert driver.backlog() == {0: 0, 1: 0}
             # /metrics: each node's share, up and backlog; the global rate; the batches
