@@ -464,7 +464,10 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         "swap", help="replace the query at a batch boundary; intake goes on", parents=[server]
     )
     swap.add_argument(
-        "spec", metavar="MODULE:FUNCTION", help="the new pipeline ('builtin': the Parquet sink)"
+        "spec",
+        metavar="MODULE:FUNCTION",
+        type=_swap_spec,
+        help="the new pipeline ('builtin': the Parquet sink)",
     )
     swap.add_argument(
         "--keep-state", action="store_true", help="continue the old checkpoint (offsets and operator state)"
@@ -1729,6 +1732,16 @@ def _pipeline_get(args: argparse.Namespace) -> int:
     return _show_pipeline(
         _unary(args, "pipeline get", lambda ch, md: pb_grpc.AdminStub(ch).GetPipeline(request, metadata=md))
     )
+
+
+def _swap_spec(text: str) -> str:
+    """An argparse type: a pipeline spec, never blank. The API's "" is the built-in sink; here that is
+    'builtin', so an unset shell variable ($SPEC) cannot swap a pipeline out for the Parquet sink."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "an empty pipeline (an unset variable?): give MODULE:FUNCTION, or 'builtin' for the Parquet sink"
+        )
+    return text
 
 
 def _pipeline_swap(args: argparse.Namespace) -> int:

@@ -333,3 +333,13 @@ def test_a_bad_node_list_is_said_in_its_own_words(tmp_path: Path) -> None:
         assert result.returncode == 2, result.stderr
         assert f"{nodes}, line 1: port 99999 is not 1-65535".encode() in result.stderr, result.stderr
         assert b"Traceback" not in result.stderr
+
+
+def test_pipeline_swap_refuses_a_blank_pipeline() -> None:
+    """`sluice pipeline swap "$SPEC"` with SPEC unset swapped the running pipeline for the built-in
+    Parquet sink (the API's ""); the built-in one is asked for by name."""
+    for blank in ("", "  "):
+        result = sluice("pipeline", "swap", blank, "--target", "127.0.0.1:1", timeout=60)
+        assert result.returncode == 2, result.stderr
+        assert b"an empty pipeline (an unset variable?)" in result.stderr, result.stderr
+        assert b"Traceback" not in result.stderr
