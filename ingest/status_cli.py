@@ -271,6 +271,8 @@ def _summary(data: Json) -> Table:
     return summary
 
 
+_NAME_COLUMNS = frozenset({"node", "target", "stream", "principal", "producer"})
+_MAX_NAME_WIDTH = 40
 _TEXT_COLUMNS = frozenset(
     {"stream", "state", "share", "credit paused", "id", "principal", "producer", "target"}
 )
@@ -278,10 +280,17 @@ _TEXT_COLUMNS = frozenset(
 
 def _table(title: str, columns: list[tuple[str, Callable[[Json], str]]], rows: list[Json]) -> Table:
     table = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left", title_style="bold")
-    for name, _ in columns:
-        table.add_column(name, justify="left" if name in _TEXT_COLUMNS else "right")
-    for row in rows:
-        table.add_row(*(show(row) for _, show in columns))
+    cells = [[show(row) for _, show in columns] for row in rows]
+    for i, (name, _) in enumerate(columns):
+        # what names a row (a node's target, a stream) is never cut short: the other columns wrap
+        whole = max((len(row_cells[i]) for row_cells in cells), default=0) if name in _NAME_COLUMNS else None
+        table.add_column(
+            name,
+            justify="left" if name in _TEXT_COLUMNS else "right",
+            min_width=min(whole, _MAX_NAME_WIDTH) if whole else None,
+        )
+    for row_cells in cells:
+        table.add_row(*row_cells)
     return table
 
 

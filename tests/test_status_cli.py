@@ -81,3 +81,44 @@ def test_extreme_numbers_are_shown_short() -> None:
     assert _rate(1e300) == "1e+300" and _rate(None) == "unlimited"
     assert _num(1e-6) == "1e-06" and _num(0) == "0" and _num(0.5) == "0.5"
     assert _num(2_500_000) == "2.50M" and _num(12_345) == "12,345"
+
+
+def test_a_nodes_target_and_a_streams_name_are_shown_whole_in_80_columns() -> None:
+    """On an 80-column terminal the driver's node table cut every target to "127.0.0.1:51…": the
+    columns that name a row keep their width (up to 40), the others wrap."""
+    from rich.console import Console
+
+    from ingest.status_cli import _nodes, _streams
+
+    share = "idle: keeps a floor to ramp from"
+    nodes = [
+        {
+            "node": i,
+            "target": f"receiver-{i}.example.internal:51101",
+            "up": True,
+            "input_rate": 33084.0,
+            "rate_limit": 91015.0,
+            "backlog": 18369,
+            "share": share,
+        }
+        for i in (0, 1)
+    ]
+    streams = [
+        {
+            "stream": "clickstream-eu-west-production",
+            "state": "serving",
+            "input_rate": 1.0,
+            "rate_limit": 5.0,
+            "share": share,
+            "backlog": 0,
+            "sessions_active": 1,
+            "credit_paused": [],
+        }
+    ]
+    console = Console(width=80, record=True)
+    console.print(_nodes({"nodes": nodes}))
+    console.print(_streams({"streams": streams}))
+    text = console.export_text()
+    for i in (0, 1):
+        assert f"receiver-{i}.example.internal:51101" in text, text
+    assert "clickstream-eu-west-production" in text, text
