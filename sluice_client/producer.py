@@ -129,6 +129,9 @@ def parse_targets(target: str | Sequence[str]) -> tuple[str, ...]:
             name = entry.strip()
             if not name:
                 raise ValueError(f"invalid target {target!r}: an empty entry; use 'host:port[,host:port]'")
+            _, colon, port = name.rpartition(":")
+            if colon and port.isdigit() and not 0 < int(port) <= 65535:  # a typo gRPC would retry for ever
+                raise ValueError(f"invalid target {target!r}: port {port} of {name!r} is not 1-65535")
             if name in targets:
                 # a round would visit it twice: more likely a typo for another node than meant
                 raise ValueError(f"invalid target {target!r}: {name!r} is named twice")
@@ -721,12 +724,12 @@ class Producer:
         channel: grpc.aio.Channel | None = None,
         credentials: Credentials | None = None,
     ) -> None:
-        if batch_size < 1 or batch_bytes < 1 or max_buffered < batch_size:
+        if not (batch_size >= 1 and batch_bytes >= 1 and max_buffered >= batch_size):  # NaN too
             raise ValueError(
                 "need batch_size >= 1, batch_bytes >= 1 and max_buffered >= batch_size; got batch_size "
                 f"{batch_size}, batch_bytes {batch_bytes}, max_buffered {max_buffered}"
             )
-        if max_buffered_bytes is not None and max_buffered_bytes < 1:
+        if max_buffered_bytes is not None and not max_buffered_bytes >= 1:
             raise ValueError(f"max_buffered_bytes must be >= 1 or None, got {max_buffered_bytes}")
         seconds = {"linger": linger, "reconnect_timeout": reconnect_timeout, "start_timeout": start_timeout}
         for name, value in seconds.items():

@@ -16,6 +16,7 @@ import collections
 import contextlib
 import io
 import logging
+import math
 import socket
 from pathlib import Path
 
@@ -216,6 +217,8 @@ async def test_a_refusal_is_not_failed_over(tmp_path: Path) -> None:
         (["a:1", " "], "an empty entry"),
         ("a:1,a:1", "'a:1' is named twice"),
         (["a:1", "b:2,a:1"], "'a:1' is named twice"),
+        ("127.0.0.1:99999", "port 99999 of '127.0.0.1:99999' is not 1-65535"),
+        ("a:1,b:0", "port 0 of 'b:0' is not 1-65535"),
     ],
 )
 def test_bad_target_lists_are_refused(target: str | list[str], message: str) -> None:
@@ -223,8 +226,30 @@ def test_bad_target_lists_are_refused(target: str | list[str], message: str) -> 
         Producer(target, "s")
 
 
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"batch_bytes": math.nan},
+        {"batch_size": math.nan},
+        {"max_buffered": math.nan},
+        {"max_buffered_bytes": math.nan},
+        {"batch_bytes": 0},
+    ],
+)
+def test_sizes_that_are_not_numbers_are_refused(setting: dict[str, float]) -> None:
+    """A NaN size passed every `< 1` check: batch_bytes NaN never cut a batch by bytes."""
+    with pytest.raises(ValueError, match=r"must be >= 1|need batch_size >= 1"):
+        Producer("a:1", "s", **setting)  # type: ignore[arg-type]
+
+
 async def test_target_lists_and_a_channel_of_ones_own() -> None:
     assert Producer("a:1, b:2", "s").targets == ("a:1", "b:2")
+    # gRPC's other target forms pass as they are
+    assert Producer("unix:/tmp/sluice.sock,[::1]:50051,dns:///a:1", "s").targets == (
+        "unix:/tmp/sluice.sock",
+        "[::1]:50051",
+        "dns:///a:1",
+    )
     assert Producer(["a:1", "b:2,c:3"], "s").targets == ("a:1", "b:2", "c:3")
     assert Producer("a:1", "s").target == "a:1"
     async with grpc.aio.insecure_channel("a:1") as channel:
