@@ -59,15 +59,16 @@ from receivers.config import FsyncPolicy, ReceiverConfig
 from receivers.principal import Limits
 from receivers.sizes import parse_size
 from sluice_client.credentials import Credentials, CredentialsError
-from sluice_client.errors import FlushTimeoutError, RPCError, SluiceError
+from sluice_client.errors import FlushTimeoutError, RecordTooLargeError, RPCError, SluiceError
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
-from sluice_client.producer import DEFAULT_MAX_BUFFERED
+from sluice_client.producer import DEFAULT_MAX_BUFFERED, MAX_RECORD_BYTES
 
 if TYPE_CHECKING:
     from rich.console import Console
 
     from ingest.cluster_driver import DriverConfig
+    from ingest.input_lines import Lines
     from ingest.preflight import DataDirLock
     from sluice_client import Producer
 
@@ -1427,14 +1428,8 @@ async def _push_async(
     try:
         await producer.start()
         while (lines := await read.next_lines()) is not None:
-            if separator is None:
-                await producer.send_packed(lines.data, lines.offsets)
-            else:
-                cut = lines.keyed(separator)
-                keyless += len(lines) - int(cut.key_validity.sum())
-                await producer.send_packed(
-                    cut.values, cut.value_offsets, cut.keys, cut.key_offsets, cut.key_validity
-                )
+            first = args.resume_from + read.records - len(lines)  # the chunk's first record in the input
+            keyless += await _send_lines(producer, lines, separator, first, args.timeout)
             progress.show(read.done_bytes, read.records, producer.acked - args.resume_from)
         await _flush_while_acking(producer, args.timeout)
         await _stopped(follow)
@@ -1463,6 +1458,46 @@ async def _push_async(
             file=sys.stderr,
         )
     return 0
+
+
+async def _send_lines(
+    producer: Producer, lines: Lines, separator: bytes | None, first: int, timeout: float
+) -> int:
+    """Queue a chunk of lines, the first being record `first` of the input; return how many had no
+    separator. A line no message can carry: the lines before it are sent and acked, then a
+    RecordTooLargeError names it (the push's resume command then starts at it)."""
+    keyless, end = 0, len(lines)
+    if separator is None:
+        parts: tuple[Any, ...] = (lines.data, lines.offsets)
+    else:
+        cut = lines.keyed(separator)
+        keyless = len(lines) - int(cut.key_validity.sum())
+        parts = (cut.values, cut.value_offsets, cut.keys, cut.key_offsets, cut.key_validity)
+    try:
+        await producer.send_packed(*parts)
+    except RecordTooLargeError as exc:
+        if exc.index is None:  # pragma: no cover - only a record changed after it was given
+            raise
+        end = exc.index
+        if end:
+            await producer.send_packed(*_first_lines(parts, end))
+        await _flush_while_acking(producer, timeout)
+        line = first + end + 1
+        raise RecordTooLargeError(
+            f"line {line:,} of the input has {exc.size:,} bytes of key and value: over the "
+            f"{MAX_RECORD_BYTES:,}-byte limit of a record; the lines before it are acked",
+            end,
+            exc.size,
+        ) from None
+    return keyless
+
+
+def _first_lines(parts: tuple[Any, ...], n: int) -> tuple[Any, ...]:
+    """send_packed's arguments `parts` cut to their first `n` records."""
+    if len(parts) == 2:
+        return parts[0], parts[1][: n + 1]
+    values, value_offsets, keys, key_offsets, validity = parts
+    return values, value_offsets[: n + 1], keys, key_offsets[: n + 1], validity[:n]
 
 
 async def _stopped(task: asyncio.Task[None] | None) -> None:

@@ -72,8 +72,15 @@ class RecordTypeError(SluiceError, TypeError):
 
 
 class RecordTooLargeError(SluiceError, ValueError):
-    """A record is larger than a message may be: the producer fails with this error when it comes to
-    send it, its unsent records still in it (a session would only end and be reopened for it)."""
+    """A record is larger than a message may be. The call that gives it raises this error (`index`:
+    the record's place in that call, `size`: its bytes of key and value) and the producer goes on; a
+    record that grows past the limit after it was given (a bytearray) fails the producer when it comes
+    to be sent (`index` None), its unsent records still in it."""
+
+    def __init__(self, message: str, index: int | None = None, size: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
+        self.size = size
 
 
 class FlushTimeoutError(SluiceError, TimeoutError):

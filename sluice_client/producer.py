@@ -77,6 +77,9 @@ from sluice_client.wire import Keys, PackedKeys, is_key, lay_out_keys, publish_p
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+MAX_RECORD_BYTES = DEFAULT_MAX_MESSAGE_BYTES - 64
+"""A record's key and value together, at most: what a message of that record alone can carry (its
+framing takes under 64 bytes). A larger one is refused when it is given (RecordTooLargeError)."""
 DEFAULT_MAX_BUFFERED = 500_000
 """Records a Producer holds unsent + unacked by default: room for a server's default prefetch (250k)."""
 _FAILED_PRECONDITION = 9  # gRPC status code carried in-band by Error
@@ -195,6 +198,10 @@ class _Listed:
             bad = next(v for v in values if not isinstance(v, bytes | bytearray | memoryview))
             raise RecordTypeError(f"record values must be bytes, not {type(bad).__name__}") from None
         key_size = _key_bytes(keys) if keys is not None else 0
+        if len(values) and int(lengths.max()) + key_size > MAX_RECORD_BYTES:  # maybe one is too large
+            sizes = lengths + (_key_lengths(keys) if keys is not None else 0)
+            if (over := int(np.argmax(sizes > MAX_RECORD_BYTES))) or sizes[0] > MAX_RECORD_BYTES:
+                raise _OverLimit(over, int(sizes[over]))
         if keys is not None and self._keys is None:
             self._keys = [None] * len(self._values)
         self._values.extend(values)
@@ -490,6 +497,42 @@ def _key_bytes(keys: Sequence[bytes | None]) -> int:
     except TypeError:
         bad = next(k for k in keys if k is not None and not isinstance(k, bytes | bytearray | memoryview))
         raise RecordTypeError(f"record keys must be bytes, not {type(bad).__name__}") from None
+
+
+def _key_lengths(keys: Sequence[bytes | None]) -> npt.NDArray[np.int64]:
+    return np.fromiter((len(k) if k is not None else 0 for k in keys), dtype=np.int64, count=len(keys))
+
+
+class _OverLimit(Exception):
+    """Record `index` of the records given has `size` bytes of key and value, over MAX_RECORD_BYTES."""
+
+    def __init__(self, index: int, size: int) -> None:
+        super().__init__(index, size)
+        self.index, self.size = index, size
+
+
+def _too_large(index: int, size: int, queued: int = 0) -> RecordTooLargeError:
+    """The error for record `index` of a call (send: 0), of `size` bytes of key and value; the call's
+    first `queued` records were queued (a send_many larger than the buffer's room goes in pieces)."""
+    taken = f"its records before {queued} were queued, the rest not" if queued else "nothing of it was queued"
+    return RecordTooLargeError(
+        f"record {index} of the call has {size} bytes of key and value: over the {MAX_RECORD_BYTES}-byte "
+        f"limit of a record (a message is at most {DEFAULT_MAX_MESSAGE_BYTES} bytes); {taken}",
+        index,
+        size,
+    )
+
+
+def _packed_sizes_check(offsets: npt.NDArray[np.int64], keys: _KeyColumn | None) -> None:
+    """RecordTooLargeError for send_packed's first record over MAX_RECORD_BYTES (one pass, only when
+    the records together are over it)."""
+    total = int(offsets[-1] - offsets[0]) + (int(keys.offsets[-1] - keys.offsets[0]) if keys else 0)
+    if total <= MAX_RECORD_BYTES:
+        return
+    sizes = np.diff(offsets) + (np.diff(keys.offsets) if keys is not None else 0)
+    over = np.flatnonzero(sizes > MAX_RECORD_BYTES)
+    if len(over):
+        raise _too_large(int(over[0]), int(sizes[over[0]]))
 
 
 def _batch_keys(spans: list[tuple[_Listed | _Packed, int]]) -> Keys | None:
@@ -1028,9 +1071,12 @@ class Producer:
             await self._room_for(1)
             room = self.max_buffered - self._held
             end = min(count, start + room)
-            self._buffered_bytes += self._pending.extend(
-                values[start:end], keys[start:end] if keys is not None else None
-            )
+            try:
+                self._buffered_bytes += self._pending.extend(
+                    values[start:end], keys[start:end] if keys is not None else None
+                )
+            except _OverLimit as over:
+                raise _too_large(start + over.index, over.size, start) from None
             self._wake()
             start = end
             if len(self._pending) >= self.batch_size:
@@ -1055,6 +1101,7 @@ class Producer:
         other is copied once; waits while the local buffer is full, as send_many does."""
         count, data, bounds = _packed_input(values, offsets)
         key_column = _packed_keys(count, keys, key_offsets, key_validity)
+        _packed_sizes_check(bounds, key_column)
         start = 0
         while start < count:
             await self._room_for(1)
@@ -1091,6 +1138,8 @@ class Producer:
             raise TypeError(f"record value must be bytes, not {type(value).__name__}")
         if key is not None and not isinstance(key, bytes | bytearray | memoryview):
             raise TypeError(f"record key must be bytes, not {type(key).__name__}")
+        if (size := len(value) + (len(key) if key is not None else 0)) > MAX_RECORD_BYTES:
+            raise _too_large(0, size)
         self._buffered_bytes += self._pending.append(value, key)
         # the first record starts the linger clock (and an idle producer's reconnect); a full batch goes
         held = len(self._pending)

@@ -376,6 +376,33 @@ def test_a_resume_past_the_input_is_refused(tmp_path: Path, servers: list[Serve]
     assert sorted(stored_values(tmp_path / "data")) == [b"b", b"c"]
 
 
+def test_a_line_no_message_can_carry_is_named_and_the_lines_before_it_are_acked(
+    tmp_path: Path, servers: list[Serve]
+) -> None:
+    """A 40 MiB line failed the push's producer when its batch was encoded, with the lines sent just
+    before it in flight and never acked; now they are acked, the push names the line, and its resume
+    command starts at it (the line fixed, the rest goes without duplicates)."""
+    source = tmp_path / "in.txt"
+    source.write_bytes(b"a\nb\n" + b"x" * (40 * 1024 * 1024) + b"\nc\n")
+    port = free_port()
+    serve = Serve(tmp_path, "serve", *no_spark(port, tmp_path / "data"))
+    servers.append(serve)
+    serve.wait_serving()
+    flags = ["--target", f"127.0.0.1:{port}", "--no-progress"]
+    pushed = sluice("push", str(source), *flags, timeout=120)
+    stderr = pushed.stderr.decode()
+    assert pushed.returncode == 1, stderr
+    assert "line 3 of the input has 41,943,040 bytes of key and value: over the" in stderr, stderr
+    assert "of the input's records 2 are acked (durable), 2 sent" in stderr, stderr
+    resume = re.search(r"to resume without duplicates, run: (.+)", stderr)
+    assert resume and "--resume-from 2" in resume.group(1), stderr
+    source.write_bytes(b"a\nb\nfixed\nc\n")
+    resumed = sluice(*shlex.split(resume.group(1))[1:], timeout=120)
+    assert resumed.returncode == 0, resumed.stderr.decode()
+    serve.kill()
+    assert sorted(stored_values(tmp_path / "data").elements()) == [b"a", b"b", b"c", b"fixed"]
+
+
 # ---- item 7: the first connection waits for a server that is not up yet ----------------------------
 
 

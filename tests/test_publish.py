@@ -18,7 +18,7 @@ from sluice_client import Producer
 from sluice_client.errors import ReconnectTimeoutError, RecordTooLargeError, RecordTypeError, RPCError
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
-from sluice_client.producer import DEFAULT_MAX_MESSAGE_BYTES
+from sluice_client.producer import DEFAULT_MAX_MESSAGE_BYTES, MAX_RECORD_BYTES
 from sluice_client.wire import encode_batch
 
 
@@ -148,23 +148,30 @@ async def test_a_key_without_a_length_is_refused_at_the_call(server: SluiceServe
     assert [(r["key"], r["value"]) for r in rows] == [(b"k", b"d")]
 
 
-async def test_a_record_over_the_message_limit_fails_the_producer_at_once(server: SluiceServer) -> None:
+async def test_a_record_over_the_message_limit_is_refused_when_given(server: SluiceServer) -> None:
     """A record no message can carry used to end and reopen sessions until the reconnect timeout (a
-    session up again reset it: forever); now the producer fails with RecordTooLargeError naming it. A
-    batch_bytes above the limit is sent in pieces that fit."""
+    session up again reset it: forever); then it failed the producer when its batch was encoded, with
+    the records sent just before it in flight and never acked. Now the call that gives it raises
+    RecordTooLargeError (as Kafka's send does) and the producer goes on. A batch_bytes above the
+    message limit is sent in pieces that fit."""
     async with Producer(server.target, "events", batch_bytes=64 * 1024 * 1024, batch_size=100) as producer:
         await producer.send_many([bytes([i]) * (1024 * 1024) for i in range(40)])
         await producer.flush(timeout=30)
     assert sum(b.count for b in server.store.blocks("events")) == 40
-    producer = Producer(server.target, "events", linger=0)
-    await producer.start()
-    await producer.send(b"ok")
-    await producer.flush(timeout=10)
-    await producer.send_many([b"x" * (DEFAULT_MAX_MESSAGE_BYTES + 1)])
-    with pytest.raises(RecordTooLargeError, match=r"record 1 has 33554433 bytes .* message limit"):
-        await producer.flush(timeout=10)
-    assert [len(value) for value, _ in await producer.abort()] == [DEFAULT_MAX_MESSAGE_BYTES + 1]
-    assert sum(b.count for b in server.store.blocks("events")) == 41
+    async with Producer(server.target, "events", linger=0) as producer:
+        await producer.send(b"ok")  # in flight while the large ones are refused
+        with pytest.raises(RecordTooLargeError, match=r"record 1 of the call has 33554433 bytes"):
+            await producer.send_many([b"small", b"x" * (DEFAULT_MAX_MESSAGE_BYTES + 1), b"after"])
+        over = MAX_RECORD_BYTES + 1
+        with pytest.raises(RecordTooLargeError, match=f"record 0 of the call has {over} bytes"):
+            await producer.send(b"v" * (MAX_RECORD_BYTES - 9), b"k" * 10)
+        with pytest.raises(RecordTooLargeError, match=r"record 0 of the call .* nothing of it was queued"):
+            await producer.send_many([b"x"], [b"k" * (MAX_RECORD_BYTES + 1)])
+        await producer.send(b"v" * (MAX_RECORD_BYTES - 10), b"k" * 10)  # the largest record there is
+        await producer.send(b"last")
+        await producer.flush(timeout=60)
+        assert producer.acked == 3
+    assert sum(b.count for b in server.store.blocks("events")) == 43
 
 
 async def test_credit_violation_ends_only_that_session(server: SluiceServer) -> None:

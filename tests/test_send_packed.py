@@ -18,7 +18,14 @@ from support import running_server
 from ingest.server import SluiceServer
 from sluice_client import Producer, SyncProducer
 from sluice_client.errors import RecordTooLargeError
-from sluice_client.producer import DEFAULT_MAX_MESSAGE_BYTES, _KeyColumn, _Packed, _Pending, _Sent
+from sluice_client.producer import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    MAX_RECORD_BYTES,
+    _KeyColumn,
+    _Packed,
+    _Pending,
+    _Sent,
+)
 from sluice_client.wire import Keys, PackedKeys, lay_out_keys
 
 
@@ -259,17 +266,21 @@ async def test_packed_input_is_checked_at_the_call(
     assert [v for _, v in rows(server)] == [b"ok"]
 
 
-async def test_a_packed_record_over_the_message_limit_fails_the_producer(server: SluiceServer) -> None:
+async def test_a_packed_record_over_the_message_limit_is_refused_when_given(server: SluiceServer) -> None:
     big = DEFAULT_MAX_MESSAGE_BYTES + 1
-    producer = Producer(server.target, "events", linger=0)
-    await producer.start()
-    await producer.send_packed(b"a", [0, 1])
-    await producer.flush(timeout=10)
-    await producer.send_packed(b"b" * (big + 1), [0, big, big + 1], b"kkk", [0, 2, 3])
-    with pytest.raises(RecordTooLargeError, match=f"record 1 has {big + 2} bytes of key and value"):
-        await producer.flush(timeout=30)
-    assert [(len(v), k) for v, k in await producer.abort()] == [(big, b"kk"), (1, b"k")]
-    assert [v for _, v in rows(server)] == [b"a"]
+    async with Producer(server.target, "events", linger=0) as producer:
+        await producer.send_packed(b"a", [0, 1])
+        with pytest.raises(
+            RecordTooLargeError, match=f"record 1 of the call has {big + 2} bytes of key and value"
+        ):
+            await producer.send_packed(b"c" + b"b" * big, [0, 1, big + 1], b"kkk", [0, 1, 3])
+        # the key counts: a value under the limit with a key that takes it over
+        value = MAX_RECORD_BYTES - 1
+        with pytest.raises(RecordTooLargeError, match="record 0 of the call"):
+            await producer.send_packed(b"v" * value, [0, value], b"kk", [0, 2])
+        await producer.send_packed(b"v" * value, [0, value], b"k", [0, 1])  # exactly at the limit
+        await producer.flush(timeout=60)
+    assert [len(v) for _, v in rows(server)] == [1, value]
 
 
 async def test_a_large_buffer_waits_for_room_in_pieces(server: SluiceServer) -> None:
