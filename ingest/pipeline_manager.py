@@ -342,7 +342,7 @@ class PipelineManager:
                     error,
                 )
                 self._count(what, "rolled_back")
-                await self._roll_back(old, old_trigger)
+                await self._roll_back(old, old_trigger, tried=new if fresh else None)
                 self._last_swap = self._record(old, new, "rolled back", error, requested, old_end, None)
                 raise SwapRolledBack(
                     f"{what} rolled back, the old pipeline runs again: {error}", self.view()
@@ -366,6 +366,14 @@ class PipelineManager:
                 self._last_swap.duration_seconds,
             )
             return self.view()
+
+    def _set_aside_try(self, tried: Generation) -> None:
+        """Move a rolled-back try's checkpoint and sink aside; if that fails, the next swap does it."""
+        for folder in (self._checkpoints / tried.checkpoint, self._data_dir / tried.sink):
+            try:
+                _set_aside(folder)
+            except OSError as exc:
+                log.warning("%s stays where it is (the next swap moves it aside): %s", folder, exc)
 
     async def _stop_at_boundary(self) -> None:
         """Hold batches, let the one in flight commit, stop the query between batches."""
@@ -445,8 +453,13 @@ class PipelineManager:
         start: Mapping[str, int] = committed[1] if committed is not None else (plan.starting_offsets or {})
         return not self._host.unread(start)
 
-    async def _roll_back(self, old: Generation, trigger: float) -> None:
+    async def _roll_back(self, old: Generation, trigger: float, *, tried: Generation | None) -> None:
+        """Stop the new query and start `old` again; `tried` (a try in folders of its own) has them
+        moved aside at once, not at the next swap: a first batch that committed after the timeout left
+        records in its sink that the old query processes again."""
         await asyncio.to_thread(self._driver.stop_query)
+        if tried is not None:
+            self._set_aside_try(tried)
         self._persist(old, None)
         self._host.rate.query_started()
         try:

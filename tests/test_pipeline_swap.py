@@ -54,6 +54,10 @@ async def test_swap_under_load_loses_nothing_and_doubles_nothing(spark: Any, tmp
         assert min(new) == view.last_swap.start_offsets["events"]
 
 
+def named(folder: Path, pattern: str) -> list[str]:
+    return sorted(p.name for p in folder.glob(pattern))
+
+
 async def test_a_swap_that_fails_is_rolled_back(spark: Any, tmp_path: Path) -> None:
     async with service(spark, tmp_path, pipeline="swap_pipelines:tag_a") as server:
         load = Load(server.target, "events")
@@ -77,6 +81,9 @@ async def test_a_swap_that_fails_is_rolled_back(spark: Any, tmp_path: Path) -> N
             view = await stub.GetPipeline(pb.GetPipelineRequest())
             assert (view.pipeline, view.generation, view.state) == ("swap_pipelines:tag_a", 0, "running")
             assert view.last_swap.outcome == "rolled back" and said in view.last_swap.error
+            # the try's folders are moved aside at once: nothing beside the live sink looks like one
+            assert named(tmp_path, "sink-g1") == [] and named(tmp_path / "checkpoints", "*-g1") == []
+        assert named(tmp_path / "checkpoints", "*-g1.abandoned-*"), named(tmp_path / "checkpoints", "*")
         await asyncio.sleep(1)
         # the next swap takes the failed one's generation number: it starts where the old query is
         # now, not where the failed try began (its checkpoint would have replayed that try's batch)
