@@ -448,7 +448,8 @@ if _path:
 def start_serve(
     data: Path, cost_us: float, log_path: Path, trace: Path | None = None
 ) -> tuple[subprocess.Popen[bytes], str, int]:
-    paths = [str(ROOT), os.environ.get("PYTHONPATH", "")]
+    # the pipeline is this module (bench.overload_memory) and it imports its sibling line_server
+    paths = [str(ROOT), str(ROOT / "bench"), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ)
     if trace is not None:  # diagnosis: tracemalloc in the serve process, a snapshot per SIGUSR2
         site = trace.parent / "site"
