@@ -902,8 +902,10 @@ class Receiver:
         """Poll the store's disk use (at most every disk_poll_interval) against the disk budget; while
         paused for the disk, drop this stream's newest segment if Spark released all of it."""
         budget = self.config.disk_budget_bytes
-        if budget is None and DISK_ERROR not in self._paused:
-            return
+        if budget is None:
+            self._set_paused(DISK_BUDGET, False)  # the budget was taken away at run time
+            if DISK_ERROR not in self._paused:
+                return
         now = self._clock()
         if now - self._disk_polled_at < self.config.disk_poll_interval:
             return

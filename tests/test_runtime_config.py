@@ -74,6 +74,23 @@ async def test_a_setting_changes_at_once_and_survives_a_restart(tmp_path: Path) 
         assert math.isinf(server.rate.bounds.max_rate)
 
 
+async def test_a_disk_budget_taken_away_lifts_its_pause(tmp_path: Path) -> None:
+    """`config reset disk-budget` after the budget paused credit: the budget was gone but the pause
+    stayed for good (its check skipped streams without a budget), and every push timed out."""
+    async with running_server(tmp_path / "d", "s", disk_poll_interval=0.05) as server, admin(server) as stub:
+        assert await ack_seconds(server) < 10  # something on disk
+        await stub.SetConfig(pb.SetConfigRequest(set={"disk-budget": "1"}))
+        receiver = server.receivers["s"]
+        deadline = time.monotonic() + 10
+        while "disk_budget" not in receiver.paused:
+            assert time.monotonic() < deadline, "the budget did not pause credit"
+            await asyncio.sleep(0.05)
+        view = await stub.SetConfig(pb.SetConfigRequest(reset=["disk-budget"]))
+        assert settings(view)["disk-budget"][0] == ""
+        assert await ack_seconds(server) < 10
+        assert "disk_budget" not in receiver.paused
+
+
 async def test_the_block_linger_is_a_setting_off_by_name(tmp_path: Path) -> None:
     async with running_server(tmp_path, "s", block_interval=3.0) as server, admin(server) as stub:
         assert await ack_seconds(server) < 1.0  # the default linger seals the lull's block
