@@ -135,7 +135,10 @@ ABORTED = 10
 
 INITIAL_RECORD_BYTES = 1024
 """Bytes per record the memory budget assumes until records were seen."""
-_EWMA_WEIGHT = 1 / 8
+_EWMA_RECORDS = 1024
+"""The bytes-per-record averages weigh each record, over about this many of the latest: weighing each
+batch alike, one batch of a single 30 MiB record kept a stream's estimate at MiBs for some 80 batches
+of small records, and new producers (budgeted at the stream's estimate) got almost no credit."""
 _MEMORY_LOG_EVERY = 60.0  # seconds: memory-budget pauses are logged at WARNING at most this often
 _SHORT_WITHIN = 0.5  # seconds: an owner short of room this recently lets silent over-share sessions go
 
@@ -250,7 +253,6 @@ class Receiver:
         self._outstanding = 0
         self._record_bytes_avg = float(INITIAL_RECORD_BYTES)
         self._record_bytes_last = float(INITIAL_RECORD_BYTES)
-        self._records_seen = False
         self._paused: dict[str, float] = {}  # reason -> since (clock)
         self._credit_starved_at = -math.inf  # when the rate last held back a session out of credit
         self._pause_logged: set[str] = set()
@@ -628,16 +630,14 @@ class Receiver:
         batch of `count` records in `nbytes` (duplicates included: they show what the producer sends)."""
         if count:
             per_record = nbytes / count
+            # `count` records' worth of the average, from the assumption before any (INITIAL_RECORD_BYTES):
+            # a first batch of one huge record does not set it alone (`last` has it while it lasts)
+            weight = 1 - (1 - 1 / _EWMA_RECORDS) ** count
             self._record_bytes_last = per_record
-            if self._records_seen:
-                self._record_bytes_avg += _EWMA_WEIGHT * (per_record - self._record_bytes_avg)
-            else:
-                self._record_bytes_avg, self._records_seen = per_record, True
+            self._record_bytes_avg += weight * (per_record - self._record_bytes_avg)
             owner.record_bytes_last = per_record
-            if owner.records_seen:
-                owner.record_bytes_avg += _EWMA_WEIGHT * (per_record - owner.record_bytes_avg)
-            else:
-                owner.record_bytes_avg, owner.records_seen = per_record, True
+            owner.record_bytes_avg += weight * (per_record - owner.record_bytes_avg)
+            owner.records_seen = True
 
     def complete(self, session: Session) -> None:
         """onComplete: return the session's credit; end the call once everything it sent is acked."""

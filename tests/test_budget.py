@@ -180,6 +180,34 @@ def test_budgets_are_validated() -> None:
         ReceiverConfig(disk_poll_interval=0)
 
 
+async def test_one_large_record_does_not_starve_the_streams_new_producers(tmp_path: Path) -> None:
+    """One 30 MiB record (under the message limit) weighed as much in the stream's bytes-per-record
+    estimate as a batch of thousands of small ones: the estimate stayed at MiBs for some 80 batches, a
+    new producer is budgeted at it, and with many sessions open a push of 10 records got no credit."""
+    import grpc
+
+    from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+
+    async with running_server(tmp_path, "s") as server:
+        async with Producer(server.target, "s", producer_id="big") as producer:
+            await producer.send(b"x" * (30 * 1024 * 1024))
+            await producer.flush(timeout=30)
+            await producer.send_many([b"small record"] * 2_000)
+            await producer.flush(timeout=30)
+        assert server.receivers["s"].record_bytes_estimate < 64 * 1024
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            idle = []  # sessions that open and send nothing: each is granted its share
+            for i in range(200):
+                call = pb_grpc.IngestStub(channel).Publish()
+                await call.write(pb.PublishRequest(open=pb.Open(stream="s", producer_id=f"idle-{i}")))
+                idle.append(call)
+            async with Producer(server.target, "s", linger=0) as late:
+                await late.send_many([b"late"] * 10)
+                await late.flush(timeout=15)
+            for call in idle:
+                call.cancel()
+
+
 # ---- disk budget ---------------------------------------------------------------------------------
 
 
