@@ -866,6 +866,12 @@ class _Failed(Exception):
         self.code = code
 
 
+def _wal_error() -> type[Exception]:
+    from receivers.wal import WalError  # noqa: PLC0415 - pyarrow: the server extra's, only for serve
+
+    return WalError
+
+
 def _fail(message: str, code: int = EXIT_FAILED) -> int:
     logs.say(message, level=logging.ERROR)
     return code
@@ -1143,7 +1149,8 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock, spark_log_level: 
             defaults=dataclasses.replace(config, receiver=ReceiverConfig(), rate=RateConfig()),
         )
         await server.start()
-    except (OSError, ValueError) as exc:  # ValueError: a TLS or auth file changed since it was checked
+    # ValueError: a TLS or auth file changed since it was checked; WalError: a damaged log
+    except (OSError, ValueError, _wal_error()) as exc:
         if spark is not None:
             await asyncio.to_thread(spark.stop)
         return _fail(f"cannot start the server: {exc}")

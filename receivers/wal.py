@@ -37,8 +37,12 @@ that seqs increase. At the first bad or incomplete frame of a segment the segmen
 fsynced): a WARNING names stream, segment, offset and bytes cut, and the truncation is counted in
 `stats`. A torn tail of the newest segment is the normal trace of a crash mid-write (such a block was
 never acked under "every-block"). A bad frame in an older segment means the log itself was damaged: the
-rest of that segment is cut too, the later segments are kept, and an ERROR names the seqs lost. Bad data
-on disk never makes recovery fail; only real I/O errors (permissions, ...) raise.
+rest of that segment is cut too, the later segments are kept, and an ERROR names the seqs lost. Under
+"every-block", a bad frame with sound frames after it in its segment cannot be a crash's trace (each block
+is written after the one before it was fsynced): recovery raises DamagedLogError naming the segment and
+the intact blocks rather than cut acknowledged blocks that are whole (etcd's WAL refuses such damage the
+same way; the operator restores the segment or moves it aside). Otherwise bad data on disk never makes
+recovery fail; only real I/O errors (permissions, ...) raise.
 
 Readers (Spark executors, other processes) index segments by their frame headers, seeking over payloads,
 and cache that index per segment, re-scanning only the part that grew; a frame not yet complete on disk is
@@ -125,6 +129,11 @@ class CorruptBlockError(WalError):
 
 class BlockNotFoundError(WalError, LookupError):
     """A block is not in the log (released, or never written)."""
+
+
+class DamagedLogError(WalError):
+    """A segment has a bad frame with intact frames after it, under a policy that fsyncs each block
+    before its ack: damage to acknowledged blocks, not a crash's torn tail. Recovery refuses to cut it."""
 
 
 # ---- statistics ----------------------------------------------------------------------------------
@@ -847,6 +856,7 @@ class WalBlockStore(BlockStore):
             next_seq = max(next_seq, name_seq)
             try:
                 size, frames, last_seq = self._check_segment(path, last_seq, producers, stats)
+                self._refuse_if_intact_after(stream, path, size, last_seq)
                 if size < _file_size(path) or (not frames and not newest):
                     self._cut(
                         stream=stream,
@@ -908,6 +918,26 @@ class WalBlockStore(BlockStore):
                 pos += header.frame_len
         stats.frames_recovered += len(frames)
         return pos, frames, last_seq
+
+    def _refuse_if_intact_after(self, stream: str, path: Path, bad: int, last_seq: int) -> None:
+        """DamagedLogError if the segment's good part ends at `bad` and sound frames follow. Under
+        "every-block" a block is written only after the one before it was fsynced, so a crash can tear
+        the last frame alone: a bad frame with sound ones after it is damage (a bad sector, a stray
+        write), and cutting there would delete acked blocks that are intact. (Under "interval" or
+        "off" the frames after the last fsync were never acked and a power loss may leave them in any
+        state: cut as before.)"""
+        if self.fsync.mode != "every-block" or bad >= _file_size(path):
+            return
+        intact = _intact_after(path, bad, last_seq)
+        if intact:
+            raise DamagedLogError(
+                f"stream {stream!r}: the log segment {path} is damaged at byte {bad:,} (the block after "
+                f"seq {last_seq}) and {len(intact)} intact blocks follow it (seqs {intact[0].seq}.."
+                f"{intact[-1].seq}): not the torn tail a crash leaves, but damage to acknowledged "
+                "blocks, so it is not cut. Keep a copy of the segment, then restore it (a backup, a "
+                "replica's copy), or move it out of the folder and start again: its blocks are then "
+                "lost, and the log goes on after the blocks before it"
+            )
 
     def _cut(
         self,
@@ -1232,6 +1262,29 @@ class WalBlockStore(BlockStore):
 
     def _folder(self, stream: str) -> Path:
         return self.root / check_stream_name(stream)
+
+
+def _intact_after(path: Path, bad: int, last_seq: int) -> list[_Header]:
+    """The sound frames after a bad one at `bad`: found by their magic (the bad frame's own lengths
+    cannot be trusted), then followed frame by frame."""
+    found: list[_Header] = []
+    with open(path, "rb") as file:
+        fd = file.fileno()
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, size - bad, bad)  # the error path only: the rest of one segment
+        at = data.find(MAGIC, 1)
+        while at != -1:
+            frame = _valid_frame(fd, bad + at, size, last_seq)
+            if frame is None:
+                at = data.find(MAGIC, at + 1)
+                continue
+            header = frame[0]
+            found.append(header)
+            last_seq = header.seq
+            at += header.frame_len
+            if at >= len(data) or data[at : at + len(MAGIC)] != MAGIC:
+                at = data.find(MAGIC, at)
+    return found
 
 
 def _valid_frame(fd: int, pos: int, size: int, last_seq: int) -> tuple[_Header, dict[str, int]] | None:

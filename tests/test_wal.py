@@ -22,7 +22,7 @@ from receivers import wal
 from receivers.block import BlockInfo
 from receivers.config import FsyncPolicy
 from receivers.names import InvalidStreamNameError
-from receivers.wal import ALIGN, HEADER, BlockNotFoundError, CorruptBlockError, WalBlockStore
+from receivers.wal import ALIGN, HEADER, BlockNotFoundError, CorruptBlockError, DamagedLogError, WalBlockStore
 from receivers.wire import decode_batch
 from sluice_client.wire import encode_batch
 
@@ -204,6 +204,33 @@ def test_flipped_payload_byte_is_caught_by_crc(tmp_path: Path) -> None:
     assert segment.stat().st_size == starts[2]
     assert restarted.stats.bytes_truncated == len(data) - starts[2]
     assert values(restarted) == expected(6)
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_damage_with_intact_blocks_after_it_is_refused_not_cut(tmp_path: Path, where: str) -> None:
+    """Under every-block (each block fsynced before the next is written, and before its ack) a bad
+    frame followed by sound ones is not a crash's torn tail: cutting there deleted every acked block
+    after it (1.2M records for one flipped byte). Recovery refuses, names the segment and the intact
+    blocks, and changes nothing on disk; readers still read the sound blocks."""
+    store = WalBlockStore(tmp_path)
+    fill(store, 5)
+    store.close()
+    segment = segments(tmp_path)[0]
+    starts = frame_starts(segment)
+    data = bytearray(segment.read_bytes())
+    data[starts[1] + (HEADER.size + 40 if where == "payload" else 20)] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    with pytest.raises(DamagedLogError) as refused:
+        WalBlockStore(tmp_path).recover("s")
+    message = str(refused.value)
+    assert str(segment) in message and f"damaged at byte {starts[1]:,}" in message, message
+    assert "3 intact blocks follow it (seqs 2..4)" in message, message
+    assert segment.read_bytes() == bytes(data)  # nothing cut
+    reader = WalBlockStore(tmp_path)
+    assert [b.seq for b in reader.blocks("s")][-1] == 4 or where == "header"
+    # the operator moves the segment aside: the log starts over after its blocks, which are lost
+    segment.rename(tmp_path / "kept-for-forensics.wal")
+    assert WalBlockStore(tmp_path).recover("s") == (0, 0)
 
 
 def test_corruption_in_a_middle_segment_keeps_later_segments(
