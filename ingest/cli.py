@@ -212,7 +212,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         "--block-interval",
         type=float,
         default=0.2,
-        help="seconds between sealed blocks (default: %(default)s)",
+        help="seconds between sealed blocks, 0.01..3600 (default: %(default)s)",
     )
     serve.add_argument(
         "--block-linger",

@@ -23,6 +23,8 @@ MAX_BYTES = 2**60
 MAX_SECONDS = 3600.0
 """The longest block interval or linger: an hour. A record waits that long for its ack at most; what
 is longer is a typo (1e300 was taken, and nothing was ever acked)."""
+MIN_BLOCK_INTERVAL = 0.01
+"""Seconds: the shortest block interval (Spark's guide advises 50 ms at least for its own)."""
 
 
 @dataclass(frozen=True)
@@ -91,8 +93,11 @@ class ReceiverConfig:
             raise ValueError(f"reclaim_after must be > 0 seconds and finite, got {self.reclaim_after}")
 
     def _check_intervals(self) -> None:
-        if not self.block_interval > 0:
-            raise ValueError(f"block_interval must be > 0 seconds, got {self.block_interval}")
+        if not self.block_interval >= MIN_BLOCK_INTERVAL:  # NaN too
+            # each interval wakes the receiver even when idle: 1e-300 spun a core with nothing to do
+            raise ValueError(
+                f"block_interval must be at least {MIN_BLOCK_INTERVAL:g} seconds, got {self.block_interval:g}"
+            )
         if not self.block_interval <= MAX_SECONDS:  # nothing would be acked below block_records
             raise ValueError(
                 f"block_interval must be finite, at most {MAX_SECONDS:g} seconds, got {self.block_interval:g}"

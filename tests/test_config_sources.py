@@ -138,7 +138,7 @@ def test_unknown_keys_and_variables_are_errors_naming_them(tmp_path: Path) -> No
 # (key, bad value, what the message says): errors from argparse types, from the dataclasses' checks
 # naming fields (block_interval, low_tide, min_rate) and from checks naming no key at all
 BAD_VALUES = [
-    ("block-interval", "0", "must be > 0 seconds"),
+    ("block-interval", "0", "must be at least 0.01 seconds"),
     ("block-interval", "abc", "invalid float value: 'abc'"),
     ("low-tide", "600000", "must be in [0, --prefetch)"),
     ("min-rate", "0", "must be > 0 and finite"),

@@ -124,6 +124,8 @@ INVALID = [
     # `sluice rate get` and `sluice status` with UNKNOWN (a field of RateStatus overflowed)
     ({"trigger-interval": "1e300"}, grpc.StatusCode.INVALID_ARGUMENT, "at most 86400 seconds"),
     ({"block-interval": "1e300"}, grpc.StatusCode.INVALID_ARGUMENT, "at most 3600 seconds"),
+    # and tiny: each interval wakes the receiver, and 1e-300 spun a core on an idle server
+    ({"block-interval": "1e-300"}, grpc.StatusCode.INVALID_ARGUMENT, "at least 0.01 seconds"),
     ({"block-linger": "3601"}, grpc.StatusCode.INVALID_ARGUMENT, "at most 3600 seconds"),
     ({"buffer-records": "9" * 23}, grpc.StatusCode.INVALID_ARGUMENT, "at most 1,000,000,000,000"),
     ({"prefetch": str(2**63)}, grpc.StatusCode.INVALID_ARGUMENT, "prefetch must be at most"),
@@ -201,7 +203,8 @@ async def test_a_corrupt_settings_file_stops_the_start_with_its_name(tmp_path: P
     data = tmp_path / "d"
     data.mkdir()
     (data / "runtime-config.json").write_text('{"version": 1, "overrides": {"block-interval": "-5"}}')
-    with pytest.raises(ValueError, match=r"runtime-config\.json: block_interval must be > 0") as refused:
+    refusal = r"runtime-config\.json: block_interval must be at least 0.01 seconds"
+    with pytest.raises(ValueError, match=refusal) as refused:
         async with running_server(data, "s"):
             pass
     assert "delete the file to start from the command line's settings" in str(refused.value)
