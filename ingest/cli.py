@@ -118,12 +118,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         code: int = args.run(args)
     except _Failed as failed:
         return failed.code
+    except UnicodeEncodeError:
+        # an argument that is not UTF-8 text (bytes the shell passed, kept as surrogates by Python) met
+        # a field that must be text: a stream name, a producer id, a setting
+        bad = next((a for a in argv if not _is_utf8(a)), None)
+        if bad is None:
+            raise
+        shown = bad.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+        return _fail(f"an argument is not UTF-8 text: '{shown[:100]}'", EXIT_USAGE)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `sluice rate get | head -1`: the reader went away, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     return code
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _layer_settings(args: argparse.Namespace, argv: Sequence[str], environ: Mapping[str, str]) -> None:

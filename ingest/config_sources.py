@@ -154,6 +154,8 @@ def read_file(path: Path, keys: Mapping[str, Key]) -> dict[str, object]:
         raise ConfigError(f"config file {path}: cannot read it: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path}: not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8
+        raise ConfigError(f"config file {path}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     for name, value in data.items():
         if name not in keys:
             hint = " (keys are the serve flags without their dashes, at the top level)"

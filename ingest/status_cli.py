@@ -10,6 +10,7 @@ log on disk) nor the record counters: given --metrics URL it reads the page's ow
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import math
 import ssl
@@ -203,6 +204,8 @@ def read_http(
         raise StatusReadError(f"HTTP {exc.code}: {why}", denied=exc.code in (401, 403)) from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise StatusReadError(str(getattr(exc, "reason", exc))) from None
+    except http.client.HTTPException as exc:  # not an HTTP server there (a gRPC port: BadStatusLine)
+        raise StatusReadError(f"no HTTP server answers there (a gRPC port?): {type(exc).__name__}") from None
     data["source"] = "status.json"
     return data
 

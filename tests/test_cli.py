@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -343,3 +344,49 @@ def test_pipeline_swap_refuses_a_blank_pipeline() -> None:
         assert result.returncode == 2, result.stderr
         assert b"an empty pipeline (an unset variable?)" in result.stderr, result.stderr
         assert b"Traceback" not in result.stderr
+
+
+def test_arguments_and_files_that_are_not_utf8_are_usage_errors(tmp_path: Path) -> None:
+    """Bytes that are not UTF-8 in a stream name, a setting or a config file ended in a
+    UnicodeEncodeError or UnicodeDecodeError traceback; now each is a one-line usage error."""
+    for command in (
+        [b"config", b"get", b"--target", b"127.0.0.1:1", b"\xff"],
+        [b"rate", b"estimator", b"--target", b"127.0.0.1:1", b"\xff"],
+        [b"push", b"-", b"--target", b"127.0.0.1:1", b"--timeout", b"1", b"--stream", b"s\xff"],
+    ):
+        result = subprocess.run(
+            [os.fsencode(SLUICE[0]), *command], input=b"a\n", capture_output=True, timeout=60, check=False
+        )
+        assert result.returncode == 2, (command, result.stderr)
+        assert b"an argument is not UTF-8 text: '" in result.stderr and b"\\xff" in result.stderr
+        assert b"Traceback" not in result.stderr
+    config = tmp_path / "bad.toml"
+    config.write_bytes(b"\xff\xfe = 1\n")
+    result = sluice("config", "check", "--no-spark", "--config", str(config), timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert f"config file {config}: not UTF-8 text".encode() in result.stderr, result.stderr
+
+
+def test_status_pointed_at_a_port_that_is_not_http_says_so() -> None:
+    """`sluice status --metrics http://HOST:GRPC_PORT` ended in an http.client.BadStatusLine traceback."""
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_garbage() -> None:
+        with contextlib.suppress(OSError):
+            connection, _ = listener.accept()
+            with connection:
+                connection.recv(1024)
+                connection.sendall(b"\x00\x00\x12\x04\x00\x00\x00\x00\x00 not http\r\n\r\n")
+
+    thread = threading.Thread(target=answer_garbage, daemon=True)
+    thread.start()
+    try:
+        result = sluice("status", "--once", "--metrics", f"http://127.0.0.1:{port}", timeout=60)
+    finally:
+        listener.close()
+    assert result.returncode == 1, result.stderr
+    assert b"no HTTP server answers there (a gRPC port?)" in result.stderr, result.stderr
+    assert b"Traceback" not in result.stderr
