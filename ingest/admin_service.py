@@ -26,7 +26,7 @@ from ingest.pipeline_control import (
 from ingest.runtime_config import RuntimeConfig, SettingError, UnknownSettingError, VersionConflictError
 from ingest.streams import REMOVED, SERVING
 from receivers.auth import Authenticator
-from receivers.errors import ReceiverError, cut
+from receivers.errors import ReceiverError, cut, shown
 from receivers.publish_service import PUBLISH, status_code
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -183,7 +183,7 @@ class AdminService(pb_grpc.AdminServicer):
             await self._refuse(context, "remove", grpc.StatusCode.INTERNAL, f"the stream states: {exc}")
         self._count("remove", "applied")
         backlog = "drain" if request.backlog == pb.RemoveStreamRequest.DRAIN else "keep"
-        peer, reason = context.peer(), cut(request.reason)
+        peer, reason = context.peer(), shown(request.reason)  # escaped: one log line whatever it holds
         log.info("stream %s removed (%s) by %s: %s", request.stream, backlog, peer, reason)
         return self._streams_view()
 

@@ -197,7 +197,7 @@ class PublishService(pb_grpc.IngestServicer):
                 "publisher %r on stream %r failed: %s (code %d)",
                 session.producer_id,
                 receiver.stream,
-                cut(request.error.message),
+                shown(request.error.message),  # quoted and escaped: a newline in it forged a log line
                 request.error.code,
             )
             receiver.complete(session)

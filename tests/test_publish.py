@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -370,3 +371,21 @@ async def test_stopping_fsyncs_and_acks_what_waits_for_the_group_commit(tmp_path
             await wait_until(lambda: producer.acked == 7)
         finally:
             await producer.abort()
+
+
+async def test_a_publishers_error_message_is_one_escaped_log_line(
+    server: SluiceServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Error.message went into the server's log as it came: a newline in it forged a log line."""
+    raw = RawPeer(server.target)
+    try:
+        await raw.open()
+        forged = "boom\n2026-11-25 07:00:00,000 CRITICAL ingest.server: FORGED LINE"
+        with caplog.at_level(logging.WARNING, "receivers.publish_service"):
+            await raw.call.write(pb.PublishRequest(error=pb.Error(code=2, message=forged)))
+            await raw.call.done_writing()
+            assert await asyncio.wait_for(raw.call.code(), 10) == grpc.StatusCode.OK
+        lines = [r.getMessage() for r in caplog.records if "FORGED" in r.getMessage()]
+        assert len(lines) == 1 and "\n" not in lines[0] and "boom\\n2026" in lines[0], lines
+    finally:
+        await raw.close()
