@@ -12,7 +12,7 @@ protocol says.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -93,12 +93,34 @@ async def _authorized_request(
         )
 
 
+MAX_DETAILS = 2000
+"""Characters of a status message at most: the message travels in a header, and one over gRPC's
+metadata limit (16 KiB) reached the client as RESOURCE_EXHAUSTED "received metadata size exceeds
+hard limit" instead of the error (a 100,000-character estimator name, echoed back)."""
+
+
+class _CappedContext:
+    """A servicer context whose abort() cuts its message to MAX_DETAILS characters, saying so."""
+
+    def __init__(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        self._context = context
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", *args: Any) -> NoReturn:
+        if len(details) > MAX_DETAILS:
+            details = f"{details[:MAX_DETAILS]}... ({len(details):,} characters)"
+        await self._context.abort(code, details, *args)
+        raise AssertionError  # pragma: no cover - abort raises
+
+
 def _parsing(
     handler: Handler, request_type: type[Message], method: str, authenticator: Authenticator | None
 ) -> Handler:
     async def parse_then_handle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
         request = await _authorized_request(raw, context, request_type, method, authenticator)
-        return await handler(request, context)
+        return await handler(request, _CappedContext(context))  # type: ignore[arg-type]
 
     return parse_then_handle
 
@@ -110,7 +132,7 @@ def _parsing_stream(
         raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Message]:
         request = await _authorized_request(raw, context, request_type, method, authenticator)
-        async for response in handler(request, context):
+        async for response in handler(request, _CappedContext(context)):  # type: ignore[arg-type]
             yield response
 
     return parse_then_stream

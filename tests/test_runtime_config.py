@@ -236,3 +236,19 @@ async def test_sluice_config_get_set_reset(tmp_path: Path) -> None:
         assert server.receivers["s"].config.prefetch == 250_000
         saved = json.loads((tmp_path / "d" / "runtime-config.json").read_text())
         assert saved == {"version": 2, "overrides": {}}
+
+
+async def test_a_huge_name_in_a_request_gets_its_own_error_not_resource_exhausted(tmp_path: Path) -> None:
+    """A 100,000-character key or estimator, echoed in the error, went over gRPC's metadata limit: the
+    client saw RESOURCE_EXHAUSTED "received metadata size exceeds hard limit". Messages are cut."""
+    huge = "a" * 100_000
+    async with running_server(tmp_path / "d", "s") as server, admin(server) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await stub.GetConfig(pb.GetConfigRequest(keys=[huge]))
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        assert (unknown.value.details() or "").endswith("characters)")
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as estimator:
+                await pb_grpc.RateControlStub(channel).SetEstimator(pb.SetEstimatorRequest(estimator=huge))
+        assert estimator.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "unknown estimator" in (estimator.value.details() or "")
