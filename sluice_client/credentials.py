@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,9 +97,11 @@ class Credentials:
             token = _read(token_file, "token file").decode("utf-8", "replace").strip()
             _check_token(token, f"token file {token_file}")
         return cls(
-            root_certificates=None if ca_file is None else _read(ca_file, "CA file"),
-            certificate_chain=None if cert_file is None else _read(cert_file, "certificate file"),
-            private_key=None if key_file is None else _read(key_file, "key file"),
+            root_certificates=None if ca_file is None else _pem(ca_file, "CA file", _CERTIFICATE),
+            certificate_chain=None
+            if cert_file is None
+            else _pem(cert_file, "certificate file", _CERTIFICATE),
+            private_key=None if key_file is None else _pem(key_file, "key file", _PRIVATE_KEY),
             token=token,
             tls=tls,
             server_name=server_name,
@@ -158,6 +161,21 @@ def _read(path: str | Path, what: str) -> bytes:
         return Path(path).read_bytes()
     except OSError as exc:
         raise CredentialsError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+
+
+_CERTIFICATE = re.compile(rb"-----BEGIN CERTIFICATE-----")
+_PRIVATE_KEY = re.compile(rb"-----BEGIN (?:[A-Z]+ )?PRIVATE KEY-----")
+
+
+def _pem(path: str | Path, what: str, marker: re.Pattern[bytes]) -> bytes:
+    """The file's bytes, if it holds the PEM block it must: gRPC's C core logged four lines about a file
+    that is not PEM and then failed every call with UNAVAILABLE (`sluice push` retried until its
+    timeout and blamed the server)."""
+    data = _read(path, what)
+    if not marker.search(data):
+        block = marker.pattern.decode().replace("(?:[A-Z]+ )?", "")
+        raise CredentialsError(f"the {what} {path} holds no PEM block ({block})")
+    return data
 
 
 def _check_token(token: str, where: str) -> None:

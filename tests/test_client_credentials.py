@@ -107,6 +107,12 @@ def test_credentials_from_files_and_the_environment(tmp_path: Path) -> None:
         ({"SLUICE_CERT_FILE": str(client.cert_file)}, "needs its private key"),
         ({"SLUICE_TOKEN": "two words"}, "SLUICE_TOKEN holds characters"),
         ({"SLUICE_TOKEN_FILE": str(token_file(tmp_path / "empty", ""))}, "is empty"),
+        # not PEM: gRPC's C core logged about it and every call failed UNAVAILABLE, blaming the server
+        ({"SLUICE_CA_FILE": str(tokens)}, r"CA file .* holds no PEM block \(-----BEGIN CERTIFICATE-----\)"),
+        (
+            {"SLUICE_CERT_FILE": str(client.cert_file), "SLUICE_KEY_FILE": str(ca.cert_file)},
+            r"key file .* holds no PEM block \(-----BEGIN PRIVATE KEY-----\)",
+        ),
     ):
         with pytest.raises(CredentialsError, match=message):
             Credentials.from_env(bad)
