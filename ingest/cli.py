@@ -200,7 +200,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     )
     serve.add_argument(
         "--metrics-port",
-        type=int,
+        type=_metrics_port,
         default=DEFAULT_METRICS_PORT,
         help="Prometheus /metrics port, 0 = any, -1 = off (default: %(default)s)",
     )
@@ -1790,6 +1790,14 @@ def _pipeline_get(args: argparse.Namespace) -> int:
     return _show_pipeline(
         _unary(args, "pipeline get", lambda ch, md: pb_grpc.AdminStub(ch).GetPipeline(request, metadata=md))
     )
+
+
+def _metrics_port(text: str) -> int:
+    """An argparse type: a port, 0 (any) or -1 (off); -2 was taken as off too."""
+    port = int(text)
+    if not -1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535 (0: any; -1: off), got {port}")
+    return port
 
 
 def _swap_spec(text: str) -> str:

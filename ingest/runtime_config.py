@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import math
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ingest.config import ServeConfig, format_estimator_params, parse_estimator_params
@@ -287,9 +287,7 @@ class RuntimeConfig:
                     raise VersionConflictError(
                         f"the settings are at version {self.version}, not {expected_version}: read them again"
                     )
-                for key in [*set_, *reset]:
-                    if key not in SETTINGS:
-                        raise UnknownSettingError(f"no setting {key!r}; settings: {', '.join(SETTINGS)}")
+                _check_keys(set_, reset)
                 overrides = {k: v for k, v in self.overrides.items() if k not in reset}
                 overrides.update({k: v.strip() for k, v in set_.items()})
                 new = self._build(overrides)
@@ -312,3 +310,14 @@ class RuntimeConfig:
 
     def _persist(self, overrides: Mapping[str, str], version: int) -> None:
         replace_json(self.path, {"version": version, "overrides": dict(overrides)})
+
+
+def _check_keys(set_: Mapping[str, str], reset: Sequence[str]) -> None:
+    """UnknownSettingError for a key that names no setting; SettingError for one both set and reset
+    (which was meant? the set won, silently)."""
+    for key in [*set_, *reset]:
+        if key not in SETTINGS:
+            raise UnknownSettingError(f"no setting {key!r}; settings: {', '.join(SETTINGS)}")
+    both = sorted(set(set_) & set(reset))
+    if both:
+        raise SettingError(f"{', '.join(both)}: both set and reset in one change; give one")

@@ -20,20 +20,26 @@ from ratecontrol.rate import UNLIMITED, check_rate
 StateValue = float | int | str | None
 
 
+MIN_RATE = 1e-6
+"""Records/s: the lowest bound there may be (a record every 11.6 days). Below it the rate's arithmetic
+underflowed: bounds of 5e-324 were refused with "rate must be > 0, got 0.0"."""
+
+
 @dataclass(frozen=True)
 class RateBounds:
     """The range every estimator's output is clamped into (records/s)."""
 
     min_rate: float = 100.0
-    """Lowest rate ever proposed (> 0, finite); Spark's spark.streaming.backpressure.pid.minRate."""
+    """Lowest rate ever proposed (>= MIN_RATE, finite); Spark's spark.streaming.backpressure.pid.minRate."""
     max_rate: float = UNLIMITED
     """Highest rate ever proposed (>= min_rate; inf for none); Spark's spark.streaming.receiver.maxRate."""
 
     def __post_init__(self) -> None:
-        if math.isnan(self.min_rate) or math.isnan(self.max_rate):
-            raise ValueError(f"rate bounds must be numbers, got min={self.min_rate} max={self.max_rate}")
-        if not (0 < self.min_rate < math.inf):
-            raise ValueError(f"min_rate must be > 0 and finite, got {self.min_rate}")
+        for name, value in (("min_rate", self.min_rate), ("max_rate", self.max_rate)):
+            if math.isnan(value):  # named: the message is mapped to the flag or key that set it
+                raise ValueError(f"{name} must be a number, got NaN")
+        if not (MIN_RATE <= self.min_rate < math.inf):
+            raise ValueError(f"min_rate must be >= {MIN_RATE:g} and finite, got {self.min_rate:g}")
         if self.max_rate < self.min_rate:
             raise ValueError(f"max_rate ({self.max_rate}) must be >= min_rate ({self.min_rate})")
 

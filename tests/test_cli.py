@@ -390,3 +390,10 @@ def test_status_pointed_at_a_port_that_is_not_http_says_so() -> None:
     assert result.returncode == 1, result.stderr
     assert b"no HTTP server answers there (a gRPC port?)" in result.stderr, result.stderr
     assert b"Traceback" not in result.stderr
+
+
+def test_a_metrics_port_below_minus_one_is_refused(tmp_path: Path) -> None:
+    """-1 turns /metrics off; -2 was taken as off too."""
+    result = sluice("serve", "--no-spark", "--data-dir", str(tmp_path), "--metrics-port", "-2", timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert b"argument --metrics-port: a port is 0..65535 (0: any; -1: off), got -2" in result.stderr

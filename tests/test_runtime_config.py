@@ -252,3 +252,20 @@ async def test_a_huge_name_in_a_request_gets_its_own_error_not_resource_exhauste
                 await pb_grpc.RateControlStub(channel).SetEstimator(pb.SetEstimatorRequest(estimator=huge))
         assert estimator.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "unknown estimator" in (estimator.value.details() or "")
+
+
+async def test_a_key_both_set_and_reset_and_a_tiny_rate_bound_are_refused(tmp_path: Path) -> None:
+    """A change that sets and resets one key was taken (the set won, silently); rate bounds of 5e-324
+    were refused as "rate must be > 0, got 0.0" (the arithmetic underflowed)."""
+    async with running_server(tmp_path / "d", "s") as server, admin(server) as stub:
+        with pytest.raises(grpc.aio.AioRpcError) as both:
+            await stub.SetConfig(pb.SetConfigRequest(set={"block-interval": "0.1"}, reset=["block-interval"]))
+        assert both.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "block-interval: both set and reset in one change" in (both.value.details() or "")
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as tiny:
+                await pb_grpc.RateControlStub(channel).SetBounds(
+                    pb.SetBoundsRequest(min_rate=5e-324, max_rate=math.inf)
+                )
+        assert tiny.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "min_rate must be >= 1e-06 and finite, got 4.94066e-324" in (tiny.value.details() or "")
