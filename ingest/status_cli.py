@@ -223,6 +223,12 @@ def _num(value: float | None) -> str:
     return f"{value:,.0f}" if abs(value) >= 100 or float(value).is_integer() else f"{value:,.1f}"
 
 
+def _measured(value: float | None) -> str:
+    """A measured rate: one that decays toward 0 while idle shows 0, not 7.25e-49 (an operator's
+    extreme setting keeps its exponent: _num)."""
+    return _num(0.0 if value is not None and abs(value) < 0.05 else value)
+
+
 def _rate(value: float | None) -> str:
     return "unlimited" if value is None else _num(value)
 
@@ -250,7 +256,7 @@ def _summary(data: Json) -> Table:
         summary.add_column(style=style, justify=justify)  # type: ignore[arg-type]  # a JustifyMethod
     estimator = f"{rate.get('estimator', '-')}{', pinned' if rate.get('pinned') else ''}"
     limit = f"{_rate(rate.get('limit'))} rec/s ({estimator})"
-    summary.add_row("input rate", f"{_num(rate.get('input'))} rec/s", "rate limit", limit)
+    summary.add_row("input rate", f"{_measured(rate.get('input'))} rec/s", "rate limit", limit)
     if last is None:
         summary.add_row("processing rate", "-", "last batch", "none yet")
     else:
@@ -301,7 +307,7 @@ def _streams(data: Json) -> Table:
     columns: list[tuple[str, Callable[[Json], str]]] = [
         ("stream", lambda s: s["stream"]),
         ("state", lambda s: s["state"]),
-        ("input/s", lambda s: _num(s.get("input_rate"))),
+        ("input/s", lambda s: _measured(s.get("input_rate"))),
         ("rate limit", lambda s: _rate(s.get("rate_limit")) if s["state"] == "serving" else "-"),
         ("share", lambda s: s.get("share") or ""),
     ]
@@ -339,7 +345,7 @@ def _nodes(data: Json) -> Table:
         ("node", lambda n: str(n["node"])),
         ("target", lambda n: n["target"]),
         ("state", lambda n: "up" if n["up"] else "down"),
-        ("input/s", lambda n: _num(n.get("input_rate"))),
+        ("input/s", lambda n: _measured(n.get("input_rate"))),
         ("rate limit", lambda n: _rate(n.get("rate_limit"))),
         ("backlog", lambda n: _num(n.get("backlog"))),
         ("share", lambda n: n.get("share") or ""),

@@ -76,11 +76,13 @@ async def test_status_once_over_grpc_and_status_json(tmp_path: Path) -> None:
 
 def test_extreme_numbers_are_shown_short() -> None:
     """An operator may set a rate of 1e300 or 1e-6 records/s: the status shows it in a few characters."""
-    from ingest.status_cli import _num, _rate
+    from ingest.status_cli import _measured, _num, _rate
 
     assert _rate(1e300) == "1e+300" and _rate(None) == "unlimited"
     assert _num(1e-6) == "1e-06" and _num(0) == "0" and _num(0.5) == "0.5"
     assert _num(2_500_000) == "2.50M" and _num(12_345) == "12,345"
+    # a measured rate decaying while idle is 0, not 7.25e-49
+    assert _measured(7.25e-49) == "0" and _measured(None) == "-" and _measured(12.5) == "12.5"
 
 
 def test_a_nodes_target_and_a_streams_name_are_shown_whole_in_80_columns() -> None:
