@@ -240,4 +240,18 @@ def _binary_array(
     first = int.from_bytes(offsets[:4], "little", signed=True)
     if first != 0:
         raise InvalidBatch(f"Batch.{what}_offsets must start at 0, got {first}")
+    end = int.from_bytes(offsets[-4:], "little", signed=True)
+    if end != len(data):  # bytes past the last record would be stored and counted as no record's
+        raise InvalidBatch(f"Batch.{what}s has {len(data)} bytes, but its offsets end at {end}")
+    if validity and array.null_count:
+        # protocol.md: a record without a key has a zero-length slice (Arrow allows any for a null)
+        lengths = np.diff(np.frombuffer(offsets, dtype="<i4", count=count + 1))
+        present = np.unpackbits(np.frombuffer(validity, dtype=np.uint8), count=count, bitorder="little")
+        holding = np.flatnonzero((present == 0) & (lengths != 0))
+        if len(holding):
+            raise InvalidBatch(
+                f"Batch.{what}_validity says record {int(holding[0])} has no {what}, but its "
+                f"{what}_offsets give it {int(lengths[holding[0]])} bytes: a missing {what} has an "
+                "empty slice"
+            )
     return array

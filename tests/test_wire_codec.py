@@ -165,3 +165,27 @@ def test_batches_without_keys_share_a_key_column_up_to_a_bound() -> None:
     large = [decode_batch(decode_request(publish_batch(0, [b""] * count)), 1) for _ in range(2)]
     assert large[0].column("key").null_count == count
     assert large[0].column("key").buffers()[1].address != large[1].column("key").buffers()[1].address
+
+
+def test_bytes_past_the_last_offset_and_a_missing_key_with_bytes_are_refused() -> None:
+    """protocol.md: values end where the offsets say, and a record without a key has an empty slice;
+    both were taken (bytes past the end were stored and counted as no record's)."""
+    from receivers.errors import InvalidBatch
+
+    offsets = np.array([0, 1, 3], dtype="<i4").tobytes()
+    longer = pb.Batch(first_seq=0, count=2, values=b"abcXX", value_offsets=offsets)
+    with pytest.raises(InvalidBatch, match=r"Batch\.values has 5 bytes, but its offsets end at 3"):
+        decode_batch(longer, 0)
+    keyed = pb.Batch(
+        first_seq=0,
+        count=2,
+        values=b"abc",
+        value_offsets=offsets,
+        keys=b"kzz",
+        key_offsets=np.array([0, 1, 3], dtype="<i4").tobytes(),
+        key_validity=bytes([0b01]),  # record 1 has no key, yet 2 bytes
+    )
+    with pytest.raises(InvalidBatch, match="says record 1 has no key, but its key_offsets give it 2 bytes"):
+        decode_batch(keyed, 0)
+    keyed.keys, keyed.key_offsets = b"k", np.array([0, 1, 1], dtype="<i4").tobytes()
+    assert decode_batch(keyed, 0).column("key").to_pylist() == [b"k", None]
