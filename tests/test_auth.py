@@ -693,8 +693,9 @@ async def test_a_drivers_refusals_of_publish_and_sessions_come_after_authenticat
                 (bearer("watcher"), grpc.StatusCode.PERMISSION_DENIED),  # a reader may not publish
                 (bearer("clicks-app"), grpc.StatusCode.UNIMPLEMENTED),
             ):
+                # refused before anything is read: no Open written, whose write could race the refusal
+                # and end the call INTERNAL on the client instead (grpc/grpc#36066)
                 call = ingest.Publish(metadata=metadata)
-                await call.write(pb.PublishRequest(open=pb.Open(stream="clicks")))
                 with pytest.raises(grpc.aio.AioRpcError) as refused:
                     await call.read()
                 assert refused.value.code() == code, refused.value
