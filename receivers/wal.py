@@ -1315,17 +1315,24 @@ def _encoding(key: _BlockKey) -> tuple[RawBlock, Callable[[], int], Callable[[me
             received_at = batch.column("timestamp")[0].value / 1e6
             break
 
+    def write(sink: pa.NativeFile) -> None:
+        with pa.ipc.new_stream(sink, BLOCK_SCHEMA) as ipc:
+            if all(batch.num_rows for batch in batches):
+                # the same bytes as a write_batch() per batch, in one call without the GIL: each call
+                # gave it back and took it again, and with the event loop busy in Python every retake
+                # waited up to the switch interval (5 ms): a block of 38 batches took 199 ms, not 12
+                ipc.write_table(pa.Table.from_batches(batches, schema=BLOCK_SCHEMA))
+            else:  # a table drops an empty batch (one alone) that write_batch() writes
+                for batch in batches:
+                    ipc.write_batch(batch)
+
     def measure() -> int:  # the payload's size first: it is encoded in place, in the frame
         sizer = pa.MockOutputStream()
-        with pa.ipc.new_stream(sizer, BLOCK_SCHEMA) as ipc:
-            for batch in batches:
-                ipc.write_batch(batch)
+        write(sizer)
         return int(sizer.size())
 
     def encode(into: memoryview) -> None:
-        with pa.ipc.new_stream(pa.FixedSizeBufferWriter(pa.py_buffer(into)), BLOCK_SCHEMA) as ipc:
-            for batch in batches:
-                ipc.write_batch(batch)
+        write(pa.FixedSizeBufferWriter(pa.py_buffer(into)))
 
     block = RawBlock(key.seq, key.first_offset, count, key.receiver, received_at, key.producers, b"")
     return block, measure, encode
