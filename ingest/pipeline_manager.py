@@ -12,7 +12,9 @@ trigger-interval=...`) replaces the query at a batch boundary:
    operator state, where Spark deems the new plan compatible).
 3. Prove it: the new query must complete its first batch within the timeout. If it fails to start, fails
    that batch or runs out of time, it is stopped and the old query starts again on its own checkpoint,
-   where it left off: a rollback, reported with the new query's error.
+   where it left off: a rollback, reported with the new query's error. A query found, once stopped, to
+   have committed a batch all the same is started again instead (the swap is done): the blocks that
+   batch read are released, and the old query could not plan over them.
 
 DATA_DIR/pipeline.json records the generation in force, written before the new query starts with
 "trial" set and again once it is proven: a crash mid-swap restarts the new query if it committed a batch
@@ -331,7 +333,7 @@ class PipelineManager:
             if what == "swap":
                 self._persist(new, old, trial_base=base)
             try:
-                new_id, started = await self._start_and_prove(new, trigger, timeout)
+                new_id, started = await self._prove(new, trigger, timeout, base)
             except Exception as exc:  # noqa: BLE001 - whatever the new query raised, the old one comes back
                 error = _describe(exc)
                 log.error(  # noqa: TRY400 - said in one line, the pipeline's own error
@@ -366,6 +368,37 @@ class PipelineManager:
                 self._last_swap.duration_seconds,
             )
             return self.view()
+
+    async def _prove(self, new: Generation, trigger: float, timeout: float, base: int) -> tuple[str, float]:
+        """_start_and_prove; but a query that failed or ran out of time and is found, once stopped, to
+        have committed a batch beyond `base` (its checkpoint's last commit before it started) is kept:
+        started again on its checkpoint."""
+        try:
+            return await self._start_and_prove(new, trigger, timeout)
+        except Exception as exc:
+            if not await self._committed_after_all(new, base):
+                raise
+            return await self._restart_committed(new, trigger, _describe(exc))
+
+    async def _committed_after_all(self, new: Generation, base: int) -> bool:
+        """Stop the new query, then say whether it committed a batch all the same (after the deadline,
+        or before it failed and before the manager heard of that batch). The blocks such a batch read
+        were released when it committed: the old query, started again at its own end, would fail to
+        plan over them (the service's query then stops), and the records are in the new sink."""
+        await asyncio.to_thread(self._driver.stop_query)
+        return _last_commit_id(self._checkpoints / new.checkpoint) > base
+
+    async def _restart_committed(self, new: Generation, trigger: float, error: str) -> tuple[str, float]:
+        """Start `new` again on its checkpoint: it committed a batch, so it is the query in force (the
+        swap is done; if it fails again, it fails as any running query does). Returns its run id and
+        when it was started."""
+        log.warning("the new query committed a batch, then: %s; it is kept and started again", error)
+        self._host.rate.query_started()
+        started = time.time()
+        await asyncio.to_thread(self._driver.start, self._plan(new, trigger))
+        query = self._driver.query
+        assert query is not None
+        return str(query.runId), started
 
     def _set_aside_try(self, tried: Generation) -> None:
         """Move a rolled-back try's checkpoint and sink aside; if that fails, the next swap does it."""

@@ -14,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from live_service import Load, admin, offsets_in, service, wait_for_offsets
 
+from ingest.pipeline_manager import PipelineManager
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 pytestmark = pytest.mark.spark
@@ -95,6 +96,50 @@ async def test_a_swap_that_fails_is_rolled_back(spark: Any, tmp_path: Path) -> N
         offsets = await wait_for_offsets(spark, load.sent, tmp_path / "sink", tmp_path / "sink-g1")
         assert sorted(offsets) == list(range(load.sent))  # each acked record once, across both sinks
         assert min(offsets_in(spark, tmp_path / "sink-g1")) == view.last_swap.start_offsets["events"]
+
+
+@pytest.mark.parametrize(
+    "late",
+    [
+        TimeoutError("the new query did not complete its first batch within 120 s"),
+        RuntimeError("the new query stopped before its first batch: its second batch failed"),
+    ],
+    ids=["deadline", "failure"],
+)
+async def test_a_try_that_committed_a_batch_is_kept_not_rolled_back(
+    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, late: Exception
+) -> None:
+    """The deadline can pass, or the query fail, after the new query's first batch committed but before
+    the manager heard of it (Spark reports a batch after its commit). That batch's blocks are released
+    then: rolled back, the old query failed to plan over them and the service's query stopped. Here the
+    manager is told so right after the first batch is seen; the commits and releases are real Spark's:
+    the new query is kept."""
+    async with service(spark, tmp_path, pipeline="swap_pipelines:tag_a") as server:
+        manager = server.pipeline_control
+        assert isinstance(manager, PipelineManager)
+        prove = manager._start_and_prove
+
+        async def told_after_the_first_batch(new: Any, trigger: float, timeout: float) -> Any:
+            await prove(new, trigger, timeout)
+            raise late
+
+        monkeypatch.setattr(manager, "_start_and_prove", told_after_the_first_batch)
+        load = Load(server.target, "events")
+        pushing = asyncio.create_task(load.run())
+        await asyncio.sleep(2)
+        view = await admin(server).SwapPipeline(pb.SwapPipelineRequest(pipeline="swap_pipelines:tag_b"))
+        assert view.last_swap.outcome == "done", view.last_swap
+        assert (view.pipeline, view.generation, view.state) == ("swap_pipelines:tag_b", 1, "running")
+        await asyncio.sleep(2)  # the kept query goes on: its later batches land in its sink too
+        load.stop()
+        await pushing
+        offsets = await wait_for_offsets(spark, load.sent, tmp_path / "sink", tmp_path / "sink-g1")
+        assert sorted(offsets) == list(range(load.sent))  # each acked record once, across both sinks
+        assert named(tmp_path, "*.abandoned-*") == []
+        assert named(tmp_path / "checkpoints", "*.abandoned-*") == []
+        saved = json.loads((tmp_path / "pipeline.json").read_text())
+        assert saved["current"]["spec"] == "swap_pipelines:tag_b" and saved["trial"] is False
+        assert (await admin(server).GetPipeline(pb.GetPipelineRequest())).state == "running"
 
 
 async def test_nexmark_q1_to_q2_under_load(spark: Any, tmp_path: Path) -> None:
