@@ -633,7 +633,7 @@ def main() -> None:
     )
     figures = [
         {
-            "what": "durable ingest, 1 producer, 100 B records, fsync before every ack",
+            "what": f"durable ingest, 1 producer, {args.record_bytes} B records, fsync before every ack",
             "value": round(results["fsync"]),
             "unit": "rec/s",
             "baseline": "min(bare gRPC stream, disk write+fsync at the log's block size)",

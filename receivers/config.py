@@ -135,6 +135,13 @@ class ReceiverConfig:
         return max(1, self.buffer_records // 4) if self.block_records is None else self.block_records
 
     @property
+    def seal_bytes(self) -> int:
+        """Bytes of pending records that seal a block early, whatever their count: a quarter of the
+        memory budget (large records would otherwise fill blocks of up to the whole budget, and the
+        log's frame buffers, kept at the largest block's size, with them)."""
+        return max(1, self.buffer_bytes // 4)
+
+    @property
     def refill_at(self) -> int:
         return self.prefetch // 2 if self.low_tide is None else self.low_tide
 

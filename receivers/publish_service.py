@@ -160,6 +160,8 @@ class PublishService(pb_grpc.IngestServicer):
                         raise
                     # the Cancel promised its code and an ack up to accepted_up_to: messages the client
                     # sent after it (in flight, or broken) must not change that; batches are counted
+                if receiver.over_memory_budget:  # the next message waits unread for room (flow control)
+                    await receiver.room_to_read(session)
             # the client half-closed: like Complete, end the call once what it sent is acked (a
             # cancelled session ends so anyway)
             if not session.completed and not session.cancelled:

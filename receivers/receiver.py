@@ -15,19 +15,22 @@ publisher cannot starve a slow one; a session silent for `reclaim_after` while i
 than its share and another owner is short of room is cancelled (UNAVAILABLE), the only way to take
 credit back. A session holding credit unused for its principal's idle_timeout ends UNAVAILABLE too.
 
-Every `block_interval` (or sooner: once `block_records` wait, or once no batch has come for
-`block_linger`) the block generator seals what was taken into one block, writes it durably to the block
-store, then acks each session up to its last record in it.
+Every `block_interval` (or sooner: once `block_records` wait, or a quarter of `buffer_bytes`, or once no
+batch has come for `block_linger`) the block generator seals what was taken into one block, writes it
+durably to the block store, then acks each session up to its last record in it.
 
 Resource budgets (credit pauses). New credit is withheld, for one of three reasons, while:
 
 - memory_budget: the bytes of records taken and not yet sealed plus the bytes the outstanding credit may
   bring reach `buffer_bytes`. Credit is counted in records, so it is converted with an estimate of bytes
   per record: `INITIAL_RECORD_BYTES` (1 KiB) until records were seen, then the larger of a moving average
-  (EWMA, weight 1/8 per batch) of the batches' bytes per record and the last batch's. The bound can be
-  overshot by (outstanding credit) x (actual - estimated record size), one gRPC message at most per
-  session (`max_message_bytes`). Credit resumes as blocks are sealed. With nothing buffered and no credit
-  outstanding one record is always granted, so a budget below one record never stalls a stream.
+  (EWMA over about the last 1,024 records) of the batches' bytes per record and the last batch's.
+  Records larger than the estimate (the first grant, a producer switching to large records) can bring
+  more than the credit's estimated bytes: once the records taken reach `buffer_bytes`, each session's
+  next message stays unread (gRPC's flow control holds its producer back) until blocks are written, so
+  the buffer exceeds the budget by at most one message per session (`max_message_bytes`). Credit
+  resumes as blocks are sealed. With nothing buffered and no credit outstanding one record is always
+  granted, so a budget below one record never stalls a stream.
 - disk_budget: the block store takes `disk_budget_bytes` or more on disk (the whole store, every stream:
   it is the disk that is protected). Polled at most every `disk_poll_interval` seconds from the block
   generator (a stat of each file of the store; sealed blocks are added at once), since blocks are
@@ -141,6 +144,8 @@ batch alike, one batch of a single 30 MiB record kept a stream's estimate at MiB
 of small records, and new producers (budgeted at the stream's estimate) got almost no credit."""
 _MEMORY_LOG_EVERY = 60.0  # seconds: memory-budget pauses are logged at WARNING at most this often
 _SHORT_WITHIN = 0.5  # seconds: an owner short of room this recently lets silent over-share sessions go
+_ROOM_POLL = 0.1
+"""Seconds between looks of a session waiting for room to read (room_to_read) at its own state."""
 
 MEMORY_BUDGET = "memory_budget"
 DISK_BUDGET = "disk_budget"
@@ -242,7 +247,9 @@ class Receiver:
         self._over_share: set[str] = set()  # owners holding more than their fair share, last round
         self._pending: list[_Chunk] = []
         self._pending_records = 0
+        self._pending_bytes = 0
         self._seal_wanted = asyncio.Event()
+        self._room = asyncio.Event()  # set when the buffer's bytes fall: sessions waiting to read go on
         self._seal_rounds = 0  # seals the block generator has run (written or failed)
         self._sealing = False  # a seal is running: what is pending now goes into the next one
         self._seal_waiters: list[tuple[int, asyncio.Future[None]]] = []  # (round to wait for, waiter)
@@ -313,6 +320,7 @@ class Receiver:
         if self._stopping:
             return
         self._stopping = True
+        self._room.set()
         self._cancel_linger()
         if self._task is not None:
             # let the block generator finish the seal it may be in, rather than cancel it: a block
@@ -421,6 +429,7 @@ class Receiver:
         self.config = dataclasses.replace(config, receiver_id=old.receiver_id)
         if config.block_interval != old.block_interval or config.seal_at != old.seal_at:
             self._seal_wanted.set()
+        self._room.set()  # a larger budget lets waiting sessions read on
         if config.block_linger != old.block_linger:
             self._cancel_linger()
             if self._pending:
@@ -552,6 +561,25 @@ class Receiver:
         for producer in doomed:
             del self._producers[producer]
 
+    @property
+    def over_memory_budget(self) -> bool:
+        """The records taken and not yet durable hold the whole memory budget (one compare: asked before
+        every message read)."""
+        return self._buffered_bytes >= self.config.buffer_bytes
+
+    async def room_to_read(self, session: Session) -> None:
+        """Return once the memory budget has room for `session`'s next message (or the session or the
+        receiver ends). Credit counts records and is sized with an estimate of their bytes: records
+        larger than it (a first grant sized at INITIAL_RECORD_BYTES, a producer that switches to large
+        records) would fill memory without bound. Its next message stays unread instead, and gRPC's flow
+        control holds its producer back until blocks are written: the buffer exceeds the budget by at
+        most one message per session."""
+        while self.over_memory_budget and not (self._stopping or session.ended or session.cancelled):
+            self._seal_wanted.set()  # what is pending goes to the log now: its write makes the room
+            self._room.clear()
+            with contextlib.suppress(TimeoutError):  # and looks again: the session may have ended
+                await asyncio.wait_for(self._room.wait(), _ROOM_POLL)
+
     def accept(self, session: Session, first_seq: int, records: pa.RecordBatch) -> None:
         """onNext for each record of a batch; raise a ReceiverError when it breaks the protocol."""
         count = records.num_rows
@@ -617,8 +645,9 @@ class Receiver:
         owner.buffered_bytes += nbytes
         self._pending.append(_Chunk(records, session, session.next_seq, nbytes))
         self._pending_records += fresh
+        self._pending_bytes += nbytes
         self._last_batch_at = session.active_at
-        if self._pending_records >= self.config.seal_at:
+        if self._block_full():
             self._seal_wanted.set()
         elif self._linger is None:
             self._arm_linger()
@@ -950,7 +979,7 @@ class Receiver:
                     self._seal_rounds += 1
                     self._release_seal_waiters()
                 next_seal = self._clock() + self.config.block_interval
-                if sealed and self._pending_records >= self.config.seal_at:
+                if sealed and self._block_full():
                     self._seal_wanted.set()  # more piled up during the write; a failed write waits
             self._ack_durable()
             await self._check_disk()
@@ -1068,8 +1097,16 @@ class Receiver:
 
     def _take_pending(self) -> list[_Chunk]:
         chunks, self._pending = self._pending, []
-        self._pending_records = 0
+        self._pending_records = self._pending_bytes = 0
         return chunks
+
+    def _recount_pending(self) -> None:
+        self._pending_records = sum(c.records.num_rows for c in self._pending)
+        self._pending_bytes = sum(c.nbytes for c in self._pending)
+
+    def _block_full(self) -> bool:
+        """A block's worth waits: seal it before the interval ends (by count, or by bytes)."""
+        return self._pending_records >= self.config.seal_at or self._pending_bytes >= self.config.seal_bytes
 
     async def _seal_apart(self, chunks: list[_Chunk]) -> bool:
         """Write the chunks of each producer (or anonymous session) as a block of their own: those the log
@@ -1099,12 +1136,13 @@ class Receiver:
 
         dropped = chunks + [c for c in self._pending if mine(c)]
         self._pending = [c for c in self._pending if not mine(c)]
-        self._pending_records = sum(c.records.num_rows for c in self._pending)
+        self._recount_pending()
         for chunk in dropped:
             self._buffered -= chunk.records.num_rows
             self._buffered_bytes -= chunk.nbytes
             self.stats.records_not_accepted += chunk.records.num_rows
         self._unbuffer(dropped)
+        self._room.set()
         sessions = {c.session for c in dropped}
         if isinstance(owner, str) and (state := self._producers.get(owner)) is not None:
             # what it sent from the first dropped record on was never written: a resend must be taken
@@ -1146,7 +1184,7 @@ class Receiver:
         except BaseException:
             if after is not None:
                 self._pending = after + self._pending
-                self._pending_records = sum(c.records.num_rows for c in self._pending)
+                self._recount_pending()
             raise
         finally:
             if prepared is not None:
@@ -1163,6 +1201,7 @@ class Receiver:
         self._buffered -= info.count
         self._buffered_bytes -= sum(c.nbytes for c in chunks)
         self._unbuffer(chunks)
+        self._room.set()
         self._write_error = None
         self._set_paused(DISK_ERROR, False)
         budget = self.config.disk_budget_bytes
@@ -1192,8 +1231,7 @@ class Receiver:
         either = [cast("asyncio.Future[object]", write), wanted]
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         wanted.cancel()
-        full = self._pending_records >= self.config.seal_at
-        if write.done() or not full or self._chain_stopped():
+        if write.done() or not self._block_full() or self._chain_stopped():
             return None, None
         self._seal_wanted.clear()  # taken here: the block generator need not seal them
         after = self._take_pending()
@@ -1218,7 +1256,7 @@ class Receiver:
         """Keep the records buffered and try again next interval; no new credit until a write succeeds."""
         self.stats.block_write_errors += 1
         self._pending = chunks + self._pending
-        self._pending_records = sum(c.records.num_rows for c in self._pending)
+        self._recount_pending()
         first = DISK_ERROR not in self._paused
         self._write_error = str(exc)
         log.log(

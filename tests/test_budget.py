@@ -144,6 +144,96 @@ async def test_memory_budget_stops_credit_for_large_records_and_resumes_as_block
         assert Spark(server.config.blocks_dir).stored() == warmup + main
 
 
+@pytest.mark.parametrize("estimate", ["first grant", "after small records"])
+async def test_records_larger_than_the_estimate_wait_unread_beyond_the_memory_budget(
+    tmp_path: Path, estimate: str
+) -> None:
+    """Credit counts records, sized with an estimate. Records larger than it (the first grant assumes
+    1 KiB; a producer may switch from small records to large ones) could bring many times the budget on
+    credit already granted: with the defaults, 64 KiB records took the server to 5 GB of RSS against a
+    256 MiB budget. Now, once the records taken fill the budget, the next message stays unread (gRPC's
+    flow control holds the producer back) until blocks are written: one message over, at most."""
+    budget, size, per_message = 1_000_000, 64 * 1024, 4
+    async with running_server(tmp_path, buffer_bytes=budget) as server:
+        receiver = server.receivers["s"]
+        gate = threading.Event()
+        gate.set()
+        write = receiver.store.write
+
+        def gated_write(*args: Any) -> Any:
+            gate.wait(30)
+            return write(*args)
+
+        receiver.store.write = gated_write  # type: ignore[method-assign,assignment]
+        closing = contextlib.AsyncExitStack()
+        closing.callback(gate.set)  # never leave the writer blocked, whatever fails
+        async with (
+            closing,
+            Producer(server.target, "s", linger=0, batch_size=per_message, producer_id="p") as producer,
+        ):
+            sent: list[bytes] = []
+            if estimate == "after small records":
+                sent += records("s", 5_000, 100)
+                await producer.send_many(sent)
+                await producer.flush(timeout=30)
+                assert receiver.record_bytes_estimate < 200
+            await wait_until(lambda: producer.credit > 0)
+            big = records("b", producer.credit, size)  # what the credit held allows: 64 MB or more
+            assert len(big) * size > 50 * budget
+            gate.clear()
+            peak = 0
+
+            async def watch() -> None:
+                nonlocal peak
+                while True:
+                    peak = max(peak, receiver.buffered_bytes)
+                    await asyncio.sleep(0.001)
+
+            watcher = asyncio.create_task(watch())
+            sending = asyncio.create_task(producer.send_many(big))
+            await wait_until(lambda: receiver.over_memory_budget)
+            await asyncio.sleep(0.3)
+            taken = receiver.stats.records_received
+            await asyncio.sleep(0.3)
+            assert receiver.stats.records_received == taken  # held back: nothing more is read
+            assert producer.credit > 0  # by the unread messages, not by credit
+            message = per_message * (size + 64)
+            assert budget <= peak <= budget + message
+            gate.set()
+            await asyncio.wait_for(sending, 30)
+            await producer.flush(timeout=30)
+            watcher.cancel()
+            assert peak <= budget + message
+            assert producer.acked == len(sent) + len(big)
+        assert receiver.buffered_bytes == 0
+        assert Spark(server.config.blocks_dir).stored() == sent + big
+
+
+async def test_blocks_are_sealed_at_a_quarter_of_the_memory_budget_whatever_their_count(
+    tmp_path: Path,
+) -> None:
+    """Blocks were sealed early by count only (a quarter of buffer_records): 1 KiB records made blocks of
+    122 MB, 64 KiB ones of up to the whole budget, and the log's frame buffers, kept at the largest
+    block's size, grew with them. A quarter of buffer_bytes seals a block too."""
+    budget, size, per_message = 2_000_000, 10_000, 5
+    async with (
+        running_server(tmp_path, buffer_bytes=budget, block_interval=5.0, block_linger=None) as server,
+        Producer(server.target, "s", linger=0, batch_size=per_message) as producer,
+    ):
+        receiver = server.receivers["s"]
+        assert receiver.config.seal_at == 125_000 and receiver.config.seal_bytes == budget // 4
+        values = records("r", 1_000, size)
+        await producer.send_many(values)
+        await producer.flush(timeout=30)  # within one block interval: sealed by bytes, not by time
+        blocks = Spark(server.config.blocks_dir).store.blocks("s")
+        assert receiver.stats.blocks_sealed == len(blocks) >= 10
+        # a block is sealed once a quarter of the budget waits; one written meanwhile may hold two
+        sizes = sorted(b.count * size for b in blocks)
+        assert sizes[len(sizes) // 2] <= budget // 4 + per_message * size
+        assert sizes[-1] <= budget + per_message * size
+    assert Spark(server.config.blocks_dir).stored() == values
+
+
 def test_rate_get_shows_why_credit_is_paused(capsys: pytest.CaptureFixture[str]) -> None:
     status = pb.RateStatus(
         records_per_second=math.inf,
