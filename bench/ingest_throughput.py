@@ -368,6 +368,8 @@ class Run:
     """(server, client) CPU seconds per second in the steady window: which side is the bound."""
     log: tuple[int, int] | None
     """(blocks, bytes) the server's log holds after an fsync run."""
+    peak_rss: int
+    """The server's peak resident memory (VmHWM), bytes."""
 
 
 def block_buffer(block_bytes: int) -> memoryview:
@@ -451,6 +453,7 @@ def run(variant: str, args: argparse.Namespace, log_shape: tuple[int, float] | N
             client_cpu = time.process_time() - client_cpu
             cpu = clock.steady_cpu() or ((process_cpu(proc.pid) - server_cpu) / wall, client_cpu / wall)
             log = log_blocks(Path(data_dir) / "blocks") if variant == "fsync" else None
+            rss = peak_rss(proc.pid)
         finally:
             if variant == "bare-disk":
                 stop.set()
@@ -460,7 +463,7 @@ def run(variant: str, args: argparse.Namespace, log_shape: tuple[int, float] | N
                 spy.wait(60)
             proc.terminate()
             proc.join(10)
-    return Run(clock.steady_rate(), args.records / elapsed, cpu, log)
+    return Run(clock.steady_rate(), args.records / elapsed, cpu, log, rss)
 
 
 def shape_of(log: tuple[int, int], records: int) -> tuple[int, float]:
@@ -492,6 +495,14 @@ def probe_disk(root: Path, block_bytes: int, total_bytes: int, direct: bool) -> 
     finally:
         os.close(fd)
         path.unlink()
+
+
+def peak_rss(pid: int) -> int:
+    """Process `pid`'s peak resident memory so far (VmHWM), bytes; 0 where /proc does not say."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def process_cpu(pid: int) -> float:
@@ -593,6 +604,7 @@ def main() -> None:
             f"   cpu: server {server:4.0%} client {client:4.0%}"
             f" ({server / rate * 1e9:3.0f} + {client / rate * 1e9:3.0f} ns/record)"
             f"   (first send to last ack: {best[variant].overall:,.0f} rec/s)"
+            f"   server peak RSS {best[variant].peak_rss / 2**20:,.0f} MiB"
         )
     if "fsync" not in results:
         return
