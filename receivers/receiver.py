@@ -575,7 +575,8 @@ class Receiver:
         control holds its producer back until blocks are written: the buffer exceeds the budget by at
         most one message per session."""
         while self.over_memory_budget and not (self._stopping or session.ended or session.cancelled):
-            self._seal_wanted.set()  # what is pending goes to the log now: its write makes the room
+            if self._pending and DISK_ERROR not in self._paused:  # a failing write keeps its own pace
+                self._seal_wanted.set()  # what is pending goes to the log now: its write makes room
             self._room.clear()
             with contextlib.suppress(TimeoutError):  # and looks again: the session may have ended
                 await asyncio.wait_for(self._room.wait(), _ROOM_POLL)
