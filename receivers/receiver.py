@@ -1073,9 +1073,11 @@ class Receiver:
         self._seal_waiters = waiting
 
     async def _seal(self) -> bool:
-        """Seal what is pending into a durable block and ack it; False if the write failed."""
+        """Seal what is pending into durable blocks (a block's worth each: _take_pending) and ack them;
+        False if a write failed."""
         if not self._pending:
             return True
+        last = self._pending[-1]  # the last record pending now (seal_now() and stop() wait for it)
         chunks = self._take_pending()
         # while a block is written, the next one (records that piled up meanwhile) is encoded, so the
         # log's thread goes from one write to the next; for at most a block interval, so that the
@@ -1094,11 +1096,31 @@ class Receiver:
                     self._next_block_seq,
                 )
                 return await self._seal_apart(chunks)
+            # more than a block's worth was pending: the rest goes on now if a block's worth waits or
+            # someone waits for it; else it starts the next block, with the records that follow
+            wanted = self._block_full() or self._seal_waiters or self._stopping
+            if not chunks and wanted and any(chunk is last for chunk in self._pending):
+                chunks = self._take_pending()
         return True
 
     def _take_pending(self) -> list[_Chunk]:
-        chunks, self._pending = self._pending, []
-        self._pending_records = self._pending_bytes = 0
+        """The pending chunks, oldest first, until a block's worth (`seal_at` records or `seal_bytes`:
+        at most one chunk, one message, more): however far the log falls behind, a block (and the log's
+        frame buffers, kept at the largest block's size) stays that size; the rest waits for the next."""
+        pending, cap_records, cap_bytes = self._pending, self.config.seal_at, self.config.seal_bytes
+        if self._pending_records < cap_records and self._pending_bytes < cap_bytes:
+            self._pending = []
+            self._pending_records = self._pending_bytes = 0
+            return pending
+        cut, records, nbytes = len(pending), 0, 0
+        for i, chunk in enumerate(pending):
+            if records >= cap_records or nbytes >= cap_bytes:
+                cut = i
+                break
+            records += chunk.records.num_rows
+            nbytes += chunk.nbytes
+        chunks, self._pending = pending[:cut], pending[cut:]
+        self._recount_pending()
         return chunks
 
     def _recount_pending(self) -> None:

@@ -234,6 +234,47 @@ async def test_blocks_are_sealed_at_a_quarter_of_the_memory_budget_whatever_thei
     assert Spark(server.config.blocks_dir).stored() == values
 
 
+@pytest.mark.parametrize("cap", ["records", "bytes"])
+async def test_a_log_that_falls_behind_still_writes_blocks_of_a_blocks_worth(
+    tmp_path: Path, cap: str
+) -> None:
+    """What piled up while the log was slow went into one block: with large records blocks of up to the
+    whole budget (1.3 GB with 64 KiB records), and the log's frame buffers, kept at the largest block's
+    size, with them. A block now takes a block's worth (a quarter of the buffer's records or bytes),
+    one message more at most; the rest follows in the next blocks."""
+    size, per_message = 1_000, 10
+    limits = (
+        {"buffer_records": 2_000, "buffer_bytes": 100_000_000}
+        if cap == "records"
+        else {"buffer_records": 1_000_000, "buffer_bytes": 2_000_000}
+    )
+    async with running_server(tmp_path, **limits) as server:
+        receiver = server.receivers["s"]
+        gate = threading.Event()
+        write = receiver.store.write
+
+        def gated_write(*args: Any) -> Any:
+            gate.wait(30)
+            return write(*args)
+
+        receiver.store.write = gated_write  # type: ignore[method-assign,assignment]
+        closing = contextlib.AsyncExitStack()
+        closing.callback(gate.set)
+        async with closing, Producer(server.target, "s", linger=0, batch_size=per_message) as producer:
+            values = records("r", 3_000, size)
+            sending = asyncio.create_task(producer.send_many(values))
+            # the first block is being written (held); records pile up behind it
+            await wait_until(lambda: receiver.stats.records_received >= 1_500)
+            gate.set()
+            await asyncio.wait_for(sending, 30)
+            await producer.flush(timeout=30)
+        config = receiver.config
+        most = config.seal_at if cap == "records" else config.seal_bytes // (size + 16)
+        blocks = Spark(server.config.blocks_dir).store.blocks("s")
+        assert max(b.count for b in blocks) <= most + per_message
+    assert Spark(server.config.blocks_dir).stored() == values
+
+
 def test_rate_get_shows_why_credit_is_paused(capsys: pytest.CaptureFixture[str]) -> None:
     status = pb.RateStatus(
         records_per_second=math.inf,
