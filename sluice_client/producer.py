@@ -2,9 +2,9 @@
 
 Records are buffered locally and leave in batches of up to `batch_size` records or `batch_bytes` bytes,
 after at most `linger` seconds, and never beyond the credit the server granted. A record stays in memory
-until the server acks it as durable: `max_buffered` (and `max_buffered_bytes`, if set: values' and keys'
-bytes) bounds the records not yet sent plus those sent and not yet acked, so `send` waits when it is
-reached.
+until the server acks it as durable: `max_buffered` records and `max_buffered_bytes` (256 MiB of values
+and keys by default; None: no byte bound) bound the records not yet sent plus those sent and not yet
+acked, so `send` waits when either is reached.
 
 Resending: every record gets a sequence number (0, 1, 2, ... per producer). When the session ends with a
 retriable status (UNAVAILABLE: the server is stopping, went away, or the connection dropped) the producer
@@ -82,6 +82,10 @@ MAX_RECORD_BYTES = DEFAULT_MAX_MESSAGE_BYTES - 64
 framing takes under 64 bytes). A larger one is refused when it is given (RecordTooLargeError)."""
 DEFAULT_MAX_BUFFERED = 500_000
 """Records a Producer holds unsent + unacked by default: room for a server's default prefetch (250k)."""
+DEFAULT_MAX_BUFFERED_BYTES = 256 * 1024 * 1024
+"""Bytes of values and keys a Producer holds unsent + unacked by default: a server's default memory budget
+per stream (more is never in flight to it), and a bound on the client's memory whatever the records'
+size (500,000 records of 64 KiB would be 32 GB; Kafka's producer bounds its buffer in bytes too)."""
 _FAILED_PRECONDITION = 9  # gRPC status code carried in-band by Error
 _SEQ_END = 2**64 - 1  # sequence numbers are below it: acks and producer marks are uint64
 RECONNECT_STATUSES = frozenset({grpc.StatusCode.UNAVAILABLE})
@@ -758,7 +762,7 @@ class Producer:
         batch_bytes: int = 1024 * 1024,
         linger: float = 0.005,
         max_buffered: int = DEFAULT_MAX_BUFFERED,
-        max_buffered_bytes: int | None = None,
+        max_buffered_bytes: int | None = DEFAULT_MAX_BUFFERED_BYTES,
         reconnect_backoff: float = 0.05,
         max_reconnect_backoff: float = 5.0,
         reconnect_timeout: float = 60.0,

@@ -595,6 +595,28 @@ async def test_max_buffered_bytes_bounds_unacked_bytes(tmp_path: Path) -> None:
     assert stored(tmp_path) == [b"a" * 600, b"b" * 600, b"c"]
 
 
+async def test_the_producer_bounds_its_bytes_by_default(tmp_path: Path) -> None:
+    """By default only max_buffered (500,000 records) bounded a Producer: with 64 KiB records that is
+    32 GB held in the client (a `sluice push` of a large file reads ahead that far while the server
+    holds it back). The default byte bound is the server's default memory budget, 256 MiB."""
+    node = Node(tmp_path)
+    await node.start()
+    producer = Producer(node.target, "s", linger=0)
+    assert producer.max_buffered_bytes == 256 * 1024 * 1024
+    await producer.start()
+    record = b"r" * (1024 * 1024)  # one object sent 256 times: the bound counts bytes held, not copies
+    try:
+        await node.stop()
+        for _ in range(256):
+            await asyncio.wait_for(producer.send(record), 5)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(producer.send(record), 0.3)
+        assert producer.room == 0
+    finally:
+        assert len(await producer.abort()) == 256
+        await node.stop()
+
+
 @pytest.mark.parametrize("way", ["send", "send_many", "send_packed"])
 async def test_max_buffered_bytes_counts_keys(tmp_path: Path, way: str) -> None:
     """Keys are memory the producer holds too: records of 10 B values with 600 B keys reach a
