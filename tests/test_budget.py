@@ -57,6 +57,24 @@ def paused_metric(server: SluiceServer, reason: str, stream: str = "s") -> float
     return server.registry.get_sample_value("sluice_credit_paused", {"stream": stream, "reason": reason})
 
 
+def held_writes(receiver: Any, *, held: bool = False) -> tuple[threading.Event, contextlib.AsyncExitStack]:
+    """Make `receiver`'s block writes wait while the returned gate is clear (`held`: clear at first); the
+    returned stack sets it on exit, so a failing test never leaves the writer blocked."""
+    gate = threading.Event()
+    if not held:
+        gate.set()
+    write = receiver.store.write
+
+    def gated_write(*args: Any) -> Any:
+        gate.wait(30)
+        return write(*args)
+
+    receiver.store.write = gated_write
+    closing = contextlib.AsyncExitStack()
+    closing.callback(gate.set)
+    return gate, closing
+
+
 class Spark:
     """What Spark's commit does, from a store of its own (another process in production): read the
     blocks not yet released, then release them."""
@@ -95,17 +113,7 @@ async def test_memory_budget_stops_credit_for_large_records_and_resumes_as_block
         tmp_path, buffer_bytes=budget, buffer_records=100_000, prefetch=10_000, low_tide=5_000
     ) as server:
         receiver = server.receivers["s"]
-        gate = threading.Event()
-        gate.set()
-        write = receiver.store.write
-
-        def gated_write(*args: Any) -> Any:
-            gate.wait(30)
-            return write(*args)
-
-        receiver.store.write = gated_write  # type: ignore[method-assign,assignment]
-        closing = contextlib.AsyncExitStack()
-        closing.callback(gate.set)  # never leave the writer blocked, whatever fails
+        gate, closing = held_writes(receiver)
         async with (
             closing,
             Producer(server.target, "s", linger=0, batch_size=5, producer_id="big") as producer,
@@ -156,17 +164,7 @@ async def test_records_larger_than_the_estimate_wait_unread_beyond_the_memory_bu
     budget, size, per_message = 1_000_000, 64 * 1024, 4
     async with running_server(tmp_path, buffer_bytes=budget) as server:
         receiver = server.receivers["s"]
-        gate = threading.Event()
-        gate.set()
-        write = receiver.store.write
-
-        def gated_write(*args: Any) -> Any:
-            gate.wait(30)
-            return write(*args)
-
-        receiver.store.write = gated_write  # type: ignore[method-assign,assignment]
-        closing = contextlib.AsyncExitStack()
-        closing.callback(gate.set)  # never leave the writer blocked, whatever fails
+        gate, closing = held_writes(receiver)
         async with (
             closing,
             Producer(server.target, "s", linger=0, batch_size=per_message, producer_id="p") as producer,
@@ -250,16 +248,7 @@ async def test_a_log_that_falls_behind_still_writes_blocks_of_a_blocks_worth(
     )
     async with running_server(tmp_path, **limits) as server:
         receiver = server.receivers["s"]
-        gate = threading.Event()
-        write = receiver.store.write
-
-        def gated_write(*args: Any) -> Any:
-            gate.wait(30)
-            return write(*args)
-
-        receiver.store.write = gated_write  # type: ignore[method-assign,assignment]
-        closing = contextlib.AsyncExitStack()
-        closing.callback(gate.set)
+        gate, closing = held_writes(receiver, held=True)
         async with closing, Producer(server.target, "s", linger=0, batch_size=per_message) as producer:
             values = records("r", 3_000, size)
             sending = asyncio.create_task(producer.send_many(values))
