@@ -288,7 +288,14 @@ _TEXT_COLUMNS = frozenset(
 
 
 def _table(title: str, columns: list[tuple[str, Callable[[Json], str]]], rows: list[Json]) -> Table:
-    table = Table(box=box.SIMPLE_HEAD, title=title, title_justify="left", title_style="bold")
+    table = Table(
+        box=box.SIMPLE_HEAD,
+        title=title,
+        title_justify="left",
+        title_style="bold",
+        pad_edge=False,
+        collapse_padding=True,
+    )
     cells = [[show(row) for _, show in columns] for row in rows]
     for i, (name, _) in enumerate(columns):
         # what names a row (a node's target, a stream) is never cut short: the other columns wrap

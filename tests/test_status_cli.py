@@ -124,3 +124,32 @@ def test_a_nodes_target_and_a_streams_name_are_shown_whole_in_80_columns() -> No
     for i in (0, 1):
         assert f"receiver-{i}.example.internal:51101" in text, text
     assert "clickstream-eu-west-production" in text, text
+
+
+def test_the_streams_figures_and_headers_are_shown_whole_in_80_columns() -> None:
+    """With two streams of every default on an 80-column terminal the streams table showed "unlimi…"
+    for the rate limit and the share, "sessio…" and "credi"/"pause" for headers: a figure is never cut,
+    a header wraps between its words."""
+    from rich.console import Console
+
+    from ingest.status_cli import _streams
+
+    streams = [
+        {
+            "stream": name,
+            "state": "serving",
+            "input_rate": 146894.0,
+            "rate_limit": None,
+            "share": "unlimited",
+            "backlog": 100000,
+            "sessions_active": 12,
+            "credit_paused": [],
+        }
+        for name in ("a", "b")
+    ]
+    console = Console(width=80, record=True)
+    console.print(_streams({"streams": streams}))
+    text = console.export_text()
+    assert "…" not in text, text
+    for word in ("unlimited", "146,894", "100,000", "sessions", "credit", "paused", "backlog"):
+        assert word in text, text
