@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich import box
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
@@ -282,35 +282,90 @@ def _summary(data: Json) -> Table:
 
 _NAME_COLUMNS = frozenset({"node", "target", "stream", "principal", "producer"})
 _MAX_NAME_WIDTH = 40
+_MAX_TEXT_WIDTH = 12
+"""A long text (a share's reason) or a name folded for room keeps this width at least, while it can."""
+_LONG_TEXT_COLUMNS = frozenset({"share", "credit paused"})
 _TEXT_COLUMNS = frozenset(
     {"stream", "state", "share", "credit paused", "id", "principal", "producer", "target"}
 )
 
 
-def _table(title: str, columns: list[tuple[str, Callable[[Json], str]]], rows: list[Json]) -> Table:
-    table = Table(
-        box=box.SIMPLE_HEAD,
-        title=title,
-        title_justify="left",
-        title_style="bold",
-        pad_edge=False,
-        collapse_padding=True,
-    )
-    cells = [[show(row) for _, show in columns] for row in rows]
-    for i, (name, _) in enumerate(columns):
-        # what names a row (a node's target, a stream) is never cut short: the other columns wrap
-        whole = max((len(row_cells[i]) for row_cells in cells), default=0) if name in _NAME_COLUMNS else None
-        table.add_column(
-            name,
-            justify="left" if name in _TEXT_COLUMNS else "right",
-            min_width=min(whole, _MAX_NAME_WIDTH) if whole else None,
+class _FittedTable:
+    """A table laid out for the width it is drawn in: each column as wide as its widest cell and its
+    header on one line. Where that is too wide, first the long texts (a share's reason) wrap down to
+    _MAX_TEXT_WIDTH and the headers between their words, then the long texts down to their header's
+    longest word, and only then the names of rows (a node's target, a stream, a producer) fold onto
+    more lines. A figure, a state or an id is never cut, and no column is pushed off the screen."""
+
+    def __init__(self, title: str, names: list[str], cells: list[list[str]]) -> None:
+        self.title, self.names, self.cells = title, names, cells
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        yield self.laid_out(options.max_width)
+
+    def widths(self, width: int) -> list[int]:
+        names = self.names
+        n = len(names)
+        words = [max(len(word) for word in name.split()) for name in names]
+        widest = [max((len(row[i]) for row in self.cells), default=0) for i in range(n)]
+        kind = [
+            "name" if m in _NAME_COLUMNS else "text" if m in _LONG_TEXT_COLUMNS else "short" for m in names
+        ]
+        want = [max(min(widest[i], _MAX_NAME_WIDTH), len(names[i])) for i in range(n)]
+        folded = [max(words[i], min(widest[i], _MAX_TEXT_WIDTH)) for i in range(n)]
+        short = [max(widest[i], words[i]) for i in range(n)]  # a figure, a state or an id: whole
+        gaps = 2 * (n - 1)  # a space either side of each border between columns
+
+        def shrink(levels: dict[str, list[int]]) -> None:
+            """Take the excess from the columns of these kinds, down to their level, the most room first."""
+            floor = [min(want[i], levels[kind[i]][i]) if kind[i] in levels else want[i] for i in range(n)]
+            excess = sum(want) + gaps - width
+            for i in sorted(range(n), key=lambda i: floor[i] - want[i]):
+                take = max(0, min(excess, want[i] - floor[i]))
+                want[i] -= take
+                excess -= take
+
+        shrink({"text": folded, "short": short})
+        # long texts go down to their header's word before a name folds only if that makes it fit:
+        # when a name must fold anyway it folds first, and the texts keep their room
+        fits = sum(min(want[i], words[i]) if kind[i] == "text" else want[i] for i in range(n)) + gaps <= width
+        if fits:
+            shrink({"text": words})
+        shrink({"name": folded})
+        shrink({"text": words})
+        shrink({"name": words})
+        return want
+
+    def laid_out(self, width: int) -> Table:
+        table = Table(
+            box=box.SIMPLE_HEAD,
+            title=self.title,
+            title_justify="left",
+            title_style="bold",
+            show_edge=False,
+            pad_edge=False,
+            collapse_padding=True,
         )
-    for row_cells in cells:
-        table.add_row(*row_cells)
-    return table
+        for name, column_width in zip(self.names, self.widths(width), strict=True):
+            text = name in _TEXT_COLUMNS
+            table.add_column(
+                name,
+                justify="left" if text else "right",
+                width=column_width,
+                overflow="fold" if text else "ellipsis",
+            )
+        for row in self.cells:
+            table.add_row(*row)
+        return table
 
 
-def _streams(data: Json) -> Table:
+def _table(title: str, columns: list[tuple[str, Callable[[Json], str]]], rows: list[Json]) -> _FittedTable:
+    return _FittedTable(
+        title, [name for name, _ in columns], [[show(row) for _, show in columns] for row in rows]
+    )
+
+
+def _streams(data: Json) -> _FittedTable:
     columns: list[tuple[str, Callable[[Json], str]]] = [
         ("stream", lambda s: s["stream"]),
         ("state", lambda s: s["state"]),
@@ -333,7 +388,7 @@ def _streams(data: Json) -> Table:
     return _table("streams", columns, data.get("streams", []))
 
 
-def _sessions(data: Json) -> Table:
+def _sessions(data: Json) -> _FittedTable:
     columns: list[tuple[str, Callable[[Json], str]]] = [
         ("id", lambda s: str(s["session_id"])),
         ("stream", lambda s: s["stream"]),
@@ -347,7 +402,7 @@ def _sessions(data: Json) -> Table:
     return _table("sessions", columns, data.get("sessions", []))
 
 
-def _nodes(data: Json) -> Table:
+def _nodes(data: Json) -> _FittedTable:
     columns: list[tuple[str, Callable[[Json], str]]] = [
         ("node", lambda n: str(n["node"])),
         ("target", lambda n: n["target"]),

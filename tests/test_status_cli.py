@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from pki import CertificateAuthority
 from support import running_server
 from test_metrics_security import TOKENS, auth_file
@@ -85,25 +86,36 @@ def test_extreme_numbers_are_shown_short() -> None:
     assert _measured(7.25e-49) == "0" and _measured(None) == "-" and _measured(12.5) == "12.5"
 
 
-def test_a_nodes_target_and_a_streams_name_are_shown_whole_in_80_columns() -> None:
-    """On an 80-column terminal the driver's node table cut every target to "127.0.0.1:51…": the
-    columns that name a row keep their width (up to 40), the others wrap."""
+def _column(text: str, widths: list[int], index: int) -> str:
+    """What column `index` of a drawn table holds, its pieces joined (a folded cell's lines too)."""
+    body = text.split("─\n", 1)[1]  # below the header's rule
+    start = sum(widths[:index]) + 2 * index
+    return "".join(line[start : start + widths[index]].strip() for line in body.splitlines())
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_names_are_shown_whole_and_no_column_is_pushed_off_the_screen(width: int) -> None:
+    """On an 80-column terminal the driver's node table cut every target to "127.0.0.1:51…", and a
+    session's UUID producer id pushed the session's credit, seqs and state off the screen. A node's
+    target stays whole on its line (the share's reason wraps instead); a name that cannot fit beside
+    the rest folds onto more lines; nothing is cut."""
     from rich.console import Console
 
-    from ingest.status_cli import _nodes, _streams
+    from ingest.status_cli import _nodes, _sessions, _streams
 
     share = "idle: keeps a floor to ramp from"
+    targets = [f"receiver-{i}.example.internal:51101" for i in (0, 1)]
     nodes = [
         {
             "node": i,
-            "target": f"receiver-{i}.example.internal:51101",
+            "target": target,
             "up": True,
             "input_rate": 33084.0,
             "rate_limit": 91015.0,
             "backlog": 18369,
             "share": share,
         }
-        for i in (0, 1)
+        for i, target in enumerate(targets)
     ]
     streams = [
         {
@@ -117,13 +129,37 @@ def test_a_nodes_target_and_a_streams_name_are_shown_whole_in_80_columns() -> No
             "credit_paused": [],
         }
     ]
-    console = Console(width=80, record=True)
-    console.print(_nodes({"nodes": nodes}))
-    console.print(_streams({"streams": streams}))
-    text = console.export_text()
-    for i in (0, 1):
-        assert f"receiver-{i}.example.internal:51101" in text, text
-    assert "clickstream-eu-west-production" in text, text
+    producers = ["3f2a9c0e5b7d4e1f8a6b2c3d4e5f6a7b", "producer-of-the-billing-pipeline-7"]
+    sessions = [
+        {
+            "session_id": 12345 + i,
+            "stream": "clickstream-eu-west",
+            "principal": "anonymous",
+            "producer_id": producer,
+            "credit": 250000,
+            "next_seq": 123456789,
+            "durable_up_to": 123450000,
+            "state": "open",
+        }
+        for i, producer in enumerate(producers)
+    ]
+    for table, names, index, words in (
+        (_nodes({"nodes": nodes}), targets, 1, ["33,084", "91,015", "18,369", "share"]),
+        (_streams({"streams": streams}), ["clickstream-eu-west-production"], 0, ["serving", "paused"]),
+        (_sessions({"sessions": sessions}), producers, 3, ["250,000", "123.46M", "123.45M", "open"]),
+    ):
+        console = Console(width=width, record=True)
+        console.print(table)
+        text = console.export_text()
+        assert "…" not in text, text
+        for word in words:
+            assert word in text, text
+        assert _column(text, table.widths(width), index) == "".join(names), text
+    nodes_text = Console(width=80, record=True)
+    nodes_text.print(_nodes({"nodes": nodes}))
+    drawn = nodes_text.export_text()
+    for target in targets:
+        assert target in drawn, drawn
 
 
 def test_the_streams_figures_and_headers_are_shown_whole_in_80_columns() -> None:
