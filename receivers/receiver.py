@@ -427,7 +427,11 @@ class Receiver:
         sealed now, the next one after the new interval)."""
         old = self.config
         self.config = dataclasses.replace(config, receiver_id=old.receiver_id)
-        if config.block_interval != old.block_interval or config.seal_at != old.seal_at:
+        if (config.block_interval, config.seal_at, config.seal_bytes) != (
+            old.block_interval,
+            old.seal_at,
+            old.seal_bytes,
+        ):
             self._seal_wanted.set()
         self._room.set()  # a larger budget lets waiting sessions read on
         if config.block_linger != old.block_linger:
