@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich import box
+from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.live import Live
 from rich.table import Table
@@ -306,12 +307,12 @@ class _FittedTable:
     def widths(self, width: int) -> list[int]:
         names = self.names
         n = len(names)
-        words = [max(len(word) for word in name.split()) for name in names]
-        widest = [max((len(row[i]) for row in self.cells), default=0) for i in range(n)]
+        words = [max(cell_len(word) for word in name.split()) for name in names]
+        widest = [max((cell_len(row[i]) for row in self.cells), default=0) for i in range(n)]
         kind = [
             "name" if m in _NAME_COLUMNS else "text" if m in _LONG_TEXT_COLUMNS else "short" for m in names
         ]
-        want = [max(min(widest[i], _MAX_NAME_WIDTH), len(names[i])) for i in range(n)]
+        want = [max(min(widest[i], _MAX_NAME_WIDTH), cell_len(names[i])) for i in range(n)]
         folded = [max(words[i], min(widest[i], _MAX_TEXT_WIDTH)) for i in range(n)]
         short = [max(widest[i], words[i]) for i in range(n)]  # a figure, a state or an id: whole
         gaps = 2 * (n - 1)  # a space either side of each border between columns
