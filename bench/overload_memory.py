@@ -486,7 +486,7 @@ def start_serve(
         found = re.search(r"serving streams .*? on (\S+?)[;,]", text)
         if found:
             target = found.group(1)
-        port = re.search(r"metrics on :(\d+)/metrics", text)
+        port = re.search(r"metrics on \S*:(\d+)/metrics", text)
         if port:
             metrics_port = int(port.group(1))
         if "Spark query running" in text and target and metrics_port:

@@ -23,7 +23,13 @@ from ingest.pipeline_control import (
     SwapInProgress,
     SwapRolledBack,
 )
-from ingest.runtime_config import RuntimeConfig, SettingError, UnknownSettingError, VersionConflictError
+from ingest.runtime_config import (
+    NOT_SAVED,
+    RuntimeConfig,
+    SettingError,
+    UnknownSettingError,
+    VersionConflictError,
+)
 from ingest.streams import REMOVED, SERVING
 from receivers.auth import Authenticator
 from receivers.errors import ReceiverError, cut, shown
@@ -75,6 +81,7 @@ class AdminService(pb_grpc.AdminServicer):
         if not request.set and not request.reset:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "nothing to set or reset")
         changes = dict(request.set)
+        restarted = None
         try:
             old, new = self._change(request, validate_only=True)
             if request.validate_only:
@@ -83,7 +90,13 @@ class AdminService(pb_grpc.AdminServicer):
                 # Spark fixes a query's trigger when it starts: restart it at a batch boundary first;
                 # a restart that fails rolls back, and no setting of this request changes
                 await self._pipeline.restart(trigger_interval=new.trigger_interval)
+                restarted = old.trigger_interval
             old, new = self._change(request, validate_only=False)
+        except OSError as exc:  # the settings file (disk full, read-only): nothing changed
+            if restarted is not None and self._pipeline is not None:
+                await self._restart_back(restarted)
+            await context.abort(grpc.StatusCode.INTERNAL, f"{NOT_SAVED}: {exc}")
+            raise
         except UnknownSettingError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
             raise
@@ -110,6 +123,15 @@ class AdminService(pb_grpc.AdminServicer):
             f"; reset {reset}" if reset else "",
         )
         return self._view()
+
+    async def _restart_back(self, trigger_interval: float) -> None:
+        """Put the query back on the trigger interval the settings still say, after a restart for a
+        change that could not be saved."""
+        assert self._pipeline is not None
+        try:
+            await self._pipeline.restart(trigger_interval=trigger_interval)
+        except (SwapInProgress, SwapRolledBack, PipelineUnavailable):
+            log.exception("the query could not go back to its trigger interval of %g s", trigger_interval)
 
     def _change(
         self, request: pb.SetConfigRequest, *, validate_only: bool

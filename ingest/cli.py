@@ -56,6 +56,7 @@ from ratecontrol import InvalidRateError, StreamPolicy, UnknownEstimatorError
 from receivers.auth import new_token, token_hash
 from receivers.cluster import Cluster, ClusterConfigError, load_nodes
 from receivers.config import FsyncPolicy, ReceiverConfig
+from receivers.errors import printable
 from receivers.principal import Limits
 from receivers.sizes import parse_size
 from sluice_client.credentials import Credentials, CredentialsError
@@ -614,7 +615,8 @@ def _cluster_flags(serve: argparse.ArgumentParser) -> None:
         type=_int_in(0, 65535, "a port"),
         default=None,
         metavar="PORT",
-        help="also serve grpc.health.v1 alone, in plaintext, on this port (for Kubernetes probes)",
+        help="also serve grpc.health.v1 alone, in plaintext, on this port of every interface (for "
+        "Kubernetes probes; it tells only SERVING or NOT_SERVING)",
     )
 
 
@@ -1171,7 +1173,11 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock, spark_log_level: 
             await asyncio.to_thread(spark.stop)
         return _fail(f"cannot start the server: {exc}")
     serving.append(server)
-    metrics = "" if server.metrics_port is None else f", metrics on :{server.metrics_port}/metrics"
+    from ingest.preflight import bind_address  # noqa: PLC0415 - the server extra, as prepare
+
+    metrics = ""
+    if server.metrics_port is not None:
+        metrics = f", metrics on {bind_address(config.metrics_host, server.metrics_port)}/metrics"
     if server.metrics_port is not None and config.security.metrics_tls:
         metrics += " (https)"
     logs.say(
@@ -1674,6 +1680,7 @@ def _config_check(args: argparse.Namespace) -> int:
         return _fail(str(exc), EXIT_USAGE)
     keys = _serve_keys()
     effective = _effective(config) if isinstance(config, ServeConfig) else {}
+    effective["stream"] = list(config.streams)  # none given (an empty list too): "default"
     rows = [("key", "value", "source")]
     names = keys_by_dest(keys)
     for dest, origin in args.origins.items():
@@ -1769,6 +1776,8 @@ def _show_pipeline(view: pb.PipelineView) -> int:
     print(f"pipeline: {name} (generation {view.generation}, {view.state})")
     print(f"trigger: {view.trigger_interval_seconds:g} s; checkpoint: {view.checkpoint}")
     print(f"query: {view.query_id}")
+    if view.sink_dir:  # where the built-in sink writes (a pipeline given a PipelineContext may too)
+        print(f"sink dir: {view.sink_dir}")
     if view.HasField("last_swap"):
         swap = view.last_swap
         line = (
@@ -1870,7 +1879,8 @@ def _sessions_list(args: argparse.Namespace) -> int:
     for s in listing.sessions:
         state = "cancelled" if s.cancelled else "completed" if s.completed else "open"
         print(
-            f"{s.session_id}\t{s.stream}\t{s.principal}\t{s.producer_id}\t{s.credit}\t{s.next_seq}\t"
+            f"{s.session_id}\t{s.stream}\t{printable(s.principal)}\t{printable(s.producer_id)}\t{s.credit}\t"
+            f"{s.next_seq}\t"
             f"{s.durable_up_to}\t{state}"
         )
     return 0

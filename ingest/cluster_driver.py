@@ -45,7 +45,7 @@ from ingest.logs import JSON, SPARK_QUIET, log_format, say
 from ingest.metrics import MetricsServer, SluiceCollector
 from ingest.node_rates import NodeRates
 from ingest.pipeline_manager import PipelineManager, PipelineStateError
-from ingest.preflight import DataDirLock, check_ports, lock_checked
+from ingest.preflight import DataDirLock, bind_address, check_ports, lock_checked
 from ingest.rate_controller import RateController
 from ingest.rate_memory import RateMemory
 from ingest.rate_service import RateControlService
@@ -461,8 +461,10 @@ async def _run(driver: ClusterDriver, stop: asyncio.Event, session: Callable[[],
                 f"this pipeline showed {driver.recalled:.0f} records/s before ({driver.rate_memory.path}): "
                 "the rate starts there"
             )
-        metrics = "" if driver.metrics_port is None else f", metrics on :{driver.metrics_port}/metrics"
-        health_port = "" if driver.health_port is None else f", health on :{driver.health_port}"
+        metrics = ""
+        if driver.metrics_port is not None:
+            metrics = f", metrics on {bind_address(config.metrics_host, driver.metrics_port)}/metrics"
+        health_port = "" if driver.health_port is None else f", health on 0.0.0.0:{driver.health_port}"
         say(
             f"driver of {len(config.nodes)} receiver nodes, streams {', '.join(config.streams)}; "
             f"rate on {driver.rate_target}{metrics}{health_port}",

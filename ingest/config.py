@@ -213,6 +213,9 @@ class ServeConfig:
                 raise ValueError(f"{what} must be 0-65535, got {port}")
         if self.port != 0 and self.port == self.metrics_port and self.host == self.metrics_host:
             raise ValueError(f"port and metrics port are both {self.port}: give them two")
+        for what, port in ports[:2]:  # the health port binds every interface: it meets them on any host
+            if self.health_port and port == self.health_port:
+                raise ValueError(f"health port and {what} are both {port}: give them two")
         if not 0 < self.trigger_interval < math.inf:
             raise ValueError(f"trigger interval must be > 0 seconds and finite, got {self.trigger_interval}")
         if self.trigger_interval > MAX_TRIGGER_INTERVAL:

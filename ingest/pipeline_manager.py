@@ -270,6 +270,7 @@ class PipelineManager:
             checkpoint=str(checkpoint or self._checkpoints / self.current.checkpoint),
             trigger_interval_seconds=self.trigger_interval,
             query_id=str(query.id) if query is not None else "",
+            sink_dir=str(self._data_dir / self.current.sink),
         )
         if self._state == "running" and self._driver.error() is not None:
             view.state = "failed"

@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import grpc
 
+from ingest.config import ServeConfig
 from ingest.rate_controller import RateController
-from ratecontrol import InvalidRateError, UnknownEstimatorError
+from ingest.runtime_config import NOT_SAVED
+from ratecontrol import InvalidRateError, RateBounds, check_estimator
 from receivers.receiver import Receiver
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -66,6 +69,15 @@ def rate_status(controller: RateController, nodes: Sequence[pb.NodeRate] = ()) -
     return status
 
 
+class ChangeSettings(Protocol):
+    """Change run-time settings (SluiceServer.change_settings): (old, new) configs; SettingError or
+    OSError and nothing changed."""
+
+    def __call__(
+        self, values: Mapping[str, str], reset: Sequence[str], /
+    ) -> tuple[ServeConfig, ServeConfig]: ...
+
+
 SEAL_TIMEOUT = 1.0
 """Longest wait, in seconds, for the receivers to seal what they hold when GetRate asks so."""
 
@@ -78,8 +90,12 @@ class RateControlService(pb_grpc.RateControlServicer):
         *,
         nodes: Callable[[], Sequence[pb.NodeRate]] | None = None,
         pipeline: Callable[[], tuple[Sequence[str], bool]] | None = None,
+        settings: ChangeSettings | None = None,
     ) -> None:
         self._controller = controller
+        # on a node with run-time settings: bounds and estimator are settings (min-rate, max-rate,
+        # estimator), changed through them; else (a cluster's driver) on the controller alone
+        self._settings = settings
         self._receivers = receivers or {}
         self._nodes = nodes  # on a cluster's driver: the rate's split among receiver nodes (NodeRates)
         self._pipeline = pipeline
@@ -138,9 +154,15 @@ class RateControlService(pb_grpc.RateControlServicer):
 
     async def SetBounds(self, request: pb.SetBoundsRequest, context: Context) -> pb.RateStatus:
         try:
-            self._controller.set_bounds(request.min_rate, request.max_rate)
+            RateBounds(request.min_rate, request.max_rate)  # checked in the rate API's own words first
+            if self._settings is not None:
+                self._settings({"min-rate": repr(request.min_rate), "max-rate": repr(request.max_rate)}, ())
+            else:
+                self._controller.set_bounds(request.min_rate, request.max_rate)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except OSError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, f"{NOT_SAVED}: {exc}")
         log.info(
             "rate bounds %g .. %g records/s (rate %g), set by %s",
             request.min_rate,
@@ -151,10 +173,23 @@ class RateControlService(pb_grpc.RateControlServicer):
         return self._status()
 
     async def SetEstimator(self, request: pb.SetEstimatorRequest, context: Context) -> pb.RateStatus:
+        name = request.estimator
         try:
-            self._controller.set_estimator(request.estimator)
-        except UnknownEstimatorError as exc:
+            if self._settings is None:
+                self._controller.set_estimator(name)
+            else:
+                check_estimator(name)  # in the rate API's words, before the settings' own check
+                # parameters set for another estimator are not this one's: they go with it
+                reset = ["estimator-params"] if name != self._controller.estimator.name else []
+                old, new = self._settings({"estimator": name}, reset)
+                unchanged = new.rate.estimator_params == old.rate.estimator_params
+                if new.rate.estimator == old.rate.estimator and unchanged:
+                    # the same estimator set again starts afresh from the rate and unpins it, as ever
+                    self._controller.set_estimator(name, new.rate.estimator_params)
+        except ValueError as exc:  # an unknown estimator, a setting refused
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except OSError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, f"{NOT_SAVED}: {exc}")
         log.info("rate estimator %s, set by %s", request.estimator, context.peer())
         return self._status()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,10 @@ log = logging.getLogger(__name__)
 FILE = "runtime-config.json"
 
 DEFAULT, COMMAND_LINE, DYNAMIC = "default", "command-line", "dynamic"
+
+
+NOT_SAVED = "nothing changed: the settings could not be saved in the data dir"
+"""What a change that fails to write its file says (then OSError's own words)."""
 
 
 class SettingError(ValueError):
@@ -51,7 +56,7 @@ def _float(text: str) -> float:
         raise SettingError(f"{text!r} is not a number") from None
     if math.isnan(value):
         raise SettingError("NaN is not a value")
-    return value
+    return value + 0.0  # -0 is 0 (shown as "-0" otherwise)
 
 
 def _int(text: str) -> int:
@@ -189,6 +194,12 @@ SETTINGS: dict[str, Setting] = {
 }
 
 
+_KEY_OF = {setting.field: setting.key for setting in SETTINGS.values()}
+_FIELDS = re.compile(
+    "|".join(rf"(?<![\w-]){re.escape(f)}(?![\w-])" for f in sorted(_KEY_OF, key=len, reverse=True))
+)
+
+
 def _with(config: ServeConfig, values: Mapping[str, object]) -> ServeConfig:
     """`config` with settings key -> parsed value; its checks raise SettingError."""
     sections: dict[str, dict[str, object]] = {"receiver": {}, "rate": {}, "": {}}
@@ -200,7 +211,13 @@ def _with(config: ServeConfig, values: Mapping[str, object]) -> ServeConfig:
         rate = dataclasses.replace(config.rate, **sections["rate"])  # type: ignore[arg-type]
         return dataclasses.replace(config, receiver=receiver, rate=rate, **sections[""])  # type: ignore[arg-type]
     except (ValueError, TypeError) as exc:
-        raise SettingError(str(exc)) from None
+        raise SettingError(_keys_named(str(exc))) from None
+
+
+def _keys_named(message: str) -> str:
+    """A config check's message with each field it names (low_tide) spelled as its setting's key
+    (low-tide): the names a caller of `sluice config set` knows."""
+    return _FIELDS.sub(lambda match: _KEY_OF[match.group(0)], message)
 
 
 class RuntimeConfig:

@@ -323,7 +323,10 @@ class SluiceServer:
         ).add_to_server(server)  # parses client messages itself, authenticates each call
         # requests parsed in the handler: an undecodable one is INVALID_ARGUMENT, not gRPC's UNKNOWN
         rate = RateControlService(
-            self.rate, self.receivers, pipeline=lambda: (self.streams.read_by_query, self.hold_batches)
+            self.rate,
+            self.receivers,
+            pipeline=lambda: (self.streams.read_by_query, self.hold_batches),
+            settings=self.change_settings,
         )
         add_parsed_servicer(server, rate, "RateControl", authenticator=self.auth)
         add_parsed_servicer(server, SessionsService(self.receivers), "Sessions", authenticator=self.auth)
@@ -335,6 +338,17 @@ class SluiceServer:
             services += ["Blocks", "Replication"]
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         enable_reflection(server, services)
+
+    def change_settings(
+        self, values: Mapping[str, str], reset: Sequence[str] = ()
+    ) -> tuple[ServeConfig, ServeConfig]:
+        """Change run-time settings as `sluice config set` does (validated whole, kept in the data dir,
+        applied): (old, new). The rate API's bounds and estimator are such settings, so that `sluice
+        config get` shows what is in force and a restart keeps it. SettingError, OSError: nothing
+        changed."""
+        old, new = self.runtime.change(values, reset)
+        self.apply_settings(old, new)
+        return old, new
 
     def apply_settings(self, old: ServeConfig, new: ServeConfig) -> None:
         """Apply settings changed at run time (already validated and kept by self.runtime)."""

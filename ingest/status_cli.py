@@ -30,6 +30,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from receivers.errors import printable
 from sluice_client.credentials import Credentials
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -393,8 +394,8 @@ def _sessions(data: Json) -> _FittedTable:
     columns: list[tuple[str, Callable[[Json], str]]] = [
         ("id", lambda s: str(s["session_id"])),
         ("stream", lambda s: s["stream"]),
-        ("principal", lambda s: s["principal"]),
-        ("producer", lambda s: s["producer_id"]),
+        ("principal", lambda s: printable(s["principal"])),
+        ("producer", lambda s: printable(s["producer_id"])),
         ("credit", lambda s: _num(s["credit"])),
         ("next seq", lambda s: _num(s["next_seq"])),
         ("durable up to", lambda s: _num(s["durable_up_to"])),

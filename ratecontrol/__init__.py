@@ -8,6 +8,7 @@ from ratecontrol.estimator import (
     RateBounds,
     RateEstimator,
     UnknownEstimatorError,
+    check_estimator,
     make_estimator,
 )
 from ratecontrol.model import ModelEstimator
@@ -32,6 +33,7 @@ __all__ = [
     "StreamPolicy",
     "TokenBucket",
     "UnknownEstimatorError",
+    "check_estimator",
     "check_rate",
     "make_estimator",
     "split_rate",

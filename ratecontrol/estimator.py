@@ -193,15 +193,20 @@ class UnknownEstimatorError(ValueError):
     """No estimator has this name."""
 
 
+def check_estimator(name: str) -> str:
+    """`name`, if it names an estimator; else UnknownEstimatorError."""
+    if name not in ESTIMATORS:
+        raise UnknownEstimatorError(f"unknown estimator {name!r}; known: {', '.join(sorted(ESTIMATORS))}")
+    return name
+
+
 def make_estimator(name: str, *, bounds: RateBounds, initial_rate: float, **gains: float) -> RateEstimator:
     """Build the estimator called `name`; `gains` are its own keyword parameters (e.g. integral=0.2).
 
     Raises UnknownEstimatorError for an unknown name and ValueError for a parameter the estimator does
     not have or a value it rejects, so a configuration error never surfaces as a TypeError.
     """
-    factory = ESTIMATORS.get(name)
-    if factory is None:
-        raise UnknownEstimatorError(f"unknown estimator {name!r}; known: {', '.join(sorted(ESTIMATORS))}")
+    factory = ESTIMATORS[check_estimator(name)]
     accepted = set(inspect.signature(factory).parameters) - {"bounds", "initial_rate"}
     unknown = sorted(set(gains) - accepted)
     if unknown:

@@ -20,6 +20,8 @@ module stays free of gRPC.
 
 from __future__ import annotations
 
+import re
+
 from sluice_client.flow import FlowViolation
 
 SHOWN_CHARS = 200
@@ -35,6 +37,16 @@ def cut(text: str) -> str:
 def shown(text: str) -> str:
     """`text` quoted as a status message may quote it: repr, cut to SHOWN_CHARS, saying so."""
     return repr(text) if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]!r}... ({len(text)} characters)"
+
+
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text: str) -> str:
+    """`text` with its control characters (and bidi overrides) escaped, as \\x1b or \\u202e: a
+    client's string (a producer id) shown on an operator's terminal cannot clear or recolour it, nor
+    forge a line or a column of a listing."""
+    return _UNPRINTABLE.sub(lambda match: match.group(0).encode("unicode_escape").decode("ascii"), text)
 
 
 class ReceiverError(Exception):

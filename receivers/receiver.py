@@ -926,10 +926,10 @@ class Receiver:
         if reason == RATE_HOLD:
             return "the rate controller's hold ended"
         if reason == DISK_BUDGET:
-            return (
-                f"disk budget ({_size(self._disk_used or 0)} on disk of "
-                f"{_size(self.config.disk_budget_bytes or 0)})"
-            )
+            budget = self.config.disk_budget_bytes
+            if budget is None:
+                return "disk budget (taken away at run time)"
+            return f"disk budget ({_size(self._disk_used or 0)} on disk of {_size(budget)})"
         return f"block {self._next_block_seq - 1} written after failed writes"
 
     async def _check_disk(self) -> None:

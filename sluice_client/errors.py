@@ -86,9 +86,12 @@ class RecordTooLargeError(SluiceError, ValueError):
 class FlushTimeoutError(SluiceError, TimeoutError):
     """Records were still unacked when the time ran out."""
 
-    def __init__(self, unacked: int, timeout: float) -> None:
-        super().__init__(f"{unacked} records not acked within {timeout:g} s")
+    def __init__(self, unacked: int, timeout: float, unsent: int = 0) -> None:
+        waiting = f" ({unsent} of them not sent yet: no credit for them came)" if unsent else ""
+        super().__init__(f"{unacked} records not acked within {timeout:g} s{waiting}")
         self.unacked = unacked
+        self.unsent = unsent
+        """Of them, those still waiting for credit (never sent)."""
 
 
 class ReconnectTimeoutError(RPCError):

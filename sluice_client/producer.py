@@ -1206,7 +1206,8 @@ class Producer:
                         raise self._error
                     await self._wait_change()
         except TimeoutError:
-            raise FlushTimeoutError(target - self._acked_seq, timeout or 0.0) from None
+            unsent = max(0, target - self._sent_seq)
+            raise FlushTimeoutError(target - self._acked_seq, timeout or 0.0, unsent) from None
         finally:
             self._flushing -= 1
 

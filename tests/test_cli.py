@@ -67,7 +67,7 @@ def test_serve_and_push_subprocesses(tmp_path: Path) -> None:
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
     try:
-        match = wait_for_line(serve, log, r"on (127\.0\.0\.1:\d+), metrics on :(\d+)/metrics", 60)
+        match = wait_for_line(serve, log, r"on (127\.0\.0\.1:\d+), metrics on 127\.0\.0\.1:(\d+)/metrics", 60)
         target, metrics_port = match.group(1).decode(), int(match.group(2))
         pushed = sluice("push", str(source), "--target", target)
         assert pushed.returncode == 0, pushed.stderr.decode()

@@ -220,7 +220,7 @@ def test_metrics_bind_the_chosen_address_and_a_clean_stop_has_no_traceback(tmp_p
             env=env,
         )
     try:
-        match = wait_for_line(serve, log, r"metrics on :(\d+)/metrics", 60)
+        match = wait_for_line(serve, log, r"metrics on 127\.0\.0\.2:(\d+)/metrics", 60)
         port = int(match.group(1))
         body = urllib.request.urlopen(f"http://127.0.0.2:{port}/metrics", timeout=10).read().decode()
         assert "sluice_records_received_total" in body
@@ -235,3 +235,19 @@ def test_metrics_bind_the_chosen_address_and_a_clean_stop_has_no_traceback(tmp_p
     text = log.read_text()
     assert code == 0, text
     assert "Traceback" not in text and "sluice: stopped" in text, text
+
+
+def test_config_check_shows_the_streams_serve_would_serve_and_refuses_a_shared_health_port(
+    tmp_path: Path,
+) -> None:
+    """An empty stream list (`stream = []`, SLUICE_STREAM=) was listed as "(none)", while serve served
+    "default"; a health port equal to the gRPC or metrics port failed only at bind time."""
+    config = tmp_path / "sluice.toml"
+    config.write_text("stream = []\n")
+    for args, env in ((("--config", str(config)), None), ((), clean_env(SLUICE_STREAM=""))):
+        result = check("--no-spark", *args, env=env)
+        assert result.returncode == 0, result.stderr
+        assert re.search(r"^stream +default ", result.stdout, re.MULTILINE), result.stdout
+    for other in ("--port", "--metrics-port"):
+        shared = check("--no-spark", other, "50999", "--health-port", "50999")
+        assert shared.returncode == 2 and "are both 50999: give them two" in shared.stderr, shared.stderr

@@ -497,6 +497,8 @@ async def test_flush_times_out_while_the_server_is_down_then_succeeds(tmp_path: 
         with pytest.raises(FlushTimeoutError) as info:
             await producer.flush(timeout=0.3)
         assert info.value.unacked == 2
+        # no session, so no credit: neither was sent, and the error says so
+        assert info.value.unsent == 2 and "(2 of them not sent yet" in str(info.value)
         await node.start()
         await producer.flush(timeout=10)
         await producer.close(timeout=10)

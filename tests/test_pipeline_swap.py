@@ -41,6 +41,8 @@ async def test_swap_under_load_loses_nothing_and_doubles_nothing(spark: Any, tmp
         await pushing
         assert view.pipeline == "swap_pipelines:tag_b" and view.generation == 1 and view.state == "running"
         assert view.last_swap.outcome == "done", view.last_swap
+        # where each query's sink writes (the built-in one's too): a swap gets a folder of its own
+        assert (before.sink_dir, view.sink_dir) == (str(tmp_path / "sink"), str(tmp_path / "sink-g1"))
         assert view.last_swap.start_offsets["events"] > 0
         # acks kept flowing through the swap: no pause near a trigger interval, let alone the swap's
         pause = load.longest_ack_pause(asked, swapped)
@@ -207,6 +209,7 @@ async def test_keep_state_continues_the_old_checkpoint(spark: Any, tmp_path: Pat
         assert view.last_swap.outcome == "done" and view.last_swap.kept_state
         # the same checkpoint (offsets, commits, state) and so the same query id and sink folder
         assert (view.generation, view.checkpoint, view.query_id) == (1, before.checkpoint, before.query_id)
+        assert view.sink_dir == before.sink_dir == str(tmp_path / "sink")
         offsets = await wait_for_offsets(spark, load.sent, tmp_path / "sink")
         assert sorted(offsets) == list(range(load.sent))
         rows = await asyncio.to_thread(

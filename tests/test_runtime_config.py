@@ -104,14 +104,14 @@ async def test_the_block_linger_is_a_setting_off_by_name(tmp_path: Path) -> None
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.SetConfig(pb.SetConfigRequest(set={"block-linger": "-1"}))
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "block_linger" in (refused.value.details() or "")
+        assert "block-linger" in (refused.value.details() or "")
 
 
 INVALID = [
     ({"block-interval": "nan"}, grpc.StatusCode.INVALID_ARGUMENT, "NaN"),
-    ({"block-interval": "-1"}, grpc.StatusCode.INVALID_ARGUMENT, "block_interval"),
+    ({"block-interval": "-1"}, grpc.StatusCode.INVALID_ARGUMENT, "block-interval"),
     ({"block-interval": "inf"}, grpc.StatusCode.INVALID_ARGUMENT, "finite"),
-    ({"prefetch": "10", "low-tide": "10"}, grpc.StatusCode.INVALID_ARGUMENT, "low_tide"),
+    ({"prefetch": "10", "low-tide": "10"}, grpc.StatusCode.INVALID_ARGUMENT, "low-tide"),
     ({"prefetch": "1e9"}, grpc.StatusCode.INVALID_ARGUMENT, "integer"),
     ({"buffer-bytes": "lots"}, grpc.StatusCode.INVALID_ARGUMENT, "buffer-bytes"),
     ({"min-rate": "500", "max-rate": "100"}, grpc.StatusCode.INVALID_ARGUMENT, "rate"),
@@ -129,9 +129,9 @@ INVALID = [
     ({"block-linger": "3601"}, grpc.StatusCode.INVALID_ARGUMENT, "at most 3600 seconds"),
     ({"buffer-records": "9" * 23}, grpc.StatusCode.INVALID_ARGUMENT, "at most 1,000,000,000,000"),
     ({"prefetch": str(2**63)}, grpc.StatusCode.INVALID_ARGUMENT, "prefetch must be at most"),
-    ({"block-records": str(10**12 + 1)}, grpc.StatusCode.INVALID_ARGUMENT, "block_records must be at most"),
+    ({"block-records": str(10**12 + 1)}, grpc.StatusCode.INVALID_ARGUMENT, "block-records must be at most"),
     ({"buffer-bytes": "99999999TiB"}, grpc.StatusCode.INVALID_ARGUMENT, "(1 EiB)"),
-    ({"disk-budget": "99999999TiB"}, grpc.StatusCode.INVALID_ARGUMENT, "disk_budget_bytes must be at most"),
+    ({"disk-budget": "99999999TiB"}, grpc.StatusCode.INVALID_ARGUMENT, "disk-budget must be at most"),
     ({"estimator-params": "horizon"}, grpc.StatusCode.INVALID_ARGUMENT, "name=value"),
     ({"estimator-params": "horizon=fast"}, grpc.StatusCode.INVALID_ARGUMENT, "not a number"),
     ({"estimator-params": "kp=1"}, grpc.StatusCode.INVALID_ARGUMENT, "no parameter kp"),
@@ -203,7 +203,7 @@ async def test_a_corrupt_settings_file_stops_the_start_with_its_name(tmp_path: P
     data = tmp_path / "d"
     data.mkdir()
     (data / "runtime-config.json").write_text('{"version": 1, "overrides": {"block-interval": "-5"}}')
-    refusal = r"runtime-config\.json: block_interval must be at least 0.01 seconds"
+    refusal = r"runtime-config\.json: block-interval must be at least 0.01 seconds"
     with pytest.raises(ValueError, match=refusal) as refused:
         async with running_server(data, "s"):
             pass
@@ -228,7 +228,7 @@ async def test_sluice_config_get_set_reset(tmp_path: Path) -> None:
         done = await asyncio.to_thread(cli, "get", "prefetch")
         assert done.returncode == 0 and "5000" in done.stdout and "block-interval" not in done.stdout
         done = await asyncio.to_thread(cli, "set", "low-tide=9000")
-        assert done.returncode == 1 and "INVALID_ARGUMENT" in done.stderr and "low_tide" in done.stderr
+        assert done.returncode == 1 and "INVALID_ARGUMENT" in done.stderr and "low-tide" in done.stderr
         done = await asyncio.to_thread(cli, "set", "prefetch")  # no value: a usage error
         assert done.returncode == 2 and "KEY=VALUE" in done.stderr
         done = await asyncio.to_thread(cli, "reset", "prefetch", "block-interval")
@@ -269,3 +269,86 @@ async def test_a_key_both_set_and_reset_and_a_tiny_rate_bound_are_refused(tmp_pa
                 )
         assert tiny.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "min_rate must be >= 1e-06 and finite, got 4.94066e-324" in (tiny.value.details() or "")
+
+
+async def test_a_change_that_cannot_be_saved_changes_nothing(tmp_path: Path) -> None:
+    """The settings file could not be written (a full or read-only disk; here a folder in the way of its
+    temporary file): SetConfig ended UNKNOWN, with gRPC's traceback in the server's log."""
+    async with running_server(tmp_path / "d", "s") as server, admin(server) as stub:
+        in_the_way = tmp_path / "d" / "runtime-config.json.tmp"
+        in_the_way.mkdir()
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.SetConfig(pb.SetConfigRequest(set={"block-interval": "0.5"}))
+        assert caught.value.code() == grpc.StatusCode.INTERNAL
+        assert "nothing changed: the settings could not be saved" in (caught.value.details() or "")
+        assert server.receivers["s"].config.block_interval == 0.02 and server.runtime.version == 0
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            rate = pb_grpc.RateControlStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as bounds:
+                await rate.SetBounds(pb.SetBoundsRequest(min_rate=200, max_rate=1000))
+            assert bounds.value.code() == grpc.StatusCode.INTERNAL
+            assert math.isinf(server.rate.bounds.max_rate)
+            in_the_way.rmdir()
+            await rate.SetBounds(pb.SetBoundsRequest(min_rate=200, max_rate=1000))
+        assert server.rate.bounds.max_rate == 1000 and server.runtime.version == 1
+
+
+async def test_the_rate_apis_bounds_and_estimator_are_the_settings_in_force(tmp_path: Path) -> None:
+    """`sluice rate bounds` and `rate estimator` changed the controller alone: `config get` showed the
+    old values, a `config set` of those old values was taken and changed nothing, and a restart lost
+    the bounds. They are settings now, kept and shown like any other."""
+    async with (
+        running_server(tmp_path / "d", "s") as server,
+        admin(server) as stub,
+        grpc.aio.insecure_channel(server.target) as channel,
+    ):
+        rate = pb_grpc.RateControlStub(channel)
+        await rate.SetBounds(pb.SetBoundsRequest(min_rate=500, max_rate=1000))
+        await rate.SetEstimator(pb.SetEstimatorRequest(estimator="spark-pid"))
+        got = settings(await stub.GetConfig(pb.GetConfigRequest(keys=["min-rate", "max-rate", "estimator"])))
+        assert got == {
+            "min-rate": ("500", "dynamic"),
+            "max-rate": ("1000", "dynamic"),
+            "estimator": ("spark-pid", "dynamic"),
+        }
+        # the values the command line gave, set back: in force again
+        back = {"min-rate": "100", "max-rate": "inf", "estimator": "fixed"}
+        await stub.SetConfig(pb.SetConfigRequest(set=back))
+        assert server.rate.bounds.min_rate == 100 and math.isinf(server.rate.bounds.max_rate)
+        assert server.rate.estimator.name == "fixed"
+        # the same estimator set again still starts afresh and unpins a pinned rate
+        await rate.UpdateRate(pb.UpdateRateRequest(records_per_second=5000, pin=True))
+        status = await rate.SetEstimator(pb.SetEstimatorRequest(estimator="fixed"))
+        assert not status.pinned
+        # parameters set for one estimator go when the rate API switches to another
+        model = {"estimator": "model", "estimator-params": "horizon=3"}
+        await stub.SetConfig(pb.SetConfigRequest(set=model))
+        await rate.SetEstimator(pb.SetEstimatorRequest(estimator="spark-pid"))
+        assert server.rate.estimator.name == "spark-pid"
+        params = settings(await stub.GetConfig(pb.GetConfigRequest(keys=["estimator-params"])))
+        assert params["estimator-params"][1] != "dynamic"
+        await rate.SetBounds(pb.SetBoundsRequest(min_rate=300, max_rate=4000))
+    async with running_server(tmp_path / "d", "s") as server:  # kept across a restart
+        assert (server.rate.bounds.min_rate, server.rate.bounds.max_rate) == (300, 4000)
+        assert server.rate.estimator.name == "spark-pid"
+
+
+async def test_a_session_list_cannot_be_forged_by_a_producer_id(tmp_path: Path) -> None:
+    """A producer id with escape codes, newlines and tabs reached the operator's terminal raw through
+    `sluice sessions list` (clearing or recolouring it, forging rows); it is shown escaped."""
+    forged = "\x1b[2J\x1b[31mEVIL\n99\ts\tops\tfake\t0\t0\t0\topen\u202e"
+    command = [sys.executable, "-m", "ingest.cli", "sessions", "list", "--target"]
+    async with (
+        running_server(tmp_path / "d", "s") as server,
+        Producer(server.target, "s", producer_id=forged) as producer,
+    ):
+        await producer.send(b"x")
+        await producer.flush(30)
+        done = await asyncio.to_thread(
+            subprocess.run, [*command, server.target], capture_output=True, text=True, timeout=60, check=False
+        )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2 and lines[1].count("\t") == 7, done.stdout
+    assert "\x1b" not in done.stdout and "\u202e" not in done.stdout
+    assert "\\x1b[2J\\x1b[31mEVIL\\n99\\ts" in lines[1] and "\\u202e" in lines[1]

@@ -311,7 +311,7 @@ def test_sighup_reloads_the_certificate_and_keeps_sessions(tmp_path: Path) -> No
     key.chmod(0o600)
     proc, log = start_serve(tmp_path, "--tls-cert", str(cert), "--tls-key", str(key), "--metrics-port", "0")
     try:
-        match = wait_for(proc, log, r"on (127\.0\.0\.1:\d+), metrics on :(\d+)/metrics; TLS")
+        match = wait_for(proc, log, r"on (127\.0\.0\.1:\d+), metrics on 127\.0\.0\.1:(\d+)/metrics; TLS")
         target, metrics_port = match.group(1), int(match.group(2))
 
         def sessions_opened() -> str:

@@ -1793,6 +1793,7 @@ class PipelineView(_message.Message):
     TRIGGER_INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int
     LAST_SWAP_FIELD_NUMBER: _builtins.int
     QUERY_ID_FIELD_NUMBER: _builtins.int
+    SINK_DIR_FIELD_NUMBER: _builtins.int
     pipeline: _builtins.str
     """"module:function", or "" for the built-in Parquet sink."""
     generation: _builtins.int
@@ -1802,6 +1803,10 @@ class PipelineView(_message.Message):
     checkpoint: _builtins.str
     trigger_interval_seconds: _builtins.float
     query_id: _builtins.str
+    sink_dir: _builtins.str
+    """The folder the query's PipelineContext.sink_dir names, where the built-in Parquet sink writes:
+    DATA_DIR/sink for the first query, a new DATA_DIR/sink-gN for each swap without keep_state.
+    """
     @_builtins.property
     def last_swap(self) -> Global___PipelineSwap: ...
     def __init__(
@@ -1814,10 +1819,11 @@ class PipelineView(_message.Message):
         trigger_interval_seconds: _builtins.float = ...,
         last_swap: Global___PipelineSwap | None = ...,
         query_id: _builtins.str = ...,
+        sink_dir: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_swap", b"last_swap"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "generation", b"generation", "last_swap", b"last_swap", "pipeline", b"pipeline", "query_id", b"query_id", "state", b"state", "trigger_interval_seconds", b"trigger_interval_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "generation", b"generation", "last_swap", b"last_swap", "pipeline", b"pipeline", "query_id", b"query_id", "sink_dir", b"sink_dir", "state", b"state", "trigger_interval_seconds", b"trigger_interval_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
