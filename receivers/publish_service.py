@@ -18,6 +18,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
 
 import grpc
 
@@ -86,6 +87,7 @@ class PublishService(pb_grpc.IngestServicer):
         request_iterator: AsyncIterator[pb.PublishRequest | bytes],
         context: grpc.aio.ServicerContext[pb.PublishRequest | bytes, pb.PublishResponse],
     ) -> AsyncIterator[pb.PublishResponse]:
+        requests = None
         try:
             # before anything is read: an unauthenticated caller is never granted credit
             principal = self._authenticator.caller(context, PUBLISH)
@@ -94,8 +96,10 @@ class PublishService(pb_grpc.IngestServicer):
             key = limit_key(principal, context.peer() or "")
             receiver, session = await self._open(requests, principal, key)
         except ReceiverError as error:
-            await context.abort(status_code(error), str(error))
-            return  # pragma: no cover - abort raises
+            _end_call(context, error)
+            if requests is not None:
+                await _close(requests)
+            return
         self.ledger.add(key, session)  # no await since _open checked the limits
         reader = asyncio.create_task(self._read(requests, receiver, session))
         try:
@@ -105,7 +109,7 @@ class PublishService(pb_grpc.IngestServicer):
                     yield message
                 if ended:
                     if end_error is not None:
-                        await context.abort(status_code(end_error), str(end_error))
+                        _end_call(context, end_error)
                     break
         finally:
             reader.cancel()
@@ -113,6 +117,7 @@ class PublishService(pb_grpc.IngestServicer):
                 await reader
             receiver.close_session(session)
             self.ledger.remove(key, session)
+            await _close(requests)
 
     async def _open(
         self, requests: AsyncIterator[pb.PublishRequest | bytes], principal: Principal, key: str
@@ -184,6 +189,7 @@ class PublishService(pb_grpc.IngestServicer):
             raise ProtocolViolation(f"{kind.capitalize()} after the publisher's Complete or Error (rule 1.7)")
         if kind == "batch":
             batch = request if isinstance(request, WireBatch) else request.batch
+            receiver.check_credit(session, batch.count)  # before its arrays are built
             records = decode_batch(batch, time.time_ns() // 1000)
             limit = session.principal.limits.max_record_bytes
             if limit is not None:
@@ -207,6 +213,24 @@ class PublishService(pb_grpc.IngestServicer):
             raise ProtocolViolation("Open sent twice: exactly one Open per session (rule 2.12)")
         else:
             raise InvalidMessage("empty PublishRequest: set one of open, batch, complete, error")
+
+
+def _end_call(context: grpc.aio.ServicerContext[Any, Any], error: ReceiverError) -> None:
+    """End the call with `error`'s status, set rather than raised (context.abort): abort's exception
+    would keep the handler's frame alive in a reference cycle through gRPC's call state, and with it the
+    request iterator holding the last message read (up to the message size limit), until a full garbage
+    collection: 100 sessions failing on a 4 MB batch held 400 MB."""
+    context.set_code(status_code(error))
+    context.set_details(str(error))
+
+
+async def _close(requests: AsyncIterator[object]) -> None:
+    """Close gRPC's request iterator: it sits in a reference cycle of gRPC's own, holding the last
+    message it gave, until a full garbage collection (a session that failed on a 4 MB batch kept it)."""
+    aclose = getattr(requests, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):  # the call is over: nothing it raises matters now
+            await aclose()
 
 
 def _within_limit(message: pb.PublishRequest | bytes, principal: Principal) -> pb.PublishRequest | bytes:

@@ -110,6 +110,7 @@ from receivers.errors import (
     SessionCancelled,
     UnloggableRecords,
     cut,
+    detached,
 )
 from receivers.fairness import OwnerDemand, allocate, owner_of
 from receivers.names import check_stream_name
@@ -585,6 +586,16 @@ class Receiver:
             with contextlib.suppress(TimeoutError):  # and looks again: the session may have ended
                 await asyncio.wait_for(self._room.wait(), _ROOM_POLL)
 
+    def check_credit(self, session: Session, count: int) -> None:
+        """ProtocolViolation if a batch of `count` records exceeds the session's credit (rule 1.1). Asked
+        before a batch is decoded as well: a batch far over its credit costs nothing to refuse. (A
+        cancelled, ended or completed session's batch is accept()'s to drop or refuse.)"""
+        if count > session.credit and not (session.cancelled or session.ended or session.completed):
+            raise ProtocolViolation(
+                f"Batch of {count} records exceeds the {session.credit} credits outstanding (rule 1.1): "
+                "send at most what Request(n) granted"
+            )
+
     def accept(self, session: Session, first_seq: int, records: pa.RecordBatch) -> None:
         """onNext for each record of a batch; raise a ReceiverError when it breaks the protocol."""
         count = records.num_rows
@@ -595,11 +606,7 @@ class Receiver:
             return
         if session.completed:
             raise ProtocolViolation("Batch after Complete (rule 1.7): the publisher signalled completion")
-        if count > session.credit:
-            raise ProtocolViolation(
-                f"Batch of {count} records exceeds the {session.credit} credits outstanding (rule 1.1): "
-                "send at most what Request(n) granted"
-            )
+        self.check_credit(session, count)
         if first_seq != session.next_seq:
             raise InvalidBatch(
                 f"Batch.first_seq is {first_seq} but this session's next sequence number is "
@@ -706,6 +713,7 @@ class Receiver:
         sent before its mistake is then acked or refused, never stored without its knowing."""
         if session.ended:
             return
+        error = detached(error)  # kept by the session until its call ends
         self.stats.sessions_failed += 1
         log.warning(
             "session %d on stream %r (producer %r) ends with %s: %s",

@@ -1070,6 +1070,7 @@ class Producer:
             ) from None
         if keys is not None and len(keys) != count:
             raise ValueError(f"{len(keys)} keys for {count} values")
+        self._check_open()  # no records either: a closed producer says so, as send() does
         start = 0
         while start < count:
             await self._room_for(1)
@@ -1106,6 +1107,7 @@ class Producer:
         count, data, bounds = _packed_input(values, offsets)
         key_column = _packed_keys(count, keys, key_offsets, key_validity)
         _packed_sizes_check(bounds, key_column)
+        self._check_open()  # no records either: a closed producer says so, as send() does
         start = 0
         while start < count:
             await self._room_for(1)
@@ -1204,6 +1206,11 @@ class Producer:
                 while self._acked_seq < target:
                     if self._error is not None:
                         raise self._error
+                    if self._state is _State.CLOSED:  # closed (abort, a failed close): none will come
+                        raise ProducerClosedError(
+                            f"producer is closed with {target - self._acked_seq} records not acked: they "
+                            "will never be (unacked_records() returns them)"
+                        )
                     await self._wait_change()
         except TimeoutError:
             unsent = max(0, target - self._sent_seq)

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 import numpy.typing as npt
 
+from sluice_client.errors import ProducerClosedError
 from sluice_client.producer import Producer
 
 T = TypeVar("T")
@@ -38,6 +39,9 @@ class SyncProducer:
         return Producer(target, stream, **kwargs)  # created on the loop that will use it
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if self._loop.is_closed():  # closed or aborted: as the async Producer says then
+            coro.close()
+            raise ProducerClosedError("producer is closed")
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     def send(self, value: bytes, key: bytes | None = None) -> None:
@@ -100,7 +104,19 @@ class SyncProducer:
         async def take() -> list[tuple[bytes, bytes | None]]:
             return self._producer.unacked_records()
 
+        if self._loop.is_closed():  # after close: nothing changes them any more
+            return self._producer.unacked_records()
         return self._run(take())
+
+    def abort(self) -> list[tuple[bytes, bytes | None]]:
+        """End the session now, dropping what is not acked; return those records, (value, key) in
+        order (Producer.abort). After close() or abort(): the records that were never acked."""
+        if self._loop.is_closed():
+            return self._producer.unacked_records()
+        try:
+            return self._run(self._producer.abort())
+        finally:
+            self._stop_loop()
 
     def close(self, timeout: float | None = None) -> None:
         """Flush, complete and stop; raises UnackedRecordsError (with `.records`) when records remain
@@ -126,7 +142,4 @@ class SyncProducer:
         if exc is None:
             self.close()
         else:
-            try:
-                self._run(self._producer.abort())
-            finally:
-                self._stop_loop()
+            self.abort()

@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import math
 import time
+import warnings
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -24,7 +25,13 @@ from receivers.config import FsyncPolicy, ReceiverConfig
 from receivers.wal import WalBlockStore
 from receivers.wire import decode_batch
 from sluice_client import Producer, SyncProducer
-from sluice_client.errors import FlushTimeoutError, ReconnectTimeoutError, RPCError, UnackedRecordsError
+from sluice_client.errors import (
+    FlushTimeoutError,
+    ProducerClosedError,
+    ReconnectTimeoutError,
+    RPCError,
+    UnackedRecordsError,
+)
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from sluice_client.producer import reconnectable
@@ -528,6 +535,13 @@ async def test_close_reports_the_records_never_acked(tmp_path: Path) -> None:
     assert info.value.records == [(b"lost-1", b"k"), (b"lost-2", None), (b"lost-3", None), (b"lost-4", None)]
     assert info.value.first_seq == 1
     assert isinstance(info.value.__cause__, FlushTimeoutError)
+    # closed: a flush waited for good (nothing could ever ack them), and an empty send returned quietly
+    with pytest.raises(ProducerClosedError, match="closed with 4 records not acked"):
+        await asyncio.wait_for(producer.flush(), 10)
+    for send in (producer.send_many([]), producer.send_packed(b"", [0])):
+        with pytest.raises(ProducerClosedError):
+            await send
+    assert len(await producer.abort()) == 4  # still there to take
 
 
 async def test_reconnecting_gives_up_after_the_timeout(tmp_path: Path) -> None:
@@ -694,6 +708,29 @@ async def test_sync_producer_reports_unacked_records(tmp_path: Path) -> None:
     finally:
         await node.stop()
     assert info.value.records == [(b"p", None), (b"q", None)]
+    # after close: what the async Producer says (it was "Event loop is closed" and a coroutine never
+    # awaited), the records still readable, and abort() there as on the async Producer
+    for call in (lambda: producer.send(b"r"), producer.flush):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no "coroutine ... was never awaited"
+            with pytest.raises(ProducerClosedError):
+                call()
+    assert producer.unacked_records() == [(b"p", None), (b"q", None)]
+    assert producer.abort() == [(b"p", None), (b"q", None)]
+
+
+async def test_sync_producer_abort_returns_what_was_not_acked(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    await node.start()
+    producer = await asyncio.to_thread(SyncProducer, node.target, "s", linger=0)
+    try:
+        await node.stop()
+        await asyncio.to_thread(producer.send_many, [b"x", b"y"])
+        assert await asyncio.to_thread(producer.abort) == [(b"x", None), (b"y", None)]
+        with pytest.raises(ProducerClosedError):
+            producer.send(b"z")
+    finally:
+        await node.stop()
 
 
 def test_which_session_endings_the_producer_rides_out() -> None:
