@@ -2018,6 +2018,10 @@ def _unary(
             except grpc.aio.AioRpcError as exc:
                 code = EXIT_DENIED if exc.code() in _DENIED else EXIT_FAILED
                 message = f"{what} on {target}: {exc.code().name}: {exc.details()}"
+                closed = "Socket closed" in (exc.details() or "")
+                if exc.code() is grpc.StatusCode.UNAVAILABLE and closed and not credentials.secure:
+                    # what plaintext to a TLS port looks like: the server closes the socket unread
+                    message += " (if the server serves TLS, give its CA: --ca-file or SLUICE_CA_FILE)"
                 raise _Failed(_fail(message, code)) from None
             except TimeoutError:
                 raise _Failed(_fail(f"{what} on {target}: no answer within {timeout:g} s")) from None

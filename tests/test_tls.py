@@ -111,6 +111,13 @@ async def test_plaintext_client_and_untrusted_server_refused(
     async with tls_server(tmp_path, security) as server:
         await refused(server, channel(server, None))  # plaintext to a TLS port
         await refused(server, channel(server, other))  # the server's certificate is not of a trusted CA
+        # the CLI in plaintext: gRPC says only "Socket closed"; the CLI says what may be missing
+        command = [sys.executable, "-m", "ingest.cli", "rate", "get", "--target", server.target]
+        done = await asyncio.to_thread(
+            subprocess.run, command, capture_output=True, text=True, timeout=60, check=False
+        )
+        assert done.returncode == 1 and "Socket closed" in done.stderr, done.stderr
+        assert "if the server serves TLS, give its CA: --ca-file" in done.stderr
 
 
 async def test_mutual_tls(tmp_path: Path, pki: tuple[CertificateAuthority, Issued]) -> None:
