@@ -547,6 +547,12 @@ class WalBlockStore(BlockStore):
                 _write_all(fd, frame[:padded], writer.direct)
                 if self.fsync.mode == "every-block":
                     os.fsync(fd)
+                if os.fstat(fd).st_nlink == 0:  # deleted while open (rm -rf of the data dir): not durable
+                    raise OSError(
+                        errno.ENOENT,
+                        f"log segment {writer.segment} was deleted while open: the blocks in it are gone, "
+                        "and this one is written again to a new segment",
+                    )
             except BaseException:
                 # leave no partial frame behind, so the retried block lands where this one began
                 self._undo_append(writer, before)

@@ -784,3 +784,25 @@ def test_a_block_is_encoded_without_waiting_on_a_busy_event_loop_per_batch(tmp_p
         spinner.join()
     assert info.count == 5000
     assert elapsed < 0.25, f"{elapsed:.3f} s to write a block of 100 batches beside a busy Python thread"
+
+
+@pytest.mark.parametrize("deleted", ["segment", "data dir"])
+def test_a_write_to_a_deleted_segment_fails_and_goes_again_to_a_new_one(tmp_path: Path, deleted: str) -> None:
+    """`rm -rf` of a live server's data dir: the log went on appending to the deleted files, fsynced
+    and acked, and a restart found nothing of it. The write that finds its segment deleted fails (the
+    receiver keeps its records and writes them again: credit pauses with the error meanwhile), and the
+    next write starts a new segment, on disk."""
+    root = tmp_path / "blocks"
+    store = WalBlockStore(root)
+    fill(store, 2)
+    if deleted == "segment":
+        segments(root)[0].unlink()
+    else:
+        shutil.rmtree(root)
+    with pytest.raises(OSError, match="was deleted while open"):
+        store.write("s", 2, 6, 1, [records(3, 6)])
+    store.write("s", 2, 6, 1, [records(3, 6)])
+    store.close()
+    again = WalBlockStore(root)
+    assert again.recover("s") == (3, 9)
+    assert values(again) == expected(9)[6:]
