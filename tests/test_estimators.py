@@ -89,6 +89,7 @@ def test_public_names_are_pinned() -> None:
             "StreamPolicy",
             "TokenBucket",
             "UnknownEstimatorError",
+            "check_estimator",
             "check_rate",
             "make_estimator",
             "split_rate",
