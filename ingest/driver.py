@@ -435,6 +435,7 @@ def drive_rate(driver: SparkDriver, server: SluiceServer, loop: asyncio.Abstract
 
     driver.on_batch(hand_over)
     driver.on_commit(committed)
+    server.rate.attach_query()
 
 
 def _quiet_job_cancel(spark: Any) -> None:
