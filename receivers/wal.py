@@ -547,12 +547,7 @@ class WalBlockStore(BlockStore):
                 _write_all(fd, frame[:padded], writer.direct)
                 if self.fsync.mode == "every-block":
                     os.fsync(fd)
-                if os.fstat(fd).st_nlink == 0:  # deleted while open (rm -rf of the data dir): not durable
-                    raise OSError(
-                        errno.ENOENT,
-                        f"log segment {writer.segment} was deleted while open: the blocks in it are gone, "
-                        "and this one is written again to a new segment",
-                    )
+                _check_linked(fd, writer.segment)
             except BaseException:
                 # leave no partial frame behind, so the retried block lands where this one began
                 self._undo_append(writer, before)
@@ -1383,6 +1378,17 @@ def _build_frame(
         block.received_at,
     )
     struct.pack_into("<I", frame, _CRC_AT, _frame_crc(frame[: HEADER.size], [frame[HEADER.size : padded]]))
+
+
+def _check_linked(fd: int, segment: Path | None) -> None:
+    """OSError if the segment open at `fd` was deleted (rm -rf of a live data dir): what was written
+    to it is not durable, however fsynced, since no restart will find it."""
+    if os.fstat(fd).st_nlink == 0:
+        raise OSError(
+            errno.ENOENT,
+            f"log segment {segment} was deleted while open: the blocks in it are gone, and this one is "
+            "written again to a new segment",
+        )
 
 
 def _write_all(fd: int, frame: memoryview, direct: bool) -> None:
