@@ -1878,11 +1878,8 @@ def _sessions_list(args: argparse.Namespace) -> int:
     print("id\tstream\tprincipal\tproducer\tcredit\tnext_seq\tdurable_up_to\tstate")
     for s in listing.sessions:
         state = "cancelled" if s.cancelled else "completed" if s.completed else "open"
-        print(
-            f"{s.session_id}\t{s.stream}\t{printable(s.principal)}\t{printable(s.producer_id)}\t{s.credit}\t"
-            f"{s.next_seq}\t"
-            f"{s.durable_up_to}\t{state}"
-        )
+        names = (s.stream, printable(s.principal), printable(s.producer_id))
+        print("\t".join(map(str, (s.session_id, *names, s.credit, s.next_seq, s.durable_up_to, state))))
     return 0
 
 

@@ -354,18 +354,14 @@ class RateController:
         planned for a point in the running batch (RateEstimator.resume). Ignored while pinned."""
         if not self._watches:
             if self._unplanned_from is not None:  # the query is yet to plan its first batch
-                bound = self.unmeasured_batch_records()
-                self._full_unmeasured = bool(bound) and self._taken() - self._unplanned_from >= bound
+                self._full_unmeasured = self._fills_unmeasured(self._taken() - self._unplanned_from)
                 self._sync_hold()
             return
         if self._watches[-1].taken_at_end is not None:
             return  # it has ended and its metrics are on their way
         watch = self._watches[-1]
         elapsed = (time.monotonic() if now is None else now) - watch.started
-        bound = self.unmeasured_batch_records()
-        # unlimited from the first record, but no more than the next batch will take while this one
-        # runs: a saturating publisher otherwise fills the store for as long as start-up batches last
-        self._full_unmeasured = bool(bound) and self._waiting(watch) >= bound
+        self._full_unmeasured = self._fills_unmeasured(self._waiting(watch))
         if not self.pinned:
             resumed = self.estimator.resume(elapsed)
             if resumed is not None:
@@ -378,6 +374,13 @@ class RateController:
                 self._apply(self._clamp(check_rate(resumed)))
         self._look(watch, elapsed)
         self._sync_hold()
+
+    def _fills_unmeasured(self, waiting: int) -> bool:
+        """Whether `waiting` records fill the next unmeasured batch: unlimited from the first record,
+        but no more than that batch will take (more would only wait); a saturating publisher otherwise
+        fills the store for as long as start-up batches last."""
+        bound = self.unmeasured_batch_records()
+        return bool(bound) and waiting >= bound
 
     def drain_batch_records(self) -> int:
         """Records the next batch may take while the estimator drains a pile-up, when that is more

@@ -1132,7 +1132,8 @@ class Receiver:
             records += chunk.records.num_rows
             nbytes += chunk.nbytes
         chunks, self._pending = pending[:cut], pending[cut:]
-        self._recount_pending()
+        self._pending_records -= records
+        self._pending_bytes -= nbytes
         return chunks
 
     def _recount_pending(self) -> None:
