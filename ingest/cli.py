@@ -1205,6 +1205,9 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock, spark_log_level: 
             if failure is not None:
                 await server.stop()
                 return _fail(f"the Spark query failed: {failure}")
+            if server.failure is not None:  # it stopped itself, and logged why
+                await server.stop()
+                return EXIT_FAILED
         logs.say("stopping: sealing and acking what was received", event="stopping")
         await server.stop()
         if driver is not None:

@@ -111,6 +111,22 @@ class DataDirLock:
     def held(self) -> bool:
         return self._fd is not None
 
+    def lost(self) -> str | None:
+        """Why the lock no longer guards the data dir (its file deleted or replaced: `rm -rf` of the
+        data dir while the server runs, so a second server could lock a new file there), else None."""
+        if self._fd is None:
+            return None
+        path = self.data_dir / LOCK_FILE
+        try:
+            held, now = os.fstat(self._fd), os.stat(path)
+        except FileNotFoundError:
+            return f"the lock file {path} was deleted: the data dir {self.data_dir} was removed"
+        except OSError:
+            return None  # unreadable for a moment (a permission change): not proof of loss
+        if held.st_nlink == 0 or (held.st_dev, held.st_ino) != (now.st_dev, now.st_ino):
+            return f"the lock file {path} was replaced: the data dir {self.data_dir} was removed"
+        return None
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing the only descriptor drops the flock

@@ -162,6 +162,9 @@ class SluiceServer:
         self._stopped = asyncio.Event()
         self._watchdog: asyncio.Task[None] | None = None
         self._health_watch: asyncio.Task[None] | None = None
+        self.failure: str | None = None
+        """Why this server stopped itself (its data dir was removed), for `sluice serve`'s exit."""
+        self._self_stop: asyncio.Task[None] | None = None
         self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # stubs lack .aio
         """grpc.health.v1: ingest.v1.Ingest is SERVING while the server takes records (its block log is
         open); "" while it takes records and, where Spark runs (config.spark), its query runs."""
@@ -216,10 +219,27 @@ class SluiceServer:
     async def _watch_health(self) -> None:
         while True:
             await asyncio.sleep(HEALTH_TICK)
+            if self._data_dir_lost():
+                return
             try:
                 await self._update_health()
             except Exception:  # a failure() that raises must not end the probe's updates
                 log.exception("health update failed")
+
+    def _data_dir_lost(self) -> bool:
+        """Stop the server if its data dir was removed while it ran (`rm -rf`): the log refuses to make
+        its folders again, so nothing could be acked, and without the lock file a second server could
+        start on the same path. Kafka takes a broker whose only log dir failed offline the same way."""
+        lost = self._lock.lost()
+        if lost is None:
+            return False
+        self.failure = (
+            f"{lost} while this server ran: stopping, since nothing could be made durable there any more "
+            "and a second server could start on it; the records acked before are gone with it"
+        )
+        log.error("%s", self.failure)
+        self._self_stop = asyncio.create_task(self.stop(), name="sluice-stop")
+        return True
 
     def _batches_completed(self) -> int:
         return self.batches_completed()  # looked up at scrape time: the Spark side may attach later

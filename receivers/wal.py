@@ -72,6 +72,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 import struct
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -273,6 +274,9 @@ class _Writer:
     unsynced: int = 0
     """Under the interval policy, bytes appended since the last fsync began (its early fsync: SYNC_BYTES)."""
     folder_dirty: bool = False
+    folder_id: tuple[int, int] | None = None
+    """(device, inode) of `folder` once a segment was made in it: a folder deleted (or replaced) while
+    this writer lived is not made again (_segment_for)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     durable_seq: int = 0
     """Every block with a lower seq is durable under the policy (fsynced, or "off")."""
@@ -888,6 +892,7 @@ class WalBlockStore(BlockStore):
                 del self._index[key]
         writer = _Writer(folder, next_seq, next_offset, producers, newest_path, newest_size)
         writer.durable_seq = next_seq
+        writer.folder_id = _path_id(folder)
         return writer
 
     def _sync_recovered(self, folder: Path) -> None:
@@ -1004,10 +1009,21 @@ class WalBlockStore(BlockStore):
                     return fd
                 os.close(fd)  # a failed append left bytes behind: start afresh in a new segment
         self._close_writer(writer)
-        if not writer.folder.is_dir():
+        folder_id = _path_id(writer.folder)
+        if writer.folder_id is not None and folder_id != writer.folder_id:
+            # rm -rf of a live data dir: made again, the folder would take acked blocks that no
+            # restart finds in order (the released mark and the earlier segments went with it)
+            raise OSError(
+                errno.ENOENT,
+                f"the log's folder {writer.folder} was deleted or replaced while this server wrote to it: "
+                "nothing more is written there; restart the server",
+            )
+        if folder_id is None:
             writer.folder.mkdir(parents=True, exist_ok=True)
             if self.fsync.mode == "every-block":
                 _fsync_path(writer.folder.parent)
+            folder_id = _path_id(writer.folder)
+        writer.folder_id = folder_id
         path = writer.folder / f"{seq:020d}{SEGMENT_SUFFIX}"
         if path == writer.segment:  # the newest segment is empty but a failed append left bytes in it
             with contextlib.suppress(FileNotFoundError):
@@ -1378,6 +1394,15 @@ def _build_frame(
         block.received_at,
     )
     struct.pack_into("<I", frame, _CRC_AT, _frame_crc(frame[: HEADER.size], [frame[HEADER.size : padded]]))
+
+
+def _path_id(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of `path`, None if it is not a directory (or gone)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
 
 
 def _check_linked(fd: int, segment: Path | None) -> None:

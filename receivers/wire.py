@@ -15,7 +15,6 @@ Every value a client sends that reaches the block log is bounded here and checke
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 from dataclasses import dataclass
@@ -62,16 +61,11 @@ class WireBatch:
 
 
 _EMPTY = memoryview(b"")
-# Batch's fields by tag byte (number << 3 | wire type); varints with the bound of their type (uint64,
-# uint32: a larger varint, which protobuf truncates, is left to protobuf)
-_VARINT_FIELDS = {0x08: ("first_seq", 2**64), 0x10: ("count", 2**32)}
-_BYTES_FIELDS = {
-    0x1A: "values",
-    0x22: "value_offsets",
-    0x2A: "keys",
-    0x32: "key_offsets",
-    0x3A: "key_validity",
-}
+# Batch's fields by tag byte (number << 3 | wire type): varints with the bound of their type (uint64,
+# uint32: a larger varint, which protobuf truncates, is left to protobuf), bytes fields by their slot in
+# _read_batch's list
+_FIRST_SEQ, _COUNT = 0x08, 0x10
+_BYTES_SLOTS = {0x1A: 0, 0x22: 1, 0x2A: 2, 0x32: 3, 0x3A: 4}
 
 
 class _NotPlain(Exception):
@@ -85,8 +79,10 @@ def decode_request(data: bytes) -> pb.PublishRequest | WireBatch:
     A message that is a Batch alone, each of its fields present once with its own wire type, is read in
     place (WireBatch); anything else (other kinds, unknown or repeated fields, bad lengths) is parsed
     by protobuf, so both give the same fields for every input."""
-    with contextlib.suppress(_NotPlain):
+    try:
         return _read_batch(data)
+    except _NotPlain:
+        pass
     try:
         return pb.PublishRequest.FromString(data)
     except DecodeError as exc:
@@ -94,38 +90,48 @@ def decode_request(data: bytes) -> pb.PublishRequest | WireBatch:
 
 
 def _read_batch(data: bytes) -> WireBatch:
-    """`data` as a WireBatch if it is one in the plain form Sluice's SDK writes, else _NotPlain."""
-    if not data or data[0] != 0x12:  # field 2 (batch), length-delimited
+    """`data` as a WireBatch if it is one in the plain form Sluice's SDK writes, else _NotPlain.
+
+    Read once per message on the event loop, so written for few calls: locals, not dicts, and a
+    one-byte varint read in line (tags and small values)."""
+    end = len(data)
+    if not end or data[0] != 0x12:  # field 2 (batch), length-delimited
         raise _NotPlain
     length, at = _varint(data, 1)
-    end = len(data)
     if at + length != end:  # the batch must be the whole message
         raise _NotPlain
-    numbers: dict[str, int] = {}
-    views: dict[str, memoryview] = {}
+    first_seq = count = -1  # -1: not seen
+    views: list[memoryview | None] = [None, None, None, None, None]
     view = memoryview(data)
     while at < end:
         tag = data[at]
-        if tag in _VARINT_FIELDS:
-            name, bound = _VARINT_FIELDS[tag]
-            value, at = _varint(data, at + 1)
-            if value >= bound or name in numbers:
+        at += 1
+        if at < end and data[at] < 0x80:
+            value, at = data[at], at + 1
+        else:
+            value, at = _varint(data, at)
+        if tag == _FIRST_SEQ:
+            if first_seq >= 0 or value >= 2**64:
                 raise _NotPlain
-            numbers[name] = value
-            continue
-        field = _BYTES_FIELDS.get(tag)
-        size, at = _varint(data, at + 1)
-        if field is None or field in views or at + size > end:
-            raise _NotPlain
-        views[field], at = view[at : at + size], at + size
+            first_seq = value
+        elif tag == _COUNT:
+            if count >= 0 or value >= 2**32:
+                raise _NotPlain
+            count = value
+        else:
+            slot = _BYTES_SLOTS.get(tag)
+            if slot is None or views[slot] is not None or at + value > end:
+                raise _NotPlain
+            views[slot], at = view[at : at + value], at + value
+    values, value_offsets, keys, key_offsets, key_validity = views
     return WireBatch(
-        first_seq=numbers.get("first_seq", 0),
-        count=numbers.get("count", 0),
-        values=views.get("values", _EMPTY),
-        value_offsets=views.get("value_offsets", _EMPTY),
-        keys=views.get("keys", _EMPTY),
-        key_offsets=views.get("key_offsets", _EMPTY),
-        key_validity=views.get("key_validity", _EMPTY),
+        first_seq=max(first_seq, 0),
+        count=max(count, 0),
+        values=_EMPTY if values is None else values,
+        value_offsets=_EMPTY if value_offsets is None else value_offsets,
+        keys=_EMPTY if keys is None else keys,
+        key_offsets=_EMPTY if key_offsets is None else key_offsets,
+        key_validity=_EMPTY if key_validity is None else key_validity,
     )
 
 

@@ -8,6 +8,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -266,6 +267,52 @@ async def test_sluice_server_locks_its_data_dir_until_stopped(tmp_path: Path) ->
         DataDirLock(tmp_path)
     lock.release()
     DataDirLock(tmp_path).release()
+
+
+def test_a_server_whose_data_dir_is_removed_stops_and_a_new_one_starts_there(
+    tmp_path: Path, servers: list[Serve]
+) -> None:
+    """`rm -rf` of a live server's data dir took its lock file: a second `serve` started on the same
+    path beside it, and the first went on acking into folders it made again. Now the first stops with
+    exit 1 and a message that says why, and only then does a server start there."""
+    data_dir = tmp_path / "data"
+    first = Serve(tmp_path, "first", *no_spark(free_port(), data_dir))
+    servers.append(first)
+    first.wait_serving()
+    target = re.search(SERVING, first.log.read_text())
+    assert target is not None
+    with SyncProducer(target.group(1), "default") as producer:
+        producer.send_many([b"before"] * 1000)
+        producer.flush(timeout=30)
+    lock = DataDirLock(tmp_path / "elsewhere")  # the lock itself: lost() follows its file
+    assert lock.lost() is None
+    lock.release()
+
+    shutil.rmtree(data_dir)
+    assert first.proc.wait(timeout=30) == 1
+    stderr = first.log.read_text()
+    assert f"the lock file {data_dir / 'sluice.lock'} was deleted: the data dir {data_dir} was removed" in stderr
+    assert "stopping, since nothing could be made durable there any more" in stderr
+    assert "Traceback" not in stderr
+    assert not (data_dir / "blocks").exists()  # the log made none of its folders again
+
+    second = Serve(tmp_path, "second", *no_spark(free_port(), data_dir))
+    servers.append(second)
+    second.wait_serving()
+    assert (data_dir / "sluice.lock").read_text().strip() == str(second.proc.pid)
+
+
+def test_a_lock_whose_file_was_replaced_is_lost(tmp_path: Path) -> None:
+    lock = DataDirLock(tmp_path)
+    try:
+        assert lock.lost() is None
+        (tmp_path / "sluice.lock").unlink()
+        assert "was deleted" in (lock.lost() or "")
+        (tmp_path / "sluice.lock").write_text("123\n")  # another server's, in a data dir made again
+        assert "was replaced" in (lock.lost() or "")
+    finally:
+        lock.release()
+    assert lock.lost() is None  # released: nothing to lose
 
 
 # ---- item 6: a failed push says how far it got; the printed command resumes without duplicates ------

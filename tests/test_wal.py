@@ -786,19 +786,15 @@ def test_a_block_is_encoded_without_waiting_on_a_busy_event_loop_per_batch(tmp_p
     assert elapsed < 0.25, f"{elapsed:.3f} s to write a block of 100 batches beside a busy Python thread"
 
 
-@pytest.mark.parametrize("deleted", ["segment", "data dir"])
-def test_a_write_to_a_deleted_segment_fails_and_goes_again_to_a_new_one(tmp_path: Path, deleted: str) -> None:
-    """`rm -rf` of a live server's data dir: the log went on appending to the deleted files, fsynced
-    and acked, and a restart found nothing of it. The write that finds its segment deleted fails (the
+def test_a_write_to_a_deleted_segment_fails_and_goes_again_to_a_new_one(tmp_path: Path) -> None:
+    """A live segment deleted by hand: the log went on appending to the deleted file, fsynced and
+    acked, and a restart found nothing of it. The write that finds its segment deleted fails (the
     receiver keeps its records and writes them again: credit pauses with the error meanwhile), and the
     next write starts a new segment, on disk."""
     root = tmp_path / "blocks"
     store = WalBlockStore(root)
     fill(store, 2)
-    if deleted == "segment":
-        segments(root)[0].unlink()
-    else:
-        shutil.rmtree(root)
+    segments(root)[0].unlink()
     with pytest.raises(OSError, match="was deleted while open"):
         store.write("s", 2, 6, 1, [records(3, 6)])
     store.write("s", 2, 6, 1, [records(3, 6)])
@@ -806,3 +802,33 @@ def test_a_write_to_a_deleted_segment_fails_and_goes_again_to_a_new_one(tmp_path
     again = WalBlockStore(root)
     assert again.recover("s") == (3, 9)
     assert values(again) == expected(9)[6:]
+
+
+def test_a_log_whose_folder_was_deleted_is_not_made_again(tmp_path: Path) -> None:
+    """`rm -rf` of a live server's data dir: the log made its folder again and acked blocks into it,
+    without the released mark and the segments before, and without the data dir's lock, so a second
+    server could start there beside it. Now every write fails, the retries too (the server stops on the
+    lost lock: ingest.preflight.DataDirLock.lost); a restart starts the log afresh."""
+    root = tmp_path / "blocks"
+    store = WalBlockStore(root)
+    fill(store, 2)
+    shutil.rmtree(root)
+    with pytest.raises(OSError, match="was deleted while open"):
+        store.write("s", 2, 6, 1, [records(3, 6)])
+    for _ in range(2):
+        with pytest.raises(OSError, match="was deleted or replaced while this server wrote to it"):
+            store.write("s", 2, 6, 1, [records(3, 6)])
+    assert not root.exists()
+    store.close()
+    again = WalBlockStore(root)
+    assert again.recover("s") == (0, 0)
+    again.write("s", 0, 0, 1, [records(3, 0)])
+    assert values(again) == expected(3)
+    again.close()
+    recovered = WalBlockStore(root)  # a log that appends to the segment it found at its start
+    assert recovered.recover("s") == (1, 3)
+    shutil.rmtree(root)
+    for _ in range(2):
+        with pytest.raises(OSError, match="deleted"):
+            recovered.write("s", 1, 3, 1, [records(3, 3)])
+    assert not root.exists()
