@@ -83,6 +83,12 @@ class RecordTooLargeError(SluiceError, ValueError):
         self.size = size
 
 
+class SequenceRangeError(SluiceError, ValueError):
+    """The records given would take sequence numbers past the end of the range (2**64 - 2 is the last):
+    nothing of the call is queued, and the producer goes on with what it holds. A producer id that
+    ran out of numbers continues under another id."""
+
+
 class FlushTimeoutError(SluiceError, TimeoutError):
     """Records were still unacked when the time ran out."""
 

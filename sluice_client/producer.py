@@ -66,6 +66,7 @@ from sluice_client.errors import (
     RecordTooLargeError,
     RecordTypeError,
     RPCError,
+    SequenceRangeError,
     SluiceError,
     StartTimeoutError,
     UnackedRecordsError,
@@ -1057,6 +1058,7 @@ class Producer:
     async def send(self, value: bytes, key: bytes | None = None) -> None:
         """Queue one record; waits while the local buffer is full (backpressure)."""
         await self._room_for(1)
+        self._check_seq_room(1)
         self._append(value, key)
 
     async def send_many(self, values: Sequence[bytes], keys: Sequence[bytes | None] | None = None) -> None:
@@ -1071,6 +1073,7 @@ class Producer:
         if keys is not None and len(keys) != count:
             raise ValueError(f"{len(keys)} keys for {count} values")
         self._check_open()  # no records either: a closed producer says so, as send() does
+        self._check_seq_room(count)
         start = 0
         while start < count:
             await self._room_for(1)
@@ -1108,6 +1111,7 @@ class Producer:
         key_column = _packed_keys(count, keys, key_offsets, key_validity)
         _packed_sizes_check(bounds, key_column)
         self._check_open()  # no records either: a closed producer says so, as send() does
+        self._check_seq_room(count)
         start = 0
         while start < count:
             await self._room_for(1)
@@ -1177,6 +1181,7 @@ class Producer:
         self._check_open()
         if self._held >= self.max_buffered:
             raise BufferError(f"producer buffer is full ({self.max_buffered} records); wait for room")
+        self._check_seq_room(1)
         self._append(value, key)
 
     def on_room(self, callback: Callable[[], None]) -> Callable[[], None]:
@@ -1217,6 +1222,17 @@ class Producer:
             raise FlushTimeoutError(target - self._acked_seq, timeout or 0.0, unsent) from None
         finally:
             self._flushing -= 1
+
+    def _check_seq_room(self, count: int) -> None:
+        """SequenceRangeError unless `count` more records fit below the end of the sequence range; the
+        server would refuse their batch (OUT_OF_RANGE), failing the producer at flush instead."""
+        following = self._sent_seq + len(self._pending)  # the seq the next queued record takes
+        if following + count > _SEQ_END:
+            raise SequenceRangeError(
+                f"{count} more records would take sequence numbers up to {following + count - 1}: they "
+                f"end at {_SEQ_END - 1} (this producer's next is {following}, room for "
+                f"{_SEQ_END - following}); nothing of them was queued: go on under another producer id"
+            )
 
     def _check_open(self) -> None:
         if self._error is not None:

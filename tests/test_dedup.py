@@ -30,6 +30,7 @@ from sluice_client.errors import (
     ProducerClosedError,
     ReconnectTimeoutError,
     RPCError,
+    SequenceRangeError,
     UnackedRecordsError,
 )
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
@@ -775,3 +776,28 @@ async def test_a_producer_fenced_while_it_writes_fails_aborted(node: Node) -> No
             await writer
         await first.abort()
         await second.close()
+
+
+async def test_records_past_the_sequence_range_are_refused_at_the_send(node: Node) -> None:
+    """A producer near the end of the range (first_seq near 2**64) took records whose numbers ran past
+    it; the server refused their batch (OUT_OF_RANGE) and the producer failed at flush. Now the call
+    that gives them raises, nothing of it queued, and the producer goes on with what fits."""
+    end = 2**64 - 1  # the first number no record may take
+    producer = Producer(node.target, "s", producer_id="at-the-end", first_seq=end - 4, linger=0)
+    await producer.start()
+    try:
+        await producer.send_many(values("e", 0, 3))  # end - 4 .. end - 2
+        with pytest.raises(SequenceRangeError, match="nothing of them was queued"):
+            await producer.send_many(values("e", 3, 5))
+        with pytest.raises(SequenceRangeError):
+            await producer.send_packed(b"abc", [0, 1, 2, 3])
+        await producer.send(b"last")  # end - 1, the last number there is
+        with pytest.raises(SequenceRangeError, match=f"this producer's next is {end}, room for 0"):
+            await producer.send(b"one too many")
+        with pytest.raises(SequenceRangeError):
+            producer.offer(b"one too many")
+        await producer.flush(timeout=10)
+        assert producer.acked == end  # every record up to the last number acked
+    finally:
+        await producer.close()
+    assert stored(node.data_dir) == [*values("e", 0, 3), b"last"]
