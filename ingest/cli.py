@@ -254,6 +254,14 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         "the memory budget; e.g. 512MiB (default: 256MiB)",
     )
     serve.add_argument(
+        "--memory-budget",
+        type=_size,
+        default=None,
+        metavar="SIZE",
+        help="bytes every stream together may buffer + bring with outstanding credit, counted as "
+        "--buffer-bytes counts one stream's: the server's memory budget; e.g. 1GiB (default: none)",
+    )
+    serve.add_argument(
         "--disk-budget",
         type=_size,
         default=None,
@@ -1046,6 +1054,7 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
             low_tide=args.low_tide,
             block_records=args.block_records,
             buffer_bytes=args.buffer_bytes,
+            memory_budget_bytes=args.memory_budget,
             disk_budget_bytes=args.disk_budget,
         ),
     )

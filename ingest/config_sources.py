@@ -284,6 +284,7 @@ FIELD_KEYS: dict[str, str] = {
     "block_linger": "block-linger",
     "buffer_records": "buffer-records",
     "buffer_bytes": "buffer-bytes",
+    "memory_budget_bytes": "memory-budget",
     "disk_budget_bytes": "disk-budget",
     "low_tide": "low-tide",
     "prefetch": "prefetch",

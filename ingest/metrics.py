@@ -179,7 +179,8 @@ class SluiceCollector(Collector):
         paused = GaugeMetricFamily(
             "sluice_credit_paused",
             "1 while new credit is withheld for this reason: memory_budget (--buffer-bytes reached), "
-            "disk_budget (--disk-budget reached; resumes when Spark releases blocks), disk_error (block "
+            "server_memory_budget (--memory-budget reached by every stream together), disk_budget "
+            "(--disk-budget reached; resumes when Spark releases blocks), disk_error (block "
             "writes fail, e.g. disk full; retried).",
             labels=["stream", "reason"],
         )

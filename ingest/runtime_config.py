@@ -174,6 +174,13 @@ SETTINGS: dict[str, Setting] = {
             "buffer_bytes",
         ),
         Setting(
+            "memory-budget",
+            "every stream together, the server's memory budget in bytes ('': none)",
+            _optional(_size),
+            "receiver",
+            "memory_budget_bytes",
+        ),
+        Setting(
             "disk-budget",
             "bytes the block log may take on disk ('': none)",
             _optional(_size),

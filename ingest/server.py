@@ -35,6 +35,7 @@ from ingest.tls import ServerTls, TlsFileError
 from receivers.auth import PIPELINE, Authenticator, AuthFileError, AuthTable, revoke
 from receivers.block_store import BlockStore
 from receivers.errors import shown
+from receivers.memory_pool import MemoryPool
 from receivers.names import check_stream_name
 from receivers.parsed_service import add_parsed_servicer
 from receivers.publish_service import PublishService
@@ -98,7 +99,11 @@ class SluiceServer:
                 writes = self.node.store
                 receiver_config = replace(receiver_config, receiver_id=config.cluster.me.id)
             self._writes = writes
-            self.receivers = {s: Receiver(s, writes, receiver_config) for s in self.streams.serving}
+            self.memory = MemoryPool()
+            """The memory every stream's receiver shares (memory_budget_bytes)."""
+            self.receivers = {
+                s: Receiver(s, writes, receiver_config, pool=self.memory) for s in self.streams.serving
+            }
         except BaseException:
             self._release_lock()
             raise
@@ -402,7 +407,7 @@ class SluiceServer:
             state = self.streams.states.get(stream)
             if state == SERVING:
                 raise StreamExistsError(f"stream {stream!r} is served already")
-            receiver = Receiver(stream, self._writes, self.config.receiver)
+            receiver = Receiver(stream, self._writes, self.config.receiver, pool=self.memory)
             await receiver.start()
             try:
                 await asyncio.to_thread(self.streams.set, [(stream, SERVING)])

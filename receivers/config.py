@@ -56,6 +56,9 @@ class ReceiverConfig:
     buffer_bytes: int = 256 * MIB
     """Per stream, bytes of records taken and not yet sealed plus the bytes outstanding credit may bring
     (estimated per record: see the module docstring): the memory budget."""
+    memory_budget_bytes: int | None = None
+    """Bytes of every stream together, counted as buffer_bytes counts one stream's: the server's memory
+    budget (receivers.memory_pool); None: each stream's buffer_bytes alone bounds it."""
     disk_budget_bytes: int | None = None
     """Bytes the whole block store (every stream) may take on disk before credit pauses; None: no
     budget. A soft limit: what was already granted or taken is still sealed."""
@@ -83,6 +86,10 @@ class ReceiverConfig:
             raise ValueError(f"max_producers must be >= 1, got {self.max_producers}")
         if self.buffer_bytes < 1:
             raise ValueError(f"buffer_bytes must be >= 1, got {self.buffer_bytes}")
+        if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
+            raise ValueError(
+                f"memory_budget_bytes must be >= 1 (or None: no budget), got {self.memory_budget_bytes}"
+            )
         if self.disk_budget_bytes is not None and self.disk_budget_bytes < 1:
             raise ValueError(
                 f"disk_budget_bytes must be >= 1 (or None: no budget), got {self.disk_budget_bytes}"
@@ -125,6 +132,7 @@ class ReceiverConfig:
                 raise ValueError(f"{name} must be at most {MAX_RECORDS:,}, got {value:,}")
         for name, value in (
             ("buffer_bytes", self.buffer_bytes),
+            ("memory_budget_bytes", self.memory_budget_bytes),
             ("disk_budget_bytes", self.disk_budget_bytes),
         ):
             if value is not None and value > MAX_BYTES:

@@ -113,6 +113,7 @@ from receivers.errors import (
     detached,
 )
 from receivers.fairness import OwnerDemand, allocate, owner_of
+from receivers.memory_pool import MemoryPool
 from receivers.names import check_stream_name
 from receivers.principal import ANONYMOUS, Principal, producer_key
 from receivers.session import SESSION_IDS, Session
@@ -149,12 +150,14 @@ _ROOM_POLL = 0.1
 """Seconds between looks of a session waiting for room to read (room_to_read) at its own state."""
 
 MEMORY_BUDGET = "memory_budget"
+SERVER_MEMORY = "server_memory_budget"
+"""Every stream's records together fill the server's memory budget (ReceiverConfig.memory_budget_bytes)."""
 DISK_BUDGET = "disk_budget"
 DISK_ERROR = "disk_error"
 REPLICATION = "replication"
 RATE_HOLD = "rate_hold"
 """The rate controller holds intake for a moment (ratecontrol: RateEstimator.intake_held)."""
-PAUSE_REASONS = (MEMORY_BUDGET, DISK_BUDGET, DISK_ERROR, REPLICATION, RATE_HOLD)
+PAUSE_REASONS = (MEMORY_BUDGET, SERVER_MEMORY, DISK_BUDGET, DISK_ERROR, REPLICATION, RATE_HOLD)
 """Why credit can be paused (the `reason` label of sluice_credit_paused)."""
 
 
@@ -232,7 +235,9 @@ class Receiver:
         *,
         rate: float = UNLIMITED,
         clock: Callable[[], float] = time.monotonic,
+        pool: MemoryPool | None = None,
     ) -> None:
+        """`pool`: the memory the server's receivers share (memory_budget_bytes); None: one of its own."""
         self.stream = check_stream_name(stream)
         self.store = store
         self.config = config or ReceiverConfig()
@@ -258,6 +263,8 @@ class Receiver:
         self._linger: asyncio.TimerHandle | None = None  # the block_linger check, while records pend
         self._buffered = 0
         self._buffered_bytes = 0
+        self._pool = pool if pool is not None else MemoryPool()
+        self._pool.join(self)
         self._outstanding = 0
         self._record_bytes_avg = float(INITIAL_RECORD_BYTES)
         self._record_bytes_last = float(INITIAL_RECORD_BYTES)
@@ -345,6 +352,7 @@ class Receiver:
                 self.cancel(session, code, reason)
             # records whose block could not be written are not acked: end the call all the same
             session.outbox.finish(ReceiverStopped(f"receiver for stream {self.stream!r} stopped"))
+        self._pool.leave(self, self._buffered_bytes)  # what no write took is dropped with the receiver
         self.tap.on_completed()
 
     # ---- rate ----------------------------------------------------------------------------------
@@ -568,9 +576,17 @@ class Receiver:
 
     @property
     def over_memory_budget(self) -> bool:
-        """The records taken and not yet durable hold the whole memory budget (one compare: asked before
-        every message read)."""
-        return self._buffered_bytes >= self.config.buffer_bytes
+        """The records taken and not yet durable hold the whole memory budget, the stream's or the
+        server's (a compare or two: asked before every message read)."""
+        if self._buffered_bytes >= self.config.buffer_bytes:
+            return True
+        limit = self.config.memory_budget_bytes
+        return limit is not None and self._pool.held >= limit
+
+    def pool_room(self) -> None:
+        """The server's memory pool has room again (another stream's block was written)."""
+        self._room.set()
+        self._replenish()
 
     async def room_to_read(self, session: Session) -> None:
         """Return once the memory budget has room for `session`'s next message (or the session or the
@@ -582,6 +598,7 @@ class Receiver:
         while self.over_memory_budget and not (self._stopping or session.ended or session.cancelled):
             if self._pending and DISK_ERROR not in self._paused:  # a failing write keeps its own pace
                 self._seal_wanted.set()  # what is pending goes to the log now: its write makes room
+            self._pool.short(self, True)  # room another stream's write frees wakes this one too
             self._room.clear()
             with contextlib.suppress(TimeoutError):  # and looks again: the session may have ended
                 await asyncio.wait_for(self._room.wait(), _ROOM_POLL)
@@ -652,6 +669,7 @@ class Receiver:
         fresh = records.num_rows
         self._buffered += fresh
         self._buffered_bytes += nbytes
+        self._pool.take(nbytes)
         owner = self._owners[session.owner]
         owner.buffered += fresh
         owner.buffered_bytes += nbytes
@@ -755,7 +773,9 @@ class Receiver:
             del self._owners[key]
 
     def _unbuffer(self, chunks: list[_Chunk]) -> None:
-        """The chunks left the buffer (sealed, or dropped): their owners hold them no more."""
+        """The chunks left the buffer (sealed, or dropped): their owners hold them no more, nor does the
+        server's memory pool."""
+        self._pool.release(sum(c.nbytes for c in chunks), self)
         for chunk in chunks:
             owner = self._owners.get(chunk.session.owner)
             if owner is not None:
@@ -787,13 +807,16 @@ class Receiver:
         wanting = [s for s in active if s.credit <= refill_at]
         if not wanting:  # the common case under load: cheap
             self._set_paused(MEMORY_BUDGET, False)
+            self._set_paused(SERVER_MEMORY, False)
+            self._pool.short(self, False)
             return
         estimates = {key: self.owner_record_bytes(key) for key in self._owners}
-        free_bytes = self.config.buffer_bytes - self.committed_bytes
         smallest = min((estimates[s.owner] for s in wanting), default=self.record_bytes_estimate)
-        by_bytes = math.floor(free_bytes / smallest)
         empty = self._buffered == 0 and self._outstanding <= 0
-        self._set_paused(MEMORY_BUDGET, by_bytes < 1 and not empty)
+        free_bytes = self._free_bytes(smallest, empty)
+        if free_bytes is None:
+            return
+        by_bytes = math.floor(free_bytes / smallest)
         if DISK_ERROR in self._paused or DISK_BUDGET in self._paused or RATE_HOLD in self._paused:
             return
         free = self.config.buffer_records - self._buffered - self._outstanding
@@ -844,6 +867,25 @@ class Receiver:
             # wants more than the stream's share (a quiet one keeps credit saved up instead)
             self._credit_starved_at = now
 
+    def _free_bytes(self, smallest: float, empty: bool) -> float | None:
+        """Bytes this stream may still commit within its memory budget and the server's (records of at
+        least `smallest` bytes want room); pauses credit for the one that is full. None: the server's is
+        full, nothing to grant."""
+        free_bytes = self.config.buffer_bytes - self.committed_bytes
+        stream_full = free_bytes < smallest
+        pool_full = False
+        limit = self.config.memory_budget_bytes
+        if limit is not None:
+            pool_bytes = self._pool.room_for(self, limit)
+            # short: the server's budget, not the stream's, keeps this stream from a full top-up
+            self._pool.short(self, pool_bytes < min(free_bytes, smallest * self.config.prefetch))
+            # a pool below one record, all of it free: one record at a time, as a stream's own budget
+            pool_full = pool_bytes < smallest and not (empty and self._pool.held == 0)
+            free_bytes = min(free_bytes, pool_bytes)
+        self._set_paused(MEMORY_BUDGET, stream_full and not empty)
+        self._set_paused(SERVER_MEMORY, pool_full and not stream_full)
+        return None if pool_full else free_bytes
+
     def _owner_demands(
         self, active: list[Session], wanting: list[Session], estimates: dict[str, float]
     ) -> dict[str, OwnerDemand]:
@@ -880,7 +922,7 @@ class Receiver:
             self._paused[reason] = now
             self.stats.credit_pauses[reason] += 1
             level = logging.DEBUG if reason == RATE_HOLD else logging.WARNING
-            if reason == MEMORY_BUDGET:
+            if reason in (MEMORY_BUDGET, SERVER_MEMORY):
                 if now - self._memory_logged_at < _MEMORY_LOG_EVERY:
                     level = logging.DEBUG
                 else:
@@ -908,6 +950,12 @@ class Receiver:
                 f"buffered + {self._outstanding} records of credit outstanding at "
                 f"~{_size(self.record_bytes_estimate)}/record); resumes as blocks are sealed"
             )
+        if reason == SERVER_MEMORY:
+            return (
+                f"the server's memory budget {_size(self.config.memory_budget_bytes or 0)} is full "
+                f"({_size(self._pool.held)} buffered by {self._pool.members} streams, and this one's credit "
+                "outstanding); resumes as blocks are sealed"
+            )
         if reason == REPLICATION:
             status = self._replication_status
             return f"too few copies in sync to ack ({status}); resumes when followers catch up"
@@ -929,16 +977,19 @@ class Receiver:
             return (
                 f"memory budget ({_size(self.committed_bytes)} of {_size(self.config.buffer_bytes)} in use)"
             )
-        if reason == REPLICATION:
-            return f"enough copies in sync ({self._replication_status})"
-        if reason == RATE_HOLD:
-            return "the rate controller's hold ended"
         if reason == DISK_BUDGET:
             budget = self.config.disk_budget_bytes
             if budget is None:
                 return "disk budget (taken away at run time)"
             return f"disk budget ({_size(self._disk_used or 0)} on disk of {_size(budget)})"
-        return f"block {self._next_block_seq - 1} written after failed writes"
+        limit = self.config.memory_budget_bytes
+        in_use = f"{_size(self._pool.held)} buffered of {_size(limit)}" if limit else "taken away at run time"
+        texts = {
+            SERVER_MEMORY: f"the server's memory budget ({in_use})",
+            REPLICATION: f"enough copies in sync ({self._replication_status})",
+            RATE_HOLD: "the rate controller's hold ended",
+        }
+        return texts.get(reason, f"block {self._next_block_seq - 1} written after failed writes")
 
     async def _check_disk(self) -> None:
         """Poll the store's disk use (at most every disk_poll_interval) against the disk budget; while

@@ -27,7 +27,7 @@ from ingest.rate_service import rate_status
 from ingest.server import SluiceServer
 from receivers.block import BLOCK_SCHEMA
 from receivers.config import FsyncPolicy, ReceiverConfig
-from receivers.receiver import DISK_BUDGET, DISK_ERROR, MEMORY_BUDGET
+from receivers.receiver import DISK_BUDGET, DISK_ERROR, MEMORY_BUDGET, SERVER_MEMORY
 from receivers.wal import WalBlockStore
 from sluice_client import Producer
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
@@ -296,6 +296,8 @@ def test_budgets_are_validated() -> None:
         ReceiverConfig(buffer_bytes=0)
     with pytest.raises(ValueError, match="disk_budget_bytes"):
         ReceiverConfig(disk_budget_bytes=0)
+    with pytest.raises(ValueError, match="memory_budget_bytes"):
+        ReceiverConfig(memory_budget_bytes=0)
     with pytest.raises(ValueError, match="disk_poll_interval"):
         ReceiverConfig(disk_poll_interval=0)
 
@@ -326,6 +328,90 @@ async def test_one_large_record_does_not_starve_the_streams_new_producers(tmp_pa
                 await late.flush(timeout=15)
             for call in idle:
                 call.cancel()
+
+
+async def test_the_servers_memory_budget_bounds_every_stream_together_and_shares_it(tmp_path: Path) -> None:
+    """Each stream's budget bounds that stream alone, so streams added up: twenty at the default 256 MiB
+    could take 5 GiB. With memory_budget_bytes, every stream's records taken and not yet durable stay
+    within one budget (one message per session over at most), credit pauses with its own reason, and a
+    stream that filled it while alone does not keep the others out: they get an equal share."""
+    budget, size, per_message = 2_000_000, 10_000, 5
+    message = per_message * (size + 64)
+    async with running_server(
+        tmp_path,
+        "a",
+        "b",
+        "c",
+        buffer_bytes=4 * budget,  # each stream's own budget alone would let one take twice the server's
+        memory_budget_bytes=budget,
+        buffer_records=100_000,
+        prefetch=300,  # 3 MB of credit a session: over the server's budget, within the stream's
+    ) as server:
+        producers = {
+            s: Producer(server.target, s, linger=0, batch_size=per_message, producer_id=s) for s in "abc"
+        }
+        async with contextlib.AsyncExitStack() as stack:
+            for producer in producers.values():
+                await stack.enter_async_context(producer)
+            sent: dict[str, list[bytes]] = {}
+            for s, producer in producers.items():  # the estimates learn the records' size
+                sent[s] = records(f"{s}-w", 20, size)
+                await producer.send_many(sent[s])
+                await producer.flush(timeout=30)
+            gate, closing = held_writes(server.receivers["a"])  # one store: every stream's writes wait
+            await stack.enter_async_context(closing)
+            gate.clear()
+            peak = 0
+
+            async def watch() -> None:
+                nonlocal peak
+                while True:
+                    peak = max(peak, server.memory.held)
+                    await asyncio.sleep(0.001)
+
+            stack.callback(asyncio.create_task(watch()).cancel)
+            big = records("a-", 1_000, size)  # 10 MB: five times the server's budget
+            sent["a"] += big
+            sending = [asyncio.create_task(producers["a"].send_many(big))]
+            await wait_until(lambda: server.memory.held >= budget - 2 * message)
+            assert "a" in {r.stream for r in server.receivers.values() if r.over_memory_budget}
+            await wait_until(lambda: SERVER_MEMORY in server.receivers["a"].paused)
+            assert paused_metric(server, SERVER_MEMORY, "a") == 1
+            assert MEMORY_BUDGET not in server.receivers["a"].paused  # its own budget is far off
+            for s in "bc":  # the others find the budget full: their credit (from before) goes unread
+                more = records(f"{s}-", 200, size)
+                sent[s] += more
+                sending.append(asyncio.create_task(producers[s].send_many(more)))
+            for s in "bc":
+                await wait_until(lambda s=s: server.receivers[s].stats.records_received > 20)
+            taken = {s: r.stats.records_received for s, r in server.receivers.items()}
+            await asyncio.sleep(0.3)
+            assert {s: r.stats.records_received for s, r in server.receivers.items()} == taken
+            assert taken["b"] == taken["c"] == 20 + per_message  # a message each past the budget
+            assert peak <= budget + 3 * message  # one message per session past it, at most
+
+            # writes go on, slowly: b and c get their share while a still has most of its records
+            gate.set()
+            write = server.store.write
+
+            def slow_write(*args: Any) -> Any:
+                time.sleep(0.05)
+                return write(*args)
+
+            server.store.write = slow_write  # type: ignore[method-assign]
+            await wait_until(lambda: producers["b"].acked == len(sent["b"]), timeout=60)
+            await wait_until(lambda: producers["c"].acked == len(sent["c"]), timeout=60)
+            assert producers["a"].acked < len(sent["a"]) - 200  # b and c were not held until a was done
+            await asyncio.wait_for(asyncio.gather(*sending), 60)
+            for producer in producers.values():
+                await producer.flush(timeout=60)
+            assert peak <= budget + 3 * message
+        assert server.memory.held == 0
+        for s in "abc":
+            assert SERVER_MEMORY not in server.receivers[s].paused
+        stored = Spark(server.config.blocks_dir)
+        for s in "abc":
+            assert stored.stored(s) == sent[s]
 
 
 # ---- disk budget ---------------------------------------------------------------------------------

@@ -291,7 +291,9 @@ def test_a_server_whose_data_dir_is_removed_stops_and_a_new_one_starts_there(
     shutil.rmtree(data_dir)
     assert first.proc.wait(timeout=30) == 1
     stderr = first.log.read_text()
-    assert f"the lock file {data_dir / 'sluice.lock'} was deleted: the data dir {data_dir} was removed" in stderr
+    assert (
+        f"the lock file {data_dir / 'sluice.lock'} was deleted: the data dir {data_dir} was removed" in stderr
+    )
     assert "stopping, since nothing could be made durable there any more" in stderr
     assert "Traceback" not in stderr
     assert not (data_dir / "blocks").exists()  # the log made none of its folders again

@@ -91,6 +91,20 @@ async def test_a_disk_budget_taken_away_lifts_its_pause(tmp_path: Path) -> None:
         assert "disk_budget" not in receiver.paused
 
 
+async def test_the_servers_memory_budget_is_a_setting_of_every_stream(tmp_path: Path) -> None:
+    async with running_server(tmp_path / "d", "s", "t") as server, admin(server) as stub:
+        view = await stub.SetConfig(pb.SetConfigRequest(set={"memory-budget": "1KiB"}))
+        assert settings(view)["memory-budget"] == ("1024", "dynamic")
+        assert {r.config.memory_budget_bytes for r in server.receivers.values()} == {1024}
+        assert await ack_seconds(server, 2_000) < 20  # within 1 KiB at a time, but on
+        view = await stub.SetConfig(pb.SetConfigRequest(reset=["memory-budget"]))
+        assert settings(view)["memory-budget"][0] == ""
+        assert {r.config.memory_budget_bytes for r in server.receivers.values()} == {None}
+        assert await ack_seconds(server) < 10
+        assert all("server_memory_budget" not in r.paused for r in server.receivers.values())
+        assert server.memory.held == 0
+
+
 async def test_the_block_linger_is_a_setting_off_by_name(tmp_path: Path) -> None:
     async with running_server(tmp_path, "s", block_interval=3.0) as server, admin(server) as stub:
         assert await ack_seconds(server) < 1.0  # the default linger seals the lull's block
@@ -132,6 +146,8 @@ INVALID = [
     ({"block-records": str(10**12 + 1)}, grpc.StatusCode.INVALID_ARGUMENT, "block-records must be at most"),
     ({"buffer-bytes": "99999999TiB"}, grpc.StatusCode.INVALID_ARGUMENT, "(1 EiB)"),
     ({"disk-budget": "99999999TiB"}, grpc.StatusCode.INVALID_ARGUMENT, "disk-budget must be at most"),
+    ({"memory-budget": "99999999TiB"}, grpc.StatusCode.INVALID_ARGUMENT, "memory-budget must be at most"),
+    ({"memory-budget": "0"}, grpc.StatusCode.INVALID_ARGUMENT, "memory-budget must be >= 1"),
     ({"estimator-params": "horizon"}, grpc.StatusCode.INVALID_ARGUMENT, "name=value"),
     ({"estimator-params": "horizon=fast"}, grpc.StatusCode.INVALID_ARGUMENT, "not a number"),
     ({"estimator-params": "kp=1"}, grpc.StatusCode.INVALID_ARGUMENT, "no parameter kp"),
