@@ -45,6 +45,7 @@ import collections
 import contextlib
 import enum
 import logging
+import math
 import random
 import uuid
 import warnings
@@ -194,14 +195,16 @@ class _Listed:
             self._keys.append(key)
         return size + key_size
 
-    def extend(self, values: Sequence[bytes], keys: Sequence[bytes | None] | None = None) -> int:
-        """Add records (keys: one per value, or None for none); return the bytes of their values and
-        keys."""
-        try:
-            lengths = np.fromiter(map(len, values), dtype=np.int64, count=len(values))
-        except TypeError:
-            bad = next(v for v in values if not isinstance(v, bytes | bytearray | memoryview))
-            raise RecordTypeError(f"record values must be bytes, not {type(bad).__name__}") from None
+    def extend(
+        self,
+        values: Sequence[bytes],
+        keys: Sequence[bytes | None] | None = None,
+        lengths: npt.NDArray[np.int64] | None = None,
+    ) -> int:
+        """Add records (keys: one per value, or None for none; `lengths`: the values', if measured
+        already); return the bytes of their values and keys."""
+        if lengths is None:
+            lengths = _value_lengths(values)
         key_size = _key_bytes(keys) if keys is not None else 0
         if len(values) and int(lengths.max()) + key_size > MAX_RECORD_BYTES:  # maybe one is too large
             sizes = lengths + (_key_lengths(keys) if keys is not None else 0)
@@ -414,9 +417,14 @@ class _Pending:
         self._count += 1
         return size
 
-    def extend(self, values: Sequence[bytes], keys: Sequence[bytes | None] | None = None) -> int:
+    def extend(
+        self,
+        values: Sequence[bytes],
+        keys: Sequence[bytes | None] | None = None,
+        lengths: npt.NDArray[np.int64] | None = None,
+    ) -> int:
         """Add records (keys: one per value, or None); return the bytes of their values."""
-        size = self._listed().extend(values, keys)
+        size = self._listed().extend(values, keys, lengths)
         self._count += len(values)
         return size
 
@@ -504,6 +512,25 @@ def _key_bytes(keys: Sequence[bytes | None]) -> int:
         raise RecordTypeError(f"record keys must be bytes, not {type(bad).__name__}") from None
 
 
+def _value_lengths(values: Sequence[bytes]) -> npt.NDArray[np.int64]:
+    """Each value's length, measured in C; RecordTypeError for one without a length."""
+    try:
+        return np.fromiter(map(len, values), dtype=np.int64, count=len(values))
+    except TypeError:
+        bad = next(v for v in values if not isinstance(v, bytes | bytearray | memoryview))
+        raise RecordTypeError(f"record values must be bytes, not {type(bad).__name__}") from None
+
+
+def _cut(ends: npt.NDArray[np.int64], start: int, end: int, room: float) -> int:
+    """Where records start .. end - 1 of a call end so that their bytes fit `room` (ends: bytes of the
+    call's records before each, ends[0] == 0); at least one record, as send() takes one while the buffer
+    is below its bound: past it by one record at most."""
+    if ends[end] - ends[start] <= room:
+        return end
+    fit = int(np.searchsorted(ends, ends[start] + room, side="right")) - 1
+    return max(start + 1, min(end, fit))
+
+
 def _key_lengths(keys: Sequence[bytes | None]) -> npt.NDArray[np.int64]:
     return np.fromiter((len(k) if k is not None else 0 for k in keys), dtype=np.int64, count=len(keys))
 
@@ -566,6 +593,28 @@ def _batch_keys(spans: list[tuple[_Listed | _Packed, int]]) -> Keys | None:
         valid.append(piece.valid if piece.valid is not None else np.ones(k, dtype=bool))
         total += int(piece.ends[-1])
     return PackedKeys(parts, np.concatenate(ends), np.concatenate(valid))
+
+
+def _closed_with(unacked: int) -> ProducerClosedError:
+    """What flush() raises on a closed producer."""
+    if not unacked:
+        return ProducerClosedError("producer is closed")
+    return ProducerClosedError(
+        f"producer is closed with {unacked} records not acked: they will never be (unacked_records() "
+        "returns them)"
+    )
+
+
+def _check_flat(item: object, what: str) -> None:
+    """TypeError unless `item` is bytes, a bytearray or a memoryview of single bytes: a view of 4-byte
+    items has a len() of items, not bytes, and failed the producer when its batch was encoded."""
+    if not isinstance(item, bytes | bytearray | memoryview):
+        raise TypeError(f"record {what} must be bytes, not {type(item).__name__}")
+    if isinstance(item, memoryview) and item.nbytes != len(item):
+        raise TypeError(
+            f"record {what} is a memoryview of {item.itemsize}-byte items, not bytes: give "
+            "view.cast('B') (or bytes(view))"
+        )
 
 
 def _record_type_error(
@@ -1074,14 +1123,23 @@ class Producer:
             raise ValueError(f"{len(keys)} keys for {count} values")
         self._check_open()  # no records either: a closed producer says so, as send() does
         self._check_seq_room(count)
+        lengths = _value_lengths(values)
+        ends: npt.NDArray[np.int64] | None = None  # bytes before each record: made if the bound may cut
         start = 0
         while start < count:
             await self._room_for(1)
-            room = self.max_buffered - self._held
-            end = min(count, start + room)
+            end = min(count, start + self.max_buffered - self._held)
+            room = self._bytes_room()
+            if room < math.inf:
+                if ends is None:
+                    ends = np.zeros(count + 1, dtype=np.int64)
+                    np.cumsum(lengths, out=ends[1:])
+                    if keys is not None and int(ends[-1]) + _key_bytes(keys) > room:
+                        ends[1:] += np.cumsum(_key_lengths(keys))
+                end = _cut(ends, start, end, room)
             try:
                 self._buffered_bytes += self._pending.extend(
-                    values[start:end], keys[start:end] if keys is not None else None
+                    values[start:end], keys[start:end] if keys is not None else None, lengths[start:end]
                 )
             except _OverLimit as over:
                 raise _too_large(start + over.index, over.size, start) from None
@@ -1112,10 +1170,18 @@ class Producer:
         _packed_sizes_check(bounds, key_column)
         self._check_open()  # no records either: a closed producer says so, as send() does
         self._check_seq_room(count)
+        ends: npt.NDArray[np.int64] | None = None  # bytes before each record: made if the bound may cut
         start = 0
         while start < count:
             await self._room_for(1)
             end = min(count, start + self.max_buffered - self._held)
+            room = self._bytes_room()
+            if room < math.inf:
+                if ends is None:
+                    ends = bounds - bounds[0]
+                    if key_column is not None:
+                        ends = ends + (key_column.offsets - key_column.offsets[0])
+                end = _cut(ends, start, end, room)
             chunk_keys = key_column.slice(start, end) if key_column is not None else None
             chunk = _Packed(data, bounds[start : end + 1], chunk_keys)
             self._pending.extend_packed(chunk)
@@ -1144,10 +1210,9 @@ class Producer:
         await self.send_packed(data, offsets, key_data, key_offsets, valid)
 
     def _append(self, value: bytes, key: bytes | None) -> None:
-        if not isinstance(value, bytes | bytearray | memoryview):
-            raise TypeError(f"record value must be bytes, not {type(value).__name__}")
-        if key is not None and not isinstance(key, bytes | bytearray | memoryview):
-            raise TypeError(f"record key must be bytes, not {type(key).__name__}")
+        _check_flat(value, "value")
+        if key is not None:
+            _check_flat(key, "key")
         if (size := len(value) + (len(key) if key is not None else 0)) > MAX_RECORD_BYTES:
             raise _too_large(0, size)
         self._buffered_bytes += self._pending.append(value, key)
@@ -1160,6 +1225,11 @@ class Producer:
     def _held(self) -> int:
         """Records in memory: unsent plus sent and unacked."""
         return len(self._pending) + self._unacked_count
+
+    def _bytes_room(self) -> float:
+        """Bytes the local buffer takes before the byte bound (inf: no bound)."""
+        limit = self.max_buffered_bytes
+        return math.inf if limit is None else limit - self._buffered_bytes - self._unacked_bytes
 
     def _bytes_full(self) -> bool:
         limit = self.max_buffered_bytes
@@ -1203,6 +1273,8 @@ class Producer:
             raise ValueError(f"timeout must be >= 0 seconds (or None: no limit), got {timeout}")
         if self._state is _State.NEW:
             raise ProducerClosedError("producer not started")
+        if self._closed:  # nothing unacked or not: as every call that waits does
+            raise _closed_with(self.unacked)
         target = self._sent_seq + len(self._pending)
         self._flushing += 1
         self._wake()
@@ -1211,17 +1283,18 @@ class Producer:
                 while self._acked_seq < target:
                     if self._error is not None:
                         raise self._error
-                    if self._state is _State.CLOSED:  # closed (abort, a failed close): none will come
-                        raise ProducerClosedError(
-                            f"producer is closed with {target - self._acked_seq} records not acked: they "
-                            "will never be (unacked_records() returns them)"
-                        )
+                    if self._closed:  # closed meanwhile (abort, a failed close): none will come
+                        raise _closed_with(target - self._acked_seq)
                     await self._wait_change()
         except TimeoutError:
             unsent = max(0, target - self._sent_seq)
             raise FlushTimeoutError(target - self._acked_seq, timeout or 0.0, unsent) from None
         finally:
             self._flushing -= 1
+
+    @property
+    def _closed(self) -> bool:
+        return self._state is _State.CLOSED
 
     def _check_seq_room(self, count: int) -> None:
         """SequenceRangeError unless `count` more records fit below the end of the sequence range; the
@@ -1233,6 +1306,14 @@ class Producer:
                 f"end at {_SEQ_END - 1} (this producer's next is {following}, room for "
                 f"{_SEQ_END - following}); nothing of them was queued: go on under another producer id"
             )
+
+    def check_open(self) -> None:
+        """Raise the error the producer failed with, or ProducerClosedError unless it is open."""
+        self._check_open()
+
+    async def changed(self) -> None:
+        """Return at the producer's next change: records acked or queued, credit, a failure, a close."""
+        await self._wait_change()
 
     def _check_open(self) -> None:
         if self._error is not None:

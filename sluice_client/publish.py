@@ -112,16 +112,30 @@ async def publish(
         raise ProducerClosedError("producer not started")
     bridge = _Bridge(producer)
     remove = producer.on_room(bridge.top_up)
+    # the bridge asks for more only as acks make room: a producer that fails or is closed meanwhile
+    # makes none, and the bridge would wait for ever
+    stopped = asyncio.create_task(_stopped(producer))
     try:
         publisher.subscribe(bridge)
+        await asyncio.wait({bridge.done, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not bridge.done.done():
+            producer.check_open()  # raises its error, or ProducerClosedError
         await bridge.done
     except BaseException:
         bridge._cancel()
+        bridge.done.cancel()  # an item still in flight is not reported to no one
         raise
     finally:
         remove()
+        stopped.cancel()
     await producer.flush(flush_timeout)
     return bridge.count
+
+
+async def _stopped(producer: Producer) -> None:
+    """Return once `producer` takes no more records (failed, closing or closed)."""
+    while producer.room >= 0:
+        await producer.changed()
 
 
 def from_observable(

@@ -27,8 +27,8 @@ class SyncProducer:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sluice-producer", daemon=True)
         self._thread.start()
-        self._producer: Producer = self._run(self._make(target, stream, kwargs))
-        try:
+        try:  # a bad argument too: the loop's thread would run for ever
+            self._producer: Producer = self._run(self._make(target, stream, kwargs))
             self._run(self._producer.start())
         except BaseException:
             self._stop_loop()

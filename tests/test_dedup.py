@@ -801,3 +801,71 @@ async def test_records_past_the_sequence_range_are_refused_at_the_send(node: Nod
     finally:
         await producer.close()
     assert stored(node.data_dir) == [*values("e", 0, 3), b"last"]
+
+
+@pytest.mark.parametrize("call", ["send_packed", "send_many", "send_many keyed"])
+async def test_the_byte_bound_holds_inside_one_call(node: Node, call: str) -> None:
+    """max_buffered_bytes was checked before each piece of a call, and a piece was cut by records
+    alone: one send_packed of 100 MB (a bytearray, so copied) held 100 MB against a 1 MB bound. Now a
+    call's pieces are cut by bytes too: past the bound by one record at most, as send() goes."""
+    bound, size, n = 1_000_000, 100_000, 60
+    values = [bytes([65 + i % 26]) * size for i in range(n)]
+    keys = [b"k" * (size // 2)] * n if call.endswith("keyed") else None
+    peak = 0
+    async with Producer(node.target, "s", linger=0, max_buffered_bytes=bound) as producer:
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, producer._buffered_bytes + producer._unacked_bytes)
+                await asyncio.sleep(0)
+
+        watcher = asyncio.create_task(watch())
+        if call == "send_packed":
+            await producer.send_packed(bytearray(b"".join(values)), range(0, n * size + 1, size))
+        else:
+            await producer.send_many(values, keys)
+        await producer.flush(timeout=60)
+        watcher.cancel()
+    assert peak <= bound + size + (len(keys[0]) if keys else 0)
+    assert stored(node.data_dir) == values
+
+
+async def test_a_memoryview_of_wide_items_is_refused_by_send(node: Node) -> None:
+    """send() took a memoryview of 4-byte items (its len() counts items), and the producer failed at
+    encoding with the good records before it unsent."""
+    import array
+
+    async with Producer(node.target, "s", linger=0) as producer:
+        await producer.send(b"good")
+        with pytest.raises(TypeError, match="memoryview of 4-byte items"):
+            await producer.send(memoryview(array.array("i", [1, 2, 3])))
+        with pytest.raises(TypeError, match="record key is a memoryview of 8-byte items"):
+            await producer.send(b"v", memoryview(array.array("d", [1.0])))
+        with pytest.raises(TypeError):
+            producer.offer(memoryview(array.array("i", [1])))
+        await producer.send(memoryview(array.array("i", [1])).cast("B"))
+        await producer.flush(timeout=10)
+    assert stored(node.data_dir) == [b"good", bytes(array.array("i", [1]))]
+
+
+@pytest.mark.parametrize("end", ["close", "abort"])
+async def test_flush_after_the_end_raises_with_nothing_unacked_too(node: Node, end: str) -> None:
+    producer = Producer(node.target, "s", linger=0)
+    await producer.start()
+    await producer.send(b"x")
+    await producer.flush(timeout=10)
+    await (producer.close() if end == "close" else producer.abort())
+    with pytest.raises(ProducerClosedError, match=r"^producer is closed$"):
+        await producer.flush()
+
+
+def test_a_sync_producer_refused_at_construction_leaves_no_thread() -> None:
+    import threading
+
+    before = threading.active_count()
+    for _ in range(3):
+        with pytest.raises(ValueError, match="batch_size"):
+            SyncProducer("127.0.0.1:1", "s", batch_size=0)
+    assert threading.active_count() == before
+    assert "sluice-producer" not in {t.name for t in threading.enumerate()}

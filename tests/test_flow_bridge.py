@@ -14,6 +14,7 @@ from support import running_server
 
 from ingest.server import SluiceServer
 from sluice_client import Producer
+from sluice_client.errors import ProducerClosedError, ReconnectTimeoutError
 from sluice_client.publish import from_observable as counted_from_observable
 from sluice_client.publish import publish
 from sluice_client.publishers import BufferOverflowError, IterablePublisher, OverflowStrategy
@@ -129,3 +130,29 @@ async def test_an_observable_overflowing_with_error_fails_publish(server: Sluice
         with pytest.raises(BufferOverflowError):
             await publish(producer, source)
         await producer.flush(timeout=10)
+
+
+@pytest.mark.parametrize("end", ["abort", "failure"])
+async def test_publish_ends_when_its_producer_is_aborted_or_fails(server: SluiceServer, end: str) -> None:
+    """The bridge asks for more only as acks make room: a producer aborted (or failed) while its buffer
+    was full made none, and publish() waited for ever. It raises the producer's error now."""
+    server.rate.update(100, pin=True)  # the buffer fills and stays full
+
+    def endless() -> Iterator[bytes]:
+        for i in itertools.count():
+            yield str(i).encode()
+
+    producer = Producer(server.target, "s", linger=0, max_buffered=200, batch_size=10, reconnect_timeout=0.5)
+    await producer.start()
+    sending = asyncio.create_task(publish(producer, IterablePublisher(endless())))
+    await asyncio.sleep(0.3)
+    assert not sending.done() and producer.room == 0
+    if end == "abort":
+        await producer.abort()
+        with pytest.raises(ProducerClosedError):
+            await asyncio.wait_for(sending, 10)
+    else:
+        await server.stop()  # UNAVAILABLE, then no server within reconnect_timeout
+        with pytest.raises(ReconnectTimeoutError):
+            await asyncio.wait_for(sending, 30)
+        await producer.abort()
