@@ -1124,25 +1124,29 @@ class Producer:
         self._check_open()  # no records either: a closed producer says so, as send() does
         self._check_seq_room(count)
         lengths = _value_lengths(values)
+        total = int(lengths.sum()) + (_key_bytes(keys) if keys is not None else 0)
+        given = 0  # of total, the bytes of the pieces taken so far
         ends: npt.NDArray[np.int64] | None = None  # bytes before each record: made if the bound may cut
         start = 0
         while start < count:
             await self._room_for(1)
             end = min(count, start + self.max_buffered - self._held)
             room = self._bytes_room()
-            if room < math.inf:
+            if room < math.inf and (ends is not None or total - given > room):
                 if ends is None:
                     ends = np.zeros(count + 1, dtype=np.int64)
                     np.cumsum(lengths, out=ends[1:])
-                    if keys is not None and int(ends[-1]) + _key_bytes(keys) > room:
+                    if keys is not None:
                         ends[1:] += np.cumsum(_key_lengths(keys))
                 end = _cut(ends, start, end, room)
             try:
-                self._buffered_bytes += self._pending.extend(
+                added = self._pending.extend(
                     values[start:end], keys[start:end] if keys is not None else None, lengths[start:end]
                 )
             except _OverLimit as over:
                 raise _too_large(start + over.index, over.size, start) from None
+            self._buffered_bytes += added
+            given += added
             self._wake()
             start = end
             if len(self._pending) >= self.batch_size:
@@ -1176,7 +1180,10 @@ class Producer:
             await self._room_for(1)
             end = min(count, start + self.max_buffered - self._held)
             room = self._bytes_room()
-            if room < math.inf:
+            rest = int(bounds[count] - bounds[start])  # the rest's bytes: no array unless it may not fit
+            if key_column is not None:
+                rest += int(key_column.offsets[count] - key_column.offsets[start])
+            if rest > room:
                 if ends is None:
                     ends = bounds - bounds[0]
                     if key_column is not None:
