@@ -466,7 +466,11 @@ class PipelineManager:
             # a query that is up, idle and has nothing to read is proven as far as it can be
             if await asyncio.to_thread(self._idle_with_nothing_to_read, plan):
                 idle_since = idle_since or now
-                if now - idle_since > trigger + 1.0:
+                # idle through a trigger: its first (at once at start) has reported progress; else a
+                # whole interval, as before a first trigger the query looks idle too. A long interval
+                # (a day) must not make an idle service's restart wait for it, past the timeout
+                waited = 1.0 if await asyncio.to_thread(_has_progress, query) else trigger + 1.0
+                if now - idle_since > waited:
                     log.info("the new query is idle with nothing to read: kept without a first batch")
                     break
             else:
@@ -545,6 +549,12 @@ def _set_aside(folder: Path) -> None:
         n += 1
     folder.rename(aside)
     log.warning("%s was left by a swap that did not complete: moved to %s", folder, aside.name)
+
+
+def _has_progress(query: Any) -> bool:
+    """The query finished a trigger (Spark reports the first one without data at once, later ones every
+    spark.sql.streaming.noDataProgressEventInterval)."""
+    return query.lastProgress is not None
 
 
 def _last_id(folder: Path) -> int:

@@ -222,3 +222,21 @@ async def test_keep_state_continues_the_old_checkpoint(spark: Any, tmp_path: Pat
     # after a restart the kept generation runs again
     saved = json.loads((tmp_path / "pipeline.json").read_text())
     assert saved["current"]["spec"] == "swap_pipelines:tag_b" and saved["trial"] is False
+
+
+async def test_a_long_trigger_interval_is_taken_by_an_idle_service(spark: Any, tmp_path: Path) -> None:
+    """`config set trigger-interval=86400` (the bound the docs give) on a service with nothing to read
+    failed after 120 s, rolled back: an idle new query was kept only once idle for a whole interval.
+    It is kept once idle through its first trigger (which Spark runs at once) now."""
+    async with service(spark, tmp_path, pipeline="swap_pipelines:tag_a") as server:
+        load = Load(server.target, "events")
+        pushing = asyncio.create_task(load.run())
+        await asyncio.sleep(2)
+        load.stop()
+        await pushing
+        await wait_for_offsets(spark, load.sent, tmp_path / "sink")  # everything read: idle now
+        started = time.monotonic()
+        view = await admin(server).SetConfig(pb.SetConfigRequest(set={"trigger-interval": "86400"}))
+        took = time.monotonic() - started
+        assert {x.key: x.value for x in view.settings}["trigger-interval"] == "86400"
+        assert took < 60, f"{took:.0f} s to restart an idle query"
