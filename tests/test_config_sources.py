@@ -210,6 +210,27 @@ def test_config_check_runs_serves_checks_without_starting_anything(tmp_path: Pat
     assert not (tmp_path / "d").exists()
 
 
+def test_a_pipeline_module_in_the_current_directory_is_found(tmp_path: Path) -> None:
+    """The README's `sluice serve --pipeline mymodule:build` with mymodule.py beside the user: `sluice`
+    is an entry point, whose sys.path lacks the current directory (`python -m` and uvicorn add it)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "mypipe_here.py").write_text(
+        "def build(df, ctx):\n    return df.writeStream.format('parquet').option('path', str(ctx.sink_dir))\n"
+    )
+    result = subprocess.run(
+        [*SLUICE, "config", "check", "--pipeline", "mypipe_here:build", "--data-dir", str(tmp_path / "d")],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        cwd=work,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "mypipe_here:build" in result.stdout
+
+
 def test_metrics_bind_the_chosen_address_and_a_clean_stop_has_no_traceback(tmp_path: Path) -> None:
     log = tmp_path / "serve.log"
     env = clean_env(SLUICE_METRICS_HOST="127.0.0.2", SLUICE_NO_SPARK="1")

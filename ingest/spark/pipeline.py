@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -91,6 +93,10 @@ def load_pipeline(spec: str) -> Pipeline:
     module_name, attr_path = module_name.strip(), attr_path.strip()
     if not sep or not module_name or not attr_path:
         raise ValueError(f"pipeline spec {spec!r} is not of the form 'package.module:function'")
+    # a module beside the user, as `python -m` and uvicorn's app:spec find it: `sluice` is an entry
+    # point, whose sys.path has the installed packages only
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
