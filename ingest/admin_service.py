@@ -63,10 +63,12 @@ class AdminService(pb_grpc.AdminServicer):
     def _pipeline(self) -> PipelineControl | None:
         return self._server.pipeline_control
 
-    def _view(self, keys: list[str] | None = None) -> pb.ConfigView:
+    def _view(
+        self, keys: list[str] | None = None, rows: list[tuple[str, str, str, str]] | None = None
+    ) -> pb.ConfigView:
         settings = [
             pb.ConfigSetting(key=key, value=value, source=source, help=text)
-            for key, value, source, text in self._runtime.view(keys or ())
+            for key, value, source, text in (self._runtime.view(keys or ()) if rows is None else rows)
         ]
         return pb.ConfigView(settings=settings, version=self._runtime.version)
 
@@ -84,8 +86,8 @@ class AdminService(pb_grpc.AdminServicer):
         restarted = None
         try:
             old, new = self._change(request, validate_only=True)
-            if request.validate_only:
-                return self._view()
+            if request.validate_only:  # what the settings would become (the version they would not)
+                return self._view(rows=self._runtime.preview(dict(request.set), list(request.reset)))
             if new.trigger_interval != old.trigger_interval and self._pipeline is not None:
                 # Spark fixes a query's trigger when it starts: restart it at a batch boundary first;
                 # a restart that fails rolls back, and no setting of this request changes

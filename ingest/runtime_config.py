@@ -277,8 +277,8 @@ class RuntimeConfig:
                 raise SettingError(f"{key}: {exc}") from None
         return _with(self.base, parsed)
 
-    def source(self, key: str) -> str:
-        if key in self.overrides:
+    def source(self, key: str, overrides: Mapping[str, str] | None = None) -> str:
+        if key in (self.overrides if overrides is None else overrides):
             return DYNAMIC
         if self._defaults is not None and SETTINGS[key].read(self._defaults) == SETTINGS[key].read(self.base):
             return DEFAULT
@@ -286,12 +286,26 @@ class RuntimeConfig:
 
     def view(self, keys: Iterable[str] = ()) -> list[tuple[str, str, str, str]]:
         """(key, value, source, help) of `keys` (all when empty); UnknownSettingError for others."""
+        return self._rows(keys, self.current, self.overrides)
+
+    def preview(self, set_: Mapping[str, str], reset: Iterable[str] = ()) -> list[tuple[str, str, str, str]]:
+        """view() of every setting as change() with these would leave them, nothing applied; raises as
+        change() does."""
+        _check_keys(set_, list(reset))
+        overrides = {k: v for k, v in self.overrides.items() if k not in reset}
+        overrides.update({k: v.strip() for k, v in set_.items()})
+        return self._rows((), self._build(overrides), overrides)
+
+    def _rows(
+        self, keys: Iterable[str], config: ServeConfig, overrides: Mapping[str, str]
+    ) -> list[tuple[str, str, str, str]]:
         wanted = list(keys) or list(SETTINGS)
         for key in wanted:
             if key not in SETTINGS:
                 raise UnknownSettingError(f"no setting {key!r}; settings: {', '.join(SETTINGS)}")
         return [
-            (key, SETTINGS[key].text(self.current), self.source(key), SETTINGS[key].help) for key in wanted
+            (key, SETTINGS[key].text(config), self.source(key, overrides), SETTINGS[key].help)
+            for key in wanted
         ]
 
     def change(

@@ -191,13 +191,15 @@ async def test_an_invalid_change_changes_nothing_and_says_why(tmp_path: Path) ->
                 await stub.SetConfig(pb.SetConfigRequest(set=changes))
             assert caught.value.code() is code, (changes, caught.value.details())
             assert words in (caught.value.details() or ""), (changes, caught.value.details())
-        after = await stub.GetConfig(pb.GetConfigRequest())
+        after = before_view = await stub.GetConfig(pb.GetConfigRequest())
         assert settings(after) == before and after.version == 0
         assert server.receivers["s"].config == config
         assert not (tmp_path / "d" / "runtime-config.json").exists()
         # validate only: answers what it would be, changes nothing
         view = await stub.SetConfig(pb.SetConfigRequest(set={"prefetch": "1000"}, validate_only=True))
-        assert settings(view)["prefetch"][0] == "250000" and server.runtime.version == 0
+        assert settings(view)["prefetch"] == ("1000", "dynamic") and server.runtime.version == 0
+        assert settings(view)["block-interval"] == settings(before_view)["block-interval"]
+        assert server.receivers["s"].config.prefetch == 250000
         # two operators: the second, who read version 1, is refused once the first changed it
         await stub.SetConfig(pb.SetConfigRequest(set={"prefetch": "900"}))
         await stub.SetConfig(pb.SetConfigRequest(set={"prefetch": "1000"}, expected_version=1))
