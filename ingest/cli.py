@@ -1443,6 +1443,7 @@ async def _push_async(
             producer_id=args.producer_id,
             batch_size=args.batch_size,
             first_seq=args.resume_from,
+            resume=args.resume_from > 0,  # a mistyped --producer-id is refused, not taken from there on
             start_timeout=args.timeout,
             reconnect_timeout=args.timeout,
             credentials=_credentials(args),
@@ -1589,14 +1590,32 @@ def _token(args: argparse.Namespace) -> int:
     return 0
 
 
+def _permanent(error: BaseException) -> bool:
+    """Whether a push failed for a cause that running it again does not change (a record the server
+    refuses, a producer id it does not know), not for a server away or stopping."""
+    from sluice_client.errors import (  # noqa: PLC0415 - the push's own imports
+        RecordTooLargeError,
+        RecordTypeError,
+        RPCError,
+        SequenceRangeError,
+    )
+
+    if isinstance(error, RPCError):
+        return not error.retriable
+    return isinstance(error, RecordTooLargeError | RecordTypeError | SequenceRangeError)
+
+
 def _push_failed(args: argparse.Namespace, producer: Producer, read: int, error: BaseException) -> None:
     """Say how far the push got and how to resume it without sending anything twice."""
     acked, sent = producer.acked, producer.ever_sent
     why = "interrupted" if isinstance(error, asyncio.CancelledError) else str(error)
     _fail(f"push to {args.target} stream {args.stream!r} failed: {why}")
     # counted from the start of the input, as --resume-from is
+    permanent = _permanent(error)  # the same command would fail the same way
     if sent == args.resume_from:
-        _fail("no record was sent: the same command can run again")
+        _fail(
+            f"no record was sent: {'fix the cause first' if permanent else 'the same command can run again'}"
+        )
         return
     read += args.resume_from
     _fail(f"of the input's records {acked:,} are acked (durable), {sent:,} sent, {read:,} read")
@@ -1622,6 +1641,8 @@ def _push_failed(args: argparse.Namespace, producer: Producer, read: int, error:
     if args.no_progress:
         command.append("--no-progress")
     same_input = " (with the same input on stdin)" if args.file == "-" else ""
+    if permanent:
+        same_input += ", once the cause is fixed"
     _fail(f"to resume without duplicates{same_input}, run: {shlex.join(command)}")
 
 

@@ -151,7 +151,10 @@ class PublishService(pb_grpc.IngestServicer):
                 receiver.learn_producer_mark(key, mark)
         state = receiver.producer(producer_id, principal) if producer_id else None
         self.ledger.admit(principal, key, stream, fenced=state.sessions if state is not None else ())
-        return receiver, receiver.open_session(producer_id, first.open.resume_from_seq, principal)
+        opened = receiver.open_session(
+            producer_id, first.open.resume_from_seq, principal, resume=first.open.resume
+        )
+        return receiver, opened
 
     async def _read(
         self, requests: AsyncIterator[pb.PublishRequest | bytes], receiver: Receiver, session: Session

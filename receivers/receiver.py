@@ -526,14 +526,27 @@ class Receiver:
     # ---- sessions ------------------------------------------------------------------------------
 
     def open_session(
-        self, producer_id: str, resume_from_seq: int, principal: Principal = ANONYMOUS
+        self,
+        producer_id: str,
+        resume_from_seq: int,
+        principal: Principal = ANONYMOUS,
+        *,
+        resume: bool = False,
     ) -> Session:
-        """onSubscribe: `principal` opened a session; it gets its prefetch as far as the buffer allows."""
+        """onSubscribe: `principal` opened a session; it gets its prefetch as far as the buffer allows.
+        `resume` (Open.resume): the producer must be known here, else SequenceGap (OUT_OF_RANGE)."""
         if self._stopping:
             raise ReceiverStopped(f"receiver for stream {self.stream!r} is stopping; retry later")
         # validated before anything is registered: these values end up in the block log's headers
         check_producer_id(producer_id)
         check_seq_range(resume_from_seq, 0, "Open.resume_from_seq")
+        known = producer_id and producer_key(principal, producer_id) in self._producers
+        if resume and resume_from_seq > 0 and producer_id and not known:
+            raise SequenceGap(
+                f"producer {producer_id!r} is not known on stream {self.stream!r}: nothing to resume from "
+                f"sequence number {resume_from_seq} (a mistyped producer id, or one forgotten after "
+                f"{self.config.max_producers:,} newer producers); the records before it would never be sent"
+            )
         seq = resume_from_seq
         session = Session(SESSION_IDS.next(), self.stream, producer_id, seq, seq, principal=principal)
         session.owner = owner_of(principal, producer_id, session.id)

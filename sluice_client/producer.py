@@ -818,6 +818,7 @@ class Producer:
         reconnect_timeout: float = 60.0,
         start_timeout: float = 60.0,
         first_seq: int = 0,
+        resume: bool = False,
         channel: grpc.aio.Channel | None = None,
         credentials: Credentials | None = None,
     ) -> None:
@@ -844,6 +845,9 @@ class Producer:
         self._current = 0  # index in targets of the node in use (or tried last)
         self.stream = stream
         self.producer_id = producer_id or uuid.uuid4().hex
+        self.resume = resume
+        """`first_seq` continues an earlier run of this producer id: a server that does not know the id
+        (a mistyped one) refuses the session (OUT_OF_RANGE) instead of taking it from first_seq on."""
         self.batch_size = batch_size
         self.batch_bytes = batch_bytes
         self.linger = linger
@@ -1015,7 +1019,12 @@ class Producer:
             _registered_method=True,  # type: ignore[call-arg]  # as the generated stub does; stubs lag
         )
         call: Call = publish(metadata=self.credentials.metadata)  # type: ignore[call-arg]  # stubs lag
-        opening = pb.Open(stream=self.stream, producer_id=self.producer_id, resume_from_seq=self._acked_seq)
+        opening = pb.Open(
+            stream=self.stream,
+            producer_id=self.producer_id,
+            resume_from_seq=self._acked_seq,
+            resume=self.resume,
+        )
         try:
             try:
                 await call.write(pb.PublishRequest(open=opening))

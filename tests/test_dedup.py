@@ -869,3 +869,25 @@ def test_a_sync_producer_refused_at_construction_leaves_no_thread() -> None:
             SyncProducer("127.0.0.1:1", "s", batch_size=0)
     assert threading.active_count() == before
     assert "sluice-producer" not in {t.name for t in threading.enumerate()}
+
+
+async def test_a_resume_of_a_producer_the_server_does_not_know_is_refused(node: Node) -> None:
+    """`sluice push --producer-id TYPO --resume-from 500` skipped the input's first 500 records and
+    started an unknown producer at 500: exit 0, and those records never stored. With Open.resume the
+    server refuses an unknown producer (OUT_OF_RANGE); a known one resumes, an unknown one without
+    resume still starts where it says (a producer numbering records its own way)."""
+    async with Producer(node.target, "s", producer_id="known", linger=0) as producer:
+        await producer.send_many(values("k", 0, 5))
+    typo = Producer(node.target, "s", producer_id="knwon", first_seq=5, resume=True)
+    await typo.start()
+    await typo.send(b"not taken")
+    with pytest.raises(RPCError) as refused:
+        await typo.flush(timeout=10)
+    assert await typo.abort() == [(b"not taken", None)]
+    assert refused.value.status is grpc.StatusCode.OUT_OF_RANGE
+    assert "producer 'knwon' is not known on stream 's'" in refused.value.message
+    async with Producer(node.target, "s", producer_id="known", first_seq=5, resume=True, linger=0) as again:
+        await again.send_many(values("k", 5, 8))
+    async with Producer(node.target, "s", producer_id="fresh", first_seq=100, linger=0) as fresh:
+        await fresh.send(b"fresh")
+    assert stored(node.data_dir) == [*values("k", 0, 8), b"fresh"]

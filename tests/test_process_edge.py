@@ -392,6 +392,31 @@ def test_a_failed_push_prints_how_to_resume_and_the_resume_doubles_nothing(
     assert all(row["key"] == f"k{int(row['value']) % 7}".encode() for row in rows)
 
 
+def test_a_resume_with_a_mistyped_producer_id_is_refused(tmp_path: Path, servers: list[Serve]) -> None:
+    """It skipped the input's first N records, started an unknown producer at N and exited 0: those
+    records were never stored. Now the server refuses it, and the push says to fix the cause."""
+    source = tmp_path / "in.txt"
+    source.write_text("".join(f"{i}\n" for i in range(100)))
+    data, port = tmp_path / "data", free_port()
+    serve = Serve(tmp_path, "serve", *no_spark(port, data))
+    servers.append(serve)
+    serve.wait_serving()
+    target = f"127.0.0.1:{port}"
+    first = sluice("push", str(source), "--target", target, "--producer-id", "p-1", timeout=60)
+    assert first.returncode == 0, first.stderr.decode()
+    typo = sluice(
+        "push", str(source), "--target", target, "--producer-id", "p-l", "--resume-from", "50", timeout=60
+    )
+    assert typo.returncode == 1, typo.stderr.decode()
+    assert b"OUT_OF_RANGE: producer 'p-l' is not known on stream 'default'" in typo.stderr
+    assert b"no record was sent: fix the cause first" in typo.stderr
+    resumed = sluice(
+        "push", str(source), "--target", target, "--producer-id", "p-1", "--resume-from", "50", timeout=60
+    )
+    assert resumed.returncode == 0, resumed.stderr.decode()  # its records 50.. are all duplicates
+    assert sorted(stored_values(data).elements()) == sorted(f"{i}".encode() for i in range(100))
+
+
 def test_push_resume_flags_are_checked(tmp_path: Path) -> None:
     source = tmp_path / "in.txt"
     source.write_text("a\nb\n")

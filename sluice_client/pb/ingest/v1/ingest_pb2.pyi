@@ -78,6 +78,7 @@ class Open(_message.Message):
     STREAM_FIELD_NUMBER: _builtins.int
     PRODUCER_ID_FIELD_NUMBER: _builtins.int
     RESUME_FROM_SEQ_FIELD_NUMBER: _builtins.int
+    RESUME_FIELD_NUMBER: _builtins.int
     stream: _builtins.str
     """The stream to publish to; it must exist on the server."""
     producer_id: _builtins.str
@@ -93,16 +94,22 @@ class Open(_message.Message):
     fails the session with OUT_OF_RANGE, unless the server does not know the producer. Sequence numbers
     run from 0 to 2^64 - 2: 2^64 - 1 here leaves no record to send.
     """
+    resume: _builtins.bool
+    """The producer continues an earlier run (resume_from_seq is where that run's acks ended): the server
+    must know it, else the session ends OUT_OF_RANGE at once. Without it an unknown producer id (a
+    mistyped one) starts at resume_from_seq, and the records before it are never sent.
+    """
     def __init__(
         self,
         *,
         stream: _builtins.str = ...,
         producer_id: _builtins.str = ...,
         resume_from_seq: _builtins.int = ...,
+        resume: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["producer_id", b"producer_id", "resume_from_seq", b"resume_from_seq", "stream", b"stream"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["producer_id", b"producer_id", "resume", b"resume", "resume_from_seq", b"resume_from_seq", "stream", b"stream"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
