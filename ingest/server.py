@@ -236,12 +236,20 @@ class SluiceServer:
         its folders again, so nothing could be acked, and without the lock file a second server could
         start on the same path. Kafka takes a broker whose only log dir failed offline the same way."""
         lost = self._lock.lost()
-        if lost is None:
+        if lost is not None:
+            lost += (
+                " while this server ran: stopping, since nothing could be made durable there any more and "
+                "a second server could start on it"
+            )
+        elif deleted := self.store.deleted_folders():
+            folders = ", ".join(str(f) for f in deleted)
+            lost = (
+                f"the block log's folder {folders} was deleted or replaced while this server ran: stopping, "
+                "since nothing more of its stream could be made durable"
+            )
+        else:
             return False
-        self.failure = (
-            f"{lost} while this server ran: stopping, since nothing could be made durable there any more "
-            "and a second server could start on it; the records acked before are gone with it"
-        )
+        self.failure = f"{lost}; the records acked before are gone with it"
         log.error("%s", self.failure)
         self._self_stop = asyncio.create_task(self.stop(), name="sluice-stop")
         return True

@@ -814,6 +814,14 @@ class WalBlockStore(BlockStore):
         log.debug("stream %r: dropped segment %s: every block in it is released", stream, segment.name)
         return size
 
+    def deleted_folders(self) -> list[Path]:
+        """The streams' folders this process writes that were deleted or replaced since (`rm -rf` of the
+        block log while the server runs): the log makes none of them again (_segment_for), so nothing
+        more of those streams can be made durable."""
+        with self._writers_lock:
+            writers = list(self._writers.values())
+        return [w.folder for w in writers if w.folder_id is not None and _path_id(w.folder) != w.folder_id]
+
     def disk_bytes(self, stream: str | None = None) -> int:
         """Bytes the store takes on disk: of one stream, or of all."""
         folders = [self._folder(stream)] if stream is not None else _subfolders(self.root)
