@@ -1467,6 +1467,16 @@ async def _push_async(
         )
     separator = key_separator(args.key_separator) if args.key_separator is not None else None
     keyless = 0  # lines without the separator
+    # SIGTERM (systemd, Kubernetes, `timeout`) as Ctrl-C: say how far the push got and how to resume
+    terminated: list[bool] = []
+    main = asyncio.current_task()
+    assert main is not None
+
+    def terminate() -> None:
+        terminated.append(True)
+        main.cancel()
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminate)
     try:
         await producer.start()
         while (lines := await read.next_lines()) is not None:
@@ -1485,6 +1495,8 @@ async def _push_async(
         if denied is not None:  # nothing to resume: the same command fails the same way
             return _fail(f"push to {args.target} stream {args.stream!r} refused: {denied}", EXIT_DENIED)
         _push_failed(args, producer, read.records, exc)
+        if terminated:
+            return 128 + signal.SIGTERM  # as a shell reports a process SIGTERM ended
         if isinstance(exc, asyncio.CancelledError):
             raise  # Ctrl-C: asyncio.run raises KeyboardInterrupt (exit 130)
         return EXIT_FAILED

@@ -394,6 +394,40 @@ def test_a_failed_push_prints_how_to_resume_and_the_resume_doubles_nothing(
     assert all(row["key"] == f"k{int(row['value']) % 7}".encode() for row in rows)
 
 
+def test_a_push_stopped_by_sigterm_says_how_to_resume(tmp_path: Path, servers: list[Serve]) -> None:
+    """systemd, Kubernetes and `timeout` stop with SIGTERM: the push ended with 143 and said nothing
+    (Ctrl-C printed the acked count and the command that resumes)."""
+    total = 100_000
+    source = tmp_path / "records.txt"
+    source.write_text("".join(f"{i}\n" for i in range(total)))
+    port, metrics_port, data = free_port(), free_port(), tmp_path / "data"
+    throttled = ["--initial-rate", "20000", "--block-interval", "0.05", "--metrics-port", str(metrics_port)]
+    serve = Serve(tmp_path, "serve", *no_spark(port, data, *throttled))
+    servers.append(serve)
+    serve.wait_serving()
+    target = f"127.0.0.1:{port}"
+    push = subprocess.Popen([*SLUICE, "push", str(source), "--target", target], stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while acked_by(metrics_port) < 10_000:
+            assert time.monotonic() < deadline and push.poll() is None, "no acks"
+            time.sleep(0.05)
+        push.terminate()
+        _, err = push.communicate(timeout=60)
+    finally:
+        push.kill()
+    stderr = err.decode().replace("\r", "\n")
+    assert push.returncode == 128 + signal.SIGTERM, stderr
+    resume = re.search(r"to resume without duplicates, run: (.+)", stderr)
+    assert resume, stderr
+    resumed = subprocess.run(
+        [*SLUICE, *shlex.split(resume.group(1))[1:]], capture_output=True, timeout=120, check=False
+    )
+    assert resumed.returncode == 0, resumed.stderr.decode()
+    stored = stored_values(data)
+    assert sorted(stored.elements()) == sorted(str(i).encode() for i in range(total))
+
+
 def test_a_resume_with_a_mistyped_producer_id_is_refused(tmp_path: Path, servers: list[Serve]) -> None:
     """It skipped the input's first N records, started an unknown producer at N and exited 0: those
     records were never stored. Now the server refuses it, and the push says to fix the cause."""
