@@ -352,6 +352,14 @@ class Receiver:
                 self.cancel(session, code, reason)
             # records whose block could not be written are not acked: end the call all the same
             session.outbox.finish(ReceiverStopped(f"receiver for stream {self.stream!r} stopped"))
+        if self._buffered:
+            log.warning(
+                "stream %r: %d records taken and never made durable are dropped with the stop (%s); they "
+                "were not acked: their producers send them again",
+                self.stream,
+                self._buffered,
+                self._write_error or "not written",
+            )
         self._pool.leave(self, self._buffered_bytes)  # what no write took is dropped with the receiver
         self.tap.on_completed()
 
@@ -1359,12 +1367,12 @@ class Receiver:
         self._recount_pending()
         first = DISK_ERROR not in self._paused
         self._write_error = str(exc)
-        log.log(
+        log.log(  # an OSError says it all (a full disk, an I/O error): no traceback
             logging.ERROR if first else logging.DEBUG,
-            "writing block %d of stream %r failed",
+            "writing block %d of stream %r failed: %s",
             self._next_block_seq,
             self.stream,
-            exc_info=exc,
+            exc,
         )
         self._set_paused(DISK_ERROR, True)
 

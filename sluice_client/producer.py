@@ -595,6 +595,19 @@ def _batch_keys(spans: list[tuple[_Listed | _Packed, int]]) -> Keys | None:
     return PackedKeys(parts, np.concatenate(ends), np.concatenate(valid))
 
 
+async def _reap(task: asyncio.Task[Any]) -> None:
+    """Cancel `task` and wait for it to end, without swallowing a cancellation of the caller: a
+    suppress(CancelledError) around the wait took abort()'s cancel of the session's supervisor, which
+    then slept through its reconnect backoff and tried again for up to reconnect_timeout (60 s)."""
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+
+
 def _closed_with(unacked: int) -> ProducerClosedError:
     """What flush() raises on a closed producer."""
     if not unacked:
@@ -1375,9 +1388,8 @@ class Producer:
         except RPCError as exc:
             return exc
         finally:
-            sender.cancel()
-            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-                await sender
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await _reap(sender)
         if self._acked_seq < self._sent_seq and self._error is None:
             self._error = ProducerClosedError(
                 f"server ended the session with {self._sent_seq - self._acked_seq} records unacked"
@@ -1478,9 +1490,7 @@ class Producer:
                 await asyncio.sleep(0)  # let the write start before the next batch is encoded
         finally:
             if writing is not None and not writing.done():
-                writing.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await writing
+                await _reap(writing)
 
     async def _write(self, call: Call, request: bytes) -> bool:
         """Write one message; False if the call has ended."""

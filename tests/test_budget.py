@@ -414,6 +414,37 @@ async def test_the_servers_memory_budget_bounds_every_stream_together_and_shares
             assert stored.stored(s) == sent[s]
 
 
+async def test_records_no_write_took_are_named_when_the_stop_drops_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A disk that stays full to the stop: the records taken were dropped, unacked, under a clean
+    "stopped", with nothing said of them."""
+    async with running_server(tmp_path) as server:
+        receiver = server.receivers["s"]
+
+        def full(*args: Any) -> Any:
+            raise OSError(28, "No space left on device")
+
+        server.store.write = full  # type: ignore[method-assign]
+        producer = Producer(server.target, "s", linger=0)
+        await producer.start()
+        await producer.send_many(records("f", 1_000, 100))
+        await wait_until(lambda: DISK_ERROR in receiver.paused and receiver.buffered_records == 1_000)
+        caplog.set_level(logging.WARNING, logger="receivers.receiver")
+        await server.stop()
+        assert producer.acked == 0
+        # the session lost with records unacked: abort() at once, not after the reconnect timeout (its
+        # cancel of the session's supervisor was swallowed while the send loop was reaped: 60 s)
+        started = time.monotonic()
+        assert len(await producer.abort()) == 1_000
+        assert time.monotonic() - started < 5
+    assert (
+        "stream 's': 1000 records taken and never made durable are dropped with the stop "
+        "([Errno 28] No space left on device); they were not acked" in caplog.text
+    )
+    assert "Traceback" not in caplog.text
+
+
 # ---- disk budget ---------------------------------------------------------------------------------
 
 
