@@ -1476,7 +1476,8 @@ async def _push_async(
         terminated.append(True)
         main.cancel()
 
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminate)
+    with contextlib.suppress(ValueError, RuntimeError):  # not the main thread (a test's): no handler
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminate)
     try:
         await producer.start()
         while (lines := await read.next_lines()) is not None:
