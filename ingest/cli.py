@@ -1114,8 +1114,11 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.role == "driver":
         return _drive(args)
+    from ingest.runtime_config import RuntimeConfig  # noqa: PLC0415
+
     try:
         config = _serve_config(args)
+        RuntimeConfig(config)  # DATA_DIR/runtime-config.json against these flags, as config check does
         _spark_prerequisites(config)
     except ValueError as exc:
         return _fail(str(exc), EXIT_USAGE)

@@ -245,12 +245,17 @@ class RuntimeConfig:
         """The config in force: base with the overrides."""
 
     def _load(self) -> None:
-        data = read_json(self.path, "the runtime settings", SettingError)
-        if data is None:
+        if not self.path.exists():
             return
+        data = read_json(self.path, "the runtime settings", SettingError)  # `null` too: not one
         overrides = data.get("overrides") if isinstance(data, dict) else None
-        if not isinstance(overrides, dict) or not isinstance(data.get("version", 0), int):
-            raise SettingError(f"{self.path}: not a runtime settings file (overrides, version)")
+        version = data.get("version") if isinstance(data, dict) else None
+        valid_version = isinstance(version, int) and not isinstance(version, bool) and version >= 0
+        if not isinstance(overrides, dict) or not valid_version:
+            raise SettingError(
+                f"{self.path}: not a runtime settings file (an object of a version >= 0 and overrides); "
+                "delete it to start from the command line's settings"
+            )
         try:
             self._build({str(k): str(v) for k, v in overrides.items()})
         except SettingError as exc:

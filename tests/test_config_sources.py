@@ -272,3 +272,41 @@ def test_config_check_shows_the_streams_serve_would_serve_and_refuses_a_shared_h
     for other in ("--port", "--metrics-port"):
         shared = check("--no-spark", other, "50999", "--health-port", "50999")
         assert shared.returncode == 2 and "are both 50999: give them two" in shared.stderr, shared.stderr
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "null",
+        '{"overrides": {}}',
+        '{"version": -5, "overrides": {}}',
+        '{"version": 1, "overrides": {"min-rate": "1e308"}}',
+    ],
+    ids=["null", "no-version", "negative-version", "conflicts-with-the-flags"],
+)
+def test_a_bad_runtime_settings_file_stops_serve_and_check_alike(tmp_path: Path, content: str) -> None:
+    """`null` was read as no file, a file without a version (or with -5) was taken, and a file whose
+    value conflicts with a flag stopped `serve` with exit 1 (after Spark started) but `config check` with
+    2. Both refuse each at once with 2 now."""
+    data = tmp_path / "d"
+    data.mkdir()
+    (data / "runtime-config.json").write_text(content)
+    flags = [
+        "--no-spark",
+        "--data-dir",
+        str(data),
+        "--max-rate",
+        "1000",
+        "--port",
+        "0",
+        "--metrics-port",
+        "-1",
+    ]
+    checked = check(*flags)
+    served = subprocess.run(
+        [*SLUICE, "serve", *flags], capture_output=True, text=True, env=clean_env(), timeout=120, check=False
+    )
+    for result in (checked, served):
+        assert result.returncode == 2, result.stderr
+        assert str(data / "runtime-config.json") in result.stderr
+        assert "Traceback" not in result.stderr
