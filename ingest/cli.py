@@ -1192,6 +1192,8 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock, spark_log_level: 
         metrics = f", metrics on {bind_address(config.metrics_host, server.metrics_port)}/metrics"
     if server.metrics_port is not None and config.security.metrics_tls:
         metrics += " (https)"
+    if server.health_port is not None:  # --health-port 0 took any port: say which
+        metrics += f", health on {bind_address('0.0.0.0', server.health_port)} (plaintext)"  # noqa: S104
     logs.say(
         f"serving streams {', '.join(server.streams.serving)} on {server.target}{metrics}; "
         f"{server.transport}{', tokens required' if server.auth.table is not None else ''}",
@@ -1852,7 +1854,10 @@ def _pipeline_get(args: argparse.Namespace) -> int:
 
 def _metrics_port(text: str) -> int:
     """An argparse type: a port, 0 (any) or -1 (off); -2 was taken as off too."""
-    port = int(text)
+    try:
+        port = int(text)
+    except ValueError:  # argparse's own message names this function ("invalid _metrics_port value")
+        raise argparse.ArgumentTypeError(f"a port is 0..65535 (0: any; -1: off), got {text!r}") from None
     if not -1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0..65535 (0: any; -1: off), got {port}")
     return port

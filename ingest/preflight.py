@@ -61,6 +61,9 @@ def make_dirs(*dirs: Path) -> None:
         try:
             path.mkdir(parents=True, exist_ok=True)
         except FileExistsError as exc:
+            if path.is_symlink() and not path.exists():
+                dangling = f"{path} is a symlink to {os.readlink(path)}, which does not exist"
+                raise _failed(dangling, exc) from None
             raise _failed(f"{path} is a file, not a directory", exc) from None
         except NotADirectoryError as exc:
             raise _failed(f"cannot create {path}: a file stands in its path", exc) from None
@@ -71,6 +74,8 @@ def make_dirs(*dirs: Path) -> None:
 def check_dirs(*dirs: Path) -> None:
     """Each path is a directory or absent (to be created later, by Spark for instance)."""
     for path in dirs:
+        if path.is_symlink() and not path.exists():
+            raise _failed(f"{path} is a symlink to {os.readlink(path)}, which does not exist")
         if path.exists() and not path.is_dir():
             raise _failed(f"{path} is a file, not a directory")
 

@@ -88,11 +88,11 @@ class ReceiverConfig:
             raise ValueError(f"buffer_bytes must be >= 1, got {self.buffer_bytes}")
         if self.memory_budget_bytes is not None and self.memory_budget_bytes < 1:
             raise ValueError(
-                f"memory_budget_bytes must be >= 1 (or None: no budget), got {self.memory_budget_bytes}"
+                f"memory_budget_bytes must be >= 1 (or none: no budget), got {self.memory_budget_bytes}"
             )
         if self.disk_budget_bytes is not None and self.disk_budget_bytes < 1:
             raise ValueError(
-                f"disk_budget_bytes must be >= 1 (or None: no budget), got {self.disk_budget_bytes}"
+                f"disk_budget_bytes must be >= 1 (or none: no budget), got {self.disk_budget_bytes}"
             )
         if not self.disk_poll_interval > 0:
             raise ValueError(f"disk_poll_interval must be > 0 seconds, got {self.disk_poll_interval}")
@@ -111,11 +111,9 @@ class ReceiverConfig:
             )
         linger = self.block_linger
         if linger is not None and not 0 <= linger < math.inf:
-            raise ValueError(f"block_linger must be >= 0 seconds and finite (or None: off), got {linger}")
+            raise ValueError(f"block_linger must be >= 0 seconds and finite (or off), got {linger}")
         if linger is not None and linger > MAX_SECONDS:
-            raise ValueError(
-                f"block_linger must be at most {MAX_SECONDS:g} seconds (or None: off), got {linger:g}"
-            )
+            raise ValueError(f"block_linger must be at most {MAX_SECONDS:g} seconds (or off), got {linger:g}")
 
     def _check_bounds(self) -> None:
         """Upper bounds, so that an extreme value is refused here rather than overflowing a field of
