@@ -27,6 +27,7 @@ from ingest.runtime_config import (
     NOT_SAVED,
     RuntimeConfig,
     SettingError,
+    SettingRow,
     UnknownSettingError,
     VersionConflictError,
 )
@@ -63,12 +64,10 @@ class AdminService(pb_grpc.AdminServicer):
     def _pipeline(self) -> PipelineControl | None:
         return self._server.pipeline_control
 
-    def _view(
-        self, keys: list[str] | None = None, rows: list[tuple[str, str, str, str]] | None = None
-    ) -> pb.ConfigView:
+    def _view(self, keys: list[str] | None = None, rows: list[SettingRow] | None = None) -> pb.ConfigView:
         settings = [
-            pb.ConfigSetting(key=key, value=value, source=source, help=text)
-            for key, value, source, text in (self._runtime.view(keys or ()) if rows is None else rows)
+            pb.ConfigSetting(key=r.key, value=r.value, source=r.source, help=r.help, effective=r.effective)
+            for r in (self._runtime.view(keys or ()) if rows is None else rows)
         ]
         return pb.ConfigView(settings=settings, version=self._runtime.version)
 

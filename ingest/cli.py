@@ -40,6 +40,8 @@ from ingest.config import (
 )
 from ingest.config_sources import (
     CONFIG_ENV,
+    ENV,
+    FILE,
     RUNTIME,
     ConfigError,
     Key,
@@ -1131,12 +1133,28 @@ def _serve(args: argparse.Namespace) -> int:
     settings = f"; settings from {args.config}" if args.config is not None else ""
     logs.say(f"starting: data dir {config.data_dir}{settings}", event="start")
     try:
-        return asyncio.run(_serve_async(config, lock, args.spark_log_level))
+        return asyncio.run(_serve_async(config, lock, args.spark_log_level, _outside_origins(args)))
     finally:
         lock.release()
 
 
-async def _serve_async(config: ServeConfig, lock: DataDirLock, spark_log_level: str = SPARK_QUIET) -> int:  # noqa: PLR0912, PLR0915 - one lifecycle
+def _outside_origins(args: argparse.Namespace) -> dict[str, str]:
+    """Setting key -> "file PATH" or "env VAR", for the values taken from a config file or the
+    environment (the server tells flags and defaults apart itself)."""
+    names = keys_by_dest(_serve_keys())
+    return {
+        names[dest].name: origin.described
+        for dest, origin in args.origins.items()
+        if origin.source in (FILE, ENV) and dest in names
+    }
+
+
+async def _serve_async(  # noqa: PLR0912, PLR0915 - one lifecycle
+    config: ServeConfig,
+    lock: DataDirLock,
+    spark_log_level: str = SPARK_QUIET,
+    origins: dict[str, str] | None = None,
+) -> int:
     from ingest.server import SluiceServer  # noqa: PLC0415
 
     driver = None
@@ -1177,6 +1195,7 @@ async def _serve_async(config: ServeConfig, lock: DataDirLock, spark_log_level: 
             batches_completed=lambda: driver.batches_completed if driver else 0,
             data_dir_lock=lock,
             defaults=dataclasses.replace(config, receiver=ReceiverConfig(), rate=RateConfig()),
+            origins=origins,
         )
         await server.start()
     # ValueError: a TLS or auth file changed since it was checked; WalError: a damaged log
@@ -1676,9 +1695,10 @@ def _key_value(text: str) -> tuple[str, str]:
 
 def _show_config(view: pb.ConfigView) -> int:
     width = max((len(s.key) for s in view.settings), default=3)
-    for setting in view.settings:
-        value = setting.value or "(none)"
-        print(f"{setting.key:<{width}}  {value:<12}  {setting.source}")
+    values = [s.value or (f"(none: {s.effective})" if s.effective else "(none)") for s in view.settings]
+    value_width = max((len(v) for v in values), default=0)
+    for setting, value in zip(view.settings, values, strict=True):
+        print(f"{setting.key:<{width}}  {value:<{max(value_width, 12)}}  {setting.source}")
     print(f"(version {view.version})")
     return 0
 

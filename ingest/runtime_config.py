@@ -17,6 +17,7 @@ import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ingest.config import ServeConfig, format_estimator_params, parse_estimator_params
 from ratecontrol import ESTIMATORS
@@ -32,6 +33,17 @@ DEFAULT, COMMAND_LINE, DYNAMIC = "default", "command-line", "dynamic"
 
 NOT_SAVED = "nothing changed: the settings could not be saved in the data dir"
 """What a change that fails to write its file says (then OSError's own words)."""
+
+
+class SettingRow(NamedTuple):
+    """A setting as `sluice config get` shows it (pb.ConfigSetting)."""
+
+    key: str
+    value: str
+    source: str
+    help: str
+    effective: str
+    """What the rule gives while value is "" (low-tide, block-records), else ""."""
 
 
 class SettingError(ValueError):
@@ -116,6 +128,14 @@ class Setting:
     field: str
     none: str = ""
     """How None is shown: "" (the flag's default rule) unless None means something else ("off")."""
+    derived: Callable[[ServeConfig], object] | None = None
+    """The value the rule gives while the setting is None (shown beside it: ConfigSetting.effective)."""
+
+    def effective(self, config: ServeConfig) -> str:
+        """What the rule gives while the setting is None, else ""."""
+        if self.derived is None or self.read(config) is not None:
+            return ""
+        return _text(self.derived(config))
 
     def read(self, config: ServeConfig) -> object:
         return getattr(getattr(config, self.section) if self.section else config, self.field)
@@ -151,6 +171,7 @@ SETTINGS: dict[str, Setting] = {
             _optional(_int),
             "receiver",
             "low_tide",
+            derived=lambda config: config.receiver.refill_at,
         ),
         Setting(
             "block-records",
@@ -158,6 +179,7 @@ SETTINGS: dict[str, Setting] = {
             _optional(_int),
             "receiver",
             "block_records",
+            derived=lambda config: config.receiver.seal_at,
         ),
         Setting(
             "buffer-records",
@@ -230,10 +252,18 @@ def _keys_named(message: str) -> str:
 class RuntimeConfig:
     """The command line's config, the dynamic overrides on top, and their version."""
 
-    def __init__(self, base: ServeConfig, defaults: ServeConfig | None = None) -> None:
+    def __init__(
+        self,
+        base: ServeConfig,
+        defaults: ServeConfig | None = None,
+        origins: Mapping[str, str] | None = None,
+    ) -> None:
         self.base = base
         """What the command line gave (with the defaults for what it did not)."""
         self._defaults = defaults
+        self._origins = dict(origins or {})
+        """Setting key -> where `sluice serve` took its value: "file PATH", "env VAR" (a flag, or
+        nothing given, are told apart with `defaults`)."""
         self.path = base.data_dir / FILE
         self.overrides: dict[str, str] = {}
         self.version = 0
@@ -285,15 +315,17 @@ class RuntimeConfig:
     def source(self, key: str, overrides: Mapping[str, str] | None = None) -> str:
         if key in (self.overrides if overrides is None else overrides):
             return DYNAMIC
+        if key in self._origins:  # a config file or the environment
+            return self._origins[key]
         if self._defaults is not None and SETTINGS[key].read(self._defaults) == SETTINGS[key].read(self.base):
             return DEFAULT
         return COMMAND_LINE
 
-    def view(self, keys: Iterable[str] = ()) -> list[tuple[str, str, str, str]]:
-        """(key, value, source, help) of `keys` (all when empty); UnknownSettingError for others."""
+    def view(self, keys: Iterable[str] = ()) -> list[SettingRow]:
+        """The rows of `keys` (all when empty); UnknownSettingError for others."""
         return self._rows(keys, self.current, self.overrides)
 
-    def preview(self, set_: Mapping[str, str], reset: Iterable[str] = ()) -> list[tuple[str, str, str, str]]:
+    def preview(self, set_: Mapping[str, str], reset: Iterable[str] = ()) -> list[SettingRow]:
         """view() of every setting as change() with these would leave them, nothing applied; raises as
         change() does."""
         _check_keys(set_, list(reset))
@@ -303,13 +335,19 @@ class RuntimeConfig:
 
     def _rows(
         self, keys: Iterable[str], config: ServeConfig, overrides: Mapping[str, str]
-    ) -> list[tuple[str, str, str, str]]:
+    ) -> list[SettingRow]:
         wanted = list(keys) or list(SETTINGS)
         for key in wanted:
             if key not in SETTINGS:
                 raise UnknownSettingError(f"no setting {key!r}; settings: {', '.join(SETTINGS)}")
         return [
-            (key, SETTINGS[key].text(config), self.source(key, overrides), SETTINGS[key].help)
+            SettingRow(
+                key,
+                SETTINGS[key].text(config),
+                self.source(key, overrides),
+                SETTINGS[key].help,
+                SETTINGS[key].effective(config),
+            )
             for key in wanted
         ]
 

@@ -66,8 +66,11 @@ class SluiceServer:
         batches_completed: Callable[[], int] = lambda: 0,
         data_dir_lock: DataDirLock | None = None,
         defaults: ServeConfig | None = None,
+        origins: Mapping[str, str] | None = None,
     ) -> None:
-        self.runtime = RuntimeConfig(config, defaults=defaults)
+        """`origins`: setting key -> "file PATH" or "env VAR", for the values `sluice serve` took from a
+        config file or the environment (config get shows where each value came from)."""
+        self.runtime = RuntimeConfig(config, defaults=defaults, origins=origins)
         """Settings changed at run time (Admin, `sluice config`), kept under the data dir; they override
         `config`'s (SettingError, a ValueError, when that file is unreadable)."""
         config = self.runtime.current

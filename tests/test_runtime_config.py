@@ -370,3 +370,38 @@ async def test_a_session_list_cannot_be_forged_by_a_producer_id(tmp_path: Path) 
     assert len(lines) == 2 and lines[1].count("\t") == 7, done.stdout
     assert "\x1b" not in done.stdout and "\u202e" not in done.stdout
     assert "\\x1b[2J\\x1b[31mEVIL\\n99\\ts" in lines[1] and "\\u202e" in lines[1]
+
+
+async def test_config_get_says_where_each_value_came_from_and_what_a_rule_gives(tmp_path: Path) -> None:
+    """`config get` said "command-line" for values from a config file or the environment, and "(none)"
+    for low-tide and block-records, whose rules give a value (config check showed both right)."""
+    from ingest.config import RateConfig, ServeConfig
+    from receivers.config import ReceiverConfig
+
+    config = ServeConfig(
+        port=0,
+        metrics_port=None,
+        data_dir=tmp_path,
+        spark=False,
+        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
+        receiver=ReceiverConfig(block_interval=0.4, block_linger=0.05, prefetch=1000),
+    )
+    defaults = ServeConfig(port=0, metrics_port=None, data_dir=tmp_path, spark=False)
+    origins = {"block-interval": "file /etc/sluice.toml", "block-linger": "env SLUICE_BLOCK_LINGER"}
+    server = SluiceServer(config, defaults=defaults, origins=origins)
+    await server.start()
+    try:
+        async with admin(server) as stub:
+            view = await stub.GetConfig(pb.GetConfigRequest())
+            rows = {s.key: (s.value, s.source, s.effective) for s in view.settings}
+            assert rows["block-interval"] == ("0.4", "file /etc/sluice.toml", "")
+            assert rows["block-linger"] == ("0.05", "env SLUICE_BLOCK_LINGER", "")
+            assert rows["prefetch"] == ("1000", "command-line", "")
+            assert rows["low-tide"] == ("", "default", "500")
+            assert rows["block-records"] == ("", "default", "125000")
+            view = await stub.SetConfig(pb.SetConfigRequest(set={"block-interval": "0.5", "low-tide": "100"}))
+            rows = {s.key: (s.value, s.source, s.effective) for s in view.settings}
+            assert rows["block-interval"] == ("0.5", "dynamic", "")
+            assert rows["low-tide"] == ("100", "dynamic", "")
+    finally:
+        await server.stop()

@@ -1458,6 +1458,7 @@ class ConfigSetting(_message.Message):
     VALUE_FIELD_NUMBER: _builtins.int
     SOURCE_FIELD_NUMBER: _builtins.int
     HELP_FIELD_NUMBER: _builtins.int
+    EFFECTIVE_FIELD_NUMBER: _builtins.int
     key: _builtins.str
     """The setting's name, as the `sluice serve` flag without its dashes ("block-interval")."""
     value: _builtins.str
@@ -1465,6 +1466,10 @@ class ConfigSetting(_message.Message):
     source: _builtins.str
     """"default", "command-line" or "dynamic" (set at run time, kept under the data dir)."""
     help: _builtins.str
+    effective: _builtins.str
+    """The value in force where `value` is "" because a rule derives it (low-tide: half the prefetch;
+    block-records: a quarter of the buffer); "" otherwise.
+    """
     def __init__(
         self,
         *,
@@ -1472,10 +1477,11 @@ class ConfigSetting(_message.Message):
         value: _builtins.str = ...,
         source: _builtins.str = ...,
         help: _builtins.str = ...,
+        effective: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["help", b"help", "key", b"key", "source", b"source", "value", b"value"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["effective", b"effective", "help", b"help", "key", b"key", "source", b"source", "value", b"value"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
