@@ -13,7 +13,9 @@ import asyncio
 import http.client
 import json
 import math
+import os
 import ssl
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -456,6 +458,10 @@ def render(data: Json, target: str, *, error: str | None = None) -> RenderableTy
     return Group(*parts)
 
 
+_PIPED_WIDTH = 200
+"""Columns `sluice status` lays out for when its output is not a terminal (and COLUMNS is unset)."""
+
+
 async def run_status(
     target: str,
     credentials: Credentials,
@@ -468,7 +474,11 @@ async def run_status(
 ) -> None:
     """Show the status once (StatusReadError when it cannot be read), or live until cancelled (a
     failed read is shown in the frame and retried)."""
-    console = console or Console()
+    if console is None:
+        # piped (a script, `watch`): rich lays out for 80 columns and folds headers and reasons onto a
+        # line per fragment; a pipe has no width, so lines as long as the tables want, up to a bound
+        piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
+        console = Console(width=_PIPED_WIDTH) if piped else Console()
     async with credentials.channel(target) as channel:
 
         async def read() -> Json:

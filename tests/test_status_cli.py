@@ -189,3 +189,27 @@ def test_the_streams_figures_and_headers_are_shown_whole_in_80_columns() -> None
     assert "…" not in text, text
     for word in ("unlimited", "146,894", "100,000", "sessions", "credit", "paused", "backlog"):
         assert word in text, text
+
+
+async def test_status_once_piped_keeps_headers_and_reasons_whole(tmp_path: Path) -> None:
+    """`sluice status --once` in a script: rich laid it out for 80 columns, headers split ("stre" /
+    "am") and a share's reason folded a fragment a line, 21 lines a stream. Piped and without COLUMNS,
+    it lays the tables out as wide as they want now (up to 200 columns)."""
+    async with running_server(tmp_path / "d", "a", "b", "c", metrics=True) as server:
+        server.rate.update(50)  # a rate that holds every stream: its share's reason is long text
+        env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+        shown = await asyncio.to_thread(
+            subprocess.run,
+            [SLUICE, "status", "--once", "--target", server.target],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    header = next(line.split() for line in lines if line.split()[:1] == ["stream"])
+    assert "credit" in header, shown.stdout
+    assert len(lines) < 40, shown.stdout
+    assert max(len(line) for line in lines) <= 200
