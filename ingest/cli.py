@@ -832,8 +832,25 @@ def _stream_policies(args: argparse.Namespace) -> dict[str, StreamPolicy]:
         try:
             policies[name] = StreamPolicy(**given)
         except ValueError as exc:
-            raise ValueError(f"stream {name!r}: {exc}") from None
+            raise ValueError(f"{_spelled_policy(args, name, given)}: stream {name!r}: {exc}") from None
     return policies
+
+
+def _spelled_policy(args: argparse.Namespace, name: str, given: dict[str, float]) -> str:
+    """The key as the user wrote it (--stream-weight, SLUICE_STREAM_WEIGHT, stream-weight in FILE) of
+    the value of stream `name` that StreamPolicy refuses (the first, when only together they fail)."""
+    origins = getattr(args, "origins", {})
+    bad = [field for field, value in given.items() if not _valid_policy(field, value)] or list(given)
+    origin = origins.get(f"stream_{bad[0]}")
+    return origin.spelled if origin is not None else f"--stream-{bad[0].replace('_', '-')}"
+
+
+def _valid_policy(field: str, value: float) -> bool:
+    try:
+        StreamPolicy(**{field: value})
+    except ValueError:
+        return False
+    return True
 
 
 def _target(text: str) -> str:

@@ -310,3 +310,28 @@ def test_a_bad_runtime_settings_file_stops_serve_and_check_alike(tmp_path: Path,
         assert result.returncode == 2, result.stderr
         assert str(data / "runtime-config.json") in result.stderr
         assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("source", ["flag", "env", "file"])
+def test_a_bad_stream_policy_names_its_key_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], source: str
+) -> None:
+    """`stream-weight = ["a=0"]` in a config file said "stream 'a': a stream's weight must be ..."
+    without naming the key or the file."""
+    for name in [n for n in os.environ if n.startswith("SLUICE_")]:
+        monkeypatch.delenv(name)
+    argv = ["config", "check", "--no-spark", "--data-dir", str(tmp_path / "data")]
+    config = tmp_path / "sluice.toml"
+    if source == "flag":
+        argv += ["--stream-weight", "a=0", "--stream-max-rate", "a=10"]
+        spelled = "--stream-weight"
+    elif source == "env":
+        monkeypatch.setenv("SLUICE_STREAM_WEIGHT", "a=0")
+        spelled = "SLUICE_STREAM_WEIGHT"
+    else:
+        config.write_text('stream-weight = ["a=0"]\n')
+        argv += ["--config", str(config)]
+        spelled = f"stream-weight (in {config})"
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{spelled}: stream 'a': a stream's weight must be" in err, err
