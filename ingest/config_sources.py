@@ -319,8 +319,9 @@ def user_names(message: str, origins: Mapping[str, Origin], keys: Mapping[str, K
     flags = sorted(by_flag, key=len, reverse=True)
     pattern = re.compile(
         "|".join(
-            [rf"(?<![\w-]){re.escape(f)}(?![\w-])" for f in flags]
-            + [rf"(?<![\w-]){re.escape(n)}(?![\w-])" for n in names]
+            # a quoted word is a value (a stream 'port', an estimator's parameter 'min_rate'), not a key
+            [rf"(?<![\w'-]){re.escape(f)}(?![\w'-])" for f in flags]
+            + [rf"(?<![\w'-]){re.escape(n)}(?![\w'-])" for n in names]
         )
     )
     named = False

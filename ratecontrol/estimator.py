@@ -211,7 +211,7 @@ def make_estimator(name: str, *, bounds: RateBounds, initial_rate: float, **gain
     unknown = sorted(set(gains) - accepted)
     if unknown:
         raise ValueError(
-            f"estimator {name!r} has no parameter {', '.join(unknown)}; "
+            f"estimator {name!r} has no parameter {', '.join(repr(u) for u in unknown)}; "
             f"it takes: {', '.join(sorted(accepted)) or 'none'}"
         )
     return factory(bounds=bounds, initial_rate=initial_rate, **gains)

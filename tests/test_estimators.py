@@ -120,9 +120,9 @@ def test_make_estimator_passes_gains_and_rejects_unknown_or_bad_ones() -> None:
     pid = make_estimator("spark-pid", bounds=RateBounds(), initial_rate=INF, integral=0.5)
     assert isinstance(pid, SparkPIDEstimator)
     assert pid.integral == 0.5
-    with pytest.raises(ValueError, match=r"no parameter gain.*derivative, integral, proportional"):
+    with pytest.raises(ValueError, match=r"no parameter 'gain'.*derivative, integral, proportional"):
         make_estimator("spark-pid", bounds=RateBounds(), initial_rate=INF, gain=1.0)
-    with pytest.raises(ValueError, match=r"no parameter integral.*it takes: none"):
+    with pytest.raises(ValueError, match=r"no parameter 'integral'.*it takes: none"):
         make_estimator("fixed", bounds=RateBounds(), initial_rate=INF, integral=1.0)
     with pytest.raises(ValueError, match="integral gain"):
         make_estimator("spark-pid", bounds=RateBounds(), initial_rate=INF, integral=-0.1)

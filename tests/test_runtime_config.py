@@ -150,7 +150,7 @@ INVALID = [
     ({"memory-budget": "0"}, grpc.StatusCode.INVALID_ARGUMENT, "memory-budget must be >= 1"),
     ({"estimator-params": "horizon"}, grpc.StatusCode.INVALID_ARGUMENT, "name=value"),
     ({"estimator-params": "horizon=fast"}, grpc.StatusCode.INVALID_ARGUMENT, "not a number"),
-    ({"estimator-params": "kp=1"}, grpc.StatusCode.INVALID_ARGUMENT, "no parameter kp"),
+    ({"estimator-params": "kp=1"}, grpc.StatusCode.INVALID_ARGUMENT, "no parameter 'kp'"),
     (
         {"estimator": "spark-pid", "estimator-params": "horizon=3"},
         grpc.StatusCode.INVALID_ARGUMENT,
