@@ -141,11 +141,18 @@ class ReceiverConfig:
         return max(1, self.buffer_records // 4) if self.block_records is None else self.block_records
 
     @property
+    def budget_bytes(self) -> int:
+        """The most bytes a stream may hold: its budget, or the server's if that is smaller."""
+        server = self.memory_budget_bytes
+        return self.buffer_bytes if server is None else min(self.buffer_bytes, server)
+
+    @property
     def seal_bytes(self) -> int:
         """Bytes of pending records that seal a block early, whatever their count: a quarter of the
-        memory budget (large records would otherwise fill blocks of up to the whole budget, and the
-        log's frame buffers, kept at the largest block's size, with them)."""
-        return max(1, self.buffer_bytes // 4)
+        memory budget, the stream's or the server's (large records would otherwise fill blocks of up to
+        the whole budget, and the log's frame buffers, kept at the largest block's size, with them; and
+        with the server's budget full, a block would wait for the interval to make room)."""
+        return max(1, self.budget_bytes // 4)
 
     @property
     def refill_at(self) -> int:

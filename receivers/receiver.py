@@ -835,13 +835,11 @@ class Receiver:
         smallest = min((estimates[s.owner] for s in wanting), default=self.record_bytes_estimate)
         empty = self._buffered == 0 and self._outstanding <= 0
         free_bytes = self._free_bytes(smallest, empty)
-        if free_bytes is None:
-            return
         by_bytes = math.floor(free_bytes / smallest)
         if DISK_ERROR in self._paused or DISK_BUDGET in self._paused or RATE_HOLD in self._paused:
             return
         free = self.config.buffer_records - self._buffered - self._outstanding
-        budget_bytes: float = self.config.buffer_bytes
+        budget_bytes: float = self.config.budget_bytes  # the owners' shares: of what the stream may hold
         if by_bytes < 1 and empty:
             # a budget below one record slows ingestion to a record at a time, never stalls it
             free, free_bytes, budget_bytes = min(free, 1), math.inf, math.inf
@@ -888,10 +886,10 @@ class Receiver:
             # wants more than the stream's share (a quiet one keeps credit saved up instead)
             self._credit_starved_at = now
 
-    def _free_bytes(self, smallest: float, empty: bool) -> float | None:
+    def _free_bytes(self, smallest: float, empty: bool) -> float:
         """Bytes this stream may still commit within its memory budget and the server's (records of at
-        least `smallest` bytes want room); pauses credit for the one that is full. None: the server's is
-        full, nothing to grant."""
+        least `smallest` bytes want room); pauses credit for the one that is full. Either way the round
+        goes on: its owners' shares mark who is short, and a session hoarding credit is reclaimed."""
         free_bytes = self.config.buffer_bytes - self.committed_bytes
         stream_full = free_bytes < smallest
         pool_full = False
@@ -900,12 +898,13 @@ class Receiver:
             pool_bytes = self._pool.room_for(self, limit)
             # short: the server's budget, not the stream's, keeps this stream from a full top-up
             self._pool.short(self, pool_bytes < min(free_bytes, smallest * self.config.prefetch))
-            # a pool below one record, all of it free: one record at a time, as a stream's own budget
-            pool_full = pool_bytes < smallest and not (empty and self._pool.held == 0)
+            pool_full = pool_bytes < smallest
+            if pool_full and self._pending and DISK_ERROR not in self._paused:
+                self._seal_wanted.set()  # what waits goes to the log now: its write makes room
             free_bytes = min(free_bytes, pool_bytes)
         self._set_paused(MEMORY_BUDGET, stream_full and not empty)
-        self._set_paused(SERVER_MEMORY, pool_full and not stream_full)
-        return None if pool_full else free_bytes
+        self._set_paused(SERVER_MEMORY, pool_full and not stream_full and not empty)
+        return free_bytes
 
     def _owner_demands(
         self, active: list[Session], wanting: list[Session], estimates: dict[str, float]

@@ -414,6 +414,51 @@ async def test_the_servers_memory_budget_bounds_every_stream_together_and_shares
             assert stored.stored(s) == sent[s]
 
 
+async def test_a_session_hoarding_credit_does_not_keep_its_streams_others_out_of_the_servers_budget(
+    tmp_path: Path,
+) -> None:
+    """A session granted credit at the first estimate (1 KiB a record), that sent one 1 MiB record and
+    then sat on the rest, counted as gigabytes of the server's budget: every other session of its stream
+    got nothing until it left (22 s). The stream's own budget reclaims such a hoarder; the server's
+    budget now goes through the same round of shares, so it does too."""
+    budget = 8 * 1024 * 1024
+    async with running_server(tmp_path, memory_budget_bytes=budget, reclaim_after=0.5) as server:
+        idler = Producer(server.target, "s", producer_id="idler", linger=0)
+        await idler.start()
+        await idler.send(b"i" * (1024 * 1024))
+        await idler.flush(timeout=30)
+        assert idler.credit > 1000  # gigabytes of credit at its records' size
+        started = time.monotonic()
+        async with Producer(server.target, "s", producer_id="late", linger=0) as late:
+            await late.send(b"l" * (1024 * 1024))
+            await late.flush(timeout=30)
+        assert time.monotonic() - started < 10
+        await idler.abort()
+
+
+async def test_a_full_server_budget_seals_without_waiting_for_the_interval(tmp_path: Path) -> None:
+    """With the block linger off and a long interval, a full server budget sealed nothing (a stream's
+    own budget seals at a quarter of it): intake went at one budget per block interval. Blocks now seal
+    at a quarter of the smaller budget, and a stream the server's budget pauses seals what waits."""
+    budget, size = 4 * 1024 * 1024, 512 * 1024
+    async with running_server(
+        tmp_path, "a", "b", memory_budget_bytes=budget, block_interval=5.0, block_linger=None
+    ) as server:
+        started = time.monotonic()
+        values = {s: records(f"{s}-", 24, size) for s in "ab"}  # 12 MB each, 3 budgets
+
+        async def push(stream: str) -> int:
+            async with Producer(server.target, stream, linger=0, batch_size=2) as producer:
+                await producer.send_many(values[stream])
+                await producer.flush(timeout=60)
+                return producer.acked
+
+        assert await asyncio.gather(push("a"), push("b")) == [24, 24]
+        assert time.monotonic() - started < 5  # not a block interval per budget's worth
+    stored = Spark(server.config.blocks_dir)
+    assert stored.stored("a") == values["a"] and stored.stored("b") == values["b"]
+
+
 async def test_records_no_write_took_are_named_when_the_stop_drops_them(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
