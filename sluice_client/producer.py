@@ -891,6 +891,8 @@ class Producer:
         self._error: SluiceError | None = None
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._starting: asyncio.Task[Any] | None = None
+        """The task running start() while it tries to open the first session."""
         self._room_listeners: list[Callable[[], None]] = []
         self._write_lock = asyncio.Lock()  # grpc.aio allows one write at a time per call
         self._lost_since: float | None = None  # when the session was lost, until a new one is up
@@ -956,11 +958,19 @@ class Producer:
             raise ProducerClosedError(f"producer is {self._state.value}; a producer starts once")
         tune_malloc()  # batches are large buffers: keep them off mmap (sluice_client.allocator)
         self._state = _State.OPEN
+        self._starting = asyncio.current_task()  # a close or abort meanwhile ends the attempt
         try:
             call = await self._open_first_call()
+        except asyncio.CancelledError:
+            if self._state is not _State.CLOSED:
+                await self._teardown()
+                raise
+            raise ProducerClosedError("producer was closed while it started") from None
         except BaseException:
             await self._teardown()
             raise
+        finally:
+            self._starting = None
         self._tasks = [asyncio.create_task(self._supervise(call), name="sluice-producer")]
         self._tasks[0].add_done_callback(self._task_done)
 
@@ -1078,6 +1088,13 @@ class Producer:
         if self._state is _State.NEW:
             self._state = _State.CLOSED
             return
+        if self._starting is not None:  # closed while it started: no session to complete
+            records = self.unacked_records()
+            await self._teardown()
+            if records:
+                closed = ProducerClosedError("producer was closed while it started")
+                raise UnackedRecordsError(records, self._acked_seq, closed) from closed
+            return
         try:
             try:
                 await self.flush(timeout)
@@ -1107,6 +1124,9 @@ class Producer:
 
     async def _teardown(self) -> None:
         self._state = _State.CLOSED
+        starting = self._starting
+        if starting is not None and starting is not asyncio.current_task():
+            starting.cancel()  # start() raises ProducerClosedError
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

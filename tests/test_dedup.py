@@ -17,7 +17,7 @@ from typing import Any
 import grpc
 import pytest
 from prometheus_client import generate_latest
-from support import wait_until
+from support import free_ports, wait_until
 
 from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
@@ -891,3 +891,28 @@ async def test_a_resume_of_a_producer_the_server_does_not_know_is_refused(node: 
     async with Producer(node.target, "s", producer_id="fresh", first_seq=100, linger=0) as fresh:
         await fresh.send(b"fresh")
     assert stored(node.data_dir) == [*values("k", 0, 8), b"fresh"]
+
+
+@pytest.mark.parametrize("end", ["close", "abort"])
+async def test_close_or_abort_while_starting_ends_the_start(tmp_path: Path, end: str) -> None:
+    """With no server yet, close() during start() failed on an internal assert, and abort() left start()
+    retrying: once a server came up, the aborted producer opened a session and held its credit."""
+    (port,) = free_ports(1)
+    producer = Producer(f"127.0.0.1:{port}", "s", producer_id="ghost", start_timeout=30)
+    starting = asyncio.create_task(producer.start())
+    await asyncio.sleep(0.3)
+    if end == "close":
+        await producer.close()
+    else:
+        assert await producer.abort() == []
+    with pytest.raises(ProducerClosedError, match="closed while it started"):
+        await asyncio.wait_for(starting, 5)
+    node = Node(tmp_path)
+    node.port = port
+    await node.start()
+    try:
+        await asyncio.sleep(0.5)
+        assert node.server is not None
+        assert node.server.receivers["s"].active_sessions == 0
+    finally:
+        await node.stop()
