@@ -257,19 +257,19 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     )
     serve.add_argument(
         "--memory-budget",
-        type=_size,
+        type=_budget,
         default=None,
         metavar="SIZE",
         help="bytes every stream together may buffer + bring with outstanding credit, counted as "
-        "--buffer-bytes counts one stream's: the server's memory budget; e.g. 1GiB (default: none)",
+        "--buffer-bytes counts one stream's: the server's memory budget; e.g. 1GiB, or none (default: none)",
     )
     serve.add_argument(
         "--disk-budget",
-        type=_size,
+        type=_budget,
         default=None,
         metavar="SIZE",
         help="bytes the block log (all streams) may take on disk before credit pauses until Spark "
-        "releases blocks; e.g. 20GiB (default: none)",
+        "releases blocks; e.g. 20GiB, or none (default: none)",
     )
     serve.add_argument(
         "--segment-bytes",
@@ -794,6 +794,11 @@ def _estimator_params(text: str) -> dict[str, float]:
         return parse_estimator_params(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _budget(text: str) -> int | None:
+    """An argparse type: a size, or "none" for no budget (as `config set` takes it)."""
+    return None if text.strip().lower() == "none" else _size(text)
 
 
 def _size(text: str) -> int:

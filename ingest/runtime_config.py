@@ -90,6 +90,16 @@ def _optional(parse: Callable[[str], object]) -> Callable[[str], object]:
     return lambda text: None if text.strip().lower() in ("", "none") else parse(text)
 
 
+def _budget(text: str) -> int | None:
+    """A size, or "none" for no budget. An empty value is refused: an unset shell variable
+    (`config set disk-budget=$BUDGET`) must not lift a bound on memory or disk unseen."""
+    if text.strip().lower() == "none":
+        return None
+    if not text.strip():
+        raise SettingError("an empty budget: give a size, or 'none' for no budget")
+    return _size(text)
+
+
 def _off_or(parse: Callable[[str], object]) -> Callable[[str], object]:
     """ "off" (or "", as None is shown) means None: the feature off."""
     return lambda text: None if text.strip().lower() in ("", "off") else parse(text)
@@ -197,17 +207,19 @@ SETTINGS: dict[str, Setting] = {
         ),
         Setting(
             "memory-budget",
-            "every stream together, the server's memory budget in bytes ('': none)",
-            _optional(_size),
+            "every stream together, the server's memory budget in bytes (none: no budget)",
+            _budget,
             "receiver",
             "memory_budget_bytes",
+            none="none",
         ),
         Setting(
             "disk-budget",
-            "bytes the block log may take on disk ('': none)",
-            _optional(_size),
+            "bytes the block log may take on disk (none: no budget)",
+            _budget,
             "receiver",
             "disk_budget_bytes",
+            none="none",
         ),
         Setting("min-rate", "lowest rate, records/s", _float, "rate", "min_rate"),
         Setting("max-rate", "highest rate, records/s (inf: none)", _float, "rate", "max_rate"),

@@ -281,6 +281,9 @@ def test_serve_parses_sizes() -> None:
     assert (args.buffer_bytes, args.disk_budget, args.segment_bytes) == (64 << 20, 2 << 30, None)
     defaults = _parser().parse_args(["serve"])
     assert (defaults.buffer_bytes, defaults.disk_budget) == (256 << 20, None)
+    # "none" as `config set` takes it, for both budgets
+    none = _parser().parse_args(["serve", "--disk-budget", "none", "--memory-budget", "None"])
+    assert (none.disk_budget, none.memory_budget) == (None, None)
     # segments default to a quarter of a small disk budget, so Spark's release can free room
     small = ServeConfig(receiver=ReceiverConfig(disk_budget_bytes=100 << 20))
     assert small.wal_segment_bytes == 25 << 20

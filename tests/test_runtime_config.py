@@ -86,7 +86,7 @@ async def test_a_disk_budget_taken_away_lifts_its_pause(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, "the budget did not pause credit"
             await asyncio.sleep(0.05)
         view = await stub.SetConfig(pb.SetConfigRequest(reset=["disk-budget"]))
-        assert settings(view)["disk-budget"][0] == ""
+        assert settings(view)["disk-budget"][0] == "none"
         assert await ack_seconds(server) < 10
         assert "disk_budget" not in receiver.paused
 
@@ -98,7 +98,7 @@ async def test_the_servers_memory_budget_is_a_setting_of_every_stream(tmp_path: 
         assert {r.config.memory_budget_bytes for r in server.receivers.values()} == {1024}
         assert await ack_seconds(server, 2_000) < 20  # within 1 KiB at a time, but on
         view = await stub.SetConfig(pb.SetConfigRequest(reset=["memory-budget"]))
-        assert settings(view)["memory-budget"][0] == ""
+        assert settings(view)["memory-budget"][0] == "none"
         assert {r.config.memory_budget_bytes for r in server.receivers.values()} == {None}
         assert await ack_seconds(server) < 10
         assert all("server_memory_budget" not in r.paused for r in server.receivers.values())
@@ -148,6 +148,9 @@ INVALID = [
     ({"disk-budget": "99999999TiB"}, grpc.StatusCode.INVALID_ARGUMENT, "disk-budget must be at most"),
     ({"memory-budget": "99999999TiB"}, grpc.StatusCode.INVALID_ARGUMENT, "memory-budget must be at most"),
     ({"memory-budget": "0"}, grpc.StatusCode.INVALID_ARGUMENT, "memory-budget must be >= 1"),
+    # an unset shell variable must not lift a budget: "none" does, "" is refused
+    ({"memory-budget": ""}, grpc.StatusCode.INVALID_ARGUMENT, "an empty budget"),
+    ({"disk-budget": " "}, grpc.StatusCode.INVALID_ARGUMENT, "an empty budget"),
     ({"estimator-params": "horizon"}, grpc.StatusCode.INVALID_ARGUMENT, "name=value"),
     ({"estimator-params": "horizon=fast"}, grpc.StatusCode.INVALID_ARGUMENT, "not a number"),
     ({"estimator-params": "kp=1"}, grpc.StatusCode.INVALID_ARGUMENT, "no parameter 'kp'"),
