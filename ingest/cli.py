@@ -1676,6 +1676,9 @@ def _push_failed(args: argparse.Namespace, producer: Producer, read: int, error:
             f"no record was sent: {'fix the cause first' if permanent else 'the same command can run again'}"
         )
         return
+    if permanent and acked == args.resume_from:  # a --resume-from past the server's mark (a gap), say
+        _fail(f"no record of this run was acked: fix the cause first ({sent - acked:,} sent were refused)")
+        return
     read += args.resume_from
     _fail(f"of the input's records {acked:,} are acked (durable), {sent:,} sent, {read:,} read")
     command = [

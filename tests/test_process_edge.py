@@ -446,6 +446,14 @@ def test_a_resume_with_a_mistyped_producer_id_is_refused(tmp_path: Path, servers
     assert typo.returncode == 1, typo.stderr.decode()
     assert b"OUT_OF_RANGE: producer 'p-l' is not known on stream 'default'" in typo.stderr
     assert b"no record was sent: fix the cause first" in typo.stderr
+    longer = tmp_path / "longer.txt"
+    longer.write_text("".join(f"{i}\n" for i in range(200)))
+    past = sluice(
+        "push", str(longer), "--target", target, "--producer-id", "p-1", "--resume-from", "150", timeout=60
+    )  # past what the server holds of p-1 (100): a gap, and no count or resume command that cannot work
+    assert past.returncode == 1, past.stderr.decode()
+    assert b"no record of this run was acked: fix the cause first" in past.stderr
+    assert b"to resume" not in past.stderr and b"are acked (durable)" not in past.stderr
     resumed = sluice(
         "push", str(source), "--target", target, "--producer-id", "p-1", "--resume-from", "50", timeout=60
     )
