@@ -114,15 +114,10 @@ class AdminService(pb_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"nothing changed: {exc}")
             raise
         self._apply(old, new)
-        changed = ", ".join(f"{k}={v}" for k, v in changes.items())
-        reset = ", ".join(request.reset)
-        log.info(
-            "settings version %d by %s: %s%s",
-            self._runtime.version,
-            context.peer(),
-            changed,
-            f"; reset {reset}" if reset else "",
-        )
+        done = [", ".join(f"{k}={v}" for k, v in changes.items())] if changes else []
+        if request.reset:
+            done.append(f"reset {', '.join(request.reset)}")
+        log.info("settings version %d by %s: %s", self._runtime.version, context.peer(), "; ".join(done))
         return self._view()
 
     async def _restart_back(self, trigger_interval: float) -> None:

@@ -1032,6 +1032,12 @@ def _drive(args: argparse.Namespace) -> int:
     return asyncio.run(run_driver(config, spark_log_level=args.spark_log_level))
 
 
+def _default_rate(receive_only: bool) -> RateConfig:
+    """The rate settings of a serve given no rate flag."""
+    estimator = "fixed" if receive_only else "model"
+    return RateConfig(estimator=estimator, initial_rate=math.inf)
+
+
 def _rate_config(args: argparse.Namespace, receive_only: bool) -> RateConfig:
     """The rate flags as a RateConfig; ConfigError naming the flag at fault."""
     policies = _checked(args, lambda: _stream_policies(args))
@@ -1142,7 +1148,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     try:
         config = _serve_config(args)
-        RuntimeConfig(config)  # DATA_DIR/runtime-config.json against these flags, as config check does
+        RuntimeConfig(config, announce=False)  # DATA_DIR/runtime-config.json against these flags
         _spark_prerequisites(config)
     except ValueError as exc:
         return _fail(str(exc), EXIT_USAGE)
@@ -1216,7 +1222,10 @@ async def _serve_async(  # noqa: PLR0912, PLR0915 - one lifecycle
             config,
             batches_completed=lambda: driver.batches_completed if driver else 0,
             data_dir_lock=lock,
-            defaults=dataclasses.replace(config, receiver=ReceiverConfig(), rate=RateConfig()),
+            # what no flag gives, as _rate_config makes it (--no-spark implies the fixed estimator)
+            defaults=dataclasses.replace(
+                config, receiver=ReceiverConfig(), rate=_default_rate(not config.spark)
+            ),
             origins=origins,
         )
         await server.start()
@@ -1769,7 +1778,7 @@ def _config_check(args: argparse.Namespace) -> int:
         else:
             config = _serve_config(args)
             # DATA_DIR/runtime-config.json, read (never written) and checked as the server will
-            runtime = RuntimeConfig(config)
+            runtime = RuntimeConfig(config, announce=False)
             overrides, runtime_file = runtime.overrides, str(runtime.path)
         _spark_prerequisites(config)
     except ValueError as exc:

@@ -269,8 +269,12 @@ class RuntimeConfig:
         base: ServeConfig,
         defaults: ServeConfig | None = None,
         origins: Mapping[str, str] | None = None,
+        *,
+        announce: bool = True,
     ) -> None:
+        """`announce`: log each override as the server takes it (not for a check before the start)."""
         self.base = base
+        self._announce = announce
         """What the command line gave (with the defaults for what it did not)."""
         self._defaults = defaults
         self._origins = dict(origins or {})
@@ -308,9 +312,9 @@ class RuntimeConfig:
             ) from None
         self.overrides = {str(k): str(v) for k, v in overrides.items()}
         self.version = data.get("version", 0)
-        for key, value in self.overrides.items():
-            was = SETTINGS[key].text(self.base)
-            log.info("setting %s = %s (dynamic, %s; the command line said %s)", key, value, self.path, was)
+        for key, value in self.overrides.items() if self._announce else ():
+            was = SETTINGS[key].text(self.base) or "(none)"
+            log.info("setting %s = %s (dynamic, %s; without it: %s)", key, value, self.path, was)
 
     def _build(self, overrides: Mapping[str, str]) -> ServeConfig:
         parsed = {}
