@@ -1524,12 +1524,14 @@ async def _push_async(
     keyless = 0  # lines without the separator
     # SIGTERM (systemd, Kubernetes, `timeout`) as Ctrl-C: say how far the push got and how to resume
     terminated: list[bool] = []
+    handling: list[bool] = []  # the push is ending: a SIGTERM now must not cut its report short
     main = asyncio.current_task()
     assert main is not None
 
     def terminate() -> None:
+        if not terminated and not handling:
+            main.cancel()
         terminated.append(True)
-        main.cancel()
 
     with contextlib.suppress(ValueError, RuntimeError):  # not the main thread (a test's): no handler
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminate)
@@ -1544,6 +1546,7 @@ async def _push_async(
         progress.show(read.done_bytes, read.records, producer.acked - args.resume_from, final=True)
         await producer.close(args.timeout)
     except (SluiceError, asyncio.CancelledError) as exc:
+        handling.append(True)
         await _stopped(follow)
         await producer.abort()
         progress.stop()
@@ -1668,9 +1671,12 @@ def _permanent(error: BaseException) -> bool:
         SequenceRangeError,
     )
 
-    if isinstance(error, RPCError):
-        return not error.retriable
-    return isinstance(error, RecordTooLargeError | RecordTypeError | SequenceRangeError)
+    for candidate in (error, error.__cause__):  # the cause of close()'s UnackedRecordsError too
+        if isinstance(candidate, RPCError):
+            return not candidate.retriable
+        if isinstance(candidate, RecordTooLargeError | RecordTypeError | SequenceRangeError):
+            return True
+    return False
 
 
 def _push_failed(args: argparse.Namespace, producer: Producer, read: int, error: BaseException) -> None:

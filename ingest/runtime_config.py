@@ -100,6 +100,11 @@ def _budget(text: str) -> int | None:
     return _size(text)
 
 
+def _is_budget(key: str) -> bool:
+    setting = SETTINGS.get(key)
+    return setting is not None and setting.parse is _budget
+
+
 def _off_or(parse: Callable[[str], object]) -> Callable[[str], object]:
     """ "off" (or "", as None is shown) means None: the feature off."""
     return lambda text: None if text.strip().lower() in ("", "off") else parse(text)
@@ -302,15 +307,20 @@ class RuntimeConfig:
                 f"{self.path}: not a runtime settings file (an object of a version >= 0 and overrides); "
                 "delete it to start from the command line's settings"
             )
+        # an empty budget, which `config set` took for none before it took "none" alone, still means it
+        overrides = {
+            str(k): ("none" if str(v).strip() == "" and _is_budget(str(k)) else str(v))
+            for k, v in overrides.items()
+        }
         try:
-            self._build({str(k): str(v) for k, v in overrides.items()})
+            self._build(overrides)
         except SettingError as exc:
             # from an older version with other bounds, or edited by hand: say how to get going again
             raise SettingError(
                 f"{self.path}: {exc} (this file holds what `sluice config set` changed: correct the "
                 "value there, or delete the file to start from the command line's settings)"
             ) from None
-        self.overrides = {str(k): str(v) for k, v in overrides.items()}
+        self.overrides = overrides
         self.version = data.get("version", 0)
         for key, value in self.overrides.items() if self._announce else ():
             was = SETTINGS[key].text(self.base) or "(none)"

@@ -168,6 +168,7 @@ class SluiceServer:
         self.port: int = 0
         """The bound gRPC port, once started."""
         self._stopped = asyncio.Event()
+        self._stop_done = asyncio.Event()
         self._watchdog: asyncio.Task[None] | None = None
         self._health_watch: asyncio.Task[None] | None = None
         self.failure: str | None = None
@@ -227,9 +228,9 @@ class SluiceServer:
     async def _watch_health(self) -> None:
         while True:
             await asyncio.sleep(HEALTH_TICK)
-            if self._data_dir_lost():
-                return
             try:
+                if self._data_dir_lost():
+                    return
                 await self._update_health()
             except Exception:  # a failure() that raises must not end the probe's updates
                 log.exception("health update failed")
@@ -244,7 +245,7 @@ class SluiceServer:
                 " while this server ran: stopping, since nothing could be made durable there any more and "
                 "a second server could start on it"
             )
-        elif deleted := self.store.deleted_folders():
+        elif deleted := self.store.deleted_folders(self.receivers):
             folders = ", ".join(str(f) for f in deleted)
             lost = (
                 f"the block log's folder {folders} was deleted or replaced while this server ran: stopping, "
@@ -419,11 +420,11 @@ class SluiceServer:
             if state == SERVING:
                 raise StreamExistsError(f"stream {stream!r} is served already")
             receiver = Receiver(stream, self._writes, self.config.receiver, pool=self.memory)
-            await receiver.start()
             try:
+                await receiver.start()
                 await asyncio.to_thread(self.streams.set, [(stream, SERVING)])
-            except OSError:
-                await receiver.stop()
+            except BaseException:
+                await receiver.stop()  # and out of the memory pool
                 raise
             self.receivers[stream] = receiver
             self.rate.streams_changed()
@@ -555,10 +556,18 @@ class SluiceServer:
         return changes
 
     async def stop(self, grace: float = 5.0) -> None:
-        """Seal and ack what was received, end every session, then stop serving."""
+        """Seal and ack what was received, end every session, then stop serving. A second call waits
+        for the first to end (the server stopping itself, then `sluice serve`)."""
         if self._stopped.is_set():
+            await self._stop_done.wait()
             return
         self._stopped.set()
+        try:
+            await self._stop(grace)
+        finally:
+            self._stop_done.set()
+
+    async def _stop(self, grace: float) -> None:
         for task in (self._watchdog, self._health_watch):
             if task is not None:
                 task.cancel()

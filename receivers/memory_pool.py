@@ -50,33 +50,37 @@ class MemoryPool:
     """The bytes every member (a server's receivers) holds, against a budget each member is given."""
 
     def __init__(self) -> None:
-        self._members: list[PoolMember] = []
+        self._members: dict[int, PoolMember] = {}  # by id: asked for every message taken
         self.held = 0
         """Bytes buffered by every member: records taken and not yet in a durable block."""
         self._short: set[int] = set()
         """Members (by id) that found no room in the pool since it last had some for them."""
 
     def join(self, member: PoolMember) -> None:
-        if member not in self._members:
-            self._members.append(member)
+        self._members[id(member)] = member
 
     def leave(self, member: PoolMember, holding: int) -> None:
-        """`member` stopped; `holding`: the bytes it still counted as buffered (now let go)."""
-        if member in self._members:
-            self._members.remove(member)
-            self._short.discard(id(member))
+        """`member` stopped (or died); `holding`: the bytes it still counted as buffered, let go now.
+        What it takes or releases afterwards is not counted: it is no member any more."""
+        if id(member) in self._members:
             self.release(holding, member)
+            del self._members[id(member)]
+            self._short.discard(id(member))
 
-    def take(self, nbytes: int) -> None:
-        self.held += nbytes
+    def take(self, nbytes: int, by: PoolMember) -> None:
+        if id(by) in self._members:
+            self.held += nbytes
 
     def release(self, nbytes: int, by: PoolMember) -> None:
         """`by` let go of `nbytes` (a block made durable, records dropped): members that wait for room
         hear of it (not `by`, which tops itself up as it goes on)."""
+        if id(by) not in self._members:
+            return
         self.held -= nbytes
         if nbytes > 0 and self._short:
-            for member in list(self._members):
-                if member is not by and id(member) in self._short:
+            for key in list(self._short):
+                member = self._members.get(key)
+                if member is not None and member is not by:
                     member.pool_room()
 
     def room_for(self, member: PoolMember, limit: float) -> float:
@@ -86,7 +90,7 @@ class MemoryPool:
         mine = member.committed_bytes
         room = limit - (self.held - member.buffered_bytes) - mine
         if self._short - {id(member)}:
-            sharing = sum(1 for m in self._members if m.active_sessions > 0 or m is member)
+            sharing = sum(1 for m in self._members.values() if m.active_sessions > 0 or m is member)
             room = min(room, limit / max(sharing, 1) - mine)
         return room
 

@@ -264,7 +264,7 @@ class Receiver:
         self._buffered = 0
         self._buffered_bytes = 0
         self._pool = pool if pool is not None else MemoryPool()
-        self._pool.join(self)
+        self._waiting_to_read = 0  # sessions held unread by a full budget (room_to_read)
         self._outstanding = 0
         self._record_bytes_avg = float(INITIAL_RECORD_BYTES)
         self._record_bytes_last = float(INITIAL_RECORD_BYTES)
@@ -277,6 +277,7 @@ class Receiver:
         self._write_error: str | None = None
         self._replication_status = ""
         self._next_block_seq, self._next_offset = store.recover(self.stream)
+        self._pool.join(self)  # once recovered: a receiver that failed to start is no member
         self._task: asyncio.Task[None] | None = None
         self._unwatch_durable: Callable[[], None] | None = None
         self._stopping = False
@@ -318,6 +319,7 @@ class Receiver:
             return
         log.error("block generator of stream %r died", self.stream, exc_info=task.exception())
         self._stopping = True
+        self._pool.leave(self, self._buffered_bytes)  # its records will never be written: let them go
         error = ReceiverStopped(f"receiver for stream {self.stream!r} failed: {task.exception()!r}")
         for session in list(self._sessions):
             self.fail(session, error, ack_first=False)
@@ -328,40 +330,42 @@ class Receiver:
         if self._stopping:
             return
         self._stopping = True
-        self._room.set()
-        self._cancel_linger()
-        if self._task is not None:
-            # let the block generator finish the seal it may be in, rather than cancel it: a block
-            # written but cancelled before its bookkeeping would be in the log and never acked
-            self._seal_wanted.set()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-        await self._seal()
-        self._release_seal_waiters(everyone=True)
-        if self._awaiting_durable:
-            # group commit: make the last blocks durable now rather than at the next background fsync
-            with contextlib.suppress(OSError):
-                await asyncio.to_thread(self.store.flush)
-            self._ack_durable()
-        if self._unwatch_durable is not None:
-            self._unwatch_durable()
-        for session in list(self._sessions):
-            if session.completed and session.durable_up_to == session.next_seq:
-                session.outbox.finish()
-            else:
-                self.cancel(session, code, reason)
-            # records whose block could not be written are not acked: end the call all the same
-            session.outbox.finish(ReceiverStopped(f"receiver for stream {self.stream!r} stopped"))
-        if self._buffered:
-            log.warning(
-                "stream %r: %d records taken and never made durable are dropped with the stop (%s); they "
-                "were not acked: their producers send them again",
-                self.stream,
-                self._buffered,
-                self._write_error or "not written",
-            )
-        self._pool.leave(self, self._buffered_bytes)  # what no write took is dropped with the receiver
-        self.tap.on_completed()
+        try:
+            self._room.set()
+            self._cancel_linger()
+            if self._task is not None:
+                # let the block generator finish the seal it may be in, rather than cancel it: a block
+                # written but cancelled before its bookkeeping would be in the log and never acked
+                self._seal_wanted.set()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+            await self._seal()
+            self._release_seal_waiters(everyone=True)
+            if self._awaiting_durable:
+                # group commit: make the last blocks durable now rather than at the next background fsync
+                with contextlib.suppress(OSError):
+                    await asyncio.to_thread(self.store.flush)
+                self._ack_durable()
+            if self._unwatch_durable is not None:
+                self._unwatch_durable()
+            for session in list(self._sessions):
+                if session.completed and session.durable_up_to == session.next_seq:
+                    session.outbox.finish()
+                else:
+                    self.cancel(session, code, reason)
+                # records whose block could not be written are not acked: end the call all the same
+                session.outbox.finish(ReceiverStopped(f"receiver for stream {self.stream!r} stopped"))
+            if self._buffered:
+                log.warning(
+                    "stream %r: %d records taken and never made durable are dropped with the stop (%s); they "
+                    "were not acked: their producers send them again",
+                    self.stream,
+                    self._buffered,
+                    self._write_error or "not written",
+                )
+            self.tap.on_completed()
+        finally:  # cancelled part-way too: stop() does not run twice
+            self._pool.leave(self, self._buffered_bytes)  # what no write took is dropped with it
 
     # ---- rate ----------------------------------------------------------------------------------
 
@@ -619,10 +623,16 @@ class Receiver:
         while self.over_memory_budget and not (self._stopping or session.ended or session.cancelled):
             if self._pending and DISK_ERROR not in self._paused:  # a failing write keeps its own pace
                 self._seal_wanted.set()  # what is pending goes to the log now: its write makes room
-            self._pool.short(self, True)  # room another stream's write frees wakes this one too
+            limit = self.config.memory_budget_bytes
+            if limit is not None and self._pool.held >= limit:
+                self._pool.short(self, True)  # room another stream's write frees wakes this one too
             self._room.clear()
-            with contextlib.suppress(TimeoutError):  # and looks again: the session may have ended
-                await asyncio.wait_for(self._room.wait(), _ROOM_POLL)
+            self._waiting_to_read += 1
+            try:
+                with contextlib.suppress(TimeoutError):  # and looks again: the session may have ended
+                    await asyncio.wait_for(self._room.wait(), _ROOM_POLL)
+            finally:
+                self._waiting_to_read -= 1
 
     def check_credit(self, session: Session, count: int) -> None:
         """ProtocolViolation if a batch of `count` records exceeds the session's credit (rule 1.1). Asked
@@ -690,7 +700,7 @@ class Receiver:
         fresh = records.num_rows
         self._buffered += fresh
         self._buffered_bytes += nbytes
-        self._pool.take(nbytes)
+        self._pool.take(nbytes, self)
         owner = self._owners[session.owner]
         owner.buffered += fresh
         owner.buffered_bytes += nbytes
@@ -829,7 +839,8 @@ class Receiver:
         if not wanting:  # the common case under load: cheap
             self._set_paused(MEMORY_BUDGET, False)
             self._set_paused(SERVER_MEMORY, False)
-            self._pool.short(self, False)
+            if not self._waiting_to_read:  # sessions held unread still want their share of the room
+                self._pool.short(self, False)
             return
         estimates = {key: self.owner_record_bytes(key) for key in self._owners}
         smallest = min((estimates[s.owner] for s in wanting), default=self.record_bytes_estimate)

@@ -75,7 +75,7 @@ import re
 import stat
 import struct
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -814,13 +814,25 @@ class WalBlockStore(BlockStore):
         log.debug("stream %r: dropped segment %s: every block in it is released", stream, segment.name)
         return size
 
-    def deleted_folders(self) -> list[Path]:
-        """The streams' folders this process writes that were deleted or replaced since (`rm -rf` of the
-        block log while the server runs): the log makes none of them again (_segment_for), so nothing
-        more of those streams can be made durable."""
+    def deleted_folders(self, streams: Iterable[str]) -> list[Path]:
+        """The folders of `streams` (those served) that this process writes and that were deleted or
+        replaced since (`rm -rf` of the block log while the server runs): the log makes none of them
+        again (_segment_for), so nothing more of those streams can be made durable. A folder that
+        cannot be looked at (permissions) is not taken for deleted."""
+        wanted = set(streams)
         with self._writers_lock:
-            writers = list(self._writers.values())
-        return [w.folder for w in writers if w.folder_id is not None and _path_id(w.folder) != w.folder_id]
+            writers = [w for s, w in self._writers.items() if s in wanted]
+        deleted = []
+        for writer in writers:
+            if writer.folder_id is None:
+                continue
+            try:
+                now = _path_id(writer.folder)
+            except OSError:
+                continue
+            if now != writer.folder_id:
+                deleted.append(writer.folder)
+        return deleted
 
     def disk_bytes(self, stream: str | None = None) -> int:
         """Bytes the store takes on disk: of one stream, or of all."""
@@ -1405,10 +1417,11 @@ def _build_frame(
 
 
 def _path_id(path: Path) -> tuple[int, int] | None:
-    """(device, inode) of `path`, None if it is not a directory (or gone)."""
+    """(device, inode) of `path`, None if it is not a directory (or gone); OSError when it cannot be
+    looked at (permissions)."""
     try:
         st = os.stat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
 

@@ -153,6 +153,7 @@ class UnackedRecordsError(SluiceError):
         self, records: list[tuple[bytes, bytes | None]], first_seq: int, cause: BaseException
     ) -> None:
         super().__init__(f"{len(records)} records never acked ({cause})")
+        self.__cause__ = cause  # as `raise ... from cause` sets it: the cause whoever raises it
         self.records = records
         self.first_seq = first_seq
         self.unacked = len(records)

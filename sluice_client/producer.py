@@ -600,11 +600,12 @@ async def _reap(task: asyncio.Task[Any]) -> None:
     suppress(CancelledError) around the wait took abort()'s cancel of the session's supervisor, which
     then slept through its reconnect backoff and tried again for up to reconnect_timeout (60 s)."""
     task.cancel()
+    current = asyncio.current_task()
+    before = current.cancelling() if current is not None else 0  # a caller already in its cleanup
     try:
         await task
     except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if current is not None and current.cancelling():
+        if current is not None and current.cancelling() > before:  # cancelled while it waited
             raise
 
 
@@ -958,15 +959,19 @@ class Producer:
             raise ProducerClosedError(f"producer is {self._state.value}; a producer starts once")
         tune_malloc()  # batches are large buffers: keep them off mmap (sluice_client.allocator)
         self._state = _State.OPEN
-        self._starting = asyncio.current_task()  # a close or abort meanwhile ends the attempt
+        starting = self._starting = asyncio.current_task()  # a close or abort meanwhile ends the attempt
         try:
             call = await self._open_first_call()
         except asyncio.CancelledError:
+            self._starting = None
+            # the teardown's cancel, and no other: start() ends with why (the caller's own goes on)
+            if self._state is _State.CLOSED and starting is not None and starting.uncancel() == 0:
+                raise ProducerClosedError("producer was closed while it started") from None
             if self._state is not _State.CLOSED:
                 await self._teardown()
-                raise
-            raise ProducerClosedError("producer was closed while it started") from None
+            raise
         except BaseException:
+            self._starting = None  # its own teardown: a close now must not cancel it
             await self._teardown()
             raise
         finally:
@@ -1130,8 +1135,8 @@ class Producer:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, SluiceError):
-                await task
+            with contextlib.suppress(SluiceError):
+                await _reap(task)  # a cancel of abort()'s caller goes on
         if self._call is not None:
             self._call.cancel()
         channels, self._channels = self._channels, {}

@@ -686,3 +686,26 @@ async def test_a_full_disk_pauses_credit_and_ingestion_resumes_when_room_returns
         assert Spark(server.config.blocks_dir).stored() == sent  # nothing lost, nothing doubled
     with contextlib.suppress(FileNotFoundError):
         filler.unlink()
+
+
+async def test_a_dead_receiver_lets_go_of_its_share_of_the_servers_budget(tmp_path: Path) -> None:
+    """A block generator that died (the receiver fails its sessions) left its records counted in the
+    server's budget for good: had they filled it, every stream would have stopped reading."""
+    async with running_server(
+        tmp_path, "a", "b", memory_budget_bytes=64 * 1024 * 1024, block_interval=30.0, block_linger=None
+    ) as server:
+        dying = server.receivers["a"]
+        producer = Producer(server.target, "a", linger=0)
+        await producer.start()
+        await producer.send_many(records("d", 100, 1_000))
+        await wait_until(lambda: dying.buffered_records == 100)  # pending: no seal for 30 s
+        assert server.memory.held > 0
+
+        def broken() -> Any:
+            raise RuntimeError("a bug in the block generator")
+
+        dying._take_pending = broken  # type: ignore[method-assign]
+        dying._seal_wanted.set()
+        await wait_until(lambda: dying._stopping)
+        assert server.memory.held == 0 and server.memory.members == 1
+        await producer.abort()

@@ -400,3 +400,17 @@ def test_a_metrics_port_below_minus_one_is_refused(tmp_path: Path) -> None:
     result = sluice("serve", "--no-spark", "--data-dir", str(tmp_path), "--metrics-port", "-2", timeout=60)
     assert result.returncode == 2, result.stderr
     assert b"argument --metrics-port: a port is 0..65535 (0: any; -1: off), got -2" in result.stderr
+
+
+def test_a_push_failure_a_rerun_cannot_mend_is_told_apart_through_close() -> None:
+    """close() wraps what stopped delivery in UnackedRecordsError: its cause decides."""
+    import grpc
+
+    from ingest.cli import _permanent
+    from sluice_client.errors import RPCError, UnackedRecordsError
+
+    refused = RPCError(grpc.StatusCode.INVALID_ARGUMENT, "bad")
+    away = RPCError(grpc.StatusCode.UNAVAILABLE, "restarting")
+    assert _permanent(refused) and not _permanent(away)
+    assert _permanent(UnackedRecordsError([(b"x", None)], 0, refused))
+    assert not _permanent(UnackedRecordsError([(b"x", None)], 0, away))

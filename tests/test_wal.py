@@ -832,3 +832,15 @@ def test_a_log_whose_folder_was_deleted_is_not_made_again(tmp_path: Path) -> Non
         with pytest.raises(OSError, match="deleted"):
             recovered.write("s", 1, 3, 1, [records(3, 3)])
     assert not root.exists()
+
+
+def test_only_the_folders_of_streams_still_served_count_as_deleted(tmp_path: Path) -> None:
+    """A removed (or kept) stream's folder deleted to reclaim disk stopped the running server: its writer
+    lived on. Only the streams the server serves are looked at."""
+    root = tmp_path / "blocks"
+    store = WalBlockStore(root)
+    for stream in ("a", "b"):
+        store.write(stream, 0, 0, 1, [records(3, 0)])
+    shutil.rmtree(root / "b")
+    assert store.deleted_folders(["a"]) == []
+    assert store.deleted_folders(["a", "b"]) == [root / "b"]
