@@ -335,6 +335,16 @@ def acked_by(metrics_port: int) -> float:
     return float(match.group(1)) if match else 0.0
 
 
+def throttled_serve(tmp_path: Path, servers: list[Serve], rate: int) -> tuple[Serve, int, int, Path]:
+    """`sluice serve --no-spark` at `rate` records/s, serving: (it, its port, its metrics port, data dir)."""
+    port, metrics_port, data = free_port(), free_port(), tmp_path / "data"
+    throttled = ["--initial-rate", str(rate), "--block-interval", "0.05", "--metrics-port", str(metrics_port)]
+    serve = Serve(tmp_path, "first", *no_spark(port, data, *throttled))
+    servers.append(serve)
+    serve.wait_serving()
+    return serve, port, metrics_port, data
+
+
 def test_a_failed_push_prints_how_to_resume_and_the_resume_doubles_nothing(
     tmp_path: Path, servers: list[Serve]
 ) -> None:
@@ -343,12 +353,8 @@ def test_a_failed_push_prints_how_to_resume_and_the_resume_doubles_nothing(
     # keyed lines, their separator (->) given escaped and reading as a flag unless one token: the resume
     # command keeps it as given
     source.write_text("".join(f"k{i % 7}->{i}\n" for i in range(total)))
-    port, metrics_port, data = free_port(), free_port(), tmp_path / "data"
     # throttled (5 s for the input), so that the push is still running when the server dies
-    throttled = ["--initial-rate", "40000", "--block-interval", "0.05", "--metrics-port", str(metrics_port)]
-    first = Serve(tmp_path, "first", *no_spark(port, data, *throttled))
-    servers.append(first)
-    first.wait_serving()
+    first, port, metrics_port, data = throttled_serve(tmp_path, servers, 40_000)
     target = f"127.0.0.1:{port}"
     flags = ["--timeout", "3", "--batch-size", "1000", "--key-separator=\\x2d>"]
     push = subprocess.Popen(
@@ -400,11 +406,7 @@ def test_a_push_stopped_by_sigterm_says_how_to_resume(tmp_path: Path, servers: l
     total = 100_000
     source = tmp_path / "records.txt"
     source.write_text("".join(f"{i}\n" for i in range(total)))
-    port, metrics_port, data = free_port(), free_port(), tmp_path / "data"
-    throttled = ["--initial-rate", "20000", "--block-interval", "0.05", "--metrics-port", str(metrics_port)]
-    serve = Serve(tmp_path, "serve", *no_spark(port, data, *throttled))
-    servers.append(serve)
-    serve.wait_serving()
+    _, port, metrics_port, data = throttled_serve(tmp_path, servers, 20_000)
     target = f"127.0.0.1:{port}"
     push = subprocess.Popen([*SLUICE, "push", str(source), "--target", target], stderr=subprocess.PIPE)
     try:
