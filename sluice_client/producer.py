@@ -200,12 +200,14 @@ class _Listed:
         values: Sequence[bytes],
         keys: Sequence[bytes | None] | None = None,
         lengths: npt.NDArray[np.int64] | None = None,
+        key_size: int | None = None,
     ) -> int:
-        """Add records (keys: one per value, or None for none; `lengths`: the values', if measured
-        already); return the bytes of their values and keys."""
+        """Add records (keys: one per value, or None for none; `lengths` and `key_size`: the values'
+        lengths and the keys' bytes, if measured already); return the bytes of their values and keys."""
         if lengths is None:
             lengths = _value_lengths(values)
-        key_size = _key_bytes(keys) if keys is not None else 0
+        if key_size is None:
+            key_size = _key_bytes(keys) if keys is not None else 0
         if len(values) and int(lengths.max()) + key_size > MAX_RECORD_BYTES:  # maybe one is too large
             sizes = lengths + (_key_lengths(keys) if keys is not None else 0)
             if (over := int(np.argmax(sizes > MAX_RECORD_BYTES))) or sizes[0] > MAX_RECORD_BYTES:
@@ -422,9 +424,10 @@ class _Pending:
         values: Sequence[bytes],
         keys: Sequence[bytes | None] | None = None,
         lengths: npt.NDArray[np.int64] | None = None,
+        key_size: int | None = None,
     ) -> int:
         """Add records (keys: one per value, or None); return the bytes of their values."""
-        size = self._listed().extend(values, keys, lengths)
+        size = self._listed().extend(values, keys, lengths, key_size)
         self._count += len(values)
         return size
 
@@ -1171,7 +1174,8 @@ class Producer:
         self._check_open()  # no records either: a closed producer says so, as send() does
         self._check_seq_room(count)
         lengths = _value_lengths(values)
-        total = int(lengths.sum()) + (_key_bytes(keys) if keys is not None else 0)
+        key_total = _key_bytes(keys) if keys is not None else 0  # measured once: a whole call's too
+        total = int(lengths.sum()) + key_total
         given = 0  # of total, the bytes of the pieces taken so far
         ends: npt.NDArray[np.int64] | None = None  # bytes before each record: made if the bound may cut
         start = 0
@@ -1187,8 +1191,12 @@ class Producer:
                         ends[1:] += np.cumsum(_key_lengths(keys))
                 end = _cut(ends, start, end, room)
             try:
+                whole = start == 0 and end == count  # the common case: its keys are measured
                 added = self._pending.extend(
-                    values[start:end], keys[start:end] if keys is not None else None, lengths[start:end]
+                    values[start:end],
+                    keys[start:end] if keys is not None else None,
+                    lengths[start:end],
+                    key_total if whole else None,
                 )
             except _OverLimit as over:
                 raise _too_large(start + over.index, over.size, start) from None
