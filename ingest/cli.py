@@ -66,6 +66,7 @@ from sluice_client.errors import FlushTimeoutError, RecordTooLargeError, RPCErro
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from sluice_client.producer import DEFAULT_MAX_BUFFERED, MAX_RECORD_BYTES
+from sluice_client.tasks import reap
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -1615,9 +1616,7 @@ def _first_lines(parts: tuple[Any, ...], n: int) -> tuple[Any, ...]:
 
 async def _stopped(task: asyncio.Task[None] | None) -> None:
     if task is not None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await reap(task)  # a SIGTERM meanwhile still ends the push
 
 
 async def _flush_while_acking(producer: Producer, timeout: float) -> None:

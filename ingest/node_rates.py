@@ -13,7 +13,6 @@ One task per node, so a node that hangs until the call timeout delays nobody els
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import math
@@ -28,6 +27,7 @@ from ratecontrol.nodes import NodeLoad, NodeShare, split_nodes
 from sluice_client.credentials import Credentials
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client.tasks import reap
 
 log = logging.getLogger(__name__)
 
@@ -138,9 +138,7 @@ class NodeRates:
         task, self._task = self._task, None
         try:
             if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await reap(task)
         finally:
             for node in self._nodes.values():
                 await node.channel.close(None)

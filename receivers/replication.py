@@ -36,6 +36,7 @@ from receivers.files import replace_json
 from receivers.wal import WalBlockStore
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client.tasks import reap
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +77,7 @@ class FollowerLink:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await reap(self._task)
 
     def behind(self) -> bool:
         local = self._replicator.local

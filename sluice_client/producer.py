@@ -74,6 +74,7 @@ from sluice_client.errors import (
 )
 from sluice_client.flow import MAX_DEMAND
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.tasks import reap
 from sluice_client.wire import Keys, PackedKeys, is_key, lay_out_keys, publish_parts, serialize_request
 
 log = logging.getLogger(__name__)
@@ -596,20 +597,6 @@ def _batch_keys(spans: list[tuple[_Listed | _Packed, int]]) -> Keys | None:
         valid.append(piece.valid if piece.valid is not None else np.ones(k, dtype=bool))
         total += int(piece.ends[-1])
     return PackedKeys(parts, np.concatenate(ends), np.concatenate(valid))
-
-
-async def _reap(task: asyncio.Task[Any]) -> None:
-    """Cancel `task` and wait for it to end, without swallowing a cancellation of the caller: a
-    suppress(CancelledError) around the wait took abort()'s cancel of the session's supervisor, which
-    then slept through its reconnect backoff and tried again for up to reconnect_timeout (60 s)."""
-    task.cancel()
-    current = asyncio.current_task()
-    before = current.cancelling() if current is not None else 0  # a caller already in its cleanup
-    try:
-        await task
-    except asyncio.CancelledError:
-        if current is not None and current.cancelling() > before:  # cancelled while it waited
-            raise
 
 
 def _closed_with(unacked: int) -> ProducerClosedError:
@@ -1139,7 +1126,7 @@ class Producer:
             task.cancel()
         for task in self._tasks:
             with contextlib.suppress(SluiceError):
-                await _reap(task)  # a cancel of abort()'s caller goes on
+                await reap(task)  # a cancel of abort()'s caller goes on
         if self._call is not None:
             self._call.cancel()
         channels, self._channels = self._channels, {}
@@ -1422,7 +1409,7 @@ class Producer:
             return exc
         finally:
             with contextlib.suppress(grpc.aio.AioRpcError):
-                await _reap(sender)
+                await reap(sender)
         if self._acked_seq < self._sent_seq and self._error is None:
             self._error = ProducerClosedError(
                 f"server ended the session with {self._sent_seq - self._acked_seq} records unacked"
@@ -1523,7 +1510,7 @@ class Producer:
                 await asyncio.sleep(0)  # let the write start before the next batch is encoded
         finally:
             if writing is not None and not writing.done():
-                await _reap(writing)
+                await reap(writing)
 
     async def _write(self, call: Call, request: bytes) -> bool:
         """Write one message; False if the call has ended."""
