@@ -1874,11 +1874,19 @@ def _streams_add(args: argparse.Namespace) -> int:
 def _streams_remove(args: argparse.Namespace) -> int:
     backlog = pb.RemoveStreamRequest.DRAIN if args.drain else pb.RemoveStreamRequest.KEEP
     request = pb.RemoveStreamRequest(stream=args.name, backlog=backlog, reason=args.reason)
-    return _show_streams(
-        _unary(
-            args, "streams remove", lambda ch, md: pb_grpc.AdminStub(ch).RemoveStream(request, metadata=md)
-        )
+    view = _unary(
+        args, "streams remove", lambda ch, md: pb_grpc.AdminStub(ch).RemoveStream(request, metadata=md)
     )
+    code = _show_streams(view)
+    left = next((s for s in view.streams if s.stream == args.name and s.state == "draining"), None)
+    if left is not None:  # a drain is not done when the call returns: say what ends it
+        print(
+            f"{args.name} stays draining until the query has processed its backlog ({left.backlog:,} records "
+            "now), then it is gone; `sluice streams list` shows how far it got. A server without a query "
+            "(--no-spark) waits for whatever reads its blocks.",
+            file=sys.stderr,
+        )
+    return code
 
 
 def _show_pipeline(view: pb.PipelineView) -> int:

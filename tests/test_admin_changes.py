@@ -13,6 +13,7 @@ import grpc
 import pytest
 from support import running_server
 
+from ingest import cli
 from ingest.streams import StreamStateError
 from sluice_client import Producer
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
@@ -142,3 +143,22 @@ async def test_a_swap_cut_by_a_crash_resumes_the_query_that_committed(tmp_path: 
             (tmp_path / "pipeline.json").write_text(bad)
             with pytest.raises(PipelineStateError, match=r"pipeline\.json"):
                 PipelineManager(SparkDriver(None, server.config, store=server.store), server, loop)
+
+
+async def test_the_cli_says_what_a_drain_left_waiting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """RemoveStream returns before a drain is done; on a server without a query it waits for good."""
+    async with running_server(tmp_path, "a", "c") as server:
+        async with Producer(server.target, "c") as producer:
+            await producer.send_many([b"1", b"2"])
+            await producer.flush(timeout=10)
+        args = ["streams", "remove", "c", "--drain", "--target", server.target]
+        assert await asyncio.to_thread(cli.main, args) == 0
+        said = capsys.readouterr()
+        assert "c\tdraining\t2\t" in said.out
+        assert "c stays draining until the query has processed its backlog (2 records now)" in said.err
+        assert "--no-spark" in said.err
+        args = ["streams", "remove", "a", "--keep", "--target", server.target]  # nothing left waiting
+        assert await asyncio.to_thread(cli.main, args) == 0
+        assert capsys.readouterr().err == ""
