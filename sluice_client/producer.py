@@ -851,7 +851,10 @@ class Producer:
         self.producer_id = producer_id or uuid.uuid4().hex
         self.resume = resume
         """`first_seq` continues an earlier run of this producer id: a server that does not know the id
-        (a mistyped one) refuses the session (OUT_OF_RANGE) instead of taking it from first_seq on."""
+        (a mistyped one) refuses the session (OUT_OF_RANGE) instead of taking it from first_seq on. Only
+        until a server has taken a session of this Producer: later sessions resume from its own acks,
+        also on a node (or a server) that no longer knows the id."""
+        self._taken = False  # a server granted a session of this Producer credit: the id is not a typo
         self.batch_size = batch_size
         self.batch_bytes = batch_bytes
         self.linger = linger
@@ -1041,7 +1044,7 @@ class Producer:
             stream=self.stream,
             producer_id=self.producer_id,
             resume_from_seq=self._acked_seq,
-            resume=self.resume,
+            resume=self.resume and not self._taken,
         )
         try:
             try:
@@ -1619,6 +1622,7 @@ class Producer:
                     if cancelled is None:  # no credit after a Cancel (rule 3.6)
                         self._credit = min(MAX_DEMAND, self._credit + response.request.n)
                         self._lost_since = None  # the server took this session: reconnected
+                        self._taken = True
                 elif kind == "ack":
                     if response.ack.durable_up_to > self._sent_seq:
                         await self._protocol_error(

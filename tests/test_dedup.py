@@ -893,6 +893,36 @@ async def test_a_resume_of_a_producer_the_server_does_not_know_is_refused(node: 
     assert stored(node.data_dir) == [*values("k", 0, 8), b"fresh"]
 
 
+async def test_resume_checks_the_first_session_only(tmp_path: Path) -> None:
+    """A Producer(resume=True) sent Open.resume on every reconnect: a server that had forgotten the id
+    since (another node, evicted past max_producers, a data dir started afresh) refused it, and the
+    Producer failed with OUT_OF_RANGE though its own acks say where to go on from."""
+    first = Node(tmp_path / "first")
+    await first.start()
+    try:
+        async with Producer(first.target, "s", producer_id="p", linger=0) as producer:
+            await producer.send_many(values("a", 0, 3))
+        resumed = Producer(first.target, "s", producer_id="p", first_seq=3, resume=True, linger=0)
+        await resumed.start()
+        await resumed.send_many(values("a", 3, 5))
+        await resumed.flush(timeout=10)
+        port = first.port
+    finally:
+        await first.stop()
+    second = Node(tmp_path / "second")  # the same address, a server that never saw producer p
+    second.port = port
+    await second.start()
+    try:
+        await resumed.send_many(values("a", 5, 7))
+        await resumed.flush(timeout=30)
+        await resumed.close()
+        assert resumed.reconnects >= 1
+        assert stored(second.data_dir) == values("a", 5, 7)
+    finally:
+        await resumed.abort()
+        await second.stop()
+
+
 @pytest.mark.parametrize("end", ["close", "abort"])
 async def test_close_or_abort_while_starting_ends_the_start(tmp_path: Path, end: str) -> None:
     """With no server yet, close() during start() failed on an internal assert, and abort() left start()
