@@ -70,8 +70,9 @@ consecutive (a repeat or a step back is INVALID_ARGUMENT), and each batch is che
 
 The table is seeded from the store (`store.producers(stream)`: the marks written with every block, so it
 survives restarts; recovered producers start with accepted_up_to = durable_up_to = their mark) and bounded
-(`max_producers`, least recently used evicted first, never one with a session open or records not yet
-durable; the table may exceed the bound while all are so): an evicted producer
+(`max_producers`, the least recently used of the principal holding the most evicted first, so that one
+principal's flood of new ids evicts its own; never one with a session open or records not yet durable;
+the table may exceed the bound while all are so): an evicted producer
 is unknown again, so a replay of its old records would be accepted twice. Anonymous producers (empty
 producer_id) are not deduplicated, not fenced and not in the table. The table is keyed by principal too
 (receivers.principal.producer_key): on a server with authentication the same id under two principals is
@@ -89,7 +90,7 @@ import math
 import struct
 import time
 from array import array
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
@@ -116,6 +117,7 @@ from receivers.fairness import OwnerDemand, allocate, owner_of
 from receivers.memory_pool import MemoryPool
 from receivers.names import check_stream_name
 from receivers.principal import ANONYMOUS, Principal, producer_key
+from receivers.producer_table import ProducerTable
 from receivers.session import SESSION_IDS, Session
 from receivers.wire import check_producer_id, check_seq_range
 from sluice_client.flow import MAX_DEMAND, Subscription
@@ -288,9 +290,9 @@ class Receiver:
         self._commits: deque[int] = deque(maxlen=_COMMITS_KEPT)
         # written blocks not yet durable (fsync interval): (seq, anonymous sessions' acks, producer marks)
         self._awaiting_durable: deque[tuple[int, dict[Session, int], dict[str, int]]] = deque()
-        self._producers: OrderedDict[str, ProducerState] = OrderedDict(
-            (producer, ProducerState(mark, mark)) for producer, mark in store.producers(self.stream).items()
-        )
+        self._producers: ProducerTable[ProducerState] = ProducerTable()
+        for producer, mark in store.producers(self.stream).items():
+            self._producers.add(producer, ProducerState(mark, mark))
         self._evict_producers()
 
     # ---- lifecycle -----------------------------------------------------------------------------
@@ -479,7 +481,7 @@ class Receiver:
         acked. Left alone while the producer has records here not durable yet."""
         state = self._producers.get(key)
         if state is None:
-            self._producers[key] = ProducerState(mark, mark)
+            self._producers.add(key, ProducerState(mark, mark))
             self._evict_producers()
         elif mark > state.accepted_up_to and state.durable_up_to >= state.accepted_up_to:
             state.accepted_up_to = state.durable_up_to = mark
@@ -570,10 +572,10 @@ class Receiver:
             if state is None:
                 # unknown (new, or forgotten): take it from its resume point
                 state = ProducerState(resume_from_seq, resume_from_seq)
-                self._producers[key] = state
+                self._producers.add(key, state)
                 self._evict_producers()
             else:
-                self._producers.move_to_end(key)
+                self._producers.touch(key)
                 reason = f"superseded by a newer session of producer {producer_id!r}"
                 for old in state.sessions:
                     if self.cancel(old, ABORTED, reason):
@@ -585,19 +587,13 @@ class Receiver:
         return session
 
     def _evict_producers(self) -> None:
-        """Forget the least recently used producers beyond max_producers, but none with a session open or
-        records not yet durable (their durable mark must still be applied when the block is sealed)."""
-        excess = len(self._producers) - self.config.max_producers
-        if excess <= 0:
-            return
-        doomed = []
-        for producer, state in self._producers.items():  # least recently opened first
-            if not state.sessions and state.durable_up_to >= state.accepted_up_to:
-                doomed.append(producer)
-                if len(doomed) == excess:
-                    break
-        for producer in doomed:
-            del self._producers[producer]
+        """Forget producers beyond max_producers, the least recently used of the principal with the most
+        first (receivers.producer_table), but none with a session open or records not yet durable (their
+        durable mark must still be applied when the block is sealed)."""
+        self._producers.evict(
+            self.config.max_producers,
+            lambda state: not state.sessions and state.durable_up_to >= state.accepted_up_to,
+        )
 
     @property
     def over_memory_budget(self) -> bool:
@@ -674,7 +670,7 @@ class Receiver:
         elif session.producer_id:
             # forgotten while its session was open (cannot happen: eviction skips those); start over
             state = ProducerState(first_seq, first_seq, [session])
-            self._producers[session.producer_key] = state
+            self._producers.add(session.producer_key, state)
         # the buffers the batch holds in memory (a slice of it below holds them all as well); computed
         # once: RecordBatch.nbytes (the ranges each column refers to) costs 50x as much
         nbytes = records.get_total_buffer_size()

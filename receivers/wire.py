@@ -8,7 +8,7 @@ Every value a client sends that reaches the block log is bounded here and checke
 (Open, Batch), so a client's input can fail its own session and nothing else:
 
 - sequence numbers: a record's seq is below SEQ_LIMIT, so a batch ends at SEQ_LIMIT at the latest;
-- producer id: at most MAX_PRODUCER_ID_BYTES bytes of UTF-8;
+- producer id: at most MAX_PRODUCER_ID_BYTES bytes of UTF-8, no NUL;
 - record values and keys: int32 offsets (sluice_client.wire.MAX_OFFSET bytes per batch), under the
   server's message size limit (`ServeConfig.max_message_bytes`, enforced by gRPC: RESOURCE_EXHAUSTED).
 """
@@ -158,6 +158,10 @@ def check_producer_id(producer_id: str) -> None:
         raise InvalidMessage(
             f"Open.producer_id has {size} bytes of UTF-8: at most {MAX_PRODUCER_ID_BYTES} bytes"
         )
+    if "\0" in producer_id:
+        # an authenticated principal's ids are keyed "\0<principal>\0<id>" (producer_key): an anonymous
+        # id of that form, taken before authentication was turned on, would be that principal's producer
+        raise InvalidMessage("Open.producer_id must not contain NUL")
 
 
 def check_seq_range(first_seq: int, count: int, what: str) -> None:

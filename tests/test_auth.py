@@ -455,6 +455,51 @@ async def test_another_principal_cannot_fence_or_shadow_a_producer_id(tmp_path: 
         assert receiver.stats.records_received == 5
 
 
+async def test_a_flood_of_new_producer_ids_evicts_only_the_flooders_own(tmp_path: Path) -> None:
+    """One LRU table for every principal: orders-app opening sessions with fresh ids pushed clicks-app's
+    producer out, so its resume was refused (OUT_OF_RANGE) and an SDK resend was stored twice."""
+    security = SecurityConfig(auth_file=write_auth_file(tmp_path / "auth.toml"))
+    async with running_server(tmp_path / "data", *STREAMS, security=security, max_producers=5) as server:
+        async with Producer(
+            server.target, "clicks", producer_id="victim", credentials=as_principal("clicks-app"), linger=0
+        ) as victim:
+            await send_and_ack(victim, 10)
+        for i in range(20):  # the flood: each a new id, one record
+            async with Producer(
+                server.target, "clicks", producer_id=f"flood-{i}", credentials=as_principal("orders-app")
+            ) as flood:
+                await send_and_ack(flood, 1)
+        receiver = server.receivers["clicks"]
+        assert receiver.known_producers == 5
+        assert server.auth.table is not None
+        assert receiver.producer("victim", server.auth.table.principals["clicks-app"]) is not None
+        async with Producer(
+            server.target,
+            "clicks",
+            producer_id="victim",
+            credentials=as_principal("clicks-app"),
+            first_seq=5,  # resends 5..9, then 5 new ones
+            resume=True,
+            linger=0,
+        ) as again:
+            await send_and_ack(again, 10)
+        assert receiver.stats.records_deduplicated == 5
+
+
+async def test_a_producer_id_with_nul_is_refused(tmp_path: Path) -> None:
+    """An anonymous id "\0app\0victim" taken before authentication was turned on was the same key as
+    principal app's producer "victim": app's records were then dropped as duplicates of it."""
+    async with running_server(tmp_path / "data", "clicks") as server:
+        planted = Producer(server.target, "clicks", producer_id="\0clicks-app\0victim")
+        await planted.start()
+        await planted.send(b"x")
+        with pytest.raises(RPCError) as refused:
+            await planted.flush(timeout=10)
+        await planted.abort()
+        assert refused.value.status is grpc.StatusCode.INVALID_ARGUMENT
+        assert "must not contain NUL" in refused.value.message
+
+
 async def test_list_sessions_names_each_session_principal(server: SluiceServer) -> None:
     async with (
         Producer(server.target, "clicks", credentials=as_principal("clicks-app")) as a,
