@@ -140,15 +140,17 @@ class PublishService(pb_grpc.IngestServicer):
             raise PermissionDenied(f"principal {principal.name!r} may not publish to stream {shown(stream)}")
         receiver = self._receivers.get(stream)
         if receiver is None:
-            known = ", ".join(sorted(self._receivers)) or "none"
+            # only the streams this principal may publish to: another's stream names are not its to learn
+            mine = sorted(s for s in self._receivers if principal.may_publish(s))
+            known = ", ".join(mine) or "none of yours"
             raise UnknownStream(f"no stream named {shown(stream)} on this server (streams: {known})")
         producer_id = first.open.producer_id
         if producer_id and self._producer_marks is not None:
             check_producer_id(producer_id)
-            key = producer_key(principal, producer_id)
-            mark = await self._producer_marks(stream, key)
+            mark_key = producer_key(principal, producer_id)  # not `key`: the ledger's key of this call
+            mark = await self._producer_marks(stream, mark_key)
             if mark is not None:
-                receiver.learn_producer_mark(key, mark)
+                receiver.learn_producer_mark(mark_key, mark)
         state = receiver.producer(producer_id, principal) if producer_id else None
         self.ledger.admit(principal, key, stream, fenced=state.sessions if state is not None else ())
         opened = receiver.open_session(

@@ -289,6 +289,16 @@ async def test_a_stream_not_granted_is_permission_denied_without_naming_streams(
     assert taken(server) == before
 
 
+async def test_a_granted_stream_not_served_names_only_the_principals_streams(tmp_path: Path) -> None:
+    """NOT_FOUND listed every served stream, so a producer learnt the names of streams not granted to it."""
+    auth = write_auth_file(tmp_path / "auth.toml", clicks_app_streams=("clicks", "gone"))
+    async with secured_server(tmp_path / "data", auth) as server:
+        code, details = await call(server.target, PUBLISH, bearer("clicks-app"), stream="gone")
+        assert code is grpc.StatusCode.NOT_FOUND, details
+        assert "(streams: clicks)" in details
+        assert "secret" not in details and "orders" not in details
+
+
 async def test_an_sdk_producer_without_or_with_a_wrong_token_fails_at_once(server: SluiceServer) -> None:
     for credentials in (Credentials(), Credentials(token=new_token())):
         producer = Producer(server.target, "clicks", credentials=credentials, start_timeout=30)

@@ -20,6 +20,7 @@ from ingest.server import SluiceServer
 from receivers.auth import new_token, token_hash
 from sluice_client import Producer
 from sluice_client.credentials import Credentials
+from sluice_client.errors import RPCError
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from tests.support import loopback_cluster, running_server, wait_until
@@ -152,3 +153,31 @@ async def test_nodes_replicate_as_the_peer_principal_and_each_role_gets_only_its
         forged = (("authorization", f"Bearer {new_token()}"),)
         assert await status(target, method, forged) is grpc.StatusCode.UNAUTHENTICATED, method
     assert [log_state(s) for s in cluster.values()] == before
+
+
+async def test_a_receiver_node_holds_a_principal_to_its_session_limit(tmp_path: Path) -> None:
+    """On a cluster node the ledger counted a producer's sessions under its producer key instead of the
+    call's, so max_sessions never refused one (a single node did)."""
+    auth = write_auth_file(tmp_path / "auth.toml")
+    auth.write_text(auth.read_text().replace("[principals.app]\n", "[principals.app]\nmax_sessions = 1\n"))
+    peer_token = tmp_path / "peer.token"
+    peer_token.write_text(TOKENS["node"])
+    peer_token.chmod(0o600)
+    (node,) = loopback_cluster(1, replication=1, min_insync=1)
+    port = int(node.me.target.rsplit(":", 1)[1])
+    security = SecurityConfig(auth_file=auth)
+    async with running_server(
+        tmp_path / "node", "s", cluster=node, port=port, security=security, peer_token_file=peer_token
+    ) as server:
+        credentials = Credentials(token=TOKENS["app"])
+        async with Producer(server.target, "s", producer_id="p1", credentials=credentials) as first:
+            await first.send(b"1")
+            await first.flush(timeout=10)
+            second = Producer(server.target, "s", producer_id="p2", credentials=credentials)
+            await second.start()
+            await second.send(b"2")
+            with pytest.raises(RPCError) as refused:
+                await second.flush(timeout=10)
+            await second.abort()
+        assert refused.value.status is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_sessions" in refused.value.message
