@@ -122,6 +122,8 @@ class SluiceServer:
         written 0600 at start, left at stop (`sluice serve` drains Spark after it; only this process
         ever knew the token); the source asks the rate at `rate_target` with it."""
         self._loopback_port: int | None = None
+        self._loopback: grpc.aio.Server | None = None
+        self._rate_service: RateControlService | None = None
         self.hold_batches = False
         """Set by the pipeline manager while it stops the query at a batch boundary (a swap): the
         source, asking the rate before each batch, plans no new one (RateStatus.hold_batches)."""
@@ -313,8 +315,6 @@ class SluiceServer:
         try:
             if self.tls is not None:
                 self.port = server.add_secure_port(address, self.tls.grpc_credentials())
-                if self.port:
-                    self._loopback_port = server.add_insecure_port("127.0.0.1:0") or None
             else:
                 self.port = server.add_insecure_port(address)
         except RuntimeError as exc:  # grpc reports a failed bind this way
@@ -329,9 +329,13 @@ class SluiceServer:
         try:
             await self._start_receivers()
             await server.start()
+            await self._start_loopback_port()
             await self._start_health_port()
         except BaseException:  # e.g. the block log cannot be read: leave nothing bound
             await server.stop(None)
+            if self._loopback is not None:
+                await self._loopback.stop(None)
+                self._loopback = None
             if self._metrics is not None:
                 self._metrics.close()
                 self._metrics = None
@@ -366,6 +370,7 @@ class SluiceServer:
             settings=self.change_settings,
         )
         add_parsed_servicer(server, rate, "RateControl", authenticator=self.auth)
+        self._rate_service = rate
         add_parsed_servicer(server, SessionsService(self.receivers), "Sessions", authenticator=self.auth)
         admin = AdminService(self.runtime, self, self.apply_settings)
         add_parsed_servicer(server, admin, "Admin", authenticator=self.auth)
@@ -581,6 +586,8 @@ class SluiceServer:
             await self.node.stop()
         if self._grpc is not None:
             await self._grpc.stop(grace)
+        if self._loopback is not None:
+            await self._loopback.stop(grace)
         if self._health_server is not None:
             await self._health_server.stop(None)
         if self._metrics is not None:
@@ -595,6 +602,22 @@ class SluiceServer:
             await receiver.start()
         if self.node is not None:
             await self.node.start()
+
+    async def _start_loopback_port(self) -> None:
+        """Under TLS, a plaintext port on 127.0.0.1 for this server's own Spark source (`rate_target`),
+        serving RateControl only and, when calls must authenticate, only to this run's own tokens: a
+        token of the auth file (or none) must not get around TLS or mutual TLS there."""
+        if self.tls is None or self._rate_service is None:
+            return
+        loopback = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        add_parsed_servicer(
+            loopback, self._rate_service, "RateControl", authenticator=self.auth.internal_calls()
+        )
+        port = loopback.add_insecure_port("127.0.0.1:0")
+        if not port:
+            raise OSError("cannot bind a loopback port for the Spark source on 127.0.0.1")
+        await loopback.start()
+        self._loopback, self._loopback_port = loopback, port
 
     async def _start_health_port(self) -> None:
         port = self.config.health_port

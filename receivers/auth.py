@@ -195,6 +195,7 @@ class Authenticator:
         self._default_limits = default_limits or Limits()
         self._anonymous = Principal(ANONYMOUS.name, limits=self._default_limits, authenticated=False)
         self._internal: dict[str, Principal] = {}  # token hash -> principal; kept across reloads
+        self._internal_only = False
 
     @property
     def table(self) -> AuthTable | None:
@@ -203,7 +204,17 @@ class Authenticator:
     @property
     def enabled(self) -> bool:
         """Whether calls must authenticate (an auth file or mutual TLS)."""
-        return self._table is not None or self._client_certificates
+        return self._table is not None or self._client_certificates or self._internal_only
+
+    def internal_calls(self) -> Authenticator:
+        """For a port only this server's own processes call (its Spark source's plaintext loopback port
+        under TLS): the tokens this one issues and nothing else, or anyone when this one lets anyone in.
+        Neither the auth file's tokens nor certificates count there: a token stolen from a principal
+        of the auth file must not get around mutual TLS."""
+        other = Authenticator(default_limits=self._default_limits)
+        other._internal = self._internal  # shared: a token issued later counts there too
+        other._internal_only = self.enabled
+        return other
 
     def reload(self, table: AuthTable | None) -> None:
         """Swap the auth table; then `revoke` ends the sessions it no longer allows."""
@@ -242,6 +253,8 @@ class Authenticator:
             internal = self._internal.get(token_hash(token))
             if internal is not None:
                 return internal
+            if self._internal_only:
+                raise Unauthenticated("this port takes only the server's own tokens")
             if table is None:
                 raise Unauthenticated("this server takes no bearer tokens (it has no --auth-file)")
             principal = table.by_token(token)

@@ -42,8 +42,11 @@ def add_parsed_servicer(
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(
                 implementation, request_deserializer=None, response_serializer=serialize
             )
+        # unary requests are taken as a stream of one: gRPC would read a unary request whole (up to the
+        # server's 32 MiB limit) before the handler runs, so an unauthenticated caller's body filled
+        # memory; as a stream, the call is refused before its message is read
         elif not (method.client_streaming or method.server_streaming):
-            handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            handlers[method.name] = grpc.stream_unary_rpc_method_handler(
                 _parsing(
                     implementation,
                     GetMessageClass(method.input_type),
@@ -54,7 +57,7 @@ def add_parsed_servicer(
                 response_serializer=serialize,
             )
         elif method.server_streaming:  # a request, a stream of responses (Blocks.ReadBlocks)
-            handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
                 _parsing_stream(
                     implementation,
                     GetMessageClass(method.input_type),
@@ -72,18 +75,22 @@ def add_parsed_servicer(
 
 
 async def _authorized_request(
-    raw: bytes,
+    requests: AsyncIterator[bytes],
     context: grpc.aio.ServicerContext[Any, Any],
     request_type: type[Message],
     method: str,
     authenticator: Authenticator | None,
 ) -> Message:
-    """The call authenticated and authorized first, then its request parsed; aborts the call if not."""
+    """The call authenticated and authorized first, then its request read and parsed; aborts the call
+    if not."""
     if authenticator is not None:
         try:
             authenticator.caller(context, method)
         except ReceiverError as error:
             await context.abort(getattr(grpc.StatusCode, error.status), str(error))
+    raw = await anext(aiter(requests), None)
+    if raw is None:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no {request_type.DESCRIPTOR.name} was sent")
     try:
         return request_type.FromString(raw)
     except DecodeError as exc:
@@ -118,8 +125,10 @@ class _CappedContext:
 def _parsing(
     handler: Handler, request_type: type[Message], method: str, authenticator: Authenticator | None
 ) -> Handler:
-    async def parse_then_handle(raw: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> Message:
-        request = await _authorized_request(raw, context, request_type, method, authenticator)
+    async def parse_then_handle(
+        requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> Message:
+        request = await _authorized_request(requests, context, request_type, method, authenticator)
         return await handler(request, _CappedContext(context))  # type: ignore[arg-type]
 
     return parse_then_handle
@@ -129,9 +138,9 @@ def _parsing_stream(
     handler: StreamHandler, request_type: type[Message], method: str, authenticator: Authenticator | None
 ) -> StreamHandler:
     async def parse_then_stream(
-        raw: bytes, context: grpc.aio.ServicerContext[Any, Any]
+        requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Message]:
-        request = await _authorized_request(raw, context, request_type, method, authenticator)
+        request = await _authorized_request(requests, context, request_type, method, authenticator)
         async for response in handler(request, _CappedContext(context)):  # type: ignore[arg-type]
             yield response
 

@@ -644,8 +644,14 @@ async def test_the_source_of_a_tls_server(tmp_path: Path) -> None:
         token = str(server.pipeline_token_file)
         own = {"path": path, "rateTarget": server.rate_target, "rateTokenFile": token}
         assert await source_cap(own)() == {"clicks": 350}
-        # which still wants a token
+        # which still wants a token, this run's own: the auth file's do not get around TLS there
         assert await source_cap({"path": path, "rateTarget": server.rate_target})() == {"clicks": 1000}
+        for name in ("ops", "clicks-app"):
+            code, details = await call(server.rate_target, "/ingest.v1.RateControl/GetRate", bearer(name))
+            assert code is grpc.StatusCode.UNAUTHENTICATED, details
+            assert "only the server's own tokens" in details
+        code, _ = await call(server.rate_target, PUBLISH, bearer("clicks-app"), stream="clicks")
+        assert code is grpc.StatusCode.UNIMPLEMENTED  # nothing but RateControl there
         # a separate Spark job: TLS to the server's port with a CA file and an operator's token
         job = {
             "path": path,

@@ -705,3 +705,46 @@ async def test_first_seq_resumes_a_producer_and_a_gap_past_its_mark_is_refused(t
     assert values == [b"0", b"1", b"2", b"3"]
     with pytest.raises(ValueError, match="first_seq"):
         Producer("127.0.0.1:1", "s", first_seq=-1)
+
+
+def _vm(pid: int, field: str) -> int:
+    """A VmRSS/VmHWM line of /proc/<pid>/status, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(field)
+
+
+def test_an_unauthenticated_unary_call_is_refused_before_its_body_is_read(
+    tmp_path: Path, servers: list[Serve]
+) -> None:
+    """Unary requests were read whole (up to the 32 MiB message limit) before the caller was checked:
+    16 calls of 31 MiB without a token took a server from 108 to 1,056 MiB, and it kept them."""
+    from receivers.auth import new_token, token_hash
+
+    auth = tmp_path / "auth.toml"
+    auth.write_text(f'[principals.ops]\nroles = ["operator"]\ntoken_sha256 = ["{token_hash(new_token())}"]\n')
+    port = free_port()
+    serve = Serve(tmp_path, "serve", *no_spark(port, tmp_path / "data", "--auth-file", str(auth)))
+    servers.append(serve)
+    serve.wait_serving()
+    before = _vm(serve.proc.pid, "VmHWM")
+    body = b"\x0a" * (24 * 1024 * 1024)
+
+    async def flood() -> list[grpc.StatusCode]:
+        options = [("grpc.max_send_message_length", 64 * 1024 * 1024)]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=options) as channel:
+            get_rate = channel.unary_unary("/ingest.v1.RateControl/GetRate")
+
+            async def one() -> grpc.StatusCode:
+                try:
+                    await get_rate(body, timeout=60)
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code()
+                return grpc.StatusCode.OK
+
+            return list(await asyncio.gather(*(one() for _ in range(8))))
+
+    assert asyncio.run(flood()) == [grpc.StatusCode.UNAUTHENTICATED] * 8
+    grown = _vm(serve.proc.pid, "VmHWM") - before
+    assert grown < 64 * 1024 * 1024, f"the server's peak RSS grew by {grown / 2**20:.0f} MiB"
