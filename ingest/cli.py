@@ -619,7 +619,7 @@ def _cluster_flags(serve: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="FILE",
         help="bearer token sent to the other nodes: a principal with the peer role (receiver), or with "
-        "reader and operator (driver)",
+        "consumer and operator (driver)",
     )
     group.add_argument(
         "--health-port",

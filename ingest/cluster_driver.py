@@ -15,7 +15,7 @@ rate server also serves Admin's GetPipeline and SwapPipeline (`sluice pipeline s
 holding batches through RateStatus.hold_batches while the old query stops between batches.
 
 Credentials: one set for every call (the nodes and this driver's rate server): the token's principal
-needs the reader and operator roles. With `auth_file` the rate server authenticates with it (the
+needs the consumer and operator roles. With `auth_file` the rate server authenticates with it (the
 cluster's auth file); with `tls` it serves TLS (the source's rateCaFile must trust it, as it trusts the
 nodes).
 """
@@ -99,7 +99,7 @@ class DriverConfig:
     cert_file: Path | None = None
     key_file: Path | None = None
     token_file: Path | None = None
-    """A principal with the reader and operator roles."""
+    """A principal with the consumer and operator roles."""
     auth_file: Path | None = None
     """The rate server's auth file (the cluster's); None: it takes any caller (bind it to loopback)."""
     tls: TlsConfig | None = None

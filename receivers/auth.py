@@ -56,7 +56,7 @@ MAX_NAME_BYTES = 256
 """Longest principal name (UTF-8), as a producer id: a principal's producer keys hold both."""
 PERMISSION_DENIED = 7
 """gRPC status code of a session revoked by an auth reload (receivers never import grpc's enum)."""
-PIPELINE = Principal("sluice-pipeline", frozenset({Role.OPERATOR, Role.READER}), frozenset())
+PIPELINE = Principal("sluice-pipeline", frozenset({Role.OPERATOR, Role.READER, Role.CONSUMER}), frozenset())
 """The principal of a server's own Spark source (RateControl: GetRate, StartBatch), whose token the
 server issues itself (Authenticator.issue_token) for each run."""
 
@@ -71,8 +71,8 @@ METHOD_ROLES: Mapping[str, frozenset[Role]] = {
     "/ingest.v1.RateControl/StartBatch": frozenset({Role.OPERATOR}),
     "/ingest.v1.Sessions/ListSessions": frozenset({Role.READER, Role.OPERATOR}),
     "/ingest.v1.Sessions/CancelSession": frozenset({Role.OPERATOR}),
-    "/ingest.v1.Blocks/ListPartitions": frozenset({Role.READER, Role.OPERATOR}),
-    "/ingest.v1.Blocks/ReadBlocks": frozenset({Role.READER}),
+    "/ingest.v1.Blocks/ListPartitions": frozenset({Role.READER, Role.OPERATOR, Role.CONSUMER}),
+    "/ingest.v1.Blocks/ReadBlocks": frozenset({Role.CONSUMER}),
     "/ingest.v1.Blocks/ReleaseBlocks": frozenset({Role.OPERATOR}),
     "/ingest.v1.Replication/Replicate": frozenset({Role.PEER}),
     "/ingest.v1.Replication/ProducerMarks": frozenset({Role.PEER}),

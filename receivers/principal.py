@@ -5,7 +5,8 @@ subject CN or a DNS/URI SAN), see receivers.auth. Roles, as Kafka's ACLs split o
 
 - producer: Publish, only to the streams granted ("*": every stream);
 - operator: RateControl and Sessions, reads and changes;
-- reader: status (RateControl.GetRate, Sessions.ListSessions) and /metrics.
+- reader: status (RateControl.GetRate, Sessions.ListSessions) and /metrics, never a record;
+- consumer: reads records (Blocks.ListPartitions, Blocks.ReadBlocks: a cluster's Spark executors).
 
 Limits bound what one principal can take of a shared server (every value > 0; None: no limit), each
 ending the offending call with a documented status (see docs/security.md).
@@ -22,6 +23,8 @@ class Role(StrEnum):
     PRODUCER = "producer"
     OPERATOR = "operator"
     READER = "reader"
+    CONSUMER = "consumer"
+    """Reads the records themselves (Blocks): a scraper's reader role must not."""
     PEER = "peer"
     """Another node of the cluster: replicates blocks to this one, asks its producers' marks."""
 

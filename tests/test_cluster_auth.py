@@ -25,7 +25,7 @@ from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from tests.support import loopback_cluster, running_server, wait_until
 
-ROLES = {"app": "producer", "watcher": "reader", "ops": "operator", "node": "peer"}
+ROLES = {"app": "producer", "watcher": "reader", "executor": "consumer", "ops": "operator", "node": "peer"}
 TOKENS = {name: new_token() for name in ROLES}
 
 
@@ -98,7 +98,8 @@ CALLS: dict[str, Call] = {
 }
 ALLOWED = {
     "app": set(),
-    "watcher": {"ListPartitions", "ReadBlocks"},
+    "watcher": {"ListPartitions"},  # status, never a record
+    "executor": {"ListPartitions", "ReadBlocks"},
     "ops": {"ListPartitions", "ReleaseBlocks"},
     "node": {"Replicate", "ProducerMarks"},
 }

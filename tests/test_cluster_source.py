@@ -484,9 +484,9 @@ async def test_credentials_serve_every_call_and_a_refusal_is_clear(
         "".join(
             f'[principals.{name}]\nroles = {roles}\ntoken_sha256 = ["{token_hash(tokens[name])}"]\n\n'
             for name, roles in (
-                ("pipeline", '["reader", "operator"]'),
+                ("pipeline", '["consumer", "operator"]'),
                 ("app", '["producer"]\nstreams = ["s"]'),
-                ("watcher", '["reader"]'),
+                ("watcher", '["consumer"]'),
             )
         )
     )
@@ -511,7 +511,7 @@ async def test_credentials_serve_every_call_and_a_refusal_is_clear(
         parts = await asyncio.to_thread(r.partitions, {"s": {"0": 0}}, end)
         table = await asyncio.to_thread(read_all, r, list(parts))
         assert table.column("value").to_pylist() == values
-        # a reader without the operator role reads, and its release is refused: logged, not raised
+        # a consumer without the operator role reads, and its release is refused: logged, not raised
         watcher = reader(clusters, rateTokenFile=str(files["watcher"]))
         await asyncio.to_thread(watcher.commit, end)
         assert "cannot release partition s/0 below 50 on node 0 (PERMISSION_DENIED" in caplog.text
@@ -521,7 +521,7 @@ async def test_credentials_serve_every_call_and_a_refusal_is_clear(
         # no token: every node refuses, and planning says so instead of finding nothing for ever
         with pytest.raises(ClusterRefusedError, match="UNAUTHENTICATED") as caught:
             await asyncio.to_thread(reader(clusters).latestOffset, {"s": {"0": 50}}, ReadAllAvailable())
-        assert "reader and operator roles" in str(caught.value)
+        assert "consumer and operator roles" in str(caught.value)
 
 
 async def test_a_block_over_grpcs_default_4_mib_is_read(tmp_path: Path) -> None:

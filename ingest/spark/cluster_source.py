@@ -20,7 +20,7 @@ first holder that has the whole range (owner first), going on to the next on an 
 range; no task opens a local path. Committed batches are released on every node (ReleaseBlocks);
 `sluice serve --role driver` (ingest.cluster_driver) releases them as each batch completes.
 
-Every call carries the rate* options' credentials: the token's principal needs the reader role
+Every call carries the rate* options' credentials: the token's principal needs the consumer role
 (ListPartitions, ReadBlocks) and the operator role (ReleaseBlocks, and the rate). The files are read
 where they are used, the planning worker and each task: they must be there on the executors' hosts too.
 """
@@ -440,7 +440,7 @@ class BlocksClient:
             # not an outage that passes: a query that went on would read nothing, silently, for ever
             raise ClusterRefusedError(
                 "sluice source: the receiver nodes refused the source's credentials (the rateTokenFile "
-                "option's principal needs the reader and operator roles): " + "; ".join(refused)
+                "option's principal needs the consumer and operator roles): " + "; ".join(refused)
             )
         return view
 
