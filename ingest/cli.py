@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import math
 import os
@@ -338,6 +339,12 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         "--pipeline",
         metavar="MODULE:FUNCTION",
         help="function(df) -> DataStreamWriter; default: append to Parquet under DATA_DIR/sink",
+    )
+    serve.add_argument(
+        "--reset-pipeline",
+        action="store_true",
+        help="run --pipeline (or the built-in sink) although a pipeline swapped in at run time "
+        "(DATA_DIR/pipeline.json) would run: a new generation starts where that one committed",
     )
     serve.add_argument(
         "--trigger-interval",
@@ -1003,6 +1010,7 @@ def _driver_config(args: argparse.Namespace) -> DriverConfig:
             data_dir=args.data_dir,
             master=args.master,
             pipeline=args.pipeline,
+            reset_pipeline=args.reset_pipeline,
             trigger_interval=args.trigger_interval,
             rate=rate,
             recall_capacity=args.initial_rate is None,
@@ -1107,6 +1115,7 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
             segment_bytes=args.segment_bytes,
             master=args.master,
             pipeline=args.pipeline,
+            reset_pipeline=args.reset_pipeline,
             trigger_interval=args.trigger_interval,
             spark=not args.no_spark and args.role == "single",
             security=security,
@@ -1786,6 +1795,7 @@ def _config_check(args: argparse.Namespace) -> int:
             runtime = RuntimeConfig(config, announce=False)
             overrides, runtime_file = runtime.overrides, str(runtime.path)
         _spark_prerequisites(config)
+        swapped = _swapped_pipeline(config)
     except ValueError as exc:
         return _fail(str(exc), EXIT_USAGE)
     keys = _serve_keys()
@@ -1801,12 +1811,31 @@ def _config_check(args: argparse.Namespace) -> int:
             continue
         value = effective.get(name, getattr(args, dest, None))
         rows.append((name, _shown(value), origin.described))
+    if swapped is not None:  # what serve runs: a swap stands over the flag, as runtime-config.json does
+        rows = [row for row in rows if row[0] != "pipeline"]
+        rows.append(("pipeline", swapped[0] or "(built-in)", swapped[1]))
     width = [max(len(row[i]) for row in rows) for i in range(2)]
     for key, value, source in rows:
         print(f"{key:<{width[0]}}  {value:<{width[1]}}  {source}")
     file = f" (config file {args.config})" if args.config is not None else ""
     logs.say(f"the settings are valid{file}; nothing was started", event="config-valid")
     return 0
+
+
+def _swapped_pipeline(config: ServeConfig | DriverConfig) -> tuple[str, str] | None:
+    """(spec, source) of a pipeline swapped in at run time that a start would run instead of the
+    flag's (DATA_DIR/pipeline.json; None: the flag's runs). Read as the manager reads it, never written."""
+    path = config.data_dir / "pipeline.json"
+    try:
+        current = json.loads(path.read_text())["current"]
+        spec, number = str(current["spec"]), int(current["number"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{path}: not a pipeline state file ({exc}): serve would stop on it") from None
+    if spec == (config.pipeline or "") or config.reset_pipeline:
+        return None
+    return spec, f"{path} (generation {number}, swapped in at run time; --reset-pipeline runs the flag's)"
 
 
 def keys_by_dest(keys: Mapping[str, Key]) -> dict[str, Key]:

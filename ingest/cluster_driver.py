@@ -83,6 +83,9 @@ class DriverConfig:
     """The query's checkpoint, and the default Parquet sink (data_dir/sink)."""
     master: str = "local[*]"
     pipeline: str | None = None
+    reset_pipeline: bool = False
+    """Start `pipeline` as a new generation where the pipeline swapped in at run time (pipeline.json)
+    committed, instead of that one (the way back from a swapped-in pipeline that fails at every start)."""
     trigger_interval: float = 1.0
     rate: RateConfig = field(default_factory=RateConfig)
     recall_capacity: bool = True

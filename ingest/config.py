@@ -179,6 +179,9 @@ class ServeConfig:
     """Spark master URL."""
     pipeline: str | None = None
     """`module:function` returning a DataStreamWriter for the source DataFrame; None: Parquet sink."""
+    reset_pipeline: bool = False
+    """Start `pipeline` as a new generation where the pipeline swapped in at run time (pipeline.json)
+    committed, instead of that one (the way back from a swapped-in pipeline that fails at every start)."""
     trigger_interval: float = 1.0
     """Seconds between Spark micro-batches."""
     spark: bool = True

@@ -176,7 +176,20 @@ class PipelineManager:
                 )
                 current = previous
             self._persist(current, None)
-        if current.spec:
+        flag = self.current.spec  # --pipeline ("": the built-in sink)
+        if current.spec != flag and getattr(self._driver.config, "reset_pipeline", False):
+            current = self._reset_to(flag, current)
+        elif current.spec != flag:
+            # as runtime-config.json overrides the flags: the swap stands, and says so
+            log.warning(
+                "pipeline %s (generation %d, swapped in at run time; %s) runs, not --pipeline %s: "
+                "`sluice pipeline swap` changes it while running, `--reset-pipeline` at the start",
+                current.spec or "built-in",
+                current.number,
+                self._path,
+                flag or "(built-in)",
+            )
+        elif current.spec:
             log.info(
                 "pipeline %s (generation %d, swapped in at run time; %s)",
                 current.spec,
@@ -184,6 +197,32 @@ class PipelineManager:
                 self._path,
             )
         self.current = current
+
+    def _reset_to(self, spec: str, saved: Generation) -> Generation:
+        """--reset-pipeline: `spec` as a new generation, fresh checkpoint and sink, starting where the
+        saved generation's committed batches end (as a swap starts): nothing processed twice, nothing
+        skipped. What the saved one planned and did not commit is processed by the new one."""
+        number = saved.number + 1
+        new = Generation(spec, number, f"{self._driver.query_name}-g{number}", f"sink-g{number}")
+        for folder in (self._checkpoints / new.checkpoint, self._data_dir / new.sink):
+            try:
+                _set_aside(folder)  # a failed try of this number: its commits would be replayed
+            except OSError as exc:
+                raise PipelineStateError(f"--reset-pipeline cannot set {folder} aside: {exc}") from None
+        committed = last_commit(self._checkpoints / saved.checkpoint, self._host.known_streams())
+        start = committed[1] if committed is not None else saved.starting_offsets
+        new = replace(new, starting_offsets=dict(start) if start else None)
+        self._persist(new, None)
+        log.warning(
+            "--reset-pipeline: %s starts as generation %d where %s (generation %d, swapped in at run "
+            "time) committed%s",
+            spec or "the built-in sink",
+            number,
+            saved.spec or "the built-in sink",
+            saved.number,
+            f" ({', '.join(f'{k}={v}' for k, v in sorted(start.items()))})" if start else "",
+        )
+        return new
 
     def _persist(
         self, current: Generation, previous: Generation | None, trial_base: int | None = None

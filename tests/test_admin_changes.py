@@ -145,6 +145,53 @@ async def test_a_swap_cut_by_a_crash_resumes_the_query_that_committed(tmp_path: 
                 PipelineManager(SparkDriver(None, server.config, store=server.store), server, loop)
 
 
+async def test_reset_pipeline_starts_the_flags_pipeline_where_the_swapped_in_one_committed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pipeline swapped in at run time that fails at every start had no way back: --pipeline was
+    ignored without a word, and only editing pipeline.json by hand helped."""
+    import dataclasses
+
+    from ingest.driver import SparkDriver
+    from ingest.pipeline_manager import PipelineManager
+
+    swapped = {"spec": "m:bad", "number": 1, "checkpoint": "sluice-g1", "sink": "sink-g1",
+               "starting_offsets": {"s": 10}}  # fmt: skip
+    async with running_server(tmp_path, "s") as server:
+        loop = asyncio.get_running_loop()
+        state = json.dumps({"current": swapped, "previous": None, "trial": False})
+        (tmp_path / "pipeline.json").write_text(state)
+        checkpoint = tmp_path / "checkpoints" / "sluice-g1"
+        for folder in ("commits", "offsets"):
+            (checkpoint / folder).mkdir(parents=True)
+        (checkpoint / "commits" / "3").write_text("v1\n{}")
+        (checkpoint / "offsets" / "3").write_text('v1\n{"batchWatermarkMs":0}\n{"s":250}')
+        (checkpoint / "offsets" / "4").write_text('v1\n{"batchWatermarkMs":0}\n{"s":300}')  # not committed
+        (tmp_path / "sink-g2").mkdir()  # a failed try of generation 2: set aside, never read
+        # without the flag, the swap stands (as runtime-config.json overrides flags), and says so
+        flagged = dataclasses.replace(server.config, pipeline="swap_pipelines:tag_a")
+        manager = PipelineManager(SparkDriver(None, flagged, store=server.store), server, loop)
+        assert manager.current.spec == "m:bad"
+        assert "runs, not --pipeline swap_pipelines:tag_a" in caplog.text
+        # --reset-pipeline: generation 2 of the flag's pipeline, from where generation 1 committed (record 250)
+        reset = dataclasses.replace(flagged, reset_pipeline=True)
+        manager = PipelineManager(SparkDriver(None, reset, store=server.store), server, loop)
+        current = manager.current
+        assert (current.spec, current.number, current.checkpoint, current.sink) == (
+            "swap_pipelines:tag_a",
+            2,
+            "sluice-g2",
+            "sink-g2",
+        )
+        assert current.starting_offsets == {"s": 250}
+        assert (tmp_path / "sink-g2.abandoned-1").is_dir() and not (tmp_path / "sink-g2").exists()
+        saved = json.loads((tmp_path / "pipeline.json").read_text())
+        assert saved["current"]["spec"] == "swap_pipelines:tag_a" and saved["trial"] is False
+        # the next start (with or without the flag) runs it: reset once
+        manager = PipelineManager(SparkDriver(None, reset, store=server.store), server, loop)
+        assert (manager.current.number, manager.current.starting_offsets) == (2, {"s": 250})
+
+
 async def test_the_cli_says_what_a_drain_left_waiting(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -348,3 +348,24 @@ def test_an_empty_budget_saved_by_an_earlier_version_still_means_none(tmp_path: 
     checked = check("--no-spark", "--data-dir", str(data), "--disk-budget", "1GiB")
     assert checked.returncode == 0, checked.stderr
     assert rows(checked.stdout)["disk-budget"][0] == "none", checked.stdout
+
+
+def test_config_check_shows_the_pipeline_a_swap_left_in_force(tmp_path: Path) -> None:
+    """config check said the flag's pipeline would run while pipeline.json's would; --reset-pipeline
+    runs the flag's."""
+    data = tmp_path / "d"
+    data.mkdir()
+    swapped = {"spec": "swapped_in:build", "number": 3, "checkpoint": "sluice-g3", "sink": "sink-g3"}
+    (data / "pipeline.json").write_text(json.dumps({"current": swapped, "previous": None, "trial": False}))
+    result = check("--no-spark", "--data-dir", str(data))
+    assert result.returncode == 0, result.stderr
+    value, source = rows(result.stdout)["pipeline"]
+    assert value == "swapped_in:build"
+    assert "generation 3, swapped in at run time" in source
+    result = check("--no-spark", "--data-dir", str(data), "--reset-pipeline")
+    assert result.returncode == 0, result.stderr
+    assert rows(result.stdout)["pipeline"][0] == "(none)"  # the flag's: the built-in sink
+    (data / "pipeline.json").write_text("[1")
+    result = check("--no-spark", "--data-dir", str(data))
+    assert result.returncode == 2
+    assert "pipeline.json: not a pipeline state file" in result.stderr
