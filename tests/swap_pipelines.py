@@ -37,3 +37,9 @@ def fails_first_batch(df: DataFrame, context: PipelineContext) -> DataStreamWrit
 
 def not_a_writer(df: DataFrame) -> Any:
     return df
+
+
+def writes_to_the_first_sink(df: DataFrame, context: PipelineContext) -> DataStreamWriter:
+    """An earlier generation's sink folder (generation 0's): its file sink's metadata lists batches."""
+    out = df.select("topic", "offset", "value", F.lit("x").alias("pipeline"))
+    return out.writeStream.format("parquet").option("path", str(context.sink_dir.with_name("sink")))

@@ -173,7 +173,7 @@ async def test_reset_pipeline_starts_the_flags_pipeline_where_the_swapped_in_one
         manager = PipelineManager(SparkDriver(None, flagged, store=server.store), server, loop)
         assert manager.current.spec == "m:bad"
         assert "runs, not --pipeline swap_pipelines:tag_a" in caplog.text
-        # --reset-pipeline: generation 2 of the flag's pipeline, from where generation 1 committed (record 250)
+        # --reset-pipeline: generation 2 of the flag's pipeline, where generation 1 committed (250)
         reset = dataclasses.replace(flagged, reset_pipeline=True)
         manager = PipelineManager(SparkDriver(None, reset, store=server.store), server, loop)
         current = manager.current

@@ -529,3 +529,24 @@ def test_max_records_per_batch_splits_a_backlog(spark: Any, tmp_path: Path) -> N
     assert (own_checkpoint / "offsets").is_dir()
     assert not (tmp_path / "unused-checkpoint").exists()
     assert sorted(sink_rows(spark, sink), key=lambda r: r[1]) == expected
+
+
+def test_a_fresh_query_into_a_file_sink_that_holds_batches_is_refused(tmp_path: Path) -> None:
+    """Spark's file sink skips every batch id its _spark_metadata lists: a query with a new checkpoint
+    writing there had its first batches dropped without a word."""
+    from ingest.spark.pipeline import check_file_sink
+
+    sink, checkpoint = tmp_path / "sink", tmp_path / "checkpoint"
+    check_file_sink(str(sink), checkpoint)  # nothing there yet
+    (sink / "_spark_metadata").mkdir(parents=True)
+    check_file_sink(str(sink), checkpoint)  # no batch listed
+    for name in ("0", "1", "9.compact"):
+        (sink / "_spark_metadata" / name).write_text("v1\n")
+    with pytest.raises(ValueError, match=r"holding batches up to 9 of another query"):
+        check_file_sink(f"file://{sink}", checkpoint)
+    (checkpoint / "commits").mkdir(parents=True)
+    with pytest.raises(ValueError, match="new checkpoint"):
+        check_file_sink(str(sink), checkpoint)  # no commit yet: still fresh
+    (checkpoint / "commits" / "9").write_text("v1\n{}")
+    check_file_sink(str(sink), checkpoint)  # its own query going on
+    check_file_sink("s3a://bucket/sink", checkpoint)  # not a local path: not looked at
