@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from ingest.admin_service import AdminService
-from ingest.config import ServeConfig
+from ingest.config import ServeConfig, is_loopback
 from ingest.metrics import MetricsServer, RuntimeChangesCollector, SettingsCollector, SluiceCollector
 from ingest.pipeline_control import PipelineControl
 from ingest.preflight import DataDirLock, bind_address, make_dirs
@@ -294,6 +294,14 @@ class SluiceServer:
         security = self.config.security
         for warning in self.tls.material.warnings() if self.tls is not None else ():
             log.warning("%s", warning)
+        if not self.auth.enabled and not is_loopback(self.config.host):
+            # TLS keeps the wire private, it does not say who calls: without an auth file or a client
+            # CA every caller is the anonymous principal, operator included
+            log.warning(
+                "serving on %s without --auth-file or --client-ca: every client that reaches it may "
+                "publish to every stream and operate the server (rate, settings, streams, pipeline)",
+                self.config.host,
+            )
         if self.config.metrics_port is not None:
             self._metrics = self._metrics_server()
         server = grpc.aio.server(

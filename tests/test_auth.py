@@ -771,3 +771,15 @@ async def test_a_drivers_refusals_of_publish_and_sessions_come_after_authenticat
             assert "sluice sessions --target NODE" in (elsewhere.value.details() or "")
     finally:
         await server.stop(None)
+
+
+async def test_a_server_reachable_from_the_network_without_authentication_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """TLS without an auth file or a client CA: every caller is the anonymous principal, operator too."""
+    security = SecurityConfig(insecure=True)
+    async with running_server(tmp_path / "wide", "clicks", host="0.0.0.0", security=security):
+        assert "without --auth-file or --client-ca: every client that reaches it" in caplog.text
+    caplog.clear()
+    async with running_server(tmp_path / "local", "clicks"):
+        assert "without --auth-file" not in caplog.text
