@@ -100,14 +100,25 @@ def _budget(text: str) -> int | None:
     return _size(text)
 
 
-def _is_budget(key: str) -> bool:
+def _empty_meant(key: str) -> str | None:
+    """What an empty value saved by an earlier version meant for `key` ("none" for a budget, "off" for
+    the linger), which takes the empty value no more; None: "" is still a value of its own there."""
     setting = SETTINGS.get(key)
-    return setting is not None and setting.parse is _budget
+    return (setting.none or None) if setting is not None else None
 
 
 def _off_or(parse: Callable[[str], object]) -> Callable[[str], object]:
-    """ "off" (or "", as None is shown) means None: the feature off."""
-    return lambda text: None if text.strip().lower() in ("", "off") else parse(text)
+    """ "off" means None: the feature off. An empty value is refused, as by the flag: an unset shell
+    variable (`config set block-linger=$LINGER`) must not turn a feature off unseen."""
+
+    def parsed(text: str) -> object:
+        if text.strip().lower() == "off":
+            return None
+        if not text.strip():
+            raise SettingError("an empty value: give a value, or 'off'")
+        return parse(text)
+
+    return parsed
 
 
 def _estimator(text: str) -> str:
@@ -307,9 +318,10 @@ class RuntimeConfig:
                 f"{self.path}: not a runtime settings file (an object of a version >= 0 and overrides); "
                 "delete it to start from the command line's settings"
             )
-        # an empty budget, which `config set` took for none before it took "none" alone, still means it
+        # an empty budget or linger, which `config set` took for none (off) before it took "none" ("off")
+        # alone, still means it
         overrides = {
-            str(k): ("none" if str(v).strip() == "" and _is_budget(str(k)) else str(v))
+            str(k): ((_empty_meant(str(k)) or "") if str(v).strip() == "" else str(v))
             for k, v in overrides.items()
         }
         try:

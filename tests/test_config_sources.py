@@ -338,16 +338,17 @@ def test_a_bad_stream_policy_names_its_key_as_written(
 
 
 def test_an_empty_budget_saved_by_an_earlier_version_still_means_none(tmp_path: Path) -> None:
-    """`config set disk-budget=` saved "" (then: no budget); an empty value is refused now, but a saved
-    one must not stop the start after an upgrade."""
+    """`config set disk-budget=` saved "" (then: no budget), `block-linger=` too (then: off); an empty
+    value is refused now, but a saved one must not stop the start after an upgrade."""
     data = tmp_path / "d"
     data.mkdir()
     (data / "runtime-config.json").write_text(
-        '{"version": 2, "overrides": {"disk-budget": "", "memory-budget": ""}}'
+        '{"version": 2, "overrides": {"disk-budget": "", "memory-budget": "", "block-linger": ""}}'
     )
     checked = check("--no-spark", "--data-dir", str(data), "--disk-budget", "1GiB")
     assert checked.returncode == 0, checked.stderr
     assert rows(checked.stdout)["disk-budget"][0] == "none", checked.stdout
+    assert rows(checked.stdout)["block-linger"][0] == "off", checked.stdout
 
 
 def test_config_check_shows_the_pipeline_a_swap_left_in_force(tmp_path: Path) -> None:

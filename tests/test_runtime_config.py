@@ -151,6 +151,8 @@ INVALID = [
     # an unset shell variable must not lift a budget: "none" does, "" is refused
     ({"memory-budget": ""}, grpc.StatusCode.INVALID_ARGUMENT, "an empty budget"),
     ({"disk-budget": " "}, grpc.StatusCode.INVALID_ARGUMENT, "an empty budget"),
+    # nor turn the linger off ("off" does), as `serve --block-linger ''` is refused
+    ({"block-linger": ""}, grpc.StatusCode.INVALID_ARGUMENT, "block-linger: an empty value"),
     ({"estimator-params": "horizon"}, grpc.StatusCode.INVALID_ARGUMENT, "name=value"),
     ({"estimator-params": "horizon=fast"}, grpc.StatusCode.INVALID_ARGUMENT, "not a number"),
     ({"estimator-params": "kp=1"}, grpc.StatusCode.INVALID_ARGUMENT, "no parameter 'kp'"),
