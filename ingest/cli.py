@@ -106,6 +106,26 @@ class _ArgumentParser(argparse.ArgumentParser):
             )
         return super()._get_values(action, arg_strings)
 
+    def _parse_optional(self, arg_string: str) -> Any:
+        # argparse takes "-5" for a value but "-inf", "-nan" or "-1e3" for an unknown flag ("the
+        # following arguments are required: RATE"): let every number through to the command's own check
+        if (
+            arg_string.startswith("-")
+            and arg_string not in self._option_string_actions
+            and not self._has_negative_number_optionals
+            and _is_float(arg_string)
+        ):
+            return None
+        return super()._parse_optional(arg_string)
+
+
+def _is_float(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()

@@ -203,6 +203,28 @@ def test_a_bare_double_dash_as_a_flags_value_is_a_usage_error(tmp_path: Path) ->
     assert result.returncode == 1 and b"UNAVAILABLE" in result.stderr, result.stderr
 
 
+def test_a_negative_number_reaches_the_commands_own_check(tmp_path: Path) -> None:
+    """argparse read `rate set -inf` (or -nan, -1e3) as an unknown flag and said "the following
+    arguments are required: RATE"; the server's own check refuses it now, saying why."""
+    data = tmp_path / "data"
+    log = tmp_path / "serve.log"
+    with log.open("wb") as log_file:
+        serve = subprocess.Popen(
+            [*SLUICE, "serve", "--no-spark", "--port", "0", "--metrics-port", "-1", "--data-dir", str(data)],
+            stderr=log_file,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        target = wait_for_line(serve, log, r"on (127\.0\.0\.1:\d+)", 60).group(1).decode()
+        for command in (["rate", "set", "-inf"], ["rate", "set", "-nan"], ["rate", "bounds", "-1e3", "5"]):
+            refused = sluice(*command, "--target", target)
+            assert refused.returncode == 1, (command, refused.stderr)
+            assert b"INVALID_ARGUMENT" in refused.stderr and b"required" not in refused.stderr, refused.stderr
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=60)
+
+
 def test_push_a_missing_file() -> None:
     result = sluice("push", "/nonexistent/file.txt")
     assert result.returncode == 2
