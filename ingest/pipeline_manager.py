@@ -341,9 +341,7 @@ class PipelineManager:
         if self._lock.locked():
             raise SwapInProgress("a pipeline swap or restart is under way: try again when it is done")
         async with self._lock:
-            query = self._driver.query
-            if query is None or self._failure is not None:
-                raise PipelineUnavailable("no Spark query runs here")
+            query = self._running_query()
             timeout = timeout if timeout > 0 else DEFAULT_FIRST_BATCH_TIMEOUT
             old, old_trigger = self.current, self.trigger_interval
             requested = time.time()
@@ -408,6 +406,16 @@ class PipelineManager:
                 self._last_swap.duration_seconds,
             )
             return self.view()
+
+    def _running_query(self) -> Any:
+        """The query a swap or restart replaces; PipelineUnavailable if none runs."""
+        if self._state == "stopped" and self._failure is None:
+            # attached before start() (Spark's workers warm up first): a query is on its way
+            raise PipelineUnavailable("the query is still starting; try again in a few seconds")
+        query = self._driver.query
+        if query is None or self._failure is not None:
+            raise PipelineUnavailable("no Spark query runs here")
+        return query
 
     async def _prove(self, new: Generation, trigger: float, timeout: float, base: int) -> tuple[str, float]:
         """_start_and_prove; but a query that failed or ran out of time and is found, once stopped, to

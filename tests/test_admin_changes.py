@@ -192,6 +192,25 @@ async def test_reset_pipeline_starts_the_flags_pipeline_where_the_swapped_in_one
         assert (manager.current.number, manager.current.starting_offsets) == (2, {"s": 250})
 
 
+async def test_a_swap_before_the_query_started_says_it_is_starting(tmp_path: Path) -> None:
+    """`sluice serve` attaches the manager before its query starts (Spark's Python workers warm up
+    first): a swap then was told "no Spark query runs here", the words for a node without one."""
+    from ingest.driver import SparkDriver
+    from ingest.pipeline_manager import PipelineManager
+
+    async with running_server(tmp_path, "s") as server:
+        driver = SparkDriver(None, server.config, store=server.store)
+        server.pipeline_control = PipelineManager(driver, server, asyncio.get_running_loop())
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            stub = pb_grpc.AdminStub(channel)
+            for call in (  # one after the other: a call starts when it is made
+                lambda: stub.SwapPipeline(pb.SwapPipelineRequest(pipeline="")),
+                lambda: stub.SetConfig(pb.SetConfigRequest(set={"trigger-interval": "2"})),
+            ):
+                details = await refused(call(), grpc.StatusCode.FAILED_PRECONDITION)
+                assert "still starting; try again" in details, details
+
+
 async def test_the_cli_says_what_a_drain_left_waiting(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
