@@ -1304,6 +1304,8 @@ async def _serve_async(  # noqa: PLR0912, PLR0915 - one lifecycle
                 return EXIT_FAILED
         logs.say("stopping: sealing and acking what was received", event="stopping")
         await server.stop()
+        if manager is not None:  # a swap goes on when its call ends: not under the drain and stop
+            await manager.settled(DRAIN_SECONDS)
         if driver is not None:
             log.info("letting Spark process the sealed blocks (at most %g s)", DRAIN_SECONDS)
             try:

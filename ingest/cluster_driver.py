@@ -69,6 +69,8 @@ log = logging.getLogger(__name__)
 
 QUERY_NAME = "sluice-cluster"
 BACKLOG_INTERVAL = 1.0
+SWAP_SETTLE_SECONDS = 120.0
+"""At stop, how long a pipeline swap under way may take to end before the query is stopped anyway."""
 """Seconds between two looks at every node's partitions for the backlog NodeRates brakes with."""
 
 
@@ -364,6 +366,8 @@ class ClusterDriver:
     async def stop(self) -> None:
         """Stop the query (releasing its last commit), then the rate parts (idempotent)."""
         await self.health.enter_graceful_shutdown()
+        if self.manager is not None:  # a swap goes on when its call ends: not under the stop
+            await self.manager.settled(SWAP_SETTLE_SECONDS)
         if self.spark_driver is not None:
             await asyncio.to_thread(self.spark_driver.stop)
         if self._poller is not None:

@@ -41,6 +41,7 @@ from ingest.driver import QueryPlan, SparkDriver, last_commit
 from ingest.pipeline_control import (
     DEFAULT_FIRST_BATCH_TIMEOUT,
     InvalidPipeline,
+    PipelineError,
     PipelineUnavailable,
     SwapInProgress,
     SwapRolledBack,
@@ -143,6 +144,7 @@ class PipelineManager:
         self._changes: dict[tuple[str, str], int] = {}
         self._batches: dict[str, BatchCompleted] = {}  # run id -> its last completed batch
         self._batch_seen = asyncio.Event()
+        self._replacing: asyncio.Task[pb.PipelineView] | None = None
         self.current = Generation(config.pipeline or "", 0, driver.query_name, "sink")
         self._load()
         driver.on_batch(self._on_batch_thread)
@@ -340,7 +342,41 @@ class PipelineManager:
     ) -> pb.PipelineView:
         if self._lock.locked():
             raise SwapInProgress("a pipeline swap or restart is under way: try again when it is done")
-        async with self._lock:
+        await self._lock.acquire()  # free: taken at once, released by the task when it ends
+        # The task runs to its end whatever becomes of this call: a client that goes away (Ctrl-C, its
+        # deadline) cancels the call, and a swap cut there left its threads starting and stopping queries
+        # with the lock free and neither `current` nor pipeline.json updated: the next swap took the same
+        # generation, set the running query's checkpoint aside and started over released blocks.
+        task = asyncio.create_task(self._replace_held(new, trigger, timeout, what=what))
+        self._replacing = task
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                log.warning("the caller of the %s went away: the %s goes on to its end", what, what)
+                task.add_done_callback(_said_when_alone)
+            raise
+
+    async def settled(self, timeout: float) -> None:
+        """Wait up to `timeout` s for a swap or restart under way (its caller may have gone) to end: at
+        shutdown, before the query is drained and stopped under it."""
+        task = self._replacing
+        if task is None or task.done():
+            return
+        log.info("waiting for the pipeline swap under way to end (at most %g s)", timeout)
+        _, late = await asyncio.wait([task], timeout=timeout)
+        if late:
+            log.warning(
+                "the pipeline swap did not end within %g s: stopping anyway (pipeline.json has it as a "
+                "trial: the next start keeps the new query only if it committed a batch)",
+                timeout,
+            )
+
+    async def _replace_held(
+        self, new: Generation, trigger: float, timeout: float, *, what: str
+    ) -> pb.PipelineView:
+        """_replace, with the lock held: released when it ends."""
+        try:
             query = self._running_query()
             timeout = timeout if timeout > 0 else DEFAULT_FIRST_BATCH_TIMEOUT
             old, old_trigger = self.current, self.trigger_interval
@@ -406,6 +442,8 @@ class PipelineManager:
                 self._last_swap.duration_seconds,
             )
             return self.view()
+        finally:
+            self._lock.release()
 
     def _running_query(self) -> Any:
         """The query a swap or restart replaces; PipelineUnavailable if none runs."""
@@ -584,6 +622,20 @@ class PipelineManager:
         if old_end is not None and new_end is not None:
             swap.processing_gap_seconds = new_end - old_end
         return swap
+
+
+def _said_when_alone(task: asyncio.Task[pb.PipelineView]) -> None:
+    """Log what a swap whose caller went away raised beyond its own outcomes (which it logs itself)."""
+    if task.cancelled():
+        log.warning("a pipeline swap or restart whose caller went away was cancelled")
+        return
+    exc = task.exception()
+    if exc is None or isinstance(exc, SwapRolledBack):  # logged as it ended
+        return
+    if isinstance(exc, PipelineError):
+        log.error("a pipeline swap or restart whose caller went away failed: %s", exc)
+    else:
+        log.error("a pipeline swap or restart whose caller went away failed", exc_info=exc)
 
 
 def _set_aside(folder: Path) -> None:

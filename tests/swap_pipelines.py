@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from pyspark.sql import DataFrame
@@ -43,3 +44,15 @@ def writes_to_the_first_sink(df: DataFrame, context: PipelineContext) -> DataStr
     """An earlier generation's sink folder (generation 0's): its file sink's metadata lists batches."""
     out = df.select("topic", "offset", "value", F.lit("x").alias("pipeline"))
     return out.writeStream.format("parquet").option("path", str(context.sink_dir.with_name("sink")))
+
+
+def slow_first_batch(df: DataFrame, context: PipelineContext) -> DataStreamWriter:
+    """Tagged as tag_a's, but its first batch takes 8 s (a pipeline warming a cache, say)."""
+
+    def write(batch: DataFrame, batch_id: int) -> None:
+        if batch_id == 0:
+            time.sleep(8)
+        out = batch.select("topic", "offset", "value", F.lit("slow").alias("pipeline"))
+        out.write.mode("append").parquet(str(context.sink_dir))
+
+    return df.writeStream.foreachBatch(write)

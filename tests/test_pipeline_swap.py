@@ -102,6 +102,41 @@ async def test_a_swap_that_fails_is_rolled_back(spark: Any, tmp_path: Path) -> N
         assert min(offsets_in(spark, tmp_path / "sink-g1")) == view.last_swap.start_offsets["events"]
 
 
+async def test_a_swap_whose_caller_goes_away_still_ends_on_the_server(spark: Any, tmp_path: Path) -> None:
+    """Ctrl-C of `sluice pipeline swap` (or its deadline) during the new query's first batch cancelled
+    the swap half-way: the lock was free, `current` and pipeline.json never updated ("swapping" for
+    good), and the next swap took generation 1 again, set the running query's checkpoint aside and
+    failed over released blocks (the service exited, and every restart). The swap ends all the same."""
+    async with service(spark, tmp_path, pipeline="swap_pipelines:tag_a") as server:
+        load = Load(server.target, "events")
+        pushing = asyncio.create_task(load.run())
+        await asyncio.sleep(2)
+        stub = admin(server)
+        slow = pb.SwapPipelineRequest(pipeline="swap_pipelines:slow_first_batch")
+        with pytest.raises(grpc.aio.AioRpcError) as gone:
+            await stub.SwapPipeline(slow, timeout=3)
+        assert gone.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        with pytest.raises(grpc.aio.AioRpcError) as busy:  # it still holds the pipeline
+            await stub.SwapPipeline(pb.SwapPipelineRequest(pipeline="swap_pipelines:tag_b"))
+        assert busy.value.code() == grpc.StatusCode.ABORTED, busy.value.details()
+        deadline = time.monotonic() + 90
+        while (view := await stub.GetPipeline(pb.GetPipelineRequest())).state != "running":
+            assert time.monotonic() < deadline, view
+            await asyncio.sleep(0.5)
+        assert (view.pipeline, view.generation) == ("swap_pipelines:slow_first_batch", 1), view
+        assert view.last_swap.outcome == "done", view.last_swap
+        saved = json.loads((tmp_path / "pipeline.json").read_text())
+        assert saved["current"]["number"] == 1 and saved["trial"] is False
+        view = await stub.SwapPipeline(pb.SwapPipelineRequest(pipeline="swap_pipelines:tag_b"))
+        assert (view.generation, view.last_swap.outcome) == (2, "done"), view.last_swap
+        await asyncio.sleep(1)
+        load.stop()
+        await pushing
+        sinks = [tmp_path / "sink", tmp_path / "sink-g1", tmp_path / "sink-g2"]
+        offsets = await wait_for_offsets(spark, load.sent, *sinks)
+        assert sorted(offsets) == list(range(load.sent))  # each acked record once, across the sinks
+
+
 @pytest.mark.parametrize(
     "late",
     [
