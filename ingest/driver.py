@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
-from py4j.protocol import Py4JError
+from py4j.protocol import Py4JError, Py4JJavaError
 
 from ingest.config import ServeConfig
 from ingest.server import SluiceServer
@@ -229,6 +229,7 @@ class SparkDriver:
             options[OPTION_STARTING_OFFSETS] = json.dumps(dict(sorted(plan.starting_offsets.items())))
         self.query = None
         self.plan = plan
+        name = self._free_query_name()
         self.query = start_query(
             self.spark,
             store_root=None if self.source_options else str(self.config.blocks_dir),
@@ -237,7 +238,7 @@ class SparkDriver:
             pipeline=plan.pipeline,
             checkpoint_dir=str(plan.checkpoint),
             trigger_seconds=plan.trigger_interval,
-            query_name=self.query_name,
+            query_name=name,
             rate_target=self.rate_target,
             rate_token_file=self.rate_token_file,
             context=plan.context,
@@ -246,11 +247,42 @@ class SparkDriver:
         self._checkpoint = _local_checkpoint(self.query)
         self._release_last_commit()
 
+    def _free_query_name(self) -> str:
+        """The driver's query name, or while a query left behind by a stop (_stop) still holds it the
+        first free "<name>-<n>": Spark refuses to start a second active query of one name."""
+        taken = {query.name for query in self.spark.streams.active}
+        name, n = self.query_name, 1
+        while name in taken:
+            name, n = f"{self.query_name}-{n}", n + 1
+        if name != self.query_name:
+            log.warning(
+                "query name %s is still held by a query left behind: this one is %s", self.query_name, name
+            )
+        return name
+
+    def _stop(self) -> None:
+        """Stop the query. Spark waits spark.sql.streaming.stopTimeout for its running batch to end (see
+        ingest.spark.session.STOP_TIMEOUT_MS), then gives up: the batch is left behind rather than
+        the caller (a rollback, the shutdown) hung with it."""
+        _quiet_job_cancel(self.spark)
+        try:
+            self.query.stop()
+        except Py4JJavaError as exc:
+            if "java.util.concurrent.TimeoutException" not in str(exc):
+                raise
+            timeout = self.spark.conf.get("spark.sql.streaming.stopTimeout", "?")
+            log.error(  # noqa: TRY400 - what happened and what it means, in one line; Spark's stack is long
+                "the query's running batch did not end within %s ms of its stop "
+                "(spark.sql.streaming.stopTimeout): it is left behind, still running (a Python function "
+                "cannot be interrupted), until it returns or the service exits; whatever it writes then "
+                "is not counted (its records are processed again by the next query)",
+                timeout,
+            )
+
     def stop_query(self) -> None:
         """Stop the running query only (blocking); the driver can start another. Idempotent."""
         if self.query is not None and self.query.isActive:
-            _quiet_job_cancel(self.spark)
-            self.query.stop()
+            self._stop()
         self._release_last_commit()
 
     def _release_last_commit(self) -> None:
@@ -269,8 +301,7 @@ class SparkDriver:
     def stop(self) -> None:
         """Stop the query and remove the listener (blocking). Idempotent."""
         if self.query is not None:
-            _quiet_job_cancel(self.spark)
-            self.query.stop()
+            self._stop()
         if self._listening:
             self.spark.streams.removeListener(self._listener)
             self._listening = False

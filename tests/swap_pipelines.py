@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -54,5 +55,18 @@ def slow_first_batch(df: DataFrame, context: PipelineContext) -> DataStreamWrite
             time.sleep(8)
         out = batch.select("topic", "offset", "value", F.lit("slow").alias("pipeline"))
         out.write.mode("append").parquet(str(context.sink_dir))
+
+    return df.writeStream.foreachBatch(write)
+
+
+RELEASE_HUNG = threading.Event()
+"""What hangs_first_batch's batch waits for: set by its test once done."""
+
+
+def hangs_first_batch(df: DataFrame, context: PipelineContext) -> DataStreamWriter:
+    """A sink that hangs (a foreachBatch that does not return)."""
+
+    def write(batch: DataFrame, batch_id: int) -> None:
+        RELEASE_HUNG.wait()
 
     return df.writeStream.foreachBatch(write)

@@ -137,6 +137,42 @@ async def test_a_swap_whose_caller_goes_away_still_ends_on_the_server(spark: Any
         assert sorted(offsets) == list(range(load.sent))  # each acked record once, across the sinks
 
 
+async def test_a_first_batch_that_hangs_is_left_behind_and_rolled_back(spark: Any, tmp_path: Path) -> None:
+    """A swapped-in first batch that never ends: Spark's stop() waited for it for good (its default
+    spark.sql.streaming.stopTimeout), so the rollback never came and the service did not stop even
+    on SIGTERM. The stop gives up after the timeout now, the batch is left behind, the old query runs
+    again (under another name: the hung query still holds its own)."""
+    import swap_pipelines
+
+    from ingest.spark.session import STOP_TIMEOUT_KEY, STOP_TIMEOUT_MS
+
+    assert spark.conf.get(STOP_TIMEOUT_KEY) == STOP_TIMEOUT_MS  # the service's default: not forever
+    spark.conf.set(STOP_TIMEOUT_KEY, "2000")  # not a minute here
+    try:
+        async with service(spark, tmp_path, pipeline="swap_pipelines:tag_a") as server:
+            load = Load(server.target, "events")
+            pushing = asyncio.create_task(load.run())
+            await asyncio.sleep(2)
+            stub = admin(server)
+            hangs = pb.SwapPipelineRequest(
+                pipeline="swap_pipelines:hangs_first_batch", first_batch_timeout_seconds=3
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await asyncio.wait_for(stub.SwapPipeline(hangs), 90)
+            assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "within 3 s" in (failed.value.details() or ""), failed.value.details()
+            view = await stub.GetPipeline(pb.GetPipelineRequest())
+            assert (view.pipeline, view.generation, view.state) == ("swap_pipelines:tag_a", 0, "running")
+            await asyncio.sleep(1)
+            load.stop()
+            await pushing
+            offsets = await wait_for_offsets(spark, load.sent, tmp_path / "sink")
+            assert sorted(offsets) == list(range(load.sent))  # the old query processed them all, once
+    finally:
+        swap_pipelines.RELEASE_HUNG.set()
+        spark.conf.set(STOP_TIMEOUT_KEY, STOP_TIMEOUT_MS)
+
+
 @pytest.mark.parametrize(
     "late",
     [

@@ -64,6 +64,14 @@ local disk, and what Spark falls back to where FileContext is missing), with the
 (ingest.driver._clear_interrupted_writes), so exactly-once is unchanged. Only in local mode, where the
 checkpoint is on a local disk; a setting the caller gives wins."""
 
+STOP_TIMEOUT_KEY = "spark.sql.streaming.stopTimeout"
+STOP_TIMEOUT_MS = "60000"
+"""How long a query's stop() waits for its running batch, unless the user set it. Spark's default (0)
+waits forever: a batch that never ends (a foreachBatch hung on a sink) then hung a swap's rollback
+and the service's shutdown for good. A batch running at a stop is waited for, as a swap's first batch
+may commit while it stops (docs/runtime.md), so this is long; past it the driver leaves the batch
+behind (ingest.driver.SparkDriver.stop_query)."""
+
 NOISY_LOGGERS = (
     # "Current batch is falling behind. The trigger interval is ...": every idle trigger of a query
     # whose batch took longer than its interval; Sluice's rate control and metrics say it better
@@ -159,6 +167,8 @@ def build_session(
     set_spark_log_level(spark, log_level)
     if local and CHECKPOINT_MANAGER_KEY not in settings:
         use_file_system_checkpoints(spark)
+    if not spark.sparkContext.getConf().contains(STOP_TIMEOUT_KEY):  # `conf`, spark-defaults.conf
+        spark.conf.set(STOP_TIMEOUT_KEY, STOP_TIMEOUT_MS)
     spark.dataSource.register(SluiceDataSource)
     return spark
 
