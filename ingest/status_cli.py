@@ -10,6 +10,7 @@ log on disk) nor the record counters: given --metrics URL it reads the page's ow
 from __future__ import annotations
 
 import asyncio
+import email.message
 import http.client
 import json
 import math
@@ -21,7 +22,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -185,6 +186,22 @@ def status_json_url(url: str) -> str:
     return url + "/status.json"
 
 
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """urllib follows a redirect with the request's headers, the bearer token included, to whatever
+    host it names: a redirect ends the read instead (as an HTTPError with its Location)."""
+
+    def redirect_request(  # noqa: PLR0917 - urllib's signature
+        self,
+        req: urllib.request.Request,
+        fp: IO[bytes],
+        code: int,
+        msg: str,
+        headers: email.message.Message,
+        newurl: str,
+    ) -> urllib.request.Request | None:
+        return None
+
+
 def read_http(
     url: str, credentials: Credentials, cert_file: Path | None = None, key_file: Path | None = None
 ) -> Json:
@@ -199,12 +216,22 @@ def read_http(
         context = ssl.create_default_context(cadata=roots.decode() if roots is not None else None)
         if cert_file is not None:
             context.load_cert_chain(cert_file, key_file)
+    handlers: list[urllib.request.BaseHandler] = [_RefuseRedirects()]
+    if context is not None:
+        handlers.append(urllib.request.HTTPSHandler(context=context))
+    opener = urllib.request.build_opener(*handlers)
     try:
-        with urllib.request.urlopen(request, timeout=CALL_TIMEOUT, context=context) as response:  # noqa: S310 - the operator's URL
+        with opener.open(request, timeout=CALL_TIMEOUT) as response:
             data: Json = json.loads(response.read())
     except urllib.error.HTTPError as exc:
         with exc:
             why = exc.read().decode(errors="replace").strip()
+        if 300 <= exc.code < 400:
+            where = printable(exc.headers.get("Location") or "nowhere")
+            raise StatusReadError(
+                f"HTTP {exc.code} redirects to {where}: not followed (it would take the token along); "
+                "give --metrics the URL that serves /status.json"
+            ) from None
         raise StatusReadError(f"HTTP {exc.code}: {why}", denied=exc.code in (401, 403)) from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise StatusReadError(str(getattr(exc, "reason", exc))) from None

@@ -4,9 +4,11 @@ gRPC, and from the metrics port's /status.json."""
 from __future__ import annotations
 
 import asyncio
+import http.server
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -213,3 +215,47 @@ async def test_status_once_piped_keeps_headers_and_reasons_whole(tmp_path: Path)
     assert "credit" in header, shown.stdout
     assert len(lines) < 40, shown.stdout
     assert max(len(line) for line in lines) <= 200
+
+
+async def test_status_metrics_does_not_follow_a_redirect_with_the_token(tmp_path: Path) -> None:
+    """urllib followed a 302 with every header of the request: the operator's bearer token went to
+    whatever host the redirect named. The redirect is refused now, naming where it pointed."""
+    received: list[str | None] = []
+
+    class Other(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            received.append(self.headers.get("Authorization"))
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Other)
+    elsewhere = f"http://127.0.0.1:{other.server_address[1]}/x"
+
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(302)
+            self.send_header("Location", elsewhere)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    redirect = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    servers = [other, redirect]
+    threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in servers]
+    for thread in threads:
+        thread.start()
+    try:
+        url = f"http://127.0.0.1:{redirect.server_address[1]}"
+        shown = await status("--metrics", url, token=TOKENS["reader"])
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+    assert received == []  # the other host heard nothing, token or not
+    assert shown.returncode == 1, shown.stderr
+    assert shown.stderr.count("\n") == 1, shown.stderr
+    assert f"redirects to {elsewhere}" in shown.stderr and "not followed" in shown.stderr
