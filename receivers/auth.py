@@ -176,6 +176,9 @@ class AuthTable:
                 tokens[digest] = name
             limits = _limits(entry, defaults, where)
             principals[name] = Principal(name, roles, streams or frozenset(), limits)
+        if not principals:
+            # a truncated file would lock every caller out and, on a reload, revoke every session
+            raise AuthFileError(f"{source}: no principals (give at least one [principals.NAME] table)")
         return cls(principals, tokens)
 
 

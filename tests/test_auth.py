@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -560,6 +561,33 @@ async def test_a_reload_revokes_the_sessions_it_no_longer_allows(tmp_path: Path)
         await send_and_ack(kept, 5)
         for producer in (kept, dropped, other):
             await producer.abort()
+
+
+async def test_a_reload_of_an_auth_file_without_principals_changes_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A truncated auth file was taken on SIGHUP ("0 principals, 0 tokens", at INFO): every session
+    revoked, every caller UNAUTHENTICATED. It is refused as a malformed file is: an ERROR, the old
+    table stays."""
+    auth = write_auth_file(tmp_path / "auth.toml")
+    async with secured_server(tmp_path / "data", auth) as server:
+        table = server.auth.table
+        producer = Producer(server.target, "clicks", credentials=as_principal("clicks-app"), linger=0)
+        await producer.start()
+        await send_and_ack(producer, 5)
+        for text in ("", "[defaults]\nmax_sessions = 4\n", "[principals]\n"):
+            auth.write_text(text)
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="ingest.server"):
+                assert server.reload_security() == []
+            errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+            assert len(errors) == 1 and "auth file not reloaded" in errors[0], errors
+            assert "no principals" in errors[0]
+            assert server.auth.table is table
+        await send_and_ack(producer, 5)  # its session lives on
+        async with grpc.aio.insecure_channel(server.target) as ch:
+            await pb_grpc.RateControlStub(ch).GetRate(pb.GetRateRequest(), metadata=bearer("ops"), timeout=10)
+        await producer.close()
 
 
 # ---- the Spark source on a secured server --------------------------------------------------------

@@ -260,6 +260,8 @@ def test_serve_refuses_bad_tls_files_before_starting(
 ) -> None:
     _, server_cert = pki
     data = tmp_path / "data"
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
     for args, message in (
         (["--tls-cert", str(server_cert.cert_file)], "TLS needs both --tls-cert and --tls-key"),
         (["--client-ca", str(server_cert.cert_file)], "--client-ca (mutual TLS) needs TLS"),
@@ -272,6 +274,7 @@ def test_serve_refuses_bad_tls_files_before_starting(
             "holds no PEM certificate",
         ),
         (["--auth-file", str(server_cert.cert_file)], "is not valid TOML"),
+        (["--auth-file", str(empty)], "no principals"),  # truncated: it would refuse every caller
         (["--metrics-tls"], "--metrics-tls needs the server's certificate and key"),  # the flag's name
     ):
         result = sluice("serve", "--no-spark", "--port", "0", "--data-dir", str(data), *args)
