@@ -56,7 +56,7 @@ from ingest.config_sources import (
 from ingest.extras import server_extra_problem
 from ingest.logs import SPARK_LOG_LEVELS, SPARK_QUIET
 from ratecontrol import InvalidRateError, StreamPolicy, UnknownEstimatorError
-from receivers.auth import new_token, token_hash
+from receivers.auth import AuthFileError, new_token, token_hash
 from receivers.cluster import Cluster, ClusterConfigError, load_nodes
 from receivers.config import FsyncPolicy, ReceiverConfig
 from receivers.errors import printable
@@ -996,6 +996,8 @@ def _checked(args: argparse.Namespace, build: Callable[[], T], fallback: Sequenc
     try:
         return build()
     except ClusterConfigError as exc:  # about the node list's lines: its words ("port") are not keys
+        raise ConfigError(str(exc)) from None
+    except AuthFileError as exc:  # names the auth file's own keys (max_sessions), not serve's flags
         raise ConfigError(str(exc)) from None
     except ValueError as exc:
         raise ConfigError(name_keys(str(exc), args.origins, _serve_keys(), fallback)) from None

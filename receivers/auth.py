@@ -348,6 +348,8 @@ def _strings(value: object, where: str) -> list[str]:
         value = [value]
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise AuthFileError(f"{where} must be a string or a list of strings")
+    if "" in value:  # `streams = ""` would pass as a producer's streams while granting none
+        raise AuthFileError(f"{where} holds an empty string")
     return list(value)
 
 
@@ -390,4 +392,7 @@ def _limits(entry: Mapping[str, Any], base: Limits, where: str) -> Limits:
     try:
         return Limits(**values)
     except ValueError as exc:
-        raise AuthFileError(f"{where}: {exc}") from None
+        message = str(exc)
+        for key, attr in _LIMIT_KEYS.items():  # Limits names its fields: say the file's keys
+            message = re.sub(rf"\b{attr}\b", key, message)
+        raise AuthFileError(f"{where}: {message}") from None

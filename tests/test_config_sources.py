@@ -210,6 +210,27 @@ def test_config_check_runs_serves_checks_without_starting_anything(tmp_path: Pat
     assert not (tmp_path / "d").exists()
 
 
+def test_auth_file_mistakes_are_named_by_the_files_keys(tmp_path: Path) -> None:
+    """An auth file's limits were named by serve's flags at start (`max_sessions = 0` as
+    --max-sessions-per-principal, `idle_timeout_seconds = 0` as --idle-timeout), and a producer's
+    `streams = ""` passed: it names no stream."""
+    for text, message in (
+        ('[principals.x]\nroles = ["reader"]\nmax_sessions = 0\n', "[principals.x]: max_sessions must be"),
+        (
+            '[defaults]\nidle_timeout_seconds = 0\n[principals.x]\nroles = ["reader"]\n',
+            "[defaults]: idle_timeout_seconds must be > 0",
+        ),
+        ('[principals.x]\nroles = ["producer"]\nstreams = ""\n', "[principals.x] streams holds an empty"),
+        ('[principals.x]\nroles = ["producer"]\nstreams = [""]\n', "[principals.x] streams holds an empty"),
+    ):
+        auth = tmp_path / "auth.toml"
+        auth.write_text(text)
+        result = check("--no-spark", "--data-dir", str(tmp_path / "d"), "--auth-file", str(auth))
+        assert result.returncode == 2, (text, result.stderr)
+        assert f"sluice: {auth} {message}" in result.stderr, (text, result.stderr)
+        assert "--max-sessions" not in result.stderr and "--idle-timeout" not in result.stderr
+
+
 def test_a_pipeline_module_in_the_current_directory_is_found(tmp_path: Path) -> None:
     """The README's `sluice serve --pipeline mymodule:build` with mymodule.py beside the user: `sluice`
     is an entry point, whose sys.path lacks the current directory (`python -m` and uvicorn add it)."""
