@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -147,3 +148,43 @@ def test_a_usage_error_is_a_json_line_in_json_mode() -> None:
     (line,) = result.stderr.decode().splitlines()
     entry = json.loads(line)
     assert entry["level"] == "ERROR" and entry["message"] == "--port must be 0-65535, got 70000"
+
+
+def test_failed_tls_handshakes_write_no_grpc_core_lines_in_json_mode(tmp_path: Path) -> None:
+    """Each connection that failed the TLS handshake wrote a raw gRPC-core line on stderr
+    ("I... Handshake failed ..."): not JSON under --log-format json, and one per connection. gRPC's
+    core logs only its errors now, unless the user sets GRPC_VERBOSITY."""
+    from pki import CertificateAuthority
+
+    cert = CertificateAuthority(tmp_path / "pki").issue("localhost", server=True, file_stem="server")
+
+    def serve(name: str, env: dict[str, str]) -> list[str]:
+        log = tmp_path / f"{name}.log"
+        argv = [*SLUICE, "--log-format", "json", "serve", "--no-spark", "--port", "0", "--metrics-port", "-1"]
+        argv += ["--data-dir", str(tmp_path / name), "--tls-cert", str(cert.cert_file)]
+        argv += ["--tls-key", str(cert.key_file)]
+        with log.open("wb") as out:
+            proc = subprocess.Popen(argv, stderr=out, env=env)
+        try:
+            serving = wait_for_line(proc, log, r"serving streams default on 127\.0\.0\.1:(\d+)", 60)
+            port = int(serving.group(1))
+            for _ in range(20):  # plaintext clients at a TLS port
+                with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                    sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
+                    sock.recv(1024)
+            time.sleep(0.5)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                assert proc.wait(timeout=60) == 0, log.read_text(errors="replace")
+            finally:
+                proc.kill()
+        return log.read_text(errors="replace").splitlines()
+
+    unset = {k: v for k, v in clean_env().items() if k not in ("GRPC_VERBOSITY", "GRPC_TRACE")}
+    lines = serve("default", unset)
+    for line in lines:
+        assert isinstance(json.loads(line), dict), line  # every line
+    assert json.loads(lines[-1]).get("event") == "stopped", lines
+    asked = serve("asked", clean_env() | {"GRPC_VERBOSITY": "INFO"})  # the user's own setting holds
+    assert sum("Handshake failed" in line for line in asked) >= 20, asked
