@@ -1,7 +1,8 @@
 """The `sluice` command: serve, push, rate.
 
 Exit codes: 0 done, 1 failed (the message says why), 2 bad usage or a missing prerequisite, 3 refused by
-the server: not authenticated (UNAUTHENTICATED) or not permitted (PERMISSION_DENIED).
+the server: not authenticated (UNAUTHENTICATED), not permitted (PERMISSION_DENIED), or a TLS handshake
+refused on certificates.
 
 The client commands (push, rate, sessions) take credentials the usual gRPC way: --ca-file, --cert-file,
 --key-file and --token-file, or SLUICE_CA_FILE, SLUICE_CERT_FILE, SLUICE_KEY_FILE and SLUICE_TOKEN_FILE or
@@ -30,6 +31,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from ingest import logs
+from ingest.client_hints import connect_hint, refused
 from ingest.config import (
     DEFAULT_METRICS_PORT,
     DEFAULT_PORT,
@@ -84,8 +86,8 @@ T = TypeVar("T")
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_DENIED = 3
-"""The server refused the credentials (UNAUTHENTICATED) or what they may do (PERMISSION_DENIED)."""
-_DENIED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+"""The server refused the credentials (UNAUTHENTICATED, a TLS handshake refused on certificates) or
+what they may do (PERMISSION_DENIED)."""
 DRAIN_SECONDS = 120.0
 PUSH_TIMEOUT = 60.0
 DEFAULT_BATCH_SIZE = 4096
@@ -1667,9 +1669,10 @@ async def _flush_while_acking(producer: Producer, timeout: float) -> None:
 
 
 def _denial(error: BaseException) -> RPCError | None:
-    """The UNAUTHENTICATED or PERMISSION_DENIED error behind `error`, if that is what failed the push."""
+    """The UNAUTHENTICATED or PERMISSION_DENIED error, or the TLS handshake refused on certificates,
+    behind `error`, if that is what failed the push."""
     for cause in (error, error.__cause__):
-        if isinstance(cause, RPCError) and cause.status in _DENIED:
+        if isinstance(cause, RPCError) and refused(cause.status, cause.message):
             return cause
     return None
 
@@ -1715,6 +1718,8 @@ def _push_failed(args: argparse.Namespace, producer: Producer, read: int, error:
     """Say how far the push got and how to resume it without sending anything twice."""
     acked, sent = producer.acked, producer.ever_sent
     why = "interrupted" if isinstance(error, asyncio.CancelledError) else str(error)
+    if isinstance(error, RPCError) and not producer.credentials.secure:  # over TLS the SDK says it
+        why += connect_hint(error.status, error.message, secure=False)
     _fail(f"push to {args.target} stream {args.stream!r} failed: {why}")
     # counted from the start of the input, as --resume-from is
     permanent = _permanent(error)  # the same command would fail the same way
@@ -2187,12 +2192,10 @@ def _unary(
             try:
                 return await asyncio.wait_for(call(channel, credentials.metadata), timeout)
             except grpc.aio.AioRpcError as exc:
-                code = EXIT_DENIED if exc.code() in _DENIED else EXIT_FAILED
-                message = f"{what} on {target}: {exc.code().name}: {exc.details()}"
-                closed = "Socket closed" in (exc.details() or "")
-                if exc.code() is grpc.StatusCode.UNAVAILABLE and closed and not credentials.secure:
-                    # what plaintext to a TLS port looks like: the server closes the socket unread
-                    message += " (if the server serves TLS, give its CA: --ca-file or SLUICE_CA_FILE)"
+                details = exc.details() or ""
+                code = EXIT_DENIED if refused(exc.code(), details) else EXIT_FAILED
+                message = f"{what} on {target}: {exc.code().name}: {details}"
+                message += connect_hint(exc.code(), details, secure=credentials.secure)
                 raise _Failed(_fail(message, code)) from None
             except TimeoutError:
                 raise _Failed(_fail(f"{what} on {target}: no answer within {timeout:g} s")) from None

@@ -33,6 +33,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from ingest.client_hints import connect_hint, refused
 from receivers.errors import printable
 from sluice_client.credentials import Credentials
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
@@ -56,8 +57,11 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-async def read_grpc(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...]) -> Json:
-    """The numbers over gRPC, shaped as /status.json (what gRPC does not carry is left out)."""
+async def read_grpc(
+    channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...], *, secure: bool = False
+) -> Json:
+    """The numbers over gRPC, shaped as /status.json (what gRPC does not carry is left out); `secure`:
+    the channel is TLS (what a failure's hint says)."""
     rate_stub, admin = pb_grpc.RateControlStub(channel), pb_grpc.AdminStub(channel)
     try:
         rate = await rate_stub.GetRate(pb.GetRateRequest(), metadata=metadata, timeout=CALL_TIMEOUT)
@@ -71,8 +75,10 @@ async def read_grpc(channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], 
                 ),
             )
     except grpc.aio.AioRpcError as exc:
-        denied = exc.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
-        raise StatusReadError(f"{exc.code().name}: {exc.details()}", denied=denied) from None
+        details = exc.details() or ""
+        hint = connect_hint(exc.code(), details, secure=secure)
+        denied = refused(exc.code(), details)
+        raise StatusReadError(f"{exc.code().name}: {details}{hint}", denied=denied) from None
     try:
         health = await health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service=""), timeout=CALL_TIMEOUT
@@ -512,7 +518,7 @@ async def run_status(
             if metrics_url is not None:
                 url = status_json_url(metrics_url)
                 return await asyncio.to_thread(read_http, url, credentials, cert_file, key_file)
-            return await read_grpc(channel, credentials.metadata)
+            return await read_grpc(channel, credentials.metadata, secure=credentials.secure)
 
         where = metrics_url or target
         if once:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import ssl
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -96,6 +97,8 @@ class Credentials:
         if token_file is not None:
             token = _read(token_file, "token file").decode("utf-8", "replace").strip()
             _check_token(token, f"token file {token_file}")
+        if cert_file is not None and key_file is not None:
+            _check_key_pair(cert_file, key_file)
         return cls(
             root_certificates=None if ca_file is None else _pem(ca_file, "CA file", _CERTIFICATE),
             certificate_chain=None
@@ -176,6 +179,28 @@ def _pem(path: str | Path, what: str, marker: re.Pattern[bytes]) -> bytes:
         block = marker.pattern.decode().replace("(?:[A-Z]+ )?", "")
         raise CredentialsError(f"the {what} {path} holds no PEM block ({block})")
     return data
+
+
+def _check_key_pair(cert_file: str | Path, key_file: str | Path) -> None:
+    """Refuse a key that is not the certificate's: gRPC's C core only finds out when it connects, then
+    fails every attempt alike ("Failed to create security handshaker"), and a client retried until its
+    timeout and blamed the server."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+
+    def no_password() -> str:  # an encrypted key: never prompt on the terminal (gRPC cannot use it)
+        raise CredentialsError(f"the key file {key_file} is encrypted: gRPC needs an unencrypted PEM key")
+
+    try:
+        context.load_cert_chain(cert_file, key_file, password=no_password)
+    except ssl.SSLError as exc:
+        # only a mismatch is certain: other complaints of this OpenSSL (a key size its security level
+        # refuses) may not be gRPC's, which decides on those itself
+        if exc.reason == "KEY_VALUES_MISMATCH":
+            raise CredentialsError(
+                f"the key file {key_file} is not the private key of the certificate file {cert_file}"
+            ) from None
+    except OSError as exc:
+        raise CredentialsError(f"cannot read {cert_file} or {key_file}: {exc.strerror or exc}") from None
 
 
 def _check_token(token: str, where: str) -> None:

@@ -110,12 +110,13 @@ def reconnectable(error: RPCError, *, cancelled_in_band: bool = False) -> bool:
     return _transport_failure(error)
 
 
-_TLS_REFUSALS = ("handshake failed", "CERTIFICATE_VERIFY_FAILED")
+_TLS_REFUSALS = ("handshake failed", "CERTIFICATE_VERIFY_FAILED", "Failed to create security handshaker")
 
 
 def tls_refused(error: RPCError) -> bool:
     """UNAVAILABLE because the TLS handshake failed on certificates (the server's is not trusted, or
-    expired; the client's refused): grpc reports it as an unreachable server, but retrying cannot help."""
+    expired; the client's refused) or could not start (the client's key unusable): grpc reports it as
+    an unreachable server, but retrying cannot help."""
     return error.status is grpc.StatusCode.UNAVAILABLE and any(s in error.message for s in _TLS_REFUSALS)
 
 

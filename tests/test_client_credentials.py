@@ -113,6 +113,10 @@ def test_credentials_from_files_and_the_environment(tmp_path: Path) -> None:
             {"SLUICE_CERT_FILE": str(client.cert_file), "SLUICE_KEY_FILE": str(ca.cert_file)},
             r"key file .* holds no PEM block \(-----BEGIN PRIVATE KEY-----\)",
         ),
+        (
+            {"SLUICE_CERT_FILE": str(client.cert_file), "SLUICE_KEY_FILE": str(ca.issue("b").key_file)},
+            r"key file .* is not the private key of the certificate file",
+        ),
     ):
         with pytest.raises(CredentialsError, match=message):
             Credentials.from_env(bad)
@@ -190,6 +194,10 @@ async def test_cli_client_commands_take_credentials_and_exit_3_when_refused(tmp_
     assert PRODUCER not in pushed.stderr + refused.stderr
 
 
+def push_args(records: Path, target: list[str]) -> list[str]:
+    return ["push", str(records), "--stream", "s", "--no-progress", "--timeout", "30", *target]
+
+
 async def test_cli_over_tls_with_a_ca_file_and_a_token(tmp_path: Path) -> None:
     ca = CertificateAuthority(tmp_path / "pki")
     issued = ca.issue("server", server=True)
@@ -200,9 +208,39 @@ async def test_cli_over_tls_with_a_ca_file_and_a_token(tmp_path: Path) -> None:
         assert ok.returncode == 0, ok.stderr
         env = {"SLUICE_CA_FILE": str(ca.cert_file), "SLUICE_TOKEN": OPERATOR}
         assert (await cli("sessions", "list", *target, env=env)).returncode == 0
+        # a server certificate the client cannot trust: final, one line, exit 3 (it was exit 1, and a
+        # push added a resume line)
         untrusted = CertificateAuthority(tmp_path / "other", "other-ca")
-        failed = await cli("rate", "get", *target, "--ca-file", str(untrusted.cert_file), "--token-file", ops)
-        assert failed.returncode == 1 and "UNAVAILABLE" in failed.stderr
+        distrust = ["--ca-file", str(untrusted.cert_file), "--token-file", str(ops)]
+        records = tmp_path / "records.txt"
+        records.write_text("r\n")
+        for command in (
+            ["rate", "get", *target, *distrust],
+            ["status", "--once", *target, *distrust],
+            [*push_args(records, target), *distrust],
+        ):
+            failed = await cli(*command)
+            assert failed.returncode == 3, (command, failed.stderr)
+            assert failed.stderr.count("\n") == 1 and "handshake failed" in failed.stderr, failed.stderr
+        # plaintext to the TLS port looks like no server: push and status say what else it may be
+        hint = "(if the server serves TLS, give its CA: --ca-file or SLUICE_CA_FILE)"
+        ipv4 = ["--target", f"127.0.0.1:{server.port}"]  # localhost's ::1 would be refused: no server
+        for command in (
+            ["status", "--once", *ipv4, "--token-file", str(ops)],
+            ["push", str(records), "--stream", "s", "--no-progress", "--timeout", "1", *ipv4],
+        ):
+            failed = await cli(*command)
+            assert failed.returncode == 1 and hint in failed.stderr, (command, failed.stderr)
+        # a client key that is not its certificate's: said before any connection (it was retried until
+        # the timeout, ending "Failed to create security handshaker")
+        client, other = ca.issue("app"), ca.issue("other")
+        wrong_key = ["--cert-file", str(client.cert_file), "--key-file", str(other.key_file)]
+        failed = await cli(*push_args(records, target), "--ca-file", str(ca.cert_file), *wrong_key)
+        assert failed.returncode == 2, failed.stderr
+        assert failed.stderr == (
+            f"sluice: the key file {other.key_file} is not the private key of the certificate file "
+            f"{client.cert_file}\n"
+        )
 
 
 async def test_sluice_token_writes_a_private_file_and_prints_its_hash(tmp_path: Path) -> None:

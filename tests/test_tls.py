@@ -453,3 +453,25 @@ async def test_a_producer_refused_its_certificate_is_told_it_may_be_that(
             async with Producer(server.target, "s", credentials=no_cert, start_timeout=1) as producer:
                 await producer.send(b"x")
                 await producer.flush(timeout=10)
+
+
+async def test_a_producer_whose_key_is_not_its_certificates_fails_at_once(
+    tmp_path: Path, pki: tuple[CertificateAuthority, Issued]
+) -> None:
+    """Credentials built from bytes skip from_files' check of the pair: gRPC then cannot make its
+    handshaker ("Failed to create security handshaker"), at every attempt alike. That is final, not
+    a server to wait for until start_timeout."""
+    from sluice_client import Credentials
+    from sluice_client.errors import RPCError, StartTimeoutError
+
+    ca, server_cert = pki
+    client, other = ca.issue("app"), ca.issue("other")
+    security = SecurityConfig(tls=TlsConfig(server_cert.cert_file, server_cert.key_file, ca.cert_file))
+    async with tls_server(tmp_path, security) as server:
+        mismatched = Credentials(ca.cert_pem, certificate_chain=client.cert_pem, private_key=other.key_pem)
+        producer = Producer(server.target, "s", credentials=mismatched, start_timeout=30)
+        started = time.monotonic()
+        with pytest.raises(RPCError, match="security handshaker") as info:
+            await producer.start()
+        assert not isinstance(info.value, StartTimeoutError)
+        assert time.monotonic() - started < 10  # not 30 s of retries

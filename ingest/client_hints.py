@@ -1,0 +1,30 @@
+"""What the client commands add to a gRPC failure: whether it is final (exit 3), and a hint where gRPC
+reports a TLS mistake as an unreachable server."""
+
+from __future__ import annotations
+
+import grpc
+
+from sluice_client.errors import RPCError
+from sluice_client.producer import tls_refused
+
+DENIED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+PLAINTEXT_TO_TLS = " (if the server serves TLS, give its CA: --ca-file or SLUICE_CA_FILE)"
+CERTIFICATE_REFUSED = (
+    " (if the server is up, it may have refused this client's TLS certificate: a server with a client "
+    "CA needs a certificate it signed, unexpired: --cert-file and --key-file)"
+)
+
+
+def refused(status: grpc.StatusCode, details: str) -> bool:
+    """The server refused the credentials, or the TLS handshake failed on certificates: the same
+    command fails the same way (exit 3, no retry)."""
+    return status in DENIED or tls_refused(RPCError(status, details))
+
+
+def connect_hint(status: grpc.StatusCode, details: str, *, secure: bool) -> str:
+    """A server that closes the socket unread looks like no server at all: plaintext to a TLS port,
+    or (over TLS) a client certificate missing or refused. A hint naming either, else ""."""
+    if status is not grpc.StatusCode.UNAVAILABLE or "Socket closed" not in details:
+        return ""
+    return CERTIFICATE_REFUSED if secure else PLAINTEXT_TO_TLS
