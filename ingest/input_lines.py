@@ -11,6 +11,7 @@ line is cut at the separator's first occurrence into key and value, again for th
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO
 
@@ -121,6 +122,13 @@ def _offsets(lengths: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
     return offsets
 
 
+def _seekable(source: IO[bytes]) -> bool:
+    try:
+        return source.seekable()
+    except (OSError, ValueError):
+        return False
+
+
 _NEWLINE = ord("\n")
 _NO_LINES = Lines(b"", np.zeros(1, np.int64))
 
@@ -132,6 +140,12 @@ class InputLines:
 
     def __init__(self, source: IO[bytes]) -> None:
         self.source = source
+        # a pipe (`tail -f log | sluice push -`): what has arrived, not a whole chunk, which waited for
+        # 1 MiB or the end (nothing sent, nothing acked meanwhile); a file: whole chunks
+        read1: Callable[[int], bytes] | None = getattr(source, "read1", None)
+        self._read_chunk: Callable[[int], bytes] = source.read
+        if read1 is not None and not _seekable(source):
+            self._read_chunk = read1
         self.done_bytes = 0
         self.records = 0  # handed on by next_lines
         self.skipped = 0
@@ -171,7 +185,7 @@ class InputLines:
     async def _read(self) -> Lines | None:
         if self._carry is None:
             return None
-        chunk = await asyncio.to_thread(self.source.read, self.CHUNK_BYTES)
+        chunk = await asyncio.to_thread(self._read_chunk, self.CHUNK_BYTES)
         self.done_bytes += len(chunk)
         if not chunk:
             last = b"".join(self._carry)

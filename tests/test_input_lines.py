@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import itertools
+from typing import Any
 
 import numpy as np
 from hypothesis import given, settings
@@ -114,3 +115,32 @@ def test_gathered_ranges_are_the_ranges_back_to_back(data: bytes, cuts: list[int
     starts = np.array([a for a, _ in pairs], dtype=np.int64)
     ends = np.array([b for _, b in pairs], dtype=np.int64)
     assert _gather(np.frombuffer(data, np.uint8), starts, ends) == b"".join(data[a:b] for a, b in pairs)
+
+
+def test_lines_from_a_pipe_come_as_they_arrive() -> None:
+    """`tail -f log | sluice push -` sent nothing: each read waited for a whole 1 MiB chunk or the end."""
+    import os
+
+    read_end, write_end = os.pipe()
+
+    async def go() -> list[list[bytes]]:
+        got = []
+        with os.fdopen(read_end, "rb") as source:
+            lines = InputLines(source)
+            os.write(write_end, b"1\n2\n")
+            first = await asyncio.wait_for(lines.next_lines(), 10)  # the writer is still open
+            assert first is not None
+            got.append(records(first))
+            os.write(write_end, b"3\n")
+            os.close(write_end)
+            while (more := await asyncio.wait_for(lines.next_lines(), 10)) is not None:
+                got.append(records(more))
+        return got
+
+    def records(lines: Any) -> list[bytes]:
+        bounds = lines.offsets.tolist()
+        return [lines.data[a:b] for a, b in itertools.pairwise(bounds)]
+
+    got = asyncio.run(go())
+    assert got[0] == [b"1", b"2"]
+    assert list(itertools.chain(*got)) == [b"1", b"2", b"3"]
