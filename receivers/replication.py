@@ -40,6 +40,16 @@ from sluice_client.tasks import reap
 
 log = logging.getLogger(__name__)
 
+_TRANSIENT = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED}
+)
+"""How a follower that is down, restarting or slow ends a session: retried without a word."""
+
+
+def _transient(error: str) -> bool:
+    return error.split(":", 1)[0] in {code.name for code in _TRANSIENT}
+
+
 FRAGMENT_BYTES = 4 * 1024 * 1024
 """A block's payload goes to a follower in messages of at most this many bytes (see fragments())."""
 WINDOW_BLOCKS = 64
@@ -109,7 +119,17 @@ class FollowerLink:
             except asyncio.CancelledError:
                 raise
             except grpc.aio.AioRpcError as exc:
-                self.error = f"{exc.code().name}: {exc.details()}"
+                error = f"{exc.code().name}: {exc.details()}"
+                if exc.code() not in _TRANSIENT and error != self.error:
+                    # a follower that answers and refuses (another node list or replication, a log
+                    # replaced, a missing peer role) is an operator's to fix: say it where it is seen
+                    log.warning(
+                        "follower %d (%s) refuses replication: %s",
+                        self.follower.id,
+                        self.follower.target,
+                        error,
+                    )
+                self.error = error
             except Exception as exc:
                 self.error = repr(exc)
                 log.exception("replication to node %d failed", self.follower.id)
@@ -350,7 +370,8 @@ class Replicator:
         parts = []
         for link in self.links:
             state = "in sync" if link.in_sync else ("catching up" if link.connected else "down")
-            parts.append(f"node {link.follower.id} {state}")
+            refused = link.error if not link.connected and link.error and not _transient(link.error) else None
+            parts.append(f"node {link.follower.id} {state}" + (f": {refused}" if refused else ""))
         return ", ".join(parts) or "no followers"
 
     def committed_seq(self, stream: str) -> int:

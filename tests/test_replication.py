@@ -162,6 +162,24 @@ async def test_with_min_insync_1_a_dead_follower_leaves_the_set_and_acks_go_on(t
         assert servers[0].node is not None and servers[0].node.replicator.in_sync() == []
 
 
+async def test_a_follower_that_refuses_is_named_with_its_reason(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A follower configured otherwise (here replication 1 against the owner's 2) refuses the owner with
+    FAILED_PRECONDITION, which was logged at DEBUG only: the owner said "node 1 down" and, under
+    min_insync 1, acked with one copy without a word."""
+    import dataclasses
+
+    clusters = loopback_cluster(2, replication=2, min_insync=1)
+    clusters[1] = dataclasses.replace(clusters[1], replication=1)
+    async with nodes(tmp_path, clusters) as servers:
+        node = servers[0].node
+        assert node is not None
+        await wait_until(lambda: "refuses replication" in caplog.text, timeout=20)
+        assert "follower 1 (" in caplog.text and "FAILED_PRECONDITION" in caplog.text
+        assert "node 1 down: FAILED_PRECONDITION" in node.replicator.status()
+
+
 async def test_a_resend_to_another_node_after_failover_is_not_stored_twice(tmp_path: Path) -> None:
     # min_insync 1: node 2's follower is node 0, which dies; node 2 goes on with one copy
     clusters = loopback_cluster(3, replication=2, min_insync=1)
