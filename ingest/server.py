@@ -42,8 +42,16 @@ from receivers.publish_service import PublishService
 from receivers.receiver import Receiver
 from receivers.wal import WalBlockStore
 from sluice_client.allocator import tune_malloc
+from sluice_client.producer import KEEPALIVE_SECONDS
 
 log = logging.getLogger(__name__)
+
+PING_OPTIONS = (
+    # producers ping every KEEPALIVE_SECONDS to tell a frozen server from a quiet one; gRPC's default
+    # takes pings more often than every 5 minutes, on a call without data, as abuse (GOAWAY)
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_SECONDS * 1000 // 2),
+    ("grpc.http2.max_ping_strikes", 0),
+)
 
 MAX_CONNECTION_IDLE = 300.0
 """Seconds a connection without a call in progress is kept: then gRPC sends GOAWAY (a channel with
@@ -315,6 +323,7 @@ class SluiceServer:
                 # SETTINGS) is dropped after this; gRPC's default is 120 s
                 ("grpc.server_handshake_timeout_ms", round(security.handshake_timeout * 1000)),
                 ("grpc.max_connection_idle_ms", round(MAX_CONNECTION_IDLE * 1000)),
+                *PING_OPTIONS,
             ]
         )
         self._add_services(server)

@@ -79,6 +79,12 @@ from sluice_client.wire import Keys, PackedKeys, is_key, lay_out_keys, publish_p
 
 log = logging.getLogger(__name__)
 
+KEEPALIVE_SECONDS = 10
+"""A session pings its server after this long without a frame from it (gRPC keepalive) ..."""
+KEEPALIVE_TIMEOUT_SECONDS = 10
+"""... and takes the server for lost (UNAVAILABLE: reconnect, fail over) when no answer comes in this
+long. Servers allow pings this often (ingest.server: PING_OPTIONS)."""
+
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 MAX_RECORD_BYTES = DEFAULT_MAX_MESSAGE_BYTES - 64
 """A record's key and value together, at most: what a message of that record alone can carry (its
@@ -1026,6 +1032,15 @@ class Producer:
                     ("grpc.initial_reconnect_backoff_ms", backoff_ms),
                     ("grpc.min_reconnect_backoff_ms", backoff_ms),
                     ("grpc.max_reconnect_backoff_ms", int(self.max_reconnect_backoff * 1000)),
+                    # a server that stops answering with its connection open (frozen, partitioned
+                    # away) is lost only when a ping goes unanswered: without these the session
+                    # waited on it for good instead of failing over
+                    ("grpc.keepalive_time_ms", KEEPALIVE_SECONDS * 1000),
+                    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_SECONDS * 1000),
+                    ("grpc.http2.max_pings_without_data", 0),
+                    # any ping's answer, not only keepalive's: a flow-control (BDP) ping in flight
+                    # holds keepalive back and waited 60 s by default
+                    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_SECONDS * 1000),
                 ],
             )
             self._channels[target] = channel

@@ -748,3 +748,29 @@ def test_an_unauthenticated_unary_call_is_refused_before_its_body_is_read(
     assert asyncio.run(flood()) == [grpc.StatusCode.UNAUTHENTICATED] * 8
     grown = _vm(serve.proc.pid, "VmHWM") - before
     assert grown < 64 * 1024 * 1024, f"the server's peak RSS grew by {grown / 2**20:.0f} MiB"
+
+
+async def test_a_producer_fails_over_from_a_frozen_server(tmp_path: Path, servers: list[Serve]) -> None:
+    """A server that stops answering with its connection open (SIGSTOP: frozen, partitioned away) held
+    a producer's session for good: no keepalive, so nothing told it from a quiet server."""
+    port = free_port()
+    frozen = Serve(tmp_path, "frozen", *no_spark(port, tmp_path / "frozen"))
+    servers.append(frozen)
+    await asyncio.to_thread(frozen.wait_serving)
+    async with running_server(tmp_path / "healthy", "default") as healthy:
+        producer = Producer([f"127.0.0.1:{port}", healthy.target], "default", linger=0, reconnect_timeout=120)
+        async with producer:
+            await producer.send_many([b"before"] * 10)
+            await producer.flush(timeout=30)
+            assert producer.target == f"127.0.0.1:{port}"
+            os.kill(frozen.proc.pid, signal.SIGSTOP)
+            try:
+                started = time.monotonic()
+                await producer.send_many([b"after"] * 10)
+                await producer.flush(timeout=90)
+                took = time.monotonic() - started
+            finally:
+                os.kill(frozen.proc.pid, signal.SIGCONT)
+            assert producer.target == healthy.target
+            assert producer.acked == 20
+            assert took < 45, f"failed over after {took:.0f} s"
