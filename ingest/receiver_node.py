@@ -11,6 +11,7 @@ given, a peer token.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,11 +30,17 @@ from receivers.replica_store import ReplicaStore
 from receivers.replication import Metadata, ReplicatedBlockStore, Replicator, truncate_uncommitted
 from receivers.replication_service import ReplicationService
 from receivers.wal import WalBlockStore
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
 
 REPLICAS_DIR = "replicas"
 COMMITTED_FILE = "committed.json"
 """In the data dir: each stream's committed seq (receivers.replication), with replication > 1."""
 DRAIN_WAIT = 2.0
+PEER_ASK_TIMEOUT = 3.0
+"""Seconds a starting node waits for a peer to say where its copies end (ReceiverNode.continue_logs)."""
 """At stop, wait this long at most for followers to ack what was written, so it is acked too."""
 
 
@@ -100,6 +107,52 @@ class ReceiverNode:
 
     async def start(self) -> None:
         await self.replicator.start()
+
+    async def continue_logs(self, receivers: Mapping[str, Receiver]) -> None:
+        """Where a peer's copy of this node's partition of a stream ends past this node's own log, go on
+        from there. The log was lost or replaced (a data dir started afresh, another disk): numbered
+        from its own end, new records took offsets the cluster had already used, which the driver
+        took for processed and released unread. The copies keep serving what they hold. Peers that do
+        not answer within PEER_ASK_TIMEOUT are not waited for (their copies' owner check refuses an
+        owner whose log went back, and says so)."""
+        me = self.cluster.me.id
+        peers = [node for node in self.cluster.nodes if node.id != me]
+
+        async def ask(target: str) -> list[pb.PartitionInfo]:
+            channel = self.channel(target)
+            try:
+                stub = pb_grpc.BlocksStub(channel)
+                answer = await stub.ListPartitions(
+                    pb.ListPartitionsRequest(), metadata=self.metadata, timeout=PEER_ASK_TIMEOUT
+                )
+                return [p for p in answer.partitions if p.owner == me and not p.leader]
+            except grpc.aio.AioRpcError as exc:
+                log.debug("node at %s did not say where its copies end: %s", target, exc.code().name)
+                return []
+            finally:
+                await channel.close(None)
+
+        copies = [p for found in await asyncio.gather(*(ask(n.target) for n in peers)) for p in found]
+        for stream, receiver in receivers.items():
+            ahead = [p for p in copies if p.stream == stream]
+            if not ahead:
+                continue
+            best = max(ahead, key=lambda p: (p.next_seq, p.end_offset))
+            seq, offset = receiver.log_end
+            if best.next_seq <= seq:
+                continue
+            log.warning(
+                "stream %r: this node's log ends at block %d (offset %d), a copy of it on another node at "
+                "block %d (offset %d): the log was lost or replaced; it goes on from there (what the "
+                "copies hold is read from them)",
+                stream,
+                seq,
+                offset,
+                best.next_seq,
+                best.end_offset,
+            )
+            await asyncio.to_thread(self.local.skip_to, stream, best.next_seq, best.end_offset)
+            receiver.continue_at(best.next_seq, best.end_offset)
 
     async def drain(self) -> None:
         """Give followers a moment to ack what is written, so that it is acked to its producers."""

@@ -615,6 +615,8 @@ class SluiceServer:
         self._release_lock()
 
     async def _start_receivers(self) -> None:
+        if self.node is not None:  # before a record is taken: no offset the cluster used is given again
+            await self.node.continue_logs(self.receivers)
         for receiver in self.receivers.values():
             await receiver.start()
         if self.node is not None:

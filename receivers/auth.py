@@ -71,7 +71,8 @@ METHOD_ROLES: Mapping[str, frozenset[Role]] = {
     "/ingest.v1.RateControl/StartBatch": frozenset({Role.OPERATOR}),
     "/ingest.v1.Sessions/ListSessions": frozenset({Role.READER, Role.OPERATOR}),
     "/ingest.v1.Sessions/CancelSession": frozenset({Role.OPERATOR}),
-    "/ingest.v1.Blocks/ListPartitions": frozenset({Role.READER, Role.OPERATOR, Role.CONSUMER}),
+    # peers: a restarted node asks where copies of its partitions end (ReceiverNode.continue_logs)
+    "/ingest.v1.Blocks/ListPartitions": frozenset({Role.READER, Role.OPERATOR, Role.CONSUMER, Role.PEER}),
     "/ingest.v1.Blocks/ReadBlocks": frozenset({Role.CONSUMER}),
     "/ingest.v1.Blocks/ReleaseBlocks": frozenset({Role.OPERATOR}),
     "/ingest.v1.Replication/Replicate": frozenset({Role.PEER}),

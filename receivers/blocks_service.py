@@ -78,19 +78,29 @@ class BlocksService:
     def _partitions(self, streams: list[str]) -> list[pb.PartitionInfo]:
         found = []
         for stream in streams:
-            start, end = _extent(self._store.blocks(stream), self._local.released_offset(stream))
+            blocks = self._store.blocks(stream)
+            start, end = _extent(blocks, self._local.released_offset(stream))
             found.append(
                 pb.PartitionInfo(
-                    stream=stream, owner=self._node_id, start_offset=start, end_offset=end, leader=True
+                    stream=stream,
+                    owner=self._node_id,
+                    start_offset=start,
+                    end_offset=end,
+                    leader=True,
+                    next_seq=blocks[-1].seq + 1 if blocks else self._local.released_seq(stream),
                 )
             )
         if self._replicas is not None:
             for owner in self._replicas.owners():
                 copy = self._replicas.store(owner)
                 for stream in streams:
-                    start, end = _extent(self._readable(owner, stream), copy.released_offset(stream))
+                    readable = self._readable(owner, stream)
+                    start, end = _extent(readable, copy.released_offset(stream))
+                    next_seq = readable[-1].seq + 1 if readable else copy.released_seq(stream)
                     found.append(
-                        pb.PartitionInfo(stream=stream, owner=owner, start_offset=start, end_offset=end)
+                        pb.PartitionInfo(
+                            stream=stream, owner=owner, start_offset=start, end_offset=end, next_seq=next_seq
+                        )
                     )
         return found
 

@@ -537,6 +537,19 @@ class Receiver:
         """Blocks whose arrival times are remembered (for tests and diagnosis)."""
         return len(self._arrivals)
 
+    @property
+    def log_end(self) -> tuple[int, int]:
+        """(seq, record offset) of the next block this receiver seals."""
+        return self._next_block_seq, self._next_offset
+
+    def continue_at(self, seq: int, offset: int) -> None:
+        """Before start: the log goes on at block `seq`, record `offset` (its store skipped there: a
+        cluster node whose own log is behind a copy of it, ReceiverNode.continue_logs)."""
+        if self._task is not None:
+            raise RuntimeError("continue_at after start")
+        self._next_block_seq = max(self._next_block_seq, seq)
+        self._next_offset = max(self._next_offset, offset)
+
     # ---- sessions ------------------------------------------------------------------------------
 
     def open_session(

@@ -718,6 +718,10 @@ class WalBlockStore(BlockStore):
         """The record offset after the last block released so far (0: none)."""
         return self._read_released(stream).next_offset
 
+    def released_seq(self, stream: str) -> int:
+        """The seq after the last block released so far (0: none)."""
+        return self._read_released(stream).next_seq
+
     def released_producers(self, stream: str) -> dict[str, int]:
         """The producers table of the blocks released so far (the released mark's)."""
         return dict(self._read_released(stream).producers)

@@ -101,7 +101,7 @@ ALLOWED = {
     "watcher": {"ListPartitions"},  # status, never a record
     "executor": {"ListPartitions", "ReadBlocks"},
     "ops": {"ListPartitions", "ReleaseBlocks"},
-    "node": {"Replicate", "ProducerMarks"},
+    "node": {"Replicate", "ProducerMarks", "ListPartitions"},  # a restarted node asks where copies end
 }
 
 

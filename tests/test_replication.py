@@ -180,6 +180,35 @@ async def test_a_follower_that_refuses_is_named_with_its_reason(
         assert "node 1 down: FAILED_PRECONDITION" in node.replicator.status()
 
 
+async def test_a_node_whose_log_was_replaced_goes_on_past_its_copies(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node restarted on an empty data dir numbered new records from offset 0 again: offsets the
+    cluster had used, and the driver, having processed up to them, released the new records unread
+    (acked, then lost). It now goes on where its copy on a peer ends."""
+    clusters = loopback_cluster(2, replication=2, min_insync=2)
+    port = int(clusters[0].me.target.rsplit(":", 1)[1])
+    async with nodes(tmp_path, clusters, skip=frozenset({0})):
+        async with (
+            running_server(tmp_path / "node0", "s", cluster=clusters[0], port=port),
+            Producer(clusters[0].me.target, "s", producer_id="p", linger=0) as producer,
+        ):
+            await producer.send_many(values(100))
+            await producer.flush(timeout=20)
+        # the same node on a new, empty data dir
+        async with running_server(tmp_path / "node0-new", "s", cluster=clusters[0], port=port) as node0:
+            assert "this node's log ends at block 0 (offset 0)" in caplog.text
+            assert node0.receivers["s"].log_end[1] == 100
+            async with Producer(clusters[0].me.target, "s", producer_id="q", linger=0) as producer:
+                await producer.send_many([b"new"] * 10)
+                await producer.flush(timeout=20)
+            blocks = node0.store.blocks("s")
+            assert blocks and blocks[0].first_offset == 100 and blocks[-1].end_offset == 110
+            # the old records are read from the copy, the new ones from the node
+            assert await read_partition(clusters[1].me.target, 0, 0, 100) == values(100)
+            assert await read_partition(clusters[0].me.target, 0, 100, 110) == [b"new"] * 10
+
+
 async def test_a_resend_to_another_node_after_failover_is_not_stored_twice(tmp_path: Path) -> None:
     # min_insync 1: node 2's follower is node 0, which dies; node 2 goes on with one copy
     clusters = loopback_cluster(3, replication=2, min_insync=1)
