@@ -5,7 +5,8 @@ per second and whether their publishers are busy); the pure split (ratecontrol.n
 gives each node a share of the driver's rate, by demand and braked by the node's backlog unread by
 Spark, and a node whose share moved by more than CHANGE is told it (UpdateRate, pinned: the node's own
 estimator must not move it). A node that fails DOWN_AFTER calls in a row, or answers nothing for
-DOWN_SECONDS, is down: its share goes to the others until it answers again.
+DOWN_SECONDS, is down: its share goes to the others until it answers again. A target that answers as
+a driver (its RateStatus lists nodes) gets no share and is never told one: an ERROR says so.
 
 One task per node, so a node that hangs until the call timeout delays nobody else's update.
 """
@@ -207,6 +208,11 @@ class NodeRates:
         except grpc.aio.AioRpcError as exc:
             self._failed(node, exc)
             return
+        if status.nodes:
+            # a driver answers with its own split: listed as a receiver (a --nodes file naming the
+            # driver itself), it was pinned to a share of its own rate, which throttled every node
+            self._not_a_receiver(node)
+            return
         if self._answered(node, status) or time.monotonic() - self._split_at >= self._interval / 4:
             self.split()
         share = node.share.rate
@@ -246,6 +252,21 @@ class NodeRates:
         node.up = True
         log.info("receiver node %d at %s answers: up", node.node_id, node.target)
         return True
+
+    def _not_a_receiver(self, node: _Node) -> None:
+        was_up, node.up = node.up, False
+        node.failures = max(node.failures, self._down_after)
+        node.share = NodeShare(0.0, "a cluster driver, not a receiver node")
+        if was_up:
+            self.split()
+        if not node.warned:
+            node.warned = True
+            log.error(
+                "node %d at %s is a cluster's driver, not a receiver node (check the --nodes list): it "
+                "gets no share of the rate",
+                node.node_id,
+                node.target,
+            )
 
     def _failed(self, node: _Node, exc: grpc.aio.AioRpcError) -> None:
         node.failures += 1

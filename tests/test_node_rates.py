@@ -347,3 +347,30 @@ async def test_a_node_that_hangs_is_down_after_a_timed_out_call_and_delays_no_ot
                 await wait_until(lambda: node_rate(a) == pytest.approx(6_000), timeout=1)
         finally:
             await rpc.stop(None)
+
+
+async def test_a_driver_listed_as_a_node_gets_no_share_and_is_not_pinned(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A --nodes file naming the driver itself: the driver's own rate was pinned to a share of itself,
+    halving it at every round, and every receiver was throttled down to the nodes' minimum."""
+    async with contextlib.AsyncExitStack() as stack:
+        receiver = await stack.enter_async_context(running_server(tmp_path / "node"))
+        driver = await stack.enter_async_context(running_server(tmp_path / "driver"))
+        driver.rate.update(3_000)
+        rpc = grpc.aio.server()  # the driver's rate server: its RateControl shows a split
+        node_rates = NodeRates({0: receiver.target}, driver.rate, interval=0.1)
+        listed = NodeRates({0: receiver.target, 1: "127.0.0.1:0"}, driver.rate, interval=0.1)
+        pb_grpc.add_RateControlServicer_to_server(
+            RateControlService(driver.rate, nodes=node_rates.snapshot), rpc
+        )
+        port = rpc.add_insecure_port("127.0.0.1:0")
+        await rpc.start()
+        stack.push_async_callback(rpc.stop, None)
+        listed = NodeRates({0: receiver.target, 1: f"127.0.0.1:{port}"}, driver.rate, interval=0.1)
+        await stack.enter_async_context(listed)
+        await wait_until(lambda: node_rate(receiver) == pytest.approx(3_000), timeout=10)
+        await asyncio.sleep(0.5)
+        assert driver.rate.rate == pytest.approx(3_000) and not driver.rate.pinned
+        assert f"node 1 at 127.0.0.1:{port} is a cluster's driver, not a receiver node" in caplog.text
+        assert [n.up for n in listed.snapshot()] == [True, False]
