@@ -19,6 +19,8 @@ from ingest.config import RateConfig, SecurityConfig, ServeConfig
 from ingest.server import SluiceServer
 from receivers.cluster import Cluster, Node
 from receivers.config import FsyncPolicy, ReceiverConfig
+from sluice_client import Producer
+from sluice_client.errors import RPCError
 
 
 @contextlib.asynccontextmanager
@@ -109,3 +111,17 @@ def committed_files(sink: Path) -> list[str]:
 def sink_values(sink: Path) -> list[bytes]:
     files = [urllib.parse.urlparse(f).path for f in committed_files(sink)]
     return [v for f in files for v in pq.read_table(f, columns=["value"]).column("value").to_pylist()]
+
+
+async def refused(producer: Producer) -> RPCError:
+    """The error a producer fails with: at start (a server it cannot reach) or at the first flush (a
+    session the server refused: start returns once Open is written)."""
+    try:
+        await asyncio.wait_for(producer.start(), 20)
+        await producer.send_many([b"r"])
+        await producer.flush(10)
+    except RPCError as exc:
+        return exc
+    finally:
+        await producer.abort()
+    raise AssertionError("the producer was not refused")

@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import pytest
 from pki import CertificateAuthority
-from support import running_server, wait_until
+from support import refused, running_server, wait_until
 
 from ingest.config import RateConfig, SecurityConfig, ServeConfig
 from ingest.server import SluiceServer
@@ -199,20 +199,6 @@ async def send_and_ack(producer: Producer, n: int) -> None:
     await producer.send_many([b"r"] * n)
     await producer.flush(10)
     assert producer.acked == before + n
-
-
-async def refused(producer: Producer) -> RPCError:
-    """The error a producer fails with: at start (a server it cannot reach) or at the first flush (a
-    session the server refused: start returns once Open is written)."""
-    try:
-        await asyncio.wait_for(producer.start(), 20)
-        await producer.send_many([b"r"])
-        await producer.flush(10)
-    except RPCError as exc:
-        return exc
-    finally:
-        await producer.abort()
-    raise AssertionError("the producer was not refused")
 
 
 MALFORMED: Mapping[str, tuple[tuple[str, str], ...]] = {
@@ -501,14 +487,9 @@ async def test_a_producer_id_with_nul_is_refused(tmp_path: Path) -> None:
     """An anonymous id "\0app\0victim" taken before authentication was turned on was the same key as
     principal app's producer "victim": app's records were then dropped as duplicates of it."""
     async with running_server(tmp_path / "data", "clicks") as server:
-        planted = Producer(server.target, "clicks", producer_id="\0clicks-app\0victim")
-        await planted.start()
-        await planted.send(b"x")
-        with pytest.raises(RPCError) as refused:
-            await planted.flush(timeout=10)
-        await planted.abort()
-        assert refused.value.status is grpc.StatusCode.INVALID_ARGUMENT
-        assert "must not contain NUL" in refused.value.message
+        said = await refused(Producer(server.target, "clicks", producer_id="\0clicks-app\0victim"))
+        assert said.status is grpc.StatusCode.INVALID_ARGUMENT
+        assert "must not contain NUL" in said.message
 
 
 async def test_list_sessions_names_each_session_principal(server: SluiceServer) -> None:

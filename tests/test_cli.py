@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,24 @@ def wait_for_line(proc: subprocess.Popen[bytes], log: Path, pattern: str, timeou
             return match
         time.sleep(0.2)
     raise AssertionError(f"no line matching {pattern!r}; the log says:\n{log.read_text(errors='replace')}")
+
+
+@contextlib.contextmanager
+def no_spark_serve(tmp_path: Path, data: Path) -> Iterator[str]:
+    """`sluice serve --no-spark` on a free port in a subprocess (its stderr in tmp_path/serve.log); its
+    target; SIGTERM at the end."""
+    log = tmp_path / "serve.log"
+    with log.open("wb") as log_file:
+        serve = subprocess.Popen(
+            [*SLUICE, "serve", "--no-spark", "--port", "0", "--metrics-port", "-1", "--data-dir", str(data)],
+            stderr=log_file,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        yield wait_for_line(serve, log, r"on (127\.0\.0\.1:\d+)", 60).group(1).decode()
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=60)
 
 
 @pytest.mark.spark
@@ -125,17 +144,9 @@ def test_push_with_a_key_separator(tmp_path: Path) -> None:
     """`sluice push --key-separator` against a real `sluice serve --no-spark`: each line cut at its
     first separator, from a file and from stdin; lines without one go without a key, and it says so."""
     data = tmp_path / "data"
-    log = tmp_path / "serve.log"
     source = tmp_path / "keyed.txt"
     source.write_bytes(b"user-1\tclicked\nuser-2\tviewed\tpage 2\nno separator here\n\tempty key\n")
-    with log.open("wb") as log_file:
-        serve = subprocess.Popen(
-            [*SLUICE, "serve", "--no-spark", "--port", "0", "--metrics-port", "-1", "--data-dir", str(data)],
-            stderr=log_file,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    try:
-        target = wait_for_line(serve, log, r"on (127\.0\.0\.1:\d+)", 60).group(1).decode()
+    with no_spark_serve(tmp_path, data) as target:
         pushed = sluice("push", str(source), "--target", target, "--no-progress", "--key-separator", "\\t")
         assert pushed.returncode == 0, pushed.stderr.decode()
         assert b"pushed 4 records" in pushed.stderr
@@ -162,9 +173,6 @@ def test_push_with_a_key_separator(tmp_path: Path) -> None:
             refused = sluice("push", str(source), "--target", target, f"--key-separator={bad}")
             assert refused.returncode == 2, bad
             assert f"--key-separator {bad!r}: ".encode() in refused.stderr and why.encode() in refused.stderr
-    finally:
-        serve.send_signal(signal.SIGTERM)
-        serve.wait(timeout=60)
     from receivers.wal import WalBlockStore
 
     store = WalBlockStore(data / "blocks", fsync=FsyncPolicy.off())
@@ -206,23 +214,11 @@ def test_a_bare_double_dash_as_a_flags_value_is_a_usage_error(tmp_path: Path) ->
 def test_a_negative_number_reaches_the_commands_own_check(tmp_path: Path) -> None:
     """argparse read `rate set -inf` (or -nan, -1e3) as an unknown flag and said "the following
     arguments are required: RATE"; the server's own check refuses it now, saying why."""
-    data = tmp_path / "data"
-    log = tmp_path / "serve.log"
-    with log.open("wb") as log_file:
-        serve = subprocess.Popen(
-            [*SLUICE, "serve", "--no-spark", "--port", "0", "--metrics-port", "-1", "--data-dir", str(data)],
-            stderr=log_file,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-    try:
-        target = wait_for_line(serve, log, r"on (127\.0\.0\.1:\d+)", 60).group(1).decode()
+    with no_spark_serve(tmp_path, tmp_path / "data") as target:
         for command in (["rate", "set", "-inf"], ["rate", "set", "-nan"], ["rate", "bounds", "-1e3", "5"]):
             refused = sluice(*command, "--target", target)
             assert refused.returncode == 1, (command, refused.stderr)
             assert b"INVALID_ARGUMENT" in refused.stderr and b"required" not in refused.stderr, refused.stderr
-    finally:
-        serve.send_signal(signal.SIGTERM)
-        serve.wait(timeout=60)
 
 
 def test_push_a_missing_file() -> None:
