@@ -39,9 +39,12 @@ REPLICAS_DIR = "replicas"
 COMMITTED_FILE = "committed.json"
 """In the data dir: each stream's committed seq (receivers.replication), with replication > 1."""
 DRAIN_WAIT = 2.0
-PEER_ASK_TIMEOUT = 3.0
-"""Seconds a starting node waits for a peer to say where its copies end (ReceiverNode.continue_logs)."""
 """At stop, wait this long at most for followers to ack what was written, so it is acked too."""
+PEER_ASK_TIMEOUT = 3.0
+"""Seconds a starting node waits for one answer of a peer on where its copies end (continue_logs)."""
+LOST_LOG_WAIT = 30.0
+"""Seconds a node whose log is behind a copy of it waits for every follower to say where its copy ends
+before it stops its start (ReceiverNode.continue_logs)."""
 
 
 class ReceiverNode:
@@ -109,50 +112,77 @@ class ReceiverNode:
         await self.replicator.start()
 
     async def continue_logs(self, receivers: Mapping[str, Receiver]) -> None:
-        """Where a peer's copy of this node's partition of a stream ends past this node's own log, go on
-        from there. The log was lost or replaced (a data dir started afresh, another disk): numbered
-        from its own end, new records took offsets the cluster had already used, which the driver
-        took for processed and released unread. The copies keep serving what they hold. Peers that do
-        not answer within PEER_ASK_TIMEOUT are not waited for (their copies' owner check refuses an
-        owner whose log went back, and says so)."""
+        """Where a follower's copy of this node's partition of a stream ends past this node's own log,
+        go on past the furthest copy. The log was lost or replaced (a data dir started afresh, another
+        disk): numbered from its own end, new records took offsets the cluster had already used, which
+        the driver took for processed and released unread. Once one copy shows the log is behind, every
+        follower must answer (the furthest copy is past every acked record, which was on all in-sync
+        followers): the start waits up to LOST_LOG_WAIT for them, then stops, saying which did not."""
         me = self.cluster.me.id
-        peers = [node for node in self.cluster.nodes if node.id != me]
-
-        async def ask(target: str) -> list[pb.PartitionInfo]:
-            channel = self.channel(target)
-            try:
-                stub = pb_grpc.BlocksStub(channel)
-                answer = await stub.ListPartitions(
-                    pb.ListPartitionsRequest(), metadata=self.metadata, timeout=PEER_ASK_TIMEOUT
+        followers = {node.id: node.target for node in self.cluster.followers(me)}
+        answers: dict[int, list[pb.PartitionInfo]] = {}
+        deadline = time.monotonic() + LOST_LOG_WAIT
+        while True:
+            asked = [n for n in followers if n not in answers]
+            found = await asyncio.gather(*(self._copies_on(followers[n]) for n in asked))
+            answers.update({n: copies for n, copies in zip(asked, found, strict=True) if copies is not None})
+            behind = self._behind(receivers, [p for copies in answers.values() for p in copies])
+            if not behind or len(answers) == len(followers):
+                break
+            if time.monotonic() >= deadline:
+                missing = ", ".join(f"node {n} ({followers[n]})" for n in followers if n not in answers)
+                raise ValueError(
+                    f"this node's log of {', '.join(sorted(behind))} is behind a copy of it on another "
+                    f"node (its data dir was lost or replaced), and {missing} did not say where its copy "
+                    "ends: starting now could give records offsets the cluster already used; start it "
+                    "again once every follower runs"
                 )
-                return [p for p in answer.partitions if p.owner == me and not p.leader]
-            except grpc.aio.AioRpcError as exc:
-                log.debug("node at %s did not say where its copies end: %s", target, exc.code().name)
-                return []
-            finally:
-                await channel.close(None)
-
-        copies = [p for found in await asyncio.gather(*(ask(n.target) for n in peers)) for p in found]
-        for stream, receiver in receivers.items():
-            ahead = [p for p in copies if p.stream == stream]
-            if not ahead:
-                continue
-            best = max(ahead, key=lambda p: (p.next_seq, p.end_offset))
-            seq, offset = receiver.log_end
-            if best.next_seq <= seq:
-                continue
+            await asyncio.sleep(1.0)
+        for stream, (seq, offset) in self._behind(
+            receivers, [p for c in answers.values() for p in c]
+        ).items():
+            before = receivers[stream].log_end
             log.warning(
                 "stream %r: this node's log ends at block %d (offset %d), a copy of it on another node at "
                 "block %d (offset %d): the log was lost or replaced; it goes on from there (what the "
                 "copies hold is read from them)",
                 stream,
+                before[0],
+                before[1],
                 seq,
                 offset,
-                best.next_seq,
-                best.end_offset,
             )
-            await asyncio.to_thread(self.local.skip_to, stream, best.next_seq, best.end_offset)
-            receiver.continue_at(best.next_seq, best.end_offset)
+            await asyncio.to_thread(self.local.skip_to, stream, seq, offset)
+            receivers[stream].continue_at(seq, offset)
+
+    async def _copies_on(self, target: str) -> list[pb.PartitionInfo] | None:
+        """The copies of this node's partitions a peer holds; None when it does not answer."""
+        me = self.cluster.me.id
+        channel = self.channel(target)
+        try:
+            answer = await pb_grpc.BlocksStub(channel).ListPartitions(
+                pb.ListPartitionsRequest(), metadata=self.metadata, timeout=PEER_ASK_TIMEOUT
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.debug("node at %s did not say where its copies end: %s", target, exc.code().name)
+            return None
+        finally:
+            await channel.close(None)
+        return [p for p in answer.partitions if p.owner == me and not p.leader]
+
+    @staticmethod
+    def _behind(
+        receivers: Mapping[str, Receiver], copies: list[pb.PartitionInfo]
+    ) -> dict[str, tuple[int, int]]:
+        """Stream -> (seq, offset) of the furthest copy, for the streams whose own log ends before it."""
+        ahead: dict[str, tuple[int, int]] = {}
+        for copy in copies:
+            if copy.stream not in receivers:
+                continue
+            end = (copy.next_seq, copy.next_offset)
+            if end[0] > receivers[copy.stream].log_end[0] and end > ahead.get(copy.stream, (-1, -1)):
+                ahead[copy.stream] = end
+        return ahead
 
     async def drain(self) -> None:
         """Give followers a moment to ack what is written, so that it is acked to its producers."""

@@ -87,19 +87,24 @@ class BlocksService:
                     start_offset=start,
                     end_offset=end,
                     leader=True,
-                    next_seq=blocks[-1].seq + 1 if blocks else self._local.released_seq(stream),
+                    next_seq=_log_end(self._local, stream)[0],
+                    next_offset=_log_end(self._local, stream)[1],
                 )
             )
         if self._replicas is not None:
             for owner in self._replicas.owners():
                 copy = self._replicas.store(owner)
                 for stream in streams:
-                    readable = self._readable(owner, stream)
-                    start, end = _extent(readable, copy.released_offset(stream))
-                    next_seq = readable[-1].seq + 1 if readable else copy.released_seq(stream)
+                    start, end = _extent(self._readable(owner, stream), copy.released_offset(stream))
+                    next_seq, next_offset = _log_end(copy, stream)  # committed or not
                     found.append(
                         pb.PartitionInfo(
-                            stream=stream, owner=owner, start_offset=start, end_offset=end, next_seq=next_seq
+                            stream=stream,
+                            owner=owner,
+                            start_offset=start,
+                            end_offset=end,
+                            next_seq=next_seq,
+                            next_offset=next_offset,
                         )
                     )
         return found
@@ -174,6 +179,14 @@ class BlocksService:
         if self._replicas is not None and owner in self._replicas.owners():
             return self._replicas.store(owner)
         return None
+
+
+def _log_end(log: WalBlockStore, stream: str) -> tuple[int, int]:
+    """(seq, record offset) after the last block `log` holds of `stream`, or after the last released."""
+    held = log.blocks(stream)
+    if held:
+        return held[-1].seq + 1, held[-1].end_offset
+    return log.released_seq(stream), log.released_offset(stream)
 
 
 def _extent(blocks: list[BlockInfo], released: int) -> tuple[int, int]:

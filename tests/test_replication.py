@@ -209,6 +209,31 @@ async def test_a_node_whose_log_was_replaced_goes_on_past_its_copies(
             assert await read_partition(clusters[0].me.target, 0, 100, 110) == [b"new"] * 10
 
 
+async def test_a_node_whose_log_was_replaced_waits_for_every_follower(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The furthest copy is past every acked record only when every follower answered: with one of them
+    down, a node whose log was lost does not guess where to go on, it stops its start and says why."""
+    from ingest import receiver_node
+
+    monkeypatch.setattr(receiver_node, "LOST_LOG_WAIT", 1.0)
+    clusters = loopback_cluster(3, replication=3, min_insync=3)
+    port = int(clusters[0].me.target.rsplit(":", 1)[1])
+    async with nodes(tmp_path, clusters, skip=frozenset({0, 2})):
+        port2 = int(clusters[2].me.target.rsplit(":", 1)[1])
+        async with (
+            running_server(tmp_path / "node2", "s", cluster=clusters[2], port=port2),
+            running_server(tmp_path / "node0", "s", cluster=clusters[0], port=port),
+            Producer(clusters[0].me.target, "s", producer_id="p", linger=0) as producer,
+        ):
+            await producer.send_many(values(50))
+            await producer.flush(timeout=20)
+        # node 2 stays down; node 0 comes back on an empty data dir
+        with pytest.raises(ValueError, match=r"node 2 \(127\.0\.0\.1:\d+\) did not say where its copy ends"):
+            async with running_server(tmp_path / "node0-new", "s", cluster=clusters[0], port=port):
+                pass
+
+
 async def test_a_resend_to_another_node_after_failover_is_not_stored_twice(tmp_path: Path) -> None:
     # min_insync 1: node 2's follower is node 0, which dies; node 2 goes on with one copy
     clusters = loopback_cluster(3, replication=2, min_insync=1)

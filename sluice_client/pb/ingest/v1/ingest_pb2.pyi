@@ -353,6 +353,7 @@ class PartitionInfo(_message.Message):
     END_OFFSET_FIELD_NUMBER: _builtins.int
     LEADER_FIELD_NUMBER: _builtins.int
     NEXT_SEQ_FIELD_NUMBER: _builtins.int
+    NEXT_OFFSET_FIELD_NUMBER: _builtins.int
     stream: _builtins.str
     owner: _builtins.int
     """The node whose receiver took the records (the owner of the partition)."""
@@ -364,10 +365,12 @@ class PartitionInfo(_message.Message):
     leader: _builtins.bool
     """True on the owner itself, false on a follower's copy."""
     next_seq: _builtins.int
-    """The seq of the block after the last readable one (or the last released): with end_offset, where
-    the owner's log goes on. An owner whose own log is behind a copy's (its data dir lost or
-    replaced) continues there, so that no offset the cluster already used is given again.
+    """Where this holder's log of the partition ends, every block it holds counted (readable or not,
+    released ones too): the next block's seq and record offset. An owner whose own log is behind a
+    copy's (its data dir lost or replaced) continues past the furthest, so that no seq or offset the
+    cluster already used is given again.
     """
+    next_offset: _builtins.int
     def __init__(
         self,
         *,
@@ -377,10 +380,11 @@ class PartitionInfo(_message.Message):
         end_offset: _builtins.int = ...,
         leader: _builtins.bool = ...,
         next_seq: _builtins.int = ...,
+        next_offset: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_offset", b"end_offset", "leader", b"leader", "next_seq", b"next_seq", "owner", b"owner", "start_offset", b"start_offset", "stream", b"stream"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_offset", b"end_offset", "leader", b"leader", "next_offset", b"next_offset", "next_seq", b"next_seq", "owner", b"owner", "start_offset", b"start_offset", "stream", b"stream"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
