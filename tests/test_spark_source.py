@@ -546,7 +546,12 @@ def test_a_fresh_query_into_a_file_sink_that_holds_batches_is_refused(tmp_path: 
         check_file_sink(f"file://{sink}", checkpoint)
     (checkpoint / "commits").mkdir(parents=True)
     with pytest.raises(ValueError, match="new checkpoint"):
-        check_file_sink(str(sink), checkpoint)  # no commit yet: still fresh
+        check_file_sink(str(sink), checkpoint)  # nothing planned or committed yet: still fresh
+    (checkpoint / "offsets").mkdir()
+    (checkpoint / "offsets" / "0").write_text("v1\n{}\n{}")
+    check_file_sink(str(sink), checkpoint)  # killed after its sink wrote batch 0, before the commit
+    check_file_sink(str(sink), f"file://{checkpoint}")
     (checkpoint / "commits" / "9").write_text("v1\n{}")
     check_file_sink(str(sink), checkpoint)  # its own query going on
     check_file_sink("s3a://bucket/sink", checkpoint)  # not a local path: not looked at
+    check_file_sink(str(sink), "s3a://bucket/checkpoint")  # a checkpoint elsewhere: not looked at

@@ -9,6 +9,7 @@ checkpoint (unless the pipeline chose one), the trigger and the name.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import os
@@ -178,27 +179,37 @@ def start_query(
         raise TypeError(f"pipeline {pipeline!r} returned {type(writer).__name__}, not a DataStreamWriter")
     if not _has_option(writer, _CHECKPOINT):
         writer = writer.option(_CHECKPOINT, str(checkpoint_dir))
-    check_file_sink(_option(writer, "path"), Path(_option(writer, _CHECKPOINT) or checkpoint_dir))
+    check_file_sink(_option(writer, "path"), _option(writer, _CHECKPOINT) or str(checkpoint_dir))
     millis = round(trigger_seconds * 1000)
     return writer.trigger(processingTime=f"{millis} milliseconds").queryName(query_name).start()
 
 
-def check_file_sink(path: str | None, checkpoint: Path) -> None:
+def _local_path(path: str) -> Path | None:
+    """`path` as a local file system path, or None for another file system (s3a://, hdfs://...)."""
+    if "://" in path and not path.startswith("file:"):
+        return None
+    return Path(path.removeprefix("file://").removeprefix("file:"))
+
+
+def check_file_sink(path: str | None, checkpoint: str | Path) -> None:
     """Raise ValueError when a query with a fresh checkpoint would write into a file sink that already
     holds batches: Spark's file sink skips every batch id its `_spark_metadata` lists, so the new query's
     first batches would be dropped without a word (a swapped-in pipeline pointed at an earlier
     generation's sink lost 700 of 28,000 acked records that way)."""
-    if not path or ("://" in path and not path.startswith("file:")):
-        return  # not a local file sink (or a table): nothing to look at here
-    metadata = Path(path.removeprefix("file://").removeprefix("file:")) / "_spark_metadata"
+    sink = _local_path(path) if path else None
+    folder = _local_path(str(checkpoint))
+    if sink is None or folder is None:
+        return  # not a local file sink (or a table), or a checkpoint elsewhere: nothing to look at here
     try:
-        listed = [name for name in os.listdir(metadata) if name.split(".")[0].isdigit()]
+        listed = [name for name in os.listdir(sink / "_spark_metadata") if name.split(".")[0].isdigit()]
     except (FileNotFoundError, NotADirectoryError):
         return
-    try:
-        fresh = not any(name.isdigit() for name in os.listdir(checkpoint / "commits"))
-    except FileNotFoundError:
-        fresh = True
+    # new: nothing planned either (a batch written to the sink, killed before its commit, is redone
+    # from its offsets entry by this very checkpoint: not another query's)
+    fresh = True
+    for log in ("offsets", "commits"):
+        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+            fresh = fresh and not any(name.isdigit() for name in os.listdir(folder / log))
     if listed and fresh:
         last = max(int(name.split(".")[0]) for name in listed)
         raise ValueError(
