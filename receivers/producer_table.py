@@ -60,34 +60,31 @@ class ProducerTable(Generic[S]):
 
     def evict(self, limit: int, evictable: Callable[[S], bool]) -> list[str]:
         """Forget producers until at most `limit` are known, only ones `evictable` allows: the least
-        recently used of the principal holding the most entries first. Returns the keys forgotten."""
-        forgotten: list[str] = []
+        recently used of the principal holding the most entries first (down to the next largest
+        principal's size), then the least recently used of all. Returns the keys forgotten."""
         excess = len(self._states) - limit
         if excess <= 0:
-            return forgotten
-        # largest principals first; one pass each, so producers that may not go cost one look per call
-        for principal in sorted(self._by_principal, key=lambda p: -len(self._by_principal[p])):
-            keys = self._by_principal[principal]
-            others = max((len(k) for p, k in self._by_principal.items() if p != principal), default=0)
-            doomed: list[str] = []
-            for key in keys:
-                if len(forgotten) + len(doomed) >= excess or len(keys) - len(doomed) <= others:
-                    break  # done, or this principal is down to the next one's size
+            return []
+        doomed: list[str] = []
+        if self._by_principal:
+            sizes = sorted((len(keys), principal) for principal, keys in self._by_principal.items())
+            largest_size, largest = sizes[-1]
+            room = largest_size - (sizes[-2][0] if len(sizes) > 1 else 0)
+            for key in self._by_principal[largest]:
+                if len(doomed) >= min(excess, room):
+                    break
                 if evictable(self._states[key]):
                     doomed.append(key)
-            for key in doomed:
-                del keys[key], self._states[key]
-            forgotten += doomed
-            if not keys:
-                del self._by_principal[principal]
-        if len(forgotten) < excess:  # every principal down to the same size: least recently used first
-            for key, state in list(self._states.items()):
-                if len(forgotten) >= excess:
+        if len(doomed) < excess:  # principals of one size at the top: least recently used first
+            chosen = set(doomed)
+            for key, state in self._states.items():
+                if len(doomed) >= excess:
                     break
-                if evictable(state):
-                    principal = principal_of(key)
-                    del self._by_principal[principal][key], self._states[key]
-                    if not self._by_principal[principal]:
-                        del self._by_principal[principal]
-                    forgotten.append(key)
-        return forgotten
+                if key not in chosen and evictable(state):
+                    doomed.append(key)
+        for key in doomed:
+            principal = principal_of(key)
+            del self._by_principal[principal][key], self._states[key]
+            if not self._by_principal[principal]:
+                del self._by_principal[principal]
+        return doomed
