@@ -69,9 +69,9 @@ log = logging.getLogger(__name__)
 
 QUERY_NAME = "sluice-cluster"
 BACKLOG_INTERVAL = 1.0
+"""Seconds between two looks at every node's partitions for the backlog NodeRates brakes with."""
 SWAP_SETTLE_SECONDS = 120.0
 """At stop, how long a pipeline swap under way may take to end before the query is stopped anyway."""
-"""Seconds between two looks at every node's partitions for the backlog NodeRates brakes with."""
 
 
 @dataclass(frozen=True)
