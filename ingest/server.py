@@ -38,6 +38,7 @@ from receivers.errors import shown
 from receivers.memory_pool import MemoryPool
 from receivers.names import check_stream_name
 from receivers.parsed_service import add_parsed_servicer
+from receivers.principal import Role
 from receivers.publish_service import PublishService
 from receivers.receiver import Receiver
 from receivers.wal import WalBlockStore
@@ -296,12 +297,20 @@ class SluiceServer:
         if self._own_lock:
             self._lock.release()
 
-    async def start(self) -> None:
-        """Bind and serve; raise OSError (and leave nothing running) when a port cannot be bound."""
-        tune_malloc()  # messages and blocks are large buffers: keep them off mmap (sluice_client.allocator)
-        security = self.config.security
+    def _warn_of_exposure(self) -> None:
+        """What a start should say of its security settings (a WARNING each)."""
         for warning in self.tls.material.warnings() if self.tls is not None else ():
             log.warning("%s", warning)
+        table = self.auth.table
+        for principal in table.principals.values() if table is not None and self.node is not None else ():
+            if {Role.READER, Role.OPERATOR} <= principal.roles and Role.CONSUMER not in principal.roles:
+                # the role a cluster's driver and executors had before reading records needed its own
+                log.warning(
+                    "principal %r has the reader and operator roles but not consumer: a cluster's driver "
+                    "and its executors need consumer to read blocks (Blocks.ReadBlocks), which reader no "
+                    "longer grants",
+                    principal.name,
+                )
         if not self.auth.enabled and not is_loopback(self.config.host):
             # TLS keeps the wire private, it does not say who calls: without an auth file or a client
             # CA every caller is the anonymous principal, operator included
@@ -310,6 +319,12 @@ class SluiceServer:
                 "publish to every stream and operate the server (rate, settings, streams, pipeline)",
                 self.config.host,
             )
+
+    async def start(self) -> None:
+        """Bind and serve; raise OSError (and leave nothing running) when a port cannot be bound."""
+        tune_malloc()  # messages and blocks are large buffers: keep them off mmap (sluice_client.allocator)
+        security = self.config.security
+        self._warn_of_exposure()
         if self.config.metrics_port is not None:
             self._metrics = self._metrics_server()
         server = grpc.aio.server(

@@ -155,6 +155,21 @@ async def test_nodes_replicate_as_the_peer_principal_and_each_role_gets_only_its
     assert [log_state(s) for s in cluster.values()] == before
 
 
+async def test_a_principal_set_up_as_a_driver_before_the_consumer_role_is_warned_of(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    auth = tmp_path / "auth.toml"
+    auth.write_text(
+        f'[principals.driver]\nroles = ["reader", "operator"]\ntoken_sha256 = ["{token_hash(new_token())}"]\n'
+    )
+    (node,) = loopback_cluster(1)
+    port = int(node.me.target.rsplit(":", 1)[1])
+    async with running_server(
+        tmp_path / "n", "s", cluster=node, port=port, security=SecurityConfig(auth_file=auth)
+    ):
+        assert "principal 'driver' has the reader and operator roles but not consumer" in caplog.text
+
+
 async def test_a_receiver_node_holds_a_principal_to_its_session_limit(tmp_path: Path) -> None:
     """On a cluster node the ledger counted a producer's sessions under its producer key instead of the
     call's, so max_sessions never refused one (a single node did)."""
