@@ -1856,7 +1856,14 @@ def _swapped_pipeline(config: ServeConfig | DriverConfig) -> tuple[str, str] | N
     flag's (DATA_DIR/pipeline.json; None: the flag's runs). Read as the manager reads it, never written."""
     path = config.data_dir / "pipeline.json"
     try:
-        current = json.loads(path.read_text())["current"]
+        state = json.loads(path.read_text())
+        current = state["current"]
+        if state.get("trial") and state.get("previous"):
+            # a crash mid-swap: the new one is kept only if it committed a batch (PipelineManager._load)
+            commits = config.data_dir / "checkpoints" / str(current["checkpoint"]) / "commits"
+            ids = [int(n) for n in os.listdir(commits) if n.isdigit()] if commits.is_dir() else []
+            if max(ids, default=-1) <= int(state.get("trial_base", -1)):
+                current = state["previous"]
         spec, number = str(current["spec"]), int(current["number"])
     except FileNotFoundError:
         return None

@@ -387,6 +387,12 @@ def test_config_check_shows_the_pipeline_a_swap_left_in_force(tmp_path: Path) ->
     result = check("--no-spark", "--data-dir", str(data), "--reset-pipeline")
     assert result.returncode == 0, result.stderr
     assert rows(result.stdout)["pipeline"][0] == "(none)"  # the flag's: the built-in sink
+    # a crash mid-swap before the new one committed: the previous one runs, and check says so
+    previous = {"spec": "earlier:build", "number": 2, "checkpoint": "sluice-g2", "sink": "sink-g2"}
+    trial = {"current": swapped, "previous": previous, "trial": True, "trial_base": -1}
+    (data / "pipeline.json").write_text(json.dumps(trial))
+    result = check("--no-spark", "--data-dir", str(data))
+    assert rows(result.stdout)["pipeline"][0] == "earlier:build", result.stdout
     (data / "pipeline.json").write_text("[1")
     result = check("--no-spark", "--data-dir", str(data))
     assert result.returncode == 2
