@@ -1283,8 +1283,8 @@ async def _serve_async(  # noqa: PLR0912, PLR0915 - one lifecycle
         f"{server.transport}{', tokens required' if server.auth.table is not None else ''}",
         event="serving",
     )
+    manager = None
     try:
-        manager = None
         if spark is not None:
             from ingest.pipeline_manager import PipelineStateError  # noqa: PLC0415
             from ingest.spark_side import attach_spark  # noqa: PLC0415
@@ -1307,9 +1307,9 @@ async def _serve_async(  # noqa: PLR0912, PLR0915 - one lifecycle
                 await server.stop()
                 return EXIT_FAILED
         logs.say("stopping: sealing and acking what was received", event="stopping")
-        await server.stop()
-        if manager is not None:  # a swap goes on when its call ends: not under the drain and stop
+        if manager is not None:  # a swap goes on when its call ends: let it end while the server runs
             await manager.settled(DRAIN_SECONDS)
+        await server.stop()
         if driver is not None:
             log.info("letting Spark process the sealed blocks (at most %g s)", DRAIN_SECONDS)
             try:
@@ -1317,6 +1317,8 @@ async def _serve_async(  # noqa: PLR0912, PLR0915 - one lifecycle
             except TimeoutError:
                 log.warning("Spark did not drain within %g s; stopping the query", DRAIN_SECONDS)
     finally:
+        if manager is not None:  # a failure's exit too: not a swap's threads under driver.stop
+            await manager.settled(DRAIN_SECONDS)
         await server.stop()
         if driver is not None:
             await asyncio.to_thread(driver.stop)
