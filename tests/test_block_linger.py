@@ -87,10 +87,10 @@ def test_the_flag_and_the_setting_take_seconds_or_off(capsys: pytest.CaptureFixt
         assert "--block-linger" in capsys.readouterr().err
     setting = SETTINGS["block-linger"]
     assert setting.parse("off") is None
-    assert setting.parse("") is None
     assert setting.parse("0.02") == 0.02
-    with pytest.raises(SettingError):
-        setting.parse("soon")
+    for bad in ("soon", ""):  # empty: an unset shell variable must not turn the linger off unseen
+        with pytest.raises(SettingError):
+            setting.parse(bad)
 
 
 async def test_a_failing_disk_is_retried_at_the_block_interval_not_at_every_lull(tmp_path: Path) -> None:
