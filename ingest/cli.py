@@ -31,6 +31,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from ingest import logs
+from ingest.checkpoints import last_commit_id
 from ingest.client_hints import connect_hint, refused
 from ingest.config import (
     DEFAULT_METRICS_PORT,
@@ -1862,9 +1863,8 @@ def _swapped_pipeline(config: ServeConfig | DriverConfig) -> tuple[str, str] | N
         current = state["current"]
         if state.get("trial") and state.get("previous"):
             # a crash mid-swap: the new one is kept only if it committed a batch (PipelineManager._load)
-            commits = config.data_dir / "checkpoints" / str(current["checkpoint"]) / "commits"
-            ids = [int(n) for n in os.listdir(commits) if n.isdigit()] if commits.is_dir() else []
-            if max(ids, default=-1) <= int(state.get("trial_base", -1)):
+            checkpoint = config.data_dir / "checkpoints" / str(current["checkpoint"])
+            if last_commit_id(checkpoint) <= int(state.get("trial_base", -1)):
                 current = state["previous"]
         spec, number = str(current["spec"]), int(current["number"])
     except FileNotFoundError:

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ingest.checkpoints import last_commit_id, last_planned_id
 from ingest.driver import QueryPlan, SparkDriver, last_commit
 from ingest.pipeline_control import (
     DEFAULT_FIRST_BATCH_TIMEOUT,
@@ -164,7 +165,7 @@ class PipelineManager:
             raise PipelineStateError(f"{self._path}: not a pipeline state file: {exc}") from None
         if trial and previous is not None:
             # a crash mid-swap: the new query is kept if it committed a batch (its output exists)
-            if _last_commit_id(self._checkpoints / current.checkpoint) > trial_base:
+            if last_commit_id(self._checkpoints / current.checkpoint) > trial_base:
                 log.info(
                     "pipeline %s (generation %d) committed a batch before the restart: kept",
                     current.spec or "built-in",
@@ -403,7 +404,7 @@ class PipelineManager:
                 # where the old query's committed batches end; nothing committed: where it started
                 start = committed[1] if committed is not None else old.starting_offsets
                 new = replace(new, starting_offsets=dict(start) if start else None)
-            base = _last_commit_id(self._checkpoints / new.checkpoint)
+            base = last_commit_id(self._checkpoints / new.checkpoint)
             if what == "swap":
                 self._persist(new, old, trial_base=base)
             try:
@@ -472,7 +473,7 @@ class PipelineManager:
         were released when it committed: the old query, started again at its own end, would fail to
         plan over them (the service's query then stops), and the records are in the new sink."""
         await asyncio.to_thread(self._driver.stop_query)
-        return _last_commit_id(self._checkpoints / new.checkpoint) > base
+        return last_commit_id(self._checkpoints / new.checkpoint) > base
 
     async def _restart_committed(self, new: Generation, trigger: float, error: str) -> tuple[str, float]:
         """Start `new` again on its checkpoint: it committed a batch, so it is the query in force (the
@@ -525,7 +526,7 @@ class PipelineManager:
         checkpoint = self._driver.checkpoint
         if checkpoint is None:
             return True  # not a local checkpoint: the trigger being idle is all we can see
-        return _last_id(checkpoint / "offsets") == _last_commit_id(checkpoint)
+        return last_planned_id(checkpoint) == last_commit_id(checkpoint)
 
     async def _start_and_prove(self, new: Generation, trigger: float, timeout: float) -> tuple[str, float]:
         """Start `new` and wait for its first batch; raise why it failed. Returns its run id and when
@@ -654,18 +655,6 @@ def _has_progress(query: Any) -> bool:
     """The query finished a trigger (Spark reports the first one without data at once, later ones every
     spark.sql.streaming.noDataProgressEventInterval)."""
     return query.lastProgress is not None
-
-
-def _last_id(folder: Path) -> int:
-    try:
-        ids = [int(p.name) for p in folder.iterdir() if p.name.isdigit()]
-    except FileNotFoundError:
-        return -1
-    return max(ids, default=-1)
-
-
-def _last_commit_id(checkpoint: Path) -> int:
-    return _last_id(checkpoint / "commits")
 
 
 _CAUSE = re.compile(r"^\s*(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception): .+$")

@@ -138,9 +138,7 @@ class ReceiverNode:
                     "again once every follower runs"
                 )
             await asyncio.sleep(1.0)
-        for stream, (seq, offset) in self._behind(
-            receivers, [p for c in answers.values() for p in c]
-        ).items():
+        for stream, (seq, offset) in behind.items():  # every follower answered, or none is behind
             before = receivers[stream].log_end
             log.warning(
                 "stream %r: this node's log ends at block %d (offset %d), a copy of it on another node at "

@@ -9,7 +9,6 @@ checkpoint (unless the pipeline chose one), the trigger and the name.
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import os
@@ -23,6 +22,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamWriter
 
+from ingest.checkpoints import last_commit_id, last_planned_id
 from ingest.spark.source import (
     OPTION_MAX_RECORDS,
     OPTION_MIN_PARTITION_RECORDS,
@@ -206,10 +206,7 @@ def check_file_sink(path: str | None, checkpoint: str | Path) -> None:
         return
     # new: nothing planned either (a batch written to the sink, killed before its commit, is redone
     # from its offsets entry by this very checkpoint: not another query's)
-    fresh = True
-    for log in ("offsets", "commits"):
-        with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-            fresh = fresh and not any(name.isdigit() for name in os.listdir(folder / log))
+    fresh = last_planned_id(folder) < 0 and last_commit_id(folder) < 0
     if listed and fresh:
         last = max(int(name.split(".")[0]) for name in listed)
         raise ValueError(
