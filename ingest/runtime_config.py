@@ -90,16 +90,6 @@ def _optional(parse: Callable[[str], object]) -> Callable[[str], object]:
     return lambda text: None if text.strip().lower() in ("", "none") else parse(text)
 
 
-def _budget(text: str) -> int | None:
-    """A size, or "none" for no budget. An empty value is refused: an unset shell variable
-    (`config set disk-budget=$BUDGET`) must not lift a bound on memory or disk unseen."""
-    if text.strip().lower() == "none":
-        return None
-    if not text.strip():
-        raise SettingError("an empty budget: give a size, or 'none' for no budget")
-    return _size(text)
-
-
 def _empty_meant(key: str) -> str | None:
     """What an empty value saved by an earlier version meant for `key` ("none" for a budget, "off" for
     the linger), which takes the empty value no more; None: "" is still a value of its own there."""
@@ -107,18 +97,28 @@ def _empty_meant(key: str) -> str | None:
     return (setting.none or None) if setting is not None else None
 
 
-def _off_or(parse: Callable[[str], object]) -> Callable[[str], object]:
-    """ "off" means None: the feature off. An empty value is refused, as by the flag: an unset shell
-    variable (`config set block-linger=$LINGER`) must not turn a feature off unseen."""
+def _none_as(word: str, parse: Callable[[str], object], empty: str) -> Callable[[str], object]:
+    """`word` ("none", "off") means None; an empty value is refused (SettingError `empty`), as by the
+    flags: an unset shell variable (`config set disk-budget=$BUDGET`) must not lift a bound or turn a
+    feature off unseen."""
 
     def parsed(text: str) -> object:
-        if text.strip().lower() == "off":
+        if text.strip().lower() == word:
             return None
         if not text.strip():
-            raise SettingError("an empty value: give a value, or 'off'")
+            raise SettingError(empty)
         return parse(text)
 
     return parsed
+
+
+_budget = _none_as("none", _size, "an empty budget: give a size, or 'none' for no budget")
+"""A size, or "none" for no budget."""
+
+
+def _off_or(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """ "off" means None: the feature off."""
+    return _none_as("off", parse, "an empty value: give a value, or 'off'")
 
 
 def _estimator(text: str) -> str:
