@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import glob
 import logging
 import re
 import time
@@ -206,7 +207,7 @@ class PipelineManager:
         saved generation's committed batches end (as a swap starts): nothing processed twice, nothing
         skipped. What the saved one planned and did not commit is processed by the new one."""
         number = saved.number + 1
-        new = Generation(spec, number, f"{self._driver.query_name}-g{number}", f"sink-g{number}")
+        new = Generation(spec, number, *self._fresh_folders(number))
         for folder in (self._checkpoints / new.checkpoint, self._data_dir / new.sink):
             try:
                 _set_aside(folder)  # a failed try of this number: its commits would be replayed
@@ -226,6 +227,21 @@ class PipelineManager:
             f" ({', '.join(f'{k}={v}' for k, v in sorted(start.items()))})" if start else "",
         )
         return new
+
+    def _fresh_folders(self, number: int) -> tuple[str, str]:
+        """Checkpoint and sink folder names for generation `number` that no earlier try used. A try
+        rolled back after its stop timed out (spark.sql.streaming.stopTimeout) leaves its query running,
+        and that query goes on writing by path: into its checkpoint (a commit file) and its sink. In
+        folders a later try of the same number took again, its commit would mark the new query's batch
+        done and its output would land in the new sink. So a number tried before gets "-try<k>"."""
+        checkpoint, sink = f"{self._driver.query_name}-g{number}", f"sink-g{number}"
+        tries = 1
+        while True:
+            suffix = f"-try{tries}" if tries > 1 else ""
+            names = f"{checkpoint}{suffix}", f"{sink}{suffix}"
+            if not (_used(self._checkpoints / names[0]) or _used(self._data_dir / names[1])):
+                return names
+            tries += 1
 
     def _persist(
         self, current: Generation, previous: Generation | None, trial_base: int | None = None
@@ -332,7 +348,7 @@ class PipelineManager:
         if keep_state:
             new = Generation(spec, number, old.checkpoint, old.sink, old.starting_offsets, kept_state=True)
         else:
-            new = Generation(spec, number, f"{self._driver.query_name}-g{number}", f"sink-g{number}")
+            new = Generation(spec, number, *self._fresh_folders(number))
         return await self._replace(new, self.trigger_interval, first_batch_timeout, what="swap")
 
     async def restart(self, *, trigger_interval: float) -> None:
@@ -637,6 +653,11 @@ def _said_when_alone(task: asyncio.Task[pb.PipelineView]) -> None:
         log.error("a pipeline swap or restart whose caller went away failed: %s", exc)
     else:
         log.error("a pipeline swap or restart whose caller went away failed", exc_info=exc)
+
+
+def _used(folder: Path) -> bool:
+    """A try had `folder`: it is there, or set aside (_set_aside) beside it."""
+    return folder.exists() or any(folder.parent.glob(f"{glob.escape(folder.name)}.abandoned-*"))
 
 
 def _set_aside(folder: Path) -> None:

@@ -64,9 +64,13 @@ RELEASE_HUNG = threading.Event()
 
 
 def hangs_first_batch(df: DataFrame, context: PipelineContext) -> DataStreamWriter:
-    """A sink that hangs (a foreachBatch that does not return)."""
+    """A sink that hangs (a foreachBatch that does not return until RELEASE_HUNG)."""
 
     def write(batch: DataFrame, batch_id: int) -> None:
         RELEASE_HUNG.wait()
+        # then writes by path, as a sink does: into its folder, wherever that is now
+        marker = context.sink_dir / "left-behind"
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(str(batch_id))
 
     return df.writeStream.foreachBatch(write)

@@ -61,6 +61,11 @@ def named(folder: Path, pattern: str) -> list[str]:
     return sorted(p.name for p in folder.glob(pattern))
 
 
+def live(folder: Path, pattern: str) -> list[str]:
+    """named(), without the folders set aside"""
+    return [name for name in named(folder, pattern) if ".abandoned-" not in name]
+
+
 async def test_a_swap_that_fails_is_rolled_back(spark: Any, tmp_path: Path) -> None:
     async with service(spark, tmp_path, pipeline="swap_pipelines:tag_a") as server:
         load = Load(server.target, "events")
@@ -87,19 +92,23 @@ async def test_a_swap_that_fails_is_rolled_back(spark: Any, tmp_path: Path) -> N
             assert (view.pipeline, view.generation, view.state) == ("swap_pipelines:tag_a", 0, "running")
             assert view.last_swap.outcome == "rolled back" and said in view.last_swap.error
             # the try's folders are moved aside at once: nothing beside the live sink looks like one
-            assert named(tmp_path, "sink-g1") == [] and named(tmp_path / "checkpoints", "*-g1") == []
-        assert named(tmp_path / "checkpoints", "*-g1.abandoned-*"), named(tmp_path / "checkpoints", "*")
+            assert live(tmp_path, "sink-g1*") == [] and live(tmp_path / "checkpoints", "*-g1*") == []
+        tried = {name.split(".abandoned-")[0] for name in named(tmp_path / "checkpoints", "*-g1*")}
+        assert tried, named(tmp_path / "checkpoints", "*")  # the tries that got as far as a checkpoint
         await asyncio.sleep(1)
-        # the next swap takes the failed one's generation number: it starts where the old query is
-        # now, not where the failed try began (its checkpoint would have replayed that try's batch)
+        # the next swap takes the failed ones' generation number, in folders of its own: it starts where
+        # the old query is now, not where a failed try began (its checkpoint would replay that batch)
         view = await stub.SwapPipeline(pb.SwapPipelineRequest(pipeline="swap_pipelines:tag_b"))
         assert view.last_swap.outcome == "done" and view.generation == 1, view.last_swap
+        assert Path(view.checkpoint).name not in tried, (view.checkpoint, tried)
+        sink = Path(view.sink_dir)
+        assert sink.parent == tmp_path and sink.name.startswith("sink-g1-try"), sink
         await asyncio.sleep(1)
         load.stop()
         await pushing
-        offsets = await wait_for_offsets(spark, load.sent, tmp_path / "sink", tmp_path / "sink-g1")
+        offsets = await wait_for_offsets(spark, load.sent, tmp_path / "sink", sink)
         assert sorted(offsets) == list(range(load.sent))  # each acked record once, across both sinks
-        assert min(offsets_in(spark, tmp_path / "sink-g1")) == view.last_swap.start_offsets["events"]
+        assert min(offsets_in(spark, sink)) == view.last_swap.start_offsets["events"]
 
 
 async def test_a_swap_whose_caller_goes_away_still_ends_on_the_server(spark: Any, tmp_path: Path) -> None:
@@ -163,11 +172,24 @@ async def test_a_first_batch_that_hangs_is_left_behind_and_rolled_back(spark: An
             assert "within 3 s" in (failed.value.details() or ""), failed.value.details()
             view = await stub.GetPipeline(pb.GetPipelineRequest())
             assert (view.pipeline, view.generation, view.state) == ("swap_pipelines:tag_a", 0, "running")
+            # the next try of generation 1 gets folders of its own: the hung query, once its batch
+            # returns, writes by path into the folders it had, not into the new query's
+            await asyncio.sleep(1)
+            view = await stub.SwapPipeline(pb.SwapPipelineRequest(pipeline="swap_pipelines:tag_b"))
+            assert view.last_swap.outcome == "done" and view.generation == 1, view.last_swap
+            sink = Path(view.sink_dir)
+            assert sink.name != "sink-g1" and not Path(view.checkpoint).name.endswith("-g1"), view
+            swap_pipelines.RELEASE_HUNG.set()
+            deadline = time.monotonic() + 30
+            while not (tmp_path / "sink-g1" / "left-behind").exists():
+                assert time.monotonic() < deadline, named(tmp_path, "*")
+                await asyncio.sleep(0.2)
+            assert not (sink / "left-behind").exists()
             await asyncio.sleep(1)
             load.stop()
             await pushing
-            offsets = await wait_for_offsets(spark, load.sent, tmp_path / "sink")
-            assert sorted(offsets) == list(range(load.sent))  # the old query processed them all, once
+            offsets = await wait_for_offsets(spark, load.sent, tmp_path / "sink", sink)
+            assert sorted(offsets) == list(range(load.sent))  # each acked record once, across both sinks
     finally:
         swap_pipelines.RELEASE_HUNG.set()
         spark.conf.set(STOP_TIMEOUT_KEY, STOP_TIMEOUT_MS)

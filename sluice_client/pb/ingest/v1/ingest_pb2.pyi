@@ -1829,7 +1829,8 @@ class PipelineView(_message.Message):
     query_id: _builtins.str
     sink_dir: _builtins.str
     """The folder the query's PipelineContext.sink_dir names, where the built-in Parquet sink writes:
-    DATA_DIR/sink for the first query, a new DATA_DIR/sink-gN for each swap without keep_state.
+    DATA_DIR/sink for the first query, a new DATA_DIR/sink-gN for each swap without keep_state
+    (sink-gN-tryK when an earlier try of generation N left its folders).
     """
     @_builtins.property
     def last_swap(self) -> Global___PipelineSwap: ...
