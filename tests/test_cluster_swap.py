@@ -99,7 +99,7 @@ async def test_a_cluster_driver_swaps_its_pipeline_under_load_and_rolls_a_failed
             await asyncio.gather(*pushing)
             for load in loads:
                 assert load.longest_ack_pause(asked, swapped) < 1.5  # the nodes never waited for Spark
-            sinks = (config.data_dir / "sink", config.data_dir / "sink-g1")
+            sinks = (config.data_dir / "sink", Path(view.sink_dir))  # sink-g1-try2: after the failed try
             deadline = time.monotonic() + 120
             seen = await asyncio.to_thread(values_in, spark, *sinks)
             while len(seen) < len(sent) and time.monotonic() < deadline:
