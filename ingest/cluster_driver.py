@@ -25,8 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import signal
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +52,7 @@ from ingest.rate_controller import RateController
 from ingest.rate_memory import RateMemory
 from ingest.rate_service import RateControlService
 from ingest.reflection import enable_reflection
-from ingest.spark.cluster_source import BlocksClient, nest, split_key
+from ingest.spark.cluster_source import BlocksClient, DriverFencedError, nest, split_key
 from ingest.spark.listener import BatchCompleted
 from ingest.spark.source import (
     OPTION_MAX_RECORDS,
@@ -224,7 +226,11 @@ class ClusterDriver:
     async def _watch_backlog(self) -> None:
         while True:
             try:
+                # also renews this driver's lease on every node (receivers.blocks_service)
                 view = await asyncio.to_thread(self.blocks.view, self.config.streams, seal=False)
+            except DriverFencedError as exc:  # another driver took the nodes over: error() says so
+                log.error("another driver holds the receiver nodes: %s", exc)  # noqa: TRY400 - said in one line
+                return
             except Exception:  # the brake is advisory: rates go on without it
                 log.exception("cannot look at the nodes' partitions for their backlog")
             else:
@@ -246,8 +252,13 @@ class ClusterDriver:
     # ---- lifecycle ----
 
     async def start(self, spark: Any) -> None:
-        """Serve RateControl, start node rates and the backlog watch, then the Spark query (seconds)."""
+        """Serve RateControl, start node rates and the backlog watch, then the Spark query (seconds).
+        DriverFencedError, before anything starts, if another driver holds a receiver node."""
         config = self.config
+        # one driver per cluster: a second (another data dir, by mistake) would release what this one
+        # has not read, and each sink would miss records. Claimed on every node that answers.
+        self.blocks.driver_id = driver_id(config.data_dir)
+        await asyncio.to_thread(self.blocks.view, config.streams, seal=False)
         if config.metrics_port is not None:
             tls = ServerTls(config.tls) if config.metrics_tls and config.tls is not None else None
             self._metrics = MetricsServer(
@@ -358,7 +369,10 @@ class ClusterDriver:
         self.blocks.release(nest({k: v for k, v in end.items() if "/" in k}))
 
     def error(self) -> str | None:
-        """Why the query failed for good (a swap stops and starts queries: not a failure meanwhile)."""
+        """Why the query failed for good (a swap stops and starts queries: not a failure meanwhile), or
+        why this driver must stop (another holds the receiver nodes)."""
+        if self.blocks.fenced is not None:
+            return f"another driver holds the receiver nodes: {self.blocks.fenced}"
         if self.manager is not None:
             return self.manager.failure()
         return self.spark_driver.error() if self.spark_driver is not None else None
@@ -438,6 +452,25 @@ async def run_driver(
         lock.release()
 
 
+DRIVER_ID_FILE = "driver-id"
+
+
+def driver_id(data_dir: Path) -> str:
+    """This driver's id (receivers.blocks_service's lease), kept in DATA_DIR/driver-id: a restarted
+    driver is the same driver to the nodes; one with another data dir is another."""
+    path = data_dir / DRIVER_ID_FILE
+    with contextlib.suppress(FileNotFoundError):
+        known = path.read_text().strip()
+        if re.fullmatch(r"[0-9a-f]{32}", known):
+            return known
+    made = uuid.uuid4().hex
+    data_dir.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(f".{DRIVER_ID_FILE}.part")
+    part.write_text(made + "\n")
+    part.replace(path)
+    return made
+
+
 def prepare_driver(config: DriverConfig) -> DataDirLock:
     """What can fail before Spark's JVM starts (seconds): the data dir, locked for this process (two
     drivers on one checkpoint fail each other's batches), and the ports (gRPC's SO_REUSEPORT would let a
@@ -463,6 +496,12 @@ async def _run(driver: ClusterDriver, stop: asyncio.Event, session: Callable[[],
         except PipelineStateError as exc:  # pipeline.json, or the pipeline in force does not load
             say(f"cannot start the Spark query: {exc}", level=logging.ERROR)
             return 1
+        except DriverFencedError as exc:
+            say(
+                f"cannot start the driver: another driver holds the receiver nodes: {exc}",
+                level=logging.ERROR,
+            )
+            return 1
         if driver.recalled is not None:
             say(
                 f"this pipeline showed {driver.recalled:.0f} records/s before ({driver.rate_memory.path}): "
@@ -482,7 +521,8 @@ async def _run(driver: ClusterDriver, stop: asyncio.Event, session: Callable[[],
                 await asyncio.wait_for(stop.wait(), 1.0)
             if driver.error() is not None:
                 await driver.query_failed()
-                say(f"the Spark query failed: {driver.error()}", level=logging.ERROR)
+                failed = "stopping" if driver.blocks.fenced is not None else "the Spark query failed"
+                say(f"{failed}: {driver.error()}", level=logging.ERROR)
                 return 1
         return 0
     finally:

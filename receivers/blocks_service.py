@@ -5,6 +5,12 @@ ListPartitions says which partitions (stream, owner) this node holds and their r
 streams records [from, to) of one of them as Arrow IPC, a chunk per block; a range this node does not
 hold whole is FAILED_PRECONDITION, so the reader asks another holder. ReleaseBlocks drops what Spark
 committed (idempotent, as the single-node release).
+
+One driver consumes a cluster. A driver names itself on its ListPartitions and ReleaseBlocks calls
+(DRIVER_HEADER, an id kept in its data dir); the first to call holds the node until DRIVER_LEASE seconds
+pass without a call of its, and another driver is refused FAILED_PRECONDITION meanwhile. Two drivers
+would each release what the other had not read yet, so each sink would miss records. Calls that name
+no driver (`sluice status`, peers, executors' reads) are not held to it.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
@@ -21,6 +28,7 @@ import pyarrow as pa
 
 from receivers.block import BLOCK_SCHEMA, BlockInfo
 from receivers.block_store import BlockStore, release_below
+from receivers.cluster import DRIVER_HEADER, DRIVER_LEASE_HELD, REFUSAL_HEADER
 from receivers.errors import shown
 from receivers.receiver import Receiver
 from receivers.replica_store import ReplicaStore
@@ -31,6 +39,17 @@ CHUNK_BYTES = 4 * 1024 * 1024
 """About this many bytes of records per BlockChunk (more when one record is larger)."""
 SEAL_WAIT = 1.0
 """At most this long for a seal asked by ListPartitions, and then as long for its copies."""
+DRIVER_LEASE = 30.0
+"""Seconds a driver holds a node after its last call. A running driver looks at every node each second
+(its backlog), so it renews well within; a driver that stopped lets another take over this long after."""
+MAX_DRIVER_ID = 64
+
+
+@dataclass
+class _Lease:
+    driver: str
+    peer: str
+    seen: float
 
 
 class BlocksService:
@@ -49,10 +68,39 @@ class BlocksService:
         self._store = store  # this node's partitions, as readable (committed) blocks
         self._local = local
         self._replicas = replicas
+        self._lease: _Lease | None = None
+        self.lease_seconds = DRIVER_LEASE
+
+    async def _hold(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Take or renew the calling driver's lease (a call naming no driver: nothing to do); abort the
+        call FAILED_PRECONDITION if another driver holds this node."""
+        driver = next((str(v) for k, v in context.invocation_metadata() or () if k == DRIVER_HEADER), "")
+        if not driver:
+            return
+        if len(driver) > MAX_DRIVER_ID:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"{DRIVER_HEADER} over {MAX_DRIVER_ID} chars"
+            )
+        now = time.monotonic()
+        lease = self._lease
+        if lease is not None and lease.driver != driver and now - lease.seen < self.lease_seconds:
+            age = now - lease.seen
+            context.set_trailing_metadata(((REFUSAL_HEADER, DRIVER_LEASE_HELD),))
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node {self._node_id} is consumed by another driver (id {shown(lease.driver[:12])}, at "
+                f"{lease.peer}), whose last call came {age:.1f} s ago: one driver per cluster. Stop this "
+                f"one; or, if that driver is gone for good, start this one again {self.lease_seconds:g} s "
+                "after its last call",
+            )
+        if lease is None or lease.driver != driver:
+            lease = self._lease = _Lease(driver, context.peer() or "", now)
+        lease.seen = now
 
     async def ListPartitions(
         self, request: pb.ListPartitionsRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ListPartitionsResponse:
+        await self._hold(context)
         streams = list(dict.fromkeys(request.streams)) or list(self._receivers)
         unknown = [s for s in streams if s not in self._receivers]
         if unknown:
@@ -150,6 +198,7 @@ class BlocksService:
     async def ReleaseBlocks(
         self, request: pb.ReleaseBlocksRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ReleaseBlocksResponse:
+        await self._hold(context)
         if request.stream not in self._receivers:
             await context.abort(
                 grpc.StatusCode.NOT_FOUND, f"no stream named {shown(request.stream)} on this node"

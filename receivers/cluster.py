@@ -19,6 +19,13 @@ from pathlib import Path
 
 _ENTRY = re.compile(r"^(\d{1,9})\s*[=\s]\s*(\S+:\d{1,5})$")
 
+DRIVER_HEADER = "sluice-driver-id"
+"""Call metadata of a driver's ListPartitions and ReleaseBlocks: its id (kept in its data dir). One driver
+consumes a cluster: receivers.blocks_service refuses a second while the first holds its lease."""
+REFUSAL_HEADER = "sluice-refusal"
+"""Trailing metadata of a refusal that is no outage: DRIVER_LEASE_HELD when another driver holds the node."""
+DRIVER_LEASE_HELD = "driver-lease"
+
 
 class ClusterConfigError(ValueError):
     """The node list, this node's id, or the replication settings do not fit together."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import urllib.request
 from collections.abc import AsyncIterator
@@ -20,9 +21,11 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
 from ingest.server import SluiceServer
 from ingest.spark.cluster_source import (
+    BlocksClient,
     ClusterPartition,
     ClusterStreamReader,
     ClusterView,
+    DriverFencedError,
     PartitionUnreadableError,
     RangeSpec,
     flatten,
@@ -357,6 +360,52 @@ async def test_a_query_over_the_cluster_reads_every_record_once(spark: Any, tmp_
         assert len({(r["topic"], r["partition"], r["offset"]) for r in rows}) == len(rows)
 
 
+async def test_one_driver_holds_the_nodes_until_its_lease_lapses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two drivers over one cluster (another data dir, started by mistake) each released what the other
+    had not read: each sink missed records. The nodes now take one driver's ListPartitions and
+    ReleaseBlocks, until it has not called for the lease's length."""
+    from ingest.cluster_driver import driver_id
+    from receivers import blocks_service
+
+    monkeypatch.setattr(blocks_service, "DRIVER_LEASE", 1.5)
+    clusters = loopback_cluster(2, replication=2, min_insync=2)
+    async with nodes(tmp_path, clusters):
+        targets = {n.id: n.target for n in clusters[0].nodes}
+        first_id = driver_id(tmp_path / "first")
+        assert driver_id(tmp_path / "first") == first_id  # kept: a restarted driver is the same one
+        first = BlocksClient(targets, Credentials(), driver_id=first_id)
+        second = BlocksClient(targets, Credentials(), driver_id=driver_id(tmp_path / "second"))
+        anyone = BlocksClient(targets, Credentials())  # `sluice status`, a peer: no driver named
+        try:
+            await asyncio.to_thread(first.view, ["s"], seal=False)
+            with pytest.raises(DriverFencedError) as held:
+                await asyncio.to_thread(second.view, ["s"], seal=False)
+            for node in (0, 1):
+                assert f"node {node} is consumed by another driver" in str(held.value), held.value
+            assert "FAILED_PRECONDITION" in str(held.value) and first_id[:12] in str(held.value)
+            with pytest.raises(grpc.RpcError) as release:  # its release is refused as well
+                await asyncio.to_thread(second._release, 0, "s", 0, 0, 5)
+            assert release.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[attr-defined]
+            await asyncio.to_thread(anyone.view, ["s"], seal=False)
+            for _ in range(3):  # the holder's calls renew its lease past its length
+                await asyncio.sleep(0.75)
+                await asyncio.to_thread(first.release, {"s": {"0": 0}})
+                assert first.fenced is None
+            with pytest.raises(DriverFencedError):
+                await asyncio.to_thread(second.view, ["s"], seal=False)
+            # the first stops calling: after the lease the second takes over, and the first is refused
+            await asyncio.sleep(1.7)
+            second.fenced = None
+            await asyncio.to_thread(second.view, ["s"], seal=False)
+            await asyncio.to_thread(first.release, {"s": {"0": 0}})
+            assert first.fenced is not None and "another driver" in first.fenced, first.fenced
+        finally:
+            for client in (first, second, anyone):
+                client.close()
+
+
 # ---- the driver: committed cluster offsets released on every node -------------------------------
 
 
@@ -404,6 +453,14 @@ async def test_the_cluster_driver_runs_the_query_and_releases_on_every_node(
         driver = ClusterDriver(config)
         await driver.start(spark)
         try:
+            # a second driver (another data dir) over the same nodes stops before it starts anything
+            second = ClusterDriver(
+                dataclasses.replace(config, data_dir=tmp_path / "second", metrics_port=None)
+            )
+            with pytest.raises(DriverFencedError, match="consumed by another driver"):
+                await second.start(spark)
+            second.blocks.close()
+            assert second.spark_driver is None and second.rate_target is None
             sent = {v for i in (0, 1) for v in await push(servers[i].target, 400, f"n{i}-")}
             sink = config.serve_config().sink_dir
             deadline = time.monotonic() + 120

@@ -55,7 +55,13 @@ from ingest.spark.source import (
     json_option,
     positioned,
 )
-from receivers.cluster import ClusterConfigError, parse_nodes
+from receivers.cluster import (
+    DRIVER_HEADER,
+    DRIVER_LEASE_HELD,
+    REFUSAL_HEADER,
+    ClusterConfigError,
+    parse_nodes,
+)
 from receivers.names import check_stream_name
 from sluice_client.credentials import Credentials, CredentialsError
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
@@ -105,6 +111,17 @@ class ClusterRefusedError(RuntimeError):
 
 
 _REFUSED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+
+
+class DriverFencedError(RuntimeError):
+    """A receiver node is held by another driver (receivers.blocks_service: one driver per cluster)."""
+
+
+def _lease_held(exc: grpc.RpcError) -> bool:
+    """The call was refused because another driver holds the node (not an outage)."""
+    if not isinstance(exc, grpc.Call):
+        return False
+    return (REFUSAL_HEADER, DRIVER_LEASE_HELD) in tuple(exc.trailing_metadata() or ())
 
 
 def partition_key(stream: str, owner: int) -> str:
@@ -402,9 +419,15 @@ class ClusterStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigg
 class BlocksClient:
     """Blocks calls to every node of a cluster (node id -> target), blocking, with `credentials`."""
 
-    def __init__(self, nodes: Mapping[int, str], credentials: Credentials) -> None:
+    def __init__(
+        self, nodes: Mapping[int, str], credentials: Credentials, driver_id: str | None = None
+    ) -> None:
         self.nodes = dict(nodes)
         self._metadata = credentials.metadata
+        self.driver_id = driver_id
+        """The driver's id, sent with ListPartitions and ReleaseBlocks: the nodes hold them to one driver."""
+        self.fenced: str | None = None
+        """Why a node refused this driver (another holds it): the driver stops."""
         self._channels = {n: credentials.sync_channel(t) for n, t in self.nodes.items()}
         self._stubs = {n: pb_grpc.BlocksStub(c) for n, c in self._channels.items()}
         self._pool = ThreadPoolExecutor(min(32, len(self.nodes)), thread_name_prefix="sluice-blocks")
@@ -416,10 +439,14 @@ class BlocksClient:
         view = ClusterView(list(self.nodes))
         calls = {n: self._pool.submit(self._list, n, request, timeout) for n in self.nodes}
         refused: list[str] = []
+        held: list[str] = []
         for node_id, call in calls.items():
             try:
                 response = call.result()
             except grpc.RpcError as exc:
+                if _lease_held(exc):
+                    held.append(describe(exc))
+                    continue
                 if isinstance(exc, grpc.Call) and exc.code() in _REFUSED:
                     refused.append(f"node {node_id} ({self.nodes[node_id]}): {describe(exc)}")
                 if node_id not in self._failing:
@@ -436,6 +463,9 @@ class BlocksClient:
                 log.info("receiver node %d (%s) answers again", node_id, self.nodes[node_id])
                 self._failing.discard(node_id)
             view.add(response, streams)
+        if held:
+            self.fenced = "; ".join(held)
+            raise DriverFencedError(self.fenced)
         if refused and not view.answered:
             # not an outage that passes: a query that went on would read nothing, silently, for ever
             raise ClusterRefusedError(
@@ -448,9 +478,14 @@ class BlocksClient:
         self, node_id: int, request: pb.ListPartitionsRequest, timeout: float
     ) -> pb.ListPartitionsResponse:
         response: pb.ListPartitionsResponse = self._stubs[node_id].ListPartitions(
-            request, timeout=timeout, metadata=self._metadata
+            request, timeout=timeout, metadata=self._driver_metadata()
         )
         return response
+
+    def _driver_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The credentials' metadata, and the driver's id if this client is a driver's."""
+        named = ((DRIVER_HEADER, self.driver_id),) if self.driver_id else ()
+        return (*(self._metadata or ()), *named)
 
     def release(self, end: Mapping[str, Mapping[str, int]], timeout: float = RELEASE_TIMEOUT) -> int:
         """Release every partition below `end` ({stream: {owner: offset}}) on every node (each drops
@@ -468,6 +503,11 @@ class BlocksClient:
             try:
                 released += call.result()
             except grpc.RpcError as exc:
+                if _lease_held(exc):
+                    if self.fenced is None:
+                        log.error("cannot release on node %d: %s", node_id, describe(exc))  # noqa: TRY400
+                    self.fenced = describe(exc)
+                    continue
                 # a node planning already found down was warned about once: not again at every commit
                 log.log(
                     logging.DEBUG if node_id in self._failing else logging.WARNING,
@@ -481,7 +521,9 @@ class BlocksClient:
 
     def _release(self, node_id: int, stream: str, owner: int, before: int, timeout: float) -> int:
         request = pb.ReleaseBlocksRequest(stream=stream, owner=owner, before_offset=before)
-        response = self._stubs[node_id].ReleaseBlocks(request, timeout=timeout, metadata=self._metadata)
+        response = self._stubs[node_id].ReleaseBlocks(
+            request, timeout=timeout, metadata=self._driver_metadata()
+        )
         return int(response.blocks_released)
 
     def close(self) -> None:
