@@ -257,7 +257,7 @@ class ClusterDriver:
         config = self.config
         # one driver per cluster: a second (another data dir, by mistake) would release what this one
         # has not read, and each sink would miss records. Claimed on every node that answers.
-        self.blocks.driver_id = driver_id(config.data_dir)
+        self.blocks.driver_id = self.blocks.driver_id or driver_id(config.data_dir)
         await asyncio.to_thread(self.blocks.view, config.streams, seal=False)
         if config.metrics_port is not None:
             tls = ServerTls(config.tls) if config.metrics_tls and config.tls is not None else None
@@ -447,6 +447,13 @@ async def run_driver(
         say(f"cannot start the driver: {exc}", level=logging.ERROR)
         return 1
     try:
+        driver.blocks.driver_id = driver_id(config.data_dir)  # before Spark starts, as the lock
+    except OSError as exc:
+        lock.release()
+        driver.blocks.close()
+        say(f"cannot start the driver: {exc}", level=logging.ERROR)
+        return 1
+    try:
         return await _run(driver, stop, session)
     finally:
         lock.release()
@@ -459,7 +466,7 @@ def driver_id(data_dir: Path) -> str:
     """This driver's id (receivers.blocks_service's lease), kept in DATA_DIR/driver-id: a restarted
     driver is the same driver to the nodes; one with another data dir is another."""
     path = data_dir / DRIVER_ID_FILE
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(FileNotFoundError, UnicodeDecodeError):
         known = path.read_text().strip()
         if re.fullmatch(r"[0-9a-f]{32}", known):
             return known

@@ -171,7 +171,12 @@ def test_a_second_cluster_driver_on_a_taken_data_dir_or_port_fails_before_spark_
                 ["--data-dir", str(tmp_path / "b"), "--port", "0", "--metrics-port", str(metrics_port)],
                 f"cannot serve metrics on 127.0.0.1:{metrics_port}: address in use",
             ),
+            "driver id": (  # DATA_DIR/driver-id (one driver per cluster) cannot be read or written
+                ["--data-dir", str(tmp_path / "c"), "--port", "0", "--metrics-port", "-1"],
+                f"[Errno 21] Is a directory: '{tmp_path / 'c' / 'driver-id'}'",
+            ),
         }
+        (tmp_path / "c" / "driver-id").mkdir(parents=True)
         for name, (flags, message) in cases.items():
             started = time.monotonic()
             result = sluice(*driver, *flags, timeout=120)
