@@ -586,7 +586,7 @@ class SluiceServer:
                 revoked = revoke(self.receivers.values(), self.auth)
                 changes.append(
                     f"auth file: {len(table.principals)} principals, {len(table.tokens)} tokens"
-                    + (f"; {revoked} sessions revoked" if revoked else "")
+                    + (f"; {revoked} live calls revoked" if revoked else "")
                 )
         for change in changes:
             log.info("reload: %s", change)

@@ -32,18 +32,20 @@ the call needs, is PERMISSION_DENIED.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import re
 import secrets
 import tomllib
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from receivers.errors import PermissionDenied, Unauthenticated, cut
+from receivers.errors import PermissionDenied, ReceiverError, Unauthenticated, cut
 from receivers.principal import ALL_ROLES, ANONYMOUS, Limits, Principal, Role
 from receivers.sizes import parse_size
 
@@ -55,12 +57,16 @@ MAX_TOKEN_CHARS = 4096
 MAX_NAME_BYTES = 256
 """Longest principal name (UTF-8), as a producer id: a principal's producer keys hold both."""
 PERMISSION_DENIED = 7
-"""gRPC status code of a session revoked by an auth reload (receivers never import grpc's enum)."""
+"""gRPC status code of a session whose principal an auth reload removed or narrowed."""
+UNAUTHENTICATED = 16
+"""gRPC status code of a session whose bearer token an auth reload removed (receivers never import
+grpc's enum for a session's code)."""
 PIPELINE = Principal("sluice-pipeline", frozenset({Role.OPERATOR, Role.READER, Role.CONSUMER}), frozenset())
 """The principal of a server's own Spark source (RateControl: GetRate, StartBatch), whose token the
 server issues itself (Authenticator.issue_token) for each run."""
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+T = TypeVar("T")
 
 METHOD_ROLES: Mapping[str, frozenset[Role]] = {
     "/ingest.v1.Ingest/Publish": frozenset({Role.PRODUCER}),
@@ -87,6 +93,8 @@ METHOD_ROLES: Mapping[str, frozenset[Role]] = {
 }
 """gRPC method -> the roles of which a caller needs one. A method not listed is refused to everyone."""
 
+PUBLISH = "/ingest.v1.Ingest/Publish"
+
 _LIMIT_KEYS = {
     "max_sessions": "max_sessions",
     "max_streams": "max_streams",
@@ -94,6 +102,17 @@ _LIMIT_KEYS = {
     "max_record_bytes": "max_record_bytes",
     "idle_timeout_seconds": "idle_timeout",
 }
+
+
+@dataclass(frozen=True)
+class Credential:
+    """Who a call is, and by which bearer token: what a long-lived call (a Publish session, Replicate,
+    ReadBlocks) is checked against again when the auth file is reloaded."""
+
+    principal: Principal
+    token_sha256: str | None = None
+    """The SHA-256 of the bearer token the call came with (as the auth file holds it; the token itself
+    is never kept); None: a client certificate, or no credentials."""
 
 
 class AuthFileError(ValueError):
@@ -200,6 +219,7 @@ class Authenticator:
         self._anonymous = Principal(ANONYMOUS.name, limits=self._default_limits, authenticated=False)
         self._internal: dict[str, Principal] = {}  # token hash -> principal; kept across reloads
         self._internal_only = False
+        self._live: dict[_LiveCall, None] = {}  # streaming calls (revocable) in progress, in order
 
     @property
     def table(self) -> AuthTable | None:
@@ -231,6 +251,85 @@ class Authenticator:
         self._internal[token_hash(token)] = principal
         return token
 
+    def revocation(
+        self, credential: Credential, method: str, stream: str | None = None
+    ) -> ReceiverError | None:
+        """Why a live call of `credential` to `method` (publishing to `stream`) may no longer go on under
+        the present auth table, as the error it ends with; None while it may. A call opened with a bearer
+        token the table no longer gives its principal is Unauthenticated (the token was revoked, as a new
+        call with it would be), whatever else holds; then a principal gone or narrowed is
+        PermissionDenied. A certificate's principal is looked up again by name."""
+        principal = credential.principal
+        digest = credential.token_sha256
+        if digest is not None and digest not in self._internal:  # the server's own tokens outlive reloads
+            table = self._table
+            if table is None or table.tokens.get(digest) != principal.name:
+                return Unauthenticated(
+                    f"the bearer token this call of principal {cut(principal.name)!r} was opened with was "
+                    "revoked (it is no longer in the auth file)"
+                )
+        now = self.current(principal)
+        if now is None:
+            return PermissionDenied(f"principal {principal.name!r} no longer exists")
+        needed = METHOD_ROLES.get(method, frozenset())
+        if not now.has_any(needed):
+            return PermissionDenied(f"principal {principal.name!r} may no longer call {method}")
+        if stream is not None and not now.may_publish(stream):
+            return PermissionDenied(
+                f"principal {principal.name!r} may no longer publish to stream {stream!r}"
+            )
+        return None
+
+    async def revocable(
+        self,
+        credential: Credential,
+        method: str,
+        context: grpc.aio.ServicerContext[Any, Any],
+        responses: AsyncIterator[T],
+    ) -> AsyncIterator[T]:
+        """`responses` (a streaming handler's), until `revoke` finds `credential` may no longer call
+        `method`: then the handler is stopped where it waits and the call ends with the status of
+        `revocation` (UNAUTHENTICATED for a revoked token, PERMISSION_DENIED for a principal gone or
+        narrowed). A message being written when that happens is sent first."""
+        live = _LiveCall(credential, method, asyncio.get_running_loop().create_future())
+        self._live[live] = None
+        step: asyncio.Future[T] | None = None
+        try:
+            while not live.ended.done():
+                step = asyncio.ensure_future(anext(responses))
+                await asyncio.wait((step, live.ended), return_when=asyncio.FIRST_COMPLETED)
+                if not step.done():
+                    break
+                try:
+                    response = step.result()
+                except StopAsyncIteration:
+                    return
+                finally:
+                    step = None
+                yield response
+        finally:
+            del self._live[live]
+            if step is not None:  # revoked, or the call itself ended (cancelled) while it waited
+                step.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):  # what it ended with is moot
+                    await step
+            aclose = getattr(responses, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        error = live.ended.result()
+        await context.abort(getattr(grpc.StatusCode, error.status), str(error))
+
+    def revoke_calls(self) -> int:
+        """End every live streaming call (`revocable`) the present auth table no longer allows; return
+        how many."""
+        ended = 0
+        for live in list(self._live):
+            error = self.revocation(live.credential, live.method)
+            if error is not None and not live.ended.done():
+                live.ended.set_result(error)
+                ended += 1
+        return ended
+
     def current(self, principal: Principal) -> Principal | None:
         """`principal` as the present auth table knows it (looked up again by name after a reload);
         None when it no longer exists."""
@@ -249,31 +348,38 @@ class Authenticator:
     ) -> Principal:
         """The caller, from its `authorization` metadata or its verified certificate (grpc's
         ServicerContext.auth_context()); raise Unauthenticated or PermissionDenied."""
+        return self.identify(metadata, auth_context).principal
+
+    def identify(
+        self, metadata: Iterable[tuple[str, str | bytes]], auth_context: Mapping[str, Iterable[bytes]]
+    ) -> Credential:
+        """As `authenticate`, with the hash of the bearer token the principal was found by."""
         token = bearer_token(metadata)
         table = self._table
         # only a server that verified the certificate against its client CA may believe its names
         names = certificate_names(auth_context) if self._client_certificates else []
         if token is not None:
-            internal = self._internal.get(token_hash(token))
+            digest = token_hash(token)
+            internal = self._internal.get(digest)
             if internal is not None:
-                return internal
+                return Credential(internal, digest)
             if self._internal_only:
                 raise Unauthenticated("this port takes only the server's own tokens")
             if table is None:
                 raise Unauthenticated("this server takes no bearer tokens (it has no --auth-file)")
-            principal = table.by_token(token)
-            if principal is None:
+            name = table.tokens.get(digest)  # by hash: a timing difference tells nothing of the token
+            if name is None:
                 raise Unauthenticated("unknown bearer token")
-            return principal
+            return Credential(table.principals[name], digest)
         if names:
             if table is None:
-                return Principal(names[0], limits=self._default_limits)
+                return Credential(Principal(names[0], limits=self._default_limits))
             for name in names:
                 if name in table.principals:
-                    return table.principals[name]
+                    return Credential(table.principals[name])
             raise PermissionDenied(f"the client certificate ({cut(names[0])}) names no principal here")
         if not self.enabled:
-            return self._anonymous
+            return Credential(self._anonymous)
         raise Unauthenticated(
             "no credentials: send a bearer token (authorization: Bearer <token>) or a client certificate"
         )
@@ -281,9 +387,14 @@ class Authenticator:
     def caller(self, context: grpc.aio.ServicerContext[Any, Any], method: str) -> Principal:
         """The principal of a gRPC call, checked for a role `method` needs; raise Unauthenticated or
         PermissionDenied (ReceiverErrors: the service ends the call with their status)."""
-        principal = self.authenticate(context.invocation_metadata() or (), context.auth_context())
-        self.authorize(principal, method)
-        return principal
+        return self.credential(context, method).principal
+
+    def credential(self, context: grpc.aio.ServicerContext[Any, Any], method: str) -> Credential:
+        """As `caller`, with the hash of the bearer token it came by (a long-lived call keeps it, so that
+        a reload that removes the token ends the call)."""
+        credential = self.identify(context.invocation_metadata() or (), context.auth_context())
+        self.authorize(credential.principal, method)
+        return credential
 
     @staticmethod
     def authorize(principal: Principal, method: str) -> None:
@@ -325,19 +436,31 @@ def certificate_names(auth_context: Mapping[str, Iterable[bytes]]) -> list[str]:
 
 
 def revoke(receivers: Iterable[Receiver], authenticator: Authenticator) -> int:
-    """Cancel, with PERMISSION_DENIED, every open session whose principal the (reloaded) auth table no
-    longer has or no longer lets publish to the session's stream; return how many. What they sent
-    before is still acked (Cancel's accepted_up_to); the producers fail, they do not reconnect."""
+    """End every live call the (reloaded) auth table no longer allows; return how many. A Publish session
+    opened with a bearer token the table no longer holds is cancelled UNAUTHENTICATED, one whose
+    principal is gone or may no longer publish to its stream PERMISSION_DENIED (Authenticator.revocation);
+    what they sent before is still acked (Cancel's accepted_up_to), and the producers fail, they do not
+    reconnect. The other streaming calls (Replicate, ReadBlocks) end likewise (Authenticator.revocable).
+    Sessions of the principal's other tokens, or of its certificate, go on."""
     revoked = 0
     for receiver in receivers:
         for session in receiver.sessions:
-            now = authenticator.current(session.principal)
-            if now is not None and now.may_publish(session.stream):
+            credential = Credential(session.principal, session.token_sha256)
+            error = authenticator.revocation(credential, PUBLISH, session.stream)
+            if error is None:
                 continue
-            why = "no longer exists" if now is None else f"may no longer publish to stream {session.stream!r}"
-            if receiver.cancel(session, PERMISSION_DENIED, f"principal {session.principal.name!r} {why}"):
+            code = UNAUTHENTICATED if isinstance(error, Unauthenticated) else PERMISSION_DENIED
+            if receiver.cancel(session, code, str(error)):
                 revoked += 1
-    return revoked
+    return revoked + authenticator.revoke_calls()
+
+
+@dataclass(eq=False)
+class _LiveCall:
+    credential: Credential
+    method: str
+    ended: asyncio.Future[ReceiverError]
+    """Set by Authenticator.revoke_calls: the error the call ends with."""
 
 
 def _valid_name(name: str) -> bool:

@@ -18,7 +18,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 
-from receivers.auth import Authenticator
+from receivers.auth import Authenticator, Credential
 from receivers.errors import ReceiverError
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
@@ -80,19 +80,20 @@ async def _authorized_request(
     request_type: type[Message],
     method: str,
     authenticator: Authenticator | None,
-) -> Message:
+) -> tuple[Message, Credential | None]:
     """The call authenticated and authorized first, then its request read and parsed; aborts the call
-    if not."""
+    if not. With the caller's credential (None without an authenticator)."""
+    credential = None
     if authenticator is not None:
         try:
-            authenticator.caller(context, method)
+            credential = authenticator.credential(context, method)
         except ReceiverError as error:
             await context.abort(getattr(grpc.StatusCode, error.status), str(error))
     raw = await anext(aiter(requests), None)
     if raw is None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no {request_type.DESCRIPTOR.name} was sent")
     try:
-        return request_type.FromString(raw)
+        return request_type.FromString(raw), credential
     except DecodeError as exc:
         await context.abort(
             grpc.StatusCode.INVALID_ARGUMENT,
@@ -128,7 +129,7 @@ def _parsing(
     async def parse_then_handle(
         requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> Message:
-        request = await _authorized_request(requests, context, request_type, method, authenticator)
+        request, _ = await _authorized_request(requests, context, request_type, method, authenticator)
         return await handler(request, _CappedContext(context))  # type: ignore[arg-type]
 
     return parse_then_handle
@@ -140,8 +141,14 @@ def _parsing_stream(
     async def parse_then_stream(
         requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[Message]:
-        request = await _authorized_request(requests, context, request_type, method, authenticator)
-        async for response in handler(request, _CappedContext(context)):  # type: ignore[arg-type]
+        request, credential = await _authorized_request(
+            requests, context, request_type, method, authenticator
+        )
+        responses = handler(request, _CappedContext(context))  # type: ignore[arg-type]
+        if authenticator is not None and credential is not None:
+            # a reload of the auth file that drops the caller's token (or role) ends the stream
+            responses = authenticator.revocable(credential, method, context, responses)
+        async for response in responses:
             yield response
 
     return parse_then_stream

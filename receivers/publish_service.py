@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 
-from receivers.auth import Authenticator
+from receivers.auth import Authenticator, Credential
 from receivers.errors import (
     InvalidMessage,
     LimitExceeded,
@@ -90,11 +90,12 @@ class PublishService(pb_grpc.IngestServicer):
         requests = None
         try:
             # before anything is read: an unauthenticated caller is never granted credit
-            principal = self._authenticator.caller(context, PUBLISH)
+            credential = self._authenticator.credential(context, PUBLISH)
+            principal = credential.principal
             # only now: a request iterator made and never read warns ("never awaited") when collected
             requests = aiter(request_iterator)
             key = limit_key(principal, context.peer() or "")
-            receiver, session = await self._open(requests, principal, key)
+            receiver, session = await self._open(requests, credential, key)
         except ReceiverError as error:
             _end_call(context, error)
             if requests is not None:
@@ -120,8 +121,9 @@ class PublishService(pb_grpc.IngestServicer):
             await _close(requests)
 
     async def _open(
-        self, requests: AsyncIterator[pb.PublishRequest | bytes], principal: Principal, key: str
+        self, requests: AsyncIterator[pb.PublishRequest | bytes], credential: Credential, key: str
     ) -> tuple[Receiver, Session]:
+        principal = credential.principal
         try:
             message = await asyncio.wait_for(anext(requests), self._open_timeout)
             first = _parse(_within_limit(message, principal))
@@ -153,8 +155,17 @@ class PublishService(pb_grpc.IngestServicer):
                 receiver.learn_producer_mark(mark_key, mark)
         state = receiver.producer(producer_id, principal) if producer_id else None
         self.ledger.admit(principal, key, stream, fenced=state.sessions if state is not None else ())
+        # revocation is checked from here on: had a reload dropped the token while this waited for Open
+        # or the producer's marks, the session would have missed it
+        error = self._authenticator.revocation(credential, PUBLISH, stream)
+        if error is not None:
+            raise error
         opened = receiver.open_session(
-            producer_id, first.open.resume_from_seq, principal, resume=first.open.resume
+            producer_id,
+            first.open.resume_from_seq,
+            principal,
+            resume=first.open.resume,
+            token_sha256=credential.token_sha256,
         )
         return receiver, opened
 

@@ -559,9 +559,11 @@ class Receiver:
         principal: Principal = ANONYMOUS,
         *,
         resume: bool = False,
+        token_sha256: str | None = None,
     ) -> Session:
         """onSubscribe: `principal` opened a session; it gets its prefetch as far as the buffer allows.
-        `resume` (Open.resume): the producer must be known here, else SequenceGap (OUT_OF_RANGE)."""
+        `resume` (Open.resume): the producer must be known here, else SequenceGap (OUT_OF_RANGE).
+        `token_sha256`: the hash of the bearer token it came with (kept to revoke it on an auth reload)."""
         if self._stopping:
             raise ReceiverStopped(f"receiver for stream {self.stream!r} is stopping; retry later")
         # validated before anything is registered: these values end up in the block log's headers
@@ -576,6 +578,7 @@ class Receiver:
             )
         seq = resume_from_seq
         session = Session(SESSION_IDS.next(), self.stream, producer_id, seq, seq, principal=principal)
+        session.token_sha256 = token_sha256
         session.owner = owner_of(principal, producer_id, session.id)
         session.active_at = self._clock()
         self._owners.setdefault(session.owner, _Owner()).sessions += 1

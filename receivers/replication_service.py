@@ -119,9 +119,17 @@ class ReplicationService:
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.ReplicateResponse]:
         try:
-            self._authenticator.caller(context, REPLICATE)
+            credential = self._authenticator.credential(context, REPLICATE)
         except ReceiverError as error:
             await context.abort(getattr(grpc.StatusCode, error.status), str(error))
+        # a reload of the auth file that drops the peer's token (or its role) ends the stream
+        replicated = self._replicate(request_iterator, context)
+        async for response in self._authenticator.revocable(credential, REPLICATE, context, replicated):
+            yield response
+
+    async def _replicate(
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.ReplicateResponse]:
         requests = aiter(request_iterator)
         try:
             first = pb.ReplicateRequest.FromString(await asyncio.wait_for(anext(requests), HELLO_TIMEOUT))

@@ -113,6 +113,9 @@ class Session:
     outbox: Outbox = field(default_factory=Outbox)
     principal: Principal = ANONYMOUS
     """Who opened it (its limits and its share of the stream go by this)."""
+    token_sha256: str | None = None
+    """The SHA-256 of the bearer token it was opened with (never the token): a reload of the auth file
+    that removes the token ends the session (receivers.auth.revoke). None: a certificate, no token."""
     owner: str = ""
     """Whose share of the stream's credit this session draws on (receivers.fairness.owner_of)."""
     active_at: float = 0.0

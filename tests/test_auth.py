@@ -297,12 +297,16 @@ async def test_an_sdk_producer_without_or_with_a_wrong_token_fails_at_once(serve
 
 @contextlib.asynccontextmanager
 async def mtls_server(
-    tmp_path: Path, ca: CertificateAuthority, table: AuthTable | None
+    tmp_path: Path,
+    ca: CertificateAuthority,
+    table: AuthTable | None,
+    authenticator: Authenticator | None = None,
 ) -> AsyncIterator[tuple[str, dict[str, Receiver]]]:
-    """Publish and Sessions behind grpc.ssl_server_credentials(require_client_auth=True)."""
+    """Publish and Sessions behind grpc.ssl_server_credentials(require_client_auth=True); `authenticator`
+    (of `table`, with client certificates) when the test reloads it."""
     store = WalBlockStore(tmp_path / "mtls-blocks")
     receivers = {"clicks": Receiver("clicks", store, ReceiverConfig(block_interval=0.02))}
-    authenticator = Authenticator(table, client_certificates=True)
+    authenticator = authenticator or Authenticator(table, client_certificates=True)
     issued = ca.issue("server", server=True)
     server = grpc.aio.server()
     PublishService(receivers, authenticator=authenticator).add_to_server(server)
@@ -357,6 +361,49 @@ async def test_a_client_certificate_names_the_principal(tmp_path: Path) -> None:
                 )
         assert denied.value.code() is grpc.StatusCode.PERMISSION_DENIED
         assert receivers["clicks"].stats.records_received == 5
+
+
+async def test_a_reload_ends_a_certificate_session_only_when_its_principal_goes(tmp_path: Path) -> None:
+    """One principal with a certificate and a token: removing the token ends the token's session
+    (UNAUTHENTICATED) and not the certificate's; the certificate's ends PERMISSION_DENIED once the
+    principal itself is removed, as before sessions remembered their token."""
+    ca = CertificateAuthority(tmp_path / "pki")
+    token = new_token()
+    auth = write_auth_file(tmp_path / "auth.toml")
+    base = auth.read_text()
+    auth.write_text(base + f'token_sha256 = ["{token_hash(token)}"]\n')  # mtls-client's section is last
+    authenticator = Authenticator(AuthTable.load(auth), client_certificates=True)
+    async with mtls_server(tmp_path, ca, None, authenticator) as (target, receivers):
+        certificate = client_credentials(ca, "mtls-client")
+        by_token = Credentials(  # the server requires a certificate; the token wins over it
+            root_certificates=certificate.root_certificates,
+            certificate_chain=certificate.certificate_chain,
+            private_key=certificate.private_key,
+            token=token,
+        )
+        cert_producer = Producer(target, "clicks", credentials=certificate, linger=0, start_timeout=10)
+        token_producer = Producer(target, "clicks", credentials=by_token, linger=0, start_timeout=10)
+        for producer in (cert_producer, token_producer):
+            await producer.start()
+            await send_and_ack(producer, 5)
+        auth.write_text(base)  # the token removed, the principal kept
+        authenticator.reload(AuthTable.load(auth))
+        assert revoke(receivers.values(), authenticator) == 1
+        with pytest.raises(RPCError) as info:
+            await token_producer.send_many([b"late"])
+            await token_producer.flush(10)
+        assert info.value.status is grpc.StatusCode.UNAUTHENTICATED and "revoked" in info.value.message
+        await send_and_ack(cert_producer, 5)
+        auth.write_text(base.replace('[principals."mtls-client"]', '[principals."someone-else"]'))
+        authenticator.reload(AuthTable.load(auth))
+        assert revoke(receivers.values(), authenticator) == 1
+        with pytest.raises(RPCError) as info:
+            await cert_producer.send_many([b"late"])
+            await cert_producer.flush(10)
+        assert info.value.status is grpc.StatusCode.PERMISSION_DENIED, info.value
+        assert "no longer exists" in info.value.message
+        for producer in (cert_producer, token_producer):
+            await producer.abort()
 
 
 async def test_expired_or_foreign_certificates_never_reach_a_service(tmp_path: Path) -> None:
@@ -539,9 +586,63 @@ async def test_a_reload_revokes_the_sessions_it_no_longer_allows(tmp_path: Path)
         assert revoke(server.receivers.values(), server.auth) == 1
         orders = server.receivers["orders"]
         await wait_until(lambda: not any(s.principal.name == "orders-app" for s in orders.sessions))
+        with pytest.raises(RPCError) as info:
+            await other.send_many([b"late"])
+            await other.flush(10)
+        assert info.value.status is grpc.StatusCode.UNAUTHENTICATED  # its token went with it
+        assert "revoked" in info.value.message
         await send_and_ack(kept, 5)
         for producer in (kept, dropped, other):
             await producer.abort()
+
+
+async def test_a_token_removed_on_reload_ends_only_the_sessions_opened_with_it(tmp_path: Path) -> None:
+    """A leaked token rotated out of the auth file: on reload (what SIGHUP runs) the sessions opened with
+    it end UNAUTHENTICATED, saying the token was revoked, and the SDK fails without reconnecting; the
+    same principal's sessions on its other token keep publishing. Before, sessions did not remember
+    their token: the leaked one published on until it closed."""
+    leaked, kept = new_token(), new_token()
+    auth = tmp_path / "auth.toml"
+
+    def write(*tokens: str) -> None:
+        hashes = ", ".join(f'"{token_hash(t)}"' for t in tokens)
+        auth.write_text(
+            f'[principals.app]\nroles = ["producer"]\nstreams = ["clicks"]\ntoken_sha256 = [{hashes}]\n'
+        )
+
+    write(leaked, kept)
+    async with secured_server(tmp_path / "data", auth) as server:
+        old = Producer(server.target, "clicks", credentials=Credentials(token=leaked), linger=0)
+        new = Producer(server.target, "clicks", credentials=Credentials(token=kept), linger=0)
+        for producer in (old, new):
+            await producer.start()
+            await send_and_ack(producer, 5)
+        clicks = server.receivers["clicks"]
+        assert len(clicks.sessions) == 2
+        write(kept)
+        assert server.reload_security() == ["auth file: 1 principals, 1 tokens; 1 live calls revoked"]
+        # promptly: the revoked session is gone from the server within a second, nothing sent meanwhile
+        await wait_until(lambda: [s.producer_id for s in clicks.sessions] == [new.producer_id], timeout=1)
+        with pytest.raises(RPCError) as info:
+            await asyncio.wait_for(old.flush(5), 5)
+            await old.send_many([b"late"])
+            await asyncio.wait_for(old.flush(5), 5)
+        assert info.value.status is grpc.StatusCode.UNAUTHENTICATED, info.value
+        assert "revoked" in info.value.message, info.value.message
+        assert leaked not in info.value.message and token_hash(leaked) not in info.value.message
+        assert old.acked == 5 and old.reconnects == 0  # what it sent before was acked; no retry loop
+        with pytest.raises(RPCError):
+            old.check_open()  # the producer stays failed
+        for _ in range(3):
+            await send_and_ack(new, 5)  # the other token's session goes on undisturbed
+        assert new.reconnects == 0 and new.acked == 20
+        # a new call with the removed token is refused; the kept one may still open sessions
+        retry = Producer(server.target, "clicks", credentials=Credentials(token=leaked), start_timeout=5)
+        assert (await refused(retry)).status is grpc.StatusCode.UNAUTHENTICATED
+        async with Producer(server.target, "clicks", credentials=Credentials(token=kept), linger=0) as again:
+            await send_and_ack(again, 5)
+        await old.abort()
+        await new.close()
 
 
 async def test_a_reload_of_an_auth_file_without_principals_changes_nothing(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pytest
 
 from ingest.config import SecurityConfig
 from ingest.server import SluiceServer
+from receivers import blocks_service
 from receivers.auth import new_token, token_hash
 from sluice_client import Producer
 from sluice_client.credentials import Credentials
@@ -44,7 +46,14 @@ def bearer(name: str) -> tuple[tuple[str, str], ...]:
 
 @pytest.fixture
 async def cluster(tmp_path: Path) -> AsyncIterator[dict[int, SluiceServer]]:
-    security = SecurityConfig(auth_file=write_auth_file(tmp_path / "auth.toml"))
+    async with secured_cluster(tmp_path, write_auth_file(tmp_path / "auth.toml")) as servers:
+        yield servers
+
+
+@contextlib.asynccontextmanager
+async def secured_cluster(tmp_path: Path, auth: Path) -> AsyncIterator[dict[int, SluiceServer]]:
+    """Two receiver nodes, replication 2 and min-insync 2 (an ack needs both), replicating as "node"."""
+    security = SecurityConfig(auth_file=auth)
     peer_token = tmp_path / "peer.token"
     peer_token.write_text(TOKENS["node"])
     peer_token.chmod(0o600)
@@ -191,3 +200,87 @@ async def test_a_receiver_node_holds_a_principal_to_its_session_limit(tmp_path: 
             said = await refused(Producer(server.target, "s", producer_id="p2", credentials=credentials))
         assert said.status is grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_sessions" in said.message
+
+
+async def test_a_peer_token_removed_on_reload_ends_the_replicate_streams_opened_with_it(
+    tmp_path: Path,
+) -> None:
+    """A Replicate stream opened with one of the peer principal's tokens ends UNAUTHENTICATED, saying the
+    token was revoked, once a reload drops that token; the nodes' own replication, on the peer's other
+    token, goes on (with min-insync 2 a producer's acks show it). Before, a live Replicate stream was
+    never looked at again on reload: the removed token kept its stream open."""
+    auth = write_auth_file(tmp_path / "auth.toml")
+    text = auth.read_text()
+    spare = new_token()
+    node_hash = f'"{token_hash(TOKENS["node"])}"'
+    auth.write_text(text.replace(node_hash, f'{node_hash}, "{token_hash(spare)}"'))
+    async with (
+        secured_cluster(tmp_path, auth) as servers,
+        grpc.aio.insecure_channel(servers[0].target) as channel,
+    ):
+        stray = pb_grpc.ReplicationStub(channel).Replicate(  # type: ignore[call-arg]
+            metadata=(("authorization", f"Bearer {spare}"),)
+        )
+        await stray.write(pb.ReplicateRequest(hello=pb.ReplicaHello(owner=1, nodes=2, replication=2)))
+        first = await asyncio.wait_for(stray.read(), 10)
+        assert first.WhichOneof("kind") == "state"
+        credentials = Credentials(token=TOKENS["app"])
+        async with Producer(servers[1].target, "s", credentials=credentials, linger=0) as app:
+            await app.send_many([b"r"] * 10)
+            await app.flush(20)
+            auth.write_text(text)  # the spare token removed
+            assert servers[0].reload_security() == ["auth file: 5 principals, 5 tokens; 1 live calls revoked"]
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await asyncio.wait_for(stray.read(), 5)
+            assert time.monotonic() - started < 1
+            assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED, info.value
+            assert "revoked" in (info.value.details() or ""), info.value.details()
+            for _ in range(3):  # node 1 -> node 0 replication, on the kept token, is undisturbed
+                await app.send_many([b"r"] * 10)
+                await app.flush(20)
+            assert app.acked == 40 and app.reconnects == 0
+
+
+async def test_a_consumer_token_removed_on_reload_ends_its_read_before_the_next_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ReadBlocks stream of a removed token ends UNAUTHENTICATED ("revoked") instead of streaming the
+    rest of its range; a read on the principal's other token is served whole."""
+    monkeypatch.setattr(blocks_service, "CHUNK_BYTES", 16 * 1024)  # many chunks: the read stays open
+    auth = write_auth_file(tmp_path / "auth.toml")
+    text = auth.read_text()
+    spare = new_token()
+    executor_hash = f'"{token_hash(TOKENS["executor"])}"'
+    auth.write_text(text.replace(executor_hash, f'{executor_hash}, "{token_hash(spare)}"'))
+    (node,) = loopback_cluster(1)
+    port = int(node.me.target.rsplit(":", 1)[1])
+    security = SecurityConfig(auth_file=auth)
+    async with running_server(tmp_path / "node", "s", cluster=node, port=port, security=security) as server:
+        async with Producer(server.target, "s", credentials=Credentials(token=TOKENS["app"])) as app:
+            await app.send_many([bytes(1000)] * 2000)  # 2 MB: about 120 chunks
+            await app.flush(20)
+        # a small flow-control window: the server waits to write while the reader does not read
+        options = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 32 * 1024)]
+        async with grpc.aio.insecure_channel(server.target, options=options) as channel:
+            stub = pb_grpc.BlocksStub(channel)
+            listed = await stub.ListPartitions(
+                pb.ListPartitionsRequest(seal_blocks=True), metadata=bearer("executor")
+            )
+            (partition,) = listed.partitions
+            assert partition.end_offset == 2000
+            request = pb.ReadBlocksRequest(stream="s", owner=0, from_offset=0, to_offset=2000)
+            read = stub.ReadBlocks(request, metadata=(("authorization", f"Bearer {spare}"),))
+            first = await asyncio.wait_for(read.read(), 10)
+            assert isinstance(first, pb.BlockChunk) and first.count < 2000
+            auth.write_text(text)  # the spare token removed
+            assert server.reload_security() == ["auth file: 5 principals, 5 tokens; 1 live calls revoked"]
+            got = first.count
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                while (chunk := await asyncio.wait_for(read.read(), 5)) is not grpc.aio.EOF:
+                    got += chunk.count
+            assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED, info.value
+            assert "revoked" in (info.value.details() or "")
+            assert got < 2000
+            kept = stub.ReadBlocks(request, metadata=bearer("executor"))
+            assert sum([chunk.count async for chunk in kept]) == 2000
