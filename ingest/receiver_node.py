@@ -75,6 +75,7 @@ class ReceiverNode:
         """What this node's receivers write to: acked (durable_seq) once on enough copies."""
         self.peer_marks = PeerMarks(cluster, self.replicas, self.channel, metadata=self.metadata)
         self._receivers: Mapping[str, Receiver] = {}
+        self._replication: ReplicationService | None = None
 
     def channel(self, target: str) -> grpc.aio.Channel:
         """A channel to a peer, with this node's certificate when it serves TLS."""
@@ -99,6 +100,7 @@ class ReceiverNode:
         sync_each = self._config.fsync.mode == "interval"
         replication = ReplicationService(self.cluster, self.replicas, receivers, auth, sync_each=sync_each)
         add_parsed_servicer(server, replication, "Replication", authenticator=auth)
+        self._replication = replication
         self.replicator.on_change(self._replication_changed)
 
     def _replication_changed(self) -> None:
@@ -191,6 +193,8 @@ class ReceiverNode:
             await asyncio.sleep(0.02)
 
     async def stop(self) -> None:
+        if self._replication is not None:  # the owners' streams end before their copies are closed
+            await self._replication.stop()
         await self.replicator.stop()
         await self.peer_marks.close()
         self.replicas.close()

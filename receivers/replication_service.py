@@ -12,6 +12,7 @@ about to be written here too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
@@ -31,6 +32,8 @@ from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 REPLICATE = "/ingest.v1.Replication/Replicate"
 HELLO_TIMEOUT = 10.0
+STOP_WAIT = 2.0
+"""At most this long, on stop, for the Replicate handlers to end (a copy being stored is finished)."""
 MARK_WAIT = 5.0
 MAX_MARK_KEYS = 1000
 MAX_BLOCK_BYTES = 2**31 - 1
@@ -114,6 +117,43 @@ class ReplicationService:
         self._receivers = receivers
         self._authenticator = authenticator
         self._sync_each = sync_each  # the fsync policy is group commit: sync each copy before its ack
+        self._stopping = asyncio.Event()
+        self._handlers = 0  # Replicate calls in progress
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def stop(self) -> None:
+        """End every Replicate stream UNAVAILABLE ("stopping", which the owner retries quietly) where it
+        waits for the owner's next message, refuse new ones, and wait (up to STOP_WAIT) until they have
+        ended, so that none still writes to the copies once they are closed. Left to gRPC's stop
+        instead, a stream held the server's stop for its whole grace, its handler was cancelled, and
+        the call's task could still be pending when the process's loop ended (a CancelledError
+        traceback)."""
+        self._stopping.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), STOP_WAIT)
+
+    async def _next(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> bytes | None:
+        """The owner's next message (None: it finished the stream); the call ends UNAVAILABLE instead
+        once this node stops."""
+        reading = asyncio.ensure_future(anext(requests))
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait((reading, stopping), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            if not reading.done():
+                reading.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):  # the call ends anyway
+                    await reading
+        if not reading.done() or reading.cancelled():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"node {self._cluster.node_id} is stopping")
+        try:
+            return reading.result()
+        except StopAsyncIteration:
+            return None
 
     async def Replicate(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
@@ -122,19 +162,32 @@ class ReplicationService:
             credential = self._authenticator.credential(context, REPLICATE)
         except ReceiverError as error:
             await context.abort(getattr(grpc.StatusCode, error.status), str(error))
-        # a reload of the auth file that drops the peer's token (or its role) ends the stream
-        replicated = self._replicate(request_iterator, context)
-        async for response in self._authenticator.revocable(credential, REPLICATE, context, replicated):
-            yield response
+        if self._stopping.is_set():
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"node {self._cluster.node_id} is stopping")
+        self._handlers += 1
+        self._idle.clear()
+        try:
+            # a reload of the auth file that drops the peer's token (or its role) ends the stream
+            replicated = self._replicate(request_iterator, context)
+            async for response in self._authenticator.revocable(credential, REPLICATE, context, replicated):
+                yield response
+        finally:
+            self._handlers -= 1
+            if not self._handlers:
+                self._idle.set()
 
     async def _replicate(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.ReplicateResponse]:
         requests = aiter(request_iterator)
         try:
-            first = pb.ReplicateRequest.FromString(await asyncio.wait_for(anext(requests), HELLO_TIMEOUT))
-        except (StopAsyncIteration, TimeoutError):
+            hello = await asyncio.wait_for(self._next(requests, context), HELLO_TIMEOUT)
+        except TimeoutError:
+            hello = None
+        if hello is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no ReplicaHello first")
+        try:
+            first = pb.ReplicateRequest.FromString(hello)
         except DecodeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable ReplicateRequest: {exc}")
         owner = await self._check_hello(first, context)
@@ -143,7 +196,7 @@ class ReplicationService:
         state = {s: await asyncio.to_thread(self._replicas.next_seq, owner, s) for s in streams}
         assembler = _Assembler()
         yield pb.ReplicateResponse(state=pb.ReplicaState(next_seq=state))
-        async for raw in requests:
+        while (raw := await self._next(requests, context)) is not None:
             try:
                 message = pb.ReplicateRequest.FromString(raw)
             except DecodeError as exc:

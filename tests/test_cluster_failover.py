@@ -138,3 +138,52 @@ def test_a_receiver_started_with_the_wrong_node_id_or_port_is_refused(tmp_path: 
             check=False,
         )
         assert done.returncode == 2 and words.encode() in done.stderr, done.stderr
+
+
+def test_a_follower_stopped_with_sigterm_ends_its_replicate_streams_quietly(tmp_path: Path) -> None:
+    """SIGTERM of a follower while its owner replicates to it: the follower ends the owner's Replicate
+    stream itself (UNAVAILABLE, which the owner retries without a word) and exits at once. Before, the
+    stream was left to gRPC's stop, which waited out its 5 s grace, cancelled the handler, and in some
+    runs the loop's teardown cancelled the call's task still pending: a CancelledError traceback from
+    `_schedule_rpc_coro` for /ingest.v1.Replication/Replicate on the follower's stderr."""
+    ports = free_ports(2)
+    (tmp_path / "nodes").write_text("".join(f"{i} 127.0.0.1:{p}\n" for i, p in enumerate(ports)))
+    with contextlib.ExitStack() as files:
+        logs = [files.enter_context(open(tmp_path / f"n{i}.log", "wb")) for i in range(2)]
+        nodes = [serve(tmp_path, i, p, logs[i]) for i, p in enumerate(ports)]
+        push = None
+        try:
+            for i in range(2):
+                wait_listening(tmp_path / f"n{i}.log")
+            (tmp_path / "records").write_text("".join(f"{i}\n" for i in range(TOTAL)))
+            command = [sys.executable, "-m", "ingest.cli", "push", str(tmp_path / "records")]
+            push = subprocess.Popen(
+                [*command, "--target", f"127.0.0.1:{ports[0]}"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+            deadline = time.monotonic() + 60
+            while not any((tmp_path / "d1" / "replicas" / "0").rglob("*.wal")):  # node 0 replicates to 1
+                assert time.monotonic() < deadline and push.poll() is None
+                time.sleep(0.02)
+            assert push.poll() is None, "the push ended before the stop"
+            started = time.monotonic()
+            nodes[1].send_signal(signal.SIGTERM)
+            assert nodes[1].wait(timeout=30) == 0
+            took = time.monotonic() - started
+            out, _ = push.communicate(timeout=120)  # the owner goes on alone (min-insync 1)
+            assert push.returncode == 0, out.decode()
+        finally:
+            if push is not None and push.poll() is None:
+                push.kill()
+                push.wait()
+            for node in nodes:
+                if node.poll() is None:
+                    node.send_signal(signal.SIGTERM)
+            for node in nodes:
+                node.wait(timeout=30)
+    follower = (tmp_path / "n1.log").read_text()
+    assert "Traceback" not in follower and "CancelledError" not in follower, follower
+    assert took < 3, f"the follower took {took:.1f} s to stop:\n{follower}"
+    owner = (tmp_path / "n0.log").read_text()
+    assert "refuses replication" not in owner and "Traceback" not in owner, owner
