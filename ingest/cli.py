@@ -186,6 +186,20 @@ def _serve_keys() -> dict[str, Key]:
     return keys_of(subparser(_parser(), "serve"))
 
 
+def _path(text: str) -> Path:
+    """A path argument. An empty one (an unset variable in a unit file: --data-dir "$DIR") is refused:
+    as a Path it is the current folder, where the service would then keep its log."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (an unset variable?): '.' is the current folder")
+    return Path(text)
+
+
+def _file_name(text: str) -> str:
+    """A file to read, or - for standard input; not an empty name (open('') says "Is a directory")."""
+    _path(text)
+    return text
+
+
 def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of flags reads best
     parser = _ArgumentParser(prog="sluice", description="Backpressure-aware ingestion for Spark.")
     parser.add_argument("--log-level", default="info", choices=logs.LEVELS)
@@ -204,7 +218,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     )
     serve.add_argument(
         "--config",
-        type=Path,
+        type=_path,
         metavar="TOML",
         help=f"settings file, keys named as these flags (default: ${CONFIG_ENV}, else none)",
     )
@@ -241,7 +255,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     _cluster_flags(serve)
     serve.add_argument(
         "--data-dir",
-        type=Path,
+        type=_path,
         default=Path("sluice-data"),
         help="blocks, checkpoints and the default sink (default: %(default)s)",
     )
@@ -396,7 +410,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     serve.set_defaults(run=_serve, layered_settings=True)
 
     push = commands.add_parser("push", help="push lines of a file (or - for stdin) as records")
-    push.add_argument("file", help="a file, or - for standard input")
+    push.add_argument("file", type=_file_name, help="a file, or - for standard input")
     push.add_argument(
         "--target",
         type=_targets,
@@ -580,7 +594,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         'print the auth-file line token_sha256 = "<hash>" for its principal (to standard error when '
         "the token goes to standard output). The server keeps only the hash.",
     )
-    token.add_argument("--out", type=Path, metavar="FILE", help="write the token here (mode 0600)")
+    token.add_argument("--out", type=_path, metavar="FILE", help="write the token here (mode 0600)")
     token.set_defaults(run=_token)
 
     certs = commands.add_parser(
@@ -591,7 +605,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         "trials only, not for production: the CA's key is not kept, so nothing more can be issued under "
         "it (run again for a new set); use your organisation's CA for real deployments.",
     )
-    certs.add_argument("dir", type=Path, metavar="DIR", help="where to write them (created if missing)")
+    certs.add_argument("dir", type=_path, metavar="DIR", help="where to write them (created if missing)")
     certs.add_argument(
         "--host", action="append", default=[], metavar="NAME", help="another server name or IP; repeat"
     )
@@ -621,7 +635,7 @@ def _cluster_flags(serve: argparse.ArgumentParser) -> None:
         "the receiver nodes and the rate they share (its RateControl on --host/--port)",
     )
     group.add_argument(
-        "--nodes", type=Path, metavar="FILE", help="the receiver nodes, one 'ID HOST:PORT' per line"
+        "--nodes", type=_path, metavar="FILE", help="the receiver nodes, one 'ID HOST:PORT' per line"
     )
     group.add_argument(
         "--node-id",
@@ -646,7 +660,7 @@ def _cluster_flags(serve: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--peer-token-file",
-        type=Path,
+        type=_path,
         metavar="FILE",
         help="bearer token sent to the other nodes: a principal with the peer role (receiver), or with "
         "consumer and operator (driver)",
@@ -690,17 +704,17 @@ def _security_flags(serve: argparse.ArgumentParser) -> None:
     group = serve.add_argument_group(
         "security", "TLS, tokens and per-principal limits; SIGHUP re-reads the TLS files and the auth file"
     )
-    group.add_argument("--tls-cert", type=Path, metavar="PEM", help="server certificate chain: serve TLS")
-    group.add_argument("--tls-key", type=Path, metavar="PEM", help="the certificate's private key")
+    group.add_argument("--tls-cert", type=_path, metavar="PEM", help="server certificate chain: serve TLS")
+    group.add_argument("--tls-key", type=_path, metavar="PEM", help="the certificate's private key")
     group.add_argument(
         "--client-ca",
-        type=Path,
+        type=_path,
         metavar="PEM",
         help="mutual TLS: every client must present a certificate signed by a CA in this file",
     )
     group.add_argument(
         "--auth-file",
-        type=Path,
+        type=_path,
         metavar="TOML",
         help="principals, roles, streams, limits and token hashes (see `sluice token`); without it "
         "every caller may do everything (or, under mutual TLS, every certified client)",
@@ -926,7 +940,7 @@ def _credential_flags(parser: argparse.ArgumentParser) -> None:
         ("--key-file", "SLUICE_KEY_FILE", "PEM private key of --cert-file"),
         ("--token-file", "SLUICE_TOKEN_FILE", "a file holding the bearer token (or SLUICE_TOKEN)"),
     ):
-        parser.add_argument(flag, type=Path, metavar="FILE", help=f"{what} (default: ${variable})")
+        parser.add_argument(flag, type=_path, metavar="FILE", help=f"{what} (default: ${variable})")
 
 
 def _credentials(args: argparse.Namespace) -> Credentials:

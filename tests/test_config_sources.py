@@ -148,6 +148,9 @@ BAD_VALUES = [
     ("trigger-interval", "0", "must be > 0 seconds and finite"),
     ("segment-bytes", "100", "must be >= 4096"),
     ("handshake-timeout", "0", "a handshake timeout is in 0.1..3600"),
+    # an unset variable in a unit file: as a Path, "" is the current folder (the log kept wherever the
+    # process starts); every path setting refuses it, --data-dir as this one
+    ("auth-file", "", "an empty path (an unset variable?)"),
 ]
 
 
