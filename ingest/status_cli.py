@@ -215,7 +215,10 @@ def read_http(
     and the client certificate (files) of the credentials."""
     token = credentials.token
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    request = urllib.request.Request(url, headers=headers)  # noqa: S310 - http(s) only: status_json_url
+    try:
+        request = urllib.request.Request(url, headers=headers)  # noqa: S310 - http(s) only: status_json_url
+    except ValueError as exc:  # a URL urllib cannot take apart ("http://[::1")
+        raise StatusReadError(f"not a URL: {exc}") from None
     context = None
     if url.startswith("https:"):
         roots = credentials.root_certificates
@@ -228,7 +231,7 @@ def read_http(
     opener = urllib.request.build_opener(*handlers)
     try:
         with opener.open(request, timeout=CALL_TIMEOUT) as response:
-            data: Json = json.loads(response.read())
+            body = response.read()
     except urllib.error.HTTPError as exc:
         with exc:
             why = exc.read().decode(errors="replace").strip()
@@ -243,8 +246,25 @@ def read_http(
         raise StatusReadError(str(getattr(exc, "reason", exc))) from None
     except http.client.HTTPException as exc:  # not an HTTP server there (a gRPC port: BadStatusLine)
         raise StatusReadError(f"no HTTP server answers there (a gRPC port?): {type(exc).__name__}") from None
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # not JSON, or nested past what Python parses
+        raise StatusReadError(f"not a Sluice status page: not JSON ({type(exc).__name__}: {exc})") from None
+    if not isinstance(data, dict):
+        raise StatusReadError(f"not a Sluice status page: a JSON {type(data).__name__}, not an object")
     data["source"] = "status.json"
     return data
+
+
+def render_checked(data: Json, where: str, *, error: str | None = None) -> RenderableType:
+    """render(), or StatusReadError when the page's data is not in the shape this version reads (a
+    /status.json of another version, or of something else): one line, not a traceback."""
+    try:
+        return render(data, where, error=error)
+    except (TypeError, AttributeError, KeyError, ValueError, IndexError) as exc:
+        raise StatusReadError(
+            f"the status page is not in the shape this sluice reads (another version?): {exc!r}"
+        ) from None
 
 
 # ---- rendering ---------------------------------------------------------------------------------------
@@ -522,14 +542,15 @@ async def run_status(
 
         where = metrics_url or target
         if once:
-            console.print(render(await read(), where))
+            console.print(render_checked(await read(), where))
             return
         data: Json = {}
         with Live(console=console, auto_refresh=False, transient=False) as live:
             while True:
                 try:
-                    data = await read()
-                    live.update(render(data, where), refresh=True)
+                    read_now = await read()
+                    live.update(render_checked(read_now, where), refresh=True)
+                    data = read_now  # the last that could be shown: kept beside a later error
                 except StatusReadError as exc:
                     if exc.denied:
                         raise

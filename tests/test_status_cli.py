@@ -259,3 +259,46 @@ async def test_status_metrics_does_not_follow_a_redirect_with_the_token(tmp_path
     assert shown.returncode == 1, shown.stderr
     assert shown.stderr.count("\n") == 1, shown.stderr
     assert f"redirects to {elsewhere}" in shown.stderr and "not followed" in shown.stderr
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b"<html>not json</html>", "not a Sluice status page: not JSON"),
+        (b"[1, 2, 3]", "not a Sluice status page: a JSON list, not an object"),
+        (b'{"a":' * 100_000, "not a Sluice status page: not JSON (RecursionError"),
+        (b'{"streams": "nope", "rate": null, "history": 5}', "not in the shape this sluice reads"),
+    ],
+    ids=["html", "list", "deep", "shape"],
+)
+async def test_status_metrics_of_something_else_is_one_line(body: bytes, says: str) -> None:
+    """A /status.json of another version, or another server on that port, printed a traceback (a
+    TypeError, AttributeError or RecursionError): one line now, exit 1."""
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    page = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=page.serve_forever, daemon=True)
+    thread.start()
+    try:
+        shown = await status("--metrics", f"http://127.0.0.1:{page.server_address[1]}", token=None)
+    finally:
+        page.shutdown()
+        page.server_close()
+    assert shown.returncode == 1, shown.stderr
+    assert shown.stderr.count("\n") == 1 and "Traceback" not in shown.stderr, shown.stderr
+    assert says in shown.stderr, shown.stderr
+
+
+async def test_status_metrics_of_a_broken_url_is_one_line() -> None:
+    shown = await status("--metrics", "http://[::1", token=None)
+    assert shown.returncode == 1 and "Traceback" not in shown.stderr, shown.stderr
+    assert "not a URL: Invalid IPv6 URL" in shown.stderr, shown.stderr
