@@ -1186,7 +1186,27 @@ def _spark_prerequisites(config: ServeConfig | DriverConfig) -> None:
         load_pipeline(config.pipeline)
 
 
+class _StoppedWhileStarting(BaseException):
+    """SIGTERM before the server's own handlers are in place (raised from the signal handler)."""
+
+
+def _until_serving(signum: int, frame: object) -> None:
+    raise _StoppedWhileStarting
+
+
 def _serve(args: argparse.Namespace) -> int:
+    # until the event loop takes the signals over (_serve_async, run_driver): SIGHUP's default would end
+    # a starting server without a word, SIGTERM's without its cleanup (the data dir's lock file)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _until_serving)
+    try:
+        return _serve_command(args)
+    except _StoppedWhileStarting:
+        logs.say("stopped (SIGTERM) before the server was up", event="stopped")
+        return 0
+
+
+def _serve_command(args: argparse.Namespace) -> int:
     _need_server_extra("serve", spark=args.role == "driver" or (args.role == "single" and not args.no_spark))
     # cryptography (TLS) and the rest of the server's modules: only once they are known to be there
     from ingest.preflight import prepare  # noqa: PLC0415
@@ -1232,14 +1252,16 @@ async def _serve_async(  # noqa: PLR0912, PLR0915 - one lifecycle
     spark_log_level: str = SPARK_QUIET,
     origins: dict[str, str] | None = None,
 ) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # first: a signal during the imports below reached asyncio.run's own SIGINT handler, which cancelled
+    # this task half-way into gRPC's start (a CancelledError and an InvalidStateError traceback)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
     from ingest.server import SluiceServer  # noqa: PLC0415
 
     driver = None
     spark = None
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     serving: list[SluiceServer] = []
 
     def reload() -> None:

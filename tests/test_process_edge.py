@@ -779,3 +779,38 @@ async def test_a_producer_fails_over_from_a_frozen_server(tmp_path: Path, server
             assert producer.target == healthy.target
             assert producer.acked == 20
             assert took < 45, f"failed over after {took:.0f} s"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM, signal.SIGINT], ids=["hup", "term", "int"])
+def test_a_signal_while_serve_starts_ends_it_cleanly_or_is_ignored(
+    tmp_path: Path, sig: signal.Signals
+) -> None:
+    """Signals right after "starting:", before the event loop had taken them: SIGHUP (meant to be
+    ignored while starting) ended the server silently, SIGTERM ended it without its cleanup, and SIGINT
+    reached asyncio.run's own handler, which cancelled the start half-way into gRPC's server (a
+    CancelledError and an InvalidStateError traceback)."""
+    log = tmp_path / "serve.log"
+    command = [*SLUICE, "serve", "--no-spark", "--port", "0", "--metrics-port", "-1"]
+    with log.open("wb") as log_file:
+        proc = subprocess.Popen(
+            [*command, "--data-dir", str(tmp_path / "data")],
+            stderr=log_file,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while b"sluice: starting:" not in log.read_bytes():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.001)
+        proc.send_signal(sig)
+        if sig == signal.SIGHUP:  # ignored while starting: it serves, and stops on SIGTERM as ever
+            wait_for_line(proc, log, r"sluice: serving", 60)
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    said = log.read_text()
+    assert "Traceback" not in said and "Error" not in said, said
+    assert code == (130 if sig == signal.SIGINT and "stopped" not in said else 0), (code, said)
