@@ -348,6 +348,24 @@ StatusSource = Callable[[], dict[str, Any] | None]
 """The numbers of /status.json now, or None while the server cannot answer (starting, stopping)."""
 
 
+def _head_as_get(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
+    """prometheus_client's app answers HEAD 405 (GET and OPTIONS only), while the status paths take it:
+    a HEAD (a load balancer's probe) is the GET's status and headers, without the body."""
+
+    def head(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("REQUEST_METHOD") != "HEAD":
+            return app(environ, start_response)
+        answer: list[Any] = []
+        body = b"".join(app({**environ, "REQUEST_METHOD": "GET"}, lambda *args: answer.extend(args)))
+        status, headers = answer[0], list(answer[1])
+        if not any(name.lower() == "content-length" for name, _ in headers):
+            headers.append(("Content-Length", str(len(body))))
+        start_response(status, headers)
+        return [b""]
+
+    return head
+
+
 def _with_status(app: Callable[..., Iterable[bytes]], status: StatusSource) -> Callable[..., Iterable[bytes]]:
     """`app` (the Prometheus text on any other path), plus GET /status (the page) and /status.json."""
 
@@ -393,7 +411,7 @@ class MetricsServer:
         handshake_timeout: float = 10.0,
         status: StatusSource | None = None,
     ) -> None:
-        app = make_wsgi_app(registry)
+        app = _head_as_get(make_wsgi_app(registry))
         if status is not None:
             app = _with_status(app, status)
         if authenticator is not None:

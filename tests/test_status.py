@@ -173,6 +173,13 @@ async def test_status_json_agrees_with_metrics(busy_server: SluiceServer) -> Non
     last = numbers["last_batch"]
     assert last["processing_rate"] == pytest.approx(last["records"] / 0.25)
     assert len(numbers["batches"]["t"]) == len(numbers["batches"]["scheduling_delay"]) >= 2
+    # HEAD (a load balancer's probe) is answered on every path, /metrics too (prometheus_client's app
+    # said 405 there), with the GET's headers and no body
+    for path in ("/metrics", "/status.json", "/status"):
+        request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method="HEAD")
+        with await asyncio.to_thread(urllib.request.urlopen, request, timeout=10) as response:
+            assert response.status == 200 and response.read() == b"", path
+            assert int(response.headers["Content-Length"]) > 0, path
     assert {s["state"] for s in numbers["sessions"]} == {"open"} and len(numbers["sessions"]) == 2
     assert numbers["pipeline"] is None and numbers["health"] == "SERVING"
 
