@@ -18,7 +18,9 @@ trigger-interval=...`) replaces the query at a batch boundary:
 
 DATA_DIR/pipeline.json records the generation in force, written before the new query starts with
 "trial" set and again once it is proven: a crash mid-swap restarts the new query if it committed a batch
-(its output exists, so going back would process those records twice), else the old one.
+(its output exists, so going back would process those records twice), else the old one. A generation
+`--reset-pipeline` starts is a trial the same way, promoted once it commits a batch: one that fails at
+its first start gives the next start the generation it replaced.
 
 The manager runs the query of a single node (`sluice serve`: its SluiceServer is the QueryHost) and of a
 cluster's driver (ingest.cluster_driver.ClusterDriver): the host holds batches back, resets the rate's
@@ -127,6 +129,16 @@ class PipelineStateError(ValueError):
     """pipeline.json is unreadable or not one: the start stops, naming it."""
 
 
+@dataclass(frozen=True)
+class _Trial:
+    """A generation in force that pipeline.json keeps as a trial until it commits a batch past `base`
+    (the last commit of its checkpoint when it started): a --reset-pipeline's."""
+
+    generation: Generation
+    previous: Generation
+    base: int
+
+
 class PipelineManager:
     """PipelineControl for `sluice serve` and a cluster's driver: owns the query from start to stop."""
 
@@ -147,6 +159,7 @@ class PipelineManager:
         self._batches: dict[str, BatchCompleted] = {}  # run id -> its last completed batch
         self._batch_seen = asyncio.Event()
         self._replacing: asyncio.Task[pb.PipelineView] | None = None
+        self._trial: _Trial | None = None
         self.current = Generation(config.pipeline or "", 0, driver.query_name, "sink")
         self._load()
         driver.on_batch(self._on_batch_thread)
@@ -205,7 +218,8 @@ class PipelineManager:
     def _reset_to(self, spec: str, saved: Generation) -> Generation:
         """--reset-pipeline: `spec` as a new generation, fresh checkpoint and sink, starting where the
         saved generation's committed batches end (as a swap starts): nothing processed twice, nothing
-        skipped. What the saved one planned and did not commit is processed by the new one."""
+        skipped. What the saved one planned and did not commit is processed by the new one. Saved as a
+        trial, as a swap's new query is: until it commits a batch, the next start runs `saved` again."""
         number = saved.number + 1
         new = Generation(spec, number, *self._fresh_folders(number))
         for folder in (self._checkpoints / new.checkpoint, self._data_dir / new.sink):
@@ -216,7 +230,9 @@ class PipelineManager:
         committed = last_commit(self._checkpoints / saved.checkpoint, self._host.known_streams())
         start = committed[1] if committed is not None else saved.starting_offsets
         new = replace(new, starting_offsets=dict(start) if start else None)
-        self._persist(new, None)
+        base = last_commit_id(self._checkpoints / new.checkpoint)
+        self._persist(new, saved, trial_base=base)
+        self._trial = _Trial(new, saved, base)
         log.warning(
             "--reset-pipeline: %s starts as generation %d where %s (generation %d, swapped in at run "
             "time) committed%s",
@@ -242,6 +258,32 @@ class PipelineManager:
             if not (_used(self._checkpoints / names[0]) or _used(self._data_dir / names[1])):
                 return names
             tries += 1
+
+    def _persist_in_force(self, current: Generation) -> None:
+        """pipeline.json with `current` in force and no swap under way; a --reset-pipeline generation
+        that has not committed a batch yet stays a trial."""
+        trial = self._trial
+        if trial is not None and trial.generation == current:
+            self._persist(current, trial.previous, trial.base)
+        else:
+            self._persist(current, None)
+
+    def _promote_if_committed(self) -> None:
+        """The --reset-pipeline generation in trial is kept for good once it has committed a batch."""
+        trial = self._trial
+        if trial is None or last_commit_id(self._checkpoints / trial.generation.checkpoint) <= trial.base:
+            return
+        try:
+            self._persist(trial.generation, trial.previous)
+        except OSError as exc:
+            log.warning("%s: the reset pipeline stays a trial until its next batch: %s", self._path, exc)
+            return
+        self._trial = None
+        log.info(
+            "pipeline %s (generation %d, --reset-pipeline) committed its first batch: kept",
+            trial.generation.spec or "built-in",
+            trial.generation.number,
+        )
 
     def _persist(
         self, current: Generation, previous: Generation | None, trial_base: int | None = None
@@ -304,6 +346,8 @@ class PipelineManager:
     def _on_batch(self, batch: BatchCompleted) -> None:
         self._batches[batch.run_id] = batch
         self._batch_seen.set()
+        if self._trial is not None:
+            self._promote_if_committed()
 
     # ---- PipelineControl -------------------------------------------------------------------------
 
@@ -442,6 +486,7 @@ class PipelineManager:
                 ) from None
             if what == "swap":
                 self._persist(new, old)
+                self._trial = None  # the old generation, a reset one in trial or not, is history now
             self.current, self.trigger_interval = new, trigger
             self._state = "running"
             self._count(what, "done")
@@ -531,6 +576,7 @@ class PipelineManager:
             await asyncio.to_thread(driver.stop_query)
         finally:
             self._host.hold_batches = False
+        self._promote_if_committed()  # a reset generation in trial whose batch just committed
 
     def _between_batches(self) -> bool:
         """Whether no trigger runs and every planned batch is committed (blocking: py4j)."""
@@ -600,7 +646,7 @@ class PipelineManager:
         await asyncio.to_thread(self._driver.stop_query)
         if tried is not None:
             self._set_aside_try(tried)
-        self._persist(old, None)
+        self._persist_in_force(old)
         self._host.rate.query_started()
         try:
             await asyncio.to_thread(self._driver.start, self._plan(old, trigger))

@@ -23,10 +23,16 @@ from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 @contextlib.asynccontextmanager
 async def service(
-    spark: Any, data_dir: Path, *streams: str, pipeline: str = "", rate: RateConfig | None = None
+    spark: Any,
+    data_dir: Path,
+    *streams: str,
+    pipeline: str = "",
+    rate: RateConfig | None = None,
+    reset_pipeline: bool = False,
 ) -> AsyncIterator[SluiceServer]:
     """What `sluice serve` runs, in this process: the server, the driver and the pipeline manager
-    (`rate`: the operator's fixed unlimited rate unless given)."""
+    (`rate`: the operator's fixed unlimited rate unless given). What the query's start raises is raised
+    here, the server stopped."""
     config = ServeConfig(
         port=0,
         metrics_port=None,
@@ -36,10 +42,15 @@ async def service(
         rate=rate or RateConfig(estimator="fixed", initial_rate=math.inf),
         trigger_interval=0.5,
         pipeline=pipeline,
+        reset_pipeline=reset_pipeline,
     )
     server = SluiceServer(config)
     await server.start()
-    driver, _ = await attach_spark(spark, server, query_name=f"swap{abs(hash(data_dir)) % 10_000}")
+    try:
+        driver, _ = await attach_spark(spark, server, query_name=f"swap{abs(hash(data_dir)) % 10_000}")
+    except BaseException:
+        await server.stop(grace=1)
+        raise
     try:
         yield server
     finally:

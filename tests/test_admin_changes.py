@@ -185,11 +185,30 @@ async def test_reset_pipeline_starts_the_flags_pipeline_where_the_swapped_in_one
         )
         assert current.starting_offsets == {"s": 250}
         assert (tmp_path / "sink-g2").is_dir()  # left as it was: a query left running may write there
+        # a trial, as a swap's new query is, until it commits a batch
         saved = json.loads((tmp_path / "pipeline.json").read_text())
-        assert saved["current"]["spec"] == "swap_pipelines:tag_a" and saved["trial"] is False
-        # the next start (with or without the flag) runs it: reset once
+        assert saved["current"]["spec"] == "swap_pipelines:tag_a" and saved["trial"] is True
+        assert saved["previous"]["spec"] == "m:bad" and saved["trial_base"] == -1
+        # it never committed (it failed at its first start, say): the next start without the flag runs
+        # the generation it replaced, as after a swap cut short (it was the one in force until then)
+        manager = PipelineManager(SparkDriver(None, flagged, store=server.store), server, loop)
+        assert (manager.current.spec, manager.current.number) == ("m:bad", 1)
+        assert json.loads((tmp_path / "pipeline.json").read_text())["trial"] is False
+        # reset again: the same generation number, started where generation 1 committed
         manager = PipelineManager(SparkDriver(None, reset, store=server.store), server, loop)
         assert (manager.current.number, manager.current.starting_offsets) == (2, {"s": 250})
+        # once it committed a batch, the next start (with or without the flag) runs it: reset once
+        commits = tmp_path / "checkpoints" / manager.current.checkpoint / "commits"
+        commits.mkdir(parents=True)
+        (commits / "0").write_text("v1\n{}")
+        for config in (reset, flagged, server.config):
+            manager = PipelineManager(SparkDriver(None, config, store=server.store), server, loop)
+            current = manager.current
+            assert (current.spec, current.number, current.starting_offsets) == (
+                "swap_pipelines:tag_a",
+                2,
+                {"s": 250},
+            )
 
 
 async def test_a_swap_before_the_query_started_says_it_is_starting(tmp_path: Path) -> None:

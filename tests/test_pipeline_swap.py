@@ -195,6 +195,53 @@ async def test_a_first_batch_that_hangs_is_left_behind_and_rolled_back(spark: An
         spark.conf.set(STOP_TIMEOUT_KEY, STOP_TIMEOUT_MS)
 
 
+async def test_a_reset_pipeline_is_a_trial_until_its_first_batch(spark: Any, tmp_path: Path) -> None:
+    """`--reset-pipeline` saved its new generation as final: one that failed at its first start left no
+    way back but another reset. It is a trial, as a swap's new query is: the next start runs the
+    generation it replaced unless it committed a batch, and its first batch makes it final."""
+    sent = 0
+
+    async def push_for(server: Any, seconds: float) -> None:
+        nonlocal sent
+        load = Load(server.target, "events")
+        pushing = asyncio.create_task(load.run())
+        await asyncio.sleep(seconds)
+        load.stop()
+        await pushing
+        sent += load.sent
+
+    def saved() -> Any:
+        return json.loads((tmp_path / "pipeline.json").read_text())
+
+    async with service(spark, tmp_path, pipeline="swap_pipelines:tag_a") as server:
+        await push_for(server, 2)
+        view = await admin(server).SwapPipeline(pb.SwapPipelineRequest(pipeline="swap_pipelines:tag_b"))
+        assert view.generation == 1 and view.last_swap.outcome == "done", view.last_swap
+        await push_for(server, 1)
+    with pytest.raises(Exception, match="cannot be built"):  # what Spark raises
+        async with service(spark, tmp_path, pipeline="swap_pipelines:broken_at_start", reset_pipeline=True):
+            pass
+    assert (saved()["current"]["number"], saved()["trial"]) == (2, True)
+    # the next start runs generation 1 again, where it stood (the flag's pipeline is not the reset's)
+    async with service(spark, tmp_path, pipeline="swap_pipelines:tag_a") as server:
+        view = await admin(server).GetPipeline(pb.GetPipelineRequest())
+        assert (view.pipeline, view.generation, view.state) == ("swap_pipelines:tag_b", 1, "running")
+        await push_for(server, 1)
+    # a reset that works: a trial until its first batch commits, then kept
+    async with service(spark, tmp_path, pipeline="swap_pipelines:tag_a", reset_pipeline=True) as server:
+        assert (saved()["current"]["number"], saved()["trial"]) == (2, True)
+        await push_for(server, 2)
+        deadline = time.monotonic() + 60
+        while saved()["trial"]:
+            assert time.monotonic() < deadline, saved()
+            await asyncio.sleep(0.2)
+        view = await admin(server).GetPipeline(pb.GetPipelineRequest())
+        assert (view.pipeline, view.generation, view.state) == ("swap_pipelines:tag_a", 2, "running")
+        sinks = [tmp_path / "sink", tmp_path / "sink-g1", tmp_path / "sink-g2"]
+        offsets = await wait_for_offsets(spark, sent, *sinks)
+        assert sorted(offsets) == list(range(sent))  # each acked record once, across the sinks
+
+
 @pytest.mark.parametrize(
     "late",
     [
