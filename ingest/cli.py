@@ -46,6 +46,7 @@ from ingest.config_sources import (
     CONFIG_ENV,
     ENV,
     FILE,
+    FLAG,
     RUNTIME,
     ConfigError,
     Key,
@@ -1020,10 +1021,45 @@ def _checked(args: argparse.Namespace, build: Callable[[], T], fallback: Sequenc
         raise ConfigError(name_keys(str(exc), args.origins, _serve_keys(), fallback)) from None
 
 
+DRIVER_KEYS = frozenset(
+    {
+        *("log-level", "log-format", "spark-log-level", "role", "nodes", "data-dir", "stream"),
+        *("host", "port", "metrics-host", "metrics-port", "metrics-tls", "health-port"),
+        *("tls-cert", "tls-key", "client-ca", "auth-file", "peer-token-file"),
+        *("estimator", "initial-rate", "min-rate", "max-rate"),
+        *("master", "pipeline", "reset-pipeline", "trigger-interval"),
+    }
+)
+"""The settings of `sluice serve` a cluster's driver takes; the others (a receiver node's: its id, the
+replication, the block log, the buffers and budgets, the intake's limits and per-stream rates) are
+refused when given to one, which would run without them."""
+
+
+def _driver_ignores(args: argparse.Namespace) -> None:
+    """ConfigError naming the settings given to `sluice serve --role driver` (flag, environment or
+    config file) that a driver does not take."""
+    keys = _serve_keys()
+    given: dict[str, list[str]] = {}
+    for key in keys.values():  # in the order of serve's flags
+        origin = getattr(args, "origins", {}).get(key.dest)
+        if origin is None or origin.source not in (FLAG, ENV, FILE) or origin.key.name in DRIVER_KEYS:
+            continue
+        flags = [k.flag for k in keys.values() if k.dest == key.dest]
+        given.setdefault(key.dest, ["/".join(flags) if origin.source == FLAG else origin.spelled])
+    if given:
+        named = ", ".join(name for names in given.values() for name in names)
+        them = "them" if len(given) > 1 else "it"
+        raise ConfigError(
+            f"--role driver does not use {named}: a driver would run without {them} (a receiver node's "
+            f"or a single server's settings: give {them} to the nodes)"
+        )
+
+
 def _driver_config(args: argparse.Namespace) -> DriverConfig:
     """`sluice serve --role driver`'s DriverConfig; ValueError (ConfigError) for anything wrong."""
     from ingest.cluster_driver import DriverConfig  # noqa: PLC0415 - only the driver needs it
 
+    _driver_ignores(args)
     if args.nodes is None:
         raise ConfigError(
             name_keys(

@@ -400,3 +400,36 @@ def test_config_check_shows_the_pipeline_a_swap_left_in_force(tmp_path: Path) ->
     result = check("--no-spark", "--data-dir", str(data))
     assert result.returncode == 2
     assert "pipeline.json: not a pipeline state file" in result.stderr
+
+
+def test_a_driver_refuses_the_settings_it_would_run_without(tmp_path: Path) -> None:
+    """`serve --role driver` and `config check --role driver` took --replication (and every other
+    setting of a receiver node) and ran without it, without a word: a cluster's driver then looked
+    configured for what only its nodes do. Both now refuse them, as serve's other usage errors."""
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text("0 127.0.0.1:51101\n")
+    driver = ["--role", "driver", "--nodes", str(nodes), "--data-dir", str(tmp_path / "d")]
+    config = tmp_path / "sluice.toml"
+    config.write_text("buffer-records = 100\n")
+    cases = [
+        (["--replication", "2"], clean_env(), "--replication"),
+        (["--no-fsync", "--min-insync", "2"], clean_env(), "--min-insync, --fsync/--no-fsync"),
+        ([], clean_env(SLUICE_DISK_BUDGET="1GiB"), "SLUICE_DISK_BUDGET"),
+        (["--config", str(config)], clean_env(), f"buffer-records (in {config})"),
+    ]
+    for flags, env, named in cases:
+        for command in (["config", "check"], ["serve"]):
+            argv = [*SLUICE, *command, *driver, *flags]
+            result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
+            assert result.returncode == 2, (command, flags, result.stderr)
+            assert f"--role driver does not use {named}: a driver would run without" in result.stderr, (
+                command,
+                result.stderr,
+            )
+            assert "Traceback" not in result.stderr
+    # what a driver takes passes
+    taken = ["--estimator", "fixed", "--min-rate", "10", "--trigger-interval", "2", "--health-port", "0"]
+    result = check(*driver, *taken)
+    assert result.returncode == 0, result.stderr
+    assert rows(result.stdout)["trigger-interval"] == ("2", "flag"), result.stdout
+    assert set(cli._serve_keys()) >= cli.DRIVER_KEYS  # no key misspelled
