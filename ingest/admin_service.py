@@ -8,6 +8,7 @@ GetPipeline and SwapPipeline the Spark query (ingest.pipeline_manager).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from collections.abc import AsyncIterator, Callable
@@ -59,6 +60,10 @@ class AdminService(pb_grpc.AdminServicer):
         self._runtime = runtime
         self._server = server
         self._apply = apply
+        self._changing = asyncio.Lock()
+        """Held by a SetConfig from its validation to its save, restart included."""
+        self._restarting = False
+        """A SetConfig holding the lock restarts the query (seconds): another one is refused meanwhile."""
 
     @property
     def _pipeline(self) -> PipelineControl | None:
@@ -82,20 +87,12 @@ class AdminService(pb_grpc.AdminServicer):
         if not request.set and not request.reset:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "nothing to set or reset")
         changes = dict(request.set)
-        restarted = None
         try:
-            old, new = self._change(request, validate_only=True)
             if request.validate_only:  # what the settings would become (the version they would not)
+                self._change(request, validate_only=True)
                 return self._view(rows=self._runtime.preview(dict(request.set), list(request.reset)))
-            if new.trigger_interval != old.trigger_interval and self._pipeline is not None:
-                # Spark fixes a query's trigger when it starts: restart it at a batch boundary first;
-                # a restart that fails rolls back, and no setting of this request changes
-                await self._pipeline.restart(trigger_interval=new.trigger_interval)
-                restarted = old.trigger_interval
-            old, new = self._change(request, validate_only=False)
+            await self._change_shielded(request, context.peer())
         except OSError as exc:  # the settings file (disk full, read-only): nothing changed
-            if restarted is not None and self._pipeline is not None:
-                await self._restart_back(restarted)
             await context.abort(grpc.StatusCode.INTERNAL, f"{NOT_SAVED}: {exc}")
             raise
         except UnknownSettingError as exc:
@@ -113,12 +110,53 @@ class AdminService(pb_grpc.AdminServicer):
         except (SwapRolledBack, PipelineUnavailable) as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"nothing changed: {exc}")
             raise
-        self._apply(old, new)
         done = [", ".join(f"{k}={v}" for k, v in changes.items())] if changes else []
         if request.reset:
             done.append(f"reset {', '.join(request.reset)}")
         log.info("settings version %d by %s: %s", self._runtime.version, context.peer(), "; ".join(done))
         return self._view()
+
+    async def _change_shielded(self, request: pb.SetConfigRequest, peer: str) -> None:
+        """Validate, restart the query for a new trigger interval, save and apply: as a task that runs to
+        its end whatever becomes of the call, holding the change lock. A client that went away (Ctrl-C,
+        its deadline) mid-restart cancelled the call there: the query ran on the new interval while the
+        settings (and the next start) kept the old one."""
+        if self._restarting:
+            raise SwapInProgress(
+                "a trigger-interval change is restarting the query: try again when it is done"
+            )
+        await self._changing.acquire()  # released by the task when it ends; another change saves at once
+        task = asyncio.create_task(self._change_held(request))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                log.warning("the caller of a settings change went away: the change goes on to its end")
+                task.add_done_callback(lambda done: _said_when_alone(done, self._runtime, peer))
+            raise
+
+    async def _change_held(self, request: pb.SetConfigRequest) -> None:
+        """_change_shielded's task, the lock held: released when it ends."""
+        try:
+            old, new = self._change(request, validate_only=True)
+            restarted = None
+            if new.trigger_interval != old.trigger_interval and self._pipeline is not None:
+                # Spark fixes a query's trigger when it starts: restart it at a batch boundary first;
+                # a restart that fails rolls back, and no setting of this request changes
+                self._restarting = True
+                await self._pipeline.restart(trigger_interval=new.trigger_interval)
+                restarted = old.trigger_interval
+            try:
+                # the version was checked above; the rate API's changes meanwhile do not void this one
+                old, new = self._runtime.change(dict(request.set), list(request.reset))
+            except (OSError, SettingError):  # nothing changed: the query goes back to the old interval
+                if restarted is not None:
+                    await self._restart_back(restarted)
+                raise
+            self._apply(old, new)
+        finally:
+            self._restarting = False
+            self._changing.release()
 
     async def _restart_back(self, trigger_interval: float) -> None:
         """Put the query back on the trigger interval the settings still say, after a restart for a
@@ -258,6 +296,20 @@ async def swap_pipeline(
     except (SwapRolledBack, PipelineUnavailable) as exc:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
     raise AssertionError
+
+
+def _said_when_alone(task: asyncio.Task[None], runtime: RuntimeConfig, peer: str) -> None:
+    """Log how a settings change whose caller (`peer`) went away ended."""
+    if task.cancelled():
+        log.warning("a settings change by %s, who went away, was cancelled", peer)
+        return
+    exc = task.exception()
+    if exc is None:
+        log.info("settings version %d by %s (who went away): saved", runtime.version, peer)
+    elif isinstance(exc, (SettingError, OSError, SwapInProgress, SwapRolledBack, PipelineUnavailable)):
+        log.error("a settings change by %s, who went away, changed nothing: %s", peer, exc)
+    else:
+        log.error("a settings change by %s, who went away, failed", peer, exc_info=exc)
 
 
 ON_THE_NODES = (

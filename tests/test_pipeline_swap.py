@@ -195,6 +195,44 @@ async def test_a_first_batch_that_hangs_is_left_behind_and_rolled_back(spark: An
         spark.conf.set(STOP_TIMEOUT_KEY, STOP_TIMEOUT_MS)
 
 
+async def test_a_trigger_change_whose_caller_goes_away_is_saved_all_the_same(
+    spark: Any, tmp_path: Path
+) -> None:
+    """`sluice config set trigger-interval=...` restarts the query; a client that went away mid-restart
+    (Ctrl-C, its deadline) cancelled the call there: the restart ran to its end (the manager's task) but
+    the setting was never saved, so the query ran on the new interval while `config get`, the rate
+    loop and the next start kept the old one. The change now runs to its end on the server."""
+    async with service(spark, tmp_path, pipeline="swap_pipelines:tag_a") as server:
+        load = Load(server.target, "events")
+        pushing = asyncio.create_task(load.run())
+        await asyncio.sleep(2)
+        stub = admin(server)
+        with pytest.raises(grpc.aio.AioRpcError) as gone:
+            await stub.SetConfig(pb.SetConfigRequest(set={"trigger-interval": "2"}), timeout=0.3)
+        assert gone.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        with pytest.raises(grpc.aio.AioRpcError) as busy:  # the restart still holds the query
+            await stub.SetConfig(pb.SetConfigRequest(set={"trigger-interval": "3"}))
+        assert busy.value.code() == grpc.StatusCode.ABORTED, busy.value.details()
+        deadline = time.monotonic() + 90
+        while True:
+            config = await stub.GetConfig(pb.GetConfigRequest(keys=["trigger-interval"]))
+            if config.settings[0].value == "2":
+                break
+            assert time.monotonic() < deadline, config
+            await asyncio.sleep(0.5)
+        assert config.settings[0].source == "dynamic" and config.version == 1, config
+        saved = json.loads((tmp_path / "runtime-config.json").read_text())
+        assert saved["overrides"] == {"trigger-interval": "2"}, saved
+        view = await stub.GetPipeline(pb.GetPipelineRequest())
+        assert (view.trigger_interval_seconds, view.state) == (2.0, "running"), view
+        assert server.config.trigger_interval == 2.0  # applied: the rate loop's batch interval too
+        await asyncio.sleep(1)
+        load.stop()
+        await pushing
+        offsets = await wait_for_offsets(spark, load.sent, tmp_path / "sink")
+        assert sorted(offsets) == list(range(load.sent))
+
+
 async def test_a_reset_pipeline_is_a_trial_until_its_first_batch(spark: Any, tmp_path: Path) -> None:
     """`--reset-pipeline` saved its new generation as final: one that failed at its first start left no
     way back but another reset. It is a trial, as a swap's new query is: the next start runs the
