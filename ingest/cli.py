@@ -59,6 +59,7 @@ from ingest.config_sources import (
 )
 from ingest.extras import server_extra_problem
 from ingest.logs import SPARK_LOG_LEVELS, SPARK_QUIET
+from ingest.pipeline_control import BOUNDARY_TIMEOUT, STOP_TIMEOUT
 from ratecontrol import InvalidRateError, StreamPolicy, UnknownEstimatorError
 from receivers.auth import AuthFileError, new_token, token_hash
 from receivers.cluster import Cluster, ClusterConfigError, load_nodes
@@ -2088,10 +2089,23 @@ def _pipeline_swap(args: argparse.Namespace) -> int:
         args,
         "pipeline swap",
         lambda ch, md: pb_grpc.AdminStub(ch).SwapPipeline(request, metadata=md),
-        # the old batch's end, the new query's start and its first batch; a boundary wait of up to 60 s
-        timeout=args.first_batch_timeout + 90,
+        timeout=swap_deadline(args.first_batch_timeout),
+        late="; the swap goes on on the server to its end (done, or rolled back to the old pipeline): "
+        f"`sluice pipeline get --target {args.target}` shows its outcome",
     )
     return _show_pipeline(view)
+
+
+SWAP_MARGIN = 60.0
+"""Seconds `sluice pipeline swap` allows beyond the server's own bounds: the queries' starts."""
+
+
+def swap_deadline(first_batch_timeout: float) -> float:
+    """Seconds `sluice pipeline swap` waits for the answer: the old query's batch boundary (up to
+    BOUNDARY_TIMEOUT), the new query's first batch (up to `first_batch_timeout`), a rollback's stop of a
+    first batch that hangs (Spark's stopTimeout, STOP_TIMEOUT unless configured otherwise) and the
+    queries' starts. A deadline of first-batch-timeout + 90 s ended before such a rollback did."""
+    return BOUNDARY_TIMEOUT + first_batch_timeout + STOP_TIMEOUT + SWAP_MARGIN
 
 
 # ---- status --------------------------------------------------------------------------------------
@@ -2262,9 +2276,11 @@ def _unary(
     what: str,
     call: Callable[[grpc.aio.Channel, Metadata], Awaitable[T]],
     timeout: float = 10.0,
+    late: str = "",
 ) -> T:
     """One unary call to the server at args.target with the credentials of `args`; on failure print why
-    (status and details) in one line and raise _Failed (EXIT_DENIED when the server refused them)."""
+    (status and details) in one line and raise _Failed (EXIT_DENIED when the server refused them).
+    `late`: said after "no answer within N s" when the call outlives `timeout`."""
     credentials = _credentials(args)
     target = args.target
 
@@ -2279,7 +2295,7 @@ def _unary(
                 message += connect_hint(exc.code(), details, secure=credentials.secure)
                 raise _Failed(_fail(message, code)) from None
             except TimeoutError:
-                raise _Failed(_fail(f"{what} on {target}: no answer within {timeout:g} s")) from None
+                raise _Failed(_fail(f"{what} on {target}: no answer within {timeout:g} s{late}")) from None
 
     return asyncio.run(run())
 

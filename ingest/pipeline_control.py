@@ -16,6 +16,15 @@ from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 DEFAULT_FIRST_BATCH_TIMEOUT = 120.0
 """Seconds a new query has to complete its first batch before a swap rolls back."""
 
+BOUNDARY_TIMEOUT = 60.0
+"""Seconds the old query's batch in flight has to finish once held; past that it is stopped anyway and
+its batch is redone by the next query (a sink that is not idempotent may then see it twice)."""
+
+STOP_TIMEOUT = 60.0
+"""Seconds a query's stop waits for its running batch (spark.sql.streaming.stopTimeout, which the service
+sets to this unless it is configured: ingest.spark.session): a rollback from a first batch that hangs
+waits that long for it."""
+
 
 class PipelineError(Exception):
     """Base of what a pipeline change refuses; the message is told to the operator."""

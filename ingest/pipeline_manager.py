@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ingest.checkpoints import last_commit_id, last_planned_id
 from ingest.driver import QueryPlan, SparkDriver, last_commit
 from ingest.pipeline_control import (
+    BOUNDARY_TIMEOUT,
     DEFAULT_FIRST_BATCH_TIMEOUT,
     InvalidPipeline,
     PipelineError,
@@ -61,9 +62,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 STATE_FILE = "pipeline.json"
-BOUNDARY_TIMEOUT = 60.0
-"""Seconds the old query's batch in flight has to finish once held; past that it is stopped anyway and
-its batch is redone by the next query (a sink that is not idempotent may then see it twice)."""
 POLL = 0.05
 
 

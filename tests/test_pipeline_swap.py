@@ -195,6 +195,54 @@ async def test_a_first_batch_that_hangs_is_left_behind_and_rolled_back(spark: An
         spark.conf.set(STOP_TIMEOUT_KEY, STOP_TIMEOUT_MS)
 
 
+async def test_the_clis_swap_deadline_outlasts_a_hung_first_batchs_rollback(
+    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`sluice pipeline swap` waited first-batch-timeout + 90 s, and a hung first batch's rollback takes
+    the timeout, then Spark's stopTimeout (60 s) for the stop, and the boundary and the starts: the CLI
+    said only "no answer within ..." while the swap went on. Its deadline covers them now; past it (a
+    server whose stopTimeout is longer than the CLI knows, as here), it says the swap goes on on the
+    server and how to see its outcome."""
+    import swap_pipelines
+
+    from ingest import cli
+    from ingest.pipeline_control import BOUNDARY_TIMEOUT, STOP_TIMEOUT
+    from ingest.spark.session import STOP_TIMEOUT_KEY, STOP_TIMEOUT_MS
+
+    assert cli.swap_deadline(120) >= 120 + BOUNDARY_TIMEOUT + STOP_TIMEOUT + 30
+    assert float(STOP_TIMEOUT_MS) / 1000 == STOP_TIMEOUT  # the stopTimeout the service sets
+    # this server's stop waits 4 s; the CLI counts on 1 s, with no boundary and no margin: 2 + 1 s
+    for name, seconds in (("BOUNDARY_TIMEOUT", 0.0), ("STOP_TIMEOUT", 1.0), ("SWAP_MARGIN", 0.0)):
+        monkeypatch.setattr(cli, name, seconds)
+    swap_pipelines.RELEASE_HUNG.clear()
+    spark.conf.set(STOP_TIMEOUT_KEY, "4000")
+    try:
+        async with service(spark, tmp_path, pipeline="swap_pipelines:tag_a") as server:
+            load = Load(server.target, "events")
+            pushing = asyncio.create_task(load.run())
+            await asyncio.sleep(2)
+            swap = ["pipeline", "swap", "swap_pipelines:hangs_first_batch", "--first-batch-timeout", "2"]
+            assert await asyncio.to_thread(cli.main, [*swap, "--target", server.target]) == 1
+            said = capsys.readouterr().err
+            assert f"pipeline swap on {server.target}: no answer within 3 s; the swap goes on" in said, said
+            assert f"`sluice pipeline get --target {server.target}` shows its outcome" in said, said
+            assert "Traceback" not in said
+            stub = admin(server)
+            deadline = time.monotonic() + 60
+            while (view := await stub.GetPipeline(pb.GetPipelineRequest())).state != "running":
+                assert time.monotonic() < deadline, view
+                await asyncio.sleep(0.2)
+            assert view.last_swap.outcome == "rolled back" and view.generation == 0, view
+            get = ["pipeline", "get", "--target", server.target]
+            assert await asyncio.to_thread(cli.main, get) == 0
+            assert "rolled back" in capsys.readouterr().out
+            load.stop()
+            await pushing
+    finally:
+        swap_pipelines.RELEASE_HUNG.set()
+        spark.conf.set(STOP_TIMEOUT_KEY, STOP_TIMEOUT_MS)
+
+
 async def test_a_trigger_change_whose_caller_goes_away_is_saved_all_the_same(
     spark: Any, tmp_path: Path
 ) -> None:

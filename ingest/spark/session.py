@@ -22,6 +22,7 @@ from pyspark.sql import SparkSession
 import ingest
 from ingest.logs import SPARK_LOG_LEVELS, JsonFormatter
 from ingest.logs import SPARK_QUIET as QUIET
+from ingest.pipeline_control import STOP_TIMEOUT
 from ingest.spark.source import SluiceDataSource
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ local disk, and what Spark falls back to where FileContext is missing), with the
 checkpoint is on a local disk; a setting the caller gives wins."""
 
 STOP_TIMEOUT_KEY = "spark.sql.streaming.stopTimeout"
-STOP_TIMEOUT_MS = "60000"
+STOP_TIMEOUT_MS = str(int(STOP_TIMEOUT * 1000))
 """How long a query's stop() waits for its running batch, unless the user set it. Spark's default (0)
 waits forever: a batch that never ends (a foreachBatch hung on a sink) then hung a swap's rollback
 and the service's shutdown for good. A batch running at a stop is waited for, as a swap's first batch
