@@ -2033,7 +2033,9 @@ def _show_pipeline(view: pb.PipelineView) -> int:
     name = view.pipeline or "built-in Parquet sink"
     print(f"pipeline: {name} (generation {view.generation}, {view.state})")
     print(f"trigger: {view.trigger_interval_seconds:g} s; checkpoint: {view.checkpoint}")
-    print(f"query: {view.query_id}")
+    print(
+        f"query: {view.query_id or ('none yet (Spark is starting it)' if view.state == 'starting' else '')}"
+    )
     if view.sink_dir:  # where the built-in sink writes (a pipeline given a PipelineContext may too)
         print(f"sink dir: {view.sink_dir}")
     if view.HasField("last_swap"):

@@ -150,7 +150,9 @@ class PipelineManager:
         self._path = config.data_dir / STATE_FILE
         self.trigger_interval = config.trigger_interval
         self._lock = asyncio.Lock()
-        self._state = "stopped"
+        self._state = "starting"
+        """"starting" until start() has started the first query (the Admin service answers meanwhile),
+        then "running", "swapping" during a swap or restart, "failed"; "stopped" if the start failed."""
         self._failure: str | None = None
         self._last_swap: pb.PipelineSwap | None = None
         self._changes: dict[tuple[str, str], int] = {}
@@ -326,7 +328,11 @@ class PipelineManager:
                 f"the pipeline in force (generation {self.current.number}{swapped}) does not load: {exc}; "
                 "make its module importable here (PYTHONPATH) and start again"
             ) from None
-        await asyncio.to_thread(self._driver.start, plan)
+        try:
+            await asyncio.to_thread(self._driver.start, plan)
+        except BaseException:
+            self._state = "stopped"
+            raise
         self._state = "running"
 
     def failure(self) -> str | None:
@@ -507,7 +513,7 @@ class PipelineManager:
 
     def _running_query(self) -> Any:
         """The query a swap or restart replaces; PipelineUnavailable if none runs."""
-        if self._state == "stopped" and self._failure is None:
+        if self._state == "starting" and self._failure is None:
             # attached before start() (Spark's workers warm up first): a query is on its way
             raise PipelineUnavailable("the query is still starting; try again in a few seconds")
         query = self._driver.query

@@ -472,6 +472,10 @@ def _nodes(data: Json) -> _FittedTable:
     return _table("receiver nodes", columns, data.get("nodes", []))
 
 
+_PIPELINE_STATE_STYLE = {"running": "green", "starting": "yellow", "swapping": "yellow"}
+"""The pipeline's states on their way to running; the others (stopped, failed) in bold red."""
+
+
 def _pipeline(data: Json) -> Text:
     pipeline = data.get("pipeline")
     if pipeline is None:
@@ -480,7 +484,7 @@ def _pipeline(data: Json) -> Text:
         ("pipeline: ", "dim"),
         (pipeline["pipeline"], "bold"),
         f" (generation {pipeline['generation']}, ",
-        (pipeline["state"], "green" if pipeline["state"] == "running" else "bold red"),
+        (pipeline["state"], _PIPELINE_STATE_STYLE.get(pipeline["state"], "bold red")),
         f", trigger {pipeline['trigger_interval']:g} s)",
     )
     swap = pipeline.get("last_swap")

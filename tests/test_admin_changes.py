@@ -211,7 +211,9 @@ async def test_reset_pipeline_starts_the_flags_pipeline_where_the_swapped_in_one
             )
 
 
-async def test_a_swap_before_the_query_started_says_it_is_starting(tmp_path: Path) -> None:
+async def test_a_swap_before_the_query_started_says_it_is_starting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`sluice serve` attaches the manager before its query starts (Spark's Python workers warm up
     first): a swap then was told "no Spark query runs here", the words for a node without one."""
     from ingest.driver import SparkDriver
@@ -228,6 +230,14 @@ async def test_a_swap_before_the_query_started_says_it_is_starting(tmp_path: Pat
             ):
                 details = await refused(call(), grpc.StatusCode.FAILED_PRECONDITION)
                 assert "still starting; try again" in details, details
+            # and `pipeline get` says so: it said "stopped", as if the query had died
+            view = await stub.GetPipeline(pb.GetPipelineRequest())
+            assert (view.state, view.generation, view.query_id) == ("starting", 0, "")
+        args = ["pipeline", "get", "--target", server.target]
+        assert await asyncio.to_thread(cli.main, args) == 0
+        said = capsys.readouterr().out
+        assert "pipeline: built-in Parquet sink (generation 0, starting)" in said, said
+        assert "query: none yet (Spark is starting it)" in said, said
 
 
 async def test_the_cli_says_what_a_drain_left_waiting(

@@ -1823,7 +1823,10 @@ class PipelineView(_message.Message):
     generation: _builtins.int
     """0 for the first query; +1 for every swap that was kept."""
     state: _builtins.str
-    """"running", "swapping", "stopped", "failed" """
+    """"starting" (the service's first query is on its way: Spark warms up), "running", "swapping" (a
+    swap or a restart for a new trigger interval), "stopped" (the first query failed to start),
+    "failed" (the query died, or a rollback could not restart the old one)
+    """
     checkpoint: _builtins.str
     trigger_interval_seconds: _builtins.float
     query_id: _builtins.str
