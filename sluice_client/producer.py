@@ -46,6 +46,7 @@ import contextlib
 import enum
 import logging
 import math
+import numbers
 import random
 import uuid
 import warnings
@@ -758,6 +759,40 @@ def _packed_keys(
     return _KeyColumn(data, bounds, valid.copy())
 
 
+def _int_arg(name: str, value: object, low: int, high: int | None = None, *, none: str = "") -> int:
+    """`value` as an int in low..high (high None: no upper bound); TypeError unless it is an integer
+    (a bool or a float is not: 1e4 or 1.5 failed the producer when it sent), ValueError out of range.
+    `none`: how the message goes on when None is allowed ("or None")."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
+    number = int(value)
+    if number < low or (high is not None and number > high):
+        bounds = f"in {low}..{high}" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be {bounds}{' ' + none if none else ''}, got {number}")
+    return number
+
+
+_INT_OPTION_MAX = 2**31 - 1  # a gRPC channel option is a C int
+
+
+def _option_ms(seconds: float) -> int:
+    """`seconds` as milliseconds for a gRPC channel option: within a C int (a backoff of a year is
+    taken as about 24 days there; the producer's own backoff still waits the year)."""
+    return min(int(seconds * 1000), _INT_OPTION_MAX)
+
+
+def _seconds_arg(name: str, value: object, *, finite: bool = False) -> float:
+    """`value` as seconds >= 0 (a float); TypeError unless it is a number (not a bool), ValueError for
+    a negative or NaN one, or an infinite one where `finite`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__} ({value!r})")
+    seconds = float(value)
+    if not seconds >= 0 or (finite and seconds == math.inf):
+        allowed = "finite and >= 0" if finite else ">= 0"
+        raise ValueError(f"{name} must be {allowed} seconds, got {value}")
+    return seconds
+
+
 class _Sent:
     """A batch sent and not yet acked: kept to be resent after a reconnect. `skip` of its records, at
     the front, were acked since."""
@@ -833,21 +868,39 @@ class Producer:
         channel: grpc.aio.Channel | None = None,
         credentials: Credentials | None = None,
     ) -> None:
-        if not (batch_size >= 1 and batch_bytes >= 1 and max_buffered >= batch_size):  # NaN too
-            raise ValueError(
-                "need batch_size >= 1, batch_bytes >= 1 and max_buffered >= batch_size; got batch_size "
-                f"{batch_size}, batch_bytes {batch_bytes}, max_buffered {max_buffered}"
+        # checked before anything is kept: a float size (1e4) was taken and failed the sender later,
+        # an infinite backoff failed start(), a producer_id that is not a str failed in protobuf
+        if not isinstance(stream, str):
+            raise TypeError(f"stream must be a str, not {type(stream).__name__} ({stream!r})")
+        if producer_id is not None and not isinstance(producer_id, str):
+            raise TypeError(
+                f"producer_id must be a str (or None: a random id), not {type(producer_id).__name__} "
+                f"({producer_id!r})"
             )
-        if max_buffered_bytes is not None and not max_buffered_bytes >= 1:
-            raise ValueError(f"max_buffered_bytes must be >= 1 or None, got {max_buffered_bytes}")
-        seconds = {"linger": linger, "reconnect_timeout": reconnect_timeout, "start_timeout": start_timeout}
-        for name, value in seconds.items():
-            if not value >= 0:
-                raise ValueError(f"{name} must be >= 0 seconds, got {value}")
+        if not isinstance(resume, bool):
+            raise TypeError(f"resume must be a bool, not {type(resume).__name__} ({resume!r})")
+        batch_size = _int_arg("batch_size", batch_size, 1)
+        batch_bytes = _int_arg("batch_bytes", batch_bytes, 1)
+        max_buffered = _int_arg("max_buffered", max_buffered, 1)
+        if max_buffered < batch_size:
+            raise ValueError(
+                f"max_buffered must be >= batch_size: got max_buffered {max_buffered}, "
+                f"batch_size {batch_size}"
+            )
+        if max_buffered_bytes is not None:
+            max_buffered_bytes = _int_arg("max_buffered_bytes", max_buffered_bytes, 1, none="or None")
+        first_seq = _int_arg("first_seq", first_seq, 0, _SEQ_END - 1)
+        # inf: no limit (wait for a full batch or a flush; retry for good); a backoff is a pause
+        linger = _seconds_arg("linger", linger)
+        reconnect_timeout = _seconds_arg("reconnect_timeout", reconnect_timeout)
+        start_timeout = _seconds_arg("start_timeout", start_timeout)
+        reconnect_backoff = _seconds_arg("reconnect_backoff", reconnect_backoff, finite=True)
+        max_reconnect_backoff = _seconds_arg("max_reconnect_backoff", max_reconnect_backoff, finite=True)
         if not 0 < reconnect_backoff <= max_reconnect_backoff:
-            raise ValueError("need 0 < reconnect_backoff <= max_reconnect_backoff")
-        if not 0 <= first_seq < _SEQ_END:
-            raise ValueError(f"first_seq must be in 0..{_SEQ_END - 1}, got {first_seq}")
+            raise ValueError(
+                "need 0 < reconnect_backoff <= max_reconnect_backoff; got reconnect_backoff "
+                f"{reconnect_backoff}, max_reconnect_backoff {max_reconnect_backoff}"
+            )
         self.targets = parse_targets(target)
         if channel is not None and len(self.targets) > 1:
             raise ValueError(
@@ -1022,7 +1075,7 @@ class Producer:
     def _channel_for(self, target: str) -> grpc.aio.Channel:
         channel = self._channels.get(target)
         if channel is None:
-            backoff_ms = int(self.reconnect_backoff * 1000)
+            backoff_ms = _option_ms(self.reconnect_backoff)
             channel = self.credentials.channel(
                 target,
                 options=[
@@ -1031,7 +1084,7 @@ class Producer:
                     # the channel's own reconnects must not lag behind ours after a server restart
                     ("grpc.initial_reconnect_backoff_ms", backoff_ms),
                     ("grpc.min_reconnect_backoff_ms", backoff_ms),
-                    ("grpc.max_reconnect_backoff_ms", int(self.max_reconnect_backoff * 1000)),
+                    ("grpc.max_reconnect_backoff_ms", _option_ms(self.max_reconnect_backoff)),
                     # a server that stops answering with its connection open (frozen, partitioned
                     # away) is lost only when a ping goes unanswered: without these the session
                     # waited on it for good instead of failing over

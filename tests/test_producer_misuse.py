@@ -1,0 +1,79 @@
+"""The SDK's Producer given arguments it cannot use, or used in ways it does not support: each is refused
+at the call, naming what is wrong, before anything changes, and never leaves a producer that hangs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from support import running_server
+
+from sluice_client import Producer, SyncProducer
+
+
+@pytest.mark.parametrize(
+    ("setting", "error", "message"),
+    [
+        ({"batch_size": 1e4}, TypeError, r"^batch_size must be an int, not float \(10000\.0\)$"),
+        ({"batch_size": 1.5}, TypeError, r"^batch_size must be an int, not float \(1\.5\)$"),
+        ({"batch_size": True}, TypeError, r"^batch_size must be an int, not bool \(True\)$"),
+        ({"batch_size": "10"}, TypeError, r"^batch_size must be an int, not str \('10'\)$"),
+        ({"batch_size": 0}, ValueError, r"^batch_size must be >= 1, got 0$"),
+        ({"batch_bytes": 1e6}, TypeError, r"^batch_bytes must be an int, not float"),
+        ({"batch_bytes": math.inf}, TypeError, r"^batch_bytes must be an int, not float \(inf\)$"),
+        ({"max_buffered": 1e6}, TypeError, r"^max_buffered must be an int, not float"),
+        ({"max_buffered": 10, "batch_size": 20}, ValueError, r"^max_buffered must be >= batch_size"),
+        ({"max_buffered_bytes": 1e8}, TypeError, r"^max_buffered_bytes must be an int, not float"),
+        ({"max_buffered_bytes": 0}, ValueError, r"^max_buffered_bytes must be >= 1 or None, got 0$"),
+        ({"first_seq": 1.5}, TypeError, r"^first_seq must be an int, not float \(1\.5\)$"),
+        ({"first_seq": -1}, ValueError, r"^first_seq must be in 0\.\.18446744073709551614, got -1$"),
+        ({"first_seq": 2**64 - 1}, ValueError, r"^first_seq must be in 0\.\.18446744073709551614"),
+        ({"producer_id": 123}, TypeError, r"^producer_id must be a str .*, not int \(123\)$"),
+        ({"resume": "yes"}, TypeError, r"^resume must be a bool, not str \('yes'\)$"),
+        ({"linger": "0.1"}, TypeError, r"^linger must be a number of seconds, not str \('0\.1'\)$"),
+        ({"linger": math.nan}, ValueError, r"^linger must be >= 0 seconds, got nan$"),
+        ({"start_timeout": -1}, ValueError, r"^start_timeout must be >= 0 seconds, got -1$"),
+        ({"reconnect_timeout": None}, TypeError, r"^reconnect_timeout must be a number of seconds"),
+        ({"max_reconnect_backoff": math.inf}, ValueError, r"^max_reconnect_backoff must be finite"),
+        ({"reconnect_backoff": math.inf}, ValueError, r"^reconnect_backoff must be finite"),
+        ({"reconnect_backoff": 0}, ValueError, r"^need 0 < reconnect_backoff <= max_reconnect_backoff"),
+        ({"reconnect_backoff": 2.0, "max_reconnect_backoff": 1.0}, ValueError, r"^need 0 < reconnect"),
+    ],
+)
+def test_constructor_arguments_of_the_wrong_type_or_range_are_refused(
+    setting: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    """`Producer(batch_size=1e4)` was taken: the sender died on it once a batch was due (a TypeError in
+    numpy) and flush() waited for good; `max_reconnect_backoff=inf` failed start() (OverflowError);
+    `producer_id=123` said "bad argument type for built-in operation"; `first_seq=1.5` made `acked` 1.5."""
+    with pytest.raises(error, match=message):
+        Producer("a:1", "s", **setting)
+
+
+def test_a_sync_producer_refuses_them_too() -> None:
+    with pytest.raises(TypeError, match=r"^batch_size must be an int, not float"):
+        SyncProducer("127.0.0.1:1", "s", batch_size=1e4)
+
+
+async def test_integers_of_any_kind_and_unbounded_timeouts_are_taken(tmp_path: Path) -> None:
+    async with running_server(tmp_path) as server:
+        producer = Producer(
+            f"127.0.0.1:{server.port}",
+            "s",
+            batch_size=np.int64(100),
+            max_buffered=np.int32(1000),
+            first_seq=np.uint64(5),
+            linger=0,
+            start_timeout=math.inf,
+            reconnect_timeout=math.inf,
+            max_reconnect_backoff=1e300,  # finite: gRPC's channel option (a C int) takes ~24 days
+        )
+        assert (producer.batch_size, producer.max_buffered, producer.acked) == (100, 1000, 5)
+        assert type(producer.batch_size) is int and type(producer.acked) is int
+        async with producer:
+            await producer.send_many([b"x"] * 250)
+            await producer.flush(10)
+        assert producer.acked == 255
