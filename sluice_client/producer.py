@@ -607,6 +607,17 @@ def _batch_keys(spans: list[tuple[_Listed | _Packed, int]]) -> Keys | None:
     return PackedKeys(parts, np.concatenate(ends), np.concatenate(valid))
 
 
+def _failure_of(exc: BaseException, where: str) -> SluiceError:
+    """What flush, send and close raise after `exc` ended a background task of the producer (`where`):
+    a SluiceError as it is, any other (a defect, an on_room callback that raised) as the cause of a
+    ProducerClosedError."""
+    if isinstance(exc, SluiceError):
+        return exc
+    error = ProducerClosedError(f"producer failed: its {where} raised {exc!r}")
+    error.__cause__ = exc
+    return error
+
+
 def _closed_with(unacked: int) -> ProducerClosedError:
     """What flush() raises on a closed producer."""
     if not unacked:
@@ -1197,8 +1208,10 @@ class Producer:
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
-            with contextlib.suppress(SluiceError):
-                await reap(task)  # a cancel of abort()'s caller goes on
+            # its error is the producer's (_task_done), raised by the calls that wait: not by abort(),
+            # which would hide the error of an `async with` body; a cancel of abort()'s caller goes on
+            with contextlib.suppress(Exception):
+                await reap(task)
         if self._call is not None:
             self._call.cancel()
         channels, self._channels = self._channels, {}
@@ -1572,17 +1585,25 @@ class Producer:
                 try:
                     request = await self._next_request()
                 except (RecordTypeError, RecordTooLargeError) as exc:
-                    self._error = exc  # what flush, send and close raise; _supervise keeps it
-                    self._wake()
-                    call.cancel()
+                    self._fail(exc, call)
                     return
                 if writing is not None and not await writing:
                     return  # the call ended; the read loop has (or will have) the status that says why
                 writing = asyncio.create_task(self._write(call, request))
                 await asyncio.sleep(0)  # let the write start before the next batch is encoded
+        except Exception as exc:  # noqa: BLE001 - a defect: else the read loop goes on, every flush waits
+            self._fail(_failure_of(exc, "send loop"), call)
         finally:
             if writing is not None and not writing.done():
                 await reap(writing)
+
+    def _fail(self, error: SluiceError, call: Call) -> None:
+        """Fail the producer with `error` (what flush, send and close raise; _supervise keeps it) and
+        end the session: its read loop ends, and _supervise with it."""
+        if self._error is None:
+            self._error = error
+        self._wake()
+        call.cancel()
 
     async def _write(self, call: Call, request: bytes) -> bool:
         """Write one message; False if the call has ended."""
@@ -1733,7 +1754,10 @@ class Producer:
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         # a background loop that dies fails everything waiting on the producer
-        if not task.cancelled() and task.exception() is not None and self._error is None:
-            exc = task.exception()
-            self._error = exc if isinstance(exc, SluiceError) else SluiceError(repr(exc))
+        exc = task.exception() if not task.cancelled() else None
+        if exc is not None:
+            if self._error is None:
+                self._error = _failure_of(exc, "session")
+            if self._call is not None:
+                self._call.cancel()  # nothing reads it any more: the server may stop waiting on it
         self._wake()

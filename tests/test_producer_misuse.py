@@ -3,6 +3,7 @@ at the call, naming what is wrong, before anything changes, and never leaves a p
 
 from __future__ import annotations
 
+import asyncio
 import math
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import pytest
 from support import running_server
 
 from sluice_client import Producer, SyncProducer
+from sluice_client.errors import ProducerClosedError, UnackedRecordsError
 
 
 @pytest.mark.parametrize(
@@ -77,3 +79,48 @@ async def test_integers_of_any_kind_and_unbounded_timeouts_are_taken(tmp_path: P
             await producer.send_many([b"x"] * 250)
             await producer.flush(10)
         assert producer.acked == 255
+
+
+async def test_an_error_in_the_send_loop_fails_the_producer_at_once(tmp_path: Path) -> None:
+    """A defect in the sender (here a float batch_size set after construction: numpy refused it in the
+    middle of taking a batch) killed the send task alone: the read loop went on, flush() waited for good,
+    flush(20) said "no credit came", close() blocked and abort() raised the hidden TypeError. It fails
+    the producer now: every call that waits raises at once, the error as the cause."""
+    async with running_server(tmp_path) as server:
+        producer = Producer(f"127.0.0.1:{server.port}", "s", linger=0)
+        await producer.start()
+        producer.batch_size = 1.5  # type: ignore[assignment]
+        await producer.send_many([b"x%d" % i for i in range(1000)])
+        with pytest.raises(
+            ProducerClosedError, match=r"^producer failed: its send loop raised TypeError"
+        ) as failed:
+            await asyncio.wait_for(producer.flush(), 10)
+        assert isinstance(failed.value.__cause__, TypeError)
+        with pytest.raises(ProducerClosedError, match="send loop"):
+            await producer.send(b"y")
+        with pytest.raises(UnackedRecordsError) as unacked:
+            await asyncio.wait_for(producer.close(), 10)
+        assert unacked.value.__cause__ is failed.value
+        assert unacked.value.unacked == 1000
+        assert len(await producer.abort()) == 1000  # raises nothing: the error was raised already
+
+
+async def test_an_error_in_the_read_loop_fails_the_producer_with_it_as_the_cause(tmp_path: Path) -> None:
+    """An on_room callback that raises ends the read loop: the producer fails with a ProducerClosedError
+    whose cause is that error (it was a SluiceError holding only its repr), and abort(), which `async
+    with` runs when its body raised, no longer raises it in place of the body's error."""
+    async with running_server(tmp_path) as server:
+
+        def listener() -> None:
+            raise RuntimeError("boom")
+
+        with pytest.raises(KeyError, match="the body's"):
+            async with Producer(f"127.0.0.1:{server.port}", "s", linger=0) as producer:
+                producer.on_room(listener)
+                await producer.send(b"x")
+                await producer.flush(10)  # its ack called the listener: the read loop ends
+                with pytest.raises(ProducerClosedError, match=r"its session raised RuntimeError") as failed:
+                    await producer.send(b"y")
+                    await asyncio.wait_for(producer.flush(), 10)
+                assert isinstance(failed.value.__cause__, RuntimeError)
+                raise KeyError("the body's")
