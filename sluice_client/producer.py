@@ -783,6 +783,19 @@ def _int_arg(name: str, value: object, low: int, high: int | None = None, *, non
     return number
 
 
+def check_timeout(timeout: float | None) -> None:
+    """TypeError unless `timeout` (flush's, close's) is None or a number, ValueError unless it is >= 0:
+    NaN too, which asyncio takes as a timeout that has run out already."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(
+            f"timeout must be a number of seconds or None, not {type(timeout).__name__} ({timeout!r})"
+        )
+    if not timeout >= 0:
+        raise ValueError(f"timeout must be >= 0 seconds (or None: no limit), got {timeout}")
+
+
 _INT_OPTION_MAX = 2**31 - 1  # a gRPC channel option is a C int
 
 
@@ -1161,6 +1174,7 @@ class Producer:
         record never acked, `.unacked` their count, `__cause__` the FlushTimeoutError, RPCError or other
         error that stopped delivery. A failure with nothing left unacked raises that error itself.
         """
+        check_timeout(timeout)  # before anything changes: a bad one leaves the producer as it was
         if self._state in (_State.CLOSING, _State.CLOSED):
             return
         if self._state is _State.NEW:
@@ -1403,8 +1417,7 @@ class Producer:
     async def flush(self, timeout: float | None = None) -> None:
         """Wait until every record queued so far is acked, across reconnects; FlushTimeoutError when
         `timeout` runs out (the records stay queued), or the error that failed the producer."""
-        if timeout is not None and not timeout >= 0:  # NaN too: asyncio ends a NaN timeout at once
-            raise ValueError(f"timeout must be >= 0 seconds (or None: no limit), got {timeout}")
+        check_timeout(timeout)
         if self._state is _State.NEW:
             raise ProducerClosedError("producer not started")
         if self._closed:  # nothing unacked or not: as every call that waits does

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import numpy.typing as npt
 
 from sluice_client.errors import ProducerClosedError
-from sluice_client.producer import Producer
+from sluice_client.producer import Producer, check_timeout
 
 T = TypeVar("T")
 
@@ -121,6 +121,7 @@ class SyncProducer:
     def close(self, timeout: float | None = None) -> None:
         """Flush, complete and stop; raises UnackedRecordsError (with `.records`) when records remain
         unacked, as Producer.close does."""
+        check_timeout(timeout)  # before the loop stops: a bad timeout leaves the producer usable
         if not self._loop.is_running():
             return
         try:

@@ -124,3 +124,37 @@ async def test_an_error_in_the_read_loop_fails_the_producer_with_it_as_the_cause
                     await asyncio.wait_for(producer.flush(), 10)
                 assert isinstance(failed.value.__cause__, RuntimeError)
                 raise KeyError("the body's")
+
+
+@pytest.mark.parametrize("timeout", [-1, math.nan, "1"])
+async def test_a_bad_close_timeout_is_refused_and_leaves_the_producer_as_it_was(
+    tmp_path: Path, timeout: Any
+) -> None:
+    """close(-1) or close(nan) tore the producer down, then raised ValueError: its unacked records were
+    dropped without a word, and a second close() returned None."""
+    async with running_server(tmp_path) as server:
+        producer = Producer(f"127.0.0.1:{server.port}", "s")
+        await producer.start()
+        await producer.send_many([b"r%d" % i for i in range(1000)])
+        with pytest.raises(TypeError if isinstance(timeout, str) else ValueError, match=r"^timeout must be"):
+            await producer.close(timeout)
+        await producer.send(b"more")  # still open
+        await producer.close(10)
+        assert producer.acked == 1001
+        assert producer.unacked_records() == []
+
+
+async def test_a_bad_close_timeout_leaves_a_sync_producer_usable(tmp_path: Path) -> None:
+    """SyncProducer.close(-1) stopped its loop all the same: the producer was gone."""
+    async with running_server(tmp_path) as server:
+
+        def use() -> int:
+            producer = SyncProducer(f"127.0.0.1:{server.port}", "s")
+            producer.send_many([b"x"] * 1000)
+            with pytest.raises(ValueError, match=r"^timeout must be >= 0 seconds"):
+                producer.close(-1)
+            producer.send(b"more")
+            producer.close(10)
+            return producer.acked
+
+        assert await asyncio.to_thread(use) == 1001
