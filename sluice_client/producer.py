@@ -968,6 +968,7 @@ class Producer:
         self._flushing = 0
         self._error: SluiceError | None = None
         self._changed = asyncio.Event()
+        self._torn_down = asyncio.Event()  # set once closed or aborted: a second close() waits for it
         self._tasks: list[asyncio.Task[None]] = []
         self._starting: asyncio.Task[Any] | None = None
         """The task running start() while it tries to open the first session."""
@@ -1167,7 +1168,8 @@ class Producer:
 
     async def close(self, timeout: float | None = None) -> None:
         """Send what is buffered, wait until it is acked (across reconnects), complete the session and
-        release the channel.
+        release the channel. From the moment it begins, sends raise ProducerClosedError: it flushes
+        the records queued before it; a second close() meanwhile returns once this one is done.
 
         When records remain unacked (the timeout ran out, the producer failed or gave up reconnecting)
         the producer is torn down all the same and UnackedRecordsError is raised: `.records` holds every
@@ -1175,7 +1177,10 @@ class Producer:
         error that stopped delivery. A failure with nothing left unacked raises that error itself.
         """
         check_timeout(timeout)  # before anything changes: a bad one leaves the producer as it was
-        if self._state in (_State.CLOSING, _State.CLOSED):
+        if self._state is _State.CLOSING:  # another close() is under way: done when it is
+            await self._torn_down.wait()
+            return
+        if self._state is _State.CLOSED:
             return
         if self._state is _State.NEW:
             self._state = _State.CLOSED
@@ -1187,11 +1192,14 @@ class Producer:
                 closed = ProducerClosedError("producer was closed while it started")
                 raise UnackedRecordsError(records, self._acked_seq, closed) from closed
             return
+        # from here every send refuses (ProducerClosedError): what close() flushes is what was queued
+        # before it began. A send racing it (another task, another thread of a SyncProducer) was taken
+        # after the flush had counted its records, and went out after Complete: never acked
+        self._state = _State.CLOSING
+        self._wake()  # a producer waiting for records to reconnect with has none coming
         try:
             try:
                 await self.flush(timeout)
-                self._state = _State.CLOSING
-                self._wake()  # a producer waiting for records to reconnect with has none coming
                 assert self._call is not None
                 with contextlib.suppress(*_CALL_ENDED):
                     async with self._write_lock:
@@ -1216,23 +1224,27 @@ class Producer:
 
     async def _teardown(self) -> None:
         self._state = _State.CLOSED
-        starting = self._starting
-        if starting is not None and starting is not asyncio.current_task():
-            starting.cancel()  # start() raises ProducerClosedError
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            # its error is the producer's (_task_done), raised by the calls that wait: not by abort(),
-            # which would hide the error of an `async with` body; a cancel of abort()'s caller goes on
-            with contextlib.suppress(Exception):
-                await reap(task)
-        if self._call is not None:
-            self._call.cancel()
-        channels, self._channels = self._channels, {}
-        if self._own_channel:
-            for channel in channels.values():
-                await channel.close(None)
-        self._wake()
+        try:
+            starting = self._starting
+            if starting is not None and starting is not asyncio.current_task():
+                starting.cancel()  # start() raises ProducerClosedError
+            for task in self._tasks:
+                task.cancel()
+            for task in self._tasks:
+                # its error is the producer's (_task_done), raised by the calls that wait: not by
+                # abort(), which would hide the error of an `async with` body; a cancel of abort()'s
+                # caller goes on
+                with contextlib.suppress(Exception):
+                    await reap(task)
+            if self._call is not None:
+                self._call.cancel()
+            channels, self._channels = self._channels, {}
+            if self._own_channel:
+                for channel in channels.values():
+                    await channel.close(None)
+        finally:
+            self._torn_down.set()  # a close() waiting on this one returns, also when it was cancelled
+            self._wake()
 
     def __del__(self) -> None:
         if getattr(self, "_state", _State.CLOSED) is _State.OPEN:

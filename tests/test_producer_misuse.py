@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -158,3 +160,67 @@ async def test_a_bad_close_timeout_leaves_a_sync_producer_usable(tmp_path: Path)
             return producer.acked
 
         assert await asyncio.to_thread(use) == 1001
+
+
+async def test_sends_racing_a_close_are_refused_and_what_was_taken_is_acked(tmp_path: Path) -> None:
+    """Records sent while close() flushed were taken, counted by no flush and sent after Complete: close()
+    raised UnackedRecordsError "server ended the session with 80 records unacked", blaming the server.
+    Once close() has begun a send raises ProducerClosedError; close() flushes everything taken before."""
+    async with running_server(tmp_path) as server:
+        producer = Producer(f"127.0.0.1:{server.port}", "s")
+        await producer.start()
+        taken = [0] * 8
+        refused: list[BaseException] = []
+
+        async def sender(i: int) -> None:
+            try:
+                while True:
+                    await producer.send_many([b"t%d" % i] * 10)
+                    taken[i] += 10
+                    await asyncio.sleep(0)
+            except ProducerClosedError as exc:
+                refused.append(exc)
+
+        senders = [asyncio.create_task(sender(i)) for i in range(8)]
+        await asyncio.sleep(0.2)
+        # raised UnackedRecordsError; a second close() meanwhile returns once the first is done
+        await asyncio.wait_for(asyncio.gather(producer.close(), producer.close()), 10)
+        await asyncio.wait_for(asyncio.gather(*senders), 10)
+        assert sum(taken) > 0
+        assert producer.acked == sum(taken)
+        assert producer.unacked_records() == []
+        assert len(refused) == 8
+        assert {str(exc) for exc in refused} <= {"producer is closing", "producer is closed"}
+
+
+async def test_sync_producer_sends_from_other_threads_racing_a_close_are_refused(tmp_path: Path) -> None:
+    async with running_server(tmp_path) as server:
+
+        def run() -> tuple[int, int, list[str]]:
+            producer = SyncProducer(f"127.0.0.1:{server.port}", "s")
+            taken = [0] * 8
+            errors: list[str] = []
+
+            def sender(i: int) -> None:
+                try:
+                    while True:
+                        producer.send_many([b"t%d" % i] * 10)
+                        taken[i] += 10
+                except ProducerClosedError as exc:
+                    errors.append(str(exc))
+
+            threads = [threading.Thread(target=sender, args=(i,)) for i in range(8)]
+            for thread in threads:
+                thread.start()
+            time.sleep(0.2)
+            producer.close(10)
+            for thread in threads:
+                thread.join(10)
+            assert not any(thread.is_alive() for thread in threads)
+            return sum(taken), producer.acked, errors
+
+        taken, acked, errors = await asyncio.to_thread(run)
+        assert taken > 0
+        assert acked == taken
+        assert len(errors) == 8
+        assert set(errors) <= {"producer is closing", "producer is closed"}
