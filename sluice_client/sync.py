@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Coroutine, Sequence
 from types import TracebackType
@@ -15,6 +17,10 @@ from sluice_client.producer import Producer, check_timeout
 
 T = TypeVar("T")
 
+_STOP_GRACE = 5.0
+"""Seconds the loop's stop waits for calls other threads handed over before it (they end at once on a
+closed producer)."""
+
 
 class SyncProducer:
     """Blocking facade over Producer. Same arguments; every method blocks until done (the constructor
@@ -25,6 +31,12 @@ class SyncProducer:
 
     def __init__(self, target: str | Sequence[str], stream: str, **kwargs: Any) -> None:
         self._loop = asyncio.new_event_loop()
+        # calls from other threads racing the loop's stop: a call handed to a stopped loop never ran
+        # and its thread waited for good; under the lock a call is handed over or refused, and the
+        # stop fails the ones handed over that the loop did not finish
+        self._lock = threading.Lock()
+        self._stopping = False
+        self._calls: set[concurrent.futures.Future[Any]] = set()
         self._thread = threading.Thread(target=self._loop.run_forever, name="sluice-producer", daemon=True)
         self._thread.start()
         try:  # a bad argument too: the loop's thread would run for ever
@@ -39,10 +51,17 @@ class SyncProducer:
         return Producer(target, stream, **kwargs)  # created on the loop that will use it
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        if self._loop.is_closed():  # closed or aborted: as the async Producer says then
-            coro.close()
-            raise ProducerClosedError("producer is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        with self._lock:
+            if self._stopping:  # closed or aborted: as the async Producer says then
+                coro.close()
+                raise ProducerClosedError("producer is closed")
+            call = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            self._calls.add(call)
+        try:
+            return call.result()
+        finally:
+            with self._lock:
+                self._calls.discard(call)
 
     def send(self, value: bytes, key: bytes | None = None) -> None:
         self._run(self._producer.send(value, key))
@@ -104,14 +123,14 @@ class SyncProducer:
         async def take() -> list[tuple[bytes, bytes | None]]:
             return self._producer.unacked_records()
 
-        if self._loop.is_closed():  # after close: nothing changes them any more
+        if self._stopping:  # after close: nothing changes them any more
             return self._producer.unacked_records()
         return self._run(take())
 
     def abort(self) -> list[tuple[bytes, bytes | None]]:
         """End the session now, dropping what is not acked; return those records, (value, key) in
         order (Producer.abort). After close() or abort(): the records that were never acked."""
-        if self._loop.is_closed():
+        if self._stopping:
             return self._producer.unacked_records()
         try:
             return self._run(self._producer.abort())
@@ -122,7 +141,7 @@ class SyncProducer:
         """Flush, complete and stop; raises UnackedRecordsError (with `.records`) when records remain
         unacked, as Producer.close does."""
         check_timeout(timeout)  # before the loop stops: a bad timeout leaves the producer usable
-        if not self._loop.is_running():
+        if self._stopping:
             return
         try:
             self._run(self._producer.close(timeout))
@@ -130,9 +149,22 @@ class SyncProducer:
             self._stop_loop()
 
     def _stop_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
+        with self._lock:
+            stopping, self._stopping = self._stopping, True
+            handed = list(self._calls)
+        if not stopping:
+            # calls of other threads handed over before: the producer is closed, they end at once
+            # (ProducerClosedError); stopped first, the loop would never have run them
+            concurrent.futures.wait(handed, timeout=_STOP_GRACE)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()  # also when another thread stops it: return once it has
+        with self._lock:
+            unfinished, self._calls = self._calls, set()
+            if not self._loop.is_closed():
+                self._loop.close()
+        for call in unfinished:  # still running when the loop stopped: they never end
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                call.set_exception(ProducerClosedError("producer is closed"))
 
     def __enter__(self) -> SyncProducer:
         return self

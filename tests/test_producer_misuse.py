@@ -224,3 +224,36 @@ async def test_sync_producer_sends_from_other_threads_racing_a_close_are_refused
         assert acked == taken
         assert len(errors) == 8
         assert set(errors) <= {"producer is closing", "producer is closed"}
+
+
+async def test_sync_producer_calls_from_other_threads_as_its_loop_stops_end(tmp_path: Path) -> None:
+    """A call handed to the SyncProducer's loop just as close() stopped it (after the close itself had
+    ended) never ran: its thread waited for good. Each such call raises ProducerClosedError now."""
+    async with running_server(tmp_path) as server:
+
+        def run() -> tuple[int, list[str]]:
+            producer = SyncProducer(f"127.0.0.1:{server.port}", "s", linger=0)
+            errors: list[str] = []
+
+            def sender() -> None:
+                refused = 0
+                while refused < 500:  # goes on calling after close(), as a careless thread may
+                    try:
+                        producer.send(b"x")
+                    except ProducerClosedError as exc:
+                        refused += 1
+                        errors.append(type(exc).__name__)
+
+            threads = [threading.Thread(target=sender, daemon=True) for _ in range(6)]
+            for thread in threads:
+                thread.start()
+            time.sleep(0.05)
+            producer.close(10)
+            for thread in threads:
+                thread.join(10)
+            return sum(thread.is_alive() for thread in threads), errors
+
+        hung, errors = await asyncio.to_thread(run)
+        assert hung == 0
+        assert set(errors) == {"ProducerClosedError"}
+        assert len(errors) == 6 * 500
