@@ -50,7 +50,8 @@ import numbers
 import random
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from types import TracebackType
 from typing import Any
 
@@ -616,6 +617,27 @@ def _failure_of(exc: BaseException, where: str) -> SluiceError:
     error = ProducerClosedError(f"producer failed: its {where} raised {exc!r}")
     error.__cause__ = exc
     return error
+
+
+def _check_sequence(records: object, what: str) -> None:
+    """TypeError unless send_many's `records` (`what`: "values" or "keys") is a sequence it can slice,
+    one item a record: not an iterator (no len), a dict or a set (a slice of them failed: "unhashable
+    type: 'slice'"), nor one record's bytes or str (a sequence of ints or characters)."""
+    kind = type(records).__name__
+    if isinstance(records, str | bytes | bytearray | memoryview):
+        raise TypeError(
+            f"send_many takes a sequence of records (a list or tuple) as {what}, not one {kind}: "
+            "give [record], or use send() for one record"
+        )
+    if isinstance(records, Mapping):
+        hint = "give list(d.values()) for its values"
+    elif isinstance(records, AbstractSet):
+        hint = "give a list in the order the records go"
+    elif not (hasattr(records, "__getitem__") and hasattr(records, "__len__")):
+        hint = "give list(...) of an iterator, or use publish() to pull from one as credit comes"
+    else:
+        return
+    raise TypeError(f"send_many takes a sequence of records (a list or tuple) as {what}, not {kind}; {hint}")
 
 
 def _closed_with(unacked: int) -> ProducerClosedError:
@@ -1260,13 +1282,10 @@ class Producer:
 
     async def send_many(self, values: Sequence[bytes], keys: Sequence[bytes | None] | None = None) -> None:
         """Queue many records at once; cheaper per record than send()."""
-        try:
-            count = len(values)
-        except TypeError:  # a generator or another iterator: Python's own message names no fix
-            raise TypeError(
-                f"send_many takes a sequence of records (a list or tuple), not {type(values).__name__}; "
-                "give list(...) of an iterator, or use publish() to pull from one as credit comes"
-            ) from None
+        _check_sequence(values, "values")
+        if keys is not None:
+            _check_sequence(keys, "keys")
+        count = len(values)
         if keys is not None and len(keys) != count:
             raise ValueError(f"{len(keys)} keys for {count} values")
         self._check_open()  # no records either: a closed producer says so, as send() does

@@ -257,3 +257,30 @@ async def test_sync_producer_calls_from_other_threads_as_its_loop_stops_end(tmp_
         assert hung == 0
         assert set(errors) == {"ProducerClosedError"}
         assert len(errors) == 6 * 500
+
+
+@pytest.mark.parametrize(
+    ("values", "keys", "message"),
+    [
+        ({b"a": b"1"}, None, r"as values, not dict; give list\(d\.values\(\)\)"),
+        ({b"a", b"b"}, None, r"as values, not set; give a list"),
+        (b"abc", None, r"as values, not one bytes: give \[record\], or use send\(\)"),
+        ("abc", None, r"as values, not one str"),
+        ([b"a"], {b"k": 1}, r"as keys, not dict"),
+        ([b"a"], b"k", r"as keys, not one bytes"),
+    ],
+)
+async def test_send_many_refuses_what_is_not_a_sequence_of_records(
+    tmp_path: Path, values: Any, keys: Any, message: str
+) -> None:
+    """send_many({...}) said "unhashable type: 'slice'"; send_many(b"abc") or keys=b"k" were taken as
+    records of ints and failed the producer when their batch was encoded."""
+    async with running_server(tmp_path) as server, Producer(f"127.0.0.1:{server.port}", "s") as producer:
+        with pytest.raises(
+            TypeError, match=rf"^send_many takes a sequence of records \(a list or tuple\) {message}"
+        ):
+            await producer.send_many(values, keys)
+        assert producer.unacked == 0
+        await producer.send_many([b"a"], [b"k"])  # the producer goes on
+        await producer.flush(10)
+        assert producer.acked == 1
