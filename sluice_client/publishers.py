@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import numbers
 import threading
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
@@ -77,6 +78,16 @@ def _require(value: object, what: str) -> None:
     """Rules 1.9, 2.13: None is never a subscriber, subscription, item or error (Java throws NPE)."""
     if value is None:
         raise TypeError(f"{what} must not be None (Reactive Streams rule 2.13)")
+
+
+def count_arg(value: object, name: str) -> int:
+    """`value`, a count of items, as an int >= 1: TypeError for a float (NaN passed `< 1` and the
+    buffer then said "nan items were already waiting"), a bool or another type; ValueError below 1."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} ({value!r})")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return int(value)
 
 
 def _call(signal: Callable[..., None], *args: object) -> bool:
@@ -335,9 +346,7 @@ class BufferedPublisher(Generic[T]):
         on_drop: Callable[[int], None] | None = None,
         on_close: Callable[[], None] | None = None,
     ) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self.capacity = capacity
+        self.capacity = count_arg(capacity, "capacity")
         self.overflow = overflow
         self.dropped = 0
         """Items lost to overflow (ERROR: the one refused; the DROP strategies and LATEST: each evicted)."""

@@ -19,7 +19,13 @@ from reactivex import Observable, abc
 from reactivex.disposable import Disposable, SingleAssignmentDisposable
 
 from sluice_client.flow import Publisher, Subscriber, Subscription
-from sluice_client.publishers import BufferedPublisher, IterablePublisher, OverflowStrategy, _require
+from sluice_client.publishers import (
+    BufferedPublisher,
+    IterablePublisher,
+    OverflowStrategy,
+    _require,
+    count_arg,
+)
 
 __all__ = ["ObservablePublisher", "from_async_iterable", "from_observable", "to_observable"]
 
@@ -203,8 +209,7 @@ def to_observable(publisher: Publisher[T], *, request: int = 64) -> Observable[T
     requested ahead of the observer. Disposing cancels the Flow subscription (from any thread). Subscribe
     on the event loop thread.
     """
-    if request < 1:
-        raise ValueError(f"request must be >= 1, got {request}")
+    request = count_arg(request, "request")
 
     def subscribe(
         observer: abc.ObserverBase[T], scheduler: abc.SchedulerBase | None = None

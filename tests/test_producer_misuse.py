@@ -12,10 +12,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+import reactivex
 from support import running_server
 
-from sluice_client import Producer, SyncProducer
+from sluice_client import Producer, SyncProducer, publish, rx
 from sluice_client.errors import ProducerClosedError, UnackedRecordsError
+from sluice_client.publishers import IterablePublisher
 
 
 @pytest.mark.parametrize(
@@ -284,3 +286,26 @@ async def test_send_many_refuses_what_is_not_a_sequence_of_records(
         await producer.send_many([b"a"], [b"k"])  # the producer goes on
         await producer.flush(10)
         assert producer.acked == 1
+
+
+@pytest.mark.parametrize(
+    ("count", "error", "message"),
+    [
+        (math.nan, TypeError, r"must be an int, not float \(nan\)$"),
+        (1.5, TypeError, r"must be an int, not float \(1\.5\)$"),
+        (math.inf, TypeError, r"must be an int, not float \(inf\)$"),
+        (True, TypeError, r"must be an int, not bool \(True\)$"),
+        (0, ValueError, r"must be >= 1, got 0$"),
+    ],
+)
+def test_reactive_buffer_sizes_are_whole_counts(count: Any, error: type[Exception], message: str) -> None:
+    """from_observable(capacity=nan) was taken, and its buffer then failed the stream with "nan items
+    were already waiting"; to_observable(request=nan) passed its `< 1` check too."""
+    source = reactivex.from_iterable([b"x"])
+    with pytest.raises(error, match=rf"^capacity {message}"):
+        rx.from_observable(source, capacity=count)
+    with pytest.raises(error, match=rf"^capacity {message}"):
+        publish.from_observable(source, capacity=count)
+    with pytest.raises(error, match=rf"^request {message}"):
+        rx.to_observable(IterablePublisher([b"x"]), request=count)
+    assert rx.from_observable(source, capacity=np.int64(3)) is not None
