@@ -1496,6 +1496,8 @@ class Producer:
     def _check_open(self) -> None:
         if self._error is not None:
             raise self._error
+        if self._state is _State.NEW:
+            raise ProducerClosedError("producer not started")  # as flush() says
         if self._state is not _State.OPEN:
             raise ProducerClosedError(f"producer is {self._state.value}")
 

@@ -16,7 +16,7 @@ from typing import TypeAlias
 
 from reactivex import Observable
 
-from sluice_client.errors import ProducerClosedError, SluiceError
+from sluice_client.errors import SluiceError
 from sluice_client.flow import Publisher, Subscription
 from sluice_client.metrics import RECORDS_DROPPED
 from sluice_client.producer import Producer
@@ -108,8 +108,8 @@ async def publish(
     Raises the publisher's error if it fails (what it emitted before is still sent), or the producer's
     error. Cancelling the call cancels the upstream subscription.
     """
-    if producer.room < 0:
-        raise ProducerClosedError("producer not started")
+    if producer.room < 0:  # not started, closing or closed, or failed: say which
+        producer.check_open()
     bridge = _Bridge(producer)
     remove = producer.on_room(bridge.top_up)
     # the bridge asks for more only as acks make room: a producer that fails or is closed meanwhile

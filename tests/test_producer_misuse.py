@@ -309,3 +309,17 @@ def test_reactive_buffer_sizes_are_whole_counts(count: Any, error: type[Exceptio
     with pytest.raises(error, match=rf"^request {message}"):
         rx.to_observable(IterablePublisher([b"x"]), request=count)
     assert rx.from_observable(source, capacity=np.int64(3)) is not None
+
+
+async def test_publish_on_a_producer_that_cannot_take_records_says_why(tmp_path: Path) -> None:
+    """publish() on a closed producer said "producer not started"."""
+    with pytest.raises(ProducerClosedError, match=r"^producer not started$"):
+        await publish.publish(Producer("127.0.0.1:1", "s"), IterablePublisher([b"a"]))
+    async with running_server(tmp_path) as server:
+        producer = Producer(f"127.0.0.1:{server.port}", "s")
+        await producer.start()
+        await producer.close()
+        with pytest.raises(ProducerClosedError, match=r"^producer is closed$"):
+            await publish.publish(producer, IterablePublisher([b"a"]))
+        with pytest.raises(ProducerClosedError, match=r"^producer not started$"):
+            await Producer("127.0.0.1:1", "s").send(b"a")  # it said "producer is new"
