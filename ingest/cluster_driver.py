@@ -52,9 +52,16 @@ from ingest.rate_controller import RateController
 from ingest.rate_memory import RateMemory
 from ingest.rate_service import RateControlService
 from ingest.reflection import enable_reflection
-from ingest.spark.cluster_source import BlocksClient, DriverFencedError, nest, split_key
+from ingest.spark.cluster_source import (
+    BlocksClient,
+    ClusterRefusedError,
+    DriverFencedError,
+    nest,
+    split_key,
+)
 from ingest.spark.listener import BatchCompleted
 from ingest.spark.source import (
+    OPTION_DRIVER_ID,
     OPTION_MAX_RECORDS,
     OPTION_RATE_CA_FILE,
     OPTION_RATE_CERT_FILE,
@@ -303,7 +310,7 @@ class ClusterDriver:
             query_name=QUERY_NAME,
             rate_target=self.rate_target,
             release=self.release,
-            source_options=config.source_options(),
+            source_options={**config.source_options(), OPTION_DRIVER_ID: self.blocks.driver_id or ""},
         )
         driver.on_batch(lambda batch: self._on_batch(batch, loop))
         self.spark_driver = driver
@@ -399,6 +406,8 @@ class ClusterDriver:
         if self._metrics is not None:
             self._metrics.close()
             self._metrics = None
+        if self.blocks.fenced is None:  # a replacement need not wait out the lease
+            await asyncio.to_thread(self.blocks.give_back)
         self.blocks.close()
 
 
@@ -506,6 +515,13 @@ async def _run(driver: ClusterDriver, stop: asyncio.Event, session: Callable[[],
         except DriverFencedError as exc:
             say(
                 f"cannot start the driver: another driver holds the receiver nodes: {exc}",
+                level=logging.ERROR,
+            )
+            return 1
+        except ClusterRefusedError as exc:  # every node that answered refused its credentials
+            say(
+                "cannot start the driver: the receiver nodes refused its credentials (--peer-token-file's "
+                f"principal needs the consumer and operator roles): {'; '.join(exc.refusals)}",
                 level=logging.ERROR,
             )
             return 1

@@ -28,7 +28,7 @@ import pyarrow as pa
 
 from receivers.block import BLOCK_SCHEMA, BlockInfo
 from receivers.block_store import BlockStore, release_below
-from receivers.cluster import DRIVER_HEADER, DRIVER_LEASE_HELD, REFUSAL_HEADER
+from receivers.cluster import DRIVER_HEADER, DRIVER_LEASE_HELD, DRIVER_LEAVING_HEADER, REFUSAL_HEADER
 from receivers.errors import shown
 from receivers.receiver import Receiver
 from receivers.replica_store import ReplicaStore
@@ -74,8 +74,13 @@ class BlocksService:
     async def _hold(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """Take or renew the calling driver's lease (a call naming no driver: nothing to do); abort the
         call FAILED_PRECONDITION if another driver holds this node."""
-        driver = next((str(v) for k, v in context.invocation_metadata() or () if k == DRIVER_HEADER), "")
+        metadata = dict(context.invocation_metadata() or ())
+        driver = str(metadata.get(DRIVER_HEADER, ""))
         if not driver:
+            return
+        if metadata.get(DRIVER_LEAVING_HEADER) == "1":  # given back (only by its holder)
+            if self._lease is not None and self._lease.driver == driver:
+                self._lease = None
             return
         if len(driver) > MAX_DRIVER_ID:
             await context.abort(

@@ -25,6 +25,9 @@ consumes a cluster: receivers.blocks_service refuses a second while the first ho
 REFUSAL_HEADER = "sluice-refusal"
 """Trailing metadata of a refusal that is no outage: DRIVER_LEASE_HELD when another driver holds the node."""
 DRIVER_LEASE_HELD = "driver-lease"
+DRIVER_LEAVING_HEADER = "sluice-driver-leaving"
+"""Call metadata ("1") of a driver's ListPartitions that gives its lease back: it stops, or another
+driver holds other nodes (a node a refused driver took would lock the running one out)."""
 
 
 class ClusterConfigError(ValueError):

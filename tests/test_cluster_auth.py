@@ -284,3 +284,25 @@ async def test_a_consumer_token_removed_on_reload_ends_its_read_before_the_next_
             assert got < 2000
             kept = stub.ReadBlocks(request, metadata=bearer("executor"))
             assert sum([chunk.count async for chunk in kept]) == 2000
+
+
+async def test_a_driver_whose_credentials_the_nodes_refuse_stops_at_start_with_one_line(
+    tmp_path: Path, cluster: dict[int, SluiceServer], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The driver claims the nodes (one driver per cluster) before anything starts: a token of the
+    wrong role was refused there, and the ClusterRefusedError escaped as a traceback."""
+    import types
+
+    from ingest.cluster_driver import ClusterDriver, DriverConfig, _run
+
+    token = tmp_path / "app.token"
+    token.write_text(TOKENS["app"])  # a producer's token: not consumer and operator
+    token.chmod(0o600)
+    nodes = {node_id: f"127.0.0.1:{server.port}" for node_id, server in cluster.items()}
+    config = DriverConfig(nodes=nodes, streams=("s",), data_dir=tmp_path / "driver", token_file=token)
+    driver = ClusterDriver(config)
+    no_spark = types.SimpleNamespace(stop=lambda: None)  # refused before the query would need Spark
+    assert await _run(driver, asyncio.Event(), lambda: no_spark) == 1
+    said = capsys.readouterr().err
+    assert "cannot start the driver: the receiver nodes refused its credentials" in said, said
+    assert "PERMISSION_DENIED" in said and "Traceback" not in said, said

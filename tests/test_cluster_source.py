@@ -378,7 +378,18 @@ async def test_one_driver_holds_the_nodes_until_its_lease_lapses(
         first = BlocksClient(targets, Credentials(), driver_id=first_id)
         second = BlocksClient(targets, Credentials(), driver_id=driver_id(tmp_path / "second"))
         anyone = BlocksClient(targets, Credentials())  # `sluice status`, a peer: no driver named
+        only_node_0 = BlocksClient({0: targets[0]}, Credentials(), driver_id="0" * 32)
+        only_node_1 = BlocksClient({1: targets[1]}, Credentials(), driver_id="1" * 32)
         try:
+            # refused by one node, a driver gives back what the others granted: it would lock the one
+            # running out of them (both down)
+            await asyncio.to_thread(only_node_0.view, ["s"], seal=False)
+            with pytest.raises(DriverFencedError):
+                await asyncio.to_thread(first.view, ["s"], seal=False)
+            await asyncio.to_thread(only_node_1.view, ["s"], seal=False)  # node 1 was given back
+            for client in (only_node_0, only_node_1):  # a stopping driver gives its leases back
+                await asyncio.to_thread(client.give_back)
+            first.fenced = None
             await asyncio.to_thread(first.view, ["s"], seal=False)
             with pytest.raises(DriverFencedError) as held:
                 await asyncio.to_thread(second.view, ["s"], seal=False)
@@ -402,7 +413,7 @@ async def test_one_driver_holds_the_nodes_until_its_lease_lapses(
             await asyncio.to_thread(first.release, {"s": {"0": 0}})
             assert first.fenced is not None and "another driver" in first.fenced, first.fenced
         finally:
-            for client in (first, second, anyone):
+            for client in (first, second, anyone, only_node_0, only_node_1):
                 client.close()
 
 

@@ -27,6 +27,7 @@ where they are used, the planning worker and each task: they must be there on th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -45,6 +46,7 @@ from pyspark.sql.streaming.datasource import (
 )
 
 from ingest.spark.source import (
+    OPTION_DRIVER_ID,
     OPTION_RECEIVERS,
     OPTION_STARTING_OFFSETS,
     LiveCapPlanning,
@@ -58,6 +60,7 @@ from ingest.spark.source import (
 from receivers.cluster import (
     DRIVER_HEADER,
     DRIVER_LEASE_HELD,
+    DRIVER_LEAVING_HEADER,
     REFUSAL_HEADER,
     ClusterConfigError,
     parse_nodes,
@@ -108,6 +111,9 @@ class PartitionUnreadableError(RuntimeError):
 
 class ClusterRefusedError(RuntimeError):
     """Every receiver node that answered refused the source's credentials: no batch can ever read."""
+
+    refusals: list[str]
+    """Each node's refusal, "node N (target): CODE: details"."""
 
 
 _REFUSED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
@@ -304,6 +310,8 @@ class ClusterStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigg
 
     def __init__(self, options: Mapping[str, str]) -> None:
         self.nodes = parse_receivers(_required(options, OPTION_RECEIVERS))
+        # a cluster driver's id: the source's planning and releases are the driver's, held to its lease
+        self.driver_id = options.get(OPTION_DRIVER_ID) or None
         self._read_planning_options(options)
         self._available_now_target: FlatOffset | None = None
         self._weights_for: Sequence[str] = ()  # the partition keys _stream_weights shares weights over
@@ -319,7 +327,7 @@ class ClusterStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigg
     @property
     def client(self) -> BlocksClient:
         if self._client is None:
-            self._client = BlocksClient(self.nodes, credentials_from(self.rate_files))
+            self._client = BlocksClient(self.nodes, credentials_from(self.rate_files), self.driver_id)
         return self._client
 
     # ---- offsets (driver-side worker) ---------------------------------------------------------
@@ -465,13 +473,16 @@ class BlocksClient:
             view.add(response, streams)
         if held:
             self.fenced = "; ".join(held)
+            self.give_back()  # the nodes that took this driver would lock the one running out
             raise DriverFencedError(self.fenced)
         if refused and not view.answered:
             # not an outage that passes: a query that went on would read nothing, silently, for ever
-            raise ClusterRefusedError(
+            error = ClusterRefusedError(
                 "sluice source: the receiver nodes refused the source's credentials (the rateTokenFile "
                 "option's principal needs the consumer and operator roles): " + "; ".join(refused)
             )
+            error.refusals = refused
+            raise error
         return view
 
     def _list(
@@ -481,6 +492,21 @@ class BlocksClient:
             request, timeout=timeout, metadata=self._driver_metadata()
         )
         return response
+
+    def give_back(self, timeout: float = 2.0) -> None:
+        """Give this driver's lease back on every node that answers (best effort): it stops, or it was
+        refused by some node and must not hold the others."""
+        if not self.driver_id:
+            return
+        leaving = (*self._driver_metadata(), (DRIVER_LEAVING_HEADER, "1"))
+        request = pb.ListPartitionsRequest()
+
+        def give(node_id: int) -> None:
+            self._stubs[node_id].ListPartitions(request, timeout=timeout, metadata=leaving)
+
+        for call in [self._pool.submit(give, n) for n in self.nodes]:
+            with contextlib.suppress(grpc.RpcError):  # down: its lease lapses on its own
+                call.result()
 
     def _driver_metadata(self) -> tuple[tuple[str, str], ...]:
         """The credentials' metadata, and the driver's id if this client is a driver's."""

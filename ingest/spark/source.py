@@ -170,6 +170,9 @@ OPTION_RATE_CA_FILE = "rateCaFile"
 OPTION_RATE_CERT_FILE = "rateCertFile"
 """PEM client certificate (with rateKeyFile) for a rate server that wants mutual TLS."""
 OPTION_RATE_KEY_FILE = "rateKeyFile"
+OPTION_DRIVER_ID = "driverId"
+"""A cluster driver's id (ingest.cluster_driver.driver_id): the cluster source's ListPartitions and
+ReleaseBlocks carry it, so the nodes hold them to that driver's lease (receivers.blocks_service)."""
 OPTION_RATE_TOKEN_FILE = "rateTokenFile"  # noqa: S105 - an option's name
 """A file holding the bearer token of a principal with the operator role (GetRate, StartBatch): a
 path, not the token, so that the token never shows in the query's plan, UI or logs. Read by the
