@@ -444,6 +444,12 @@ async def run_driver(
     with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread: `stop` only
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        # `sluice serve` ignores SIGHUP while it starts; a receiver reloads its files on it, the driver
+        # does not: said, rather than ignored without a word
+        loop.add_signal_handler(
+            signal.SIGHUP,
+            lambda: log.warning("SIGHUP: the driver does not re-read its files; restart it to take new ones"),
+        )
     try:
         driver = ClusterDriver(config)
     except ValueError as exc:  # a credentials file, the auth file

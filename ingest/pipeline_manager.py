@@ -350,7 +350,10 @@ class PipelineManager:
     def _on_batch(self, batch: BatchCompleted) -> None:
         self._batches[batch.run_id] = batch
         self._batch_seen.set()
-        if self._trial is not None:
+        # not while a swap runs: a keep_state swap's new query commits into the reset generation's
+        # checkpoint, and promoting then would overwrite the swap's own trial in pipeline.json (the
+        # swap's boundary promotes what the reset generation committed before it stopped)
+        if self._trial is not None and self._state != "swapping":
             self._promote_if_committed()
 
     # ---- PipelineControl -------------------------------------------------------------------------
