@@ -991,6 +991,7 @@ class Producer:
         self._error: SluiceError | None = None
         self._changed = asyncio.Event()
         self._torn_down = asyncio.Event()  # set once closed or aborted: a second close() waits for it
+        self._close_error: BaseException | None = None  # what the close() under way raised, for a second
         self._tasks: list[asyncio.Task[None]] = []
         self._starting: asyncio.Task[Any] | None = None
         """The task running start() while it tries to open the first session."""
@@ -1199,8 +1200,13 @@ class Producer:
         error that stopped delivery. A failure with nothing left unacked raises that error itself.
         """
         check_timeout(timeout)  # before anything changes: a bad one leaves the producer as it was
-        if self._state is _State.CLOSING:  # another close() is under way: done when it is
+        if self._state is _State.CLOSING:  # another close() is under way: done when it is, as it is
             await self._torn_down.wait()
+            failed = self._close_error
+            if isinstance(failed, UnackedRecordsError):  # this caller too must not take it as delivered
+                raise UnackedRecordsError(failed.records, failed.first_seq, failed) from failed
+            if isinstance(failed, Exception):
+                raise ProducerClosedError(f"the close() under way failed: {failed}") from failed
             return
         if self._state is _State.CLOSED:
             return
@@ -1235,6 +1241,9 @@ class Producer:
                 if self.unacked:
                     raise UnackedRecordsError(self.unacked_records(), self._acked_seq, exc) from exc
                 raise
+        except BaseException as exc:
+            self._close_error = exc
+            raise
         finally:
             await self._teardown()
 

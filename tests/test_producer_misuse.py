@@ -323,3 +323,18 @@ async def test_publish_on_a_producer_that_cannot_take_records_says_why(tmp_path:
             await publish.publish(producer, IterablePublisher([b"a"]))
         with pytest.raises(ProducerClosedError, match=r"^producer not started$"):
             await Producer("127.0.0.1:1", "s").send(b"a")  # it said "producer is new"
+
+
+async def test_a_second_close_meanwhile_raises_what_the_first_raised(tmp_path: Path) -> None:
+    """A close() that waited for another one under way returned None when that one failed: its caller
+    took the records as delivered."""
+    async with running_server(tmp_path) as server:
+        producer = Producer(f"127.0.0.1:{server.port}", "s")
+        await producer.start()
+        await producer.send_many([b"x" * 100] * 50_000)
+        first, second = await asyncio.gather(
+            producer.close(timeout=0), producer.close(), return_exceptions=True
+        )
+        assert isinstance(first, UnackedRecordsError), first
+        assert isinstance(second, UnackedRecordsError), second
+        assert second.unacked == first.unacked > 0 and second.records == first.records
