@@ -328,6 +328,37 @@ async def test_a_reset_pipeline_is_a_trial_until_its_first_batch(spark: Any, tmp
         assert sorted(offsets) == list(range(sent))  # each acked record once, across the sinks
 
 
+async def test_an_idle_reset_pipeline_is_kept_once_it_found_nothing_to_read(
+    spark: Any, tmp_path: Path
+) -> None:
+    """A review's worry: a reset generation with nothing to read commits no batch, so it would stay a
+    trial for good and the next start without the flag would go back to the pipeline it replaced.
+    With real Spark it is not so: the new query's first trigger commits batch 0 (at the offsets it
+    starts from), and that keeps it."""
+
+    def saved() -> Any:
+        return json.loads((tmp_path / "pipeline.json").read_text())
+
+    async with service(spark, tmp_path, pipeline="swap_pipelines:tag_a") as server:
+        view = await admin(server).SwapPipeline(pb.SwapPipelineRequest(pipeline="swap_pipelines:tag_b"))
+        assert view.generation == 1 and view.last_swap.outcome == "done", view.last_swap
+        load = Load(server.target, "events")  # generation 1 commits batches: the reset starts at their end
+        pushing = asyncio.create_task(load.run())
+        await asyncio.sleep(1)
+        load.stop()
+        await pushing
+        await wait_for_offsets(spark, load.sent, tmp_path / "sink", Path(view.sink_dir))
+    async with service(spark, tmp_path, pipeline="swap_pipelines:tag_a", reset_pipeline=True):
+        deadline = time.monotonic() + 60
+        while saved()["trial"]:
+            assert time.monotonic() < deadline, saved()
+            await asyncio.sleep(0.2)
+    assert (saved()["current"]["spec"], saved()["current"]["number"]) == ("swap_pipelines:tag_a", 2)
+    async with service(spark, tmp_path, pipeline="swap_pipelines:tag_a") as server:
+        view = await admin(server).GetPipeline(pb.GetPipelineRequest())
+        assert (view.pipeline, view.generation, view.state) == ("swap_pipelines:tag_a", 2, "running")
+
+
 @pytest.mark.parametrize(
     "late",
     [
