@@ -1879,7 +1879,12 @@ def _config_set(args: argparse.Namespace) -> int:
 def _config_reset(args: argparse.Namespace) -> int:
     request = pb.SetConfigRequest(reset=args.keys)
     return _show_config(
-        _unary(args, "config reset", lambda ch, md: pb_grpc.AdminStub(ch).SetConfig(request, metadata=md))
+        _unary(
+            args,
+            "config reset",
+            lambda ch, md: pb_grpc.AdminStub(ch).SetConfig(request, metadata=md),
+            timeout=300,  # as config set: resetting the trigger interval restarts the query
+        )
     )
 
 
