@@ -65,6 +65,10 @@ class ProtocolError(SluiceError):
 class ProducerClosedError(SluiceError):
     """The producer takes no more records: it was closed or it failed."""
 
+    taken: int = 0
+    """For send_many/send_packed: how many of the call's first records were queued before it was
+    refused part way (waiting for room in the buffer). Those are sent as any queued record."""
+
 
 class RecordTypeError(SluiceError, TypeError):
     """A record's value or key is not bytes (send_many takes them unchecked: it is found when the batch

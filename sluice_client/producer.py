@@ -1306,7 +1306,7 @@ class Producer:
         ends: npt.NDArray[np.int64] | None = None  # bytes before each record: made if the bound may cut
         start = 0
         while start < count:
-            await self._room_for(1)
+            await self._room_for_more(start, count)
             end = min(count, start + self.max_buffered - self._held)
             room = self._bytes_room()
             if room < math.inf and (ends is not None or total - given > room):
@@ -1358,7 +1358,7 @@ class Producer:
         ends: npt.NDArray[np.int64] | None = None  # bytes before each record: made if the bound may cut
         start = 0
         while start < count:
-            await self._room_for(1)
+            await self._room_for_more(start, count)
             end = min(count, start + self.max_buffered - self._held)
             room = self._bytes_room()
             rest = int(bounds[count] - bounds[start])  # the rest's bytes: no array unless it may not fit
@@ -1447,6 +1447,23 @@ class Producer:
         unregisters."""
         self._room_listeners.append(callback)
         return lambda: self._room_listeners.remove(callback)
+
+    async def _room_for_more(self, taken: int, count: int) -> None:
+        """_room_for(1) within a call queuing `count` records, `taken` of them already queued: a close
+        or a failure that ends the wait says how many of the call's records were taken (queued, so
+        delivered by the flush or listed by close()'s UnackedRecordsError), so a caller that sends them
+        elsewhere does not send those twice. `ProducerClosedError.taken` holds the count."""
+        try:
+            await self._room_for(1)
+        except ProducerClosedError as exc:
+            if not taken:
+                raise
+            error = ProducerClosedError(
+                f"{exc}; the first {taken} of this call's {count} records were taken before it (sent "
+                f"as any queued record), the other {count - taken} were not"
+            )
+            error.taken = taken
+            raise error from exc
 
     async def _room_for(self, n: int) -> None:
         self._check_open()

@@ -338,3 +338,20 @@ async def test_a_second_close_meanwhile_raises_what_the_first_raised(tmp_path: P
         assert isinstance(first, UnackedRecordsError), first
         assert isinstance(second, UnackedRecordsError), second
         assert second.unacked == first.unacked > 0 and second.records == first.records
+
+
+async def test_a_send_many_cut_short_by_close_says_how_many_it_took(tmp_path: Path) -> None:
+    """send_many waiting for room in the buffer was refused by a close() part way: some of its records
+    were queued (and delivered), the error did not say how many, so a caller that sent them elsewhere
+    sent those twice."""
+    async with running_server(tmp_path) as server:
+        producer = Producer(f"127.0.0.1:{server.port}", "s", max_buffered=100, batch_size=100)
+        await producer.start()
+        sending = asyncio.create_task(producer.send_many([b"r%d" % i for i in range(1_000_000)]))
+        await asyncio.sleep(0.3)
+        await producer.close()
+        with pytest.raises(ProducerClosedError, match="were taken before it") as cut:
+            await sending
+        assert 0 < cut.value.taken < 1_000_000
+        assert f"the first {cut.value.taken} of this call's 1000000 records" in str(cut.value)
+        assert producer.acked == cut.value.taken  # what it took, close() delivered
