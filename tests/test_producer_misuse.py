@@ -195,6 +195,19 @@ async def test_sends_racing_a_close_are_refused_and_what_was_taken_is_acked(tmp_
         assert {str(exc) for exc in refused} <= {"producer is closing", "producer is closed"}
 
 
+def close_racing(producer: SyncProducer, senders: list[Any], pause: float) -> int:
+    """Run each of `senders` in a thread of its own, close `producer` after `pause` s while they run;
+    how many threads are still alive 10 s after the close (hung)."""
+    threads = [threading.Thread(target=sender, daemon=True) for sender in senders]
+    for thread in threads:
+        thread.start()
+    time.sleep(pause)
+    producer.close(10)
+    for thread in threads:
+        thread.join(10)
+    return sum(thread.is_alive() for thread in threads)
+
+
 async def test_sync_producer_sends_from_other_threads_racing_a_close_are_refused(tmp_path: Path) -> None:
     async with running_server(tmp_path) as server:
 
@@ -211,14 +224,7 @@ async def test_sync_producer_sends_from_other_threads_racing_a_close_are_refused
                 except ProducerClosedError as exc:
                     errors.append(str(exc))
 
-            threads = [threading.Thread(target=sender, args=(i,)) for i in range(8)]
-            for thread in threads:
-                thread.start()
-            time.sleep(0.2)
-            producer.close(10)
-            for thread in threads:
-                thread.join(10)
-            assert not any(thread.is_alive() for thread in threads)
+            assert close_racing(producer, [lambda i=i: sender(i) for i in range(8)], 0.2) == 0
             return sum(taken), producer.acked, errors
 
         taken, acked, errors = await asyncio.to_thread(run)
@@ -246,14 +252,7 @@ async def test_sync_producer_calls_from_other_threads_as_its_loop_stops_end(tmp_
                         refused += 1
                         errors.append(type(exc).__name__)
 
-            threads = [threading.Thread(target=sender, daemon=True) for _ in range(6)]
-            for thread in threads:
-                thread.start()
-            time.sleep(0.05)
-            producer.close(10)
-            for thread in threads:
-                thread.join(10)
-            return sum(thread.is_alive() for thread in threads), errors
+            return close_racing(producer, [sender] * 6, 0.05), errors
 
         hung, errors = await asyncio.to_thread(run)
         assert hung == 0
