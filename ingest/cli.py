@@ -1036,23 +1036,45 @@ replication, the block log, the buffers and budgets, the intake's limits and per
 refused when given to one, which would run without them."""
 
 
-def _driver_ignores(args: argparse.Namespace) -> None:
-    """ConfigError naming the settings given to `sluice serve --role driver` (flag, environment or
-    config file) that a driver does not take."""
+RECEIVER_IGNORES = frozenset({"master", "pipeline", "reset-pipeline"})
+"""The settings of `sluice serve` a receiver node runs without (the query's: the driver runs it)."""
+
+
+def _given(args: argparse.Namespace, wanted: Callable[[str], bool]) -> str:
+    """The settings given to serve (flag, environment or config file) whose key `wanted` says, named as
+    the user wrote them, comma-separated ("" if none)."""
     keys = _serve_keys()
     given: dict[str, list[str]] = {}
     for key in keys.values():  # in the order of serve's flags
         origin = getattr(args, "origins", {}).get(key.dest)
-        if origin is None or origin.source not in (FLAG, ENV, FILE) or origin.key.name in DRIVER_KEYS:
+        if origin is None or origin.source not in (FLAG, ENV, FILE) or not wanted(origin.key.name):
             continue
         flags = [k.flag for k in keys.values() if k.dest == key.dest]
         given.setdefault(key.dest, ["/".join(flags) if origin.source == FLAG else origin.spelled])
-    if given:
-        named = ", ".join(name for names in given.values() for name in names)
-        them = "them" if len(given) > 1 else "it"
+    return ", ".join(name for names in given.values() for name in names)
+
+
+def _driver_ignores(args: argparse.Namespace) -> None:
+    """ConfigError naming the settings given to `sluice serve --role driver` (flag, environment or
+    config file) that a driver does not take."""
+    named = _given(args, lambda key: key not in DRIVER_KEYS)
+    if named:
+        them = "them" if "," in named else "it"
         raise ConfigError(
             f"--role driver does not use {named}: a driver would run without {them} (a receiver node's "
             f"or a single server's settings: give {them} to the nodes)"
+        )
+
+
+def _receiver_ignores(args: argparse.Namespace) -> None:
+    """ConfigError naming the query's settings given to `sluice serve --role receiver`: the driver runs
+    the query, a node would run without them."""
+    named = _given(args, lambda key: key in RECEIVER_IGNORES)
+    if named:
+        them = "them" if "," in named else "it"
+        raise ConfigError(
+            f"--role receiver does not use {named}: the cluster's driver runs the Spark query (give "
+            f"{them} to `sluice serve --role driver`)"
         )
 
 
@@ -1158,6 +1180,8 @@ def _rate_config(args: argparse.Namespace, receive_only: bool) -> RateConfig:
 def _serve_config(args: argparse.Namespace) -> ServeConfig:
     """The ServeConfig of serve's settings, checked as `sluice serve` checks them before it starts
     anything (the TLS files and the auth file too); ValueError (ConfigError) naming the user's keys."""
+    if args.role == "receiver":
+        _receiver_ignores(args)
     receive_only = args.no_spark or args.role != "single"
     receiver = _checked(
         args,

@@ -402,6 +402,31 @@ def test_config_check_shows_the_pipeline_a_swap_left_in_force(tmp_path: Path) ->
     assert "pipeline.json: not a pipeline state file" in result.stderr
 
 
+def test_a_receiver_node_refuses_the_querys_settings(tmp_path: Path) -> None:
+    """`serve --role receiver --pipeline X` ran without X and said nothing: the driver runs the query."""
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text("0 127.0.0.1:51101\n")
+    node = ["--role", "receiver", "--nodes", str(nodes), "--node-id", "0", "--port", "51101"]
+    node += ["--data-dir", str(tmp_path / "d")]
+    cases = [
+        (["--pipeline", "m:f"], clean_env(), "--pipeline"),
+        (["--master", "local[2]", "--reset-pipeline"], clean_env(), "--master, --reset-pipeline"),
+        ([], clean_env(SLUICE_PIPELINE="m:f"), "SLUICE_PIPELINE"),
+    ]
+    for flags, env, named in cases:
+        for command in (["config", "check"], ["serve"]):
+            argv = [*SLUICE, *command, *node, *flags]
+            result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
+            assert result.returncode == 2, (command, flags, result.stderr)
+            assert f"--role receiver does not use {named}: the cluster's driver runs" in result.stderr, (
+                command,
+                result.stderr,
+            )
+            assert "Traceback" not in result.stderr
+    result = check(*node, "--trigger-interval", "2")  # what a node takes passes
+    assert result.returncode == 0, result.stderr
+
+
 def test_a_driver_refuses_the_settings_it_would_run_without(tmp_path: Path) -> None:
     """`serve --role driver` and `config check --role driver` took --replication (and every other
     setting of a receiver node) and ran without it, without a word: a cluster's driver then looked
