@@ -1040,49 +1040,35 @@ RECEIVER_IGNORES = frozenset({"master", "pipeline", "reset-pipeline"})
 """The settings of `sluice serve` a receiver node runs without (the query's: the driver runs it)."""
 
 
-def _given(args: argparse.Namespace, wanted: Callable[[str], bool]) -> str:
-    """The settings given to serve (flag, environment or config file) whose key `wanted` says, named as
-    the user wrote them, comma-separated ("" if none)."""
+def _refuse_unused(args: argparse.Namespace, role: str, unused: Callable[[str], bool], why: str) -> None:
+    """ConfigError naming the settings given to `sluice serve --role ROLE` (flag, environment or config
+    file, as the user wrote them) whose key `unused` says the role runs without; `why` ends the message,
+    with {them} for "it" or "them"."""
     keys = _serve_keys()
-    given: dict[str, list[str]] = {}
+    given: dict[str, str] = {}
     for key in keys.values():  # in the order of serve's flags
         origin = getattr(args, "origins", {}).get(key.dest)
-        if origin is None or origin.source not in (FLAG, ENV, FILE) or not wanted(origin.key.name):
+        if origin is None or origin.source not in (FLAG, ENV, FILE) or not unused(origin.key.name):
             continue
         flags = [k.flag for k in keys.values() if k.dest == key.dest]
-        given.setdefault(key.dest, ["/".join(flags) if origin.source == FLAG else origin.spelled])
-    return ", ".join(name for names in given.values() for name in names)
-
-
-def _driver_ignores(args: argparse.Namespace) -> None:
-    """ConfigError naming the settings given to `sluice serve --role driver` (flag, environment or
-    config file) that a driver does not take."""
-    named = _given(args, lambda key: key not in DRIVER_KEYS)
-    if named:
-        them = "them" if "," in named else "it"
-        raise ConfigError(
-            f"--role driver does not use {named}: a driver would run without {them} (a receiver node's "
-            f"or a single server's settings: give {them} to the nodes)"
-        )
-
-
-def _receiver_ignores(args: argparse.Namespace) -> None:
-    """ConfigError naming the query's settings given to `sluice serve --role receiver`: the driver runs
-    the query, a node would run without them."""
-    named = _given(args, lambda key: key in RECEIVER_IGNORES)
-    if named:
-        them = "them" if "," in named else "it"
-        raise ConfigError(
-            f"--role receiver does not use {named}: the cluster's driver runs the Spark query (give "
-            f"{them} to `sluice serve --role driver`)"
-        )
+        given.setdefault(key.dest, "/".join(flags) if origin.source == FLAG else origin.spelled)
+    if given:
+        them = "them" if len(given) > 1 else "it"
+        named = ", ".join(given.values())
+        raise ConfigError(f"--role {role} does not use {named}: {why.format(them=them)}")
 
 
 def _driver_config(args: argparse.Namespace) -> DriverConfig:
     """`sluice serve --role driver`'s DriverConfig; ValueError (ConfigError) for anything wrong."""
     from ingest.cluster_driver import DriverConfig  # noqa: PLC0415 - only the driver needs it
 
-    _driver_ignores(args)
+    _refuse_unused(
+        args,
+        "driver",
+        lambda key: key not in DRIVER_KEYS,
+        "a driver would run without {them} (a receiver node's or a single server's settings: give {them} "
+        "to the nodes)",
+    )
     if args.nodes is None:
         raise ConfigError(
             name_keys(
@@ -1181,7 +1167,12 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
     """The ServeConfig of serve's settings, checked as `sluice serve` checks them before it starts
     anything (the TLS files and the auth file too); ValueError (ConfigError) naming the user's keys."""
     if args.role == "receiver":
-        _receiver_ignores(args)
+        _refuse_unused(
+            args,
+            "receiver",
+            RECEIVER_IGNORES.__contains__,
+            "the cluster's driver runs the Spark query (give {them} to `sluice serve --role driver`)",
+        )
     receive_only = args.no_spark or args.role != "single"
     receiver = _checked(
         args,

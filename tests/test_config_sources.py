@@ -402,6 +402,16 @@ def test_config_check_shows_the_pipeline_a_swap_left_in_force(tmp_path: Path) ->
     assert "pipeline.json: not a pipeline state file" in result.stderr
 
 
+def refused_by_serve_and_check(args: list[str], env: dict[str, str], says: str) -> None:
+    """`sluice config check ARGS` and `sluice serve ARGS` both stop with exit 2 and one line saying `says`."""
+    for command in (["config", "check"], ["serve"]):
+        argv = [*SLUICE, *command, *args]
+        result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
+        assert result.returncode == 2, (command, args, result.stderr)
+        assert says in result.stderr, (command, result.stderr)
+        assert "Traceback" not in result.stderr
+
+
 def test_a_receiver_node_refuses_the_querys_settings(tmp_path: Path) -> None:
     """`serve --role receiver --pipeline X` ran without X and said nothing: the driver runs the query."""
     nodes = tmp_path / "nodes.txt"
@@ -414,15 +424,9 @@ def test_a_receiver_node_refuses_the_querys_settings(tmp_path: Path) -> None:
         ([], clean_env(SLUICE_PIPELINE="m:f"), "SLUICE_PIPELINE"),
     ]
     for flags, env, named in cases:
-        for command in (["config", "check"], ["serve"]):
-            argv = [*SLUICE, *command, *node, *flags]
-            result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
-            assert result.returncode == 2, (command, flags, result.stderr)
-            assert f"--role receiver does not use {named}: the cluster's driver runs" in result.stderr, (
-                command,
-                result.stderr,
-            )
-            assert "Traceback" not in result.stderr
+        refused_by_serve_and_check(
+            [*node, *flags], env, f"--role receiver does not use {named}: the cluster's driver runs"
+        )
     result = check(*node, "--trigger-interval", "2")  # what a node takes passes
     assert result.returncode == 0, result.stderr
 
@@ -443,15 +447,9 @@ def test_a_driver_refuses_the_settings_it_would_run_without(tmp_path: Path) -> N
         (["--config", str(config)], clean_env(), f"buffer-records (in {config})"),
     ]
     for flags, env, named in cases:
-        for command in (["config", "check"], ["serve"]):
-            argv = [*SLUICE, *command, *driver, *flags]
-            result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
-            assert result.returncode == 2, (command, flags, result.stderr)
-            assert f"--role driver does not use {named}: a driver would run without" in result.stderr, (
-                command,
-                result.stderr,
-            )
-            assert "Traceback" not in result.stderr
+        refused_by_serve_and_check(
+            [*driver, *flags], env, f"--role driver does not use {named}: a driver would run without"
+        )
     # what a driver takes passes
     taken = ["--estimator", "fixed", "--min-rate", "10", "--trigger-interval", "2", "--health-port", "0"]
     result = check(*driver, *taken)
