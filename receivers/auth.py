@@ -290,7 +290,8 @@ class Authenticator:
         """`responses` (a streaming handler's), until `revoke` finds `credential` may no longer call
         `method`: then the handler is stopped where it waits and the call ends with the status of
         `revocation` (UNAUTHENTICATED for a revoked token, PERMISSION_DENIED for a principal gone or
-        narrowed). A message being written when that happens is sent first."""
+        narrowed). A message being written when that happens is sent first, and a handler that shields
+        work from the cancellation (a Replicate copy being stored) ends once that work is done."""
         live = _LiveCall(credential, method, asyncio.get_running_loop().create_future())
         self._live[live] = None
         step: asyncio.Future[T] | None = None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Coroutine, Mapping
 from typing import Any
 
 import grpc
@@ -98,6 +98,24 @@ class _Assembler:
         whole.arrow_ipc, whole.more = b"".join(self._pieces), False
         self._first, self._pieces, self._size = None, [], 0
         return whole
+
+
+async def _finished(work: Coroutine[Any, Any, None]) -> None:
+    """Run `work` (a copy's store, in its thread) to its end even when the call is cancelled meanwhile
+    (a revoked token: Authenticator.revocable; the owner gone; the server's stop): a thread cannot be
+    stopped, so the cancellation takes effect once the copy is written whole, or refused. Otherwise the
+    call ended, and the service counted no stream (so a stop could close the copies), while the thread
+    still wrote a block the owner was never told of."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        while not task.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait((task,))
+        if not task.cancelled():
+            task.exception()  # retrieved: the stream ends as it was asked to, whatever the store said
+        raise
 
 
 class ReplicationService:
@@ -245,7 +263,7 @@ class ReplicationService:
             block.arrow_ipc,
         )
         try:
-            await asyncio.to_thread(self._store, owner, block.stream, copy, block.after_release)
+            await _finished(asyncio.to_thread(self._store, owner, block.stream, copy, block.after_release))
         except InvalidBlockError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except ReplicaGapError as exc:

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
+import pyarrow as pa
 import pytest
 
 from ingest.config import SecurityConfig
@@ -306,3 +309,71 @@ async def test_a_driver_whose_credentials_the_nodes_refuse_stops_at_start_with_o
     said = capsys.readouterr().err
     assert "cannot start the driver: the receiver nodes refused its credentials" in said, said
     assert "PERMISSION_DENIED" in said and "Traceback" not in said, said
+
+
+async def test_a_revoked_replicate_stream_ends_once_its_copy_being_stored_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A reload that revokes the token an owner's Replicate stream was opened with, while the follower
+    stores a copy in its thread: the stream ends UNAUTHENTICATED once that store has finished, not
+    before. Before, the handler was cancelled at once: the call ended (and the service counted no
+    stream, so a stop could close the copies under it) while the thread still wrote the block. With the
+    token back the owner reconnects and the copy and the owner's view agree: every record once."""
+    from receivers import replication_service
+
+    entered, release = threading.Event(), threading.Event()
+    check = replication_service._check_payload
+
+    def slow_check(block: Any) -> None:  # the first copy's store waits here, in its thread
+        if not entered.is_set():
+            entered.set()
+            release.wait(30)
+        check(block)
+
+    auth = write_auth_file(tmp_path / "auth.toml")
+    text = auth.read_text()
+    node_hash = token_hash(TOKENS["node"])
+    async with secured_cluster(tmp_path, auth) as servers, _released(release):
+        owner, follower = servers[1].node, servers[0].node
+        assert owner is not None and follower is not None
+        (link,) = owner.replicator.links
+        await wait_until(lambda: link.in_sync, timeout=20)
+        monkeypatch.setattr(replication_service, "_check_payload", slow_check)
+        credentials = Credentials(token=TOKENS["app"])
+        async with Producer(servers[1].target, "s", credentials=credentials, linger=0) as app:
+            sent = [f"r{i}".encode() for i in range(100)]
+            await app.send_many(sent)
+            assert await asyncio.to_thread(entered.wait, 20), "no copy was stored"
+            auth.write_text(text.replace(node_hash, token_hash(new_token())))  # the nodes' token revoked
+            assert servers[0].reload_security() == ["auth file: 5 principals, 5 tokens; 1 live calls revoked"]
+            await asyncio.sleep(1)  # generous: a stream ended at once is seen by the owner in milliseconds
+            assert link.connected and link.error is None, link.error  # the store is still under way
+            release.set()
+            await wait_until(lambda: not link.connected, timeout=10)
+            assert link.error is not None and link.error.startswith("UNAUTHENTICATED"), link.error
+            assert "'node' was opened with was revoked" in caplog.text
+            auth.write_text(text)  # the token back: the owner reconnects
+            servers[0].reload_security()
+            await app.flush(30)
+            assert app.acked == len(sent)
+        await wait_until(lambda: link.connected and link.in_sync, timeout=10)
+        end = owner.local.durable_seq("s")
+        assert link.acked["s"] == follower.replicas.next_seq(1, "s") == end  # one view of the copy
+        blocks = follower.replicas.blocks(1, "s")
+        assert [b.seq for b in blocks] == list(range(end))  # whole: each block once, in order
+        async with grpc.aio.insecure_channel(servers[0].target) as channel:
+            request = pb.ReadBlocksRequest(stream="s", owner=1, from_offset=0, to_offset=len(sent))
+            read = pb_grpc.BlocksStub(channel).ReadBlocks(request, metadata=bearer("executor"))
+            got = []
+            async for chunk in read:
+                got += pa.ipc.open_stream(chunk.arrow_ipc).read_all().column("value").to_pylist()
+        assert got == sent
+
+
+@contextlib.asynccontextmanager
+async def _released(event: threading.Event) -> AsyncIterator[None]:
+    """`event` set on the way out, whatever happened: a thread waiting for it does not hold the stop."""
+    try:
+        yield
+    finally:
+        event.set()
