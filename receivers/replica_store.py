@@ -2,9 +2,11 @@
 
 Layout: ``<root>/<owner id>/<stream>/...`` (receivers.wal). Blocks arrive in order from the owner
 (receivers.replication); a block already here is acked again (the owner resends after a reconnect), one
-past a gap is refused unless the owner says everything before it was released (the follower was down
-while Spark read and released them): then the copy skips ahead. Producer marks ride in the blocks, so a
-copy knows how far each of the owner's producers got: receivers.producer_marks asks it at failover.
+past a gap is refused unless the owner says it no longer has the blocks before it (Spark released them
+while the follower was down, or the owner's log was lost): then the copy goes on after the gap, keeping
+what it holds (releases remove what Spark read). Producer marks ride in the blocks (the first after a
+gap carries the owner's released table), so a copy knows how far each of the owner's producers got:
+receivers.producer_marks asks it at failover.
 """
 
 from __future__ import annotations
@@ -90,7 +92,12 @@ class ReplicaStore:
                     raise ReplicaGapError(
                         f"block {block.seq} of node {owner}'s stream {stream!r} arrived, {expected} expected"
                     )
-                store.skip_to(stream, block.seq, block.first_offset, block.producers)
+                # the owner no longer has the blocks between: Spark released them, or its log was lost
+                # (then they were never read, and the furthest copy holds them). Which, the owner cannot
+                # tell, so the copy keeps what it holds and goes on after a gap: the driver's releases
+                # remove what Spark read. Counted as released here, the gap was passed off as read and
+                # every block of the copy was deleted, unread acked records among them.
+                store.continue_at(stream, block.seq, block.first_offset)
             store.append_raw(stream, block)
             self._next[(owner, stream)] = block.seq + 1
             return True

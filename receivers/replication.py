@@ -12,8 +12,10 @@ is first sent what it misses, read back from the log, without holding acks up me
 when its connection drops or it makes no progress for `lag_timeout` while behind. Each change is logged
 (WARNING when a follower leaves, INFO when it joins) and shown by in_sync() for metrics and operators.
 
-Blocks Spark released before a follower got them are not sent: the first block sent then says so
-(after_release) and carries the released producers table, and the copy skips ahead.
+Blocks this node no longer has when a follower needs them (Spark released them, or this node's log was
+lost: ingest.receiver_node's continue_logs) are not sent: the first block sent then says so
+(after_release) and carries the released producers table, and the copy goes on after a gap, keeping
+what it holds (receivers.replica_store).
 """
 
 from __future__ import annotations
@@ -263,7 +265,7 @@ def _pending_blocks(
         raw = local.read_raw(block)
         producers = raw.producers
         after_release = block.seq > from_seq
-        if after_release:  # the copy skips what Spark released: it needs their producers too
+        if after_release:  # the copy goes on after blocks this log no longer has: their producers too
             producers = {**local.released_producers(stream)}
             for key, mark in raw.producers.items():
                 producers[key] = max(mark, producers.get(key, 0))

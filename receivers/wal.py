@@ -727,9 +727,11 @@ class WalBlockStore(BlockStore):
         return dict(self._read_released(stream).producers)
 
     def skip_to(self, stream: str, seq: int, offset: int, producers: Mapping[str, int] | None = None) -> None:
-        """Continue the log of `stream` at block `seq` and record `offset`: every block before was
-        released where this log is a replica of (it was down while they were written and released).
-        What the log held is dropped; the released mark keeps the producers. Writing process only."""
+        """Continue the log of `stream` at block `seq` and record `offset`, with every block before
+        counted as released: what the log held is dropped; the released mark keeps the producers. For a
+        node whose own log was lost (ReceiverNode.continue_logs: it holds nothing before `seq` and
+        never will); a copy that misses blocks keeps what it holds (continue_at). Writing process
+        only."""
         writer = self._writer(stream)
         with writer.lock:
             if seq <= writer.next_seq:
@@ -750,6 +752,25 @@ class WalBlockStore(BlockStore):
                 writer.next_seq, writer.next_offset = state.next_seq, state.next_offset
                 writer.durable_seq = writer.next_seq
                 writer.producers = dict(table)
+
+    def continue_at(self, stream: str, seq: int, offset: int) -> None:
+        """Continue the log of `stream` at block `seq` and record `offset`, keeping every block it holds
+        and releasing nothing: the blocks between were never written here (a copy whose owner no longer
+        has them to send: Spark released them there, or the owner's log was lost). The log then has a
+        gap, which readers see as blocks missing (a release removes what is below it as usual). Nothing
+        is written until the next block, which is appended after the gap; a restart before it forgets
+        the gap, and the owner sends that block again. Writing process only."""
+        writer = self._writer(stream)
+        with writer.lock:
+            if seq <= writer.next_seq:
+                return
+            if offset < writer.next_offset:
+                raise ValueError(
+                    f"stream {stream!r}: block {seq} at offset {offset}, below {writer.next_offset}"
+                )
+            self._close_writer(writer)  # what the interval policy has not synced yet is synced now
+            writer.next_seq, writer.next_offset = seq, offset
+            writer.durable_seq = seq
 
     def release(self, stream: str, before_seq: int) -> int:
         folder = self._folder(stream)

@@ -310,3 +310,65 @@ async def test_a_replication_stream_out_of_order_or_with_a_bad_block_is_refused_
             assert code == status and words in details, (code, details)
         node = servers[0].node
         assert node is not None and node.replicas.blocks(1, "s") == []
+
+
+async def test_a_lagging_follower_keeps_its_copy_across_an_owners_lost_log(tmp_path: Path) -> None:
+    """Node 0's log is lost while node 1's copy of it lags (node 1 was down): node 0 goes on past node
+    2's copy, and the first block it sends node 1 comes after a gap that was never released (no driver
+    read anything here). Node 1 treated that gap as released by Spark: it moved its released mark past
+    it and deleted every block of its copy, acked records no one had read, which then had one copy
+    fewer (none, should node 2's disk go too). It now keeps them and holds the gap as a gap."""
+    clusters = loopback_cluster(3, replication=3, min_insync=2)
+    port = {c.me.id: int(c.me.target.rsplit(":", 1)[1]) for c in clusters}
+    first, second, third = values(100, "a"), values(100, "b"), values(10, "c")
+    async with contextlib.AsyncExitStack() as outer:
+        stacks = {i: await outer.enter_async_context(contextlib.AsyncExitStack()) for i in range(3)}
+
+        async def start(i: int, folder: str) -> SluiceServer:
+            return await stacks[i].enter_async_context(
+                running_server(tmp_path / folder, "s", cluster=clusters[i], port=port[i])
+            )
+
+        servers = {i: await start(i, f"node{i}") for i in range(3)}
+        owner = servers[0].node
+        assert owner is not None
+        await wait_until(lambda: len(owner.replicator.in_sync()) == 2, timeout=20)
+        async with Producer(clusters[0].me.target, "s", producer_id="p", linger=0) as producer:
+            await producer.send_many(first)
+            await producer.flush(timeout=20)  # on nodes 1 and 2
+            await stacks[1].aclose()  # node 1 goes down: its copy ends here
+            await producer.send_many(second)
+            await producer.flush(timeout=20)  # on node 0 and node 2 (min-insync 2)
+        await stacks[0].aclose()
+        servers[1] = await start(1, "node1")  # back, lagging: node 0 is not there to catch it up
+        servers[0] = await start(0, "node0-lost")  # node 0's log lost: it goes on past node 2's copy
+        assert servers[0].receivers["s"].log_end[1] == 200
+        async with Producer(clusters[0].me.target, "s", producer_id="q", linger=0) as producer:
+            await producer.send_many(third)
+            await producer.flush(timeout=20)
+        owner, lagging = servers[0].node, servers[1].node
+        assert owner is not None and lagging is not None
+        end = owner.local.durable_seq("s")
+        await wait_until(lambda: lagging.replicas.next_seq(0, "s") == end, timeout=20)
+        await wait_until(lambda: lagging.replicas.committed(0, "s") == end, timeout=20)
+        copy = lagging.replicas.store(0)
+        assert copy.released_offset("s") == 0  # nothing was released: no driver read anything
+        target = clusters[1].me.target
+        assert await read_partition(target, 0, 0, 100) == first  # kept: still two copies of them
+        assert await read_partition(target, 0, 200, 210) == third  # and the copy goes on past the gap
+        with pytest.raises(grpc.aio.AioRpcError) as info:  # the gap is not held here ...
+            await read_partition(target, 0, 100, 200)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        # ... but on the furthest copy, with the rest
+        assert await read_partition(clusters[2].me.target, 0, 0, 210) == first + second + third
+        await stacks[1].aclose()  # a log with a gap is recovered as it was
+        servers[1] = await start(1, "node1")
+        assert await read_partition(target, 0, 0, 100) == first
+        assert await read_partition(target, 0, 200, 210) == third
+        async with grpc.aio.insecure_channel(target) as channel:  # the driver's release, across the gap
+            request = pb.ReleaseBlocksRequest(stream="s", owner=0, before_offset=210)
+            await pb_grpc.BlocksStub(channel).ReleaseBlocks(request)
+        lagging = servers[1].node
+        assert lagging is not None
+        assert lagging.replicas.store(0).released_offset("s") == 210
+        assert lagging.replicas.blocks(0, "s") == []

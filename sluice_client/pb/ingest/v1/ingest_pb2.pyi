@@ -712,7 +712,9 @@ class ReplicaBlock(_message.Message):
     count: _builtins.int
     received_at: _builtins.float
     after_release: _builtins.bool
-    """The owner released everything below this block: a follower behind it skips ahead."""
+    """The owner no longer has the blocks below this one (Spark released them, or its log was lost): a
+    follower behind it goes on after a gap, keeping what it holds (releases remove what Spark read).
+    """
     arrow_ipc: _builtins.bytes
     """The block's records (key, value, timestamp) as an Arrow IPC stream."""
     more: _builtins.bool
