@@ -1955,10 +1955,15 @@ def _swapped_pipeline(config: ServeConfig | DriverConfig) -> tuple[str, str] | N
         state = json.loads(path.read_text())
         current = state["current"]
         if state.get("trial") and state.get("previous"):
-            # a crash mid-swap: the new one is kept only if it committed a batch (PipelineManager._load)
-            checkpoint = config.data_dir / "checkpoints" / str(current["checkpoint"])
-            if last_commit_id(checkpoint) <= int(state.get("trial_base", -1)):
+            # a crash mid-swap: the new one is kept only if it committed a batch, and the one it
+            # replaced, if a --reset-pipeline generation in trial, too (PipelineManager._after_trial)
+            checkpoints = config.data_dir / "checkpoints"
+            replaced = state.get("replaced_trial")
+            if last_commit_id(checkpoints / str(current["checkpoint"])) <= int(state.get("trial_base", -1)):
                 current = state["previous"]
+                base = int(replaced["trial_base"]) if replaced else None
+                if base is not None and last_commit_id(checkpoints / str(current["checkpoint"])) <= base:
+                    current = replaced["previous"]
         spec, number = str(current["spec"]), int(current["number"])
     except FileNotFoundError:
         return None

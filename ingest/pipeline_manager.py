@@ -20,7 +20,8 @@ DATA_DIR/pipeline.json records the generation in force, written before the new q
 "trial" set and again once it is proven: a crash mid-swap restarts the new query if it committed a batch
 (its output exists, so going back would process those records twice), else the old one. A generation
 `--reset-pipeline` starts is a trial the same way, promoted once it commits a batch: one that fails at
-its first start gives the next start the generation it replaced.
+its first start (or has committed nothing when the service stops) gives the next start the generation it
+replaced, also when a swap away from it was under way (its record goes along with the swap's).
 
 The manager runs the query of a single node (`sluice serve`: its SluiceServer is the QueryHost) and of a
 cluster's driver (ingest.cluster_driver.ClusterDriver): the host holds batches back, resets the rate's
@@ -175,23 +176,15 @@ class PipelineManager:
             previous = Generation.from_json(data["previous"]) if data.get("previous") else None
             trial_base = int(data.get("trial_base", -1))
             trial = bool(data.get("trial", False))
+            replaced = data.get("replaced_trial")
+            replaced_trial = None
+            if replaced is not None and previous is not None:  # the swap replaced a reset in trial
+                earlier = Generation.from_json(replaced["previous"])
+                replaced_trial = _Trial(previous, earlier, int(replaced["trial_base"]))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PipelineStateError(f"{self._path}: not a pipeline state file: {exc}") from None
         if trial and previous is not None:
-            # a crash mid-swap: the new query is kept if it committed a batch (its output exists)
-            if last_commit_id(self._checkpoints / current.checkpoint) > trial_base:
-                log.info(
-                    "pipeline %s (generation %d) committed a batch before the restart: kept",
-                    current.spec or "built-in",
-                    current.number,
-                )
-            else:
-                log.info(
-                    "the swap to %s did not complete before the restart: back to %s",
-                    current.spec or "built-in",
-                    previous.spec or "built-in",
-                )
-                current = previous
+            current = self._after_trial(_Trial(current, previous, trial_base), replaced_trial)
             self._persist(current, None)
         flag = self.current.spec  # --pipeline ("": the built-in sink)
         if current.spec != flag and getattr(self._driver.config, "reset_pipeline", False):
@@ -214,6 +207,38 @@ class PipelineManager:
                 self._path,
             )
         self.current = current
+
+    def _after_trial(self, trial: _Trial, replaced: _Trial | None) -> Generation:
+        """The generation to run after a stop (a crash, say) with `trial` in pipeline.json (a swap's or a
+        reset's new generation, not proven yet): kept if it committed a batch past its base (its output
+        exists: going back would process those records twice), else the one it replaced; and when that
+        one is a --reset-pipeline generation in trial too (`replaced`: the swap went away from it), the
+        same again, as when no swap came: a reset that committed nothing gives the start the generation
+        it replaced."""
+        current, previous = trial.generation, trial.previous
+        if last_commit_id(self._checkpoints / current.checkpoint) > trial.base:
+            log.info(
+                "pipeline %s (generation %d) committed a batch before the restart: kept",
+                current.spec or "built-in",
+                current.number,
+            )
+            return current
+        log.info(
+            "the swap to %s did not complete before the restart: back to %s",
+            current.spec or "built-in",
+            previous.spec or "built-in",
+        )
+        if replaced is None or last_commit_id(self._checkpoints / previous.checkpoint) > replaced.base:
+            return previous
+        log.info(
+            "pipeline %s (generation %d, --reset-pipeline) committed no batch before the restart: back "
+            "to %s (generation %d)",
+            previous.spec or "built-in",
+            previous.number,
+            replaced.previous.spec or "built-in",
+            replaced.previous.number,
+        )
+        return replaced.previous
 
     def _reset_to(self, spec: str, saved: Generation) -> Generation:
         """--reset-pipeline: `spec` as a new generation, fresh checkpoint and sink, starting where the
@@ -268,6 +293,15 @@ class PipelineManager:
         else:
             self._persist(current, None)
 
+    def _persist_swap_trial(self, new: Generation, old: Generation, base: int) -> None:
+        """pipeline.json before a swap's new query starts: `new` a trial over `old`, and `old`'s own
+        trial record along when it is a --reset-pipeline generation in trial (it committed nothing:
+        _stop_at_boundary promoted it otherwise)."""
+        trial = self._trial
+        self._persist(
+            new, old, base, replaced_trial=trial if trial is not None and trial.generation == old else None
+        )
+
     def _promote_if_committed(self) -> None:
         """The --reset-pipeline generation in trial is kept for good once it has committed a batch."""
         trial = self._trial
@@ -286,14 +320,29 @@ class PipelineManager:
         )
 
     def _persist(
-        self, current: Generation, previous: Generation | None, trial_base: int | None = None
+        self,
+        current: Generation,
+        previous: Generation | None,
+        trial_base: int | None = None,
+        *,
+        replaced_trial: _Trial | None = None,
     ) -> None:
-        data = {
+        """pipeline.json: `current` in force, a trial over `previous` when `trial_base` is given (the
+        last commit of its checkpoint when it started). `replaced_trial`: a swap's trial replaces a
+        --reset-pipeline generation (`previous`) that is a trial itself; kept, so that a start going
+        back from the swap still takes that generation for a trial (it committed nothing: the one it
+        replaced runs). Written over, the reset's record was lost, and the start kept it for good."""
+        data: dict[str, Any] = {
             "current": asdict(current),
             "previous": asdict(previous) if previous is not None else None,
             "trial": trial_base is not None,
             "trial_base": -1 if trial_base is None else trial_base,
         }
+        if replaced_trial is not None:
+            data["replaced_trial"] = {
+                "previous": asdict(replaced_trial.previous),
+                "trial_base": replaced_trial.base,
+            }
         replace_json(self._path, data)
 
     # ---- the query -------------------------------------------------------------------------------
@@ -473,7 +522,7 @@ class PipelineManager:
                 new = replace(new, starting_offsets=dict(start) if start else None)
             base = last_commit_id(self._checkpoints / new.checkpoint)
             if what == "swap":
-                self._persist(new, old, trial_base=base)
+                self._persist_swap_trial(new, old, base)
             try:
                 new_id, started = await self._prove(new, trigger, timeout, base)
             except Exception as exc:  # noqa: BLE001 - whatever the new query raised, the old one comes back

@@ -74,3 +74,33 @@ def hangs_first_batch(df: DataFrame, context: PipelineContext) -> DataStreamWrit
         marker.write_text(str(batch_id))
 
     return df.writeStream.foreachBatch(write)
+
+
+def _say_first_batch_started(context: PipelineContext, batch_id: int) -> None:
+    context.sink_dir.mkdir(parents=True, exist_ok=True)
+    (context.sink_dir / "first-batch-started").write_text(str(batch_id))
+
+
+def fails_when_told(df: DataFrame, context: PipelineContext) -> DataStreamWriter:
+    """Its first batch says it started (a file in its sink folder), waits (up to 120 s) for a file named
+    fail-now there, then fails: a pipeline whose first batch fails while a test does something."""
+
+    def write(batch: DataFrame, batch_id: int) -> None:
+        _say_first_batch_started(context, batch_id)
+        deadline = time.monotonic() + 120
+        while not (context.sink_dir / "fail-now").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        raise RuntimeError(f"the sink refuses batch {batch_id}")
+
+    return df.writeStream.foreachBatch(write)
+
+
+def hangs_once_started(df: DataFrame, context: PipelineContext) -> DataStreamWriter:
+    """Its first batch says it started (as fails_when_told), then does not return for an hour: a process
+    killed meanwhile dies with the batch uncommitted."""
+
+    def write(batch: DataFrame, batch_id: int) -> None:
+        _say_first_batch_started(context, batch_id)
+        time.sleep(3600)
+
+    return df.writeStream.foreachBatch(write)

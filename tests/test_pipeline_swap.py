@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
+import subprocess
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +17,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from live_service import Load, admin, offsets_in, service, wait_for_offsets
+from test_cli import SLUICE, wait_for_line
+from test_config_sources import check, rows
 
 from ingest.pipeline_manager import PipelineManager
+from sluice_client import SyncProducer
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from tests.support import free_ports, sink_values
 
 pytestmark = pytest.mark.spark
 
@@ -499,3 +508,125 @@ async def test_a_long_trigger_interval_is_taken_by_an_idle_service(spark: Any, t
         took = time.monotonic() - started
         assert {x.key: x.value for x in view.settings}["trigger-interval"] == "86400"
         assert took < 60, f"{took:.0f} s to restart an idle query"
+
+
+class _Serve:
+    """`sluice serve` (Spark local[2]) in a process group of its own on a fixed port and data dir, the
+    tests' pipelines importable; restartable. Killed as a group (SIGKILL), its Spark JVM goes with it."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp, self.port, self.runs = tmp, free_ports(1)[0], 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.target = f"127.0.0.1:{self.port}"
+        self.channel = grpc.insecure_channel(self.target)  # reconnects to each run
+
+    @property
+    def log(self) -> Path:
+        return self.tmp / f"serve-{self.runs}.log"
+
+    def start(self, *args: str) -> None:
+        self.runs += 1
+        command = [*SLUICE, "serve", "--port", str(self.port), "--metrics-port", "-1"]
+        command += ["--data-dir", str(self.tmp / "data"), "--master", "local[2]", "--trigger-interval", "0.5"]
+        path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+        with self.log.open("wb") as log_file:
+            self.proc = subprocess.Popen(
+                [*command, *args],
+                stderr=log_file,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": path},
+                start_new_session=True,
+            )
+        wait_for_line(self.proc, self.log, "Spark query running", 180)
+
+    def admin(self) -> Any:
+        return pb_grpc.AdminStub(self.channel)
+
+    def push(self, values: list[bytes]) -> None:
+        with SyncProducer(self.target, "default") as producer:
+            producer.send_many(values)
+            producer.flush(60)  # acked: durable in the block log
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=180)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(timeout=30)
+
+
+def _wait_for_file(path: Path, serve: _Serve, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert serve.proc is not None and serve.proc.poll() is None, serve.log.read_text(errors="replace")
+        assert time.monotonic() < deadline, f"no {path}:\n{serve.log.read_text(errors='replace')}"
+        time.sleep(0.2)
+
+
+@pytest.mark.timeout(900)  # three starts of Spark in a process of its own: about 2 min here, alone
+def test_a_crash_mid_swap_away_from_a_reset_in_trial_comes_back_on_the_generation_before_it(
+    tmp_path: Path,
+) -> None:
+    """kill -9 while a swap replaces a `--reset-pipeline` generation that never committed a batch (its
+    first batch failed while the swap waited for it). The swap's trial record in pipeline.json took the
+    place of the reset's, so the restart, going back from the swap's uncommitted query, kept the reset
+    generation for good: it ran again (and failed again, and at every start after), with nothing to go
+    back to. The reset is a trial still: it committed nothing, so the restart runs the generation it
+    replaced, and every acked record reaches a sink once."""
+    serve = _Serve(tmp_path)
+    data = tmp_path / "data"
+    sent: list[bytes] = []
+
+    def push(tag: str, n: int) -> None:
+        values = [f"{tag}{i}".encode() for i in range(n)]
+        serve.push(values)
+        sent.extend(values)
+
+    try:
+        serve.start()  # generation 0 (the built-in sink), then 1 (tag_b), swapped in at run time
+        push("a", 500)
+        to_b = pb.SwapPipelineRequest(pipeline="swap_pipelines:tag_b")
+        view = serve.admin().SwapPipeline(to_b, timeout=300)
+        assert (view.generation, view.last_swap.outcome) == (1, "done"), view.last_swap
+        push("b", 500)
+        assert serve.stop() == 0
+        # a reset to a pipeline whose first batch fails: generation 2, a trial
+        serve.start("--pipeline", "swap_pipelines:fails_when_told", "--reset-pipeline")
+        _wait_for_file(data / "sink-g2" / "first-batch-started", serve)
+        push("c", 500)  # acked while no query gets anywhere
+        swap = serve.admin().SwapPipeline.future(
+            pb.SwapPipelineRequest(pipeline="swap_pipelines:hangs_once_started"), timeout=300
+        )
+        deadline = time.monotonic() + 60  # the swap waits for generation 2's batch at the boundary
+        while serve.admin().GetPipeline(pb.GetPipelineRequest()).state != "swapping":
+            assert time.monotonic() < deadline and not swap.done(), serve.log.read_text(errors="replace")
+            time.sleep(0.1)
+        (data / "sink-g2" / "fail-now").touch()  # generation 2's first batch fails: nothing committed
+        _wait_for_file(data / "sink-g3" / "first-batch-started", serve)  # generation 3's hangs
+        saved = json.loads((data / "pipeline.json").read_text())
+        assert (saved["current"]["number"], saved["trial"]) == (3, True), saved
+        serve.kill()
+        swap.cancel()
+        checked = check("--data-dir", str(data))  # what a start would run, as config check says it
+        assert checked.returncode == 0, checked.stderr
+        assert rows(checked.stdout)["pipeline"][0] == "swap_pipelines:tag_b", checked.stdout
+        # as the service was started before the reset
+        serve.start()
+        view = serve.admin().GetPipeline(pb.GetPipelineRequest())
+        assert (view.pipeline, view.generation, view.state) == ("swap_pipelines:tag_b", 1, "running"), (
+            view,
+            serve.log.read_text(errors="replace"),
+        )
+        push("d", 500)
+        assert serve.stop() == 0  # drains: every acked record is processed
+    finally:
+        serve.kill()
+        serve.channel.close()
+    got = Counter(v for sink in ("sink", "sink-g1", "sink-g2", "sink-g3") for v in sink_values(data / sink))
+    assert sorted(got) == sorted(sent) and set(got.values()) == {1}, got  # each acked record once
