@@ -2,7 +2,9 @@
 
 Exit codes: 0 done, 1 failed (the message says why), 2 bad usage or a missing prerequisite, 3 refused by
 the server: not authenticated (UNAUTHENTICATED), not permitted (PERMISSION_DENIED), or a TLS handshake
-refused on certificates.
+refused on certificates, 130 stopped by Ctrl-C.
+
+The console script's entry point is ingest.console, which holds the signals while this module is imported.
 
 The client commands (push, rate, sessions) take credentials the usual gRPC way: --ca-file, --cert-file,
 --key-file and --token-file, or SLUICE_CA_FILE, SLUICE_CERT_FILE, SLUICE_KEY_FILE and SLUICE_TOKEN_FILE or
@@ -30,7 +32,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
-from ingest import logs
+from ingest import console, logs
 from ingest.checkpoints import last_commit_id
 from ingest.client_hints import connect_hint, refused
 from ingest.config import (
@@ -91,6 +93,8 @@ EXIT_USAGE = 2
 EXIT_DENIED = 3
 """The server refused the credentials (UNAUTHENTICATED, a TLS handshake refused on certificates) or
 what they may do (PERMISSION_DENIED)."""
+EXIT_INTERRUPTED = 130
+"""Ctrl-C (SIGINT), as a shell reports a process it ended (128 + 2)."""
 DRAIN_SECONDS = 120.0
 PUSH_TIMEOUT = 60.0
 DEFAULT_BATCH_SIZE = 4096
@@ -145,6 +149,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _fail(str(exc), EXIT_USAGE)
     logs.setup(args.log_level, args.log_format)
     try:
+        _take_signals(serve=args.run is _serve)
         code: int = args.run(args)
     except _Failed as failed:
         return failed.code
@@ -156,12 +161,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         shown = bad.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
         return _fail(f"an argument is not UTF-8 text: '{shown[:100]}'", EXIT_USAGE)
-    except KeyboardInterrupt:
-        return 130
+    except KeyboardInterrupt:  # Ctrl-C where the command does not say what it means itself
+        logs.say("interrupted", level=logging.WARNING)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:  # `sluice rate get | head -1`: the reader went away, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
     return code
+
+
+def _take_signals(*, serve: bool) -> None:
+    """Take over the signals the console script held while the CLI's modules were imported
+    (ingest.console), and act on one that came meanwhile as if it came now: Ctrl-C is a KeyboardInterrupt
+    (exit 130); SIGTERM and SIGHUP take their default actions, except for `sluice serve`, which takes
+    them over itself (_serve)."""
+    if console.release(signal.SIGINT, signal.default_int_handler):
+        raise KeyboardInterrupt
+    if serve:
+        return
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if console.release(signum, signal.SIG_DFL):
+            signal.raise_signal(signum)
 
 
 def _is_utf8(text: str) -> bool:
@@ -1248,14 +1268,21 @@ def _until_serving(signum: int, frame: object) -> None:
 
 def _serve(args: argparse.Namespace) -> int:
     # until the event loop takes the signals over (_serve_async, run_driver): SIGHUP's default would end
-    # a starting server without a word, SIGTERM's without its cleanup (the data dir's lock file)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _until_serving)
+    # a starting server without a word, SIGTERM's without its cleanup (the data dir's lock file). The
+    # console script held both while the CLI was imported (ingest.console): one that came then counts now
     try:
-        return _serve_command(args)
+        console.release(signal.SIGHUP, signal.SIG_IGN)
+        terminated = console.release(signal.SIGTERM, _until_serving)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, _until_serving)
+        return _stopped_while_starting() if terminated else _serve_command(args)
     except _StoppedWhileStarting:
-        logs.say("stopped (SIGTERM) before the server was up", event="stopped")
-        return 0
+        return _stopped_while_starting()
+
+
+def _stopped_while_starting() -> int:
+    logs.say("stopped (SIGTERM) before the server was up", event="stopped")
+    return 0
 
 
 def _serve_command(args: argparse.Namespace) -> int:
@@ -1604,8 +1631,13 @@ def _push(args: argparse.Namespace) -> int:
         progress = _LiveProgress(Console(stderr=True), total)
     else:
         progress = _Progress(sys.stderr, total, enabled=not args.no_progress)
+    said: list[bool] = []  # how far it got and how to resume: said on a Ctrl-C too
     try:
-        return asyncio.run(_push_async(args, source, progress))
+        return asyncio.run(_push_async(args, source, progress, said))
+    except KeyboardInterrupt:
+        if not said:
+            raise
+        return EXIT_INTERRUPTED
     finally:
         progress.stop()
         if source is not sys.stdin.buffer:
@@ -1613,7 +1645,7 @@ def _push(args: argparse.Namespace) -> int:
 
 
 async def _push_async(
-    args: argparse.Namespace, source: IO[bytes], progress: _Progress | _LiveProgress
+    args: argparse.Namespace, source: IO[bytes], progress: _Progress | _LiveProgress, said: list[bool]
 ) -> int:
     from ingest.input_lines import InputLines  # noqa: PLC0415 - numpy: only for a push
     from sluice_client import Producer  # noqa: PLC0415
@@ -1681,6 +1713,7 @@ async def _push_async(
         if denied is not None:  # nothing to resume: the same command fails the same way
             return _fail(f"push to {args.target} stream {args.stream!r} refused: {denied}", EXIT_DENIED)
         _push_failed(args, producer, read.records, exc)
+        said.append(True)
         if terminated:
             return 128 + signal.SIGTERM  # as a shell reports a process SIGTERM ended
         if isinstance(exc, asyncio.CancelledError):

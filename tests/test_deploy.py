@@ -465,7 +465,7 @@ def test_the_image_runs_the_console_script() -> None:
     scripts = _pyproject()["project"]["scripts"]
     # tini (PID 1: reaps the driver's JVM, forwards SIGTERM), then the console script
     assert command[:2] == ["tini", "--"]
-    assert command[2] in scripts and scripts[command[2]] == "ingest.cli:main"
+    assert command[2] in scripts and scripts[command[2]] == "ingest.console:main"
     assert _containerfile_uid() != 0
 
 

@@ -4,8 +4,10 @@ how far it got and resumes without duplicates, and producers wait for a server t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
+import random
 import re
 import shlex
 import shutil
@@ -814,3 +816,63 @@ def test_a_signal_while_serve_starts_ends_it_cleanly_or_is_ignored(
     said = log.read_text()
     assert "Traceback" not in said and "Error" not in said, said
     assert code == (130 if sig == signal.SIGINT and "stopped" not in said else 0), (code, said)
+
+
+def importing_the_cli(proc: subprocess.Popen[bytes]) -> None:
+    """Wait until the process has loaded asyncio's C module: its console script is importing the CLI's
+    modules then (a few tenths of a second more), and the interpreter's own start (some 20 ms, where
+    no code of Sluice's can take a signal) is over."""
+    maps = Path(f"/proc/{proc.pid}/maps")
+    deadline = time.monotonic() + 30
+    while True:
+        with contextlib.suppress(OSError):
+            if b"/_asyncio." in maps.read_bytes():
+                return
+        assert proc.poll() is None and time.monotonic() < deadline, proc.poll()
+        time.sleep(0.001)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["int", "term", "hup"])
+def test_a_signal_while_the_cli_is_imported_ends_as_once_it_runs(tmp_path: Path, sig: signal.Signals) -> None:
+    """Signals in the first tenths of a second of a `sluice` command, while the console script imported
+    the CLI's modules (before main() and its handlers): Ctrl-C printed a KeyboardInterrupt traceback
+    (exit -2), and SIGTERM or SIGHUP ended `sluice serve` by their default actions (exit -15 or -1,
+    without a word or its cleanup). The console script holds them from its first line (ingest.console)
+    and the CLI acts on them where it would have a moment later: Ctrl-C exit 130 with one line, serve
+    stopped by SIGTERM (exit 0) and deaf to SIGHUP while it starts."""
+    rng = random.Random()
+    with socket.socket() as silent:  # takes connections and never answers: `rate get` waits on it
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        target = f"127.0.0.1:{silent.getsockname()[1]}"
+        for attempt in range(5):
+            delay = rng.uniform(0, 0.2)
+            serve = sig != signal.SIGINT or attempt % 2 == 0
+            argv = [*SLUICE, "rate", "get", "--target", target]
+            if serve:
+                argv = [*SLUICE, "serve", *no_spark(0, tmp_path / f"data{attempt}")]
+            log = tmp_path / f"{attempt}.log"
+            with log.open("wb") as out:
+                proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=out)
+            try:
+                importing_the_cli(proc)
+                time.sleep(delay)
+                proc.send_signal(sig)
+                if sig == signal.SIGHUP:  # ignored while serve starts: it serves, and SIGTERM stops it
+                    wait_for_line(proc, log, r"sluice: serving", 60)
+                    proc.send_signal(signal.SIGTERM)
+                code = proc.wait(60)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            said = log.read_text()
+            seen = f"{argv[1]} {delay:.3f} s into the imports: exit {code}\n{said}"
+            assert "Traceback" not in said, seen
+            if sig == signal.SIGINT and not serve:
+                assert (code, said) == (130, "sluice: interrupted\n"), seen
+            elif sig == signal.SIGINT:  # before its event loop took Ctrl-C over, or after (a clean stop)
+                ended = (code, said.splitlines()[-1])
+                assert ended in ((130, "sluice: interrupted"), (0, "sluice: stopped")), seen
+            else:
+                assert code == 0 and said.splitlines()[-1].startswith("sluice: stopped"), seen

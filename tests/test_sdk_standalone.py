@@ -122,7 +122,7 @@ def test_keys_are_encoded_in_arrows_binary_layout() -> None:
 SERVER_ONLY = ("pyspark", "pyarrow", "pandas", "cryptography", "grpcio-health-checking")
 """Distributions only the server needs: in the wheel's Requires-Dist under extra == "server" alone."""
 
-# the console script's code (entry point ingest.cli:main) behind an import blocker: what a light install has
+# the console script's code (ingest.console:main) behind an import blocker: what a light install has
 CLI = textwrap.dedent(
     """
     import importlib.abc, sys
@@ -137,9 +137,9 @@ CLI = textwrap.dedent(
 
     sys.meta_path.insert(0, Refuse())
 
-    from ingest.cli import main
+    from ingest.console import main  # what the console script runs
 
-    code = main(sys.argv[1:])
+    code = main()
     loaded = sorted(m for m in sys.modules if m.split(".")[0] in FORBIDDEN)
     assert not loaded, loaded
     sys.exit(code)
@@ -229,7 +229,7 @@ def test_the_wheel_needs_no_server_library_outside_the_server_extra(tmp_path: Pa
     assert packages == {"ingest", "receivers", "ratecontrol", "sluice_client"}
     assert "sluice_client/pb/ingest/v1/ingest_pb2.py" in names
     assert "sluice_client/py.typed" in names
-    assert "sluice = ingest.cli:main" in entry_points
+    assert "sluice = ingest.console:main" in entry_points
 
     requires = metadata.get_all("Requires-Dist") or []
     by_extra: dict[str | None, set[str]] = {}
