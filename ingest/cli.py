@@ -2145,13 +2145,17 @@ def _pipeline_swap(args: argparse.Namespace) -> int:
     request = pb.SwapPipelineRequest(
         pipeline=spec, keep_state=args.keep_state, first_batch_timeout_seconds=args.first_batch_timeout
     )
+    goes_on = (
+        "; the swap goes on on the server to its end (done, or rolled back to the old pipeline): "
+        f"`sluice pipeline get --target {args.target}` shows its outcome"
+    )
     view = _unary(
         args,
         "pipeline swap",
         lambda ch, md: pb_grpc.AdminStub(ch).SwapPipeline(request, metadata=md),
         timeout=swap_deadline(args.first_batch_timeout),
-        late="; the swap goes on on the server to its end (done, or rolled back to the old pipeline): "
-        f"`sluice pipeline get --target {args.target}` shows its outcome",
+        late=goes_on,
+        interrupted=goes_on,
     )
     return _show_pipeline(view)
 
@@ -2335,19 +2339,27 @@ def _unary(
     args: argparse.Namespace,
     what: str,
     call: Callable[[grpc.aio.Channel, Metadata], Awaitable[T]],
+    *,
     timeout: float = 10.0,
     late: str = "",
+    interrupted: str = "",
 ) -> T:
     """One unary call to the server at args.target with the credentials of `args`; on failure print why
     (status and details) in one line and raise _Failed (EXIT_DENIED when the server refused them).
-    `late`: said after "no answer within N s" when the call outlives `timeout`."""
+    `late`: said after "no answer within N s" when the call outlives `timeout`. `interrupted`: said after
+    "interrupted" on Ctrl-C (exit 130) once the connection was up, so that the server may have the call;
+    without it a Ctrl-C is main()'s."""
     credentials = _credentials(args)
     target = args.target
+    connected: list[bool] = []  # at a Ctrl-C: whether the call could have reached the server
 
     async def run() -> T:
         async with credentials.channel(target) as channel:
             try:
                 return await asyncio.wait_for(call(channel, credentials.metadata), timeout)
+            except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels this, then raises KeyboardInterrupt
+                connected.append(channel.get_state() == grpc.ChannelConnectivity.READY)
+                raise
             except grpc.aio.AioRpcError as exc:
                 details = exc.details() or ""
                 code = EXIT_DENIED if refused(exc.code(), details) else EXIT_FAILED
@@ -2357,7 +2369,15 @@ def _unary(
             except TimeoutError:
                 raise _Failed(_fail(f"{what} on {target}: no answer within {timeout:g} s{late}")) from None
 
-    return asyncio.run(run())
+    try:
+        return asyncio.run(run())
+    except KeyboardInterrupt:
+        if not interrupted:
+            raise
+        # a call goes out on a connection that is up; before that, none was made
+        said = interrupted if any(connected) else " before the connection was up: nothing was asked"
+        logs.say(f"{what} on {target}: interrupted{said}", level=logging.WARNING)
+        raise _Failed(EXIT_INTERRUPTED) from None
 
 
 if __name__ == "__main__":

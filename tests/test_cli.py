@@ -432,3 +432,75 @@ def test_a_push_failure_a_rerun_cannot_mend_is_told_apart_through_close() -> Non
     assert _permanent(refused) and not _permanent(away)
     assert _permanent(UnackedRecordsError([(b"x", None)], 0, refused))
     assert not _permanent(UnackedRecordsError([(b"x", None)], 0, away))
+
+
+def test_ctrl_c_during_a_pipeline_swap_says_it_goes_on_on_the_server(tmp_path: Path) -> None:
+    """Ctrl-C of `sluice pipeline swap` ended it with exit 130 and not a word, while the swap goes on on
+    the server to its end (past its deadline the CLI said so, and how to see the outcome). It says the
+    same on Ctrl-C now; before the connection is up, that nothing was asked. The server here is a real
+    gRPC server on loopback whose Admin.SwapPipeline holds the call, as a swap does for its first batch
+    (a `--no-spark` server refuses a swap at once, and Spark would take tens of seconds to start)."""
+    from concurrent import futures
+    from threading import Event
+
+    import grpc
+
+    from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+    from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+
+    asked, ended = Event(), Event()
+
+    class Swapping(pb_grpc.AdminServicer):
+        def SwapPipeline(
+            self, request: pb.SwapPipelineRequest, context: grpc.ServicerContext
+        ) -> pb.PipelineView:
+            asked.set()
+            context.add_callback(ended.set)
+            ended.wait(60)
+            return pb.PipelineView()
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    pb_grpc.add_AdminServicer_to_server(Swapping(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    silent = socket.create_server(("127.0.0.1", 0))  # takes connections, never speaks HTTP/2
+    try:
+        for target, says in (
+            (
+                f"127.0.0.1:{port}",
+                "interrupted; the swap goes on on the server to its end (done, or rolled back to the old "
+                f"pipeline): `sluice pipeline get --target 127.0.0.1:{port}` shows its outcome",
+            ),
+            (
+                f"127.0.0.1:{silent.getsockname()[1]}",
+                "interrupted before the connection was up: nothing was asked",
+            ),
+        ):
+            log = tmp_path / "swap.log"
+            with log.open("wb") as out:
+                swap = subprocess.Popen(
+                    [*SLUICE, "pipeline", "swap", "swap_pipelines:tag_b", "--target", target], stderr=out
+                )
+            held = contextlib.ExitStack()
+            try:
+                if target.endswith(f":{port}"):
+                    assert asked.wait(60), log.read_text()
+                else:  # connected, waiting for the server's HTTP/2 settings
+                    silent.settimeout(60)
+                    held.enter_context(silent.accept()[0])
+                swap.send_signal(signal.SIGINT)
+                code = swap.wait(60)
+            finally:
+                held.close()
+                if swap.poll() is None:
+                    swap.kill()
+                    swap.wait()
+            said = log.read_text()
+            assert code == 130, said
+            assert said == f"sluice: pipeline swap on {target}: {says}\n", said
+            if target.endswith(f":{port}"):
+                assert ended.wait(60)  # the call ended on the server's side: the client went away
+    finally:
+        silent.close()
+        ended.set()
+        server.stop(None)
