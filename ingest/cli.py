@@ -2164,12 +2164,22 @@ SWAP_MARGIN = 60.0
 """Seconds `sluice pipeline swap` allows beyond the server's own bounds: the queries' starts."""
 
 
+SWAP_STOPS = 3
+"""Stops in a swap that may each wait stopTimeout for a batch (ingest.pipeline_manager): the old query's
+at the boundary, when its batch outlasted BOUNDARY_TIMEOUT (_stop_at_boundary); the new query's, when
+its first batch failed or ran out of time (_committed_after_all); and at the rollback the old query's
+start (_roll_back), for which Spark first stops a run left behind on its checkpoint: the old query's own
+when the boundary's stop timed out, the new one's with keep_state."""
+
+
 def swap_deadline(first_batch_timeout: float) -> float:
     """Seconds `sluice pipeline swap` waits for the answer: the old query's batch boundary (up to
-    BOUNDARY_TIMEOUT), the new query's first batch (up to `first_batch_timeout`), a rollback's stop of a
-    first batch that hangs (Spark's stopTimeout, STOP_TIMEOUT unless configured otherwise) and the
-    queries' starts. A deadline of first-batch-timeout + 90 s ended before such a rollback did."""
-    return BOUNDARY_TIMEOUT + first_batch_timeout + STOP_TIMEOUT + SWAP_MARGIN
+    BOUNDARY_TIMEOUT), the new query's first batch (up to `first_batch_timeout`), SWAP_STOPS stops of a
+    query that wait for a running batch (Spark's stopTimeout each, STOP_TIMEOUT unless configured
+    otherwise) and the queries' starts (SWAP_MARGIN). A deadline of first-batch-timeout + 90 s ended
+    before a hung first batch's rollback did, and one counting a single stop before a swap whose
+    boundary and first batch both hung."""
+    return BOUNDARY_TIMEOUT + first_batch_timeout + SWAP_STOPS * STOP_TIMEOUT + SWAP_MARGIN
 
 
 # ---- status --------------------------------------------------------------------------------------

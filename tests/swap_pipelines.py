@@ -104,3 +104,25 @@ def hangs_once_started(df: DataFrame, context: PipelineContext) -> DataStreamWri
         time.sleep(3600)
 
     return df.writeStream.foreachBatch(write)
+
+
+HANG_NEXT = threading.Event()
+"""Set: the next batch of hangs_when_asked hangs until RELEASE_HUNG (one batch: it clears it)."""
+HANGING = threading.Event()
+"""Set by hangs_when_asked's batch that hangs."""
+
+
+def hangs_when_asked(df: DataFrame, context: PipelineContext) -> DataStreamWriter:
+    """tag_a's records, through a foreachBatch whose batch hangs once HANG_NEXT is set (a sink that
+    stalls mid-stream), until RELEASE_HUNG; that batch then writes nothing."""
+
+    def write(batch: DataFrame, batch_id: int) -> None:
+        if HANG_NEXT.is_set():
+            HANG_NEXT.clear()
+            HANGING.set()
+            RELEASE_HUNG.wait()
+            return
+        out = batch.select("topic", "offset", "value", F.lit("a").alias("pipeline"))
+        out.write.mode("append").parquet(str(context.sink_dir))
+
+    return df.writeStream.foreachBatch(write)
