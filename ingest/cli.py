@@ -136,7 +136,9 @@ def _is_float(text: str) -> bool:
     return True
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, whole_process: bool = False) -> int:
+    """The `sluice` command; `whole_process`: this process is the command's (the console script,
+    `python -m ingest.cli`), not a caller's (a test's), so its stderr is the command's own (logs.setup)."""
     parser = _parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
@@ -145,9 +147,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             _layer_settings(args, argv, os.environ)
         except ConfigError as exc:
-            logs.setup(args.log_level, args.log_format)
+            logs.setup(args.log_level, args.log_format, whole_process=whole_process)
             return _fail(str(exc), EXIT_USAGE)
-    logs.setup(args.log_level, args.log_format)
+    logs.setup(args.log_level, args.log_format, whole_process=whole_process)
     try:
         _take_signals(serve=args.run is _serve)
         code: int = args.run(args)
@@ -2391,4 +2393,4 @@ def _unary(
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(whole_process=True))

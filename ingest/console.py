@@ -52,7 +52,7 @@ def main() -> int:
     from ingest.cli import main as cli_main  # noqa: PLC0415 - the point: after the signals are held
 
     # a command that ends before it takes a signal over (a usage error) ends as it would have anyway
-    return cli_main()
+    return cli_main(whole_process=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
-from datetime import UTC, datetime
+
+from ingest import native_stderr
 
 PLAIN, JSON = "plain", "json"
 FORMATS = (PLAIN, JSON)
@@ -32,7 +33,7 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, object] = {
-            "time": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            "time": native_stderr.iso_time(record.created),
             "level": record.levelname,
             "logger": record.name,
             "message": record.getMessage(),
@@ -47,12 +48,17 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False, default=str)
 
 
-def setup(level: str = "info", log_format: str = PLAIN) -> None:
+def setup(level: str = "info", log_format: str = PLAIN, *, whole_process: bool = False) -> None:
     """Log to stderr at `level` in `log_format`. Like logging.basicConfig, it leaves a root logger that
-    already has handlers alone (a test harness's), but say() follows `log_format` either way."""
+    already has handlers alone (a test harness's), but say() follows `log_format` either way.
+    `whole_process`: the process is the `sluice` command's (not a test calling the CLI): in JSON mode
+    what is written on fd 2 outside Python (gRPC's C core) is then relayed as JSON lines too
+    (ingest.native_stderr)."""
     global _format  # noqa: PLW0603 - one process, one log format
     if log_format not in FORMATS:
         raise ValueError(f"log format {log_format!r}: one of {', '.join(FORMATS)}")
+    if log_format == JSON and whole_process and _format != JSON:
+        native_stderr.redirect()  # before the handler: it writes on sys.stderr, which moves
     _format = log_format
     root = logging.getLogger()
     if not root.handlers:

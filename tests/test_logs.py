@@ -3,6 +3,7 @@ and with --log-format json nothing but JSON lines (Spark's JVM and its Python wo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -187,4 +188,96 @@ def test_failed_tls_handshakes_write_no_grpc_core_lines_in_json_mode(tmp_path: P
         assert isinstance(json.loads(line), dict), line  # every line
     assert json.loads(lines[-1]).get("event") == "stopped", lines
     asked = serve("asked", clean_env() | {"GRPC_VERBOSITY": "INFO"})  # the user's own setting holds
-    assert sum("Handshake failed" in line for line in asked) >= 20, asked
+    entries = [json.loads(line) for line in asked]  # as JSON lines (ingest.native_stderr)
+    failed = [e for e in entries if e["logger"] == "grpc" and "Handshake failed" in e["message"]]
+    assert len(failed) >= 20 and {e["level"] for e in failed} == {"INFO"}, asked
+
+
+def _serving(proc: subprocess.Popen[bytes], log: Path) -> int:
+    return int(wait_for_line(proc, log, r"serving streams default on 127\.0\.0\.1:(\d+)", 60).group(1))
+
+
+def test_grpc_core_errors_are_json_lines_in_json_mode(tmp_path: Path) -> None:
+    """gRPC's C core writes its errors on fd 2 in absl's own format ("E1127 22:04:43.216 ... file.cc:164]
+    ..."), past Python's logging: a raw line among the JSON ones, which broke a JSON log consumer. Made
+    here by running the server out of file descriptors, so that gRPC cannot accept connections ("File
+    descriptor limit reached"): each of its lines is a JSON record now (logger grpc, its level), and
+    every line on stderr is a JSON object."""
+    argv = [*SLUICE, "--log-format", "json", "serve", "--no-spark", "--port", "0", "--metrics-port", "-1"]
+
+    def serve(name: str, files: int | None) -> tuple[subprocess.Popen[bytes], Path]:
+        log = tmp_path / f"{name}.log"
+        command = [*argv, "--data-dir", str(tmp_path / name)]
+        if files is not None:  # the sluice command, exec'd under a limit of `files` open files
+            limit = "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (%d, %d)); "
+            limit += "os.execv(sys.argv[1], sys.argv[1:])"
+            command = [sys.executable, "-c", limit % (files, files), *command]
+        with log.open("wb") as out:
+            proc = subprocess.Popen(command, stderr=out, env=clean_env())
+        return proc, log
+
+    proc, log = serve("measured", None)  # how many files a server holds, serving
+    try:
+        _serving(proc, log)
+        held = len(os.listdir(f"/proc/{proc.pid}/fd"))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    proc, log = serve("limited", held + 8)
+    try:
+        port = _serving(proc, log)
+        connections = []
+        for _ in range(40):  # more than it may open: gRPC's listener cannot accept the rest
+            with contextlib.suppress(OSError):
+                connections.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        deadline = time.monotonic() + 30
+        while "File descriptor limit reached" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        for connection in connections:
+            connection.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            assert proc.wait(timeout=60) == 0, log.read_text(errors="replace")
+        finally:
+            proc.kill()
+    lines = log.read_text(errors="replace").splitlines()
+    entries = [json.loads(line) for line in lines]  # every line
+    assert all(isinstance(entry, dict) for entry in entries), lines
+    limit = [e for e in entries if "File descriptor limit reached" in e["message"]]
+    assert limit and all((e["logger"], e["level"]) == ("grpc", "ERROR") for e in limit), lines
+    assert all(e["source"].startswith("posix_engine_listener") for e in limit), limit
+    assert entries[-1].get("event") == "stopped", lines
+
+
+def test_what_the_process_wrote_on_fd_2_before_a_crash_is_still_said(tmp_path: Path) -> None:
+    """A crash ends the process at once (gRPC's fatal checks call abort(), the interpreter's fatal
+    errors too): what the relay had not read yet must not die with it. The relay is a process of its
+    own, which writes out what the pipe holds once the crashed one is gone; the interpreter's fatal
+    error report is written there too, as JSON lines."""
+    program = """if True:
+        import ctypes, logging, os, sys
+        from ingest import logs
+        logs.setup("info", "json", whole_process=True)
+        logging.getLogger("sluice").warning("before the crash")
+        fatal = b"F1127 22:01:07.824891   25436 chttp2_transport.cc:1234] Check failed: a C core's check"
+        os.write(2, fatal + b"\\n")
+        if sys.argv[1] == "abort":
+            os.abort()
+        ctypes.pythonapi.Py_FatalError(b"a fatal error of the interpreter")
+    """
+    for how in ("abort", "fatal"):
+        crashed = subprocess.run(
+            [sys.executable, "-c", program, how],
+            capture_output=True,
+            env=clean_env(),
+            timeout=60,
+            check=False,
+        )
+        assert crashed.returncode == -signal.SIGABRT, crashed.stderr
+        entries = [json.loads(line) for line in crashed.stderr.decode().splitlines()]  # every line
+        said = [(e["logger"], e["level"], e["message"]) for e in entries]
+        assert ("sluice", "WARNING", "before the crash") in said, said
+        assert ("grpc", "CRITICAL", "Check failed: a C core's check") in said, said
+        if how == "fatal":
+            assert ("stderr", "ERROR", "Fatal Python error: a fatal error of the interpreter") in said, said

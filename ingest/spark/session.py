@@ -220,7 +220,9 @@ def _filtered_stderr(json_lines: bool) -> Iterator[None]:
     read_fd, write_fd = os.pipe()
     sys.stderr.flush()
     real = os.dup(2)
-    out = os.dup(real)
+    # the copy goes where Python's stderr does: with --log-format json fd 2 is itself a pipe
+    # (ingest.native_stderr), which the copier, alive until the JVM ends, would hold open at exit
+    out = os.dup(_stderr_fd())
     threading.Thread(
         target=_copy_lines, args=(read_fd, out, json_lines), name="sluice-jvm-stderr", daemon=True
     ).start()
@@ -232,6 +234,14 @@ def _filtered_stderr(json_lines: bool) -> Iterator[None]:
         os.dup2(real, 2)
         os.close(real)
         os.close(write_fd)  # the pipe ends (and the thread with it) when the JVM and its workers do
+
+
+def _stderr_fd() -> int:
+    """The file descriptor sys.stderr writes to; 2 when it has none (a test's capture)."""
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation is both
+        return 2
 
 
 def _copy_lines(read_fd: int, out_fd: int, json_lines: bool) -> None:
