@@ -1048,7 +1048,7 @@ DRIVER_KEYS = frozenset(
     {
         *("log-level", "log-format", "spark-log-level", "role", "nodes", "data-dir", "stream"),
         *("host", "port", "metrics-host", "metrics-port", "metrics-tls", "health-port"),
-        *("tls-cert", "tls-key", "client-ca", "auth-file", "peer-token-file"),
+        *("tls-cert", "tls-key", "client-ca", "auth-file", "peer-token-file", "insecure"),
         *("estimator", "initial-rate", "min-rate", "max-rate"),
         *("master", "pipeline", "reset-pipeline", "trigger-interval"),
     }
@@ -1132,6 +1132,7 @@ def _driver_config(args: argparse.Namespace) -> DriverConfig:
             metrics_port=None if args.metrics_port < 0 else args.metrics_port,
             metrics_tls=args.metrics_tls,
             health_port=args.health_port,
+            insecure=args.insecure,
         ),
     )
 

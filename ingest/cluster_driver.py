@@ -41,7 +41,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ingest.admin_service import DriverAdminService, DriverIngestService, DriverSessionsService
-from ingest.config import RateConfig, ServeConfig, TlsConfig
+from ingest.config import RateConfig, ServeConfig, TlsConfig, check_exposure
 from ingest.driver import SparkDriver, batch_metrics
 from ingest.logs import JSON, SPARK_QUIET, log_format, say
 from ingest.metrics import MetricsServer, SluiceCollector
@@ -126,10 +126,21 @@ class DriverConfig:
     health_port: int | None = None
     """Also serve grpc.health.v1 alone, in plaintext, on this port (Kubernetes' probes); the rate
     server serves it in any case. SERVING while the query runs."""
+    insecure: bool = False
+    """Allow the rate server or /metrics in plaintext on an address that is not a loopback one
+    (`--insecure`), as a receiver node allows its own: refused otherwise."""
 
     def __post_init__(self) -> None:
         if self.metrics_tls and self.tls is None:
             raise ValueError("metrics TLS needs the driver's certificate and key (--tls-cert, --tls-key)")
+        # the rate server takes Admin's pipeline swaps and the rate, /metrics tells the cluster's state
+        check_exposure(
+            self.rate_host,
+            tls=self.tls is not None,
+            metrics_host=self.metrics_host if self.metrics_port is not None else None,
+            metrics_tls=self.metrics_tls,
+            insecure=self.insecure,
+        )
         for what, port in (("metrics port", self.metrics_port), ("health port", self.health_port)):
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{what} must be 0-65535, got {port}")

@@ -98,6 +98,23 @@ def is_loopback(host: str) -> bool:
         return False  # a name: it may resolve anywhere
 
 
+def check_exposure(
+    host: str, *, tls: bool, metrics_host: str | None, metrics_tls: bool, insecure: bool
+) -> None:
+    """Safe defaults: nothing leaves this machine in plaintext unless the operator says so. ValueError for
+    a gRPC server on `host` without `tls`, or /metrics on `metrics_host` (None: off) without
+    `metrics_tls`, on an address that is not a loopback one, unless `insecure` (`--insecure`): a receiver
+    node's, a single server's and a cluster's driver's rule alike."""
+    for what, bound, secure in (("gRPC", host, tls), ("metrics", metrics_host, metrics_tls)):
+        if bound is not None and not secure and not insecure and not is_loopback(bound):
+            raise ValueError(
+                f"refusing to serve {what} in plaintext on {bound}, which is not a loopback address: "
+                "give --tls-cert and --tls-key"
+                + (" (and --metrics-tls)" if what == "metrics" else "")
+                + ", or --insecure to accept that anyone on the network can read and send"
+            )
+
+
 @dataclass(frozen=True)
 class TlsConfig:
     """TLS for the gRPC server (and /metrics with metrics_tls): PEM files, re-read on SIGHUP."""
@@ -247,18 +264,13 @@ class ServeConfig:
             )
 
     def _check_exposure(self) -> None:
-        """Safe defaults: nothing leaves this machine in plaintext unless the operator says so."""
-        for what, host, bound, tls in (
-            ("gRPC", self.host, True, self.security.tls is not None),
-            ("metrics", self.metrics_host, self.metrics_port is not None, self.security.metrics_tls),
-        ):
-            if bound and not tls and not self.security.insecure and not is_loopback(host):
-                raise ValueError(
-                    f"refusing to serve {what} in plaintext on {host}, which is not a loopback address: "
-                    "give --tls-cert and --tls-key"
-                    + (" (and --metrics-tls)" if what == "metrics" else "")
-                    + ", or --insecure to accept that anyone on the network can read and send"
-                )
+        check_exposure(
+            self.host,
+            tls=self.security.tls is not None,
+            metrics_host=self.metrics_host if self.metrics_port is not None else None,
+            metrics_tls=self.security.metrics_tls,
+            insecure=self.security.insecure,
+        )
 
     @property
     def wal_segment_bytes(self) -> int:

@@ -456,3 +456,39 @@ def test_a_driver_refuses_the_settings_it_would_run_without(tmp_path: Path) -> N
     assert result.returncode == 0, result.stderr
     assert rows(result.stdout)["trigger-interval"] == ("2", "flag"), result.stdout
     assert set(cli._serve_keys()) >= cli.DRIVER_KEYS  # no key misspelled
+
+
+def test_a_driver_refuses_plaintext_off_loopback_as_a_node_does(tmp_path: Path) -> None:
+    """A receiver node refuses to serve gRPC or /metrics in plaintext on an address that is not a
+    loopback one, unless --insecure; the driver served its rate server (RateControl, and Admin's
+    pipeline swaps) and /metrics in plaintext on 0.0.0.0 without a word, and refused --insecure as a
+    node's setting. Now it takes the node's rule, --insecure included."""
+    from pki import CertificateAuthority
+
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text("0 127.0.0.1:51101\n")
+    driver = ["--role", "driver", "--nodes", str(nodes), "--data-dir", str(tmp_path / "d")]
+    metrics = ["--metrics-host", "0.0.0.0", "--metrics-port", "0"]
+    cases = [
+        (["--host", "0.0.0.0"], clean_env(), "gRPC"),
+        ([], clean_env(SLUICE_HOST="10.1.2.3"), "gRPC"),
+        (metrics, clean_env(), "metrics"),
+    ]
+    for flags, env, what in cases:
+        host = "10.1.2.3" if "SLUICE_HOST" in env else "0.0.0.0"
+        refused_by_serve_and_check(
+            [*driver, *flags],
+            env,
+            f"refusing to serve {what} in plaintext on {host}, which is not a loopback",
+        )
+    # as for a node: --insecure accepts it, and TLS needs no --insecure
+    result = check(*driver, "--host", "0.0.0.0", *metrics, "--insecure")
+    assert result.returncode == 0, result.stderr
+    assert rows(result.stdout)["insecure"] == ("true", "flag"), result.stdout
+    cert = CertificateAuthority(tmp_path / "pki").issue("localhost", server=True, file_stem="server")
+    tls = ["--tls-cert", str(cert.cert_file), "--tls-key", str(cert.key_file)]
+    result = check(*driver, "--host", "0.0.0.0", *tls, *metrics, "--metrics-tls")
+    assert result.returncode == 0, result.stderr
+    result = check(*driver, "--host", "0.0.0.0", *tls, *metrics)  # TLS on gRPC only: /metrics is plaintext
+    assert result.returncode == 2, result.stderr
+    assert "refusing to serve metrics in plaintext on 0.0.0.0" in result.stderr, result.stderr
