@@ -461,10 +461,12 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     push.add_argument(
         "--resume-from",
         type=int,
-        default=0,
+        default=None,
         metavar="N",
         help="skip the first N records of the input, sent and acked by an earlier push with the same "
-        "--producer-id (a failed push prints the command)",
+        "--producer-id, and resend the rest (what the server has of them is dropped as duplicates; a "
+        "failed push prints the command). Without it a push is a new run of its producer id, refused "
+        "if the server holds records of that id",
     )
     push.add_argument(
         "--key-separator",
@@ -1616,6 +1618,11 @@ def _push_flags_error(args: argparse.Namespace) -> str | None:
 
 
 def _push(args: argparse.Namespace) -> int:
+    # given (0 too: the command a push that had nothing acked prints), the push continues an earlier
+    # one and resends what that one may have sent; else it is a new run of its producer id
+    args.resumes = args.resume_from is not None
+    if args.resume_from is None:
+        args.resume_from = 0
     error = _push_flags_error(args)
     if error is not None:
         return _fail(error, EXIT_USAGE)
@@ -1660,7 +1667,9 @@ async def _push_async(
             producer_id=args.producer_id,
             batch_size=args.batch_size,
             first_seq=args.resume_from,
-            resume=args.resume_from > 0,  # a mistyped --producer-id is refused, not taken from there on
+            # a mistyped --producer-id is refused, not taken from there on; without --resume-from a
+            # push whose producer id has records on the server is refused, not dropped as duplicates
+            resume=args.resumes,
             start_timeout=args.timeout,
             reconnect_timeout=args.timeout,
             credentials=_credentials(args),

@@ -8,6 +8,7 @@
     ├── UnknownStream                  NOT_FOUND: Open named a stream this server does not have
     ├── SequenceGap                    OUT_OF_RANGE: a known producer skipped sequence numbers
     ├── SequenceOutOfRange             OUT_OF_RANGE: sequence numbers past the range the log can hold
+    ├── ProducerExists                 ALREADY_EXISTS: a fresh producer whose id already has records
     ├── ReceiverStopped                UNAVAILABLE: not accepted, safe to retry elsewhere or later
     ├── Unauthenticated                UNAUTHENTICATED: no credentials, or an unknown token
     ├── PermissionDenied               PERMISSION_DENIED: the principal lacks the role or the stream
@@ -103,6 +104,13 @@ class SequenceOutOfRange(ReceiverError):
     """Sequence numbers beyond the last one the block log can hold (see receivers.wire.SEQ_LIMIT)."""
 
     status = "OUT_OF_RANGE"
+
+
+class ProducerExists(ReceiverError):
+    """A producer that starts afresh (Open.fresh) under an id the server already took records of at or
+    beyond its resume point: they would be dropped as duplicates of the earlier run's."""
+
+    status = "ALREADY_EXISTS"
 
 
 class ReceiverStopped(ReceiverError):

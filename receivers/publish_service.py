@@ -165,6 +165,7 @@ class PublishService(pb_grpc.IngestServicer):
             first.open.resume_from_seq,
             principal,
             resume=first.open.resume,
+            fresh=first.open.fresh,
             token_sha256=credential.token_sha256,
         )
         return receiver, opened

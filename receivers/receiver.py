@@ -65,6 +65,9 @@ consecutive (a repeat or a step back is INVALID_ARGUMENT), and each batch is che
 - a batch that starts beyond accepted_up_to is a gap: the session fails with OUT_OF_RANGE, naming the
   expected and the received sequence number. A producer the table does not know is accepted from its
   resume point.
+- a session that opens afresh (Open.fresh: a new run of the producer, not a reconnect or a resume) of a
+  producer whose accepted_up_to is beyond its resume point is refused, ALREADY_EXISTS naming
+  accepted_up_to: its records would be dropped as duplicates of an earlier run's;
 - a new session of a producer that still has an accepting session fences the old one: it gets Cancel
   (ABORTED, "superseded by a newer session of producer X"); what it had accepted is still sealed and acked.
 
@@ -104,6 +107,8 @@ from receivers.block_store import BlockStore
 from receivers.config import ReceiverConfig
 from receivers.errors import (
     InvalidBatch,
+    InvalidMessage,
+    ProducerExists,
     ProtocolViolation,
     ReceiverError,
     ReceiverStopped,
@@ -112,6 +117,7 @@ from receivers.errors import (
     UnloggableRecords,
     cut,
     detached,
+    shown,
 )
 from receivers.fairness import OwnerDemand, allocate, owner_of
 from receivers.memory_pool import MemoryPool
@@ -559,17 +565,38 @@ class Receiver:
         principal: Principal = ANONYMOUS,
         *,
         resume: bool = False,
+        fresh: bool = False,
         token_sha256: str | None = None,
     ) -> Session:
         """onSubscribe: `principal` opened a session; it gets its prefetch as far as the buffer allows.
         `resume` (Open.resume): the producer must be known here, else SequenceGap (OUT_OF_RANGE).
+        `fresh` (Open.fresh): a new run of the producer; ProducerExists (ALREADY_EXISTS) if records of
+        it at or beyond `resume_from_seq` were taken already (from this node's log, its producer table,
+        or another node's mark learnt before: learn_producer_mark).
         `token_sha256`: the hash of the bearer token it came with (kept to revoke it on an auth reload)."""
         if self._stopping:
             raise ReceiverStopped(f"receiver for stream {self.stream!r} is stopping; retry later")
         # validated before anything is registered: these values end up in the block log's headers
         check_producer_id(producer_id)
         check_seq_range(resume_from_seq, 0, "Open.resume_from_seq")
-        known = producer_id and producer_key(principal, producer_id) in self._producers
+        if fresh and resume:
+            raise InvalidMessage(
+                "Open.fresh and Open.resume both set: a producer either starts afresh or continues an "
+                "earlier run"
+            )
+        known_state = self._producers.get(producer_key(principal, producer_id)) if producer_id else None
+        if fresh and known_state is not None and known_state.accepted_up_to > resume_from_seq:
+            expected = known_state.accepted_up_to
+            raise ProducerExists(
+                f"producer {shown(producer_id)} already has records on stream {self.stream!r}: the next "
+                f"sequence number it expects of it is {expected}, and this new run starts at "
+                f"{resume_from_seq}, so its records {resume_from_seq}..{expected - 1} would be dropped as "
+                f"duplicates of the earlier run's. To go on after that run, start at {expected} "
+                f"(first_seq={expected}; sluice push: --resume-from {expected} with the same input); to "
+                "resend an earlier run's records from where its acks ended, resume (resume=True); else "
+                "use a new producer id"
+            )
+        known = known_state is not None
         if resume and resume_from_seq > 0 and producer_id and not known:
             raise SequenceGap(
                 f"producer {producer_id!r} is not known on stream {self.stream!r}: nothing to resume from "

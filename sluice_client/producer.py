@@ -166,6 +166,9 @@ PUBLISH = "/ingest.v1.Ingest/Publish"
 
 _CALL_ENDED = (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
 _ERROR_DELIVERY = 1.0
+FIRST_ANSWER_SECONDS = 2.0
+"""start() waits at most this long for the server's answer to the first session (credit, or a refusal
+it then raises); a server with no credit to give yet (paused) sends nothing, and start() returns."""
 """Seconds a protocol error waits for the server to end the call after telling it in-band."""
 
 
@@ -878,10 +881,14 @@ class Producer:
     one producer); give the same id to one producer at a time only: a second session with the same id
     fences the first (it fails with ABORTED).
 
-    `first_seq` is the sequence number of the first record (default 0): a producer id that resumes an
-    earlier run's numbering starts where that run's acks ended (records of a known producer below the
-    server's mark are dropped as duplicates; past it, OUT_OF_RANGE). `acked`, `sent` and `ever_sent` are
-    sequence numbers, so they start at it.
+    `first_seq` is the sequence number of the first record (default 0): a producer id that goes on
+    after an earlier run starts where that run ended. A new run says so to the server (Open.fresh):
+    when the server already holds records of the id from `first_seq` on, they are an earlier run's and
+    this run's records would be dropped as their duplicates, so start() raises RPCError ALREADY_EXISTS
+    naming the sequence number the server expects next (give it as `first_seq`, or resume, or use a new
+    id). `resume=True` instead continues an earlier run that may resend records the server has (from
+    where that run's acks ended: those are dropped as duplicates); past the server's mark a batch is
+    OUT_OF_RANGE. `acked`, `sent` and `ever_sent` are sequence numbers, so they start at it.
 
     `start_timeout` bounds how long start() retries a server that cannot be reached (UNAVAILABLE), with
     the reconnect backoff, logging a WARNING that names the targets; then StartTimeoutError. 0: one
@@ -956,10 +963,12 @@ class Producer:
         self.stream = stream
         self.producer_id = producer_id or uuid.uuid4().hex
         self.resume = resume
-        """`first_seq` continues an earlier run of this producer id: a server that does not know the id
-        (a mistyped one) refuses the session (OUT_OF_RANGE) instead of taking it from first_seq on. Only
-        until a server has taken a session of this Producer: later sessions resume from its own acks,
-        also on a node (or a server) that no longer knows the id."""
+        """`first_seq` continues an earlier run of this producer id, whose records from there on the
+        server may have (resent: dropped as duplicates); a server that does not know the id (a mistyped
+        one) refuses the session (OUT_OF_RANGE) instead of taking it from first_seq on. Without it the
+        producer is a new run (Open.fresh): refused (ALREADY_EXISTS) where the server has records of the
+        id from first_seq on. Either only until a server has taken a session of this Producer: later
+        sessions resume from its own acks, also on a node (or a server) that no longer knows the id."""
         self._taken = False  # a server granted a session of this Producer credit: the id is not a typo
         self.batch_size = batch_size
         self.batch_bytes = batch_bytes
@@ -1053,9 +1062,13 @@ class Producer:
     # ---- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Open the session; returns once Open is written. While no target can be reached (UNAVAILABLE:
-        not up yet, restarting) this goes round the targets, backing off between rounds, for up to
-        `start_timeout` seconds, then raises StartTimeoutError; any other status raises RPCError at once."""
+        """Open the session; returns once the server took it (its first credit), or after
+        FIRST_ANSWER_SECONDS (2 s) without an answer (a server with no credit to give yet). While no
+        target can be reached (UNAVAILABLE: not up yet, restarting) this goes round the targets, backing
+        off between rounds, for up to `start_timeout` seconds, then raises StartTimeoutError; any other
+        status raises RPCError at once: ALREADY_EXISTS for a new run of a producer id whose earlier run's
+        records the server holds from `first_seq` on (see the class docstring), OUT_OF_RANGE for a
+        resume of an id the server does not know, NOT_FOUND, PERMISSION_DENIED, ..."""
         if self._state is not _State.NEW:
             raise ProducerClosedError(f"producer is {self._state.value}; a producer starts once")
         tune_malloc()  # batches are large buffers: keep them off mmap (sluice_client.allocator)
@@ -1079,6 +1092,30 @@ class Producer:
             self._starting = None
         self._tasks = [asyncio.create_task(self._supervise(call), name="sluice-producer")]
         self._tasks[0].add_done_callback(self._task_done)
+        await self._first_answer()
+
+    async def _first_answer(self) -> None:
+        """Wait until the server answered the first session: credit (it took the session), or a status
+        that failed the producer (a refusal of this run, a resume of an unknown id, an unknown stream,
+        ...), raised here with the producer torn down. At most FIRST_ANSWER_SECONDS: a server with no
+        credit to give yet (paused) says nothing, and a refusal after that fails the calls that send or
+        wait instead."""
+        try:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(FIRST_ANSWER_SECONDS):
+                    # until the session task ends, not merely until _error is set: a protocol error
+                    # is told to the server in-band before the task ends, and a teardown would cut it
+                    session = self._tasks[0]
+                    while not self._taken and not session.done() and self._state is _State.OPEN:
+                        await self._wait_change()
+        except asyncio.CancelledError:  # as a cancel of start() before: no producer left half started
+            if self._state is not _State.CLOSED:
+                await self._teardown()
+            raise
+        if self._error is not None and self._state is _State.OPEN:
+            error = self._error
+            await self._teardown()
+            raise error
 
     async def _open_first_call(self) -> Call:
         """Open the first session, retrying what a reconnect retries, for up to start_timeout."""
@@ -1157,11 +1194,15 @@ class Producer:
             _registered_method=True,  # type: ignore[call-arg]  # as the generated stub does; stubs lag
         )
         call: Call = publish(metadata=self.credentials.metadata)  # type: ignore[call-arg]  # stubs lag
+        first = not self._taken  # no server took a session of this Producer yet: no record was sent
         opening = pb.Open(
             stream=self.stream,
             producer_id=self.producer_id,
             resume_from_seq=self._acked_seq,
-            resume=self.resume and not self._taken,
+            resume=self.resume and first,
+            # a new run: a server holding records of this id from resume_from_seq on refuses it
+            # (ALREADY_EXISTS) rather than drop this run's records as duplicates of those
+            fresh=first and not self.resume,
         )
         try:
             try:

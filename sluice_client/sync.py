@@ -24,7 +24,9 @@ closed producer)."""
 
 class SyncProducer:
     """Blocking facade over Producer. Same arguments; every method blocks until done (the constructor
-    too: it starts the producer, waiting up to `start_timeout` for a server that is not up yet).
+    too: it starts the producer, waiting up to `start_timeout` for a server that is not up yet, and
+    raises what Producer.start raises, e.g. RPCError ALREADY_EXISTS for a new run of a producer id the
+    server holds records of).
 
     `send_many` amortises the thread hop; `send` costs one hop per record.
     """

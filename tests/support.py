@@ -114,8 +114,8 @@ def sink_values(sink: Path) -> list[bytes]:
 
 
 async def refused(producer: Producer) -> RPCError:
-    """The error a producer fails with: at start (a server it cannot reach) or at the first flush (a
-    session the server refused: start returns once Open is written)."""
+    """The error a producer fails with: at start (a server it cannot reach, or a session the server
+    refused: start waits for its answer) or at the first flush (a refusal after start's wait)."""
     try:
         await asyncio.wait_for(producer.start(), 20)
         await producer.send_many([b"r"])

@@ -481,7 +481,12 @@ async def test_another_principal_cannot_fence_or_shadow_a_producer_id(tmp_path: 
     # numbering does not reach it
     async with secured_server(tmp_path / "data", auth) as server:
         async with Producer(
-            server.target, "clicks", producer_id="p1", credentials=as_principal("clicks-app"), linger=0
+            server.target,
+            "clicks",
+            producer_id="p1",
+            credentials=as_principal("clicks-app"),
+            resume=True,  # a resend (a new run from 0 would be refused: ALREADY_EXISTS)
+            linger=0,
         ) as again:
             await send_and_ack(again, 40)  # seqs 0..39: all held already
         receiver = server.receivers["clicks"]

@@ -313,7 +313,8 @@ async def test_the_sdk_reports_fencing_as_a_non_retriable_error(node: Node) -> N
     await first.start()
     await first.send(b"one")
     await first.flush(timeout=10)
-    second = Producer(node.target, "s", producer_id="twin", linger=0)
+    # another instance taking over where the first one's acks end (a new run from 0 is refused)
+    second = Producer(node.target, "s", producer_id="twin", first_seq=first.acked, linger=0)
     await second.start()
     try:
         with pytest.raises(RPCError) as info:
@@ -761,7 +762,9 @@ async def test_a_producer_fenced_while_it_writes_fails_aborted(node: Node) -> No
 
     writer = asyncio.create_task(saturate())
     await asyncio.sleep(0.3)
-    second = Producer(node.target, "s", producer_id=f"busy-{attempt}", linger=0)
+    # taking over while the first one sends: it may resend what the first one sent (a new run would be
+    # refused: the server holds records of the id)
+    second = Producer(node.target, "s", producer_id=f"busy-{attempt}", resume=True, linger=0)
     await second.start()
     try:
         with pytest.raises(RPCError) as info:
@@ -879,11 +882,9 @@ async def test_a_resume_of_a_producer_the_server_does_not_know_is_refused(node: 
     async with Producer(node.target, "s", producer_id="known", linger=0) as producer:
         await producer.send_many(values("k", 0, 5))
     typo = Producer(node.target, "s", producer_id="knwon", first_seq=5, resume=True)
-    await typo.start()
-    await typo.send(b"not taken")
     with pytest.raises(RPCError) as refused:
-        await typo.flush(timeout=10)
-    assert await typo.abort() == [(b"not taken", None)]
+        await typo.start()  # start() waits for the server's answer to its first session
+    assert await typo.abort() == []
     assert refused.value.status is grpc.StatusCode.OUT_OF_RANGE
     assert "producer 'knwon' is not known on stream 's'" in refused.value.message
     async with Producer(node.target, "s", producer_id="known", first_seq=5, resume=True, linger=0) as again:
@@ -921,6 +922,103 @@ async def test_resume_checks_the_first_session_only(tmp_path: Path) -> None:
     finally:
         await resumed.abort()
         await second.stop()
+
+
+def assert_new_run_refused(error: RPCError, producer_id: str, expected: int) -> None:
+    """`error` is the refusal of a new run of `producer_id` whose earlier run the server holds up to
+    `expected`: ALREADY_EXISTS, naming the id, the next sequence number and what to do."""
+    assert error.status is grpc.StatusCode.ALREADY_EXISTS, error
+    assert f"producer {producer_id!r} already has records on stream 's'" in error.message
+    assert f"the next sequence number it expects of it is {expected}" in error.message
+    assert f"first_seq={expected}" in error.message and "resume=True" in error.message
+    assert "new producer id" in error.message
+
+
+async def test_a_new_run_of_a_producer_id_the_server_holds_is_refused_not_dropped(node: Node) -> None:
+    """A producer restarted with the same id and numbering from 0 again had its records dropped as
+    duplicates of the earlier run's, acked, never stored, and nothing said. Its first session says it
+    starts afresh (Open.fresh): the server refuses it at once, naming how far it has the id, and start()
+    raises; with first_seq at that number the new run goes on after the earlier one."""
+    async with Producer(node.target, "s", producer_id="run", linger=0) as producer:
+        await producer.send_many(values("a", 0, 5))
+    again = Producer(node.target, "s", producer_id="run", linger=0)
+    with pytest.raises(RPCError) as refused:
+        await asyncio.wait_for(again.start(), 10)  # at start: no retry loop, nothing queued
+    assert_new_run_refused(refused.value, "run", 5)
+    with pytest.raises(RPCError):  # the producer is done: every call says why
+        await again.send(b"never taken")
+
+    def sync_run() -> None:
+        SyncProducer(node.target, "s", producer_id="run")
+
+    with pytest.raises(RPCError) as sync_refused:
+        await asyncio.to_thread(sync_run)  # the SyncProducer's constructor raises it
+    assert_new_run_refused(sync_refused.value, "run", 5)
+    async with Producer(node.target, "s", producer_id="run", first_seq=5, linger=0) as after:
+        await after.send_many(values("b", 5, 8))
+    assert node.server is not None
+    assert node.server.receivers["s"].stats.records_deduplicated == 0  # nothing was dropped silently
+    assert stored(node.data_dir) == values("a", 0, 5) + values("b", 5, 8)
+
+
+async def test_a_new_run_is_checked_against_the_marks_of_the_log_after_a_restart(tmp_path: Path) -> None:
+    node = Node(tmp_path)
+    await node.start()
+    try:
+        async with Producer(node.target, "s", producer_id="logged", linger=0) as producer:
+            await producer.send_many(values("a", 0, 7))
+        await node.stop()
+        server = await node.start()  # the producer table comes back from the marks in the log
+        with pytest.raises(RPCError) as refused:
+            await asyncio.wait_for(Producer(node.target, "s", producer_id="logged").start(), 10)
+        assert_new_run_refused(refused.value, "logged", 7)
+        async with Producer(node.target, "s", producer_id="logged", first_seq=7, linger=0) as after:
+            await after.send_many(values("b", 7, 9))
+        assert server.receivers["s"].stats.records_deduplicated == 0
+    finally:
+        await node.stop()
+    assert stored(tmp_path) == values("a", 0, 7) + values("b", 7, 9)
+
+
+async def test_open_fresh_on_the_wire(node: Node) -> None:
+    """For clients of other languages: Open.fresh of a producer the server holds records of from
+    resume_from_seq on ends the call ALREADY_EXISTS before any credit; at the server's mark, or of an
+    unknown producer, it is taken; with resume it is INVALID_ARGUMENT; without it (older clients) the
+    records are deduplicated as before."""
+    first = Peer(node.target, "wire")
+    await first.open()
+    await first.batch(0, values("w", 0, 4))
+    await first.expect(lambda: first.acked == 4)
+    await first.complete()
+    await first.end()
+    await first.close()
+    for opening, status, said in (
+        (
+            pb.Open(stream="s", producer_id="wire", resume_from_seq=2, fresh=True),
+            grpc.StatusCode.ALREADY_EXISTS,
+            "its records 2..3 would be dropped as duplicates",
+        ),
+        (
+            pb.Open(stream="s", producer_id="wire", fresh=True, resume=True),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "Open.fresh and Open.resume both set",
+        ),
+    ):
+        peer = Peer(node.target, "wire")
+        await peer.call.write(pb.PublishRequest(open=opening))
+        code, details, seen = await peer.end()
+        await peer.close()
+        assert code is status and said in details, details
+        assert not seen  # refused before any credit
+    for resume_from_seq, producer_id in ((4, "wire"), (0, "unknown")):
+        peer = Peer(node.target, producer_id)
+        opening = pb.Open(stream="s", producer_id=producer_id, resume_from_seq=resume_from_seq, fresh=True)
+        await peer.call.write(pb.PublishRequest(open=opening))
+        await peer.expect(lambda: peer.credit > 0)  # noqa: B023 - awaited at once
+        await peer.batch(resume_from_seq, [b"taken"])
+        await peer.expect(lambda: peer.acked == resume_from_seq + 1)  # noqa: B023
+        await peer.close()
+    assert stored(node.data_dir) == [*values("w", 0, 4), b"taken", b"taken"]
 
 
 @pytest.mark.parametrize("end", ["close", "abort"])

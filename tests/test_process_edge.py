@@ -470,6 +470,39 @@ def test_a_resume_with_a_mistyped_producer_id_is_refused(tmp_path: Path, servers
     assert sorted(stored_values(data).elements()) == sorted(f"{i}".encode() for i in range(100))
 
 
+def test_a_second_push_under_the_same_producer_id_is_refused_not_dropped(
+    tmp_path: Path, servers: list[Serve]
+) -> None:
+    """A push run again with the same --producer-id and no --resume-from numbered its records from 0
+    again: the server dropped them as duplicates of the first push's, and the push said "all acked".
+    It is refused now, saying where the server has the id; --resume-from goes on (0 too: the command a
+    push that had nothing acked prints, which resends)."""
+    source = tmp_path / "in.txt"
+    source.write_text("".join(f"{i}\n" for i in range(100)))
+    data, port = tmp_path / "data", free_port()
+    serve = Serve(tmp_path, "serve", *no_spark(port, data))
+    servers.append(serve)
+    serve.wait_serving()
+    flags = ["--target", f"127.0.0.1:{port}", "--producer-id", "p-1", "--no-progress"]
+    first = sluice("push", str(source), *flags, timeout=60)
+    assert first.returncode == 0, first.stderr.decode()
+    other = tmp_path / "other.txt"
+    other.write_text("".join(f"other {i}\n" for i in range(20)))
+    again = sluice("push", str(other), *flags, timeout=60)
+    stderr = again.stderr.decode()
+    assert again.returncode == 1, stderr
+    assert "ALREADY_EXISTS: producer 'p-1' already has records on stream 'default'" in stderr, stderr
+    assert "--resume-from 100" in stderr and "no record was sent: fix the cause first" in stderr, stderr
+    longer = tmp_path / "longer.txt"
+    longer.write_text("".join(f"{i}\n" for i in range(150)))
+    on = sluice("push", str(longer), *flags, "--resume-from", "100", timeout=60)
+    assert on.returncode == 0 and b"pushed 50 records" in on.stderr, on.stderr.decode()
+    resent = sluice("push", str(source), *flags, "--resume-from", "0", timeout=60)
+    assert resent.returncode == 0, resent.stderr.decode()  # all 100 held already: duplicates
+    serve.kill()
+    assert sorted(stored_values(data).elements()) == sorted(f"{i}".encode() for i in range(150))
+
+
 def test_push_resume_flags_are_checked(tmp_path: Path) -> None:
     source = tmp_path / "in.txt"
     source.write_text("a\nb\n")
@@ -655,10 +688,8 @@ async def test_a_refused_first_session_is_not_retried(tmp_path: Path) -> None:
         assert await asyncio.to_thread(server.serving.wait, 30)
         started = time.monotonic()
         producer = Producer(f"127.0.0.1:{port}", "no-such-stream", start_timeout=60)
-        await producer.start()  # Open is written; the server refuses the stream at once
         with pytest.raises(RPCError) as info:
-            await producer.send(b"x")
-            await producer.flush(timeout=30)
+            await producer.start()  # the server refuses the stream at once: start() raises it
         assert info.value.status == grpc.StatusCode.NOT_FOUND
         assert time.monotonic() - started < 10  # not retried for start_timeout
         await producer.abort()
@@ -696,7 +727,7 @@ async def test_first_seq_resumes_a_producer_and_a_gap_past_its_mark_is_refused(t
         async with Producer(server.target, "s", producer_id="p") as first:
             await first.send_many([b"0", b"1", b"2"])
         # a second run resumes at 1: what the server holds of it (1, 2) is dropped, 3 is new
-        async with Producer(server.target, "s", producer_id="p", first_seq=1) as resumed:
+        async with Producer(server.target, "s", producer_id="p", first_seq=1, resume=True) as resumed:
             await resumed.send_many([b"1", b"2", b"3"])
             await resumed.flush(timeout=30)
             assert resumed.acked == resumed.ever_sent == 4

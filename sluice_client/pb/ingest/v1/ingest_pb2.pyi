@@ -14,7 +14,9 @@ bounded, least recently used producers are forgotten). A producer that lost its 
 server restarted) opens a new one with resume_from_seq = its first unacked record and sends again
 what was not acked: records the server had accepted already are dropped as duplicates and acked once
 durable, so each record is stored once. A producer unknown to the server (new, or forgotten) is taken
-from its resume point. Anonymous producers (empty producer_id) are not deduplicated.
+from its resume point. A new run of a producer says so (Open.fresh): the server refuses it rather than
+drop its records as duplicates of an earlier run's. Anonymous producers (empty producer_id) are not
+deduplicated.
 """
 
 from collections import abc as _abc
@@ -79,6 +81,7 @@ class Open(_message.Message):
     PRODUCER_ID_FIELD_NUMBER: _builtins.int
     RESUME_FROM_SEQ_FIELD_NUMBER: _builtins.int
     RESUME_FIELD_NUMBER: _builtins.int
+    FRESH_FIELD_NUMBER: _builtins.int
     stream: _builtins.str
     """The stream to publish to; it must exist on the server."""
     producer_id: _builtins.str
@@ -99,6 +102,16 @@ class Open(_message.Message):
     must know it, else the session ends OUT_OF_RANGE at once. Without it an unknown producer id (a
     mistyped one) starts at resume_from_seq, and the records before it are never sent.
     """
+    fresh: _builtins.bool
+    """The producer starts afresh: none of the records it will send was sent under this producer_id
+    before (a new run of a producer, not a reconnect of a running one, not a resume). A server that
+    already took records of the producer at or beyond resume_from_seq ends the session ALREADY_EXISTS
+    at once, naming the next sequence number it expects: this run's records would be dropped as
+    duplicates of an earlier run's. Open with resume_from_seq = that number to go on after the earlier
+    run, with resume (not fresh) to resend an earlier run's unacked records, or under a new
+    producer_id. Not with resume (INVALID_ARGUMENT). Unset (older clients), a known producer's records
+    below what the server took are dropped as duplicates as before.
+    """
     def __init__(
         self,
         *,
@@ -106,10 +119,11 @@ class Open(_message.Message):
         producer_id: _builtins.str = ...,
         resume_from_seq: _builtins.int = ...,
         resume: _builtins.bool = ...,
+        fresh: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["producer_id", b"producer_id", "resume", b"resume", "resume_from_seq", b"resume_from_seq", "stream", b"stream"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fresh", b"fresh", "producer_id", b"producer_id", "resume", b"resume", "resume_from_seq", b"resume_from_seq", "stream", b"stream"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -14,7 +14,9 @@ bounded, least recently used producers are forgotten). A producer that lost its 
 server restarted) opens a new one with resume_from_seq = its first unacked record and sends again
 what was not acked: records the server had accepted already are dropped as duplicates and acked once
 durable, so each record is stored once. A producer unknown to the server (new, or forgotten) is taken
-from its resume point. Anonymous producers (empty producer_id) are not deduplicated.
+from its resume point. A new run of a producer says so (Open.fresh): the server refuses it rather than
+drop its records as duplicates of an earlier run's. Anonymous producers (empty producer_id) are not
+deduplicated.
 """
 
 from collections import abc as _abc
