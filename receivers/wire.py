@@ -8,7 +8,7 @@ Every value a client sends that reaches the block log is bounded here and checke
 (Open, Batch), so a client's input can fail its own session and nothing else:
 
 - sequence numbers: a record's seq is below SEQ_LIMIT, so a batch ends at SEQ_LIMIT at the latest;
-- producer id: at most MAX_PRODUCER_ID_BYTES bytes of UTF-8, no NUL;
+- producer id: at most MAX_PRODUCER_ID_BYTES (sluice_client.wire) bytes of UTF-8, no NUL;
 - record values and keys: int32 offsets (sluice_client.wire.MAX_OFFSET bytes per batch), under the
   server's message size limit (`ServeConfig.max_message_bytes`, enforced by gRPC: RESOURCE_EXHAUSTED).
 """
@@ -27,6 +27,7 @@ from google.protobuf.message import DecodeError
 from receivers.block import BLOCK_SCHEMA
 from receivers.errors import InvalidBatch, InvalidMessage, SequenceOutOfRange
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.wire import MAX_PRODUCER_ID_BYTES  # the protocol's; the SDK checks it at construction
 
 if sys.byteorder != "little":  # pragma: no cover - the wire layout is little-endian
     raise ImportError("Sluice's wire layout needs a little-endian host")
@@ -39,11 +40,6 @@ The seq after a producer's last record is stored as an unsigned 64-bit field in 
 (its producer mark) and sent back as Ack.durable_up_to and Cancel.accepted_up_to (uint64), so it must
 itself fit in 64 bits: SEQ_LIMIT = 2**64 - 1 is the largest such value. Python ints, the producer table
 and released.json hold any of them; Spark never sees producer seqs."""
-
-MAX_PRODUCER_ID_BYTES = 256
-"""Longest producer id, in UTF-8 bytes. The block log could hold 65535, but every block names its
-producers and every server keeps up to `max_producers` of them in memory: 256 bytes bound that table to
-about 25 MiB at the default 100k producers, and leave room for a UUID, a host name and a path."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -77,7 +77,15 @@ from sluice_client.errors import (
 from sluice_client.flow import MAX_DEMAND
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.tasks import reap
-from sluice_client.wire import Keys, PackedKeys, is_key, lay_out_keys, publish_parts, serialize_request
+from sluice_client.wire import (
+    MAX_PRODUCER_ID_BYTES,
+    Keys,
+    PackedKeys,
+    is_key,
+    lay_out_keys,
+    publish_parts,
+    serialize_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -808,6 +816,22 @@ def _int_arg(name: str, value: object, low: int, high: int | None = None, *, non
     return number
 
 
+def _check_producer_id(producer_id: str) -> None:
+    """ValueError unless the server can take `producer_id` (it refused it only when the session opened,
+    INVALID_ARGUMENT): at most MAX_PRODUCER_ID_BYTES of UTF-8, without NUL."""
+    try:
+        size = len(producer_id.encode())
+    except UnicodeEncodeError:  # a lone surrogate: protobuf cannot send it
+        raise ValueError(f"producer_id must be valid UTF-8 text, got {producer_id!r}") from None
+    if size > MAX_PRODUCER_ID_BYTES:
+        raise ValueError(
+            f"producer_id must be at most {MAX_PRODUCER_ID_BYTES} bytes of UTF-8, got {size} "
+            f"({producer_id[:40]!r}...)"
+        )
+    if "\0" in producer_id:
+        raise ValueError(f"producer_id must not contain NUL, got {producer_id!r}")
+
+
 def check_timeout(timeout: float | None) -> None:
     """TypeError unless `timeout` (flush's, close's) is None or a number, ValueError unless it is >= 0:
     NaN too, which asyncio takes as a timeout that has run out already."""
@@ -930,6 +954,8 @@ class Producer:
                 f"producer_id must be a str (or None: a random id), not {type(producer_id).__name__} "
                 f"({producer_id!r})"
             )
+        if producer_id is not None:
+            _check_producer_id(producer_id)
         if not isinstance(resume, bool):
             raise TypeError(f"resume must be a bool, not {type(resume).__name__} ({resume!r})")
         batch_size = _int_arg("batch_size", batch_size, 1)

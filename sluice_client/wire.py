@@ -29,6 +29,12 @@ if sys.byteorder != "little":  # pragma: no cover - the wire layout is little-en
 MAX_OFFSET = 2**31 - 1
 """int32 offsets: a batch holds at most this many bytes of values (and of keys)."""
 
+MAX_PRODUCER_ID_BYTES = 256
+"""Longest producer id, in UTF-8 bytes (a longer one is INVALID_ARGUMENT at Open; the Producer refuses it
+at construction). The block log could hold 65535, but every block names its producers and every server
+keeps up to `max_producers` of them in memory: 256 bytes bound that table to about 25 MiB at the default
+100k producers, and leave room for a UUID, a host name and a path."""
+
 
 def value_ends(items: Sequence[bytes]) -> npt.NDArray[np.int64]:
     """The running total of the items' lengths: item i ends at byte ends[i] of their concatenation."""

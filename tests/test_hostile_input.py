@@ -26,11 +26,11 @@ from receivers.config import ReceiverConfig
 from receivers.publish_service import PublishService
 from receivers.receiver import Receiver
 from receivers.wal import WalBlockStore
-from receivers.wire import MAX_PRODUCER_ID_BYTES, SEQ_LIMIT
+from receivers.wire import SEQ_LIMIT
 from sluice_client import Producer
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
-from sluice_client.wire import encode_batch
+from sluice_client.wire import MAX_PRODUCER_ID_BYTES, encode_batch
 
 PUBLISH = "/ingest.v1.Ingest/Publish"
 STREAM = "s"

@@ -38,6 +38,18 @@ from sluice_client.publishers import IterablePublisher
         ({"first_seq": -1}, ValueError, r"^first_seq must be in 0\.\.18446744073709551614, got -1$"),
         ({"first_seq": 2**64 - 1}, ValueError, r"^first_seq must be in 0\.\.18446744073709551614"),
         ({"producer_id": 123}, TypeError, r"^producer_id must be a str .*, not int \(123\)$"),
+        (
+            {"producer_id": "p" * 257},
+            ValueError,
+            r"^producer_id must be at most 256 bytes of UTF-8, got 257 ",
+        ),
+        (
+            {"producer_id": "é" * 129},
+            ValueError,
+            r"^producer_id must be at most 256 bytes of UTF-8, got 258 ",
+        ),
+        ({"producer_id": "a\0b"}, ValueError, r"^producer_id must not contain NUL, got 'a\\x00b'$"),
+        ({"producer_id": "\ud800"}, ValueError, r"^producer_id must be valid UTF-8 text"),
         ({"resume": "yes"}, TypeError, r"^resume must be a bool, not str \('yes'\)$"),
         ({"linger": "0.1"}, TypeError, r"^linger must be a number of seconds, not str \('0\.1'\)$"),
         ({"linger": math.nan}, ValueError, r"^linger must be >= 0 seconds, got nan$"),
@@ -62,6 +74,19 @@ def test_constructor_arguments_of_the_wrong_type_or_range_are_refused(
 def test_a_sync_producer_refuses_them_too() -> None:
     with pytest.raises(TypeError, match=r"^batch_size must be an int, not float"):
         SyncProducer("127.0.0.1:1", "s", batch_size=1e4)
+    with pytest.raises(ValueError, match=r"^producer_id must be at most 256 bytes of UTF-8, got 300 "):
+        SyncProducer("127.0.0.1:1", "s", producer_id="p" * 300)
+
+
+async def test_a_producer_id_at_the_limit_is_taken(tmp_path: Path) -> None:
+    """A producer_id over 256 bytes of UTF-8 was refused only when the session opened (INVALID_ARGUMENT
+    from the server); the constructor refuses it now, and one of exactly 256 bytes still works."""
+    at_limit = "é" * 128  # 2 bytes each
+    async with running_server(tmp_path) as server:
+        async with Producer(f"127.0.0.1:{server.port}", "s", producer_id=at_limit, linger=0) as producer:
+            await producer.send(b"x")
+            await producer.flush(10)
+        assert producer.acked == 1
 
 
 async def test_integers_of_any_kind_and_unbounded_timeouts_are_taken(tmp_path: Path) -> None:

@@ -30,11 +30,11 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, rule,
 from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
 from receivers.config import ReceiverConfig
-from receivers.wire import MAX_PRODUCER_ID_BYTES, SEQ_LIMIT
+from receivers.wire import SEQ_LIMIT
 from sluice_client import Producer
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
-from sluice_client.wire import encode_batch
+from sluice_client.wire import MAX_PRODUCER_ID_BYTES, encode_batch
 
 T = TypeVar("T")
 STREAM = "s"
