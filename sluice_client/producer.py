@@ -980,37 +980,32 @@ class Producer:
                 "need 0 < reconnect_backoff <= max_reconnect_backoff; got reconnect_backoff "
                 f"{reconnect_backoff}, max_reconnect_backoff {max_reconnect_backoff}"
             )
-        self.targets = parse_targets(target)
-        if channel is not None and len(self.targets) > 1:
+        self._targets = parse_targets(target)
+        if channel is not None and len(self._targets) > 1:
             raise ValueError(
-                f"channel= serves one target, not {len(self.targets)}: {', '.join(self.targets)}"
+                f"channel= serves one target, not {len(self._targets)}: {', '.join(self._targets)}"
             )
         self._current = 0  # index in targets of the node in use (or tried last)
-        self.stream = stream
-        self.producer_id = producer_id or uuid.uuid4().hex
-        self.resume = resume
-        """`first_seq` continues an earlier run of this producer id, whose records from there on the
-        server may have (resent: dropped as duplicates); a server that does not know the id (a mistyped
-        one) refuses the session (OUT_OF_RANGE) instead of taking it from first_seq on. Without it the
-        producer is a new run (Open.fresh): refused (ALREADY_EXISTS) where the server has records of the
-        id from first_seq on. Either only until a server has taken a session of this Producer: later
-        sessions resume from its own acks, also on a node (or a server) that no longer knows the id."""
+        # the settings: read-only once constructed (properties below): a change later went unchecked
+        self._stream = stream
+        self._producer_id = producer_id or uuid.uuid4().hex
+        self._resume = resume
         self._taken = False  # a server granted a session of this Producer credit: the id is not a typo
-        self.batch_size = batch_size
-        self.batch_bytes = batch_bytes
-        self.linger = linger
-        self.max_buffered = max_buffered
-        self.max_buffered_bytes = max_buffered_bytes
-        self.reconnect_backoff = reconnect_backoff
-        self.max_reconnect_backoff = max_reconnect_backoff
-        self.reconnect_timeout = reconnect_timeout
-        self.start_timeout = start_timeout
-        self.credentials = credentials or Credentials()  # its token goes on `channel`'s calls too
+        self._batch_size = batch_size
+        self._batch_bytes = batch_bytes
+        self._linger = linger
+        self._max_buffered = max_buffered
+        self._max_buffered_bytes = max_buffered_bytes
+        self._reconnect_backoff = reconnect_backoff
+        self._max_reconnect_backoff = max_reconnect_backoff
+        self._reconnect_timeout = reconnect_timeout
+        self._start_timeout = start_timeout
+        self._credentials = credentials or Credentials()  # its token goes on `channel`'s calls too
         # one channel per target used, made on first use; a caller's channel is theirs to close
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._own_channel = channel is None
         if channel is not None:
-            self._channels[self.targets[0]] = channel
+            self._channels[self._targets[0]] = channel
         self._state = _State.NEW
         self._call: Call | None = None
         self._pending = _Pending()  # not sent yet (in this session), from _sent_seq on
@@ -1042,10 +1037,76 @@ class Producer:
         self.resent = 0
         """Records queued again for sending after a reconnect (sent before, not acked)."""
 
+    # ---- settings: read-only, checked by the constructor ----------------------------------------
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        """The receiver nodes to use, in failover order."""
+        return self._targets
+
+    @property
+    def stream(self) -> str:
+        return self._stream
+
+    @property
+    def producer_id(self) -> str:
+        """The id the server deduplicates by (the one given, or a random one)."""
+        return self._producer_id
+
+    @property
+    def resume(self) -> bool:
+        """`first_seq` continues an earlier run of this producer id, whose records from there on the
+        server may have (resent: dropped as duplicates); a server that does not know the id (a mistyped
+        one) refuses the session (OUT_OF_RANGE) instead of taking it from first_seq on. Without it the
+        producer is a new run (Open.fresh): refused (ALREADY_EXISTS) where the server has records of the
+        id from first_seq on. Either only until a server has taken a session of this Producer: later
+        sessions resume from its own acks, also on a node (or a server) that no longer knows the id."""
+        return self._resume
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch_size
+
+    @property
+    def batch_bytes(self) -> int:
+        return self._batch_bytes
+
+    @property
+    def linger(self) -> float:
+        return self._linger
+
+    @property
+    def max_buffered(self) -> int:
+        return self._max_buffered
+
+    @property
+    def max_buffered_bytes(self) -> int | None:
+        return self._max_buffered_bytes
+
+    @property
+    def reconnect_backoff(self) -> float:
+        return self._reconnect_backoff
+
+    @property
+    def max_reconnect_backoff(self) -> float:
+        return self._max_reconnect_backoff
+
+    @property
+    def reconnect_timeout(self) -> float:
+        return self._reconnect_timeout
+
+    @property
+    def start_timeout(self) -> float:
+        return self._start_timeout
+
+    @property
+    def credentials(self) -> Credentials:
+        return self._credentials
+
     @property
     def target(self) -> str:
         """The target of the session in use (or being opened): one of `targets`."""
-        return self.targets[self._current]
+        return self._targets[self._current]
 
     # ---- counters --------------------------------------------------------------------------------
 
@@ -1147,7 +1208,7 @@ class Producer:
         """Open the first session, retrying what a reconnect retries, for up to start_timeout."""
         loop = asyncio.get_running_loop()
         started = loop.time()
-        delay = self.reconnect_backoff
+        delay = self._reconnect_backoff
         attempts = 0
         while True:
             for index in self._round(0):
@@ -1163,31 +1224,31 @@ class Producer:
                     log.info("connected to %s after %.1f s", self.target, loop.time() - started)
                 return call
             elapsed = loop.time() - started
-            if elapsed >= self.start_timeout:
+            if elapsed >= self._start_timeout:
                 raise StartTimeoutError(
-                    ", ".join(self.targets), failure, attempts, elapsed, tls=self.credentials.secure
+                    ", ".join(self._targets), failure, attempts, elapsed, tls=self._credentials.secure
                 )
-            if attempts == len(self.targets):
+            if attempts == len(self._targets):
                 log.warning(
                     "waiting for server at %s (%s: %s); retrying for up to %g s",
-                    ", ".join(self.targets),
+                    ", ".join(self._targets),
                     failure.status.name,
                     failure.message,
-                    self.start_timeout,
+                    self._start_timeout,
                 )
-            await asyncio.sleep(min(delay * random.uniform(0.5, 1.0), self.start_timeout - elapsed))  # noqa: S311
-            delay = min(delay * 2, self.max_reconnect_backoff)
+            await asyncio.sleep(min(delay * random.uniform(0.5, 1.0), self._start_timeout - elapsed))  # noqa: S311
+            delay = min(delay * 2, self._max_reconnect_backoff)
 
     def _round(self, first: int) -> list[int]:
         """Indexes of every target once, in order, from `first` (wrapping round)."""
-        n = len(self.targets)
+        n = len(self._targets)
         return [(first + i) % n for i in range(n)]
 
     def _channel_for(self, target: str) -> grpc.aio.Channel:
         channel = self._channels.get(target)
         if channel is None:
-            backoff_ms = _option_ms(self.reconnect_backoff)
-            channel = self.credentials.channel(
+            backoff_ms = _option_ms(self._reconnect_backoff)
+            channel = self._credentials.channel(
                 target,
                 options=[
                     ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
@@ -1195,7 +1256,7 @@ class Producer:
                     # the channel's own reconnects must not lag behind ours after a server restart
                     ("grpc.initial_reconnect_backoff_ms", backoff_ms),
                     ("grpc.min_reconnect_backoff_ms", backoff_ms),
-                    ("grpc.max_reconnect_backoff_ms", _option_ms(self.max_reconnect_backoff)),
+                    ("grpc.max_reconnect_backoff_ms", _option_ms(self._max_reconnect_backoff)),
                     # a server that stops answering with its connection open (frozen, partitioned
                     # away) is lost only when a ping goes unanswered: without these the session
                     # waited on it for good instead of failing over
@@ -1219,16 +1280,16 @@ class Producer:
             response_deserializer=pb.PublishResponse.FromString,
             _registered_method=True,  # type: ignore[call-arg]  # as the generated stub does; stubs lag
         )
-        call: Call = publish(metadata=self.credentials.metadata)  # type: ignore[call-arg]  # stubs lag
+        call: Call = publish(metadata=self._credentials.metadata)  # type: ignore[call-arg]  # stubs lag
         first = not self._taken  # no server took a session of this Producer yet: no record was sent
         opening = pb.Open(
-            stream=self.stream,
-            producer_id=self.producer_id,
+            stream=self._stream,
+            producer_id=self._producer_id,
             resume_from_seq=self._acked_seq,
-            resume=self.resume and first,
+            resume=self._resume and first,
             # a new run: a server holding records of this id from resume_from_seq on refuses it
             # (ALREADY_EXISTS) rather than drop this run's records as duplicates of those
-            fresh=first and not self.resume,
+            fresh=first and not self._resume,
         )
         try:
             try:
@@ -1374,7 +1435,7 @@ class Producer:
         start = 0
         while start < count:
             await self._room_for_more(start, count)
-            end = min(count, start + self.max_buffered - self._held)
+            end = min(count, start + self._max_buffered - self._held)
             room = self._bytes_room()
             if room < math.inf and (ends is not None or total - given > room):
                 if ends is None:
@@ -1397,7 +1458,7 @@ class Producer:
             given += added
             self._wake()
             start = end
-            if len(self._pending) >= self.batch_size:
+            if len(self._pending) >= self._batch_size:
                 # a batch is ready: let the sender take it (and start its write) before more records
                 # are queued, or a caller filling a large buffer would hold the sender up meanwhile
                 await asyncio.sleep(0)
@@ -1426,7 +1487,7 @@ class Producer:
         start = 0
         while start < count:
             await self._room_for_more(start, count)
-            end = min(count, start + self.max_buffered - self._held)
+            end = min(count, start + self._max_buffered - self._held)
             room = self._bytes_room()
             rest = int(bounds[count] - bounds[start])  # the rest's bytes: no array unless it may not fit
             if key_column is not None:
@@ -1443,7 +1504,7 @@ class Producer:
             self._buffered_bytes += chunk.nbytes(end - start)
             self._wake()
             start = end
-            if len(self._pending) >= self.batch_size:
+            if len(self._pending) >= self._batch_size:
                 await asyncio.sleep(0)  # as in send_many: let the sender take a ready batch
 
     async def send_arrow(self, values: Any, keys: Any = None) -> None:
@@ -1473,7 +1534,7 @@ class Producer:
         self._buffered_bytes += self._pending.append(value, key)
         # the first record starts the linger clock (and an idle producer's reconnect); a full batch goes
         held = len(self._pending)
-        if held == 1 or held >= self.batch_size or self._buffered_bytes >= self.batch_bytes:
+        if held == 1 or held >= self._batch_size or self._buffered_bytes >= self._batch_bytes:
             self._wake()
 
     @property
@@ -1483,11 +1544,11 @@ class Producer:
 
     def _bytes_room(self) -> float:
         """Bytes the local buffer takes before the byte bound (inf: no bound)."""
-        limit = self.max_buffered_bytes
+        limit = self._max_buffered_bytes
         return math.inf if limit is None else limit - self._buffered_bytes - self._unacked_bytes
 
     def _bytes_full(self) -> bool:
-        limit = self.max_buffered_bytes
+        limit = self._max_buffered_bytes
         return limit is not None and self._buffered_bytes + self._unacked_bytes >= limit
 
     @property
@@ -1495,7 +1556,7 @@ class Producer:
         """Records the local buffer takes now without waiting; -1 before start or after close."""
         if self._state is not _State.OPEN or self._error is not None:
             return -1
-        return 0 if self._bytes_full() else self.max_buffered - self._held
+        return 0 if self._bytes_full() else self._max_buffered - self._held
 
     def offer(self, value: bytes, key: bytes | None = None) -> None:
         """Queue one record without waiting; raise BufferError when the buffer is full (`max_buffered`
@@ -1504,8 +1565,8 @@ class Producer:
         For code that manages demand itself (sluice_client.publish): it asks only for `room` records.
         """
         self._check_open()
-        if self._held >= self.max_buffered:
-            raise BufferError(f"producer buffer is full ({self.max_buffered} records); wait for room")
+        if self._held >= self._max_buffered:
+            raise BufferError(f"producer buffer is full ({self._max_buffered} records); wait for room")
         self._check_seq_room(1)
         self._append(value, key)
 
@@ -1534,7 +1595,7 @@ class Producer:
 
     async def _room_for(self, n: int) -> None:
         self._check_open()
-        while self._held + n > self.max_buffered or self._bytes_full():
+        while self._held + n > self._max_buffered or self._bytes_full():
             await self._wait_change()
             self._check_open()
 
@@ -1649,31 +1710,31 @@ class Producer:
         lost = self.target
         if self._lost_since is None:
             self._lost_since = loop.time()
-            self._outage_backoff = self.reconnect_backoff
+            self._outage_backoff = self._reconnect_backoff
             self._outage_rounds = 0
-            others = f" (then {', '.join(self.targets[i] for i in self._round(self._current + 1))})"
+            others = f" (then {', '.join(self._targets[i] for i in self._round(self._current + 1))})"
             log.warning(
                 "session with the server at %s lost (%s: %s); reconnecting%s for up to %g s",
                 lost,
                 failure.status.name,
                 failure.message,
-                others if len(self.targets) > 1 else "",
-                self.reconnect_timeout,
+                others if len(self._targets) > 1 else "",
+                self._reconnect_timeout,
             )
         attempts = 0
         while True:
             elapsed = loop.time() - self._lost_since
-            if elapsed >= self.reconnect_timeout:
-                self._error = ReconnectTimeoutError(failure, attempts, elapsed, targets=self.targets)
+            if elapsed >= self._reconnect_timeout:
+                self._error = ReconnectTimeoutError(failure, attempts, elapsed, targets=self._targets)
                 raise self._error
             # back off per round of targets, not per target: a dead node is skipped at once. The first
             # round of an outage starts at once at the next node; with one target, that is the server
             # just lost, so wait first. The backoff grows over the outage, also when nodes take Open
             # and then end the session before granting credit (not ready)
-            if self._outage_rounds or len(self.targets) == 1:
+            if self._outage_rounds or len(self._targets) == 1:
                 pause = self._outage_backoff * random.uniform(0.5, 1.0)  # noqa: S311
-                await asyncio.sleep(min(pause, self.reconnect_timeout - elapsed))
-                self._outage_backoff = min(self._outage_backoff * 2, self.max_reconnect_backoff)
+                await asyncio.sleep(min(pause, self._reconnect_timeout - elapsed))
+                self._outage_backoff = min(self._outage_backoff * 2, self._max_reconnect_backoff)
             self._outage_rounds += 1
             self._requeue_unacked()
             for index in self._round(self._current + 1):
@@ -1685,7 +1746,7 @@ class Producer:
                     if not reconnectable(failure):
                         self._error = failure
                         raise
-                    if loop.time() - self._lost_since >= self.reconnect_timeout:
+                    if loop.time() - self._lost_since >= self._reconnect_timeout:
                         break
                     continue
                 self.reconnects += 1
@@ -1760,20 +1821,20 @@ class Producer:
             # wait for credit and a batch worth sending: full, lingered long enough, or flushing
             while not (self._credit > 0 and self._pending):
                 await self._wait_change()
-            small = len(self._pending) < self.batch_size and self._buffered_bytes < self.batch_bytes
-            if small and not self._flushing and self.linger > 0:
+            small = len(self._pending) < self._batch_size and self._buffered_bytes < self._batch_bytes
+            if small and not self._flushing and self._linger > 0:
                 with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self.linger):
-                        while len(self._pending) < self.batch_size and not self._flushing:
+                    async with asyncio.timeout(self._linger):
+                        while len(self._pending) < self._batch_size and not self._flushing:
                             await self._wait_change()
-            n = min(self._credit, len(self._pending), self.batch_size)
+            n = min(self._credit, len(self._pending), self._batch_size)
             if n == 0:
                 # the linger waited through a change that took the credit or the records away (a
                 # failover resets the credit, a requeue moves records): wait for both again
                 continue
             ends = self._pending.ends(n)  # the batch's byte cut and its layout
-            if ends[-1] > self.batch_bytes:  # (roughly) within batch_bytes, at least one record
-                n = max(1, int(np.searchsorted(ends, self.batch_bytes)) + 1)
+            if ends[-1] > self._batch_bytes:  # (roughly) within batch_bytes, at least one record
+                n = max(1, int(np.searchsorted(ends, self._batch_bytes)) + 1)
                 ends = ends[:n]
             while True:
                 run = self._pending.peek(n, ends)

@@ -71,6 +71,38 @@ def test_constructor_arguments_of_the_wrong_type_or_range_are_refused(
         Producer("a:1", "s", **setting)
 
 
+SETTINGS = {
+    "targets": ("127.0.0.1:2",),
+    "stream": "other",
+    "producer_id": "other",
+    "resume": True,
+    "batch_size": 0,
+    "batch_bytes": 1.5,
+    "linger": -1.0,
+    "max_buffered": 1,
+    "max_buffered_bytes": 0,
+    "reconnect_backoff": math.inf,
+    "max_reconnect_backoff": 0.0,
+    "reconnect_timeout": math.nan,
+    "start_timeout": -1.0,
+    "credentials": None,
+}
+
+
+def test_settings_are_read_only_after_construction() -> None:
+    """The settings were plain attributes: `producer.batch_size = 0` (or a float, or max_buffered below
+    batch_size) was taken unchecked and failed the producer later, in the middle of sending. Only the
+    constructor sets them, checked."""
+    producer = Producer("127.0.0.1:1", "s", producer_id="p", batch_size=10, max_buffered=100, linger=0.5)
+    before = {name: getattr(producer, name) for name in SETTINGS}
+    for name, value in SETTINGS.items():
+        with pytest.raises(AttributeError, match="has no setter"):
+            setattr(producer, name, value)
+    assert {name: getattr(producer, name) for name in SETTINGS} == before
+    assert (producer.batch_size, producer.max_buffered, producer.linger) == (10, 100, 0.5)
+    assert (producer.targets, producer.stream, producer.producer_id) == (("127.0.0.1:1",), "s", "p")
+
+
 def test_a_sync_producer_refuses_them_too() -> None:
     with pytest.raises(TypeError, match=r"^batch_size must be an int, not float"):
         SyncProducer("127.0.0.1:1", "s", batch_size=1e4)
@@ -111,14 +143,15 @@ async def test_integers_of_any_kind_and_unbounded_timeouts_are_taken(tmp_path: P
 
 
 async def test_an_error_in_the_send_loop_fails_the_producer_at_once(tmp_path: Path) -> None:
-    """A defect in the sender (here a float batch_size set after construction: numpy refused it in the
-    middle of taking a batch) killed the send task alone: the read loop went on, flush() waited for good,
-    flush(20) said "no credit came", close() blocked and abort() raised the hidden TypeError. It fails
-    the producer now: every call that waits raises at once, the error as the cause."""
+    """A defect in the sender (here a float batch_size forced in behind the read-only setting: numpy
+    refused it in the middle of taking a batch) killed the send task alone: the read loop went on,
+    flush() waited for good, flush(20) said "no credit came", close() blocked and abort() raised the
+    hidden TypeError. It fails the producer now: every call that waits raises at once, the error as the
+    cause."""
     async with running_server(tmp_path) as server:
         producer = Producer(f"127.0.0.1:{server.port}", "s", linger=0)
         await producer.start()
-        producer.batch_size = 1.5  # type: ignore[assignment]
+        producer._batch_size = 1.5  # type: ignore[assignment] # the defect, planted
         await producer.send_many([b"x%d" % i for i in range(1000)])
         with pytest.raises(
             ProducerClosedError, match=r"^producer failed: its send loop raised TypeError"
