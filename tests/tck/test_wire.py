@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from support import running_server, wait_until
 
 from ingest.server import SluiceServer
 from sluice_client import Producer
-from sluice_client.errors import ProtocolError, RPCError
+from sluice_client.errors import ProtocolError, RPCError, UnackedRecordsError
 from sluice_client.flow import MAX_DEMAND, Subscription
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -486,6 +487,45 @@ async def test_required_spec_sdk_stops_sending_after_cancel() -> None:
 
     received = await with_fake_server(script, body)
     assert sum(r.batch.count for r in received if r.HasField("batch")) == 1
+
+
+# ---- the SDK's close() against a server that stops answering ----------------------------------------
+
+
+@pytest.mark.parametrize("acks", [True, False], ids=["acks-late-then-silent", "never-acks"])
+async def test_close_honours_one_deadline(acks: bool) -> None:
+    """close(timeout) waited the timeout for the flush, then the whole timeout again for the server to
+    end the call: against a server that acked at 0.8 s and then went silent, close(1) took 1.8 s and
+    raised a bare TimeoutError though every record was acked. One deadline now: it returns by then
+    (everything acked: the server's goodbye is all that is missing), or raises UnackedRecordsError."""
+
+    async def script(requests, received):  # type: ignore[no-untyped-def]
+        await take(requests, received)  # Open
+        yield pb.PublishResponse(request=pb.Request(n=100))
+        batch = await take(requests, received)
+        if acks:
+            await asyncio.sleep(0.8)
+            yield pb.PublishResponse(ack=pb.Ack(durable_up_to=batch.batch.first_seq + batch.batch.count))
+        async for request in requests:  # Complete, then nothing: the call never ends
+            received.append(request)
+        await asyncio.sleep(30)
+
+    async def body(target: str) -> None:
+        producer = Producer(target, "s", linger=0)
+        await producer.start()
+        await producer.send(b"x")
+        started = time.monotonic()
+        if acks:
+            await producer.close(1.0)
+        else:
+            with pytest.raises(UnackedRecordsError) as unacked:
+                await producer.close(1.0)
+            assert unacked.value.records == [(b"x", None)]
+        took = time.monotonic() - started
+        assert 0.75 <= took < 1.5, took
+        assert producer.acked == (1 if acks else 0)
+
+    await with_fake_server(script, body)
 
 
 # ---- rules without a wire meaning ------------------------------------------------------------------
