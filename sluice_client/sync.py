@@ -29,6 +29,10 @@ class SyncProducer:
     server holds records of).
 
     `send_many` amortises the thread hop; `send` costs one hop per record.
+
+    The producer runs on a thread of its own: a method called on that thread (from code the producer
+    runs there, such as a logging handler fed by its log lines) raises RuntimeError at once, as it would
+    wait for itself; `unacked_records()` and the counters answer there.
     """
 
     def __init__(self, target: str | Sequence[str], stream: str, **kwargs: Any) -> None:
@@ -52,7 +56,21 @@ class SyncProducer:
     async def _make(target: str | Sequence[str], stream: str, kwargs: dict[str, Any]) -> Producer:
         return Producer(target, stream, **kwargs)  # created on the loop that will use it
 
+    def _refuse_own_thread(self, what: str) -> None:
+        """RuntimeError if called on the producer's own loop thread (code the producer runs there: a
+        logging handler fed by its log lines, a callback): the call would wait for that thread, which is
+        the caller, for good (a deadlock; close() and abort() would join their own thread)."""
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(
+                f"SyncProducer.{what}() called from the producer's own event-loop thread (in code the "
+                "producer runs, such as a logging handler or a callback): it would wait for this very "
+                "thread for good; call it from another thread"
+            )
+
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self._thread:
+            coro.close()  # never run: no "never awaited" warning
+            self._refuse_own_thread(getattr(coro, "__name__", "method"))
         with self._lock:
             if self._stopping:  # closed or aborted: as the async Producer says then
                 coro.close()
@@ -125,13 +143,15 @@ class SyncProducer:
         async def take() -> list[tuple[bytes, bytes | None]]:
             return self._producer.unacked_records()
 
-        if self._stopping:  # after close: nothing changes them any more
+        if self._stopping or threading.current_thread() is self._thread:
+            # after close nothing changes them any more; on the loop's own thread nothing else runs
             return self._producer.unacked_records()
         return self._run(take())
 
     def abort(self) -> list[tuple[bytes, bytes | None]]:
         """End the session now, dropping what is not acked; return those records, (value, key) in
         order (Producer.abort). After close() or abort(): the records that were never acked."""
+        self._refuse_own_thread("abort")  # before the stop: it would join this thread
         if self._stopping:
             return self._producer.unacked_records()
         try:
@@ -142,6 +162,7 @@ class SyncProducer:
     def close(self, timeout: float | None = None) -> None:
         """Flush, complete and stop; raises UnackedRecordsError (with `.records`) when records remain
         unacked, as Producer.close does."""
+        self._refuse_own_thread("close")  # before the stop: it would join this thread
         check_timeout(timeout)  # before the loop stops: a bad timeout leaves the producer usable
         if self._stopping:
             return

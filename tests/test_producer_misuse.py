@@ -4,6 +4,7 @@ at the call, naming what is wrong, before anything changes, and never leaves a p
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import threading
 import time
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import reactivex
-from support import running_server
+from support import running_server, wait_until
 
 from sluice_client import Producer, SyncProducer, publish, rx
 from sluice_client.errors import ProducerClosedError, UnackedRecordsError
@@ -412,3 +413,54 @@ async def test_a_send_many_cut_short_by_close_says_how_many_it_took(tmp_path: Pa
         assert 0 < cut.value.taken < 1_000_000
         assert f"the first {cut.value.taken} of this call's 1000000 records" in str(cut.value)
         assert producer.acked == cut.value.taken  # what it took, close() delivered
+
+
+async def test_a_sync_producer_called_on_its_own_thread_refuses_at_once(tmp_path: Path) -> None:
+    """Code the SyncProducer's loop runs, here a logging handler that ships the producer's own log lines
+    through it, called send(): the call waited for the loop thread, which was the caller: the producer
+    hung for good (close() or abort() there would have joined their own thread). Each such call raises
+    RuntimeError at once now, and the producer goes on."""
+    seen: list[str] = []
+    done = threading.Event()
+
+    async with running_server(tmp_path) as server:
+        producer = await asyncio.to_thread(
+            SyncProducer, f"127.0.0.1:{server.port}", "s", linger=0, reconnect_timeout=30
+        )
+
+    class Shipper(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if done.is_set():
+                return
+            for call in (
+                lambda: producer.send(record.getMessage().encode()),
+                lambda: producer.send_many([b"a"]),
+                lambda: producer.flush(1),
+                lambda: producer.close(1),
+                producer.abort,
+            ):
+                try:
+                    call()
+                except RuntimeError as exc:
+                    seen.append(str(exc))
+            seen.append(f"unacked {len(producer.unacked_records())}")  # answers on that thread
+            done.set()
+
+    shipper = Shipper(logging.WARNING)
+    logging.getLogger("sluice_client.producer").addHandler(shipper)
+    try:
+        # the server is gone: the record sent makes the producer reconnect, and log on its thread (a
+        # daemon thread sends it: in a deadlock the send never returns)
+        sender = threading.Thread(target=producer.send, args=(b"x",), daemon=True)
+        sender.start()
+        await wait_until(done.is_set, 10)  # else the handler never returned: a deadlock
+        await asyncio.to_thread(sender.join, 10)
+        assert not sender.is_alive()
+        assert seen[-1] == "unacked 1"
+        assert [message.split("(")[0] for message in seen[:-1]] == [
+            f"SyncProducer.{name}" for name in ("send", "send_many", "flush", "close", "abort")
+        ]
+        assert all("called from the producer's own event-loop thread" in m for m in seen[:-1])
+    finally:
+        logging.getLogger("sluice_client.producer").removeHandler(shipper)
+    assert await asyncio.to_thread(producer.abort) == [(b"x", None)]  # from another thread: works
