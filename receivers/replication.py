@@ -230,9 +230,11 @@ class FollowerLink:
                     asyncio.ensure_future(replicator.wake.wait()),
                     asyncio.ensure_future(self._ack_arrived.wait()),
                 ]
-                await asyncio.wait([*waits, reader], timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
-                for waiter in waits:
-                    waiter.cancel()
+                try:
+                    await asyncio.wait([*waits, reader], timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                finally:  # also when the session is cancelled here: left, they waited for good
+                    for waiter in waits:
+                        waiter.cancel()
                 self._ack_arrived.clear()
 
 

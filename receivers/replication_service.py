@@ -118,6 +118,12 @@ async def _finished(work: Coroutine[Any, Any, None]) -> None:
         raise
 
 
+def _retrieve(task: asyncio.Future[Any]) -> None:
+    """A done callback: what `task` ended with is taken (its caller may have gone, cancelled)."""
+    if not task.cancelled():
+        task.exception()
+
+
 class ReplicationService:
     """Serves Replication for this node's copies (register with add_parsed_servicer)."""
 
@@ -157,6 +163,10 @@ class ReplicationService:
         """The owner's next message (None: it finished the stream); the call ends UNAVAILABLE instead
         once this node stops."""
         reading = asyncio.ensure_future(anext(requests))
+        # taken however this ends: cancelled (the owner's call ended) in the turn the read ended with
+        # StopAsyncIteration, the finally below found it done and left it, and asyncio logged "Task
+        # exception was never retrieved"
+        reading.add_done_callback(_retrieve)
         stopping = asyncio.ensure_future(self._stopping.wait())
         try:
             await asyncio.wait((reading, stopping), return_when=asyncio.FIRST_COMPLETED)

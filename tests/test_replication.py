@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -382,3 +383,37 @@ async def test_a_lagging_follower_keeps_its_copy_across_an_owners_lost_log(tmp_p
         assert lagging is not None
         assert lagging.replicas.store(0).released_offset("s") == 210
         assert lagging.replicas.blocks(0, "s") == []
+
+
+async def test_replication_leaves_no_task_exception_unretrieved_nor_a_task_pending(tmp_path: Path) -> None:
+    """A follower that comes and goes under an owner that writes, then both stop: no task of either side
+    may end with an exception nobody retrieved, nor be left pending. The follower's read of the owner's
+    next message ended with StopAsyncIteration, unretrieved, when the owner's stream ended as the
+    handler was cancelled ("Task exception was never retrieved"), and the owner's send loop, cancelled
+    while it waited, left its two waits pending for good ("Task was destroyed but it is pending")."""
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, object]] = []
+    before = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _, context: reported.append(context))
+    try:
+        clusters = loopback_cluster(2, replication=2, min_insync=1)
+        port = int(clusters[1].me.target.rsplit(":", 1)[1])
+        async with nodes(tmp_path, clusters, skip=frozenset({1})) as servers:
+            owner = servers[0].node
+            assert owner is not None
+            for round_ in range(3):
+                async with running_server(tmp_path / "node1", "s", cluster=clusters[1], port=port):
+                    await wait_until(lambda: len(owner.replicator.in_sync()) == 1, timeout=20)
+                    async with Producer(clusters[0].me.target, "s", producer_id=f"p{round_}", linger=0) as p:
+                        await p.send_many(values(50))
+                        await p.flush(timeout=20)
+                await wait_until(lambda: not owner.replicator.in_sync(), timeout=20)
+        for _ in range(3):  # what is left unreferenced is collected, and what was cancelled ends
+            gc.collect()
+            await asyncio.sleep(0.05)
+    finally:
+        loop.set_exception_handler(before)
+    assert not reported, [
+        str(context.get("message")) + ": " + repr(context.get("task") or context.get("future"))
+        for context in reported
+    ]
