@@ -148,41 +148,52 @@ class FollowerLink:
         try:
             stub = pb_grpc.ReplicationStub(channel)
             call: Call = stub.Replicate(metadata=replicator.metadata)  # type: ignore[call-arg]  # stubs lag
-            hello = pb.ReplicaHello(
-                owner=replicator.cluster.me.id,
-                nodes=len(replicator.cluster.nodes),
-                replication=replicator.cluster.replication,
-                log_end={s: replicator.local.durable_seq(s) for s in replicator.streams},
-                committed_seq=replicator.persisted(),
-            )
-            await call.write(pb.ReplicateRequest(hello=hello))
-            responses = aiter(call)
-            first = await anext(responses, None)
-            if first is None or first.WhichOneof("kind") != "state":
-                raise ConnectionError("the follower did not answer the hello with its state")
-            self.acked = {s: first.state.next_seq.get(s, 0) for s in replicator.streams}
-            ahead = [s for s in replicator.streams if self.acked[s] > replicator.local.durable_seq(s)]
-            if ahead:  # acking on top would let the copy drop this node's new blocks as ones it has
-                raise ConnectionError(
-                    f"the follower holds blocks of stream(s) {', '.join(ahead)} beyond this node's log: "
-                    "this node's log was lost or replaced; restore it from the follower's copy"
-                )
-            self._sent = dict(self.acked)
-            self._told = dict(hello.committed_seq)  # taken before the follower answered the hello
-            self.knows = dict(self._told)
-            self.connected, self.error = True, None
-            self.progress_at = time.monotonic()
-            replicator.changed()
-            reader = asyncio.create_task(self._read_acks(responses))
             try:
-                await self._send_loop(call, reader)
-            finally:
-                reader.cancel()
-                with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
-                    await reader
-                call.cancel()
+                await self._converse(call)
+            except asyncio.InvalidStateError:
+                # a message written after the follower ended the call ("RPC already finished", logged
+                # with a traceback as a failure): its status says why (UNAVAILABLE "node N is stopping"
+                # is retried without a word)
+                raise await _ended(call) from None
         finally:
             await channel.close(None)
+
+    async def _converse(self, call: Call) -> None:
+        """Hello, the follower's state, then blocks and commits until the call ends."""
+        replicator = self._replicator
+        hello = pb.ReplicaHello(
+            owner=replicator.cluster.me.id,
+            nodes=len(replicator.cluster.nodes),
+            replication=replicator.cluster.replication,
+            log_end={s: replicator.local.durable_seq(s) for s in replicator.streams},
+            committed_seq=replicator.persisted(),
+        )
+        await call.write(pb.ReplicateRequest(hello=hello))
+        responses = aiter(call)
+        first = await anext(responses, None)
+        if first is None or first.WhichOneof("kind") != "state":
+            raise ConnectionError("the follower did not answer the hello with its state")
+        self.acked = {s: first.state.next_seq.get(s, 0) for s in replicator.streams}
+        ahead = [s for s in replicator.streams if self.acked[s] > replicator.local.durable_seq(s)]
+        if ahead:  # acking on top would let the copy drop this node's new blocks as ones it has
+            raise ConnectionError(
+                f"the follower holds blocks of stream(s) {', '.join(ahead)} beyond this node's log: "
+                "this node's log was lost or replaced; restore it from the follower's copy"
+            )
+        self._sent = dict(self.acked)
+        self._told = dict(hello.committed_seq)  # taken before the follower answered the hello
+        self.knows = dict(self._told)
+        self.connected, self.error = True, None
+        self.progress_at = time.monotonic()
+        replicator.changed()
+        reader = asyncio.create_task(self._read_acks(responses))
+        try:
+            await self._send_loop(call, reader)
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await reader
+            call.cancel()
 
     async def _read_acks(self, responses: AsyncIterator[pb.ReplicateResponse]) -> None:
         async for response in responses:
@@ -236,6 +247,14 @@ class FollowerLink:
                     for waiter in waits:
                         waiter.cancel()
                 self._ack_arrived.clear()
+
+
+async def _ended(call: Call) -> grpc.aio.AioRpcError:
+    """How a finished call ended, as the error reading it raises."""
+    code, details = await call.code(), await call.details()
+    return grpc.aio.AioRpcError(
+        code, await call.initial_metadata(), await call.trailing_metadata(), details, None
+    )
 
 
 def fragments(block: pb.ReplicaBlock, size: int = FRAGMENT_BYTES) -> list[pb.ReplicaBlock]:

@@ -8,6 +8,7 @@ import contextlib
 import gc
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pyarrow as pa
@@ -417,3 +418,56 @@ async def test_replication_leaves_no_task_exception_unretrieved_nor_a_task_pendi
         str(context.get("message")) + ": " + repr(context.get("task") or context.get("future"))
         for context in reported
     ]
+
+
+class _EndsAfterTheHello(pb_grpc.ReplicationServicer):
+    """A follower that answers the owner's hello and then ends the call, as a stopping node does."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def Replicate(  # type: ignore[override]  # the generated servicer's stubs are looser
+        self,
+        request_iterator: AsyncIterator[pb.ReplicateRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[pb.ReplicateResponse]:
+        self.calls += 1
+        async for _ in request_iterator:  # the hello
+            break
+        yield pb.ReplicateResponse(state=pb.ReplicaState())
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "node 1 is stopping")
+
+    async def ProducerMarks(  # type: ignore[override]
+        self, request: pb.ProducerMarksRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ProducerMarksResponse:
+        return pb.ProducerMarksResponse()  # holds no copy
+
+
+async def test_a_follower_that_ends_the_call_as_the_owner_writes_is_retried_quietly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The owner writes blocks into a call its follower has just ended (UNAVAILABLE, stopping): the write
+    raised asyncio.InvalidStateError ("RPC already finished"), which the owner logged with a traceback as
+    a failure of replication (seen in test_cluster_failover's SIGTERM test). The call's status is what
+    counts: UNAVAILABLE, retried without a word."""
+    clusters = loopback_cluster(2, replication=2, min_insync=1)
+    port = {c.me.id: int(c.me.target.rsplit(":", 1)[1]) for c in clusters}
+    follower = grpc.aio.server()
+    ends = _EndsAfterTheHello()
+    pb_grpc.add_ReplicationServicer_to_server(ends, follower)
+    follower.add_insecure_port(clusters[1].me.target)
+    await follower.start()
+    try:
+        async with running_server(tmp_path / "node0", "s", cluster=clusters[0], port=port[0]) as server:
+            async with Producer(clusters[0].me.target, "s", producer_id="p", linger=0) as producer:
+                await producer.send_many(values(50))  # blocks to send at every connection
+                await producer.flush(timeout=20)
+            await wait_until(lambda: ends.calls >= 4, timeout=30)
+            assert server.node is not None
+            link = server.node.replicator.links[0]
+            await wait_until(lambda: link.error is not None)  # None while a call is connected
+            assert link.error == "UNAVAILABLE: node 1 is stopping"
+    finally:
+        await follower.stop(None)
+    assert "InvalidStateError" not in caplog.text and "Traceback" not in caplog.text, caplog.text
+    assert "replication to node 1 failed" not in caplog.text, caplog.text
