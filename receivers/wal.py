@@ -274,6 +274,9 @@ class _Writer:
     unsynced: int = 0
     """Under the interval policy, bytes appended since the last fsync began (its early fsync: SYNC_BYTES)."""
     folder_dirty: bool = False
+    changes: int = 0
+    """Counts what sets `dirty` or `folder_dirty` (appends, new segments): an fsync clears them only if
+    nothing changed while it ran."""
     folder_id: tuple[int, int] | None = None
     """(device, inode) of `folder` once a segment was made in it: a folder deleted (or replaced) while
     this writer lived is not made again (_segment_for)."""
@@ -558,6 +561,7 @@ class WalBlockStore(BlockStore):
                 raise
             writer.size += padded
             writer.dirty = True
+            writer.changes += 1
             if self.fsync.mode == "interval":
                 writer.unsynced += padded
                 if writer.unsynced >= SYNC_BYTES:
@@ -1079,6 +1083,7 @@ class WalBlockStore(BlockStore):
             _fsync_path(writer.folder)
         else:
             writer.folder_dirty = True
+            writer.changes += 1
         return fd
 
     def _direct_wanted(self) -> bool:
@@ -1172,15 +1177,20 @@ class WalBlockStore(BlockStore):
                     log.exception("a listener of stream %r's durable blocks failed", stream)
 
     def _flush_writer(self, writer: _Writer) -> None:
-        """fsync `writer`'s segment if appends wait for it, and move its durable_seq."""
+        """fsync `writer`'s segment if appends wait for it, and move its durable_seq.
+
+        The appends stay marked unsynced until the fsync has finished: another flush meanwhile (the
+        background thread's, a copy's own before its ack) or a segment roll then fsyncs them itself.
+        Marked synced as the fsync began, they were counted durable by those at once, while it still
+        ran: a block could be acked that a power loss then took."""
         with writer.lock:
             if writer.fd is None or not (writer.dirty or writer.folder_dirty):
-                writer.durable_seq = writer.next_seq  # nothing unsynced (a roll fsynced it)
+                writer.durable_seq = writer.next_seq  # nothing unsynced (a finished fsync covered it)
                 return
             fd = os.dup(writer.fd)  # fsync outside the lock: appends go on meanwhile
             folder_dirty = writer.folder_dirty
             covered = writer.next_seq  # what this fsync makes durable
-            writer.dirty = writer.folder_dirty = False
+            changes = writer.changes
             writer.unsynced = 0
         try:
             os.fsync(fd)
@@ -1188,10 +1198,11 @@ class WalBlockStore(BlockStore):
                 _fsync_path(writer.folder)
         except OSError:
             log.exception("background fsync of %s failed", writer.folder)
-            writer.dirty = writer.folder_dirty = True
         else:
             with writer.lock:
                 writer.durable_seq = max(writer.durable_seq, covered)
+                if writer.changes == changes:  # nothing appended, no segment made, while it ran
+                    writer.dirty = writer.folder_dirty = False
         finally:
             os.close(fd)
 

@@ -374,9 +374,10 @@ def test_interval_policy_fsyncs_in_the_background(tmp_path: Path, monkeypatch: p
     after_writes = len(synced)
     assert after_writes <= 1  # at most the folder of the new segment; no fsync per block
     deadline = time.monotonic() + 5
-    while len(synced) == after_writes and time.monotonic() < deadline:
+    # the background thread caught up: its fsync finished (marked synced then, not as it began)
+    while (len(synced) == after_writes or store._writers["s"].dirty) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(synced) > after_writes  # the background thread caught up
+    assert len(synced) > after_writes
     assert not store._writers["s"].dirty
     store.close()
     assert store._flusher is None
@@ -421,6 +422,50 @@ def test_durable_listeners_hear_of_each_flush_that_moves_their_stream(tmp_path: 
     store.flush()
     assert heard == ["s"] and store.durable_seq("s") == seq + 2  # stopped
     store.close()
+
+
+def test_no_block_counts_durable_before_an_fsync_that_covers_it_has_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under the interval policy an fsync runs outside the writer's lock, and it marked the appends it
+    took as synced when it began: a flush() meanwhile (a follower syncing a copy before its ack) or a
+    segment roll found nothing unsynced and counted every block durable while that fsync was still
+    running, so a block could be acked that a power loss then took. A block now counts durable only
+    once an fsync of it has finished (the one under way, or one of the caller's own)."""
+    real_fsync = os.fsync
+    done: list[int] = []  # segments whose fsync finished
+    busy, release = threading.Event(), threading.Event()
+
+    def fsync(fd: int) -> None:
+        segment = os.readlink(f"/proc/self/fd/{fd}").endswith(wal.SEGMENT_SUFFIX)
+        if segment and threading.current_thread().name == "slow-fsync":
+            busy.set()
+            release.wait(30)
+        real_fsync(fd)
+        if segment:
+            done.append(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    for case in ("flush", "roll"):
+        busy.clear()
+        release.clear()
+        done.clear()
+        store = WalBlockStore(tmp_path / case, fsync=FsyncPolicy.interval(600_000), segment_bytes=1)
+        seq, offset = store.recover("s")
+        store.write("s", seq, offset, 0, [records(3)])
+        slow = threading.Thread(target=store.flush, name="slow-fsync")  # an fsync under way
+        slow.start()
+        assert busy.wait(30)
+        if case == "flush":
+            store.flush()  # a second flush meanwhile
+        else:
+            store.write("s", seq + 1, offset + 3, 0, [records(3)])  # the next block starts a segment
+        assert store.durable_seq("s") == seq or done, "a block counted durable before any fsync of it ended"
+        release.set()
+        slow.join(30)
+        store.flush()
+        assert store.durable_seq("s") == seq + (1 if case == "flush" else 2)
+        store.close()
 
 
 def test_every_block_policy_fsyncs_before_returning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
