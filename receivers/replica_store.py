@@ -80,8 +80,16 @@ class ReplicaStore:
         with self._stream_lock(owner, stream):
             return self._next_locked(owner, stream)
 
-    def append(self, owner: int, stream: str, block: RawBlock, *, after_release: bool) -> bool:
-        """Store a block of `owner`'s partition durably; False if it was here already. Blocking."""
+    def append(
+        self, owner: int, stream: str, block: RawBlock, *, after_release: bool, sync: bool = False
+    ) -> bool:
+        """Store a block of `owner`'s partition durably; False if it was here already. `sync`: fsync it
+        before it counts as held (the interval policy: group commit writes without one). Blocking.
+
+        It counts as held (next_seq, a copy already here) once durable, and all of it under the stream's
+        lock: synced after the lock was let go, another Replicate stream of the owner (its reconnect,
+        while the old call's store still ran) was told the follower held the block before that sync had
+        finished, and the owner counted it replicated."""
         with self._stream_lock(owner, stream):
             store = self.store(owner)
             expected = self._next_locked(owner, stream)
@@ -99,6 +107,8 @@ class ReplicaStore:
                 # every block of the copy was deleted, unread acked records among them.
                 store.continue_at(stream, block.seq, block.first_offset)
             store.append_raw(stream, block)
+            if sync:
+                store.sync(stream)
             self._next[(owner, stream)] = block.seq + 1
             return True
 

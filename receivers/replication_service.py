@@ -299,9 +299,7 @@ class ReplicationService:
 
     def _store(self, owner: int, stream: str, block: RawBlock, after_release: bool) -> None:
         _check_payload(block)  # a copy that cannot be read back would fail Spark's tasks much later
-        self._replicas.append(owner, stream, block, after_release=after_release)
-        if self._sync_each:
-            self._replicas.store(owner).flush()
+        self._replicas.append(owner, stream, block, after_release=after_release, sync=self._sync_each)
 
     async def _check_hello(
         self, first: pb.ReplicateRequest, context: grpc.aio.ServicerContext[Any, Any]

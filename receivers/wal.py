@@ -1161,6 +1161,17 @@ class WalBlockStore(BlockStore):
         """fsync every segment with appends not yet fsynced (the interval policy's background work)."""
         with self._writers_lock:
             writers = list(self._writers.items())
+        self._flush(writers)
+
+    def sync(self, stream: str) -> None:
+        """fsync what `stream` appended and did not fsync yet: every block written before the call is
+        durable on return (flush() for one stream). Blocking."""
+        with self._writers_lock:
+            writer = self._writers.get(check_stream_name(stream))
+        if writer is not None:
+            self._flush([(stream, writer)])
+
+    def _flush(self, writers: Sequence[tuple[str, _Writer]]) -> None:
         moved: list[str] = []  # streams whose durable_seq this flush advanced
         for stream, writer in writers:
             before = writer.durable_seq

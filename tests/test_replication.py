@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
+import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -471,3 +474,67 @@ async def test_a_follower_that_ends_the_call_as_the_owner_writes_is_retried_quie
         await follower.stop(None)
     assert "InvalidStateError" not in caplog.text and "Traceback" not in caplog.text, caplog.text
     assert "replication to node 1 failed" not in caplog.text, caplog.text
+
+
+async def test_a_copy_counts_a_block_held_only_once_it_is_synced_under_fsync_interval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--fsync interval:MS: a follower syncs each copied block before it acks it. The sync came after
+    the copy's stream lock was let go, so another Replicate stream of the same owner (its reconnect
+    while the old call's store still ran) was told in its state that the follower held the block
+    before that sync had finished: the owner counted it on the follower, and a power loss there then
+    would lose a block the owner took for replicated. Here the follower's sync of the block is held
+    (its segment's fsync waits), a second stream says hello meanwhile, and its state must not count the
+    block before that fsync has finished. (No power is cut: what is checked is the order, the state
+    told after the sync, which is what makes the copy survive one.)"""
+    from receivers.config import FsyncPolicy
+
+    clusters = loopback_cluster(2, replication=2, min_insync=1)
+    port = int(clusters[1].me.target.rsplit(":", 1)[1])
+    copies = tmp_path / "node1" / "replicas" / "0"
+    real_fsync = os.fsync
+    held, release = threading.Event(), threading.Event()
+    synced: list[float] = []  # when an fsync of the copy's segment finished
+
+    def fsync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        copy = path.startswith(str(copies)) and path.endswith(wal.SEGMENT_SUFFIX)
+        if copy:
+            held.set()
+            release.wait(30)
+        real_fsync(fd)
+        if copy:
+            synced.append(time.monotonic())
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, BLOCK_SCHEMA) as ipc:
+        ipc.write_batch(decode_batch(encode_batch(0, values(3)), 0))
+    block = pb.ReplicaBlock(
+        stream="s", seq=0, first_offset=0, count=3, arrow_ipc=sink.getvalue().to_pybytes()
+    )
+    hello = pb.ReplicateRequest(hello=pb.ReplicaHello(owner=0, nodes=2, replication=2, log_end={"s": 1}))
+    interval = FsyncPolicy.interval(600_000)  # no background fsync in this test: only the copy's own
+    async with (
+        running_server(tmp_path / "node1", "s", cluster=clusters[1], port=port, fsync=interval),
+        grpc.aio.insecure_channel(clusters[1].me.target) as channel,
+    ):
+        stub = pb_grpc.ReplicationStub(channel)
+        first = stub.Replicate()
+        await first.write(hello)
+        assert (await first.read()).state.next_seq.get("s", 0) == 0
+        await first.write(pb.ReplicateRequest(block=block))
+        assert await asyncio.to_thread(held.wait, 30)  # stored, its sync under way
+        second = stub.Replicate()  # the owner's reconnect
+        await second.write(hello)
+        told: list[float] = []
+        state = asyncio.ensure_future(second.read())
+        state.add_done_callback(lambda _: told.append(time.monotonic()))
+        await asyncio.wait((state,), timeout=2)  # the old code told it at once, before the release
+        release.set()
+        assert (await state).state.next_seq["s"] == 1
+        ack = await first.read()
+        assert (ack.ack.stream, ack.ack.seq) == ("s", 0)
+        first.cancel()
+        second.cancel()
+    assert synced and told and synced[0] <= told[0], "block 0 was counted held before its sync ended"
