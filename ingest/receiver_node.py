@@ -11,6 +11,7 @@ given, a peer token.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -119,7 +120,10 @@ class ReceiverNode:
         disk): numbered from its own end, new records took offsets the cluster had already used, which
         the driver took for processed and released unread. Once one copy shows the log is behind, every
         follower must answer (the furthest copy is past every acked record, which was on all in-sync
-        followers): the start waits up to LOST_LOG_WAIT for them, then stops, saying which did not."""
+        followers): the start waits up to LOST_LOG_WAIT for them, then stops, saying which did not.
+        What it skips is not counted as read: only what the copies released (Spark read it) is, so a
+        query without a checkpoint starts no later than there and reads the rest from the copies,
+        rather than past acked records only a copy holds (WalBlockStore.skip_to)."""
         me = self.cluster.me.id
         followers = {node.id: node.target for node in self.cluster.followers(me)}
         answers: dict[int, list[pb.PartitionInfo]] = {}
@@ -140,8 +144,14 @@ class ReceiverNode:
                     "again once every follower runs"
                 )
             await asyncio.sleep(1.0)
+        copies = [p for held in answers.values() for p in held]
         for stream, (seq, offset) in behind.items():  # every follower answered, or none is behind
             before = receivers[stream].log_end
+            # what Spark read is released on the copies; the rest of what is skipped stays unread here
+            read_to = max(
+                (p.released_offset for p in copies if p.stream == stream and p.HasField("released_offset")),
+                default=0,
+            )
             log.warning(
                 "stream %r: this node's log ends at block %d (offset %d), a copy of it on another node at "
                 "block %d (offset %d): the log was lost or replaced; it goes on from there (what the "
@@ -152,7 +162,9 @@ class ReceiverNode:
                 seq,
                 offset,
             )
-            await asyncio.to_thread(self.local.skip_to, stream, seq, offset)
+            await asyncio.to_thread(
+                functools.partial(self.local.skip_to, stream, seq, offset, read_to=read_to)
+            )
             receivers[stream].continue_at(seq, offset)
 
     async def _copies_on(self, target: str) -> list[pb.PartitionInfo] | None:

@@ -142,6 +142,7 @@ class BlocksService:
                     leader=True,
                     next_seq=_log_end(self._local, stream)[0],
                     next_offset=_log_end(self._local, stream)[1],
+                    released_offset=self._local.known_released_offset(stream),
                 )
             )
         if self._replicas is not None:
@@ -158,6 +159,7 @@ class BlocksService:
                             end_offset=end,
                             next_seq=next_seq,
                             next_offset=next_offset,
+                            released_offset=copy.known_released_offset(stream),
                         )
                     )
         return found
@@ -215,6 +217,8 @@ class BlocksService:
             return pb.ReleaseBlocksResponse()
         end = {request.stream: request.before_offset}
         released = await asyncio.to_thread(release_below, store, [request.stream], end)
+        if request.owner == self._node_id:  # what a lost log skipped is read up to there too
+            await asyncio.to_thread(self._local.release_lost, request.stream, request.before_offset)
         return pb.ReleaseBlocksResponse(blocks_released=released)
 
     def _readable(self, owner: int, stream: str) -> list[BlockInfo]:

@@ -3,7 +3,8 @@
 Layout under the root folder, per stream::
 
     <root>/<stream>/<first_seq:020d>.wal    segments, oldest first; blocks are appended to the newest
-    <root>/<stream>/released.json           released high-water mark + producers snapshot (release())
+    <root>/<stream>/released.json           released high-water mark + producers snapshot (release()),
+                                            and where a lost log's unreleased records begin (skip_to())
 
 A new segment is started, named after the seq of its first block, once the newest one has grown past
 `segment_bytes`. So the blocks of a segment have seqs >= its name and < the next segment's name.
@@ -76,7 +77,7 @@ import stat
 import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -255,6 +256,10 @@ class _Released:
     next_seq: int = 0
     next_offset: int = 0
     producers: dict[str, int] = field(default_factory=dict)
+    lost_from: int | None = None
+    """After a lost log (skip_to): the offset of the first record below next_offset that may not have
+    been read; the numbering went on past records this log never released. None: every record below
+    next_offset was released here."""
 
 
 @dataclass
@@ -730,12 +735,24 @@ class WalBlockStore(BlockStore):
         """The producers table of the blocks released so far (the released mark's)."""
         return dict(self._read_released(stream).producers)
 
-    def skip_to(self, stream: str, seq: int, offset: int, producers: Mapping[str, int] | None = None) -> None:
-        """Continue the log of `stream` at block `seq` and record `offset`, with every block before
-        counted as released: what the log held is dropped; the released mark keeps the producers. For a
-        node whose own log was lost (ReceiverNode.continue_logs: it holds nothing before `seq` and
-        never will); a copy that misses blocks keeps what it holds (continue_at). Writing process
-        only."""
+    def skip_to(
+        self,
+        stream: str,
+        seq: int,
+        offset: int,
+        producers: Mapping[str, int] | None = None,
+        *,
+        read_to: int = 0,
+    ) -> None:
+        """Continue the log of `stream` at block `seq` and record `offset`: what the log held is
+        dropped; the released mark keeps the numbering and the producers. For a node whose own log was
+        lost (ReceiverNode.continue_logs: it holds nothing before `seq` and never will); a copy that
+        misses blocks keeps what it holds (continue_at). Writing process only.
+
+        The records skipped are not counted as read: known_released_offset() stays where this log's
+        releases ended, or at `read_to` (where the copies' releases end: Spark read what is below it)
+        if that is further, until release_lost() moves it. Taken for released, they let a query
+        without a checkpoint start past acked records that only a copy on another node held."""
         writer = self._writer(stream)
         with writer.lock:
             if seq <= writer.next_seq:
@@ -747,7 +764,15 @@ class WalBlockStore(BlockStore):
                 _merge_producers(table, writer.producers)
                 _merge_producers(table, producers or {})
                 self._close_writer(writer)
-                state = _Released(max(seq, released.next_seq), max(offset, released.next_offset), table)
+                next_offset = max(offset, released.next_offset)
+                known = released.lost_from if released.lost_from is not None else released.next_offset
+                lost_from = max(known, read_to)
+                state = _Released(
+                    max(seq, released.next_seq),
+                    next_offset,
+                    table,
+                    lost_from if lost_from < next_offset else None,
+                )
                 self._write_released(writer.folder, state)
                 for _, path in self._segments(writer.folder):
                     path.unlink(missing_ok=True)
@@ -776,6 +801,27 @@ class WalBlockStore(BlockStore):
             writer.next_seq, writer.next_offset = seq, offset
             writer.durable_seq = seq
 
+    def known_released_offset(self, stream: str) -> int:
+        """The offset below which every record of `stream` was released (read) as far as this log
+        knows: released_offset(), or lower after a lost log (skip_to), whose skipped records were
+        never released here and may still be unread (copies on other nodes hold those)."""
+        released = self._read_released(stream)
+        return released.next_offset if released.lost_from is None else released.lost_from
+
+    def release_lost(self, stream: str, before_offset: int) -> None:
+        """Every record of `stream` below `before_offset` was read (Spark committed it): the records a
+        lost log skipped (skip_to) count as released up to there, all of them once it reaches the
+        skip. Nothing is deleted (the log holds none of them). Idempotent."""
+        folder = self._folder(stream)
+        if not folder.is_dir():
+            return
+        with self._release_lock, self._mark_lock(folder):
+            released = self._read_released(stream, fresh=True)
+            if released.lost_from is None or before_offset <= released.lost_from:
+                return
+            lost_from = before_offset if before_offset < released.next_offset else None
+            self._write_released(folder, replace(released, lost_from=lost_from))
+
     def release(self, stream: str, before_seq: int) -> int:
         folder = self._folder(stream)
         if not folder.is_dir():
@@ -799,7 +845,10 @@ class WalBlockStore(BlockStore):
             last = doomed_blocks[-1]
             # never backwards (blocks() hides what the mark covers, so `last` is above it anyway)
             state = _Released(
-                max(released.next_seq, last.seq + 1), max(released.next_offset, last.end_offset), table
+                max(released.next_seq, last.seq + 1),
+                max(released.next_offset, last.end_offset),
+                table,
+                released.lost_from,
             )
             self._write_released(folder, state)
             for path in doomed:
@@ -831,9 +880,7 @@ class WalBlockStore(BlockStore):
                 table = dict(released.producers)
                 _merge_producers(table, writer.producers)
                 if table != released.producers:
-                    self._write_released(
-                        writer.folder, _Released(released.next_seq, released.next_offset, table)
-                    )
+                    self._write_released(writer.folder, replace(released, producers=table))
                 self._close_writer(writer)
                 segment, writer.segment, writer.size = writer.segment, None, 0
                 segment.unlink(missing_ok=True)
@@ -1302,10 +1349,12 @@ class WalBlockStore(BlockStore):
             return cached[1]
         try:
             data = json.loads(path.read_text())
+            lost_from = data.get("lost_from")
             state = _Released(
                 int(data["next_seq"]),
                 int(data["next_offset"]),
                 {str(k): int(v) for k, v in data.get("producers", {}).items()},
+                None if lost_from is None else int(lost_from),
             )
         except FileNotFoundError:
             return _read_old_mark(folder)
@@ -1331,10 +1380,14 @@ class WalBlockStore(BlockStore):
     def _write_released(self, folder: Path, state: _Released) -> None:
         path = folder / STATE_FILE
         tmp = folder / f"{STATE_FILE}.tmp.{os.getpid()}.{threading.get_ident()}"
-        text = json.dumps(
-            {"next_seq": state.next_seq, "next_offset": state.next_offset, "producers": state.producers},
-            sort_keys=True,
-        )
+        fields: dict[str, object] = {
+            "next_seq": state.next_seq,
+            "next_offset": state.next_offset,
+            "producers": state.producers,
+        }
+        if state.lost_from is not None:
+            fields["lost_from"] = state.lost_from
+        text = json.dumps(fields, sort_keys=True)
         with open(tmp, "w") as file:
             file.write(text + "\n")
             file.flush()

@@ -38,6 +38,7 @@ from receivers.cluster import Cluster
 from sluice_client import Producer
 from sluice_client.credentials import Credentials
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from tests.support import free_ports, loopback_cluster, running_server
 from tests.test_status_cli import status as status_cli
 
@@ -648,3 +649,68 @@ async def test_a_query_reads_a_dead_nodes_partition_from_its_copy(spark: Any, tm
             await asyncio.to_thread(query.stop)
         got = [(r["partition"], bytes(r["value"])) for r in rows]
         assert len(got) == len(sent) and set(got) == sent
+
+
+async def test_a_query_never_starts_past_records_only_a_down_copy_holds_after_an_owners_lost_log(
+    tmp_path: Path,
+) -> None:
+    """Node 0's log is lost (an empty data dir): it goes on past its copy on node 1. It counted what it
+    skipped as released, so with node 1 down, a query without a checkpoint (a new driver) started node
+    0's partition at the skip, past 100 acked records only node 1 held, and its releases would have
+    deleted them there. The skip now counts as read only what the copies released: the query starts
+    at record 0, says no holder serves those records while node 1 is down (naming it), and reads them
+    once it is back; what Spark did read stays released, so a start after that does not wait for it."""
+    clusters = loopback_cluster(2, replication=2, min_insync=2)
+    port = {c.me.id: int(c.me.target.rsplit(":", 1)[1]) for c in clusters}
+    async with contextlib.AsyncExitStack() as outer:
+        stacks = {i: await outer.enter_async_context(contextlib.AsyncExitStack()) for i in range(2)}
+
+        async def start(i: int, folder: str) -> SluiceServer:
+            return await stacks[i].enter_async_context(
+                running_server(tmp_path / folder, "s", cluster=clusters[i], port=port[i])
+            )
+
+        servers = {i: await start(i, f"node{i}") for i in range(2)}
+        owner = servers[0].node
+        assert owner is not None
+        await asyncio.wait_for(_in_sync(owner), 20)
+        sent = await push(clusters[0].me.target, 100, "a")  # on node 0 and its copy on node 1
+        await stacks[0].aclose()
+        servers[0] = await start(0, "node0-lost")  # node 0's log lost: it goes on past node 1's copy
+        assert servers[0].receivers["s"].log_end[1] == 100
+        sent += await push(clusters[0].me.target, 10, "c")  # on both (min-insync 2)
+        await stacks[1].aclose()  # node 1, the only holder of records 0..99, is down
+        r = reader(clusters)
+        initial = await asyncio.to_thread(r.initialOffset)
+        assert initial == {"s": {"0": 0}}  # not 100: nothing was read
+        end = await asyncio.to_thread(r.latestOffset, initial, ReadAllAvailable())
+        assert end == {"s": {"0": 110}}
+        parts = list(await asyncio.to_thread(r.partitions, initial, end))
+        with pytest.raises(PartitionUnreadableError) as caught:
+            await asyncio.to_thread(read_all, r, parts)
+        assert f"node 1 ({clusters[1].me.target}): UNAVAILABLE" in str(caught.value)
+        servers[1] = await start(1, "node1")  # back: the batch reads every record, once
+        table = await asyncio.to_thread(read_all, r, parts)
+        assert table.column("value").to_pylist() == sent
+        assert table.column("offset").to_pylist() == list(range(110))
+        for node in clusters[0].nodes:  # Spark committed them: the driver releases them on every node
+            async with grpc.aio.insecure_channel(node.target) as channel:
+                request = pb.ReleaseBlocksRequest(stream="s", owner=0, before_offset=110)
+                await pb_grpc.BlocksStub(channel).ReleaseBlocks(request)
+        await stacks[1].aclose()
+        fresh = reader(clusters)
+        assert (await asyncio.to_thread(fresh.initialOffset))["s"]["0"] == 110  # read: not waited for
+        # node 0's log lost again, once everything was read: it counts the skip as read (node 1's
+        # releases say so), and a new query starts past it without node 1
+        servers[1] = await start(1, "node1")
+        await stacks[0].aclose()
+        servers[0] = await start(0, "node0-lost-again")
+        assert servers[0].receivers["s"].log_end[1] == 110
+        await stacks[1].aclose()
+        fresh = reader(clusters)
+        assert (await asyncio.to_thread(fresh.initialOffset))["s"]["0"] == 110
+
+
+async def _in_sync(node: Any) -> None:
+    while not node.replicator.in_sync():
+        await asyncio.sleep(0.01)

@@ -231,6 +231,8 @@ class Holding:
     start: int
     end: int
     leader: bool
+    released: int | None = None
+    """Where the holder's releases end (PartitionInfo.released_offset; None: it did not say)."""
 
 
 class ClusterView:
@@ -246,7 +248,8 @@ class ClusterView:
         self.answered.add(response.node_id)
         for p in response.partitions:
             if p.stream in streams:
-                holding = Holding(response.node_id, p.start_offset, p.end_offset, p.leader)
+                released = p.released_offset if p.HasField("released_offset") else None
+                holding = Holding(response.node_id, p.start_offset, p.end_offset, p.leader, released)
                 self.holdings.setdefault(partition_key(p.stream, p.owner), []).append(holding)
 
     def end(self, key: str) -> int:
@@ -256,15 +259,22 @@ class ClusterView:
     def floor(self, key: str) -> int:
         """Where a partition the query has not seen yet starts: its first record any holder still has
         (a new node's partition: 0). The lowest start among holders that hold something, so that no
-        record is skipped (a follower slow to release gives a few committed records again, at most)."""
-        held = [h.start for h in self.holdings.get(key, ()) if h.end > h.start]
-        return min(held) if held else max((h.end for h in self.holdings.get(key, ())), default=0)
+        record is skipped (a follower slow to release gives a few committed records again, at most);
+        and no later than where the owner's releases end: an owner whose log was lost went on past
+        records only its copies hold, which it never released (PartitionInfo.released_offset below
+        its start). With those copies down, the query starts there and its tasks say no holder serves
+        those records, rather than start past them: acked records were skipped silently."""
+        holdings = self.holdings.get(key, ())
+        held = [h.start for h in holdings if h.end > h.start]
+        held += [h.released for h in holdings if h.leader and h.released is not None and h.released < h.start]
+        return min(held) if held else max((h.end for h in holdings), default=0)
 
     def holders(self, key: str, lo: int, hi: int) -> list[int]:
         """Nodes to read [lo, hi) from, owner first then followers (node list order): those that
-        reported holding the range, then those that reported the partition at all; none reported it:
-        every node, the owner first (the node list knows no placement here, and a node that does not
-        hold it says so at once)."""
+        reported holding the range, then those that reported the partition at all, and when none of
+        those holds it whole, the nodes that did not answer (one of them may: its task tries it, and
+        names it when it is down); none reported it: every node, the owner first (the node list knows
+        no placement here, and a node that does not hold it says so at once)."""
         _, owner = split_key(key)
 
         def rank(node_id: int) -> tuple[bool, int]:
@@ -274,6 +284,8 @@ class ClusterView:
         covering = sorted((h.node_id for h in reported if h.start <= lo and h.end >= hi), key=rank)
         others = sorted((h.node_id for h in reported if h.node_id not in covering), key=rank)
         found = covering + others
+        if found and not covering:  # no node that answered serves it: maybe one that did not
+            found += sorted((n for n in self._order if n not in self.answered and n not in found), key=rank)
         return found or sorted(self._order, key=rank)
 
 

@@ -368,6 +368,7 @@ class PartitionInfo(_message.Message):
     LEADER_FIELD_NUMBER: _builtins.int
     NEXT_SEQ_FIELD_NUMBER: _builtins.int
     NEXT_OFFSET_FIELD_NUMBER: _builtins.int
+    RELEASED_OFFSET_FIELD_NUMBER: _builtins.int
     stream: _builtins.str
     owner: _builtins.int
     """The node whose receiver took the records (the owner of the partition)."""
@@ -385,6 +386,12 @@ class PartitionInfo(_message.Message):
     cluster already used is given again.
     """
     next_offset: _builtins.int
+    released_offset: _builtins.int
+    """Every record below this offset was released here (read by the driver's query), as far as this
+    holder knows. Below start_offset on an owner whose log was lost: the records it skipped (see
+    next_seq) were never released, and its copies hold those not read yet; a query that has not
+    read the partition starts no later than here. Unset on a node that predates it.
+    """
     def __init__(
         self,
         *,
@@ -395,12 +402,15 @@ class PartitionInfo(_message.Message):
         leader: _builtins.bool = ...,
         next_seq: _builtins.int = ...,
         next_offset: _builtins.int = ...,
+        released_offset: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_released_offset", b"_released_offset", "released_offset", b"released_offset"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_offset", b"end_offset", "leader", b"leader", "next_offset", b"next_offset", "next_seq", b"next_seq", "owner", b"owner", "start_offset", b"start_offset", "stream", b"stream"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_released_offset", b"_released_offset", "end_offset", b"end_offset", "leader", b"leader", "next_offset", b"next_offset", "next_seq", b"next_seq", "owner", b"owner", "released_offset", b"released_offset", "start_offset", b"start_offset", "stream", b"stream"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__released_offset: _TypeAlias = _typing.Literal["released_offset"]  # noqa: Y015
+    _WhichOneofArgType__released_offset: _TypeAlias = _typing.Literal["_released_offset", b"_released_offset"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__released_offset) -> _WhichOneofReturnType__released_offset | None: ...
 
 Global___PartitionInfo: _TypeAlias = PartitionInfo  # noqa: Y015
 
