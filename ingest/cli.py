@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import math
 import os
@@ -33,7 +32,6 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from ingest import console, logs
-from ingest.checkpoints import last_commit_id
 from ingest.client_hints import connect_hint, refused
 from ingest.config import (
     DEFAULT_METRICS_PORT,
@@ -62,6 +60,7 @@ from ingest.config_sources import (
 from ingest.extras import server_extra_problem
 from ingest.logs import SPARK_LOG_LEVELS, SPARK_QUIET
 from ingest.pipeline_control import BOUNDARY_TIMEOUT, STOP_TIMEOUT
+from ingest.pipeline_state import STATE_FILE, PipelineStateError, in_force, read_state
 from ratecontrol import InvalidRateError, StreamPolicy, UnknownEstimatorError
 from receivers.auth import AuthFileError, new_token, token_hash
 from receivers.cluster import Cluster, ClusterConfigError, load_nodes
@@ -1407,7 +1406,6 @@ async def _serve_async(  # noqa: PLR0912, PLR0915 - one lifecycle
     manager = None
     try:
         if spark is not None:
-            from ingest.pipeline_manager import PipelineStateError  # noqa: PLC0415
             from ingest.spark_side import attach_spark  # noqa: PLC0415
 
             try:
@@ -1994,29 +1992,21 @@ def _config_check(args: argparse.Namespace) -> int:
 
 def _swapped_pipeline(config: ServeConfig | DriverConfig) -> tuple[str, str] | None:
     """(spec, source) of a pipeline swapped in at run time that a start would run instead of the
-    flag's (DATA_DIR/pipeline.json; None: the flag's runs). Read as the manager reads it, never written."""
-    path = config.data_dir / "pipeline.json"
+    flag's (DATA_DIR/pipeline.json; None: the flag's runs). Read as the manager reads it (the same
+    pipeline_state.in_force: a trial cut short by a crash counts as the manager counts it), never
+    written."""
+    path = config.data_dir / STATE_FILE
     try:
-        state = json.loads(path.read_text())
-        current = state["current"]
-        if state.get("trial") and state.get("previous"):
-            # a crash mid-swap: the new one is kept only if it committed a batch, and the one it
-            # replaced, if a --reset-pipeline generation in trial, too (PipelineManager._after_trial)
-            checkpoints = config.data_dir / "checkpoints"
-            replaced = state.get("replaced_trial")
-            if last_commit_id(checkpoints / str(current["checkpoint"])) <= int(state.get("trial_base", -1)):
-                current = state["previous"]
-                base = int(replaced["trial_base"]) if replaced else None
-                if base is not None and last_commit_id(checkpoints / str(current["checkpoint"])) <= base:
-                    current = replaced["previous"]
-        spec, number = str(current["spec"]), int(current["number"])
-    except FileNotFoundError:
+        state = read_state(path)
+    except PipelineStateError as exc:
+        raise ValueError(f"{exc}: serve would stop on it") from None
+    if state is None:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path}: not a pipeline state file ({exc}): serve would stop on it") from None
-    if spec == (config.pipeline or "") or config.reset_pipeline:
+    current, _ = in_force(state, config.data_dir / "checkpoints")
+    if current.spec == (config.pipeline or "") or config.reset_pipeline:
         return None
-    return spec, f"{path} (generation {number}, swapped in at run time; --reset-pipeline runs the flag's)"
+    where = f"{path} (generation {current.number}, swapped in at run time; --reset-pipeline runs the flag's)"
+    return current.spec, where
 
 
 def keys_by_dest(keys: Mapping[str, Key]) -> dict[str, Key]:

@@ -46,7 +46,8 @@ from ingest.driver import SparkDriver, batch_metrics
 from ingest.logs import JSON, SPARK_QUIET, log_format, say
 from ingest.metrics import MetricsServer, SluiceCollector
 from ingest.node_rates import NodeRates
-from ingest.pipeline_manager import PipelineManager, PipelineStateError
+from ingest.pipeline_manager import PipelineManager
+from ingest.pipeline_state import PipelineStateError
 from ingest.preflight import DataDirLock, bind_address, check_ports, lock_checked
 from ingest.rate_controller import RateController
 from ingest.rate_memory import RateMemory

@@ -37,7 +37,7 @@ import logging
 import re
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -52,9 +52,19 @@ from ingest.pipeline_control import (
     SwapInProgress,
     SwapRolledBack,
 )
+from ingest.pipeline_state import (
+    STATE_FILE,
+    Generation,
+    Outcome,
+    PipelineState,
+    PipelineStateError,
+    Trial,
+    in_force,
+    read_state,
+    write_state,
+)
 from ingest.spark.listener import BatchCompleted
 from ingest.spark.pipeline import PipelineContext, builtin_parquet, load_pipeline
-from receivers.files import read_json, replace_json
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 if TYPE_CHECKING:
@@ -62,44 +72,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "pipeline.json"
 POLL = 0.05
-
-
-@dataclass(frozen=True)
-class Generation:
-    """One pipeline in the service's history, as pipeline.json keeps it."""
-
-    spec: str
-    """"module:function", or "" for the built-in Parquet sink."""
-    number: int
-    checkpoint: str
-    """Folder under DATA_DIR/checkpoints."""
-    sink: str
-    """Folder under DATA_DIR for PipelineContext.sink_dir."""
-    starting_offsets: dict[str, int] | None = None
-    kept_state: bool = False
-
-    @staticmethod
-    def from_json(data: Any) -> Generation:
-        if not isinstance(data, dict):
-            raise TypeError("not an object")
-        offsets = data.get("starting_offsets")
-        return Generation(
-            spec=str(data["spec"]),
-            number=int(data["number"]),
-            checkpoint=_folder(data["checkpoint"]),
-            sink=_folder(data["sink"]),
-            starting_offsets=None if offsets is None else {str(k): int(v) for k, v in offsets.items()},
-            kept_state=bool(data.get("kept_state", False)),
-        )
-
-
-def _folder(name: object) -> str:
-    """A plain folder name (no separators, no '..'): the file cannot point the service elsewhere."""
-    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
-        raise ValueError(f"not a folder name: {name!r}")
-    return name
 
 
 class QueryHost(Protocol):
@@ -124,20 +97,6 @@ class QueryHost(Protocol):
         ...
 
 
-class PipelineStateError(ValueError):
-    """pipeline.json is unreadable or not one: the start stops, naming it."""
-
-
-@dataclass(frozen=True)
-class _Trial:
-    """A generation in force that pipeline.json keeps as a trial until it commits a batch past `base`
-    (the last commit of its checkpoint when it started): a --reset-pipeline's."""
-
-    generation: Generation
-    previous: Generation
-    base: int
-
-
 class PipelineManager:
     """PipelineControl for `sluice serve` and a cluster's driver: owns the query from start to stop."""
 
@@ -160,7 +119,7 @@ class PipelineManager:
         self._batches: dict[str, BatchCompleted] = {}  # run id -> its last completed batch
         self._batch_seen = asyncio.Event()
         self._replacing: asyncio.Task[pb.PipelineView] | None = None
-        self._trial: _Trial | None = None
+        self._trial: Trial | None = None
         self.current = Generation(config.pipeline or "", 0, driver.query_name, "sink")
         self._load()
         driver.on_batch(self._on_batch_thread)
@@ -168,23 +127,12 @@ class PipelineManager:
     # ---- persistence ------------------------------------------------------------------------------
 
     def _load(self) -> None:
-        data = read_json(self._path, "the pipeline state", PipelineStateError)
-        if data is None:
+        state = read_state(self._path)
+        if state is None:
             return
-        try:
-            current = Generation.from_json(data["current"])
-            previous = Generation.from_json(data["previous"]) if data.get("previous") else None
-            trial_base = int(data.get("trial_base", -1))
-            trial = bool(data.get("trial", False))
-            replaced = data.get("replaced_trial")
-            replaced_trial = None
-            if replaced is not None and previous is not None:  # the swap replaced a reset in trial
-                earlier = Generation.from_json(replaced["previous"])
-                replaced_trial = _Trial(previous, earlier, int(replaced["trial_base"]))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise PipelineStateError(f"{self._path}: not a pipeline state file: {exc}") from None
-        if trial and previous is not None:
-            current = self._after_trial(_Trial(current, previous, trial_base), replaced_trial)
+        current = state.current
+        if state.trial is not None:
+            current = self._after_trial(state)
             self._persist(current, None)
         flag = self.current.spec  # --pipeline ("": the built-in sink)
         if current.spec != flag and getattr(self._driver.config, "reset_pipeline", False):
@@ -208,15 +156,13 @@ class PipelineManager:
             )
         self.current = current
 
-    def _after_trial(self, trial: _Trial, replaced: _Trial | None) -> Generation:
-        """The generation to run after a stop (a crash, say) with `trial` in pipeline.json (a swap's or a
-        reset's new generation, not proven yet): kept if it committed a batch past its base (its output
-        exists: going back would process those records twice), else the one it replaced; and when that
-        one is a --reset-pipeline generation in trial too (`replaced`: the swap went away from it), the
-        same again, as when no swap came: a reset that committed nothing gives the start the generation
-        it replaced."""
-        current, previous = trial.generation, trial.previous
-        if last_commit_id(self._checkpoints / current.checkpoint) > trial.base:
+    def _after_trial(self, state: PipelineState) -> Generation:
+        """The generation to run after a stop (a crash, say) with a trial in pipeline.json (a swap's or
+        a reset's new generation, not proven yet): pipeline_state.in_force's, said in the log."""
+        trial = state.trial
+        assert trial is not None
+        current, outcome = in_force(state, self._checkpoints)
+        if outcome is Outcome.KEPT:
             log.info(
                 "pipeline %s (generation %d) committed a batch before the restart: kept",
                 current.spec or "built-in",
@@ -225,20 +171,19 @@ class PipelineManager:
             return current
         log.info(
             "the swap to %s did not complete before the restart: back to %s",
-            current.spec or "built-in",
-            previous.spec or "built-in",
+            trial.generation.spec or "built-in",
+            trial.previous.spec or "built-in",
         )
-        if replaced is None or last_commit_id(self._checkpoints / previous.checkpoint) > replaced.base:
-            return previous
-        log.info(
-            "pipeline %s (generation %d, --reset-pipeline) committed no batch before the restart: back "
-            "to %s (generation %d)",
-            previous.spec or "built-in",
-            previous.number,
-            replaced.previous.spec or "built-in",
-            replaced.previous.number,
-        )
-        return replaced.previous
+        if outcome is Outcome.BEFORE_RESET:
+            log.info(
+                "pipeline %s (generation %d, --reset-pipeline) committed no batch before the restart: back "
+                "to %s (generation %d)",
+                trial.previous.spec or "built-in",
+                trial.previous.number,
+                current.spec or "built-in",
+                current.number,
+            )
+        return current
 
     def _reset_to(self, spec: str, saved: Generation) -> Generation:
         """--reset-pipeline: `spec` as a new generation, fresh checkpoint and sink, starting where the
@@ -257,7 +202,7 @@ class PipelineManager:
         new = replace(new, starting_offsets=dict(start) if start else None)
         base = last_commit_id(self._checkpoints / new.checkpoint)
         self._persist(new, saved, trial_base=base)
-        self._trial = _Trial(new, saved, base)
+        self._trial = Trial(new, saved, base)
         log.warning(
             "--reset-pipeline: %s starts as generation %d where %s (generation %d, swapped in at run "
             "time) committed%s",
@@ -325,25 +270,10 @@ class PipelineManager:
         previous: Generation | None,
         trial_base: int | None = None,
         *,
-        replaced_trial: _Trial | None = None,
+        replaced_trial: Trial | None = None,
     ) -> None:
-        """pipeline.json: `current` in force, a trial over `previous` when `trial_base` is given (the
-        last commit of its checkpoint when it started). `replaced_trial`: a swap's trial replaces a
-        --reset-pipeline generation (`previous`) that is a trial itself; kept, so that a start going
-        back from the swap still takes that generation for a trial (it committed nothing: the one it
-        replaced runs). Written over, the reset's record was lost, and the start kept it for good."""
-        data: dict[str, Any] = {
-            "current": asdict(current),
-            "previous": asdict(previous) if previous is not None else None,
-            "trial": trial_base is not None,
-            "trial_base": -1 if trial_base is None else trial_base,
-        }
-        if replaced_trial is not None:
-            data["replaced_trial"] = {
-                "previous": asdict(replaced_trial.previous),
-                "trial_base": replaced_trial.base,
-            }
-        replace_json(self._path, data)
+        """pipeline.json (pipeline_state.write_state)."""
+        write_state(self._path, current, previous, trial_base, replaced_trial=replaced_trial)
 
     # ---- the query -------------------------------------------------------------------------------
 

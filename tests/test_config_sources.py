@@ -402,6 +402,37 @@ def test_config_check_shows_the_pipeline_a_swap_left_in_force(tmp_path: Path) ->
     assert "pipeline.json: not a pipeline state file" in result.stderr
 
 
+def test_config_check_reads_pipeline_json_as_the_manager_does(tmp_path: Path) -> None:
+    """config check read pipeline.json with a copy of the manager's reading: a file naming a folder
+    outside the data dir (which serve refuses, stopping with exit 1) passed the check, showing its
+    pipeline as the one a start runs. Both now read it with ingest.pipeline_state (read_state,
+    in_force); and a crash mid-swap away from a --reset-pipeline generation that never committed runs
+    the generation the reset replaced, as the manager says."""
+    data = tmp_path / "d"
+    data.mkdir()
+    outside = {"spec": "m:p", "number": 1, "checkpoint": "../../etc", "sink": "sink-g1"}
+    (data / "pipeline.json").write_text(json.dumps({"current": outside, "previous": None, "trial": False}))
+    result = check("--no-spark", "--data-dir", str(data))
+    assert result.returncode == 2, result.stdout
+    assert "pipeline.json: not a pipeline state file: not a folder name: '../../etc'" in result.stderr
+    generations = [
+        {"spec": f"m:g{n}", "number": n, "checkpoint": f"sluice-g{n}", "sink": f"sink-g{n}"} for n in range(4)
+    ]
+    state = {
+        "current": generations[3],  # the swap's, cut short
+        "previous": generations[2],  # the reset it replaced, in trial
+        "trial": True,
+        "trial_base": -1,
+        "replaced_trial": {"previous": generations[1], "trial_base": -1},
+    }
+    (data / "pipeline.json").write_text(json.dumps(state))
+    assert rows(check("--no-spark", "--data-dir", str(data)).stdout)["pipeline"][0] == "m:g1"
+    commits = data / "checkpoints" / "sluice-g2" / "commits"  # the reset committed a batch after all
+    commits.mkdir(parents=True)
+    (commits / "0").write_text("v1\n{}")
+    assert rows(check("--no-spark", "--data-dir", str(data)).stdout)["pipeline"][0] == "m:g2"
+
+
 def refused_by_serve_and_check(args: list[str], env: dict[str, str], says: str) -> None:
     """`sluice config check ARGS` and `sluice serve ARGS` both stop with exit 2 and one line saying `says`."""
     for command in (["config", "check"], ["serve"]):
