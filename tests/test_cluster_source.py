@@ -39,7 +39,7 @@ from sluice_client import Producer
 from sluice_client.credentials import Credentials
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
-from tests.support import free_ports, loopback_cluster, running_server
+from tests.support import free_ports, loopback_cluster, running_server, wait_until
 from tests.test_status_cli import status as status_cli
 
 
@@ -714,3 +714,44 @@ async def test_a_query_never_starts_past_records_only_a_down_copy_holds_after_an
 async def _in_sync(node: Any) -> None:
     while not node.replicator.in_sync():
         await asyncio.sleep(0.01)
+
+
+async def test_a_query_starts_past_what_was_released_though_a_lagging_copy_kept_it(tmp_path: Path) -> None:
+    """Node 1 was down while the driver read and released node 0's records 0..199; back, its copy goes
+    on after the gap and keeps records 0..99 (receivers.replica_store: it cannot tell a release from a
+    lost log). A query without a checkpoint started at its lowest start, 0, and its first batch failed
+    at the gap (no holder has 100..199), at every start, with nothing to release node 1's copy: a new
+    driver could not start. No partition starts below where a holder's releases end (Spark read it)."""
+    clusters = loopback_cluster(2, replication=2, min_insync=1)
+    port = {c.me.id: int(c.me.target.rsplit(":", 1)[1]) for c in clusters}
+    async with contextlib.AsyncExitStack() as outer:
+        stacks = {i: await outer.enter_async_context(contextlib.AsyncExitStack()) for i in range(2)}
+
+        async def start(i: int) -> SluiceServer:
+            return await stacks[i].enter_async_context(
+                running_server(tmp_path / f"node{i}", "s", cluster=clusters[i], port=port[i])
+            )
+
+        servers = {i: await start(i) for i in range(2)}
+        owner = servers[0].node
+        assert owner is not None
+        await asyncio.wait_for(_in_sync(owner), 20)
+        await push(clusters[0].me.target, 100, "a")  # on both
+        await stacks[1].aclose()
+        await push(clusters[0].me.target, 100, "b")  # on node 0 alone (min-insync 1)
+        async with grpc.aio.insecure_channel(clusters[0].me.target) as channel:  # the driver read 0..199
+            request = pb.ReleaseBlocksRequest(stream="s", owner=0, before_offset=200)
+            await pb_grpc.BlocksStub(channel).ReleaseBlocks(request)
+        sent = await push(clusters[0].me.target, 10, "c")
+        servers[1] = await start(1)  # catches up after the gap, keeping records 0..99
+        follower = servers[1].node
+        assert follower is not None
+        await wait_until(lambda: follower.replicas.committed(0, "s") == owner.local.durable_seq("s"), 20)
+        assert follower.replicas.blocks(0, "s")[0].first_offset == 0  # kept
+        r = reader(clusters)
+        initial = await asyncio.to_thread(r.initialOffset)
+        assert initial["s"]["0"] == 200
+        end = await asyncio.to_thread(r.latestOffset, initial, ReadAllAvailable())
+        parts = list(await asyncio.to_thread(r.partitions, initial, {"s": {"0": end["s"]["0"]}}))
+        table = await asyncio.to_thread(read_all, r, parts)
+        assert table.column("value").to_pylist() == sent

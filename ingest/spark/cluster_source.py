@@ -263,11 +263,17 @@ class ClusterView:
         and no later than where the owner's releases end: an owner whose log was lost went on past
         records only its copies hold, which it never released (PartitionInfo.released_offset below
         its start). With those copies down, the query starts there and its tasks say no holder serves
-        those records, rather than start past them: acked records were skipped silently."""
+        those records, rather than start past them: acked records were skipped silently.
+
+        Never below where a holder's releases end, though (Spark read what is below): a follower back
+        after releases it missed keeps what it held before the gap it goes on after (it cannot tell a
+        release from a lost log), and a query starting at those records failed at the gap, at every
+        start (no commit ever released them there)."""
         holdings = self.holdings.get(key, ())
         held = [h.start for h in holdings if h.end > h.start]
         held += [h.released for h in holdings if h.leader and h.released is not None and h.released < h.start]
-        return min(held) if held else max((h.end for h in holdings), default=0)
+        start = min(held) if held else max((h.end for h in holdings), default=0)
+        return max([start, *(h.released for h in holdings if h.released is not None)])
 
     def holders(self, key: str, lo: int, hi: int) -> list[int]:
         """Nodes to read [lo, hi) from, owner first then followers (node list order): those that
