@@ -1350,7 +1350,7 @@ async def _serve_async(  # noqa: PLR0912, PLR0915 - one lifecycle
     def reload() -> None:
         # SIGHUP's default would end the process; before the server is up its files are read anyway
         if serving:
-            serving[0].reload_security()
+            serving[0].reload_security_soon()  # read in a thread: the server answers meanwhile
         else:
             log.info("SIGHUP: the server is starting; it reads the TLS files and the auth file as it starts")
 

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from sluice_client.settings_file import read_settings_file
+
 DEFAULT, FILE, ENV, FLAG, RUNTIME = "default", "file", "env", "flag", "runtime"
 """The sources of a setting, from the weakest to the strongest."""
 
@@ -146,8 +148,7 @@ def explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[
 def read_file(path: Path, keys: Mapping[str, Key]) -> dict[str, object]:
     """The TOML file's settings, key -> value; ConfigError naming the file for anything wrong."""
     try:
-        with path.open("rb") as file:
-            data = tomllib.load(file)
+        data = tomllib.loads(read_settings_file(path).decode("utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path}: no such file") from None
     except OSError as exc:

@@ -25,6 +25,7 @@ from pathlib import Path
 from ingest.config import ServeConfig
 from ingest.tls import load_tls
 from receivers.auth import AuthTable
+from sluice_client.credentials import Credentials, CredentialsError
 
 LOCK_FILE = "sluice.lock"
 
@@ -188,13 +189,18 @@ def check_port(host: str, port: int, what: str) -> None:
 
 
 def check_security(config: ServeConfig) -> None:
-    """Read and check the TLS files and the auth file as the server will; raise a ValueError
-    (ingest.tls.TlsFileError, receivers.auth.AuthFileError) that names the file and the flag."""
+    """Read and check the TLS files, the auth file and the peer token file as the server will; raise a
+    ValueError (ingest.tls.TlsFileError, receivers.auth.AuthFileError) that names the file and the flag."""
     security = config.security
     if security.tls is not None:
         load_tls(security.tls)
     if security.auth_file is not None:
         AuthTable.load(security.auth_file, base=security.limits)
+    if config.peer_token_file is not None:
+        try:
+            Credentials.from_files(token_file=config.peer_token_file)
+        except CredentialsError as exc:
+            raise ValueError(f"--peer-token-file: {exc}") from None
 
 
 def check_ports(grpc_port: tuple[str, int, str], metrics: tuple[str, int | None], health: int | None) -> None:

@@ -31,8 +31,10 @@ from receivers.replica_store import ReplicaStore
 from receivers.replication import Metadata, ReplicatedBlockStore, Replicator, truncate_uncommitted
 from receivers.replication_service import ReplicationService
 from receivers.wal import WalBlockStore
+from sluice_client.credentials import Credentials
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client.settings_file import read_settings_file
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +85,12 @@ class ReceiverNode:
         tls = self._config.security.tls
         if tls is None:
             return grpc.aio.insecure_channel(target)
-        roots = tls.client_ca_file.read_bytes() if tls.client_ca_file is not None else None
+        # read again for each connection (a SIGHUP may have replaced them), bounded and never blocking
+        roots = read_settings_file(tls.client_ca_file) if tls.client_ca_file is not None else None
         credentials = grpc.ssl_channel_credentials(
             root_certificates=roots,
-            private_key=tls.key_file.read_bytes(),
-            certificate_chain=tls.cert_file.read_bytes(),
+            private_key=read_settings_file(tls.key_file),
+            certificate_chain=read_settings_file(tls.cert_file),
         )
         return grpc.aio.secure_channel(target, credentials)
 
@@ -213,7 +216,8 @@ class ReceiverNode:
 
 
 def _peer_metadata(token_file: Path | None) -> Metadata:
+    """The bearer token of --peer-token-file as call metadata; CredentialsError (a ValueError) naming the
+    file when it cannot be read or holds no token (ingest.preflight.check_security checks it first)."""
     if token_file is None:
         return ()
-    token = token_file.read_text().strip()
-    return (("authorization", f"Bearer {token}"),)
+    return Credentials.from_files(token_file=token_file).metadata

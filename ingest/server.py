@@ -139,6 +139,8 @@ class SluiceServer:
         self.committed: dict[str, int] = {}
         """Stream -> the end offset of the last batch Spark committed (on_committed), this run."""
         self._stream_lock = asyncio.Lock()  # one stream change at a time
+        self._reloading = asyncio.Lock()  # one SIGHUP reload at a time (reload_security_async)
+        self._reloads: set[asyncio.Task[list[str]]] = set()  # reload_security_soon's, until done
         self.pipeline_control: PipelineControl | None = None
         """The Spark query's lifecycle, once a driver attaches one (Admin.GetPipeline, SwapPipeline)."""
         self.rate = RateController(self.receivers, config.rate, batch_interval=config.trigger_interval)
@@ -560,9 +562,30 @@ class SluiceServer:
 
     def reload_security(self) -> list[str]:
         """Re-read the TLS files and the auth file (SIGHUP); return what changed, as logged. A bad file
-        is logged as an ERROR and changes nothing of its kind (the other kind still reloads). Live
-        connections keep their certificate; sessions a new auth table no longer allows are cancelled
-        with PERMISSION_DENIED."""
+        (a FIFO, a device, over 16 MiB, or invalid: sluice_client.settings_file) is logged as an ERROR
+        and changes nothing of its kind (the other kind still reloads). Live connections keep their
+        certificate; sessions a new auth table no longer allows are cancelled with PERMISSION_DENIED.
+        The files are read here, on the caller's thread: SIGHUP takes reload_security_soon."""
+        changes, table = self._reread_security()
+        return self._reloaded(changes, table)
+
+    def reload_security_soon(self) -> None:
+        """SIGHUP's handler: reload_security in a task of the running loop, the files read and parsed
+        in a thread (a large auth file parses for seconds) while the loop goes on serving. Reloads run
+        one at a time, in the order asked."""
+        task = asyncio.get_running_loop().create_task(self.reload_security_async(), name="sluice-reload")
+        self._reloads.add(task)
+        task.add_done_callback(self._reloads.discard)
+
+    async def reload_security_async(self) -> list[str]:
+        """reload_security, its files read in a thread; the new auth table is put in force on the loop."""
+        async with self._reloading:
+            changes, table = await asyncio.to_thread(self._reread_security)
+            return self._reloaded(changes, table)
+
+    def _reread_security(self) -> tuple[list[str], AuthTable | None]:
+        """The TLS files re-read and swapped in (ServerTls is thread-safe), and the auth file read; a bad
+        file logged. Thread-safe: what changed, and the new auth table (None: none, or a bad file)."""
         changes: list[str] = []
         security = self.config.security
         if self.tls is not None:
@@ -576,18 +599,23 @@ class SluiceServer:
                 )
                 for warning in self.tls.material.warnings():
                     log.warning("%s", warning)
+        table = None
         if security.auth_file is not None:
             try:
                 table = AuthTable.load(security.auth_file, base=security.limits)
             except AuthFileError as exc:
                 log.error("reload: auth file not reloaded, the old one stays: %s", exc)  # noqa: TRY400
-            else:
-                self.auth.reload(table)
-                revoked = revoke(self.receivers.values(), self.auth)
-                changes.append(
-                    f"auth file: {len(table.principals)} principals, {len(table.tokens)} tokens"
-                    + (f"; {revoked} live calls revoked" if revoked else "")
-                )
+        return changes, table
+
+    def _reloaded(self, changes: list[str], table: AuthTable | None) -> list[str]:
+        """Put a re-read auth table in force (on the loop: it cancels sessions); log what changed."""
+        if table is not None:
+            self.auth.reload(table)
+            revoked = revoke(self.receivers.values(), self.auth)
+            changes.append(
+                f"auth file: {len(table.principals)} principals, {len(table.tokens)} tokens"
+                + (f"; {revoked} live calls revoked" if revoked else "")
+            )
         for change in changes:
             log.info("reload: %s", change)
         return changes
@@ -605,7 +633,7 @@ class SluiceServer:
             self._stop_done.set()
 
     async def _stop(self, grace: float) -> None:
-        for task in (self._watchdog, self._health_watch):
+        for task in (self._watchdog, self._health_watch, *self._reloads):
             if task is not None:
                 task.cancel()
         self.status.stop()

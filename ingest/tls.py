@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes
 
 from ingest.config import TlsConfig
+from sluice_client.settings_file import read_settings_file
 
 EXPIRY_WARNING = dt.timedelta(days=7)
 """A certificate expiring sooner than this is warned about at start and at every reload."""
@@ -87,7 +88,7 @@ def _days(delta: dt.timedelta) -> str:
 
 def _read(path: Path, what: str) -> bytes:
     try:
-        return path.read_bytes()
+        return read_settings_file(path)
     except OSError as exc:
         raise TlsFileError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
 

@@ -48,6 +48,7 @@ import grpc
 from receivers.errors import PermissionDenied, ReceiverError, Unauthenticated, cut
 from receivers.principal import ALL_ROLES, ANONYMOUS, Limits, Principal, Role
 from receivers.sizes import parse_size
+from sluice_client.settings_file import read_settings_file
 
 if TYPE_CHECKING:
     from receivers.receiver import Receiver
@@ -148,9 +149,10 @@ class AuthTable:
         """The auth file at `path`; limits it does not set (in [defaults] or a principal) are `base`'s:
         the server's flags (`--max-sessions-per-principal`, ...), else Limits()."""
         try:
-            data = tomllib.loads(path.read_text(encoding="utf-8"))
+            data = tomllib.loads(read_settings_file(path).decode("utf-8"))
         except OSError as exc:
-            raise AuthFileError(f"cannot read auth file {path}: {exc.strerror or exc}") from exc
+            why = exc.strerror or exc
+            raise AuthFileError(f"cannot read the auth file (--auth-file) {path}: {why}") from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise AuthFileError(f"auth file {path} is not valid TOML: {exc}") from exc
         return cls.parse(data, source=str(path), base=base)

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from sluice_client.settings_file import read_settings_file
+
 _ENTRY = re.compile(r"^(\d{1,9})\s*[=\s]\s*(\S+:\d{1,5})$")
 
 DRIVER_HEADER = "sluice-driver-id"
@@ -130,7 +132,12 @@ def parse_nodes(entries: Iterable[str], *, source: str = "the node list") -> tup
 def load_nodes(path: Path) -> tuple[Node, ...]:
     """The node list file (see the module docstring)."""
     try:
-        text = path.read_text()
+        text = read_settings_file(path).decode("utf-8")
     except OSError as exc:
-        raise ClusterConfigError(f"cannot read the node list {path}: {exc.strerror or exc}") from None
+        why = exc.strerror or exc
+        raise ClusterConfigError(f"cannot read the node list (--nodes) {path}: {why}") from None
+    except UnicodeDecodeError as exc:
+        raise ClusterConfigError(
+            f"the node list (--nodes) {path} is not UTF-8 text (byte {exc.start})"
+        ) from None
     return parse_nodes(text.splitlines(), source=str(path))

@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from sluice_client.errors import SluiceError
+from sluice_client.settings_file import read_settings_file
 
 __all__ = ["Credentials", "CredentialsError"]
 
@@ -97,14 +98,15 @@ class Credentials:
         if token_file is not None:
             token = _read(token_file, "token file").decode("utf-8", "replace").strip()
             _check_token(token, f"token file {token_file}")
-        if cert_file is not None and key_file is not None:
+        root_certificates = None if ca_file is None else _pem(ca_file, "CA file", _CERTIFICATE)
+        certificate_chain = None if cert_file is None else _pem(cert_file, "certificate file", _CERTIFICATE)
+        private_key = None if key_file is None else _pem(key_file, "key file", _PRIVATE_KEY)
+        if cert_file is not None and key_file is not None:  # once both are known regular files of PEM
             _check_key_pair(cert_file, key_file)
         return cls(
-            root_certificates=None if ca_file is None else _pem(ca_file, "CA file", _CERTIFICATE),
-            certificate_chain=None
-            if cert_file is None
-            else _pem(cert_file, "certificate file", _CERTIFICATE),
-            private_key=None if key_file is None else _pem(key_file, "key file", _PRIVATE_KEY),
+            root_certificates=root_certificates,
+            certificate_chain=certificate_chain,
+            private_key=private_key,
             token=token,
             tls=tls,
             server_name=server_name,
@@ -161,7 +163,7 @@ class Credentials:
 
 def _read(path: str | Path, what: str) -> bytes:
     try:
-        return Path(path).read_bytes()
+        return read_settings_file(path)
     except OSError as exc:
         raise CredentialsError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
 
