@@ -1721,7 +1721,8 @@ async def _push_async(
         progress.stop()
         denied = _denial(exc)
         if denied is not None:  # nothing to resume: the same command fails the same way
-            return _fail(f"push to {args.target} stream {args.stream!r} refused: {denied}", EXIT_DENIED)
+            why = printable(str(denied))  # the server's words
+            return _fail(f"push to {args.target} stream {args.stream!r} refused: {why}", EXIT_DENIED)
         _push_failed(args, producer, read.records, exc)
         said.append(True)
         if terminated:
@@ -1851,7 +1852,7 @@ def _permanent(error: BaseException) -> bool:
 def _push_failed(args: argparse.Namespace, producer: Producer, read: int, error: BaseException) -> None:
     """Say how far the push got and how to resume it without sending anything twice."""
     acked, sent = producer.acked, producer.ever_sent
-    why = "interrupted" if isinstance(error, asyncio.CancelledError) else str(error)
+    why = "interrupted" if isinstance(error, asyncio.CancelledError) else printable(str(error))
     if isinstance(error, RPCError) and not producer.credentials.secure:  # over TLS the SDK says it
         why += connect_hint(error.status, error.message, secure=False)
     _fail(f"push to {args.target} stream {args.stream!r} failed: {why}")
@@ -1905,11 +1906,16 @@ def _key_value(text: str) -> tuple[str, str]:
 
 
 def _show_config(view: pb.ConfigView) -> int:
-    width = max((len(s.key) for s in view.settings), default=3)
-    values = [s.value or (f"(none: {s.effective})" if s.effective else "(none)") for s in view.settings]
+    # every string the server sent goes through printable(): a hostile or broken endpoint must not
+    # clear, retitle or recolour the operator's terminal, nor forge a line of the listing
+    keys = [printable(s.key) for s in view.settings]
+    width = max((len(k) for k in keys), default=3)
+    values = [
+        printable(s.value or (f"(none: {s.effective})" if s.effective else "(none)")) for s in view.settings
+    ]
     value_width = max((len(v) for v in values), default=0)
-    for setting, value in zip(view.settings, values, strict=True):
-        print(f"{setting.key:<{width}}  {value:<{max(value_width, 12)}}  {setting.source}")
+    for setting, key, value in zip(view.settings, keys, values, strict=True):
+        print(f"{key:<{width}}  {value:<{max(value_width, 12)}}  {printable(setting.source)}")
     print(f"(version {view.version})")
     return 0
 
@@ -2053,7 +2059,7 @@ def _shown(value: object) -> str:  # noqa: PLR0911 - one case per type
 def _show_streams(view: pb.StreamsView) -> int:
     print("stream\tstate\tbacklog\tsessions")
     for s in view.streams:
-        print(f"{s.stream}\t{s.state}\t{s.backlog}\t{s.sessions}")
+        print(f"{printable(s.stream)}\t{printable(s.state)}\t{s.backlog}\t{s.sessions}")
     return 0
 
 
@@ -2090,14 +2096,13 @@ def _streams_remove(args: argparse.Namespace) -> int:
 
 
 def _show_pipeline(view: pb.PipelineView) -> int:
-    name = view.pipeline or "built-in Parquet sink"
-    print(f"pipeline: {name} (generation {view.generation}, {view.state})")
-    print(f"trigger: {view.trigger_interval_seconds:g} s; checkpoint: {view.checkpoint}")
-    print(
-        f"query: {view.query_id or ('none yet (Spark is starting it)' if view.state == 'starting' else '')}"
-    )
+    name = printable(view.pipeline or "built-in Parquet sink")
+    print(f"pipeline: {name} (generation {view.generation}, {printable(view.state)})")
+    print(f"trigger: {view.trigger_interval_seconds:g} s; checkpoint: {printable(view.checkpoint)}")
+    query = view.query_id or ("none yet (Spark is starting it)" if view.state == "starting" else "")
+    print(f"query: {printable(query)}")
     if view.sink_dir:  # where the built-in sink writes (a pipeline given a PipelineContext may too)
-        print(f"sink dir: {view.sink_dir}")
+        print(f"sink dir: {printable(view.sink_dir)}")
     if view.HasField("last_swap"):
         swap = view.last_swap
         line = (
@@ -2110,7 +2115,7 @@ def _show_pipeline(view: pb.PipelineView) -> int:
             line += f" (new query's start-up {swap.startup_seconds:.1f} s)"
         if swap.start_offsets:
             line += ", started at " + ", ".join(f"{k}={v}" for k, v in sorted(swap.start_offsets.items()))
-        print(line + (f"; error: {swap.error}" if swap.error else ""))
+        print(printable(line + (f"; error: {swap.error}" if swap.error else "")))
     return 0
 
 
@@ -2211,7 +2216,7 @@ def _status(args: argparse.Namespace) -> int:
             )
         )
     except StatusReadError as exc:
-        return _fail(f"status of {where}: {exc}", EXIT_DENIED if exc.denied else EXIT_FAILED)
+        return _fail(f"status of {where}: {printable(str(exc))}", EXIT_DENIED if exc.denied else EXIT_FAILED)
     except KeyboardInterrupt:
         return 0  # the live view ends this way
     return 0
@@ -2228,7 +2233,7 @@ def _sessions_list(args: argparse.Namespace) -> int:
     print("id\tstream\tprincipal\tproducer\tcredit\tnext_seq\tdurable_up_to\tstate")
     for s in listing.sessions:
         state = "cancelled" if s.cancelled else "completed" if s.completed else "open"
-        names = (s.stream, printable(s.principal), printable(s.producer_id))
+        names = (printable(s.stream), printable(s.principal), printable(s.producer_id))
         print("\t".join(map(str, (s.session_id, *names, s.credit, s.next_seq, s.durable_up_to, state))))
     return 0
 
@@ -2291,7 +2296,7 @@ def _share(stream: pb.StreamRate) -> str:
     took = f", takes {stream.taken_per_second:,.0f} records/s" if stream.busy else ""
     bounded = stream.min_rate > 0 or math.isfinite(stream.max_rate)
     bounds = f"; its bounds {stream.min_rate:g} .. {_rate_text(stream.max_rate)}" if bounded else ""
-    return f" ({stream.share_reason}{took}{bounds})"
+    return f" ({printable(stream.share_reason)}{took}{bounds})"
 
 
 def _show_nodes(nodes: Sequence[pb.NodeRate]) -> None:
@@ -2302,13 +2307,13 @@ def _show_nodes(nodes: Sequence[pb.NodeRate]) -> None:
     rows += [
         (
             str(node.node_id),
-            node.target,
+            printable(node.target),
             "up" if node.up else "DOWN",
             "unlimited" if math.isinf(node.records_per_second) else f"{node.records_per_second:,.0f}",
             f"{node.taken_per_second:,.0f}",
             "yes" if node.busy else "no",
             f"{node.backlog:,}",
-            node.reason,
+            printable(node.reason),
         )
         for node in nodes
     ]
@@ -2321,17 +2326,19 @@ def _show_rate(status: pb.RateStatus | None) -> int:
     if status is None:
         return EXIT_FAILED
     pinned = ", pinned" if status.pinned else ""
-    print(f"rate: {_rate_text(status.records_per_second)} records/s ({status.estimator}{pinned})")
+    estimator = printable(status.estimator)
+    print(f"rate: {_rate_text(status.records_per_second)} records/s ({estimator}{pinned})")
     print(f"bounds: {_rate_text(status.min_rate)} .. {_rate_text(status.max_rate)} records/s")
     for stream in status.streams:
-        paused = f" (credit paused: {', '.join(stream.credit_paused)})" if stream.credit_paused else ""
+        paused = ", ".join(map(printable, stream.credit_paused))
+        paused = f" (credit paused: {paused})" if paused else ""
         rate = _rate_text(stream.records_per_second)
-        print(f"stream {stream.stream}: {rate} records/s{_share(stream)}{paused}")
+        print(f"stream {printable(stream.stream)}: {rate} records/s{_share(stream)}{paused}")
     if status.nodes:
         _show_nodes(status.nodes)
     if status.estimator_state:
         heard = " (its proposals ignored while pinned)" if status.pinned else ""
-        state = ", ".join(f"{k}={v}" for k, v in sorted(status.estimator_state.items()))
+        state = printable(", ".join(f"{k}={v}" for k, v in sorted(status.estimator_state.items())))
         print(f"estimator state{heard}: {state}")
     if status.HasField("last_batch"):
         b = status.last_batch
@@ -2375,7 +2382,7 @@ def _unary(
             except grpc.aio.AioRpcError as exc:
                 details = exc.details() or ""
                 code = EXIT_DENIED if refused(exc.code(), details) else EXIT_FAILED
-                message = f"{what} on {target}: {exc.code().name}: {details}"
+                message = f"{what} on {target}: {exc.code().name}: {printable(details)}"
                 message += connect_hint(exc.code(), details, secure=credentials.secure)
                 raise _Failed(_fail(message, code)) from None
             except TimeoutError:

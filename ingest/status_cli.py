@@ -261,7 +261,7 @@ def render_checked(data: Json, where: str, *, error: str | None = None) -> Rende
     /status.json of another version, or of something else): one line, not a traceback."""
     try:
         return render(data, where, error=error)
-    except (TypeError, AttributeError, KeyError, ValueError, IndexError) as exc:
+    except (TypeError, AttributeError, KeyError, ValueError, IndexError, RecursionError) as exc:
         raise StatusReadError(
             f"the status page is not in the shape this sluice reads (another version?): {exc!r}"
         ) from None
@@ -311,15 +311,19 @@ def _summary(data: Json) -> Table:
     summary = Table.grid(padding=(0, 3))
     for style, justify in (("dim", "left"), ("bold", "right"), ("dim", "left"), ("bold", "right")):
         summary.add_column(style=style, justify=justify)  # type: ignore[arg-type]  # a JustifyMethod
+
+    def add_row(*cells: str) -> None:
+        summary.add_row(*map(Text, cells))  # as they are: never markup
+
     estimator = f"{rate.get('estimator', '-')}{', pinned' if rate.get('pinned') else ''}"
     limit = f"{_rate(rate.get('limit'))} rec/s ({estimator})"
-    summary.add_row("input rate", f"{_measured(rate.get('input'))} rec/s", "rate limit", limit)
+    add_row("input rate", f"{_measured(rate.get('input'))} rec/s", "rate limit", limit)
     if last is None:
-        summary.add_row("processing rate", "-", "last batch", "none yet")
+        add_row("processing rate", "-", "last batch", "none yet")
     else:
         batch = f"#{last['batch_id']}, {_num(last['records'])} records"
-        summary.add_row("processing rate", f"{_num(last['processing_rate'])} rec/s", "last batch", batch)
-        summary.add_row(
+        add_row("processing rate", f"{_num(last['processing_rate'])} rec/s", "last batch", batch)
+        add_row(
             "scheduling delay",
             _seconds(last["scheduling_delay"]),
             "batch duration",
@@ -327,8 +331,8 @@ def _summary(data: Json) -> Table:
         )
     if totals is not None:
         buffered = f"{_num(totals['buffered_records'])} rec, {_bytes(totals['buffered_bytes'])}"
-        summary.add_row("buffered", buffered, "block log on disk", _bytes(totals["wal_disk_bytes"]))
-        summary.add_row(
+        add_row("buffered", buffered, "block log on disk", _bytes(totals["wal_disk_bytes"]))
+        add_row(
             "records received",
             _num(totals["records_received_total"]),
             "records acked",
@@ -412,7 +416,7 @@ class _FittedTable:
                 overflow="fold" if text else "ellipsis",
             )
         for row in self.cells:
-            table.add_row(*row)
+            table.add_row(*map(Text, row))  # as they are: a "[red]" or ":smile:" in a name is not markup
         return table
 
 
@@ -449,8 +453,8 @@ def _sessions(data: Json) -> _FittedTable:
     columns: list[tuple[str, Callable[[Json], str]]] = [
         ("id", lambda s: str(s["session_id"])),
         ("stream", lambda s: s["stream"]),
-        ("principal", lambda s: printable(s["principal"])),
-        ("producer", lambda s: printable(s["producer_id"])),
+        ("principal", lambda s: s["principal"]),
+        ("producer", lambda s: s["producer_id"]),
         ("credit", lambda s: _num(s["credit"])),
         ("next seq", lambda s: _num(s["next_seq"])),
         ("durable up to", lambda s: _num(s["durable_up_to"])),
@@ -497,8 +501,23 @@ def _pipeline(data: Json) -> Text:
     return text
 
 
+def _printable(value: Any) -> Any:
+    """`value` (the status read, as JSON) with every string in it, keys too, through printable()."""
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {_printable(k): _printable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_printable(v) for v in value]
+    return value
+
+
 def render(data: Json, target: str, *, error: str | None = None) -> RenderableType:
-    """One frame: the summary, the pipeline, the streams, the sessions."""
+    """One frame: the summary, the pipeline, the streams, the sessions. Every string the server sent
+    (names, states, reasons, errors) is shown with its control characters escaped (printable): a
+    hostile or broken endpoint cannot clear, retitle or recolour the terminal, nor forge a row."""
+    data = _printable(data)
+    error = None if error is None else printable(error)
     title = Text.assemble(("sluice status ", "bold"), (f"{target} ", "cyan"))
     title.append(f"({data.get('source', '-')}, {time.strftime('%H:%M:%S')})", "dim")
     health = data.get("health")
