@@ -209,11 +209,32 @@ def _serve_keys() -> dict[str, Key]:
     return keys_of(subparser(_parser(), "serve"))
 
 
+NAME_MAX = 255
+"""Bytes a file name (one component of a path) may have: Linux's NAME_MAX, on every common file system."""
+PATH_MAX = 4096
+"""Bytes a path may have, with its terminating NUL: Linux's PATH_MAX."""
+
+
 def _path(text: str) -> Path:
     """A path argument. An empty one (an unset variable in a unit file: --data-dir "$DIR") is refused:
-    as a Path it is the current folder, where the service would then keep its log."""
+    as a Path it is the current folder, where the service would then keep its log. So are those no
+    system call takes (each would end in an OSError traceback, or a message about another file): a NUL
+    (possible from a config file only), a name over NAME_MAX bytes, a path over PATH_MAX."""
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty path (an unset variable?): '.' is the current folder")
+    if "\0" in text:
+        raise argparse.ArgumentTypeError(f"a path cannot hold a NUL character, got '{printable(text)}'")
+    size = len(os.fsencode(text))
+    if size >= PATH_MAX:
+        raise argparse.ArgumentTypeError(
+            f"a path of {size:,} bytes: over the {PATH_MAX - 1:,} a path may have"
+        )
+    name = max(text.split("/"), key=lambda part: len(os.fsencode(part)))
+    if len(os.fsencode(name)) > NAME_MAX:
+        raise argparse.ArgumentTypeError(
+            f"a name of {len(os.fsencode(name)):,} bytes in the path ({printable(name[:20])}...): over the "
+            f"{NAME_MAX} bytes a file name may have"
+        )
     return Path(text)
 
 

@@ -307,8 +307,11 @@ class RuntimeConfig:
         """The config in force: base with the overrides."""
 
     def _load(self) -> None:
-        if not self.path.exists():
-            return
+        try:
+            if not self.path.exists():
+                return
+        except OSError as exc:  # a data dir no one may search, a path too long: one line, not a traceback
+            raise SettingError(f"{self.path}: cannot read the runtime settings: {exc.strerror}") from None
         data = read_json(self.path, "the runtime settings", SettingError)  # `null` too: not one
         overrides = data.get("overrides") if isinstance(data, dict) else None
         version = data.get("version") if isinstance(data, dict) else None

@@ -523,3 +523,33 @@ def test_a_driver_refuses_plaintext_off_loopback_as_a_node_does(tmp_path: Path) 
     result = check(*driver, "--host", "0.0.0.0", *tls, *metrics)  # TLS on gRPC only: /metrics is plaintext
     assert result.returncode == 2, result.stderr
     assert "refusing to serve metrics in plaintext on 0.0.0.0" in result.stderr, result.stderr
+
+
+def test_a_path_no_system_call_takes_is_one_line_naming_its_setting(tmp_path: Path) -> None:
+    """A --data-dir with a name over 255 bytes ended `config check` and `serve` in an OSError "File name
+    too long" traceback, exit 1; `data-dir = "\\u0000x"` in a config file was blamed on pipeline.json.
+    Each is now one line naming the setting as written, exit 2, as other bad paths are."""
+    long_name = "a" * 300
+    base = ["--no-spark", "--port", "0", "--metrics-port", "-1"]
+    too_long = (
+        "a name of 300 bytes in the path (aaaaaaaaaaaaaaaaaaaa...): over the 255 bytes a file name may have"
+    )
+    config = tmp_path / "paths.toml"
+    config.write_text(f'data-dir = "{tmp_path}/{long_name}"\n')
+    for args, env, named in (
+        (["--data-dir", long_name], clean_env(), "argument --data-dir"),
+        ([], clean_env(SLUICE_DATA_DIR=f"x/{long_name}/y"), "SLUICE_DATA_DIR"),
+        (["--config", str(config)], clean_env(), f"data-dir (in {config})"),
+        (["--data-dir", str(tmp_path), "--tls-key", "k", "--tls-cert", long_name], clean_env(), "--tls-cert"),
+    ):
+        refused_by_serve_and_check([*base, *args], env, f"{named}: {too_long}")
+    config.write_text('data-dir = "\\u0000x"\nauth-file = "a"\n')
+    nul = f"data-dir (in {config}): a path cannot hold a NUL character, got '\\x00x'"
+    refused_by_serve_and_check([*base, "--config", str(config)], clean_env(), nul)
+    # every name short enough, the whole too long for the files in it: the runtime settings file, the first
+    deep = "/".join(["b" * 255] * 16)
+    refused_by_serve_and_check(
+        [*base, "--data-dir", deep],
+        clean_env(),
+        "runtime-config.json: cannot read the runtime settings: File name too long",
+    )
