@@ -40,6 +40,8 @@ from ingest.config import (
     SecurityConfig,
     ServeConfig,
     TlsConfig,
+    ascii_float,
+    ascii_int,
     parse_estimator_params,
 )
 from ingest.config_sources import (
@@ -282,7 +284,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     )
     serve.add_argument("--host", default="127.0.0.1", help="gRPC bind address (default: %(default)s)")
     serve.add_argument(
-        "--port", type=int, default=DEFAULT_PORT, help="gRPC port, 0 = any (default: %(default)s)"
+        "--port", type=ascii_int, default=DEFAULT_PORT, help="gRPC port, 0 = any (default: %(default)s)"
     )
     serve.add_argument(
         "--metrics-port",
@@ -312,7 +314,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     )
     serve.add_argument(
         "--block-interval",
-        type=float,
+        type=ascii_float,
         default=0.2,
         help="seconds between sealed blocks, 0.01..3600 (default: %(default)s)",
     )
@@ -326,7 +328,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     )
     serve.add_argument(
         "--buffer-records",
-        type=int,
+        type=ascii_int,
         default=500_000,
         help="records buffered + credit outstanding per stream (default: %(default)s)",
     )
@@ -363,19 +365,19 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     )
     serve.add_argument(
         "--prefetch",
-        type=int,
+        type=ascii_int,
         default=None,
         help="credit a session is topped up to (default: half the buffer)",
     )
     serve.add_argument(
         "--low-tide",
-        type=int,
+        type=ascii_int,
         default=None,
         help="top a session up when its credit falls to this (default: half the prefetch)",
     )
     serve.add_argument(
         "--block-records",
-        type=int,
+        type=ascii_int,
         default=None,
         help="seal a block early once this many records wait (default: a quarter of the buffer)",
     )
@@ -393,15 +395,17 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     )
     serve.add_argument(
         "--initial-rate",
-        type=float,
+        type=ascii_float,
         default=None,
         help="records/s before the first batch is measured (default: inf with the model estimator, which "
         "bounds each batch by the receivers' memory until it has measured one, and with --no-spark; a "
         "driver: the capacity its pipeline showed in an earlier run (DATA_DIR/rate-memory.json), else 10000; "
         "else 10000)",
     )
-    serve.add_argument("--min-rate", type=float, default=100.0, help="lowest rate (default: %(default)s)")
-    serve.add_argument("--max-rate", type=float, default=math.inf, help="highest rate (default: inf)")
+    serve.add_argument(
+        "--min-rate", type=ascii_float, default=100.0, help="lowest rate (default: %(default)s)"
+    )
+    serve.add_argument("--max-rate", type=ascii_float, default=math.inf, help="highest rate (default: inf)")
     for flag, what in (
         ("weight", "its weight in the split of the rate among busy streams (default: 1)"),
         ("min-rate", "records/s it keeps however little it takes, as far as the rate allows (default: 0)"),
@@ -429,7 +433,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     )
     serve.add_argument(
         "--trigger-interval",
-        type=float,
+        type=ascii_float,
         default=1.0,
         help="seconds between Spark micro-batches (default: %(default)s)",
     )
@@ -464,11 +468,14 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     )
     push.add_argument("--stream", default="default", help="stream (default: %(default)s)")
     push.add_argument(
-        "--batch-size", type=int, default=DEFAULT_BATCH_SIZE, help="records per batch (default: %(default)s)"
+        "--batch-size",
+        type=ascii_int,
+        default=DEFAULT_BATCH_SIZE,
+        help="records per batch (default: %(default)s)",
     )
     push.add_argument(
         "--timeout",
-        type=float,
+        type=ascii_float,
         default=PUSH_TIMEOUT,
         help="give up after this many seconds without progress: waiting for the server at start or "
         "after losing it, or for acks (default: %(default)s)",
@@ -480,7 +487,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     )
     push.add_argument(
         "--resume-from",
-        type=int,
+        type=ascii_int,
         default=None,
         metavar="N",
         help="skip the first N records of the input, sent and acked by an earlier push with the same "
@@ -512,12 +519,12 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     set_ = rate_commands.add_parser(
         "set", help="set the rate in records/s (inf = unlimited)", parents=[server]
     )
-    set_.add_argument("records_per_second", type=float, metavar="RATE")
+    set_.add_argument("records_per_second", type=ascii_float, metavar="RATE")
     set_.add_argument("--pin", action="store_true", help="keep it until unpinned: the estimator is ignored")
     set_.set_defaults(run=_rate_set)
     bounds = rate_commands.add_parser("bounds", help="set the min and max rate", parents=[server])
-    bounds.add_argument("min_rate", type=float, metavar="MIN")
-    bounds.add_argument("max_rate", type=float, metavar="MAX")
+    bounds.add_argument("min_rate", type=ascii_float, metavar="MIN")
+    bounds.add_argument("max_rate", type=ascii_float, metavar="MAX")
     bounds.set_defaults(run=_rate_bounds)
     estimator = rate_commands.add_parser("estimator", help="choose the estimator", parents=[server])
     estimator.add_argument("name", metavar="NAME", help="model, spark-pid or fixed")
@@ -731,7 +738,7 @@ def _cluster(args: argparse.Namespace) -> Cluster | None:
     node_id = args.node_id
     if node_id is None:
         env = os.environ.get("SLUICE_NODE_ID", "")
-        if not env.isdigit():
+        if not (env.isascii() and env.isdigit()):
             raise ValueError("--role receiver needs --node-id ID (or $SLUICE_NODE_ID)")
         node_id = int(env)
     cluster = Cluster(load_nodes(args.nodes), node_id, args.replication, args.min_insync or 1)
@@ -841,7 +848,7 @@ def _seconds_or_off(text: str) -> float | None:
     if text.strip().lower() == "off":
         return None
     try:
-        value = float(text)
+        value = ascii_float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither seconds nor off") from None
     if not 0 <= value < math.inf:
@@ -854,7 +861,7 @@ def _float_in(low: float, high: float, what: str) -> Callable[[str], float]:
 
     def parse(text: str) -> float:
         try:
-            value = float(text)
+            value = ascii_float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
         if not low <= value <= high:
@@ -870,7 +877,7 @@ def _int_in(low: int, high: int, what: str) -> Callable[[str], int]:
 
     def parse(text: str) -> int:
         try:
-            value = int(text)
+            value = ascii_int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if not low <= value <= high:
@@ -905,7 +912,7 @@ def _size(text: str) -> int:
 def _stream_value(text: str) -> tuple[str, float]:
     name, sep, value = text.rpartition("=")
     try:
-        number = float(value)
+        number = ascii_float(value)
     except ValueError:
         number = math.nan
     if not sep or not name or math.isnan(number):
@@ -954,7 +961,7 @@ def _target(text: str) -> str:
     if ":/" in text or text.startswith(("unix:", "unix-abstract:")):
         return text
     host, _, port = text.rpartition(":")
-    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    if not host or not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
         # gRPC takes a port over 65535 modulo 2^16: another port, not an error
         raise argparse.ArgumentTypeError(f"invalid target {text!r}: use HOST:PORT with a port of 1-65535")
     if ":" in host and not (host.startswith("[") and host.endswith("]")):
@@ -2150,7 +2157,7 @@ def _pipeline_get(args: argparse.Namespace) -> int:
 def _metrics_port(text: str) -> int:
     """An argparse type: a port, 0 (any) or -1 (off); -2 was taken as off too."""
     try:
-        port = int(text)
+        port = ascii_int(text)
     except ValueError:  # argparse's own message names this function ("invalid _metrics_port value")
         raise argparse.ArgumentTypeError(f"a port is 0..65535 (0: any; -1: off), got {text!r}") from None
     if not -1 <= port <= 65535:

@@ -63,6 +63,27 @@ class RateConfig:
             )
 
 
+def ascii_float(text: str) -> float:
+    """float(text) of ASCII text only. float() and int() take the digits of every script (Arabic-Indic
+    "\u0660.\u0665" is 0.5, full-width "\uff11\uff12" is 12); a setting takes ASCII digits alone, which
+    is how it is shown back. ValueError else."""
+    if not text.isascii():
+        raise ValueError(f"could not convert string to float: {text!r}")
+    return float(text)
+
+
+def ascii_int(text: str) -> int:
+    """int(text) of ASCII text only (see ascii_float). ValueError else."""
+    if not text.isascii():
+        raise ValueError(f"invalid literal for int() with base 10: {text!r}")
+    return int(text)
+
+
+# as argparse names a flag's type in its message: "argument --port: invalid int value: '\u0665'"
+ascii_float.__name__ = "float"
+ascii_int.__name__ = "int"
+
+
 def parse_estimator_params(text: str) -> dict[str, float]:
     """ "name=value,name=value" (numbers) -> {name: value}; "" -> {}. ValueError naming the problem."""
     params: dict[str, float] = {}
@@ -74,7 +95,7 @@ def parse_estimator_params(text: str) -> dict[str, float]:
         if not sep or not name:
             raise ValueError(f"estimator parameter {part.strip()!r} is not name=value")
         try:
-            number = float(value)
+            number = ascii_float(value)
         except ValueError:
             raise ValueError(f"estimator parameter {name}: {value.strip()!r} is not a number") from None
         if not math.isfinite(number):

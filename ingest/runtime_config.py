@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ingest.config import ServeConfig, format_estimator_params, parse_estimator_params
+from ingest.config import ServeConfig, ascii_float, ascii_int, format_estimator_params, parse_estimator_params
 from ratecontrol import ESTIMATORS
 from receivers.files import read_json, replace_json
 from receivers.sizes import parse_size
@@ -63,7 +63,7 @@ class VersionConflictError(SettingError):
 
 def _float(text: str) -> float:
     try:
-        value = float(text)
+        value = ascii_float(text)
     except ValueError:
         raise SettingError(f"{text!r} is not a number") from None
     if math.isnan(value):
@@ -73,7 +73,7 @@ def _float(text: str) -> float:
 
 def _int(text: str) -> int:
     try:
-        return int(text)
+        return ascii_int(text)
     except ValueError:
         raise SettingError(f"{text!r} is not an integer") from None
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from sluice_client.settings_file import read_settings_file
 
-_ENTRY = re.compile(r"^(\d{1,9})\s*[=\s]\s*(\S+:\d{1,5})$")
+_ENTRY = re.compile(r"^(\d{1,9})\s*[=\s]\s*(\S+:\d{1,5})$", re.ASCII)  # ASCII digits only
 
 DRIVER_HEADER = "sluice-driver-id"
 """Call metadata of a driver's ListPartitions and ReleaseBlocks: its id (kept in its data dir). One driver

@@ -203,7 +203,7 @@ class FsyncPolicy:
             return cls.off()
         if value.startswith("interval:"):
             number = value.removeprefix("interval:")
-            if number.isdigit() and int(number) >= 1:
+            if number.isascii() and number.isdigit() and int(number) >= 1:
                 return cls.interval(int(number))
         raise ValueError(f"invalid fsync policy {text!r}: use every-block, interval:MS (MS >= 1) or off")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-_SIZE = re.compile(r"^\s*(\d+)\s*([a-z]*)\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*([0-9]+)\s*([a-z]*)\s*$", re.IGNORECASE | re.ASCII)  # ASCII digits
 _UNITS = {
     "": 1,
     "b": 1,

@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from test_cli import SLUICE, wait_for_line
+from test_cli import SLUICE, no_spark_serve, wait_for_line
 
 from ingest import cli
 from ingest.config_sources import OTHER_ENV, keys_of, subparser
@@ -553,3 +553,66 @@ def test_a_path_no_system_call_takes_is_one_line_naming_its_setting(tmp_path: Pa
         clean_env(),
         "runtime-config.json: cannot read the runtime settings: File name too long",
     )
+
+
+ARABIC_HALF = "\u0660.\u0665"  # Arabic-Indic digits: float() reads 0.5
+FULL_WIDTH_12 = "\uff11\uff12"  # full-width digits: int() reads 12
+
+
+def sluice_text(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*SLUICE, *args], capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_numbers_are_ascii_digits_only(tmp_path: Path) -> None:
+    """Python's float() and int() take the digits of every script: `config set block-interval=<Arabic-Indic
+    0.5>` and the same flag became 0.5. Flags, variables, the config file and `config set` now refuse
+    them with the message any other invalid number gets."""
+    base = ["--no-spark", "--data-dir", str(tmp_path / "d"), "--port", "0", "--metrics-port", "-1"]
+    for args, env, says in (
+        (
+            ["--block-interval", ARABIC_HALF],
+            {},
+            f"argument --block-interval: invalid float value: '{ARABIC_HALF}'",
+        ),
+        (["--port", FULL_WIDTH_12], {}, f"argument --port: invalid int value: '{FULL_WIDTH_12}'"),
+        (["--buffer-bytes", f"{FULL_WIDTH_12}MiB"], {}, f"invalid size '{FULL_WIDTH_12}MiB'"),
+        (["--fsync", f"interval:{FULL_WIDTH_12}"], {}, f"invalid fsync policy 'interval:{FULL_WIDTH_12}'"),
+        (["--estimator-params", f"horizon={FULL_WIDTH_12}"], {}, f"'{FULL_WIDTH_12}' is not a number"),
+        (["--handshake-timeout", FULL_WIDTH_12], {}, f"'{FULL_WIDTH_12}' is not a number"),
+        (["--stream-weight", f"default={FULL_WIDTH_12}"], {}, "expected STREAM=NUMBER"),
+        (
+            [],
+            {"SLUICE_TRIGGER_INTERVAL": ARABIC_HALF},
+            f"SLUICE_TRIGGER_INTERVAL: invalid float value: '{ARABIC_HALF}'",
+        ),
+        ([], {"SLUICE_NODE_ID": FULL_WIDTH_12}, f"SLUICE_NODE_ID: '{FULL_WIDTH_12}' is not an integer"),
+    ):
+        result = check(*base, *args, env=clean_env(**env))
+        assert result.returncode == 2, (args, env, result.stderr)
+        assert says in result.stderr and "Traceback" not in result.stderr, (args, env, result.stderr)
+    config = tmp_path / "sluice.toml"
+    config.write_text(f'min-rate = "{FULL_WIDTH_12}"\n')
+    refused_by_serve_and_check(
+        [*base, "--config", str(config)],
+        clean_env(),
+        f"min-rate (in {config}): invalid float value: '{FULL_WIDTH_12}'",
+    )
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(f"0 127.0.0.1:{FULL_WIDTH_12}\n")
+    result = check(*base[:3], "--role", "receiver", "--node-id", "0", "--nodes", str(nodes))
+    assert result.returncode == 2 and f"{nodes}, line 1: expected 'ID HOST:PORT'" in result.stderr, (
+        result.stderr
+    )
+    rate = sluice_text("rate", "set", FULL_WIDTH_12, "--target", "127.0.0.1:1")
+    assert rate.returncode == 2 and f"invalid float value: '{FULL_WIDTH_12}'" in rate.stderr, rate.stderr
+    with no_spark_serve(tmp_path, tmp_path / "served") as target:
+        for change, says in (
+            (f"block-interval={ARABIC_HALF}", f"'{ARABIC_HALF}' is not a number"),
+            (f"prefetch={FULL_WIDTH_12}", f"'{FULL_WIDTH_12}' is not an integer"),
+            (f"buffer-bytes={FULL_WIDTH_12}MiB", f"invalid size '{FULL_WIDTH_12}MiB'"),
+        ):
+            changed = sluice_text("config", "set", change, "--target", target)
+            assert changed.returncode == 1 and "INVALID_ARGUMENT" in changed.stderr, changed.stderr
+            assert says in changed.stderr, changed.stderr
+        shown = sluice_text("config", "get", "block-interval", "--target", target)
+        assert re.search(r"^block-interval\s+0\.2\s+default$", shown.stdout, re.M), shown.stdout
