@@ -2002,7 +2002,7 @@ def _config_check(args: argparse.Namespace) -> int:
         return _fail(str(exc), EXIT_USAGE)
     keys = _serve_keys()
     effective = _effective(config) if isinstance(config, ServeConfig) else {}
-    effective["stream"] = list(config.streams)  # none given (an empty list too): "default"
+    effective["stream"] = list(config.streams)  # none given: "default"
     rows = [("key", "value", "source")]
     names = keys_by_dest(keys)
     for dest, origin in args.origins.items():

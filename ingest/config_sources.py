@@ -196,6 +196,10 @@ def convert(key: Key, value: object, where: str, *, from_env: bool = False) -> o
         return action.const if on else _UNSET
     appends = isinstance(action, argparse._AppendAction)
     texts = _texts(value, where, many=appends, from_env=from_env)
+    if appends and not texts and action.default != []:
+        # `stream = []` would mean the default ("default"), the opposite of what it says; a list whose
+        # default is empty (stream-weight) may be given empty
+        raise ConfigError(f"{where}: an empty list: give at least one value, or leave it out for the default")
     values = [_typed(action, text, where) for text in texts]
     return values if appends else values[0]
 

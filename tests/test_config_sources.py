@@ -282,17 +282,23 @@ def test_metrics_bind_the_chosen_address_and_a_clean_stop_has_no_traceback(tmp_p
     assert "Traceback" not in text and "sluice: stopped" in text, text
 
 
-def test_config_check_shows_the_streams_serve_would_serve_and_refuses_a_shared_health_port(
-    tmp_path: Path,
-) -> None:
-    """An empty stream list (`stream = []`, SLUICE_STREAM=) was listed as "(none)", while serve served
-    "default"; a health port equal to the gRPC or metrics port failed only at bind time."""
+def test_an_empty_stream_list_is_refused_and_so_is_a_shared_health_port(tmp_path: Path) -> None:
+    """An empty stream list (`stream = []`, SLUICE_STREAM=) was listed as "(none)", then (once fixed)
+    silently served "default": the opposite of what it says. It is refused, naming it, by serve and
+    check alike; a list whose default is empty (stream-weight) may still be given empty. A health port
+    equal to the gRPC or metrics port failed only at bind time."""
     config = tmp_path / "sluice.toml"
     config.write_text("stream = []\n")
-    for args, env in ((("--config", str(config)), None), ((), clean_env(SLUICE_STREAM=""))):
-        result = check("--no-spark", *args, env=env)
-        assert result.returncode == 0, result.stderr
-        assert re.search(r"^stream +default ", result.stdout, re.MULTILINE), result.stdout
+    base = ["--no-spark", "--port", "0", "--metrics-port", "-1", "--data-dir", str(tmp_path / "d")]
+    empty = "an empty list: give at least one value, or leave it out for the default"
+    refused_by_serve_and_check(
+        [*base, "--config", str(config)], clean_env(), f"stream (in {config}): {empty}"
+    )
+    refused_by_serve_and_check(base, clean_env(SLUICE_STREAM=""), f"SLUICE_STREAM: {empty}")
+    config.write_text("stream-weight = []\n")
+    result = check(*base, "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^stream +default ", result.stdout, re.MULTILINE), result.stdout
     for other in ("--port", "--metrics-port"):
         shared = check("--no-spark", other, "50999", "--health-port", "50999")
         assert shared.returncode == 2 and "are both 50999: give them two" in shared.stderr, shared.stderr
