@@ -422,6 +422,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     serve.add_argument("--master", default="local[*]", help="Spark master (default: %(default)s)")
     serve.add_argument(
         "--pipeline",
+        type=_pipeline_spec,
         metavar="MODULE:FUNCTION",
         help="function(df) -> DataStreamWriter; default: append to Parquet under DATA_DIR/sink",
     )
@@ -2163,6 +2164,17 @@ def _metrics_port(text: str) -> int:
     if not -1 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a port is 0..65535 (0: any; -1: off), got {port}")
     return port
+
+
+def _pipeline_spec(text: str) -> str:
+    """An argparse type: serve's --pipeline, never blank. An unset variable (--pipeline "$SPEC", or
+    `pipeline = ""` in the file) ran the built-in Parquet sink unasked: leave the setting out for it."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            "an empty pipeline (an unset variable?): give MODULE:FUNCTION, or leave it out for the built-in "
+            "Parquet sink"
+        )
+    return text
 
 
 def _swap_spec(text: str) -> str:

@@ -622,3 +622,20 @@ def test_numbers_are_ascii_digits_only(tmp_path: Path) -> None:
             assert says in changed.stderr, changed.stderr
         shown = sluice_text("config", "get", "block-interval", "--target", target)
         assert re.search(r"^block-interval\s+0\.2\s+default$", shown.stdout, re.M), shown.stdout
+
+
+def test_an_empty_pipeline_is_refused_from_the_file_and_the_environment_as_from_the_flag(
+    tmp_path: Path,
+) -> None:
+    """`pipeline = ""` in the config file (or SLUICE_PIPELINE=, or --pipeline "$UNSET") passed `config
+    check` and ran the built-in Parquet sink: refused everywhere now, as `pipeline swap ""` is."""
+    base = ["--no-spark", "--port", "0", "--metrics-port", "-1", "--data-dir", str(tmp_path / "d")]
+    empty = "an empty pipeline (an unset variable?): give MODULE:FUNCTION, or leave it out"
+    config = tmp_path / "sluice.toml"
+    config.write_text('pipeline = ""\n')
+    for args, env, named in (
+        (["--config", str(config)], clean_env(), f"pipeline (in {config})"),
+        ([], clean_env(SLUICE_PIPELINE=" "), "SLUICE_PIPELINE"),
+        (["--pipeline", ""], clean_env(), "argument --pipeline"),
+    ):
+        refused_by_serve_and_check([*base, *args], env, f"{named}: {empty}")
