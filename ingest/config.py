@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,6 +108,27 @@ def parse_estimator_params(text: str) -> dict[str, float]:
 
 def format_estimator_params(params: Mapping[str, float]) -> str:
     return ",".join(f"{k}={v:g}" for k, v in sorted(params.items()))
+
+
+_HOST_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+_HOST_NAME = re.compile(rf"(?=.{{1,253}}$){_HOST_LABEL}(?:\.{_HOST_LABEL})*\.?", re.ASCII)
+
+
+def check_host(host: str, what: str) -> None:
+    """ValueError unless `host` is an address to bind: an IP address (IPv6 also in brackets) or a host
+    name (labels of letters, digits, '-' and '_', up to 63 characters each, 253 in all)."""
+    if not host.strip():  # bound every address: an unset variable must not expose the server
+        raise ValueError(f"{what} is empty (an unset variable?): give 0.0.0.0 or :: for every address")
+    bracketed = host.startswith("[") and host.endswith("]")
+    try:
+        address = ipaddress.ip_address(host[1:-1] if bracketed else host)
+    except ValueError:
+        if not bracketed and _HOST_NAME.fullmatch(host):
+            return
+    else:
+        if address.version == 6 or not bracketed:
+            return
+    raise ValueError(f"{what} {host!r} is neither an IP address nor a host name")
 
 
 def is_loopback(host: str) -> bool:
@@ -236,6 +258,9 @@ class ServeConfig:
     Kubernetes' grpc probes, which do not speak TLS); None: only on the main port."""
 
     def __post_init__(self) -> None:
+        # first: a host that is no address was refused as plaintext off loopback (_check_exposure)
+        check_host(self.host, "gRPC host")
+        check_host(self.metrics_host, "metrics host")
         if not self.streams:
             raise ValueError("at least one stream is needed")
         for name in self.streams:

@@ -301,6 +301,8 @@ FIELD_KEYS: dict[str, str] = {
     "trigger_interval": "trigger-interval",
     "segment bytes": "segment-bytes",
     "gRPC port": "port",
+    "gRPC host": "host",
+    "metrics host": "metrics-host",
     "metrics port": "metrics-port",
     "health port": "health-port",
     "port": "port",

@@ -639,3 +639,26 @@ def test_an_empty_pipeline_is_refused_from_the_file_and_the_environment_as_from_
         (["--pipeline", ""], clean_env(), "argument --pipeline"),
     ):
         refused_by_serve_and_check([*base, *args], env, f"{named}: {empty}")
+
+
+def test_a_host_that_is_no_address_is_said_to_be_invalid_first(tmp_path: Path) -> None:
+    """`--host "not a host"` was refused as "plaintext on a non-loopback address" (and with --insecure
+    failed at bind time, exit 1): the host is checked first now, and named as written."""
+    base = ["--no-spark", "--port", "0", "--metrics-port", "-1", "--data-dir", str(tmp_path / "d")]
+    config = tmp_path / "sluice.toml"
+    config.write_text('metrics-host = "bad_host!"\n')
+    for args, env, says in (
+        (
+            ["--host", "not a host"],
+            clean_env(),
+            "--host 'not a host' is neither an IP address nor a host name",
+        ),
+        (["--host", "not a host", "--insecure"], clean_env(), "--host 'not a host' is neither an IP address"),
+        (["--host", "[127.0.0.1]"], clean_env(), "--host '[127.0.0.1]' is neither an IP address"),
+        ([], clean_env(SLUICE_HOST=""), "SLUICE_HOST is empty (an unset variable?): give 0.0.0.0 or ::"),
+        (["--config", str(config)], clean_env(), f"metrics-host (in {config}) 'bad_host!' is neither"),
+    ):
+        refused_by_serve_and_check([*base, *args], env, says)
+    for host in ("0.0.0.0", "::", "[::1]", "localhost", "sluice-1.example.com"):
+        result = check(*base, "--host", host, "--insecure")
+        assert result.returncode == 0, (host, result.stderr)
