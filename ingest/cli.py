@@ -635,9 +635,10 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     cancel.add_argument("--reason", default="", help="told to the client")
     cancel.add_argument(
         "--code",
-        type=_int_in(-(2**31), 2**31 - 1, "a status code"),
-        default=0,
-        help="gRPC status code the session ends with (default: 1)",
+        # an error status: 0 (OK) would go as the proto's "unset" and end the session CANCELLED anyway
+        type=_int_in(1, 16, "a status code"),
+        default=1,
+        help="gRPC status code the session ends with, 1-16 (default: 1, CANCELLED)",
     )
     cancel.set_defaults(run=_sessions_cancel)
 

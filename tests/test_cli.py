@@ -331,6 +331,9 @@ def test_serve_rejects_bad_sizes(tmp_path: Path, capsys: pytest.CaptureFixture[s
         (["sessions", "cancel", str(2**64)], b"a session id is in 1..18446744073709551615"),
         (["sessions", "cancel", "-1"], b"a session id is in 1.."),
         (["sessions", "cancel", "5", "--code", str(2**31)], b"a status code is in"),
+        # 0 went as the proto's unset code: the session ended CANCELLED, though the server says 1-16
+        (["sessions", "cancel", "5", "--code", "0"], b"a status code is in 1..16, got 0"),
+        (["sessions", "cancel", "5", "--code", "17"], b"a status code is in 1..16, got 17"),
         (["push", "-", "--batch-size", "99999999999"], b"--batch-size must be 1..500,000"),
         (
             ["push", "-", "--producer-id", "p", "--resume-from", str(2**64 - 1)],
