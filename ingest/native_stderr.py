@@ -17,6 +17,12 @@ SIGINT, SIGTERM and SIGHUP (a Ctrl-C in a terminal, or a `kill` of the process g
 and ends with the pipe: once this process and every child that inherited fd 2 are gone. At a normal
 exit fd 2 is given back to the real stderr and the relay is waited for (RELAY_EXIT_WAIT at most), so
 that its lines come before the process ends (a container's init then kills what is left).
+
+Should the relay end while this process runs (a `kill -9` of it, the OOM killer), the pipe has no
+reader: a write on fd 2 fails with EPIPE (gRPC's lines, a fatal error's report, lost) and a child
+started then with SIGPIPE at its default (subprocess resets it) dies of SIGPIPE at its first line on
+stderr. A thread waits for the relay, and if it ends before the exit gives fd 2 back, it points fd 2 at
+the real stderr and logs a WARNING: raw lines go there as they are from then on.
 """
 
 from __future__ import annotations
@@ -25,11 +31,13 @@ import atexit
 import contextlib
 import io
 import json
+import logging
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import UTC, datetime
 from typing import BinaryIO
@@ -121,13 +129,35 @@ def redirect() -> bool:
         line_buffering=True,
         write_through=True,
     )
-    atexit.register(_give_back, process, real)
+    exiting = threading.Event()
+    atexit.register(_give_back, process, real, exiting)
+    threading.Thread(
+        target=_watch, args=(process, real, exiting), name="sluice-stderr-relay-watch", daemon=True
+    ).start()
     return True
 
 
-def _give_back(process: subprocess.Popen[bytes], real: int) -> None:
+def _watch(process: subprocess.Popen[bytes], real: int, exiting: threading.Event) -> None:
+    """Wait for the relay; if it ends before the exit (`exiting`), point fd 2 at the real stderr again
+    and say so. What was written on fd 2 between its end and the dup2 is lost (EPIPE): unavoidable, no
+    one reads that pipe any more."""
+    status = process.wait()
+    if exiting.is_set():  # set before the exit gives fd 2 back, which is what ends the relay then
+        return
+    os.dup2(real, 2)
+    how = f"killed by signal {-status}" if status < 0 else f"exit status {status}"
+    logging.getLogger(__name__).warning(
+        "the stderr relay (pid %d) ended (%s): raw lines on fd 2 (gRPC's C core, a fatal error's "
+        "report) go to stderr as they are, not as JSON lines, from now on",
+        process.pid,
+        how,
+    )
+
+
+def _give_back(process: subprocess.Popen[bytes], real: int, exiting: threading.Event) -> None:
     """At exit: fd 2 back to the real stderr (the pipe's last writer here goes), then let the relay
     write out what the pipe holds."""
+    exiting.set()
     with contextlib.suppress(OSError, ValueError):
         sys.stderr.flush()
     os.dup2(real, 2)

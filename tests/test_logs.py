@@ -281,3 +281,99 @@ def test_what_the_process_wrote_on_fd_2_before_a_crash_is_still_said(tmp_path: P
         assert ("grpc", "CRITICAL", "Check failed: a C core's check") in said, said
         if how == "fatal":
             assert ("stderr", "ERROR", "Fatal Python error: a fatal error of the interpreter") in said, said
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # the field after the state
+                    found.append(int(entry))
+    return found
+
+
+def test_a_killed_relay_gives_fd_2_back_to_stderr(tmp_path: Path) -> None:
+    """After a `kill -9` of the relay (ingest.native_stderr) a write on fd 2 failed with EPIPE: gRPC's
+    core lines were lost, and a child started then with SIGPIPE at its default (subprocess's) died of
+    SIGPIPE at its first line on stderr. The server watches the relay: fd 2 goes back to the real
+    stderr, a JSON warning says so, and raw lines reach stderr from then on. Made here with failed TLS
+    handshakes under GRPC_VERBOSITY=INFO, each of which gRPC's core writes a line on fd 2 for."""
+    from pki import CertificateAuthority
+
+    cert = CertificateAuthority(tmp_path / "pki").issue("localhost", server=True, file_stem="server")
+    log = tmp_path / "serve.log"
+    argv = [*SLUICE, "--log-format", "json", "serve", "--no-spark", "--port", "0", "--metrics-port", "-1"]
+    argv += ["--data-dir", str(tmp_path / "data"), "--tls-cert", str(cert.cert_file)]
+    argv += ["--tls-key", str(cert.key_file)]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stderr=out, env=clean_env() | {"GRPC_VERBOSITY": "INFO"})
+    try:
+        port = _serving(proc, log)
+        relays = [
+            pid
+            for pid in _children(proc.pid)
+            if b"native_stderr" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        assert len(relays) == 1, relays
+        os.kill(relays[0], signal.SIGKILL)
+        wait_for_line(proc, log, r"stderr relay \(pid \d+\) ended \(killed by signal 9\)", 30)
+        for _ in range(5):  # plaintext clients at a TLS port: a raw "Handshake failed" line each
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(b"GET / HTTP/1.1\r\n\r\n")
+                sock.recv(1024)
+        wait_for_line(proc, log, r"\n[I]\d{4} [^\n]*Handshake failed", 30)
+        assert proc.poll() is None, log.read_text(errors="replace")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=60)
+        finally:
+            proc.kill()
+    text = log.read_text(errors="replace")
+    assert code == 0, text
+    warned = [json.loads(line) for line in text.splitlines() if "stderr relay" in line]
+    assert len(warned) == 1 and warned[0]["level"] == "WARNING", text
+    assert warned[0]["logger"] == "ingest.native_stderr", text
+    assert json.loads(text.splitlines()[-1]).get("event") == "stopped", text
+
+
+def test_a_child_started_after_the_relay_died_can_write_on_stderr() -> None:
+    """The same in a process of its own: a child started with subprocess once the relay is gone (a
+    user pipeline's `sh -c 'echo warn >&2'`) was killed by SIGPIPE (rc -13); its line reaches stderr
+    now. A normal exit, where the relay ends because the exit gives fd 2 back, warns of nothing."""
+    program = """if True:
+        import os, signal, subprocess, sys, time
+        from ingest import logs
+        logs.setup("info", "json", whole_process=True)
+        if sys.argv[1] == "kill":
+            relay = [p for p in os.listdir("/proc") if p.isdigit() and p != str(os.getpid())
+                     and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(os.getpid())]
+            os.kill(int(relay[0]), signal.SIGKILL)
+            time.sleep(1)  # the watcher gives fd 2 back
+        child = subprocess.run(["sh", "-c", "echo warn >&2"], check=False)
+        print(f"child rc {child.returncode}", file=sys.stderr)
+    """
+    for how in ("kill", "exit"):
+        ran = subprocess.run(
+            [sys.executable, "-c", program, how],
+            capture_output=True,
+            env=clean_env(),
+            timeout=60,
+            check=False,
+        )
+        lines = ran.stderr.decode().splitlines()
+        assert ran.returncode == 0 and "child rc 0" in lines, lines
+        warned = [line for line in lines if "stderr relay" in line]
+        if how == "exit":
+            assert not warned, lines
+            said = [json.loads(line) for line in lines if line.startswith("{")]
+            assert ("stderr", "ERROR", "warn") in [(e["logger"], e["level"], e["message"]) for e in said], (
+                lines
+            )
+            continue
+        assert "warn" in lines, lines  # raw: no relay to make it JSON
+        (warning,) = warned
+        assert json.loads(warning)["level"] == "WARNING" and "killed by signal 9" in warning, lines
