@@ -905,14 +905,16 @@ class Producer:
     one producer); give the same id to one producer at a time only: a second session with the same id
     fences the first (it fails with ABORTED).
 
-    `first_seq` is the sequence number of the first record (default 0): a producer id that goes on
-    after an earlier run starts where that run ended. A new run says so to the server (Open.fresh):
-    when the server already holds records of the id from `first_seq` on, they are an earlier run's and
-    this run's records would be dropped as their duplicates, so start() raises RPCError ALREADY_EXISTS
-    naming the sequence number the server expects next (give it as `first_seq`, or resume, or use a new
-    id). `resume=True` instead continues an earlier run that may resend records the server has (from
-    where that run's acks ended: those are dropped as duplicates); past the server's mark a batch is
-    OUT_OF_RANGE. `acked`, `sent` and `ever_sent` are sequence numbers, so they start at it.
+    `first_seq` is the sequence number of the first record (default 0). A producer numbering from 0
+    without `resume` is a new run and says so to the server (Open.fresh): when the server already holds
+    records of the id, they are an earlier run's and this run's records would be dropped as their
+    duplicates, so start() raises RPCError ALREADY_EXISTS naming the sequence number the server expects
+    next (give it as `first_seq`, or resume, or use a new id). A `first_seq` above 0 continues the id's
+    numbering from there, e.g. an app restarted after a crash at its last acked sequence number: what
+    the server already has from there on is dropped as duplicates, the rest stored. `resume=True` does
+    the same and also checks that the server knows the id (a mistyped one: OUT_OF_RANGE). Past the
+    server's mark a batch is OUT_OF_RANGE. `acked`, `sent` and `ever_sent` are sequence numbers, so
+    they start at it.
 
     `start_timeout` bounds how long start() retries a server that cannot be reached (UNAVAILABLE), with
     the reconnect backoff, logging a WARNING that names the targets; then StartTimeoutError. 0: one
@@ -991,6 +993,7 @@ class Producer:
         self._producer_id = producer_id or uuid.uuid4().hex
         self._resume = resume
         self._taken = False  # a server granted a session of this Producer credit: the id is not a typo
+        self._fresh = first_seq == 0 and not resume  # a new run: its first session sets Open.fresh
         self._batch_size = batch_size
         self._batch_bytes = batch_bytes
         self._linger = linger
@@ -1057,10 +1060,11 @@ class Producer:
     def resume(self) -> bool:
         """`first_seq` continues an earlier run of this producer id, whose records from there on the
         server may have (resent: dropped as duplicates); a server that does not know the id (a mistyped
-        one) refuses the session (OUT_OF_RANGE) instead of taking it from first_seq on. Without it the
-        producer is a new run (Open.fresh): refused (ALREADY_EXISTS) where the server has records of the
-        id from first_seq on. Either only until a server has taken a session of this Producer: later
-        sessions resume from its own acks, also on a node (or a server) that no longer knows the id."""
+        one) refuses the session (OUT_OF_RANGE) instead of taking it from first_seq on. Without it and
+        with first_seq 0 the producer is a new run (Open.fresh): refused (ALREADY_EXISTS) where the
+        server has records of the id. Either only until a server has taken a session of this Producer:
+        later sessions resume from its own acks, also on a node (or a server) that no longer knows the
+        id."""
         return self._resume
 
     @property
@@ -1287,9 +1291,11 @@ class Producer:
             producer_id=self._producer_id,
             resume_from_seq=self._acked_seq,
             resume=self._resume and first,
-            # a new run: a server holding records of this id from resume_from_seq on refuses it
-            # (ALREADY_EXISTS) rather than drop this run's records as duplicates of those
-            fresh=first and not self._resume,
+            # a new run from 0: a server holding records of this id refuses it (ALREADY_EXISTS) rather
+            # than drop this run's records as duplicates of those. A first_seq > 0 goes on from there
+            # as it always did (records the server has from there on are dropped as duplicates): an
+            # app restarted after a crash at first_seq=<its last ack> must not be refused
+            fresh=first and self._fresh,
         )
         try:
             try:

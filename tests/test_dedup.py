@@ -961,6 +961,24 @@ async def test_a_new_run_of_a_producer_id_the_server_holds_is_refused_not_droppe
     assert stored(node.data_dir) == values("a", 0, 5) + values("b", 5, 8)
 
 
+async def test_a_restart_at_first_seq_goes_on_without_resume_and_drops_what_the_server_has(
+    node: Node,
+) -> None:
+    """An app restarted after a crash with first_seq = the last sequence number it saw acked (and no
+    resume=True, as the SDK's docs long said) was refused ALREADY_EXISTS whenever the server had taken
+    more than the app saw acked, the normal crash case. first_seq > 0 continues the numbering: the
+    records the server has (3, 4) are dropped as duplicates, the rest stored."""
+    async with Producer(node.target, "s", producer_id="crashed", linger=0) as producer:
+        await producer.send_many(values("a", 0, 5))
+    async with Producer(node.target, "s", producer_id="crashed", first_seq=3, linger=0) as restarted:
+        await restarted.send_many(values("a", 3, 8))
+        await restarted.flush(timeout=10)
+        assert restarted.acked == 8
+    assert node.server is not None
+    assert node.server.receivers["s"].stats.records_deduplicated == 2
+    assert stored(node.data_dir) == values("a", 0, 8)
+
+
 async def test_a_new_run_is_checked_against_the_marks_of_the_log_after_a_restart(tmp_path: Path) -> None:
     node = Node(tmp_path)
     await node.start()

@@ -727,7 +727,7 @@ async def test_first_seq_resumes_a_producer_and_a_gap_past_its_mark_is_refused(t
         async with Producer(server.target, "s", producer_id="p") as first:
             await first.send_many([b"0", b"1", b"2"])
         # a second run resumes at 1: what the server holds of it (1, 2) is dropped, 3 is new
-        async with Producer(server.target, "s", producer_id="p", first_seq=1, resume=True) as resumed:
+        async with Producer(server.target, "s", producer_id="p", first_seq=1) as resumed:
             await resumed.send_many([b"1", b"2", b"3"])
             await resumed.flush(timeout=30)
             assert resumed.acked == resumed.ever_sent == 4

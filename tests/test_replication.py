@@ -254,16 +254,14 @@ async def test_a_resend_to_another_node_after_failover_is_not_stored_twice(tmp_p
         await servers[0].stop(grace=1)  # node 0 dies; its blocks live on in node 1's copy
         # a new run of p (not a resend) on node 2, which holds no copy of node 0's blocks: it asks its
         # peers, learns p's mark from node 1's copy, and refuses the run rather than drop its records
-        fresh = Producer(clusters[2].me.target, "s", producer_id="p", linger=0, first_seq=200)
+        fresh = Producer(clusters[2].me.target, "s", producer_id="p", linger=0)
         with pytest.raises(RPCError) as refused:
             await asyncio.wait_for(fresh.start(), 20)
         assert refused.value.status is grpc.StatusCode.ALREADY_EXISTS
         assert "the next sequence number it expects of it is 300" in refused.value.message
         # the producer never saw the acks of its last 100 records and of nothing after: it resends from
         # 200 to node 2, which asks its peers the same way
-        async with Producer(
-            clusters[2].me.target, "s", producer_id="p", linger=0, first_seq=200, resume=True
-        ) as again:
+        async with Producer(clusters[2].me.target, "s", producer_id="p", linger=0, first_seq=200) as again:
             await again.send_many(values(300)[200:] + values(50, "new"))
             await again.flush(timeout=10)
         stored = await read_partition(clusters[2].me.target, 2, 0, 50)
