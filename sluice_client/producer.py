@@ -174,10 +174,10 @@ PUBLISH = "/ingest.v1.Ingest/Publish"
 
 _CALL_ENDED = (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
 _ERROR_DELIVERY = 1.0
+"""Seconds a protocol error waits for the server to end the call after telling it in-band."""
 FIRST_ANSWER_SECONDS = 2.0
 """start() waits at most this long for the server's answer to the first session (credit, or a refusal
 it then raises); a server with no credit to give yet (paused) sends nothing, and start() returns."""
-"""Seconds a protocol error waits for the server to end the call after telling it in-band."""
 
 
 class _State(enum.Enum):

@@ -47,6 +47,7 @@ DOCUMENTED = {
     Code.OUT_OF_RANGE,
     Code.FAILED_PRECONDITION,
     Code.NOT_FOUND,
+    Code.ALREADY_EXISTS,
     Code.RESOURCE_EXHAUSTED,
     Code.ABORTED,
     Code.UNAVAILABLE,
@@ -317,12 +318,26 @@ class WireMachine(RuleBasedStateMachine):
     def first_call(self) -> Call:
         return self.open_call("", 0)
 
-    @rule(target=calls, producer_id=producer_ids, resume_from_seq=seqs)
-    def open_call(self, producer_id: str, resume_from_seq: int) -> Call:
+    @rule(
+        target=calls,
+        producer_id=producer_ids,
+        resume_from_seq=seqs,
+        resume=st.booleans(),
+        fresh=st.booleans(),
+    )
+    def open_call(
+        self, producer_id: str, resume_from_seq: int, resume: bool = False, fresh: bool = False
+    ) -> Call:
         if producer_id:  # one producer per call (fence() makes the others), so an operator can find it
             self.opened += 1
             producer_id = f"{producer_id}{self.opened:02d}"
-        opening = pb.Open(stream=STREAM, producer_id=producer_id, resume_from_seq=resume_from_seq)
+        opening = pb.Open(
+            stream=STREAM,
+            producer_id=producer_id,
+            resume_from_seq=resume_from_seq,
+            resume=resume,
+            fresh=fresh,
+        )
         return self.new_call(raw_frame(open=opening), resume_from_seq, producer_id)
 
     @rule(target=calls, producer_id=producer_ids, left=st.integers(0, 60))
@@ -335,6 +350,15 @@ class WireMachine(RuleBasedStateMachine):
         resume = min(call.next_seq, SEQ_LIMIT)
         opening = pb.Open(stream=STREAM, producer_id=call.producer_id, resume_from_seq=resume)
         return self.new_call(raw_frame(open=opening), resume, call.producer_id)
+
+    @rule(target=calls, call=calls, resume_from_seq=seqs)
+    def new_run(self, call: Call, resume_from_seq: int) -> Call:
+        """A new run of the same producer (Open.fresh): ALREADY_EXISTS if the server took records of it
+        from resume_from_seq on, else a newer session that fences the old one."""
+        opening = pb.Open(
+            stream=STREAM, producer_id=call.producer_id, resume_from_seq=resume_from_seq, fresh=True
+        )
+        return self.new_call(raw_frame(open=opening), resume_from_seq, call.producer_id)
 
     @rule(call=calls, count=counts, keyed=st.booleans())
     def batch(self, call: Call, count: int, keyed: bool) -> None:
