@@ -13,8 +13,8 @@ opens a new session with Open{producer_id, resume_from_seq = first unacked}, and
 record in order, within the new credit. The server drops what it had already accepted (deduplication by
 producer id and sequence number), so each record is stored once. If no session could be re-established
 within `reconnect_timeout` seconds the producer fails with ReconnectTimeoutError. The first session is
-retried the same way (a producer may start a moment before its server), for up to `start_timeout`
-seconds, then StartTimeoutError. Every other status
+retried the same way (a producer may start a moment before its server, or its node may end the first
+session UNAVAILABLE after Open), for up to `start_timeout` seconds, then StartTimeoutError. Every other status
 (INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND, OUT_OF_RANGE, RESOURCE_EXHAUSTED, CANCELLED, ABORTED:
 fenced by a newer session of the same producer id, UNAUTHENTICATED, PERMISSION_DENIED, ...) fails the
 producer: resending would not help or would fight the newer session. So does a TLS handshake that fails
@@ -916,7 +916,8 @@ class Producer:
     server's mark a batch is OUT_OF_RANGE. `acked`, `sent` and `ever_sent` are sequence numbers, so
     they start at it.
 
-    `start_timeout` bounds how long start() retries a server that cannot be reached (UNAVAILABLE), with
+    `start_timeout` bounds how long start() retries a server that cannot be reached or ends the first
+    session before taking it (UNAVAILABLE), with
     the reconnect backoff, logging a WARNING that names the targets; then StartTimeoutError. 0: one
     round of the targets.
 
@@ -1031,6 +1032,11 @@ class Producer:
         self._room_listeners: list[Callable[[], None]] = []
         self._write_lock = asyncio.Lock()  # grpc.aio allows one write at a time per call
         self._lost_since: float | None = None  # when the session was lost, until a new one is up
+        # while start() waits for the first answer: when it began (a failover then keeps to
+        # start_timeout from there)
+        self._start_began: float | None = None
+        # when the session in use wrote its Open, while it runs (the first answer is awaited from there)
+        self._opened_at: float | None = None
         self._outage_backoff = reconnect_backoff  # before the next round of targets in this outage
         self._outage_rounds = 0  # rounds of targets tried in this outage
         self.cancel_reason: str | None = None
@@ -1155,8 +1161,9 @@ class Producer:
     async def start(self) -> None:
         """Open the session; returns once the server took it (its first credit), or after
         FIRST_ANSWER_SECONDS (2 s) without an answer (a server with no credit to give yet). While no
-        target can be reached (UNAVAILABLE: not up yet, restarting) this goes round the targets, backing
-        off between rounds, for up to `start_timeout` seconds, then raises StartTimeoutError; any other
+        target can be reached or takes the session (UNAVAILABLE: not up yet, restarting, stopping, not
+        ready) this goes round the targets, backing off between rounds, for up to `start_timeout`
+        seconds, then raises StartTimeoutError; any other
         status raises RPCError at once: ALREADY_EXISTS for a new run of a producer id whose earlier run's
         records the server holds from `first_seq` on (see the class docstring), OUT_OF_RANGE for a
         resume of an id the server does not know, NOT_FOUND, PERMISSION_DENIED, ..."""
@@ -1164,6 +1171,7 @@ class Producer:
             raise ProducerClosedError(f"producer is {self._state.value}; a producer starts once")
         tune_malloc()  # batches are large buffers: keep them off mmap (sluice_client.allocator)
         self._state = _State.OPEN
+        self._start_began = asyncio.get_running_loop().time()
         starting = self._starting = asyncio.current_task()  # a close or abort meanwhile ends the attempt
         try:
             call = await self._open_first_call()
@@ -1188,21 +1196,33 @@ class Producer:
     async def _first_answer(self) -> None:
         """Wait until the server answered the first session: credit (it took the session), or a status
         that failed the producer (a refusal of this run, a resume of an unknown id, an unknown stream,
-        ...), raised here with the producer torn down. At most FIRST_ANSWER_SECONDS: a server with no
-        credit to give yet (paused) says nothing, and a refusal after that fails the calls that send or
-        wait instead."""
+        ...), raised here with the producer torn down. A session that ends UNAVAILABLE meanwhile (a
+        stopping server, a node not ready, a cluster that cannot tell the producer's mark yet) is failed
+        over and retried at once, within start_timeout, and this waits on for the next one's answer. A
+        session open FIRST_ANSWER_SECONDS without an answer ends the wait: a server with no credit to
+        give yet (paused) says nothing, and a refusal after that fails the calls that send or wait."""
+        loop = asyncio.get_running_loop()
         try:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(FIRST_ANSWER_SECONDS):
-                    # until the session task ends, not merely until _error is set: a protocol error
-                    # is told to the server in-band before the task ends, and a teardown would cut it
-                    session = self._tasks[0]
-                    while not self._taken and not session.done() and self._state is _State.OPEN:
+            # until the session task ends, not merely until _error is set: a protocol error is told to
+            # the server in-band before the task ends, and a teardown would cut it
+            session = self._tasks[0]
+            while not self._taken and not session.done() and self._state is _State.OPEN:
+                opened = self._opened_at
+                if opened is None:  # between sessions: failing over, backing off
+                    await self._wait_change()
+                    continue
+                left = opened + FIRST_ANSWER_SECONDS - loop.time()
+                if left <= 0:
+                    break
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(left):
                         await self._wait_change()
         except asyncio.CancelledError:  # as a cancel of start() before: no producer left half started
             if self._state is not _State.CLOSED:
                 await self._teardown()
             raise
+        finally:
+            self._start_began = None
         if self._error is not None and self._state is _State.OPEN:
             error = self._error
             await self._teardown()
@@ -1309,6 +1329,8 @@ class Producer:
             call.cancel()
             raise
         self._call = call
+        self._opened_at = asyncio.get_running_loop().time()
+        self._wake()
         return call
 
     async def __aenter__(self) -> Producer:
@@ -1701,12 +1723,16 @@ class Producer:
             if not reconnectable(failure, cancelled_in_band=self.cancel_reason is not None):
                 self._error = failure
                 raise failure
-            # nothing to send or resend (the server ended an idle session): reconnect once there is,
-            # rather than hold credit idle until the next idle timeout
-            while not self.unacked and self._state is _State.OPEN:
-                await self._wait_change()
-            if not self.unacked:
-                return
+            if self._taken:
+                # nothing to send or resend (the server ended an idle session): reconnect once there
+                # is, rather than hold credit idle until the next idle timeout
+                while not self.unacked and self._state is _State.OPEN:
+                    await self._wait_change()
+                if not self.unacked:
+                    return
+            # else no server took a session of this Producer yet (it ended UNAVAILABLE after Open: a
+            # stopping server, a node not ready, a cluster that cannot tell the producer's mark): fail
+            # over at once, within start_timeout, as start() waits for a first answer
             call = await self._reconnect(failure)
 
     async def _run_session(self, call: Call) -> RPCError | None:
@@ -1717,6 +1743,8 @@ class Producer:
         except RPCError as exc:
             return exc
         finally:
+            self._opened_at = None
+            self._wake()
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await reap(sender)
         if self._acked_seq < self._sent_seq and self._error is None:
@@ -1729,11 +1757,17 @@ class Producer:
     async def _reconnect(self, failure: RPCError) -> Call:
         """Open a new session resuming at the first unacked record, trying the targets in turn from
         the one after the lost one, backing off between rounds; give up after reconnect_timeout seconds
-        without a session that a server answered."""
+        without a session that a server answered (start_timeout, StartTimeoutError, before any server
+        took a session of this Producer)."""
         loop = asyncio.get_running_loop()
         lost = self.target
+        # before any server took a session of this Producer, it is still starting: start_timeout
+        # bounds it (from start() while start() waits, else from this outage)
+        starting = not self._taken
+        limit = self._start_timeout if starting else self._reconnect_timeout
         if self._lost_since is None:
-            self._lost_since = loop.time()
+            began = self._start_began if starting else None
+            self._lost_since = loop.time() if began is None else began
             self._outage_backoff = self._reconnect_backoff
             self._outage_rounds = 0
             others = f" (then {', '.join(self._targets[i] for i in self._round(self._current + 1))})"
@@ -1743,13 +1777,18 @@ class Producer:
                 failure.status.name,
                 failure.message,
                 others if len(self._targets) > 1 else "",
-                self._reconnect_timeout,
+                limit,
             )
         attempts = 0
         while True:
             elapsed = loop.time() - self._lost_since
-            if elapsed >= self._reconnect_timeout:
-                self._error = ReconnectTimeoutError(failure, attempts, elapsed, targets=self._targets)
+            if elapsed >= limit:
+                if starting:
+                    targets = ", ".join(self._targets)
+                    secure = self._credentials.secure
+                    self._error = StartTimeoutError(targets, failure, attempts, elapsed, tls=secure)
+                else:
+                    self._error = ReconnectTimeoutError(failure, attempts, elapsed, targets=self._targets)
                 raise self._error
             # back off per round of targets, not per target: a dead node is skipped at once. The first
             # round of an outage starts at once at the next node; with one target, that is the server
@@ -1757,7 +1796,7 @@ class Producer:
             # and then end the session before granting credit (not ready)
             if self._outage_rounds or len(self._targets) == 1:
                 pause = self._outage_backoff * random.uniform(0.5, 1.0)  # noqa: S311
-                await asyncio.sleep(min(pause, self._reconnect_timeout - elapsed))
+                await asyncio.sleep(min(pause, limit - elapsed))
                 self._outage_backoff = min(self._outage_backoff * 2, self._max_reconnect_backoff)
             self._outage_rounds += 1
             self._requeue_unacked()
@@ -1770,7 +1809,7 @@ class Producer:
                     if not reconnectable(failure):
                         self._error = failure
                         raise
-                    if loop.time() - self._lost_since >= self._reconnect_timeout:
+                    if loop.time() - self._lost_since >= limit:
                         break
                     continue
                 self.reconnects += 1

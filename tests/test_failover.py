@@ -18,6 +18,7 @@ import io
 import logging
 import math
 import socket
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -31,6 +32,8 @@ from receivers.auth import new_token, token_hash
 from receivers.wal import WalBlockStore
 from sluice_client import Credentials, Producer, SyncProducer
 from sluice_client.errors import ReconnectTimeoutError, RPCError, StartTimeoutError
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 FAST = {"linger": 0.001, "reconnect_backoff": 0.02, "max_reconnect_backoff": 0.2}
 
@@ -144,6 +147,63 @@ async def test_the_first_session_starts_on_the_next_target_when_the_first_is_dow
             await asyncio.to_thread(sync.flush, 10)
         finally:
             await asyncio.to_thread(sync.close, 10)
+
+
+class Unready(pb_grpc.IngestServicer):
+    """A node that takes the call and then ends it UNAVAILABLE after the Open (stopping, not ready, or
+    a cluster node that cannot tell the producer's mark yet)."""
+
+    def __init__(self) -> None:
+        self.opens: list[pb.Open] = []
+
+    async def Publish(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        first = await anext(aiter(request_iterator))
+        self.opens.append(first.open)
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "node not ready; retry")
+
+
+@contextlib.asynccontextmanager
+async def unready_node() -> AsyncIterator[tuple[str, Unready]]:
+    servicer = Unready()
+    server = grpc.aio.server()
+    pb_grpc.add_IngestServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}", servicer
+    finally:
+        await server.stop(None)
+
+
+async def test_a_first_session_ended_unavailable_after_open_fails_over_at_once(tmp_path: Path) -> None:
+    """start() waited FIRST_ANSWER_SECONDS (2 s) on a first session that the node ended UNAVAILABLE
+    after Open, with no retry and no failover until a send: the first session's UNAVAILABLE now goes
+    into the failover at once, and start() returns when the next target gives credit."""
+    async with unready_node() as (unready, node), running_server(tmp_path / "b") as b:
+        producer = Producer([unready, b.target], "s", producer_id="p", start_timeout=30)
+        started = asyncio.get_running_loop().time()
+        await asyncio.wait_for(producer.start(), 20)
+        assert asyncio.get_running_loop().time() - started < 1.0
+        assert producer.target == b.target
+        await producer.send(b"a")
+        await producer.close(timeout=10)
+        assert [opening.fresh for opening in node.opens] == [True]  # a new run, on either node
+        assert b.receivers["s"].stats.records_received == 1
+
+
+async def test_a_node_that_keeps_ending_the_first_session_unavailable_is_a_start_timeout() -> None:
+    """Retried within start_timeout, then start() raises StartTimeoutError (it returned after 2 s, the
+    producer never started and nothing said why until a send)."""
+    async with unready_node() as (unready, node):
+        producer = Producer(unready, "s", start_timeout=1.0, **FAST)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(StartTimeoutError) as info:
+            await asyncio.wait_for(producer.start(), 20)
+        assert 0.9 < asyncio.get_running_loop().time() - started < 1.9
+        assert info.value.status is grpc.StatusCode.UNAVAILABLE
+        assert "node not ready" in str(info.value)
+        assert len(node.opens) >= 3  # retried with the backoff
+        assert await producer.abort() == []
 
 
 async def test_with_every_target_down_start_fails_naming_them(tmp_path: Path) -> None:
