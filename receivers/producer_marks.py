@@ -30,6 +30,8 @@ from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 ASK_TIMEOUT = 3.0
+"""Seconds a peer may take to answer. The SDK's start() waits longer for a first session's answer
+(sluice_client.producer.FIRST_ANSWER_SECONDS, 5 s): change both together."""
 
 
 class PeerMarks:

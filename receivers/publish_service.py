@@ -38,7 +38,14 @@ from receivers.parsed_service import add_parsed_servicer
 from receivers.principal import Principal, producer_key
 from receivers.receiver import Receiver
 from receivers.session import Session
-from receivers.wire import WireBatch, check_producer_id, check_record_bytes, decode_batch, decode_request
+from receivers.wire import (
+    WireBatch,
+    check_open_flags,
+    check_producer_id,
+    check_record_bytes,
+    decode_batch,
+    decode_request,
+)
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
@@ -147,6 +154,8 @@ class PublishService(pb_grpc.IngestServicer):
             known = ", ".join(mine) or "none of yours"
             raise UnknownStream(f"no stream named {shown(stream)} on this server (streams: {known})")
         producer_id = first.open.producer_id
+        # cheap checks first: before the lookup among the peers, which may take seconds
+        check_open_flags(fresh=first.open.fresh, resume=first.open.resume)
         if producer_id and self._producer_marks is not None:
             check_producer_id(producer_id)
             mark_key = producer_key(principal, producer_id)  # not `key`: the ledger's key of this call

@@ -107,7 +107,6 @@ from receivers.block_store import BlockStore
 from receivers.config import ReceiverConfig
 from receivers.errors import (
     InvalidBatch,
-    InvalidMessage,
     ProducerExists,
     ProtocolViolation,
     ReceiverError,
@@ -125,7 +124,7 @@ from receivers.names import check_stream_name
 from receivers.principal import ANONYMOUS, Principal, producer_key
 from receivers.producer_table import ProducerTable
 from receivers.session import SESSION_IDS, Session
-from receivers.wire import check_producer_id, check_seq_range
+from receivers.wire import check_open_flags, check_producer_id, check_seq_range
 from sluice_client.flow import MAX_DEMAND, Subscription
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
@@ -579,11 +578,7 @@ class Receiver:
         # validated before anything is registered: these values end up in the block log's headers
         check_producer_id(producer_id)
         check_seq_range(resume_from_seq, 0, "Open.resume_from_seq")
-        if fresh and resume:
-            raise InvalidMessage(
-                "Open.fresh and Open.resume both set: a producer either starts afresh or continues an "
-                "earlier run"
-            )
+        check_open_flags(fresh=fresh, resume=resume)
         known_state = self._producers.get(producer_key(principal, producer_id)) if producer_id else None
         if fresh and known_state is not None and known_state.accepted_up_to > resume_from_seq:
             expected = known_state.accepted_up_to

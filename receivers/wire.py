@@ -144,6 +144,15 @@ def _varint(data: bytes, at: int) -> tuple[int, int]:
     raise _NotPlain
 
 
+def check_open_flags(*, fresh: bool, resume: bool) -> None:
+    """Raise InvalidMessage for an Open with both fresh and resume: a producer either starts afresh or
+    continues an earlier run."""
+    if fresh and resume:
+        raise InvalidMessage(
+            "Open.fresh and Open.resume both set: a producer either starts afresh or continues an earlier run"
+        )
+
+
 def check_producer_id(producer_id: str) -> None:
     """Raise InvalidMessage unless `producer_id` fits the block log (UTF-8, MAX_PRODUCER_ID_BYTES)."""
     try:

@@ -175,9 +175,14 @@ PUBLISH = "/ingest.v1.Ingest/Publish"
 _CALL_ENDED = (grpc.aio.AioRpcError, asyncio.InvalidStateError, grpc.aio.UsageError)
 _ERROR_DELIVERY = 1.0
 """Seconds a protocol error waits for the server to end the call after telling it in-band."""
-FIRST_ANSWER_SECONDS = 2.0
-"""start() waits at most this long for the server's answer to the first session (credit, or a refusal
-it then raises); a server with no credit to give yet (paused) sends nothing, and start() returns."""
+FIRST_ANSWER_SECONDS = 5.0
+"""start() waits at most this long for the server's answer to a first session (credit, or a refusal
+it then raises); a server with no credit to give yet (paused) sends nothing, and start() returns.
+Longer than a cluster node's producer-mark lookup before it decides on a session (ASK_TIMEOUT, 3 s, in
+receivers/producer_marks.py, which this package must not import: a peer that takes the connection and
+never answers holds it up that long), with 2 s for the decision after it; else start() returned before
+the node decided and a refusal (ALREADY_EXISTS) failed the first send or flush instead. Change both
+together (tests/test_replication.py checks the order)."""
 
 
 class _State(enum.Enum):
@@ -1160,7 +1165,7 @@ class Producer:
 
     async def start(self) -> None:
         """Open the session; returns once the server took it (its first credit), or after
-        FIRST_ANSWER_SECONDS (2 s) without an answer (a server with no credit to give yet). While no
+        FIRST_ANSWER_SECONDS (5 s) without an answer (a server with no credit to give yet). While no
         target can be reached or takes the session (UNAVAILABLE: not up yet, restarting, stopping, not
         ready) this goes round the targets, backing off between rounds, for up to `start_timeout`
         seconds, then raises StartTimeoutError; any other

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import os
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -22,6 +23,7 @@ from receivers import wal
 from receivers.block import BLOCK_SCHEMA
 from receivers.block_store import BlockStore
 from receivers.cluster import Cluster, ClusterConfigError, Node, parse_nodes
+from receivers.producer_marks import ASK_TIMEOUT
 from receivers.receiver import REPLICATION
 from receivers.replication import ReplicatedBlockStore
 from receivers.wire import decode_batch
@@ -29,6 +31,7 @@ from sluice_client import Producer
 from sluice_client.errors import RPCError
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client.producer import FIRST_ANSWER_SECONDS
 from sluice_client.wire import encode_batch
 from tests.support import loopback_cluster, running_server, wait_until
 
@@ -536,3 +539,36 @@ async def test_a_copy_counts_a_block_held_only_once_it_is_synced_under_fsync_int
         first.cancel()
         second.cancel()
     assert synced and told and synced[0] <= told[0], "block 0 was counted held before its sync ended"
+
+
+async def test_start_waits_out_a_marks_lookup_that_a_black_holed_peer_holds_up(tmp_path: Path) -> None:
+    """A node asks its peers for a producer's mark before it decides on a session, for up to
+    producer_marks.ASK_TIMEOUT (3 s) when a peer takes the connection and never answers. start() waited
+    2 s for the first answer: it returned before the node decided, and the new run's ALREADY_EXISTS
+    failed the first send or flush instead. It waits longer than the lookup now."""
+    assert FIRST_ANSWER_SECONDS >= ASK_TIMEOUT + 1.0  # the lookup, and room for the decision after it
+    clusters = loopback_cluster(2, replication=1)
+    host, port = clusters[1].me.target.rsplit(":", 1)
+    with socket.socket() as black_hole:  # node 1: connections are taken (backlog), never answered
+        black_hole.bind((host, int(port)))
+        black_hole.listen(16)
+        async with nodes(tmp_path, clusters, skip=frozenset({1})) as servers:
+            target = servers[0].target
+            # fresh with resume is refused before the lookup (INVALID_ARGUMENT at once, not in 3 s)
+            async with grpc.aio.insecure_channel(target) as channel:
+                opening = pb.Open(stream="s", producer_id="both", fresh=True, resume=True)
+                call = pb_grpc.IngestStub(channel).Publish(iter([pb.PublishRequest(open=opening)]))
+                started = asyncio.get_running_loop().time()
+                assert await call.code() is grpc.StatusCode.INVALID_ARGUMENT
+                assert asyncio.get_running_loop().time() - started < 1.0
+                assert "Open.fresh and Open.resume both set" in await call.details()
+            async with Producer(target, "s", producer_id="held", linger=0) as producer:
+                await producer.send_many([b"a", b"b", b"c"])
+            again = Producer(target, "s", producer_id="held", linger=0)
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            with pytest.raises(RPCError) as refused:
+                await asyncio.wait_for(again.start(), 20)  # not at a later send or flush
+            assert ASK_TIMEOUT - 0.5 < loop.time() - started < FIRST_ANSWER_SECONDS + 1
+            assert refused.value.status is grpc.StatusCode.ALREADY_EXISTS
+            assert "the next sequence number it expects of it is 3" in refused.value.message
