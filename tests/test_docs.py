@@ -11,6 +11,7 @@ be the SQL a shipped pipeline runs. A block may be left out only with a comment 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -24,6 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from sluice_client import Producer
+from tests.support import running_server
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -178,3 +182,43 @@ def _stop(groups: list[int]) -> None:
         else:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGKILL)
+
+
+def _protocol_example() -> Block:
+    (example,) = [b for b in blocks(ROOT / "docs" / "protocol.md") if "IngestStub(channel).Publish" in b.text]
+    return example
+
+
+async def test_the_protocol_example_runs_again_and_ends_with_a_refusal_rather_than_hang(
+    tmp_path: Path,
+) -> None:
+    """docs/protocol.md's raw-gRPC example opened a fixed producer id with fresh=True: run twice against
+    one server, the second run's refusal (ALREADY_EXISTS) ended its reader thread while the main thread
+    waited on credit for good. It uses an id of its own per run, and an error of the call ends it."""
+    text = _protocol_example().text
+
+    def run(source: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        return subprocess.run(
+            [sys.executable, "-c", source],
+            check=False,
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    async with running_server(tmp_path / "data", "default") as server:
+        source = text.replace("127.0.0.1:50051", server.target)
+        assert source != text
+        for _ in range(2):  # the same example twice against one server
+            done = await asyncio.to_thread(run, source)
+            assert done.returncode == 0, done.stdout + done.stderr
+        async with Producer(server.target, "default", producer_id="held") as producer:
+            await producer.send(b"x")
+        held, n = re.subn(r"producer_id=[^,)]+", 'producer_id="held"', source)
+        assert n == 1
+        refused = await asyncio.to_thread(run, held)  # old: no end (TimeoutExpired)
+        assert refused.returncode != 0
+        assert "ALREADY_EXISTS" in refused.stderr and "producer 'held' already has records" in refused.stderr
