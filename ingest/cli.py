@@ -21,6 +21,7 @@ import functools
 import logging
 import math
 import os
+import re
 import shlex
 import signal
 import sys
@@ -1879,10 +1880,30 @@ def _permanent(error: BaseException) -> bool:
     return False
 
 
+def _new_run_refused(error: RPCError) -> str:
+    """The server's refusal of a new run of a producer id (Open.fresh), its advice put in the push's
+    terms: the SDK's first_seq / resume=True mean nothing here, and --resume-from N skips the input's
+    first N lines, right for the same input only (a new file under a reused id would lose them)."""
+    said = error.message.split(": the next sequence number", 1)[0]
+    expected = re.search(r"the next sequence number it expects of it is (\d+)", error.message)
+    if expected is None:  # a server that words it otherwise: its own words
+        return printable(str(error))
+    n = int(expected.group(1))
+    said = printable(said)
+    return (
+        f"{error.status.name}: {said}: the server expects its sequence number {n:,} next, so this push's "
+        f"records would be dropped as duplicates of an earlier push's. To resume that same input after "
+        f"what the earlier push got through, run it again with --resume-from {n} (it skips the input's "
+        f"first {n:,} lines); for a new input, use another --producer-id"
+    )
+
+
 def _push_failed(args: argparse.Namespace, producer: Producer, read: int, error: BaseException) -> None:
     """Say how far the push got and how to resume it without sending anything twice."""
     acked, sent = producer.acked, producer.ever_sent
     why = "interrupted" if isinstance(error, asyncio.CancelledError) else printable(str(error))
+    if isinstance(error, RPCError) and error.status is grpc.StatusCode.ALREADY_EXISTS:
+        why = _new_run_refused(error)
     if isinstance(error, RPCError) and not producer.credentials.secure:  # over TLS the SDK says it
         why += connect_hint(error.status, error.message, secure=False)
     _fail(f"push to {args.target} stream {args.stream!r} failed: {why}")

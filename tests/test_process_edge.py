@@ -493,6 +493,10 @@ def test_a_second_push_under_the_same_producer_id_is_refused_not_dropped(
     assert again.returncode == 1, stderr
     assert "ALREADY_EXISTS: producer 'p-1' already has records on stream 'default'" in stderr, stderr
     assert "--resume-from 100" in stderr and "no record was sent: fix the cause first" in stderr, stderr
+    # in the push's terms: --resume-from skips input lines, right for the same input only
+    assert "To resume that same input" in stderr and "skips the input's first 100 lines" in stderr, stderr
+    assert "for a new input, use another --producer-id" in stderr, stderr
+    assert "first_seq=" not in stderr and "resume=True" not in stderr, stderr
     longer = tmp_path / "longer.txt"
     longer.write_text("".join(f"{i}\n" for i in range(150)))
     on = sluice("push", str(longer), *flags, "--resume-from", "100", timeout=60)
