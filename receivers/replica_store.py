@@ -6,7 +6,8 @@ past a gap is refused unless the owner says it no longer has the blocks before i
 while the follower was down, or the owner's log was lost): then the copy goes on after the gap, keeping
 what it holds (releases remove what Spark read). Producer marks ride in the blocks (the first after a
 gap carries the owner's released table), so a copy knows how far each of the owner's producers got:
-receivers.producer_marks asks it at failover.
+receivers.producer_marks asks it at failover. At each connection of the owner, the copy drops what it
+holds past the committed seq it was told (drop_uncommitted): the owner may have replaced those blocks.
 """
 
 from __future__ import annotations
@@ -145,20 +146,31 @@ class ReplicaStore:
     def _committed_path(self, owner: int) -> Path:
         return self.root / f"{owner}.{COMMITTED}"
 
-    def drop_uncommitted(self, owner: int, stream: str, log_end: int) -> int:
-        """The owner's log ends at `log_end` (it dropped what it never committed after a crash): drop
-        this copy's blocks from there; the number dropped. Raises OwnerLogLostError when the copy
-        knows blocks past `log_end` were committed: the owner's log was lost. Blocking."""
+    def drop_uncommitted(self, owner: int, stream: str, log_end: int, skipped_to: int = 0) -> int:
+        """The owner (re)connects, its log ending at `log_end`: drop this copy's blocks past the committed
+        seq it was told (before this connection), and past `skipped_to` (where the owner's log went on
+        after it was lost); the number dropped. Raises OwnerLogLostError when the copy knows blocks past
+        `log_end` were committed: the owner's log was lost. Blocking.
+
+        Below the committed seq the copy's blocks are the owner's (a committed block is never dropped).
+        Past it, they may not be: the owner drops its uncommitted blocks at a restart and writes others
+        at those seqs, and a follower that was away then holds the old ones, which the owner's commit
+        would pass off as its own. Dropped, they come again from the owner, which holds every block past
+        the committed seq (or released it: Spark read it), except below `skipped_to`: a lost log's,
+        which this copy may alone hold (acked records among them), so those are kept."""
         with self._stream_lock(owner, stream):
-            if self._next_locked(owner, stream) <= log_end:
-                return 0
-            if self.committed(owner, stream) > log_end:
+            held = self._next_locked(owner, stream)
+            committed = self.committed(owner, stream)
+            if held > log_end and committed > log_end:
                 raise OwnerLogLostError(
                     f"node {owner}'s log of stream {stream!r} ends at block {log_end}, but this copy "
-                    f"holds blocks committed up to {self.committed(owner, stream)}: its log was lost or "
+                    f"holds blocks committed up to {committed}: its log was lost or "
                     "replaced; restore it from this copy"
                 )
-            dropped, _ = self.store(owner).truncate_from(stream, log_end)
+            cut = min(log_end, max(committed, skipped_to))
+            if held <= cut:
+                return 0
+            dropped, _ = self.store(owner).truncate_from(stream, cut)
             del self._next[(owner, stream)]
             self._marks.pop((owner, stream), None)
             return dropped

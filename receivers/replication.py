@@ -167,6 +167,7 @@ class FollowerLink:
             replication=replicator.cluster.replication,
             log_end={s: replicator.local.durable_seq(s) for s in replicator.streams},
             committed_seq=replicator.persisted(),
+            skipped_to={s: n for s in replicator.streams if (n := replicator.local.skipped_to(s))},
         )
         await call.write(pb.ReplicateRequest(hello=hello))
         responses = aiter(call)

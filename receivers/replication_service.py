@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Coroutine, Mapping
 from typing import Any
@@ -29,6 +30,8 @@ from receivers.receiver import Receiver
 from receivers.replica_store import OwnerLogLostError, ReplicaGapError, ReplicaStore, merge_marks
 from receivers.wal import RawBlock
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 REPLICATE = "/ingest.v1.Replication/Replicate"
 HELLO_TIMEOUT = 10.0
@@ -288,14 +291,28 @@ class ReplicationService:
         streams: list[str],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> None:
-        """Take the owner's committed seqs, and drop what the copy holds past the owner's log (blocks
-        the owner dropped at a restart: never committed)."""
-        await asyncio.to_thread(self._replicas.set_committed, owner, _known(hello.committed_seq, streams))
+        """Drop what the copy holds past what it knew committed (the owner sends it again: it may have
+        dropped those blocks at a restart and written others at their seqs), then take the owner's
+        committed seqs. In that order: told first, the copy would count a stale block committed once
+        the owner committed its own block at that seq while this follower was away."""
+        skipped = _known(hello.skipped_to, streams)
         for stream, end in _known(hello.log_end, streams).items():
             try:
-                await asyncio.to_thread(self._replicas.drop_uncommitted, owner, stream, end)
+                dropped = await asyncio.to_thread(
+                    self._replicas.drop_uncommitted, owner, stream, end, skipped.get(stream, 0)
+                )
             except OwnerLogLostError as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            if dropped:
+                log.info(
+                    "stream %r: dropped %d block(s) of node %d's copy past what it knew committed; "
+                    "node %d sends them again",
+                    stream,
+                    dropped,
+                    owner,
+                    owner,
+                )
+        await asyncio.to_thread(self._replicas.set_committed, owner, _known(hello.committed_seq, streams))
 
     def _store(self, owner: int, stream: str, block: RawBlock, after_release: bool) -> None:
         _check_payload(block)  # a copy that cannot be read back would fail Spark's tasks much later

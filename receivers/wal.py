@@ -260,6 +260,9 @@ class _Released:
     """After a lost log (skip_to): the offset of the first record below next_offset that may not have
     been read; the numbering went on past records this log never released. None: every record below
     next_offset was released here."""
+    skipped_to: int = 0
+    """The seq where the log went on after it was last lost (skip_to): it never held the blocks below
+    (0: never lost). Kept for good, releases past it or not."""
 
 
 @dataclass
@@ -731,6 +734,11 @@ class WalBlockStore(BlockStore):
         """The seq after the last block released so far (0: none)."""
         return self._read_released(stream).next_seq
 
+    def skipped_to(self, stream: str) -> int:
+        """The seq where the log of `stream` went on after it was last lost (skip_to): it never held
+        the blocks below. 0: it was never lost."""
+        return self._read_released(stream).skipped_to
+
     def released_producers(self, stream: str) -> dict[str, int]:
         """The producers table of the blocks released so far (the released mark's)."""
         return dict(self._read_released(stream).producers)
@@ -772,6 +780,7 @@ class WalBlockStore(BlockStore):
                     next_offset,
                     table,
                     lost_from if lost_from < next_offset else None,
+                    max(seq, released.skipped_to),
                 )
                 self._write_released(writer.folder, state)
                 for _, path in self._segments(writer.folder):
@@ -849,6 +858,7 @@ class WalBlockStore(BlockStore):
                 max(released.next_offset, last.end_offset),
                 table,
                 released.lost_from,
+                released.skipped_to,
             )
             self._write_released(folder, state)
             for path in doomed:
@@ -1355,6 +1365,7 @@ class WalBlockStore(BlockStore):
                 int(data["next_offset"]),
                 {str(k): int(v) for k, v in data.get("producers", {}).items()},
                 None if lost_from is None else int(lost_from),
+                int(data.get("skipped_to", 0)),
             )
         except FileNotFoundError:
             return _read_old_mark(folder)
@@ -1387,6 +1398,8 @@ class WalBlockStore(BlockStore):
         }
         if state.lost_from is not None:
             fields["lost_from"] = state.lost_from
+        if state.skipped_to:
+            fields["skipped_to"] = state.skipped_to
         text = json.dumps(fields, sort_keys=True)
         with open(tmp, "w") as file:
             file.write(text + "\n")

@@ -514,7 +514,11 @@ async def test_a_copy_counts_a_block_held_only_once_it_is_synced_under_fsync_int
     block = pb.ReplicaBlock(
         stream="s", seq=0, first_offset=0, count=3, arrow_ipc=sink.getvalue().to_pybytes()
     )
-    hello = pb.ReplicateRequest(hello=pb.ReplicaHello(owner=0, nodes=2, replication=2, log_end={"s": 1}))
+    # block 0 committed (a follower catching up is sent committed blocks): the second hello, which
+    # drops what the copy holds past what it knew committed, keeps it
+    hello = pb.ReplicateRequest(
+        hello=pb.ReplicaHello(owner=0, nodes=2, replication=2, log_end={"s": 1}, committed_seq={"s": 1})
+    )
     interval = FsyncPolicy.interval(600_000)  # no background fsync in this test: only the copy's own
     async with (
         running_server(tmp_path / "node1", "s", cluster=clusters[1], port=port, fsync=interval),
@@ -572,3 +576,93 @@ async def test_start_waits_out_a_marks_lookup_that_a_black_holed_peer_holds_up(t
             assert ASK_TIMEOUT - 0.5 < loop.time() - started < FIRST_ANSWER_SECONDS + 1
             assert refused.value.status is grpc.StatusCode.ALREADY_EXISTS
             assert "the next sequence number it expects of it is 3" in refused.value.message
+
+
+async def test_a_follower_drops_an_uncommitted_block_its_owner_then_replaced(tmp_path: Path) -> None:
+    """Node 1 holds block N of node 0, copied but never committed (node 2 was down: min-insync 3), and
+    is down when node 0 restarts: node 0 drops its uncommitted N and writes a different block N' at the
+    same offsets. Node 1 came back with its end at (not past) node 0's log end, so it dropped nothing,
+    and its stale N became committed: read in place of N' (records never acked, the acked ones missing
+    from that copy), its producer marks counted as stored. A follower now drops what it holds past what
+    it knows committed at each hello, and the owner sends it again."""
+    clusters = loopback_cluster(3, replication=3, min_insync=3)
+    port = {c.me.id: int(c.me.target.rsplit(":", 1)[1]) for c in clusters}
+    acked, stale, fresh = values(30, "a"), values(20, "stale"), values(20, "fresh")
+    async with contextlib.AsyncExitStack() as outer:
+        stacks = {i: await outer.enter_async_context(contextlib.AsyncExitStack()) for i in range(3)}
+
+        async def start(i: int) -> SluiceServer:
+            return await stacks[i].enter_async_context(
+                running_server(tmp_path / f"node{i}", "s", cluster=clusters[i], port=port[i])
+            )
+
+        servers = {i: await start(i) for i in range(3)}
+        owner = servers[0].node
+        assert owner is not None
+        await wait_until(lambda: len(owner.replicator.in_sync()) == 2, timeout=20)
+        producer = Producer(clusters[0].me.target, "s", producer_id="p", linger=0)
+        await producer.start()
+        await producer.send_many(acked)
+        await producer.flush(timeout=20)
+        await stacks[2].aclose()  # node 2 goes: nothing more is committed (min-insync 3)
+        await producer.send_many(stale)
+        copies = servers[1].node
+        assert copies is not None
+        await wait_until(lambda: sum(b.count for b in owner.local.blocks("s")) == 50, timeout=20)
+        end = owner.local.durable_seq("s")
+        await wait_until(lambda: copies.replicas.next_seq(0, "s") == end, timeout=20)  # node 1 holds them
+        assert producer.acked == 30
+        await producer.abort()
+        await stacks[1].aclose()
+        await stacks[0].aclose()
+        servers[0] = await start(0)  # drops the stale tail (never committed); its followers are down
+        owner = servers[0].node
+        assert owner is not None and sum(b.count for b in owner.local.blocks("s")) == 30
+        again = Producer(clusters[0].me.target, "s", producer_id="q", linger=0)
+        await again.start()
+        await again.send_many(fresh)  # written at the stale block's offsets, not acked yet
+        await wait_until(lambda: sum(b.count for b in owner.local.blocks("s")) == 50, timeout=20)
+        assert owner.local.durable_seq("s") == end  # the same seqs as the stale block(s)
+        servers[2] = await start(2)
+        servers[1] = await start(1)
+        await again.flush(timeout=30)
+        await again.close()
+        copies = servers[1].node
+        assert copies is not None
+        await wait_until(lambda: copies.replicas.committed(0, "s") == end, timeout=20)
+        for i in range(3):
+            target = clusters[i].me.target
+            assert await read_partition(target, 0, 0, 50) == acked + fresh, f"node {i}"
+
+
+def test_a_copy_keeps_what_it_holds_below_where_its_owners_lost_log_went_on(tmp_path: Path) -> None:
+    """Past what a copy knows committed, its blocks are dropped at the owner's hello (the owner sends
+    them again), except below where the owner's log went on after it was lost (skipped_to): the owner
+    never held those, and the copy may be their only one."""
+    from receivers.replica_store import ReplicaStore
+    from receivers.wal import RawBlock, WalBlockStore
+
+    def block(seq: int) -> RawBlock:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, BLOCK_SCHEMA) as ipc:
+            ipc.write_batch(decode_batch(encode_batch(0, values(2)), 0))
+        return RawBlock(seq, 2 * seq, 2, 0, 0.0, {}, sink.getvalue().to_pybytes())
+
+    replicas = ReplicaStore(tmp_path / "replicas")
+    for seq in range(4):
+        replicas.append(0, "s", block(seq), after_release=False)
+    replicas.set_committed(0, {"s": 1})
+    assert replicas.drop_uncommitted(0, "s", 10, skipped_to=4) == 0  # all below the lost log's skip
+    assert replicas.drop_uncommitted(0, "s", 10, skipped_to=3) == 1
+    assert replicas.drop_uncommitted(0, "s", 10) == 2  # past committed block 0
+    assert replicas.next_seq(0, "s") == 1
+    replicas.close()
+    # the owner's log keeps where it went on after a loss, releases past it or not
+    log = WalBlockStore(tmp_path / "log")
+    log.recover("s")
+    log.skip_to("s", 5, 10)
+    log.write("s", 5, 10, 0, [decode_batch(encode_batch(0, values(2)), 0)])
+    log.release("s", 6)
+    assert log.skipped_to("s") == 5
+    assert WalBlockStore(tmp_path / "log").skipped_to("s") == 5
+    log.close()

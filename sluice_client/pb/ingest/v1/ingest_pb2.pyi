@@ -662,24 +662,53 @@ class ReplicaHello(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class SkippedToEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     OWNER_FIELD_NUMBER: _builtins.int
     NODES_FIELD_NUMBER: _builtins.int
     REPLICATION_FIELD_NUMBER: _builtins.int
     LOG_END_FIELD_NUMBER: _builtins.int
     COMMITTED_SEQ_FIELD_NUMBER: _builtins.int
+    SKIPPED_TO_FIELD_NUMBER: _builtins.int
     owner: _builtins.int
     nodes: _builtins.int
     """The owner's view of the cluster size and replication: a follower refuses a mismatch."""
     replication: _builtins.int
     @_builtins.property
     def log_end(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
-        """stream -> the seq after the owner's last block, and its committed seq. A follower drops blocks of
-        its copy at or past log_end (the owner dropped them: never committed), unless it knows them
-        committed: then the owner's log was lost, and the follower refuses.
+        """stream -> the seq after the owner's last block, and its committed seq. A follower drops the blocks
+        of its copy past the committed seq it knew before this hello (never committed: the owner may have
+        dropped them at a restart and written others at their seqs; it sends them again), unless it knows
+        blocks past log_end committed: then the owner's log was lost, and the follower refuses.
         """
 
     @_builtins.property
     def committed_seq(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]: ...
+    @_builtins.property
+    def skipped_to(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """stream -> the seq where the owner's log went on after it was lost (a data dir started afresh,
+        ReceiverNode.continue_logs): it never held the blocks below, and cannot send them again, so a
+        follower keeps what it holds below it, committed or not (its copy may be the only one).
+        """
+
     def __init__(
         self,
         *,
@@ -688,10 +717,11 @@ class ReplicaHello(_message.Message):
         replication: _builtins.int = ...,
         log_end: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         committed_seq: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        skipped_to: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_seq", b"committed_seq", "log_end", b"log_end", "nodes", b"nodes", "owner", b"owner", "replication", b"replication"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_seq", b"committed_seq", "log_end", b"log_end", "nodes", b"nodes", "owner", b"owner", "replication", b"replication", "skipped_to", b"skipped_to"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
