@@ -100,6 +100,7 @@ class SluiceServer:
             )
             self.streams = StreamRegistry(config.data_dir, config.streams)
             """The streams served, draining and kept (Admin.AddStream/RemoveStream; streams.json)."""
+            self._find_unnamed_streams()
             for stream in [*self.streams.of(DRAINING), *self.streams.of(KEPT)]:
                 self.store.recover(stream)  # no receiver writes it, but its tail must be whole to read
             self.node: ReceiverNode | None = None
@@ -195,6 +196,38 @@ class SluiceServer:
         self._health_server: grpc.aio.Server | None = None
         self.health_port: int | None = None
         """The bound plaintext health port (config.health_port), once started."""
+
+    def _find_unnamed_streams(self) -> None:
+        """Name loudly every stream of the block log that neither the flags nor streams.json name and
+        whose acked records no query released (dropped from the --stream flags: nothing would read them,
+        unseen), and list it as kept for this run (StreamRegistry.find)."""
+        for stream in self.store.stream_names():
+            if stream in self.streams.states:
+                continue
+            blocks = self.store.blocks(stream)
+            if not blocks:
+                continue  # every block released (processed), or none written: nothing waits
+            records = blocks[-1].end_offset - blocks[0].first_offset
+            self.streams.find(stream)
+            back = (
+                "name it in this node's --stream flags again to serve it (a cluster's streams are its "
+                "nodes' flags)"
+                if self.config.cluster is not None
+                else f"`sluice streams add {stream}` serves it again and the query reads them from where it "
+                f"stopped; to be done with them, add it and then `sluice streams remove {stream} --drain` "
+                "(the query processes them, then the stream is removed)"
+            )
+            log.warning(
+                "stream %s is not served (neither the --stream flags nor %s name it), but %s holds %s "
+                "acked records in %s that no query has released: they wait there, listed as kept "
+                "(sluice streams list); %s",
+                stream,
+                self.streams.path,
+                self.config.blocks_dir / stream,
+                f"{records:,}",
+                f"{len(blocks):,} block" + ("s" if len(blocks) > 1 else ""),
+                back,
+            )
 
     async def attach_query(self, failure: Callable[[], str | None]) -> None:
         """The Spark query runs now; `failure()` says why it failed (None while it runs or a swap is

@@ -9,6 +9,12 @@ Once a change was made, DATA_DIR/streams.json holds every stream's state and ove
 line's `--stream` list at the next start, as runtime-config.json does for settings: a stream removed at
 run time stays removed after a restart even when the command line still names it. A stream the command
 line names that the file does not know is served (the operator added a flag).
+
+A stream neither names whose folder in the block log still holds acked records no query released (it
+was dropped from the `--stream` flags, say) is found at start (`found`): a WARNING names it, and it is
+listed as kept for the run, so `sluice streams list`, the status page and `sluice_streams` show it and its
+backlog, and `sluice streams add` brings it back where the query stopped. It is not written to the file:
+named by the flags again at the next start, it is served.
 """
 
 from __future__ import annotations
@@ -38,17 +44,30 @@ class StreamRegistry:
     def __init__(self, data_dir: Path, command_line: Sequence[str]) -> None:
         self.path = data_dir / FILE
         self.states: dict[str, str] = dict.fromkeys(command_line, SERVING)
+        self.found: set[str] = set()
+        """Streams neither the command line nor the file names, with acked records in the log that no
+        query released: kept for this run (found), never written to the file."""
         self._load(command_line)
 
     def _load(self, command_line: Sequence[str]) -> None:
+        if not self.path.exists():
+            return  # (`null` in the file is not "no file": it is refused below)
         data = read_json(self.path, "the stream states", StreamStateError)
-        if data is None:
-            return
         states = data.get("streams") if isinstance(data, dict) else None
         if not isinstance(states, dict) or not all(
             isinstance(k, str) and v in STATES for k, v in states.items()
         ):
-            raise StreamStateError(f"{self.path}: not a stream states file ({{'streams': {{name: state}}}})")
+            raise StreamStateError(
+                f"{self.path}: not a stream states file ({{'streams': {{name: state}}}}); delete it to "
+                "serve the --stream flags' streams (streams added at run time are then no longer served)"
+            )
+        if not states:
+            # never written so: the file keeps every stream's state once one changed, removed ones too
+            raise StreamStateError(
+                f"{self.path}: names no stream, which Sluice never writes (it keeps every stream's "
+                "state there once one changed, removed ones too); delete it to serve the --stream flags' "
+                "streams (streams added at run time are then no longer served)"
+            )
         try:
             loaded = {check_stream_name(k): v for k, v in states.items()}
         except ValueError as exc:
@@ -65,6 +84,12 @@ class StreamRegistry:
         for stream in command_line:
             if stream not in loaded:
                 self.states[stream] = SERVING
+
+    def find(self, stream: str) -> None:
+        """`stream` holds acked records no query released, and neither the command line nor the file
+        names it: kept for this run (listed, its backlog shown; `streams add` serves it again)."""
+        self.states[stream] = KEPT
+        self.found.add(stream)
 
     def of(self, state: str) -> list[str]:
         return [s for s, st in self.states.items() if st == state]
@@ -85,8 +110,10 @@ class StreamRegistry:
     def set(self, changes: Iterable[tuple[str, str]]) -> None:
         """Persist the new states first, then keep them (OSError: nothing changes)."""
         states = dict(self.states)
+        found = set(self.found)
         for stream, state in changes:
             assert state in STATES, state
             states[stream] = state
-        replace_json(self.path, {"streams": states})
-        self.states = states
+            found.discard(stream)  # changed by an operator: kept from now on like any other
+        replace_json(self.path, {"streams": {s: st for s, st in states.items() if s not in found}})
+        self.states, self.found = states, found

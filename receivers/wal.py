@@ -920,6 +920,15 @@ class WalBlockStore(BlockStore):
                 deleted.append(writer.folder)
         return deleted
 
+    def stream_names(self) -> list[str]:
+        """The streams with a folder in the store (whatever they hold), sorted; folders whose name is
+        not a stream's are not among them."""
+        names = []
+        for folder in _subfolders(self.root):
+            with contextlib.suppress(ValueError):
+                names.append(check_stream_name(folder.name))
+        return sorted(names)
+
     def disk_bytes(self, stream: str | None = None) -> int:
         """Bytes the store takes on disk: of one stream, or of all."""
         folders = [self._folder(stream)] if stream is not None else _subfolders(self.root)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import urllib.request
 from pathlib import Path
@@ -15,6 +16,7 @@ from support import running_server
 
 from ingest import cli
 from ingest.streams import StreamStateError
+from receivers.wal import WalBlockStore
 from sluice_client import Producer
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -96,11 +98,69 @@ async def test_stream_changes_are_checked_and_kept(tmp_path: Path) -> None:
         assert sorted(server.receivers) == ["a", "c"]
 
 
-async def test_a_bad_streams_file_stops_the_start_naming_it(tmp_path: Path) -> None:
-    (tmp_path / "streams.json").write_text('{"streams": {"a": "flying"}}')
-    with pytest.raises(StreamStateError, match=r"streams\.json"):
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"streams": {"a": "flying"}}',
+        "null",  # was taken for no file: every stream added at run time forgotten, unseen
+        '{"streams": {}}',  # Sluice never writes it: the file keeps every stream's state once one changed
+    ],
+)
+async def test_a_bad_streams_file_stops_the_start_naming_it(tmp_path: Path, content: str) -> None:
+    (tmp_path / "streams.json").write_text(content)
+    with pytest.raises(StreamStateError, match=r"streams\.json.*delete it"):
         async with running_server(tmp_path, "a"):
             pass
+
+
+async def test_a_stream_dropped_from_the_flags_is_named_and_listed_with_its_acked_backlog(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with running_server(tmp_path, "a", "b", "c") as server:
+        for stream, n in (("b", 1000), ("c", 5)):
+            async with Producer(server.target, stream, producer_id=f"p-{stream}") as producer:
+                await producer.send_many([b"r%d" % i for i in range(n)])
+                await producer.flush(timeout=10)
+    # c's records were processed (released), as a query's commit does: nothing of c waits
+    store = WalBlockStore(tmp_path / "blocks")
+    store.release("c", store.blocks("c")[-1].seq + 1)
+    caplog.set_level(logging.INFO)
+    async with running_server(tmp_path, "a") as server:  # b and c dropped from the flags
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1, warnings
+        said = warnings[0]
+        assert said.startswith("stream b is not served")
+        assert "1,000 acked records" in said and str(tmp_path / "blocks" / "b") in said
+        assert "sluice streams add b" in said and "sluice streams remove b --drain" in said
+        stub = pb_grpc.AdminStub(grpc.aio.insecure_channel(server.target))
+        view = await stub.ListStreams(pb.ListStreamsRequest())
+        assert [(s.stream, s.state, s.backlog) for s in view.streams] == [
+            ("a", "serving", 0),
+            ("b", "kept", 1000),
+        ]
+        rows = server.status.snapshot()["streams"]
+        assert [(r["stream"], r["state"], r["backlog"]) for r in rows] == [
+            ("a", "serving", 0),
+            ("b", "kept", 1000),
+        ]
+        assert server.query_streams() == ("a",)  # not read by the query, as a kept stream
+        assert not (tmp_path / "streams.json").exists()  # the next start's flags decide again
+        # brought back: its records wait for the query where they were, then it takes more
+        view = await stub.AddStream(pb.AddStreamRequest(stream="b"))
+        assert [(s.stream, s.state, s.backlog) for s in view.streams] == [
+            ("a", "serving", 0),
+            ("b", "serving", 1000),
+        ]
+        async with Producer(server.target, "b", producer_id="p-b", first_seq=1000) as producer:
+            await producer.send_many([b"more"])
+            await producer.flush(timeout=10)
+        assert server.stream_backlog("b") == 1001
+    assert json.loads((tmp_path / "streams.json").read_text()) == {
+        "streams": {"a": "serving", "b": "serving"}
+    }
+    caplog.clear()
+    async with running_server(tmp_path, "a"):  # added at run time: kept in streams.json, served
+        assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
 async def test_a_swap_cut_by_a_crash_resumes_the_query_that_committed(tmp_path: Path) -> None:

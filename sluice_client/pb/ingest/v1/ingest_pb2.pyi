@@ -1662,7 +1662,8 @@ class StreamView(_message.Message):
     stream: _builtins.str
     state: _builtins.str
     """"serving", "draining" (removed, its backlog still read by the query), or "kept" (removed, its
-    unprocessed blocks kept in the log for when it is added again).
+    unprocessed blocks kept in the log for when it is added again; also a stream found at start with
+    acked records in the log that neither the --stream flags nor streams.json name).
     """
     backlog: _builtins.int
     """Records in the log not yet processed by the query."""
