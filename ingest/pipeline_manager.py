@@ -64,7 +64,7 @@ from ingest.pipeline_state import (
     write_state,
 )
 from ingest.spark.listener import BatchCompleted
-from ingest.spark.pipeline import PipelineContext, builtin_parquet, load_pipeline
+from ingest.spark.pipeline import Pipeline, PipelineContext, builtin_parquet, load_pipeline
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 if TYPE_CHECKING:
@@ -120,6 +120,10 @@ class PipelineManager:
         self._batch_seen = asyncio.Event()
         self._replacing: asyncio.Task[pb.PipelineView] | None = None
         self._trial: Trial | None = None
+        self._loaded: dict[tuple[str, int, str], Pipeline] = {}
+        """The pipeline function each generation was loaded with (_pipeline_of): a restart for a new
+        trigger interval, a rollback to the old query and a try kept after all run that code, not an
+        edit of its module made since (load_pipeline imports the module anew)."""
         self.current = Generation(config.pipeline or "", 0, driver.query_name, "sink")
         self._load()
         driver.on_batch(self._on_batch_thread)
@@ -277,15 +281,27 @@ class PipelineManager:
 
     # ---- the query -------------------------------------------------------------------------------
 
-    def _plan(self, generation: Generation, trigger: float) -> QueryPlan:
-        """The driver's plan for `generation` (InvalidPipeline if its spec does not load)."""
-        if generation.spec:
+    @staticmethod
+    def _key(generation: Generation) -> tuple[str, int, str]:
+        return (generation.spec, generation.number, generation.checkpoint)
+
+    def _pipeline_of(self, generation: Generation) -> Pipeline:
+        """`generation`'s pipeline function: as loaded for it, else loaded now from its module's
+        source (InvalidPipeline if its spec does not load)."""
+        if not generation.spec:
+            return builtin_parquet
+        loaded = self._loaded.get(self._key(generation))
+        if loaded is None:
             try:
-                pipeline = load_pipeline(generation.spec)
+                loaded = load_pipeline(generation.spec)
             except ValueError as exc:
                 raise InvalidPipeline(str(exc)) from None
-        else:
-            pipeline = builtin_parquet
+            self._loaded[self._key(generation)] = loaded
+        return loaded
+
+    def _plan(self, generation: Generation, trigger: float) -> QueryPlan:
+        """The driver's plan for `generation` (InvalidPipeline if its spec does not load)."""
+        pipeline = self._pipeline_of(generation)
         streams = self._host.query_streams()
         return QueryPlan(
             pipeline=pipeline,
@@ -368,9 +384,12 @@ class PipelineManager:
 
     async def swap(self, spec: str, *, keep_state: bool, first_batch_timeout: float) -> pb.PipelineView:
         spec = spec.strip()
+        pipeline = None
         if spec:
             try:
-                await asyncio.to_thread(load_pipeline, spec)  # imports the module: may take a while
+                # the module's source as it is now (an edit since an earlier swap to it counts): may
+                # take a while; the query that runs keeps the code it was started with
+                pipeline = await asyncio.to_thread(load_pipeline, spec)
             except ValueError as exc:
                 raise InvalidPipeline(str(exc)) from None
         old = self.current
@@ -379,6 +398,12 @@ class PipelineManager:
             new = Generation(spec, number, old.checkpoint, old.sink, old.starting_offsets, kept_state=True)
         else:
             new = Generation(spec, number, *self._fresh_folders(number))
+        if pipeline is not None and not self._lock.locked():  # (locked: refused as a swap under way)
+            # what _plan starts, not imported a second time; of the others, only the generation in
+            # force can run again (a rollback, a restart)
+            kept = self._key(self.current)
+            self._loaded = {k: v for k, v in self._loaded.items() if k == kept}
+            self._loaded[self._key(new)] = pipeline
         return await self._replace(new, self.trigger_interval, first_batch_timeout, what="swap")
 
     async def restart(self, *, trigger_interval: float) -> None:

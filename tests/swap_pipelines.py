@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
+from hung_batches import RELEASE_HUNG  # shared across the fresh imports of a swap
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.streaming.readwriter import DataStreamWriter
@@ -57,10 +57,6 @@ def slow_first_batch(df: DataFrame, context: PipelineContext) -> DataStreamWrite
         out.write.mode("append").parquet(str(context.sink_dir))
 
     return df.writeStream.foreachBatch(write)
-
-
-RELEASE_HUNG = threading.Event()
-"""What hangs_first_batch's batch waits for: set by its test once done."""
 
 
 def hangs_first_batch(df: DataFrame, context: PipelineContext) -> DataStreamWriter:

@@ -155,6 +155,70 @@ async def test_a_swap_whose_caller_goes_away_still_ends_on_the_server(spark: Any
         assert sorted(offsets) == list(range(load.sent))  # each acked record once, across the sinks
 
 
+EDITED_PIPELINE = """
+import time
+
+from pyspark.sql import functions as F
+from pyspark.sql.types import StringType
+
+
+def tag(value):
+    return "{tag}"
+
+
+def build(df, context):
+    label = F.udf(tag, StringType())  # runs in Spark's Python workers
+    sink = str(context.sink_dir)
+
+    def write(batch, batch_id):  # runs on the driver; looks `tag` up in its module at every batch
+        out = batch.select("offset", label("value").alias("worker"), F.lit(tag(None)).alias("driver"))
+        out.write.mode("append").parquet(sink)
+
+    return df.writeStream.foreachBatch(write)
+
+
+time.sleep({sleep})  # a module that takes a while to import: the running query's batches go on meanwhile
+"""
+
+
+async def test_a_swap_runs_the_modules_source_as_edited_since_an_earlier_swap(
+    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Swapping to a module, editing it, swapping again ran the first version: the module was taken
+    from sys.modules. Now imported anew each time, without touching the running query's copy until
+    its boundary, and its UDFs reach Spark's (reused) Python workers in the version loaded."""
+    name = f"edited_pipeline_{os.getpid()}_{time.monotonic_ns()}"
+    folder = tmp_path / "modules"
+    folder.mkdir()
+    monkeypatch.syspath_prepend(str(folder))
+    module = folder / f"{name}.py"
+    async with service(spark, tmp_path / "data") as server:
+        load = Load(server.target, "events")
+        pushing = asyncio.create_task(load.run())
+        stub = admin(server)
+        await asyncio.sleep(1)
+        module.write_text('def build(df, context):\n    raise RuntimeError("version 1 of build")\n')
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await stub.SwapPipeline(pb.SwapPipelineRequest(pipeline=f"{name}:build"))
+        assert "version 1 of build" in (failed.value.details() or ""), failed.value.details()
+        module.write_text(EDITED_PIPELINE.format(tag="v2", sleep=0))  # fixed
+        view = await stub.SwapPipeline(pb.SwapPipelineRequest(pipeline=f"{name}:build"))
+        assert (view.generation, view.last_swap.outcome) == (1, "done"), view.last_swap
+        await asyncio.sleep(1)
+        module.write_text(EDITED_PIPELINE.format(tag="v3, edited", sleep=3))
+        view = await stub.SwapPipeline(pb.SwapPipelineRequest(pipeline=f"{name}:build"))
+        assert (view.generation, view.last_swap.outcome) == (2, "done"), view.last_swap
+        await asyncio.sleep(1)
+        load.stop()
+        await pushing
+        sinks = [tmp_path / "data" / "sink", Path(view.sink_dir).with_name("sink-g1"), Path(view.sink_dir)]
+        offsets = await wait_for_offsets(spark, load.sent, *sinks)
+        assert sorted(offsets) == list(range(load.sent))  # each acked record once, across the sinks
+    for sink, version in ((sinks[1], "v2"), (sinks[2], "v3, edited")):
+        rows = spark.read.parquet(str(sink)).select("worker", "driver").distinct().collect()
+        assert [(r["worker"], r["driver"]) for r in rows] == [(version, version)], sink
+
+
 async def test_a_first_batch_that_hangs_is_left_behind_and_rolled_back(spark: Any, tmp_path: Path) -> None:
     """A swapped-in first batch that never ends: Spark's stop() waited for it for good (its default
     spark.sql.streaming.stopTimeout), so the rollback never came and the service did not stop even

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -388,6 +389,24 @@ def test_load_pipeline_errors_name_the_problem(tmp_path: Path, monkeypatch: pyte
     for spec, message in cases.items():
         with pytest.raises(ValueError, match=message):
             load_pipeline(spec)
+
+
+def test_load_pipeline_reads_the_source_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each load imports the module anew (a swap after an edit runs the edit); one whose new version
+    fails to import leaves the loaded one in place, and what was loaded keeps its own globals."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = tmp_path / "sluice_test_edited.py"
+    module.write_text("WHO = 'one'\n\ndef pipe(df):\n    return WHO\n")
+    first = load_pipeline("sluice_test_edited:pipe")
+    module.write_text("WHO = 'two, edited'\n\ndef pipe(df):\n    return WHO\n")
+    second = load_pipeline("sluice_test_edited:pipe")
+    assert (first(None), second(None)) == ("one", "two, edited")
+    module.write_text("WHO = 'three'\nraise RuntimeError('half way')\n")
+    with pytest.raises(ValueError, match="half way"):
+        load_pipeline("sluice_test_edited:pipe")
+    assert sys.modules["sluice_test_edited"].pipe is second
+    assert (first(None), second(None)) == ("one", "two, edited")
+    monkeypatch.delitem(sys.modules, "sluice_test_edited")
 
 
 def _progress_event(batch_id: int, rows: int) -> Any:

@@ -16,8 +16,10 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 from py4j.protocol import Py4JError
+from pyspark import cloudpickle
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamWriter
@@ -85,7 +87,9 @@ def takes_context(pipeline: Pipeline) -> bool:
 
 
 def load_pipeline(spec: str) -> Pipeline:
-    """The pipeline named by "package.module:function" (the function is the pipeline itself).
+    """The pipeline named by "package.module:function" (the function is the pipeline itself), from the
+    module's source as it is now: imported anew at every call (fresh_import), so a swap after an edit
+    runs the edited code, not the copy an earlier import left in sys.modules.
 
     Raises ValueError naming the problem: a malformed spec, a module that cannot be imported, a
     missing attribute or one that is not callable.
@@ -99,7 +103,7 @@ def load_pipeline(spec: str) -> Pipeline:
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
     try:
-        module = importlib.import_module(module_name)
+        module = fresh_import(module_name)
     except ModuleNotFoundError as exc:
         if exc.name == module_name or module_name.startswith(f"{exc.name}."):
             raise ValueError(f"pipeline spec {spec!r}: no module named {exc.name!r}") from exc
@@ -120,6 +124,33 @@ def load_pipeline(spec: str) -> Pipeline:
         )
     pipeline: Pipeline = target
     return pipeline
+
+
+def fresh_import(name: str) -> ModuleType:
+    """Module `name` imported anew from its source, and its functions sent to Spark's Python workers by
+    value. importlib.import_module alone returned the copy in sys.modules: a module edited since its
+    first import ran its old code at every swap. Not importlib.reload: that runs the new code in the
+    old module's namespace, under the query still running until the swap's boundary (its functions
+    look their globals up there), and a new version that fails half-way leaves that namespace half
+    new. Here the new module is a new object (what ran before keeps its own), and one that fails to
+    import leaves the old one in sys.modules. Modules it imports are not imported again.
+
+    Spark reuses its Python workers, and a worker resolves a function pickled by reference (cloudpickle's
+    way for an importable module) in the copy of the module it imported first: a UDF of the new version
+    ran the old one's code there. By value, the workers run what the driver loaded."""
+    if name == "__main__" or name in sys.builtin_module_names:
+        return importlib.import_module(name)  # not a file to read again (and __main__ runs the program)
+    importlib.invalidate_caches()  # a module file created since the last look is found
+    previous = sys.modules.pop(name, None)
+    try:
+        module = importlib.import_module(name)
+    except BaseException:
+        if previous is not None:
+            sys.modules[name] = previous
+        raise
+    if getattr(module, "__file__", None):
+        cloudpickle.register_pickle_by_value(module)  # type: ignore[no-untyped-call]
+    return module
 
 
 def start_query(
