@@ -1800,7 +1800,7 @@ async def _send_lines(
         line = first + end + 1
         raise RecordTooLargeError(
             f"line {line:,} of the input has {exc.size:,} bytes of key and value: over the "
-            f"{MAX_RECORD_BYTES:,}-byte limit of a record; the lines before it are acked",
+            f"{exc.limit or MAX_RECORD_BYTES:,}-byte limit of a record; the lines before it are acked",
             end,
             exc.size,
         ) from None

@@ -428,6 +428,7 @@ class SluiceServer:
             open_timeout=self.config.security.handshake_timeout,
             authenticator=self.auth,
             producer_marks=self.node.peer_marks.mark if self.node is not None else None,
+            max_message_bytes=self.config.max_message_bytes,
         ).add_to_server(server)  # parses client messages itself, authenticates each call
         # requests parsed in the handler: an undecodable one is INVALID_ARGUMENT, not gRPC's UNKNOWN
         rate = RateControlService(

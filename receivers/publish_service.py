@@ -48,6 +48,7 @@ from receivers.wire import (
 )
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from sluice_client.producer import DEFAULT_MAX_MESSAGE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +75,12 @@ class PublishService(pb_grpc.IngestServicer):
         open_timeout: float = 10.0,
         authenticator: Authenticator | None = None,
         producer_marks: Callable[[str, str], Awaitable[int | None]] | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
+        """`max_message_bytes`: the server's message size limit (gRPC's, which it enforces), told to
+        every session on its Requests (with its principal's limit if lower)."""
         self._receivers = receivers
+        self._max_message_bytes = max_message_bytes
         # in a cluster: (stream, producer key) -> how far the other nodes hold the producer's records
         self._producer_marks = producer_marks
         self._open_timeout = open_timeout
@@ -110,10 +115,14 @@ class PublishService(pb_grpc.IngestServicer):
             return
         self.ledger.add(key, session)  # no await since _open checked the limits
         reader = asyncio.create_task(self._read(requests, receiver, session))
+        own = principal.limits.max_message_bytes
+        limit = self._max_message_bytes if own is None else min(own, self._max_message_bytes)
         try:
             while True:
                 messages, ended, end_error = await session.outbox.take()
                 for message in messages:
+                    if message.HasField("request"):  # what the client may send: it cuts its batches so
+                        message.request.max_message_bytes = limit
                     yield message
                 if ended:
                     if end_error is not None:

@@ -77,14 +77,18 @@ class RecordTypeError(SluiceError, TypeError):
 
 class RecordTooLargeError(SluiceError, ValueError):
     """A record is larger than a message may be. The call that gives it raises this error (`index`:
-    the record's place in that call, `size`: its bytes of key and value) and the producer goes on; a
-    record that grows past the limit after it was given (a bytearray) fails the producer when it comes
-    to be sent (`index` None), its unsent records still in it."""
+    the record's place in that call, `size`: its bytes of key and value, `limit`: the most a record may
+    have) and the producer goes on; a record that grows past the limit after it was given (a
+    bytearray), or one given before a session told the producer the server's lower message limit,
+    fails the producer when it comes to be sent (`index` None), its unsent records still in it."""
 
-    def __init__(self, message: str, index: int | None = None, size: int | None = None) -> None:
+    def __init__(
+        self, message: str, index: int | None = None, size: int | None = None, limit: int | None = None
+    ) -> None:
         super().__init__(message)
         self.index = index
         self.size = size
+        self.limit = limit
 
 
 class SequenceRangeError(SluiceError, ValueError):

@@ -96,9 +96,17 @@ KEEPALIVE_TIMEOUT_SECONDS = 10
 long. Servers allow pings this often (ingest.server: PING_OPTIONS)."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
-MAX_RECORD_BYTES = DEFAULT_MAX_MESSAGE_BYTES - 64
-"""A record's key and value together, at most: what a message of that record alone can carry (its
-framing takes under 64 bytes). A larger one is refused when it is given (RecordTooLargeError)."""
+"""The largest message a producer sends: gRPC's send limit on its channel, and a server's default. A
+server with a lower one says so on its Requests (Request.max_message_bytes), and the producer cuts its
+batches under it."""
+MESSAGE_FRAMING = 64
+"""Bytes a message of one record takes beside the record's key and value, at most (field tags, lengths,
+sequence number, two offsets each for value and key, a validity byte)."""
+MAX_RECORD_BYTES = DEFAULT_MAX_MESSAGE_BYTES - MESSAGE_FRAMING
+"""A record's key and value together, at most: what a message of that record alone can carry. A larger
+one is refused when it is given (RecordTooLargeError), as is one over what a lower message limit of
+the server carries, once a session was told it."""
+_OFFSET_BYTES = 4  # a record's value offset in a batch (int32); as much again for its key's
 DEFAULT_MAX_BUFFERED = 500_000
 """Records a Producer holds unsent + unacked by default: room for a server's default prefetch (250k)."""
 DEFAULT_MAX_BUFFERED_BYTES = 256 * 1024 * 1024
@@ -227,16 +235,18 @@ class _Listed:
         keys: Sequence[bytes | None] | None = None,
         lengths: npt.NDArray[np.int64] | None = None,
         key_size: int | None = None,
+        limit: int = MAX_RECORD_BYTES,
     ) -> int:
         """Add records (keys: one per value, or None for none; `lengths` and `key_size`: the values'
-        lengths and the keys' bytes, if measured already); return the bytes of their values and keys."""
+        lengths and the keys' bytes, if measured already); return the bytes of their values and keys.
+        _OverLimit for a record over `limit` bytes of key and value (nothing added)."""
         if lengths is None:
             lengths = _value_lengths(values)
         if key_size is None:
             key_size = _key_bytes(keys) if keys is not None else 0
-        if len(values) and int(lengths.max()) + key_size > MAX_RECORD_BYTES:  # maybe one is too large
+        if len(values) and int(lengths.max()) + key_size > limit:  # maybe one is too large
             sizes = lengths + (_key_lengths(keys) if keys is not None else 0)
-            if (over := int(np.argmax(sizes > MAX_RECORD_BYTES))) or sizes[0] > MAX_RECORD_BYTES:
+            if (over := int(np.argmax(sizes > limit))) or sizes[0] > limit:
                 raise _OverLimit(over, int(sizes[over]))
         if keys is not None and self._keys is None:
             self._keys = [None] * len(self._values)
@@ -451,9 +461,11 @@ class _Pending:
         keys: Sequence[bytes | None] | None = None,
         lengths: npt.NDArray[np.int64] | None = None,
         key_size: int | None = None,
+        limit: int = MAX_RECORD_BYTES,
     ) -> int:
-        """Add records (keys: one per value, or None); return the bytes of their values."""
-        size = self._listed().extend(values, keys, lengths, key_size)
+        """Add records (keys: one per value, or None); return the bytes of their values (_OverLimit: a
+        record over `limit` bytes, nothing added)."""
+        size = self._listed().extend(values, keys, lengths, key_size, limit)
         self._count += len(values)
         return size
 
@@ -565,35 +577,63 @@ def _key_lengths(keys: Sequence[bytes | None]) -> npt.NDArray[np.int64]:
 
 
 class _OverLimit(Exception):
-    """Record `index` of the records given has `size` bytes of key and value, over MAX_RECORD_BYTES."""
+    """Record `index` of the records given has `size` bytes of key and value, over the record limit."""
 
     def __init__(self, index: int, size: int) -> None:
         super().__init__(index, size)
         self.index, self.size = index, size
 
 
-def _too_large(index: int, size: int, queued: int = 0) -> RecordTooLargeError:
+def _too_large(
+    index: int, size: int, queued: int = 0, message_limit: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> RecordTooLargeError:
     """The error for record `index` of a call (send: 0), of `size` bytes of key and value; the call's
-    first `queued` records were queued (a send_many larger than the buffer's room goes in pieces)."""
+    first `queued` records were queued (a send_many larger than the buffer's room goes in pieces);
+    `message_limit`: the message size limit in force (the server's, once a session was told it)."""
     taken = f"its records before {queued} were queued, the rest not" if queued else "nothing of it was queued"
+    limit = _record_limit(message_limit)
+    whose = "" if message_limit >= DEFAULT_MAX_MESSAGE_BYTES else " (the server's max_message_bytes)"
     return RecordTooLargeError(
-        f"record {index} of the call has {size} bytes of key and value: over the {MAX_RECORD_BYTES}-byte "
-        f"limit of a record (a message is at most {DEFAULT_MAX_MESSAGE_BYTES} bytes); {taken}",
+        f"record {index} of the call has {size} bytes of key and value: over the {limit}-byte limit of a "
+        f"record (a message is at most {message_limit} bytes{whose}); {taken}",
         index,
         size,
+        limit,
     )
 
 
-def _packed_sizes_check(offsets: npt.NDArray[np.int64], keys: _KeyColumn | None) -> None:
-    """RecordTooLargeError for send_packed's first record over MAX_RECORD_BYTES (one pass, only when
+def _batch_cut(ends: npt.NDArray[np.int64], batch_bytes: int, message_limit: int) -> int:
+    """How many of the records whose values end at `ends` (in their concatenation) one batch takes:
+    roughly within batch_bytes (the record that crosses it too), and whole within the message limit:
+    values, their offsets and the framing (keys are counted once laid out, by the encoding's size).
+    At least one. Cut at batch_bytes alone, a batch passed a limit of batch_bytes (1 MiB) every time."""
+    n = len(ends)
+    if ends[-1] > batch_bytes:
+        n = max(1, int(np.searchsorted(ends, batch_bytes)) + 1)
+    if int(ends[n - 1]) + _OFFSET_BYTES * (n + 1) + MESSAGE_FRAMING > message_limit:
+        sizes = ends[:n] + _OFFSET_BYTES * np.arange(2, n + 2) + MESSAGE_FRAMING
+        n = max(1, int(np.searchsorted(sizes, message_limit, side="right")))
+    return n
+
+
+def _record_limit(message_limit: int) -> int:
+    """The most bytes of key and value one record may have under a message size limit."""
+    return min(MAX_RECORD_BYTES, message_limit - MESSAGE_FRAMING)
+
+
+def _packed_sizes_check(
+    offsets: npt.NDArray[np.int64], keys: _KeyColumn | None, message_limit: int = DEFAULT_MAX_MESSAGE_BYTES
+) -> None:
+    """RecordTooLargeError for send_packed's first record over the record limit (one pass, only when
     the records together are over it)."""
+    limit = _record_limit(message_limit)
     total = int(offsets[-1] - offsets[0]) + (int(keys.offsets[-1] - keys.offsets[0]) if keys else 0)
-    if total <= MAX_RECORD_BYTES:
+    if total <= limit:
         return
     sizes = np.diff(offsets) + (np.diff(keys.offsets) if keys is not None else 0)
-    over = np.flatnonzero(sizes > MAX_RECORD_BYTES)
+    over = np.flatnonzero(sizes > limit)
     if len(over):
-        raise _too_large(int(over[0]), int(sizes[over[0]]))
+        raise _too_large(int(over[0]), int(sizes[over[0]]), message_limit=message_limit)
 
 
 def _batch_keys(spans: list[tuple[_Listed | _Packed, int]]) -> Keys | None:
@@ -1026,6 +1066,8 @@ class Producer:
         self._acked_seq = first_seq  # records numbered below are durable
         self._ever_sent = first_seq  # records numbered below were sent at least once, in any session
         self._credit = 0
+        self._max_message = DEFAULT_MAX_MESSAGE_BYTES
+        """The largest message the server takes from this producer, as its last Request said."""
         self._flushing = 0
         self._error: SluiceError | None = None
         self._changed = asyncio.Event()
@@ -1502,9 +1544,10 @@ class Producer:
                     keys[start:end] if keys is not None else None,
                     lengths[start:end],
                     key_total if whole else None,
+                    _record_limit(self._max_message),
                 )
             except _OverLimit as over:
-                raise _too_large(start + over.index, over.size, start) from None
+                raise _too_large(start + over.index, over.size, start, self._max_message) from None
             self._buffered_bytes += added
             given += added
             self._wake()
@@ -1531,7 +1574,7 @@ class Producer:
         other is copied once; waits while the local buffer is full, as send_many does."""
         count, data, bounds = _packed_input(values, offsets)
         key_column = _packed_keys(count, keys, key_offsets, key_validity)
-        _packed_sizes_check(bounds, key_column)
+        _packed_sizes_check(bounds, key_column, self._max_message)
         self._check_open()  # no records either: a closed producer says so, as send() does
         self._check_seq_room(count)
         ends: npt.NDArray[np.int64] | None = None  # bytes before each record: made if the bound may cut
@@ -1580,8 +1623,8 @@ class Producer:
         _check_flat(value, "value")
         if key is not None:
             _check_flat(key, "key")
-        if (size := len(value) + (len(key) if key is not None else 0)) > MAX_RECORD_BYTES:
-            raise _too_large(0, size)
+        if (size := len(value) + (len(key) if key is not None else 0)) > _record_limit(self._max_message):
+            raise _too_large(0, size, message_limit=self._max_message)
         self._buffered_bytes += self._pending.append(value, key)
         # the first record starts the linger clock (and an idle producer's reconnect); a full batch goes
         held = len(self._pending)
@@ -1900,10 +1943,10 @@ class Producer:
                 # the linger waited through a change that took the credit or the records away (a
                 # failover resets the credit, a requeue moves records): wait for both again
                 continue
+            limit = self._max_message
             ends = self._pending.ends(n)  # the batch's byte cut and its layout
-            if ends[-1] > self._batch_bytes:  # (roughly) within batch_bytes, at least one record
-                n = max(1, int(np.searchsorted(ends, self._batch_bytes)) + 1)
-                ends = ends[:n]
+            n = _batch_cut(ends, self._batch_bytes, limit)
+            ends = ends[:n]
             while True:
                 run = self._pending.peek(n, ends)
                 try:
@@ -1917,16 +1960,21 @@ class Producer:
                     raise _record_type_error(self._sent_seq, *self._pending.records(n)) from None
                 except ValueError:  # over int32 offsets
                     request = None
-                if request is not None and len(request) <= DEFAULT_MAX_MESSAGE_BYTES:
+                if request is not None and len(request) <= limit:
                     break
                 if n == 1:  # no session could ever take it: resending would loop
                     size = int(ends[0]) + run.key_size(0)
+                    whose = "" if limit >= DEFAULT_MAX_MESSAGE_BYTES else f" of the server at {self.target}"
                     raise RecordTooLargeError(
-                        f"record {self._sent_seq} has {size} bytes of key and value: over the "
-                        f"{DEFAULT_MAX_MESSAGE_BYTES}-byte message limit; the producer cannot send it "
-                        "(its unsent records: abort() returns them)"
+                        f"record {self._sent_seq} has {size} bytes of key and value: over the {limit}-byte "
+                        f"message limit{whose} (a record takes at most {_record_limit(limit)}); the producer "
+                        "cannot send it (its unsent records: abort() returns them)",
+                        size=size,
+                        limit=_record_limit(limit),
                     )
-                n //= 2  # batch_bytes above the message limit: send the batch in smaller pieces
+                # over the limit with its keys (or batch_bytes above it): fewer records, in proportion
+                over = len(request) if request is not None else 2 * limit
+                n = max(1, min(n - 1, n * limit // over))
                 ends = ends[:n]
             self._pending.drop(n)
             sent = _Sent(self._sent_seq, run)
@@ -1977,6 +2025,8 @@ class Producer:
                         await self._protocol_error(
                             call, f"server sent Request(n={response.request.n}); n must be > 0 (rule 3.9)"
                         )
+                    if response.request.max_message_bytes:  # 0: a server before the field (32 MiB)
+                        self._max_message = min(DEFAULT_MAX_MESSAGE_BYTES, response.request.max_message_bytes)
                     if cancelled is None:  # no credit after a Cancel (rule 3.6)
                         self._credit = min(MAX_DEMAND, self._credit + response.request.n)
                         self._lost_since = None  # the server took this session: reconnected

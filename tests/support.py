@@ -35,6 +35,7 @@ async def running_server(
     cluster: Cluster | None = None,
     port: int = 0,
     peer_token_file: Path | None = None,
+    max_message_bytes: int | None = None,
     **receiver: Any,
 ) -> AsyncIterator[SluiceServer]:
     """A SluiceServer without Spark on a free port of `host` (loopback); `receiver` overrides
@@ -53,6 +54,7 @@ async def running_server(
         security=security or SecurityConfig(),
         peer_token_file=peer_token_file,
         **({} if fsync is None else {"fsync": fsync}),
+        **({} if max_message_bytes is None else {"max_message_bytes": max_message_bytes}),
     )
     server = SluiceServer(config)
     await server.start()

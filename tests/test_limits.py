@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 from support import running_server, wait_until
 
 from ingest.config import SecurityConfig
@@ -27,6 +28,7 @@ from receivers.limits import limit_key, peer_host
 from receivers.principal import ANONYMOUS, Limits, Principal
 from sluice_client import Producer
 from sluice_client.credentials import Credentials
+from sluice_client.errors import RecordTooLargeError
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from sluice_client.wire import encode_batch
@@ -226,6 +228,48 @@ async def test_a_message_over_max_message_bytes_is_refused_before_parsing(tmp_pa
             await wait_until(lambda: garbage.credit > 0)
             await garbage.call.write(pb.PublishRequest(open=pb.Open(stream="x" * 70_000)))
             assert (await garbage.ended())[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@pytest.mark.parametrize("where", ["server", "principal"])
+async def test_the_sdk_cuts_its_batches_under_the_message_limit_the_server_tells(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, where: str
+) -> None:
+    """`--max-message-bytes 1MiB` (or a principal's max_message_bytes): the SDK cut its batches at
+    batch_bytes (1 MiB) and past it, so every push of ordinary records failed RESOURCE_EXHAUSTED (after
+    a reconnect on "INTERNAL: Internal error from Core"). The server tells the limit on its Requests."""
+    limits = {"max_message_bytes": "1MiB"} if where == "principal" else {}
+    security = SecurityConfig(auth_file=auth_file(tmp_path / "auth.toml", **limits))
+    async with running_server(
+        tmp_path / "data",
+        "a",
+        security=security,
+        max_message_bytes=1 << 20 if where == "server" else None,
+        buffer_records=100_000,
+        prefetch=50_000,
+    ) as server:
+        credentials = Credentials(token=TOKENS["app"])
+        async with Producer(server.target, "a", credentials=credentials, producer_id="p") as producer:
+            await producer.send_many([b"%08d" % i + b"z" * 250 for i in range(20_000)])  # 4,096: 1.06 MB
+            await producer.flush(timeout=60)
+            assert (producer.acked, producer.reconnects) == (20_000, 0)
+            # told the limit: a record no message can carry is refused by the call that gives it
+            said = r"record 1 of the call has 1048513 bytes .* over the 1048512-byte limit of a record"
+            with pytest.raises(RecordTooLargeError, match=said + r" \(a message is at most 1048576 bytes"):
+                await producer.send_many([b"ok", b"x" * 1_048_513])
+            await producer.send(b"y" * 1_048_512)  # the largest record there is: alone in its message
+            await producer.flush(timeout=60)
+            assert producer.acked == 20_001
+        # given before a session told the limit: refused when it comes to be sent, naming it
+        fresh = Producer(server.target, "a", credentials=credentials, producer_id="q")
+        await fresh.start()
+        try:
+            said = r"1048576(-byte message limit of the server| bytes \(the server's max_message_bytes)"
+            with pytest.raises(RecordTooLargeError, match=said):  # (whether the Request came first)
+                await fresh.send(b"x" * 2_000_000)
+                await fresh.flush(timeout=30)
+        finally:
+            await fresh.abort()
+    assert "session with the server" not in caplog.text  # no session lost on the way
 
 
 async def test_a_record_over_max_record_bytes_is_invalid_earlier_batches_acked(tmp_path: Path) -> None:

@@ -262,15 +262,24 @@ class Request(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     N_FIELD_NUMBER: _builtins.int
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _builtins.int
     n: _builtins.int
+    max_message_bytes: _builtins.int
+    """The largest Publish message, in serialized bytes (framing, offsets and keys included), this
+    session may send: the server's --max-message-bytes, or its principal's max_message_bytes if lower.
+    A larger message ends the call RESOURCE_EXHAUSTED (gRPC's own check may end it before the server
+    says why, and a client writing then can see INTERNAL). Set on every Request; 0 from a server
+    before this field: 32 MiB, its default, then.
+    """
     def __init__(
         self,
         *,
         n: _builtins.int = ...,
+        max_message_bytes: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["n", b"n"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_message_bytes", b"max_message_bytes", "n", b"n"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
