@@ -92,7 +92,8 @@ class BlockStore(ABC):
         """Make every block written so far durable now (stores that sync in the background). Blocking."""
 
     def disk_bytes(self, stream: str | None = None) -> int:
-        """Bytes the store takes on disk: of one stream, or of all (0 if the store does not know)."""
+        """Bytes the store's blocks take on disk, of one stream or of all (0 if the store does not
+        know): what a disk budget counts, so only what releasing blocks frees, never bookkeeping."""
         return 0
 
     def trim(self, stream: str) -> int:

@@ -930,7 +930,9 @@ class WalBlockStore(BlockStore):
         return sorted(names)
 
     def disk_bytes(self, stream: str | None = None) -> int:
-        """Bytes the store takes on disk: of one stream, or of all."""
+        """Bytes the log's segments take on disk: of one stream, or of all. Not the bookkeeping beside
+        them (released.json, the lock, a mark's temp file): release() cannot free it, and counted against
+        a disk budget below it (`config set disk-budget=1`) it held credit paused for good."""
         folders = [self._folder(stream)] if stream is not None else _subfolders(self.root)
         total = 0
         for folder in folders:
@@ -939,6 +941,8 @@ class WalBlockStore(BlockStore):
             except FileNotFoundError:
                 continue
             for entry in entries:
+                if not _SEGMENT_NAME.match(entry.name):
+                    continue
                 with contextlib.suppress(FileNotFoundError):
                     if entry.is_file(follow_symlinks=False):
                         total += entry.stat(follow_symlinks=False).st_size

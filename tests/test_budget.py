@@ -593,6 +593,32 @@ async def test_a_store_over_the_disk_budget_at_start_grants_nothing_until_spark_
         assert [b.seq for b in spark.store.blocks("s")] == [5]  # numbering continues
 
 
+async def test_a_disk_budget_below_the_logs_bookkeeping_slows_intake_but_never_stalls(tmp_path: Path) -> None:
+    """`sluice config set disk-budget=1` was taken, and then intake stalled for good: the block log's
+    bookkeeping (released.json, which no release frees) counted against the budget. Only the blocks
+    count: a block at a time, Spark's commits bring credit back every time."""
+    credit = {"buffer_records": 400, "prefetch": 200, "low_tide": 50}  # each round needs new credit
+    async with running_server(tmp_path, disk_poll_interval=0.05, **credit) as server:
+        spark = Spark(server.config.blocks_dir)
+        async with Producer(server.target, "s", linger=0, producer_id="p") as producer:
+            await producer.send_many([b"before"] * 1_000)
+            await producer.flush(timeout=30)
+            spark.commit()
+            server.change_settings({"disk-budget": "1"})  # as `sluice config set disk-budget=1`
+            assert (tmp_path / "blocks" / "s" / "released.json").stat().st_size > 1
+            for n in range(1, 4):
+                await producer.send_many([b"round %d" % n] * 300)
+                deadline = time.monotonic() + 30
+                while producer.acked < 1_000 + 300 * n:
+                    assert time.monotonic() < deadline, f"round {n}: only {producer.acked} acked, stalled"
+                    spark.commit()  # Spark's, from its own process: releases what it read
+                    await asyncio.sleep(0.05)
+        spark.commit()
+        assert spark.consumed == [b"before"] * 1_000 + [
+            b"round %d" % n for n in range(1, 4) for _ in range(300)
+        ]
+
+
 def test_trim_drops_a_fully_released_newest_segment_and_keeps_the_producers(tmp_path: Path) -> None:
     writer = WalBlockStore(tmp_path, fsync=FsyncPolicy.off())
     writer.write("s", 0, 0, 0, [batch(b"a", b"b")], {"p": 2})
