@@ -416,6 +416,10 @@ class RateController:
             )
             self._apply(self._clamp(check_rate(proposal)))
 
+    def clamped(self, rate: float) -> float:
+        """The rate `update(rate)` would set (InvalidRateError if it is not one), nothing changed."""
+        return self._clamp(check_rate(rate))
+
     def update(self, rate: float, *, pin: bool = False) -> None:
         """An operator sets the rate (InvalidRateError if it is not one; nothing changes then)."""
         rate = self._clamp(check_rate(rate))

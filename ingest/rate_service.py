@@ -91,8 +91,12 @@ class RateControlService(pb_grpc.RateControlServicer):
         nodes: Callable[[], Sequence[pb.NodeRate]] | None = None,
         pipeline: Callable[[], tuple[Sequence[str], bool]] | None = None,
         settings: ChangeSettings | None = None,
+        pin: Callable[[float | None], None] | None = None,
     ) -> None:
+        """`pin`: keep the pinned rate (None: none) across restarts (SluiceServer.pin_rate; OSError:
+        not kept, nothing changed); None where a pin is not kept (a cluster's nodes and driver)."""
         self._controller = controller
+        self._pin = pin
         # on a node with run-time settings: bounds and estimator are settings (min-rate, max-rate,
         # estimator), changed through them; else (a cluster's driver) on the controller alone
         self._settings = settings
@@ -140,9 +144,14 @@ class RateControlService(pb_grpc.RateControlServicer):
     async def UpdateRate(self, request: pb.UpdateRateRequest, context: Context) -> pb.RateStatus:
         was = self._controller.rate
         try:
+            rate = self._controller.clamped(request.records_per_second)
+            if self._pin is not None and (request.pin or self._controller.pinned):
+                self._pin(rate if request.pin else None)  # kept first, as the settings are
             self._controller.update(request.records_per_second, pin=request.pin)
         except InvalidRateError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except OSError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, f"{NOT_SAVED}: {exc}")
         log.info(
             "rate %g -> %g records/s%s, set by %s",
             was,
@@ -185,6 +194,8 @@ class RateControlService(pb_grpc.RateControlServicer):
                 unchanged = new.rate.estimator_params == old.rate.estimator_params
                 if new.rate.estimator == old.rate.estimator and unchanged:
                     # the same estimator set again starts afresh from the rate and unpins it, as ever
+                    if self._pin is not None:
+                        self._pin(None)
                     self._controller.set_estimator(name, new.rate.estimator_params)
         except ValueError as exc:  # an unknown estimator, a setting refused
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -298,6 +298,9 @@ class RuntimeConfig:
         nothing given, are told apart with `defaults`)."""
         self.path = base.data_dir / FILE
         self.overrides: dict[str, str] = {}
+        self.pinned_rate: float | None = None
+        """The rate `sluice rate set RATE --pin` pinned (records/s, clamped into the bounds), kept in the
+        same file so that a restart pins it again; None: not pinned. Not a setting: no version."""
         self.version = 0
         self.changes: dict[tuple[str, str], int] = {}
         """(key, "applied" | "invalid") -> count, for metrics."""
@@ -337,6 +340,7 @@ class RuntimeConfig:
             ) from None
         self.overrides = overrides
         self.version = data.get("version", 0)
+        self.pinned_rate = _pinned_rate(data.get("pinned_rate"), self.path)
         for key, value in self.overrides.items() if self._announce else ():
             was = SETTINGS[key].text(self.base) or "(none)"
             log.info("setting %s = %s (dynamic, %s; without it: %s)", key, value, self.path, was)
@@ -420,7 +424,7 @@ class RuntimeConfig:
             old = self.current
             if validate_only:
                 return old, new
-            self._persist(overrides, self.version + 1)
+            self._persist(overrides, self.version + 1, self.pinned_rate)
             self.overrides, self.version, self.current = overrides, self.version + 1, new
             for key in [*set_, *reset]:
                 self._count(key, "applied")
@@ -430,8 +434,34 @@ class RuntimeConfig:
         label = key if key in SETTINGS else "unknown"
         self.changes[(label, result)] = self.changes.get((label, result), 0) + 1
 
-    def _persist(self, overrides: Mapping[str, str], version: int) -> None:
-        replace_json(self.path, {"version": version, "overrides": dict(overrides)})
+    def pin(self, rate: float | None) -> None:
+        """Keep `rate` as the pinned rate (None: not pinned) in the file, before the caller applies it
+        (OSError: nothing changed). No write when it is what the file says already."""
+        with self._lock:
+            if rate == self.pinned_rate:
+                return
+            self._persist(self.overrides, self.version, rate)
+            self.pinned_rate = rate
+
+    def _persist(self, overrides: Mapping[str, str], version: int, pinned_rate: float | None) -> None:
+        data: dict[str, object] = {"version": version, "overrides": dict(overrides)}
+        if pinned_rate is not None:
+            data["pinned_rate"] = "inf" if math.isinf(pinned_rate) else pinned_rate
+        replace_json(self.path, data)
+
+
+def _pinned_rate(value: object, path: object) -> float | None:
+    """The file's pinned rate: absent (None), a number > 0 or "inf"; SettingError naming the file."""
+    if value is None:
+        return None
+    if value == "inf":
+        return math.inf
+    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+        return float(value)
+    raise SettingError(
+        f'{path}: pinned_rate {value!r} is not a rate (records/s > 0, or "inf"): correct it, or remove it '
+        "to start with the rate unpinned"
+    )
 
 
 def _check_keys(set_: Mapping[str, str], reset: Sequence[str]) -> None:

@@ -146,6 +146,7 @@ class SluiceServer:
         """The Spark query's lifecycle, once a driver attaches one (Admin.GetPipeline, SwapPipeline)."""
         self.rate = RateController(self.receivers, config.rate, batch_interval=config.trigger_interval)
         """The ingest rate: fed by batch metrics (on_batch) and by operators (RateControl)."""
+        self._pin_again()
         self.registry = CollectorRegistry()
         collector = SluiceCollector(self.receivers, self._batches_completed, wal=self.store)
         self.registry.register(collector)
@@ -436,6 +437,8 @@ class SluiceServer:
             self.receivers,
             pipeline=lambda: (self.streams.read_by_query, self.hold_batches),
             settings=self.change_settings,
+            # a cluster's driver pins each node's share all the time: a node keeps no pin of its own
+            pin=self.runtime.pin if self.node is None else None,
         )
         add_parsed_servicer(server, rate, "RateControl", authenticator=self.auth)
         self._rate_service = rate
@@ -460,6 +463,22 @@ class SluiceServer:
         self.apply_settings(old, new)
         return old, new
 
+    def _pin_again(self) -> None:
+        """The rate an operator pinned before the restart (`sluice rate set RATE --pin`, kept in
+        runtime-config.json) is pinned again, and said so: it was lost without a word."""
+        pinned = self.runtime.pinned_rate
+        if pinned is None:
+            return
+        if self.node is not None:  # a cluster's driver pins a node's share: not an operator's to keep
+            return
+        self.rate.update(pinned, pin=True)
+        log.info(
+            "rate pinned at %g records/s (`sluice rate set --pin` before the restart, kept in %s): the "
+            "estimator is ignored until `sluice rate set` without --pin or `sluice rate estimator`",
+            self.rate.rate,
+            self.runtime.path,
+        )
+
     def apply_settings(self, old: ServeConfig, new: ServeConfig) -> None:
         """Apply settings changed at run time (already validated and kept by self.runtime)."""
         if new.receiver != old.receiver:
@@ -468,7 +487,16 @@ class SluiceServer:
         if (new.rate.min_rate, new.rate.max_rate) != (old.rate.min_rate, old.rate.max_rate):
             self.rate.set_bounds(new.rate.min_rate, new.rate.max_rate)
         if (new.rate.estimator, new.rate.estimator_params) != (old.rate.estimator, old.rate.estimator_params):
-            self.rate.set_estimator(new.rate.estimator, new.rate.estimator_params)
+            self.rate.set_estimator(new.rate.estimator, new.rate.estimator_params)  # unpins
+            if self.runtime.pinned_rate is not None:
+                try:
+                    self.runtime.pin(None)
+                except OSError:
+                    log.exception(
+                        "the new estimator unpinned the rate, but %s still pins it: the next start pins "
+                        "it again unless `sluice rate set` (without --pin) is kept first",
+                        self.runtime.path,
+                    )
         if new.trigger_interval != old.trigger_interval:
             self.rate.set_batch_interval(new.trigger_interval)
         self.config = new

@@ -356,6 +356,50 @@ async def test_the_rate_apis_bounds_and_estimator_are_the_settings_in_force(tmp_
         assert server.rate.estimator.name == "spark-pid"
 
 
+async def test_a_pinned_rate_is_kept_across_a_restart_and_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`sluice rate set R --pin` was lost at a restart without a word (the service came back
+    unthrottled), while every other run-time change was kept. The pin and the unpin are kept now, in
+    runtime-config.json, and the start says the pinned rate is in force."""
+    data = tmp_path / "d"
+
+    async def restarted() -> SluiceServer:
+        caplog.clear()
+        async with running_server(data, "s") as server:
+            return server
+
+    async with running_server(data, "s") as server, grpc.aio.insecure_channel(server.target) as channel:
+        rate = pb_grpc.RateControlStub(channel)
+        await rate.UpdateRate(pb.UpdateRateRequest(records_per_second=5000, pin=True))
+        for bad in (math.nan, -1.0):  # refused before anything is kept
+            with pytest.raises(grpc.aio.AioRpcError):
+                await rate.UpdateRate(pb.UpdateRateRequest(records_per_second=bad, pin=True))
+    caplog.set_level("INFO", logger="ingest.server")
+    server = await restarted()
+    assert (server.rate.pinned, server.rate.rate) == (True, 5000)
+    assert "rate pinned at 5000 records/s" in caplog.text and "runtime-config.json" in caplog.text
+    async with running_server(data, "s") as server, grpc.aio.insecure_channel(server.target) as channel:
+        assert server.rate.pinned
+        rate = pb_grpc.RateControlStub(channel)
+        await rate.UpdateRate(pb.UpdateRateRequest(records_per_second=7000))  # unpinned, kept so
+    server = await restarted()
+    assert not server.rate.pinned and math.isinf(server.rate.rate)  # the command line's rate
+    assert "rate pinned" not in caplog.text
+    async with (
+        running_server(data, "s") as server,
+        admin(server) as stub,
+        grpc.aio.insecure_channel(server.target) as channel,
+    ):
+        rate = pb_grpc.RateControlStub(channel)
+        await rate.UpdateRate(pb.UpdateRateRequest(records_per_second=math.inf, pin=True))
+        assert json.loads((data / "runtime-config.json").read_text())["pinned_rate"] == "inf"
+        await stub.SetConfig(pb.SetConfigRequest(set={"estimator": "spark-pid"}))  # a new estimator unpins
+        assert not server.rate.pinned
+    server = await restarted()
+    assert not server.rate.pinned and server.rate.estimator.name == "spark-pid"
+
+
 async def test_a_session_list_cannot_be_forged_by_a_producer_id(tmp_path: Path) -> None:
     """A producer id with escape codes, newlines and tabs reached the operator's terminal raw through
     `sluice sessions list` (clearing or recolouring it, forging rows); it is shown escaped."""
