@@ -16,6 +16,10 @@ batch interval is a Spark Duration, a whole number of milliseconds: round(batch_
 from each batch so that a runtime change of the trigger interval is followed (Spark fixes it per
 StreamingContext).
 
+Overflow. Gains are any finite numbers >= 0, as in Spark; a step whose arithmetic overflows (gains of
+1e308) is not taken: the state stays as it was and no rate is proposed, where Spark's latestRate would
+turn inf, then NaN, for good.
+
 Bounds. Spark's estimator applies only minRate (our bounds.min_rate) inside its formula; the maximum
 (spark.streaming.receiver.maxRate) is applied later by the receiver's RateLimiter, outside the
 estimator's state. Here the output is clamped to bounds.max_rate too, and, as in Spark, the clamp does
@@ -110,6 +114,10 @@ class SparkPIDEstimator(RateEstimator):
             - self.derivative * d_error,
             self._bounds.min_rate,
         )
+        if not math.isfinite(new_rate):
+            # gains so large (1e308) that the step overflows: Spark's doubles would carry the inf into
+            # latestRate and the next error (inf - inf: NaN for good); the step is not taken instead
+            return None
         self._latest_time = time
         if self._first_run:
             self._latest_rate = processing_rate

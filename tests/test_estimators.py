@@ -307,6 +307,18 @@ def test_spark_pid_clamps_to_max_outside_its_state() -> None:
     assert pid.rate == 30_000.0
 
 
+def test_spark_pid_with_huge_gains_stays_finite() -> None:
+    """Gains of 1e308 were taken, and a step that overflowed left latest_rate inf, then NaN for good
+    (rate inf): such a step is not taken, the state stays finite."""
+    pid = SparkPIDEstimator(initial_rate=10_000.0, proportional=1e308, integral=1e308, derivative=1e308)
+    for second, records in enumerate([1000, 5000, 200, 9000, 3000], 1):
+        out = pid.compute(batch(second, records, 1.0, late=0.5))
+        assert out is None or math.isfinite(out), out
+        state = pid.state()
+        values = [state["rate"], state["latest_rate"], state["latest_error"]]
+        assert all(isinstance(v, float) and math.isfinite(v) for v in values), state
+
+
 # --- the model estimator, batch by batch ----------------------------------------------------------------
 
 
