@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import itertools
 import math
 import re
 from collections.abc import Mapping
@@ -19,6 +20,7 @@ from ratecontrol import (
 )
 from receivers.cluster import Cluster
 from receivers.config import DEFAULT_SEGMENT_BYTES, FsyncPolicy, ReceiverConfig
+from receivers.errors import cut, shown
 from receivers.names import check_stream_name
 from receivers.principal import Limits
 
@@ -86,23 +88,33 @@ ascii_int.__name__ = "int"
 
 
 def parse_estimator_params(text: str) -> dict[str, float]:
-    """ "name=value,name=value" (numbers) -> {name: value}; "" -> {}. ValueError naming the problem."""
+    """ "name=value,name=value" (numbers) -> {name: value}; "" -> {}. ValueError naming the problem, a
+    name given twice too (the last one won, and 100,000 "horizon=" pairs were kept verbatim)."""
     params: dict[str, float] = {}
+    twice: dict[str, None] = {}
     for part in text.split(","):
         if not part.strip():
             continue
         name, sep, value = part.partition("=")
         name = name.strip()
         if not sep or not name:
-            raise ValueError(f"estimator parameter {part.strip()!r} is not name=value")
+            raise ValueError(f"estimator parameter {shown(part.strip())} is not name=value")
         try:
             number = ascii_float(value)
         except ValueError:
-            raise ValueError(f"estimator parameter {name}: {value.strip()!r} is not a number") from None
+            raise ValueError(
+                f"estimator parameter {cut(name)}: {shown(value.strip())} is not a number"
+            ) from None
         if not math.isfinite(number):
-            raise ValueError(f"estimator parameter {name}: {value.strip()!r} is not finite")
+            raise ValueError(f"estimator parameter {cut(name)}: {shown(value.strip())} is not finite")
         integral = number.is_integer() and "." not in value and "e" not in value.lower()
+        if name in params:
+            twice[name] = None
         params[name] = int(number) if integral else number
+    if twice:
+        names = ", ".join(shown(name) for name in itertools.islice(twice, 5))
+        more = f" ({len(twice)} names in all)" if len(twice) > 5 else ""
+        raise ValueError(f"estimator parameters given more than once: {names}{more}; give each once")
     return params
 
 

@@ -210,10 +210,10 @@ def make_estimator(name: str, *, bounds: RateBounds, initial_rate: float, **gain
     accepted = set(inspect.signature(factory).parameters) - {"bounds", "initial_rate"}
     unknown = sorted(set(gains) - accepted)
     if unknown:
-        raise ValueError(
-            f"estimator {name!r} has no parameter {', '.join(repr(u) for u in unknown)}; "
-            f"it takes: {', '.join(sorted(accepted)) or 'none'}"
-        )
+        named = ", ".join(repr(u) if len(u) <= 100 else f"{u[:100]!r}..." for u in unknown[:5])
+        more = f" ({len(unknown)} in all)" if len(unknown) > 5 else ""  # a message, not a megabyte
+        takes = ", ".join(sorted(accepted)) or "none"
+        raise ValueError(f"estimator {name!r} has no parameter {named}{more}; it takes: {takes}")
     return factory(bounds=bounds, initial_rate=initial_rate, **gains)
 
 

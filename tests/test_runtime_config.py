@@ -19,6 +19,7 @@ import grpc
 import pytest
 from prometheus_client import generate_latest
 
+from ingest.config import parse_estimator_params
 from ingest.server import SluiceServer
 from sluice_client import Producer
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
@@ -220,6 +221,27 @@ async def test_an_invalid_change_changes_nothing_and_says_why(tmp_path: Path) ->
         page = generate_latest(server.registry).decode()
         assert 'sluice_config_changes_total{key="prefetch",result="applied"} 2.0' in page
         assert "sluice_config_version 2.0" in page
+
+
+async def test_estimator_parameters_given_twice_are_refused_naming_them(tmp_path: Path) -> None:
+    """`horizon=3,horizon=4` was taken (the last won), and 100,000 such pairs were kept verbatim (1 MB
+    in runtime-config.json); 100,000 unknown names made a message of as much."""
+    async with running_server(tmp_path / "d", "s") as server, admin(server) as stub:
+        for params, words in (
+            ("horizon=3,horizon=4", "estimator parameters given more than once: 'horizon'; give each once"),
+            ("horizon=3," * 100_000, "more than once: 'horizon'"),
+            (",".join(f"p{i}=1" for i in range(100_000)), "no parameter 'p0', 'p1', "),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.SetConfig(
+                    pb.SetConfigRequest(set={"estimator": "model", "estimator-params": params})
+                )
+            details = caught.value.details() or ""
+            assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT, details
+            assert words in details and len(details) < 1_000, details[:2_000]
+        assert server.runtime.version == 0 and not (tmp_path / "d" / "runtime-config.json").exists()
+    with pytest.raises(ValueError, match="given more than once: 'a', 'b'; give each once"):
+        parse_estimator_params("a=1,b=2,a=3,b=4,c=5")
 
 
 async def test_a_corrupt_settings_file_stops_the_start_with_its_name(tmp_path: Path) -> None:
