@@ -87,6 +87,9 @@ class AdminService(pb_grpc.AdminServicer):
         if not request.set and not request.reset:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "nothing to set or reset")
         changes = dict(request.set)
+        version = self._runtime.version
+        not_set = self._runtime.not_set(request.reset)  # nothing to reset there
+        reset = [key for key in dict.fromkeys(request.reset) if key not in not_set]
         try:
             if request.validate_only:  # what the settings would become (the version they would not)
                 self._change(request, validate_only=True)
@@ -110,11 +113,20 @@ class AdminService(pb_grpc.AdminServicer):
         except (SwapRolledBack, PipelineUnavailable) as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"nothing changed: {exc}")
             raise
-        done = [", ".join(f"{k}={v}" for k, v in changes.items())] if changes else []
-        if request.reset:
-            done.append(f"reset {', '.join(request.reset)}")
-        log.info("settings version %d by %s: %s", self._runtime.version, context.peer(), "; ".join(done))
-        return self._view()
+        # one line of known keys (an unknown one was refused), each value cut: 100,000 resets of one
+        # key logged a line of 900 KB
+        done = [", ".join(f"{k}={cut(v)}" for k, v in changes.items())] if changes else []
+        if reset:
+            done.append(f"reset {', '.join(reset)}")
+        if not_set:
+            done.append(f"nothing to reset for {', '.join(not_set)} (not set at run time)")
+        if self._runtime.version == version:
+            log.info("settings unchanged (version %d) by %s: %s", version, context.peer(), "; ".join(done))
+        else:
+            log.info("settings version %d by %s: %s", self._runtime.version, context.peer(), "; ".join(done))
+        view = self._view()
+        view.not_set.extend(not_set)
+        return view
 
     async def _change_shielded(self, request: pb.SetConfigRequest, peer: str) -> None:
         """Validate, restart the query for a new trigger interval, save and apply: as a task that runs to

@@ -1993,14 +1993,15 @@ def _config_set(args: argparse.Namespace) -> int:
 
 def _config_reset(args: argparse.Namespace) -> int:
     request = pb.SetConfigRequest(reset=args.keys)
-    return _show_config(
-        _unary(
-            args,
-            "config reset",
-            lambda ch, md: pb_grpc.AdminStub(ch).SetConfig(request, metadata=md),
-            timeout=300,  # as config set: resetting the trigger interval restarts the query
-        )
+    view = _unary(
+        args,
+        "config reset",
+        lambda ch, md: pb_grpc.AdminStub(ch).SetConfig(request, metadata=md),
+        timeout=300,  # as config set: resetting the trigger interval restarts the query
     )
+    if view.not_set:
+        print(f"nothing to reset for {', '.join(view.not_set)}: not set at run time", file=sys.stderr)
+    return _show_config(view)
 
 
 def _config_check(args: argparse.Namespace) -> int:

@@ -405,8 +405,11 @@ class RuntimeConfig:
         expected_version: int = 0,
     ) -> tuple[ServeConfig, ServeConfig]:
         """Validate every change, then (unless validate_only) keep and persist them all: (old, new)
-        configs. SettingError (UnknownSettingError, VersionConflictError) and nothing changes."""
-        reset = list(reset)
+        configs. SettingError (UnknownSettingError, VersionConflictError) and nothing changes. A key
+        reset that was not set at run time is nothing to reset (not_set): a change of only such keys
+        is no change, and the version stays (100,000 resets of an unset key bumped it, and the file was
+        written as often)."""
+        reset = list(dict.fromkeys(reset))
         with self._lock:
             try:
                 if expected_version and expected_version != self.version:
@@ -422,13 +425,18 @@ class RuntimeConfig:
                     self._count(key, "invalid")
                 raise
             old = self.current
-            if validate_only:
+            reset = [key for key in reset if key in self.overrides]  # the others: nothing to reset
+            if validate_only or not (set_ or reset):
                 return old, new
             self._persist(overrides, self.version + 1, self.pinned_rate)
             self.overrides, self.version, self.current = overrides, self.version + 1, new
             for key in [*set_, *reset]:
                 self._count(key, "applied")
             return old, new
+
+    def not_set(self, reset: Iterable[str]) -> list[str]:
+        """The settings among `reset` that are not set at run time: nothing to reset there."""
+        return [key for key in dict.fromkeys(reset) if key in SETTINGS and key not in self.overrides]
 
     def _count(self, key: str, result: str) -> None:
         label = key if key in SETTINGS else "unknown"

@@ -281,6 +281,34 @@ async def test_sluice_config_get_set_reset(tmp_path: Path) -> None:
         assert server.receivers["s"].config.prefetch == 250_000
         saved = json.loads((tmp_path / "d" / "runtime-config.json").read_text())
         assert saved == {"version": 2, "overrides": {}}
+        done = await asyncio.to_thread(cli, "reset", "prefetch")  # not set now: nothing to reset
+        assert done.returncode == 0, done.stderr
+        assert "nothing to reset for prefetch: not set at run time" in done.stderr
+        assert "(version 2)" in done.stdout and server.runtime.version == 2
+
+
+async def test_a_reset_of_a_setting_not_set_changes_nothing_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """100,000 resets of a key that was not set bumped the version, rewrote the file and logged a line
+    of 900 KB. Nothing to reset is no change; the answer and one short log line say so."""
+    caplog.set_level("INFO", logger="ingest.admin_service")
+    async with running_server(tmp_path / "d", "s") as server, admin(server) as stub:
+        view = await stub.SetConfig(pb.SetConfigRequest(reset=["prefetch"] * 100_000))
+        assert (view.version, list(view.not_set)) == (0, ["prefetch"])
+        assert not (tmp_path / "d" / "runtime-config.json").exists()
+        await stub.SetConfig(pb.SetConfigRequest(set={"block-interval": "0.1"}))
+        view = await stub.SetConfig(pb.SetConfigRequest(reset=["block-interval", "prefetch"] * 50_000))
+        assert (view.version, list(view.not_set)) == (2, ["prefetch"])  # block-interval was reset
+        assert server.receivers["s"].config.block_interval == 0.02
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:  # a key that is no setting: as before
+            await stub.SetConfig(pb.SetConfigRequest(reset=["prefetch", "nope"]))
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    lines = [r.getMessage() for r in caplog.records if r.name == "ingest.admin_service"]
+    assert lines[0].startswith("settings unchanged (version 0) by ")
+    assert lines[0].endswith(": nothing to reset for prefetch (not set at run time)")
+    assert lines[-1].endswith(": reset block-interval; nothing to reset for prefetch (not set at run time)")
+    assert max(map(len, lines)) < 300, max(map(len, lines))
 
 
 async def test_a_huge_name_in_a_request_gets_its_own_error_not_resource_exhausted(tmp_path: Path) -> None:

@@ -1569,19 +1569,27 @@ class ConfigView(_message.Message):
 
     SETTINGS_FIELD_NUMBER: _builtins.int
     VERSION_FIELD_NUMBER: _builtins.int
+    NOT_SET_FIELD_NUMBER: _builtins.int
     version: _builtins.int
     """Bumped by every applied change; kept across restarts."""
     @_builtins.property
     def settings(self) -> _containers.RepeatedCompositeFieldContainer[Global___ConfigSetting]: ...
+    @_builtins.property
+    def not_set(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """In the answer to a SetConfig: the keys of its `reset` that were not set at run time, so there was
+        nothing to reset (a request that only resets such keys changes nothing: the version stays).
+        """
+
     def __init__(
         self,
         *,
         settings: _abc.Iterable[Global___ConfigSetting] | None = ...,
         version: _builtins.int = ...,
+        not_set: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["settings", b"settings", "version", b"version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["not_set", b"not_set", "settings", b"settings", "version", b"version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
