@@ -8,3 +8,8 @@ import threading
 
 RELEASE_HUNG = threading.Event()
 """What swap_pipelines.hangs_first_batch's batch waits for: set by its test once done."""
+HANG_NEXT = threading.Event()
+"""Set: the next batch of swap_pipelines.hangs_when_asked hangs until RELEASE_HUNG (one batch: it
+clears it)."""
+HANGING = threading.Event()
+"""Set by swap_pipelines.hangs_when_asked's batch that hangs."""

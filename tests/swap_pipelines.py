@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from hung_batches import RELEASE_HUNG  # shared across the fresh imports of a swap
+from hung_batches import HANG_NEXT, HANGING, RELEASE_HUNG  # shared across the fresh imports of a swap
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.streaming.readwriter import DataStreamWriter
@@ -100,12 +100,6 @@ def hangs_once_started(df: DataFrame, context: PipelineContext) -> DataStreamWri
         time.sleep(3600)
 
     return df.writeStream.foreachBatch(write)
-
-
-HANG_NEXT = threading.Event()
-"""Set: the next batch of hangs_when_asked hangs until RELEASE_HUNG (one batch: it clears it)."""
-HANGING = threading.Event()
-"""Set by hangs_when_asked's batch that hangs."""
 
 
 def hangs_when_asked(df: DataFrame, context: PipelineContext) -> DataStreamWriter:
