@@ -7,13 +7,11 @@ rich markup. `sluice rate get`, `streams list`, `pipeline get`, `config get`, `s
 
 from __future__ import annotations
 
-import http.server
 import json
 import math
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
@@ -22,6 +20,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from support import serving_page
 
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -184,23 +183,8 @@ def test_status_metrics_shows_status_json_strings_escaped() -> None:
     }
     body = json.dumps(page).encode()
 
-    class Page(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        result = sluice("status", "--once", "--metrics", f"http://127.0.0.1:{server.server_address[1]}")
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving_page(body) as url:
+        result = sluice("status", "--once", "--metrics", url)
     assert result.returncode == 0, result.stderr
     assert_escaped(result)
     assert r"\x1b]0;pwned\x07" in result.stdout.decode()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from pki import CertificateAuthority
-from support import running_server
+from support import running_server, serving_page
 from test_metrics_security import TOKENS, auth_file
 
 from ingest.config import SecurityConfig, TlsConfig
@@ -275,24 +275,8 @@ async def test_status_metrics_of_something_else_is_one_line(body: bytes, says: s
     """A /status.json of another version, or another server on that port, printed a traceback (a
     TypeError, AttributeError or RecursionError): one line now, exit 1."""
 
-    class Page(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    page = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
-    thread = threading.Thread(target=page.serve_forever, daemon=True)
-    thread.start()
-    try:
-        shown = await status("--metrics", f"http://127.0.0.1:{page.server_address[1]}", token=None)
-    finally:
-        page.shutdown()
-        page.server_close()
+    with serving_page(body) as url:
+        shown = await status("--metrics", url, token=None)
     assert shown.returncode == 1, shown.stderr
     assert shown.stderr.count("\n") == 1 and "Traceback" not in shown.stderr, shown.stderr
     assert says in shown.stderr, shown.stderr
