@@ -75,7 +75,7 @@ from ingest.spark.pipeline import start_query
 from ingest.spark.session import build_session
 from ratecontrol import BatchMetrics
 from ratecontrol.simulate import UNJUDGED, Pipeline, Simulation, jumps, known_capacity
-from receivers.block import BLOCK_SCHEMA
+from receivers.block import PLAIN_SCHEMA
 from receivers.config import FsyncPolicy
 from receivers.wal import WalBlockStore
 from sluice_client import Producer
@@ -218,7 +218,7 @@ def measure_streaming_capacity(
         now = pa.array([int(time.time() * 1e6)] * block, pa.timestamp("us", tz="UTC"))
         records = pa.RecordBatch.from_arrays(
             [pa.nulls(block, pa.binary()), pa.array([value] * block, pa.binary()), now],
-            schema=BLOCK_SCHEMA,
+            schema=PLAIN_SCHEMA,
         )
         for seq in range(-(-total // block)):
             store.write(STREAM, seq, seq * block, 0, [records])

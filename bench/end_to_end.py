@@ -38,7 +38,7 @@ from ingest.driver import SparkDriver
 from ingest.server import SluiceServer
 from ingest.spark.pipeline import parquet_pipeline, start_query
 from ingest.spark.session import build_session
-from receivers.block import BLOCK_SCHEMA
+from receivers.block import PLAIN_SCHEMA
 from receivers.config import FsyncPolicy
 from receivers.wal import WalBlockStore
 from sluice_client import Producer
@@ -119,7 +119,7 @@ def write_blocks(root: Path, records: int, record_bytes: int, block_records: int
     stamps = pa.array(np.full(block_records, time.time_ns() // 1000, dtype=np.int64)).cast(
         pa.timestamp("us", tz="UTC")
     )
-    block = pa.RecordBatch.from_arrays([keys, values, stamps], schema=BLOCK_SCHEMA)
+    block = pa.RecordBatch.from_arrays([keys, values, stamps], schema=PLAIN_SCHEMA)
     while records > 0:
         n = min(block_records, records)
         batches = [block.slice(i, min(4096, n - i)) for i in range(0, n, 4096)]

@@ -7,17 +7,74 @@ offset of its first record, so offsets need not be stored per record.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
+
+ARRIVAL = pa.timestamp("us", tz="UTC")
+"""When the receiver took a record: the `timestamp` Spark sees."""
+
+_RUNS = pa.run_end_encoded(pa.int32(), ARRIVAL)
 
 BLOCK_SCHEMA = pa.schema(
     [
         pa.field("key", pa.binary()),
         pa.field("value", pa.binary(), nullable=False),
-        pa.field("timestamp", pa.timestamp("us", tz="UTC"), nullable=False),
+        # run-end encoded: the records of one client message share their arrival time, so a batch stores
+        # it once (one run), not 8 bytes a record through the log, its copy and its CRC
+        pa.field("timestamp", _RUNS, nullable=False),
     ]
 )
+
+PLAIN_SCHEMA = pa.schema(
+    [
+        pa.field("key", pa.binary()),
+        pa.field("value", pa.binary(), nullable=False),
+        pa.field("timestamp", ARRIVAL, nullable=False),
+    ]
+)
+"""The layout of blocks written before the timestamp was run-end encoded: logs and copies in it are
+still read, as BLOCK_SCHEMA batches (as_block_batch())."""
+
+
+@functools.lru_cache(maxsize=16)
+def _one_run(count: int) -> pa.Array:
+    return pa.array([count], pa.int32())
+
+
+def arrivals(count: int, timestamp_us: int) -> pa.Array:
+    """The timestamp column of `count` records taken at `timestamp_us`: one run."""
+    value = pa.Array.from_buffers(
+        ARRIVAL, 1, [None, pa.py_buffer(timestamp_us.to_bytes(8, "little", signed=True))]
+    )
+    # from buffers: RunEndEncodedArray.from_arrays checks its inputs in Python, about 4x slower
+    return pa.Array.from_buffers(_RUNS, count, [None], children=[_one_run(count), value])
+
+
+def as_block_batch(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """`batch` with BLOCK_SCHEMA: a batch in the plain layout (PLAIN_SCHEMA) gets its timestamps run-end
+    encoded; any other schema is a ValueError."""
+    if batch.schema.equals(BLOCK_SCHEMA):
+        return batch
+    if not batch.schema.equals(PLAIN_SCHEMA):
+        raise ValueError(f"a block's batch has schema {batch.schema}, not the block schema")
+    runs = pc.run_end_encode(batch.column(2), run_end_type=pa.int32())
+    return pa.RecordBatch.from_arrays([batch.column(0), batch.column(1), runs], schema=BLOCK_SCHEMA)
+
+
+def plain_arrivals(column: pa.Array) -> pa.Array:
+    """A block batch's timestamp column as one timestamp a record (what Spark's rows hold)."""
+    return pc.run_end_decode(column) if pa.types.is_run_end_encoded(column.type) else column
+
+
+def first_arrival_us(batch: pa.RecordBatch) -> int:
+    """The timestamp of a non-empty block batch's first record, in microseconds."""
+    column = batch.column(2)
+    if pa.types.is_run_end_encoded(column.type):
+        column = pc.run_end_decode(column.slice(0, 1)) if column.offset else column.values
+    return int(column[0].value)
 
 
 @dataclass(frozen=True, order=True)

@@ -102,7 +102,7 @@ import pyarrow as pa
 from reactivex.subject import Subject
 
 from ratecontrol import UNLIMITED, TokenBucket
-from receivers.block import BlockInfo
+from receivers.block import BlockInfo, first_arrival_us
 from receivers.block_store import BlockStore
 from receivers.config import ReceiverConfig
 from receivers.errors import (
@@ -1345,7 +1345,7 @@ class Receiver:
         offsets, times, at = array("q"), array("d"), info.first_offset
         for chunk in chunks:  # a batch's records share their arrival time
             offsets.append(at)
-            times.append(chunk.records.column(2)[0].value / 1e6)
+            times.append(first_arrival_us(chunk.records) / 1e6)
             at += chunk.records.num_rows
         self._arrivals.append((info.first_offset, offsets, times))
         self._next_block_seq += 1

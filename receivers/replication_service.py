@@ -23,7 +23,7 @@ import pyarrow as pa
 from google.protobuf.message import DecodeError
 
 from receivers.auth import Authenticator
-from receivers.block import BLOCK_SCHEMA
+from receivers.block import BLOCK_SCHEMA, PLAIN_SCHEMA
 from receivers.cluster import Cluster
 from receivers.errors import ReceiverError
 from receivers.receiver import Receiver
@@ -53,7 +53,8 @@ def _check_payload(block: RawBlock) -> None:
         table = pa.ipc.open_stream(block.payload).read_all()
     except pa.ArrowException as exc:
         raise InvalidBlockError(f"block {block.seq}: its payload is not an Arrow IPC stream: {exc}") from None
-    if not table.schema.equals(BLOCK_SCHEMA) or table.num_rows != block.count:
+    schema_known = table.schema.equals(BLOCK_SCHEMA) or table.schema.equals(PLAIN_SCHEMA)  # an older owner's
+    if not schema_known or table.num_rows != block.count:
         raise InvalidBlockError(
             f"block {block.seq}: its payload holds {table.num_rows} rows of {table.schema}, "
             f"not {block.count} of the block schema"

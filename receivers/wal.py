@@ -24,7 +24,9 @@ Each block is one frame, written with a single write (O_APPEND)::
         receiver      i    id of the receiver that sealed it
         received_at   d    epoch seconds when the block's first record was taken (0.0 for no records)
     producers section: n (I), then n x (id length H, id UTF-8 bytes, next_seq Q)
-    payload: the block's record batches as an Arrow IPC *stream* (BLOCK_SCHEMA)
+    payload: the block's record batches as an Arrow IPC *stream* (BLOCK_SCHEMA: the timestamp run-end
+             encoded, one run a client message; frames written before that hold PLAIN_SCHEMA, one
+             timestamp a record, and read as BLOCK_SCHEMA)
 
 Durability (FsyncPolicy): "every-block" (the default) fsyncs the segment before write() returns, and
 the folder when a segment is created, so an acked block survives a power loss. "interval:MS" is group
@@ -87,7 +89,7 @@ try:  # the same CRC-32 as zlib's (same values, the log's format), with ISA-L's 
 except ImportError:  # pragma: no cover - isal comes with the server's extra; zlib's is the fallback
     from zlib import crc32
 
-from receivers.block import BLOCK_SCHEMA, BlockInfo
+from receivers.block import BLOCK_SCHEMA, BlockInfo, as_block_batch, first_arrival_us
 from receivers.block_store import BlockStore
 from receivers.config import DEFAULT_SEGMENT_BYTES, FsyncPolicy
 from receivers.names import check_stream_name
@@ -651,7 +653,10 @@ class WalBlockStore(BlockStore):
         h = frame.header
         body = self._read_frame(block, path, frame)
         reader = pa.ipc.open_stream(pa.py_buffer(body[h.producers_len :]))
-        yield from reader
+        if reader.schema.equals(BLOCK_SCHEMA):
+            yield from reader
+        else:  # written before the timestamp was run-end encoded (or copied from such a node)
+            yield from map(as_block_batch, reader)
 
     def _read_frame(self, block: BlockInfo, path: Path, frame: _Frame) -> memoryview:
         """The frame's bytes after its header, checked against its CRC and `block`."""
@@ -1470,12 +1475,12 @@ def _valid_frame(fd: int, pos: int, size: int, last_seq: int) -> tuple[_Header, 
 
 def _encoding(key: _BlockKey) -> tuple[RawBlock, Callable[[], int], Callable[[memoryview], None]]:
     """The block's header fields, how to measure its payload, and how to encode that into a frame."""
-    batches = key.batches
+    batches = [as_block_batch(b) for b in key.batches]  # the receiver's are; a caller's may be plain
     count = sum(b.num_rows for b in batches)
     received_at = 0.0
     for batch in batches:
         if batch.num_rows:
-            received_at = batch.column("timestamp")[0].value / 1e6
+            received_at = first_arrival_us(batch) / 1e6
             break
 
     def write(sink: pa.NativeFile) -> None:

@@ -24,15 +24,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from google.protobuf.message import DecodeError
 
-from receivers.block import BLOCK_SCHEMA
+from receivers.block import BLOCK_SCHEMA, arrivals
 from receivers.errors import InvalidBatch, InvalidMessage, SequenceOutOfRange
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.wire import MAX_PRODUCER_ID_BYTES  # the protocol's; the SDK checks it at construction
 
 if sys.byteorder != "little":  # pragma: no cover - the wire layout is little-endian
     raise ImportError("Sluice's wire layout needs a little-endian host")
-
-_TIMESTAMP = BLOCK_SCHEMA.field("timestamp").type
 
 SEQ_LIMIT = 2**64 - 1
 """The end of the sequence range: every record's seq is below it, so first_seq + count <= SEQ_LIMIT.
@@ -207,11 +205,7 @@ def decode_batch(batch: pb.Batch | WireBatch, timestamp_us: int) -> pa.RecordBat
         raise InvalidBatch("Batch.keys or key_validity set without key_offsets")
     else:
         keys = _no_keys(count) if count <= _SHARED_NO_KEYS else pa.nulls(count, pa.binary())
-    # from the buffer: pa.array() of a numpy array imports pandas (half a second on a first batch)
-    timestamps = pa.Array.from_buffers(
-        _TIMESTAMP, count, [None, pa.py_buffer(np.full(count, timestamp_us, dtype=np.int64))]
-    )
-    return pa.RecordBatch.from_arrays([keys, values, timestamps], schema=BLOCK_SCHEMA)
+    return pa.RecordBatch.from_arrays([keys, values, arrivals(count, timestamp_us)], schema=BLOCK_SCHEMA)
 
 
 _SHARED_NO_KEYS = 65_536

@@ -25,7 +25,7 @@ from support import running_server, wait_until
 from ingest.cli import _show_rate
 from ingest.rate_service import rate_status
 from ingest.server import SluiceServer
-from receivers.block import BLOCK_SCHEMA
+from receivers.block import ARRIVAL, PLAIN_SCHEMA
 from receivers.config import FsyncPolicy, ReceiverConfig
 from receivers.receiver import DISK_BUDGET, DISK_ERROR, MEMORY_BUDGET, SERVER_MEMORY
 from receivers.wal import WalBlockStore
@@ -47,9 +47,9 @@ def batch(*values: bytes) -> pa.RecordBatch:
         [
             pa.array([None] * len(values), pa.binary()),
             pa.array(values, pa.binary()),
-            pa.array([1_000_000] * len(values), BLOCK_SCHEMA.field("timestamp").type),
+            pa.array([1_000_000] * len(values), ARRIVAL),
         ],
-        schema=BLOCK_SCHEMA,
+        schema=PLAIN_SCHEMA,
     )
 
 

@@ -682,9 +682,13 @@ async def test_a_query_never_starts_past_records_only_a_down_copy_holds_after_an
         await stacks[1].aclose()  # node 1, the only holder of records 0..99, is down
         r = reader(clusters)
         initial = await asyncio.to_thread(r.initialOffset)
-        assert initial == {"s": {"0": 0}}  # not 100: nothing was read
+        # not 100: nothing was read (node 1's own, empty partition is listed when its copy on node 0
+        # was set up before node 1 went down, a race under load)
+        assert (
+            initial["s"]["0"] == 0 and set(initial["s"]) <= {"0", "1"} and set(initial["s"].values()) == {0}
+        )
         end = await asyncio.to_thread(r.latestOffset, initial, ReadAllAvailable())
-        assert end == {"s": {"0": 110}}
+        assert end["s"] == {**initial["s"], "0": 110}
         parts = list(await asyncio.to_thread(r.partitions, initial, end))
         with pytest.raises(PartitionUnreadableError) as caught:
             await asyncio.to_thread(read_all, r, parts)

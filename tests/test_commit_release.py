@@ -25,7 +25,7 @@ from ingest.config import RateConfig, ServeConfig
 from ingest.driver import SparkDriver, drive_rate
 from ingest.server import SluiceServer
 from ingest.spark.pipeline import parquet_pipeline, start_query
-from receivers.block import BLOCK_SCHEMA
+from receivers.block import ARRIVAL, PLAIN_SCHEMA
 from receivers.config import FsyncPolicy, ReceiverConfig
 from receivers.wal import STATE_FILE, WalBlockStore
 from sluice_client import Producer
@@ -247,8 +247,8 @@ def test_processes_releasing_at_once_never_move_the_mark_back_nor_lose_producers
     for i in range(blocks):
         keys = pa.array([None] * 3, pa.binary())
         values = pa.array([f"v{i}".encode()] * 3, pa.binary())
-        times = pa.array([1] * 3, BLOCK_SCHEMA.field("timestamp").type)
-        batch = pa.RecordBatch.from_arrays([keys, values, times], schema=BLOCK_SCHEMA)
+        times = pa.array([1] * 3, ARRIVAL)
+        batch = pa.RecordBatch.from_arrays([keys, values, times], schema=PLAIN_SCHEMA)
         writer.write("s", seq + i, offset + 3 * i, 0, [batch], {f"p{i}": i + 1})
     go = tmp_path / "go"
     # two in step, one striding ahead, one behind: the server's release, Spark's commit(), a restart's

@@ -31,7 +31,7 @@ from ingest.nexmark.generator import (
     parse_date_time,
     push,
 )
-from receivers.block import BLOCK_SCHEMA
+from receivers.block import PLAIN_SCHEMA
 from receivers.config import FsyncPolicy
 from receivers.wal import WalBlockStore
 from tests.support import running_server
@@ -159,7 +159,7 @@ def write_events(store: WalBlockStore, events: list[Event], block: int = 500) ->
                 pa.array([e.encode() for e in part], pa.binary()),
                 pa.array([BASE_MS * 1000] * len(part), pa.timestamp("us", tz="UTC")),
             ],
-            schema=BLOCK_SCHEMA,
+            schema=PLAIN_SCHEMA,
         )
         store.write(STREAM, seq, offset, 0, [batch])
 

@@ -666,3 +666,31 @@ def test_a_copy_keeps_what_it_holds_below_where_its_owners_lost_log_went_on(tmp_
     assert log.skipped_to("s") == 5
     assert WalBlockStore(tmp_path / "log").skipped_to("s") == 5
     log.close()
+
+
+def test_a_copy_from_an_owner_that_writes_a_timestamp_a_record_is_taken_and_read(tmp_path: Path) -> None:
+    """An owner not yet upgraded sends blocks with one timestamp a record (PLAIN_SCHEMA): the follower
+    takes them and serves them as the log's batches now are; a payload of any other schema is refused."""
+    from receivers.block import PLAIN_SCHEMA, plain_arrivals
+    from receivers.replication_service import InvalidBlockError, _check_payload
+    from receivers.wal import RawBlock, WalBlockStore
+
+    def block(schema: pa.Schema, columns: list[pa.Array]) -> RawBlock:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, schema) as ipc:
+            ipc.write_batch(pa.RecordBatch.from_arrays(columns, schema=schema))
+        return RawBlock(0, 0, 2, 0, 0.0, {}, sink.getvalue().to_pybytes())
+
+    keys, vals = pa.nulls(2, pa.binary()), pa.array(values(2), pa.binary())
+    old = block(PLAIN_SCHEMA, [keys, vals, pa.array([5, 6], PLAIN_SCHEMA.field("timestamp").type)])
+    _check_payload(old)
+    other = pa.schema([("key", pa.binary()), ("value", pa.binary()), ("timestamp", pa.int64())])
+    with pytest.raises(InvalidBlockError, match="not 2 of the block schema"):
+        _check_payload(block(other, [keys, vals, pa.array([5, 6], pa.int64())]))
+    copy = WalBlockStore(tmp_path)
+    info, _ = copy.append_raw("s", old)
+    (batch,) = copy.read(info)
+    assert batch.schema.equals(BLOCK_SCHEMA)
+    assert [t.value for t in plain_arrivals(batch.column("timestamp"))] == [5, 6]
+    assert batch.column("value").to_pylist() == values(2)
+    copy.close()

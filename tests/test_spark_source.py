@@ -30,7 +30,7 @@ from ingest.spark.source import (
     SluiceStreamReader,
     _admit,
 )
-from receivers.block import BLOCK_SCHEMA, BlockInfo
+from receivers.block import PLAIN_SCHEMA, BlockInfo
 from receivers.config import FsyncPolicy
 from receivers.wal import WalBlockStore
 
@@ -63,7 +63,7 @@ def write_block(
                 pa.array([r[4] for r in part], pa.binary()),
                 pa.array([r[5] for r in part], pa.timestamp("us", tz="UTC")),
             ],
-            schema=BLOCK_SCHEMA,
+            schema=PLAIN_SCHEMA,
         )
         for part in (rows[:half], rows[half:])
     ]

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from receivers import wal
-from receivers.block import BlockInfo
+from receivers.block import BLOCK_SCHEMA, BlockInfo, plain_arrivals
 from receivers.config import FsyncPolicy
 from receivers.names import InvalidStreamNameError
 from receivers.wal import ALIGN, HEADER, BlockNotFoundError, CorruptBlockError, DamagedLogError, WalBlockStore
@@ -889,3 +889,39 @@ def test_only_the_folders_of_streams_still_served_count_as_deleted(tmp_path: Pat
     shutil.rmtree(root / "b")
     assert store.deleted_folders(["a"]) == []
     assert store.deleted_folders(["a", "b"]) == [root / "b"]
+
+
+PLAIN_LOG = Path(__file__).parent / "data" / "plain_timestamps_log"
+"""A log written before block timestamps were run-end encoded (one int64 a record): stream "s", block 0
+with records r0-r4 (r0-r2 taken at 1,700,000,000 s, r3-r4 half a second later), block 1 with r5 (a
+second after r0), receiver 7, producer "p"."""
+
+
+def test_a_log_with_a_timestamp_a_record_still_reads_and_grows(tmp_path: Path) -> None:
+    shutil.copytree(PLAIN_LOG, tmp_path, dirs_exist_ok=True)
+    store = WalBlockStore(tmp_path, fsync=OFF)
+    assert store.recover("s") == (2, 6)
+    assert store.producers("s") == {"p": 6}
+    base = 1_700_000_000_000_000
+    for batch in (b for block in store.blocks("s") for b in store.read(block)):
+        assert batch.schema.equals(BLOCK_SCHEMA)  # as the log writes now: one schema downstream
+    arrivals = [
+        t.value for block in store.blocks("s") for b in store.read(block) for t in plain_arrivals(b.column(2))
+    ]
+    assert arrivals == [base] * 3 + [base + 500_000] * 2 + [base + 1_000_000]
+    fill(store, 1)  # appended after the old frames, in the new layout
+    assert values(store) == [f"r{i}".encode() for i in range(6)] + [b"r6", b"r7", b"r8"]
+    restarted = WalBlockStore(tmp_path, fsync=OFF)
+    assert restarted.recover("s") == (3, 9)
+    assert len(values(restarted)) == 9
+
+
+def test_a_records_timestamp_costs_the_log_no_bytes(tmp_path: Path) -> None:
+    """The records of one message share their arrival time: a batch stores it once, so a block of 100 B
+    records takes the value, its offset and the (absent) key's offset, not 8 bytes more a record."""
+    batch = decode_batch(encode_batch(0, [bytes(100)] * 4096), 1_700_000_000_000_000)
+    column = batch.column("timestamp")
+    assert pa.types.is_run_end_encoded(column.type) and len(column.values) == 1
+    assert plain_arrivals(column).to_pylist() == [column.values[0].as_py()] * 4096
+    _, size = WalBlockStore(tmp_path, fsync=OFF).write("s", 0, 0, 0, [batch] * 8)
+    assert size < 8 * 4096 * (100 + 4 + 4 + 1) + 64 * 1024

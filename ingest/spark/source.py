@@ -87,7 +87,7 @@ from pyspark.sql.types import (
 )
 
 from ingest.spark.live_rate import LiveRateCap
-from receivers.block import BlockInfo
+from receivers.block import BlockInfo, plain_arrivals
 from receivers.block_store import BlockStore, release_below
 from receivers.names import check_stream_name
 from receivers.wal import WalBlockStore
@@ -514,7 +514,7 @@ def positioned(part: pa.RecordBatch, stream: str, receiver: int, first: int) -> 
             pa.repeat(pa.scalar(stream, pa.string()), n),
             pa.repeat(pa.scalar(receiver, pa.int32()), n),
             pa.array(np.arange(first, first + n, dtype=np.int64)),
-            part.column("timestamp"),
+            plain_arrivals(part.column("timestamp")),
             pa.repeat(pa.scalar(LOG_APPEND_TIME, pa.int32()), n),
         ],
         schema=ARROW_SCHEMA,
