@@ -21,7 +21,6 @@ import functools
 import logging
 import math
 import os
-import re
 import shlex
 import signal
 import sys
@@ -68,7 +67,7 @@ from ratecontrol import InvalidRateError, StreamPolicy, UnknownEstimatorError
 from receivers.auth import AuthFileError, new_token, token_hash
 from receivers.cluster import Cluster, ClusterConfigError, load_nodes
 from receivers.config import FsyncPolicy, ReceiverConfig
-from receivers.errors import printable
+from receivers.errors import printable, shown
 from receivers.principal import Limits
 from receivers.sizes import parse_size
 from sluice_client.credentials import Credentials, CredentialsError
@@ -1880,16 +1879,16 @@ def _permanent(error: BaseException) -> bool:
     return False
 
 
-def _new_run_refused(error: RPCError) -> str:
+def _new_run_refused(error: RPCError, producer_id: str, stream: str) -> str:
     """The server's refusal of a new run of a producer id (Open.fresh), its advice put in the push's
     terms: the SDK's first_seq / resume=True mean nothing here, and --resume-from N skips the input's
-    first N lines, right for the same input only (a new file under a reused id would lose them)."""
-    said = error.message.split(": the next sequence number", 1)[0]
-    expected = re.search(r"the next sequence number it expects of it is (\d+)", error.message)
-    if expected is None:  # a server that words it otherwise: its own words
+    first N lines, right for the same input only (a new file under a reused id would lose them). The
+    number is the one the server sent as such (RPCError.next_seq); an older server's refusal, without
+    it, is shown in its own words."""
+    n = error.next_seq
+    if n is None:
         return printable(str(error))
-    n = int(expected.group(1))
-    said = printable(said)
+    said = printable(f"producer {shown(producer_id)} already has records on stream {shown(stream)}")
     return (
         f"{error.status.name}: {said}: the server expects its sequence number {n:,} next, so this push's "
         f"records would be dropped as duplicates of an earlier push's. To resume that same input after "
@@ -1903,7 +1902,7 @@ def _push_failed(args: argparse.Namespace, producer: Producer, read: int, error:
     acked, sent = producer.acked, producer.ever_sent
     why = "interrupted" if isinstance(error, asyncio.CancelledError) else printable(str(error))
     if isinstance(error, RPCError) and error.status is grpc.StatusCode.ALREADY_EXISTS:
-        why = _new_run_refused(error)
+        why = _new_run_refused(error, producer.producer_id, args.stream)
     if isinstance(error, RPCError) and not producer.credentials.secure:  # over TLS the SDK says it
         why += connect_hint(error.status, error.message, secure=False)
     _fail(f"push to {args.target} stream {args.stream!r} failed: {why}")

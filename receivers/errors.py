@@ -24,6 +24,7 @@ from __future__ import annotations
 import re
 from typing import TypeVar
 
+from sluice_client.errors import NEXT_SEQ_METADATA
 from sluice_client.flow import FlowViolation
 
 SHOWN_CHARS = 200
@@ -71,6 +72,9 @@ class ReceiverError(Exception):
     status = "INTERNAL"
     code: int | None = None
     """A numeric gRPC status code, when it was given as a number (it then wins over `status`)."""
+    trailers: tuple[tuple[str, str], ...] = ()
+    """Trailing metadata the call ends with besides the status: what a client reads without parsing the
+    message (ProducerExists: the next sequence number)."""
 
 
 class ProtocolViolation(ReceiverError, FlowViolation):
@@ -108,9 +112,16 @@ class SequenceOutOfRange(ReceiverError):
 
 class ProducerExists(ReceiverError):
     """A producer that starts afresh (Open.fresh) under an id the server already took records of at or
-    beyond its resume point: they would be dropped as duplicates of the earlier run's."""
+    beyond its resume point: they would be dropped as duplicates of the earlier run's. `next_seq`, the
+    sequence number the server expects of the id next, also goes in the trailing metadata
+    (NEXT_SEQ_METADATA), for clients to read without parsing the message."""
 
     status = "ALREADY_EXISTS"
+
+    def __init__(self, message: str, next_seq: int) -> None:
+        super().__init__(message)
+        self.next_seq = next_seq
+        self.trailers = ((NEXT_SEQ_METADATA, str(next_seq)),)
 
 
 class ReceiverStopped(ReceiverError):

@@ -257,6 +257,8 @@ def _end_call(context: grpc.aio.ServicerContext[Any, Any], error: ReceiverError)
     collection: 100 sessions failing on a 4 MB batch held 400 MB."""
     context.set_code(status_code(error))
     context.set_details(str(error))
+    if error.trailers:
+        context.set_trailing_metadata(error.trailers)
 
 
 async def _close(requests: AsyncIterator[object]) -> None:

@@ -589,7 +589,8 @@ class Receiver:
                 f"duplicates of the earlier run's. To go on after that run, start at {expected} "
                 f"(first_seq={expected}; sluice push: --resume-from {expected} with the same input); to "
                 "resend an earlier run's records from where its acks ended, resume (resume=True); else "
-                "use a new producer id"
+                "use a new producer id",
+                expected,
             )
         known = known_state is not None
         if resume and resume_from_seq > 0 and producer_id and not known:

@@ -2,7 +2,8 @@
 
 SluiceError                 base of everything the SDK raises
 ├── RPCError                a gRPC call failed; `status` is the grpc.StatusCode, `retriable` says
-│   │                       whether trying again later can succeed
+│   │                       whether trying again later can succeed; `next_seq`, for ALREADY_EXISTS
+│   │                       of a new run of a producer id, the sequence number the server expects next
 │   ├── ReconnectTimeoutError   the producer lost its session and could not open a new one within
 │   │                           its `reconnect_timeout`; `status` is that of the last failure
 │   └── StartTimeoutError   the producer could not open its first session within `start_timeout`
@@ -16,11 +17,12 @@ SluiceError                 base of everything the SDK raises
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import grpc
 
 __all__ = [
+    "NEXT_SEQ_METADATA",
     "FlushTimeoutError",
     "ProducerClosedError",
     "ProtocolError",
@@ -30,6 +32,12 @@ __all__ = [
     "StartTimeoutError",
     "UnackedRecordsError",
 ]
+
+NEXT_SEQ_METADATA = "sluice-next-seq"
+"""The trailing metadata key of a Publish call refused ALREADY_EXISTS (a new run, Open.fresh, of a
+producer id the server holds records of): the sequence number it expects of the id next, in decimal."""
+
+_SEQ_END = 2**64 - 1  # sequence numbers run from 0 to 2**64 - 2; 2**64 - 1 is where the range ends
 
 _RETRIABLE = frozenset(
     {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -43,10 +51,15 @@ class SluiceError(Exception):
 class RPCError(SluiceError):
     """A gRPC call ended with a status other than OK."""
 
-    def __init__(self, status: grpc.StatusCode, message: str) -> None:
+    def __init__(self, status: grpc.StatusCode, message: str, *, next_seq: int | None = None) -> None:
         super().__init__(f"{status.name}: {message}")
         self.status = status
         self.message = message
+        self.next_seq = next_seq
+        """For ALREADY_EXISTS, a new run of a producer id the server holds records of (Open.fresh): the
+        sequence number the server expects of that id next (give it as first_seq to go on after the
+        earlier run). None otherwise, and from an older server that does not send it
+        (NEXT_SEQ_METADATA): its message names the number then."""
 
     @property
     def retriable(self) -> bool:
@@ -55,7 +68,31 @@ class RPCError(SluiceError):
 
     @classmethod
     def from_grpc(cls, error: grpc.aio.AioRpcError) -> RPCError:
-        return cls(error.code(), error.details() or "")
+        return cls.from_status(error.code(), error.details() or "", error.trailing_metadata())
+
+    @classmethod
+    def from_status(cls, status: grpc.StatusCode, message: str, trailing_metadata: object) -> RPCError:
+        """The error of a call that ended with `status`, `message` and `trailing_metadata`."""
+        next_seq = None
+        if status is grpc.StatusCode.ALREADY_EXISTS:
+            next_seq = _next_seq(trailing_metadata)
+        return cls(status, message, next_seq=next_seq)
+
+
+def _next_seq(trailing_metadata: object) -> int | None:
+    """The NEXT_SEQ_METADATA value of `trailing_metadata` (gRPC's key-value pairs), or None: absent, or
+    not a sequence number (a broken or hostile server's value is not trusted into a command line)."""
+    if not isinstance(trailing_metadata, Iterable):
+        return None
+    for item in trailing_metadata:
+        if not isinstance(item, tuple) or len(item) != 2 or item[0] != NEXT_SEQ_METADATA:
+            continue
+        value = item[1]
+        if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 20:
+            seq = int(value)
+            return seq if seq <= _SEQ_END else None
+        return None
+    return None
 
 
 class ProtocolError(SluiceError):

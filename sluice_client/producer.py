@@ -1371,7 +1371,12 @@ class Producer:
                 raise RPCError.from_grpc(exc) from None
             except asyncio.InvalidStateError:
                 # the call ended before Open went out (the node failed it at once): its status says why
-                raise RPCError(await call.code(), await call.details() or "") from None
+                code, details, trailers = (
+                    await call.code(),
+                    await call.details(),
+                    await call.trailing_metadata(),
+                )
+                raise RPCError.from_status(code, details or "", trailers) from None
         except BaseException:
             call.cancel()
             raise

@@ -13,11 +13,16 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 
 from receivers.config import FsyncPolicy
+from sluice_client.errors import NEXT_SEQ_METADATA
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from tests.support import sink_values
 
 # the console script pip installed beside the interpreter: what a user runs
@@ -425,8 +430,6 @@ def test_a_metrics_port_below_minus_one_is_refused(tmp_path: Path) -> None:
 
 def test_a_push_failure_a_rerun_cannot_mend_is_told_apart_through_close() -> None:
     """close() wraps what stopped delivery in UnackedRecordsError: its cause decides."""
-    import grpc
-
     from ingest.cli import _permanent
     from sluice_client.errors import RPCError, UnackedRecordsError
 
@@ -507,3 +510,93 @@ def test_ctrl_c_during_a_pipeline_swap_says_it_goes_on_on_the_server(tmp_path: P
         silent.close()
         ended.set()
         server.stop(None)
+
+
+class _RefusingIngest:
+    """A Publish that refuses every Open ALREADY_EXISTS with `message` and, unless None, `next_seq` in
+    the trailing metadata (an older server sends no such thing)."""
+
+    def __init__(self, message: str, next_seq: str | None) -> None:
+        self.message = message
+        self.next_seq = next_seq
+
+    def Publish(self, requests: Iterator[object], context: Any) -> Iterator[object]:
+        next(requests)  # the Open
+        if self.next_seq is not None:
+            context.set_trailing_metadata(((NEXT_SEQ_METADATA, self.next_seq),))
+        context.abort(grpc.StatusCode.ALREADY_EXISTS, self.message)
+        yield from ()
+
+
+@contextlib.contextmanager
+def refusing_ingest(message: str, next_seq: str | None) -> Iterator[str]:
+    """A gRPC server on loopback whose Publish refuses a new run (see _RefusingIngest); its target."""
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_IngestServicer_to_server(_RefusingIngest(message, next_seq), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        server.stop(None)
+
+
+# the words of the servers before the next sequence number was sent as such
+OLD_WORDS = (
+    "producer 'p-1' already has records on stream 'default': the next sequence number it expects of it is "
+    "100, and this new run starts at 0, so its records 0..99 would be dropped as duplicates of the earlier "
+    "run's. To go on after that run, start at 100 (first_seq=100; sluice push: --resume-from 100 with the "
+    "same input); to resend an earlier run's records from where its acks ended, resume (resume=True); "
+    "else use a new producer id"
+)
+
+
+@pytest.mark.parametrize(
+    ("message", "next_seq", "says", "not_said"),
+    [
+        pytest.param(
+            "taken: the id's earlier run is held, worded as this server words it",
+            "12",
+            [
+                "ALREADY_EXISTS: producer 'p-1' already has records on stream 'default': the server expects "
+                "its sequence number 12 next",
+                "run it again with --resume-from 12 (it skips the input's first 12 lines)",
+                "for a new input, use another --producer-id",
+            ],
+            ["worded as this server words it"],
+            id="next-seq-sent",
+        ),
+        pytest.param(
+            OLD_WORDS,
+            None,
+            [f"ALREADY_EXISTS: {OLD_WORDS}"],
+            ["the server expects its sequence number", "run it again with --resume-from"],
+            id="older-server",
+        ),
+        pytest.param(
+            OLD_WORDS,
+            "-5; rm -rf /",  # not a sequence number: never put into a command line
+            [f"ALREADY_EXISTS: {OLD_WORDS}"],
+            ["the server expects its sequence number", "rm -rf"],
+            id="not-a-number",
+        ),
+    ],
+)
+def test_a_refused_new_run_takes_the_number_the_server_sent_not_its_words(
+    tmp_path: Path, message: str, next_seq: str | None, says: list[str], not_said: list[str]
+) -> None:
+    """The push put the server's refusal in its own terms by matching a regular expression over the
+    message text: a server that worded it otherwise lost the advice, and one that sent a changed number
+    in the text steered the command. It takes the number the server sends as such (RPCError.next_seq,
+    trailing metadata) and shows an older server's refusal, without it, in that server's words."""
+    source = tmp_path / "in.txt"
+    source.write_text("a\nb\n")
+    with refusing_ingest(message, next_seq) as target:
+        result = sluice("push", str(source), "--target", target, "--producer-id", "p-1", "--no-progress")
+    stderr = result.stderr.decode()
+    assert result.returncode == 1, stderr
+    assert "no record was sent: fix the cause first" in stderr, stderr
+    for text in says:
+        assert text in stderr, stderr
+    for text in not_said:
+        assert text not in stderr, stderr

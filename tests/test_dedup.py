@@ -26,6 +26,7 @@ from receivers.wal import WalBlockStore
 from receivers.wire import decode_batch
 from sluice_client import Producer, SyncProducer
 from sluice_client.errors import (
+    NEXT_SEQ_METADATA,
     FlushTimeoutError,
     ProducerClosedError,
     ReconnectTimeoutError,
@@ -932,6 +933,7 @@ def assert_new_run_refused(error: RPCError, producer_id: str, expected: int) -> 
     assert f"the next sequence number it expects of it is {expected}" in error.message
     assert f"first_seq={expected}" in error.message and "resume=True" in error.message
     assert "new producer id" in error.message
+    assert error.next_seq == expected  # sent as such (trailing metadata): no client parses the message
 
 
 async def test_a_new_run_of_a_producer_id_the_server_holds_is_refused_not_dropped(node: Node) -> None:
@@ -1025,9 +1027,13 @@ async def test_open_fresh_on_the_wire(node: Node) -> None:
         peer = Peer(node.target, "wire")
         await peer.call.write(pb.PublishRequest(open=opening))
         code, details, seen = await peer.end()
+        trailers = tuple(await peer.call.trailing_metadata() or ())
         await peer.close()
         assert code is status and said in details, details
         assert not seen  # refused before any credit
+        # the number to open at, for a client to read without parsing the message
+        expected = ((NEXT_SEQ_METADATA, "4"),) if status is grpc.StatusCode.ALREADY_EXISTS else ()
+        assert tuple(t for t in trailers if t[0] == NEXT_SEQ_METADATA) == expected, trailers
     for resume_from_seq, producer_id in ((4, "wire"), (0, "unknown")):
         peer = Peer(node.target, producer_id)
         opening = pb.Open(stream="s", producer_id=producer_id, resume_from_seq=resume_from_seq, fresh=True)

@@ -106,10 +106,10 @@ class Open(_message.Message):
     """The producer starts afresh: none of the records it will send was sent under this producer_id
     before (a new run of a producer, not a reconnect of a running one, not a resume). A server that
     already took records of the producer at or beyond resume_from_seq ends the session ALREADY_EXISTS
-    at once, naming the next sequence number it expects: this run's records would be dropped as
-    duplicates of an earlier run's. Open with resume_from_seq = that number to go on after the earlier
-    run, with resume (not fresh) to resend an earlier run's unacked records, or under a new
-    producer_id. Not with resume (INVALID_ARGUMENT). Unset (older clients), a known producer's records
+    at once, naming the next sequence number it expects (in the message, and in decimal as the
+    trailing metadata sluice-next-seq): this run's records would be dropped as duplicates of an earlier
+    run's. Open with resume_from_seq = that number to go on after the earlier run, with resume (not
+    fresh) to resend an earlier run's unacked records, or under a new producer_id. Not with resume (INVALID_ARGUMENT). Unset (older clients), a known producer's records
     below what the server took are dropped as duplicates as before.
     """
     def __init__(
