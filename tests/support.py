@@ -7,7 +7,9 @@ import contextlib
 import http.server
 import json
 import math
+import signal
 import socket
+import subprocess
 import threading
 import time
 import urllib.parse
@@ -115,6 +117,18 @@ def committed_files(sink: Path) -> list[str]:
 def sink_values(sink: Path) -> list[bytes]:
     files = [urllib.parse.urlparse(f).path for f in committed_files(sink)]
     return [v for f in files for v in pq.read_table(f, columns=["value"]).column("value").to_pylist()]
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float, sig: signal.Signals = signal.SIGTERM) -> int:
+    """Send `sig` to `proc` (nothing if it has ended) and wait up to `timeout` s for its exit code; one
+    that outlives it (TimeoutExpired) or whose wait is interrupted is killed and reaped."""
+    try:
+        proc.send_signal(sig)
+        return proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 async def refused(producer: Producer) -> RPCError:

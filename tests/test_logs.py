@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import stop
 from test_cli import SLUICE, sluice, wait_for_line
 
 from ingest.logs import JsonFormatter
@@ -75,11 +76,7 @@ def test_serve_logs_its_lifecycle_and_stops_cleanly(
         sets = sluice("rate", "set", "20000", "--target", target)
         assert sets.returncode == 0, sets.stderr.decode()
     finally:
-        serve.send_signal(signal.SIGTERM)
-        try:
-            code = serve.wait(timeout=180)
-        finally:
-            serve.kill()
+        code = stop(serve, 180)
     text = log.read_text(errors="replace")
     assert code == 0, text
     assert "Traceback" not in text and "Exception" not in text, text
@@ -327,11 +324,7 @@ def test_a_killed_relay_gives_fd_2_back_to_stderr(tmp_path: Path) -> None:
         wait_for_line(proc, log, r"\n[I]\d{4} [^\n]*Handshake failed", 30)
         assert proc.poll() is None, log.read_text(errors="replace")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=60)
-        finally:
-            proc.kill()
+        code = stop(proc, 60)
     text = log.read_text(errors="replace")
     assert code == 0, text
     warned = [json.loads(line) for line in text.splitlines() if "stderr relay" in line]

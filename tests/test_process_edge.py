@@ -24,7 +24,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from support import running_server
+from support import running_server, stop
 from test_cli import SLUICE, sluice, wait_for_line
 
 from ingest.config import RateConfig, ServeConfig
@@ -834,20 +834,18 @@ def test_a_signal_while_serve_starts_ends_it_cleanly_or_is_ignored(
             stderr=log_file,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
+    last = sig
     try:
         deadline = time.monotonic() + 60
         while b"sluice: starting:" not in log.read_bytes():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.001)
-        proc.send_signal(sig)
         if sig == signal.SIGHUP:  # ignored while starting: it serves, and stops on SIGTERM as ever
+            proc.send_signal(sig)
             wait_for_line(proc, log, r"sluice: serving", 60)
-            proc.send_signal(signal.SIGTERM)
-        code = proc.wait(60)
+            last = signal.SIGTERM
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        code = stop(proc, 60, last)
     said = log.read_text()
     assert "Traceback" not in said and "Error" not in said, said
     assert code == (130 if sig == signal.SIGINT and "stopped" not in said else 0), (code, said)
@@ -889,18 +887,16 @@ def test_a_signal_while_the_cli_is_imported_ends_as_once_it_runs(tmp_path: Path,
             log = tmp_path / f"{attempt}.log"
             with log.open("wb") as out:
                 proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=out)
+            last = sig
             try:
                 importing_the_cli(proc)
                 time.sleep(delay)
-                proc.send_signal(sig)
                 if sig == signal.SIGHUP:  # ignored while serve starts: it serves, and SIGTERM stops it
+                    proc.send_signal(sig)
                     wait_for_line(proc, log, r"sluice: serving", 60)
-                    proc.send_signal(signal.SIGTERM)
-                code = proc.wait(60)
+                    last = signal.SIGTERM
             finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+                code = stop(proc, 60, last)
             said = log.read_text()
             seen = f"{argv[1]} {delay:.3f} s into the imports: exit {code}\n{said}"
             assert "Traceback" not in said, seen
