@@ -83,6 +83,7 @@ if TYPE_CHECKING:
     from ingest.cluster_driver import DriverConfig
     from ingest.input_lines import Lines
     from ingest.preflight import DataDirLock
+    from ingest.spark.pipeline import Pipeline
     from sluice_client import Producer
 
 log = logging.getLogger("sluice")
@@ -1277,19 +1278,22 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
     return config
 
 
-def _spark_prerequisites(config: ServeConfig | DriverConfig) -> None:
-    """Java, and the pipeline's module and function: ValueError unless Spark can run the query."""
+def _spark_prerequisites(config: ServeConfig | DriverConfig) -> dict[str, Pipeline]:
+    """Java, and the pipeline's module and function: ValueError unless Spark can run the query. The
+    pipeline loaded, by its spec ({} for the built-in one): the start runs it rather than import its
+    module again (attach_spark's preloaded)."""
     if isinstance(config, ServeConfig) and not config.spark:
-        return
+        return {}
     from ingest.spark.session import java_problem  # noqa: PLC0415 - only serve needs Spark
 
     problem = java_problem()
     if problem is not None:
         raise ValueError(problem)
-    if config.pipeline:
-        from ingest.spark.pipeline import load_pipeline  # noqa: PLC0415
+    if not config.pipeline:
+        return {}
+    from ingest.spark.pipeline import load_pipeline  # noqa: PLC0415
 
-        load_pipeline(config.pipeline)
+    return {config.pipeline: load_pipeline(config.pipeline)}
 
 
 class _StoppedWhileStarting(BaseException):
@@ -1331,7 +1335,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     try:
         config = _serve_config(args)
         RuntimeConfig(config, announce=False)  # DATA_DIR/runtime-config.json against these flags
-        _spark_prerequisites(config)
+        preloaded = _spark_prerequisites(config)
     except ValueError as exc:
         return _fail(str(exc), EXIT_USAGE)
     try:
@@ -1343,7 +1347,8 @@ def _serve_command(args: argparse.Namespace) -> int:
     settings = f"; settings from {args.config}" if args.config is not None else ""
     logs.say(f"starting: data dir {config.data_dir}{settings}", event="start")
     try:
-        return asyncio.run(_serve_async(config, lock, args.spark_log_level, _outside_origins(args)))
+        origins = _outside_origins(args)
+        return asyncio.run(_serve_async(config, lock, args.spark_log_level, origins, preloaded))
     finally:
         lock.release()
 
@@ -1364,7 +1369,9 @@ async def _serve_async(  # noqa: PLR0912, PLR0915 - one lifecycle
     lock: DataDirLock,
     spark_log_level: str = SPARK_QUIET,
     origins: dict[str, str] | None = None,
+    preloaded: dict[str, Pipeline] | None = None,
 ) -> int:
+    """`sluice serve` until SIGINT/SIGTERM; `preloaded`: the pipeline _spark_prerequisites loaded."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     # first: a signal during the imports below reached asyncio.run's own SIGINT handler, which cancelled
@@ -1439,7 +1446,7 @@ async def _serve_async(  # noqa: PLR0912, PLR0915 - one lifecycle
             from ingest.spark_side import attach_spark  # noqa: PLC0415
 
             try:
-                driver, manager = await attach_spark(spark, server, warm=True)
+                driver, manager = await attach_spark(spark, server, warm=True, preloaded=preloaded)
             except PipelineStateError as exc:
                 await server.stop()
                 return _fail(f"cannot start the Spark query: {exc}")

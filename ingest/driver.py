@@ -97,11 +97,7 @@ class SparkDriver:
         """The token the source asks the rate with (SluiceServer.pipeline_token_file); None: none."""
         self.query_name = query_name
         self.config = config
-        if pipeline is None:
-            pipeline = (
-                load_pipeline(config.pipeline) if config.pipeline else parquet_pipeline(config.sink_dir)
-            )
-        self.pipeline = pipeline
+        self._pipeline = pipeline
         self.last_batch: BatchCompleted | None = None
         self._batches = 0
         self._records = 0
@@ -204,6 +200,18 @@ class SparkDriver:
     def checkpoint(self) -> Path | None:
         """The running query's checkpoint root, when it is on the local file system."""
         return self._checkpoint
+
+    @property
+    def pipeline(self) -> Pipeline:
+        """The pipeline given, else the config's, loaded at the first call (not at construction: a
+        query started with a plan of its own, as PipelineManager's are, never needs it, and a load
+        imports the user's module anew, running its top level again)."""
+        if self._pipeline is None:
+            config = self.config
+            self._pipeline = (
+                load_pipeline(config.pipeline) if config.pipeline else parquet_pipeline(config.sink_dir)
+            )
+        return self._pipeline
 
     def default_plan(self) -> QueryPlan:
         return QueryPlan(

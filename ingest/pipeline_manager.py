@@ -100,7 +100,17 @@ class QueryHost(Protocol):
 class PipelineManager:
     """PipelineControl for `sluice serve` and a cluster's driver: owns the query from start to stop."""
 
-    def __init__(self, driver: SparkDriver, host: QueryHost, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        driver: SparkDriver,
+        host: QueryHost,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        preloaded: Mapping[str, Pipeline] | None = None,
+    ) -> None:
+        """`preloaded`: spec -> its pipeline function as the caller loaded it already at this start
+        (`sluice serve` checks the flag's before Spark starts): start() runs it for the generation in
+        force of that spec rather than import its module once more. A swap still loads anew."""
         self._driver = driver
         self._host = host
         self._loop = loop
@@ -126,6 +136,9 @@ class PipelineManager:
         edit of its module made since (load_pipeline imports the module anew)."""
         self.current = Generation(config.pipeline or "", 0, driver.query_name, "sink")
         self._load()
+        loaded = (preloaded or {}).get(self.current.spec) if self.current.spec else None
+        if loaded is not None:
+            self._loaded[self._key(self.current)] = loaded
         driver.on_batch(self._on_batch_thread)
 
     # ---- persistence ------------------------------------------------------------------------------

@@ -6,12 +6,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from ingest.driver import QUERY_NAME, SparkDriver, drive_rate
 from ingest.pipeline_manager import PipelineManager
 from ingest.rate_memory import RateMemory
 from ingest.server import SluiceServer
+
+if TYPE_CHECKING:
+    from ingest.spark.pipeline import Pipeline
 
 log = logging.getLogger(__name__)
 
@@ -41,12 +45,19 @@ def wait_first_trigger(driver: SparkDriver, timeout: float = WARM_TIMEOUT) -> No
 
 
 async def attach_spark(
-    spark: Any, server: SluiceServer, *, query_name: str = QUERY_NAME, warm: bool = False
+    spark: Any,
+    server: SluiceServer,
+    *,
+    query_name: str = QUERY_NAME,
+    warm: bool = False,
+    preloaded: Mapping[str, Pipeline] | None = None,
 ) -> tuple[SparkDriver, PipelineManager]:
     """Start the server's query on `spark` (the generation pipeline.json names, else the config's
     pipeline). Raises PipelineStateError (a bad pipeline.json) before anything starts, or what Spark
     raises when the query cannot start. warm: start Spark's Python workers first and return once the
-    query has run its first trigger, so the first records do not wait for them (`sluice serve`)."""
+    query has run its first trigger, so the first records do not wait for them (`sluice serve`).
+    preloaded: spec -> pipeline function loaded already at this start (PipelineManager): the start
+    imports the pipeline's module once, not again."""
     loop = asyncio.get_running_loop()
     # its own source asks the rate with this run's token (a plaintext loopback port under TLS);
     # server.config: the command line with the settings changed at run time
@@ -60,7 +71,7 @@ async def attach_spark(
     )
     server.batches_completed = lambda: driver.batches_completed
     drive_rate(driver, server, loop)
-    manager = PipelineManager(driver, server, loop)
+    manager = PipelineManager(driver, server, loop, preloaded=preloaded)
     server.pipeline_control = manager
     # the capacity an earlier run of this pipeline showed bounds the first batches (ingest.rate_memory)
     memory = RateMemory(server.config.data_dir)

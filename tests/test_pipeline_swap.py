@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -626,8 +627,9 @@ class _Serve:
     """`sluice serve` (Spark local[2]) in a process group of its own on a fixed port and data dir, the
     tests' pipelines importable; restartable. Killed as a group (SIGKILL), its Spark JVM goes with it."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, *importable: Path) -> None:
         self.tmp, self.port, self.runs = tmp, free_ports(1)[0], 0
+        self.importable = [str(Path(__file__).parent), *map(str, importable)]
         self.proc: subprocess.Popen[bytes] | None = None
         self.target = f"127.0.0.1:{self.port}"
         self.channel = grpc.insecure_channel(self.target)  # reconnects to each run
@@ -640,7 +642,7 @@ class _Serve:
         self.runs += 1
         command = [*SLUICE, "serve", "--port", str(self.port), "--metrics-port", "-1"]
         command += ["--data-dir", str(self.tmp / "data"), "--master", "local[2]", "--trigger-interval", "0.5"]
-        path = os.pathsep.join(p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p)
+        path = os.pathsep.join(p for p in (*self.importable, os.environ.get("PYTHONPATH")) if p)
         with self.log.open("wb") as log_file:
             self.proc = subprocess.Popen(
                 [*command, *args],
@@ -742,3 +744,58 @@ def test_a_crash_mid_swap_away_from_a_reset_in_trial_comes_back_on_the_generatio
         serve.channel.close()
     got = Counter(v for sink in ("sink", "sink-g1", "sink-g2", "sink-g3") for v in sink_values(data / sink))
     assert sorted(got) == sorted(sent) and set(got.values()) == {1}, got  # each acked record once
+
+
+COUNTED = """
+from pathlib import Path
+
+_imports = Path(__file__).with_suffix(".imports")  # one line per import of this module
+with _imports.open("a") as _out:
+    _out.write("imported\\n")
+
+
+def build(df):
+    return df.selectExpr("CAST(value AS STRING) AS line").writeStream.format("noop")
+"""
+"""A pipeline module that counts its imports (the lines of import_counted.imports beside it)."""
+
+
+def counted_module(folder: Path) -> Path:
+    """import_counted.py in `folder` (made); the file its imports are counted in."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "import_counted.py").write_text(COUNTED)
+    return folder / "import_counted.imports"
+
+
+def imports(counter: Path) -> int:
+    return len(counter.read_text().splitlines()) if counter.exists() else 0
+
+
+async def test_the_start_imports_the_pipelines_module_once(
+    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver loaded the config's pipeline when it was made and the pipeline manager again for the
+    generation it starts: the user's module was imported, its top level run, twice per start. Once now
+    (a swap still imports it anew, by design)."""
+    counter = counted_module(tmp_path / "modules")
+    monkeypatch.syspath_prepend(str(tmp_path / "modules"))
+    monkeypatch.delitem(sys.modules, "import_counted", raising=False)
+    async with service(spark, tmp_path / "data", pipeline="import_counted:build") as server:
+        view = await admin(server).GetPipeline(pb.GetPipelineRequest())
+        assert (view.pipeline, view.state) == ("import_counted:build", "running"), view
+        assert imports(counter) == 1
+
+
+@pytest.mark.timeout(600)
+def test_sluice_serve_imports_the_pipelines_module_once(tmp_path: Path) -> None:
+    """`sluice serve --pipeline` imported the user's module three times at its start: its check before
+    Spark starts, the driver, the pipeline manager. The check's import is the one the query runs."""
+    counter = counted_module(tmp_path / "modules")
+    serve = _Serve(tmp_path, tmp_path / "modules")
+    try:
+        serve.start("--pipeline", "import_counted:build")
+        assert imports(counter) == 1, serve.log.read_text(errors="replace")
+        assert serve.stop() == 0, serve.log.read_text(errors="replace")
+    finally:
+        serve.kill()
+        serve.channel.close()
