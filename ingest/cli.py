@@ -2354,17 +2354,51 @@ def _rate_estimator(args: argparse.Namespace) -> int:
     )
 
 
+UNKNOWN = "unknown"
+"""How a number that is none (NaN, and -inf where no rate can be: a broken server's) is shown."""
+
+
 def _rate_text(rate: float) -> str:
-    return "unlimited" if math.isinf(rate) else f"{rate:g}"
+    """A rate in records/s as the rate commands show it: "unlimited" for inf, UNKNOWN for NaN or -inf,
+    else the number without an exponent (1234567, not 1.23457e+06)."""
+    if rate == math.inf:
+        return "unlimited"
+    if not math.isfinite(rate):
+        return UNKNOWN
+    return f"{rate:g}" if abs(rate) < 1e6 else f"{rate:.0f}"
+
+
+def _count_text(rate: float) -> str:
+    """A measured rate as a whole number with separators (18,571); inf and NaN as _rate_text says them."""
+    return f"{rate:,.0f}" if math.isfinite(rate) else _rate_text(rate)
+
+
+def _seconds_text(seconds: float, spec: str) -> str:
+    """`seconds` formatted by `spec` (".3f", "g") with its unit, UNKNOWN when it is not a number."""
+    return f"{format(seconds, spec)} s" if math.isfinite(seconds) else UNKNOWN
+
+
+_NOT_FINITE = frozenset({"inf", "+inf", "-inf", "infinity", "+infinity", "-infinity", "nan", "+nan", "-nan"})
+
+
+def _state_text(key: str, value: str) -> str:
+    """An estimator state value (the server's str() of it) as the rate commands show it: a rate's
+    (rate, max_rate, capacity_rps, ...) inf as "unlimited", a NaN as UNKNOWN, the rest as sent."""
+    if value.strip().lower() not in _NOT_FINITE:
+        return value
+    number = float(value)
+    if key == "rate" or key.endswith(("_rate", "_rps")):
+        return _rate_text(number)
+    return UNKNOWN if math.isnan(number) else value
 
 
 def _share(stream: pb.StreamRate) -> str:
     """Why a stream has its share of the rate, and the operator's bounds on it ("" while unlimited)."""
     if not stream.share_reason or stream.share_reason == "unlimited":
         return ""
-    took = f", takes {stream.taken_per_second:,.0f} records/s" if stream.busy else ""
+    took = f", takes {_count_text(stream.taken_per_second)} records/s" if stream.busy else ""
     bounded = stream.min_rate > 0 or math.isfinite(stream.max_rate)
-    bounds = f"; its bounds {stream.min_rate:g} .. {_rate_text(stream.max_rate)}" if bounded else ""
+    bounds = f"; its bounds {_rate_text(stream.min_rate)} .. {_rate_text(stream.max_rate)}" if bounded else ""
     return f" ({printable(stream.share_reason)}{took}{bounds})"
 
 
@@ -2378,8 +2412,8 @@ def _show_nodes(nodes: Sequence[pb.NodeRate]) -> None:
             str(node.node_id),
             printable(node.target),
             "up" if node.up else "DOWN",
-            "unlimited" if math.isinf(node.records_per_second) else f"{node.records_per_second:,.0f}",
-            f"{node.taken_per_second:,.0f}",
+            _count_text(node.records_per_second),
+            _count_text(node.taken_per_second),
             "yes" if node.busy else "no",
             f"{node.backlog:,}",
             printable(node.reason),
@@ -2407,13 +2441,16 @@ def _show_rate(status: pb.RateStatus | None) -> int:
         _show_nodes(status.nodes)
     if status.estimator_state:
         heard = " (its proposals ignored while pinned)" if status.pinned else ""
-        state = printable(", ".join(f"{k}={v}" for k, v in sorted(status.estimator_state.items())))
+        shown = (f"{k}={_state_text(k, v)}" for k, v in sorted(status.estimator_state.items()))
+        state = printable(", ".join(shown))
         print(f"estimator state{heard}: {state}")
     if status.HasField("last_batch"):
         b = status.last_batch
         print(
-            f"last batch: #{b.batch_id}, {b.records} records, processing {b.processing_delay_seconds:.3f} s, "
-            f"scheduling delay {b.scheduling_delay_seconds:.3f} s, interval {b.batch_interval_seconds:g} s"
+            f"last batch: #{b.batch_id}, {b.records} records, "
+            f"processing {_seconds_text(b.processing_delay_seconds, '.3f')}, "
+            f"scheduling delay {_seconds_text(b.scheduling_delay_seconds, '.3f')}, "
+            f"interval {_seconds_text(b.batch_interval_seconds, 'g')}"
             + (f", {b.backlog} left behind" if b.HasField("backlog") else "")
             + (f", {b.waiting} waiting at completion" if b.HasField("waiting") else "")
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import signal
@@ -600,3 +601,66 @@ def test_a_refused_new_run_takes_the_number_the_server_sent_not_its_words(
         assert text in stderr, stderr
     for text in not_said:
         assert text not in stderr, stderr
+
+
+def test_rate_get_says_unlimited_and_unknown_never_inf_or_nan(capsys: pytest.CaptureFixture[str]) -> None:
+    """`sluice rate get` said the rate was "unlimited" but its estimator state "rate=inf, max_rate=inf",
+    a node's measured rate and a batch's delays printed "inf" or "nan" raw, a NaN rate (a broken
+    server's) was "nan" and -inf "unlimited", and a rate of a million was "1.23457e+06". Infinite rates
+    are "unlimited" everywhere, what is no number "unknown", and no number has an exponent."""
+    from ingest.cli import _show_rate
+    from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+
+    inf, nan = math.inf, math.nan
+    status = pb.RateStatus(
+        records_per_second=inf,
+        min_rate=100,
+        max_rate=inf,
+        estimator="model",
+        estimator_state={
+            "rate": "inf",
+            "max_rate": "inf",
+            "capacity_rps": "nan",
+            "noise": "nan",
+            "fit": "none",
+        },
+        streams=[
+            pb.StreamRate(stream="a", records_per_second=1234567.0),
+            pb.StreamRate(stream="b", records_per_second=nan),
+            pb.StreamRate(stream="c", records_per_second=-inf),
+            pb.StreamRate(
+                stream="d",
+                records_per_second=500,
+                share_reason="busy",
+                busy=True,
+                taken_per_second=nan,
+                min_rate=10,
+                max_rate=inf,
+            ),
+        ],
+        nodes=[pb.NodeRate(node_id=1, target="n1:1", up=True, records_per_second=inf, taken_per_second=inf)],
+        last_batch=pb.BatchMetrics(
+            batch_id=3,
+            records=10,
+            processing_delay_seconds=nan,
+            scheduling_delay_seconds=0.25,
+            batch_interval_seconds=1,
+        ),
+    )
+    assert _show_rate(status) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"\b(inf|nan|Infinity|NaN)\b", out, re.IGNORECASE) is None, out
+    assert "e+06" not in out, out
+    lines = out.splitlines()
+    assert lines[0] == "rate: unlimited records/s (model)", out
+    assert lines[1] == "bounds: 100 .. unlimited records/s", out
+    assert "stream a: 1234567 records/s" in lines, out
+    assert "stream b: unknown records/s" in lines and "stream c: unknown records/s" in lines, out
+    assert "stream d: 500 records/s (busy, takes unknown records/s; its bounds 10 .. unlimited)" in lines, out
+    node = next(line for line in lines if line.strip().startswith("1 "))
+    assert node.split()[:5] == ["1", "n1:1", "up", "unlimited", "unlimited"], out
+    state = (
+        "estimator state: capacity_rps=unknown, fit=none, max_rate=unlimited, noise=unknown, rate=unlimited"
+    )
+    assert state in lines, out
+    assert "processing unknown, scheduling delay 0.250 s, interval 1 s" in out, out
