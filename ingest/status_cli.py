@@ -43,6 +43,13 @@ Json = dict[str, Any]
 REFRESH = 1.0
 """Seconds between frames."""
 CALL_TIMEOUT = 5.0
+"""Seconds for a gRPC call, and for the whole read of /status.json (connect, headers and body)."""
+MAX_PAGE_BYTES = 16 * 1024 * 1024
+"""The most of /status.json read (a server's of 1,000 streams and sessions is some hundreds of KB):
+past it the read stops, an error, rather than hold whatever an endpoint sends."""
+MAX_ERROR_BYTES = 4096
+"""The most of an HTTP error's body read, to say why (cut there)."""
+_CHUNK = 64 * 1024
 
 
 class StatusReadError(Exception):
@@ -229,12 +236,13 @@ def read_http(
     if context is not None:
         handlers.append(urllib.request.HTTPSHandler(context=context))
     opener = urllib.request.build_opener(*handlers)
+    deadline = time.monotonic() + CALL_TIMEOUT
     try:
         with opener.open(request, timeout=CALL_TIMEOUT) as response:
-            body = response.read()
+            body = _read_page(response, deadline)
     except urllib.error.HTTPError as exc:
         with exc:
-            why = exc.read().decode(errors="replace").strip()
+            why = exc.read(MAX_ERROR_BYTES).decode(errors="replace").strip()
         if 300 <= exc.code < 400:
             where = printable(exc.headers.get("Location") or "nowhere")
             raise StatusReadError(
@@ -254,6 +262,34 @@ def read_http(
         raise StatusReadError(f"not a Sluice status page: a JSON {type(data).__name__}, not an object")
     data["source"] = "status.json"
     return data
+
+
+def _read_page(response: http.client.HTTPResponse, deadline: float) -> bytes:
+    """The body of `response`, at most MAX_PAGE_BYTES of it, read by `deadline` (time.monotonic()):
+    StatusReadError past either (a Content-Length over the bound fails before any of it is read). Each
+    read waits at most CALL_TIMEOUT (the socket's timeout), so a page sent a byte at a time ends at
+    most that long after the deadline."""
+    length = response.headers.get("Content-Length")
+    if length is not None and length.strip().isdigit() and int(length) > MAX_PAGE_BYTES:
+        raise StatusReadError(
+            f"not read: the page is {int(length):,} bytes, over the {MAX_PAGE_BYTES:,} a status page may "
+            "have (is --metrics the metrics port of a Sluice server?)"
+        )
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := response.read1(_CHUNK):
+        size += len(chunk)
+        if size > MAX_PAGE_BYTES:
+            raise StatusReadError(
+                f"read stopped: the page goes on past the {MAX_PAGE_BYTES:,} bytes a status page may have "
+                "(is --metrics the metrics port of a Sluice server?)"
+            )
+        chunks.append(chunk)
+        if time.monotonic() > deadline:
+            raise StatusReadError(
+                f"read stopped: the page did not come whole within {CALL_TIMEOUT:g} s ({size:,} bytes came)"
+            )
+    return b"".join(chunks)
 
 
 def render_checked(data: Json, where: str, *, error: str | None = None) -> RenderableType:

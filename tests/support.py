@@ -146,15 +146,27 @@ async def refused(producer: Producer) -> RPCError:
 
 
 @contextlib.contextmanager
-def serving_page(body: bytes) -> Iterator[str]:
-    """An HTTP server on a loopback port answering every GET with `body` (200); yields its base URL."""
+def serving_page(body: bytes, *, content_length: bool = True, drip: float = 0.0) -> Iterator[str]:
+    """An HTTP server on a loopback port answering every GET with `body` (200); yields its base URL.
+    Without `content_length` the body ends where the connection does; `drip`: seconds between bytes
+    (a page sent a byte at a time, until the client goes or the server stops)."""
+    stopping = threading.Event()
 
     class Page(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             self.send_response(200)
-            self.send_header("Content-Length", str(len(body)))
+            if content_length:
+                self.send_header("Content-Length", str(len(body)))
             self.end_headers()
-            self.wfile.write(body)
+            with contextlib.suppress(OSError):  # a client that stopped reading went away
+                if not drip:
+                    self.wfile.write(body)
+                    return
+                for i in range(len(body)):
+                    if stopping.wait(drip):
+                        return
+                    self.wfile.write(body[i : i + 1])
+                    self.wfile.flush()
 
         def log_message(self, *args: object) -> None:
             pass
@@ -164,5 +176,6 @@ def serving_page(body: bytes) -> Iterator[str]:
     try:
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
+        stopping.set()
         server.shutdown()
         server.server_close()

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from support import running_server, serving_page
 from test_metrics_security import TOKENS, auth_file
 
 from ingest.config import SecurityConfig, TlsConfig
+from ingest.status_cli import MAX_PAGE_BYTES, StatusReadError, read_http
 from sluice_client import Credentials, Producer
 
 SLUICE = str(Path(sys.executable).parent / "sluice")
@@ -286,3 +288,37 @@ async def test_status_metrics_of_a_broken_url_is_one_line() -> None:
     shown = await status("--metrics", "http://[::1", token=None)
     assert shown.returncode == 1 and "Traceback" not in shown.stderr, shown.stderr
     assert "not a URL: Invalid IPv6 URL" in shown.stderr, shown.stderr
+
+
+@pytest.mark.parametrize("content_length", [True, False], ids=["content-length", "until-close"])
+async def test_status_metrics_reads_no_more_than_a_status_page_may_have(content_length: bool) -> None:
+    """`status --metrics` read the page whole, however large: an endpoint sending gigabytes had them all
+    held in memory (then parsed). It stops past MAX_PAGE_BYTES (at once when the Content-Length says
+    so), one line, exit 1."""
+    body = b" " * (MAX_PAGE_BYTES + 1)
+    with serving_page(body, content_length=content_length) as url:
+        shown = await status("--metrics", url, token=None)
+    assert shown.returncode == 1, shown.stderr
+    assert shown.stderr.count("\n") == 1 and "Traceback" not in shown.stderr, shown.stderr
+    said = "the page is 16,777,217 bytes" if content_length else "the page goes on past the 16,777,216 bytes"
+    assert said in shown.stderr and "a status page may have" in shown.stderr, shown.stderr
+    with serving_page(b" " * (MAX_PAGE_BYTES - 2) + b"{}", content_length=content_length) as url:
+        assert read_http(f"{url}/status.json", Credentials()) == {"source": "status.json"}  # at the bound
+
+
+async def test_status_metrics_gives_up_on_a_page_sent_a_byte_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each read had CALL_TIMEOUT, the whole page none: one that came a byte every second held `status
+    --metrics` for as long as it went on. The whole read has CALL_TIMEOUT now."""
+    import ingest.status_cli
+
+    monkeypatch.setattr(ingest.status_cli, "CALL_TIMEOUT", 1.0)
+    with serving_page(b"{" + b" " * 100 + b"}", drip=0.1) as url:
+        started = time.monotonic()
+        with pytest.raises(
+            StatusReadError, match=r"the page did not come whole within 1 s \(\d+ bytes came\)"
+        ):
+            await asyncio.to_thread(read_http, f"{url}/status.json", Credentials())
+        took = time.monotonic() - started
+    assert took < 5, took
