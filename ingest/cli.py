@@ -61,7 +61,7 @@ from ingest.config_sources import (
 )
 from ingest.extras import server_extra_problem
 from ingest.logs import SPARK_LOG_LEVELS, SPARK_QUIET
-from ingest.pipeline_control import BOUNDARY_TIMEOUT, STOP_TIMEOUT
+from ingest.pipeline_control import BOUNDARY_TIMEOUT, DEFAULT_FIRST_BATCH_TIMEOUT, STOP_TIMEOUT
 from ingest.pipeline_state import STATE_FILE, PipelineStateError, in_force, read_state
 from ratecontrol import InvalidRateError, StreamPolicy, UnknownEstimatorError
 from receivers.auth import AuthFileError, new_token, token_hash
@@ -1984,13 +1984,22 @@ def _config_get(args: argparse.Namespace) -> int:
     )
 
 
+def _config_goes_on(args: argparse.Namespace) -> str:
+    """What `config set` and `config reset` say when their wait ends before the server's answer."""
+    return (
+        "; the change goes on on the server to its end (a new trigger interval restarts the query, or "
+        f"rolls back): `sluice config get --target {args.target}` shows what is in force"
+    )
+
+
 def _config_set(args: argparse.Namespace) -> int:
     request = pb.SetConfigRequest(set=dict(args.changes), validate_only=args.validate_only)
     view = _unary(
         args,
         "config set",
         lambda ch, md: pb_grpc.AdminStub(ch).SetConfig(request, metadata=md),
-        timeout=300,  # a new trigger interval restarts the query and waits for its first batch
+        timeout=config_change_deadline(),  # a new trigger interval restarts the query
+        late=_config_goes_on(args),
     )
     if args.validate_only:
         print("valid: nothing was changed")
@@ -2003,7 +2012,8 @@ def _config_reset(args: argparse.Namespace) -> int:
         args,
         "config reset",
         lambda ch, md: pb_grpc.AdminStub(ch).SetConfig(request, metadata=md),
-        timeout=300,  # as config set: resetting the trigger interval restarts the query
+        timeout=config_change_deadline(),  # as config set: resetting the trigger interval restarts the query
+        late=_config_goes_on(args),
     )
     if view.not_set:
         print(f"nothing to reset for {', '.join(view.not_set)}: not set at run time", file=sys.stderr)
@@ -2256,6 +2266,15 @@ def swap_deadline(first_batch_timeout: float) -> float:
     before a hung first batch's rollback did, and one counting a single stop before a swap whose
     boundary and first batch both hung."""
     return BOUNDARY_TIMEOUT + first_batch_timeout + SWAP_STOPS * STOP_TIMEOUT + SWAP_MARGIN
+
+
+def config_change_deadline() -> float:
+    """Seconds `sluice config set` and `config reset` wait for the answer: a change of the trigger
+    interval restarts the query as a swap replaces it (PipelineManager.restart: the same steps, with
+    DEFAULT_FIRST_BATCH_TIMEOUT for its first batch), so a swap's deadline. A wait of 300 s ended
+    before a restart whose boundary and first batch hung was rolled back (up to 360 s, and the
+    queries' starts)."""
+    return swap_deadline(DEFAULT_FIRST_BATCH_TIMEOUT)
 
 
 # ---- status --------------------------------------------------------------------------------------

@@ -664,3 +664,35 @@ def test_rate_get_says_unlimited_and_unknown_never_inf_or_nan(capsys: pytest.Cap
     )
     assert state in lines, out
     assert "processing unknown, scheduling delay 0.250 s, interval 1 s" in out, out
+
+
+def test_config_set_and_reset_wait_as_long_as_a_restart_may_take(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`config set` and `config reset` waited 300 s, while the restart a new trigger interval makes is
+    bounded on the server as a swap is (the boundary, the first batch, three stops: 360 s, and the
+    queries' starts; `pipeline swap` waits 420 s): a restart that was rolled back ended the command
+    with "no answer" first. They wait a swap's deadline for the default first-batch timeout now."""
+    import ingest.cli as cli
+    from ingest.pipeline_control import BOUNDARY_TIMEOUT, DEFAULT_FIRST_BATCH_TIMEOUT, STOP_TIMEOUT
+    from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+
+    server_bound = BOUNDARY_TIMEOUT + DEFAULT_FIRST_BATCH_TIMEOUT + cli.SWAP_STOPS * STOP_TIMEOUT
+    assert cli.config_change_deadline() == cli.swap_deadline(DEFAULT_FIRST_BATCH_TIMEOUT)
+    assert cli.config_change_deadline() > server_bound
+    assert cli.config_change_deadline() == 420  # as the defaults stand: 60 + 120 + 3 x 60 + 60
+
+    waits: list[tuple[str, float, str]] = []
+
+    def unary(args: object, what: str, call: object, *, timeout: float = 10.0, late: str = "") -> object:
+        waits.append((what, timeout, late))
+        return pb.ConfigView()
+
+    monkeypatch.setattr(cli, "_unary", unary)
+    parser = cli._parser()
+    for argv in (["config", "set", "trigger-interval=2"], ["config", "reset", "trigger-interval"]):
+        args = parser.parse_args([*argv, "--target", "127.0.0.1:50051"])
+        assert args.run(args) == 0
+    assert [(what, timeout) for what, timeout, _ in waits] == [
+        ("config set", cli.config_change_deadline()),
+        ("config reset", cli.config_change_deadline()),
+    ]
+    assert all("the change goes on on the server" in late for _, _, late in waits), waits
