@@ -1114,7 +1114,7 @@ def _refuse_unused(args: argparse.Namespace, role: str, unused: Callable[[str], 
 
 def _driver_config(args: argparse.Namespace) -> DriverConfig:
     """`sluice serve --role driver`'s DriverConfig; ValueError (ConfigError) for anything wrong."""
-    from ingest.cluster_driver import DriverConfig  # noqa: PLC0415 - only the driver needs it
+    from ingest.cluster_driver import DriverConfig, check_files  # noqa: PLC0415 - only the driver needs it
 
     _refuse_unused(
         args,
@@ -1140,7 +1140,7 @@ def _driver_config(args: argparse.Namespace) -> DriverConfig:
         ),
         ("estimator", "initial-rate"),
     )
-    return _checked(
+    config = _checked(
         args,
         lambda: DriverConfig(
             nodes={node.id: node.target for node in load_nodes(args.nodes)},
@@ -1167,6 +1167,10 @@ def _driver_config(args: argparse.Namespace) -> DriverConfig:
             insecure=args.insecure,
         ),
     )
+    # the TLS files, the auth file and the peer token, read as the driver reads them at its start (as
+    # _serve_config's check_security): `config check --role driver` read none of them
+    _checked(args, lambda: check_files(config))
+    return config
 
 
 def _drive(args: argparse.Namespace) -> int:

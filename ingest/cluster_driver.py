@@ -70,7 +70,7 @@ from ingest.spark.source import (
     OPTION_RATE_TOKEN_FILE,
     OPTION_RECEIVERS,
 )
-from ingest.tls import ServerTls
+from ingest.tls import ServerTls, load_tls
 from receivers.auth import Authenticator, AuthTable
 from receivers.parsed_service import add_parsed_servicer
 from sluice_client.credentials import Credentials
@@ -180,6 +180,19 @@ class DriverConfig:
         if self.max_records_per_batch is not None:
             options[OPTION_MAX_RECORDS] = str(self.max_records_per_batch)
         return options
+
+
+def check_files(config: DriverConfig) -> None:
+    """Read and check the files a driver reads as it starts, as it reads them: its TLS files (the rate
+    server's), the auth file, and its credentials to the nodes (the same certificate and key, the
+    client CA as the nodes' CA, the peer token file). A ValueError naming the file (TlsFileError,
+    AuthFileError, CredentialsError). `sluice config check --role driver` runs it, and `sluice serve
+    --role driver` before anything starts, as a single server's check_security."""
+    if config.tls is not None:
+        load_tls(config.tls)
+    if config.auth_file is not None:
+        AuthTable.load(config.auth_file)
+    config.credentials()
 
 
 class ClusterDriver:

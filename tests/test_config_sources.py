@@ -531,6 +531,51 @@ def test_a_driver_refuses_plaintext_off_loopback_as_a_node_does(tmp_path: Path) 
     assert "refusing to serve metrics in plaintext on 0.0.0.0" in result.stderr, result.stderr
 
 
+def test_config_check_of_a_driver_reads_the_files_the_driver_reads(tmp_path: Path) -> None:
+    """`config check --role driver` read none of the driver's TLS files, auth file or peer token file:
+    it said "valid" where `serve --role driver` then stopped on one. It reads each as the driver does
+    at its start now (as a single server's check reads its own), and both stop on a bad one."""
+    from pki import CertificateAuthority
+    from test_metrics_security import auth_file
+
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text("0 127.0.0.1:51101\n")
+    driver = ["--role", "driver", "--nodes", str(nodes), "--data-dir", str(tmp_path / "d")]
+    ca = CertificateAuthority(tmp_path / "pki")
+    cert = ca.issue("localhost", server=True, file_stem="server")
+    other = ca.issue("localhost", server=True, file_stem="other")
+    tls = ["--tls-cert", str(cert.cert_file), "--tls-key", str(cert.key_file)]
+    good_auth = auth_file(tmp_path / "auth.toml")
+    token = tmp_path / "peer.token"
+    token.write_text("a-peer-token\n")
+    bad_auth = tmp_path / "bad.toml"
+    bad_auth.write_text("not toml\n")
+    cases = [
+        (["--auth-file", str(bad_auth)], f"auth file {bad_auth} is not valid TOML"),
+        (["--auth-file", str(tmp_path / "none.toml")], "cannot read the auth file (--auth-file)"),
+        (["--peer-token-file", str(tmp_path / "none.token")], "cannot read token file"),
+        (
+            ["--tls-cert", str(cert.cert_file), "--tls-key", str(other.key_file)],
+            "is not the key of the certificate",
+        ),
+        ([*tls, "--client-ca", str(bad_auth)], "(--client-ca)"),
+    ]
+    for flags, says in cases:
+        refused_by_serve_and_check([*driver, *flags], clean_env(), says)
+    good = [
+        *tls,
+        "--client-ca",
+        str(ca.cert_file),
+        "--auth-file",
+        str(good_auth),
+        "--peer-token-file",
+        str(token),
+    ]
+    result = check(*driver, *good)
+    assert result.returncode == 0, result.stderr
+    assert rows(result.stdout)["auth-file"] == (str(good_auth), "flag"), result.stdout
+
+
 def test_a_path_no_system_call_takes_is_one_line_naming_its_setting(tmp_path: Path) -> None:
     """A --data-dir with a name over 255 bytes ended `config check` and `serve` in an OSError "File name
     too long" traceback, exit 1; `data-dir = "\\u0000x"` in a config file was blamed on pipeline.json.
