@@ -5,6 +5,8 @@ Layout under the root folder, per stream::
     <root>/<stream>/<first_seq:020d>.wal    segments, oldest first; blocks are appended to the newest
     <root>/<stream>/released.json           released high-water mark + producers snapshot (release()),
                                             and where a lost log's unreleased records begin (skip_to())
+    <root>/<stream>/incarnation             the log's identity (ensure_incarnation(), set_incarnation()):
+                                            a random id made with the log, gone with it
 
 A new segment is started, named after the seq of its first block, once the newest one has grown past
 `segment_bytes`. So the blocks of a segment have seqs >= its name and < the next segment's name.
@@ -78,6 +80,7 @@ import re
 import stat
 import struct
 import threading
+import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -121,6 +124,14 @@ by default) covers only so many milliseconds of records at full speed, so waitin
 halved the throughput. Under load this is about one fsync per 16 MB block, as under every-block, but off
 the writing thread; a slow stream still gets one fsync per interval."""
 _OLD_MARK = "released"  # the high-water mark of the file-per-block store this log replaced
+INCARNATION_FILE = "incarnation"
+"""In a stream's folder: the identity of that log (see WalBlockStore.ensure_incarnation)."""
+_INCARNATION = re.compile(r"^[A-Za-z0-9-]{1,64}$")
+
+
+def valid_incarnation(value: str) -> bool:
+    """Whether `value` can be an incarnation (it names a folder where a copy of it is set aside)."""
+    return bool(_INCARNATION.match(value))
 
 
 class WalError(RuntimeError):
@@ -952,6 +963,78 @@ class WalBlockStore(BlockStore):
                     if entry.is_file(follow_symlinks=False):
                         total += entry.stat(follow_symlinks=False).st_size
         return total
+
+    # ---- identity -------------------------------------------------------------------------------
+
+    def incarnation(self, stream: str) -> str:
+        """The identity of the log of `stream` (its incarnation), "" when it has none (a log made
+        before incarnations were kept, or a copy not told its owner's yet). Blocking."""
+        try:
+            text = (self._folder(stream) / INCARNATION_FILE).read_text().strip()
+        except (FileNotFoundError, NotADirectoryError):
+            return ""
+        return text if valid_incarnation(text) else ""
+
+    def ensure_incarnation(self, stream: str) -> str:
+        """The incarnation of the log of `stream`, made (a random 128-bit id) if it has none: an owner's
+        log gets one when it is first created on a node, and keeps it in its folder, so a log lost and
+        started afresh (an empty data dir, a new disk) gets another, and offsets of the two are never
+        taken for each other (Kafka's topic id, or a partition's leader epoch, serve the same end).
+        Blocking."""
+        current = self.incarnation(stream)
+        if current:
+            return current
+        made = uuid.uuid4().hex
+        self.set_incarnation(stream, made)
+        return made
+
+    def set_incarnation(self, stream: str, incarnation: str) -> None:
+        """Record the incarnation of the log of `stream` (a copy takes its owner's; an owner going on
+        from a copy of its lost log takes the copy's), durably. Blocking."""
+        if not valid_incarnation(incarnation):
+            raise ValueError(f"invalid incarnation {incarnation!r}")
+        folder = self._folder(stream)
+        made = not folder.is_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        if made and self.fsync.mode != "off":
+            _fsync_path(folder.parent)
+        with self._writers_lock:
+            writer = self._writers.get(stream)
+        if writer is not None and writer.folder_id is None:  # made here: a deletion is noticed too
+            writer.folder_id = _path_id(folder)
+        path = folder / INCARNATION_FILE
+        tmp = folder / f"{INCARNATION_FILE}.tmp.{os.getpid()}.{threading.get_ident()}"
+        with open(tmp, "w") as file:
+            file.write(incarnation + "\n")
+            file.flush()
+            if self.fsync.mode != "off":
+                os.fsync(file.fileno())
+        os.replace(tmp, path)
+        if self.fsync.mode != "off":
+            _fsync_path(folder)
+
+    def set_aside(self, stream: str, root: Path) -> Path | None:
+        """Move the whole log of `stream` (segments, released mark, incarnation) to `root`/<stream>, a
+        log this class reads as it is (WalBlockStore(root).blocks(stream)); this store then holds an
+        empty log of `stream`. None when there was no folder. For a copy of another incarnation of its
+        owner's log (receivers.replica_store): it may hold the only copy of acked records. Blocking."""
+        folder = self._folder(stream)
+        with self._writers_lock:
+            old = self._writers.pop(stream, None)
+        if old is not None:
+            with old.lock:
+                self._close_writer(old)
+        if not folder.is_dir():
+            return None
+        dest = root / folder.name
+        root.mkdir(parents=True, exist_ok=True)
+        os.rename(folder, dest)
+        if self.fsync.mode != "off":
+            _fsync_path(root)
+            _fsync_path(folder.parent)
+        self._forget_index(folder, set())
+        self._released.pop(stream, None)
+        return dest
 
     # ---- recovery ------------------------------------------------------------------------------
 

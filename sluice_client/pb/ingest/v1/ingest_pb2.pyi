@@ -378,6 +378,7 @@ class PartitionInfo(_message.Message):
     NEXT_SEQ_FIELD_NUMBER: _builtins.int
     NEXT_OFFSET_FIELD_NUMBER: _builtins.int
     RELEASED_OFFSET_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     stream: _builtins.str
     owner: _builtins.int
     """The node whose receiver took the records (the owner of the partition)."""
@@ -401,6 +402,14 @@ class PartitionInfo(_message.Message):
     next_seq) were never released, and its copies hold those not read yet; a query that has not
     read the partition starts no later than here. Unset on a node that predates it.
     """
+    incarnation: _builtins.str
+    """The identity of the holder's log of the partition (its incarnation): a random id made when the
+    owner's log of the stream is first created, kept in its folder, and carried by its copies. A log
+    lost and started afresh (an empty data dir) gets a new one, so offsets of two incarnations are
+    never taken for each other: a reader whose checkpoint names another incarnation has lost records
+    (the source's failOnDataLoss). An owner that goes on from a copy (next_seq) keeps the copy's.
+    Empty: unknown (a node that predates it, or a copy never told).
+    """
     def __init__(
         self,
         *,
@@ -412,10 +421,11 @@ class PartitionInfo(_message.Message):
         next_seq: _builtins.int = ...,
         next_offset: _builtins.int = ...,
         released_offset: _builtins.int | None = ...,
+        incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_released_offset", b"_released_offset", "released_offset", b"released_offset"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_released_offset", b"_released_offset", "end_offset", b"end_offset", "leader", b"leader", "next_offset", b"next_offset", "next_seq", b"next_seq", "owner", b"owner", "released_offset", b"released_offset", "start_offset", b"start_offset", "stream", b"stream"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_released_offset", b"_released_offset", "end_offset", b"end_offset", "incarnation", b"incarnation", "leader", b"leader", "next_offset", b"next_offset", "next_seq", b"next_seq", "owner", b"owner", "released_offset", b"released_offset", "start_offset", b"start_offset", "stream", b"stream"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__released_offset: _TypeAlias = _typing.Literal["released_offset"]  # noqa: Y015
     _WhichOneofArgType__released_offset: _TypeAlias = _typing.Literal["_released_offset", b"_released_offset"]  # noqa: Y015
@@ -454,10 +464,15 @@ class ReadBlocksRequest(_message.Message):
     OWNER_FIELD_NUMBER: _builtins.int
     FROM_OFFSET_FIELD_NUMBER: _builtins.int
     TO_OFFSET_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     stream: _builtins.str
     owner: _builtins.int
     from_offset: _builtins.int
     to_offset: _builtins.int
+    incarnation: _builtins.str
+    """Read only from this incarnation of the partition's log (PartitionInfo.incarnation): a holder
+    whose log is another one says FAILED_PRECONDITION. Empty: any.
+    """
     def __init__(
         self,
         *,
@@ -465,10 +480,11 @@ class ReadBlocksRequest(_message.Message):
         owner: _builtins.int = ...,
         from_offset: _builtins.int = ...,
         to_offset: _builtins.int = ...,
+        incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_offset", b"from_offset", "owner", b"owner", "stream", b"stream", "to_offset", b"to_offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_offset", b"from_offset", "incarnation", b"incarnation", "owner", b"owner", "stream", b"stream", "to_offset", b"to_offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -510,20 +526,27 @@ class ReleaseBlocksRequest(_message.Message):
     STREAM_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
     BEFORE_OFFSET_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     stream: _builtins.str
     owner: _builtins.int
     before_offset: _builtins.int
     """Every record below this offset is committed by Spark."""
+    incarnation: _builtins.str
+    """The incarnation those offsets are of (PartitionInfo.incarnation): a holder whose log of the
+    partition is another one releases nothing (its records below that offset were never read).
+    Empty: any (a driver that predates it).
+    """
     def __init__(
         self,
         *,
         stream: _builtins.str = ...,
         owner: _builtins.int = ...,
         before_offset: _builtins.int = ...,
+        incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["before_offset", b"before_offset", "owner", b"owner", "stream", b"stream"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["before_offset", b"before_offset", "incarnation", b"incarnation", "owner", b"owner", "stream", b"stream"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -691,12 +714,33 @@ class ReplicaHello(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class IncarnationEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     OWNER_FIELD_NUMBER: _builtins.int
     NODES_FIELD_NUMBER: _builtins.int
     REPLICATION_FIELD_NUMBER: _builtins.int
     LOG_END_FIELD_NUMBER: _builtins.int
     COMMITTED_SEQ_FIELD_NUMBER: _builtins.int
     SKIPPED_TO_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
     owner: _builtins.int
     nodes: _builtins.int
     """The owner's view of the cluster size and replication: a follower refuses a mismatch."""
@@ -718,6 +762,14 @@ class ReplicaHello(_message.Message):
         follower keeps what it holds below it, committed or not (its copy may be the only one).
         """
 
+    @_builtins.property
+    def incarnation(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """stream -> the incarnation of the owner's log (PartitionInfo.incarnation). A follower whose copy is
+        of another incarnation (the owner's log was lost and started afresh while it was away) sets that
+        copy aside, whole, under replicas/set-aside/ (it may hold the only copy of acked records), logs
+        an ERROR naming them, and starts a new copy. Empty or absent: unknown (an owner that predates it).
+        """
+
     def __init__(
         self,
         *,
@@ -727,10 +779,11 @@ class ReplicaHello(_message.Message):
         log_end: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         committed_seq: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         skipped_to: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        incarnation: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_seq", b"committed_seq", "log_end", b"log_end", "nodes", b"nodes", "owner", b"owner", "replication", b"replication", "skipped_to", b"skipped_to"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_seq", b"committed_seq", "incarnation", b"incarnation", "log_end", b"log_end", "nodes", b"nodes", "owner", b"owner", "replication", b"replication", "skipped_to", b"skipped_to"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
