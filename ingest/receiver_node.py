@@ -126,16 +126,26 @@ class ReceiverNode:
         followers): the start waits up to LOST_LOG_WAIT for them, then stops, saying which did not.
         What it skips is not counted as read: only what the copies released (Spark read it) is, so a
         query without a checkpoint starts no later than there and reads the rest from the copies,
-        rather than past acked records only a copy holds (WalBlockStore.skip_to)."""
+        rather than past acked records only a copy holds (WalBlockStore.skip_to).
+
+        Each log has an identity, its incarnation (WalBlockStore.ensure_incarnation), made here when the
+        log is new. A node that goes on from a copy takes the copy's (its offsets go on). A copy of
+        another incarnation than this log's is not this log's past (this log was lost before, and went
+        on from 0 with no follower to say where its copy ended): it does not move this log, and its
+        holder sets it aside when this node connects (ReplicaStore.meet_incarnation). Whether a log
+        that is new here was lost with every follower down cannot be told here; the driver tells, from
+        the incarnation its checkpoint names (the cluster source's DataLossError)."""
         me = self.cluster.me.id
         followers = {node.id: node.target for node in self.cluster.followers(me)}
+        new = {s for s in receivers if not await asyncio.to_thread(self.local.incarnation, s)}
+        own = {s: await asyncio.to_thread(self.local.ensure_incarnation, s) for s in receivers}
         answers: dict[int, list[pb.PartitionInfo]] = {}
         deadline = time.monotonic() + LOST_LOG_WAIT
         while True:
             asked = [n for n in followers if n not in answers]
             found = await asyncio.gather(*(self._copies_on(followers[n]) for n in asked))
             answers.update({n: copies for n, copies in zip(asked, found, strict=True) if copies is not None})
-            behind = self._behind(receivers, [p for copies in answers.values() for p in copies])
+            behind = self._behind(receivers, [p for copies in answers.values() for p in copies], own)
             if not behind or len(answers) == len(followers):
                 break
             if time.monotonic() >= deadline:
@@ -148,7 +158,8 @@ class ReceiverNode:
                 )
             await asyncio.sleep(1.0)
         copies = [p for held in answers.values() for p in held]
-        for stream, (seq, offset) in behind.items():  # every follower answered, or none is behind
+        self._say_what_is_unknown(receivers, answers, followers, new, own)
+        for stream, (seq, offset, incarnation) in behind.items():  # all followers answered, or none is behind
             before = receivers[stream].log_end
             # what Spark read is released on the copies; the rest of what is skipped stays unread here
             read_to = max(
@@ -165,10 +176,52 @@ class ReceiverNode:
                 seq,
                 offset,
             )
+            if incarnation and incarnation != own[stream]:
+                # first: offsets go on from the copy's, so the log is the copy's incarnation (a crash
+                # before the skip finds an empty log again, and takes it again)
+                await asyncio.to_thread(self.local.set_incarnation, stream, incarnation)
             await asyncio.to_thread(
                 functools.partial(self.local.skip_to, stream, seq, offset, read_to=read_to)
             )
             receivers[stream].continue_at(seq, offset)
+
+    @staticmethod
+    def _say_what_is_unknown(
+        receivers: Mapping[str, Receiver],
+        answers: Mapping[int, list[pb.PartitionInfo]],
+        followers: Mapping[int, str],
+        new: set[str],
+        own: Mapping[str, str],
+    ) -> None:
+        """Warn of the starts where this node cannot tell whether its log was lost: a log made now
+        while followers did not answer, and copies of another incarnation than this log's."""
+        for node_id, held in answers.items():
+            for p in held:
+                if p.stream in own and p.incarnation and p.incarnation != own[p.stream]:
+                    if receivers[p.stream].log_end[0] == 0:
+                        continue  # an empty log takes the copy's incarnation
+                    log.warning(
+                        "stream %r: node %d holds a copy of another incarnation (%s) of this node's log "
+                        "(%s): this log was lost and started afresh before; node %d sets that copy "
+                        "aside when this node connects",
+                        p.stream,
+                        node_id,
+                        p.incarnation,
+                        own[p.stream],
+                        node_id,
+                    )
+        silent = [f"node {n} ({t})" for n, t in followers.items() if n not in answers]
+        if not silent or not new:
+            return
+        log.warning(
+            "the log of stream(s) %s is new on this node (incarnation %s) and %s did not answer: if this "
+            "node's data dir was lost or replaced, its offsets start again at 0, and a driver that read "
+            "its old log stops with a DataLossError (its checkpoint names the old incarnation); the "
+            "followers set their copies of the old log aside when they are back (docs/cluster.md)",
+            ", ".join(sorted(new)),
+            ", ".join(own[s] for s in sorted(new)),
+            ", ".join(silent),
+        )
 
     async def _copies_on(self, target: str) -> list[pb.PartitionInfo] | None:
         """The copies of this node's partitions a peer holds; None when it does not answer."""
@@ -187,16 +240,22 @@ class ReceiverNode:
 
     @staticmethod
     def _behind(
-        receivers: Mapping[str, Receiver], copies: list[pb.PartitionInfo]
-    ) -> dict[str, tuple[int, int]]:
-        """Stream -> (seq, offset) of the furthest copy, for the streams whose own log ends before it."""
-        ahead: dict[str, tuple[int, int]] = {}
+        receivers: Mapping[str, Receiver], copies: list[pb.PartitionInfo], own: Mapping[str, str]
+    ) -> dict[str, tuple[int, int, str]]:
+        """Stream -> (seq, offset, incarnation) of the furthest copy, for the streams whose own log ends
+        before it. Only copies of this log count: of its incarnation, or of an unknown one (a follower
+        that predates incarnations), or any when this log is empty (new: it takes the copy's). A copy
+        of another incarnation is of a log this one replaced: its holder sets it aside."""
+        ahead: dict[str, tuple[int, int, str]] = {}
         for copy in copies:
             if copy.stream not in receivers:
                 continue
+            log_end = receivers[copy.stream].log_end
+            if copy.incarnation and copy.incarnation != own.get(copy.stream) and log_end[0] > 0:
+                continue
             end = (copy.next_seq, copy.next_offset)
-            if end[0] > receivers[copy.stream].log_end[0] and end > ahead.get(copy.stream, (-1, -1)):
-                ahead[copy.stream] = end
+            if end[0] > log_end[0] and end > ahead.get(copy.stream, (-1, -1, ""))[:2]:
+                ahead[copy.stream] = (*end, copy.incarnation)
         return ahead
 
     async def drain(self) -> None:

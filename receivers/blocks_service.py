@@ -11,6 +11,12 @@ One driver consumes a cluster. A driver names itself on its ListPartitions and R
 pass without a call of its, and another driver is refused FAILED_PRECONDITION meanwhile. Two drivers
 would each release what the other had not read yet, so each sink would miss records. Calls that name
 no driver (`sluice status`, peers, executors' reads) are not held to it.
+
+Each partition's log has an incarnation (receivers.wal.WalBlockStore.ensure_incarnation), which
+ListPartitions reports. ReadBlocks and ReleaseBlocks may name one: a holder whose log of the partition
+is another (the owner's log was lost and started afresh; a copy of the old one not set aside yet)
+refuses the read and releases nothing, so that offsets of one log are never read or released in
+another.
 """
 
 from __future__ import annotations
@@ -143,6 +149,7 @@ class BlocksService:
                     next_seq=_log_end(self._local, stream)[0],
                     next_offset=_log_end(self._local, stream)[1],
                     released_offset=self._local.known_released_offset(stream),
+                    incarnation=self._local.incarnation(stream),
                 )
             )
         if self._replicas is not None:
@@ -160,6 +167,7 @@ class BlocksService:
                             next_seq=next_seq,
                             next_offset=next_offset,
                             released_offset=copy.known_released_offset(stream),
+                            incarnation=copy.incarnation(stream),
                         )
                     )
         return found
@@ -181,6 +189,13 @@ class BlocksService:
                 f"node {self._node_id} holds no copy of node {owner}'s blocks",
             )
             return
+        held = await asyncio.to_thread(self._incarnation, owner, stream)
+        if request.incarnation and held and held != request.incarnation:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node {self._node_id} holds incarnation {held} of node {owner}'s log of stream "
+                f"{stream!r}, not {shown(request.incarnation)}: that log was lost and started afresh",
+            )
         blocks = [
             b
             for b in await asyncio.to_thread(self._readable, owner, stream)
@@ -215,6 +230,10 @@ class BlocksService:
         store = self._holding(request.owner)
         if store is None:
             return pb.ReleaseBlocksResponse()
+        held = await asyncio.to_thread(self._incarnation, request.owner, request.stream)
+        if request.incarnation and held and held != request.incarnation:
+            # offsets of another log: its records below them were never read
+            return pb.ReleaseBlocksResponse()
         end = {request.stream: request.before_offset}
         released = await asyncio.to_thread(release_below, store, [request.stream], end)
         if request.owner == self._node_id:  # what a lost log skipped is read up to there too
@@ -230,6 +249,13 @@ class BlocksService:
         assert self._replicas is not None
         limit = self._replicas.committed(owner, stream)
         return [b for b in self._replicas.store(owner).blocks(stream) if b.seq < limit]
+
+    def _incarnation(self, owner: int, stream: str) -> str:
+        """The incarnation of the log of `owner`'s partition of `stream` held here ("": unknown)."""
+        if owner == self._node_id:
+            return self._local.incarnation(stream)
+        assert self._replicas is not None
+        return self._replicas.incarnation(owner, stream)
 
     def _holding(self, owner: int) -> BlockStore | None:
         if owner == self._node_id:

@@ -8,6 +8,13 @@ what it holds (releases remove what Spark read). Producer marks ride in the bloc
 gap carries the owner's released table), so a copy knows how far each of the owner's producers got:
 receivers.producer_marks asks it at failover. At each connection of the owner, the copy drops what it
 holds past the committed seq it was told (drop_uncommitted): the owner may have replaced those blocks.
+
+Each copy carries the incarnation of its owner's log (the hello says it: meet_incarnation). A copy of
+another incarnation than the owner's now (its log was lost and started afresh, from offset 0 when no
+follower answered it, while this one was away) is not the owner's log: neither dropped nor continued
+(its records may be acked ones no other node holds, at offsets the owner's new log uses again), it is
+moved whole to ``<root>/set-aside/<owner>-<its incarnation>/<stream>/``, a log as any other (with a
+``set-aside.json`` saying what it holds), and a new copy starts.
 """
 
 from __future__ import annotations
@@ -15,15 +22,41 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 from receivers.block import BlockInfo
 from receivers.config import DEFAULT_SEGMENT_BYTES, FsyncPolicy
-from receivers.wal import RawBlock, WalBlockStore
+from receivers.files import replace_json
+from receivers.wal import RawBlock, WalBlockStore, valid_incarnation
 
 COMMITTED = "committed.json"
 """<root>/<owner>.committed.json: what the owner said is committed, per stream."""
+SET_ASIDE = "set-aside"
+"""<root>/set-aside/<owner>-<incarnation>/<stream>/: a copy of an owner's log that the owner's log no
+longer is (meet_incarnation), kept whole: a log WalBlockStore reads, and set-aside.json."""
+SET_ASIDE_INFO = "set-aside.json"
+
+
+@dataclass(frozen=True)
+class SetAside:
+    """A copy set aside (meet_incarnation): where it went and what it holds."""
+
+    owner: int
+    stream: str
+    incarnation: str
+    """The copy's, that its owner's log no longer is."""
+    replaced_by: str
+    """The owner's log's now."""
+    path: Path
+    """The copy's folder now (a log of `stream` under path.parent)."""
+    first_offset: int
+    end_offset: int
+    """The records it holds, not released: [first_offset, end_offset) (equal: none)."""
+    committed_end: int
+    """Records below this offset were committed (acked to their producers) as far as the copy knew."""
 
 
 class OwnerLogLostError(ValueError):
@@ -174,6 +207,75 @@ class ReplicaStore:
             del self._next[(owner, stream)]
             self._marks.pop((owner, stream), None)
             return dropped
+
+    def incarnation(self, owner: int, stream: str) -> str:
+        """The incarnation of `owner`'s log this copy of `stream` is of ("" when not told). Blocking."""
+        return self.store(owner).incarnation(stream)
+
+    def meet_incarnation(self, owner: int, stream: str, incarnation: str) -> SetAside | None:
+        """The owner says its log of `stream` is `incarnation` (its hello). A copy not told its owner's
+        yet takes it. A copy of another one is set aside whole (SET_ASIDE) and a new, empty copy of
+        `incarnation` starts; returned, so that the caller says so. Never dropped: the owner's log was
+        lost (restarted on an empty data dir while no follower answered it), and this copy may hold
+        the only copy of acked records, at offsets the owner's new log gives again. Blocking."""
+        if not valid_incarnation(incarnation):
+            raise ValueError(f"invalid incarnation {incarnation!r}")
+        with self._stream_lock(owner, stream):
+            store = self.store(owner)
+            held = store.incarnation(stream)
+            if held == incarnation:
+                return None
+            if not held or self._next_locked(owner, stream) == 0:  # never told, or holds nothing
+                store.set_incarnation(stream, incarnation)
+                return None
+            blocks = store.blocks(stream)
+            released = store.released_offset(stream)
+            committed = self.committed(owner, stream)
+            committed_end = max([released, *(b.end_offset for b in blocks if b.seq < committed)])
+            root = self.root / SET_ASIDE / f"{owner}-{held}"
+            if root.exists():  # set aside before (the owner went back to it, then away again)
+                root = root.with_name(f"{root.name}-{time.time_ns()}")
+            dest = store.set_aside(stream, root)
+            assert dest is not None  # it held blocks: its folder is there
+            aside = SetAside(
+                owner,
+                stream,
+                held,
+                incarnation,
+                dest,
+                blocks[0].first_offset if blocks else released,
+                blocks[-1].end_offset if blocks else released,
+                committed_end,
+            )
+            replace_json(
+                root / SET_ASIDE_INFO,
+                {
+                    "owner": owner,
+                    "stream": stream,
+                    "incarnation": held,
+                    "replaced_by": incarnation,
+                    "first_offset": aside.first_offset,
+                    "end_offset": aside.end_offset,
+                    "committed_end_offset": committed_end,
+                    "committed_seq": committed,
+                    "set_aside_at": time.time(),
+                },
+            )
+            self._forget_committed(owner, stream)
+            self._next.pop((owner, stream), None)
+            self._marks.pop((owner, stream), None)
+            store.set_incarnation(stream, incarnation)
+            return aside
+
+    def _forget_committed(self, owner: int, stream: str) -> None:
+        """The copy of `stream` starts afresh: what its owner said committed was of its old log."""
+        self.committed(owner, stream)  # loaded
+        with self._lock:
+            table = self._committed[owner]
+            if table.pop(stream, None) is None:
+                return
+            snapshot = dict(table)
+        replace_json(self._committed_path(owner), snapshot)
 
     def marks(self, stream: str, producers: Iterable[str]) -> dict[str, int]:
         """Producer key -> the highest seq any copy here holds of it in a committed block (keys with

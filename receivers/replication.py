@@ -168,6 +168,7 @@ class FollowerLink:
             log_end={s: replicator.local.durable_seq(s) for s in replicator.streams},
             committed_seq=replicator.persisted(),
             skipped_to={s: n for s in replicator.streams if (n := replicator.local.skipped_to(s))},
+            incarnation={s: i for s in replicator.streams if (i := replicator.local.incarnation(s))},
         )
         await call.write(pb.ReplicateRequest(hello=hello))
         responses = aiter(call)

@@ -27,8 +27,14 @@ from receivers.block import BLOCK_SCHEMA, PLAIN_SCHEMA
 from receivers.cluster import Cluster
 from receivers.errors import ReceiverError
 from receivers.receiver import Receiver
-from receivers.replica_store import OwnerLogLostError, ReplicaGapError, ReplicaStore, merge_marks
-from receivers.wal import RawBlock
+from receivers.replica_store import (
+    OwnerLogLostError,
+    ReplicaGapError,
+    ReplicaStore,
+    SetAside,
+    merge_marks,
+)
+from receivers.wal import RawBlock, valid_incarnation
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -64,6 +70,31 @@ def _check_payload(block: RawBlock) -> None:
 def _known(values: Mapping[str, int], streams: list[str]) -> dict[str, int]:
     """The entries for streams served here with a sane seq (others are ignored, not stored)."""
     return {s: n for s, n in values.items() if s in streams and 0 <= n < 2**62}
+
+
+def _log_set_aside(aside: SetAside) -> None:
+    held = aside.end_offset - aside.first_offset
+    if held:
+        what = (
+            f"records {aside.first_offset}..{aside.end_offset - 1} that were not released (not read by "
+            f"the driver), of which those below {aside.committed_end} were acked to their producers"
+        )
+    else:
+        what = "no record that was not released"
+    log.error(
+        "node %d's log of stream %r is now incarnation %s: it was lost (a data dir started afresh) and "
+        "this node's copy of it, of incarnation %s, is not its log any more. Node %d's log lost %s; "
+        'this copy is kept whole in %s (see docs/cluster.md, "A log lost while its followers were '
+        'down"), and a new copy of incarnation %s starts',
+        aside.owner,
+        aside.stream,
+        aside.replaced_by,
+        aside.incarnation,
+        aside.owner,
+        what,
+        aside.path,
+        aside.replaced_by,
+    )
 
 
 class FragmentError(ValueError):
@@ -295,7 +326,19 @@ class ReplicationService:
         """Drop what the copy holds past what it knew committed (the owner sends it again: it may have
         dropped those blocks at a restart and written others at their seqs), then take the owner's
         committed seqs. In that order: told first, the copy would count a stale block committed once
-        the owner committed its own block at that seq while this follower was away."""
+        the owner committed its own block at that seq while this follower was away.
+
+        First of all, a copy of another incarnation of the owner's log than the one it says it has now
+        is set aside (ReplicaStore.meet_incarnation): the owner's log was lost and started afresh, and
+        that copy is the only place the records it held (acked ones among them) still are."""
+        told = {s: v for s, v in hello.incarnation.items() if s in streams and v}
+        bad = [v for v in told.values() if not valid_incarnation(v)]
+        if bad:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid incarnation {bad[0][:80]!r}")
+        for stream, incarnation in told.items():
+            aside = await asyncio.to_thread(self._replicas.meet_incarnation, owner, stream, incarnation)
+            if aside is not None:
+                _log_set_aside(aside)
         skipped = _known(hello.skipped_to, streams)
         for stream, end in _known(hello.log_end, streams).items():
             try:
