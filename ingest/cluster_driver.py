@@ -260,6 +260,7 @@ class ClusterDriver:
             try:
                 # also renews this driver's lease on every node (receivers.blocks_service)
                 view = await asyncio.to_thread(self.blocks.view, self.config.streams, seal=False)
+                view.settle({})  # a copy of a log its owner's replaced is no backlog
             except DriverFencedError as exc:  # another driver took the nodes over: error() says so
                 log.error("another driver holds the receiver nodes: %s", exc)  # noqa: TRY400 - said in one line
                 return
@@ -396,9 +397,10 @@ class ClusterDriver:
         """Probes see NOT_SERVING: the query failed (the process exits next)."""
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
 
-    def release(self, end: Mapping[str, int]) -> None:
-        """Release a committed end offset ({"stream/owner": offset}) on every node (blocking)."""
-        self.blocks.release(nest({k: v for k, v in end.items() if "/" in k}))
+    def release(self, end: Mapping[str, int], incarnations: Mapping[str, str] | None = None) -> None:
+        """Release a committed end offset ({"stream/owner": offset}) on every node (blocking), of the
+        logs of those incarnations ({"stream/owner": id}; a node whose log is another releases none)."""
+        self.blocks.release(nest({k: v for k, v in end.items() if "/" in k}, incarnations))
 
     def error(self) -> str | None:
         """Why the query failed for good (a swap stops and starts queries: not a failure meanwhile), or

@@ -40,7 +40,7 @@ from py4j.protocol import Py4JError, Py4JJavaError
 
 from ingest.config import ServeConfig
 from ingest.server import SluiceServer
-from ingest.spark.cluster_source import flatten, is_cluster_offset
+from ingest.spark.cluster_source import flatten, incarnations_of, is_cluster_offset
 from ingest.spark.listener import BatchCompleted, BatchListener
 from ingest.spark.pipeline import (
     Pipeline,
@@ -86,7 +86,7 @@ class SparkDriver:
         rate_target: str | None = None,
         rate_token_file: Path | None = None,
         store: BlockStore | None = None,
-        release: Callable[[Mapping[str, int]], object] | None = None,
+        release: Callable[[Mapping[str, int], Mapping[str, str]], object] | None = None,
         source_options: Mapping[str, str] | None = None,
         streams: Callable[[], Sequence[str]] | None = None,
     ) -> None:
@@ -111,7 +111,9 @@ class SparkDriver:
         """Where committed blocks are released (the server's store in `sluice serve`)."""
         self._release = release
         """Releases a committed end offset instead of the store: a cluster's driver passes one that
-        asks every receiver node (ReleaseBlocks); it gets {"stream/owner": offset} (see _sluice_offset)."""
+        asks every receiver node (ReleaseBlocks); it gets {"stream/owner": offset} (see _sluice_offset)
+        and the incarnations of those partitions' logs that the offset names ({"stream/owner": id}: a
+        node whose log of a partition is another one releases nothing of it)."""
         self.source_options = dict(source_options or {})
         """Options of the "sluice" source instead of the block store's path: a cluster's `receivers`
         and the credentials."""
@@ -144,7 +146,7 @@ class SparkDriver:
         end = _sluice_offset(batch.end_offset, self._streams())
         if self.query is not None and end is not None:
             # (an event before start() knows its query is covered by start()'s checkpoint release)
-            self._submit_release(batch.batch_id, end)
+            self._submit_release(batch.batch_id, end, batch.end_incarnations or {})
         for subscriber in self._subscribers:
             subscriber(batch)
 
@@ -155,13 +157,17 @@ class SparkDriver:
         if self.query is not None and query_id == str(self.query.id):
             self._release_last_commit()
 
-    def _submit_release(self, batch_id: int, end: Mapping[str, int]) -> None:
+    def _submit_release(
+        self, batch_id: int, end: Mapping[str, int], incarnations: Mapping[str, str] | None = None
+    ) -> None:
         try:
-            self._releaser.submit(self._release_committed, batch_id, dict(end))
+            self._releaser.submit(self._release_committed, batch_id, dict(end), dict(incarnations or {}))
         except RuntimeError:  # stopped: the next start releases it from the checkpoint
             log.debug("batch %d completed after stop: its blocks are released at the next start", batch_id)
 
-    def _release_committed(self, batch_id: int, end: Mapping[str, int]) -> None:
+    def _release_committed(
+        self, batch_id: int, end: Mapping[str, int], incarnations: Mapping[str, str]
+    ) -> None:
         """Release the blocks wholly below `end`, the end offset of batch `batch_id`, once the
         checkpoint's commit log has the batch (see the module docstring). On the release thread."""
         try:
@@ -170,7 +176,7 @@ class SparkDriver:
                 log.debug("batch %d reported before its commit log entry: not released yet", batch_id)
                 return
             if self._release is not None:
-                self._release(end)
+                self._release(end, incarnations)
             elif self.store is not None:
                 release_below(self.store, list(end), end)
         except Exception:  # the next batch (or start) releases them; ingestion must not die of it
@@ -297,7 +303,7 @@ class SparkDriver:
         """Release what the checkpoint's last commit covers: what a crash (or a stop) left between a
         batch's commit and its event's release, which no later batch may ever come to release."""
         if self._checkpoint is not None:
-            committed = last_commit(self._checkpoint, self._streams())
+            committed = _last_commit(self._checkpoint, self._streams())
             if committed is not None:
                 self._submit_release(*committed)
 
@@ -332,6 +338,14 @@ def last_commit(checkpoint: Path, streams: Sequence[str]) -> tuple[int, dict[str
     that is the Sluice source's over `streams` is ours, see _sluice_offset); None when there is none or
     it is unreadable.
     """
+    found = _last_commit(checkpoint, streams)
+    return None if found is None else found[:2]
+
+
+def _last_commit(
+    checkpoint: Path, streams: Sequence[str]
+) -> tuple[int, dict[str, int], dict[str, str]] | None:
+    """last_commit, and the incarnations the offset names (the cluster source's: incarnations_of)."""
     try:
         ids = [int(name) for name in _listdir(checkpoint / "commits") if name.isdigit()]
         if not ids:
@@ -348,7 +362,7 @@ def last_commit(checkpoint: Path, streams: Sequence[str]) -> tuple[int, dict[str
             continue  # "-": a source without an offset in this batch
         end = _sluice_offset(offset, streams)
         if end is not None:
-            return batch_id, end
+            return batch_id, end, incarnations_of(offset)
     return None
 
 

@@ -20,6 +20,17 @@ first holder that has the whole range (owner first), going on to the next on an 
 range; no task opens a local path. Committed batches are released on every node (ReleaseBlocks);
 `sluice serve --role driver` (ingest.cluster_driver) releases them as each batch completes.
 
+Each partition's log has an identity, its incarnation (PartitionInfo.incarnation: a random id made with
+the owner's log, kept by its copies). Offsets carry the incarnation of each partition they are of, under
+the key INCARNATIONS (``{"_incarnations": {"stream/owner": id}}``, no stream's name), so that a
+checkpoint knows which log its offsets are of. A partition whose incarnation changed under a checkpointed
+offset > 0, or whose owner's log now ends below it, lost its log (its node restarted on an empty data
+dir while every follower was down, and numbered new records from 0 again): planning raises
+DataLossError naming it, as Spark's Kafka source fails on data loss; with the option failOnDataLoss=false
+it warns and reads the new log from its start instead. Reads and releases name the incarnation, so
+that a holder of another one serves and releases nothing. An offset without incarnations (a checkpoint
+from before them) takes the partitions' current ones.
+
 Every call carries the rate* options' credentials: the token's principal needs the consumer role
 (ListPartitions, ReadBlocks) and the operator role (ReleaseBlocks, and the rate). The files are read
 where they are used, the planning worker and each task: they must be there on the executors' hosts too.
@@ -47,6 +58,7 @@ from pyspark.sql.streaming.datasource import (
 
 from ingest.spark.source import (
     OPTION_DRIVER_ID,
+    OPTION_FAIL_ON_DATA_LOSS,
     OPTION_RECEIVERS,
     OPTION_STARTING_OFFSETS,
     LiveCapPlanning,
@@ -72,10 +84,15 @@ from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-ClusterOffset = dict[str, dict[str, int]]
-"""{stream: {"<owner node id>": next record offset}}: JSON keys are strings."""
+ClusterOffset = dict[str, dict[str, Any]]
+"""{stream: {"<owner node id>": next record offset}}: JSON keys are strings; and under INCARNATIONS,
+{"stream/owner": incarnation}."""
 FlatOffset = dict[str, int]
 """{"stream/owner": next record offset}: the same, one level (stream names have no '/')."""
+Incarnations = dict[str, str]
+"""{"stream/owner": the incarnation of the partition's log} (PartitionInfo.incarnation)."""
+INCARNATIONS = "_incarnations"
+"""The key of an offset's incarnations: no stream's name (a stream's starts with a letter or digit)."""
 
 LIST_TIMEOUT = 3.0
 """Seconds a node has to answer ListPartitions: it may seal first (up to 1 s) and wait as long for the
@@ -109,6 +126,11 @@ class PartitionUnreadableError(RuntimeError):
     """No holder of a partition could serve a task's range of it."""
 
 
+class DataLossError(RuntimeError):
+    """A partition's log was lost under the query's checkpoint: its incarnation changed under an offset
+    the query read, or its owner's log ends below it (the option failOnDataLoss, default true)."""
+
+
 class ClusterRefusedError(RuntimeError):
     """Every receiver node that answered refused the source's credentials: no batch can ever read."""
 
@@ -139,30 +161,51 @@ def split_key(key: str) -> tuple[str, int]:
     return stream, int(owner)
 
 
-def flatten(offset: Mapping[str, Mapping[str, int]]) -> FlatOffset:
-    """{stream: {owner: n}} -> {"stream/owner": n}."""
-    return {partition_key(s, int(o)): n for s, owners in offset.items() for o, n in owners.items()}
+def flatten(offset: Mapping[str, Mapping[str, Any]]) -> FlatOffset:
+    """{stream: {owner: n}} -> {"stream/owner": n} (the incarnations left out: incarnations_of)."""
+    return {
+        partition_key(s, int(o)): n
+        for s, owners in offset.items()
+        if s != INCARNATIONS
+        for o, n in owners.items()
+    }
 
 
-def nest(flat: Mapping[str, int]) -> ClusterOffset:
-    """{"stream/owner": n} -> {stream: {"owner": n}}, sorted (streams by name, owners by number)."""
+def nest(flat: Mapping[str, int], incarnations: Mapping[str, str] | None = None) -> ClusterOffset:
+    """{"stream/owner": n} -> {stream: {"owner": n}}, sorted (streams by name, owners by number), and
+    the incarnations of those partitions (the known ones) under INCARNATIONS, last, sorted the same."""
     nested: dict[str, dict[int, int]] = {}
     for key, n in flat.items():
         stream, owner = split_key(key)
         nested.setdefault(stream, {})[owner] = n
-    return {s: {str(o): nested[s][o] for o in sorted(nested[s])} for s in sorted(nested)}
+    offset: ClusterOffset = {s: {str(o): nested[s][o] for o in sorted(nested[s])} for s in sorted(nested)}
+    known = {k: i for k, i in (incarnations or {}).items() if k in flat and i}
+    if known:
+        offset[INCARNATIONS] = {k: known[k] for k in sorted(known, key=split_key)}
+    return offset
+
+
+def incarnations_of(offset: object) -> Incarnations:
+    """The incarnations an offset names ({} for one without: from before they were kept)."""
+    table = offset.get(INCARNATIONS) if isinstance(offset, dict) else None
+    if not isinstance(table, dict):
+        return {}
+    return {k: v for k, v in table.items() if isinstance(k, str) and isinstance(v, str) and v}
 
 
 def is_cluster_offset(offset: object, streams: Sequence[str]) -> bool:
     """Whether `offset` is this source's nested offset over some of `streams`."""
+    if not isinstance(offset, dict):
+        return False
+    parts = {k: v for k, v in offset.items() if k != INCARNATIONS}
     return (
-        isinstance(offset, dict)
-        and bool(offset)
-        and set(offset) <= set(streams)
+        bool(parts)
+        and set(parts) <= set(streams)
+        and isinstance(offset.get(INCARNATIONS, {}), dict)
         and all(
             isinstance(owners, dict)
             and all(isinstance(o, str) and o.isdigit() and type(n) is int for o, n in owners.items())
-            for owners in offset.values()
+            for owners in parts.values()
         )
     )
 
@@ -177,6 +220,8 @@ def parse_starting_offsets(value: str | None) -> FlatOffset:
     flat: dict[str, int] = {}
     if isinstance(parsed, dict):
         for key, n in parsed.items():
+            if key == INCARNATIONS:
+                continue  # starting_incarnations
             if isinstance(n, dict):
                 flat.update({f"{key}/{o}": v for o, v in n.items()})
             else:
@@ -198,6 +243,23 @@ def parse_starting_offsets(value: str | None) -> FlatOffset:
             f'{{"owner": record offset >= 0}} (or "stream/owner" -> record offset), got {value!r}'
         )
     return {partition_key(*split_key(k)): n for k, n in flat.items()}
+
+
+def starting_incarnations(value: str | None) -> Incarnations:
+    """The incarnations the startingOffsets option names (an offset of this source carries them)."""
+    if not value:
+        return {}
+    return incarnations_of(json_option(value))
+
+
+def parse_fail_on_data_loss(value: str | None) -> bool:
+    """The failOnDataLoss option: "true" (the default) or "false"."""
+    text = (value or "true").strip().lower()
+    if text not in {"true", "false"}:
+        raise ValueError(
+            f"sluice source: option {OPTION_FAIL_ON_DATA_LOSS!r} must be true or false, got {value!r}"
+        )
+    return text == "true"
 
 
 def parse_receivers(value: str) -> dict[int, str]:
@@ -233,6 +295,10 @@ class Holding:
     leader: bool
     released: int | None = None
     """Where the holder's releases end (PartitionInfo.released_offset; None: it did not say)."""
+    incarnation: str = ""
+    """The incarnation of the log it holds ("": it did not say)."""
+    log_end: int = 0
+    """Where its log ends, every block counted (PartitionInfo.next_offset)."""
 
 
 class ClusterView:
@@ -241,16 +307,63 @@ class ClusterView:
     def __init__(self, order: Sequence[int]) -> None:
         self._order = {node_id: i for i, node_id in enumerate(order)}
         self.holdings: dict[str, list[Holding]] = {}
-        """partition key -> what each answering node holds of it."""
+        """partition key -> what each answering node holds of it (once settled: of its incarnation)."""
         self.answered: set[int] = set()
+        self.incarnations: Incarnations = {}
+        """partition key -> the incarnation of its log that the view reads (settle)."""
+        self.others: dict[str, list[Holding]] = {}
+        """partition key -> holdings of another incarnation than that (settle): left out."""
 
     def add(self, response: pb.ListPartitionsResponse, streams: Sequence[str]) -> None:
         self.answered.add(response.node_id)
         for p in response.partitions:
             if p.stream in streams:
                 released = p.released_offset if p.HasField("released_offset") else None
-                holding = Holding(response.node_id, p.start_offset, p.end_offset, p.leader, released)
+                holding = Holding(
+                    response.node_id,
+                    p.start_offset,
+                    p.end_offset,
+                    p.leader,
+                    released,
+                    p.incarnation,
+                    p.next_offset,
+                )
                 self.holdings.setdefault(partition_key(p.stream, p.owner), []).append(holding)
+
+    def settle(self, known: Mapping[str, str]) -> ClusterView:
+        """Pick each partition's incarnation and keep only its holders (and those that did not say
+        theirs): the owner's log's, when the owner answered; else `known` (the query's offset's) if a
+        holder has it; else the first holder's (node list order). A copy of another one is a copy of a
+        log the owner's replaced (not set aside yet): its offsets are not this log's."""
+        for key, holdings in self.holdings.items():
+            named = sorted(
+                (h for h in holdings if h.incarnation), key=lambda h: self._order.get(h.node_id, 0)
+            )
+            leaders = [h.incarnation for h in named if h.leader]
+            if leaders:
+                chosen = leaders[0]
+            elif known.get(key) in {h.incarnation for h in named}:
+                chosen = known[key]
+            else:
+                chosen = named[0].incarnation if named else ""
+            if not chosen:
+                continue
+            self.incarnations[key] = chosen
+            self.holdings[key] = [h for h in holdings if h.incarnation in {"", chosen}]
+            others = [h for h in holdings if h.incarnation not in {"", chosen}]
+            if others:
+                self.others[key] = others
+        return self
+
+    def incarnation(self, key: str) -> str:
+        """The incarnation of the partition's log the view reads ("": unknown)."""
+        return self.incarnations.get(key, "")
+
+    def owner_log_end(self, key: str) -> int | None:
+        """Where the owner's log of the partition ends, every block counted (released ones too), when
+        the owner answered; None otherwise."""
+        ends = [max(h.end, h.log_end) for h in self.holdings.get(key, ()) if h.leader]
+        return max(ends) if ends else None
 
     def end(self, key: str) -> int:
         """What a batch may read up to: the highest readable end among the partition's holders."""
@@ -305,6 +418,8 @@ class RangeSpec:
     hi: int
     targets: tuple[tuple[int, str], ...]
     """(node id, host:port) of the holders to try, in order."""
+    incarnation: str = ""
+    """The incarnation of the partition's log the range is of ("": any)."""
 
 
 class ClusterPartition(InputPartition):
@@ -331,6 +446,8 @@ class ClusterStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigg
         # a cluster driver's id: the source's planning and releases are the driver's, held to its lease
         self.driver_id = options.get(OPTION_DRIVER_ID) or None
         self._read_planning_options(options)
+        self.starting_incarnations = starting_incarnations(options.get(OPTION_STARTING_OFFSETS))
+        self.fail_on_data_loss = parse_fail_on_data_loss(options.get(OPTION_FAIL_ON_DATA_LOSS))
         self._available_now_target: FlatOffset | None = None
         self._weights_for: Sequence[str] = ()  # the partition keys _stream_weights shares weights over
         self._latest: FlatOffset | None = None  # available ends at the last plan, for reportLatestOffset
@@ -357,9 +474,11 @@ class ClusterStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigg
     def initialOffset(self) -> ClusterOffset:
         # startingOffsets (a swap's new query: where the old one's commits end), else each
         # partition's first record still held
-        view = self.client.view(self.streams, seal=False)
+        view = self.client.view(self.streams, seal=False).settle(self.starting_incarnations)
         start = {k: n for k, n in self.starting_offsets.items() if split_key(k)[0] in self.streams}
-        return nest({**{key: view.floor(key) for key in view.holdings}, **start})
+        offset = {**{key: view.floor(key) for key in view.holdings}, **start}
+        # the starting offsets' own incarnations: the first plan checks them against the logs'
+        return nest(offset, {**view.incarnations, **self.starting_incarnations})
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.max_records_per_batch is None:
@@ -371,11 +490,13 @@ class ClusterStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigg
         live = self._live_cap()  # first: it may wait for the last batch's metrics
         if self._held():
             return start  # no new data: the batch that runs now is the query's last (a swap)
-        view = self.client.view(self.streams, seal=True)
-        begun = flatten(start)
-        # a partition new to the query (a node's first blocks, or a node seen for the first time)
-        # starts at its first record still held
-        at = {key: begun.get(key, view.floor(key)) for key in {*begun, *view.holdings}}
+        known = incarnations_of(start)
+        view = self.client.view(self.streams, seal=True).settle(known)
+        offered = flatten(start)
+        begun = self._check_lost(view, offered, known)
+        # a partition new to the query (a node's first blocks, or a node seen for the first time), or
+        # whose log was replaced (failOnDataLoss=false), starts at its first record still held
+        at = {key: begun.get(key, view.floor(key)) for key in {*offered, *view.holdings}}
         available = {key: max(at[key], view.end(key)) for key in at}
         target = self._available_now_target
         if target is not None:
@@ -385,26 +506,78 @@ class ClusterStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigg
         end = self._plan(at, available, limit, live, phase)
         # no offset for a partition that has nothing for this batch and that Spark has not seen: its
         # end would differ from the start's JSON and make an empty batch
-        return nest({k: n for k, n in end.items() if k in begun or n > at[k]})
+        ends = {k: n for k, n in end.items() if k in offered or n > at[k]}
+        return nest(ends, {**known, **view.incarnations})
+
+    def _check_lost(self, view: ClusterView, begun: FlatOffset, known: Mapping[str, str]) -> FlatOffset:
+        """`begun` less the partitions whose log was lost under it: DataLossError naming them, or with
+        failOnDataLoss=false a warning (they start again at the new log's first record). Lost: its
+        incarnation is another than the offset's (read past 0), or its owner's log ends below it."""
+        lost: dict[str, str] = {}
+        for key, offset in sorted(begun.items()):
+            stream, owner = split_key(key)
+            old, new = known.get(key, ""), view.incarnation(key)
+            log_end = view.owner_log_end(key)
+            if old and new and old != new:
+                if offset == 0:
+                    continue  # nothing read of the old log: the new one is read from its start
+                end = f"it ends at offset {log_end}" if log_end is not None else "its owner did not answer"
+                why = (
+                    f"node {owner}'s log of stream {stream!r} (partition {key}) is now incarnation {new} "
+                    f"({end}), and the checkpoint read incarnation {old} up to offset {offset}"
+                )
+            elif log_end is not None and log_end < offset:
+                why = (
+                    f"node {owner}'s log of stream {stream!r} (partition {key}, incarnation "
+                    f"{new or 'unknown'}) ends at offset {log_end}, and the checkpoint read it up to "
+                    f"offset {offset} (incarnation {old or 'unknown'})"
+                )
+            else:
+                continue
+            holders = ", ".join(f"node {h.node_id}" for h in view.holdings.get(key, ()))
+            lost[key] = f"{why}; holders of the new log: {holders or 'none answered'}"
+        if not lost:
+            return dict(begun)
+        what = "; ".join(lost.values())
+        if self.fail_on_data_loss:
+            raise DataLossError(
+                f"sluice source: data loss: {what}. That log was lost and started afresh (its node "
+                "restarted on an empty data dir while its followers were down): records of the old log "
+                "the query had not read are not in it (its followers set their copies of it aside: see "
+                "docs/cluster.md), and offsets the query read are given again to other records. Set the "
+                "source option failOnDataLoss=false to read the new log from its start instead"
+            )
+        log.warning(
+            "sluice source: data loss: %s. failOnDataLoss=false: the query reads the new log from its "
+            "start (records of the old log it had not read are not in it: see docs/cluster.md)",
+            what,
+        )
+        return {k: n for k, n in begun.items() if k not in lost}
 
     def reportLatestOffset(self) -> ClusterOffset:
         if self._latest is None:
-            view = self.client.view(self.streams, seal=False)
+            view = self.client.view(self.streams, seal=False).settle({})
             self._latest = {key: view.end(key) for key in view.holdings}
         return nest(self._latest)
 
     def prepareForTriggerAvailableNow(self) -> None:
-        view = self.client.view(self.streams, seal=True)
+        view = self.client.view(self.streams, seal=True).settle({})
         self._available_now_target = {key: view.end(key) for key in view.holdings}
 
     def partitions(self, start: ClusterOffset, end: ClusterOffset) -> Sequence[ClusterPartition]:
         begun, ends = flatten(start), flatten(end)
+        was, now = incarnations_of(start), incarnations_of(end)
         # asked again: a restarted query plans its unfinished batch without latestOffset
-        view = self.client.view(self.streams, seal=False)
+        view = self.client.view(self.streams, seal=False).settle(now)
         slices: list[SliceTuple] = []
         for key in sorted(ends, key=split_key):
             stream, owner = split_key(key)
-            lo = begun[key] if key in begun else min(view.floor(key), ends[key])
+            # a log replaced under the start (failOnDataLoss=false) is read from its start
+            replaced = bool(was.get(key)) and bool(now.get(key)) and was[key] != now[key]
+            if key in begun and not replaced and ends[key] >= begun[key]:
+                lo = begun[key]
+            else:
+                lo = min(view.floor(key), ends[key])
             if ends[key] > lo:
                 slices.append((stream, 0, 0, 0, owner, lo, ends[key]))
         # balanced as the single-node source balances slices of blocks; a task reads one range
@@ -413,7 +586,8 @@ class ClusterStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigg
             for stream, _, _, _, owner, lo, hi in run:
                 holders = view.holders(partition_key(stream, owner), lo, hi)
                 targets = tuple((n, self.nodes[n]) for n in holders if n in self.nodes)
-                specs.append(RangeSpec(stream, owner, lo, hi, targets))
+                incarnation = now.get(partition_key(stream, owner), "")
+                specs.append(RangeSpec(stream, owner, lo, hi, targets, incarnation))
         return [ClusterPartition(spec, self.rate_files) for spec in specs]
 
     def commit(self, end: ClusterOffset) -> None:
@@ -531,16 +705,22 @@ class BlocksClient:
         named = ((DRIVER_HEADER, self.driver_id),) if self.driver_id else ()
         return (*(self._metadata or ()), *named)
 
-    def release(self, end: Mapping[str, Mapping[str, int]], timeout: float = RELEASE_TIMEOUT) -> int:
-        """Release every partition below `end` ({stream: {owner: offset}}) on every node (each drops
-        what it holds of it). Errors are logged, not raised: release is idempotent and the next commit
-        retries it. Returns the blocks released."""
+    def release(self, end: Mapping[str, Mapping[str, Any]], timeout: float = RELEASE_TIMEOUT) -> int:
+        """Release every partition below `end` ({stream: {owner: offset}}, with its incarnations) on
+        every node (each drops what it holds of it, if its log is of that incarnation). Errors are
+        logged, not raised: release is idempotent and the next commit retries it. Returns the blocks
+        released."""
+        incarnations = incarnations_of(end)
         calls = [
-            (node_id, key, self._pool.submit(self._release, node_id, stream, int(owner), before, timeout))
-            for stream, owners in end.items()
-            for owner, before in owners.items()
+            (
+                node_id,
+                key,
+                self._pool.submit(
+                    self._release, node_id, *split_key(key), before, timeout, incarnations.get(key, "")
+                ),
+            )
+            for key, before in flatten(end).items()
             for node_id in self.nodes
-            for key in [partition_key(stream, int(owner))]
         ]
         released = 0
         for node_id, key, call in calls:
@@ -563,8 +743,12 @@ class BlocksClient:
                 )
         return released
 
-    def _release(self, node_id: int, stream: str, owner: int, before: int, timeout: float) -> int:
-        request = pb.ReleaseBlocksRequest(stream=stream, owner=owner, before_offset=before)
+    def _release(  # noqa: PLR0917 - one call per partition and node
+        self, node_id: int, stream: str, owner: int, before: int, timeout: float, incarnation: str = ""
+    ) -> int:
+        request = pb.ReleaseBlocksRequest(
+            stream=stream, owner=owner, before_offset=before, incarnation=incarnation
+        )
         response = self._stubs[node_id].ReleaseBlocks(
             request, timeout=timeout, metadata=self._driver_metadata()
         )
@@ -587,7 +771,11 @@ def read_range(
         try:
             with credentials.sync_channel(target, _READ_CHANNEL) as channel:
                 request = pb.ReadBlocksRequest(
-                    stream=spec.stream, owner=spec.owner, from_offset=at, to_offset=spec.hi
+                    stream=spec.stream,
+                    owner=spec.owner,
+                    from_offset=at,
+                    to_offset=spec.hi,
+                    incarnation=spec.incarnation,
                 )
                 chunks = pb_grpc.BlocksStub(channel).ReadBlocks(
                     request, timeout=timeout, metadata=credentials.metadata

@@ -34,6 +34,9 @@ class BatchCompleted:
     record offset}, one key per partition) of the batch, when it has one."""
     end_offset: dict[str, int] | None = None
     """Where the batch ended ({stream: record offset}), when known."""
+    end_incarnations: dict[str, str] | None = None
+    """The cluster source's: the incarnation of each partition's log the end offset is of
+    ({"stream/owner": incarnation}), when it names them (ingest.spark.cluster_source)."""
     latest_offset: dict[str, int] | None = None
     """What was available when the batch was planned ({stream: record offset}), when known: latest -
     end is the backlog a capped batch left behind."""
@@ -84,6 +87,7 @@ class BatchListener(StreamingQueryListener):
                 timestamp=str(progress.timestamp),
                 start_offset=_source_offset(progress, "startOffset"),
                 end_offset=_source_offset(progress, "endOffset"),
+                end_incarnations=_source_incarnations(progress, "endOffset"),
                 latest_offset=_source_offset(progress, "latestOffset"),
             )
         except Exception:  # a malformed event must not kill the listener thread
@@ -158,14 +162,34 @@ class _ProgressBridge:
         implements: ClassVar[list[str]] = ["org.apache.spark.sql.streaming.PythonStreamingQueryListener"]
 
 
-def _source_offset(progress: Any, which: str) -> dict[str, int] | None:
-    """The first source's `which` offset as {stream: record offset}, or None (unknown, other sources)."""
+INCARNATIONS = "_incarnations"
+"""The cluster source's offsets name each partition's incarnation under this key
+(ingest.spark.cluster_source.INCARNATIONS)."""
+
+
+def _raw_offset(progress: Any, which: str) -> object:
     try:
         sources = progress.sources
         raw = getattr(sources[0], which) if sources else None
-        offset = json.loads(raw) if isinstance(raw, str) else raw
+        return json.loads(raw) if isinstance(raw, str) else raw
     except (AttributeError, IndexError, ValueError):
         return None
+
+
+def _source_incarnations(progress: Any, which: str) -> dict[str, str] | None:
+    """The incarnations the first source's `which` offset names ({"stream/owner": id}), or None."""
+    offset = _raw_offset(progress, which)
+    table = offset.get(INCARNATIONS) if isinstance(offset, dict) else None
+    if not isinstance(table, dict):
+        return None
+    return {str(k): v for k, v in table.items() if isinstance(v, str) and v}
+
+
+def _source_offset(progress: Any, which: str) -> dict[str, int] | None:
+    """The first source's `which` offset as {stream: record offset}, or None (unknown, other sources)."""
+    offset = _raw_offset(progress, which)
+    if isinstance(offset, dict):
+        offset = {k: v for k, v in offset.items() if k != INCARNATIONS}
     if isinstance(offset, dict) and offset and all(isinstance(v, dict) for v in offset.values()):
         # the cluster source's {stream: {"<owner>": offset}}: one key per partition, "stream/owner"
         offset = {f"{s}/{o}": n for s, owners in offset.items() for o, n in owners.items()}

@@ -173,6 +173,10 @@ OPTION_RATE_KEY_FILE = "rateKeyFile"
 OPTION_DRIVER_ID = "driverId"
 """A cluster driver's id (ingest.cluster_driver.driver_id): the cluster source's ListPartitions and
 ReleaseBlocks carry it, so the nodes hold them to that driver's lease (receivers.blocks_service)."""
+OPTION_FAIL_ON_DATA_LOSS = "failOnDataLoss"
+"""Cluster mode: "true" (the default) fails the query with DataLossError when a partition's log was
+lost under its checkpoint (ingest.spark.cluster_source); "false" warns and reads the new log from its
+start (Spark's Kafka source has the same option)."""
 OPTION_RATE_TOKEN_FILE = "rateTokenFile"  # noqa: S105 - an option's name
 """A file holding the bearer token of a principal with the operator role (GetRate, StartBatch): a
 path, not the token, so that the token never shows in the query's plan, UI or logs. Read by the
