@@ -40,7 +40,7 @@ from py4j.protocol import Py4JError, Py4JJavaError
 
 from ingest.config import ServeConfig
 from ingest.server import SluiceServer
-from ingest.spark.cluster_source import flatten, incarnations_of, is_cluster_offset
+from ingest.spark.cluster_source import INCARNATIONS, flatten, incarnations_of, is_cluster_offset
 from ingest.spark.listener import BatchCompleted, BatchListener
 from ingest.spark.pipeline import (
     Pipeline,
@@ -70,6 +70,9 @@ class QueryPlan:
     """What the source reads at start (with a rate target it follows the server's set after that)."""
     starting_offsets: Mapping[str, int] | None = None
     """Where a fresh checkpoint starts (the last query's committed end); None: the first blocks."""
+    starting_incarnations: Mapping[str, str] | None = None
+    """The incarnations of the partitions' logs starting_offsets are of (the cluster source's): the
+    new query fails with DataLossError, rather than skip records, if one was lost since."""
     context: PipelineContext | None = None
 
 
@@ -240,7 +243,10 @@ class SparkDriver:
         if not self.source_options:  # this service's own store: streams come and go with the server's
             options[OPTION_FOLLOW_STREAMS] = "true"
         if plan.starting_offsets:
-            options[OPTION_STARTING_OFFSETS] = json.dumps(dict(sorted(plan.starting_offsets.items())))
+            starting: dict[str, object] = dict(sorted(plan.starting_offsets.items()))
+            if plan.starting_incarnations:
+                starting[INCARNATIONS] = dict(sorted(plan.starting_incarnations.items()))
+            options[OPTION_STARTING_OFFSETS] = json.dumps(starting)
         self.query = None
         self.plan = plan
         name = self._free_query_name()
@@ -303,7 +309,7 @@ class SparkDriver:
         """Release what the checkpoint's last commit covers: what a crash (or a stop) left between a
         batch's commit and its event's release, which no later batch may ever come to release."""
         if self._checkpoint is not None:
-            committed = _last_commit(self._checkpoint, self._streams())
+            committed = last_commit_named(self._checkpoint, self._streams())
             if committed is not None:
                 self._submit_release(*committed)
 
@@ -338,11 +344,11 @@ def last_commit(checkpoint: Path, streams: Sequence[str]) -> tuple[int, dict[str
     that is the Sluice source's over `streams` is ours, see _sluice_offset); None when there is none or
     it is unreadable.
     """
-    found = _last_commit(checkpoint, streams)
+    found = last_commit_named(checkpoint, streams)
     return None if found is None else found[:2]
 
 
-def _last_commit(
+def last_commit_named(
     checkpoint: Path, streams: Sequence[str]
 ) -> tuple[int, dict[str, int], dict[str, str]] | None:
     """last_commit, and the incarnations the offset names (the cluster source's: incarnations_of)."""

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ingest.checkpoints import last_commit_id, last_planned_id
-from ingest.driver import QueryPlan, SparkDriver, last_commit
+from ingest.driver import QueryPlan, SparkDriver, last_commit, last_commit_named
 from ingest.pipeline_control import (
     BOUNDARY_TIMEOUT,
     DEFAULT_FIRST_BATCH_TIMEOUT,
@@ -214,9 +214,8 @@ class PipelineManager:
                 _set_aside(folder)  # a failed try of this number: its commits would be replayed
             except OSError as exc:
                 raise PipelineStateError(f"--reset-pipeline cannot set {folder} aside: {exc}") from None
-        committed = last_commit(self._checkpoints / saved.checkpoint, self._host.known_streams())
-        start = committed[1] if committed is not None else saved.starting_offsets
-        new = replace(new, starting_offsets=dict(start) if start else None)
+        committed = last_commit_named(self._checkpoints / saved.checkpoint, self._host.known_streams())
+        new = _starting_at(new, saved, committed)
         base = last_commit_id(self._checkpoints / new.checkpoint)
         self._persist(new, saved, trial_base=base)
         self._trial = Trial(new, saved, base)
@@ -227,7 +226,9 @@ class PipelineManager:
             number,
             saved.spec or "the built-in sink",
             saved.number,
-            f" ({', '.join(f'{k}={v}' for k, v in sorted(start.items()))})" if start else "",
+            f" ({', '.join(f'{k}={v}' for k, v in sorted(start.items()))})"
+            if (start := new.starting_offsets)
+            else "",
         )
         return new
 
@@ -322,6 +323,7 @@ class PipelineManager:
             trigger_interval=trigger,
             streams=streams,
             starting_offsets=generation.starting_offsets,
+            starting_incarnations=generation.starting_incarnations,
             context=PipelineContext(self._data_dir / generation.sink, generation.number, streams),
         )
 
@@ -408,7 +410,15 @@ class PipelineManager:
         old = self.current
         number = old.number + 1
         if keep_state:
-            new = Generation(spec, number, old.checkpoint, old.sink, old.starting_offsets, kept_state=True)
+            new = Generation(
+                spec,
+                number,
+                old.checkpoint,
+                old.sink,
+                old.starting_offsets,
+                kept_state=True,
+                starting_incarnations=old.starting_incarnations,
+            )
         else:
             new = Generation(spec, number, *self._fresh_folders(number))
         if pipeline is not None and not self._lock.locked():  # (locked: refused as a swap under way)
@@ -481,13 +491,12 @@ class PipelineManager:
             await self._stop_at_boundary()
             stopped = time.time()
             old_checkpoint = self._checkpoints / old.checkpoint
-            committed = last_commit(old_checkpoint, self._host.known_streams())
+            committed = last_commit_named(old_checkpoint, self._host.known_streams())
             old_end = self._batch_end(old_id)
             fresh = new.checkpoint != old.checkpoint
             if fresh:
                 # where the old query's committed batches end; nothing committed: where it started
-                start = committed[1] if committed is not None else old.starting_offsets
-                new = replace(new, starting_offsets=dict(start) if start else None)
+                new = _starting_at(new, old, committed)
             base = last_commit_id(self._checkpoints / new.checkpoint)
             if what == "swap":
                 self._persist_swap_trial(new, old, base)
@@ -763,3 +772,20 @@ def _cause(text: str) -> str:
     causes = [line.strip() for line in lines if _CAUSE.match(line)]
     line = causes[-1] if "Traceback (most recent call last)" in text and causes else lines[0]
     return line if len(line) <= 500 else line[:497] + "..."
+
+
+def _starting_at(
+    new: Generation, old: Generation, committed: tuple[int, dict[str, int], dict[str, str]] | None
+) -> Generation:
+    """`new` starting where `old`'s committed batches end (with the incarnations of the partitions'
+    logs that offset is of: a log lost since is DataLossError to the new query, not records skipped);
+    nothing committed: where `old` started."""
+    if committed is not None:
+        start, incarnations = committed[1], committed[2]
+    else:
+        start, incarnations = old.starting_offsets or {}, old.starting_incarnations or {}
+    return replace(
+        new,
+        starting_offsets=dict(start) if start else None,
+        starting_incarnations=dict(incarnations) if start and incarnations else None,
+    )

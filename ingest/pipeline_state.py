@@ -10,7 +10,9 @@ a batch. Its format::
      "replaced_trial": {"previous": GENERATION, "trial_base": N}}   (only when a swap replaced a
                                                                      --reset-pipeline generation in trial)
 
-with GENERATION = {"spec", "number", "checkpoint", "sink", "starting_offsets", "kept_state"}.
+with GENERATION = {"spec", "number", "checkpoint", "sink", "starting_offsets", "kept_state"}, and
+"starting_incarnations" when the starting offsets name them (a cluster's: the incarnation of each
+partition's log they are of, {"stream/owner": id}; ingest.spark.cluster_source).
 
 in_force() is the one reading of which generation a start runs after a stop in mid-trial: the manager
 starts it, and `sluice config check` shows it (reading the file, never writing it). Without Spark.
@@ -47,12 +49,15 @@ class Generation:
     """Folder under DATA_DIR for PipelineContext.sink_dir."""
     starting_offsets: dict[str, int] | None = None
     kept_state: bool = False
+    starting_incarnations: dict[str, str] | None = None
+    """The incarnations of the partitions' logs starting_offsets are of (a cluster's), if known."""
 
     @staticmethod
     def from_json(data: Any) -> Generation:
         if not isinstance(data, dict):
             raise TypeError("not an object")
         offsets = data.get("starting_offsets")
+        incarnations = data.get("starting_incarnations")
         return Generation(
             spec=str(data["spec"]),
             number=int(data["number"]),
@@ -60,6 +65,9 @@ class Generation:
             sink=_folder(data["sink"]),
             starting_offsets=None if offsets is None else {str(k): int(v) for k, v in offsets.items()},
             kept_state=bool(data.get("kept_state", False)),
+            starting_incarnations=None
+            if not isinstance(incarnations, dict)
+            else {str(k): str(v) for k, v in incarnations.items()},
         )
 
 
@@ -148,6 +156,14 @@ def in_force(state: PipelineState, checkpoints: Path) -> tuple[Generation, Outco
     return replaced.previous, Outcome.BEFORE_RESET
 
 
+def _json(generation: Generation) -> dict[str, Any]:
+    """A generation as pipeline.json keeps it (starting_incarnations only when there are some)."""
+    data = asdict(generation)
+    if not data.get("starting_incarnations"):
+        data.pop("starting_incarnations", None)
+    return data
+
+
 def write_state(
     path: Path,
     current: Generation,
@@ -162,14 +178,14 @@ def write_state(
     from the swap still takes that generation for a trial (it committed nothing: the one it replaced
     runs). Written over, the reset's record was lost, and the start kept it for good."""
     data: dict[str, Any] = {
-        "current": asdict(current),
-        "previous": asdict(previous) if previous is not None else None,
+        "current": _json(current),
+        "previous": _json(previous) if previous is not None else None,
         "trial": trial_base is not None,
         "trial_base": -1 if trial_base is None else trial_base,
     }
     if replaced_trial is not None:
         data["replaced_trial"] = {
-            "previous": asdict(replaced_trial.previous),
+            "previous": _json(replaced_trial.previous),
             "trial_base": replaced_trial.base,
         }
     replace_json(path, data)

@@ -306,3 +306,49 @@ async def test_a_query_fails_on_a_lost_log_and_reads_the_new_one_with_fail_on_da
         query = await asyncio.to_thread(run, failOnDataLoss="false")
         assert query.exception() is None, query.exception()
         assert sorted(sink_values(sink)) == sorted(sent + fresh), time.monotonic() - started
+
+
+async def test_a_new_query_started_at_offsets_of_a_lost_log_fails_too(tmp_path: Path) -> None:
+    """A pipeline swap starts its new query at the old one's committed offsets (startingOffsets). Without
+    their incarnations it took the new log's for them and started past its records below those offsets;
+    with them, it fails as the old query would."""
+    clusters = loopback_cluster(2, replication=2, min_insync=1)
+    async with contextlib.AsyncExitStack() as outer:
+        nodes = Nodes(tmp_path, clusters, outer)
+        end, _, first = await _lose_node0_with_its_follower_down(
+            nodes, ClusterStreamReader({"receivers": receivers_option(clusters), "streams": "s"})
+        )
+        await push(clusters[0].me.target, 130, "c")
+        swapped = reader(clusters, startingOffsets=json.dumps(end))
+        initial = await asyncio.to_thread(swapped.initialOffset)
+        assert flatten(initial)["s/0"] == 100 and initial[INCARNATIONS]["s/0"] == first
+        with pytest.raises(DataLossError, match=r"checkpoint read incarnation \w+ up to offset 100"):
+            await asyncio.to_thread(swapped.latestOffset, initial, ReadAllAvailable())
+
+
+def test_the_incarnations_of_a_commit_go_to_the_next_generation_and_its_starting_offsets(
+    tmp_path: Path,
+) -> None:
+    from types import SimpleNamespace
+
+    from ingest.driver import last_commit, last_commit_named
+    from ingest.pipeline_manager import _starting_at
+    from ingest.pipeline_state import Generation, _json
+    from ingest.spark.listener import _source_incarnations, _source_offset
+
+    (tmp_path / "commits").mkdir()
+    (tmp_path / "offsets").mkdir()
+    (tmp_path / "commits" / "3").write_text("v1\n{}\n")
+    offset = '{"s":{"0":12,"1":4},"_incarnations":{"s/0":"abc","s/1":"def"}}'
+    (tmp_path / "offsets" / "3").write_text(f'v1\n{{"batchWatermarkMs":0}}\n{offset}\n')
+    assert last_commit(tmp_path, ["s"]) == (3, {"s/0": 12, "s/1": 4})
+    committed = last_commit_named(tmp_path, ["s"])
+    assert committed == (3, {"s/0": 12, "s/1": 4}, {"s/0": "abc", "s/1": "def"})
+    new = _starting_at(Generation("", 2, "c2", "s2"), Generation("", 1, "c1", "s1"), committed)
+    assert new.starting_incarnations == {"s/0": "abc", "s/1": "def"}
+    assert Generation.from_json(json.loads(json.dumps(_json(new)))) == new
+    assert "starting_incarnations" not in _json(Generation("", 1, "c1", "s1"))  # as before, without
+    # the listener: the offsets as before, and the incarnations beside them (the driver's releases)
+    progress = SimpleNamespace(sources=[SimpleNamespace(endOffset=offset)])
+    assert _source_offset(progress, "endOffset") == {"s/0": 12, "s/1": 4}
+    assert _source_incarnations(progress, "endOffset") == {"s/0": "abc", "s/1": "def"}
