@@ -53,6 +53,7 @@ from ingest.rate_controller import RateController
 from ingest.rate_memory import RateMemory
 from ingest.rate_service import RateControlService
 from ingest.reflection import enable_reflection
+from ingest.runtime_config import RuntimeConfig
 from ingest.spark.cluster_source import (
     BlocksClient,
     ClusterRefusedError,
@@ -206,6 +207,11 @@ class ClusterDriver:
         self.credentials = config.credentials()
         self.auth = Authenticator(AuthTable.load(config.auth_file) if config.auth_file is not None else None)
         self.rate = RateController({}, config.rate, batch_interval=config.trigger_interval)
+        self.runtime = RuntimeConfig(config.serve_config(), announce=False)
+        """DATA_DIR/runtime-config.json: the driver keeps no run-time settings, only the rate an operator
+        pinned (`sluice rate set RATE --pin --target DRIVER`), pinned again at the next start as a single
+        node's is. A bad file: SettingError (a ValueError), before anything starts."""
+        self._pin_again()
         self.rate_memory = RateMemory(config.data_dir)
         self.recalled: float | None = None
         """The capacity the running pipeline showed in an earlier run, which the rate started at."""
@@ -302,13 +308,7 @@ class ClusterDriver:
                 authenticator=self.auth if config.auth_file is not None else None,
             )
         server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a taken port fails
-        service = RateControlService(
-            self.rate,
-            {},
-            nodes=self.node_rates.snapshot,
-            pipeline=lambda: (self.config.streams, self.hold_batches),
-        )
-        add_parsed_servicer(server, service, "RateControl", authenticator=self.auth)
+        add_parsed_servicer(server, self.rate_service(), "RateControl", authenticator=self.auth)
         add_parsed_servicer(
             server, DriverAdminService(lambda: self.manager), "Admin", authenticator=self.auth
         )
@@ -350,10 +350,35 @@ class ClusterDriver:
         await manager.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
 
+    def rate_service(self) -> RateControlService:
+        """The driver's RateControl: the global rate, its split among the nodes, the query's streams
+        and hold; a pin is kept in DATA_DIR/runtime-config.json."""
+        return RateControlService(
+            self.rate,
+            {},
+            nodes=self.node_rates.snapshot,
+            pipeline=lambda: (self.config.streams, self.hold_batches),
+            pin=self.runtime.pin,
+        )
+
+    def _pin_again(self) -> None:
+        """The rate an operator pinned before the restart is pinned again, and said so (it was lost
+        without a word: the driver came back at its initial or recalled rate, under the estimator)."""
+        pinned = self.runtime.pinned_rate
+        if pinned is None:
+            return
+        self.rate.update(pinned, pin=True)
+        log.info(
+            "rate pinned at %g records/s (`sluice rate set --pin` before the restart, kept in %s): the "
+            "estimator is ignored until `sluice rate set` without --pin or `sluice rate estimator`",
+            self.rate.rate,
+            self.runtime.path,
+        )
+
     def recall(self, pipeline: str) -> float | None:
         """Start the rate at the capacity `pipeline` showed in an earlier run (ingest.rate_memory), as
-        config.recall_capacity allows; what it started at, or None."""
-        if not self.config.recall_capacity or self.config.rate.estimator == "fixed":
+        config.recall_capacity allows (never over a pinned rate); what it started at, or None."""
+        if not self.config.recall_capacity or self.config.rate.estimator == "fixed" or self.rate.pinned:
             return None
         recalled = self.rate_memory.recall(pipeline)
         if recalled is not None:

@@ -93,8 +93,9 @@ class RateControlService(pb_grpc.RateControlServicer):
         settings: ChangeSettings | None = None,
         pin: Callable[[float | None], None] | None = None,
     ) -> None:
-        """`pin`: keep the pinned rate (None: none) across restarts (SluiceServer.pin_rate; OSError:
-        not kept, nothing changed); None where a pin is not kept (a cluster's nodes and driver)."""
+        """`pin`: keep the pinned rate (None: none) across restarts (RuntimeConfig.pin; OSError: not
+        kept, nothing changed); None where a pin is not kept (a cluster's receiver nodes, whose share
+        the driver pins)."""
         self._controller = controller
         self._pin = pin
         # on a node with run-time settings: bounds and estimator are settings (min-rate, max-rate,
@@ -185,6 +186,9 @@ class RateControlService(pb_grpc.RateControlServicer):
         name = request.estimator
         try:
             if self._settings is None:
+                check_estimator(name)  # refused before the kept pin is dropped
+                if self._pin is not None:
+                    self._pin(None)  # a new estimator unpins the rate: kept first, as a pin is
                 self._controller.set_estimator(name)
             else:
                 check_estimator(name)  # in the rate API's words, before the settings' own check

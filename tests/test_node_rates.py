@@ -374,3 +374,61 @@ async def test_a_driver_listed_as_a_node_gets_no_share_and_is_not_pinned(
         assert driver.rate.rate == pytest.approx(3_000) and not driver.rate.pinned
         assert f"node 1 at 127.0.0.1:{port} is a cluster's driver, not a receiver node" in caplog.text
         assert [n.up for n in listed.snapshot()] == [True, False]
+
+
+async def test_a_cluster_drivers_pinned_rate_is_kept_across_its_restart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`sluice rate set R --pin --target DRIVER` was lost when the driver restarted: it came back at
+    its initial (or recalled) rate under the estimator, while a single node pins its rate again. The
+    driver keeps the pin in DATA_DIR/runtime-config.json too (and its end: `rate estimator` unpins),
+    pins it again at its start (over a recalled capacity) and says so. Its real RateControl server on
+    loopback, steered by the `sluice rate` CLI."""
+    from ingest.cluster_driver import ClusterDriver, DriverConfig
+
+    config = DriverConfig(nodes={0: "127.0.0.1:1"}, streams=("s",), data_dir=tmp_path / "driver")
+    config.data_dir.mkdir()
+
+    @contextlib.asynccontextmanager
+    async def serving() -> Any:
+        caplog.clear()
+        driver = ClusterDriver(config)  # a restart: a new driver on the same data dir
+        rpc = grpc.aio.server()
+        pb_grpc.add_RateControlServicer_to_server(driver.rate_service(), rpc)
+        port = rpc.add_insecure_port("127.0.0.1:0")
+        await rpc.start()
+        try:
+            yield driver, f"127.0.0.1:{port}"
+        finally:
+            await rpc.stop(None)
+            await driver.node_rates.close()
+            driver.blocks.close()
+
+    def rate(*args: str) -> str:
+        done = subprocess.run(
+            [*SLUICE, "rate", *args], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    caplog.set_level("INFO", logger="ingest.cluster_driver")
+    async with serving() as (driver, target):
+        assert not driver.rate.pinned
+        await asyncio.to_thread(rate, "set", "5000", "--pin", "--target", target)
+        assert driver.rate.pinned
+    async with serving() as (driver, target):
+        assert (driver.rate.pinned, driver.rate.rate) == (True, 5000)
+        assert "rate pinned at 5000 records/s" in caplog.text and "runtime-config.json" in caplog.text
+        driver.rate_memory.remember("builtin", 40_000.0)  # a capacity remembered does not unpin it
+        assert driver.recall("builtin") is None and driver.rate.rate == 5000
+        got = await asyncio.to_thread(rate, "get", "--target", target)
+        assert "5000 records/s" in got and "pinned" in got, got
+        await asyncio.to_thread(rate, "estimator", "spark-pid", "--target", target)  # unpins
+        assert not driver.rate.pinned
+    async with serving() as (driver, target):
+        assert not driver.rate.pinned and driver.rate.rate == 10_000  # the initial rate
+        assert "rate pinned" not in caplog.text
+        await asyncio.to_thread(rate, "set", "7000", "--pin", "--target", target)
+        await asyncio.to_thread(rate, "set", "6000", "--target", target)  # without --pin: unpinned
+    async with serving() as (driver, target):
+        assert not driver.rate.pinned and driver.rate.rate == 10_000
