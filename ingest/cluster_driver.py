@@ -41,7 +41,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ingest.admin_service import DriverAdminService, DriverIngestService, DriverSessionsService
-from ingest.config import RateConfig, ServeConfig, TlsConfig, check_exposure
+from ingest.config import RateConfig, ServeConfig, TlsConfig, check_exposure, is_loopback
 from ingest.driver import SparkDriver, batch_metrics
 from ingest.logs import JSON, SPARK_QUIET, log_format, say
 from ingest.metrics import MetricsServer, SluiceCollector
@@ -205,7 +205,12 @@ class ClusterDriver:
         self.config = config
         # a bad file fails here, before Spark starts (CredentialsError, AuthFileError: ValueErrors)
         self.credentials = config.credentials()
-        self.auth = Authenticator(AuthTable.load(config.auth_file) if config.auth_file is not None else None)
+        # under mutual TLS (--client-ca) a verified certificate names its principal, as on a node: it
+        # was ignored here, and an operator the auth file knew by certificate alone was UNAUTHENTICATED
+        self.auth = Authenticator(
+            AuthTable.load(config.auth_file) if config.auth_file is not None else None,
+            client_certificates=config.tls is not None and config.tls.client_ca_file is not None,
+        )
         self.rate = RateController({}, config.rate, batch_interval=config.trigger_interval)
         self.runtime = RuntimeConfig(config.serve_config(), announce=False)
         """DATA_DIR/runtime-config.json: the driver keeps no run-time settings, only the rate an operator
@@ -307,26 +312,7 @@ class ClusterDriver:
                 tls=tls,
                 authenticator=self.auth if config.auth_file is not None else None,
             )
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a taken port fails
-        add_parsed_servicer(server, self.rate_service(), "RateControl", authenticator=self.auth)
-        add_parsed_servicer(
-            server, DriverAdminService(lambda: self.manager), "Admin", authenticator=self.auth
-        )
-        # a push or a sessions call aimed here by mistake is told where to go
-        add_parsed_servicer(server, DriverIngestService(self.auth), "Ingest")
-        add_parsed_servicer(server, DriverSessionsService(), "Sessions", authenticator=self.auth)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        enable_reflection(server, ["RateControl", "Admin"])
-        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-        address = f"{config.rate_host}:{config.rate_port}"
-        if config.tls is not None:
-            port = server.add_secure_port(address, ServerTls(config.tls).grpc_credentials())
-        else:
-            port = server.add_insecure_port(address)
-        await server.start()
-        self._server = server
-        host = "127.0.0.1" if config.rate_host in ("0.0.0.0", "::", "") else config.rate_host  # noqa: S104
-        self.rate_target = f"{host}:{port}"
+        await self.serve_rate()
         self.node_rates.start()
         self._poller = asyncio.create_task(self._watch_backlog(), name="sluice-node-backlog")
         loop = asyncio.get_running_loop()
@@ -349,6 +335,46 @@ class ClusterDriver:
             await self._start_health_port(config.health_port)
         await manager.start()
         await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+
+    async def serve_rate(self) -> None:
+        """Serve RateControl (and Admin's pipeline calls, health, reflection) on config.rate_host and
+        rate_port; warn first of what its security settings let through, as a node does."""
+        config = self.config
+        self._warn_of_exposure()
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a taken port fails
+        add_parsed_servicer(server, self.rate_service(), "RateControl", authenticator=self.auth)
+        add_parsed_servicer(
+            server, DriverAdminService(lambda: self.manager), "Admin", authenticator=self.auth
+        )
+        # a push or a sessions call aimed here by mistake is told where to go
+        add_parsed_servicer(server, DriverIngestService(self.auth), "Ingest")
+        add_parsed_servicer(server, DriverSessionsService(), "Sessions", authenticator=self.auth)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        enable_reflection(server, ["RateControl", "Admin"])
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        address = f"{config.rate_host}:{config.rate_port}"
+        if config.tls is not None:
+            port = server.add_secure_port(address, ServerTls(config.tls).grpc_credentials())
+        else:
+            port = server.add_insecure_port(address)
+        await server.start()
+        self._server = server
+        host = "127.0.0.1" if config.rate_host in ("0.0.0.0", "::", "") else config.rate_host  # noqa: S104
+        self.rate_target = f"{host}:{port}"
+
+    def _warn_of_exposure(self) -> None:
+        """What a start should say of its security settings (a WARNING each), as a node's start does."""
+        if self.config.tls is not None:
+            for warning in ServerTls(self.config.tls).material.warnings():
+                log.warning("%s", warning)
+        if not self.auth.enabled and not is_loopback(self.config.rate_host):
+            # TLS keeps the wire private, it does not say who calls: without an auth file or a client
+            # CA every caller is the anonymous principal, operator included
+            log.warning(
+                "serving on %s without --auth-file or --client-ca: every client that reaches it may "
+                "operate the driver (the cluster's rate, pipeline swaps) and read its status",
+                self.config.rate_host,
+            )
 
     def rate_service(self) -> RateControlService:
         """The driver's RateControl: the global rate, its split among the nodes, the query's streams

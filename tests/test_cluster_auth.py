@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -377,3 +378,77 @@ async def _released(event: threading.Event) -> AsyncIterator[None]:
         yield
     finally:
         event.set()
+
+
+async def test_a_driver_reachable_without_authentication_warns_and_names_certified_callers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A driver serving TLS on a non-loopback address without an auth file or a client CA said
+    nothing, where a node warns that every caller may operate it; and under mutual TLS the driver
+    ignored the names in a verified client certificate, so an operator the auth file knows by
+    certificate (no token) was UNAUTHENTICATED there while the nodes took it. Both as a node now; the
+    driver's real rate server, called by `sluice rate get`."""
+    import subprocess
+    import sys
+
+    from pki import CertificateAuthority
+
+    from ingest.cluster_driver import ClusterDriver, DriverConfig
+    from ingest.config import TlsConfig
+
+    ca = CertificateAuthority(tmp_path / "pki")
+    issued = ca.issue("driver", server=True)
+    ops = ca.issue("ops-cert")
+    auth = tmp_path / "auth.toml"
+    auth.write_text('[principals."ops-cert"]\nroles = ["operator"]\n')
+    sluice = str(Path(sys.executable).parent / "sluice")
+
+    async def serving(host: str, *, client_ca: bool, auth_file: Path | None) -> tuple[ClusterDriver, int]:
+        tls = TlsConfig(issued.cert_file, issued.key_file, ca.cert_file if client_ca else None)
+        config = DriverConfig(
+            nodes={0: "127.0.0.1:1"},
+            streams=("s",),
+            data_dir=tmp_path / f"driver-{len(caplog.records)}-{client_ca}-{auth_file is not None}",
+            rate_host=host,
+            tls=tls,
+            auth_file=auth_file,
+        )
+        driver = ClusterDriver(config)
+        await driver.serve_rate()
+        assert driver.rate_target is not None
+        return driver, int(driver.rate_target.rpartition(":")[2])
+
+    async def stopped(driver: ClusterDriver) -> None:
+        driver.blocks.fenced = "not claimed"  # nothing to give back: this driver never claimed nodes
+        await driver.stop()
+
+    caplog.set_level(logging.WARNING, logger="ingest.cluster_driver")
+    warning = "without --auth-file or --client-ca: every client that reaches it may operate the driver"
+    for host, client_ca, auth_file, warned in (
+        ("0.0.0.0", False, None, True),  # TLS alone on the network: anyone may operate it
+        ("127.0.0.1", False, None, False),  # loopback, as a node: no warning
+        ("0.0.0.0", True, None, False),  # mutual TLS: the client CA vouches for every caller
+        ("0.0.0.0", False, auth, False),
+    ):
+        caplog.clear()
+        driver, _ = await serving(host, client_ca=client_ca, auth_file=auth_file)
+        await stopped(driver)
+        assert (warning in caplog.text) is warned, (host, client_ca, auth_file, caplog.text)
+
+    driver, port = await serving("127.0.0.1", client_ca=True, auth_file=auth)
+    try:
+        command = [sluice, "rate", "get", "--target", f"localhost:{port}", "--ca-file", str(ca.cert_file)]
+        with_cert = [*command, "--cert-file", str(ops.cert_file), "--key-file", str(ops.key_file)]
+        done = await asyncio.to_thread(
+            subprocess.run, with_cert, capture_output=True, text=True, timeout=60, check=False
+        )
+        assert done.returncode == 0, done.stderr
+        assert "records/s" in done.stdout
+        stranger = ca.issue("stranger")
+        other = [*command, "--cert-file", str(stranger.cert_file), "--key-file", str(stranger.key_file)]
+        done = await asyncio.to_thread(
+            subprocess.run, other, capture_output=True, text=True, timeout=60, check=False
+        )
+        assert done.returncode == 3 and "PERMISSION_DENIED" in done.stderr, done.stderr
+    finally:
+        await stopped(driver)
