@@ -1514,19 +1514,38 @@ def _dev_certs(args: argparse.Namespace) -> int:
 
 
 class _Progress:
-    """A progress bar on stderr, redrawn at most 5 times a second."""
+    """A progress bar on stderr, redrawn at most 5 times a second; under `--log-format json` a JSON
+    line (event "push-progress", with the figures as fields) at most once a JSON_EVERY seconds instead,
+    so that a log shipper reading stderr gets one format."""
 
-    def __init__(self, out: IO[str], total_bytes: int | None, enabled: bool) -> None:
-        self.out, self.total, self.enabled = out, total_bytes, enabled
+    JSON_EVERY = 1.0
+
+    def __init__(
+        self, out: IO[str], total_bytes: int | None, enabled: bool, *, json_lines: bool = False
+    ) -> None:
+        self.out, self.total, self.enabled, self.json_lines = out, total_bytes, enabled, json_lines
         self.start = self.last = time.monotonic()
         self.drawn = False
 
     def show(self, done_bytes: int, records: int, acked: int, final: bool = False) -> None:
         now = time.monotonic()
-        if not self.enabled or (not final and now - self.last < 0.2):
+        every = self.JSON_EVERY if self.json_lines else 0.2
+        if not self.enabled or (not final and now - self.last < every):
             return
         self.last = now
         rate = records / max(now - self.start, 1e-9)
+        if self.json_lines:
+            fields = {
+                "bytes_read": done_bytes,
+                "total_bytes": self.total,
+                "records": records,
+                "acked": acked,
+                "records_per_second": round(rate, 1),
+                "final": final,
+            }
+            message = f"{records:,} records read, {acked:,} acked, {rate:,.0f} rec/s"
+            logs.say(message, event="push-progress", fields=fields)
+            return
         if self.total:
             frac = min(1.0, done_bytes / self.total)
             bar = "#" * int(frac * 30)
@@ -1537,6 +1556,18 @@ class _Progress:
         self.out.write(line + ("\n" if final else ""))
         self.out.flush()
         self.drawn = not final
+
+    @property
+    def follows(self) -> bool:
+        """Whether to `follow` the push: JSON lines come every JSON_EVERY seconds, also while it waits."""
+        return self.enabled and self.json_lines
+
+    async def follow(self, state: Callable[[], tuple[int, int, int, bool]]) -> None:
+        """Show `state()` (bytes read, records read, records acked, input ended) until cancelled."""
+        while True:
+            await asyncio.sleep(self.JSON_EVERY)
+            done_bytes, records, acked, _ = state()
+            self.show(done_bytes, records, acked)
 
     def stop(self) -> None:
         """End a bar left mid-line, so that messages start on a line of their own."""
@@ -1674,12 +1705,13 @@ def _push(args: argparse.Namespace) -> int:
         except OSError as exc:
             return _fail(f"cannot read {args.file}: {exc.strerror}", EXIT_USAGE)
     progress: _Progress | _LiveProgress
-    if not args.no_progress and sys.stderr.isatty():
+    json_lines = logs.log_format() == logs.JSON  # JSON lines only, on a terminal too: no bar among them
+    if not args.no_progress and sys.stderr.isatty() and not json_lines:
         from rich.console import Console  # noqa: PLC0415 - only on a terminal
 
         progress = _LiveProgress(Console(stderr=True), total)
     else:
-        progress = _Progress(sys.stderr, total, enabled=not args.no_progress)
+        progress = _Progress(sys.stderr, total, enabled=not args.no_progress, json_lines=json_lines)
     said: list[bool] = []  # how far it got and how to resume: said on a Ctrl-C too
     try:
         return asyncio.run(_push_async(args, source, progress, said))
@@ -1723,7 +1755,7 @@ async def _push_async(
             "not the input of the push to resume?"
         )
     follow = None
-    if isinstance(progress, _LiveProgress):  # from the first second on, acks or not
+    if isinstance(progress, _LiveProgress) or progress.follows:  # from the first second on, acks or not
         follow = asyncio.create_task(
             progress.follow(
                 lambda: (read.done_bytes, read.records, producer.acked - args.resume_from, read.ended)
@@ -1772,15 +1804,13 @@ async def _push_async(
             raise  # Ctrl-C: asyncio.run raises KeyboardInterrupt (exit 130)
         return EXIT_FAILED
     skipped = f" (after the {args.resume_from:,} records of --resume-from)" if args.resume_from else ""
-    print(
-        f"sluice: pushed {read.records:,} records to stream {args.stream!r}{skipped}; all acked",
-        file=sys.stderr,
-    )
+    # said (JSON under --log-format json), as the push's failures are
+    logs.say(f"pushed {read.records:,} records to stream {args.stream!r}{skipped}; all acked", event="pushed")
     if keyless and separator is not None:  # a wrong separator would otherwise pass unnoticed
-        print(
-            f"sluice: {keyless:,} of them had no {separator.decode(errors='backslashreplace')!r} and went "
+        logs.say(
+            f"{keyless:,} of them had no {separator.decode(errors='backslashreplace')!r} and went "
             "without a key",
-            file=sys.stderr,
+            level=logging.WARNING,
         )
     return 0
 

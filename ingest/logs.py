@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Mapping
 
 from ingest import native_stderr
 
@@ -41,6 +42,9 @@ class JsonFormatter(logging.Formatter):
         event = getattr(record, "event", None)
         if event:
             entry["event"] = event
+        fields = getattr(record, "fields", None)
+        if fields:  # say()'s figures, beside the message (never over its own keys)
+            entry.update({k: v for k, v in fields.items() if k not in entry})
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
         if record.stack_info:
@@ -76,12 +80,20 @@ def log_format() -> str:
     return _format
 
 
-def say(message: str, *, event: str | None = None, level: int = logging.INFO) -> None:
+def say(
+    message: str,
+    *,
+    event: str | None = None,
+    level: int = logging.INFO,
+    fields: Mapping[str, object] | None = None,
+) -> None:
     """A line for the operator on stderr, whatever the log level: "sluice: message", or in JSON mode an
-    object with the message and its lifecycle `event` (start, serving, query-started, stopped, ...)."""
+    object with the message, its lifecycle `event` (start, serving, query-started, stopped, ...) and
+    `fields` (figures a log shipper reads without parsing the message; not in the plain line)."""
     if _format == JSON:
         record = logging.LogRecord("sluice", level, __file__, 0, message, None, None)
         record.event = event
+        record.fields = fields
         line = JsonFormatter().format(record)
     else:
         line = f"sluice: {message}"

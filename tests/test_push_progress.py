@@ -105,3 +105,56 @@ async def test_push_progress_on_a_pipe_is_the_plain_line(tmp_path: Path) -> None
     assert b"\x1b[" not in result.stderr  # no terminal codes into a log
     assert b"1,000 records, 1,000 acked" in result.stderr
     assert b"pushed 1,000 records" in result.stderr
+
+
+async def test_push_progress_under_json_logs_is_json_lines_on_a_pipe_and_a_terminal(tmp_path: Path) -> None:
+    """`sluice --log-format json push` wrote its progress as the plain "\\r[###...]" line (and its last
+    line as "sluice: pushed ...") among the JSON log lines: a log shipper got two formats on one
+    stream. Every line of its stderr is a JSON object now, progress as event "push-progress" with the
+    figures as fields, about once a second while it waits for acks; on a terminal too (no bar)."""
+    import json
+
+    source = tmp_path / "input.txt"
+    source.write_text("".join(f"record {i}\n" for i in range(RECORDS)))
+    async with running_server(tmp_path / "data", "default", prefetch=300, low_tide=100) as server:
+        server.rate.update(RATE)  # about 3 s of waiting for credit: several progress lines
+        command = [SLUICE, "--log-format", "json", "push", str(source), "--target", server.target]
+        result = await asyncio.to_thread(
+            subprocess.run, command, capture_output=True, timeout=120, check=False
+        )
+        assert result.returncode == 0, result.stderr
+        lines = result.stderr.decode().splitlines()
+        entries = [json.loads(line) for line in lines]  # every line is JSON: no "\r", no "sluice: "
+        progress = [e for e in entries if e.get("event") == "push-progress"]
+        assert len(progress) >= 2, lines
+        acked = [e["acked"] for e in progress]
+        assert acked == sorted(acked) and acked[0] < RECORDS, acked  # shown while it went on
+        assert progress[-1]["final"] is True and progress[-1]["acked"] == RECORDS
+        assert progress[-1]["records"] == RECORDS and progress[-1]["total_bytes"] == source.stat().st_size
+        assert [e["message"] for e in entries if e.get("event") == "pushed"] == [
+            f"pushed {RECORDS:,} records to stream 'default'; all acked"
+        ]
+        # on a terminal as well: JSON lines, not a bar among them
+        master, slave = pty.openpty()
+        proc = await asyncio.create_subprocess_exec(
+            *command,
+            "--producer-id",
+            "tty",
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=slave,
+        )
+        os.close(slave)
+        try:
+            chunks = await asyncio.wait_for(asyncio.to_thread(read_all, master), 120)
+            code = await asyncio.wait_for(proc.wait(), 30)
+        finally:
+            os.close(master)
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    text = b"".join(data for _, data in chunks).decode()
+    assert code == 0, text
+    shown = [json.loads(line) for line in text.splitlines() if line.strip()]
+    assert any(e.get("event") == "push-progress" and e["final"] for e in shown), text
+    assert "\x1b[" not in text
