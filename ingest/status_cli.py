@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -604,6 +604,11 @@ async def run_status(
             console.print(render_checked(await read(), where))
             return
         data: Json = {}
+        if not console.is_terminal:
+            # piped or to a file: rich's Live redraws on a terminal only, and anywhere else printed one
+            # frame, at the end (none on a SIGTERM); a whole frame per interval instead, one after another
+            await _print_frames(console, read, where)
+            return
         with Live(console=console, auto_refresh=False, transient=False) as live:
             while True:
                 try:
@@ -615,3 +620,23 @@ async def run_status(
                         raise
                     live.update(render(data, where, error=str(exc)), refresh=True)
                 await asyncio.sleep(REFRESH)
+
+
+async def _print_frames(console: Console, read: Callable[[], Awaitable[Json]], where: str) -> None:
+    """`sluice status` without --once where the output is not a terminal: a frame every REFRESH seconds,
+    each followed by a blank line and flushed (a reader of the pipe sees it at once), no cursor control;
+    a failed read is shown beside the last figures read, as the live view shows it."""
+    data: Json = {}
+    while True:
+        try:
+            read_now = await read()
+            frame = render_checked(read_now, where)
+            data = read_now
+        except StatusReadError as exc:
+            if exc.denied:
+                raise
+            frame = render(data, where, error=str(exc))
+        console.print(frame)
+        console.print()
+        console.file.flush()
+        await asyncio.sleep(REFRESH)

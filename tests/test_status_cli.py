@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import http.server
+import itertools
 import os
 import subprocess
 import sys
@@ -322,3 +323,48 @@ async def test_status_metrics_gives_up_on_a_page_sent_a_byte_at_a_time(
             await asyncio.to_thread(read_http, f"{url}/status.json", Credentials())
         took = time.monotonic() - started
     assert took < 5, took
+
+
+async def test_live_status_to_a_pipe_prints_a_frame_every_second(tmp_path: Path) -> None:
+    """`sluice status` (live) piped into a file or a pipe printed nothing while it ran and one frame
+    at Ctrl-C (rich's Live redraws on a terminal only; after a SIGTERM, nothing at all). Not on a
+    terminal it prints a whole frame every second now, flushed at once, without cursor control."""
+    import signal
+
+    async with running_server(tmp_path / "d", "s") as server:
+        env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+        proc = await asyncio.create_subprocess_exec(
+            SLUICE,
+            "status",
+            "--target",
+            server.target,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        seen: list[tuple[float, bytes]] = []
+
+        async def take() -> None:
+            assert proc.stdout is not None
+            while line := await proc.stdout.readline():
+                seen.append((time.monotonic(), line))
+
+        reader = asyncio.create_task(take())
+        try:
+            # the first frame within the start (generous: a shared machine), then one a second
+            deadline = time.monotonic() + 60
+            while not any(b"sluice status" in line for _, line in seen) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(4.5)
+            titles = [at for at, line in seen if line.startswith(b"sluice status")]
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(proc.wait(), 30)
+            await asyncio.wait_for(reader, 30)
+    text = b"".join(line for _, line in seen)
+    assert b"\x1b" not in text, text  # no cursor control, no colours
+    assert len(titles) >= 3, text.decode()  # about 5 frames in 4.5 s; at least 3 on a slow machine
+    assert max(b - a for a, b in itertools.pairwise(titles)) < 3.0, titles
+    assert text.count(b"\nstream ") >= len(titles), text.decode()  # each frame whole, its streams table
