@@ -764,3 +764,77 @@ async def test_a_query_starts_past_what_was_released_though_a_lagging_copy_kept_
         parts = list(await asyncio.to_thread(r.partitions, initial, {"s": {"0": end["s"]["0"]}}))
         table = await asyncio.to_thread(read_all, r, parts)
         assert table.column("value").to_pylist() == sent
+
+
+async def test_tasks_after_one_that_could_not_reach_a_holder_go_to_its_copies_first(tmp_path: Path) -> None:
+    """A holder that accepts connections and answers nothing (a hung node, a host cut off) cost every
+    read task gRPC's connect deadline, 20 s, before the task went to the copy: a batch of N tasks on
+    one executor, N x 20 s. Now the first pays CONNECT_TIMEOUT (5 s) and the next tasks of the process
+    try that holder last for UNREACHABLE_SECONDS, so they read from the copy at once."""
+    import socket
+
+    from ingest.spark import cluster_source
+
+    clusters = loopback_cluster(1)
+    hung = socket.socket()  # listens, never accepts nor answers: the kernel completes the TCP handshake
+    hung.bind(("127.0.0.1", 0))
+    hung.listen(64)
+    silent = f"127.0.0.1:{hung.getsockname()[1]}"
+    cluster_source._unreachable.clear()
+    try:
+        async with nodes(tmp_path, clusters) as servers:
+            values = await push(servers[0].target, 120, "v")
+            live = clusters[0].me.target
+            specs = [RangeSpec("s", 0, lo, lo + 20, ((7, silent), (0, live))) for lo in range(0, 120, 20)]
+
+            def read_each() -> tuple[list[bytes], list[float]]:
+                got, took = [], []
+                for spec in specs:  # one executor's worker runs its tasks one after another
+                    started = time.monotonic()
+                    table = pa.Table.from_batches(list(read_range(spec, Credentials())), schema=ARROW_SCHEMA)
+                    took.append(time.monotonic() - started)
+                    got += table.column("value").to_pylist()
+                return got, took
+
+            got, took = await asyncio.to_thread(read_each)
+    finally:
+        hung.close()
+        cluster_source._unreachable.clear()
+    assert got == values
+    # six tasks: before, 6 x 20 s; now one connect timeout, then the copy at once (generous bounds)
+    assert took[0] < cluster_source.CONNECT_TIMEOUT + 10, took
+    assert sum(took[1:]) < 5, took
+    assert sum(took) < 2 * cluster_source.CONNECT_TIMEOUT + 10, took
+
+
+async def test_a_holder_found_unreachable_is_tried_still_and_soon_first_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The note that a holder was unreachable only orders the holders: a node back on its port serves
+    a task at once when no other holder can, and after UNREACHABLE_SECONDS it comes first again."""
+    from ingest.spark import cluster_source
+
+    monkeypatch.setattr(cluster_source, "UNREACHABLE_SECONDS", 0.5)
+    cluster_source._unreachable.clear()
+    clusters = loopback_cluster(1)
+    target = clusters[0].me.target
+    spec = RangeSpec("s", 0, 0, 30, ((0, target),))
+    try:
+        async with nodes(tmp_path, clusters) as servers:
+            values = await push(servers[0].target, 30, "v")
+        # the node is down: the task fails, and the node is noted as unreachable
+        with pytest.raises(PartitionUnreadableError):
+            await asyncio.to_thread(lambda: list(read_range(spec, Credentials())))
+        assert target in cluster_source._unreachable
+        other = ((5, "127.0.0.1:1"), (0, target))
+        assert cluster_source._in_reach_first(((0, target), (5, "127.0.0.1:1"))) == list(other)
+        async with nodes(tmp_path, clusters):  # back on its port, with its log: read at once
+            batches = await asyncio.to_thread(lambda: list(read_range(spec, Credentials())))
+        got = pa.Table.from_batches(batches, schema=ARROW_SCHEMA).column("value").to_pylist()
+        assert got == values
+        assert target not in cluster_source._unreachable  # it answered: first again
+        cluster_source._note_unreachable(target)
+        await asyncio.sleep(0.6)
+        assert cluster_source._in_reach_first(((0, target), (5, "127.0.0.1:1")))[0] == (0, target)
+    finally:
+        cluster_source._unreachable.clear()

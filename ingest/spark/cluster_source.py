@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -117,9 +118,47 @@ _RETRY_ELSEWHERE = frozenset(
 """Codes after which the next holder is tried. The others (a refused token, a bad request) would get
 the same answer anywhere: the task fails at once with it."""
 
-_READ_CHANNEL = (("grpc.max_receive_message_length", -1),)
-"""A chunk is a whole block (its rows in range): a block of more than gRPC's default 4 MiB is common
-(100-byte records at 50k records/s and a 1 s block interval: 5 MB), and the node is trusted."""
+CONNECT_TIMEOUT = 5.0
+"""Seconds a task gives a holder to connect (TCP and TLS handshake, HTTP/2 settings): gRPC's own bound
+is 20 s, which a task paid for a node that accepts no connection or answers none (hung, cut off)."""
+UNREACHABLE_SECONDS = 5.0
+"""After a holder could not be reached, the tasks of this process try it last for this long: one
+failure costs one connect timeout, not one per task of the batch. Never skipped: when every other
+holder fails it is tried still, and after this long it has its place again (a node that came back)."""
+
+_READ_CHANNEL = (
+    # a chunk is a whole block (its rows in range): a block of more than gRPC's default 4 MiB is common
+    # (100-byte records at 50k records/s and a 1 s block interval: 5 MB), and the node is trusted
+    ("grpc.max_receive_message_length", -1),
+    # gRPC's connect deadline is the larger of the reconnect backoff and this minimum (default 20 s)
+    ("grpc.min_reconnect_backoff_ms", round(CONNECT_TIMEOUT * 1000)),
+)
+
+_UNREACHABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+_unreachable: dict[str, float] = {}
+"""target -> time.monotonic() until which this process's tasks try it last (UNREACHABLE_SECONDS)."""
+_unreachable_lock = threading.Lock()
+
+
+def _note_unreachable(target: str) -> None:
+    with _unreachable_lock:
+        _unreachable[target] = time.monotonic() + UNREACHABLE_SECONDS
+
+
+def _reached(target: str) -> None:
+    with _unreachable_lock:
+        _unreachable.pop(target, None)
+
+
+def _in_reach_first(targets: Sequence[tuple[int, str]]) -> list[tuple[int, str]]:
+    """`targets` in their order, but those found unreachable in the last UNREACHABLE_SECONDS last."""
+    now = time.monotonic()
+    with _unreachable_lock:
+        for target, until in list(_unreachable.items()):
+            if until <= now:
+                del _unreachable[target]
+        late = {target for _, target in targets if target in _unreachable}
+    return [t for t in targets if t[1] not in late] + [t for t in targets if t[1] in late]
 
 
 class PartitionUnreadableError(RuntimeError):
@@ -767,7 +806,7 @@ def read_range(
     them; a holder that fails part way is left for the next one from the first record not yet given."""
     at = spec.lo
     failures: list[str] = []
-    for node_id, target in spec.targets:
+    for node_id, target in _in_reach_first(spec.targets):
         try:
             with credentials.sync_channel(target, _READ_CHANNEL) as channel:
                 request = pb.ReadBlocksRequest(
@@ -785,12 +824,17 @@ def read_range(
                     batches = _chunk_batches(chunk, spec, at)
                     yield from batches
                     at += chunk.count
+                _reached(target)
                 if at >= spec.hi:
                     return
                 failures.append(f"node {node_id} ({target}): ended at record {at}")
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
             failures.append(f"node {node_id} ({target}): {describe(exc)}")
+            if code in _UNREACHABLE_CODES:
+                _note_unreachable(target)  # the next tasks go to its copies first
+            elif code is not None:
+                _reached(target)  # it answered (a missing range, a refusal): it is up
             if code is not None and code not in _RETRY_ELSEWHERE:
                 break
         except (_BadChunk, pa.ArrowInvalid) as exc:
