@@ -91,7 +91,12 @@ async def test_health_follows_the_query(tmp_path: Path) -> None:
 
 async def test_health_waits_for_the_query_where_spark_runs(tmp_path: Path) -> None:
     config = ServeConfig(
-        port=0, data_dir=tmp_path, streams=("s",), rate=RateConfig(estimator="fixed"), spark=True
+        port=0,
+        metrics_port=None,  # not the default 9464: another service on the machine may hold it
+        data_dir=tmp_path,
+        streams=("s",),
+        rate=RateConfig(estimator="fixed"),
+        spark=True,
     )
     server = SluiceServer(config)
     await server.start()
