@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 
 REPLICAS_DIR = "replicas"
 COMMITTED_FILE = "committed.json"
-"""In the data dir: each stream's committed seq (receivers.replication), with replication > 1."""
+"""In the data dir: each stream's committed seq (receivers.replication), with replication > 1; none
+with replication 1 (its whole log is acked: see truncate_uncommitted)."""
 DRAIN_WAIT = 2.0
 """At stop, wait this long at most for followers to ack what was written, so it is acked too."""
 PEER_ASK_TIMEOUT = 3.0
@@ -61,18 +62,18 @@ class ReceiverNode:
         self.replicas = ReplicaStore(
             config.data_dir / REPLICAS_DIR, fsync=config.fsync, segment_bytes=config.wal_segment_bytes
         )
-        committed_file = None
-        if cluster.followers(cluster.me.id):
-            # before the receivers recover: what a crash left past the committed seqs goes
-            committed_file = config.data_dir / COMMITTED_FILE
-            truncate_uncommitted(local, config.streams, committed_file)
+        replicated = bool(cluster.followers(cluster.me.id))
+        committed_file = config.data_dir / COMMITTED_FILE
+        # before the receivers recover: what a run with more copies left past its committed seqs goes
+        # (with replication 1 too), and with replication 1 the file, which would fall behind the acks
+        truncate_uncommitted(local, config.streams, committed_file, replicated=replicated)
         self.replicator = Replicator(
             cluster,
             local,
             config.streams,
             channel=self.channel,
             metadata=self.metadata,
-            committed_file=committed_file,
+            committed_file=committed_file if replicated else None,
         )
         self.store: BlockStore = ReplicatedBlockStore(local, self.replicator)
         """What this node's receivers write to: acked (durable_seq) once on enough copies."""

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -482,18 +483,28 @@ def write_committed(path: Path, committed: Mapping[str, int], *, sync: bool) -> 
     replace_json(path, dict(committed), sync=sync)
 
 
-def truncate_uncommitted(local: WalBlockStore, streams: Sequence[str], committed_file: Path) -> None:
-    """At an owner's start (replication > 1), before its receivers recover: drop the blocks past each
-    stream's persisted committed seq. They were never acked nor readable anywhere, and their producers
-    resend them, here or on another node (which took them: a peer's marks did not have them); kept,
-    they would be read twice. A data dir from before committed seqs were kept: its log counts as
-    committed."""
+def truncate_uncommitted(
+    local: WalBlockStore, streams: Sequence[str], committed_file: Path, *, replicated: bool = True
+) -> None:
+    """At an owner's start, before its receivers recover: drop the blocks past each stream's persisted
+    committed seq. They were written by a run with replication > 1 and never committed (never acked nor
+    readable anywhere), and their producers resend them, here or on another node (which took them: a
+    peer's marks did not have them); kept, they would be read twice. Never below what Spark released
+    (read, so acked). A data dir without the file (from before committed seqs were kept, or last run
+    with replication 1): its whole log counts as committed.
+
+    `replicated` False (this node has no followers: replication 1): after that cut, the file is removed
+    (durably), for every block written from now on is acked once durable in this log alone, and no
+    committed seq follows it; a later start with replication > 1 then counts the whole log as committed.
+    Left in place, the file said less than what was acked, and that start deleted acked blocks."""
     if not committed_file.exists():
-        write_committed(committed_file, {s: local.recover(s)[0] for s in streams}, sync=True)
+        if replicated:
+            write_committed(committed_file, {s: local.recover(s)[0] for s in streams}, sync=True)
         return
     committed = read_committed(committed_file)
     for stream in streams:
-        blocks, records = local.truncate_from(stream, committed.get(stream, 0))
+        cut = max(committed.get(stream, 0), local.released_seq(stream))
+        blocks, records = local.truncate_from(stream, cut)
         if blocks:
             log.warning(
                 "stream %r: dropped %d block(s), %d record(s), written before a crash and never committed "
@@ -502,6 +513,22 @@ def truncate_uncommitted(local: WalBlockStore, streams: Sequence[str], committed
                 blocks,
                 records,
             )
+    if not replicated:
+        committed_file.unlink()
+        _fsync_folder(committed_file.parent)
+        log.info(
+            "replication 1: %s removed; every block this node writes is acked once in its own log, and a "
+            "later start with replication > 1 counts the whole log as committed",
+            committed_file,
+        )
+
+
+def _fsync_folder(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class ReplicatedBlockStore(BlockStore):

@@ -107,3 +107,62 @@ async def test_a_follower_serves_and_marks_only_what_its_owner_committed(tmp_pat
         replicas.set_committed(0, {"s": committed})
         assert (await partitions(clusters[1].me.target))[0] == (0, 30)
         assert replicas.marks("s", [key]) == {key: 30}
+
+
+async def test_records_acked_under_replication_1_survive_a_start_with_replication_2(tmp_path: Path) -> None:
+    """A node run once with replication 1 (an operator's mistake) acked its blocks once in its own log
+    but left committed.json where its last run with replication 2 had put it; started again with
+    replication 2, it took those acked blocks for an unacked tail and deleted them."""
+    import dataclasses
+
+    clusters = loopback_cluster(2, replication=2, min_insync=1)  # node 1 never runs: node 0 acks alone
+    alone = dataclasses.replace(clusters[0], replication=1)
+    async with _node(tmp_path, clusters[0]) as node0:
+        async with Producer(clusters[0].me.target, "s", producer_id="a", linger=0) as producer:
+            await producer.send_many(values(100, "a"))
+            await producer.flush(timeout=10)
+        assert node0.node is not None and node0.node.replicator.persisted()["s"] >= 1
+    async with _node(tmp_path, alone), Producer(alone.me.target, "s", producer_id="t", linger=0) as producer:
+        await producer.send_many(values(50, "t"))
+        await producer.flush(timeout=10)
+        assert producer.acked == 50
+    async with _node(tmp_path, clusters[0]) as again:
+        assert again.node is not None
+        assert sum(b.count for b in again.node.local.blocks("s")) == 150  # nothing acked was dropped
+        read = await retried(lambda t: read_partition(t, 0, 0, 150), clusters[0].me.target)
+        assert read == values(100, "a") + values(50, "t")
+
+
+async def test_a_start_with_replication_1_drops_the_unacked_tail_of_a_run_with_2(tmp_path: Path) -> None:
+    """The other way: a run with replication 2 leaves blocks its follower never had (never acked, their
+    producer resent them elsewhere); a start with replication 1 kept them, and served them as acked,
+    twice in the cluster. Then 1 -> 2 again keeps all that replication 1 acked."""
+    import dataclasses
+
+    clusters = loopback_cluster(2, replication=2, min_insync=2)  # node 1 never runs: node 0 cannot ack
+    alone = dataclasses.replace(clusters[0], replication=1, min_insync=1)
+    acked_alone = dataclasses.replace(clusters[0], min_insync=1)
+    first = Producer(clusters[0].me.target, "s", producer_id="a", linger=0)
+    async with _node(tmp_path, acked_alone), first:
+        await first.send_many(values(100, "a"))
+        await first.flush(timeout=10)
+    async with _node(tmp_path, clusters[0]) as node0:  # min-insync 2 now: what it writes is not acked
+        producer = Producer(clusters[0].me.target, "s", producer_id="u", linger=0)
+        await producer.start()
+        await producer.send_many(values(30, "u"))
+        local = node0.node.local  # type: ignore[union-attr]
+        await wait_until(lambda: sum(b.count for b in local.blocks("s")) == 130, 10)
+        assert producer.acked == 0
+        await producer.abort()
+    async with _node(tmp_path, alone) as one:
+        assert one.node is not None
+        assert sum(b.count for b in one.node.local.blocks("s")) == 100  # the unacked tail is gone
+        assert not (tmp_path / "node0" / "committed.json").exists()
+        async with Producer(alone.me.target, "s", producer_id="t", linger=0) as producer:
+            await producer.send_many(values(50, "t"))
+            await producer.flush(timeout=10)
+    async with _node(tmp_path, acked_alone) as again:
+        assert again.node is not None
+        assert sum(b.count for b in again.node.local.blocks("s")) == 150
+        read = await retried(lambda t: read_partition(t, 0, 0, 150), clusters[0].me.target)
+        assert read == values(100, "a") + values(50, "t")
