@@ -1348,6 +1348,11 @@ def _serve_command(args: argparse.Namespace) -> int:
         lock = prepare(config)
     except OSError as exc:
         return _fail(f"cannot start the server: {exc}")
+    try:  # under the lock, before Spark: another node's data dir is a usage error (SluiceServer checks too)
+        _claim_data_dir(config)
+    except (OSError, ValueError) as exc:
+        lock.release()
+        return _fail(f"cannot start the server: {exc}", EXIT_USAGE)
     settings = f"; settings from {args.config}" if args.config is not None else ""
     logs.say(f"starting: data dir {config.data_dir}{settings}", event="start")
     try:
@@ -1355,6 +1360,12 @@ def _serve_command(args: argparse.Namespace) -> int:
         return asyncio.run(_serve_async(config, lock, args.spark_log_level, origins, preloaded))
     finally:
         lock.release()
+
+
+def _claim_data_dir(config: ServeConfig) -> None:
+    from receivers.node_identity import claim_data_dir  # noqa: PLC0415 - the server extra's, as prepare
+
+    claim_data_dir(config.data_dir, config.cluster)
 
 
 def _outside_origins(args: argparse.Namespace) -> dict[str, str]:

@@ -37,6 +37,7 @@ from receivers.block_store import BlockStore
 from receivers.errors import shown
 from receivers.memory_pool import MemoryPool
 from receivers.names import check_stream_name
+from receivers.node_identity import claim_data_dir
 from receivers.parsed_service import add_parsed_servicer
 from receivers.principal import Role
 from receivers.publish_service import PublishService
@@ -94,6 +95,8 @@ class SluiceServer:
         self._own_lock = data_dir_lock is None
         self._lock = data_dir_lock if data_dir_lock is not None else DataDirLock(config.data_dir)
         try:
+            # before anything reads or cuts the log: another node's data dir is refused (DataDirOwnerError)
+            claim_data_dir(config.data_dir, config.cluster)
             make_dirs(config.blocks_dir)
             self.store = WalBlockStore(
                 config.blocks_dir, fsync=config.fsync, segment_bytes=config.wal_segment_bytes

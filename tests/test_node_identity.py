@@ -1,0 +1,107 @@
+"""A data dir records the node it was first started as (DATA_DIR/node.json, Kafka's meta.properties):
+a start as another node (two nodes' --data-dir swapped) is refused, exit 2, naming both and the dir.
+Before, both nodes started, numbered new records of each other's partitions at offsets the cluster had
+used, and the driver later failed on them (PartitionUnreadableError) or skipped acked records."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from receivers.node_identity import NODE_FILE, DataDirOwnerError
+from sluice_client import Producer
+from tests.support import loopback_cluster, running_server
+from tests.test_replication import values
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess[bytes]:
+    env = {k: v for k, v in os.environ.items() if k != "SLUICE_NODE_ID"}
+    command = [sys.executable, "-m", "ingest.cli", "serve", "--metrics-port", "-1", *args]
+    return subprocess.run(command, capture_output=True, env=env, timeout=120, check=False)
+
+
+async def test_a_node_started_on_another_nodes_data_dir_is_refused(tmp_path: Path) -> None:
+    clusters = loopback_cluster(2, replication=1)
+    d0, d1 = tmp_path / "d0", tmp_path / "d1"
+    for cluster, data_dir in ((clusters[0], d0), (clusters[1], d1)):
+        port = int(cluster.me.target.rsplit(":", 1)[1])
+        async with (
+            running_server(data_dir, "s", cluster=cluster, port=port),
+            Producer(cluster.me.target, "s", producer_id=f"p{cluster.me.id}", linger=0) as producer,
+        ):
+            await producer.send_many(values(20))
+            await producer.flush(timeout=10)
+    assert json.loads((d0 / NODE_FILE).read_text())["node_id"] == 0
+    logs = {d: sorted((d / "blocks" / "s").iterdir()) for d in (d0, d1)}
+    sizes = {d: [p.stat().st_size for p in files] for d, files in logs.items()}
+    # swapped: each refused in process, before its log is touched
+    for cluster, data_dir, owner in ((clusters[1], d0, 0), (clusters[0], d1, 1)):
+        port = int(cluster.me.target.rsplit(":", 1)[1])
+        with pytest.raises(DataDirOwnerError) as refused:
+            async with running_server(data_dir, "s", cluster=cluster, port=port):
+                pass
+        words = str(refused.value)
+        assert f"belongs to node {owner}" in words and f"not to node {cluster.me.id}" in words
+        assert str(data_dir) in words and "--data-dir" in words and f"remove {data_dir / NODE_FILE}" in words
+    assert {d: [p.stat().st_size for p in sorted((d / "blocks" / "s").iterdir())] for d in logs} == sizes
+    # and by `sluice serve`: exit 2, before anything starts
+    nodes = tmp_path / "nodes"
+    nodes.write_text("".join(f"{n.id} {n.target}\n" for n in clusters[0].nodes))
+    port1 = clusters[1].me.target.rsplit(":", 1)[1]
+    node1 = ["--role", "receiver", "--nodes", str(nodes), "--node-id", "1", "--port", port1]
+    done = _serve(*node1, "--data-dir", str(d0))
+    assert done.returncode == 2, done.stderr
+    assert b"belongs to node 0" in done.stderr and b"not to node 1" in done.stderr, done.stderr
+    assert str(d0).encode() in done.stderr
+    single = _serve("--no-spark", "--port", "0", "--data-dir", str(d1))  # a single server, a node's dir
+    assert single.returncode == 2 and b"belongs to node 1" in single.stderr, single.stderr
+    assert b"not to a single server" in single.stderr
+    # re-homed on purpose: the file removed, the dir is taken as node 1's
+    (d0 / NODE_FILE).unlink()
+    async with running_server(d0, "s", cluster=clusters[1], port=int(port1)):
+        pass
+    assert json.loads((d0 / NODE_FILE).read_text())["node_id"] == 1
+
+
+async def test_a_data_dir_from_before_the_file_is_adopted(tmp_path: Path) -> None:
+    data_dir = tmp_path / "d"
+    async with running_server(data_dir, "s") as server:
+        producer = Producer(server.target, "s", producer_id="p", linger=0)
+        await producer.start()
+        await producer.send_many(values(10))
+        await producer.flush(timeout=10)
+        await producer.close()
+    (data_dir / NODE_FILE).unlink()  # as an older version left it
+    async with running_server(data_dir, "s") as again:
+        assert sum(b.count for b in again.store.blocks("s")) == 10
+    assert json.loads((data_dir / NODE_FILE).read_text()) == {"node_id": None, "nodes": None}
+    async with running_server(data_dir, "s"):  # and again, with the file
+        pass
+    cluster = loopback_cluster(1)[0]
+    with pytest.raises(DataDirOwnerError, match="belongs to a single server"):
+        async with running_server(data_dir, "s", cluster=cluster):
+            pass
+
+
+async def test_a_changed_node_list_is_logged_not_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    clusters = loopback_cluster(2)
+    data_dir = tmp_path / "d"
+    async with running_server(data_dir, "s", cluster=clusters[0]):
+        pass
+    caplog.set_level(logging.WARNING, "receivers.node_identity")
+    grown = dataclasses.replace(clusters[0], nodes=loopback_cluster(3)[0].nodes)
+    async with running_server(data_dir, "s", cluster=grown):
+        pass
+    assert "the node list differs" in caplog.text
+    assert json.loads((data_dir / NODE_FILE).read_text())["nodes"] == {
+        str(n.id): n.target for n in grown.nodes
+    }
