@@ -37,6 +37,22 @@ METRICS_ROLES = frozenset({Role.READER, Role.OPERATOR})
 """A principal with one of these may scrape /metrics when a token is required."""
 
 
+class NodeCollector(Collector):
+    """A cluster's receiver node: its peers seen configured otherwise (receivers.cluster.ConfigMismatches)."""
+
+    def __init__(self, mismatches: Callable[[], Mapping[int, str]]) -> None:
+        self._mismatches = mismatches
+
+    def collect(self) -> Iterator[Metric]:
+        gauge = GaugeMetricFamily(
+            "sluice_cluster_config_mismatch_peers",
+            "Peers whose node list (its length) or replication differs from this node's, as Replicate "
+            "hellos refused by or to this node showed in the last 30 s: 0 unless a node is misconfigured.",
+        )
+        gauge.add_metric([], float(len(self._mismatches())))
+        yield gauge
+
+
 class SluiceCollector(Collector):
     """Exports receiver counters per stream, the block log's recovery counters and disk use, the
     Spark side's completed batches, and on a cluster's driver each receiver node's share (`nodes`)."""

@@ -23,7 +23,7 @@ from ingest.config import ServeConfig
 from receivers.auth import Authenticator
 from receivers.block_store import BlockStore
 from receivers.blocks_service import BlocksService
-from receivers.cluster import Cluster
+from receivers.cluster import Cluster, ConfigMismatches
 from receivers.parsed_service import add_parsed_servicer
 from receivers.producer_marks import PeerMarks
 from receivers.receiver import Receiver
@@ -67,6 +67,8 @@ class ReceiverNode:
         # before the receivers recover: what a run with more copies left past its committed seqs goes
         # (with replication 1 too), and with replication 1 the file, which would fall behind the acks
         truncate_uncommitted(local, config.streams, committed_file, replicated=replicated)
+        self.mismatches = ConfigMismatches(cluster)
+        """Peers configured otherwise (another node list or replication), as Replicate hellos showed."""
         self.replicator = Replicator(
             cluster,
             local,
@@ -74,6 +76,7 @@ class ReceiverNode:
             channel=self.channel,
             metadata=self.metadata,
             committed_file=committed_file if replicated else None,
+            mismatches=self.mismatches,
         )
         self.store: BlockStore = ReplicatedBlockStore(local, self.replicator)
         """What this node's receivers write to: acked (durable_seq) once on enough copies."""
@@ -103,7 +106,9 @@ class ReceiverNode:
         blocks = BlocksService(me, receivers, self.store, self.local, self.replicas)
         add_parsed_servicer(server, blocks, "Blocks", authenticator=auth)
         sync_each = self._config.fsync.mode == "interval"
-        replication = ReplicationService(self.cluster, self.replicas, receivers, auth, sync_each=sync_each)
+        replication = ReplicationService(
+            self.cluster, self.replicas, receivers, auth, sync_each=sync_each, mismatches=self.mismatches
+        )
         add_parsed_servicer(server, replication, "Replication", authenticator=auth)
         self._replication = replication
         self.replicator.on_change(self._replication_changed)

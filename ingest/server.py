@@ -20,7 +20,13 @@ from prometheus_client import CollectorRegistry
 
 from ingest.admin_service import AdminService
 from ingest.config import ServeConfig, is_loopback
-from ingest.metrics import MetricsServer, RuntimeChangesCollector, SettingsCollector, SluiceCollector
+from ingest.metrics import (
+    MetricsServer,
+    NodeCollector,
+    RuntimeChangesCollector,
+    SettingsCollector,
+    SluiceCollector,
+)
 from ingest.pipeline_control import PipelineControl
 from ingest.preflight import DataDirLock, bind_address, make_dirs
 from ingest.rate_controller import WATCHDOG_TICK, RateController
@@ -153,6 +159,8 @@ class SluiceServer:
         self.registry = CollectorRegistry()
         collector = SluiceCollector(self.receivers, self._batches_completed, wal=self.store)
         self.registry.register(collector)
+        if self.node is not None:
+            self.registry.register(NodeCollector(self.node.mismatches.peers))
         self.status = StatusBoard(
             collector,
             self.rate,

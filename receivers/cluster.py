@@ -12,12 +12,16 @@ entries given as ``ID=HOST:PORT`` on the command line.
 
 from __future__ import annotations
 
+import logging
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 from sluice_client.settings_file import read_settings_file
+
+log = logging.getLogger(__name__)
 
 _ENTRY = re.compile(r"^(\d{1,9})\s*[=\s]\s*(\S+:\d{1,5})$", re.ASCII)  # ASCII digits only
 
@@ -27,6 +31,12 @@ consumes a cluster: receivers.blocks_service refuses a second while the first ho
 REFUSAL_HEADER = "sluice-refusal"
 """Trailing metadata of a refusal that is no outage: DRIVER_LEASE_HELD when another driver holds the node."""
 DRIVER_LEASE_HELD = "driver-lease"
+CONFIG_HEADER = "sluice-node-config"
+"""Trailing metadata of a Replicate hello refused for another configuration: the refusing node's
+"NODES REPLICATION", so that the owner can say what each side has."""
+MISMATCH_MEMORY = 30.0
+"""Seconds a peer counts as configured otherwise after its last refused hello (an owner retries every 2 s
+at most while refused; one fixed to replication 1 says no hello any more)."""
 DRIVER_LEAVING_HEADER = "sluice-driver-leaving"
 """Call metadata ("1") of a driver's ListPartitions that gives its lease back: it stops, or another
 driver holds other nodes (a node a refused driver took would lock the running one out)."""
@@ -141,3 +151,55 @@ def load_nodes(path: Path) -> tuple[Node, ...]:
             f"the node list (--nodes) {path} is not UTF-8 text (byte {exc.start})"
         ) from None
     return parse_nodes(text.splitlines(), source=str(path))
+
+
+def config_mismatch(one: tuple[int, int, int], other: tuple[int, int, int], me: int | None) -> str:
+    """What two nodes' (id, nodes, replication) are, `me` marked "(this node)"."""
+
+    def has(node_id: int, nodes: int, replication: int) -> str:
+        this = " (this node)" if node_id == me else ""
+        return f"node {node_id}{this} has {nodes} nodes and replication {replication}"
+
+    return f"{has(*one)}; {has(*other)}: give every node the same node list (--nodes) and --replication"
+
+
+class ConfigMismatches:
+    """Peers whose node list (its length) or replication differs from this node's, as the Replicate hellos
+    it refused or that were refused showed: logged at ERROR once per peer and configuration (not at each
+    retry), and counted for operators (`sluice_cluster_config_mismatch_peers`). Neither side can tell
+    which is wrong, so both say it."""
+
+    def __init__(self, cluster: Cluster, memory: float = MISMATCH_MEMORY) -> None:
+        self._cluster = cluster
+        self._memory = memory
+        self._seen: dict[int, tuple[float, str]] = {}  # peer -> (when last seen, the words)
+        self._logged: set[tuple[int, int, int]] = set()
+
+    def seen(self, peer: int, nodes: int, replication: int, *, refused_by_peer: bool) -> str:
+        """A hello between this node and `peer` failed on their configurations; return the words (the
+        ERROR is logged the first time for this peer and configuration)."""
+        me = self._cluster.node_id
+        mine = (me if me is not None else -1, len(self._cluster.nodes), self._cluster.replication)
+        theirs = (peer, nodes, replication)
+        owner, follower = (mine, theirs) if refused_by_peer else (theirs, mine)  # the hello's sender first
+        words = config_mismatch(owner, follower, me)
+        self._seen[peer] = (time.monotonic(), words)
+        if theirs not in self._logged:
+            self._logged.add(theirs)
+            known = {n.id: n.target for n in self._cluster.nodes}
+            where = f" ({known[peer]})" if peer in known else ""
+            if refused_by_peer:
+                log.error("follower %d%s refuses replication: %s", peer, where, words)
+            else:
+                log.error("refused the replication of node %d%s: %s", peer, where, words)
+        return words
+
+    def agreed(self, peer: int) -> None:
+        """A hello between this node and `peer` passed: they agree (again)."""
+        self._seen.pop(peer, None)
+        self._logged = {key for key in self._logged if key[0] != peer}
+
+    def peers(self) -> dict[int, str]:
+        """Peer -> what differs, for the peers seen configured otherwise lately."""
+        now = time.monotonic()
+        return {p: words for p, (at, words) in self._seen.items() if now - at <= self._memory}

@@ -28,13 +28,14 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pyarrow as pa
 
 from receivers.block import BlockInfo
 from receivers.block_store import BlockStore
-from receivers.cluster import Cluster, Node
+from receivers.cluster import CONFIG_HEADER, Cluster, ConfigMismatches, Node
 from receivers.files import replace_json
 from receivers.wal import WalBlockStore
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
@@ -123,9 +124,13 @@ class FollowerLink:
                 raise
             except grpc.aio.AioRpcError as exc:
                 error = f"{exc.code().name}: {exc.details()}"
-                if exc.code() not in _TRANSIENT and error != self.error:
-                    # a follower that answers and refuses (another node list or replication, a log
-                    # replaced, a missing peer role) is an operator's to fix: say it where it is seen
+                differs = _config_of(exc)
+                if differs is not None:  # another node list or replication: ERROR once per configuration
+                    words = self._replicator.mismatches.seen(self.follower.id, *differs, refused_by_peer=True)
+                    error = f"{exc.code().name}: {words}"
+                elif exc.code() not in _TRANSIENT and error != self.error:
+                    # a follower that answers and refuses (a log replaced, a missing peer role) is an
+                    # operator's to fix: say it where it is seen
                     log.warning(
                         "follower %d (%s) refuses replication: %s",
                         self.follower.id,
@@ -187,6 +192,7 @@ class FollowerLink:
         self._told = dict(hello.committed_seq)  # taken before the follower answered the hello
         self.knows = dict(self._told)
         self.connected, self.error = True, None
+        replicator.mismatches.agreed(self.follower.id)
         self.progress_at = time.monotonic()
         replicator.changed()
         reader = asyncio.create_task(self._read_acks(responses))
@@ -250,6 +256,19 @@ class FollowerLink:
                     for waiter in waits:
                         waiter.cancel()
                 self._ack_arrived.clear()
+
+
+def _config_of(exc: grpc.aio.AioRpcError) -> tuple[int, int] | None:
+    """(nodes, replication) of a follower that refused the hello for another configuration, else None."""
+    if exc.code() is not grpc.StatusCode.FAILED_PRECONDITION:
+        return None
+    entries: Any = exc.trailing_metadata() or ()  # (key, value) pairs; grpc's stubs type them opaquely
+    for key, value in entries:
+        if key == CONFIG_HEADER:
+            with contextlib.suppress(ValueError):
+                nodes, replication = (int(v) for v in str(value).split())
+                return nodes, replication
+    return None
 
 
 async def _ended(call: Call) -> grpc.aio.AioRpcError:
@@ -321,8 +340,11 @@ class Replicator:
         metadata: Metadata = (),
         lag_timeout: float = LAG_TIMEOUT,
         committed_file: Path | None = None,
+        mismatches: ConfigMismatches | None = None,
     ) -> None:
         self.cluster = cluster
+        self.mismatches = mismatches if mismatches is not None else ConfigMismatches(cluster)
+        """Followers that refused this node for another configuration (shared with the follower side)."""
         self.local = local
         self.streams = list(streams)
         self.channel = channel

@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 
 from receivers.auth import Authenticator
 from receivers.block import BLOCK_SCHEMA, PLAIN_SCHEMA
-from receivers.cluster import Cluster
+from receivers.cluster import CONFIG_HEADER, Cluster, ConfigMismatches, config_mismatch
 from receivers.errors import ReceiverError
 from receivers.receiver import Receiver
 from receivers.replica_store import (
@@ -170,8 +170,11 @@ class ReplicationService:
         authenticator: Authenticator,
         *,
         sync_each: bool = False,
+        mismatches: ConfigMismatches | None = None,
     ) -> None:
         self._cluster = cluster
+        self.mismatches = mismatches if mismatches is not None else ConfigMismatches(cluster)
+        """Owners whose hello this node refused for another configuration (shared with the Replicator)."""
         self._replicas = replicas
         self._receivers = receivers
         self._authenticator = authenticator
@@ -369,12 +372,16 @@ class ReplicationService:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the first message must be ReplicaHello")
         hello = first.hello
         cluster = self._cluster
-        if (hello.nodes, hello.replication) != (len(cluster.nodes), cluster.replication):
+        mine = (len(cluster.nodes), cluster.replication)
+        if (hello.nodes, hello.replication) != mine:
+            # said here too (ERROR, once per owner and configuration): only the owner logged it, and this
+            # node, configured otherwise maybe, served and acked with fewer copies without a word
+            self.mismatches.seen(hello.owner, hello.nodes, hello.replication, refused_by_peer=False)
+            me = cluster.node_id if cluster.node_id is not None else -1
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
-                f"node {hello.owner} sees {hello.nodes} nodes with replication {hello.replication}, "
-                f"this node {len(cluster.nodes)} with replication {cluster.replication}: "
-                "give every node the same list",
+                config_mismatch((hello.owner, hello.nodes, hello.replication), (me, *mine), None),
+                ((CONFIG_HEADER, f"{mine[0]} {mine[1]}"),),
             )
         known = hello.owner in {n.id for n in cluster.nodes}
         if not known or cluster.node_id not in {n.id for n in cluster.followers(hello.owner)}:
@@ -382,6 +389,7 @@ class ReplicationService:
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"node {cluster.node_id} is not a follower of node {hello.owner} in its node list",
             )
+        self.mismatches.agreed(hello.owner)
         return hello.owner
 
     async def ProducerMarks(

@@ -185,8 +185,39 @@ async def test_a_follower_that_refuses_is_named_with_its_reason(
         node = servers[0].node
         assert node is not None
         await wait_until(lambda: "refuses replication" in caplog.text, timeout=20)
-        assert "follower 1 (" in caplog.text and "FAILED_PRECONDITION" in caplog.text
+        assert "follower 1 (" in caplog.text and "has 2 nodes and replication 1" in caplog.text
         assert "node 1 down: FAILED_PRECONDITION" in node.replicator.status()
+
+
+async def test_both_nodes_of_a_configuration_mismatch_say_it_once_and_count_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only the owner logged a follower's refusal (WARNING), in words that read "this node 3" as a node
+    id; the node configured otherwise, which refused, said nothing, served, and acked with one copy."""
+    import dataclasses
+    import logging
+
+    caplog.set_level(logging.ERROR)
+    clusters = loopback_cluster(2, replication=2, min_insync=1)
+    clusters[1] = dataclasses.replace(clusters[1], replication=1)
+    async with nodes(tmp_path, clusters) as servers:
+        owner, follower = servers[0].node, servers[1].node
+        assert owner is not None and follower is not None
+        await wait_until(lambda: bool(owner.mismatches.peers() and follower.mismatches.peers()), timeout=20)
+        await asyncio.sleep(3)  # the owner retries (every 2 s at most): said once all the same
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        t0, t1 = clusters[0].me.target, clusters[1].me.target
+        refused = f"refused the replication of node 0 ({t0}): node 0 has 2 nodes and replication 2; "
+        refused += "node 1 (this node) has 2 nodes and replication 1"
+        refusing = (
+            f"follower 1 ({t1}) refuses replication: node 0 (this node) has 2 nodes and replication 2; "
+        )
+        refusing += "node 1 has 2 nodes and replication 1"
+        assert sum(refused in e for e in errors) == 1, errors
+        assert sum(refusing in e for e in errors) == 1, errors
+        assert "node 1 down: FAILED_PRECONDITION: node 0 (this node) has" in owner.replicator.status()
+        for server in servers.values():
+            assert server.registry.get_sample_value("sluice_cluster_config_mismatch_peers") == 1
 
 
 async def test_a_node_whose_log_was_replaced_goes_on_past_its_copies(
@@ -300,7 +331,7 @@ async def test_a_replication_stream_out_of_order_or_with_a_bad_block_is_refused_
             (
                 (pb.ReplicateRequest(hello=pb.ReplicaHello(owner=1, nodes=5, replication=2)),),
                 grpc.StatusCode.FAILED_PRECONDITION,
-                "same list",
+                "same node list",
             ),
             (
                 (pb.ReplicateRequest(hello=pb.ReplicaHello(owner=0, nodes=2, replication=2)),),
