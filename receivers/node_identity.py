@@ -6,24 +6,29 @@ own id, at offsets the cluster had used for other records, and the driver later 
 or skipped acked records as read. So the data dir records the node id it was first started with (None:
 a single `sluice serve`, no cluster) and the node list it saw, and a start with another node id (or
 another role) is refused, naming both ids and the dir. A data dir from before the file is adopted: the
-file is written. A changed node list (a node added, an address moved) is only logged: the node's own
-partitions stay its own.
+file is written, unless its log's blocks were sealed by another node id or it holds copies of this
+node's own partitions (then it is another node's, and refused the same way). A changed node list (a
+node added, an address moved) is only logged: the node's own partitions stay its own.
 
-To re-home a data dir to another node on purpose, remove the file.
+To re-home a data dir to another node on purpose, write {"node_id": ID} to the file (null: a single server).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 from receivers.cluster import Cluster, Node
 from receivers.files import read_json, replace_json
+from receivers.wal import WalBlockStore
 
 log = logging.getLogger(__name__)
 
 NODE_FILE = "node.json"
+REPLICAS_DIR = "replicas"
+"""Where a node keeps its copies of other nodes' partitions, a folder per owner (as ingest.receiver_node)."""
 
 
 class DataDirOwnerError(ValueError):
@@ -48,14 +53,16 @@ def claim_data_dir(data_dir: Path, cluster: Cluster | None) -> None:
     data = read_json(path, "which node this data dir belongs to", DataDirOwnerError)
     listed = _nodes_map(nodes)
     if data is None:
+        if node_id is not None:
+            _check_old_log(data_dir, node_id, path)
         if (data_dir / "blocks").exists():
             log.info("data dir %s has no %s yet: taken as %s's", data_dir, NODE_FILE, _who(node_id))
         replace_json(path, {"node_id": node_id, "nodes": listed})
         return
     if not isinstance(data, dict) or "node_id" not in data:
         raise DataDirOwnerError(
-            f"{path}: not a node identity (a map with node_id): restore it, or remove it to adopt the "
-            "data dir as this node's"
+            f"{path}: not a node identity (a map with node_id): restore it, or write "
+            '{"node_id": ID} to it (null: a single server)'
         )
     recorded = data["node_id"]
     if recorded is not None and (isinstance(recorded, bool) or not isinstance(recorded, int)):
@@ -70,10 +77,13 @@ def claim_data_dir(data_dir: Path, cluster: Cluster | None) -> None:
             f"data dir {data_dir} belongs to {_who(recorded)} ({path}, written at its first start), not to "
             f"{_who(node_id)}: its log holds {_who(recorded)}'s records, and taking more under another "
             f"id would give them offsets the cluster already used. {fix[0].upper()}{fix[1:]}; to re-home "
-            f"this data dir to {_who(node_id)} on purpose, remove {path}"
+            f'this data dir to {_who(node_id)} on purpose, write {{"node_id": {json.dumps(node_id)}}} '
+            f"to {path}"
         )
-    if listed is not None and data.get("nodes") != listed:
-        before = data.get("nodes")
+    if listed is not None and "nodes" not in data:  # written by hand to re-home the dir: noted
+        replace_json(path, {"node_id": node_id, "nodes": listed})
+    elif listed is not None and data["nodes"] != listed:
+        before = data["nodes"]
         log.warning(
             "the node list differs from the one %s last started with (%s): was %s, now %s; if this data "
             "dir comes from another cluster, stop and give this node its own",
@@ -83,3 +93,24 @@ def claim_data_dir(data_dir: Path, cluster: Cluster | None) -> None:
             listed,
         )
         replace_json(path, {"node_id": node_id, "nodes": listed})
+
+
+def _check_old_log(data_dir: Path, node_id: int, path: Path) -> None:
+    """A data dir from before the file, taken by node `node_id`: refuse it when what it holds shows it is
+    another node's: blocks in its own log sealed by another node (a node's blocks carry its id), or copies
+    of `node_id`'s own partitions (a node holds copies of other nodes' only)."""
+    store = WalBlockStore(data_dir / "blocks")
+    writers: set[int] = set()
+    for stream in store.stream_names():
+        writers |= {block.receiver for block in store.blocks(stream)[-1:]}
+    copies = data_dir / REPLICAS_DIR / str(node_id)
+    if writers - {node_id} or copies.is_dir():
+        if writers - {node_id}:
+            shows = f"its log's blocks were sealed by node {', '.join(map(str, sorted(writers)))}"
+        else:
+            shows = f"it holds copies of node {node_id}'s partitions, which only other nodes hold"
+        raise DataDirOwnerError(
+            f"data dir {data_dir} is not node {node_id}'s: {shows} (it has no {NODE_FILE} yet, from an "
+            f"older version). Start node {node_id} with its own data dir (--data-dir); to take this one "
+            f'as node {node_id}\'s on purpose, write {{"node_id": {node_id}}} to {path}'
+        )

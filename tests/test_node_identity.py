@@ -49,7 +49,11 @@ async def test_a_node_started_on_another_nodes_data_dir_is_refused(tmp_path: Pat
                 pass
         words = str(refused.value)
         assert f"belongs to node {owner}" in words and f"not to node {cluster.me.id}" in words
-        assert str(data_dir) in words and "--data-dir" in words and f"remove {data_dir / NODE_FILE}" in words
+        assert (
+            str(data_dir) in words
+            and "--data-dir" in words
+            and f'write {{"node_id": {cluster.me.id}}} to {data_dir / NODE_FILE}' in words
+        )
     assert {d: [p.stat().st_size for p in sorted((d / "blocks" / "s").iterdir())] for d in logs} == sizes
     # and by `sluice serve`: exit 2, before anything starts
     nodes = tmp_path / "nodes"
@@ -63,11 +67,24 @@ async def test_a_node_started_on_another_nodes_data_dir_is_refused(tmp_path: Pat
     single = _serve("--no-spark", "--port", "0", "--data-dir", str(d1))  # a single server, a node's dir
     assert single.returncode == 2 and b"belongs to node 1" in single.stderr, single.stderr
     assert b"not to a single server" in single.stderr
-    # re-homed on purpose: the file removed, the dir is taken as node 1's
-    (d0 / NODE_FILE).unlink()
+    # data dirs from before the file: the blocks' node ids tell, and an older node's own is adopted
+    for data_dir in (d0, d1):
+        (data_dir / NODE_FILE).unlink()
+    with pytest.raises(DataDirOwnerError, match=r"not node 1's: its log's blocks were sealed by node 0"):
+        async with running_server(d0, "s", cluster=clusters[1], port=int(port1)):
+            pass
+    assert not (d0 / NODE_FILE).exists()
+    async with running_server(d0, "s", cluster=clusters[0], port=int(clusters[0].me.target.rsplit(":")[1])):
+        pass
+    assert json.loads((d0 / NODE_FILE).read_text())["node_id"] == 0
+    # re-homed on purpose, as the refusal says: the dir is taken as node 1's
+    (d0 / NODE_FILE).write_text('{"node_id": 1}')
     async with running_server(d0, "s", cluster=clusters[1], port=int(port1)):
         pass
-    assert json.loads((d0 / NODE_FILE).read_text())["node_id"] == 1
+    assert json.loads((d0 / NODE_FILE).read_text()) == {
+        "node_id": 1,
+        "nodes": {str(n.id): n.target for n in clusters[1].nodes},
+    }
 
 
 async def test_a_data_dir_from_before_the_file_is_adopted(tmp_path: Path) -> None:
