@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import TypeVar
 
 import grpc
+import pytest
 
+from receivers.wal import WalBlockStore
 from sluice_client import Producer
 from tests.support import loopback_cluster, running_server, wait_until
 from tests.test_replication import partitions, read_partition, values
@@ -166,3 +168,22 @@ async def test_a_start_with_replication_1_drops_the_unacked_tail_of_a_run_with_2
         assert sum(b.count for b in again.node.local.blocks("s")) == 150
         read = await retried(lambda t: read_partition(t, 0, 0, 150), clusters[0].me.target)
         assert read == values(100, "a") + values(50, "t")
+
+
+def test_a_start_never_cuts_below_what_spark_released(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A committed seq behind the released mark (a file left stale, as replication 1 once left it): the
+    blocks Spark had read were cut too, and counted among those "never acked" in the WARNING."""
+    from receivers.replication import truncate_uncommitted, write_committed
+    from tests.test_wal import fill
+
+    store = WalBlockStore(tmp_path / "blocks")
+    fill(store, 5)  # 3 records a block
+    store.release("s", 3)  # Spark read blocks 0..2
+    committed = tmp_path / "committed.json"
+    write_committed(committed, {"s": 1}, sync=False)
+    truncate_uncommitted(store, ["s"], committed)
+    assert "dropped 2 block(s), 6 record(s)" in caplog.text  # blocks 3 and 4, never committed
+    again = WalBlockStore(tmp_path / "blocks")
+    assert again.recover("s") == (3, 9)
