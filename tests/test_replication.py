@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import os
 import socket
 import threading
@@ -195,7 +196,6 @@ async def test_both_nodes_of_a_configuration_mismatch_say_it_once_and_count_it(
     """Only the owner logged a follower's refusal (WARNING), in words that read "this node 3" as a node
     id; the node configured otherwise, which refused, said nothing, served, and acked with one copy."""
     import dataclasses
-    import logging
 
     caplog.set_level(logging.ERROR)
     clusters = loopback_cluster(2, replication=2, min_insync=1)
@@ -725,3 +725,33 @@ def test_a_copy_from_an_owner_that_writes_a_timestamp_a_record_is_taken_and_read
     assert [t.value for t in plain_arrivals(batch.column("timestamp"))] == [5, 6]
     assert batch.column("value").to_pylist() == values(2)
     copy.close()
+
+
+def test_config_mismatches_are_said_once_per_configuration_and_forgotten_once_agreed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from receivers.cluster import ConfigMismatches
+
+    cluster = loopback_cluster(3, replication=2)[2]
+    seen = ConfigMismatches(cluster, memory=60)
+    for _ in range(3):  # an owner retrying
+        words = seen.seen(1, 3, 1, refused_by_peer=False)
+    assert words.startswith(
+        "node 1 has 3 nodes and replication 1; node 2 (this node) has 3 nodes and replication 2"
+    )
+    seen.seen(1, 2, 1, refused_by_peer=False)  # its list changed: said again
+    seen.seen(0, 3, 3, refused_by_peer=True)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 3, errors
+    assert (
+        "node 2 (this node) has 3 nodes and replication 2; node 0 has 3 nodes and replication 3" in errors[2]
+    )
+    assert sorted(seen.peers()) == [0, 1]
+    seen.agreed(1)
+    assert sorted(seen.peers()) == [0]
+    seen.seen(1, 3, 1, refused_by_peer=False)  # wrong again after a fix: said again
+    assert len([r for r in caplog.records if r.levelno == logging.ERROR]) == 4
+    forgetful = ConfigMismatches(cluster, memory=0)
+    forgetful.seen(1, 3, 1, refused_by_peer=False)
+    time.sleep(0.01)
+    assert forgetful.peers() == {}  # no refused hello lately (the peer was fixed, or stopped)
