@@ -24,6 +24,7 @@ from receivers.auth import Authenticator
 from receivers.block_store import BlockStore
 from receivers.blocks_service import BlocksService
 from receivers.cluster import Cluster, ConfigMismatches
+from receivers.node_identity import last_replication, record_replication
 from receivers.parsed_service import add_parsed_servicer
 from receivers.producer_marks import PeerMarks
 from receivers.receiver import Receiver
@@ -66,7 +67,12 @@ class ReceiverNode:
         committed_file = config.data_dir / COMMITTED_FILE
         # before the receivers recover: what a run with more copies left past its committed seqs goes
         # (with replication 1 too), and with replication 1 the file, which would fall behind the acks
-        truncate_uncommitted(local, config.streams, committed_file, replicated=replicated)
+        # a replication 1 start cuts only after a replicated run of this version (which keeps the file
+        # in step with its acks); after an older version's replication 1 run the file fell behind them
+        last = last_replication(config.data_dir)
+        cut = replicated or (last is not None and last > 1)
+        truncate_uncommitted(local, config.streams, committed_file, replicated=replicated, cut=cut)
+        record_replication(config.data_dir, cluster.replication)
         self.mismatches = ConfigMismatches(cluster)
         """Peers configured otherwise (another node list or replication), as Replicate hellos showed."""
         self.replicator = Replicator(

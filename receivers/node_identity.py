@@ -81,7 +81,7 @@ def claim_data_dir(data_dir: Path, cluster: Cluster | None) -> None:
             f"to {path}"
         )
     if listed is not None and "nodes" not in data:  # written by hand to re-home the dir: noted
-        replace_json(path, {"node_id": node_id, "nodes": listed})
+        replace_json(path, {**data, "node_id": node_id, "nodes": listed})
     elif listed is not None and data["nodes"] != listed:
         before = data["nodes"]
         log.warning(
@@ -92,7 +92,25 @@ def claim_data_dir(data_dir: Path, cluster: Cluster | None) -> None:
             before,
             listed,
         )
-        replace_json(path, {"node_id": node_id, "nodes": listed})
+        replace_json(path, {**data, "node_id": node_id, "nodes": listed})
+
+
+def last_replication(data_dir: Path) -> int | None:
+    """The replication this data dir's node last started with (record_replication), None when unknown:
+    not recorded since the file was written, or by a version from before it."""
+    data = read_json(data_dir / NODE_FILE, "which node this data dir belongs to", DataDirOwnerError)
+    value = data.get("replication") if isinstance(data, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def record_replication(data_dir: Path, replication: int) -> None:
+    """Note the replication this node started with, once its start dealt with the last run's
+    (ingest.receiver_node: what a replication 1 start may cut depends on it)."""
+    path = data_dir / NODE_FILE
+    data = read_json(path, "which node this data dir belongs to", DataDirOwnerError)
+    data = data if isinstance(data, dict) else {}
+    if data.get("replication") != replication:
+        replace_json(path, {**data, "replication": replication})
 
 
 def _check_old_log(data_dir: Path, node_id: int, path: Path) -> None:

@@ -506,7 +506,12 @@ def write_committed(path: Path, committed: Mapping[str, int], *, sync: bool) -> 
 
 
 def truncate_uncommitted(
-    local: WalBlockStore, streams: Sequence[str], committed_file: Path, *, replicated: bool = True
+    local: WalBlockStore,
+    streams: Sequence[str],
+    committed_file: Path,
+    *,
+    replicated: bool = True,
+    cut: bool = True,
 ) -> None:
     """At an owner's start, before its receivers recover: drop the blocks past each stream's persisted
     committed seq. They were written by a run with replication > 1 and never committed (never acked nor
@@ -518,15 +523,19 @@ def truncate_uncommitted(
     `replicated` False (this node has no followers: replication 1): after that cut, the file is removed
     (durably), for every block written from now on is acked once durable in this log alone, and no
     committed seq follows it; a later start with replication > 1 then counts the whole log as committed.
-    Left in place, the file said less than what was acked, and that start deleted acked blocks."""
+    Left in place, the file said less than what was acked, and that start deleted acked blocks.
+
+    `cut` False: nothing is dropped (with replication 1 when the last run's replication is unknown: a
+    version from before this one left the file in place under replication 1, and what is past it may
+    have been acked since)."""
     if not committed_file.exists():
         if replicated:
             write_committed(committed_file, {s: local.recover(s)[0] for s in streams}, sync=True)
         return
     committed = read_committed(committed_file)
-    for stream in streams:
-        cut = max(committed.get(stream, 0), local.released_seq(stream))
-        blocks, records = local.truncate_from(stream, cut)
+    for stream in streams if cut else ():
+        keep_below = max(committed.get(stream, 0), local.released_seq(stream))
+        blocks, records = local.truncate_from(stream, keep_below)
         if blocks:
             log.warning(
                 "stream %r: dropped %d block(s), %d record(s), written before a crash and never committed "

@@ -170,6 +170,41 @@ async def test_a_start_with_replication_1_drops_the_unacked_tail_of_a_run_with_2
         assert read == values(100, "a") + values(50, "t")
 
 
+async def test_a_first_start_with_replication_1_after_an_older_version_keeps_what_that_acked(
+    tmp_path: Path,
+) -> None:
+    """A data dir an older version ran with replication 1 after replication 2: its committed.json is
+    stale and the blocks past it were acked. This version's first start keeps them, with replication 1
+    (the last run's replication is unknown: no cut) as with 2 once the file is gone."""
+    import dataclasses
+
+    from ingest.receiver_node import COMMITTED_FILE
+    from receivers.node_identity import NODE_FILE
+
+    clusters = loopback_cluster(2, replication=2, min_insync=1)
+    alone = dataclasses.replace(clusters[0], replication=1)
+    first = Producer(clusters[0].me.target, "s", producer_id="a", linger=0)
+    async with _node(tmp_path, clusters[0]), first:
+        await first.send_many(values(100, "a"))
+        await first.flush(timeout=10)
+    data_dir = tmp_path / "node0"
+    stale = (data_dir / COMMITTED_FILE).read_text()
+    async with _node(tmp_path, alone), Producer(alone.me.target, "s", producer_id="t", linger=0) as producer:
+        await producer.send_many(values(50, "t"))
+        await producer.flush(timeout=10)
+    # as the older version left it: committed.json where replication 2 put it, and no node.json
+    (data_dir / COMMITTED_FILE).write_text(stale)
+    (data_dir / NODE_FILE).unlink()
+    async with _node(tmp_path, alone) as one:
+        assert one.node is not None
+        assert sum(b.count for b in one.node.local.blocks("s")) == 150
+    async with _node(tmp_path, clusters[0]) as again:
+        assert again.node is not None
+        assert sum(b.count for b in again.node.local.blocks("s")) == 150
+        read = await retried(lambda t: read_partition(t, 0, 0, 150), clusters[0].me.target)
+        assert read == values(100, "a") + values(50, "t")
+
+
 def test_a_start_never_cuts_below_what_spark_released(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
