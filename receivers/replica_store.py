@@ -226,6 +226,8 @@ class ReplicaStore:
             if held == incarnation:
                 return None
             if not held or self._next_locked(owner, stream) == 0:  # never told, or holds nothing
+                if held:  # what the owner said committed was of the old log: it would pass new blocks
+                    self._forget_committed(owner, stream)
                 store.set_incarnation(stream, incarnation)
                 return None
             blocks = store.blocks(stream)
@@ -235,6 +237,9 @@ class ReplicaStore:
             root = self.root / SET_ASIDE / f"{owner}-{held}"
             if root.exists():  # set aside before (the owner went back to it, then away again)
                 root = root.with_name(f"{root.name}-{time.time_ns()}")
+            # forgotten (durably) first: a crash after the move would leave the old log's committed
+            # seq over an empty copy, and the new log's blocks below it would count as committed
+            self._forget_committed(owner, stream)
             dest = store.set_aside(stream, root)
             assert dest is not None  # it held blocks: its folder is there
             aside = SetAside(
@@ -261,7 +266,6 @@ class ReplicaStore:
                     "set_aside_at": time.time(),
                 },
             )
-            self._forget_committed(owner, stream)
             self._next.pop((owner, stream), None)
             self._marks.pop((owner, stream), None)
             store.set_incarnation(stream, incarnation)

@@ -352,3 +352,49 @@ def test_the_incarnations_of_a_commit_go_to_the_next_generation_and_its_starting
     progress = SimpleNamespace(sources=[SimpleNamespace(endOffset=offset)])
     assert _source_offset(progress, "endOffset") == {"s/0": 12, "s/1": 4}
     assert _source_incarnations(progress, "endOffset") == {"s/0": "abc", "s/1": "def"}
+
+
+def test_a_copy_set_aside_leaves_no_committed_seq_behind_when_the_step_fails_midway(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copy was moved aside before its old committed seq was forgotten: a crash or a full disk in
+    between left that seq over the new, empty copy, so the new log's first blocks counted as committed
+    (served to Spark, counted for failover) before the owner acked them."""
+    from receivers import replica_store
+    from receivers.replica_store import ReplicaStore
+    from receivers.wal import RawBlock
+    from receivers.wire import decode_batch
+    from sluice_client.wire import encode_batch
+
+    def block(seq: int) -> RawBlock:
+        import pyarrow as pa
+
+        from receivers.block import BLOCK_SCHEMA
+
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, BLOCK_SCHEMA) as ipc:
+            ipc.write_batch(decode_batch(encode_batch(0, [b"a", b"b"]), 0))
+        return RawBlock(seq, 2 * seq, 2, 0, 0.0, {}, sink.getvalue().to_pybytes())
+
+    old, new = "1" * 32, "2" * 32
+    replicas = ReplicaStore(tmp_path)
+    assert replicas.meet_incarnation(0, "s", old) is None
+    for seq in range(6):
+        replicas.append(0, "s", block(seq), after_release=False)
+    replicas.set_committed(0, {"s": 6})
+    real = replica_store.replace_json
+
+    def full_disk(path: Path, data: Any) -> None:
+        if path.name == SET_ASIDE_INFO:
+            raise OSError(28, "No space left on device")
+        real(path, data)
+
+    monkeypatch.setattr(replica_store, "replace_json", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        replicas.meet_incarnation(0, "s", new)
+    replicas.close()
+    monkeypatch.setattr(replica_store, "replace_json", real)
+    again = ReplicaStore(tmp_path)  # the next start: the copy's folder is gone, aside
+    assert again.meet_incarnation(0, "s", new) is None
+    assert again.committed(0, "s") == 0
+    again.close()
