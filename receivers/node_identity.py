@@ -124,7 +124,11 @@ def _check_old_log(data_dir: Path, node_id: int, path: Path) -> None:
     copies = data_dir / REPLICAS_DIR / str(node_id)
     if writers - {node_id} or copies.is_dir():
         if writers - {node_id}:
-            shows = f"its log's blocks were sealed by node {', '.join(map(str, sorted(writers)))}"
+            shows = (
+                f"its log's blocks were sealed by node {', '.join(map(str, sorted(writers)))}"
+                # a single server's receiver is 0 too: its partition is node 0's in a cluster
+                + (" (or by a single server, whose partition is node 0's)" if 0 in writers else "")
+            )
         else:
             shows = f"it holds copies of node {node_id}'s partitions, which only other nodes hold"
         raise DataDirOwnerError(
