@@ -149,7 +149,12 @@ class ReceiverNode:
         the incarnation its checkpoint names (the cluster source's DataLossError)."""
         me = self.cluster.me.id
         followers = {node.id: node.target for node in self.cluster.followers(me)}
-        new = {s for s in receivers if not await asyncio.to_thread(self.local.incarnation, s)}
+        # new: no incarnation and nothing in it (a log from before incarnations gets one, but is not new)
+        new = {
+            s
+            for s in receivers
+            if receivers[s].log_end == (0, 0) and not await asyncio.to_thread(self.local.incarnation, s)
+        }
         own = {s: await asyncio.to_thread(self.local.ensure_incarnation, s) for s in receivers}
         answers: dict[int, list[pb.PartitionInfo]] = {}
         deadline = time.monotonic() + LOST_LOG_WAIT
