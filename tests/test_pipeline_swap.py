@@ -82,6 +82,13 @@ async def test_a_swap_that_fails_is_rolled_back(spark: Any, tmp_path: Path) -> N
         pushing = asyncio.create_task(load.run())
         stub = admin(server)
         await asyncio.sleep(2)
+        # the third try below is refused for the first sink's batches: under load the first query may
+        # not have committed one in 2 s (then that swap is rightly allowed)
+        metadata = tmp_path / "sink" / "_spark_metadata"
+        deadline = time.monotonic() + 120
+        while not (metadata.is_dir() and any(p.name.split(".")[0].isdigit() for p in metadata.iterdir())):
+            assert time.monotonic() < deadline, "the first query wrote no batch to its sink in 120 s"
+            await asyncio.sleep(0.5)
         # a spec that does not load: refused before anything stops
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.SwapPipeline(pb.SwapPipelineRequest(pipeline="no_such_module:nothing"))
