@@ -2086,12 +2086,14 @@ def _config_check(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return _fail(str(exc), EXIT_USAGE)
     keys = _serve_keys()
-    effective = _effective(config) if isinstance(config, ServeConfig) else {}
+    effective = _effective(config) if isinstance(config, ServeConfig) else _driver_effective(config)
     effective["stream"] = list(config.streams)  # none given: "default"
     rows = [("key", "value", "source")]
     names = keys_by_dest(keys)
     for dest, origin in args.origins.items():
         name = names[dest].name
+        if not isinstance(config, ServeConfig) and name not in DRIVER_KEYS:
+            continue  # a driver runs without it (given, it was refused above): its default would mislead
         if name in overrides and name in SETTINGS:
             changed = Origin(RUNTIME, origin.key, runtime_file)
             rows.append((name, overrides[name] or "(none)", changed.described))
@@ -2146,6 +2148,37 @@ def _effective(config: ServeConfig) -> dict[str, object]:
         "segment-bytes": config.wal_segment_bytes,
         "estimator": config.rate.estimator,
         "initial-rate": config.rate.initial_rate,
+    }
+
+
+def _driver_effective(config: DriverConfig) -> dict[str, object]:
+    """What a driver runs with, read back from the configs it starts from, its query's ServeConfig
+    (serve_config) included, not from the flags: a setting that does not reach them shows as the driver
+    runs it. `--reset-pipeline` once showed "true" here while serve_config() left it out and the driver
+    ran the swapped-in pipeline all the same."""
+    query = config.serve_config()
+    return {
+        "data-dir": query.data_dir,
+        "master": query.master,
+        "pipeline": query.pipeline,
+        "reset-pipeline": query.reset_pipeline,
+        "trigger-interval": query.trigger_interval,
+        "estimator": query.rate.estimator,
+        "initial-rate": query.rate.initial_rate,
+        "min-rate": query.rate.min_rate,
+        "max-rate": query.rate.max_rate,
+        "host": config.rate_host,
+        "port": config.rate_port,
+        "metrics-host": config.metrics_host,
+        "metrics-port": -1 if config.metrics_port is None else config.metrics_port,
+        "metrics-tls": config.metrics_tls,
+        "health-port": config.health_port,
+        "tls-cert": config.cert_file,
+        "tls-key": config.key_file,
+        "client-ca": config.ca_file,
+        "auth-file": config.auth_file,
+        "peer-token-file": config.token_file,
+        "insecure": config.insecure,
     }
 
 

@@ -85,6 +85,12 @@ SWAP_SETTLE_SECONDS = 120.0
 """At stop, how long a pipeline swap under way may take to end before the query is stopped anyway."""
 
 
+QUERY_FIELDS = ("data_dir", "streams", "master", "pipeline", "reset_pipeline", "trigger_interval", "rate")
+"""DriverConfig's fields that its serve_config() hands to the query's ServeConfig, as they are. The other
+fields the two share by name are the driver's own servers' (its metrics and health ports), which the
+driver serves itself (SparkDriver serves none)."""
+
+
 @dataclass(frozen=True)
 class DriverConfig:
     """What `sluice serve --role driver` runs."""
@@ -157,16 +163,11 @@ class DriverConfig:
         )
 
     def serve_config(self) -> ServeConfig:
-        """The single-node config SparkDriver reads: streams, checkpoint and sink, trigger, pipeline."""
-        return ServeConfig(
-            data_dir=self.data_dir,
-            streams=self.streams,
-            master=self.master,
-            pipeline=self.pipeline,
-            trigger_interval=self.trigger_interval,
-            rate=self.rate,
-            metrics_port=None,
-        )
+        """The single-node config SparkDriver and the PipelineManager read: streams, checkpoint and sink,
+        trigger, pipeline, --reset-pipeline. Every field this config shares with ServeConfig by name is
+        carried (QUERY_FIELDS; tests/test_cluster_swap.py checks it): --reset-pipeline was once left out,
+        and the driver ran the swapped-in pipeline it was meant to replace, failing at every start."""
+        return ServeConfig(**{name: getattr(self, name) for name in QUERY_FIELDS}, metrics_port=None)
 
     def source_options(self) -> dict[str, str]:
         options = {OPTION_RECEIVERS: ",".join(f"{n}={t}" for n, t in sorted(self.nodes.items()))}

@@ -152,7 +152,7 @@ class PipelineManager:
             current = self._after_trial(state)
             self._persist(current, None)
         flag = self.current.spec  # --pipeline ("": the built-in sink)
-        if current.spec != flag and getattr(self._driver.config, "reset_pipeline", False):
+        if current.spec != flag and self._driver.config.reset_pipeline:
             current = self._reset_to(flag, current)
         elif current.spec != flag:
             # as runtime-config.json overrides the flags: the swap stands, and says so

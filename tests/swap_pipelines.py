@@ -116,3 +116,16 @@ def hangs_when_asked(df: DataFrame, context: PipelineContext) -> DataStreamWrite
         out.write.mode("append").parquet(str(context.sink_dir))
 
     return df.writeStream.foreachBatch(write)
+
+
+def fails_after_first_batch(df: DataFrame, context: PipelineContext) -> DataStreamWriter:
+    """Writes its first batch (a swap to it is kept), then raises at every later one: a swapped-in
+    pipeline that fails at every start, the case `--reset-pipeline` is the way back from."""
+
+    def write(batch: DataFrame, batch_id: int) -> None:
+        if batch_id >= 1:
+            raise RuntimeError(f"boom at batch {batch_id}")
+        out = batch.select("topic", "offset", "value", F.lit("r").alias("pipeline"))
+        out.write.mode("append").parquet(str(context.sink_dir))
+
+    return df.writeStream.foreachBatch(write)
