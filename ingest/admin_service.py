@@ -34,7 +34,7 @@ from ingest.runtime_config import (
 )
 from ingest.streams import REMOVED, SERVING
 from receivers.auth import Authenticator
-from receivers.errors import ReceiverError, cut, shown
+from receivers.errors import ReceiverError, cut, printable, shown
 from receivers.publish_service import PUBLISH, status_code
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -114,8 +114,9 @@ class AdminService(pb_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"nothing changed: {exc}")
             raise
         # one line of known keys (an unknown one was refused), each value cut: 100,000 resets of one
-        # key logged a line of 900 KB
-        done = [", ".join(f"{k}={cut(v)}" for k, v in changes.items())] if changes else []
+        # key logged a line of 900 KB; and escaped: a value the setting takes may still hold a newline
+        # ("0.5\n" is a float), which wrote a line of its own
+        done = [", ".join(f"{k}={printable(cut(v))}" for k, v in changes.items())] if changes else []
         if reset:
             done.append(f"reset {', '.join(reset)}")
         if not_set:
@@ -223,7 +224,7 @@ class AdminService(pb_grpc.AdminServicer):
         except OSError as exc:
             await self._refuse(context, "add", grpc.StatusCode.INTERNAL, f"the stream states: {exc}")
         self._count("add", "applied")
-        log.info("stream %s added by %s", request.stream, context.peer())
+        log.info("stream %s added by %s", printable(request.stream), context.peer())  # a checked name
         return self._streams_view()
 
     async def RemoveStream(self, request: pb.RemoveStreamRequest, context: Context) -> pb.StreamsView:
@@ -252,7 +253,7 @@ class AdminService(pb_grpc.AdminServicer):
         self._count("remove", "applied")
         backlog = "drain" if request.backlog == pb.RemoveStreamRequest.DRAIN else "keep"
         peer, reason = context.peer(), shown(request.reason)  # escaped: one log line whatever it holds
-        log.info("stream %s removed (%s) by %s: %s", request.stream, backlog, peer, reason)
+        log.info("stream %s removed (%s) by %s: %s", printable(request.stream), backlog, peer, reason)
         return self._streams_view()
 
     def _count(self, action: str, result: str) -> None:
@@ -296,7 +297,9 @@ async def swap_pipeline(
     if control is None:
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, NO_QUERY)
         raise AssertionError
-    log.info("pipeline swap to %s asked by %s", request.pipeline or "the built-in sink", context.peer())
+    # quoted and escaped (the spec is the client's, not checked yet): a newline in it forged a log line
+    spec = shown(request.pipeline) if request.pipeline else "the built-in sink"
+    log.info("pipeline swap to %s asked by %s", spec, context.peer())
     try:
         return await control.swap(
             request.pipeline, keep_state=request.keep_state, first_batch_timeout=timeout

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from ingest.config import ServeConfig, ascii_float, ascii_int, format_estimator_params, parse_estimator_params
 from ratecontrol import ESTIMATORS
+from receivers.errors import printable
 from receivers.files import read_json, replace_json
 from receivers.sizes import parse_size
 
@@ -343,7 +344,8 @@ class RuntimeConfig:
         self.pinned_rate = _pinned_rate(data.get("pinned_rate"), self.path)
         for key, value in self.overrides.items() if self._announce else ():
             was = SETTINGS[key].text(self.base) or "(none)"
-            log.info("setting %s = %s (dynamic, %s; without it: %s)", key, value, self.path, was)
+            shown = printable(value)  # as SetConfig took it: "0.5\n" is a float, its newline no log line
+            log.info("setting %s = %s (dynamic, %s; without it: %s)", key, shown, self.path, was)
 
     def _build(self, overrides: Mapping[str, str]) -> ServeConfig:
         parsed = {}

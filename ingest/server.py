@@ -569,7 +569,7 @@ class SluiceServer:
             self.rate.streams_changed()
             why = f"stream {stream!r} was removed" + (f": {reason}" if reason else "")
             await receiver.stop(code=grpc.StatusCode.NOT_FOUND.value[0], reason=why)
-        log.debug("stream %s removed (%s)%s", stream, state, f": {reason}" if reason else "")
+        log.debug("stream %s removed (%s)%s", stream, state, f": {shown(reason)}" if reason else "")
         self._check_drained()
 
     def on_committed(self, end: dict[str, int]) -> None:

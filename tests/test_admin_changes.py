@@ -317,3 +317,60 @@ async def test_the_cli_says_what_a_drain_left_waiting(
         args = ["streams", "remove", "a", "--keep", "--target", server.target]  # nothing left waiting
         assert await asyncio.to_thread(cli.main, args) == 0
         assert capsys.readouterr().err == ""
+
+
+FORGED = "\n2026-11-28 01:00:00,000 INFO ingest.admin_service: FORGED LINE"
+RAW = ("\n", "\r", "\x1b", "\x00")
+
+
+class _RefusingControl:
+    """A PipelineControl that refuses every spec, as a bad spec is refused (after the log line)."""
+
+    changes: dict[tuple[str, str], int] = {}  # noqa: RUF012 - read only
+    generation = 0
+
+    def view(self) -> pb.PipelineView:
+        return pb.PipelineView()
+
+    async def swap(self, spec: str, *, keep_state: bool, first_batch_timeout: float) -> pb.PipelineView:
+        from ingest.pipeline_control import InvalidPipeline
+
+        raise InvalidPipeline(f"pipeline spec {spec!r} is no pipeline")
+
+    async def restart(self, *, trigger_interval: float) -> None:
+        raise AssertionError
+
+
+async def test_client_strings_are_escaped_in_the_log(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An outside tester's log forging: SwapPipeline(pipeline='good:build\\n2026-... INFO ...: FORGED
+    LINE') wrote a line of its own to the plain log, and ESC and NUL went there raw. Every client string
+    an Admin call logs is quoted or escaped now: a setting's value too (SetConfig takes "0.3\\n" for a
+    float), and a stream's removal reason."""
+    caplog.set_level(logging.DEBUG)
+    async with running_server(tmp_path, "a", "b") as server:
+        server.pipeline_control = _RefusingControl()  # type: ignore[assignment]
+        stub = pb_grpc.AdminStub(grpc.aio.insecure_channel(server.target))
+        for spec in (f"good:build{FORGED}", "good:\x1b[31mred\x00"):
+            await refused(
+                stub.SwapPipeline(pb.SwapPipelineRequest(pipeline=spec)), grpc.StatusCode.INVALID_ARGUMENT
+            )
+        await stub.SetConfig(pb.SetConfigRequest(set={"block-interval": "0.3\n"}))
+        await stub.RemoveStream(
+            pb.RemoveStreamRequest(stream="b", backlog=KEEP, reason=f"why{FORGED}\x1b\x00")
+        )
+    said = [r.getMessage() for r in caplog.records]
+    swaps = [m for m in said if m.startswith("pipeline swap to")]
+    assert len(swaps) == 2 and "FORGED LINE" in swaps[0] and "red" in swaps[1], said
+    settings = [m for m in said if m.startswith("settings version")]
+    assert len(settings) == 1 and "block-interval=0.3" in settings[0], said
+    removed = [m for m in said if "removed" in m and "FORGED" in m]
+    assert removed, said
+    caplog.clear()
+    async with running_server(tmp_path, "a"):  # the saved setting, logged at the start
+        pass
+    started = [r.getMessage() for r in caplog.records if r.getMessage().startswith("setting block-interval")]
+    assert len(started) == 1, started
+    for message in [*swaps, *settings, *removed, *started]:
+        assert not any(c in message for c in RAW), repr(message)
