@@ -382,12 +382,31 @@ def _head_as_get(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[
     return head
 
 
+METRICS_PATH = "/metrics"
+STATUS_PATHS = ("/status", "/status/", "/status.json")
+
+
+def _only_metrics(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
+    """`app` (prometheus_client's, which answers the metrics on every path) on /metrics only; 404 on
+    any other path: `/nope` and `/../../etc/passwd` answered 200 with the metrics, which told a
+    scanner (or a mistyped scrape config) it had found something."""
+
+    def only(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO", "") != METRICS_PATH:
+            return _refuse(
+                start_response, "404 Not Found", f"not found (the metrics are at {METRICS_PATH})", []
+            )
+        return app(environ, start_response)
+
+    return only
+
+
 def _with_status(app: Callable[..., Iterable[bytes]], status: StatusSource) -> Callable[..., Iterable[bytes]]:
-    """`app` (the Prometheus text on any other path), plus GET /status (the page) and /status.json."""
+    """`app` (/metrics, and 404 on any other path), plus GET /status (the page) and /status.json."""
 
     def dispatch(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO", "")
-        if path not in ("/status", "/status/", "/status.json"):
+        if path not in STATUS_PATHS:
             return app(environ, start_response)
         if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
             return _refuse(start_response, "405 Method Not Allowed", "use GET", [("Allow", "GET, HEAD")])
@@ -427,7 +446,7 @@ class MetricsServer:
         handshake_timeout: float = 10.0,
         status: StatusSource | None = None,
     ) -> None:
-        app = _head_as_get(make_wsgi_app(registry))
+        app = _only_metrics(_head_as_get(make_wsgi_app(registry)))
         if status is not None:
             app = _with_status(app, status)
         if authenticator is not None:

@@ -171,3 +171,41 @@ async def test_metrics_mutual_tls(tmp_path: Path, pki: tuple[CertificateAuthorit
         assert status == 200
         with pytest.raises((urllib.error.URLError, ConnectionError, ssl.SSLError)):
             await asyncio.to_thread(scrape, server, ca=ca)
+
+
+def _raw_get(port: int, path: str, method: str = "GET") -> tuple[int, str]:
+    """`method` `path` as given (http.client sends the path unnormalised, `..` included)."""
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        connection.request(method, path)
+        response = connection.getresponse()
+        return response.status, response.read().decode()
+    finally:
+        connection.close()
+
+
+async def test_only_the_documented_paths_answer(tmp_path: Path) -> None:
+    """An outside tester: any path on the metrics port answered 200 with the metrics (`/nope`,
+    `/../../etc/passwd`): prometheus_client's app serves every path. /metrics, /status and
+    /status.json answer; any other path is 404, without the metrics."""
+    async with metrics_server(tmp_path, SecurityConfig()) as server:
+        port = server.metrics_port or 0
+        status, body = await asyncio.to_thread(_raw_get, port, "/metrics")
+        assert status == 200 and "sluice_records_received_total" in body
+        assert (await asyncio.to_thread(_raw_get, port, "/metrics", "HEAD"))[0] == 200
+        assert (await asyncio.to_thread(_raw_get, port, "/status"))[0] == 200
+        status, body = await asyncio.to_thread(_raw_get, port, "/status.json")
+        assert status == 200 and body.startswith("{")
+        for path in (
+            "/nope",
+            "/../../etc/passwd",
+            "/",
+            "/metrics/x",
+            "/metricsx",
+            "/favicon.ico",
+        ):  # (not "//metrics": http.server takes it for /metrics, as it collapses a leading "//")
+            status, body = await asyncio.to_thread(_raw_get, port, path)
+            assert status == 404, (path, status)
+            assert "sluice_" not in body and "metrics are at /metrics" in body, (path, body)
