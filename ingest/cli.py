@@ -2037,6 +2037,14 @@ def _config_goes_on(args: argparse.Namespace) -> str:
     )
 
 
+def _config_dropped(args: argparse.Namespace) -> str:
+    """What `config set` and `config reset` say when the connection dropped under the call."""
+    return (
+        f": the change may have been applied; `sluice config get --target {args.target}` shows what is "
+        "in force"
+    )
+
+
 def _config_set(args: argparse.Namespace) -> int:
     request = pb.SetConfigRequest(set=dict(args.changes), validate_only=args.validate_only)
     view = _unary(
@@ -2045,6 +2053,7 @@ def _config_set(args: argparse.Namespace) -> int:
         lambda ch, md: pb_grpc.AdminStub(ch).SetConfig(request, metadata=md),
         timeout=config_change_deadline(),  # a new trigger interval restarts the query
         late=_config_goes_on(args),
+        dropped=_config_dropped(args),
     )
     if args.validate_only:
         print("valid: nothing was changed")
@@ -2059,6 +2068,7 @@ def _config_reset(args: argparse.Namespace) -> int:
         lambda ch, md: pb_grpc.AdminStub(ch).SetConfig(request, metadata=md),
         timeout=config_change_deadline(),  # as config set: resetting the trigger interval restarts the query
         late=_config_goes_on(args),
+        dropped=_config_dropped(args),
     )
     if view.not_set:
         print(f"nothing to reset for {', '.join(view.not_set)}: not set at run time", file=sys.stderr)
@@ -2320,6 +2330,10 @@ def _pipeline_swap(args: argparse.Namespace) -> int:
         timeout=swap_deadline(args.first_batch_timeout),
         late=goes_on,
         interrupted=goes_on,
+        dropped=(
+            ": the server may have done the swap, rolled it back, or stopped mid-swap (its next start "
+            f"settles it); `sluice pipeline get --target {args.target}` shows its outcome"
+        ),
     )
     return _show_pipeline(view)
 
@@ -2556,6 +2570,9 @@ def _show_rate(status: pb.RateStatus | None) -> int:
 
 Metadata = tuple[tuple[str, str], ...]
 
+DROPPED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL})
+"""Statuses gRPC gives a call whose server went away under it ("Stream removed", "Socket closed")."""
+
 
 def _unary(
     args: argparse.Namespace,
@@ -2565,18 +2582,30 @@ def _unary(
     timeout: float = 10.0,
     late: str = "",
     interrupted: str = "",
+    dropped: str = "",
 ) -> T:
     """One unary call to the server at args.target with the credentials of `args`; on failure print why
     (status and details) in one line and raise _Failed (EXIT_DENIED when the server refused them).
     `late`: said after "no answer within N s" when the call outlives `timeout`. `interrupted`: said after
     "interrupted" on Ctrl-C (exit 130) once the connection was up, so that the server may have the call;
-    without it a Ctrl-C is main()'s."""
+    without it a Ctrl-C is main()'s. `dropped`: said after a failure that ends a call whose connection
+    was up (the server went away mid-call: it may have acted on it). The TLS hint (connect_hint) only
+    for a connection that never came up: "Socket closed" on one that was up is no TLS mistake."""
     credentials = _credentials(args)
     target = args.target
-    connected: list[bool] = []  # at a Ctrl-C: whether the call could have reached the server
+    connected: list[bool] = []  # whether the call could have reached the server
+
+    async def watch(channel: grpc.aio.Channel) -> None:
+        """Notes in `connected` once the channel is READY (the handshake done: the call went out)."""
+        state = channel.get_state(try_to_connect=False)
+        while state != grpc.ChannelConnectivity.READY:
+            await channel.wait_for_state_change(state)
+            state = channel.get_state(try_to_connect=False)
+        connected.append(True)
 
     async def run() -> T:
         async with credentials.channel(target) as channel:
+            watcher = asyncio.ensure_future(watch(channel))
             try:
                 return await asyncio.wait_for(call(channel, credentials.metadata), timeout)
             except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels this, then raises KeyboardInterrupt
@@ -2586,10 +2615,15 @@ def _unary(
                 details = exc.details() or ""
                 code = EXIT_DENIED if refused(exc.code(), details) else EXIT_FAILED
                 message = f"{what} on {target}: {exc.code().name}: {printable(details)}"
-                message += connect_hint(exc.code(), details, secure=credentials.secure)
+                up = any(connected)
+                message += connect_hint(exc.code(), details, secure=credentials.secure, connected=up)
+                if up and dropped and exc.code() in DROPPED:
+                    message += f"; the connection dropped after the call went out{dropped}"
                 raise _Failed(_fail(message, code)) from None
             except TimeoutError:
                 raise _Failed(_fail(f"{what} on {target}: no answer within {timeout:g} s{late}")) from None
+            finally:
+                watcher.cancel()
 
     try:
         return asyncio.run(run())

@@ -22,9 +22,11 @@ def refused(status: grpc.StatusCode, details: str) -> bool:
     return status in DENIED or tls_refused(RPCError(status, details))
 
 
-def connect_hint(status: grpc.StatusCode, details: str, *, secure: bool) -> str:
+def connect_hint(status: grpc.StatusCode, details: str, *, secure: bool, connected: bool = False) -> str:
     """A server that closes the socket unread looks like no server at all: plaintext to a TLS port,
-    or (over TLS) a client certificate missing or refused. A hint naming either, else ""."""
-    if status is not grpc.StatusCode.UNAVAILABLE or "Socket closed" not in details:
+    or (over TLS) a client certificate missing or refused. A hint naming either, else "". `connected`:
+    the connection was up (gRPC's channel was READY) before the failure, so it was no handshake that
+    failed but a server that went away (it died mid-call, say): no hint then."""
+    if connected or status is not grpc.StatusCode.UNAVAILABLE or "Socket closed" not in details:
         return ""
     return CERTIFICATE_REFUSED if secure else PLAINTEXT_TO_TLS

@@ -513,6 +513,70 @@ def test_ctrl_c_during_a_pipeline_swap_says_it_goes_on_on_the_server(tmp_path: P
         server.stop(None)
 
 
+_DYING_SWAP_SERVER = """
+import sys, time
+from concurrent import futures
+import grpc
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+
+class Swapping(pb_grpc.AdminServicer):
+    def SwapPipeline(self, request, context):
+        print("asked", flush=True)
+        time.sleep(120)
+
+server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+pb_grpc.add_AdminServicer_to_server(Swapping(), server)
+print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+server.start()
+server.wait_for_termination()
+"""
+
+
+def test_a_server_that_dies_mid_swap_gets_no_tls_hint(tmp_path: Path) -> None:
+    """An outside tester: `sluice pipeline swap` whose server died mid-swap printed "UNAVAILABLE: Stream
+    removed (Socket closed) (if the server serves TLS, give its CA: --ca-file ...)": a TLS hint for a
+    connection that was up (the call had reached the server), and not a word of the swap's outcome,
+    which the server may have reached. The hint is only for a connection that never came up now, and
+    such a failure says to check the outcome with `sluice pipeline get`, as a Ctrl-C does."""
+    server = subprocess.Popen(
+        [sys.executable, "-c", _DYING_SWAP_SERVER], stdout=subprocess.PIPE, text=True, env=_no_tls_env()
+    )
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        target = f"127.0.0.1:{port}"
+        swap = subprocess.Popen(
+            [*SLUICE, "pipeline", "swap", "swap_pipelines:tag_b", "--target", target],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_no_tls_env(),
+        )
+        try:
+            assert server.stdout.readline().strip() == "asked"
+            server.kill()  # the server dies mid-swap
+            _, said = swap.communicate(timeout=60)
+        finally:
+            if swap.poll() is None:
+                swap.kill()
+                swap.wait()
+        assert swap.returncode == 1, said
+        assert said.startswith(f"sluice: pipeline swap on {target}: UNAVAILABLE"), said
+        assert "--ca-file" not in said and "TLS" not in said, said
+        assert "the connection dropped after the call went out" in said, said
+        assert f"`sluice pipeline get --target {target}` shows its outcome" in said, said
+    finally:
+        if server.poll() is None:
+            server.kill()
+        server.wait()
+        if server.stdout is not None:
+            server.stdout.close()
+    # plaintext to a TLS port (never up) keeps its hint: tests/test_tls.py, test_plaintext_client_...
+
+
+def _no_tls_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+
+
 class _RefusingIngest:
     """A Publish that refuses every Open ALREADY_EXISTS with `message` and, unless None, `next_seq` in
     the trailing metadata (an older server sends no such thing)."""
@@ -682,8 +746,11 @@ def test_config_set_and_reset_wait_as_long_as_a_restart_may_take(monkeypatch: py
 
     waits: list[tuple[str, float, str]] = []
 
-    def unary(args: object, what: str, call: object, *, timeout: float = 10.0, late: str = "") -> object:
+    def unary(
+        args: object, what: str, call: object, *, timeout: float = 10.0, late: str = "", dropped: str = ""
+    ) -> object:
         waits.append((what, timeout, late))
+        assert "`sluice config get --target 127.0.0.1:50051` shows what is in force" in dropped
         return pb.ConfigView()
 
     monkeypatch.setattr(cli, "_unary", unary)
