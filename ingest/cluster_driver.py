@@ -156,6 +156,7 @@ class DriverConfig:
             raise ValueError("a driver needs the receiver nodes (none given)")
         if not self.streams:
             raise ValueError("a driver needs the streams to read (none given)")
+        self.serve_config()  # the query's settings, checked as a single server checks them (trigger...)
 
     def credentials(self) -> Credentials:
         return Credentials.from_files(

@@ -31,6 +31,10 @@ MAX_SEGMENT_BYTES = 2**40
 MAX_GRPC_MESSAGE_BYTES = 2**31 - 1
 """gRPC's channel options are C ints: a larger max message length fails its server's creation."""
 MAX_TRIGGER_INTERVAL = 86_400.0
+MIN_TRIGGER_INTERVAL = 0.01
+"""Seconds: the shortest trigger interval, as the shortest block interval (receivers.config). Spark's
+trigger counts whole milliseconds (ingest.spark.pipeline starts the query with the interval rounded to
+them): 1e-9 was taken and shown as "trigger 1e-09 s" while Spark ran batches back to back (0 ms)."""
 
 
 @dataclass(frozen=True)
@@ -294,18 +298,26 @@ class ServeConfig:
         for what, port in ports[:2]:  # the health port binds every interface: it meets them on any host
             if self.health_port and port == self.health_port:
                 raise ValueError(f"health port and {what} are both {port}: give them two")
-        if not 0 < self.trigger_interval < math.inf:
-            raise ValueError(f"trigger interval must be > 0 seconds and finite, got {self.trigger_interval}")
-        if self.trigger_interval > MAX_TRIGGER_INTERVAL:
-            raise ValueError(
-                f"trigger interval must be at most {MAX_TRIGGER_INTERVAL:g} seconds (a day), "
-                f"got {self.trigger_interval:g}"
-            )
+        self._check_trigger()
         if self.spark and not (self.master == "yarn" or self.master.startswith(("spark", "k8s", "local"))):
             # Spark's own check, made before its JVM starts (and dies with a Java stack trace)
             raise ValueError(f"master {self.master!r}: Spark takes yarn, spark://..., k8s://... or local...")
         self._check_sizes()
         self._check_exposure()
+
+    def _check_trigger(self) -> None:
+        if not 0 < self.trigger_interval < math.inf:
+            raise ValueError(f"trigger interval must be > 0 seconds and finite, got {self.trigger_interval}")
+        if self.trigger_interval < MIN_TRIGGER_INTERVAL:
+            raise ValueError(
+                f"trigger interval must be at least {MIN_TRIGGER_INTERVAL:g} seconds (10 ms: Spark's trigger "
+                f"counts whole milliseconds), got {self.trigger_interval:g}"
+            )
+        if self.trigger_interval > MAX_TRIGGER_INTERVAL:
+            raise ValueError(
+                f"trigger interval must be at most {MAX_TRIGGER_INTERVAL:g} seconds (a day), "
+                f"got {self.trigger_interval:g}"
+            )
 
     def _check_sizes(self) -> None:
         if self.segment_bytes is not None and self.segment_bytes < MIN_SEGMENT_BYTES:

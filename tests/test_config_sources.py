@@ -146,6 +146,7 @@ BAD_VALUES = [
     ("initial-rate", "-5", "rate must be > 0 records/s"),
     ("estimator", "magic", "unknown estimator 'magic'"),
     ("trigger-interval", "0", "must be > 0 seconds and finite"),
+    ("trigger-interval", "1e-9", "must be at least 0.01 seconds (10 ms"),
     ("segment-bytes", "100", "must be >= 4096"),
     ("handshake-timeout", "0", "a handshake timeout is in 0.1..3600"),
     # an unset variable in a unit file: as a Path, "" is the current folder (the log kept wherever the
@@ -493,6 +494,18 @@ def test_a_driver_refuses_the_settings_it_would_run_without(tmp_path: Path) -> N
     assert result.returncode == 0, result.stderr
     assert rows(result.stdout)["trigger-interval"] == ("2", "flag"), result.stdout
     assert set(cli._serve_keys()) >= cli.DRIVER_KEYS  # no key misspelled
+
+
+def test_a_driver_refuses_a_trigger_interval_a_single_server_refuses(tmp_path: Path) -> None:
+    """A driver's query settings are checked as a single server's (its DriverConfig checked none of
+    them): 1e-9, below the 10 ms bound, stops `serve` and `config check` with exit 2."""
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text("0 127.0.0.1:51101\n")
+    driver = ["--role", "driver", "--nodes", str(nodes), "--data-dir", str(tmp_path / "d")]
+    refused_by_serve_and_check(
+        [*driver, "--trigger-interval", "1e-9"], clean_env(), "must be at least 0.01 seconds (10 ms"
+    )
+    assert check(*driver, "--trigger-interval", "0.01").returncode == 0
 
 
 def test_a_driver_refuses_plaintext_off_loopback_as_a_node_does(tmp_path: Path) -> None:

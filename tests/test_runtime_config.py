@@ -138,6 +138,17 @@ INVALID = [
     # extreme but finite: 1e300 s was taken and nothing was acked again; counts past int64 ended
     # `sluice rate get` and `sluice status` with UNKNOWN (a field of RateStatus overflowed)
     ({"trigger-interval": "1e300"}, grpc.StatusCode.INVALID_ARGUMENT, "at most 86400 seconds"),
+    # an outside tester's: taken and shown as "trigger 1e-09 s" while Spark (whole milliseconds) ran 0 ms
+    (
+        {"trigger-interval": "1e-9"},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "trigger interval must be at least 0.01",
+    ),
+    (
+        {"trigger-interval": "0.009"},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "trigger interval must be at least 0.01",
+    ),
     ({"block-interval": "1e300"}, grpc.StatusCode.INVALID_ARGUMENT, "at most 3600 seconds"),
     # and tiny: each interval wakes the receiver, and 1e-300 spun a core on an idle server
     ({"block-interval": "1e-300"}, grpc.StatusCode.INVALID_ARGUMENT, "at least 0.01 seconds"),
