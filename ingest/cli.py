@@ -74,7 +74,7 @@ from sluice_client.credentials import Credentials, CredentialsError
 from sluice_client.errors import FlushTimeoutError, RecordTooLargeError, RPCError, SluiceError
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
-from sluice_client.producer import DEFAULT_MAX_BUFFERED, MAX_RECORD_BYTES
+from sluice_client.producer import DEFAULT_MAX_BUFFERED, MAX_RECORD_BYTES, check_target
 from sluice_client.tasks import reap
 
 if TYPE_CHECKING:
@@ -960,7 +960,12 @@ def _valid_policy(field: str, value: float) -> bool:
 
 
 def _target(text: str) -> str:
-    """HOST:PORT (an IPv6 host in brackets), or a gRPC URI (unix:PATH, dns:///...) as it is."""
+    """HOST:PORT (an IPv6 host in brackets), or a gRPC URI (unix:PATH, dns:///...) as it is; not a URL
+    (http://, https://, grpc://) nor a name with whitespace, which gRPC retried for the whole timeout."""
+    try:
+        check_target(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if ":/" in text or text.startswith(("unix:", "unix-abstract:")):
         return text
     host, _, port = text.rpartition(":")

@@ -152,9 +152,32 @@ def _transport_failure(error: RPCError) -> bool:
 _STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
+GRPC_SCHEMES = frozenset({"dns", "unix", "unix-abstract", "ipv4", "ipv6", "vsock", "xds"})
+"""The schemes of gRPC's own target URIs (dns:///host:port, unix:///path, ...)."""
+
+
+def check_target(name: str) -> None:
+    """ValueError for one target gRPC would not refuse but never reach, retrying for the whole timeout:
+    whitespace in it ("a b:5": a DNS name that resolves nowhere) or a URL's scheme (http://, https://,
+    grpc://: gRPC takes an unknown scheme for part of a DNS name). A target is "host:port" or one of
+    gRPC's own URIs (GRPC_SCHEMES); TLS is the credentials' (a CA file), not a scheme."""
+    if any(c.isspace() for c in name):
+        raise ValueError(f"invalid target {name!r}: it holds whitespace; use 'host:port'")
+    scheme, sep, rest = name.partition("://")
+    if sep and scheme.lower() not in GRPC_SCHEMES:
+        secure = (
+            " (TLS comes from a CA file, not from the scheme)" if scheme.lower() in ("https", "grpcs") else ""
+        )
+        raise ValueError(
+            f"invalid target {name!r}: a {scheme}:// URL is no gRPC target; use 'host:port', "
+            f"here {rest.rstrip('/')!r}{secure}"
+        )
+
+
 def parse_targets(target: str | Sequence[str]) -> tuple[str, ...]:
     """The receiver nodes named by `target`: one "host:port", a comma-separated list of them, or a
-    sequence of either; ValueError for an empty list, an empty entry or a target named twice."""
+    sequence of either; ValueError for an empty list, an empty entry, a target named twice, or one
+    check_target refuses (a URL's scheme, whitespace)."""
     given = [target] if isinstance(target, str) else list(target)
     targets: list[str] = []
     for item in given:
@@ -164,6 +187,7 @@ def parse_targets(target: str | Sequence[str]) -> tuple[str, ...]:
             name = entry.strip()
             if not name:
                 raise ValueError(f"invalid target {target!r}: an empty entry; use 'host:port[,host:port]'")
+            check_target(name)
             _, colon, port = name.rpartition(":")
             if colon and port.isdigit() and not 0 < int(port) <= 65535:  # a typo gRPC would retry for ever
                 raise ValueError(f"invalid target {target!r}: port {port} of {name!r} is not 1-65535")

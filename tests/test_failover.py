@@ -17,7 +17,9 @@ import contextlib
 import io
 import logging
 import math
+import re
 import socket
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -277,11 +279,27 @@ async def test_a_refusal_is_not_failed_over(tmp_path: Path) -> None:
         (["a:1", "b:2,a:1"], "'a:1' is named twice"),
         ("127.0.0.1:99999", "port 99999 of '127.0.0.1:99999' is not 1-65535"),
         ("a:1,b:0", "port 0 of 'b:0' is not 1-65535"),
+        # an outside tester's: retried DNS for the whole timeout, where 127.0.0.1:99999 is refused at once
+        ("a b:5", "'a b:5': it holds whitespace"),
+        ("a:1,b\t:2", "it holds whitespace"),
+        ("http://127.0.0.1:5", "a http:// URL is no gRPC target; use 'host:port', here '127.0.0.1:5'"),
+        ("https://127.0.0.1:5", "TLS comes from a CA file"),
+        ("grpc://127.0.0.1:5", "a grpc:// URL is no gRPC target"),
+        (["a:1", "HTTP://b:2"], "a HTTP:// URL is no gRPC target"),
     ],
 )
 def test_bad_target_lists_are_refused(target: str | list[str], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=re.escape(message) if "://" in message else message):
         Producer(target, "s")
+    assert time.monotonic() - started < 1  # at construction, not after a timeout
+
+
+@pytest.mark.parametrize(
+    "target", ["dns:///127.0.0.1:5", "unix:///tmp/sluice.sock", "ipv4:127.0.0.1:5", "[::1]:5"]
+)
+def test_grpc_target_uris_are_taken(target: str) -> None:
+    assert Producer(target, "s") is not None
 
 
 @pytest.mark.parametrize(

@@ -516,6 +516,18 @@ def test_push_resume_flags_are_checked(tmp_path: Path) -> None:
         assert result.returncode == 2 and b"argument --target: invalid target" in result.stderr, bad
     result = sluice("rate", "get", "--target", "127.0.0.1:0", timeout=60)
     assert result.returncode == 2 and b"argument --target: invalid target" in result.stderr
+    # a URL or a name with whitespace retried DNS for the whole timeout: refused at once, as a bad port
+    for command in (["push", str(source)], ["rate", "get"], ["pipeline", "swap", "builtin"]):
+        for bad, says in (
+            ("http://127.0.0.1:5", b"a http:// URL is no gRPC target"),
+            ("grpc://127.0.0.1:5", b"a grpc:// URL is no gRPC target"),
+            ("a b:5", b"it holds whitespace"),
+        ):
+            result = sluice(*command, "--target", bad, timeout=60)
+            assert result.returncode == 2, (command, bad, result.stderr)
+            assert b"argument --target: invalid target" in result.stderr and says in result.stderr, (
+                result.stderr
+            )
     no_id = sluice("push", str(source), "--resume-from", "1", timeout=60)
     assert no_id.returncode == 2 and b"--resume-from needs the --producer-id" in no_id.stderr
     negative = sluice("push", str(source), "--resume-from", "-1", "--producer-id", "p", timeout=60)
