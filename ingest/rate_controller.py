@@ -33,6 +33,7 @@ from ratecontrol import (
     make_estimator,
     split_rate,
 )
+from receivers.config import MAX_RECORDS
 from receivers.receiver import Receiver
 
 log = logging.getLogger(__name__)
@@ -286,12 +287,15 @@ class RateController:
         return None
 
     def batch_started(self, records: int, backlog: int = 0, now: float | None = None) -> None:
-        """The source planned a batch of `records` (ValueError unless > 0), with `backlog` records
-        (ValueError if < 0) there beyond it, and runs it from `now` (time.monotonic())."""
-        if records <= 0:
-            raise ValueError(f"a started batch has records > 0, got {records}")
-        if backlog < 0:
-            raise ValueError(f"backlog must be >= 0 records, got {backlog}")
+        """The source planned a batch of `records` (ValueError unless 1..MAX_RECORDS), with `backlog`
+        records (ValueError unless 0..MAX_RECORDS) there beyond it, and runs it from `now`
+        (time.monotonic()). The bound: StartBatch(records=2**63-1, backlog=2**63-1) was taken, and once
+        a batch of its count completed, the records waiting (backlog + taken since) passed int64, and
+        every GetRate (the source's too) failed UNKNOWN "Value out of range" while it was the last."""
+        if not 0 < records <= MAX_RECORDS:
+            raise ValueError(f"a started batch has records > 0 and at most {MAX_RECORDS:,}, got {records:,}")
+        if not 0 <= backlog <= MAX_RECORDS:
+            raise ValueError(f"backlog must be >= 0 and at most {MAX_RECORDS:,} records, got {backlog:,}")
         now = time.monotonic() if now is None else now
         taken = self._taken()
         for watch in self._watches:

@@ -444,3 +444,38 @@ async def test_a_failed_session_holds_no_memory_once_its_call_ends(
         gc.enable()
     assert kept < 1_000_000, f"{kept:,} bytes kept by 5 failed sessions of 1 MB messages"
     await bystander_works(server)
+
+
+async def test_an_absurd_batch_start_is_refused_and_cannot_break_the_rate_api(tmp_path: Path) -> None:
+    """An outside tester: StartBatch(records=2**63-1, backlog=2**63-1) was taken. With a backlog that
+    large, once a batch of the reported count completed, the records waiting for later batches (the
+    backlog plus what was taken meanwhile) passed int64: every GetRate (the Spark source's too) then
+    failed UNKNOWN "Value out of range". Both counts are bounded now (receivers.config.MAX_RECORDS,
+    10^12, as the record counts of the settings): INVALID_ARGUMENT naming the bound, nothing kept."""
+    import time
+
+    from ratecontrol.batch import BatchMetrics
+    from receivers.config import MAX_RECORDS
+
+    async with running_server(tmp_path, "a") as server:
+        stub = pb_grpc.RateControlStub(grpc.aio.insecure_channel(server.target))
+        for records, backlog in (
+            (2**63 - 1, 2**63 - 1),
+            (100, 2**63 - 1),
+            (MAX_RECORDS + 1, 0),
+            (0, 0),
+            (5, -1),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.StartBatch(pb.StartBatchRequest(records=records, backlog=backlog))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (records, backlog)
+            details = refused.value.details() or ""
+            assert "records" in details and ("1,000,000,000,000" in details or "> 0" in details), details
+        # the largest taken: a batch of its count completes while records arrive, and the rate API answers
+        await stub.StartBatch(pb.StartBatchRequest(records=100, backlog=MAX_RECORDS))
+        async with Producer(server.target, "a") as producer:
+            await producer.send_many([b"x"] * 10)
+            await producer.flush(timeout=10)
+        server.rate.on_batch(BatchMetrics(0, time.monotonic(), 100, 0.1, 1.0, 1.0))
+        status = await stub.GetRate(pb.GetRateRequest())
+        assert status.last_batch.waiting == MAX_RECORDS + 10
