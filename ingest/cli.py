@@ -2261,6 +2261,8 @@ def _show_pipeline(view: pb.PipelineView) -> int:
     print(f"pipeline: {name} (generation {view.generation}, {printable(view.state)})")
     print(f"trigger: {view.trigger_interval_seconds:g} s; checkpoint: {printable(view.checkpoint)}")
     query = view.query_id or ("none yet (Spark is starting it)" if view.state == "starting" else "")
+    if view.state == "swapping":  # what is shown is the generation in force until the swap ends
+        query = "a swap (or a restart for a new trigger interval) is under way: ask again for its outcome"
     print(f"query: {printable(query)}")
     if view.sink_dir:  # where the built-in sink writes (a pipeline given a PipelineContext may too)
         print(f"sink dir: {printable(view.sink_dir)}")
@@ -2270,7 +2272,7 @@ def _show_pipeline(view: pb.PipelineView) -> int:
             f"last swap: {swap.from_pipeline or 'built-in'} -> {swap.to_pipeline or 'built-in'}: "
             f"{swap.outcome} in {swap.duration_seconds:.1f} s"
         )
-        if swap.processing_gap_seconds:
+        if swap.processing_gap_seconds:  # from the old query's last batch, or the request if later
             line += f", processing gap {swap.processing_gap_seconds:.1f} s"
         if swap.startup_seconds:
             line += f" (new query's start-up {swap.startup_seconds:.1f} s)"

@@ -123,6 +123,9 @@ class PipelineManager:
         self._state = "starting"
         """"starting" until start() has started the first query (the Admin service answers meanwhile),
         then "running", "swapping" during a swap or restart, "failed"; "stopped" if the start failed."""
+        self._in_force_checkpoint: Path | None = None
+        """During a swap or restart, the checkpoint of the query in force when it began (view() shows it
+        with that generation, not the checkpoint of the query being tried)."""
         self._failure: str | None = None
         self._last_swap: pb.PipelineSwap | None = None
         self._changes: dict[tuple[str, str], int] = {}
@@ -381,14 +384,17 @@ class PipelineManager:
 
     def view(self) -> pb.PipelineView:
         query = self._driver.query
-        checkpoint = self._driver.checkpoint
+        # the generation in force, its folders and its query, all of one generation: during a swap the
+        # driver's checkpoint is the try's (checkpoint sluice-g3 was shown beside generation 2 and sink-g2)
+        swapping = self._state == "swapping"
+        checkpoint = self._in_force_checkpoint if swapping else self._driver.checkpoint
         view = pb.PipelineView(
             pipeline=self.current.spec,
             generation=self.current.number,
             state=self._state if self._failure is None else "failed",
             checkpoint=str(checkpoint or self._checkpoints / self.current.checkpoint),
             trigger_interval_seconds=self.trigger_interval,
-            query_id=str(query.id) if query is not None else "",
+            query_id=str(query.id) if query is not None and not swapping else "",
             sink_dir=str(self._data_dir / self.current.sink),
         )
         if self._state == "running" and self._driver.error() is not None:
@@ -467,6 +473,11 @@ class PipelineManager:
                 timeout,
             )
 
+    def _begin_swapping(self) -> None:
+        """State "swapping"; view() shows the query in force (its checkpoint) until the swap ends."""
+        self._in_force_checkpoint = self._driver.checkpoint
+        self._state = "swapping"
+
     async def _replace_held(
         self, new: Generation, trigger: float, timeout: float, *, what: str
     ) -> pb.PipelineView:
@@ -476,7 +487,7 @@ class PipelineManager:
             timeout = timeout if timeout > 0 else DEFAULT_FIRST_BATCH_TIMEOUT
             old, old_trigger = self.current, self.trigger_interval
             requested = time.time()
-            self._state = "swapping"
+            self._begin_swapping()
             old_id = str(query.runId)
             if new.checkpoint != old.checkpoint:
                 # a failed try of this generation number left its folders: its checkpoint would
@@ -716,7 +727,9 @@ class PipelineManager:
             kept_state=new.kept_state,
         )
         if old_end is not None and new_end is not None:
-            swap.processing_gap_seconds = new_end - old_end
+            # processing the swap paused: from the old query's last batch, or from the request when the
+            # old query was idle before it (60 s of idleness counted as a 60.4 s gap of a 2.1 s swap)
+            swap.processing_gap_seconds = new_end - max(old_end, requested)
         return swap
 
 

@@ -22,7 +22,7 @@ from test_cli import SLUICE, wait_for_line
 from test_config_sources import check, rows
 
 from ingest.pipeline_manager import PipelineManager
-from sluice_client import SyncProducer
+from sluice_client import Producer, SyncProducer
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from tests.support import free_ports, sink_values
@@ -806,3 +806,49 @@ def test_sluice_serve_imports_the_pipelines_module_once(tmp_path: Path) -> None:
     finally:
         serve.kill()
         serve.channel.close()
+
+
+async def test_pipeline_get_during_a_swap_shows_one_generation_and_the_gap_skips_idle_time(
+    spark: Any, tmp_path: Path
+) -> None:
+    """An outside tester: `sluice pipeline get` during a swap showed "generation 2, swapping" beside the
+    checkpoint of the query being tried (sluice-g3) and the sink of generation 2; and a swap of an idle
+    query reported "done in 2.1 s, processing gap 60.4 s": the gap ran from the old query's last batch,
+    a minute before the swap was asked. During a swap the view is the generation in force, its
+    checkpoint and sink (no query id: the one running is the try); the gap starts at the request when
+    the old query was idle."""
+    async with service(spark, tmp_path, pipeline="swap_pipelines:tag_a") as server:
+        async with Producer(server.target, "events") as producer:
+            await producer.send_many([b"early"] * 50)
+            await producer.flush(timeout=30)
+        stub = admin(server)
+        deadline = time.monotonic() + 60
+        while not offsets_in(spark, tmp_path / "sink"):
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.5)
+        before = await stub.GetPipeline(pb.GetPipelineRequest())
+        await asyncio.sleep(4)  # the old query idle: nothing to read
+        swapping = asyncio.ensure_future(
+            stub.SwapPipeline(pb.SwapPipelineRequest(pipeline="swap_pipelines:slow_first_batch"))
+        )
+        asked = time.monotonic()
+        views = []
+        while not swapping.done():
+            view = await stub.GetPipeline(pb.GetPipelineRequest())
+            if view.state == "swapping" and not views:  # records for the new query's first batch
+                async with Producer(server.target, "events", producer_id="late") as producer:
+                    await producer.send_many([b"late"] * 50)
+                    await producer.flush(timeout=30)
+            if view.state == "swapping":
+                views.append(view)
+            await asyncio.sleep(0.2)
+        done = await swapping
+        took = time.monotonic() - asked
+        assert views, "no view while swapping"
+        for view in views:  # generation 0 throughout: its spec, checkpoint and sink, no query of the try
+            assert (view.pipeline, view.generation) == ("swap_pipelines:tag_a", 0), view
+            assert (view.checkpoint, view.sink_dir) == (before.checkpoint, before.sink_dir), view
+            assert view.query_id == "", view
+        assert (done.generation, done.state, done.last_swap.outcome) == (1, "running", "done"), done
+        assert done.checkpoint != before.checkpoint and done.query_id
+        assert 0 < done.last_swap.processing_gap_seconds <= took + 0.5, (done.last_swap, took)

@@ -1900,7 +1900,9 @@ class PipelineSwap(_message.Message):
     """Epoch seconds the swap was asked, and seconds it took until the new query's first batch."""
     duration_seconds: _builtins.float
     processing_gap_seconds: _builtins.float
-    """From the end of the old query's last batch to the end of the new query's first batch."""
+    """From the end of the old query's last batch (or from the request, when that was later: the old
+    query was idle) to the end of the new query's first batch: how long processing paused.
+    """
     kept_state: _builtins.bool
     boundary_seconds: _builtins.float
     """From the hold (no new batch planned) to the old query stopped between batches."""
@@ -1955,6 +1957,9 @@ class PipelineView(_message.Message):
     "failed" (the query died, or a rollback could not restart the old one)
     """
     checkpoint: _builtins.str
+    """The generation's checkpoint and (below) query and sink folder: during a swap, the generation in
+    force when it began (the query being tried is not shown; query_id is empty then).
+    """
     trigger_interval_seconds: _builtins.float
     query_id: _builtins.str
     sink_dir: _builtins.str
