@@ -1002,16 +1002,7 @@ class WalBlockStore(BlockStore):
             writer = self._writers.get(stream)
         if writer is not None and writer.folder_id is None:  # made here: a deletion is noticed too
             writer.folder_id = _path_id(folder)
-        path = folder / INCARNATION_FILE
-        tmp = folder / f"{INCARNATION_FILE}.tmp.{os.getpid()}.{threading.get_ident()}"
-        with open(tmp, "w") as file:
-            file.write(incarnation + "\n")
-            file.flush()
-            if self.fsync.mode != "off":
-                os.fsync(file.fileno())
-        os.replace(tmp, path)
-        if self.fsync.mode != "off":
-            _fsync_path(folder)
+        self._replace_file(folder, INCARNATION_FILE, incarnation)
 
     def set_aside(self, stream: str, root: Path) -> Path | None:
         """Move the whole log of `stream` (segments, released mark, incarnation) to `root`/<stream>, a
@@ -1489,9 +1480,23 @@ class WalBlockStore(BlockStore):
         finally:
             os.close(fd)  # releases the flock
 
+    def _replace_file(self, folder: Path, name: str, text: str) -> None:
+        """Write `folder/name` whole (a temporary file renamed over it), durably unless fsync is off."""
+        tmp = folder / f"{name}.tmp.{os.getpid()}.{threading.get_ident()}"
+        try:
+            with open(tmp, "w") as file:
+                file.write(text + "\n")
+                file.flush()
+                if self.fsync.mode != "off":
+                    os.fsync(file.fileno())
+            os.replace(tmp, folder / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a full disk leaves no half file behind
+            raise
+        if self.fsync.mode != "off":
+            _fsync_path(folder)
+
     def _write_released(self, folder: Path, state: _Released) -> None:
-        path = folder / STATE_FILE
-        tmp = folder / f"{STATE_FILE}.tmp.{os.getpid()}.{threading.get_ident()}"
         fields: dict[str, object] = {
             "next_seq": state.next_seq,
             "next_offset": state.next_offset,
@@ -1501,15 +1506,7 @@ class WalBlockStore(BlockStore):
             fields["lost_from"] = state.lost_from
         if state.skipped_to:
             fields["skipped_to"] = state.skipped_to
-        text = json.dumps(fields, sort_keys=True)
-        with open(tmp, "w") as file:
-            file.write(text + "\n")
-            file.flush()
-            if self.fsync.mode != "off":
-                os.fsync(file.fileno())
-        os.replace(tmp, path)
-        if self.fsync.mode != "off":
-            _fsync_path(folder)
+        self._replace_file(folder, STATE_FILE, json.dumps(fields, sort_keys=True))
 
     def _folder(self, stream: str) -> Path:
         return self.root / check_stream_name(stream)
