@@ -2090,7 +2090,11 @@ def _config_check(args: argparse.Namespace) -> int:
     try:
         config: ServeConfig | DriverConfig
         if args.role == "driver":
+            from ingest.cluster_driver import read_runtime_config  # noqa: PLC0415 - only the driver's
+
             config = _driver_config(args)
+            # DATA_DIR/runtime-config.json (the rate pinned there), read as the driver's start reads it
+            read_runtime_config(config)
         else:
             config = _serve_config(args)
             # DATA_DIR/runtime-config.json, read (never written) and checked as the server will

@@ -198,6 +198,14 @@ def check_files(config: DriverConfig) -> None:
     config.credentials()
 
 
+def read_runtime_config(config: DriverConfig) -> RuntimeConfig:
+    """DATA_DIR/runtime-config.json as the driver reads it at its start (read, never written): the rate an
+    operator pinned. A bad file (not JSON, a pinned_rate that is no rate): SettingError (a ValueError)
+    naming it. ClusterDriver reads it so, and `sluice config check --role driver` (which said "valid"
+    where `serve --role driver` then stopped on it, exit 2)."""
+    return RuntimeConfig(config.serve_config(), announce=False)
+
+
 class ClusterDriver:
     """The driver's parts: rate server, rate controller, node rates, backlog, Spark query.
 
@@ -214,7 +222,7 @@ class ClusterDriver:
             client_certificates=config.tls is not None and config.tls.client_ca_file is not None,
         )
         self.rate = RateController({}, config.rate, batch_interval=config.trigger_interval)
-        self.runtime = RuntimeConfig(config.serve_config(), announce=False)
+        self.runtime = read_runtime_config(config)
         """DATA_DIR/runtime-config.json: the driver keeps no run-time settings, only the rate an operator
         pinned (`sluice rate set RATE --pin --target DRIVER`), pinned again at the next start as a single
         node's is. A bad file: SettingError (a ValueError), before anything starts."""

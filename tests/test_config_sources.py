@@ -589,6 +589,28 @@ def test_config_check_of_a_driver_reads_the_files_the_driver_reads(tmp_path: Pat
     assert rows(result.stdout)["auth-file"] == (str(good_auth), "flag"), result.stdout
 
 
+def test_config_check_of_a_driver_reads_its_runtime_config_as_its_start_does(tmp_path: Path) -> None:
+    """The driver keeps a pinned rate in DATA_DIR/runtime-config.json and reads it at its start (a bad
+    one stops `serve --role driver`, exit 2); `config check --role driver` did not read it and said
+    "valid". It reads it as the start does now, as a single server's check reads its own."""
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text("0 127.0.0.1:51101\n")
+    data = tmp_path / "d"
+    data.mkdir()
+    driver = ["--role", "driver", "--nodes", str(nodes), "--data-dir", str(data)]
+    runtime = data / "runtime-config.json"
+    for text, says in (
+        ('{"version": 0, "overrides": {}, "pinned_rate": -5}', "pinned_rate -5 is not a rate"),
+        ('{"version": 0, "overrides": {}, "pinned_rate": "fast"}', "pinned_rate 'fast' is not a rate"),
+        ("{not json", str(runtime)),
+    ):
+        runtime.write_text(text)
+        refused_by_serve_and_check(driver, clean_env(), says)
+    runtime.write_text('{"version": 0, "overrides": {}, "pinned_rate": 5000}')
+    result = check(*driver)
+    assert result.returncode == 0, result.stderr
+
+
 def test_a_path_no_system_call_takes_is_one_line_naming_its_setting(tmp_path: Path) -> None:
     """A --data-dir with a name over 255 bytes ended `config check` and `serve` in an OSError "File name
     too long" traceback, exit 1; `data-dir = "\\u0000x"` in a config file was blamed on pipeline.json.
