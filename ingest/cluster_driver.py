@@ -243,6 +243,7 @@ class ClusterDriver:
         )
         self.spark_driver: SparkDriver | None = None
         self.rate_target: str | None = None
+        self._rate_port = 0
         self._server: grpc.aio.Server | None = None
         self._committed: dict[str, int] = {}  # {"stream/owner": offset} of the last completed batch
         self._held: dict[str, int] = {}  # {"stream/owner": readable end} at the last look
@@ -311,7 +312,7 @@ class ClusterDriver:
         config = self.config
         # one driver per cluster: a second (another data dir, by mistake) would release what this one
         # has not read, and each sink would miss records. Claimed on every node that answers.
-        self.blocks.driver_id = self.blocks.driver_id or driver_id(config.data_dir)
+        named = self.blocks.driver_id = self.blocks.driver_id or driver_id(config.data_dir)
         await asyncio.to_thread(self.blocks.view, config.streams, seal=False)
         if config.metrics_port is not None:
             tls = ServerTls(config.tls) if config.metrics_tls and config.tls is not None else None
@@ -323,6 +324,8 @@ class ClusterDriver:
                 authenticator=self.auth if config.auth_file is not None else None,
             )
         await self.serve_rate()
+        # the nodes take their share from calls that name this driver, and send operators here
+        self.node_rates.name_driver(named, self.advertised_rate_target())
         self.node_rates.start()
         self._poller = asyncio.create_task(self._watch_backlog(), name="sluice-node-backlog")
         loop = asyncio.get_running_loop()
@@ -371,6 +374,17 @@ class ClusterDriver:
         self._server = server
         host = "127.0.0.1" if config.rate_host in ("0.0.0.0", "::", "") else config.rate_host  # noqa: S104
         self.rate_target = f"{host}:{port}"
+        self._rate_port = port
+
+    def advertised_rate_target(self) -> str:
+        """Where the nodes' operators find this driver's RateControl: HOST:PORT, or ":PORT" when it
+        listens on every address (a node takes the host its calls come from then)."""
+        host = self.config.rate_host
+        if host in ("0.0.0.0", "::", ""):  # noqa: S104 - a comparison
+            return f":{self._rate_port}"
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"{host}:{self._rate_port}"
 
     def _warn_of_exposure(self) -> None:
         """What a start should say of its security settings (a WARNING each), as a node's start does."""

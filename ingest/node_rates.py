@@ -25,6 +25,7 @@ from typing import Protocol
 import grpc
 
 from ratecontrol.nodes import NodeLoad, NodeShare, split_nodes
+from receivers.cluster import DRIVER_HEADER, DRIVER_RATE_HEADER
 from sluice_client.credentials import Credentials
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -112,9 +113,17 @@ class NodeRates:
             for node_id, target in sorted(nodes.items())
             for channel in [self._credentials.channel(target, _CHANNEL_OPTIONS)]
         }
+        self._named: tuple[tuple[str, str], ...] = ()
+        """Metadata naming the driver on its calls (name_driver): a node takes its rate from those only."""
         self._task: asyncio.Task[None] | None = None
         self._closed = False
         self._split_at = -math.inf  # time.monotonic() of the last split
+
+    def name_driver(self, driver_id: str, rate_target: str) -> None:
+        """Name the driver on the calls to the nodes: its id (DRIVER_HEADER) and where it serves its
+        RateControl (DRIVER_RATE_HEADER: HOST:PORT, or ":PORT" on every address). A receiver node takes
+        its rate from such calls only: an operator's `sluice rate set` there is refused, pointing here."""
+        self._named = ((DRIVER_HEADER, driver_id), (DRIVER_RATE_HEADER, rate_target))
 
     # ---- lifecycle ----
 
@@ -202,7 +211,7 @@ class NodeRates:
             await asyncio.sleep(max(0.0, self._interval - (time.monotonic() - started)))
 
     async def _visit(self, node: _Node) -> None:
-        metadata = self._credentials.metadata
+        metadata = (*self._credentials.metadata, *self._named)
         try:
             status = await node.stub.GetRate(pb.GetRateRequest(), timeout=self._timeout, metadata=metadata)
         except grpc.aio.AioRpcError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
@@ -14,6 +15,7 @@ from ingest.config import ServeConfig
 from ingest.rate_controller import RateController
 from ingest.runtime_config import NOT_SAVED
 from ratecontrol import InvalidRateError, RateBounds, check_estimator
+from receivers.cluster import DRIVER_HEADER, DRIVER_RATE_HEADER
 from receivers.receiver import Receiver
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -82,6 +84,27 @@ SEAL_TIMEOUT = 1.0
 """Longest wait, in seconds, for the receivers to seal what they hold when GetRate asks so."""
 
 
+_TARGET = re.compile(r"^(\[[0-9A-Fa-f:.]{2,45}\]|[A-Za-z0-9.-]{1,253})?:\d{1,5}$", re.ASCII)
+_PEER_HOST = re.compile(r"^ipv4:([0-9.]+):\d+$|^ipv6:(\[[0-9A-Fa-f:.]+\]):\d+$", re.ASCII)
+
+
+def driver_rate_target(advertised: str, peer: str) -> str | None:
+    """Where a driver that called (`peer`, gRPC's "ipv4:10.0.0.5:43122") serves its RateControl, from
+    what it says (DRIVER_RATE_HEADER: HOST:PORT, or ":PORT" when it listens on every address: then the
+    caller's host); None when that is not a target."""
+    if not _TARGET.match(advertised):
+        return None
+    if not advertised.startswith(":"):
+        return advertised
+    host = _PEER_HOST.match(peer)
+    return f"{host.group(1) or host.group(2)}{advertised}" if host is not None else None
+
+
+def _word(name: str) -> str:
+    """An estimator's name as a command may show it (NAME when it is not one: a caller's bytes)."""
+    return name if re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name, re.ASCII) else "NAME"
+
+
 class RateControlService(pb_grpc.RateControlServicer):
     def __init__(
         self,
@@ -92,11 +115,18 @@ class RateControlService(pb_grpc.RateControlServicer):
         pipeline: Callable[[], tuple[Sequence[str], bool]] | None = None,
         settings: ChangeSettings | None = None,
         pin: Callable[[float | None], None] | None = None,
+        driver_sets_rate: bool = False,
     ) -> None:
         """`pin`: keep the pinned rate (None: none) across restarts (RuntimeConfig.pin; OSError: not
         kept, nothing changed); None where a pin is not kept (a cluster's receiver nodes, whose share
-        the driver pins)."""
+        the driver pins). `driver_sets_rate` (a cluster's receiver node): the rate, its bounds and
+        estimator change only by the driver's calls (they name it: DRIVER_HEADER); an operator's are
+        refused FAILED_PRECONDITION naming the driver's RateControl (the driver pinned this node's
+        share back over them within a quarter of a second)."""
         self._controller = controller
+        self._driver_sets_rate = driver_sets_rate
+        self.driver_target: str | None = None
+        """Where the driver that last called serves its RateControl (DRIVER_RATE_HEADER); None: unknown."""
         self._pin = pin
         # on a node with run-time settings: bounds and estimator are settings (min-rate, max-rate,
         # estimator), changed through them; else (a cluster's driver) on the controller alone
@@ -117,7 +147,43 @@ class RateControlService(pb_grpc.RateControlServicer):
         status.unmeasured_batch_records = self._controller.unmeasured_batch_records()
         return status
 
+    def _note_driver(self, context: Context) -> bool:
+        """Whether the call names a driver (DRIVER_HEADER); if so, note where it serves RateControl."""
+        metadata = dict(context.invocation_metadata() or ())
+        driver = metadata.get(DRIVER_HEADER)
+        if not (isinstance(driver, str) and driver):
+            return False
+        advertised = metadata.get(DRIVER_RATE_HEADER)
+        if isinstance(advertised, str):
+            target = driver_rate_target(advertised, context.peer() or "")
+            self.driver_target = target or self.driver_target
+        return True
+
+    async def _from_the_driver(self, context: Context, command: str) -> str:
+        """Who changes the rate, for the log: the driver, or the caller (`context.peer()`). On a node
+        whose rate the driver sets, a call that does not name a driver is aborted FAILED_PRECONDITION,
+        saying to send `command` (`sluice rate set RATE`) to the driver."""
+        if not self._driver_sets_rate:
+            return context.peer()
+        if self._note_driver(context):
+            return f"the driver ({context.peer()})"
+        target = self.driver_target
+        where = (
+            f"at {target}: {command} --target {target}"
+            if target is not None
+            else f"(no driver has called this node since it started): {command} --target DRIVER_HOST:PORT"
+        )
+        await context.abort(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "a cluster's receiver node takes its rate from the driver, which sets each node's share of the "
+            "cluster's rate and would set it back at once: nothing changed; change the cluster's rate on "
+            f"the driver {where}",
+        )
+        raise AssertionError  # abort raises
+
     async def GetRate(self, request: pb.GetRateRequest, context: Context) -> pb.RateStatus:
+        if self._driver_sets_rate:  # the driver asks every quarter of a second: where it is, for refusals
+            self._note_driver(context)
         if request.wait_for_batch_seconds:
             try:
                 await self._controller.wait_for_batch(request.wait_for_batch_seconds)
@@ -143,6 +209,8 @@ class RateControlService(pb_grpc.RateControlServicer):
         return self._status()
 
     async def UpdateRate(self, request: pb.UpdateRateRequest, context: Context) -> pb.RateStatus:
+        pin = " --pin" if request.pin else ""
+        caller = await self._from_the_driver(context, f"sluice rate set {request.records_per_second:g}{pin}")
         was = self._controller.rate
         try:
             rate = self._controller.clamped(request.records_per_second)
@@ -158,11 +226,13 @@ class RateControlService(pb_grpc.RateControlServicer):
             was,
             self._controller.rate,
             " (pinned)" if request.pin else "",
-            context.peer(),
+            caller,
         )
         return self._status()
 
     async def SetBounds(self, request: pb.SetBoundsRequest, context: Context) -> pb.RateStatus:
+        bounds = f"{request.min_rate:g} {request.max_rate:g}"
+        caller = await self._from_the_driver(context, f"sluice rate bounds {bounds}")
         try:
             RateBounds(request.min_rate, request.max_rate)  # checked in the rate API's own words first
             if self._settings is not None:
@@ -178,11 +248,12 @@ class RateControlService(pb_grpc.RateControlServicer):
             request.min_rate,
             request.max_rate,
             self._controller.rate,
-            context.peer(),
+            caller,
         )
         return self._status()
 
     async def SetEstimator(self, request: pb.SetEstimatorRequest, context: Context) -> pb.RateStatus:
+        caller = await self._from_the_driver(context, f"sluice rate estimator {_word(request.estimator)}")
         name = request.estimator
         try:
             if self._settings is None:
@@ -205,7 +276,7 @@ class RateControlService(pb_grpc.RateControlServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OSError as exc:
             await context.abort(grpc.StatusCode.INTERNAL, f"{NOT_SAVED}: {exc}")
-        log.info("rate estimator %s, set by %s", request.estimator, context.peer())
+        log.info("rate estimator %s, set by %s", request.estimator, caller)
         return self._status()
 
     async def StartBatch(self, request: pb.StartBatchRequest, context: Context) -> pb.StartBatchResponse:

@@ -450,6 +450,8 @@ class SluiceServer:
             settings=self.change_settings,
             # a cluster's driver pins each node's share all the time: a node keeps no pin of its own
             pin=self.runtime.pin if self.node is None else None,
+            # and sets it: an operator's change would be set back within a quarter of a second
+            driver_sets_rate=self.node is not None,
         )
         add_parsed_servicer(server, rate, "RateControl", authenticator=self.auth)
         self._rate_service = rate

@@ -28,6 +28,10 @@ _ENTRY = re.compile(r"^(\d{1,9})\s*[=\s]\s*(\S+:\d{1,5})$", re.ASCII)  # ASCII d
 DRIVER_HEADER = "sluice-driver-id"
 """Call metadata of a driver's ListPartitions and ReleaseBlocks: its id (kept in its data dir). One driver
 consumes a cluster: receivers.blocks_service refuses a second while the first holds its lease."""
+DRIVER_RATE_HEADER = "sluice-driver-rate"
+"""Call metadata of a driver's RateControl calls to a node (with DRIVER_HEADER): where the driver serves
+its own RateControl, HOST:PORT (":PORT" when it listens on every address: the caller's address then).
+A receiver node takes its rate from the driver's calls only, and tells an operator to go there."""
 REFUSAL_HEADER = "sluice-refusal"
 """Trailing metadata of a refusal that is no outage: DRIVER_LEASE_HELD when another driver holds the node."""
 DRIVER_LEASE_HELD = "driver-lease"

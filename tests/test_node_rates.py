@@ -23,8 +23,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from support import running_server, wait_until
+from support import loopback_cluster, running_server, wait_until
 
+from ingest.config import RateConfig
 from ingest.metrics import SluiceCollector
 from ingest.node_rates import NodeRates
 from ingest.rate_service import RateControlService
@@ -432,3 +433,80 @@ async def test_a_cluster_drivers_pinned_rate_is_kept_across_its_restart(
         await asyncio.to_thread(rate, "set", "6000", "--target", target)  # without --pin: unpinned
     async with serving() as (driver, target):
         assert not driver.rate.pinned and driver.rate.rate == 10_000
+
+
+async def test_a_receiver_node_refuses_an_operators_rate_change_and_takes_the_drivers(tmp_path: Path) -> None:
+    """`sluice rate set 5000 --pin --target NODE` on a cluster's receiver node said "rate: 5000 records/s
+    (fixed, pinned)", and 0.13 s later the driver pinned the node's share back over it. The node now
+    refuses an operator's rate, bounds and estimator (FAILED_PRECONDITION, exit 1, naming the driver's
+    RateControl to send them to), while the driver's calls, which name it, still set its share. Reads
+    stay allowed. A real receiver node and the driver's real rate server on loopback, the `sluice` CLI."""
+    from ingest.cluster_driver import ClusterDriver, DriverConfig
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+
+    def rate(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*SLUICE, "rate", *args], capture_output=True, text=True, timeout=60, check=False, env=env
+        )
+
+    (cluster,) = loopback_cluster(1)
+    port = int(cluster.me.target.rsplit(":", 1)[1])
+    async with contextlib.AsyncExitStack() as stack:
+        node = await stack.enter_async_context(running_server(tmp_path / "node", cluster=cluster, port=port))
+        target = node.target
+        was = node.rate.rate
+        # no driver has called yet: refused all the same, saying where to go
+        refused = await asyncio.to_thread(rate, "set", "5000", "--pin", "--target", target)
+        assert refused.returncode == 1, refused
+        assert "FAILED_PRECONDITION" in refused.stderr, refused.stderr
+        assert "no driver has called this node since it started" in refused.stderr, refused.stderr
+        assert "sluice rate set 5000 --pin --target DRIVER_HOST:PORT" in refused.stderr, refused.stderr
+        assert (node.rate.rate, node.rate.pinned) == (was, False)
+        # the driver: its rate server, and its node rates naming it, as ClusterDriver.start runs them
+        config = DriverConfig(
+            nodes={0: target},
+            streams=("s",),
+            data_dir=tmp_path / "driver",
+            rate=RateConfig(estimator="fixed", initial_rate=3_000.0),
+        )
+        driver = ClusterDriver(config)
+        await driver.serve_rate()
+        stack.push_async_callback(driver.stop)
+        driver.node_rates.name_driver("d" * 32, driver.advertised_rate_target())
+        driver.node_rates.start()
+        await wait_until(lambda: node_rate(node) == pytest.approx(3_000), timeout=10)
+        for args, command in (
+            (["set", "5000", "--pin"], "sluice rate set 5000 --pin"),
+            (["set", "5000"], "sluice rate set 5000"),
+            (["bounds", "10", "100000"], "sluice rate bounds 10 100000"),
+            (["estimator", "model"], "sluice rate estimator model"),
+        ):
+            refused = await asyncio.to_thread(rate, *args, "--target", target)
+            assert refused.returncode == 1, (args, refused)
+            said = refused.stderr
+            assert "FAILED_PRECONDITION" in said and "takes its rate from the driver" in said, said
+            there = driver.rate_target
+            assert f"the driver at {there}: {command} --target {there}" in said, said
+            assert "Traceback" not in said
+        await asyncio.sleep(0.3)  # nothing an operator sent moved it
+        assert node_rate(node) == pytest.approx(3_000)
+        assert (node.rate.bounds.min_rate, node.rate.estimator.name) == (100.0, "fixed")
+        shown = await asyncio.to_thread(rate, "get", "--target", target)  # reads stay allowed
+        assert shown.returncode == 0 and "rate: 3000 records/s (fixed, pinned)" in shown.stdout, shown
+        # where it was sent: the driver, whose share for the node follows
+        moved = await asyncio.to_thread(rate, "set", "5000", "--pin", "--target", driver.rate_target or "")
+        assert moved.returncode == 0, moved
+        await wait_until(lambda: node_rate(node) == pytest.approx(5_000), timeout=10)
+
+
+def test_a_driver_advertised_on_every_address_is_named_by_the_address_it_calls_from() -> None:
+    from ingest.rate_service import driver_rate_target
+
+    assert driver_rate_target("10.0.0.9:51109", "ipv4:10.0.0.5:4000") == "10.0.0.9:51109"
+    assert driver_rate_target(":51109", "ipv4:10.0.0.5:4000") == "10.0.0.5:51109"
+    assert driver_rate_target(":51109", "ipv6:[fd00::5]:4000") == "[fd00::5]:51109"
+    assert driver_rate_target("[::1]:51109", "ipv6:[::1]:4000") == "[::1]:51109"
+    assert driver_rate_target(":51109", "unix:/x") is None
+    assert driver_rate_target("a b:1", "ipv4:10.0.0.5:4000") is None
+    assert driver_rate_target("\x1b[2J:1", "ipv4:10.0.0.5:4000") is None
