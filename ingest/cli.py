@@ -722,6 +722,14 @@ def _cluster_flags(serve: argparse.ArgumentParser) -> None:
         "consumer and operator (driver)",
     )
     group.add_argument(
+        "--fail-on-data-loss",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a driver: stop the query when a node's log was lost under the checkpoint (its data dir "
+        "lost while its followers were down; the default), or, with --no-fail-on-data-loss, log a "
+        "WARNING and read the new log from its start (the source option failOnDataLoss)",
+    )
+    group.add_argument(
         "--health-port",
         type=_int_in(0, 65535, "a port"),
         default=None,
@@ -1087,7 +1095,7 @@ DRIVER_KEYS = frozenset(
         *("host", "port", "metrics-host", "metrics-port", "metrics-tls", "health-port"),
         *("tls-cert", "tls-key", "client-ca", "auth-file", "peer-token-file", "insecure"),
         *("estimator", "initial-rate", "min-rate", "max-rate"),
-        *("master", "pipeline", "reset-pipeline", "trigger-interval"),
+        *("master", "pipeline", "reset-pipeline", "trigger-interval", "fail-on-data-loss"),
     }
 )
 """The settings of `sluice serve` a cluster's driver takes; the others (a receiver node's: its id, the
@@ -1095,8 +1103,10 @@ replication, the block log, the buffers and budgets, the intake's limits and per
 refused when given to one, which would run without them."""
 
 
-RECEIVER_IGNORES = frozenset({"master", "pipeline", "reset-pipeline"})
+RECEIVER_IGNORES = frozenset({"master", "pipeline", "reset-pipeline", "fail-on-data-loss"})
 """The settings of `sluice serve` a receiver node runs without (the query's: the driver runs it)."""
+DRIVER_ONLY = frozenset({"fail-on-data-loss"})
+"""The settings of `sluice serve` only a cluster's driver takes (a single server runs without them)."""
 
 
 def _refuse_unused(args: argparse.Namespace, role: str, unused: Callable[[str], bool], why: str) -> None:
@@ -1155,6 +1165,7 @@ def _driver_config(args: argparse.Namespace) -> DriverConfig:
             pipeline=args.pipeline,
             reset_pipeline=args.reset_pipeline,
             trigger_interval=args.trigger_interval,
+            fail_on_data_loss=args.fail_on_data_loss,
             rate=rate,
             recall_capacity=args.initial_rate is None,
             rate_host=args.host,
@@ -1236,6 +1247,14 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
             "receiver",
             RECEIVER_IGNORES.__contains__,
             "the cluster's driver runs the Spark query (give {them} to `sluice serve --role driver`)",
+        )
+    if args.role == "single":
+        _refuse_unused(
+            args,
+            "single",
+            DRIVER_ONLY.__contains__,
+            "only a cluster's driver reads the receiver nodes' logs (give {them} to `sluice serve --role "
+            "driver`)",
         )
     receive_only = args.no_spark or args.role != "single"
     receiver = _checked(

@@ -64,6 +64,7 @@ from ingest.spark.cluster_source import (
 from ingest.spark.listener import BatchCompleted
 from ingest.spark.source import (
     OPTION_DRIVER_ID,
+    OPTION_FAIL_ON_DATA_LOSS,
     OPTION_MAX_RECORDS,
     OPTION_RATE_CA_FILE,
     OPTION_RATE_CERT_FILE,
@@ -106,6 +107,10 @@ class DriverConfig:
     """Start `pipeline` as a new generation where the pipeline swapped in at run time (pipeline.json)
     committed, instead of that one (the way back from a swapped-in pipeline that fails at every start)."""
     trigger_interval: float = 1.0
+    fail_on_data_loss: bool = True
+    """The source option failOnDataLoss of the query (and of those a pipeline swap starts): a node's log
+    lost under the checkpoint stops the query (DataLossError); False: a WARNING, and the new log is read
+    from its start (`--no-fail-on-data-loss`)."""
     rate: RateConfig = field(default_factory=RateConfig)
     recall_capacity: bool = True
     """Start the rate at the capacity this pipeline showed in an earlier run (DATA_DIR/rate-memory.json,
@@ -171,7 +176,10 @@ class DriverConfig:
         return ServeConfig(**{name: getattr(self, name) for name in QUERY_FIELDS}, metrics_port=None)
 
     def source_options(self) -> dict[str, str]:
-        options = {OPTION_RECEIVERS: ",".join(f"{n}={t}" for n, t in sorted(self.nodes.items()))}
+        options = {
+            OPTION_RECEIVERS: ",".join(f"{n}={t}" for n, t in sorted(self.nodes.items())),
+            OPTION_FAIL_ON_DATA_LOSS: "true" if self.fail_on_data_loss else "false",
+        }
         for name, path in (
             (OPTION_RATE_CA_FILE, self.ca_file),
             (OPTION_RATE_CERT_FILE, self.cert_file),

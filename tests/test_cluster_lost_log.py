@@ -308,6 +308,69 @@ async def test_a_query_fails_on_a_lost_log_and_reads_the_new_one_with_fail_on_da
         assert sorted(sink_values(sink)) == sorted(sent + fresh), time.monotonic() - started
 
 
+@pytest.mark.spark
+async def test_the_drivers_query_fails_on_a_lost_log_unless_told_not_to(spark: Any, tmp_path: Path) -> None:
+    """`sluice serve --role driver` had no setting for failOnDataLoss: its query always stopped on a
+    lost log, and the way on was moving its checkpoint aside. DriverConfig.fail_on_data_loss
+    (`--no-fail-on-data-loss`) goes to its query as the source option: a ClusterDriver on real Spark
+    stops with DataLossError by default, and with it off reads the new log from its start."""
+    from ingest.cluster_driver import ClusterDriver, DriverConfig
+    from ingest.config import RateConfig
+    from ingest.spark.source import OPTION_FAIL_ON_DATA_LOSS
+
+    clusters = loopback_cluster(2, replication=2, min_insync=1)
+    data_dir = tmp_path / "driver"
+    sink = data_dir / "sink"
+
+    async def drive(until: Any, **options: Any) -> tuple[ClusterDriver, str | None]:
+        """Run a driver on `data_dir` until `until(driver)`; it, and its error() then (before its stop)."""
+        config = DriverConfig(
+            nodes={n.id: n.target for n in clusters[0].nodes},
+            streams=("s",),
+            data_dir=data_dir,
+            trigger_interval=0.5,
+            rate=RateConfig(estimator="fixed", initial_rate=100_000.0),
+            **options,
+        )
+        driver = ClusterDriver(config)
+        await driver.start(spark)
+        try:
+            await wait_until(lambda: until(driver), timeout=120)
+            error = driver.error()
+        finally:
+            await driver.stop()
+        return driver, error
+
+    async with contextlib.AsyncExitStack() as outer:
+        nodes = Nodes(tmp_path, clusters, outer)
+        await nodes.start(1, "node1")
+        node0 = await nodes.start(0, "node0")
+        await _in_sync(node0)
+        sent = await push(clusters[0].me.target, 100, "a")
+        first, error = await drive(lambda d: len(sink_values(sink)) >= 100 or d.error() is not None)
+        assert error is None and sorted(sink_values(sink)) == sorted(sent), error
+        assert node0.rate.pinned  # the driver's share reached the node (its calls name the driver)
+        assert first.spark_driver is not None
+        assert first.spark_driver.source_options[OPTION_FAIL_ON_DATA_LOSS] == "true"  # the default
+        await nodes.stop(1)
+        await nodes.stop(0)
+        await nodes.start(0, "node0-lost")  # its follower down
+        fresh = await push(clusters[0].me.target, 150, "c")  # offsets 0..149: 0..99 below the checkpoint
+        _, failure = await drive(lambda d: d.error() is not None)
+        assert failure is not None
+        assert "DataLossError" in failure and "node 0's log of stream 's'" in failure, failure
+        assert "--no-fail-on-data-loss" in failure, failure
+        assert sorted(sink_values(sink)) == sorted(sent)  # nothing skipped, nothing taken as read
+        # the way on: the setting, not the checkpoint moved aside
+        tolerant, error = await drive(
+            lambda d: len(sink_values(sink)) >= 250 or d.error() is not None, fail_on_data_loss=False
+        )
+        assert error is None, error
+        assert tolerant.spark_driver is not None
+        assert tolerant.spark_driver.source_options[OPTION_FAIL_ON_DATA_LOSS] == "false"
+        assert sorted(sink_values(sink)) == sorted(sent + fresh)
+
+
 async def test_a_new_query_started_at_offsets_of_a_lost_log_fails_too(tmp_path: Path) -> None:
     """A pipeline swap starts its new query at the old one's committed offsets (startingOffsets). Without
     their incarnations it took the new log's for them and started past its records below those offsets;

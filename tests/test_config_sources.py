@@ -49,7 +49,8 @@ def test_every_serve_flag_is_a_key_of_the_file_and_the_environment() -> None:
     serve = subparser(parser, "serve")
     keys = keys_of(serve)
     flags = {o for a in serve._actions for o in a.option_strings if o.startswith("--")}
-    flags -= {"--help", "--config", "--no-metrics-auth"}  # --no-metrics-auth: metrics-auth = false
+    # --no-metrics-auth: metrics-auth = false; --no-fail-on-data-loss: fail-on-data-loss = false
+    flags -= {"--help", "--config", "--no-metrics-auth", "--no-fail-on-data-loss"}
     assert {key.flag for key in keys.values()} == flags
     assert {"no-spark", "no-fsync", "block-interval", "stream", "log-format", "spark-log-level"} <= set(keys)
     assert keys["block-interval"].env == "SLUICE_BLOCK_INTERVAL"
@@ -609,6 +610,65 @@ def test_config_check_of_a_driver_reads_its_runtime_config_as_its_start_does(tmp
     runtime.write_text('{"version": 0, "overrides": {}, "pinned_rate": 5000}')
     result = check(*driver)
     assert result.returncode == 0, result.stderr
+
+
+def test_a_driver_takes_fail_on_data_loss_from_a_flag_the_environment_or_the_file(tmp_path: Path) -> None:
+    """The cluster source's failOnDataLoss had no driver setting: `serve --role driver` always stopped on
+    a node's lost log. `--fail-on-data-loss` / `--no-fail-on-data-loss` (default true), from a flag, the
+    environment or the file as every setting, goes to the driver's query as the source option, is shown
+    by `config check`, and is refused by a receiver node and a single server, which run no such query."""
+    from ingest.spark.source import OPTION_FAIL_ON_DATA_LOSS
+
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text("0 127.0.0.1:51101\n")
+    driver = ["--role", "driver", "--nodes", str(nodes), "--data-dir", str(tmp_path / "d")]
+    config = tmp_path / "sluice.toml"
+    config.write_text("fail-on-data-loss = false\n")
+    cases = [
+        ([], clean_env(), ("true", "default")),
+        (["--no-fail-on-data-loss"], clean_env(), ("false", "flag")),
+        (["--fail-on-data-loss"], clean_env(SLUICE_FAIL_ON_DATA_LOSS="false"), ("true", "flag")),
+        ([], clean_env(SLUICE_FAIL_ON_DATA_LOSS="false"), ("false", "env SLUICE_FAIL_ON_DATA_LOSS")),
+        (["--config", str(config)], clean_env(), ("false", f"file {config}")),
+        (
+            ["--config", str(config)],
+            clean_env(SLUICE_FAIL_ON_DATA_LOSS="yes"),
+            ("true", "env SLUICE_FAIL_ON_DATA_LOSS"),
+        ),
+    ]
+    for flags, env, shown in cases:
+        result = check(*driver, *flags, env=env)
+        assert result.returncode == 0, (flags, result.stderr)
+        assert rows(result.stdout)["fail-on-data-loss"] == shown, (flags, result.stdout)
+    # what the driver's query is given (and the queries a pipeline swap starts: the same SparkDriver's)
+    for flags, environ, option in (
+        ([], {}, "true"),
+        (["--no-fail-on-data-loss"], {}, "false"),
+        ([], {"SLUICE_FAIL_ON_DATA_LOSS": "0"}, "false"),
+        (["--config", str(config)], {}, "false"),
+    ):
+        argv = ["serve", *driver, *flags]
+        args = cli._parser().parse_args(argv)
+        cli._layer_settings(args, argv, environ)
+        made = cli._driver_config(args)
+        assert made.source_options()[OPTION_FAIL_ON_DATA_LOSS] == option, (flags, environ)
+    refused_by_serve_and_check(
+        [*driver],
+        clean_env(SLUICE_FAIL_ON_DATA_LOSS="maybe"),
+        "SLUICE_FAIL_ON_DATA_LOSS: expected true or false",
+    )
+    node = ["--role", "receiver", "--nodes", str(nodes), "--node-id", "0", "--port", "51101"]
+    node += ["--data-dir", str(tmp_path / "n")]
+    refused_by_serve_and_check(
+        [*node, "--no-fail-on-data-loss"],
+        clean_env(),
+        "--role receiver does not use --fail-on-data-loss: the cluster's driver runs",
+    )
+    refused_by_serve_and_check(
+        ["--no-spark", "--data-dir", str(tmp_path / "s"), "--config", str(config)],
+        clean_env(),
+        f"--role single does not use fail-on-data-loss (in {config}): only a cluster's driver",
+    )
 
 
 def test_a_path_no_system_call_takes_is_one_line_naming_its_setting(tmp_path: Path) -> None:

@@ -584,7 +584,8 @@ class ClusterStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigg
                 "restarted on an empty data dir while its followers were down): records of the old log "
                 "the query had not read are not in it (its followers set their copies of it aside: see "
                 "docs/cluster.md), and offsets the query read are given again to other records. Set the "
-                "source option failOnDataLoss=false to read the new log from its start instead"
+                "source option failOnDataLoss=false (a cluster's driver: `sluice serve --role driver "
+                "--no-fail-on-data-loss`) to read the new log from its start instead"
             )
         log.warning(
             "sluice source: data loss: %s. failOnDataLoss=false: the query reads the new log from its "
