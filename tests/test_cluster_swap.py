@@ -195,6 +195,7 @@ DRIVER_FLAGS: dict[str, tuple[list[str], Callable[[DriverConfig], object], objec
         "swap_pipelines:tag_a",
     ),
     "reset-pipeline": (["--reset-pipeline"], lambda c: c.serve_config().reset_pipeline, True),
+    "fail-on-data-loss": (["--no-fail-on-data-loss"], lambda c: c.fail_on_data_loss, False),
     "trigger-interval": (["--trigger-interval", "3"], lambda c: c.serve_config().trigger_interval, 3.0),
     "estimator": (["--estimator", "fixed"], lambda c: c.serve_config().rate.estimator, "fixed"),
     "initial-rate": (["--initial-rate", "500"], lambda c: c.serve_config().rate.initial_rate, 500.0),
