@@ -41,7 +41,10 @@ still read, as BLOCK_SCHEMA batches (as_block_batch())."""
 
 @functools.lru_cache(maxsize=16)
 def _one_run(count: int) -> pa.Array:
-    return pa.array([count], pa.int32())
+    # from buffers, not pa.array([count]): that imports pandas on its first call (half a second or more,
+    # which a server's first message waited for)
+    run_end = pa.py_buffer(count.to_bytes(4, "little", signed=True))
+    return pa.Array.from_buffers(pa.int32(), 1, [None, run_end])
 
 
 def arrivals(count: int, timestamp_us: int) -> pa.Array:

@@ -5,6 +5,9 @@ or a client and a server that use protobuf would see different records."""
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -189,3 +192,27 @@ def test_bytes_past_the_last_offset_and_a_missing_key_with_bytes_are_refused() -
         decode_batch(keyed, 0)
     keyed.keys, keyed.key_offsets = b"k", np.array([0, 1, 1], dtype="<i4").tobytes()
     assert decode_batch(keyed, 0).column("key").to_pylist() == [b"k", None]
+
+
+def test_the_ingest_path_does_not_import_pandas(tmp_path: Path) -> None:
+    """pyarrow imports pandas on the first pa.array() from a list, half a second or more: a server's
+    first message waited for it. A server without Spark takes, stores and acks records without it."""
+    script = f"""
+import asyncio, sys
+from pathlib import Path
+from sluice_client import Producer
+from tests.support import running_server
+
+async def main() -> None:
+    async with running_server(Path({str(tmp_path)!r})) as server:
+        async with Producer(server.target, "s") as producer:
+            await producer.send_many([b"a", b"bc"] * 1000)
+            await producer.flush(timeout=60)
+    print("pandas" in sys.modules)
+
+asyncio.run(main())
+"""
+    command = [sys.executable, "-c", script]
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
