@@ -34,8 +34,10 @@ import asyncio
 import contextlib
 import glob
 import logging
+import pickle
 import re
 import time
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -343,6 +345,14 @@ class PipelineManager:
             ) from None
         try:
             await asyncio.to_thread(self._driver.start, plan)
+        except Exception as exc:
+            self._state = "stopped"
+            # the pipeline's own error (its build function raised, a UDF does not pickle, Spark refused
+            # its plan) is the user's to fix: one line naming it and where, not a traceback
+            log.debug("the pipeline in force did not start", exc_info=True)
+            why = start_failure(exc, plan.pipeline)
+            spec = self.current.spec or "built-in"
+            raise PipelineStateError(f"the pipeline {spec} did not start: {why}") from exc
         except BaseException:
             self._state = "stopped"
             raise
@@ -514,7 +524,7 @@ class PipelineManager:
             try:
                 new_id, started = await self._prove(new, trigger, timeout, base)
             except Exception as exc:  # noqa: BLE001 - whatever the new query raised, the old one comes back
-                error = _describe(exc)
+                error = start_failure(exc, self._loaded.get(self._key(new)))
                 log.error(  # noqa: TRY400 - said in one line, the pipeline's own error
                     "%s to %s failed, rolling back to %s: %s",
                     what,
@@ -776,6 +786,29 @@ _CAUSE = re.compile(r"^\s*(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception): .+$
 def _describe(exc: BaseException) -> str:
     """An error in one line (see _cause)."""
     return _cause(str(exc).strip() or type(exc).__name__)
+
+
+_NOT_PICKLED = (
+    "; the pipeline module's functions reach Spark's Python workers by value, with the module-level "
+    "objects they use: create such an object inside the function, or use it through another module "
+    "(import mylib; mylib.LOCK), which travels by reference"
+)
+
+
+def start_failure(exc: BaseException, pipeline: Pipeline | None) -> str:
+    """Why a query did not start, in one line: the error, where in the pipeline's own file it was
+    raised, and for a function that does not pickle, what to do about it."""
+    described = _describe(exc)
+    if "Error" not in described.split(":", 1)[0] and "Exception" not in described.split(":", 1)[0]:
+        described = f"{type(exc).__name__}: {described}"  # KeyError's own text is the key alone
+    code = getattr(pipeline, "__code__", None)
+    source = getattr(code, "co_filename", None)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == source]
+    if frames:
+        described += f" (at {Path(frames[-1].filename).name} line {frames[-1].lineno})"
+    if isinstance(exc, pickle.PicklingError) or "Could not serialize object" in described:
+        described += _NOT_PICKLED
+    return described
 
 
 def _cause(text: str) -> str:

@@ -852,3 +852,53 @@ async def test_pipeline_get_during_a_swap_shows_one_generation_and_the_gap_skips
         assert (done.generation, done.state, done.last_swap.outcome) == (1, "running", "done"), done
         assert done.checkpoint != before.checkpoint and done.query_id
         assert 0 < done.last_swap.processing_gap_seconds <= took + 0.5, (done.last_swap, took)
+
+
+UNPICKLABLE = """
+import threading
+
+from pyspark.sql import functions as F
+from pyspark.sql.types import StringType
+
+LOCK = threading.Lock()
+
+
+@F.udf(StringType())
+def upper(value):
+    with LOCK:
+        return value.decode().upper()
+
+
+def build(df):
+    return df.select(upper("value").alias("v")).writeStream.format("noop")
+
+
+def raises(df):
+    return {}["no such setting"]
+"""
+
+
+@pytest.mark.parametrize(
+    ("function", "said"),
+    [
+        # Sluice sends the module's functions by value (fresh_import): a module-level lock goes with them
+        ("build", r"did not start: PicklingError: .*cannot pickle '_thread.lock' object \(at lock_global.py "
+         r"line 17\); the pipeline module's functions reach Spark's Python workers by value"),
+        ("raises", r"did not start: KeyError: 'no such setting' \(at lock_global.py line 21\)$"),
+    ],
+)  # fmt: skip
+async def test_a_pipeline_that_does_not_start_is_named_in_one_line(
+    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, function: str, said: str
+) -> None:
+    """`sluice serve --pipeline` with a pipeline whose build raised, or whose UDF does not pickle, ended
+    in a traceback; the start now fails with one line (the CLI's "cannot start the Spark query: ...",
+    exit 1) naming the error, the line of the user's file and, for a pickling error, what to do."""
+    from ingest.pipeline_state import PipelineStateError
+
+    (tmp_path / "modules").mkdir()
+    (tmp_path / "modules" / "lock_global.py").write_text(UNPICKLABLE)
+    monkeypatch.syspath_prepend(str(tmp_path / "modules"))
+    monkeypatch.delitem(sys.modules, "lock_global", raising=False)
+    with pytest.raises(PipelineStateError, match=said):
+        async with service(spark, tmp_path / "data", pipeline=f"lock_global:{function}"):
+            pass
