@@ -24,6 +24,7 @@ from ingest.pipeline_control import (
     SwapInProgress,
     SwapRolledBack,
 )
+from ingest.rate_service import driver_settings_refusal
 from ingest.runtime_config import (
     NOT_SAVED,
     RuntimeConfig,
@@ -56,8 +57,14 @@ class AdminService(pb_grpc.AdminServicer):
         runtime: RuntimeConfig,
         server: SluiceServer,
         apply: Callable[[ServeConfig, ServeConfig], None],
+        *,
+        driver_target: Callable[[], str | None] | None = None,
     ) -> None:
+        """`driver_target` (a cluster's receiver node): where the driver serves its RateControl, None
+        until one has called (RateControlService.driver_target); a change of a setting the driver runs
+        by (DRIVER_SETTINGS) is refused FAILED_PRECONDITION, naming it. None: a single server."""
         self._runtime = runtime
+        self._driver_target = driver_target
         self._server = server
         self._apply = apply
         self._changing = asyncio.Lock()
@@ -87,6 +94,7 @@ class AdminService(pb_grpc.AdminServicer):
         if not request.set and not request.reset:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "nothing to set or reset")
         changes = dict(request.set)
+        await self._refuse_drivers(changes, context)
         version = self._runtime.version
         not_set = self._runtime.not_set(request.reset)  # nothing to reset there
         reset = [key for key in dict.fromkeys(request.reset) if key not in not_set]
@@ -128,6 +136,14 @@ class AdminService(pb_grpc.AdminServicer):
         view = self._view()
         view.not_set.extend(not_set)
         return view
+
+    async def _refuse_drivers(self, changes: dict[str, str], context: Context) -> None:
+        """On a receiver node, abort a change of a setting the driver runs by (FAILED_PRECONDITION)."""
+        if self._driver_target is None:
+            return
+        refusal = driver_settings_refusal(changes, self._driver_target())
+        if refusal is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
 
     async def _change_shielded(self, request: pb.SetConfigRequest, peer: str) -> None:
         """Validate, restart the query for a new trigger interval, save and apply: as a task that runs to

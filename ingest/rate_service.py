@@ -100,9 +100,53 @@ def driver_rate_target(advertised: str, peer: str) -> str | None:
     return f"{host.group(1) or host.group(2)}{advertised}" if host is not None else None
 
 
-def _word(name: str) -> str:
-    """An estimator's name as a command may show it (NAME when it is not one: a caller's bytes)."""
-    return name if re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name, re.ASCII) else "NAME"
+def _word(name: str, placeholder: str = "NAME") -> str:
+    """An estimator's name as a command may show it (`placeholder` when it is not one: a caller's bytes)."""
+    return name if re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name, re.ASCII) else placeholder
+
+
+def _on_the_driver(target: str | None) -> tuple[str, str]:
+    """(where, its --target) of the driver's RateControl as a refusal names it: "at HOST:PORT", or,
+    until a driver has called, that none has and the placeholder DRIVER_HOST:PORT."""
+    if target is not None:
+        return f"at {target}", target
+    return "(no driver has called this node since it started)", "DRIVER_HOST:PORT"
+
+
+DRIVER_SETTINGS = ("min-rate", "max-rate", "estimator", "estimator-params", "trigger-interval")
+"""The run-time settings (ingest.runtime_config) a cluster's receiver node does not run by: the driver
+pins its rate (so its bounds and estimator), runs the estimator and the query (its trigger interval).
+`sluice config set` of one on a node is refused (driver_settings_refusal); the node's others change."""
+
+
+def driver_settings_refusal(values: Mapping[str, str], target: str | None) -> str | None:
+    """Why a receiver node refuses `sluice config set` of `values` (key -> value as given), naming the
+    driver's RateControl (`target`: RateControlService.driver_target; None: no driver has called yet)
+    and the commands to give it; None when no key of `values` is one of DRIVER_SETTINGS."""
+    keys = [key for key in DRIVER_SETTINGS if key in values]
+    if not keys:
+        return None
+    where, there = _on_the_driver(target)
+    commands = []
+    if "min-rate" in values or "max-rate" in values:
+        low = _word(values.get("min-rate", "").strip(), "MIN")
+        high = _word(values.get("max-rate", "").strip(), "MAX")
+        commands.append(f"sluice rate bounds {low} {high} --target {there}")
+    if "estimator" in values:
+        commands.append(f"sluice rate estimator {_word(values['estimator'].strip())} --target {there}")
+    elif "estimator-params" in values:
+        commands.append(
+            f"sluice rate estimator NAME --target {there} (the driver runs its estimator with the "
+            "default parameters)"
+        )
+    if "trigger-interval" in values:
+        commands.append("--trigger-interval at the driver's start (sluice serve --role driver)")
+    return (
+        f"a cluster's receiver node takes {', '.join(keys)} from the driver, which runs the rate control "
+        "and the query and sets each node's share of the cluster's rate: nothing changed (the node's "
+        f"other settings change here); change {'them' if len(keys) > 1 else 'it'} on the driver {where}: "
+        + "; ".join(commands)
+    )
 
 
 class RateControlService(pb_grpc.RateControlServicer):
@@ -167,17 +211,12 @@ class RateControlService(pb_grpc.RateControlServicer):
             return context.peer()
         if self._note_driver(context):
             return f"the driver ({context.peer()})"
-        target = self.driver_target
-        where = (
-            f"at {target}: {command} --target {target}"
-            if target is not None
-            else f"(no driver has called this node since it started): {command} --target DRIVER_HOST:PORT"
-        )
+        where, there = _on_the_driver(self.driver_target)
         await context.abort(
             grpc.StatusCode.FAILED_PRECONDITION,
             "a cluster's receiver node takes its rate from the driver, which sets each node's share of the "
             "cluster's rate and would set it back at once: nothing changed; change the cluster's rate on "
-            f"the driver {where}",
+            f"the driver {where}: {command} --target {there}",
         )
         raise AssertionError  # abort raises
 

@@ -456,7 +456,9 @@ class SluiceServer:
         add_parsed_servicer(server, rate, "RateControl", authenticator=self.auth)
         self._rate_service = rate
         add_parsed_servicer(server, SessionsService(self.receivers), "Sessions", authenticator=self.auth)
-        admin = AdminService(self.runtime, self, self.apply_settings)
+        # a receiver node: the rate's settings are the driver's, which the refusals name
+        driver_target = (lambda: rate.driver_target) if self.node is not None else None
+        admin = AdminService(self.runtime, self, self.apply_settings, driver_target=driver_target)
         add_parsed_servicer(server, admin, "Admin", authenticator=self.auth)
         services = ["Ingest", "RateControl", "Sessions", "Admin"]
         if self.node is not None:

@@ -510,3 +510,80 @@ def test_a_driver_advertised_on_every_address_is_named_by_the_address_it_calls_f
     assert driver_rate_target(":51109", "unix:/x") is None
     assert driver_rate_target("a b:1", "ipv4:10.0.0.5:4000") is None
     assert driver_rate_target("\x1b[2J:1", "ipv4:10.0.0.5:4000") is None
+
+
+async def test_a_receiver_node_refuses_a_config_set_of_the_drivers_rate_settings(tmp_path: Path) -> None:
+    """`sluice config set min-rate=10 --target NODE` (and max-rate, estimator, estimator-params,
+    trigger-interval) on a cluster's receiver node was taken and kept, and changed nothing the cluster
+    runs by: the driver pins the node's share, runs the estimator and the query. The node now refuses
+    them as it refuses `sluice rate bounds` there (FAILED_PRECONDITION, exit 1, nothing changed, the
+    whole request), naming the driver and the command to give it; the node's own settings still change.
+    A real receiver node and the driver's real rate server on loopback, the `sluice` CLI."""
+    from ingest.cluster_driver import ClusterDriver, DriverConfig
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+
+    def config(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*SLUICE, "config", *args], capture_output=True, text=True, timeout=60, check=False, env=env
+        )
+
+    (cluster,) = loopback_cluster(1)
+    port = int(cluster.me.target.rsplit(":", 1)[1])
+    async with contextlib.AsyncExitStack() as stack:
+        node = await stack.enter_async_context(running_server(tmp_path / "node", cluster=cluster, port=port))
+        target = node.target
+        # no driver has called yet: refused all the same, saying what to run where
+        refused = await asyncio.to_thread(config, "set", "min-rate=10", "--target", target)
+        assert refused.returncode == 1, refused
+        said = refused.stderr
+        assert "FAILED_PRECONDITION" in said and "min-rate" in said, said
+        assert "no driver has called this node since it started" in said, said
+        assert "sluice rate bounds 10 MAX --target DRIVER_HOST:PORT" in said, said
+        assert "Traceback" not in said
+        assert node.rate.bounds.min_rate == 100.0 and not node.runtime.overrides
+        assert not (tmp_path / "node" / "runtime-config.json").exists()
+        # the driver calls the node: its target is named
+        driver = ClusterDriver(
+            DriverConfig(
+                nodes={0: target},
+                streams=("s",),
+                data_dir=tmp_path / "driver",
+                rate=RateConfig(estimator="fixed", initial_rate=3_000.0),
+            )
+        )
+        await driver.serve_rate()
+        stack.push_async_callback(driver.stop)
+        driver.node_rates.name_driver("d" * 32, driver.advertised_rate_target())
+        driver.node_rates.start()
+        await wait_until(lambda: node_rate(node) == pytest.approx(3_000), timeout=10)
+        there = driver.rate_target
+        for args, says in (
+            (["min-rate=10", "max-rate=100000"], f"sluice rate bounds 10 100000 --target {there}"),
+            (["max-rate=5000"], f"sluice rate bounds MIN 5000 --target {there}"),
+            (["estimator=model"], f"sluice rate estimator model --target {there}"),
+            (["estimator-params=horizon=3"], f"sluice rate estimator NAME --target {there}"),
+            (["trigger-interval=2"], "--trigger-interval"),
+            # refused whole: the node's own setting beside it does not change either
+            (["block-interval=0.5", "estimator=spark-pid"], f"rate estimator spark-pid --target {there}"),
+            (["--validate-only", "max-rate=5000"], f"sluice rate bounds MIN 5000 --target {there}"),
+        ):
+            refused = await asyncio.to_thread(config, "set", *args, "--target", target)
+            assert refused.returncode == 1, (args, refused)
+            said = refused.stderr
+            assert "FAILED_PRECONDITION" in said and f"the driver at {there}" in said, said
+            assert says in said, said
+            assert "Traceback" not in said
+        await asyncio.sleep(0.3)  # nothing of it reached the node
+        assert node_rate(node) == pytest.approx(3_000)
+        assert (node.rate.bounds.min_rate, node.rate.bounds.max_rate) == (100.0, INF)
+        assert node.rate.estimator.name == "fixed" and node.config.trigger_interval == 1.0
+        assert node.config.receiver.block_interval == 0.02 and not node.runtime.overrides
+        # the node's own settings change as before; a reset of a rate setting is no change to refuse
+        done = await asyncio.to_thread(config, "set", "block-interval=0.05", "--target", target)
+        assert done.returncode == 0, done
+        assert node.config.receiver.block_interval == 0.05
+        reset = await asyncio.to_thread(config, "reset", "min-rate", "--target", target)
+        assert reset.returncode == 0, reset
+        shown = await asyncio.to_thread(config, "get", "min-rate", "--target", target)  # reads allowed
+        assert shown.returncode == 0 and "min-rate" in shown.stdout, shown
