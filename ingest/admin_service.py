@@ -345,7 +345,8 @@ def _said_when_alone(task: asyncio.Task[None], runtime: RuntimeConfig, peer: str
 
 ON_THE_NODES = (
     "a cluster's driver has no settings or streams of its own to change: they are each receiver node's "
-    "(sluice config set / sluice streams ... --target NODE); here: the pipeline (sluice pipeline)"
+    "(sluice config set / sluice streams ... --target NODE); here: the pipeline (sluice pipeline) and "
+    "the cluster's rate, its bounds and estimator (sluice rate set|bounds|estimator)"
 )
 
 

@@ -2112,8 +2112,10 @@ def _config_check(args: argparse.Namespace) -> int:
             from ingest.cluster_driver import read_runtime_config  # noqa: PLC0415 - only the driver's
 
             config = _driver_config(args)
-            # DATA_DIR/runtime-config.json (the rate pinned there), read as the driver's start reads it
-            read_runtime_config(config)
+            # DATA_DIR/runtime-config.json (the rate's settings and pin kept there), read as the
+            # driver's start reads it; its settings override the command line's, as on a node
+            runtime = read_runtime_config(config)
+            overrides, runtime_file = runtime.overrides, str(runtime.path)
         else:
             config = _serve_config(args)
             # DATA_DIR/runtime-config.json, read (never written) and checked as the server will

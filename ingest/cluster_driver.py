@@ -51,9 +51,9 @@ from ingest.pipeline_state import PipelineStateError
 from ingest.preflight import DataDirLock, bind_address, check_ports, lock_checked
 from ingest.rate_controller import RateController
 from ingest.rate_memory import RateMemory
-from ingest.rate_service import RateControlService
+from ingest.rate_service import RateControlService, apply_rate_settings
 from ingest.reflection import enable_reflection
-from ingest.runtime_config import RuntimeConfig
+from ingest.runtime_config import RuntimeConfig, SettingError
 from ingest.spark.cluster_source import (
     BlocksClient,
     ClusterRefusedError,
@@ -206,12 +206,28 @@ def check_files(config: DriverConfig) -> None:
     config.credentials()
 
 
-def read_runtime_config(config: DriverConfig) -> RuntimeConfig:
-    """DATA_DIR/runtime-config.json as the driver reads it at its start (read, never written): the rate an
-    operator pinned. A bad file (not JSON, a pinned_rate that is no rate): SettingError (a ValueError)
-    naming it. ClusterDriver reads it so, and `sluice config check --role driver` (which said "valid"
-    where `serve --role driver` then stopped on it, exit 2)."""
-    return RuntimeConfig(config.serve_config(), announce=False)
+DRIVER_SETTINGS = ("min-rate", "max-rate", "estimator")
+"""The run-time settings a driver keeps in its DATA_DIR/runtime-config.json: the rate's bounds and
+estimator, as `sluice rate bounds|estimator --target DRIVER` change them (RateControlService with
+ClusterDriver.change_settings), beside a pinned rate."""
+
+
+def read_runtime_config(config: DriverConfig, *, announce: bool = False) -> RuntimeConfig:
+    """DATA_DIR/runtime-config.json as the driver reads it at its start (read, never written): the rate's
+    bounds and estimator an operator changed (DRIVER_SETTINGS) and the rate they pinned. A bad file (not
+    JSON, a pinned_rate that is no rate, a value its setting refuses, another setting: a receiver node's,
+    which the driver would run without): SettingError (a ValueError) naming it. ClusterDriver reads it so
+    (`announce`: each setting logged), and `sluice config check --role driver` (which said "valid" where
+    `serve --role driver` then stopped on it, exit 2)."""
+    runtime = RuntimeConfig(config.serve_config(), announce=announce)
+    others = [key for key in runtime.overrides if key not in DRIVER_SETTINGS]
+    if others:
+        raise SettingError(
+            f"{runtime.path}: {', '.join(others)} {'are' if len(others) > 1 else 'is'} not a driver's "
+            f"setting (it keeps only {', '.join(DRIVER_SETTINGS)} there, and a pinned rate): remove "
+            f"{'them' if len(others) > 1 else 'it'} from the file"
+        )
+    return runtime
 
 
 class ClusterDriver:
@@ -229,11 +245,12 @@ class ClusterDriver:
             AuthTable.load(config.auth_file) if config.auth_file is not None else None,
             client_certificates=config.tls is not None and config.tls.client_ca_file is not None,
         )
-        self.rate = RateController({}, config.rate, batch_interval=config.trigger_interval)
-        self.runtime = read_runtime_config(config)
-        """DATA_DIR/runtime-config.json: the driver keeps no run-time settings, only the rate an operator
-        pinned (`sluice rate set RATE --pin --target DRIVER`), pinned again at the next start as a single
-        node's is. A bad file: SettingError (a ValueError), before anything starts."""
+        self.runtime = read_runtime_config(config, announce=True)
+        """DATA_DIR/runtime-config.json: the rate's bounds and estimator an operator changed (`sluice rate
+        bounds|estimator --target DRIVER`), which override the command line's, and the rate they pinned
+        (`sluice rate set RATE --pin`), pinned again; at the next start as a single node's are. A bad
+        file: SettingError (a ValueError), before anything starts."""
+        self.rate = RateController({}, self.runtime.current.rate, batch_interval=config.trigger_interval)
         self._pin_again()
         self.rate_memory = RateMemory(config.data_dir)
         self.recalled: float | None = None
@@ -416,8 +433,23 @@ class ClusterDriver:
             {},
             nodes=self.node_rates.snapshot,
             pipeline=lambda: (self.config.streams, self.hold_batches),
+            settings=self.change_settings,
             pin=self.runtime.pin,
         )
+
+    def change_settings(
+        self, values: Mapping[str, str], reset: Sequence[str] = ()
+    ) -> tuple[ServeConfig, ServeConfig]:
+        """Change the rate's settings (DRIVER_SETTINGS) as the rate API's SetBounds and SetEstimator ask:
+        kept in DATA_DIR/runtime-config.json first, then put in force, as on a single node (a restart
+        once went back to the command line's bounds and estimator without a word): (old, new).
+        SettingError, OSError: nothing changed."""
+        others = [key for key in values if key not in DRIVER_SETTINGS]
+        if others:  # the rate API sets none of them; kept, they would stop the next start
+            raise SettingError(f"not a driver's setting: {', '.join(others)}")
+        old, new = self.runtime.change(values, reset)
+        apply_rate_settings(self.rate, self.runtime, old.rate, new.rate)
+        return old, new
 
     def _pin_again(self) -> None:
         """The rate an operator pinned before the restart is pinned again, and said so (it was lost
@@ -436,7 +468,8 @@ class ClusterDriver:
     def recall(self, pipeline: str) -> float | None:
         """Start the rate at the capacity `pipeline` showed in an earlier run (ingest.rate_memory), as
         config.recall_capacity allows (never over a pinned rate); what it started at, or None."""
-        if not self.config.recall_capacity or self.config.rate.estimator == "fixed" or self.rate.pinned:
+        fixed = self.runtime.current.rate.estimator == "fixed"  # the command line's, or kept since
+        if not self.config.recall_capacity or fixed or self.rate.pinned:
             return None
         recalled = self.rate_memory.recall(pipeline)
         if recalled is not None:

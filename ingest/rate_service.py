@@ -11,9 +11,9 @@ from typing import Protocol
 
 import grpc
 
-from ingest.config import ServeConfig
+from ingest.config import RateConfig, ServeConfig
 from ingest.rate_controller import RateController
-from ingest.runtime_config import NOT_SAVED
+from ingest.runtime_config import NOT_SAVED, RuntimeConfig
 from ratecontrol import InvalidRateError, RateBounds, check_estimator
 from receivers.cluster import DRIVER_HEADER, DRIVER_RATE_HEADER
 from receivers.receiver import Receiver
@@ -78,6 +78,28 @@ class ChangeSettings(Protocol):
     def __call__(
         self, values: Mapping[str, str], reset: Sequence[str], /
     ) -> tuple[ServeConfig, ServeConfig]: ...
+
+
+def apply_rate_settings(
+    controller: RateController, runtime: RuntimeConfig, old: RateConfig, new: RateConfig
+) -> None:
+    """Put the rate settings changed at run time (`runtime.change`: min-rate, max-rate, estimator,
+    estimator-params; kept already) in force on `controller`: new bounds clamp the rate, a new estimator
+    starts from it and unpins it, and so ends the pin kept in `runtime` (a single server's and a
+    cluster's driver's alike)."""
+    if (new.min_rate, new.max_rate) != (old.min_rate, old.max_rate):
+        controller.set_bounds(new.min_rate, new.max_rate)
+    if (new.estimator, new.estimator_params) != (old.estimator, old.estimator_params):
+        controller.set_estimator(new.estimator, new.estimator_params)  # unpins
+        if runtime.pinned_rate is not None:
+            try:
+                runtime.pin(None)
+            except OSError:
+                log.exception(
+                    "the new estimator unpinned the rate, but %s still pins it: the next start pins "
+                    "it again unless `sluice rate set` (without --pin) is kept first",
+                    runtime.path,
+                )
 
 
 SEAL_TIMEOUT = 1.0

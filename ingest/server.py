@@ -30,7 +30,7 @@ from ingest.metrics import (
 from ingest.pipeline_control import PipelineControl
 from ingest.preflight import DataDirLock, bind_address, make_dirs
 from ingest.rate_controller import WATCHDOG_TICK, RateController
-from ingest.rate_service import RateControlService
+from ingest.rate_service import RateControlService, apply_rate_settings
 from ingest.receiver_node import ReceiverNode
 from ingest.reflection import enable_reflection
 from ingest.runtime_config import RuntimeConfig
@@ -499,19 +499,7 @@ class SluiceServer:
         if new.receiver != old.receiver:
             for receiver in self.receivers.values():
                 receiver.reconfigure(new.receiver)
-        if (new.rate.min_rate, new.rate.max_rate) != (old.rate.min_rate, old.rate.max_rate):
-            self.rate.set_bounds(new.rate.min_rate, new.rate.max_rate)
-        if (new.rate.estimator, new.rate.estimator_params) != (old.rate.estimator, old.rate.estimator_params):
-            self.rate.set_estimator(new.rate.estimator, new.rate.estimator_params)  # unpins
-            if self.runtime.pinned_rate is not None:
-                try:
-                    self.runtime.pin(None)
-                except OSError:
-                    log.exception(
-                        "the new estimator unpinned the rate, but %s still pins it: the next start pins "
-                        "it again unless `sluice rate set` (without --pin) is kept first",
-                        self.runtime.path,
-                    )
+        apply_rate_settings(self.rate, self.runtime, old.rate, new.rate)
         if new.trigger_interval != old.trigger_interval:
             self.rate.set_batch_interval(new.trigger_interval)
         self.config = new

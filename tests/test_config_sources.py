@@ -610,6 +610,16 @@ def test_config_check_of_a_driver_reads_its_runtime_config_as_its_start_does(tmp
     runtime.write_text('{"version": 0, "overrides": {}, "pinned_rate": 5000}')
     result = check(*driver)
     assert result.returncode == 0, result.stderr
+    # the rate's bounds and estimator `sluice rate` kept there (the driver starts with them), and no
+    # other setting: a receiver node's, which the driver would run without
+    runtime.write_text('{"version": 2, "overrides": {"max-rate": "8000.0", "estimator": "fixed"}}')
+    result = check(*driver)
+    assert result.returncode == 0, result.stderr
+    shown = rows(result.stdout)
+    assert shown["max-rate"] == ("8000.0", f"runtime {runtime}"), result.stdout
+    assert shown["estimator"] == ("fixed", f"runtime {runtime}"), result.stdout
+    runtime.write_text('{"version": 1, "overrides": {"block-interval": "0.5"}}')
+    refused_by_serve_and_check(driver, clean_env(), "block-interval is not a driver's setting")
 
 
 def test_a_driver_takes_fail_on_data_loss_from_a_flag_the_environment_or_the_file(tmp_path: Path) -> None:

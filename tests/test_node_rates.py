@@ -587,3 +587,68 @@ async def test_a_receiver_node_refuses_a_config_set_of_the_drivers_rate_settings
         assert reset.returncode == 0, reset
         shown = await asyncio.to_thread(config, "get", "min-rate", "--target", target)  # reads allowed
         assert shown.returncode == 0 and "min-rate" in shown.stdout, shown
+
+
+async def test_a_cluster_drivers_rate_bounds_and_estimator_are_kept_across_its_restart(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`sluice rate bounds` and `sluice rate estimator` on the driver changed its running controller
+    only: a restart silently went back to the command line's bounds and estimator, while a single node
+    keeps them (settings min-rate, max-rate, estimator in runtime-config.json) and the driver kept a
+    pinned rate there already. The driver keeps them in DATA_DIR/runtime-config.json too, starts with
+    them (a kept pin clamped into the kept bounds; a kept `fixed` estimator not replaced by a recalled
+    capacity) and says so. Its real RateControl server on loopback, steered by the `sluice` CLI."""
+    from ingest.cluster_driver import ClusterDriver, DriverConfig
+
+    config = DriverConfig(nodes={0: "127.0.0.1:1"}, streams=("s",), data_dir=tmp_path / "driver")
+    config.data_dir.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+
+    @contextlib.asynccontextmanager
+    async def serving() -> Any:
+        caplog.clear()
+        driver = ClusterDriver(config)  # a restart: a new driver on the same data dir
+        rpc = grpc.aio.server()
+        pb_grpc.add_RateControlServicer_to_server(driver.rate_service(), rpc)
+        port = rpc.add_insecure_port("127.0.0.1:0")
+        await rpc.start()
+        try:
+            yield driver, f"127.0.0.1:{port}"
+        finally:
+            await rpc.stop(None)
+            await driver.node_rates.close()
+            driver.blocks.close()
+
+    def rate(*args: str) -> str:
+        done = subprocess.run(
+            [*SLUICE, "rate", *args], capture_output=True, text=True, timeout=60, check=False, env=env
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    caplog.set_level("INFO", logger="ingest")
+    async with serving() as (driver, target):
+        assert (driver.rate.bounds.min_rate, driver.rate.bounds.max_rate) == (100.0, INF)
+        await asyncio.to_thread(rate, "bounds", "200", "8000", "--target", target)
+        await asyncio.to_thread(rate, "estimator", "spark-pid", "--target", target)
+        await asyncio.to_thread(rate, "set", "9000", "--pin", "--target", target)  # clamped to 8000
+        assert (driver.rate.rate, driver.rate.pinned) == (8000, True)
+    async with serving() as (driver, target):
+        assert (driver.rate.bounds.min_rate, driver.rate.bounds.max_rate) == (200, 8000)
+        assert driver.rate.estimator.name == "spark-pid"
+        assert (driver.rate.rate, driver.rate.pinned) == (8000, True)
+        assert "max-rate = 8000.0 (dynamic" in caplog.text and "estimator = spark-pid (dynamic" in caplog.text
+        got = await asyncio.to_thread(rate, "get", "--target", target)
+        assert "200" in got and "8000" in got and "spark-pid" in got, got
+        await asyncio.to_thread(rate, "estimator", "fixed", "--target", target)  # unpins, kept so
+        await asyncio.to_thread(rate, "set", "3000", "--target", target)
+    async with serving() as (driver, target):
+        assert driver.rate.estimator.name == "fixed" and not driver.rate.pinned
+        driver.rate_memory.remember("builtin", 7_000.0)  # the operator's fixed estimator is not replaced
+        assert driver.recall("builtin") is None
+        assert driver.rate.rate == 8000  # the initial rate, clamped into the kept bounds
+        await asyncio.to_thread(rate, "bounds", "100", "inf", "--target", target)
+        await asyncio.to_thread(rate, "estimator", "model", "--target", target)
+    async with serving() as (driver, target):
+        assert (driver.rate.bounds.min_rate, driver.rate.bounds.max_rate) == (100.0, INF)
+        assert driver.rate.estimator.name == "model" and driver.rate.rate == 10_000
