@@ -51,7 +51,7 @@ from ingest.pipeline_state import PipelineStateError
 from ingest.preflight import DataDirLock, bind_address, check_ports, lock_checked
 from ingest.rate_controller import RateController
 from ingest.rate_memory import RateMemory
-from ingest.rate_service import RateControlService, apply_rate_settings
+from ingest.rate_service import RateControlService, apply_rate_settings, pin_again
 from ingest.reflection import enable_reflection
 from ingest.runtime_config import RuntimeConfig, SettingError
 from ingest.spark.cluster_source import (
@@ -454,16 +454,7 @@ class ClusterDriver:
     def _pin_again(self) -> None:
         """The rate an operator pinned before the restart is pinned again, and said so (it was lost
         without a word: the driver came back at its initial or recalled rate, under the estimator)."""
-        pinned = self.runtime.pinned_rate
-        if pinned is None:
-            return
-        self.rate.update(pinned, pin=True)
-        log.info(
-            "rate pinned at %g records/s (`sluice rate set --pin` before the restart, kept in %s): the "
-            "estimator is ignored until `sluice rate set` without --pin or `sluice rate estimator`",
-            self.rate.rate,
-            self.runtime.path,
-        )
+        pin_again(self.rate, self.runtime)
 
     def recall(self, pipeline: str) -> float | None:
         """Start the rate at the capacity `pipeline` showed in an earlier run (ingest.rate_memory), as

@@ -102,6 +102,22 @@ def apply_rate_settings(
                 )
 
 
+def pin_again(controller: RateController, runtime: RuntimeConfig) -> None:
+    """Pin the rate an operator pinned before the restart (`sluice rate set RATE --pin`, kept in
+    runtime-config.json: RuntimeConfig.pinned_rate) again, and say so: it was lost without a word. A
+    single server's start and a cluster driver's."""
+    pinned = runtime.pinned_rate
+    if pinned is None:
+        return
+    controller.update(pinned, pin=True)
+    log.info(
+        "rate pinned at %g records/s (`sluice rate set --pin` before the restart, kept in %s): the "
+        "estimator is ignored until `sluice rate set` without --pin or `sluice rate estimator`",
+        controller.rate,
+        runtime.path,
+    )
+
+
 SEAL_TIMEOUT = 1.0
 """Longest wait, in seconds, for the receivers to seal what they hold when GetRate asks so."""
 

@@ -30,7 +30,7 @@ from ingest.metrics import (
 from ingest.pipeline_control import PipelineControl
 from ingest.preflight import DataDirLock, bind_address, make_dirs
 from ingest.rate_controller import WATCHDOG_TICK, RateController
-from ingest.rate_service import RateControlService, apply_rate_settings
+from ingest.rate_service import RateControlService, apply_rate_settings, pin_again
 from ingest.receiver_node import ReceiverNode
 from ingest.reflection import enable_reflection
 from ingest.runtime_config import RuntimeConfig
@@ -481,18 +481,8 @@ class SluiceServer:
     def _pin_again(self) -> None:
         """The rate an operator pinned before the restart (`sluice rate set RATE --pin`, kept in
         runtime-config.json) is pinned again, and said so: it was lost without a word."""
-        pinned = self.runtime.pinned_rate
-        if pinned is None:
-            return
-        if self.node is not None:  # a cluster's driver pins a node's share: not an operator's to keep
-            return
-        self.rate.update(pinned, pin=True)
-        log.info(
-            "rate pinned at %g records/s (`sluice rate set --pin` before the restart, kept in %s): the "
-            "estimator is ignored until `sluice rate set` without --pin or `sluice rate estimator`",
-            self.rate.rate,
-            self.runtime.path,
-        )
+        if self.node is None:  # a cluster's driver pins a node's share: not an operator's to keep
+            pin_again(self.rate, self.runtime)
 
     def apply_settings(self, old: ServeConfig, new: ServeConfig) -> None:
         """Apply settings changed at run time (already validated and kept by self.runtime)."""

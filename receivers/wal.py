@@ -468,11 +468,7 @@ class WalBlockStore(BlockStore):
         Call once per stream in the writing process, before its first write (write() calls it if not).
         """
         folder = self._folder(stream)
-        with self._writers_lock:
-            old = self._writers.pop(stream, None)
-        if old is not None:
-            with old.lock:
-                self._close_writer(old)
+        self._drop_writer(stream)
         writer = self._recover(stream, folder)
         with self._writers_lock:
             self._writers[stream] = writer
@@ -716,11 +712,7 @@ class WalBlockStore(BlockStore):
         receivers.replication); return (blocks, records) dropped. The stream's writer is closed: the next
         recover() (or write) rebuilds its state, producers table included, from what is left."""
         folder = self._folder(stream)
-        with self._writers_lock:
-            old = self._writers.pop(stream, None)
-        if old is not None:
-            with old.lock:
-                self._close_writer(old)
+        self._drop_writer(stream)
         blocks = records = 0
         if not folder.is_dir():
             return 0, 0
@@ -1010,11 +1002,7 @@ class WalBlockStore(BlockStore):
         empty log of `stream`. None when there was no folder. For a copy of another incarnation of its
         owner's log (receivers.replica_store): it may hold the only copy of acked records. Blocking."""
         folder = self._folder(stream)
-        with self._writers_lock:
-            old = self._writers.pop(stream, None)
-        if old is not None:
-            with old.lock:
-                self._close_writer(old)
+        self._drop_writer(stream)
         if not folder.is_dir():
             return None
         dest = root / folder.name
@@ -1263,6 +1251,15 @@ class WalBlockStore(BlockStore):
         with contextlib.suppress(OSError):
             os.close(writer.fd)
         writer.fd = None
+
+    def _drop_writer(self, stream: str) -> None:
+        """Forget the writer of `stream` and close it, if there is one (the next write or recover()
+        makes a new one from what is on disk)."""
+        with self._writers_lock:
+            old = self._writers.pop(stream, None)
+        if old is not None:
+            with old.lock:
+                self._close_writer(old)
 
     def _close_writer(self, writer: _Writer) -> None:
         if writer.fd is None:

@@ -412,7 +412,7 @@ async def test_a_cluster_drivers_pinned_rate_is_kept_across_its_restart(
         assert done.returncode == 0, done.stderr
         return done.stdout
 
-    caplog.set_level("INFO", logger="ingest.cluster_driver")
+    caplog.set_level("INFO", logger="ingest.rate_service")  # pin_again's, a single server's too
     async with serving() as (driver, target):
         assert not driver.rate.pinned
         await asyncio.to_thread(rate, "set", "5000", "--pin", "--target", target)

@@ -436,7 +436,7 @@ async def test_a_pinned_rate_is_kept_across_a_restart_and_said(
         for bad in (math.nan, -1.0):  # refused before anything is kept
             with pytest.raises(grpc.aio.AioRpcError):
                 await rate.UpdateRate(pb.UpdateRateRequest(records_per_second=bad, pin=True))
-    caplog.set_level("INFO", logger="ingest.server")
+    caplog.set_level("INFO", logger="ingest.rate_service")  # pin_again's, the driver's too
     server = await restarted()
     assert (server.rate.pinned, server.rate.rate) == (True, 5000)
     assert "rate pinned at 5000 records/s" in caplog.text and "runtime-config.json" in caplog.text
