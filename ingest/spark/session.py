@@ -34,6 +34,13 @@ _JAVA_HELP = (
     "or point JAVA_HOME at a JDK/JRE >= 17"
 )
 
+_ANY_MASTER = {
+    # the time a Python worker (the streaming source's planner among them) has to connect back to the
+    # JVM and authenticate: Spark's 15 s failed the query ("CANNOT_OPEN_SOCKET ... timed out") on a
+    # loaded 2-core machine, where starting a worker that imports pyarrow took longer
+    "spark.python.authenticate.socketTimeout": "60s",
+}
+
 _LOCAL_DEFAULTS = {
     # a handful of rows per micro-batch does not need 200 shuffle tasks
     "spark.sql.shuffle.partitions": "4",
@@ -44,6 +51,7 @@ _LOCAL_DEFAULTS = {
     # containers often have a hostname that does not resolve; local mode needs loopback only
     "spark.driver.bindAddress": "127.0.0.1",
     "spark.driver.host": "127.0.0.1",
+    **_ANY_MASTER,
 }
 
 
@@ -146,7 +154,7 @@ def build_session(
         raise ValueError(f"Spark log level {log_level!r}: one of {', '.join(SPARK_LOG_LEVELS)}")
     local = master.startswith("local")
     _point_workers_at_this_python(local)
-    settings = dict(_LOCAL_DEFAULTS) if local else {"spark.sql.session.timeZone": "UTC"}
+    settings = dict(_LOCAL_DEFAULTS) if local else {"spark.sql.session.timeZone": "UTC", **_ANY_MASTER}
     settings.update(conf or {})
     if log_json is not None:
         with tempfile.NamedTemporaryFile(
