@@ -79,14 +79,18 @@ class Load:
 
     async def run(self) -> None:
         try:
-            async with Producer(self.target, self.stream, batch_size=500) as producer:
+            # a bounded backlog (half a second of the offered load): intake stays saturated, and what
+            # is left to flush at the stop is not the Producer's default 500,000 records, which a slow
+            # pipeline on a loaded machine did not drain within the flush's timeout
+            backlog = max(25 * self.per_tick, 10_000)
+            async with Producer(self.target, self.stream, batch_size=500, max_buffered=backlog) as producer:
                 while not self._stop.is_set():
                     values, keys = self.make(self.sent, self.per_tick)
                     await producer.send_many(values, keys)
                     self.sent += len(values)
                     await asyncio.sleep(0.02)
                     self.ack_times.append((time.monotonic(), producer.acked))
-                await producer.flush(timeout=60)
+                await producer.flush(timeout=120)
                 self.ack_times.append((time.monotonic(), producer.acked))
         except BaseException as exc:
             self.error = exc
