@@ -725,9 +725,10 @@ def _cluster_flags(serve: argparse.ArgumentParser) -> None:
         "--fail-on-data-loss",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="a driver: stop the query when a node's log was lost under the checkpoint (its data dir "
-        "lost while its followers were down; the default), or, with --no-fail-on-data-loss, log a "
-        "WARNING and read the new log from its start (the source option failOnDataLoss)",
+        help="stop the query when a stream's log was lost under its checkpoint (a single server's data "
+        "dir started afresh while the checkpoint survived elsewhere; a cluster node's data dir lost "
+        "while its followers were down; the default), or, with --no-fail-on-data-loss, log a WARNING "
+        "and read the new log from its start (the source option failOnDataLoss)",
     )
     group.add_argument(
         "--health-port",
@@ -1105,8 +1106,6 @@ refused when given to one, which would run without them."""
 
 RECEIVER_IGNORES = frozenset({"master", "pipeline", "reset-pipeline", "fail-on-data-loss"})
 """The settings of `sluice serve` a receiver node runs without (the query's: the driver runs it)."""
-DRIVER_ONLY = frozenset({"fail-on-data-loss"})
-"""The settings of `sluice serve` only a cluster's driver takes (a single server runs without them)."""
 
 
 def _refuse_unused(args: argparse.Namespace, role: str, unused: Callable[[str], bool], why: str) -> None:
@@ -1248,14 +1247,6 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
             RECEIVER_IGNORES.__contains__,
             "the cluster's driver runs the Spark query (give {them} to `sluice serve --role driver`)",
         )
-    if args.role == "single":
-        _refuse_unused(
-            args,
-            "single",
-            DRIVER_ONLY.__contains__,
-            "only a cluster's driver reads the receiver nodes' logs (give {them} to `sluice serve --role "
-            "driver`)",
-        )
     receive_only = args.no_spark or args.role != "single"
     receiver = _checked(
         args,
@@ -1291,6 +1282,7 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
             pipeline=args.pipeline,
             reset_pipeline=args.reset_pipeline,
             trigger_interval=args.trigger_interval,
+            fail_on_data_loss=args.fail_on_data_loss,
             spark=not args.no_spark and args.role == "single",
             security=security,
             cluster=cluster,

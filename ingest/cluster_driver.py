@@ -86,7 +86,10 @@ SWAP_SETTLE_SECONDS = 120.0
 """At stop, how long a pipeline swap under way may take to end before the query is stopped anyway."""
 
 
-QUERY_FIELDS = ("data_dir", "streams", "master", "pipeline", "reset_pipeline", "trigger_interval", "rate")
+QUERY_FIELDS = (
+    *("data_dir", "streams", "master", "pipeline", "reset_pipeline", "trigger_interval"),
+    *("fail_on_data_loss", "rate"),
+)
 """DriverConfig's fields that its serve_config() hands to the query's ServeConfig, as they are. The other
 fields the two share by name are the driver's own servers' (its metrics and health ports), which the
 driver serves itself (SparkDriver serves none)."""

@@ -260,6 +260,11 @@ class ServeConfig:
     committed, instead of that one (the way back from a swapped-in pipeline that fails at every start)."""
     trigger_interval: float = 1.0
     """Seconds between Spark micro-batches."""
+    fail_on_data_loss: bool = True
+    """The source option failOnDataLoss of the query (and of those a pipeline swap starts): a stream's
+    log lost or replaced under the query's checkpoint (the data dir started afresh while a checkpoint
+    elsewhere survived) stops the query (DataLossError); False: a WARNING, and the new log is read from
+    its start (`--no-fail-on-data-loss`)."""
     spark: bool = True
     """Run the Spark query in this process; off for a receive-only node."""
     security: SecurityConfig = field(default_factory=SecurityConfig)

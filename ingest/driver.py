@@ -40,7 +40,7 @@ from py4j.protocol import Py4JError, Py4JJavaError
 
 from ingest.config import ServeConfig
 from ingest.server import SluiceServer
-from ingest.spark.cluster_source import INCARNATIONS, flatten, incarnations_of, is_cluster_offset
+from ingest.spark.cluster_source import flatten, is_cluster_offset
 from ingest.spark.listener import BatchCompleted, BatchListener
 from ingest.spark.pipeline import (
     Pipeline,
@@ -49,7 +49,14 @@ from ingest.spark.pipeline import (
     parquet_pipeline,
     start_query,
 )
-from ingest.spark.source import OPTION_FOLLOW_STREAMS, OPTION_STARTING_OFFSETS
+from ingest.spark.source import (
+    INCARNATIONS,
+    OPTION_FAIL_ON_DATA_LOSS,
+    OPTION_FOLLOW_STREAMS,
+    OPTION_STARTING_OFFSETS,
+    incarnations_of,
+    plain_offset,
+)
 from ratecontrol import BatchMetrics
 from receivers.block_store import BlockStore, release_below
 from receivers.wal import WalBlockStore
@@ -71,8 +78,9 @@ class QueryPlan:
     starting_offsets: Mapping[str, int] | None = None
     """Where a fresh checkpoint starts (the last query's committed end); None: the first blocks."""
     starting_incarnations: Mapping[str, str] | None = None
-    """The incarnations of the partitions' logs starting_offsets are of (the cluster source's): the
-    new query fails with DataLossError, rather than skip records, if one was lost since."""
+    """The incarnations of the logs starting_offsets are of (the single-node source's {stream: id}, the
+    cluster source's {"stream/owner": id}): the new query fails with DataLossError, rather than skip
+    records, if one was lost since."""
     context: PipelineContext | None = None
 
 
@@ -181,7 +189,8 @@ class SparkDriver:
             if self._release is not None:
                 self._release(end, incarnations)
             elif self.store is not None:
-                release_below(self.store, list(end), end)
+                # a log of another incarnation than the batch's (lost under the checkpoint) keeps its blocks
+                release_below(self.store, list(end), end, incarnations)
         except Exception:  # the next batch (or start) releases them; ingestion must not die of it
             log.exception("releasing the blocks of committed batch %d failed", batch_id)
             return
@@ -242,6 +251,7 @@ class SparkDriver:
         options = dict(self.source_options)
         if not self.source_options:  # this service's own store: streams come and go with the server's
             options[OPTION_FOLLOW_STREAMS] = "true"
+            options[OPTION_FAIL_ON_DATA_LOSS] = "true" if self.config.fail_on_data_loss else "false"
         if plan.starting_offsets:
             starting: dict[str, object] = dict(sorted(plan.starting_offsets.items()))
             if plan.starting_incarnations:
@@ -351,7 +361,7 @@ def last_commit(checkpoint: Path, streams: Sequence[str]) -> tuple[int, dict[str
 def last_commit_named(
     checkpoint: Path, streams: Sequence[str]
 ) -> tuple[int, dict[str, int], dict[str, str]] | None:
-    """last_commit, and the incarnations the offset names (the cluster source's: incarnations_of)."""
+    """last_commit, and the incarnations the offset names (incarnations_of)."""
     try:
         ids = [int(name) for name in _listdir(checkpoint / "commits") if name.isdigit()]
         if not ids:
@@ -375,12 +385,14 @@ def last_commit_named(
 def _sluice_offset(offset: object, streams: Sequence[str]) -> dict[str, int] | None:
     """The Sluice source's offset in one flat form, or None when `offset` is another source's (of a
     pipeline that reads several: the listener reports the first source's). The single-node source's
-    {stream: record offset} as it is; the cluster source's {stream: {"<owner>": record offset}} (or
-    the listener's flat {"stream/owner": record offset}) as {"stream/owner": record offset}."""
+    {stream: record offset} as it is (its incarnations left out: incarnations_of); the cluster
+    source's {stream: {"<owner>": record offset}} (or the listener's flat {"stream/owner": record
+    offset}) as {"stream/owner": record offset}."""
     if not isinstance(offset, dict) or not offset:
         return None
-    if _is_sluice_offset(offset, streams):
-        return dict(offset)
+    plain = plain_offset(offset) if isinstance(offset.get(INCARNATIONS, {}), dict) else offset
+    if _is_sluice_offset(plain, streams):
+        return dict(plain)
     if is_cluster_offset(offset, streams):
         return flatten(offset)
     if all(isinstance(k, str) and type(v) is int for k, v in offset.items()):

@@ -515,6 +515,7 @@ class SluiceServer:
                 raise StreamExistsError(f"stream {stream!r} is served already")
             receiver = Receiver(stream, self._writes, self.config.receiver, pool=self.memory)
             try:
+                await asyncio.to_thread(self.store.ensure_incarnation, stream)  # as _start_receivers
                 await receiver.start()
                 await asyncio.to_thread(self.streams.set, [(stream, SERVING)])
             except BaseException:
@@ -715,6 +716,13 @@ class SluiceServer:
     async def _start_receivers(self) -> None:
         if self.node is not None:  # before a record is taken: no offset the cluster used is given again
             await self.node.continue_logs(self.receivers)
+        else:
+            # a single server's logs have incarnations too (a cluster node's: continue_logs): a log lost
+            # and started afresh (the data dir wiped, the stream's folder deleted) gets another one, and
+            # a query whose checkpoint survived elsewhere tells it from the one it read (DataLossError)
+            # rather than skip the new log's records up to its old offset
+            for stream in self.receivers:
+                await asyncio.to_thread(self.store.ensure_incarnation, stream)
         for receiver in self.receivers.values():
             await receiver.start()
         if self.node is not None:

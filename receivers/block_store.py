@@ -100,16 +100,33 @@ class BlockStore(ABC):
         """Free what released blocks still take that release() left behind; return the bytes freed."""
         return 0
 
+    def incarnation(self, stream: str) -> str:
+        """The identity of the log of `stream` (a random id made with it, gone with it), "" when it has
+        none or the store keeps none (WalBlockStore.ensure_incarnation). Blocking."""
+        return ""
 
-def release_below(store: BlockStore, streams: Sequence[str], end: Mapping[str, int]) -> int:
+
+def release_below(
+    store: BlockStore,
+    streams: Sequence[str],
+    end: Mapping[str, int],
+    incarnations: Mapping[str, str] | None = None,
+) -> int:
     """Release, per stream, the blocks wholly below the record offset `end[stream]` (a committed batch's
     end offset); return how many blocks left the store. Idempotent: Spark's commit() calls it in the
-    source, the driver as each committed batch's progress arrives."""
+    source, the driver as each committed batch's progress arrives. `incarnations` ({stream: id}, the
+    offset's): a log of another incarnation now (it was lost and started afresh under the checkpoint)
+    releases nothing, since its offsets are other records, unread."""
     released = 0
     for stream in streams:
         offset = end.get(stream)
         if offset is None:
             continue
+        expected = (incarnations or {}).get(stream)
+        if expected:
+            held = store.incarnation(stream)
+            if held and held != expected:
+                continue
         done = [b.seq for b in store.blocks(stream) if b.end_offset <= offset]
         if done:
             released += store.release(stream, done[-1] + 1)

@@ -626,7 +626,8 @@ def test_a_driver_takes_fail_on_data_loss_from_a_flag_the_environment_or_the_fil
     """The cluster source's failOnDataLoss had no driver setting: `serve --role driver` always stopped on
     a node's lost log. `--fail-on-data-loss` / `--no-fail-on-data-loss` (default true), from a flag, the
     environment or the file as every setting, goes to the driver's query as the source option, is shown
-    by `config check`, and is refused by a receiver node and a single server, which run no such query."""
+    by `config check`, and is refused by a receiver node, which runs no query. A single server takes it
+    for its own query."""
     from ingest.spark.source import OPTION_FAIL_ON_DATA_LOSS
 
     nodes = tmp_path / "nodes.txt"
@@ -674,11 +675,15 @@ def test_a_driver_takes_fail_on_data_loss_from_a_flag_the_environment_or_the_fil
         clean_env(),
         "--role receiver does not use --fail-on-data-loss: the cluster's driver runs",
     )
-    refused_by_serve_and_check(
-        ["--no-spark", "--data-dir", str(tmp_path / "s"), "--config", str(config)],
-        clean_env(),
-        f"--role single does not use fail-on-data-loss (in {config}): only a cluster's driver",
-    )
+    # a single server's own query takes it too (its log lost under a checkpoint kept elsewhere)
+    single = ["--data-dir", str(tmp_path / "s")]
+    result = check(*single, "--no-fail-on-data-loss")
+    assert result.returncode == 0, result.stderr
+    assert rows(result.stdout)["fail-on-data-loss"] == ("false", "flag"), result.stdout
+    argv = ["serve", *single, "--config", str(config)]
+    args = cli._parser().parse_args(argv)
+    cli._layer_settings(args, argv, {})
+    assert cli._serve_config(args).fail_on_data_loss is False
 
 
 def test_a_path_no_system_call_takes_is_one_line_naming_its_setting(tmp_path: Path) -> None:

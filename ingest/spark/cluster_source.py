@@ -58,8 +58,8 @@ from pyspark.sql.streaming.datasource import (
 )
 
 from ingest.spark.source import (
+    INCARNATIONS,
     OPTION_DRIVER_ID,
-    OPTION_FAIL_ON_DATA_LOSS,
     OPTION_RECEIVERS,
     OPTION_STARTING_OFFSETS,
     LiveCapPlanning,
@@ -67,7 +67,9 @@ from ingest.spark.source import (
     _balanced,
     _required,
     _weight,
+    incarnations_of,
     json_option,
+    parse_fail_on_data_loss,
     positioned,
 )
 from receivers.cluster import (
@@ -92,8 +94,6 @@ FlatOffset = dict[str, int]
 """{"stream/owner": next record offset}: the same, one level (stream names have no '/')."""
 Incarnations = dict[str, str]
 """{"stream/owner": the incarnation of the partition's log} (PartitionInfo.incarnation)."""
-INCARNATIONS = "_incarnations"
-"""The key of an offset's incarnations: no stream's name (a stream's starts with a letter or digit)."""
 
 LIST_TIMEOUT = 3.0
 """Seconds a node has to answer ListPartitions: it may seal first (up to 1 s) and wait as long for the
@@ -224,14 +224,6 @@ def nest(flat: Mapping[str, int], incarnations: Mapping[str, str] | None = None)
     return offset
 
 
-def incarnations_of(offset: object) -> Incarnations:
-    """The incarnations an offset names ({} for one without: from before they were kept)."""
-    table = offset.get(INCARNATIONS) if isinstance(offset, dict) else None
-    if not isinstance(table, dict):
-        return {}
-    return {k: v for k, v in table.items() if isinstance(k, str) and isinstance(v, str) and v}
-
-
 def is_cluster_offset(offset: object, streams: Sequence[str]) -> bool:
     """Whether `offset` is this source's nested offset over some of `streams`."""
     if not isinstance(offset, dict):
@@ -289,16 +281,6 @@ def starting_incarnations(value: str | None) -> Incarnations:
     if not value:
         return {}
     return incarnations_of(json_option(value))
-
-
-def parse_fail_on_data_loss(value: str | None) -> bool:
-    """The failOnDataLoss option: "true" (the default) or "false"."""
-    text = (value or "true").strip().lower()
-    if text not in {"true", "false"}:
-        raise ValueError(
-            f"sluice source: option {OPTION_FAIL_ON_DATA_LOSS!r} must be true or false, got {value!r}"
-        )
-    return text == "true"
 
 
 def parse_receivers(value: str) -> dict[int, str]:
@@ -486,7 +468,7 @@ class ClusterStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigg
         self.driver_id = options.get(OPTION_DRIVER_ID) or None
         self._read_planning_options(options)
         self.starting_incarnations = starting_incarnations(options.get(OPTION_STARTING_OFFSETS))
-        self.fail_on_data_loss = parse_fail_on_data_loss(options.get(OPTION_FAIL_ON_DATA_LOSS))
+        self.fail_on_data_loss = parse_fail_on_data_loss(options)
         self._available_now_target: FlatOffset | None = None
         self._weights_for: Sequence[str] = ()  # the partition keys _stream_weights shares weights over
         self._latest: FlatOffset | None = None  # available ends at the last plan, for reportLatestOffset

@@ -174,9 +174,9 @@ OPTION_DRIVER_ID = "driverId"
 """A cluster driver's id (ingest.cluster_driver.driver_id): the cluster source's ListPartitions and
 ReleaseBlocks carry it, so the nodes hold them to that driver's lease (receivers.blocks_service)."""
 OPTION_FAIL_ON_DATA_LOSS = "failOnDataLoss"
-"""Cluster mode: "true" (the default) fails the query with DataLossError when a partition's log was
-lost under its checkpoint (ingest.spark.cluster_source); "false" warns and reads the new log from its
-start (Spark's Kafka source has the same option)."""
+""""true" (the default) fails the query with DataLossError when a stream's log (cluster mode: a
+partition's, ingest.spark.cluster_source) was lost or replaced under its checkpoint; "false" warns and
+reads the new log from its start (Spark's Kafka source has the same option)."""
 OPTION_RATE_TOKEN_FILE = "rateTokenFile"  # noqa: S105 - an option's name
 """A file holding the bearer token of a principal with the operator role (GetRate, StartBatch): a
 path, not the token, so that the token never shows in the query's plan, UI or logs. Read by the
@@ -208,6 +208,11 @@ ON_GRID = 0.1
 """A trigger within this share of the interval (at most 0.1 s) after a grid point is on the grid."""
 
 Offset = dict[str, int]
+"""{stream: next record offset}: the offset as the reader plans with it. Spark gets and gives it with
+the streams' incarnations under INCARNATIONS (with_incarnations, incarnations_of)."""
+INCARNATIONS = "_incarnations"
+"""The key of an offset's incarnations ({"_incarnations": {stream: id}}; the cluster source's are
+{"stream/owner": id}): no stream's name (a stream's starts with a letter or digit)."""
 BlockTuple = tuple[str, int, int, int, int]
 """A BlockInfo as a plain tuple (stream, seq, first_offset, count, receiver): cheap to pickle."""
 SliceTuple = tuple[str, int, int, int, int, int, int]
@@ -215,7 +220,8 @@ SliceTuple = tuple[str, int, int, int, int, int, int]
 
 
 class DataLossError(RuntimeError):
-    """Blocks that a micro-batch must read are no longer in the store."""
+    """Blocks that a micro-batch must read are no longer in the store, or a stream's log was lost or
+    replaced under the query's checkpoint (the option failOnDataLoss, default true)."""
 
 
 class BlockPartition(InputPartition):
@@ -353,6 +359,8 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
     def __init__(self, options: Mapping[str, str]) -> None:
         self.root = _required(options, OPTION_PATH)
         self._read_planning_options(options)
+        self.starting_incarnations = incarnations_of(json_option(options.get(OPTION_STARTING_OFFSETS) or ""))
+        self.fail_on_data_loss = parse_fail_on_data_loss(options)
         self._store: WalBlockStore | None = None
         self._available_now_target: Offset | None = None
 
@@ -372,7 +380,7 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
 
     # ---- offsets (driver-side worker) ---------------------------------------------------------
 
-    def initialOffset(self) -> Offset:
+    def initialOffset(self) -> dict[str, Any]:
         # records below the first block present were released (processed by an earlier query) or
         # never existed; 0 when the stream is empty, and partitions() tolerates the missing prefix then
         offsets = dict(self.starting_offsets)
@@ -380,21 +388,87 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
             if stream not in offsets:
                 present = self.store.blocks(stream)
                 offsets[stream] = present[0].first_offset if present else 0
-        return _sorted(offsets)
+        # the logs' incarnations; the starting offsets' own ones (a swap's), which the first plan checks
+        held = {s: i for s in offsets if (i := self.store.incarnation(s))}
+        return with_incarnations(offsets, {**held, **self.starting_incarnations})
 
     def getDefaultReadLimit(self) -> ReadLimit:
         if self.max_records_per_batch is None:
             return ReadAllAvailable()
         return ReadMaxRows(self.max_records_per_batch)
 
-    def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:
+    def latestOffset(self, start: Mapping[str, Any], limit: ReadLimit) -> dict[str, Any]:
         phase = time.time() % self.trigger_seconds if self.trigger_seconds > 0 else 0.0
         live = self._live_cap()  # first: it may wait for the last batch's metrics
+        offered, known = plain_offset(start), incarnations_of(start)
         if self._held():
-            return _sorted(start)  # no new data: the batch that runs now is the query's last
-        available = {s: self._available_end(s, start.get(s, 0)) for s in self._current_streams()}
+            # no new data: the batch that runs now is the query's last
+            return with_incarnations(offered, known)
+        current = self._current_streams()
+        held = {s: self.store.incarnation(s) for s in current}
+        lost = self._check_lost(offered, known, held)
+        # a stream whose log was replaced (failOnDataLoss=false) starts at the new log's first record
+        begun = {**offered, **{s: self._floor(s) for s in lost}}
+        available = {s: self._available_end(s, begun.get(s, 0)) for s in current}
         # a stream not read now keeps its offset, frozen: added back, it resumes there
-        return _sorted({**start, **self._plan(start, available, limit, live, phase)})
+        end = _sorted({**begun, **self._plan(begun, available, limit, live, phase)})
+        # a log's incarnation joins the offset with a batch that differs anyway (one read from it, or
+        # a replaced log's): an offset from before incarnations makes no empty batch to get them
+        joined = {
+            s: i for s, i in held.items() if i and (s in lost or s in known or end[s] != offered.get(s))
+        }
+        return with_incarnations(end, {**{s: i for s, i in known.items() if s not in lost}, **joined})
+
+    def _check_lost(self, offered: Offset, known: Mapping[str, str], held: Mapping[str, str]) -> set[str]:
+        """The streams of `held` ({stream: its log's incarnation now}) whose log was lost or replaced
+        under the offset the query read (`offered`, of the logs `known`): DataLossError naming them, or
+        with failOnDataLoss=false a warning (they start again at the new log's first record). Lost: the
+        incarnation is another than the offset's (read past 0), or the log ends below the offset."""
+        lost: dict[str, str] = {}
+        for stream, new in sorted(held.items()):
+            offset, old = offered.get(stream, 0), known.get(stream, "")
+            log_end = self._log_end(stream)
+            if old and new and old != new:
+                if offset == 0:
+                    continue  # nothing read of the old log: the new one is read from its start
+                lost[stream] = (
+                    f"the log of stream {stream!r} ({self.root}/{stream}) is now incarnation {new} (it "
+                    f"ends at offset {log_end}), and the query read incarnation {old} up to offset {offset}"
+                )
+            elif log_end < offset:
+                lost[stream] = (
+                    f"the log of stream {stream!r} ({self.root}/{stream}, incarnation {new or 'unknown'}) "
+                    f"ends at offset {log_end}, and the query's offset is {offset} (of incarnation "
+                    f"{old or 'unknown'}: its checkpoint's, or startingOffsets)"
+                )
+        if lost:
+            self._lost("; ".join(lost.values()), "it reads the new log from its start")
+        return set(lost)
+
+    def _lost(self, what: str, instead: str) -> None:
+        """A stream's log was lost under the checkpoint (`what`): DataLossError, or with
+        failOnDataLoss=false a WARNING saying what the query does `instead`."""
+        if self.fail_on_data_loss:
+            raise DataLossError(
+                f"sluice source: data loss: {what}. That log was lost or replaced (its data dir, or the "
+                "stream's folder in it, started afresh while the query's checkpoint survived, e.g. a "
+                "pipeline's own checkpointLocation outside the data dir): records of the old log the "
+                "query had not read are not in it, and offsets the query read are given again to other "
+                "records, which it would skip. Set the source option failOnDataLoss=false (`sluice "
+                "serve --no-fail-on-data-loss`) to read the new log from its start instead, or start "
+                "the query on a new checkpoint"
+            )
+        log.warning("sluice source: data loss: %s. failOnDataLoss=false: %s", what, instead)
+
+    def _floor(self, stream: str) -> int:
+        """The offset of the first record of `stream` still in its log (0 for an empty new log)."""
+        present = self.store.blocks(stream)
+        return present[0].first_offset if present else self.store.released_offset(stream)
+
+    def _log_end(self, stream: str) -> int:
+        """The offset after the last record the log of `stream` ever held (released ones included)."""
+        present = self.store.blocks(stream)
+        return max(self.store.released_offset(stream), present[-1].end_offset if present else 0)
 
     def reportLatestOffset(self) -> Offset:
         # what is there now: Spark reports it as the source's latestOffset, so latest - end is the
@@ -410,10 +484,23 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
         # Trigger.AvailableNow: read what is there now, in as many batches as the read limit needs
         self._available_now_target = self.reportLatestOffset()
 
-    def partitions(self, start: Offset, end: Offset) -> Sequence[BlockPartition]:
+    def partitions(self, start: Mapping[str, Any], end: Mapping[str, Any]) -> Sequence[BlockPartition]:
+        begun, ends = plain_offset(start), plain_offset(end)
+        was, now = incarnations_of(start), incarnations_of(end)
         slices: list[SliceTuple] = []
-        for stream in sorted(end):
-            lo, hi = start.get(stream, 0), end[stream]
+        for stream in sorted(ends):
+            lo, hi = begun.get(stream, 0), ends[stream]
+            held = self.store.incarnation(stream) if hi > lo or now.get(stream) else ""
+            if now.get(stream) and held and held != now[stream]:
+                # a batch planned on a log lost since (a restarted query's unfinished batch)
+                self._lost(
+                    f"the log of stream {stream!r} ({self.root}/{stream}) is now incarnation {held}, and "
+                    f"the batch planned records {lo}..{hi - 1} of incarnation {now[stream]}",
+                    f"this batch reads nothing of stream {stream!r}, the next one the new log from its start",
+                )
+                continue
+            if was.get(stream) and now.get(stream) and was[stream] != now[stream]:
+                lo = min(self._floor(stream), hi)  # a replaced log (failOnDataLoss=false): from its start
             if hi <= lo:
                 continue
             blocks = [b for b in self.store.blocks(stream) if b.end_offset > lo and b.first_offset < hi]
@@ -436,10 +523,12 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
             for part in _balanced(slices, self.min_partitions, self.min_partition_records)
         ]
 
-    def commit(self, end: Offset) -> None:
+    def commit(self, end: Mapping[str, Any]) -> None:
         # Spark has durably recorded every batch up to `end`: the blocks wholly below it are done (the
-        # driver has usually released them already, on the batch's progress event: then this is a no-op)
-        release_below(self.store, list(end), end)
+        # driver has usually released them already, on the batch's progress event: then this is a no-op);
+        # of a log of another incarnation than the offset's, nothing
+        plain = plain_offset(end)
+        release_below(self.store, list(plain), plain, incarnations_of(end))
 
     # ---- reading (executor-side worker) -------------------------------------------------------
 
@@ -541,11 +630,49 @@ def json_option(value: str) -> object:
         return None
 
 
+def incarnations_of(offset: object) -> dict[str, str]:
+    """The incarnations an offset names under INCARNATIONS ({} for one without: from before they were
+    kept, or of a store whose logs have none)."""
+    table = offset.get(INCARNATIONS) if isinstance(offset, dict) else None
+    if not isinstance(table, dict):
+        return {}
+    return {k: v for k, v in table.items() if isinstance(k, str) and isinstance(v, str) and v}
+
+
+def plain_offset(offset: Mapping[str, Any]) -> Offset:
+    """The single-node source's offset without its incarnations: {stream: record offset}."""
+    return {k: v for k, v in offset.items() if k != INCARNATIONS}
+
+
+def with_incarnations(offset: Mapping[str, int], incarnations: Mapping[str, str]) -> dict[str, Any]:
+    """`offset` ({stream: record offset}) sorted, and the incarnations of its streams' logs (the known
+    ones) under INCARNATIONS, last, sorted: Spark compares offsets by their JSON text."""
+    out: dict[str, Any] = dict(_sorted(offset))
+    known = {s: incarnations[s] for s in sorted(incarnations) if s in offset and incarnations[s]}
+    if known:
+        out[INCARNATIONS] = known
+    return out
+
+
+def parse_fail_on_data_loss(options: Mapping[str, str]) -> bool:
+    """The failOnDataLoss option: "true" (the default) or "false"."""
+    value = options.get(OPTION_FAIL_ON_DATA_LOSS)
+    text = (value or "true").strip().lower()
+    if text not in {"true", "false"}:
+        raise ValueError(
+            f"sluice source: option {OPTION_FAIL_ON_DATA_LOSS!r} must be true or false, got {value!r}"
+        )
+    return text == "true"
+
+
 def parse_starting_offsets(value: str | None) -> Offset:
-    """The startingOffsets option: JSON {stream: record offset >= 0}; {} when absent."""
+    """The startingOffsets option: JSON {stream: record offset >= 0}, maybe with the incarnations of
+    those streams' logs under INCARNATIONS (incarnations_of); {} when absent."""
     if not value:
         return {}
     parsed = json_option(value)
+    if isinstance(parsed, dict):
+        parsed = plain_offset(parsed)
     if not isinstance(parsed, dict) or not all(
         isinstance(k, str) and type(v) is int and v >= 0 for k, v in parsed.items()
     ):
