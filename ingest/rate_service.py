@@ -198,13 +198,15 @@ class RateControlService(pb_grpc.RateControlServicer):
         settings: ChangeSettings | None = None,
         pin: Callable[[float | None], None] | None = None,
         driver_sets_rate: bool = False,
+        mismatches: Callable[[], Mapping[int, str]] | None = None,
     ) -> None:
         """`pin`: keep the pinned rate (None: none) across restarts (RuntimeConfig.pin; OSError: not
         kept, nothing changed); None where a pin is not kept (a cluster's receiver nodes, whose share
         the driver pins). `driver_sets_rate` (a cluster's receiver node): the rate, its bounds and
         estimator change only by the driver's calls (they name it: DRIVER_HEADER); an operator's are
         refused FAILED_PRECONDITION naming the driver's RateControl (the driver pinned this node's
-        share back over them within a quarter of a second)."""
+        share back over them within a quarter of a second). `mismatches` (a cluster's receiver node):
+        its peers configured otherwise (ConfigMismatches.peers), shown in the status."""
         self._controller = controller
         self._driver_sets_rate = driver_sets_rate
         self.driver_target: str | None = None
@@ -217,6 +219,7 @@ class RateControlService(pb_grpc.RateControlServicer):
         self._nodes = nodes  # on a cluster's driver: the rate's split among receiver nodes (NodeRates)
         self._pipeline = pipeline
         """The streams the query reads now and whether batches are held back (a swap stops the query)."""
+        self._mismatches = mismatches
 
     def _status(self) -> pb.RateStatus:
         status = rate_status(self._controller, self._nodes() if self._nodes is not None else ())
@@ -227,6 +230,8 @@ class RateControlService(pb_grpc.RateControlServicer):
         # full intake from the first record, but no batch larger than the receivers' memory bound
         # until the estimator has measured one (an operator's "fixed" inf is unbounded on purpose)
         status.unmeasured_batch_records = self._controller.unmeasured_batch_records()
+        if self._mismatches is not None:
+            status.config_mismatches.extend(words for _, words in sorted(self._mismatches().items()))
         return status
 
     def _note_driver(self, context: Context) -> bool:

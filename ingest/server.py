@@ -173,6 +173,12 @@ class SluiceServer:
                 "target": self.target,
                 "transport": self.transport,
                 "batches_completed": self._batches_completed(),
+                # a cluster's receiver node: its peers configured otherwise ([] when none)
+                "config_mismatches": (
+                    [w for _, w in sorted(self.node.mismatches.peers().items())]
+                    if self.node is not None
+                    else []
+                ),
             },
         )
         """The status page's numbers and their history (/status, /status.json beside /metrics)."""
@@ -452,6 +458,7 @@ class SluiceServer:
             pin=self.runtime.pin if self.node is None else None,
             # and sets it: an operator's change would be set back within a quarter of a second
             driver_sets_rate=self.node is not None,
+            mismatches=self.node.mismatches.peers if self.node is not None else None,
         )
         add_parsed_servicer(server, rate, "RateControl", authenticator=self.auth)
         self._rate_service = rate

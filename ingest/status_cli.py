@@ -172,6 +172,7 @@ async def read_grpc(
             for s in sessions.sessions
         ],
         "pipeline": pipeline,
+        "config_mismatches": list(rate.config_mismatches),
         "nodes": [
             {
                 "node": n.node_id,
@@ -559,7 +560,14 @@ def render(data: Json, target: str, *, error: str | None = None) -> RenderableTy
     health = data.get("health")
     if health:
         title.append(f"  {health}", "green" if health == "SERVING" else "bold red")
-    parts: list[RenderableType] = [title, _summary(data), _pipeline(data)]
+    parts: list[RenderableType] = [title]
+    # a cluster's receiver node configured otherwise than its peers: first, plainly (none: nothing)
+    mismatches = data.get("config_mismatches") or []
+    if mismatches:
+        peers = f"{len(mismatches)} peer{'s' if len(mismatches) > 1 else ''}"
+        parts.append(Text(f"config mismatch with {peers} (replication refused):", style="bold red"))
+        parts.extend(Text(f"  {words}", style="red") for words in mismatches)
+    parts += [_summary(data), _pipeline(data)]
     if data.get("nodes"):  # a cluster's driver: its streams and sessions are the nodes' (their status)
         parts.append(_nodes(data))
     else:

@@ -368,3 +368,47 @@ async def test_live_status_to_a_pipe_prints_a_frame_every_second(tmp_path: Path)
     assert len(titles) >= 3, text.decode()  # about 5 frames in 4.5 s; at least 3 on a slow machine
     assert max(b - a for a, b in itertools.pairwise(titles)) < 3.0, titles
     assert text.count(b"\nstream ") >= len(titles), text.decode()  # each frame whole, its streams table
+
+
+async def test_status_shows_a_cluster_nodes_config_mismatch_with_its_peers(tmp_path: Path) -> None:
+    """A receiver node configured otherwise than its peers (another replication, node list) refuses or
+    is refused replication: it logged an ERROR and counted sluice_cluster_config_mismatch_peers, but
+    `sluice status` showed the node as fine. It now says it first, naming both configurations, over
+    gRPC and from /status.json; and nothing of it while the nodes agree."""
+    import dataclasses
+
+    from rich.console import Console
+    from support import loopback_cluster, wait_until
+    from test_replication import nodes
+
+    from ingest.status_cli import render
+
+    agreed = loopback_cluster(2, replication=2)
+    async with nodes(tmp_path / "agreed", agreed) as servers:
+        await wait_until(lambda: servers[0].node is not None and bool(servers[0].node.replicator.status()))
+        shown = await status("--target", agreed[0].me.target, token=None)
+        assert shown.returncode == 0, shown.stderr
+        assert "SERVING" in shown.stdout and "mismatch" not in shown.stdout, shown.stdout
+        assert servers[0].status.snapshot()["config_mismatches"] == []
+
+    clusters = loopback_cluster(2, replication=2)
+    clusters[1] = dataclasses.replace(clusters[1], replication=1)
+    async with nodes(tmp_path / "mismatched", clusters) as servers:
+        node0, node1 = servers[0].node, servers[1].node
+        assert node0 is not None and node1 is not None
+        await wait_until(lambda: bool(node0.mismatches.peers() and node1.mismatches.peers()), timeout=20)
+        for me, server in servers.items():
+            shown = await status("--target", clusters[me].me.target, token=None)
+            assert shown.returncode == 0, shown.stderr
+            lines = shown.stdout.splitlines()
+            assert "config mismatch with 1 peer (replication refused):" in lines[1], shown.stdout
+            words = (
+                "node 0 has 2 nodes and replication 2" if me == 1 else "node 1 has 2 nodes and replication 1"
+            )
+            assert words in shown.stdout, shown.stdout
+            assert "give every node the same node list (--nodes) and --replication" in shown.stdout
+            page = server.status.snapshot()  # /status.json
+            assert len(page["config_mismatches"]) == 1 and words in page["config_mismatches"][0]
+            console = Console(width=200, record=True)
+            console.print(render(page, "node"))
+            assert "config mismatch with 1 peer" in console.export_text()

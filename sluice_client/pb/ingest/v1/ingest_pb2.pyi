@@ -1377,6 +1377,7 @@ class RateStatus(_message.Message):
     HOLD_BATCHES_FIELD_NUMBER: _builtins.int
     UNMEASURED_BATCH_RECORDS_FIELD_NUMBER: _builtins.int
     DRAIN_BATCH_RECORDS_FIELD_NUMBER: _builtins.int
+    CONFIG_MISMATCHES_FIELD_NUMBER: _builtins.int
     records_per_second: _builtins.float
     """The ingest rate over all streams, records per second; +Inf means unlimited."""
     min_rate: _builtins.float
@@ -1421,6 +1422,13 @@ class RateStatus(_message.Message):
         Sluice source follows this set at every batch it plans, so streams come and go without a restart.
         """
 
+    @_builtins.property
+    def config_mismatches(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """On a cluster's receiver node: each peer whose node list (its length) or replication differs from
+        this node's, as Replicate hellos refused by or to it showed in the last 30 s, in words naming both
+        (what the ERROR log says; sluice_cluster_config_mismatch_peers counts them). Empty: none.
+        """
+
     def __init__(
         self,
         *,
@@ -1438,10 +1446,11 @@ class RateStatus(_message.Message):
         hold_batches: _builtins.bool = ...,
         unmeasured_batch_records: _builtins.int = ...,
         drain_batch_records: _builtins.int = ...,
+        config_mismatches: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_batch", b"last_batch"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "drain_batch_records", b"drain_batch_records", "estimator", b"estimator", "estimator_state", b"estimator_state", "hold_batches", b"hold_batches", "last_batch", b"last_batch", "max_rate", b"max_rate", "min_rate", b"min_rate", "nodes", b"nodes", "pinned", b"pinned", "pipeline_streams", b"pipeline_streams", "records_per_second", b"records_per_second", "streams", b"streams", "unmeasured_batch_records", b"unmeasured_batch_records"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "config_mismatches", b"config_mismatches", "drain_batch_records", b"drain_batch_records", "estimator", b"estimator", "estimator_state", b"estimator_state", "hold_batches", b"hold_batches", "last_batch", b"last_batch", "max_rate", b"max_rate", "min_rate", b"min_rate", "nodes", b"nodes", "pinned", b"pinned", "pipeline_streams", b"pipeline_streams", "records_per_second", b"records_per_second", "streams", b"streams", "unmeasured_batch_records", b"unmeasured_batch_records"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
