@@ -1395,7 +1395,7 @@ def _outside_origins(args: argparse.Namespace) -> dict[str, str]:
     }
 
 
-async def _serve_async(  # noqa: PLR0912, PLR0915 - one lifecycle
+async def _serve_async(  # noqa: PLR0911, PLR0912, PLR0915 - one lifecycle
     config: ServeConfig,
     lock: DataDirLock,
     spark_log_level: str = SPARK_QUIET,
@@ -1407,8 +1407,7 @@ async def _serve_async(  # noqa: PLR0912, PLR0915 - one lifecycle
     loop = asyncio.get_running_loop()
     # first: a signal during the imports below reached asyncio.run's own SIGINT handler, which cancelled
     # this task half-way into gRPC's start (a CancelledError and an InvalidStateError traceback)
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    signals = _take_stop_signals(loop, stop, lock)
     from ingest.server import SluiceServer  # noqa: PLC0415
 
     driver = None
@@ -1425,20 +1424,25 @@ async def _serve_async(  # noqa: PLR0912, PLR0915 - one lifecycle
     loop.add_signal_handler(signal.SIGHUP, reload)
     if config.spark:
         from ingest.spark.session import build_session  # noqa: PLC0415
+        from ingest.spark.starting import start_session, stopped_starting  # noqa: PLC0415
 
         # launch Spark's JVM (a fork + exec of this process) before gRPC runs any thread: a fork while
-        # gRPC's pollers run can break both the child and the server's event engine
+        # gRPC's pollers run can break both the child and the server's event engine. A minute or two on
+        # a slow machine: a stop signal meanwhile ends it (start_session)
         try:
-            spark = await asyncio.to_thread(
+            spark = await start_session(
                 functools.partial(
                     build_session,
                     config.master,
                     log_level=spark_log_level,
                     log_json=logs.log_format() == logs.JSON,
-                )
+                ),
+                stop,
             )
         except Exception as exc:  # noqa: BLE001 - py4j and PySpark raise many kinds; the JVM said why above
             return _fail(f"cannot start Spark on {config.master}: {exc}")
+        if spark is None:
+            return stopped_starting(signals, "before the server was up")
     try:
         server = SluiceServer(
             config,
@@ -1474,10 +1478,28 @@ async def _serve_async(  # noqa: PLR0912, PLR0915 - one lifecycle
     manager = None
     try:
         if spark is not None:
+            from ingest.spark.starting import (  # noqa: PLC0415
+                exit_quietly,
+                stop_spark,
+                stopped_first,
+                stopped_starting,
+            )
             from ingest.spark_side import attach_spark  # noqa: PLC0415
 
+            # the query's start and warm-up: seconds, tens of them on a slow machine; a stop signal
+            # meanwhile ends them (the server stops first: what it acked is in the block log already)
+            attach = asyncio.ensure_future(attach_spark(spark, server, warm=True, preloaded=preloaded))
+            if await stopped_first(attach, stop):
+                attach.cancel()
+                await server.stop()
+                stopped = await stop_spark(spark)
+                spark = None  # stopped, or left behind
+                code = stopped_starting(signals, "before the Spark query was up", spark_stopped=stopped)
+                if not stopped:  # asyncio.run would wait for the query's start threads: not beyond the bound
+                    exit_quietly(code, lock)
+                return code
             try:
-                driver, manager = await attach_spark(spark, server, warm=True, preloaded=preloaded)
+                driver, manager = attach.result()
             except PipelineStateError as exc:
                 await server.stop()
                 return _fail(f"cannot start the Spark query: {exc}")
@@ -1513,6 +1535,27 @@ async def _serve_async(  # noqa: PLR0912, PLR0915 - one lifecycle
             await asyncio.to_thread(spark.stop)
     logs.say("stopped", event="stopped")
     return 0
+
+
+def _take_stop_signals(
+    loop: asyncio.AbstractEventLoop, stop: asyncio.Event, lock: DataDirLock | None
+) -> list[int]:
+    """SIGINT and SIGTERM set `stop`: the server stops cleanly, or its start ends (stopped_starting).
+    A second one while that stop is under way ends the process at once (exit_now). The signals
+    that came, in order."""
+    from ingest.spark.starting import exit_now  # noqa: PLC0415 - no Spark in it: only serve needs it
+
+    came: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        if came:
+            exit_now(signum, lock)
+        came.append(signum)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    return came
 
 
 def _dev_certs(args: argparse.Namespace) -> int:

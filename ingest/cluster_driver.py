@@ -72,6 +72,14 @@ from ingest.spark.source import (
     OPTION_RATE_TOKEN_FILE,
     OPTION_RECEIVERS,
 )
+from ingest.spark.starting import (
+    exit_now,
+    exit_quietly,
+    start_session,
+    stop_spark,
+    stopped_first,
+    stopped_starting,
+)
 from ingest.tls import ServerTls, load_tls
 from receivers.auth import Authenticator, AuthTable
 from receivers.parsed_service import add_parsed_servicer
@@ -578,9 +586,18 @@ async def run_driver(
         return 2
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
+    signals: list[int] = []  # the stop signals that came, in order
+    held: list[DataDirLock] = []
+
+    def on_signal(signum: int) -> None:
+        if signals:  # a second one while the first's stop is under way: now
+            exit_now(signum, held[0] if held else None, "the driver")
+        signals.append(signum)
+        stop.set()
+
     with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread: `stop` only
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
         # `sluice serve` ignores SIGHUP while it starts; a receiver reloads its files on it, the driver
         # does not: said, rather than ignored without a word
         loop.add_signal_handler(
@@ -605,8 +622,9 @@ async def run_driver(
         driver.blocks.close()
         say(f"cannot start the driver: {exc}", level=logging.ERROR)
         return 1
+    held.append(lock)
     try:
-        return await _run(driver, stop, session)
+        return await _run(driver, stop, session, signals)
     finally:
         lock.release()
 
@@ -644,14 +662,30 @@ def prepare_driver(config: DriverConfig) -> DataDirLock:
     )
 
 
-async def _run(driver: ClusterDriver, stop: asyncio.Event, session: Callable[[], Any]) -> int:
-    """run_driver's lifecycle, once the data dir is locked: Spark (`session()`), the driver, the wait."""
+async def _run(  # noqa: PLR0911 - one return per way the start ends
+    driver: ClusterDriver, stop: asyncio.Event, session: Callable[[], Any], signals: Sequence[int] = ()
+) -> int:
+    """run_driver's lifecycle, once the data dir is locked: Spark (`session()`), the driver, the wait.
+    A stop (a signal: `signals`) while Spark or the query starts ends the start (stopped_starting)."""
     config = driver.config
-    # Spark's JVM first: a fork while gRPC's threads run can break both (see ingest.cli)
-    spark = await asyncio.to_thread(session)
+    # Spark's JVM first: a fork while gRPC's threads run can break both (see ingest.cli); a minute or
+    # two on a slow machine, which a stop signal ends
+    spark = await start_session(session, stop)
+    if spark is None:
+        driver.blocks.close()
+        return stopped_starting(signals, "before the driver was up")
+    spark_stopped = False
     try:
+        starting = asyncio.ensure_future(driver.start(spark))
+        if await stopped_first(starting, stop):  # the query's start: seconds, more on a slow machine
+            starting.cancel()
+            spark_stopped = True
+            if not await stop_spark(spark):
+                # driver.stop and asyncio.run would wait for the query's start threads: not past the bound
+                exit_quietly(stopped_starting(signals, "before the driver was up", spark_stopped=False), None)
+            return stopped_starting(signals, "before the driver was up")
         try:
-            await driver.start(spark)
+            starting.result()
         except PipelineStateError as exc:  # pipeline.json, or the pipeline in force does not load
             say(f"cannot start the Spark query: {exc}", level=logging.ERROR)
             return 1
@@ -693,4 +727,5 @@ async def _run(driver: ClusterDriver, stop: asyncio.Event, session: Callable[[],
         return 0
     finally:
         await driver.stop()
-        await asyncio.to_thread(spark.stop)
+        if not spark_stopped:
+            await asyncio.to_thread(spark.stop)

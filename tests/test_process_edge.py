@@ -919,3 +919,74 @@ def test_a_signal_while_the_cli_is_imported_ends_as_once_it_runs(tmp_path: Path,
                 assert ended in ((130, "sluice: interrupted"), (0, "sluice: stopped")), seen
             else:
                 assert code == 0 and said.splitlines()[-1].startswith("sluice: stopped"), seen
+
+
+def jvm_child(proc: subprocess.Popen[bytes]) -> bool:
+    """Whether `proc` has started Spark's JVM (a java child): its Spark start is under way."""
+    with contextlib.suppress(OSError):
+        for child in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split():
+            with contextlib.suppress(OSError):
+                if b"java" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    return True
+    return False
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(300)
+def test_a_stop_signal_while_spark_starts_ends_the_start_promptly(tmp_path: Path) -> None:
+    """Ctrl-C (twice, as a user does) or SIGTERM while Spark's JVM starts: nothing looked at the stop
+    until Spark, the server and the query had all started (a minute or two on a slow machine), then it
+    served for a moment and exited 0. Now the start ends within seconds: Ctrl-C exit 130, SIGTERM exit 0
+    with its "before ... was up" line, no server, the data dir free; for `sluice serve` and a cluster's
+    driver alike."""
+    nodes = tmp_path / "nodes"
+    nodes.write_text(f"0 127.0.0.1:{free_port()}\n")
+    cases = {
+        "serve": (
+            ["serve", "--port", "0", "--metrics-port", "-1", "--master", "local[1]"],
+            (signal.SIGINT, signal.SIGINT),
+        ),
+        "driver": (
+            ["serve", "--role", "driver", "--nodes", str(nodes), "--port", "0", "--metrics-port", "-1"],
+            (signal.SIGTERM,),
+        ),
+    }
+    procs = {}
+    for name, (command, _) in cases.items():
+        log = tmp_path / f"{name}.log"
+        with log.open("wb") as out:
+            procs[name] = subprocess.Popen(
+                [*SLUICE, *command, "--data-dir", str(tmp_path / name)],
+                stderr=out,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,
+            )
+    try:
+        for name, (_, signals) in cases.items():
+            proc, log = procs[name], tmp_path / f"{name}.log"
+            deadline = time.monotonic() + 60
+            while not jvm_child(proc):
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.05)
+            time.sleep(1)  # into the JVM's start
+            started = time.monotonic()
+            for sig in signals:
+                proc.send_signal(sig)
+                time.sleep(0.2)
+            code = proc.wait(timeout=240)
+            took = time.monotonic() - started
+            said = log.read_text(errors="replace")
+            assert "Traceback" not in said and "serving" not in said and "query running" not in said, said
+            if name == "serve":  # the first Ctrl-C's stop, or the second's exit at once: 130 either way
+                assert code == 130, (code, said)
+                assert re.search(r"sluice: (interrupted before the server was up|second SIGINT)", said), said
+            else:
+                assert code == 0, (code, said)
+                assert said.splitlines()[-1] == "sluice: stopped (SIGTERM) before the driver was up", said
+            assert took < 30, (name, took, said)  # Spark's and the query's start: a minute and more here
+            DataDirLock(tmp_path / name).release()  # free: the lock went with the process
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
