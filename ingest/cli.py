@@ -21,6 +21,7 @@ import functools
 import logging
 import math
 import os
+import re
 import shlex
 import signal
 import sys
@@ -36,12 +37,14 @@ from ingest.client_hints import connect_hint, refused
 from ingest.config import (
     DEFAULT_METRICS_PORT,
     DEFAULT_PORT,
+    DRIVER_SETTINGS,
     RateConfig,
     SecurityConfig,
     ServeConfig,
     TlsConfig,
     ascii_float,
     ascii_int,
+    format_estimator_params,
     parse_estimator_params,
 )
 from ingest.config_sources import (
@@ -1126,6 +1129,54 @@ def _refuse_unused(args: argparse.Namespace, role: str, unused: Callable[[str], 
         raise ConfigError(f"--role {role} does not use {named}: {why.format(them=them)}")
 
 
+def _refuse_driver_settings(args: argparse.Namespace) -> None:
+    """ConfigError naming the settings of the cluster's driver (DRIVER_SETTINGS: the rate's bounds,
+    estimator and its parameters, the trigger interval) given to `sluice serve --role receiver`, each as
+    the user wrote it and where (a flag, the environment, the config file), and the driver's command for
+    each. A node's own bounds clamped the share the driver pins it: `--max-rate 1000` on one node
+    silently capped the whole cluster."""
+    keys = _serve_keys()
+    given: dict[str, str] = {}
+    for name in DRIVER_SETTINGS:
+        origin = args.origins.get(keys[name].dest)
+        if origin is None or origin.source not in (FLAG, ENV, FILE):
+            continue
+        if origin.source == FLAG:
+            given[name] = f"the flag {origin.key.flag}"
+        elif origin.source == ENV:
+            given[name] = f"{origin.key.env} in the environment"
+        else:
+            given[name] = f"{origin.key.name} in the config file {origin.where}"
+    if not given:
+        return
+    there = "--target DRIVER_HOST:PORT"
+    word = re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", args.estimator or "", re.ASCII)  # not a caller's bytes
+    estimator = args.estimator if word else "NAME"
+    values = {
+        "min-rate": f"{args.min_rate:g}",
+        "max-rate": f"{args.max_rate:g}",
+        "estimator": estimator,
+        "estimator-params": format_estimator_params(args.estimator_params or {}) or "NAME=VALUE",
+        "trigger-interval": f"{args.trigger_interval:g}",
+    }
+    flags = [f"{keys[name].flag} {values[name]}" for name in DRIVER_SETTINGS if name in given]
+    running = []
+    if "min-rate" in given or "max-rate" in given:
+        low = values["min-rate"] if "min-rate" in given else "MIN"
+        high = values["max-rate"] if "max-rate" in given else "MAX"
+        running.append(f"`sluice rate bounds {low} {high} {there}`")
+    if "estimator" in given:
+        running.append(f"`sluice rate estimator {estimator} {there}`")
+    them = "them" if len(given) > 1 else "it"
+    later = f"; while it runs, {' and '.join(running)}" if running else ""
+    raise ConfigError(
+        f"--role receiver does not take {', '.join(given.values())}: the cluster's driver runs the rate "
+        "control and the query and pins each node's share of the cluster's rate, which a node's own "
+        f"bounds would clamp; remove {them} here and give {them} to the driver: at its start, `sluice "
+        f"serve --role driver {' '.join(flags)} ...`{later}"
+    )
+
+
 def _driver_config(args: argparse.Namespace) -> DriverConfig:
     """`sluice serve --role driver`'s DriverConfig; ValueError (ConfigError) for anything wrong."""
     from ingest.cluster_driver import DriverConfig, check_files  # noqa: PLC0415 - only the driver needs it
@@ -1247,6 +1298,7 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
             RECEIVER_IGNORES.__contains__,
             "the cluster's driver runs the Spark query (give {them} to `sluice serve --role driver`)",
         )
+        _refuse_driver_settings(args)
     receive_only = args.no_spark or args.role != "single"
     receiver = _checked(
         args,

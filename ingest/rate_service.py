@@ -11,7 +11,7 @@ from typing import Protocol
 
 import grpc
 
-from ingest.config import RateConfig, ServeConfig
+from ingest.config import DRIVER_SETTINGS, RateConfig, ServeConfig
 from ingest.rate_controller import RateController
 from ingest.runtime_config import NOT_SAVED, RuntimeConfig
 from ratecontrol import InvalidRateError, RateBounds, check_estimator
@@ -149,12 +149,6 @@ def _on_the_driver(target: str | None) -> tuple[str, str]:
     if target is not None:
         return f"at {target}", target
     return "(no driver has called this node since it started)", "DRIVER_HOST:PORT"
-
-
-DRIVER_SETTINGS = ("min-rate", "max-rate", "estimator", "estimator-params", "trigger-interval")
-"""The run-time settings (ingest.runtime_config) a cluster's receiver node does not run by: the driver
-pins its rate (so its bounds and estimator), runs the estimator and the query (its trigger interval).
-`sluice config set` of one on a node is refused (driver_settings_refusal); the node's others change."""
 
 
 def driver_settings_refusal(values: Mapping[str, str], target: str | None) -> str | None:

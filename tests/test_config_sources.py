@@ -466,8 +466,90 @@ def test_a_receiver_node_refuses_the_querys_settings(tmp_path: Path) -> None:
         refused_by_serve_and_check(
             [*node, *flags], env, f"--role receiver does not use {named}: the cluster's driver runs"
         )
-    result = check(*node, "--trigger-interval", "2")  # what a node takes passes
+    result = check(*node, "--block-interval", "0.5")  # what a node takes passes
     assert result.returncode == 0, result.stderr
+
+
+def test_a_receiver_node_refuses_the_drivers_rate_settings_at_its_start(tmp_path: Path) -> None:
+    """`serve --role receiver --max-rate 1000` started, and the node's bounds clamped the share the
+    driver pins it: one node silently capped the whole cluster (so did --min-rate, --estimator,
+    --estimator-params, --trigger-interval, which the driver runs by). `serve` and `config check` now
+    stop with exit 2 before anything starts, naming each as given (flag, environment, config file) and
+    the driver's command; a node given none of them starts, and a single server still takes them."""
+    from support import free_ports
+    from test_cli import wait_for_line
+
+    (port,) = free_ports(1)
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(f"0 127.0.0.1:{port}\n")
+    data = tmp_path / "d"
+    node = ["--role", "receiver", "--nodes", str(nodes), "--node-id", "0", "--port", str(port)]
+    node += ["--metrics-port", "-1", "--data-dir", str(data)]
+    config = tmp_path / "sluice.toml"
+    config.write_text('min-rate = 50\nestimator-params = "horizon=3"\n')
+    driver = "`sluice serve --role driver"
+    cases = [
+        (
+            ["--max-rate", "1000", "--estimator", "spark-pid"],
+            clean_env(),
+            [
+                "does not take the flag --max-rate, the flag --estimator: ",
+                "which a node's own bounds would clamp",
+                f"{driver} --max-rate 1000 --estimator spark-pid ...`",
+                "`sluice rate bounds MIN 1000 --target DRIVER_HOST:PORT`",
+                "`sluice rate estimator spark-pid --target DRIVER_HOST:PORT`",
+            ],
+        ),
+        (
+            ["--min-rate", "10", "--estimator-params", "horizon=3", "--trigger-interval", "2"],
+            clean_env(),
+            [
+                "the flag --min-rate, the flag --estimator-params, the flag --trigger-interval: ",
+                f"{driver} --min-rate 10 --estimator-params horizon=3 --trigger-interval 2 ...`",
+            ],
+        ),
+        (
+            [],
+            clean_env(SLUICE_MAX_RATE="1000"),
+            ["does not take SLUICE_MAX_RATE in the environment: ", f"{driver} --max-rate 1000 ...`"],
+        ),
+        (
+            ["--config", str(config)],
+            clean_env(),
+            [
+                f"min-rate in the config file {config}, estimator-params in the config file {config}: ",
+                "`sluice rate bounds 50 MAX --target DRIVER_HOST:PORT`",
+            ],
+        ),
+    ]
+    for flags, env, says in cases:
+        for command in (["config", "check"], ["serve"]):
+            argv = [*SLUICE, *command, *node, *flags]
+            result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
+            assert result.returncode == 2, (command, flags, result.stderr)
+            assert all(said in result.stderr for said in says), (command, says, result.stderr)
+            assert "Traceback" not in result.stderr
+    assert not data.exists()  # refused before anything started
+    result = check(*node)
+    assert result.returncode == 0, result.stderr
+    # a single server still takes every one of them, from each source
+    single = ["--no-spark", "--data-dir", str(tmp_path / "single")]
+    rates = ["--max-rate", "1000", "--estimator", "spark-pid", "--estimator-params", "proportional=0.5"]
+    result = check(*single, *rates, "--trigger-interval", "2", "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    shown = rows(result.stdout)
+    assert shown["max-rate"] == ("1000", "flag") and shown["min-rate"][0] == "50", result.stdout
+    result = check(*single, env=clean_env(SLUICE_MAX_RATE="1000", SLUICE_ESTIMATOR="model"))
+    assert result.returncode == 0, result.stderr
+    # a node given none of them starts and serves
+    log = tmp_path / "node.log"
+    with log.open("wb") as log_file:
+        serve = subprocess.Popen([*SLUICE, "serve", *node], stderr=log_file, env=clean_env())
+    try:
+        wait_for_line(serve, log, rf"on 127\.0\.0\.1:{port}", 60)
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=60) == 0, log.read_text()
 
 
 def test_a_driver_refuses_the_settings_it_would_run_without(tmp_path: Path) -> None:
