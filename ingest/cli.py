@@ -2208,6 +2208,13 @@ def _config_check(args: argparse.Namespace) -> int:
             # DATA_DIR/runtime-config.json, read (never written) and checked as the server will
             runtime = RuntimeConfig(config, announce=False)
             overrides, runtime_file = runtime.overrides, str(runtime.path)
+            if runtime.ignored:  # a receiver node's start takes them out of the file, with a WARNING
+                logs.say(
+                    f"{runtime.path} holds {', '.join(runtime.ignored)}, kept by an earlier version: a "
+                    "receiver node takes them from the driver; its start ignores them and removes them "
+                    "from the file",
+                    level=logging.WARNING,
+                )
         _spark_prerequisites(config)
         swapped = _swapped_pipeline(config)
     except ValueError as exc:

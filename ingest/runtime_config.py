@@ -19,9 +19,16 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ingest.config import ServeConfig, ascii_float, ascii_int, format_estimator_params, parse_estimator_params
+from ingest.config import (
+    DRIVER_SETTINGS,
+    ServeConfig,
+    ascii_float,
+    ascii_int,
+    format_estimator_params,
+    parse_estimator_params,
+)
 from ratecontrol import ESTIMATORS
-from receivers.errors import printable
+from receivers.errors import cut, printable
 from receivers.files import read_json, replace_json
 from receivers.sizes import parse_size
 
@@ -299,6 +306,10 @@ class RuntimeConfig:
         nothing given, are told apart with `defaults`)."""
         self.path = base.data_dir / FILE
         self.overrides: dict[str, str] = {}
+        self.ignored: dict[str, str] = {}
+        """On a cluster's receiver node: the driver's settings (DRIVER_SETTINGS) the file holds, kept by
+        an earlier version (before a node refused them), key -> value. Never in force: they clamped the
+        share the driver pins the node. clear_ignored() takes them out of the file."""
         self.pinned_rate: float | None = None
         """The rate `sluice rate set RATE --pin` pinned (records/s, clamped into the bounds), kept in the
         same file so that a restart pins it again; None: not pinned. Not a setting: no version."""
@@ -331,6 +342,9 @@ class RuntimeConfig:
             str(k): ((_empty_meant(str(k)) or "") if str(v).strip() == "" else str(v))
             for k, v in overrides.items()
         }
+        if self.base.cluster is not None:  # a receiver node: the driver's settings are not its own
+            self.ignored = {k: v for k, v in overrides.items() if k in DRIVER_SETTINGS}
+            overrides = {k: v for k, v in overrides.items() if k not in DRIVER_SETTINGS}
         try:
             self._build(overrides)
         except SettingError as exc:
@@ -346,6 +360,38 @@ class RuntimeConfig:
             was = SETTINGS[key].text(self.base) or "(none)"
             shown = printable(value)  # as SetConfig took it: "0.5\n" is a float, its newline no log line
             log.info("setting %s = %s (dynamic, %s; without it: %s)", key, shown, self.path, was)
+
+    def clear_ignored(self) -> None:
+        """Take the driver's settings an earlier version kept on this receiver node (self.ignored) out
+        of the file, with one WARNING naming each; nothing when there are none. The caller holds the
+        data dir's lock. A file that cannot be written: they stay there, ignored, and the WARNING says
+        so (OSError is not raised: the node runs without them either way)."""
+        if not self.ignored:
+            return
+        named = ", ".join(f"{key} = {printable(cut(value))}" for key, value in self.ignored.items())
+        why = (
+            f"{self.path} holds {named}, kept by an earlier version: a cluster's receiver node takes "
+            f"{'them' if len(self.ignored) > 1 else 'it'} from the driver, which pins the node's share "
+            "(a node's own bounds would clamp it)"
+        )
+        driver = (
+            "set the cluster's on the driver (sluice rate bounds|estimator --target DRIVER_HOST:PORT, its "
+            "--estimator-params and --trigger-interval at its start)"
+        )
+        with self._lock:
+            try:
+                self._persist(self.overrides, self.version, self.pinned_rate)
+            except OSError as exc:
+                log.warning(
+                    "%s; ignored, but still in the file (it cannot be written: %s): delete %s there; %s",
+                    why,
+                    exc,
+                    ", ".join(self.ignored),
+                    driver,
+                )
+                return
+        log.warning("%s; ignored, and removed from the file; %s", why, driver)
+        self.ignored = {}
 
     def _build(self, overrides: Mapping[str, str]) -> ServeConfig:
         parsed = {}

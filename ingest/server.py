@@ -103,6 +103,8 @@ class SluiceServer:
         try:
             # before anything reads or cuts the log: another node's data dir is refused (DataDirOwnerError)
             claim_data_dir(config.data_dir, config.cluster)
+            # a receiver node: the driver's settings an earlier version kept in runtime-config.json go
+            self.runtime.clear_ignored()
             make_dirs(config.blocks_dir)
             self.store = WalBlockStore(
                 config.blocks_dir, fsync=config.fsync, segment_bytes=config.wal_segment_bytes

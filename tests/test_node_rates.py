@@ -589,6 +589,73 @@ async def test_a_receiver_node_refuses_a_config_set_of_the_drivers_rate_settings
         assert shown.returncode == 0 and "min-rate" in shown.stdout, shown
 
 
+async def test_a_receiver_node_ignores_the_drivers_settings_an_earlier_version_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A receiver node's DATA_DIR/runtime-config.json may hold max-rate, min-rate, estimator (...) from
+    an earlier version, which took `sluice config set` of them on a node: they were applied at its
+    start without a word, and a kept max-rate clamped the share the driver pins it. The start now
+    ignores them, takes them out of the file with one WARNING naming each, and keeps the node's own
+    settings; `sluice config check` says so. A real node and the driver's real rate server on loopback."""
+    import json
+
+    from ingest.cluster_driver import ClusterDriver, DriverConfig
+
+    (cluster,) = loopback_cluster(1)
+    port = int(cluster.me.target.rsplit(":", 1)[1])
+    data = tmp_path / "node"
+    data.mkdir()
+    kept = {"max-rate": "1000", "min-rate": "500", "estimator": "model", "estimator-params": "horizon=3"}
+    runtime = data / "runtime-config.json"
+    runtime.write_text(json.dumps({"version": 3, "overrides": {**kept, "block-interval": "0.05"}}))
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(f"0 {cluster.me.target}\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    node_args = ["--role", "receiver", "--nodes", str(nodes), "--node-id", "0", "--port", str(port)]
+    check = await asyncio.to_thread(
+        subprocess.run,
+        [*SLUICE, "config", "check", *node_args, "--data-dir", str(data)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+    )
+    assert check.returncode == 0, check.stderr
+    said = f"{runtime} holds max-rate, min-rate, estimator, estimator-params, kept by an earlier version"
+    assert said in check.stderr, check.stderr
+    caplog.set_level(logging.WARNING, logger="ingest.runtime_config")
+    async with contextlib.AsyncExitStack() as stack:
+        node = await stack.enter_async_context(running_server(data, cluster=cluster, port=port))
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert len(warnings) == 1, warnings
+        for key, value in kept.items():
+            assert f"{key} = {value}" in warnings[0], warnings
+        assert "ignored, and removed from the file" in warnings[0], warnings
+        assert "sluice rate bounds|estimator --target DRIVER_HOST:PORT" in warnings[0], warnings
+        # the node's own setting stays in force and in the file; the driver's are gone from both
+        assert json.loads(runtime.read_text())["overrides"] == {"block-interval": "0.05"}
+        assert node.config.receiver.block_interval == 0.05 and node.runtime.overrides == {
+            "block-interval": "0.05"
+        }
+        assert (node.rate.bounds.min_rate, node.rate.bounds.max_rate) == (100.0, INF)
+        assert node.rate.estimator.name == "fixed"
+        # the share the driver pins is not clamped to the kept max-rate
+        driver = ClusterDriver(
+            DriverConfig(
+                nodes={0: node.target},
+                streams=("s",),
+                data_dir=tmp_path / "driver",
+                rate=RateConfig(estimator="fixed", initial_rate=3_000.0),
+            )
+        )
+        await driver.serve_rate()
+        stack.push_async_callback(driver.stop)
+        driver.node_rates.name_driver("d" * 32, driver.advertised_rate_target())
+        driver.node_rates.start()
+        await wait_until(lambda: node_rate(node) == pytest.approx(3_000), timeout=10)
+
+
 async def test_a_cluster_drivers_rate_bounds_and_estimator_are_kept_across_its_restart(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
