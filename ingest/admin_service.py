@@ -24,9 +24,9 @@ from ingest.pipeline_control import (
     SwapInProgress,
     SwapRolledBack,
 )
-from ingest.rate_service import driver_settings_refusal
+from ingest.rate_service import driver_settings_refusal, refuse_unsaved
 from ingest.runtime_config import (
-    NOT_SAVED,
+    THE_SETTINGS,
     RuntimeConfig,
     SettingError,
     SettingRow,
@@ -44,6 +44,17 @@ if TYPE_CHECKING:
     from ingest.server import SluiceServer
 
 log = logging.getLogger(__name__)
+
+STATES = "the stream states"
+"""What a stream change that fails to write streams.json could not save (refuse_unsaved)."""
+
+
+def _change_words(request: pb.SetConfigRequest) -> str:
+    """A SetConfig as one short escaped line: its keys set and reset (the values left out: any length)."""
+    words = [printable(cut(key)) for key in request.set]
+    words += [f"--reset {printable(cut(key))}" for key in dict.fromkeys(request.reset)]
+    return cut(" ".join(words))
+
 
 Context = grpc.aio.ServicerContext[object, object]
 NO_QUERY = "no Spark query runs on this node (started with --no-spark, or a cluster's receiver node)"
@@ -104,7 +115,7 @@ class AdminService(pb_grpc.AdminServicer):
                 return self._view(rows=self._runtime.preview(dict(request.set), list(request.reset)))
             await self._change_shielded(request, context.peer())
         except OSError as exc:  # the settings file (disk full, read-only): nothing changed
-            await context.abort(grpc.StatusCode.INTERNAL, f"{NOT_SAVED}: {exc}")
+            await refuse_unsaved(context, f"sluice config set {_change_words(request)}", THE_SETTINGS, exc)
             raise
         except UnknownSettingError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
@@ -238,7 +249,8 @@ class AdminService(pb_grpc.AdminServicer):
         except ValueError as exc:  # the name
             await self._refuse(context, "add", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OSError as exc:
-            await self._refuse(context, "add", grpc.StatusCode.INTERNAL, f"the stream states: {exc}")
+            self._count("add", "refused")
+            await refuse_unsaved(context, f"sluice streams add {printable(cut(request.stream))}", STATES, exc)
         self._count("add", "applied")
         log.info("stream %s added by %s", printable(request.stream), context.peer())  # a checked name
         return self._streams_view()
@@ -265,7 +277,9 @@ class AdminService(pb_grpc.AdminServicer):
         except StreamChangeRefused as exc:
             await self._refuse(context, "remove", grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except OSError as exc:
-            await self._refuse(context, "remove", grpc.StatusCode.INTERNAL, f"the stream states: {exc}")
+            self._count("remove", "refused")
+            change = f"sluice streams remove {printable(cut(request.stream))}"
+            await refuse_unsaved(context, change, STATES, exc)
         self._count("remove", "applied")
         backlog = "drain" if request.backlog == pb.RemoveStreamRequest.DRAIN else "keep"
         peer, reason = context.peer(), shown(request.reason)  # escaped: one log line whatever it holds

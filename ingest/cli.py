@@ -68,7 +68,7 @@ from ingest.pipeline_control import BOUNDARY_TIMEOUT, DEFAULT_FIRST_BATCH_TIMEOU
 from ingest.pipeline_state import STATE_FILE, PipelineStateError, in_force, read_state
 from ratecontrol import InvalidRateError, StreamPolicy, UnknownEstimatorError
 from receivers.auth import AuthFileError, new_token, token_hash
-from receivers.cluster import Cluster, ClusterConfigError, load_nodes
+from receivers.cluster import REFUSAL_HEADER, Cluster, ClusterConfigError, load_nodes
 from receivers.config import FsyncPolicy, ReceiverConfig
 from receivers.errors import printable, shown
 from receivers.principal import Limits
@@ -2700,6 +2700,14 @@ DROPPED = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grp
 """Statuses gRPC gives a call whose server went away under it ("Stream removed", "Socket closed")."""
 
 
+def _answered(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether the server itself ended the call with this status (a refusal marked REFUSAL_HEADER): then
+    the connection did not drop, whatever the code. A status gRPC makes up for a lost connection has no
+    trailing metadata; grpcio's debug_error_string no longer tells "received from peer" apart."""
+    entries: Any = exc.trailing_metadata() or ()  # (key, value) pairs; grpc's stubs type them opaquely
+    return any(key == REFUSAL_HEADER for key, _ in entries)
+
+
 def _unary(
     args: argparse.Namespace,
     what: str,
@@ -2743,7 +2751,7 @@ def _unary(
                 message = f"{what} on {target}: {exc.code().name}: {printable(details)}"
                 up = any(connected)
                 message += connect_hint(exc.code(), details, secure=credentials.secure, connected=up)
-                if up and dropped and exc.code() in DROPPED:
+                if up and dropped and exc.code() in DROPPED and not _answered(exc):
                     message += f"; the connection dropped after the call went out{dropped}"
                 raise _Failed(_fail(message, code)) from None
             except TimeoutError:

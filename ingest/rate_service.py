@@ -4,6 +4,7 @@ estimator uses. Invalid values get INVALID_ARGUMENT with the reason and change n
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -13,9 +14,9 @@ import grpc
 
 from ingest.config import DRIVER_SETTINGS, RateConfig, ServeConfig
 from ingest.rate_controller import RateController
-from ingest.runtime_config import NOT_SAVED, RuntimeConfig
+from ingest.runtime_config import THE_SETTINGS, RuntimeConfig
 from ratecontrol import InvalidRateError, RateBounds, check_estimator
-from receivers.cluster import DRIVER_HEADER, DRIVER_RATE_HEADER
+from receivers.cluster import DRIVER_HEADER, DRIVER_RATE_HEADER, NOT_SAVED, REFUSAL_HEADER
 from receivers.receiver import Receiver
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -23,6 +24,24 @@ from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 Context = grpc.aio.ServicerContext[object, object]
+
+DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""A write refused for want of space (a full disk, a quota): RESOURCE_EXHAUSTED, not a server bug."""
+
+
+async def refuse_unsaved(context: Context, change: str, what: str, exc: OSError) -> None:
+    """Abort a change whose state file (`what`: "the settings", "the stream states") could not be
+    written: nothing changed. RESOURCE_EXHAUSTED for a full disk or quota (space freed, the same change
+    goes through), INTERNAL for any other OSError (a read-only or broken data dir: the server's side
+    to fix). One WARNING line naming the change and why; the caller's status says the same."""
+    full = exc.errno in DISK_FULL
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.INTERNAL
+    why = f"nothing changed: {what} could not be saved in the data dir: {exc}"
+    if full:
+        why += " (free space in the data dir, then make the change again)"
+    log.warning("%s from %s refused: %s", change, context.peer(), why)
+    context.set_trailing_metadata(((REFUSAL_HEADER, NOT_SAVED),))  # the CLI: no dropped connection
+    await context.abort(code, why)
 
 
 def rate_status(controller: RateController, nodes: Sequence[pb.NodeRate] = ()) -> pb.RateStatus:
@@ -296,7 +315,8 @@ class RateControlService(pb_grpc.RateControlServicer):
         except InvalidRateError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OSError as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, f"{NOT_SAVED}: {exc}")
+            change = f"sluice rate set {request.records_per_second:g}{pin}"
+            await refuse_unsaved(context, change, THE_SETTINGS, exc)
         log.info(
             "rate %g -> %g records/s%s, set by %s",
             was,
@@ -318,7 +338,7 @@ class RateControlService(pb_grpc.RateControlServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OSError as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, f"{NOT_SAVED}: {exc}")
+            await refuse_unsaved(context, f"sluice rate bounds {bounds}", THE_SETTINGS, exc)
         log.info(
             "rate bounds %g .. %g records/s (rate %g), set by %s",
             request.min_rate,
@@ -351,7 +371,7 @@ class RateControlService(pb_grpc.RateControlServicer):
         except ValueError as exc:  # an unknown estimator, a setting refused
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OSError as exc:
-            await context.abort(grpc.StatusCode.INTERNAL, f"{NOT_SAVED}: {exc}")
+            await refuse_unsaved(context, f"sluice rate estimator {_word(name)}", THE_SETTINGS, exc)
         log.info("rate estimator %s, set by %s", request.estimator, caller)
         return self._status()
 

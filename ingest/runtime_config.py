@@ -39,8 +39,8 @@ FILE = "runtime-config.json"
 DEFAULT, COMMAND_LINE, DYNAMIC = "default", "command-line", "dynamic"
 
 
-NOT_SAVED = "nothing changed: the settings could not be saved in the data dir"
-"""What a change that fails to write its file says (then OSError's own words)."""
+THE_SETTINGS = "the settings"
+"""What a change that fails to write its file could not save (rate_service.refuse_unsaved)."""
 
 
 class SettingRow(NamedTuple):

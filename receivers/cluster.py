@@ -33,8 +33,11 @@ DRIVER_RATE_HEADER = "sluice-driver-rate"
 its own RateControl, HOST:PORT (":PORT" when it listens on every address: the caller's address then).
 A receiver node takes its rate from the driver's calls only, and tells an operator to go there."""
 REFUSAL_HEADER = "sluice-refusal"
-"""Trailing metadata of a refusal that is no outage: DRIVER_LEASE_HELD when another driver holds the node."""
+"""Trailing metadata of a refusal that is no outage: DRIVER_LEASE_HELD when another driver holds the node,
+NOT_SAVED when a change's state file could not be written (the status is the server's own answer: no
+dropped connection, whatever its code)."""
 DRIVER_LEASE_HELD = "driver-lease"
+NOT_SAVED = "not-saved"
 CONFIG_HEADER = "sluice-node-config"
 """Trailing metadata of a Replicate hello refused for another configuration: the refusing node's
 "NODES REPLICATION", so that the owner can say what each side has."""

@@ -3,6 +3,7 @@ crash leaves the old file or the new one, never half of either."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
@@ -12,15 +13,21 @@ from typing import Any
 
 def replace_json(path: Path, data: object, *, sync: bool = True) -> None:
     """Replace `path` with `data` as JSON: a temp file beside it, fsynced (when `sync`), renamed over it,
-    then the folder fsynced so the rename itself survives a power loss. OSError: the old file stays."""
+    then the folder fsynced so the rename itself survives a power loss. OSError: the old file stays, and
+    the temp file is removed (a full disk left an empty one behind at every refused change)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(path.name + ".tmp")
-    with open(temp, "w") as file:
-        json.dump(data, file, indent=1)
-        if sync:
-            file.flush()
-            os.fsync(file.fileno())
-    os.replace(temp, path)
+    try:
+        with open(temp, "w") as file:
+            json.dump(data, file, indent=1)
+            if sync:
+                file.flush()
+                os.fsync(file.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # not there (open failed), or a folder in its way
+            temp.unlink()
+        raise
     if sync:
         folder = os.open(path.parent, os.O_RDONLY)
         try:
