@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 HISTORY = 300
 """Points of history kept: seconds of once-a-second samples, and completed batches."""
 SAMPLE_EVERY = 1.0
+FAILURE_SAID_EVERY = 60.0
+"""A sample that keeps failing (out of file descriptors: EMFILE every second) is logged at most this
+often, seconds: it logged a traceback every second."""
 """Seconds between history samples."""
 ANSWER_TIMEOUT = 5.0
 """Seconds an HTTP thread waits for the event loop's snapshot before it answers 503."""
@@ -102,6 +105,11 @@ class StatusBoard:
         self._last: _Sample | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
+        self._failing_since: float | None = None
+        """Monotonic time of the first of the failed samples in a row, None while they succeed."""
+        self._failure_said = 0.0
+        self._failures = 0
+        """Failed samples in a row."""
 
     # ---- on the loop -------------------------------------------------------------------------------
 
@@ -118,10 +126,36 @@ class StatusBoard:
     async def _sample_forever(self) -> None:
         while True:
             await asyncio.sleep(SAMPLE_EVERY)
-            try:
-                self.sample()
-            except Exception:  # the page must outlive a bad reading; the next second tries again
-                log.exception("status sample failed")
+            self.sample_logged(time.monotonic())
+
+    def sample_logged(self, now: float) -> None:
+        """sample(), its failure logged (`now`: time.monotonic()): the page must outlive a bad reading,
+        and the next second tries again. An OSError (EMFILE, EIO reading the block log's size) is one
+        WARNING line without a traceback, anything else an ERROR with one; either said again at most
+        every FAILURE_SAID_EVERY seconds while the failures last, and their end said once."""
+        try:
+            self.sample()
+        except Exception as exc:
+            self._failures += 1
+            if self._failing_since is None:
+                self._failing_since = now
+            elif now - self._failure_said < FAILURE_SAID_EVERY:
+                return
+            self._failure_said = now
+            again = f" ({self._failures} failed in a row)" if self._failures > 1 else ""
+            later = f"; said again in {FAILURE_SAID_EVERY:g} s while it lasts"
+            if isinstance(exc, OSError):
+                log.warning("status sample failed%s: %s%s", again, exc, later)
+            else:
+                log.exception("status sample failed%s%s", again, later)
+            return
+        if self._failing_since is not None:
+            log.warning(
+                "status samples again after %d failed in a row (%.0f s)",
+                self._failures,
+                now - self._failing_since,
+            )
+            self._failing_since, self._failures = None, 0
 
     def _stream_values(self) -> dict[str, dict[str, float]]:
         """Sample name (without sluice_) -> stream -> value, as /metrics shows them now."""

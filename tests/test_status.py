@@ -316,3 +316,47 @@ def test_chromium_console_is_read(tmp_path: Path) -> None:
     page.write_text("<script>undefinedFunction()</script>")
     _, console = asyncio.run(run_chromium("--virtual-time-budget=500", "--dump-dom", page.as_uri()))
     assert any("undefinedFunction" in line for line in console), console
+
+
+async def test_a_sample_that_keeps_failing_is_logged_once_a_minute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An outside tester, out of file descriptors: `ERROR ingest.status: status sample failed` with a
+    full traceback every second (the block log's size, EMFILE). An OSError is one WARNING line without
+    a traceback, said again at most once a minute while it lasts, and its end said; anything else keeps
+    its traceback, as rarely."""
+    import logging
+
+    from ingest import status
+
+    async with running_server(tmp_path / "d", "s") as server:
+        board = server.status
+        failure: list[Exception] = [OSError(24, "Too many open files")]
+
+        def failing(now: float | None = None) -> None:
+            if failure:
+                raise failure[0]
+
+        monkeypatch.setattr(board, "sample", failing)
+        caplog.set_level(logging.INFO, logger="ingest.status")
+        for second in range(150):  # 2.5 minutes, one sample a second
+            board.sample_logged(1000.0 + second)
+        said = [r for r in caplog.records if r.name == "ingest.status"]
+        assert len(said) == 3, [r.getMessage() for r in said]  # at 0, 60 and 120 s
+        assert all(r.levelno == logging.WARNING and r.exc_info is None for r in said)
+        assert "status sample failed: [Errno 24] Too many open files" in said[0].getMessage()
+        assert "(61 failed in a row)" in said[1].getMessage(), said[1].getMessage()
+        caplog.clear()
+        failure.clear()
+        board.sample_logged(1150.0)
+        board.sample_logged(1151.0)
+        assert [r.getMessage() for r in caplog.records] == [
+            "status samples again after 150 failed in a row (150 s)"
+        ]
+        caplog.clear()
+        failure.append(KeyError("stream"))
+        for second in range(70):
+            board.sample_logged(2000.0 + second)
+        assert [r.levelno for r in caplog.records] == [logging.ERROR, logging.ERROR]
+        assert all(r.exc_info is not None for r in caplog.records)
+        assert status.FAILURE_SAID_EVERY == 60.0
