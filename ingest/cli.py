@@ -822,6 +822,23 @@ def _security_flags(serve: argparse.ArgumentParser) -> None:
         help="a connection that has not finished its TLS and HTTP/2 handshake by then, or a Publish "
         "call that has not sent its Open, is dropped (default: %(default)s)",
     )
+    group.add_argument(
+        "--connection-idle-timeout",
+        type=_float_in(0.1, 2_000_000.0, "a connection idle timeout"),
+        default=SecurityConfig.connection_idle_timeout,
+        metavar="SECONDS",
+        help="a connection with no call in progress (one that handshook and opened none, or a client "
+        "between calls) is closed after this (GOAWAY; gRPC clients reconnect at their next call); an "
+        "open Publish stream keeps its connection (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-connections",
+        type=_auto(_int_in(1, 2**31 - 1, "a connection count")),
+        default=None,
+        metavar="N",
+        help="connections each gRPC port holds at once, from every client together; one over it is "
+        "closed as it is accepted (default: auto, 3/4 of the open-file limit, `ulimit -n`)",
+    )
     defaults = Limits()
     for flag, attr, kind, what in (
         ("max-sessions-per-principal", "max_sessions", "count", "Publish sessions one principal holds open"),
@@ -856,6 +873,15 @@ def _limit(parse: Callable[[str], T]) -> Callable[[str], T | None]:
         return None if text.strip().lower() in ("none", "unlimited") else parse(text)
 
     return parse_limit
+
+
+def _auto(parse: Callable[[str], T]) -> Callable[[str], T | None]:
+    """An argparse type: `parse`, or "auto" (None: the server works it out)."""
+
+    def parse_auto(text: str) -> T | None:
+        return None if text.strip().lower() == "auto" else parse(text)
+
+    return parse_auto
 
 
 def _seconds_or_off(text: str) -> float | None:
@@ -1075,6 +1101,8 @@ def _security(args: argparse.Namespace) -> SecurityConfig:
             idle_timeout=args.limit_idle_timeout,
         ),
         handshake_timeout=args.handshake_timeout,
+        connection_idle_timeout=args.connection_idle_timeout,
+        max_connections=args.max_connections,
         metrics_tls=args.metrics_tls,
         metrics_auth=args.metrics_auth,
     )
@@ -1231,6 +1259,9 @@ def _driver_config(args: argparse.Namespace) -> DriverConfig:
             metrics_tls=args.metrics_tls,
             health_port=args.health_port,
             insecure=args.insecure,
+            handshake_timeout=security.handshake_timeout,
+            connection_idle_timeout=security.connection_idle_timeout,
+            max_connections=security.max_connections,
         ),
     )
     # the TLS files, the auth file and the peer token, read as the driver reads them at its start (as

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import re
 import signal
 import threading
@@ -41,7 +42,17 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ingest.admin_service import DriverAdminService, DriverIngestService, DriverSessionsService
-from ingest.config import RateConfig, ServeConfig, TlsConfig, check_exposure, is_loopback
+from ingest.config import (
+    DEFAULT_CONNECTION_IDLE,
+    RateConfig,
+    SecurityConfig,
+    ServeConfig,
+    TlsConfig,
+    check_connection_limits,
+    check_exposure,
+    grpc_connection_options,
+    is_loopback,
+)
 from ingest.driver import SparkDriver, batch_metrics
 from ingest.logs import JSON, SPARK_QUIET, log_format, say
 from ingest.metrics import MetricsServer, SluiceCollector
@@ -153,8 +164,16 @@ class DriverConfig:
     insecure: bool = False
     """Allow the rate server or /metrics in plaintext on an address that is not a loopback one
     (`--insecure`), as a receiver node allows its own: refused otherwise."""
+    handshake_timeout: float = SecurityConfig.handshake_timeout
+    connection_idle_timeout: float = DEFAULT_CONNECTION_IDLE
+    max_connections: int | None = None
+    """What the rate server's and the health port's connections may hold, as a node's
+    (SecurityConfig: --handshake-timeout, --connection-idle-timeout, --max-connections)."""
 
     def __post_init__(self) -> None:
+        if not 0 < self.handshake_timeout < math.inf:
+            raise ValueError(f"handshake timeout must be > 0 s and finite, got {self.handshake_timeout}")
+        check_connection_limits(self.connection_idle_timeout, self.max_connections)
         if self.metrics_tls and self.tls is None:
             raise ValueError("metrics TLS needs the driver's certificate and key (--tls-cert, --tls-key)")
         # the rate server takes Admin's pipeline swaps and the rate, /metrics tells the cluster's state
@@ -173,6 +192,12 @@ class DriverConfig:
         if not self.streams:
             raise ValueError("a driver needs the streams to read (none given)")
         self.serve_config()  # the query's settings, checked as a single server checks them (trigger...)
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """The options that bound the connections of the driver's gRPC servers (a node's own)."""
+        return grpc_connection_options(
+            self.handshake_timeout, self.connection_idle_timeout, self.max_connections
+        )
 
     def credentials(self) -> Credentials:
         return Credentials.from_files(
@@ -390,7 +415,9 @@ class ClusterDriver:
         rate_port; warn first of what its security settings let through, as a node does."""
         config = self.config
         self._warn_of_exposure()
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a taken port fails
+        server = grpc.aio.server(
+            options=[("grpc.so_reuseport", 0), *self.config.grpc_options()]
+        )  # a taken port fails
         add_parsed_servicer(server, self.rate_service(), "RateControl", authenticator=self.auth)
         add_parsed_servicer(
             server, DriverAdminService(lambda: self.manager), "Admin", authenticator=self.auth
@@ -500,7 +527,9 @@ class ClusterDriver:
         return any(view.end(key) > start.get(key, view.floor(key)) for key in view.holdings)
 
     async def _start_health_port(self, port: int) -> None:
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])  # a taken port fails
+        server = grpc.aio.server(
+            options=[("grpc.so_reuseport", 0), *self.config.grpc_options()]
+        )  # a taken port fails
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             bound = server.add_insecure_port(f"0.0.0.0:{port}")  # every address: probes come from the kubelet

@@ -6,6 +6,7 @@ import ipaddress
 import itertools
 import math
 import re
+import resource
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -195,6 +196,51 @@ class TlsConfig:
     """Mutual TLS: every client must present a certificate signed by a CA in this PEM file."""
 
 
+DEFAULT_CONNECTION_IDLE = 30.0
+"""Seconds a gRPC connection with no call in progress is kept (--connection-idle-timeout)."""
+MAX_GRPC_MS = 2**31 - 1
+"""gRPC's channel options are C ints: milliseconds over this fail the server's creation."""
+
+
+def default_max_connections() -> int | None:
+    """3/4 of the soft open-file limit (RLIMIT_NOFILE), so that connections alone cannot take the files
+    the block log, Spark and /metrics need; None when there is no limit."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return None
+    return max(1, min(soft * 3 // 4, MAX_GRPC_MS))
+
+
+def check_connection_limits(connection_idle_timeout: float, max_connections: int | None) -> None:
+    """ValueError for a connection idle timeout or a connection cap gRPC cannot take."""
+    if not 0 < connection_idle_timeout * 1000 <= MAX_GRPC_MS:
+        raise ValueError(
+            f"connection idle timeout must be > 0 s and at most {MAX_GRPC_MS // 1000} s, "
+            f"got {connection_idle_timeout}"
+        )
+    if max_connections is not None and not 1 <= max_connections <= MAX_GRPC_MS:
+        raise ValueError(f"max connections must be 1..{MAX_GRPC_MS}, got {max_connections}")
+
+
+def grpc_connection_options(
+    handshake_timeout: float, connection_idle_timeout: float, max_connections: int | None
+) -> list[tuple[str, int]]:
+    """grpc.aio.server options that bound what connections hold, for every server this service binds:
+    a client that sends nothing is dropped after `handshake_timeout` (gRPC's default: 120 s), one that
+    handshakes and opens no call (or none for a while) after `connection_idle_timeout` (GOAWAY, then
+    the close: gRPC's default keeps it forever), and past `max_connections` (None:
+    default_max_connections()) a new connection is closed as it is accepted. gRPC has no cap per client
+    address: that is the firewall's (docs/security.md)."""
+    cap = default_max_connections() if max_connections is None else max_connections
+    options = [
+        ("grpc.server_handshake_timeout_ms", max(1, round(handshake_timeout * 1000))),
+        ("grpc.max_connection_idle_ms", max(1, round(connection_idle_timeout * 1000))),
+    ]
+    if cap is not None:
+        options.append(("grpc.max_allowed_incoming_connections", cap))
+    return options
+
+
 @dataclass(frozen=True)
 class SecurityConfig:
     """Who may connect and what each principal may take (docs/security.md)."""
@@ -212,6 +258,13 @@ class SecurityConfig:
     handshake_timeout: float = 10.0
     """Seconds a new connection has to finish its TLS and HTTP/2 handshake, and a Publish call to send
     its Open: a client that connects and sends nothing is dropped."""
+    connection_idle_timeout: float = DEFAULT_CONNECTION_IDLE
+    """Seconds a connection with no call in progress is kept: then GOAWAY and close. A client with a
+    call open (a Producer's Publish stream, a long push) is not idle; a client between calls reconnects
+    at its next one. What bounds a client that handshakes and opens no call."""
+    max_connections: int | None = None
+    """Connections the gRPC server holds at once (each one an open file); one over it is closed as it is
+    accepted. None: 3/4 of the process's open-file limit (default_max_connections)."""
     metrics_tls: bool = False
     """Serve /metrics over HTTPS with the gRPC server's certificate (needs `tls`)."""
     metrics_auth: bool | None = None
@@ -220,10 +273,17 @@ class SecurityConfig:
     def __post_init__(self) -> None:
         if not 0 < self.handshake_timeout < math.inf:
             raise ValueError(f"handshake timeout must be > 0 s and finite, got {self.handshake_timeout}")
+        check_connection_limits(self.connection_idle_timeout, self.max_connections)
         if self.metrics_tls and self.tls is None:
             raise ValueError("metrics TLS needs the server's certificate and key (--tls-cert, --tls-key)")
         if self.metrics_auth and self.auth_file is None:
             raise ValueError("a token on /metrics needs an auth file that names readers (--auth-file)")
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """The gRPC server options that bound its connections (grpc_connection_options)."""
+        return grpc_connection_options(
+            self.handshake_timeout, self.connection_idle_timeout, self.max_connections
+        )
 
     @property
     def metrics_token_required(self) -> bool:

@@ -308,6 +308,8 @@ FIELD_KEYS: dict[str, str] = {
     "port": "port",
     "master": "master",
     "handshake timeout": "handshake-timeout",
+    "connection idle timeout": "connection-idle-timeout",
+    "max connections": "max-connections",
     "metrics TLS": "metrics-tls",
     "max_sessions": "max-sessions-per-principal",
     "max_streams": "max-streams-per-principal",

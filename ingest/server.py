@@ -61,10 +61,6 @@ PING_OPTIONS = (
     ("grpc.http2.max_ping_strikes", 0),
 )
 
-MAX_CONNECTION_IDLE = 300.0
-"""Seconds a connection without a call in progress is kept: then gRPC sends GOAWAY (a channel with
-nothing to send reconnects when it has). A handshaken client that opens no call holds no socket forever."""
-
 
 class SluiceServer:
     """Receivers behind a grpc.aio server. `await start()`, then `await stop()` (idempotent).
@@ -389,10 +385,9 @@ class SluiceServer:
                 # gRPC binds with SO_REUSEPORT by default: a second server on this port would start
                 # and take half the sessions, whose producers' dedup state lives in the other one
                 ("grpc.so_reuseport", 0),
-                # a client that connects and sends nothing (no TLS ClientHello, no HTTP/2 preface and
-                # SETTINGS) is dropped after this; gRPC's default is 120 s
-                ("grpc.server_handshake_timeout_ms", round(security.handshake_timeout * 1000)),
-                ("grpc.max_connection_idle_ms", round(MAX_CONNECTION_IDLE * 1000)),
+                # a client that sends nothing, or handshakes and opens no call, is dropped; past
+                # --max-connections a new connection is closed at once
+                *security.grpc_options(),
                 *PING_OPTIONS,
             ]
         )
@@ -743,7 +738,7 @@ class SluiceServer:
         token of the auth file (or none) must not get around TLS or mutual TLS there."""
         if self.tls is None or self._rate_service is None:
             return
-        loopback = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        loopback = grpc.aio.server(options=[("grpc.so_reuseport", 0), *self.config.security.grpc_options()])
         add_parsed_servicer(
             loopback, self._rate_service, "RateControl", authenticator=self.auth.internal_calls()
         )
@@ -757,7 +752,7 @@ class SluiceServer:
         port = self.config.health_port
         if port is None:
             return
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *self.config.security.grpc_options()])
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             self.health_port = server.add_insecure_port(bind_address("0.0.0.0", port)) or None  # noqa: S104 - probes come from the kubelet

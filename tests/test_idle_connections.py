@@ -1,0 +1,117 @@
+"""Connections that handshake and open no call: a real server drops them after
+--connection-idle-timeout (gRPC's max_connection_idle: GOAWAY, then the close), refuses those over
+--max-connections as it accepts them, and meanwhile serves honest clients: a Producer holding its
+Publish stream open through a quiet spell longer than the idle timeout (a connection with a call is not
+idle), and a client between calls (its channel reconnects at the next one)."""
+
+from __future__ import annotations
+
+import asyncio
+import select
+import socket
+import time
+from pathlib import Path
+
+import grpc
+from support import running_server
+
+from ingest.config import SecurityConfig, default_max_connections, grpc_connection_options
+from sluice_client import Producer
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
+GOAWAY = 7
+
+
+def idle_connections(port: int, count: int) -> list[socket.socket]:
+    """`count` connections that complete HTTP/2's handshake (the preface and SETTINGS) and open no call:
+    the outside tester's script."""
+    socks = []
+    for _ in range(count):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        sock.sendall(PREFACE)
+        socks.append(sock)
+    return socks
+
+
+def closed_within(socks: list[socket.socket], bound: float) -> dict[int, float]:
+    """Seconds until each socket was closed by the server (recv returned b"", or a reset), by index;
+    those still open after `bound` seconds are missing. A GOAWAY frame read is noted on the way."""
+    started = time.monotonic()
+    closed: dict[int, float] = {}
+    while len(closed) < len(socks) and time.monotonic() - started < bound:
+        open_socks = [s for i, s in enumerate(socks) if i not in closed]
+        readable, _, _ = select.select(open_socks, [], [], 0.1)
+        for sock in readable:
+            try:
+                data = sock.recv(65536)
+            except OSError:
+                data = b""
+            if not data:
+                closed[socks.index(sock)] = time.monotonic() - started
+    return closed
+
+
+def test_options_bound_every_connection() -> None:
+    """The options every gRPC server of the service is built with."""
+    options = dict(grpc_connection_options(10.0, 30.0, 500))
+    assert options == {
+        "grpc.server_handshake_timeout_ms": 10_000,
+        "grpc.max_connection_idle_ms": 30_000,
+        "grpc.max_allowed_incoming_connections": 500,
+    }
+    auto = dict(SecurityConfig().grpc_options())
+    assert auto["grpc.max_connection_idle_ms"] == 30_000  # not the 5 minutes it was
+    assert auto.get("grpc.max_allowed_incoming_connections") == default_max_connections()
+
+
+async def test_handshaken_connections_without_calls_are_dropped(tmp_path: Path) -> None:
+    """30 raw connections that handshake and open no call are closed within the idle timeout (1 s here;
+    they were kept 5 minutes), while a Producer holds its stream open through 3 s of silence and a
+    client between calls keeps working."""
+    security = SecurityConfig(connection_idle_timeout=1.0)
+    async with running_server(tmp_path / "data", "s", security=security) as server:
+        async with Producer(server.target, "s", linger=0.001, start_timeout=10) as producer:
+            await producer.send(b"before")
+            await producer.flush(timeout=10)
+            socks = await asyncio.to_thread(idle_connections, server.port, 30)
+            try:
+                async with grpc.aio.insecure_channel(server.target) as channel:
+                    stub = pb_grpc.RateControlStub(channel)
+                    await stub.GetRate(pb.GetRateRequest(), timeout=10)
+                    closed = await asyncio.to_thread(closed_within, socks, 10.0)
+                    assert len(closed) == len(socks), (
+                        f"{len(socks) - len(closed)} idle connections still open"
+                    )
+                    assert max(closed.values()) < 8, closed
+                    await asyncio.sleep(2.0)  # the channel between calls has been dropped too: it reconnects
+                    await stub.GetRate(pb.GetRateRequest(), timeout=10)
+            finally:
+                for sock in socks:
+                    sock.close()
+            # the Producer's stream stayed open through 3+ s of silence: not idle, not reconnected
+            await producer.send(b"after")
+            await producer.flush(timeout=10)
+            assert producer.reconnects == 0
+        assert server.receivers["s"].stats.sessions_opened == 1
+
+
+async def test_connections_over_the_cap_are_refused(tmp_path: Path) -> None:
+    """Past --max-connections a new connection is closed as it is accepted; those idle under it are
+    dropped after the idle timeout, and then an honest Producer gets in."""
+    security = SecurityConfig(connection_idle_timeout=1.0, max_connections=5)
+    async with running_server(tmp_path / "data", "s", security=security) as server:
+        socks = await asyncio.to_thread(idle_connections, server.port, 12)
+        try:
+            closed = await asyncio.to_thread(closed_within, socks, 0.5)
+            assert len(closed) == 7, closed  # the 7 over the cap, at once
+            closed = await asyncio.to_thread(closed_within, socks, 10.0)
+            assert len(closed) == 12, closed  # and the 5 under it, once idle
+        finally:
+            for sock in socks:
+                sock.close()
+        await asyncio.sleep(0.2)  # the server's side of the closes
+        async with Producer(server.target, "s", linger=0.001, start_timeout=10) as producer:
+            await producer.send(b"x")
+            await producer.flush(timeout=10)
