@@ -18,6 +18,7 @@ import contextlib
 import errno
 import fcntl
 import os
+import resource
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -213,6 +214,24 @@ def check_ports(grpc_port: tuple[str, int, str], metrics: tuple[str, int | None]
         check_port("0.0.0.0", health, "cannot serve health on")  # noqa: S104 - as it binds
 
 
+def check_file_size_limit(segment_bytes: int) -> None:
+    """Refuse a file size limit (RLIMIT_FSIZE, `ulimit -f`) below the block log's segment size: every
+    write past it fails with EFBIG (Python ignores SIGXFSZ), so the block that would cross it was retried
+    every 0.2 s for good and intake stopped. Checked against the segment size, not the segment size plus
+    the largest block (a segment is closed once it reaches segment_bytes, so its last block may end past
+    it): a block's bound is the per-stream buffer, hundreds of MiB by default, and refusing every limit
+    below that would refuse sane ones; a limit this close to the segment size is rare and a block that
+    crosses it still fails loudly. The other files the server writes (settings, states) are small."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    if soft == resource.RLIM_INFINITY or soft >= segment_bytes:
+        return
+    raise _failed(
+        f"the file size limit (RLIMIT_FSIZE, `ulimit -f`: {soft:,} bytes) is below the block log's segment "
+        f"size ({segment_bytes:,} bytes, --segment-bytes): writing a block past it fails with EFBIG; "
+        "raise the limit (`ulimit -f unlimited`; LimitFSIZE= in a systemd unit) or lower --segment-bytes"
+    )
+
+
 def lock_checked(data_dir: Path, check: Callable[[], None]) -> DataDirLock:
     """Lock `data_dir` (DataDirLock), then run `check`; if it raises, the lock is released first."""
     lock = DataDirLock(data_dir)
@@ -230,6 +249,7 @@ def prepare(config: ServeConfig) -> DataDirLock:
     it will use, and its ports. An OSError that says what is wrong, and nothing held, otherwise."""
 
     def check() -> None:
+        check_file_size_limit(config.wal_segment_bytes)
         make_dirs(config.blocks_dir)
         check_dirs(*(config.blocks_dir / stream for stream in config.streams))
         if config.spark:

@@ -763,3 +763,30 @@ def test_config_set_and_reset_wait_as_long_as_a_restart_may_take(monkeypatch: py
         ("config reset", cli.config_change_deadline()),
     ]
     assert all("the change goes on on the server" in late for _, _, late in waits), waits
+
+
+def test_serve_refuses_a_file_size_limit_below_the_segment_size(tmp_path: Path) -> None:
+    """An outside tester: under `ulimit -f 2048` (2 MiB) the server started, and writing block 0 failed
+    with EFBIG every 0.2 s for good. `serve` checks RLIMIT_FSIZE against --segment-bytes at start."""
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2048 * 1024, hard))
+
+    serve = [*SLUICE, "serve", "--no-spark", "--port", "0", "--data-dir", str(tmp_path / "d")]
+    done = subprocess.run(
+        [*serve, "--segment-bytes", "4MiB"],
+        check=False,
+        preexec_fn=limited,  # only setrlimit, before exec
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_no_tls_env(),
+    )
+    assert done.returncode == 1, done.stderr
+    said = done.stderr
+    assert "cannot start the server: the file size limit (RLIMIT_FSIZE, `ulimit -f`: 2,097,152 bytes)" in said
+    assert "below the block log's segment size (4,194,304 bytes, --segment-bytes)" in said, said
+    assert "Traceback" not in said, said
