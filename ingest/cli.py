@@ -1949,7 +1949,8 @@ async def _push_async(
         if denied is not None:  # nothing to resume: the same command fails the same way
             why = printable(str(denied))  # the server's words
             return _fail(f"push to {args.target} stream {args.stream!r} refused: {why}", EXIT_DENIED)
-        _push_failed(args, producer, read.records, exc)
+        unacked = await _why_unacked(args, producer) if isinstance(exc, FlushTimeoutError) else ""
+        _push_failed(args, producer, read.records, exc, unacked)
         said.append(True)
         if terminated:
             return 128 + signal.SIGTERM  # as a shell reports a process SIGTERM ended
@@ -2091,10 +2092,38 @@ def _new_run_refused(error: RPCError, producer_id: str, stream: str) -> str:
     )
 
 
-def _push_failed(args: argparse.Namespace, producer: Producer, read: int, error: BaseException) -> None:
-    """Say how far the push got and how to resume it without sending anything twice."""
+WHY_UNACKED_TIMEOUT = 3.0
+"""Seconds a push whose acks stopped gives the server's rate API to say why (a full disk)."""
+
+
+async def _why_unacked(args: argparse.Namespace, producer: Producer) -> str:
+    """After "N records not acked within T s": the reasons the server paused the stream's credit, from
+    its rate API (`sluice rate get`; a disk_error when its disk is full), else where to look. One call,
+    at most WHY_UNACKED_TIMEOUT seconds: never a hang, and a refusal or no answer just gives the hint."""
+    look = f"`sluice status --target {args.target}` shows why"
+    credentials = producer.credentials
+    try:
+        async with credentials.channel(args.target) as channel:
+            call = pb_grpc.RateControlStub(channel).GetRate(
+                pb.GetRateRequest(), metadata=credentials.metadata
+            )
+            status = await asyncio.wait_for(call, WHY_UNACKED_TIMEOUT)
+    except (grpc.RpcError, TimeoutError, OSError, ValueError):
+        return f"; {look}"
+    for stream in status.streams:
+        if stream.stream == args.stream and stream.credit_paused:
+            reasons = ", ".join(map(printable, stream.credit_paused))
+            return f"; the server has paused intake on stream {args.stream!r}: {reasons} ({look})"
+    return f"; {look}"
+
+
+def _push_failed(
+    args: argparse.Namespace, producer: Producer, read: int, error: BaseException, unacked: str = ""
+) -> None:
+    """Say how far the push got and how to resume it without sending anything twice; `unacked`: why
+    the server holds acks back (_why_unacked), after a flush that timed out."""
     acked, sent = producer.acked, producer.ever_sent
-    why = "interrupted" if isinstance(error, asyncio.CancelledError) else printable(str(error))
+    why = "interrupted" if isinstance(error, asyncio.CancelledError) else printable(str(error)) + unacked
     if isinstance(error, RPCError) and error.status is grpc.StatusCode.ALREADY_EXISTS:
         why = _new_run_refused(error, producer.producer_id, args.stream)
     if isinstance(error, RPCError) and not producer.credentials.secure:  # over TLS the SDK says it

@@ -173,3 +173,34 @@ def test_replace_json_leaves_no_temp_file(tmp_path: Path, full_disk: Callable[[i
         files.replace_json(path, {"a": 2})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["state.json"]
     assert json.loads(path.read_text()) == {"a": 1}
+
+
+async def test_a_push_the_server_stopped_acking_says_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A push into a server whose disk is full said only "N records not acked within 10 s": it asks the
+    server's rate API why (briefly) and says the stream's intake is paused on disk_error."""
+    async with running_server(tmp_path / "d", "s") as server:
+        receiver = server.receivers["s"]
+
+        def full(*args: Any) -> Any:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        receiver.store.write = full  # type: ignore[method-assign]
+        lines = tmp_path / "in.txt"
+        lines.write_text("".join(f"{i}\n" for i in range(100)))
+        args = [
+            "push",
+            str(lines),
+            "--stream",
+            "s",
+            "--target",
+            server.target,
+            "--timeout",
+            "1",
+            "--no-progress",
+        ]
+        assert await asyncio.to_thread(cli.main, args) == 1
+        said = capsys.readouterr().err
+        assert "records not acked within 1 s; the server has paused intake on stream 's': " in said, said
+        assert "disk_error" in said and f"`sluice status --target {server.target}` shows why" in said, said
