@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -385,25 +386,14 @@ async def test_a_cluster_drivers_pinned_rate_is_kept_across_its_restart(
     driver keeps the pin in DATA_DIR/runtime-config.json too (and its end: `rate estimator` unpins),
     pins it again at its start (over a recalled capacity) and says so. Its real RateControl server on
     loopback, steered by the `sluice rate` CLI."""
-    from ingest.cluster_driver import ClusterDriver, DriverConfig
+    from ingest.cluster_driver import DriverConfig
 
     config = DriverConfig(nodes={0: "127.0.0.1:1"}, streams=("s",), data_dir=tmp_path / "driver")
     config.data_dir.mkdir()
 
-    @contextlib.asynccontextmanager
-    async def serving() -> Any:
+    def serving() -> Any:
         caplog.clear()
-        driver = ClusterDriver(config)  # a restart: a new driver on the same data dir
-        rpc = grpc.aio.server()
-        pb_grpc.add_RateControlServicer_to_server(driver.rate_service(), rpc)
-        port = rpc.add_insecure_port("127.0.0.1:0")
-        await rpc.start()
-        try:
-            yield driver, f"127.0.0.1:{port}"
-        finally:
-            await rpc.stop(None)
-            await driver.node_rates.close()
-            driver.blocks.close()
+        return _driver_serving_rate(config)
 
     def rate(*args: str) -> str:
         done = subprocess.run(
@@ -665,26 +655,15 @@ async def test_a_cluster_drivers_rate_bounds_and_estimator_are_kept_across_its_r
     pinned rate there already. The driver keeps them in DATA_DIR/runtime-config.json too, starts with
     them (a kept pin clamped into the kept bounds; a kept `fixed` estimator not replaced by a recalled
     capacity) and says so. Its real RateControl server on loopback, steered by the `sluice` CLI."""
-    from ingest.cluster_driver import ClusterDriver, DriverConfig
+    from ingest.cluster_driver import DriverConfig
 
     config = DriverConfig(nodes={0: "127.0.0.1:1"}, streams=("s",), data_dir=tmp_path / "driver")
     config.data_dir.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
 
-    @contextlib.asynccontextmanager
-    async def serving() -> Any:
+    def serving() -> Any:
         caplog.clear()
-        driver = ClusterDriver(config)  # a restart: a new driver on the same data dir
-        rpc = grpc.aio.server()
-        pb_grpc.add_RateControlServicer_to_server(driver.rate_service(), rpc)
-        port = rpc.add_insecure_port("127.0.0.1:0")
-        await rpc.start()
-        try:
-            yield driver, f"127.0.0.1:{port}"
-        finally:
-            await rpc.stop(None)
-            await driver.node_rates.close()
-            driver.blocks.close()
+        return _driver_serving_rate(config)
 
     def rate(*args: str) -> str:
         done = subprocess.run(
@@ -719,3 +698,22 @@ async def test_a_cluster_drivers_rate_bounds_and_estimator_are_kept_across_its_r
     async with serving() as (driver, target):
         assert (driver.rate.bounds.min_rate, driver.rate.bounds.max_rate) == (100.0, INF)
         assert driver.rate.estimator.name == "model" and driver.rate.rate == 10_000
+
+
+@contextlib.asynccontextmanager
+async def _driver_serving_rate(config: Any) -> AsyncIterator[tuple[Any, str]]:
+    """A ClusterDriver on `config` (a restart: a new driver on the same data dir) with its real
+    RateControl server on a loopback port: (driver, target)."""
+    from ingest.cluster_driver import ClusterDriver
+
+    driver = ClusterDriver(config)
+    rpc = grpc.aio.server()
+    pb_grpc.add_RateControlServicer_to_server(driver.rate_service(), rpc)
+    port = rpc.add_insecure_port("127.0.0.1:0")
+    await rpc.start()
+    try:
+        yield driver, f"127.0.0.1:{port}"
+    finally:
+        await rpc.stop(None)
+        await driver.node_rates.close()
+        driver.blocks.close()
