@@ -1126,7 +1126,7 @@ DRIVER_KEYS = frozenset(
         *("log-level", "log-format", "spark-log-level", "role", "nodes", "data-dir", "stream"),
         *("host", "port", "metrics-host", "metrics-port", "metrics-tls", "health-port"),
         *("tls-cert", "tls-key", "client-ca", "auth-file", "peer-token-file", "insecure"),
-        *("estimator", "initial-rate", "min-rate", "max-rate"),
+        *("estimator", "estimator-params", "initial-rate", "min-rate", "max-rate"),
         *("master", "pipeline", "reset-pipeline", "trigger-interval", "fail-on-data-loss"),
     }
 )
@@ -1223,16 +1223,24 @@ def _driver_config(args: argparse.Namespace) -> DriverConfig:
             )
         )
     security = _checked(args, lambda: _security(args))
-    rate = _checked(
-        args,
-        lambda: RateConfig(
+
+    def build_rate() -> RateConfig:
+        return RateConfig(
             estimator=args.estimator or "model",
             initial_rate=10_000.0 if args.initial_rate is None else args.initial_rate,
             min_rate=args.min_rate,
             max_rate=args.max_rate,
-        ),
-        ("estimator", "initial-rate"),
-    )
+            estimator_params=args.estimator_params,  # checked by the estimator, as a single server's
+        )
+
+    try:
+        rate = build_rate()
+    except UnknownEstimatorError:
+        rate = _checked(args, build_rate, ("estimator",))
+    except InvalidRateError:
+        rate = _checked(args, build_rate, ("initial-rate",))
+    except ValueError:  # RateBounds names min_rate/max_rate; anything else is the estimator's parameter
+        rate = _checked(args, build_rate, ("estimator-params",))
     config = _checked(
         args,
         lambda: DriverConfig(
@@ -2358,6 +2366,7 @@ def _driver_effective(config: DriverConfig) -> dict[str, object]:
         "reset-pipeline": query.reset_pipeline,
         "trigger-interval": query.trigger_interval,
         "estimator": query.rate.estimator,
+        "estimator-params": query.rate.estimator_params,
         "initial-rate": query.rate.initial_rate,
         "min-rate": query.rate.min_rate,
         "max-rate": query.rate.max_rate,

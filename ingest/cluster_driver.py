@@ -242,9 +242,10 @@ def check_files(config: DriverConfig) -> None:
     config.credentials()
 
 
-DRIVER_SETTINGS = ("min-rate", "max-rate", "estimator")
+DRIVER_SETTINGS = ("min-rate", "max-rate", "estimator", "estimator-params")
 """The run-time settings a driver keeps in its DATA_DIR/runtime-config.json: the rate's bounds and
-estimator, as `sluice rate bounds|estimator --target DRIVER` change them (RateControlService with
+estimator (with its parameters: a new estimator drops those of the old one), as `sluice rate
+bounds|estimator --target DRIVER` change them (RateControlService with
 ClusterDriver.change_settings), beside a pinned rate."""
 
 
@@ -485,6 +486,14 @@ class ClusterDriver:
         others = [key for key in values if key not in DRIVER_SETTINGS]
         if others:  # the rate API sets none of them; kept, they would stop the next start
             raise SettingError(f"not a driver's setting: {', '.join(others)}")
+        base = self.runtime.base.rate
+        other = values.get("estimator", base.estimator) != base.estimator
+        if "estimator-params" in reset and other and base.estimator_params:
+            # another estimator than --estimator's: --estimator-params are not its parameters (a reset
+            # would leave them in force, and the new estimator refuse them): its own defaults, kept; back
+            # to --estimator (a reset), they are in force again
+            reset = [key for key in reset if key != "estimator-params"]
+            values = {**values, "estimator-params": ""}
         old, new = self.runtime.change(values, reset)
         apply_rate_settings(self.rate, self.runtime, old.rate, new.rate)
         return old, new

@@ -187,8 +187,7 @@ def driver_settings_refusal(values: Mapping[str, str], target: str | None) -> st
         commands.append(f"sluice rate estimator {_word(values['estimator'].strip())} --target {there}")
     elif "estimator-params" in values:
         commands.append(
-            f"sluice rate estimator NAME --target {there} (the driver runs its estimator with the "
-            "default parameters)"
+            "--estimator NAME --estimator-params ... at the driver's start (sluice serve --role driver)"
         )
     if "trigger-interval" in values:
         commands.append("--trigger-interval at the driver's start (sluice serve --role driver)")

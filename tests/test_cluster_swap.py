@@ -198,6 +198,11 @@ DRIVER_FLAGS: dict[str, tuple[list[str], Callable[[DriverConfig], object], objec
     "fail-on-data-loss": (["--no-fail-on-data-loss"], lambda c: c.fail_on_data_loss, False),
     "trigger-interval": (["--trigger-interval", "3"], lambda c: c.serve_config().trigger_interval, 3.0),
     "estimator": (["--estimator", "fixed"], lambda c: c.serve_config().rate.estimator, "fixed"),
+    "estimator-params": (
+        ["--estimator-params", "horizon=3"],
+        lambda c: dict(c.serve_config().rate.estimator_params),
+        {"horizon": 3},
+    ),
     "initial-rate": (["--initial-rate", "500"], lambda c: c.serve_config().rate.initial_rate, 500.0),
     "min-rate": (["--min-rate", "7"], lambda c: c.serve_config().rate.min_rate, 7.0),
     "max-rate": (["--max-rate", "70000"], lambda c: c.serve_config().rate.max_rate, 70_000.0),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -577,6 +578,69 @@ def test_a_driver_refuses_the_settings_it_would_run_without(tmp_path: Path) -> N
     assert result.returncode == 0, result.stderr
     assert rows(result.stdout)["trigger-interval"] == ("2", "flag"), result.stdout
     assert set(cli._serve_keys()) >= cli.DRIVER_KEYS  # no key misspelled
+
+
+def test_a_driver_takes_estimator_params_as_a_single_server_does(tmp_path: Path) -> None:
+    """`serve --role driver --estimator-params ...` was refused as a setting the driver would run
+    without: an operator could not tune the cluster's estimator (the PID's gains), which a single server
+    takes. The driver takes it from a flag, the environment or the file, checks it as a single server
+    does (by the estimator: exit 2 naming the flag), runs its estimator with it, and keeps parameters
+    in its runtime-config.json beside the rate's bounds and estimator (a kept one no longer stops it)."""
+    from ingest.cluster_driver import ClusterDriver
+
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text("0 127.0.0.1:51101\n")
+    data = tmp_path / "d"
+    driver = ["--role", "driver", "--nodes", str(nodes), "--data-dir", str(data)]
+    pid = ["--estimator", "spark-pid", "--estimator-params", "proportional=0.5,integral=0.1"]
+    result = check(*driver, *pid)
+    assert result.returncode == 0, result.stderr
+    assert rows(result.stdout)["estimator-params"] == ("proportional=0.5,integral=0.1", "flag"), result.stdout
+    result = check(*driver, env=clean_env(SLUICE_ESTIMATOR_PARAMS="horizon=2"))
+    assert result.returncode == 0, result.stderr
+    assert rows(result.stdout)["estimator-params"] == ("horizon=2", "env SLUICE_ESTIMATOR_PARAMS")
+    for params, says in (
+        ("kp=1", "--estimator-params: estimator 'spark-pid' has no parameter 'kp'"),
+        ("proportional=-1", "--estimator-params: proportional gain must be a finite number >= 0"),
+    ):
+        refused_by_serve_and_check(
+            [*driver, "--estimator", "spark-pid", "--estimator-params", params], clean_env(), says
+        )
+
+    # the driver runs its estimator with them, and a restart with a kept change of the rate's settings
+    # (ClusterDriver's gRPC parts want an event loop: one of their own, whatever tests ran before)
+    async def drivers() -> None:
+        args = cli._parser().parse_args(["serve", *driver, *pid])
+        args.origins = {}
+        config = cli._driver_config(args)
+        first = ClusterDriver(config)
+        first.blocks.close()
+        estimator = first.rate.estimator
+        assert (estimator.name, estimator.proportional, estimator.integral) == ("spark-pid", 0.5, 0.1)  # type: ignore[attr-defined]
+        data.mkdir(exist_ok=True)
+        (data / "runtime-config.json").write_text(
+            '{"version": 2, "overrides": {"min-rate": "200", "estimator-params": "proportional=0.25"}}'
+        )
+        restarted = ClusterDriver(config)
+        restarted.blocks.close()
+        driver_rate = restarted.rate
+        assert driver_rate.bounds.min_rate == 200
+        assert driver_rate.estimator.proportional == 0.25  # type: ignore[attr-defined]
+        result = check(*driver, *pid)
+        assert result.returncode == 0, result.stderr
+        runtime = f"runtime {data / 'runtime-config.json'}"
+        assert rows(result.stdout)["estimator-params"] == ("proportional=0.25", runtime), result.stdout
+        # `sluice rate estimator model` (SetEstimator's change: the old one's parameters go) is not refused
+        # for --estimator-params, which are spark-pid's; back to spark-pid, they are in force again
+        restarted.change_settings({"estimator": "model"}, ["estimator-params"])
+        assert driver_rate.estimator.name == "model"
+        again = ClusterDriver(config)
+        again.blocks.close()
+        assert again.rate.estimator.name == "model"
+        again.change_settings({"estimator": "spark-pid"}, ["estimator-params"])
+        assert again.rate.estimator.proportional == 0.5  # type: ignore[attr-defined]
+
+    asyncio.run(drivers())
 
 
 def test_a_driver_refuses_a_trigger_interval_a_single_server_refuses(tmp_path: Path) -> None:

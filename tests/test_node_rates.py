@@ -552,7 +552,7 @@ async def test_a_receiver_node_refuses_a_config_set_of_the_drivers_rate_settings
             (["min-rate=10", "max-rate=100000"], f"sluice rate bounds 10 100000 --target {there}"),
             (["max-rate=5000"], f"sluice rate bounds MIN 5000 --target {there}"),
             (["estimator=model"], f"sluice rate estimator model --target {there}"),
-            (["estimator-params=horizon=3"], f"sluice rate estimator NAME --target {there}"),
+            (["estimator-params=horizon=3"], "--estimator-params ... at the driver's start"),
             (["trigger-interval=2"], "--trigger-interval"),
             # refused whole: the node's own setting beside it does not change either
             (["block-interval=0.5", "estimator=spark-pid"], f"rate estimator spark-pid --target {there}"),
