@@ -627,3 +627,6 @@ class ReplicatedBlockStore(BlockStore):
 
     def trim(self, stream: str) -> int:
         return self.local.trim(stream)
+
+    def incarnation(self, stream: str) -> str:
+        return self.local.incarnation(stream)

@@ -179,3 +179,8 @@ def serving_page(body: bytes, *, content_length: bool = True, drip: float = 0.0)
         stopping.set()
         server.shutdown()
         server.server_close()
+
+
+def positions(offset: dict[str, Any]) -> dict[str, Any]:
+    """A source offset's positions, without the incarnations of the logs they are in."""
+    return {stream: at for stream, at in offset.items() if stream != "_incarnations"}

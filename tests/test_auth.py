@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import pytest
 from pki import CertificateAuthority
-from support import refused, running_server, wait_until
+from support import positions, refused, running_server, wait_until
 
 from ingest.config import RateConfig, SecurityConfig, ServeConfig
 from ingest.server import SluiceServer
@@ -701,7 +701,11 @@ def source_cap(options: Mapping[str, str]) -> Callable[[], Any]:
     from ingest.spark.source import SluiceStreamReader
 
     reader = SluiceStreamReader({"streams": "clicks", "triggerSeconds": "0.5", **options})
-    return lambda: asyncio.to_thread(reader.latestOffset, {"clicks": 0}, ReadAllAvailable())
+
+    async def cap() -> Any:
+        return positions(await asyncio.to_thread(reader.latestOffset, {"clicks": 0}, ReadAllAvailable()))
+
+    return cap
 
 
 async def test_the_source_asks_a_secured_server_with_the_pipeline_token(tmp_path: Path) -> None:

@@ -10,11 +10,12 @@ import io
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
-from support import running_server, wait_until
+from support import positions, running_server, wait_until
 
 from ingest import cli
 from ingest.driver import batch_metrics
@@ -177,12 +178,12 @@ async def test_the_source_caps_each_batch_at_the_live_rate(tmp_path: Path) -> No
         )
         start = {"s": 0}
         # unlimited: everything
-        assert (await asyncio.to_thread(reader.latestOffset, start, ReadAllAvailable())) == {"s": 1000}
+        assert (await latest(reader, start, ReadAllAvailable())) == {"s": 1000}
         server.rate.update(700)  # x 0.5 s = 350 records a batch, to the record
-        assert (await asyncio.to_thread(reader.latestOffset, start, ReadAllAvailable())) == {"s": 350}
-        assert (await asyncio.to_thread(reader.latestOffset, start, ReadMaxRows(150))) == {"s": 150}
+        assert (await latest(reader, start, ReadAllAvailable())) == {"s": 350}
+        assert (await latest(reader, start, ReadMaxRows(150))) == {"s": 150}
         server.rate.update(math.inf)
-        assert (await asyncio.to_thread(reader.latestOffset, start, ReadAllAvailable())) == {"s": 1000}
+        assert (await latest(reader, start, ReadAllAvailable())) == {"s": 1000}
 
 
 async def at_phase(interval: float, phase: float) -> None:
@@ -202,7 +203,7 @@ async def test_a_small_catch_up_batch_waits_for_the_trigger_grid(tmp_path: Path)
             await producer.flush(timeout=10)
 
         async def plan(reader: SluiceStreamReader, start: int, limit: ReadLimit) -> int:
-            return (await asyncio.to_thread(reader.latestOffset, {"s": start}, limit))["s"]
+            return (await latest(reader, {"s": start}, limit))["s"]
 
         await send(100)
         server.rate.update(500)  # x 2 s = a cap of 1,000 records
@@ -257,12 +258,12 @@ async def test_no_catch_up_batch_waits_once_the_server_is_gone(tmp_path: Path) -
         options = {"path": str(server.config.blocks_dir), "streams": "s", "rateTarget": server.target}
         reader = SluiceStreamReader({**options, "triggerSeconds": str(interval)})
         await at_phase(interval, 0.5)
-        assert (await asyncio.to_thread(reader.latestOffset, {"s": 0}, ReadMaxRows(50))) == {"s": 50}
+        assert (await latest(reader, {"s": 0}, ReadMaxRows(50))) == {"s": 50}
         # the server still answers: 50 more of a 1,000 cap, right after, off the grid, wait
-        assert (await asyncio.to_thread(reader.latestOffset, {"s": 50}, ReadAllAvailable())) == {"s": 50}
+        assert (await latest(reader, {"s": 50}, ReadAllAvailable())) == {"s": 50}
         await server.stop(grace=1)
         # the last cap holds, but nobody steers any more: what is there runs
-        assert (await asyncio.to_thread(reader.latestOffset, {"s": 50}, ReadAllAvailable())) == {"s": 100}
+        assert (await latest(reader, {"s": 50}, ReadAllAvailable())) == {"s": 100}
 
 
 async def test_a_batch_that_overruns_lowers_the_rate_before_it_completes(tmp_path: Path) -> None:
@@ -282,7 +283,7 @@ async def test_a_batch_that_overruns_lowers_the_rate_before_it_completes(tmp_pat
         reader = SluiceStreamReader(
             {"path": str(server.config.blocks_dir), "streams": "s", "rateTarget": server.target}
         )
-        assert (await asyncio.to_thread(reader.latestOffset, {"s": 0}, ReadAllAvailable())) == {"s": 40_000}
+        assert (await latest(reader, {"s": 0}, ReadAllAvailable())) == {"s": 40_000}
         # 40k records should take 0.93 s; at 2 s the batch proves a per-record cost >= 40 us: capacity
         # under 15k records/s (a batch far below the operating point would prove nothing of the kind)
         await asyncio.sleep(0.5)
@@ -549,3 +550,8 @@ async def test_an_unlimited_unmeasured_start_holds_intake_once_the_next_batch_is
         controller.update(math.inf, pin=True)
         controller.check_overrun(now=started + 0.3)
         assert "rate_hold" not in receiver.paused
+
+
+async def latest(reader: Any, start: dict[str, int], limit: Any) -> dict[str, Any]:
+    """The reader's latestOffset, its positions only (ingest.spark.source adds the logs' incarnations)."""
+    return positions(await asyncio.to_thread(reader.latestOffset, start, limit))
