@@ -501,6 +501,10 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
                 continue
             if was.get(stream) and now.get(stream) and was[stream] != now[stream]:
                 lo = min(self._floor(stream), hi)  # a replaced log (failOnDataLoss=false): from its start
+            elif hi < lo:
+                # a log now ending below the start (failOnDataLoss=false; same or unknown incarnation):
+                # latestOffset planned it from the log's first record, as the cluster source does
+                lo = min(self._floor(stream), hi)
             if hi <= lo:
                 continue
             blocks = [b for b in self.store.blocks(stream) if b.end_offset > lo and b.first_offset < hi]
