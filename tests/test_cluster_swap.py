@@ -68,7 +68,16 @@ async def test_a_cluster_driver_swaps_its_pipeline_under_load_and_rolls_a_failed
 
             loads = [Load(servers[i].target, "events", per_tick=100, make=on_node(i)) for i in (0, 1)]
             pushing = [asyncio.create_task(load.run()) for load in loads]
-            await asyncio.sleep(3)
+            # the old query commits records of both nodes first (on a slow machine its first batches
+            # may hold one node's only): each partition's start offset checked below is then > 0
+            deadline = time.monotonic() + 120
+            while True:
+                committed = await asyncio.to_thread(values_in, spark, config.data_dir / "sink")
+                if all(any(v.startswith(b"n%d-" % i) for v in committed) for i in (0, 1)):
+                    break
+                assert time.monotonic() < deadline, "the old query committed no record of a node"
+                assert driver.error() is None, driver.error()
+                await asyncio.sleep(0.5)
             stub = pb_grpc.AdminStub(grpc.aio.insecure_channel(driver.rate_target or ""))
             before = await stub.GetPipeline(pb.GetPipelineRequest())
             assert (before.pipeline, before.generation, before.state) == (
