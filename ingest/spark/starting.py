@@ -167,10 +167,12 @@ def exit_now(signum: int, lock: DataDirLock | None, what: str = "the server") ->
 
 def exit_quietly(code: int, lock: DataDirLock | None) -> None:
     """End the process now with `code`, the data dir's lock released, threads left running or not."""
+    _let_stderr_through()
+    # released last: threads of this process (a start left behind) may run until os._exit, and a second
+    # instance must not take the data dir while they can
     if lock is not None:
         with contextlib.suppress(Exception):
             lock.release()
-    _let_stderr_through()
     os._exit(code)
 
 
