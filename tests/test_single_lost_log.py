@@ -221,3 +221,21 @@ async def test_a_single_server_gives_its_logs_incarnations(tmp_path: Path) -> No
     shutil.rmtree(tmp_path / "blocks" / "a")
     again = await incarnations()
     assert again["b"] == first["b"] and again["a"] and again["a"] != first["a"]
+
+
+def test_a_log_below_an_offset_without_incarnations_is_read_from_its_start_when_loss_is_allowed(
+    tmp_path: Path,
+) -> None:
+    """failOnDataLoss=false and a checkpoint's old-style offset (no incarnations) above where the log now
+    ends: latestOffset planned the log from its first record, but the batch's partitions skipped it
+    (its start was above its end) and the commit then released those blocks unread."""
+    store = WalBlockStore(tmp_path, fsync=FsyncPolicy.off())
+    rows = write_blocks(store, "a", [5, 5])  # the log now: offsets 0..9
+    going_on = reader_for(tmp_path, "a", failOnDataLoss="false")
+    start = {"a": 12}  # the checkpoint's, from a log that had reached 12
+    end = going_on.latestOffset(start, ReadAllAvailable())
+    assert end["a"] == 10
+    read = [b for p in going_on.partitions(start, end) for b in going_on.read(p)]
+    assert rows_of(read) == rows  # every record of the log, once
+    going_on.commit(end)
+    assert store.blocks("a") == []  # released after being read, not instead
