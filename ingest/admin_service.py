@@ -105,7 +105,7 @@ class AdminService(pb_grpc.AdminServicer):
         if not request.set and not request.reset:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "nothing to set or reset")
         changes = dict(request.set)
-        await self._refuse_drivers(changes, context)
+        await self._refuse_drivers(request, context)
         version = self._runtime.version
         not_set = self._runtime.not_set(request.reset)  # nothing to reset there
         reset = [key for key in dict.fromkeys(request.reset) if key not in not_set]
@@ -148,12 +148,17 @@ class AdminService(pb_grpc.AdminServicer):
         view.not_set.extend(not_set)
         return view
 
-    async def _refuse_drivers(self, changes: dict[str, str], context: Context) -> None:
-        """On a receiver node, abort a change of a setting the driver runs by (FAILED_PRECONDITION)."""
+    async def _refuse_drivers(self, request: pb.SetConfigRequest, context: Context) -> None:
+        """On a receiver node, abort a change of a setting the driver runs by (FAILED_PRECONDITION),
+        counting each key of the request "invalid" as any other refused change is (RuntimeConfig.change:
+        the whole request is refused, nothing changed): these refusals were missing from
+        sluice_config_changes_total."""
         if self._driver_target is None:
             return
-        refusal = driver_settings_refusal(changes, self._driver_target())
+        refusal = driver_settings_refusal(dict(request.set), self._driver_target())
         if refusal is not None:
+            # each reset once, as change() takes them
+            self._runtime.count_refused([*request.set, *dict.fromkeys(request.reset)])
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
 
     async def _change_shielded(self, request: pb.SetConfigRequest, peer: str) -> None:

@@ -469,8 +469,7 @@ class RuntimeConfig:
                 overrides.update({k: v.strip() for k, v in set_.items()})
                 new = self._build(overrides)
             except SettingError:
-                for key in [*set_, *reset]:
-                    self._count(key, "invalid")
+                self._count_invalid([*set_, *reset])
                 raise
             old = self.current
             reset = [key for key in reset if key in self.overrides]  # the others: nothing to reset
@@ -485,6 +484,16 @@ class RuntimeConfig:
     def not_set(self, reset: Iterable[str]) -> list[str]:
         """The settings among `reset` that are not set at run time: nothing to reset there."""
         return [key for key in dict.fromkeys(reset) if key in SETTINGS and key not in self.overrides]
+
+    def count_refused(self, keys: Iterable[str]) -> None:
+        """Count each of `keys` "invalid", as change() counts a request it refuses: for a request
+        refused before change() saw it (a receiver node refusing the driver's settings)."""
+        with self._lock:
+            self._count_invalid(keys)
+
+    def _count_invalid(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self._count(key, "invalid")
 
     def _count(self, key: str, result: str) -> None:
         label = key if key in SETTINGS else "unknown"

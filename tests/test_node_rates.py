@@ -579,6 +579,50 @@ async def test_a_receiver_node_refuses_a_config_set_of_the_drivers_rate_settings
         assert shown.returncode == 0 and "min-rate" in shown.stdout, shown
 
 
+async def test_a_receiver_nodes_refusal_of_the_drivers_settings_is_counted_invalid(tmp_path: Path) -> None:
+    """A receiver node refused `sluice config set max-rate=...` (a setting the driver runs by) without
+    counting it: sluice_config_changes_total showed every other refused change (result="invalid", each
+    key of the request) but not these. Each key of such a request is now counted as they are, the
+    node's own setting beside them too (the whole request is refused); nothing is counted "applied".
+    A real receiver node on loopback, its Admin service over gRPC, its /metrics registry."""
+    (cluster,) = loopback_cluster(1)
+    port = int(cluster.me.target.rsplit(":", 1)[1])
+    async with (
+        running_server(tmp_path / "node", cluster=cluster, port=port) as node,
+        grpc.aio.insecure_channel(node.target) as channel,
+    ):
+        stub = pb_grpc.AdminStub(channel)
+        for request in (
+            pb.SetConfigRequest(set={"max-rate": "5000"}),
+            pb.SetConfigRequest(set={"estimator": "model", "block-interval": "0.5"}),
+            pb.SetConfigRequest(set={"trigger-interval": "2"}, validate_only=True),
+            pb.SetConfigRequest(
+                set={"estimator-params": "horizon=3", "min-rate": "10"}, reset=["prefetch", "prefetch"]
+            ),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stub.SetConfig(request)
+            assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION, caught.value.details()
+        # an invalid value of the node's own setting, counted as before
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.SetConfig(pb.SetConfigRequest(set={"block-interval": "-1"}))
+        assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert node.runtime.changes == {
+            ("max-rate", "invalid"): 1,
+            ("estimator", "invalid"): 1,
+            ("block-interval", "invalid"): 2,
+            ("trigger-interval", "invalid"): 1,
+            ("estimator-params", "invalid"): 1,
+            ("min-rate", "invalid"): 1,
+            ("prefetch", "invalid"): 1,
+        }
+        page = generate_latest(node.registry).decode()
+        for key in ("max-rate", "estimator", "trigger-interval", "estimator-params", "min-rate"):
+            assert f'sluice_config_changes_total{{key="{key}",result="invalid"}} 1.0' in page, page
+        assert 'sluice_config_changes_total{key="block-interval",result="invalid"} 2.0' in page, page
+        assert 'result="applied"' not in page and "sluice_config_version 0.0" in page, page
+
+
 async def test_a_receiver_node_ignores_the_drivers_settings_an_earlier_version_kept(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
