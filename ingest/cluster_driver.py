@@ -62,7 +62,7 @@ from ingest.pipeline_state import PipelineStateError
 from ingest.preflight import DataDirLock, bind_address, check_ports, lock_checked
 from ingest.rate_controller import RateController
 from ingest.rate_memory import RateMemory
-from ingest.rate_service import RateControlService, apply_rate_settings, pin_again
+from ingest.rate_service import RateControlService, apply_rate_settings, estimator_change, pin_again
 from ingest.reflection import enable_reflection
 from ingest.runtime_config import RuntimeConfig, SettingError
 from ingest.spark.cluster_source import (
@@ -486,14 +486,8 @@ class ClusterDriver:
         others = [key for key in values if key not in DRIVER_SETTINGS]
         if others:  # the rate API sets none of them; kept, they would stop the next start
             raise SettingError(f"not a driver's setting: {', '.join(others)}")
-        base = self.runtime.base.rate
-        other = values.get("estimator", base.estimator) != base.estimator
-        if "estimator-params" in reset and other and base.estimator_params:
-            # another estimator than --estimator's: --estimator-params are not its parameters (a reset
-            # would leave them in force, and the new estimator refuse them): its own defaults, kept; back
-            # to --estimator (a reset), they are in force again
-            reset = [key for key in reset if key != "estimator-params"]
-            values = {**values, "estimator-params": ""}
+        # another estimator than --estimator's runs with its own defaults, not --estimator-params
+        values, reset = estimator_change(self.runtime.base.rate, values, reset)
         old, new = self.runtime.change(values, reset)
         apply_rate_settings(self.rate, self.runtime, old.rate, new.rate)
         return old, new

@@ -121,6 +121,22 @@ def apply_rate_settings(
                 )
 
 
+def estimator_change(
+    base: RateConfig, values: Mapping[str, str], reset: Sequence[str]
+) -> tuple[Mapping[str, str], Sequence[str]]:
+    """The settings change (`values`, `reset`) the rate API's SetEstimator asks, made right for the
+    start's estimator parameters (`base`: the command line's, the environment's or the config file's
+    rate): to another estimator than the start's, its reset of estimator-params would leave the start's
+    in force, which are not the new estimator's (spark-pid's gains refused by model: the switch was
+    refused); it runs with its own defaults instead (kept as estimator-params = ""). Back to the
+    start's estimator (a reset), they are in force again. A single server's and a cluster driver's."""
+    other = values.get("estimator", base.estimator) != base.estimator
+    if "estimator-params" in reset and other and base.estimator_params:
+        reset = [key for key in reset if key != "estimator-params"]
+        values = {**values, "estimator-params": ""}
+    return values, reset
+
+
 def pin_again(controller: RateController, runtime: RuntimeConfig) -> None:
     """Pin the rate an operator pinned before the restart (`sluice rate set RATE --pin`, kept in
     runtime-config.json: RuntimeConfig.pinned_rate) again, and say so: it was lost without a word. A

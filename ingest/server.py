@@ -30,7 +30,7 @@ from ingest.metrics import (
 from ingest.pipeline_control import PipelineControl
 from ingest.preflight import DataDirLock, bind_address, make_dirs
 from ingest.rate_controller import WATCHDOG_TICK, RateController
-from ingest.rate_service import RateControlService, apply_rate_settings, pin_again
+from ingest.rate_service import RateControlService, apply_rate_settings, estimator_change, pin_again
 from ingest.receiver_node import ReceiverNode
 from ingest.reflection import enable_reflection
 from ingest.runtime_config import RuntimeConfig
@@ -477,7 +477,9 @@ class SluiceServer:
         """Change run-time settings as `sluice config set` does (validated whole, kept in the data dir,
         applied): (old, new). The rate API's bounds and estimator are such settings, so that `sluice
         config get` shows what is in force and a restart keeps it. SettingError, OSError: nothing
-        changed."""
+        changed. Another estimator than the start's runs with its own parameters, not the start's
+        --estimator-params (which it refused, and the switch with it): estimator_change."""
+        values, reset = estimator_change(self.runtime.base.rate, values, reset)
         old, new = self.runtime.change(values, reset)
         self.apply_settings(old, new)
         return old, new

@@ -40,10 +40,12 @@ async def running_server(
     port: int = 0,
     peer_token_file: Path | None = None,
     max_message_bytes: int | None = None,
+    rate: RateConfig | None = None,
     **receiver: Any,
 ) -> AsyncIterator[SluiceServer]:
     """A SluiceServer without Spark on a free port of `host` (loopback); `receiver` overrides
-    ReceiverConfig, `security` (TLS, auth file, limits) is none unless given."""
+    ReceiverConfig, `security` (TLS, auth file, limits) is none unless given, `rate` is the start's
+    (as the command line gives it; fixed and unthrottled unless given)."""
     config = ServeConfig(
         host=host,
         port=port,
@@ -52,7 +54,8 @@ async def running_server(
         data_dir=data_dir,
         streams=streams or ("s",),
         receiver=ReceiverConfig(**{"block_interval": 0.02, **receiver}),
-        rate=RateConfig(estimator="fixed", initial_rate=math.inf),  # unthrottled unless a test says so
+        # unthrottled unless a test says so
+        rate=rate or RateConfig(estimator="fixed", initial_rate=math.inf),
         spark=False,
         segment_bytes=segment_bytes,
         security=security or SecurityConfig(),

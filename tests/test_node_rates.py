@@ -744,6 +744,31 @@ async def test_a_cluster_drivers_rate_bounds_and_estimator_are_kept_across_its_r
         assert driver.rate.estimator.name == "model" and driver.rate.rate == 10_000
 
 
+async def test_a_cluster_driver_switches_away_from_the_estimator_its_start_gave_parameters(
+    tmp_path: Path,
+) -> None:
+    """The driver's `sluice rate estimator` to another estimator than --estimator runs it with its own
+    defaults, not --estimator-params (which it would refuse); back to --estimator they are in force
+    again (rate_service.estimator_change, shared with a single server). Its real RateControl server."""
+    from ingest.cluster_driver import DriverConfig
+
+    start = RateConfig(estimator="spark-pid", estimator_params={"proportional": 0.5})
+    config = DriverConfig(nodes={0: "127.0.0.1:1"}, streams=("s",), data_dir=tmp_path / "driver", rate=start)
+    config.data_dir.mkdir()
+    async with (
+        _driver_serving_rate(config) as (driver, target),
+        grpc.aio.insecure_channel(target) as channel,
+    ):
+        rate = pb_grpc.RateControlStub(channel)
+        for name in ("model", "fixed"):
+            await rate.SetEstimator(pb.SetEstimatorRequest(estimator=name))
+            assert driver.rate.estimator.name == name
+            assert driver.runtime.overrides["estimator-params"] == ""
+        await rate.SetEstimator(pb.SetEstimatorRequest(estimator="spark-pid"))
+        assert driver.rate.estimator.state()["proportional"] == 0.5
+        assert "estimator-params" not in driver.runtime.overrides
+
+
 @contextlib.asynccontextmanager
 async def _driver_serving_rate(config: Any) -> AsyncIterator[tuple[Any, str]]:
     """A ClusterDriver on `config` (a restart: a new driver on the same data dir) with its real

@@ -13,13 +13,14 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import grpc
 import pytest
 from prometheus_client import generate_latest
 
-from ingest.config import parse_estimator_params
+from ingest.config import RateConfig, parse_estimator_params
 from ingest.server import SluiceServer
 from sluice_client import Producer
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
@@ -415,6 +416,45 @@ async def test_the_rate_apis_bounds_and_estimator_are_the_settings_in_force(tmp_
     async with running_server(tmp_path / "d", "s") as server:  # kept across a restart
         assert (server.rate.bounds.min_rate, server.rate.bounds.max_rate) == (300, 4000)
         assert server.rate.estimator.name == "spark-pid"
+
+
+async def test_the_rate_api_switches_away_from_the_estimator_the_start_gave_parameters(
+    tmp_path: Path,
+) -> None:
+    """`sluice serve --estimator spark-pid --estimator-params proportional=0.5`, then `sluice rate
+    estimator model`: refused INVALID_ARGUMENT "estimator 'model' has no parameter 'proportional'" (and
+    fixed likewise): the switch reset the estimator-params set at run time only, and the start's stayed
+    in force for an estimator they are not of. Another estimator now runs with its own defaults (kept
+    so across a restart); back to spark-pid, the start's parameters are in force again, as on a
+    cluster's driver."""
+    start = RateConfig(estimator="spark-pid", initial_rate=math.inf, estimator_params={"proportional": 0.5})
+
+    def serving() -> AbstractAsyncContextManager[SluiceServer]:
+        return running_server(tmp_path / "d", "s", rate=start)
+
+    async with (
+        serving() as server,
+        grpc.aio.insecure_channel(server.target) as channel,
+        admin(server) as stub,
+    ):
+        rate = pb_grpc.RateControlStub(channel)
+        assert server.rate.estimator.state()["proportional"] == 0.5
+        for name in ("model", "fixed", "model"):
+            status = await rate.SetEstimator(pb.SetEstimatorRequest(estimator=name))
+            assert status.estimator == name and server.rate.estimator.name == name
+            got = settings(await stub.GetConfig(pb.GetConfigRequest(keys=["estimator-params"])))
+            assert got == {"estimator-params": ("", "dynamic")}
+        # the bounds still change alone
+        await rate.SetBounds(pb.SetBoundsRequest(min_rate=200, max_rate=9000))
+        assert server.rate.estimator.name == "model"
+    async with serving() as server, grpc.aio.insecure_channel(server.target) as channel:
+        assert server.rate.estimator.name == "model"  # its own defaults, kept
+        assert server.rate.estimator.state()["horizon"] == 4.0
+        rate = pb_grpc.RateControlStub(channel)
+        await rate.SetEstimator(pb.SetEstimatorRequest(estimator="spark-pid"))
+        assert server.rate.estimator.name == "spark-pid"
+        assert server.rate.estimator.state()["proportional"] == 0.5  # the start's, in force again
+        assert "estimator-params" not in server.runtime.overrides
 
 
 async def test_a_pinned_rate_is_kept_across_a_restart_and_said(
