@@ -1165,18 +1165,37 @@ def _refuse_driver_settings(args: argparse.Namespace) -> None:
     silently capped the whole cluster."""
     keys = _serve_keys()
     given: dict[str, str] = {}
+    flags_given: list[str] = []
+    envs_given: list[str] = []
+    files_given: dict[str, list[str]] = {}  # config file -> its keys
     for name in DRIVER_SETTINGS:
         origin = args.origins.get(keys[name].dest)
         if origin is None or origin.source not in (FLAG, ENV, FILE):
             continue
         if origin.source == FLAG:
             given[name] = f"the flag {origin.key.flag}"
+            flags_given.append(origin.key.flag)
         elif origin.source == ENV:
             given[name] = f"{origin.key.env} in the environment"
+            envs_given.append(origin.key.env)
         else:
             given[name] = f"{origin.key.name} in the config file {origin.where}"
+            files_given.setdefault(origin.where, []).append(origin.key.name)
     if not given:
         return
+    # what to do here, by where each came from: an environment or a config file shared with the
+    # driver (which takes them) stops the nodes until they are the driver's alone
+    here = []
+    if flags_given:
+        here.append(f"drop {', '.join(flags_given)} from the node's command line")
+    if envs_given:
+        one = "them" if len(envs_given) > 1 else "it"
+        shared = f"an environment shared with the driver: set {one} for the driver alone"
+        here.append(f"unset {', '.join(envs_given)} in the node's environment ({shared})")
+    for path, names in files_given.items():
+        one = "them" if len(names) > 1 else "it"
+        shared = f"a file shared with the driver: give the nodes one without {one}"
+        here.append(f"take {', '.join(names)} out of the config file {path} ({shared})")
     there = "--target DRIVER_HOST:PORT"
     word = re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", args.estimator or "", re.ASCII)  # not a caller's bytes
     estimator = args.estimator if word else "NAME"
@@ -1200,8 +1219,9 @@ def _refuse_driver_settings(args: argparse.Namespace) -> None:
     raise ConfigError(
         f"--role receiver does not take {', '.join(given.values())}: the cluster's driver runs the rate "
         "control and the query and pins each node's share of the cluster's rate, which a node's own "
-        f"bounds would clamp; remove {them} here and give {them} to the driver: at its start, `sluice "
-        f"serve --role driver {' '.join(flags)} ...`{later}"
+        f"bounds would clamp; on this node, {'; '.join(here)}; and give {them} to the driver: at its "
+        f"start, `sluice serve --role driver {' '.join(flags)} ...` (or the same in its environment or "
+        f"config file){later}"
     )
 
 

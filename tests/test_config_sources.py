@@ -499,6 +499,7 @@ def test_a_receiver_node_refuses_the_drivers_rate_settings_at_its_start(tmp_path
                 f"{driver} --max-rate 1000 --estimator spark-pid ...`",
                 "`sluice rate bounds MIN 1000 --target DRIVER_HOST:PORT`",
                 "`sluice rate estimator spark-pid --target DRIVER_HOST:PORT`",
+                "on this node, drop --max-rate, --estimator from the node's command line; and give them",
             ],
         ),
         (
@@ -512,7 +513,24 @@ def test_a_receiver_node_refuses_the_drivers_rate_settings_at_its_start(tmp_path
         (
             [],
             clean_env(SLUICE_MAX_RATE="1000"),
-            ["does not take SLUICE_MAX_RATE in the environment: ", f"{driver} --max-rate 1000 ...`"],
+            [
+                "does not take SLUICE_MAX_RATE in the environment: ",
+                f"{driver} --max-rate 1000 ...` (or the same in its environment or config file)",
+                # an environment shared by the driver and its nodes: what to do on the node
+                "on this node, unset SLUICE_MAX_RATE in the node's environment (an environment shared "
+                "with the driver: set it for the driver alone)",
+            ],
+        ),
+        (
+            ["--trigger-interval", "2"],
+            clean_env(SLUICE_ESTIMATOR="spark-pid", SLUICE_MIN_RATE="10"),
+            [
+                "SLUICE_MIN_RATE in the environment, SLUICE_ESTIMATOR in the environment, the flag "
+                "--trigger-interval: ",
+                "drop --trigger-interval from the node's command line; unset SLUICE_MIN_RATE, "
+                "SLUICE_ESTIMATOR in the node's environment (an environment shared with the driver: set "
+                "them for the driver alone); and give them to the driver",
+            ],
         ),
         (
             ["--config", str(config)],
@@ -520,6 +538,8 @@ def test_a_receiver_node_refuses_the_drivers_rate_settings_at_its_start(tmp_path
             [
                 f"min-rate in the config file {config}, estimator-params in the config file {config}: ",
                 "`sluice rate bounds 50 MAX --target DRIVER_HOST:PORT`",
+                f"take min-rate, estimator-params out of the config file {config} (a file shared with "
+                "the driver: give the nodes one without them)",
             ],
         ),
     ]
