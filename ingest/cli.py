@@ -207,7 +207,9 @@ def _layer_settings(args: argparse.Namespace, argv: Sequence[str], environ: Mapp
     if config_file is None and environ.get(CONFIG_ENV):
         config_file = Path(environ[CONFIG_ENV])
     args.config = config_file
-    args.origins = apply_sources(args, keys, explicit_dests(_parser(), argv), environ, config_file)
+    args.shadowed = {}
+    explicit = explicit_dests(_parser(), argv)
+    args.origins = apply_sources(args, keys, explicit, environ, config_file, shadowed=args.shadowed)
 
 
 def _serve_keys() -> dict[str, Key]:
@@ -1168,19 +1170,25 @@ def _refuse_driver_settings(args: argparse.Namespace) -> None:
     flags_given: list[str] = []
     envs_given: list[str] = []
     files_given: dict[str, list[str]] = {}  # config file -> its keys
+    shadowed: Mapping[str, list[Origin]] = getattr(args, "shadowed", {})
     for name in DRIVER_SETTINGS:
         origin = args.origins.get(keys[name].dest)
         if origin is None or origin.source not in (FLAG, ENV, FILE):
             continue
-        if origin.source == FLAG:
-            given[name] = f"the flag {origin.key.flag}"
-            flags_given.append(origin.key.flag)
-        elif origin.source == ENV:
-            given[name] = f"{origin.key.env} in the environment"
-            envs_given.append(origin.key.env)
-        else:
-            given[name] = f"{origin.key.name} in the config file {origin.where}"
-            files_given.setdefault(origin.where, []).append(origin.key.name)
+        # the one in force, and those it hides (SLUICE_MAX_RATE under --max-rate, a file's key under
+        # the environment's): each named, or the next start stops at the one left
+        places = []
+        for each in [origin, *reversed(shadowed.get(keys[name].dest, []))]:
+            if each.source == FLAG:
+                places.append(f"the flag {each.key.flag}")
+                flags_given.append(each.key.flag)
+            elif each.source == ENV:
+                places.append(f"{each.key.env} in the environment")
+                envs_given.append(each.key.env)
+            else:
+                places.append(f"{each.key.name} in the config file {each.where}")
+                files_given.setdefault(each.where, []).append(each.key.name)
+        given[name] = " over ".join(places)
     if not given:
         return
     # what to do here, by where each came from: an environment or a config file shared with the

@@ -258,9 +258,14 @@ def apply_sources(
     explicit: set[str],
     environ: Mapping[str, str],
     config_file: Path | None,
+    *,
+    shadowed: dict[str, list[Origin]] | None = None,
 ) -> dict[str, Origin]:
     """Fill `args` (parsed from the command line) with the environment's and the file's values for
-    every destination the command line left at its default; destination -> Origin of its value."""
+    every destination the command line left at its default; destination -> Origin of its value.
+    `shadowed` (when given) gets destination -> the Origins of values given there too but not in
+    force (a file's under the environment's or a flag's, the environment's under a flag's), lowest
+    first: what a refusal of the setting must name as well, or the next start meets them."""
     origins: dict[str, Origin] = {}
     for key in keys.values():
         if key.dest not in origins:  # the first key of a destination names it (--fsync, not --no-fsync)
@@ -274,8 +279,14 @@ def apply_sources(
             key = keys[name]
             where = key.env if source == ENV else f"{name} (in {path})"
             converted = convert(key, value, where, from_env=source == ENV)
-            if key.dest in explicit or converted is _UNSET:
+            if converted is _UNSET:
                 continue
+            if key.dest in explicit:
+                if shadowed is not None:
+                    shadowed.setdefault(key.dest, []).append(Origin(source, key, path))
+                continue
+            if shadowed is not None and origins[key.dest].source == FILE:  # the environment's wins
+                shadowed.setdefault(key.dest, []).append(origins[key.dest])
             setattr(args, key.dest, converted)
             origins[key.dest] = Origin(source, key, path)
     return origins

@@ -533,6 +533,19 @@ def test_a_receiver_node_refuses_the_drivers_rate_settings_at_its_start(tmp_path
             ],
         ),
         (
+            # one setting given in three places: each named (the next start met the one left)
+            ["--config", str(config), "--min-rate", "20"],
+            clean_env(SLUICE_MIN_RATE="30"),
+            [
+                "does not take the flag --min-rate over SLUICE_MIN_RATE in the environment over "
+                f"min-rate in the config file {config}, estimator-params in the config file {config}: ",
+                "drop --min-rate from the node's command line; unset SLUICE_MIN_RATE in the node's "
+                f"environment (an environment shared with the driver: set it for the driver alone); "
+                f"take min-rate, estimator-params out of the config file {config}",
+                "`sluice rate bounds 20 MAX --target DRIVER_HOST:PORT`",
+            ],
+        ),
+        (
             ["--config", str(config)],
             clean_env(),
             [
