@@ -468,8 +468,16 @@ class RuntimeConfig:
                 overrides = {k: v for k, v in self.overrides.items() if k not in reset}
                 overrides.update({k: v.strip() for k, v in set_.items()})
                 new = self._build(overrides)
-            except SettingError:
+            except SettingError as exc:
                 self._count_invalid([*set_, *reset])
+                if "estimator" in set_ and "estimator-params" not in set_ and "has no parameter" in str(exc):
+                    # the parameters in force are another estimator's: say how to switch
+                    raise SettingError(
+                        f"{exc}; the estimator-params in force are another estimator's: give "
+                        f"estimator-params with it (`sluice config set estimator={set_['estimator'].strip()} "
+                        "estimator-params=` for its defaults), or `sluice rate estimator "
+                        f"{set_['estimator'].strip()}`"
+                    ) from None
                 raise
             old = self.current
             reset = [key for key in reset if key in self.overrides]  # the others: nothing to reset

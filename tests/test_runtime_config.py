@@ -195,7 +195,8 @@ async def test_the_estimator_and_its_parameters_change_together(tmp_path: Path) 
         # parameters of one estimator do not fit another: the operator changes both at once
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await stub.SetConfig(pb.SetConfigRequest(set={"estimator": "model"}))
-        assert "proportional" in (caught.value.details() or "")
+        said = caught.value.details() or ""
+        assert "proportional" in said and "sluice config set estimator=model estimator-params=" in said, said
         await stub.SetConfig(pb.SetConfigRequest(set={"estimator": "model", "estimator-params": ""}))
         assert server.rate.estimator.name == "model"
 
