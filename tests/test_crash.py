@@ -123,6 +123,7 @@ def assert_exactly_once(sink: Path, expected: int) -> None:
 
 
 @pytest.mark.spark
+@pytest.mark.timeout(900)  # five Spark starts, a minute each on a slow, loaded machine
 def test_sigkill_at_random_moments_loses_and_doubles_nothing(tmp_path: Path) -> None:
     rng = random.Random(int(os.environ.get("SLUICE_CRASH_SEED", "5")))
     port = free_port()
@@ -155,8 +156,10 @@ def test_sigkill_at_random_moments_loses_and_doubles_nothing(tmp_path: Path) -> 
     finally:
         if producer.poll() is None:
             producer.kill()
+        producer.wait()
         if service.proc is not None and service.proc.poll() is None:
             os.killpg(service.proc.pid, signal.SIGKILL)
+            service.proc.wait()  # reaped: not a "still running" warning in a later test
     assert_exactly_once(tmp_path / "data" / "sink", acked)
 
 

@@ -586,6 +586,7 @@ async def test_keep_state_continues_the_old_checkpoint(spark: Any, tmp_path: Pat
         load = Load(server.target, "events")
         pushing = asyncio.create_task(load.run())
         await asyncio.sleep(3)
+        await wait_for_offsets(spark, 1, tmp_path / "sink")  # the old query wrote rows (slow machines)
         stub = admin(server)
         before = await stub.GetPipeline(pb.GetPipelineRequest())
         view = await stub.SwapPipeline(
