@@ -105,7 +105,9 @@ class ReplicaStore:
             store = self._stores.get(owner)
             if store is None:
                 segment_bytes = DEFAULT_SEGMENT_BYTES if self._segment_bytes is None else self._segment_bytes
-                store = WalBlockStore(self.root / str(owner), fsync=self._fsync, segment_bytes=segment_bytes)
+                store = WalBlockStore(
+                    self.root / str(owner), fsync=self._fsync, segment_bytes=segment_bytes, gaps=True
+                )
                 self._stores[owner] = store
             return store
 

@@ -41,12 +41,18 @@ Recovery (recover(), at receiver start) reads every frame and checks magic, vers
 that seqs increase. At the first bad or incomplete frame of a segment the segment is truncated there (and
 fsynced): a WARNING names stream, segment, offset and bytes cut, and the truncation is counted in
 `stats`. A torn tail of the newest segment is the normal trace of a crash mid-write (such a block was
-never acked under "every-block"). A bad frame in an older segment means the log itself was damaged: the
-rest of that segment is cut too, the later segments are kept, and an ERROR names the seqs lost. Under
-"every-block", a bad frame with sound frames after it in its segment cannot be a crash's trace (each block
-is written after the one before it was fsynced): recovery raises DamagedLogError naming the segment and
-the intact blocks rather than cut acknowledged blocks that are whole (etcd's WAL refuses such damage the
-same way; the operator restores the segment or moves it aside). Otherwise bad data on disk never makes
+never acked under "every-block"). Acknowledged blocks never released are not cut or passed over under
+"every-block" and "interval": recovery raises DamagedLogError naming them and what to do when
+  - a bad frame has sound frames after it in its segment, under "every-block" (each block is written
+    after the one before it was fsynced, so that is no crash's trace: _refuse_if_intact_after);
+  - a bad frame in an older segment loses blocks the later segments do not hold: a segment is on disk
+    whole before the next one is made (every block fsynced, or under "interval" the segment fsynced at
+    the roll-over), so that is damage (_refuse_lost_blocks);
+  - blocks above the released mark are missing between segments or before the oldest one: a segment
+    deleted or lost (_refuse_missing; not for a copy that goes on after gaps, `gaps`).
+Under "off" a power loss can take any part of the log: those are cut or passed with an ERROR naming the
+blocks lost. (etcd's WAL refuses such damage the same way; the operator restores the segment or moves
+it and the later ones aside.) Otherwise bad data on disk never makes
 recovery fail; only real I/O errors (permissions, ...) raise.
 
 Readers (Spark executors, other processes) index segments by their frame headers, seeking over payloads,
@@ -147,8 +153,9 @@ class BlockNotFoundError(WalError, LookupError):
 
 
 class DamagedLogError(WalError):
-    """A segment has a bad frame with intact frames after it, under a policy that fsyncs each block
-    before its ack: damage to acknowledged blocks, not a crash's torn tail. Recovery refuses to cut it."""
+    """Acknowledged blocks never released are damaged or missing (a bad frame with intact frames after
+    it, an older segment's bad tail, a segment deleted), under a policy that makes each block durable
+    before its ack: not a crash's torn tail. Recovery refuses to cut or pass over them."""
 
 
 # ---- statistics ----------------------------------------------------------------------------------
@@ -276,6 +283,30 @@ class _Released:
     skipped_to: int = 0
     """The seq where the log went on after it was last lost (skip_to): it never held the blocks below
     (0: never lost). Kept for good, releases past it or not."""
+    damaged: bool = False
+    """released.json was there but unreadable (read as nothing released): where the log must begin is
+    not known, so recovery does not take the blocks below its first segment for missing."""
+
+
+@dataclass
+class _Expected:
+    """Recovery's view of the block the log must hold next: the released mark's, then the one after
+    each block found (blocks below the mark may be gone: Spark read them)."""
+
+    seq: int
+    offset: int
+    released_seq: int
+    released_offset: int
+    after: Path | None = None
+    """The segment holding the block before (None: none yet, the released mark's)."""
+    known: bool = True
+    """False: the released mark is unreadable, so where the log must begin is not known."""
+
+    def passed(self, seq: int, offset: int, path: Path) -> None:
+        self.seq = max(seq, self.released_seq)
+        self.offset = max(offset, self.released_offset)
+        self.after = path
+        self.known = True
 
 
 @dataclass
@@ -422,17 +453,22 @@ class WalBlockStore(BlockStore):
         fsync: FsyncPolicy | None = None,
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         direct_io: bool = True,
+        gaps: bool = False,
     ) -> None:
         """`direct_io`: write segments with O_DIRECT where the file system allows (see ALIGN), under
         every fsync policy (through the page cache, not fsyncing saved nothing: the copy into the cache
         and its writeback cost more CPU than the device's write); False writes through the page cache
-        (and pads nothing)."""
+        (and pads nothing). `gaps`: the log may lack blocks between others by design (a copy that went
+        on after a gap, continue_at), so recovery takes blocks missing before a segment or a cut older
+        segment as it always did (an ERROR for the cut); False (an owner's log): under "every-block" and
+        "interval" they stop recovery with DamagedLogError."""
         if segment_bytes < 1:
             raise ValueError(f"segment_bytes must be >= 1, got {segment_bytes}")
         self.root = Path(root)
         self.fsync = fsync if fsync is not None else FsyncPolicy.every_block()
         self.segment_bytes = segment_bytes
         self.direct_io = direct_io
+        self.gaps = gaps
         self._writers: dict[str, _Writer] = {}
         self._writers_lock = threading.Lock()
         self._index: dict[Path, _SegmentIndex] = {}
@@ -716,22 +752,28 @@ class WalBlockStore(BlockStore):
         blocks = records = 0
         if not folder.is_dir():
             return 0, 0
-        for name_seq, path in self._segments(folder):
+        cut: list[tuple[Path, int]] = []
+        # the newest first, and those segments' deletion durable before an older one is cut: a crash
+        # midway leaves a log that ends early, never one with blocks missing before later ones (which
+        # recovery refuses as damage)
+        for name_seq, path in reversed(self._segments(folder)):
             frames = [f for f in self._segment_frames(path) if f.header.seq >= seq]
             blocks += len(frames)
             records += sum(f.header.count for f in frames)
             if name_seq >= seq and name_seq > 0:
                 path.unlink(missing_ok=True)  # wholly past the cut (the first segment stays, emptied)
             elif frames:
-                with open(path, "r+b") as file:
-                    file.truncate(frames[0].offset)
-                    if self.fsync.mode != "off":
-                        os.fsync(file.fileno())
+                cut.append((path, frames[0].offset))
+        if self.fsync.mode != "off":
+            _fsync_path(folder)
+        for path, at in cut:
+            with open(path, "r+b") as file:
+                file.truncate(at)
+                if self.fsync.mode != "off":
+                    os.fsync(file.fileno())
         with self._index_lock:
             for key in [k for k in self._index if k.parent == folder]:
                 del self._index[key]
-        if self.fsync.mode != "off":
-            _fsync_path(folder)
         return blocks, records
 
     def released_offset(self, stream: str) -> int:
@@ -1042,12 +1084,25 @@ class WalBlockStore(BlockStore):
         newest_path: Path | None = None
         newest_size = 0
         emptied = []
+        # the next block the log must hold: blocks below the released mark may be gone (Spark read them)
+        expect = _Expected(
+            released.next_seq,
+            released.next_offset,
+            released.next_seq,
+            released.next_offset,
+            None,
+            not released.damaged,
+        )
         for i, (name_seq, path) in enumerate(segments):
             newest = i == len(segments) - 1
             next_seq = max(next_seq, name_seq)
+            later = [p for _, p in segments[i + 1 :]]
             try:
                 size, frames, last_seq = self._check_segment(path, last_seq, producers, stats)
-                self._refuse_if_intact_after(stream, path, size, last_seq)
+                self._refuse_missing(
+                    stream, path=path, name_seq=name_seq, frames=frames, expect=expect, later=later
+                )
+                self._refuse_if_intact_after(stream, path, size, last_seq, later)
                 if size < _file_size(path) or (not frames and not newest):
                     self._cut(
                         stream=stream,
@@ -1058,6 +1113,8 @@ class WalBlockStore(BlockStore):
                         name_seq=name_seq,
                         released=released.next_seq,
                         stats=stats,
+                        later=later,
+                        expect=expect,
                     )
             except FileNotFoundError:
                 continue  # released meanwhile (by Spark, in another process)
@@ -1111,24 +1168,144 @@ class WalBlockStore(BlockStore):
         stats.frames_recovered += len(frames)
         return pos, frames, last_seq
 
-    def _refuse_if_intact_after(self, stream: str, path: Path, bad: int, last_seq: int) -> None:
+    def _refuse_missing(
+        self,
+        stream: str,
+        *,
+        path: Path,
+        name_seq: int,
+        frames: list[_Frame],
+        expect: _Expected,
+        later: list[Path],
+    ) -> None:
+        """DamagedLogError if blocks that were never released are missing before `path` or between its
+        frames (a segment deleted or lost): a segment is named after its first block and each block
+        follows the one before, so such a gap is not a crash's trace but acknowledged blocks gone, which
+        the log went on without a word (and Spark's offsets with it). Under "off" (no fsync: a power loss
+        can take any part of the log) an ERROR names them and recovery goes on. A copy (`gaps`) skips
+        the check: it goes on after gaps by design (continue_at)."""
+        if self.gaps:
+            return
+        # a segment without frames (the newest, made at a crash right before its first block) still
+        # says, by its name, that every block before it was written
+        found: list[tuple[int, int | None, int | None]] = [
+            (f.header.seq, f.header.first_offset, f.header.first_offset + f.header.count) for f in frames
+        ]
+        for seq, first_offset, end in found or [(name_seq, None, None)]:
+            if expect.known and seq > expect.seq:
+                self._missing(
+                    stream, path=path, expect=expect, seq=seq, first_offset=first_offset, later=later
+                )
+            if end is not None:
+                expect.passed(seq + 1, end, path)
+
+    def _missing(
+        self,
+        stream: str,
+        *,
+        path: Path,
+        expect: _Expected,
+        seq: int,
+        first_offset: int | None,
+        later: list[Path],
+    ) -> None:
+        """Blocks expect.seq..seq-1 are missing before the frame of `seq` in `path`: refuse, or (under
+        "off") log it."""
+        records = (
+            f"records {expect.offset}..{first_offset - 1}"
+            if first_offset is not None and first_offset > expect.offset
+            else f"records from offset {expect.offset}"
+        )
+        if expect.after is None:
+            where = (
+                f"before {path.name}, the oldest segment (the released mark, {STATE_FILE}, is at block "
+                f"{expect.released_seq}: every block from there on was never released)"
+            )
+        elif expect.after == path:
+            where = f"inside {path.name}, before block {seq}"
+        else:
+            where = f"between segments {expect.after.name} and {path.name}"
+        if self.fsync.mode == "off":
+            log.error(
+                "stream %r: the log is damaged: blocks %d..%d (%s) are missing %s: lost (under --fsync off a "
+                "power loss may take any part of the log)",
+                stream,
+                expect.seq,
+                seq - 1,
+                records,
+                where,
+            )
+            expect.seq = seq  # the frame of `seq` follows: not a gap twice
+            return
+        move = [path, *later]
+        raise DamagedLogError(
+            f"stream {stream!r}: blocks {expect.seq}..{seq - 1} ({records}) are missing from the log in "
+            f"{path.parent}, {where}: a segment of acknowledged blocks that were never released was "
+            "deleted or lost, not the torn tail a crash leaves, so the log does not go on without them. "
+            "Restore the missing segment (a backup, a replica's copy), or move "
+            + (f"{path.name} and every later segment ({len(move)} files)" if later else path.name)
+            + " out of the folder and start again: their blocks are then lost too, and the log goes on "
+            f"at block {expect.seq}"
+        )
+
+    def _refuse_lost_blocks(
+        self,
+        stream: str,
+        *,
+        path: Path,
+        good: int,
+        frames: list[_Frame],
+        name_seq: int,
+        next_name: int | None,
+        released: int,
+        later: list[Path],
+    ) -> None:
+        """DamagedLogError if cutting the older segment `path` at `good` loses blocks that were never
+        released (the later segments start past them). Under "every-block" each block was fsynced before
+        the next one was written, and under "interval" a segment is fsynced whole before the next one is
+        made: an older segment is on disk whole before a later one exists, so a bad frame in it is damage
+        to acknowledged blocks, not a torn tail. (A failed write whose undo failed leaves bytes at the end
+        of a segment and goes on in a new one named after that very block: cut, nothing lost.) Under
+        "off" a power loss may leave an older segment's tail unwritten while a later one is on disk:
+        cut, with the ERROR _cut logs."""
+        if self.gaps or self.fsync.mode == "off" or next_name is None:
+            return
+        lost_from = max(frames[-1].header.seq + 1 if frames else name_seq, released)
+        if next_name <= lost_from:
+            return
+        after = f"after block {frames[-1].header.seq}" if frames else "its first block"
+        raise DamagedLogError(
+            f"stream {stream!r}: the log segment {path} is damaged at byte {good:,} ({after}): blocks "
+            f"{lost_from}..{next_name - 1} are not whole in it, and the later segment {later[0].name} "
+            f"starts at block {next_name}. Under --fsync {self.fsync} a segment is on disk whole before "
+            "the next one is made, so this is not the torn tail a crash leaves but damage to acknowledged "
+            "blocks, and it is not cut. Keep a copy of the segment, then restore it (a backup, a "
+            f"replica's copy), or move it and every later segment ({1 + len(later)} files) out of the "
+            "folder and start again: their blocks are then lost, and the log goes on after the blocks "
+            "before it"
+        )
+
+    def _refuse_if_intact_after(
+        self, stream: str, path: Path, bad: int, last_seq: int, later: Sequence[Path] = ()
+    ) -> None:
         """DamagedLogError if the segment's good part ends at `bad` and sound frames follow. Under
         "every-block" a block is written only after the one before it was fsynced, so a crash can tear
         the last frame alone: a bad frame with sound ones after it is damage (a bad sector, a stray
         write), and cutting there would delete acked blocks that are intact. (Under "interval" or
         "off" the frames after the last fsync were never acked and a power loss may leave them in any
-        state: cut as before.)"""
+        state: cut as before, in the newest segment; _refuse_lost_blocks refuses an older one's.)"""
         if self.fsync.mode != "every-block" or bad >= _file_size(path):
             return
         intact = _intact_after(path, bad, last_seq)
         if intact:
+            move = f"it and every later segment ({1 + len(later)} files)" if later else "it"
             raise DamagedLogError(
                 f"stream {stream!r}: the log segment {path} is damaged at byte {bad:,} (the block after "
                 f"seq {last_seq}) and {len(intact)} intact blocks follow it (seqs {intact[0].seq}.."
                 f"{intact[-1].seq}): not the torn tail a crash leaves, but damage to acknowledged "
                 "blocks, so it is not cut. Keep a copy of the segment, then restore it (a backup, a "
-                "replica's copy), or move it out of the folder and start again: its blocks are then "
-                "lost, and the log goes on after the blocks before it"
+                f"replica's copy), or move {move} out of the folder and start again: their blocks are "
+                "then lost, and the log goes on after the blocks before it"
             )
 
     def _cut(
@@ -1142,7 +1319,20 @@ class WalBlockStore(BlockStore):
         name_seq: int,
         released: int,
         stats: WalStats,
+        later: list[Path],
+        expect: _Expected,
     ) -> None:
+        """Cut `path` at `good` (a torn or bad tail), or refuse to (_refuse_lost_blocks)."""
+        self._refuse_lost_blocks(
+            stream,
+            path=path,
+            good=good,
+            frames=frames,
+            name_seq=name_seq,
+            next_name=next_name,
+            released=released,
+            later=later,
+        )
         size = _file_size(path)
         cut = size - good
         if cut > 0:
@@ -1169,6 +1359,8 @@ class WalBlockStore(BlockStore):
                 next_name - 1,
                 path.name,
             )
+        if next_name is not None:  # the blocks cut, if any, were named in that ERROR: no gap after it
+            expect.passed(next_name, expect.offset, path)
 
     # ---- appending -----------------------------------------------------------------------------
 
@@ -1461,7 +1653,7 @@ class WalBlockStore(BlockStore):
         except (ValueError, KeyError, TypeError, AttributeError):
             # written atomically, so this is damage: numbering then continues from the log alone
             log.exception("stream %r: %s is unreadable; ignoring it", stream, path)
-            state = _Released()
+            state = _Released(damaged=True)
         self._released[stream] = (key, state)
         return state
 

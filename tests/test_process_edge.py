@@ -313,6 +313,52 @@ def test_a_server_whose_data_dir_is_removed_stops_and_a_new_one_starts_there(
     assert (data_dir / "sluice.lock").read_text().strip() == str(second.proc.pid)
 
 
+@pytest.mark.parametrize("damage", ["missing", "cut"])
+def test_serve_refuses_a_log_that_lost_acked_blocks(
+    tmp_path: Path, servers: list[Serve], damage: str
+) -> None:
+    """An older segment removed (or cut mid-frame) between a stop and a start: serve started with no
+    word, its log's seqs and offsets with a gap (`streams list` counted the lost records in the
+    backlog), new records appended after it; or cut the damaged segment with an ERROR and served. Under
+    the default fsync (every block before its ack) both are acked blocks gone: serve exits 1 naming the
+    stream, the blocks, the files and what to do, and leaves the log as it is."""
+    data_dir = tmp_path / "data"
+    flags = no_spark(free_port(), data_dir, "--segment-bytes", "16384")
+    first = Serve(tmp_path, "first", *flags)
+    servers.append(first)
+    first.wait_serving()
+    target = re.search(SERVING, first.log.read_text())
+    assert target is not None
+    with SyncProducer(target.group(1), "default") as producer:
+        for i in range(12):  # a block or more per flush, a direct write's page or more each
+            producer.send_many([f"r{i}-{j}".encode() for j in range(1000)])
+            producer.flush(timeout=30)
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.proc.wait(timeout=60) == 0
+    folder = data_dir / "blocks" / "default"
+    paths = sorted(folder.glob("*.wal"))
+    assert len(paths) >= 3, paths
+    if damage == "missing":
+        paths[1].unlink()
+    else:
+        os.truncate(paths[1], 100)
+    kept = {p.name: p.read_bytes() for p in sorted(folder.glob("*.wal"))}
+
+    again = sluice("serve", *flags, timeout=120)
+    stderr = again.stderr.decode()
+    assert again.returncode == 1, stderr
+    assert "cannot start the server: stream 'default': " in stderr, stderr
+    if damage == "missing":
+        assert f"blocks {int(paths[1].stem)}..{int(paths[2].stem) - 1} (records " in stderr, stderr
+        assert f"between segments {paths[0].name} and {paths[2].name}" in stderr, stderr
+        assert "Restore the missing segment" in stderr, stderr
+    else:
+        assert f"the log segment {paths[1]} is damaged at byte 0 (its first block)" in stderr, stderr
+        assert "not the torn tail a crash leaves" in stderr, stderr
+    assert "Traceback" not in stderr
+    assert {p.name: p.read_bytes() for p in sorted(folder.glob("*.wal"))} == kept
+
+
 def test_a_lock_whose_file_was_replaced_is_lost(tmp_path: Path) -> None:
     lock = DataDirLock(tmp_path)
     try:

@@ -264,6 +264,159 @@ def test_corruption_in_a_middle_segment_keeps_later_segments(
     assert restarted.blocks("s")[-1].seq == 12
 
 
+def rolled(root: Path, fsync: FsyncPolicy | None = None, blocks: int = 12) -> list[Path]:
+    """A closed log of `blocks` blocks of 20 records in several segments (through the page cache:
+    frames of their own size, a few to a segment)."""
+    store = WalBlockStore(root, fsync=fsync, segment_bytes=1500, direct_io=False)
+    fill(store, blocks, per_block=20)
+    store.close()
+    paths = segments(root)
+    assert len(paths) >= 4
+    return paths
+
+
+def files(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((root / "s").iterdir()) if p.name != "released.lock"}
+
+
+@pytest.mark.parametrize("fsync", ["every-block", "interval:50"])
+@pytest.mark.parametrize("missing", ["middle", "oldest"])
+def test_a_missing_segment_stops_recovery(tmp_path: Path, fsync: str, missing: str) -> None:
+    """A segment deleted (or lost) under policies that make every acked block durable: the log went on
+    with a gap in its seqs and offsets, without a word, the lost blocks' acked records gone (and new
+    blocks appended after the gap). Blocks that were never released are missing: recovery refuses,
+    names them, the files and what to do, and changes nothing on disk."""
+    paths = rolled(tmp_path, FsyncPolicy.parse(fsync))
+    index = 1 if missing == "middle" else 0
+    gone = paths[index]
+    first, after = int(gone.stem), int(paths[index + 1].stem)
+    gone.unlink()
+    before = files(tmp_path)
+    with pytest.raises(DamagedLogError) as refused:
+        WalBlockStore(tmp_path, fsync=FsyncPolicy.parse(fsync)).recover("s")
+    message = str(refused.value)
+    records_ = f"records {first * 20}..{after * 20 - 1}"
+    assert f"stream 's': blocks {first}..{after - 1} ({records_}) are missing" in message, message
+    where = (
+        f"between segments {paths[0].name} and {paths[2].name}"
+        if missing == "middle"
+        else f"before {paths[1].name}, the oldest segment"
+    )
+    assert where in message and str(tmp_path / "s") in message, message
+    assert "Restore the missing segment" in message, message
+    assert f"move {paths[index + 1].name} and every later segment ({len(paths) - index - 1} files)" in message
+    assert files(tmp_path) == before  # nothing cut, nothing removed
+    # the operator moves the segments from the gap on aside: the log goes on after the blocks before it
+    for path in paths[index + 1 :]:
+        path.rename(tmp_path / path.name)
+    assert WalBlockStore(tmp_path).recover("s") == (first, first * 20)
+
+
+def test_a_missing_segment_under_fsync_off_is_logged_and_passed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under "off" a power loss can take any part of the log: an ERROR names the missing blocks, and
+    recovery goes on (as for an older segment's cut tail)."""
+    paths = rolled(tmp_path, OFF)
+    paths[1].unlink()
+    first, after = int(paths[1].stem), int(paths[2].stem)
+    with caplog.at_level(logging.WARNING, "receivers.wal"):
+        assert WalBlockStore(tmp_path, fsync=OFF).recover("s") == (12, 240)
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert (
+        len(errors) == 1
+        and f"blocks {first}..{after - 1} (records {first * 20}..{after * 20 - 1})" in errors[0]
+    )
+    assert f"between segments {paths[0].name} and {paths[2].name}" in errors[0]
+
+
+def test_logs_that_lack_no_unreleased_block_are_not_refused(tmp_path: Path) -> None:
+    """What releases, crashes and losses of nothing acked leave: segments deleted by release below the
+    released mark, a mark past every block, an empty log, a fresh stream, a roll-over right at a crash
+    (an empty or torn newest segment), an unreadable mark (where the log begins is then unknown)."""
+
+    def recovers(root: Path, stream: str = "s") -> tuple[int, int]:
+        return WalBlockStore(root, segment_bytes=1500, direct_io=False).recover(stream)
+
+    # segments deleted by a release (retention), then a restart and more blocks, then another restart
+    root = tmp_path / "released"
+    paths = rolled(root)
+    store = WalBlockStore(root, segment_bytes=1500, direct_io=False)
+    store.release("s", int(paths[2].stem) + 1)
+    assert segments(root)[0] == paths[2]
+    assert recovers(root) == (12, 240)
+    fill(store, 3, per_block=20)
+    store.close()
+    assert recovers(root) == (15, 300)
+    # every block released, the newest segment trimmed too: a mark past everything, no segment at all
+    store = WalBlockStore(root, segment_bytes=1500, direct_io=False)
+    store.recover("s")
+    store.release("s", 15)
+    assert store.trim("s") > 0 and segments(root) == []
+    assert recovers(root) == (15, 300)
+    fill(store, 1, per_block=20)
+    store.close()
+    assert recovers(root) == (16, 320)
+    # a fresh stream, and one whose folder holds nothing (a stream added, no block yet)
+    assert recovers(root, "fresh") == (0, 0)
+    (root / "empty").mkdir()
+    (root / "empty" / "incarnation").write_text("abc\n")
+    assert recovers(root, "empty") == (0, 0)
+    # a roll-over right at a crash: the newest segment made, its first block not (or torn) on disk
+    for torn in (b"", b"SLWL\x01\x00"):
+        root = tmp_path / f"rolled-{len(torn)}"
+        rolled(root)
+        (root / "s" / f"{12:020d}.wal").write_bytes(torn)
+        assert recovers(root) == (12, 240)
+        store = WalBlockStore(root, segment_bytes=1500, direct_io=False)
+        fill(store, 1, per_block=20)
+        store.close()
+        assert values(WalBlockStore(root)) == expected(260)
+    # a released mark that cannot be read: numbering goes on from the log, as before
+    root = tmp_path / "unreadable"
+    paths = rolled(root)
+    WalBlockStore(root).release("s", int(paths[2].stem))
+    (root / "s" / "released.json").write_text("{not json")
+    assert recovers(root) == (12, 240)
+
+
+@pytest.mark.parametrize("fsync", ["every-block", "interval:50"])
+@pytest.mark.parametrize("damage", ["truncated", "zeroed", "zeroed-head"])
+def test_damage_to_an_older_segment_stops_recovery(tmp_path: Path, fsync: str, damage: str) -> None:
+    """An older segment truncated mid-frame or zeroed while later segments are intact: the rest of it was
+    cut with an ERROR and the server served, its acked blocks gone. Under "every-block" each block is
+    fsynced before the next is written, and under "interval" a segment is fsynced whole before the next
+    one is made, so this is no crash's torn tail: recovery refuses as it does inside one segment."""
+    policy = FsyncPolicy.parse(fsync)
+    paths = rolled(tmp_path, policy)
+    middle = paths[1]
+    first, after = int(middle.stem), int(paths[2].stem)
+    starts = frame_starts(middle)
+    data = middle.read_bytes()
+    if damage == "truncated":
+        middle.write_bytes(data[: starts[1] + HEADER.size + 3])
+        lost, at = f"blocks {first + 1}..{after - 1}", starts[1]
+    elif damage == "zeroed":
+        middle.write_bytes(bytes(len(data)))
+        lost, at = f"blocks {first}..{after - 1}", 0
+    else:  # the first frame's header zeroed, the frames after it sound
+        middle.write_bytes(bytes(HEADER.size) + data[HEADER.size :])
+        # every-block: the intact frames after the bad one are named (as inside the newest segment)
+        lost = (
+            f"seqs {first + 1}..{after - 1}"
+            if policy.mode == "every-block"
+            else f"blocks {first}..{after - 1}"
+        )
+        at = 0
+    before = files(tmp_path)
+    with pytest.raises(DamagedLogError) as refused:
+        WalBlockStore(tmp_path, fsync=policy).recover("s")
+    message = str(refused.value)
+    assert str(middle) in message and f"damaged at byte {at:,}" in message and lost in message, message
+    assert f"move it and every later segment ({len(paths) - 1} files)" in message, message
+    assert files(tmp_path) == before  # nothing cut
+
+
 def test_garbage_appended_and_junk_files(tmp_path: Path) -> None:
     store = WalBlockStore(tmp_path, fsync=OFF)
     fill(store, 2)
@@ -835,7 +988,8 @@ def test_a_write_to_a_deleted_segment_fails_and_goes_again_to_a_new_one(tmp_path
     """A live segment deleted by hand: the log went on appending to the deleted file, fsynced and
     acked, and a restart found nothing of it. The write that finds its segment deleted fails (the
     receiver keeps its records and writes them again: credit pauses with the error meanwhile), and the
-    next write starts a new segment, on disk."""
+    next write starts a new segment, on disk. The blocks of the deleted segment were acked: a restart
+    refuses the log that lacks them (it went on from the new segment without a word)."""
     root = tmp_path / "blocks"
     store = WalBlockStore(root)
     fill(store, 2)
@@ -844,9 +998,9 @@ def test_a_write_to_a_deleted_segment_fails_and_goes_again_to_a_new_one(tmp_path
         store.write("s", 2, 6, 1, [records(3, 6)])
     store.write("s", 2, 6, 1, [records(3, 6)])
     store.close()
-    again = WalBlockStore(root)
-    assert again.recover("s") == (3, 9)
-    assert values(again) == expected(9)[6:]
+    assert values(WalBlockStore(root)) == expected(9)[6:]  # block 2 is on disk, in a new segment
+    with pytest.raises(DamagedLogError, match=r"blocks 0\.\.1 \(records 0\.\.5\) are missing"):
+        WalBlockStore(root).recover("s")
 
 
 def test_a_log_whose_folder_was_deleted_is_not_made_again(tmp_path: Path) -> None:
