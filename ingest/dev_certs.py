@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,12 @@ DAYS = 90
 """How long the certificates are valid."""
 SERVER_HOSTS = ("localhost", "127.0.0.1", "::1")
 """Names every server certificate holds as SANs, besides --host names."""
+CLIENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+"""A --client name: its files are DIR/NAME.crt and DIR/NAME.key, so no path separator, no `..`, no
+leading dot (a hidden file, or `.`/`..`), nothing but letters, digits, `.`, `_` and `-`."""
+RESERVED = {"ca": "the CA's certificate", "server": "the server's certificate and key"}
+"""Stems of the CA's and the server's files, which a client's must not take (in any case: one file on a
+case-insensitive file system)."""
 
 
 @dataclass(frozen=True)
@@ -52,17 +59,26 @@ def _san(host: str) -> x509.GeneralName:
 
 
 def check_names(hosts: Sequence[str], clients: Sequence[str]) -> None:
-    """Raise ValueError for a name a certificate cannot hold."""
+    """Raise ValueError for a name a certificate cannot hold, or a client name whose files would not be
+    DIR/NAME.crt and DIR/NAME.key of their own (checked before anything is written)."""
     for host in hosts:
         if not host or any(c.isspace() for c in host) or not host.isascii():
             raise ValueError(f"--host {host!r}: a DNS name or an IP address (ASCII, no spaces)")
     for client in clients:
-        if not client or len(client) > 64 or "\0" in client:
-            raise ValueError(f"--client {client!r}: a name of 1-64 characters (the certificate's CN)")
-    if len(set(clients)) != len(clients):
-        raise ValueError("a --client name repeats")
-    if {"ca", "server"} & set(clients):
-        raise ValueError("--client ca and --client server would overwrite the CA's or the server's files")
+        if not CLIENT_NAME.fullmatch(client):
+            raise ValueError(
+                f"--client {client!r}: a name of 1-64 letters, digits, '.', '_' or '-' that starts with a "
+                "letter or digit (it names the files NAME.crt and NAME.key in DIR, and is the "
+                "certificate's CN)"
+            )
+        if client.lower() in RESERVED:
+            raise ValueError(
+                f"--client {client!r} would overwrite {RESERVED[client.lower()]}: choose another name"
+            )
+    if len({c.lower() for c in clients}) != len(clients):
+        raise ValueError(
+            "a --client name repeats (names that differ only in case share files on some file systems)"
+        )
 
 
 def write_dev_certs(

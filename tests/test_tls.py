@@ -21,10 +21,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+from cryptography import x509
 from pki import CertificateAuthority, Issued
 from support import running_server
 
 from ingest.config import SecurityConfig, TlsConfig
+from ingest.dev_certs import write_dev_certs
 from ingest.server import SluiceServer
 from ingest.tls import TlsFileError, load_tls
 from sluice_client import Producer
@@ -404,6 +406,37 @@ def test_security_and_limit_flags() -> None:
         result = sluice("serve", "--no-spark", flag, value)
         assert result.returncode == 2, (flag, value)
         assert f"argument {flag}" in result.stderr.decode()
+
+
+def test_dev_certs_refuse_a_client_name_that_is_not_a_file_name_of_its_own(tmp_path: Path) -> None:
+    """An outside tester's finding: --client NAME was a path. `./ca` overwrote the CA certificate with a
+    client's (CN=./ca, CA:FALSE) while the output still called it the CA, `../../outside` wrote outside
+    DIR, and `x/y` failed with a raw Errno after ca.crt and server.* were written (a re-run then said
+    they exist). Each is refused with exit 2 before anything is written."""
+    out = tmp_path / "deep" / "certs"
+    for name in ("./ca", "../../outside", "x/y"):  # the tester's, as a user runs them
+        refused = sluice("dev-certs", str(out), "--client", "fine", "--client", name)
+        assert refused.returncode == 2, (name, refused.stderr.decode())
+        message = refused.stderr.decode()
+        assert f"--client {name!r}" in message and "Traceback" not in message, message
+        assert not out.exists(), name  # checked before anything was written
+    for name in (".hidden", "..", ".", "a\\b", "CA", "Server", "a b", "", "x" * 65):
+        with pytest.raises(ValueError, match="--client"):
+            write_dev_certs(out, (), ("fine", name))
+        assert not out.exists(), name
+    assert not list(tmp_path.rglob("*.crt"))
+    repeated = sluice("dev-certs", str(out), "--client", "alice", "--client", "Alice")
+    assert repeated.returncode == 2 and "repeats" in repeated.stderr.decode()
+    made = sluice(
+        "dev-certs", str(out), "--client", "alice", "--client", "svc-1", "--client", "ingest.worker"
+    )
+    assert made.returncode == 0, made.stderr.decode()
+    stems = {"ca", "server", "alice", "svc-1", "ingest.worker"}
+    assert {p.name for p in out.iterdir()} == {f"{s}.crt" for s in stems} | {
+        f"{s}.key" for s in stems - {"ca"}
+    }
+    ca = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
 
 
 def test_dev_certs_make_a_working_mutual_tls_set(tmp_path: Path) -> None:
