@@ -11,6 +11,12 @@ from pathlib import Path
 from typing import Any
 
 
+class DataDirStateError(Exception):
+    """A file (or folder) under the data dir that a start reads cannot be read, or is not what Sluice
+    writes there: the start stops, naming it and what to do, and never goes on without it. `sluice serve`
+    exits 1 on it (a failure, as a damaged block log: not a usage error, exit 2)."""
+
+
 def replace_json(path: Path, data: object, *, sync: bool = True) -> None:
     """Replace `path` with `data` as JSON: a temp file beside it, fsynced (when `sync`), renamed over it,
     then the folder fsynced so the rename itself survives a power loss. OSError: the old file stays, and

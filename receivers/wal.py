@@ -101,6 +101,7 @@ except ImportError:  # pragma: no cover - isal comes with the server's extra; zl
 from receivers.block import BLOCK_SCHEMA, BlockInfo, as_block_batch, first_arrival_us
 from receivers.block_store import BlockStore
 from receivers.config import DEFAULT_SEGMENT_BYTES, FsyncPolicy
+from receivers.files import DataDirStateError
 from receivers.names import check_stream_name
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,10 @@ def valid_incarnation(value: str) -> bool:
 
 class WalError(RuntimeError):
     """A block cannot be read from the log."""
+
+
+class IncarnationError(WalError, DataDirStateError):
+    """A stream's incarnation file is there but cannot be read or holds no incarnation."""
 
 
 class CorruptBlockError(WalError):
@@ -1002,20 +1007,45 @@ class WalBlockStore(BlockStore):
 
     def incarnation(self, stream: str) -> str:
         """The identity of the log of `stream` (its incarnation), "" when it has none (a log made
-        before incarnations were kept, or a copy not told its owner's yet). Blocking."""
+        before incarnations were kept, or a copy not told its owner's yet). IncarnationError when the
+        file is there but cannot be read or holds no incarnation (damage: never taken for none).
+        Blocking."""
+        path = self._folder(stream) / INCARNATION_FILE
         try:
-            text = (self._folder(stream) / INCARNATION_FILE).read_text().strip()
+            text = path.read_bytes().decode("ascii").strip()
         except (FileNotFoundError, NotADirectoryError):
             return ""
-        return text if valid_incarnation(text) else ""
+        except OSError as exc:
+            raise self._bad_incarnation(stream, path, f"cannot be read ({exc.strerror})") from None
+        except UnicodeDecodeError:
+            raise self._bad_incarnation(stream, path, "holds bytes that are not text") from None
+        if not valid_incarnation(text):
+            shown = repr(text[:40]) if text else "nothing"
+            raise self._bad_incarnation(stream, path, f"holds {shown}, not an incarnation")
+        return text
+
+    def _bad_incarnation(self, stream: str, path: Path, why: str) -> IncarnationError:
+        return IncarnationError(
+            f"{path} (the identity, or incarnation, of the block log of stream {stream!r}) {why}: restore "
+            "the file (one line, the id a query's checkpoint names under _incarnations), or remove it "
+            "to have the log take a new identity, which a query whose checkpoint read this log then "
+            "takes for a lost log (DataLossError, docs/durability.md)"
+        )
 
     def ensure_incarnation(self, stream: str) -> str:
         """The incarnation of the log of `stream`, made (a random 128-bit id) if it has none: an owner's
         log gets one when it is first created on a node, and keeps it in its folder, so a log lost and
         started afresh (an empty data dir, a new disk) gets another, and offsets of the two are never
         taken for each other (Kafka's topic id, or a partition's leader epoch, serve the same end).
-        Blocking."""
-        current = self.incarnation(stream)
+        A log from before incarnations (segments, no file) gets one too. A damaged file
+        (IncarnationError) is replaced only while the stream has no segments; beside a log it is
+        raised: a new id would make a surviving checkpoint take the log for a lost one. Blocking."""
+        try:
+            current = self.incarnation(stream)
+        except IncarnationError:
+            if self._segments(self._folder(stream)):
+                raise
+            current = ""
         if current:
             return current
         made = uuid.uuid4().hex

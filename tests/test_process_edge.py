@@ -1039,3 +1039,74 @@ def test_a_stop_signal_while_spark_starts_ends_the_start_promptly(tmp_path: Path
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
+
+
+# ---- state under the data dir that cannot be read ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def logged_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A data dir a real `sluice serve --no-spark` left: stream default from the flags and stream tmp
+    added at run time (streams.json), each with records in its log. Copy it before changing it."""
+    tmp = tmp_path_factory.mktemp("logged")
+    data_dir = tmp / "data"
+    serve = Serve(tmp, "serve", *no_spark(free_port(), data_dir))
+    try:
+        serve.wait_serving()
+        target = re.search(SERVING, serve.log.read_text())
+        assert target is not None
+        added = sluice("streams", "add", "tmp", "--target", target.group(1), timeout=60)
+        assert added.returncode == 0, added.stderr.decode()
+        for stream in ("default", "tmp"):
+            with SyncProducer(target.group(1), stream) as producer:
+                producer.send_many([b"record"] * 10)
+                producer.flush(timeout=30)
+    finally:
+        assert stop(serve.proc, 60) == 0
+    for stream in ("default", "tmp"):
+        assert list((data_dir / "blocks" / stream).glob("*.wal")), stream
+    return data_dir
+
+
+def start_on(tmp_path: Path, data_dir: Path, name: str) -> tuple[int | None, str]:
+    """`sluice serve --no-spark` on `data_dir`: (its exit code, its stderr) when it stops at its start,
+    (None, stderr) when it serves (then it is stopped)."""
+    serve = Serve(tmp_path, name, *no_spark(free_port(), data_dir))
+    deadline = time.monotonic() + 60
+    while serve.proc.poll() is None and time.monotonic() < deadline:
+        if re.search(r"serving streams .+ on 127", serve.log.read_text()):
+            stop(serve.proc, 60)
+            return None, serve.log.read_text()
+        time.sleep(0.2)
+    serve.kill()
+    return serve.proc.returncode, serve.log.read_text()
+
+
+@pytest.mark.parametrize(
+    ("stream", "content"),
+    [("default", b""), ("default", b"hello world\n"), ("tmp", b"\xff\xfe")],
+    ids=["empty", "not-an-id", "not-text"],
+)
+def test_a_damaged_incarnation_beside_a_log_stops_the_start_naming_it(
+    tmp_path: Path, logged_data_dir: Path, stream: str, content: bytes
+) -> None:
+    """An outside tester's finding: an emptied or invalid incarnation file beside a log was silently
+    replaced by a new id (a surviving checkpoint then saw a lost log), and one of bytes that are not
+    text stopped the start with a bare "'utf-8' codec can't decode byte 0xff", naming no file. Both stop
+    the start with exit 1, naming the file and what to do; the file is left as it was."""
+    data_dir = tmp_path / "data"
+    shutil.copytree(logged_data_dir, data_dir)
+    path = data_dir / "blocks" / stream / "incarnation"
+    path.write_bytes(content)
+    code, stderr = start_on(tmp_path, data_dir, "damaged")
+    assert code == 1, stderr
+    assert f"{path} (the identity, or incarnation, of the block log of stream {stream!r})" in stderr
+    assert "restore the file" in stderr and "remove it to have the log take a new identity" in stderr
+    assert "Traceback" not in stderr
+    assert path.read_bytes() == content
+
+    # removed, as the message offers (or a data dir from before incarnations): the log takes a new id
+    path.unlink()
+    code, stderr = start_on(tmp_path, data_dir, "removed")
+    assert code is None, stderr
+    assert re.fullmatch(r"[0-9a-f]{32}\n", path.read_text())

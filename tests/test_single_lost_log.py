@@ -20,7 +20,7 @@ from ingest.driver import SparkDriver
 from ingest.server import SluiceServer
 from ingest.spark.source import INCARNATIONS, DataLossError
 from receivers.config import FsyncPolicy, ReceiverConfig
-from receivers.wal import WalBlockStore
+from receivers.wal import INCARNATION_FILE, IncarnationError, WalBlockStore, valid_incarnation
 from sluice_client import Producer
 from tests.test_spark_source import reader_for, rows_of, write_blocks
 
@@ -198,6 +198,38 @@ def test_an_offset_without_incarnations_is_taken_and_a_log_below_it_is_data_loss
     assert start == {"a": 10, INCARNATIONS: {"a": other}}
     with pytest.raises(DataLossError, match=f"incarnation {made}"):
         swapped.latestOffset(start, ReadAllAvailable())
+
+
+def test_a_damaged_incarnation_is_refused_beside_a_log_and_replaced_without_one(tmp_path: Path) -> None:
+    """An incarnation file that cannot be read or holds no id is not taken for none: beside segments
+    ensure_incarnation raises IncarnationError naming it (a new id would make a surviving checkpoint take
+    the log for a lost one), and reading it raises too; a stream with no segments yet gets a new id.
+    A log from before incarnations (segments, no file) still gets one."""
+    store = WalBlockStore(tmp_path, fsync=FsyncPolicy.off())
+    made = store.ensure_incarnation("a")
+    write_blocks(store, "a", [5])
+    path = tmp_path / "a" / INCARNATION_FILE
+    for content in (b"", b"\n", b"hello world\n", b"x" * 65, b"\xff\xfe"):
+        path.write_bytes(content)
+        for call in (store.ensure_incarnation, store.incarnation):
+            with pytest.raises(IncarnationError, match="restore the file") as damaged:
+                call("a")
+            assert str(path) in str(damaged.value)
+        assert path.read_bytes() == content
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(IncarnationError, match="cannot be read"):
+        store.ensure_incarnation("a")
+    path.rmdir()
+    path.write_text(made + "\n")
+    assert store.ensure_incarnation("a") == made
+    path.unlink()  # as a log from before incarnations: it gets one
+    again = store.ensure_incarnation("a")
+    assert valid_incarnation(again) and again != made
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / INCARNATION_FILE).write_bytes(b"\xff")  # no log yet: nothing to keep
+    fresh = store.ensure_incarnation("b")
+    assert valid_incarnation(fresh) and store.incarnation("b") == fresh
 
 
 async def test_a_single_server_gives_its_logs_incarnations(tmp_path: Path) -> None:
