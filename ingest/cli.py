@@ -71,6 +71,7 @@ from receivers.auth import AuthFileError, new_token, token_hash
 from receivers.cluster import REFUSAL_HEADER, Cluster, ClusterConfigError, load_nodes
 from receivers.config import FsyncPolicy, ReceiverConfig
 from receivers.errors import printable, shown
+from receivers.files import DataDirStateError
 from receivers.principal import Limits
 from receivers.sizes import parse_size
 from sluice_client.credentials import Credentials, CredentialsError
@@ -1475,6 +1476,8 @@ def _serve_command(args: argparse.Namespace) -> int:
         config = _serve_config(args)
         RuntimeConfig(config, announce=False)  # DATA_DIR/runtime-config.json against these flags
         preloaded = _spark_prerequisites(config)
+    except DataDirStateError as exc:  # a file the data dir holds is damaged: a failure, not a usage error
+        return _fail(str(exc))
     except ValueError as exc:
         return _fail(str(exc), EXIT_USAGE)
     try:
@@ -1487,7 +1490,8 @@ def _serve_command(args: argparse.Namespace) -> int:
         _claim_data_dir(config)
     except (OSError, ValueError) as exc:
         lock.release()
-        return _fail(f"cannot start the server: {exc}", EXIT_USAGE)
+        damaged = isinstance(exc, DataDirStateError)  # node.json damaged, not another node's data dir
+        return _fail(f"cannot start the server: {exc}", EXIT_FAILED if damaged else EXIT_USAGE)
     settings = f"; settings from {args.config}" if args.config is not None else ""
     logs.say(f"starting: data dir {config.data_dir}{settings}", event="start")
     try:
@@ -2313,6 +2317,8 @@ def _config_check(args: argparse.Namespace) -> int:
                 )
         _spark_prerequisites(config)
         swapped = _swapped_pipeline(config)
+    except DataDirStateError as exc:  # as serve: a damaged file under the data dir
+        return _fail(str(exc))
     except ValueError as exc:
         return _fail(str(exc), EXIT_USAGE)
     keys = _serve_keys()

@@ -93,6 +93,7 @@ from ingest.spark.starting import (
 )
 from ingest.tls import ServerTls, load_tls
 from receivers.auth import Authenticator, AuthTable
+from receivers.files import DataDirStateError
 from receivers.parsed_service import add_parsed_servicer
 from sluice_client.credentials import Credentials
 
@@ -644,6 +645,9 @@ async def run_driver(
         )
     try:
         driver = ClusterDriver(config)
+    except DataDirStateError as exc:  # runtime-config.json damaged: a failure, as on a node
+        say(str(exc), level=logging.ERROR)
+        return 1
     except ValueError as exc:  # a credentials file, the auth file
         say(str(exc), level=logging.ERROR)
         return 2

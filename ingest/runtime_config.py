@@ -29,7 +29,7 @@ from ingest.config import (
 )
 from ratecontrol import ESTIMATORS
 from receivers.errors import cut, printable
-from receivers.files import read_json, replace_json
+from receivers.files import DataDirStateError, read_json, replace_json
 from receivers.sizes import parse_size
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,17 @@ class SettingRow(NamedTuple):
 
 class SettingError(ValueError):
     """A setting name or value the service refuses; nothing was changed."""
+
+
+class SettingsFileError(SettingError, DataDirStateError):
+    """DATA_DIR/runtime-config.json cannot be read or is not a settings file (damage: `sluice serve`
+    exits 1 on it; a value its setting refuses is a SettingError, exit 2, as on the command line)."""
+
+
+_DELETE_SETTINGS = (
+    "restore it, or delete it to start from the command line's settings (what `sluice config set` "
+    "changed and a pinned rate are then gone)"
+)
 
 
 class UnknownSettingError(SettingError, KeyError):
@@ -327,14 +338,14 @@ class RuntimeConfig:
                 return
         except OSError as exc:  # a data dir no one may search, a path too long: one line, not a traceback
             raise SettingError(f"{self.path}: cannot read the runtime settings: {exc.strerror}") from None
-        data = read_json(self.path, "the runtime settings", SettingError)  # `null` too: not one
+        data = read_json(self.path, "the runtime settings", SettingsFileError, _DELETE_SETTINGS)  # `null` too
         overrides = data.get("overrides") if isinstance(data, dict) else None
         version = data.get("version") if isinstance(data, dict) else None
         valid_version = isinstance(version, int) and not isinstance(version, bool) and version >= 0
         if not isinstance(overrides, dict) or not valid_version:
-            raise SettingError(
+            raise SettingsFileError(
                 f"{self.path}: not a runtime settings file (an object of a version >= 0 and overrides); "
-                "delete it to start from the command line's settings"
+                f"{_DELETE_SETTINGS}"
             )
         # an empty budget or linger, which `config set` took for none (off) before it took "none" ("off")
         # alone, still means it
@@ -531,7 +542,7 @@ def _pinned_rate(value: object, path: object) -> float | None:
         return math.inf
     if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
         return float(value)
-    raise SettingError(
+    raise SettingsFileError(
         f'{path}: pinned_rate {value!r} is not a rate (records/s > 0, or "inf"): correct it, or remove it '
         "to start with the rate unpinned"
     )

@@ -7,6 +7,7 @@ receive-only node, and Spark can be shared by several servers in one process.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import ssl
@@ -41,6 +42,7 @@ from ingest.tls import ServerTls, TlsFileError
 from receivers.auth import PIPELINE, Authenticator, AuthFileError, AuthTable, revoke
 from receivers.block_store import BlockStore
 from receivers.errors import shown
+from receivers.files import DataDirStateError
 from receivers.memory_pool import MemoryPool
 from receivers.names import check_stream_name
 from receivers.node_identity import claim_data_dir
@@ -60,6 +62,43 @@ PING_OPTIONS = (
     ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_SECONDS * 1000 // 2),
     ("grpc.http2.max_ping_strikes", 0),
 )
+
+
+class BlockLogStateError(OSError, DataDirStateError):
+    """A file or folder of the block log (DATA_DIR/blocks) is not what the log left there (a segment
+    replaced by a folder, a stream's folder by a file) or cannot be read: the start stops naming it."""
+
+
+def _unreadable_log(exc: OSError, blocks_dir: Path) -> BlockLogStateError | None:
+    """`exc` (from opening the block log) as one sentence naming the file and what to do; None when it
+    is not about a file of the log (a message of its own already, or another file)."""
+    if exc.filename is None:
+        return None
+    path = Path(os.fsdecode(exc.filename))
+    try:
+        parts = path.relative_to(blocks_dir).parts
+    except ValueError:
+        return None
+    if not parts:
+        return None
+    folder = blocks_dir / parts[0]
+    what = f"the block log of stream {parts[0]!r}"
+    if exc.errno == errno.ENOTDIR:
+        # the first thing on the way that is not a folder: the stream's folder itself, as a rule
+        on_the_way = [p for p in (*reversed(path.parents), path) if p.is_relative_to(folder)]
+        path = next((p for p in on_the_way if p.exists() and not p.is_dir()), folder)
+        found = f"{path} is a file where {what} has a folder"
+    elif exc.errno == errno.EISDIR:
+        found = f"{path} is a folder where {what} has a file"
+    else:
+        return BlockLogStateError(
+            f"{path}: cannot read {what}: {exc.strerror}; make it readable by this user, or move {folder} "
+            "aside to start that stream's log afresh (the records it holds are then lost)"
+        )
+    return BlockLogStateError(
+        f"{found}: put back what was there, or move {folder} aside to start that stream's log afresh "
+        "(the records it holds are then lost)"
+    )
 
 
 class SluiceServer:
@@ -124,6 +163,12 @@ class SluiceServer:
             self.receivers = {
                 s: Receiver(s, writes, receiver_config, pool=self.memory) for s in self.streams.serving
             }
+        except OSError as exc:
+            self._release_lock()
+            unreadable = _unreadable_log(exc, config.blocks_dir)
+            if unreadable is None:
+                raise
+            raise unreadable from exc
         except BaseException:
             self._release_lock()
             raise

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from receivers.files import read_json, replace_json
+from receivers.files import DataDirStateError, read_json, replace_json
 from receivers.names import check_stream_name
 
 log = logging.getLogger(__name__)
@@ -34,7 +34,7 @@ SERVING, DRAINING, KEPT, REMOVED = "serving", "draining", "kept", "removed"
 STATES = (SERVING, DRAINING, KEPT, REMOVED)
 
 
-class StreamStateError(ValueError):
+class StreamStateError(ValueError, DataDirStateError):
     """The streams file is unreadable or not one: the start stops, naming it."""
 
 
@@ -52,7 +52,13 @@ class StreamRegistry:
     def _load(self, command_line: Sequence[str]) -> None:
         if not self.path.exists():
             return  # (`null` in the file is not "no file": it is refused below)
-        data = read_json(self.path, "the stream states", StreamStateError)
+        data = read_json(
+            self.path,
+            "the stream states",
+            StreamStateError,
+            "restore it, or delete it to serve the --stream flags' streams (streams added at run time are "
+            "then no longer served)",
+        )
         states = data.get("streams") if isinstance(data, dict) else None
         if not isinstance(states, dict) or not all(
             isinstance(k, str) and v in STATES for k, v in states.items()

@@ -42,12 +42,13 @@ def replace_json(path: Path, data: object, *, sync: bool = True) -> None:
             os.close(folder)
 
 
-def read_json(path: Path, what: str, error: Callable[[str], Exception]) -> Any:
-    """The JSON in `path`, None when there is no such file; `error("PATH: cannot read WHAT: why")` raised
-    when it cannot be read or parsed (a start must stop on it and name it, never skip it)."""
+def read_json(path: Path, what: str, error: Callable[[str], Exception], remedy: str = "") -> Any:
+    """The JSON in `path`, None when there is no such file; `error("PATH: cannot read WHAT: why; REMEDY")`
+    raised when it cannot be read or parsed (a start must stop on it and name it, never skip it)."""
     try:
         return json.loads(path.read_text())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
-        raise error(f"{path}: cannot read {what}: {exc}") from None
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise error(f"{path}: cannot read {what}: {why}{'; ' + remedy if remedy else ''}") from None

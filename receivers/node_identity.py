@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from receivers.cluster import Cluster, Node
-from receivers.files import read_json, replace_json
+from receivers.files import DataDirStateError, read_json, replace_json
 from receivers.wal import WalBlockStore
 
 log = logging.getLogger(__name__)
@@ -33,6 +33,13 @@ REPLICAS_DIR = "replicas"
 
 class DataDirOwnerError(ValueError):
     """The data dir was first started as another node (or another role): using it would mix two logs."""
+
+
+class NodeFileError(DataDirOwnerError, DataDirStateError):
+    """node.json cannot be read or is not a node identity (damage, not a start as another node)."""
+
+
+_RESTORE = 'restore it, or write {"node_id": ID} to it (null: a single server)'
 
 
 def _who(node_id: int | None) -> str:
@@ -50,7 +57,7 @@ def claim_data_dir(data_dir: Path, cluster: Cluster | None) -> None:
     node_id = None if cluster is None else cluster.me.id
     nodes = None if cluster is None else cluster.nodes
     path = data_dir / NODE_FILE
-    data = read_json(path, "which node this data dir belongs to", DataDirOwnerError)
+    data = read_json(path, "which node this data dir belongs to", NodeFileError, _RESTORE)
     listed = _nodes_map(nodes)
     if data is None:
         if node_id is not None:
@@ -60,13 +67,10 @@ def claim_data_dir(data_dir: Path, cluster: Cluster | None) -> None:
         replace_json(path, {"node_id": node_id, "nodes": listed})
         return
     if not isinstance(data, dict) or "node_id" not in data:
-        raise DataDirOwnerError(
-            f"{path}: not a node identity (a map with node_id): restore it, or write "
-            '{"node_id": ID} to it (null: a single server)'
-        )
+        raise NodeFileError(f"{path}: not a node identity (a map with node_id): {_RESTORE}")
     recorded = data["node_id"]
     if recorded is not None and (isinstance(recorded, bool) or not isinstance(recorded, int)):
-        raise DataDirOwnerError(f"{path}: node_id must be a node id or null, got {recorded!r}")
+        raise NodeFileError(f"{path}: node_id must be a node id or null, got {recorded!r}: {_RESTORE}")
     if recorded != node_id:
         fix = (
             f"start {_who(node_id)} with its own data dir (--data-dir)"
@@ -98,7 +102,7 @@ def claim_data_dir(data_dir: Path, cluster: Cluster | None) -> None:
 def last_replication(data_dir: Path) -> int | None:
     """The replication this data dir's node last started with (record_replication), None when unknown:
     not recorded since the file was written, or by a version from before it."""
-    data = read_json(data_dir / NODE_FILE, "which node this data dir belongs to", DataDirOwnerError)
+    data = read_json(data_dir / NODE_FILE, "which node this data dir belongs to", NodeFileError, _RESTORE)
     value = data.get("replication") if isinstance(data, dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
@@ -107,7 +111,7 @@ def record_replication(data_dir: Path, replication: int) -> None:
     """Note the replication this node started with, once its start dealt with the last run's
     (ingest.receiver_node: what a replication 1 start may cut depends on it)."""
     path = data_dir / NODE_FILE
-    data = read_json(path, "which node this data dir belongs to", DataDirOwnerError)
+    data = read_json(path, "which node this data dir belongs to", NodeFileError, _RESTORE)
     data = data if isinstance(data, dict) else {}
     if data.get("replication") != replication:
         replace_json(path, {**data, "replication": replication})

@@ -308,19 +308,23 @@ def test_an_empty_stream_list_is_refused_and_so_is_a_shared_health_port(tmp_path
 
 
 @pytest.mark.parametrize(
-    "content",
+    ("content", "code"),
     [
-        "null",
-        '{"overrides": {}}',
-        '{"version": -5, "overrides": {}}',
-        '{"version": 1, "overrides": {"min-rate": "1e308"}}',
+        ("null", 1),
+        ('{"overrides": {}}', 1),
+        ('{"version": -5, "overrides": {}}', 1),
+        ('{"version": 1, "overrides": {"min-rate": "1e308"}}', 2),
     ],
     ids=["null", "no-version", "negative-version", "conflicts-with-the-flags"],
 )
-def test_a_bad_runtime_settings_file_stops_serve_and_check_alike(tmp_path: Path, content: str) -> None:
+def test_a_bad_runtime_settings_file_stops_serve_and_check_alike(
+    tmp_path: Path, content: str, code: int
+) -> None:
     """`null` was read as no file, a file without a version (or with -5) was taken, and a file whose
     value conflicts with a flag stopped `serve` with exit 1 (after Spark started) but `config check` with
-    2. Both refuse each at once with 2 now."""
+    2. Both refuse each at once now: a file that is not a settings file with 1, as any file under the
+    data dir that cannot be read (streams.json, node.json, the block log), and a value its setting
+    refuses with 2, as on the command line."""
     data = tmp_path / "d"
     data.mkdir()
     (data / "runtime-config.json").write_text(content)
@@ -340,7 +344,7 @@ def test_a_bad_runtime_settings_file_stops_serve_and_check_alike(tmp_path: Path,
         [*SLUICE, "serve", *flags], capture_output=True, text=True, env=clean_env(), timeout=120, check=False
     )
     for result in (checked, served):
-        assert result.returncode == 2, result.stderr
+        assert result.returncode == code, result.stderr
         assert str(data / "runtime-config.json") in result.stderr
         assert "Traceback" not in result.stderr
 
@@ -442,12 +446,13 @@ def test_config_check_reads_pipeline_json_as_the_manager_does(tmp_path: Path) ->
     assert rows(check("--no-spark", "--data-dir", str(data)).stdout)["pipeline"][0] == "m:g2"
 
 
-def refused_by_serve_and_check(args: list[str], env: dict[str, str], says: str) -> None:
-    """`sluice config check ARGS` and `sluice serve ARGS` both stop with exit 2 and one line saying `says`."""
+def refused_by_serve_and_check(args: list[str], env: dict[str, str], says: str, code: int = 2) -> None:
+    """`sluice config check ARGS` and `sluice serve ARGS` both stop with exit `code` (2: bad usage; 1: a
+    file under the data dir that cannot be read) and one line saying `says`."""
     for command in (["config", "check"], ["serve"]):
         argv = [*SLUICE, *command, *args]
         result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120, check=False)
-        assert result.returncode == 2, (command, args, result.stderr)
+        assert result.returncode == code, (command, args, result.stderr)
         assert says in result.stderr, (command, result.stderr)
         assert "Traceback" not in result.stderr
 
@@ -771,8 +776,9 @@ def test_config_check_of_a_driver_reads_the_files_the_driver_reads(tmp_path: Pat
 
 def test_config_check_of_a_driver_reads_its_runtime_config_as_its_start_does(tmp_path: Path) -> None:
     """The driver keeps a pinned rate in DATA_DIR/runtime-config.json and reads it at its start (a bad
-    one stops `serve --role driver`, exit 2); `config check --role driver` did not read it and said
-    "valid". It reads it as the start does now, as a single server's check reads its own."""
+    one stops `serve --role driver`, exit 1: a file under the data dir that cannot be read); `config
+    check --role driver` did not read it and said "valid". It reads it as the start does now, as a single
+    server's check reads its own."""
     nodes = tmp_path / "nodes.txt"
     nodes.write_text("0 127.0.0.1:51101\n")
     data = tmp_path / "d"
@@ -785,7 +791,7 @@ def test_config_check_of_a_driver_reads_its_runtime_config_as_its_start_does(tmp
         ("{not json", str(runtime)),
     ):
         runtime.write_text(text)
-        refused_by_serve_and_check(driver, clean_env(), says)
+        refused_by_serve_and_check(driver, clean_env(), says, code=1)
     runtime.write_text('{"version": 0, "overrides": {}, "pinned_rate": 5000}')
     result = check(*driver)
     assert result.returncode == 0, result.stderr

@@ -19,7 +19,7 @@ import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -1110,3 +1110,61 @@ def test_a_damaged_incarnation_beside_a_log_stops_the_start_naming_it(
     code, stderr = start_on(tmp_path, data_dir, "removed")
     assert code is None, stderr
     assert re.fullmatch(r"[0-9a-f]{32}\n", path.read_text())
+
+
+def _segment_made_a_folder(data_dir: Path) -> Path:
+    segment = next((data_dir / "blocks" / "tmp").glob("*.wal"))
+    segment.unlink()
+    segment.mkdir()
+    return segment
+
+
+def _stream_folder_made_a_file(data_dir: Path) -> Path:
+    folder = data_dir / "blocks" / "tmp"
+    shutil.rmtree(folder)
+    folder.write_text("x\n")
+    return folder
+
+
+def _replaced(name: str, content: str) -> Callable[[Path], Path]:
+    def replace(data_dir: Path) -> Path:
+        (data_dir / name).write_text(content)
+        return data_dir / name
+
+    return replace
+
+
+@pytest.mark.parametrize(
+    ("damage", "remedy"),
+    [
+        (_replaced("node.json", "{"), 'restore it, or write {"node_id": ID} to it'),
+        (_replaced("runtime-config.json", "{"), "restore it, or delete it to start from the command line's"),
+        (_replaced("runtime-config.json", "[]"), "restore it, or delete it to start from the command line's"),
+        (_replaced("streams.json", ""), "restore it, or delete it to serve the --stream flags' streams"),
+        (_segment_made_a_folder, "put back what was there, or move"),
+        (_stream_folder_made_a_file, "put back what was there, or move"),
+    ],
+    ids=[
+        "node-json",
+        "runtime-config-json",
+        "runtime-config-not-one",
+        "streams-json",
+        "segment",
+        "stream-folder",
+    ],
+)
+def test_state_under_the_data_dir_that_cannot_be_read_stops_the_start_with_exit_1_naming_it(
+    tmp_path: Path, logged_data_dir: Path, damage: Callable[[Path], Path], remedy: str
+) -> None:
+    """An outside tester's finding: a damaged node.json or runtime-config.json stopped `sluice serve`
+    with exit 2, a damaged streams.json with exit 1, a segment replaced by a folder or a stream's folder
+    by a file with exit 1 and a bare "[Errno 21] Is a directory" / "[Errno 20] Not a directory" (naming
+    released.json, which is not there). Each is now exit 1 (a failure, as a damaged block log; exit 2
+    is bad usage) and one line naming the file and what to do."""
+    data_dir = tmp_path / "data"
+    shutil.copytree(logged_data_dir, data_dir)
+    path = damage(data_dir)
+    code, stderr = start_on(tmp_path, data_dir, "damaged")
+    assert code == 1, stderr
+    assert f"{path}" in stderr and remedy in stderr, stderr
+    assert "Errno" not in stderr and "Traceback" not in stderr, stderr
