@@ -486,6 +486,12 @@ class WalBlockStore(BlockStore):
         self._sync_wanted = threading.Event()  # SYNC_BYTES appended: the flusher need not wait longer
         self._durable_listeners: dict[str, list[Callable[[], None]]] = {}
         self._listeners_lock = threading.Lock()
+        self._fsync_failed: dict[Path, str] = {}
+        """Stream folder -> the error of an fsync of its log that failed (interval policy): sticky for
+        this process. After a failed fsync the kernel may have dropped the dirty pages it covered (and
+        report the next fsync of the file as a success), so what was not durable before it never counts
+        as durable: durable_seq stays, and appends are refused (_refuse_if_failed) until a restart
+        recovers the log from what reached the disk."""
 
     # ---- statistics ----------------------------------------------------------------------------
 
@@ -509,6 +515,7 @@ class WalBlockStore(BlockStore):
         Call once per stream in the writing process, before its first write (write() calls it if not).
         """
         folder = self._folder(stream)
+        self._refuse_if_failed(folder)  # the page cache may hold blocks the disk lost: restart
         self._drop_writer(stream)
         writer = self._recover(stream, folder)
         with self._writers_lock:
@@ -590,6 +597,8 @@ class WalBlockStore(BlockStore):
         producers = block.producers
         writer = self._writer(stream)
         with writer.lock:
+            if self._fsync_failed:  # an empty dict's test: nothing added to the every-block path
+                self._refuse_if_failed(writer.folder)
             if seq != writer.next_seq:
                 raise ValueError(f"stream {stream!r}: block seq {seq} written, {writer.next_seq} expected")
             if first_offset < writer.next_offset:
@@ -670,11 +679,17 @@ class WalBlockStore(BlockStore):
         with self._writers_lock:
             writers = list(self._writers.values())
             self._writers.clear()
-        for writer in writers:
+        failure: OSError | None = None
+        for writer in writers:  # every one closed, though an fsync fails (raised after)
             with writer.lock:
-                self._close_writer(writer)
+                try:
+                    self._close_writer(writer)
+                except OSError as exc:
+                    failure = failure or exc
         self._closing.clear()  # usable again: a later write recovers its stream first
         self._sync_wanted.clear()
+        if failure is not None:
+            raise failure
 
     # ---- reading (Spark side) ------------------------------------------------------------------
 
@@ -818,6 +833,7 @@ class WalBlockStore(BlockStore):
         without a checkpoint start past acked records that only a copy on another node held."""
         writer = self._writer(stream)
         with writer.lock:
+            self._refuse_if_failed(writer.folder)
             if seq <= writer.next_seq:
                 return
             writer.folder.mkdir(parents=True, exist_ok=True)
@@ -855,6 +871,7 @@ class WalBlockStore(BlockStore):
         the gap, and the owner sends that block again. Writing process only."""
         writer = self._writer(stream)
         with writer.lock:
+            self._refuse_if_failed(writer.folder)
             if seq <= writer.next_seq:
                 return
             if offset < writer.next_offset:
@@ -1484,19 +1501,53 @@ class WalBlockStore(BlockStore):
                 self._close_writer(old)
 
     def _close_writer(self, writer: _Writer) -> None:
+        """fsync what the interval policy has not synced yet (a segment roll, close) and close the fd.
+        A failed fsync is sticky (_fsync_failed): durable_seq stays where it was, and the error is raised."""
         if writer.fd is None:
             return
         try:
-            if writer.dirty and self.fsync.mode == "interval":
-                os.fsync(writer.fd)
-            if writer.folder_dirty and self.fsync.mode == "interval":
-                _fsync_path(writer.folder)
+            if writer.folder in self._fsync_failed:
+                return  # never counted durable; nothing more to fsync (the finally closes the fd)
+            try:
+                if writer.dirty and self.fsync.mode == "interval":
+                    os.fsync(writer.fd)
+                if writer.folder_dirty and self.fsync.mode == "interval":
+                    _fsync_path(writer.folder)
+            except OSError as exc:
+                raise self._fsync_error(writer, exc) from exc
             writer.durable_seq = writer.next_seq
         finally:
             os.close(writer.fd)
             writer.fd = None
             writer.dirty = writer.folder_dirty = False
             writer.unsynced = 0
+
+    def _fsync_error(self, writer: _Writer, exc: OSError) -> OSError:
+        """Record that an fsync of `writer`'s log failed (sticky: _fsync_failed) and log it once; the
+        error to raise. Call with writer.lock held."""
+        if writer.folder not in self._fsync_failed:
+            self._fsync_failed[writer.folder] = f"{exc}"
+            log.error(
+                "fsync of the log %s failed (%s): blocks from %d on may not be on disk; they are not "
+                "acked, and the log takes no more writes until the server restarts",
+                writer.folder,
+                exc,
+                writer.durable_seq,
+            )
+        return self._failed_error(writer.folder)
+
+    def _failed_error(self, folder: Path) -> OSError:
+        return OSError(
+            errno.EIO,
+            f"an fsync of the log {folder} failed ({self._fsync_failed[folder]}): what it covered may not "
+            "be on disk, so nothing since is acked and the log takes no more writes; restart the server "
+            "to recover the log from what reached the disk",
+        )
+
+    def _refuse_if_failed(self, folder: Path) -> None:
+        """Raise OSError if an fsync of the log in `folder` failed in this process (_fsync_failed)."""
+        if folder in self._fsync_failed:
+            raise self._failed_error(folder)
 
     def _start_flusher(self) -> None:
         with self._writers_lock:
@@ -1538,6 +1589,7 @@ class WalBlockStore(BlockStore):
             writer = self._writers.get(check_stream_name(stream))
         if writer is not None:
             self._flush([(stream, writer)])
+            self._refuse_if_failed(writer.folder)
 
     def _flush(self, writers: Sequence[tuple[str, _Writer]]) -> None:
         moved: list[str] = []  # streams whose durable_seq this flush advanced
@@ -1563,6 +1615,8 @@ class WalBlockStore(BlockStore):
         Marked synced as the fsync began, they were counted durable by those at once, while it still
         ran: a block could be acked that a power loss then took."""
         with writer.lock:
+            if writer.folder in self._fsync_failed:
+                return  # what the failed fsync covered is never counted durable (_fsync_failed)
             if writer.fd is None or not (writer.dirty or writer.folder_dirty):
                 writer.durable_seq = writer.next_seq  # nothing unsynced (a finished fsync covered it)
                 return
@@ -1575,10 +1629,13 @@ class WalBlockStore(BlockStore):
             os.fsync(fd)
             if folder_dirty:
                 _fsync_path(writer.folder)
-        except OSError:
-            log.exception("background fsync of %s failed", writer.folder)
+        except OSError as exc:
+            with writer.lock:
+                self._fsync_error(writer, exc)  # sticky: a later fsync that succeeds proves nothing
         else:
             with writer.lock:
+                if writer.folder in self._fsync_failed:  # a roll's fsync failed meanwhile
+                    return
                 writer.durable_seq = max(writer.durable_seq, covered)
                 if writer.changes == changes:  # nothing appended, no segment made, while it ran
                     writer.dirty = writer.folder_dirty = False

@@ -621,6 +621,58 @@ def test_no_block_counts_durable_before_an_fsync_that_covers_it_has_finished(
         store.close()
 
 
+def _failing_segment_fsync(monkeypatch: pytest.MonkeyPatch, segment: str | None = None) -> None:
+    """os.fsync fails with EIO for the log's segments (those ending in `segment`, if given)."""
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if path.endswith(segment or wal.SEGMENT_SUFFIX):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+@pytest.mark.parametrize("where", ["roll", "flush"])
+def test_a_failed_interval_fsync_never_counts_what_it_covered_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """After a failed fsync the kernel may have dropped the pages it covered and report the next fsync
+    of the file as a success ("fsyncgate"): a later successful fsync (of the next segment after a roll,
+    or of the same segment in the background) once counted them durable, and the receiver acked them.
+    The failure is now sticky: durable_seq stays, the listeners hear nothing, and the log refuses
+    writes until a restart recovers it from the disk."""
+    store = WalBlockStore(
+        tmp_path, fsync=FsyncPolicy.interval(600_000), segment_bytes=1 if where == "roll" else 1 << 20
+    )
+    heard: list[int] = []
+    store.on_durable("s", lambda: heard.append(store.durable_seq("s")))
+    seq, offset = store.recover("s")
+    store.write("s", seq, offset, 0, [records(3)])
+    _failing_segment_fsync(monkeypatch, f"{seq:020d}{wal.SEGMENT_SUFFIX}")
+    if where == "roll":  # the next block starts a segment: the old one's fsync fails
+        with pytest.raises(OSError, match="Input/output"):
+            store.write("s", seq + 1, offset + 3, 0, [records(3, 3)])
+    else:
+        store.flush()  # the background fsync fails: logged
+    assert store.durable_seq("s") == seq
+    monkeypatch.undo()  # fsyncs succeed again: they prove nothing about the pages the failure covered
+    with pytest.raises(OSError, match=r"fsync of the log .* failed.*restart the server"):
+        store.write("s", seq + 1, offset + 3, 0, [records(3, 3)])
+    store.flush()
+    assert store.durable_seq("s") == seq and heard == []
+    with pytest.raises(OSError, match="restart the server"):
+        store.sync("s")
+    with pytest.raises(OSError, match="restart the server"):
+        store.recover("s")
+    store.close()  # no raise: nothing more to fsync
+    assert store.durable_seq("s") == 0
+    restarted = WalBlockStore(tmp_path, fsync=FsyncPolicy.interval(600_000))
+    assert restarted.recover("s") == (seq + 1, offset + 3)  # what the disk holds (here: all of it)
+    restarted.close()
+
+
 def test_every_block_policy_fsyncs_before_returning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = WalBlockStore(tmp_path)
     fill(store, 1)  # creates the segment
