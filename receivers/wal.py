@@ -1239,7 +1239,10 @@ class WalBlockStore(BlockStore):
             (f.header.seq, f.header.first_offset, f.header.first_offset + f.header.count) for f in frames
         ]
         for seq, first_offset, end in found or [(name_seq, None, None)]:
-            if expect.known and seq > expect.seq:
+            # a release (Spark's commit, in another process) may have moved the mark and deleted the
+            # segments below it while this read the log: the mark is written before the deletes, so
+            # read now it covers every segment missing for that reason
+            if expect.known and seq > expect.seq and self._read_released(stream, fresh=True).next_seq < seq:
                 self._missing(
                     stream, path=path, expect=expect, seq=seq, first_offset=first_offset, later=later
                 )

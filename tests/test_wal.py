@@ -1131,3 +1131,31 @@ def test_a_records_timestamp_costs_the_log_no_bytes(tmp_path: Path) -> None:
     assert plain_arrivals(column).to_pylist() == [column.values[0].as_py()] * 4096
     _, size = WalBlockStore(tmp_path, fsync=OFF).write("s", 0, 0, 0, [batch] * 8)
     assert size < 8 * 4096 * (100 + 4 + 4 + 1) + 64 * 1024
+
+
+@pytest.mark.parametrize("hook", ["_segments", "_check_segment"])
+def test_a_release_by_another_process_during_recovery_is_no_gap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hook: str
+) -> None:
+    """Spark's commit (another process) released blocks 0..2 while a restart read the log: the mark the
+    recovery had read was older, so the segments the release deleted looked missing, and a healthy log
+    was refused as damaged (DamagedLogError)."""
+    store = WalBlockStore(tmp_path, fsync=FsyncPolicy.every_block(), segment_bytes=1)
+    fill(store, 6)
+    store.close()
+    spark = WalBlockStore(tmp_path, fsync=FsyncPolicy.every_block(), segment_bytes=1)
+    restarted = WalBlockStore(tmp_path, fsync=FsyncPolicy.every_block(), segment_bytes=1)
+    original = getattr(restarted, hook)
+    calls = [0]
+
+    def releasing_first(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] == 1:  # after the recovery read the mark
+            spark.release("s", 3)
+        return original(*args)
+
+    monkeypatch.setattr(restarted, hook, releasing_first)
+    assert restarted.recover("s") == (6, 18)
+    assert [b.seq for b in restarted.blocks("s")] == [3, 4, 5]
+    restarted.close()
+    spark.close()
