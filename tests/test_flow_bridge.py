@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -145,7 +146,9 @@ async def test_publish_ends_when_its_producer_is_aborted_or_fails(server: Sluice
     producer = Producer(server.target, "s", linger=0, max_buffered=200, batch_size=10, reconnect_timeout=0.5)
     await producer.start()
     sending = asyncio.create_task(publish(producer, IterablePublisher(endless())))
-    await asyncio.sleep(0.3)
+    deadline = time.monotonic() + 30  # full in a fraction of a second, more on a loaded machine
+    while producer.room and not sending.done() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
     assert not sending.done() and producer.room == 0
     if end == "abort":
         await producer.abort()
