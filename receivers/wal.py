@@ -253,6 +253,11 @@ def _frame_crc(header: bytes | bytearray | memoryview, rest: Sequence[bytes | me
     return crc
 
 
+def _span(noun: str, first: int, last: int) -> str:
+    """`first`..`last` (inclusive) for a message: "blocks 3..7", or "block 3" when it is one."""
+    return f"{noun} {first}" if first == last else f"{noun}s {first}..{last}"
+
+
 def _merge_producers(into: dict[str, int], table: Mapping[str, int]) -> None:
     for producer, next_seq in table.items():
         if next_seq > into.get(producer, -1):
@@ -1262,7 +1267,7 @@ class WalBlockStore(BlockStore):
         """Blocks expect.seq..seq-1 are missing before the frame of `seq` in `path`: refuse, or (under
         "off") log it."""
         records = (
-            f"records {expect.offset}..{first_offset - 1}"
+            _span("record", expect.offset, first_offset - 1)
             if first_offset is not None and first_offset > expect.offset
             else f"records from offset {expect.offset}"
         )
@@ -1277,19 +1282,20 @@ class WalBlockStore(BlockStore):
             where = f"between segments {expect.after.name} and {path.name}"
         if self.fsync.mode == "off":
             log.error(
-                "stream %r: the log is damaged: blocks %d..%d (%s) are missing %s: lost (under --fsync off a "
+                "stream %r: the log is damaged: %s (%s) %s missing %s: lost (under --fsync off a "
                 "power loss may take any part of the log)",
                 stream,
-                expect.seq,
-                seq - 1,
+                _span("block", expect.seq, seq - 1),
                 records,
+                "is" if seq - 1 == expect.seq else "are",
                 where,
             )
             expect.seq = seq  # the frame of `seq` follows: not a gap twice
             return
         move = [path, *later]
         raise DamagedLogError(
-            f"stream {stream!r}: blocks {expect.seq}..{seq - 1} ({records}) are missing from the log in "
+            f"stream {stream!r}: {_span('block', expect.seq, seq - 1)} ({records}) "
+            f"{'is' if seq - 1 == expect.seq else 'are'} missing from the log in "
             f"{path.parent}, {where}: a segment of acknowledged blocks that were never released was "
             "deleted or lost, not the torn tail a crash leaves, so the log does not go on without them. "
             "Restore the missing segment (a backup, a replica's copy), or move "
@@ -1325,8 +1331,9 @@ class WalBlockStore(BlockStore):
             return
         after = f"after block {frames[-1].header.seq}" if frames else "its first block"
         raise DamagedLogError(
-            f"stream {stream!r}: the log segment {path} is damaged at byte {good:,} ({after}): blocks "
-            f"{lost_from}..{next_name - 1} are not whole in it, and the later segment {later[0].name} "
+            f"stream {stream!r}: the log segment {path} is damaged at byte {good:,} ({after}): "
+            f"{_span('block', lost_from, next_name - 1)} {'is' if next_name - 1 == lost_from else 'are'} "
+            f"not whole in it, and the later segment {later[0].name} "
             f"starts at block {next_name}. Under --fsync {self.fsync} a segment is on disk whole before "
             "the next one is made, so this is not the torn tail a crash leaves but damage to acknowledged "
             "blocks, and it is not cut. Keep a copy of the segment, then restore it (a backup, a "
@@ -1351,8 +1358,10 @@ class WalBlockStore(BlockStore):
             move = f"it and every later segment ({1 + len(later)} files)" if later else "it"
             raise DamagedLogError(
                 f"stream {stream!r}: the log segment {path} is damaged at byte {bad:,} (the block after "
-                f"seq {last_seq}) and {len(intact)} intact blocks follow it (seqs {intact[0].seq}.."
-                f"{intact[-1].seq}): not the torn tail a crash leaves, but damage to acknowledged "
+                f"seq {last_seq}) and {len(intact)} intact "
+                + ("block follows" if len(intact) == 1 else "blocks follow")
+                + f" it ({_span('seq', intact[0].seq, intact[-1].seq)}): not the torn tail a crash "
+                "leaves, but damage to acknowledged "
                 "blocks, so it is not cut. Keep a copy of the segment, then restore it (a backup, a "
                 f"replica's copy), or move {move} out of the folder and start again: their blocks are "
                 "then lost, and the log goes on after the blocks before it"
@@ -1403,11 +1412,11 @@ class WalBlockStore(BlockStore):
         lost_from = max(frames[-1].header.seq + 1 if frames else name_seq, released)
         if next_name is not None and next_name > lost_from:
             log.error(
-                "stream %r: the log is damaged: blocks %d..%d of segment %s are lost",
+                "stream %r: the log is damaged: %s of segment %s %s lost",
                 stream,
-                lost_from,
-                next_name - 1,
+                _span("block", lost_from, next_name - 1),
                 path.name,
+                "is" if next_name - 1 == lost_from else "are",
             )
         if next_name is not None:  # the blocks cut, if any, were named in that ERROR: no gap after it
             expect.passed(next_name, expect.offset, path)

@@ -264,6 +264,10 @@ def test_corruption_in_a_middle_segment_keeps_later_segments(
     assert restarted.blocks("s")[-1].seq == 12
 
 
+def span(noun: str, first: int, last: int) -> str:
+    return f"{noun} {first}" if first == last else f"{noun}s {first}..{last}"
+
+
 def rolled(root: Path, fsync: FsyncPolicy | None = None, blocks: int = 12) -> list[Path]:
     """A closed log of `blocks` blocks of 20 records in several segments (through the page cache:
     frames of their own size, a few to a segment)."""
@@ -395,17 +399,17 @@ def test_damage_to_an_older_segment_stops_recovery(tmp_path: Path, fsync: str, d
     data = middle.read_bytes()
     if damage == "truncated":
         middle.write_bytes(data[: starts[1] + HEADER.size + 3])
-        lost, at = f"blocks {first + 1}..{after - 1}", starts[1]
+        lost, at = span("block", first + 1, after - 1), starts[1]
     elif damage == "zeroed":
         middle.write_bytes(bytes(len(data)))
-        lost, at = f"blocks {first}..{after - 1}", 0
+        lost, at = span("block", first, after - 1), 0
     else:  # the first frame's header zeroed, the frames after it sound
         middle.write_bytes(bytes(HEADER.size) + data[HEADER.size :])
         # every-block: the intact frames after the bad one are named (as inside the newest segment)
         lost = (
-            f"seqs {first + 1}..{after - 1}"
+            span("seq", first + 1, after - 1)
             if policy.mode == "every-block"
-            else f"blocks {first}..{after - 1}"
+            else span("block", first, after - 1)
         )
         at = 0
     before = files(tmp_path)
@@ -415,6 +419,41 @@ def test_damage_to_an_older_segment_stops_recovery(tmp_path: Path, fsync: str, d
     assert str(middle) in message and f"damaged at byte {at:,}" in message and lost in message, message
     assert f"move it and every later segment ({len(paths) - 1} files)" in message, message
     assert files(tmp_path) == before  # nothing cut
+
+
+@pytest.mark.parametrize("fsync", ["every-block", "off"])
+@pytest.mark.parametrize("damage", ["missing", "torn", "one-record"])
+def test_one_lost_block_is_named_as_one_block(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, fsync: str, damage: str
+) -> None:
+    """A gap or a cut older segment of a single block said "blocks 1..1" (and "records 3..3" for a
+    block of one record): it says "block 1 ... is", "record 3"."""
+    policy = FsyncPolicy.parse(fsync)
+    per_block = 1 if damage == "one-record" else 3
+    store = WalBlockStore(tmp_path, fsync=policy, segment_bytes=1, direct_io=False)  # a segment a block
+    fill(store, 3, per_block=per_block)
+    store.close()
+    paths = segments(tmp_path)
+    assert [int(p.stem) for p in paths] == [0, 1, 2]
+    if damage == "torn":
+        os.truncate(paths[1], HEADER.size + 3)
+        said = "damaged at byte 0 (its first block): block 1 is not whole in it"
+        logged = f"stream 's': the log is damaged: block 1 of segment {paths[1].name} is lost"
+    else:
+        paths[1].unlink()
+        records_ = "record 1" if damage == "one-record" else "records 3..5"
+        said = f"stream 's': block 1 ({records_}) is missing"
+        logged = f"stream 's': the log is damaged: block 1 ({records_}) is missing"
+    with caplog.at_level(logging.WARNING, "receivers.wal"):
+        if policy.mode == "off":
+            assert WalBlockStore(tmp_path, fsync=policy).recover("s") == (3, 3 * per_block)
+        else:
+            with pytest.raises(DamagedLogError) as refused:
+                WalBlockStore(tmp_path, fsync=policy).recover("s")
+            assert said in str(refused.value), str(refused.value)
+    if policy.mode == "off":
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and logged in errors[0], errors
 
 
 def test_garbage_appended_and_junk_files(tmp_path: Path) -> None:
