@@ -1492,6 +1492,9 @@ class WalBlockStore(BlockStore):
         return os.open(path, flags, 0o644), False
 
     def _undo_append(self, writer: _Writer, size: int) -> None:
+        """Cut a failed append off the segment and close it (the next append opens it again, or starts
+        a new segment if the cut failed). Under "interval" the blocks before it that wait for an fsync
+        are fsynced first: with no segment open, the next flush counts every block durable."""
         if writer.fd is None:
             return
         try:
@@ -1499,9 +1502,29 @@ class WalBlockStore(BlockStore):
         except OSError:
             log.exception("cannot cut a failed append off %s: a new segment follows", writer.segment)
             writer.size = -1  # never append to it again: _segment_for sees the size differ
-        with contextlib.suppress(OSError):
-            os.close(writer.fd)
-        writer.fd = None
+        try:
+            self._sync_before_undo(writer)
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(writer.fd)
+            writer.fd = None
+
+    def _sync_before_undo(self, writer: _Writer) -> None:
+        """Under "interval", fsync what `writer` appended and did not fsync yet, before its fd closes. A
+        failure is sticky (_fsync_error) and logged; the failed append's own error is the one raised.
+        durable_seq is left to the next flush, which then tells the listeners (acks wait for them)."""
+        if self.fsync.mode != "interval" or writer.folder in self._fsync_failed or writer.fd is None:
+            return
+        try:
+            if writer.dirty:
+                os.fsync(writer.fd)
+            if writer.folder_dirty:
+                _fsync_path(writer.folder)
+        except OSError as exc:
+            self._fsync_error(writer, exc)
+            return
+        writer.dirty = writer.folder_dirty = False
+        writer.unsynced = 0
 
     def _drop_writer(self, stream: str) -> None:
         """Forget the writer of `stream` and close it, if there is one (the next write or recover()

@@ -850,6 +850,76 @@ def test_a_failed_undo_moves_on_to_a_new_segment(tmp_path: Path, monkeypatch: py
     assert values(restarted) == expected(9)
 
 
+@pytest.mark.parametrize("undo", ["cut", "failed"])
+def test_a_failed_interval_write_fsyncs_the_blocks_before_it_before_they_count_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, undo: str
+) -> None:
+    """Under the interval policy a failed write's undo closed the segment without an fsync while
+    blocks before it waited for one: the next flush, finding no segment open, counted them durable
+    (acked) with no fsync of them ever (and after a failed undo the log went on in a new segment, the
+    old one never fsynced). The undo now fsyncs them first; they count durable at the next flush."""
+    store = WalBlockStore(tmp_path, fsync=FsyncPolicy.interval(600_000), direct_io=False)
+    heard: list[int] = []
+    store.on_durable("s", lambda: heard.append(store.durable_seq("s")))
+    seq, offset = store.recover("s")
+    store.write("s", seq, offset, 0, [records(3)])  # appended, not fsynced yet
+    first = segments(tmp_path)[0]
+    real_fsync, real_write = os.fsync, os.write
+    synced: list[str] = []  # segments whose fsync finished
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+
+    def torn_write(fd: int, data: bytes) -> int:
+        real_write(fd, bytes(data)[:10])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def no_truncate(fd: int, size: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "write", torn_write)
+    if undo == "failed":
+        monkeypatch.setattr(os, "ftruncate", no_truncate)
+    with pytest.raises(OSError, match="No space"):
+        store.write("s", seq + 1, offset + 3, 0, [records(3, 3)])
+    monkeypatch.setattr(os, "write", real_write)
+    monkeypatch.setattr(os, "ftruncate", os.truncate)
+    if undo == "failed":  # the torn bytes stay behind: the retry starts a new segment
+        store.write("s", seq + 1, offset + 3, 0, [records(3, 3)])
+        assert len(segments(tmp_path)) == 2
+    store.flush()
+    assert store.durable_seq("s") > seq
+    assert str(first) in synced, "blocks counted durable with no fsync of them"
+    assert heard and heard[-1] == store.durable_seq("s")  # the ack of the blocks before is not held up
+    store.close()
+
+
+def test_a_failed_fsync_in_a_failed_writes_undo_is_sticky(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The undo's fsync (interval policy) fails: the blocks before the failed write never count
+    durable, the write raises its own error, and the log takes no more writes until a restart."""
+    store = WalBlockStore(tmp_path, fsync=FsyncPolicy.interval(600_000), direct_io=False)
+    seq, offset = store.recover("s")
+    store.write("s", seq, offset, 0, [records(3)])
+
+    def failing_write(fd: int, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    _failing_segment_fsync(monkeypatch)
+    monkeypatch.setattr(os, "write", failing_write)
+    with pytest.raises(OSError, match="No space"):
+        store.write("s", seq + 1, offset + 3, 0, [records(3, 3)])
+    monkeypatch.undo()
+    store.flush()
+    assert store.durable_seq("s") == seq
+    with pytest.raises(OSError, match="restart the server"):
+        store.write("s", seq + 1, offset + 3, 0, [records(3, 3)])
+    store.close()
+
+
 def direct_io_here(path: Path) -> bool:
     try:
         os.close(os.open(path / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
