@@ -227,6 +227,12 @@ class SluiceCollector(Collector):
         truncated = CounterMetricFamily(
             "sluice_wal_truncated_bytes", "Bytes cut off the block log by recovery.", labels=["stream"]
         )
+        lost = CounterMetricFamily(
+            "sluice_wal_lost_blocks",
+            "Blocks never released that recovery went on without under --fsync off (a segment or an older "
+            "segment's tail a power loss took; each is also logged).",
+            labels=["stream"],
+        )
         disk = GaugeMetricFamily(
             "sluice_wal_disk_bytes", "Bytes of the block log on disk (unreleased blocks).", labels=["stream"]
         )
@@ -234,9 +240,11 @@ class SluiceCollector(Collector):
             stats = wal.stream_stats(stream)
             truncations.add_metric([stream], stats.corrupt_tails_truncated)
             truncated.add_metric([stream], stats.bytes_truncated)
+            lost.add_metric([stream], stats.blocks_lost)
             disk.add_metric([stream], wal.disk_bytes(stream))
         yield truncations
         yield truncated
+        yield lost
         yield disk
         budgets = {r.config.disk_budget_bytes for r in self._receivers.values()} - {None}
         if budgets:

@@ -51,8 +51,8 @@ never acked under "every-block"). Acknowledged blocks never released are not cut
   - blocks above the released mark are missing between segments or before the oldest one: a segment
     deleted or lost (_refuse_missing; not for a copy that goes on after gaps, `gaps`).
 Under "off" a power loss can take any part of the log: those are cut or passed with an ERROR naming the
-blocks lost. (etcd's WAL refuses such damage the same way; the operator restores the segment or moves
-it and the later ones aside.) Otherwise bad data on disk never makes
+blocks lost (counted in `stats`: blocks_lost). (etcd's WAL refuses such damage the same way; the
+operator restores the segment or moves it and the later ones aside.) Otherwise bad data on disk never makes
 recovery fail; only real I/O errors (permissions, ...) raise.
 
 Readers (Spark executors, other processes) index segments by their frame headers, seeking over payloads,
@@ -178,12 +178,17 @@ class WalStats:
     """Frames found valid by recovery."""
     segments_removed: int = 0
     """Empty (or emptied) segments other than the newest removed by recovery."""
+    blocks_lost: int = 0
+    """Blocks above the released mark that recovery went on without (each named in an ERROR): missing
+    between segments or before the oldest, or in an older segment's cut tail. Only where that is
+    allowed: under --fsync off, or in a copy that goes on after gaps (`gaps`); other policies refuse."""
 
     def add(self, other: WalStats) -> None:
         self.corrupt_tails_truncated += other.corrupt_tails_truncated
         self.bytes_truncated += other.bytes_truncated
         self.frames_recovered += other.frames_recovered
         self.segments_removed += other.segments_removed
+        self.blocks_lost += other.blocks_lost
 
 
 # ---- frames --------------------------------------------------------------------------------------
@@ -1290,6 +1295,7 @@ class WalBlockStore(BlockStore):
                 "is" if seq - 1 == expect.seq else "are",
                 where,
             )
+            self.stream_stats(stream).blocks_lost += seq - expect.seq
             expect.seq = seq  # the frame of `seq` follows: not a gap twice
             return
         move = [path, *later]
@@ -1418,6 +1424,7 @@ class WalBlockStore(BlockStore):
                 path.name,
                 "is" if next_name - 1 == lost_from else "are",
             )
+            stats.blocks_lost += next_name - lost_from
         if next_name is not None:  # the blocks cut, if any, were named in that ERROR: no gap after it
             expect.passed(next_name, expect.offset, path)
 

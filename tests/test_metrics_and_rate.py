@@ -18,7 +18,7 @@ from support import running_server
 
 from ingest.config import RateConfig, ServeConfig
 from ingest.server import SluiceServer
-from receivers.config import ReceiverConfig
+from receivers.config import FsyncPolicy, ReceiverConfig
 from receivers.wal import WalBlockStore
 from receivers.wire import decode_batch
 from sluice_client import Producer, SyncProducer
@@ -75,6 +75,7 @@ async def test_metrics_count_what_happened(server: SluiceServer) -> None:
     assert math.isinf(samples[("sluice_rate_limit", a)])
     assert samples[("sluice_wal_truncations_total", a)] == 0
     assert samples[("sluice_wal_truncated_bytes_total", a)] == 0
+    assert samples[("sluice_wal_lost_blocks_total", a)] == 0
     assert samples[("sluice_wal_disk_bytes", a)] >= samples[("sluice_block_bytes_total", a)]
 
 
@@ -109,6 +110,39 @@ async def test_wal_truncation_at_start_is_counted(tmp_path: Path) -> None:
     assert samples[("sluice_wal_truncations_total", a)] == 1
     assert samples[("sluice_wal_truncated_bytes_total", a)] == len(b"torn frame")
     assert samples[("sluice_wal_truncations_total", b)] == 0
+
+
+async def test_wal_blocks_lost_under_fsync_off_are_counted(tmp_path: Path) -> None:
+    """A segment a power loss took under --fsync off: the start goes on (an ERROR names the blocks) and
+    sluice_wal_lost_blocks_total counts them."""
+    blocks = tmp_path / "blocks"
+    store = WalBlockStore(blocks, fsync=FsyncPolicy.off(), segment_bytes=1)  # a segment a block
+    seq, offset = store.recover("a")
+    for _ in range(4):
+        store.write("a", seq, offset, 0, [decode_batch(encode_batch(0, [b"x"] * 10), 0)])
+        seq, offset = seq + 1, offset + 10
+    store.close()
+    for gone in (1, 2):
+        (blocks / "a" / f"{gone:020d}.wal").unlink()
+    config = ServeConfig(
+        port=0,
+        metrics_port=0,
+        data_dir=tmp_path,
+        streams=("a", "b"),
+        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
+        fsync=FsyncPolicy.off(),
+        spark=False,
+    )
+    srv = SluiceServer(config)
+    await srv.start()
+    try:
+        assert srv.metrics_port is not None
+        samples = await asyncio.to_thread(scrape, srv.metrics_port)
+    finally:
+        await srv.stop(grace=1)
+    a, b = (("stream", "a"),), (("stream", "b"),)
+    assert samples[("sluice_wal_lost_blocks_total", a)] == 2
+    assert samples[("sluice_wal_lost_blocks_total", b)] == 0
 
 
 async def test_rate_control_validates_and_throttles(server: SluiceServer) -> None:

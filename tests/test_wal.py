@@ -334,6 +334,41 @@ def test_a_missing_segment_under_fsync_off_is_logged_and_passed(
     assert f"between segments {paths[0].name} and {paths[2].name}" in errors[0]
 
 
+def test_blocks_lost_under_fsync_off_are_counted(tmp_path: Path) -> None:
+    """Under "off" recovery goes on past blocks a power loss took, with an ERROR each time: the blocks
+    are counted too (stats.blocks_lost, the metric sluice_wal_lost_blocks_total), a missing segment's
+    and an older segment's cut tail alike; a torn newest tail and released blocks are no loss."""
+    paths = rolled(tmp_path, OFF)
+    assert len(paths) >= 4
+    paths[1].unlink()  # a whole segment gone
+    missing = int(paths[2].stem) - int(paths[1].stem)
+    starts = frame_starts(paths[2])
+    os.truncate(paths[2], starts[1] + 5)  # an older segment's tail
+    cut = int(paths[3].stem) - int(paths[2].stem) - 1
+    newest = paths[-1]
+    os.truncate(newest, frame_starts(newest)[-1] + 5)  # the newest one's torn tail: no loss counted
+    restarted = WalBlockStore(tmp_path, fsync=OFF)
+    restarted.recover("s")
+    assert restarted.stream_stats("s").blocks_lost == missing + cut > 0
+    assert restarted.stats.blocks_lost == missing + cut
+    restarted.close()
+    again = WalBlockStore(tmp_path, fsync=OFF)  # the gaps stay: each start logs and counts them again
+    again.recover("s")
+    assert again.stats.blocks_lost == missing + cut
+    # released blocks are no loss: with the mark past the gap and the cut, nothing is counted
+    released = tmp_path / "released"
+    paths = rolled(released, OFF)
+    store = WalBlockStore(released, fsync=OFF)
+    store.recover("s")
+    store.release("s", int(paths[3].stem))
+    store.close()
+    for path in paths[1:3]:
+        path.unlink(missing_ok=True)  # as a release's deletes would, were they not there already
+    restarted = WalBlockStore(released, fsync=OFF)
+    restarted.recover("s")
+    assert restarted.stats.blocks_lost == 0
+
+
 def test_logs_that_lack_no_unreleased_block_are_not_refused(tmp_path: Path) -> None:
     """What releases, crashes and losses of nothing acked leave: segments deleted by release below the
     released mark, a mark past every block, an empty log, a fresh stream, a roll-over right at a crash
