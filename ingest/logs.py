@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from collections.abc import Mapping
 
@@ -52,6 +53,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False, default=str)
 
 
+_PY4J_FILES = f"{os.sep}py4j{os.sep}"
+
+
+def _py4j_root_records(record: logging.LogRecord) -> bool:
+    """py4j logs some lines through the root logger, not its own: a call it retries after the JVM's
+    connection broke writes "Exception while sending command." and a traceback at INFO (a stop signal
+    while Spark starts gave a traceback where one line was due). They are held to the "py4j" logger's
+    level, as its own lines are; its ERROR lines still pass."""
+    if record.name == "root" and _PY4J_FILES in record.pathname:
+        return record.levelno >= logging.getLogger("py4j").getEffectiveLevel()
+    return True
+
+
 def setup(level: str = "info", log_format: str = PLAIN, *, whole_process: bool = False) -> None:
     """Log to stderr at `level` in `log_format`. Like logging.basicConfig, it leaves a root logger that
     already has handlers alone (a test harness's), but say() follows `log_format` either way.
@@ -68,6 +82,7 @@ def setup(level: str = "info", log_format: str = PLAIN, *, whole_process: bool =
     if not root.handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(JsonFormatter() if log_format == JSON else logging.Formatter(PLAIN_FORMAT))
+        handler.addFilter(_py4j_root_records)
         root.addHandler(handler)
         root.setLevel(getattr(logging, level.upper()))
         if log_format == JSON:

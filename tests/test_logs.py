@@ -370,3 +370,39 @@ def test_a_child_started_after_the_relay_died_can_write_on_stderr() -> None:
         assert "warn" in lines, lines  # raw: no relay to make it JSON
         (warning,) = warned
         assert json.loads(warning)["level"] == "WARNING" and "killed by signal 9" in warning, lines
+
+
+def test_py4j_lines_logged_through_the_root_logger_keep_to_py4js_level() -> None:
+    """A py4j call whose JVM connection breaks (as when a stop signal ends a starting Spark) is retried
+    on a new connection, and py4j logs "Exception while sending command." with a traceback at INFO
+    through the root logger: at the default level that was a traceback on the operator's stderr."""
+    script = """
+import logging, socket, sys, threading
+from ingest import logs
+from py4j.java_gateway import GatewayClient, GatewayParameters
+
+logs.setup("info")
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen(2)
+
+def serve():  # the first connection is answered with nothing, the retry's with "void"
+    for answer in (b"", b"!yv\\n"):
+        conn, _ = listener.accept()
+        conn.recv(65536)
+        conn.sendall(answer)
+        conn.close()
+
+threading.Thread(target=serve, daemon=True).start()
+client = GatewayClient(gateway_parameters=GatewayParameters(port=listener.getsockname()[1]))
+print("answer", client.send_command("c\\nt\\ngetX\\ne\\n"), file=sys.stderr)
+logging.info("a line of our own through the root logger")
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert "answer yv" in done.stderr, done.stderr  # retried after the broken connection
+    assert "Exception while sending command" not in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    assert "a line of our own through the root logger" in done.stderr  # the filter is py4j's only
