@@ -2257,6 +2257,13 @@ def _config_dropped(args: argparse.Namespace) -> str:
 
 
 def _config_set(args: argparse.Namespace) -> int:
+    # the request's map keeps one value a key: a setting given twice was sent with its last value, and
+    # saved so, without a word (also with --validate-only, which then "validated" one of the two)
+    seen: set[str] = set()
+    for key, _ in args.changes:
+        if key in seen:
+            return _fail(f"config set names setting {key!r} twice: give it once", EXIT_USAGE)
+        seen.add(key)
     request = pb.SetConfigRequest(set=dict(args.changes), validate_only=args.validate_only)
     view = _unary(
         args,

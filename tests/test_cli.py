@@ -765,6 +765,22 @@ def test_config_set_and_reset_wait_as_long_as_a_restart_may_take(monkeypatch: py
     assert all("the change goes on on the server" in late for _, _, late in waits), waits
 
 
+def test_config_set_refuses_a_setting_named_twice(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An outside tester: `config set block-interval=0.5 block-interval=0.3` sent the last value (the
+    request's map keeps one a key) and it was saved, also with --validate-only. Refused before sending."""
+    import ingest.cli as cli
+
+    sent: list[str] = []
+    monkeypatch.setattr(cli, "_unary", lambda *a, **k: sent.append("sent"))
+    for extra in ([], ["--validate-only"]):
+        argv = ["config", "set", "block-interval=0.5", "max-rate=10", "block-interval=0.3", *extra]
+        assert cli.main([*argv, "--target", "127.0.0.1:1"]) == cli.EXIT_USAGE
+        assert "names setting 'block-interval' twice" in capsys.readouterr().err
+    assert sent == []
+
+
 def test_serve_refuses_a_file_size_limit_below_the_segment_size(tmp_path: Path) -> None:
     """An outside tester: under `ulimit -f 2048` (2 MiB) the server started, and writing block 0 failed
     with EFBIG every 0.2 s for good. `serve` checks RLIMIT_FSIZE against --segment-bytes at start."""
