@@ -46,7 +46,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from receivers.errors import PermissionDenied, ReceiverError, Unauthenticated, cut
-from receivers.principal import ALL_ROLES, ANONYMOUS, Limits, Principal, Role
+from receivers.names import InvalidStreamNameError, check_stream_name
+from receivers.principal import ALL_ROLES, ALL_STREAMS, ANONYMOUS, Limits, Principal, Role
 from receivers.sizes import parse_size
 from sluice_client.settings_file import read_settings_file
 
@@ -184,7 +185,7 @@ class AuthTable:
             roles = frozenset(_role(r, where) for r in _strings(entry.get("roles", []), f"{where} roles"))
             if not roles:
                 raise AuthFileError(f"{where}: roles is empty (give some of {', '.join(ALL_ROLES)})")
-            streams = frozenset(_strings(entry.get("streams", []), f"{where} streams"))
+            streams = frozenset(_streams(entry.get("streams", []), f"{where} streams"))
             if Role.PRODUCER in roles and not streams:
                 raise AuthFileError(f'{where}: a producer needs streams (names, or "*" for every stream)')
             for digest in _strings(entry.get("token_sha256", []), f"{where} token_sha256"):
@@ -478,6 +479,19 @@ def _strings(value: object, where: str) -> list[str]:
     if "" in value:  # `streams = ""` would pass as a producer's streams while granting none
         raise AuthFileError(f"{where} holds an empty string")
     return list(value)
+
+
+def _streams(value: object, where: str) -> list[str]:
+    """A principal's stream grants: stream names as --stream takes them, or "*". A grant no stream can
+    have ("../x", "clicks " with a space) let the principal publish nowhere, without a word."""
+    streams = _strings(value, where)
+    for stream in streams:
+        if stream != ALL_STREAMS:
+            try:
+                check_stream_name(stream)
+            except InvalidStreamNameError as exc:
+                raise AuthFileError(f"{where}: {exc}") from None
+    return streams
 
 
 def _role(name: str, where: str) -> Role:

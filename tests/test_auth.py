@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,15 @@ from support import positions, refused, running_server, wait_until
 from ingest.config import RateConfig, SecurityConfig, ServeConfig
 from ingest.server import SluiceServer
 from ingest.sessions_service import SessionsService
-from receivers.auth import METHOD_ROLES, Authenticator, AuthTable, new_token, revoke, token_hash
+from receivers.auth import (
+    METHOD_ROLES,
+    Authenticator,
+    AuthFileError,
+    AuthTable,
+    new_token,
+    revoke,
+    token_hash,
+)
 from receivers.config import ReceiverConfig
 from receivers.errors import PermissionDenied, Unauthenticated
 from receivers.parsed_service import add_parsed_servicer
@@ -683,6 +692,30 @@ async def test_a_reload_of_an_auth_file_without_principals_changes_nothing(
         async with grpc.aio.insecure_channel(server.target) as ch:
             await pb_grpc.RateControlStub(ch).GetRate(pb.GetRateRequest(), metadata=bearer("ops"), timeout=10)
         await producer.close()
+
+
+async def test_an_auth_file_granting_an_invalid_stream_name_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An outside tester: a grant that is no stream name ("../x", "Default " with a space) was taken,
+    and the principal could publish nowhere, without a word. Refused as --stream refuses such a name, at
+    parse and on reload (an ERROR naming the principal and the name; the old table stays). "*" stays."""
+    for grant in ("../x", "Default ", "a/b", "-x"):
+        with pytest.raises(
+            AuthFileError, match=re.escape(f"[principals.p] streams: invalid stream name {grant!r}")
+        ):
+            AuthTable.parse({"principals": {"p": {"roles": ["producer"], "streams": ["clicks", grant]}}})
+    assert AuthTable.parse({"principals": {"p": {"roles": ["producer"], "streams": "*"}}}).principals["p"]
+    auth = write_auth_file(tmp_path / "auth.toml")
+    async with secured_server(tmp_path / "data", auth) as server:
+        table = server.auth.table
+        write_auth_file(auth, clicks_app_streams=("clicks", "../x"))
+        with caplog.at_level(logging.INFO, logger="ingest.server"):
+            assert server.reload_security() == []
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and "auth file not reloaded" in errors[0], errors
+        assert "[principals.clicks-app] streams: invalid stream name '../x'" in errors[0], errors
+        assert server.auth.table is table
 
 
 # ---- the Spark source on a secured server --------------------------------------------------------

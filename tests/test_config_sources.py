@@ -219,7 +219,8 @@ def test_config_check_runs_serves_checks_without_starting_anything(tmp_path: Pat
 def test_auth_file_mistakes_are_named_by_the_files_keys(tmp_path: Path) -> None:
     """An auth file's limits were named by serve's flags at start (`max_sessions = 0` as
     --max-sessions-per-principal, `idle_timeout_seconds = 0` as --idle-timeout), and a producer's
-    `streams = ""` passed: it names no stream."""
+    `streams = ""` passed: it names no stream. So did a grant that is no stream name ("../x", "Default "
+    with a space): it is checked as --stream is now ("*" stays every stream)."""
     for text, message in (
         ('[principals.x]\nroles = ["reader"]\nmax_sessions = 0\n', "[principals.x]: max_sessions must be"),
         (
@@ -228,6 +229,15 @@ def test_auth_file_mistakes_are_named_by_the_files_keys(tmp_path: Path) -> None:
         ),
         ('[principals.x]\nroles = ["producer"]\nstreams = ""\n', "[principals.x] streams holds an empty"),
         ('[principals.x]\nroles = ["producer"]\nstreams = [""]\n', "[principals.x] streams holds an empty"),
+        # grants no stream can have: the principal could publish nowhere, without a word
+        (
+            '[principals.x]\nroles = ["producer"]\nstreams = ["clicks", "../x"]\n',
+            "[principals.x] streams: invalid stream name '../x'",
+        ),
+        (
+            '[principals.x]\nroles = ["producer"]\nstreams = ["Default "]\n',
+            "[principals.x] streams: invalid stream name 'Default '",
+        ),
     ):
         auth = tmp_path / "auth.toml"
         auth.write_text(text)
