@@ -20,6 +20,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from ingest.config import check_host
+
 DAYS = 90
 """How long the certificates are valid."""
 SERVER_HOSTS = ("localhost", "127.0.0.1", "::1")
@@ -27,6 +29,8 @@ SERVER_HOSTS = ("localhost", "127.0.0.1", "::1")
 CLIENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 """A --client name: its files are DIR/NAME.crt and DIR/NAME.key, so no path separator, no `..`, no
 leading dot (a hidden file, or `.`/`..`), nothing but letters, digits, `.`, `_` and `-`."""
+CN_MAX = 64
+"""Characters a certificate's common name may have (RFC 5280's ub-common-name)."""
 RESERVED = {"ca": "the CA's certificate", "server": "the server's certificate and key"}
 """Stems of the CA's and the server's files, which a client's must not take (in any case: one file on a
 case-insensitive file system)."""
@@ -62,8 +66,17 @@ def check_names(hosts: Sequence[str], clients: Sequence[str]) -> None:
     """Raise ValueError for a name a certificate cannot hold, or a client name whose files would not be
     DIR/NAME.crt and DIR/NAME.key of their own (checked before anything is written)."""
     for host in hosts:
-        if not host or any(c.isspace() for c in host) or not host.isascii():
-            raise ValueError(f"--host {host!r}: a DNS name or an IP address (ASCII, no spaces)")
+        # as `serve --host` takes it (a wildcard "*.example.com" too): cryptography refused some names
+        # only once ca.crt was written, with its own words
+        if not host.strip():
+            raise ValueError("--host is empty (an unset variable?): give a DNS name or an IP address")
+        try:
+            check_host(host.removeprefix("*."), "--host")
+        except ValueError:
+            raise ValueError(
+                f"--host {host!r} is neither an IP address nor a DNS name (labels of letters, digits, "
+                "'-' and '_', up to 63 characters each, 253 in all)"
+            ) from None
     for client in clients:
         if not CLIENT_NAME.fullmatch(client):
             raise ValueError(
@@ -163,6 +176,9 @@ def write_dev_certs(
     server_hosts = list(dict.fromkeys([*hosts, *SERVER_HOSTS]))
     # clientAuth too: a cluster's node presents its server certificate to its peers (mutual TLS)
     both = (ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH)
-    server_cert, server_key = issue("server", server_hosts[0], both, server_hosts)
+    # a CN holds at most 64 characters, a DNS name up to 253: a longer name is in the SANs only (what
+    # TLS clients match), and the CN says what the certificate is
+    common_name = server_hosts[0] if len(server_hosts[0]) <= CN_MAX else "sluice server"
+    server_cert, server_key = issue("server", common_name, both, server_hosts)
     issued = {name: issue(name, name, (ExtendedKeyUsageOID.CLIENT_AUTH,), ()) for name in clients}
     return DevCerts(ca_file, server_cert, server_key, issued)

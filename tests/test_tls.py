@@ -439,6 +439,31 @@ def test_dev_certs_refuse_a_client_name_that_is_not_a_file_name_of_its_own(tmp_p
     assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
 
 
+def test_dev_certs_take_a_long_host_name_and_refuse_a_bad_one_before_writing(tmp_path: Path) -> None:
+    """An outside tester: a valid DNS name of 79 characters failed with cryptography's "Attribute's
+    length must be >= 1 and <= 64" (the CN) after ca.crt was written. It is in the SANs now, under a
+    short CN; a --host no certificate can name is refused (exit 2, naming --host) before any write."""
+    long_name = f"{'a' * 63}.{'b' * 11}.com"  # 79
+    assert len(long_name) == 79
+    out = tmp_path / "certs"
+    made = sluice("dev-certs", str(out), "--host", long_name)
+    assert made.returncode == 0, made.stderr.decode()
+    cert = x509.load_pem_x509_certificate((out / "server.crt").read_bytes())
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert long_name in sans.get_values_for_type(x509.DNSName)
+    assert cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value == "sluice server"
+    short = write_dev_certs(tmp_path / "short", ("*.example.com", "[::2]"))
+    cert = x509.load_pem_x509_certificate(short.server_cert.read_bytes())
+    assert cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value == "*.example.com"
+    bad_out = tmp_path / "bad"
+    for host in ("a" * 64 + ".com", "x" * 254, "a b", "bad..name", "-x.com", "[foo]", "h\u00e9.com", ""):
+        refused = sluice("dev-certs", str(bad_out), "--host", "ok.example.com", "--host", host)
+        message = refused.stderr.decode()
+        assert refused.returncode == 2, (host, message)
+        assert "--host" in message and "Traceback" not in message and "Attribute" not in message, message
+        assert not bad_out.exists(), host
+
+
 def test_dev_certs_make_a_working_mutual_tls_set(tmp_path: Path) -> None:
     out = tmp_path / "certs"
     made = sluice("dev-certs", str(out), "--host", "sluice.example.com", "--client", "app")
