@@ -105,6 +105,13 @@ def write_dev_certs(
     """Write ca.crt, server.crt + server.key and NAME.crt + NAME.key per client under `directory`
     (keys 0600). FileExistsError when a file is there already, unless `overwrite`."""
     check_names(hosts, clients)
+    for folder in (directory, *directory.parents):
+        if folder.exists():  # mkdir said "[Errno 17] File exists" of a file named as DIR
+            if not folder.is_dir():
+                raise ValueError(
+                    f"{folder} is a file, not a directory: give DIR as a folder for the certificates"
+                )
+            break
     now = now or dt.datetime.now(dt.UTC)
     stems = ["ca", "server", *clients]
     targets = [directory / f"{stem}.crt" for stem in stems] + [directory / f"{s}.key" for s in stems[1:]]

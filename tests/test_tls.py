@@ -464,6 +464,20 @@ def test_dev_certs_take_a_long_host_name_and_refuse_a_bad_one_before_writing(tmp
         assert not bad_out.exists(), host
 
 
+def test_dev_certs_refuse_a_file_as_dir(tmp_path: Path) -> None:
+    """An outside tester: `sluice dev-certs FILE` said "[Errno 17] File exists". It says FILE is a file
+    (exit 2, as its other refusals), also for a folder under a file, and writes nothing."""
+    file = tmp_path / "file"
+    file.write_text("kept\n")
+    for target, force in ((file, ()), (file, ("--force",)), (file / "sub", ())):
+        refused = sluice("dev-certs", str(target), *force)
+        message = refused.stderr.decode()
+        assert refused.returncode == 2, message
+        assert f"{file} is a file, not a directory" in message and "Errno" not in message, message
+    assert file.read_text() == "kept\n"
+    assert not list(tmp_path.rglob("*.crt"))
+
+
 def test_dev_certs_make_a_working_mutual_tls_set(tmp_path: Path) -> None:
     out = tmp_path / "certs"
     made = sluice("dev-certs", str(out), "--host", "sluice.example.com", "--client", "app")
