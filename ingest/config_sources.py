@@ -193,7 +193,14 @@ def convert(key: Key, value: object, where: str, *, from_env: bool = False) -> o
         on = _boolean(value, where)
         if isinstance(action, argparse.BooleanOptionalAction):
             return on
-        return action.const if on else _UNSET
+        if on:
+            return action.const
+        if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+            # `no-spark = false`: the switch's off value, given (the file's, the environment's): it was
+            # dropped, so its source showed as "default", and SLUICE_NO_SPARK=false did not override the
+            # file's `no-spark = true`
+            return action.default
+        return _UNSET  # `no-fsync = false` says nothing of --fsync, which shares its destination
     appends = isinstance(action, argparse._AppendAction)
     texts = _texts(value, where, many=appends, from_env=from_env)
     if appends and not texts and action.default != []:

@@ -817,6 +817,37 @@ def test_config_check_of_a_driver_reads_its_runtime_config_as_its_start_does(tmp
     refused_by_serve_and_check(driver, clean_env(), "block-interval is not a driver's setting")
 
 
+def test_a_switch_turned_off_in_the_file_or_the_environment_shows_that_source(tmp_path: Path) -> None:
+    """An outside tester: `no-spark = false` in the file (or SLUICE_NO_SPARK=false) showed as "default"
+    in `config check`: a switch's false was dropped as if not given, so SLUICE_NO_SPARK=false did not
+    override the file's `no-spark = true` either. It is a value of its source now, as other keys'."""
+    config = tmp_path / "c.toml"
+    config.write_text("no-spark = false\ninsecure = false\nreset-pipeline = false\n")
+    on = tmp_path / "on.toml"
+    on.write_text("no-spark = true\n")
+    env = {"SLUICE_NO_SPARK": "false"}
+    for argv, environ, value, source in (
+        (["--config", str(config)], {}, False, f"file {config}"),
+        ([], env, False, "env SLUICE_NO_SPARK"),
+        (["--config", str(on)], env, False, "env SLUICE_NO_SPARK"),  # the environment wins
+        (["--config", str(on)], {}, True, f"file {on}"),
+        (["--no-spark", "--config", str(config)], {}, True, "flag"),
+        ([], {}, False, "default"),
+    ):
+        full = ["serve", *argv]
+        args = cli._parser().parse_args(full)
+        cli._layer_settings(args, full, environ)
+        assert (args.no_spark, args.origins["no_spark"].described) == (value, source), (argv, environ)
+    full = ["serve", "--config", str(config)]
+    args = cli._parser().parse_args(full)
+    cli._layer_settings(args, full, {})
+    for dest in ("insecure", "reset_pipeline"):
+        assert (getattr(args, dest), args.origins[dest].described) == (False, f"file {config}"), dest
+    result = check("--config", str(config), "--data-dir", str(tmp_path / "d"))
+    assert result.returncode == 0, result.stderr
+    assert rows(result.stdout)["no-spark"] == ("false", f"file {config}"), result.stdout
+
+
 def test_a_driver_takes_fail_on_data_loss_from_a_flag_the_environment_or_the_file(tmp_path: Path) -> None:
     """The cluster source's failOnDataLoss had no driver setting: `serve --role driver` always stopped on
     a node's lost log. `--fail-on-data-loss` / `--no-fail-on-data-loss` (default true), from a flag, the
