@@ -18,8 +18,8 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Where Spark tests will run, every Spark JVM they start (here and in subprocesses, which inherit
-    the environment) starts with fast_jvm's options; SLUICE_TEST_DEFAULT_JVM=1 keeps Java's defaults."""
-    if os.environ.get("SLUICE_TEST_DEFAULT_JVM") == "1" or config.option.collectonly:
+    the environment) starts with fast_jvm's options; TESTS_DEFAULT_JVM=1 keeps Java's defaults."""
+    if os.environ.get("TESTS_DEFAULT_JVM") == "1" or config.option.collectonly:
         return
     if not any(item.get_closest_marker("spark") or item.get_closest_marker("cluster") for item in items):
         return
