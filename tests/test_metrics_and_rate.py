@@ -89,23 +89,31 @@ def torn_log(blocks: Path, stream: str, tail: bytes) -> None:
         file.write(tail)  # as if the server crashed in the middle of the next block's write
 
 
-async def test_wal_truncation_at_start_is_counted(tmp_path: Path) -> None:
-    torn_log(tmp_path / "blocks", "a", b"torn frame")
+async def scrape_a_fresh_server(
+    data_dir: Path, fsync: FsyncPolicy | None = None
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The metrics of a server without Spark started on `data_dir` with streams a and b, then stopped."""
     config = ServeConfig(
         port=0,
         metrics_port=0,
-        data_dir=tmp_path,
+        data_dir=data_dir,
         streams=("a", "b"),
         rate=RateConfig(estimator="fixed", initial_rate=math.inf),
         spark=False,
+        **({} if fsync is None else {"fsync": fsync}),
     )
     srv = SluiceServer(config)
     await srv.start()
     try:
         assert srv.metrics_port is not None
-        samples = await asyncio.to_thread(scrape, srv.metrics_port)
+        return await asyncio.to_thread(scrape, srv.metrics_port)
     finally:
         await srv.stop(grace=1)
+
+
+async def test_wal_truncation_at_start_is_counted(tmp_path: Path) -> None:
+    torn_log(tmp_path / "blocks", "a", b"torn frame")
+    samples = await scrape_a_fresh_server(tmp_path)
     a, b = (("stream", "a"),), (("stream", "b"),)
     assert samples[("sluice_wal_truncations_total", a)] == 1
     assert samples[("sluice_wal_truncated_bytes_total", a)] == len(b"torn frame")
@@ -124,22 +132,7 @@ async def test_wal_blocks_lost_under_fsync_off_are_counted(tmp_path: Path) -> No
     store.close()
     for gone in (1, 2):
         (blocks / "a" / f"{gone:020d}.wal").unlink()
-    config = ServeConfig(
-        port=0,
-        metrics_port=0,
-        data_dir=tmp_path,
-        streams=("a", "b"),
-        rate=RateConfig(estimator="fixed", initial_rate=math.inf),
-        fsync=FsyncPolicy.off(),
-        spark=False,
-    )
-    srv = SluiceServer(config)
-    await srv.start()
-    try:
-        assert srv.metrics_port is not None
-        samples = await asyncio.to_thread(scrape, srv.metrics_port)
-    finally:
-        await srv.stop(grace=1)
+    samples = await scrape_a_fresh_server(tmp_path, FsyncPolicy.off())
     a, b = (("stream", "a"),), (("stream", "b"),)
     assert samples[("sluice_wal_lost_blocks_total", a)] == 2
     assert samples[("sluice_wal_lost_blocks_total", b)] == 0
