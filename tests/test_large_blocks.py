@@ -57,7 +57,9 @@ async def read_all(target: str, owner: int, hi: int) -> tuple[list[bytes], int]:
 async def test_a_block_larger_than_a_message_is_read_in_chunks(tmp_path: Path) -> None:
     async with cluster_of(tmp_path, loopback_cluster(1)) as servers:
         sent = await push_big(servers[0].target, 40)
-        assert servers[0].store.blocks("s")[0].count > 8  # one block of many messages' worth
+        # one block of many messages' worth; not necessarily the first, which the block timer may cut
+        # early when the client starts late in an interval (seen in CI: 6 records)
+        assert max(b.count for b in servers[0].store.blocks("s")) > 8
         values, chunks = await read_all(servers[0].target, 0, len(sent))
         assert values == sent
         assert chunks >= 40 * RECORD // CHUNK_BYTES
@@ -70,7 +72,7 @@ async def test_a_block_larger_than_a_message_is_replicated_and_read_from_the_cop
         sent = await push_big(servers[0].target, 40)
         node1 = servers[1].node
         assert node1 is not None
-        assert node1.replicas.blocks(0, "s")[0].count > 8  # one block of many messages' worth, copied
+        assert max(b.count for b in node1.replicas.blocks(0, "s")) > 8  # as above, copied
         values, _ = await read_all(servers[1].target, 0, len(sent))
         assert values == sent
 
