@@ -16,6 +16,7 @@ Tests only: the service keeps Java's defaults (C2 is what long-running batches w
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import subprocess
@@ -77,29 +78,36 @@ def archive(cache: Path) -> Path | None:
     not be made (then the tests run without it)."""
     try:
         cache.mkdir(parents=True, exist_ok=True)
-        path = cache / f"spark-{_key()}.jsa"
-        if path.exists():
-            return path if _usable(path) else None
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            dump = Path(tmp) / "spark.jsa"
-            env = {
-                **os.environ,
-                "SPARK_SUBMIT_OPTS": " ".join([*OPTIONS, *QUIET_CDS, f"-XX:ArchiveClassesAtExit={dump}"]),
-            }
-            made = subprocess.run(
-                [sys.executable, "-c", _DUMP],
-                check=False,
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                timeout=600,
-            )
-            if made.returncode != 0 or not dump.exists() or not _usable(dump):
-                return None
-            dump.replace(path)
-        return path
+        # parallel test workers (pytest -n) all ask at once: one makes it, the others wait and map it
+        with (cache / "make.lock").open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            return _archive(cache)
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def _archive(cache: Path) -> Path | None:
+    path = cache / f"spark-{_key()}.jsa"
+    if path.exists():
+        return path if _usable(path) else None
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        dump = Path(tmp) / "spark.jsa"
+        env = {
+            **os.environ,
+            "SPARK_SUBMIT_OPTS": " ".join([*OPTIONS, *QUIET_CDS, f"-XX:ArchiveClassesAtExit={dump}"]),
+        }
+        made = subprocess.run(
+            [sys.executable, "-c", _DUMP],
+            check=False,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=600,
+        )
+        if made.returncode != 0 or not dump.exists() or not _usable(dump):
+            return None
+        dump.replace(path)
+    return path
 
 
 def submit_options(cache: Path) -> str:
