@@ -38,6 +38,7 @@ from ingest.config import (
     DEFAULT_METRICS_PORT,
     DEFAULT_PORT,
     DRIVER_SETTINGS,
+    OutOfRange,
     RateConfig,
     SecurityConfig,
     ServeConfig,
@@ -906,6 +907,8 @@ def _float_in(low: float, high: float, what: str) -> Callable[[str], float]:
     def parse(text: str) -> float:
         try:
             value = ascii_float(text)
+        except OutOfRange:
+            raise
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
         if not low <= value <= high:
@@ -957,6 +960,8 @@ def _stream_value(text: str) -> tuple[str, float]:
     name, sep, value = text.rpartition("=")
     try:
         number = ascii_float(value)
+    except OutOfRange as exc:
+        raise argparse.ArgumentTypeError(f"{name or text!r}: {exc}") from None
     except ValueError:
         number = math.nan
     if not sep or not name or math.isnan(number):

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import ipaddress
 import itertools
 import math
 import re
 import resource
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,10 +85,19 @@ class RateConfig:
 def ascii_float(text: str) -> float:
     """float(text) of ASCII text only. float() and int() take the digits of every script (Arabic-Indic
     "\u0660.\u0665" is 0.5, full-width "\uff11\uff12" is 12); a setting takes ASCII digits alone, which
-    is how it is shown back. ValueError else."""
+    is how it is shown back. A finite number too large for a float (1e400) is refused too, rather than
+    read as inf, which to a rate or a bound means no limit at all. ValueError else."""
     if not text.isascii():
         raise ValueError(f"could not convert string to float: {text!r}")
-    return float(text)
+    value = float(text)
+    if math.isinf(value) and "inf" not in text.lower():
+        largest = f"{sys.float_info.max:.3g}"
+        raise OutOfRange(f"{text} is out of range (the largest number is {largest})")
+    return value
+
+
+class OutOfRange(argparse.ArgumentTypeError, ValueError):
+    """A number too large for a float; argparse shows an ArgumentTypeError's own message."""
 
 
 def ascii_int(text: str) -> int:
@@ -115,6 +126,8 @@ def parse_estimator_params(text: str) -> dict[str, float]:
             raise ValueError(f"estimator parameter {shown(part.strip())} is not name=value")
         try:
             number = ascii_float(value)
+        except OutOfRange as exc:
+            raise ValueError(f"estimator parameter {cut(name)}: {exc}") from None
         except ValueError:
             raise ValueError(
                 f"estimator parameter {cut(name)}: {shown(value.strip())} is not a number"

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ingest.config import OutOfRange, ascii_float
 from sluice_client.settings_file import read_settings_file
 
 DEFAULT, FILE, ENV, FLAG, RUNTIME = "default", "file", "env", "flag", "runtime"
@@ -148,7 +149,10 @@ def explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[
 def read_file(path: Path, keys: Mapping[str, Key]) -> dict[str, object]:
     """The TOML file's settings, key -> value; ConfigError naming the file for anything wrong."""
     try:
-        data = tomllib.loads(read_settings_file(path).decode("utf-8"))
+        # ascii_float: TOML reads 1e400 as inf, which to a rate means no limit at all
+        data = tomllib.loads(read_settings_file(path).decode("utf-8"), parse_float=ascii_float)
+    except OutOfRange as exc:
+        raise ConfigError(f"config file {path}: {exc}") from None
     except FileNotFoundError:
         raise ConfigError(f"config file {path}: no such file") from None
     except OSError as exc:

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from ingest.config import (
     DRIVER_SETTINGS,
+    OutOfRange,
     ServeConfig,
     ascii_float,
     ascii_int,
@@ -83,6 +84,8 @@ class VersionConflictError(SettingError):
 def _float(text: str) -> float:
     try:
         value = ascii_float(text)
+    except OutOfRange as exc:
+        raise SettingError(str(exc)) from None
     except ValueError:
         raise SettingError(f"{text!r} is not a number") from None
     if math.isnan(value):

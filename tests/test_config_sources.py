@@ -1005,6 +1005,35 @@ def test_numbers_are_ascii_digits_only(tmp_path: Path) -> None:
         assert re.search(r"^block-interval\s+0\.2\s+default$", shown.stdout, re.M), shown.stdout
 
 
+def test_a_number_too_large_for_a_float_is_refused_not_read_as_no_limit(tmp_path: Path) -> None:
+    """float("1e400") is inf, and an inf rate or bound means no limit at all: `rate set 1e400`, the
+    flag, the variable, the config file (TOML reads 1e400 as inf too) and `config set` took it silently.
+    Now each says it is out of range; inf spelled as inf still means no limit."""
+    says = "1e400 is out of range (the largest number is 1.8e+308)"
+    base = ["--no-spark", "--data-dir", str(tmp_path / "d"), "--port", "0", "--metrics-port", "-1"]
+    for args, env in (
+        (["--max-rate", "1e400"], {}),
+        (["--estimator-params", "horizon=1e400"], {}),
+        (["--stream-max-rate", "default=1e400"], {}),
+        ([], {"SLUICE_MIN_RATE": "1e400"}),
+    ):
+        result = check(*base, *args, env=clean_env(**env))
+        assert result.returncode == 2, (args, env, result.stderr)
+        assert says in result.stderr and "Traceback" not in result.stderr, (args, env, result.stderr)
+    config = tmp_path / "sluice.toml"
+    config.write_text("max-rate = 1e400\n")
+    refused_by_serve_and_check([*base, "--config", str(config)], clean_env(), f"config file {config}: {says}")
+    config.write_text("max-rate = inf\n")
+    assert check(*base, "--config", str(config)).returncode == 0
+    rate = sluice_text("rate", "set", "-1e400", "--target", "127.0.0.1:1")
+    assert rate.returncode == 2 and "argument RATE: -1e400 is out of range" in rate.stderr, rate.stderr
+    with no_spark_serve(tmp_path, tmp_path / "served") as target:
+        changed = sluice_text("config", "set", "max-rate=1e400", "--target", target)
+        assert changed.returncode == 1 and "INVALID_ARGUMENT" in changed.stderr, changed.stderr
+        assert says in changed.stderr, changed.stderr
+        assert sluice_text("config", "set", "max-rate=inf", "--target", target).returncode == 0
+
+
 def test_an_empty_pipeline_is_refused_from_the_file_and_the_environment_as_from_the_flag(
     tmp_path: Path,
 ) -> None:
