@@ -263,6 +263,11 @@ def _span(noun: str, first: int, last: int) -> str:
     return f"{noun} {first}" if first == last else f"{noun}s {first}..{last}"
 
 
+def _are(first: int, last: int) -> str:
+    """The verb for a `_span`: "is" for one, "are" for more."""
+    return "is" if first == last else "are"
+
+
 def _merge_producers(into: dict[str, int], table: Mapping[str, int]) -> None:
     for producer, next_seq in table.items():
         if next_seq > into.get(producer, -1):
@@ -1292,7 +1297,7 @@ class WalBlockStore(BlockStore):
                 stream,
                 _span("block", expect.seq, seq - 1),
                 records,
-                "is" if seq - 1 == expect.seq else "are",
+                _are(expect.seq, seq - 1),
                 where,
             )
             self.stream_stats(stream).blocks_lost += seq - expect.seq
@@ -1301,7 +1306,7 @@ class WalBlockStore(BlockStore):
         move = [path, *later]
         raise DamagedLogError(
             f"stream {stream!r}: {_span('block', expect.seq, seq - 1)} ({records}) "
-            f"{'is' if seq - 1 == expect.seq else 'are'} missing from the log in "
+            f"{_are(expect.seq, seq - 1)} missing from the log in "
             f"{path.parent}, {where}: a segment of acknowledged blocks that were never released was "
             "deleted or lost, not the torn tail a crash leaves, so the log does not go on without them. "
             "Restore the missing segment (a backup, a replica's copy), or move "
@@ -1338,7 +1343,7 @@ class WalBlockStore(BlockStore):
         after = f"after block {frames[-1].header.seq}" if frames else "its first block"
         raise DamagedLogError(
             f"stream {stream!r}: the log segment {path} is damaged at byte {good:,} ({after}): "
-            f"{_span('block', lost_from, next_name - 1)} {'is' if next_name - 1 == lost_from else 'are'} "
+            f"{_span('block', lost_from, next_name - 1)} {_are(lost_from, next_name - 1)} "
             f"not whole in it, and the later segment {later[0].name} "
             f"starts at block {next_name}. Under --fsync {self.fsync} a segment is on disk whole before "
             "the next one is made, so this is not the torn tail a crash leaves but damage to acknowledged "
@@ -1422,7 +1427,7 @@ class WalBlockStore(BlockStore):
                 stream,
                 _span("block", lost_from, next_name - 1),
                 path.name,
-                "is" if next_name - 1 == lost_from else "are",
+                _are(lost_from, next_name - 1),
             )
             stats.blocks_lost += next_name - lost_from
         if next_name is not None:  # the blocks cut, if any, were named in that ERROR: no gap after it
