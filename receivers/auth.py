@@ -66,6 +66,7 @@ grpc's enum for a session's code)."""
 PIPELINE = Principal("sluice-pipeline", frozenset({Role.OPERATOR, Role.READER, Role.CONSUMER}), frozenset())
 """The principal of a server's own Spark source (RateControl: GetRate, StartBatch), whose token the
 server issues itself (Authenticator.issue_token) for each run."""
+_RESERVED = frozenset({PIPELINE.name, ANONYMOUS.name})
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 T = TypeVar("T")
@@ -173,9 +174,7 @@ class AuthTable:
         tokens: dict[str, str] = {}
         for name, entry in entries.items():
             where = f"{source} [principals.{name}]"
-            if not _valid_name(name):
-                # no NUL: a principal's producer keys are "\0<principal>\0<producer id>" (producer_key)
-                raise AuthFileError(f"{where}: a principal name is 1-256 bytes of UTF-8, without NUL")
+            _check_name(name, where)
             if not isinstance(entry, Mapping):
                 raise AuthFileError(f"{where}: must be a table")
             allowed = {"roles", "streams", "token_sha256", *_LIMIT_KEYS}
@@ -465,6 +464,15 @@ class _LiveCall:
     method: str
     ended: asyncio.Future[ReceiverError]
     """Set by Authenticator.revoke_calls: the error the call ends with."""
+
+
+def _check_name(name: str, where: str) -> None:
+    if not _valid_name(name):
+        # no NUL: a principal's producer keys are "\0<principal>\0<producer id>" (producer_key)
+        raise AuthFileError(f"{where}: a principal name is 1-256 bytes of UTF-8, without NUL")
+    if name in _RESERVED:
+        # the server's own names: an audit line or a metric naming one must mean the server
+        raise AuthFileError(f"{where}: {name!r} is the server's own principal name; choose another")
 
 
 def _valid_name(name: str) -> bool:

@@ -943,3 +943,13 @@ async def test_a_server_reachable_from_the_network_without_authentication_warns(
     caplog.clear()
     async with running_server(tmp_path / "local", "clicks"):
         assert "without --auth-file" not in caplog.text
+
+
+def test_an_auth_file_principal_may_not_take_the_servers_own_names() -> None:
+    """ "sluice-pipeline" (the server's own Spark source) and "anonymous" (every caller of a server
+    without auth) name the server in audit lines and metrics; a principal of the file that took one
+    would be mistaken for it, so the file is refused."""
+    for name in ("sluice-pipeline", "anonymous"):
+        with pytest.raises(AuthFileError, match=re.escape(f"{name!r} is the server's own principal name")):
+            AuthTable.parse({"principals": {name: {"roles": ["reader"]}}})
+    assert AuthTable.parse({"principals": {"sluice-pipeline-2": {"roles": ["reader"]}}}).principals
