@@ -35,6 +35,9 @@ async def test_swap_under_load_loses_nothing_and_doubles_nothing(spark: Any, tmp
         load = Load(server.target, "events")
         pushing = asyncio.create_task(load.run())
         await asyncio.sleep(3)
+        # the new query starts where the old one committed: under load the old one may not have
+        # committed a batch in 3 s (CI once saw start offset 0)
+        await first_batch_committed(tmp_path / "sink")
         stub = admin(server)
         # where Spark runs, the service is SERVING once its query runs (and intake once the log is open)
         health = health_pb2_grpc.HealthStub(grpc.aio.insecure_channel(server.target))
@@ -67,6 +70,15 @@ async def test_swap_under_load_loses_nothing_and_doubles_nothing(spark: Any, tmp
         assert min(new) == view.last_swap.start_offsets["events"]
 
 
+async def first_batch_committed(sink: Path, timeout: float = 120) -> None:
+    """Once the file sink at `sink` has committed a batch (Spark runs no batch without new data)."""
+    metadata = sink / "_spark_metadata"
+    deadline = time.monotonic() + timeout
+    while not (metadata.is_dir() and any(p.name.split(".")[0].isdigit() for p in metadata.iterdir())):
+        assert time.monotonic() < deadline, f"the query wrote no batch to {sink} in {timeout:g} s"
+        await asyncio.sleep(0.5)
+
+
 def named(folder: Path, pattern: str) -> list[str]:
     return sorted(p.name for p in folder.glob(pattern))
 
@@ -84,11 +96,7 @@ async def test_a_swap_that_fails_is_rolled_back(spark: Any, tmp_path: Path) -> N
         await asyncio.sleep(2)
         # the third try below is refused for the first sink's batches: under load the first query may
         # not have committed one in 2 s (then that swap is rightly allowed)
-        metadata = tmp_path / "sink" / "_spark_metadata"
-        deadline = time.monotonic() + 120
-        while not (metadata.is_dir() and any(p.name.split(".")[0].isdigit() for p in metadata.iterdir())):
-            assert time.monotonic() < deadline, "the first query wrote no batch to its sink in 120 s"
-            await asyncio.sleep(0.5)
+        await first_batch_committed(tmp_path / "sink")
         # a spec that does not load: refused before anything stops
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await stub.SwapPipeline(pb.SwapPipelineRequest(pipeline="no_such_module:nothing"))
