@@ -62,8 +62,14 @@ def claim_data_dir(data_dir: Path, cluster: Cluster | None) -> None:
     if data is None:
         if node_id is not None:
             _check_old_log(data_dir, node_id, path)
-        if (data_dir / "blocks").exists():
-            log.info("data dir %s has no %s yet: taken as %s's", data_dir, NODE_FILE, _who(node_id))
+        # a log written before node.json existed (serve's preflight makes the empty folders of a new one)
+        if any(p.is_file() for p in (data_dir / "blocks").rglob("*")):
+            log.info(
+                "data dir %s holds a log but no %s yet: marked as belonging to %s",
+                data_dir,
+                NODE_FILE,
+                _who(node_id),
+            )
         replace_json(path, {"node_id": node_id, "nodes": listed})
         return
     if not isinstance(data, dict) or "node_id" not in data:

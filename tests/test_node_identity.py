@@ -120,3 +120,26 @@ async def test_a_changed_node_list_is_logged_not_refused(
     assert json.loads((data_dir / NODE_FILE).read_text())["nodes"] == {
         str(n.id): n.target for n in grown.nodes
     }
+
+
+def test_only_a_data_dir_with_a_log_from_before_node_json_is_said_to_be_marked(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every fresh `sluice serve` logged "data dir D has no node.json yet: taken as a single server (no
+    --nodes)'s": its preflight makes the empty blocks folders first. Said only of a log that was there."""
+    from receivers.node_identity import claim_data_dir
+
+    fresh = tmp_path / "fresh"
+    (fresh / "blocks" / "default").mkdir(parents=True)  # as serve's preflight leaves a new data dir
+    old = tmp_path / "old"
+    (old / "blocks" / "default").mkdir(parents=True)
+    (old / "blocks" / "default" / "00000000000000000000.log").write_bytes(b"x")
+    with caplog.at_level(logging.INFO, logger="receivers.node_identity"):
+        claim_data_dir(fresh, None)
+        assert not caplog.records
+        claim_data_dir(old, None)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"data dir {old} holds a log but no {NODE_FILE} yet: marked as belonging to a single server "
+        "(no --nodes)"
+    ]
+    assert (fresh / NODE_FILE).exists() and (old / NODE_FILE).exists()
