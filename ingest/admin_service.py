@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -246,7 +246,9 @@ class AdminService(pb_grpc.AdminServicer):
         from ingest.server import StreamChangeRefused, StreamExistsError  # noqa: PLC0415 - it imports this
 
         try:
-            await self._server.add_stream(request.stream)
+            await self._to_its_end(
+                self._server.add_stream(request.stream), "add", request.stream, context.peer()
+            )
         except StreamExistsError as exc:
             await self._refuse(context, "add", grpc.StatusCode.ALREADY_EXISTS, str(exc))
         except StreamChangeRefused as exc:
@@ -272,11 +274,12 @@ class AdminService(pb_grpc.AdminServicer):
                 "keep the unprocessed blocks for when the stream is added again)",
             )
         try:
-            await self._server.remove_stream(
+            remove = self._server.remove_stream(
                 request.stream,
                 drain=request.backlog == pb.RemoveStreamRequest.DRAIN,
                 reason=cut(request.reason),
             )
+            await self._to_its_end(remove, "remove", request.stream, context.peer())
         except UnknownStreamError as exc:
             await self._refuse(context, "remove", grpc.StatusCode.NOT_FOUND, str(exc))
         except StreamChangeRefused as exc:
@@ -290,6 +293,40 @@ class AdminService(pb_grpc.AdminServicer):
         peer, reason = context.peer(), shown(request.reason)  # escaped: one log line whatever it holds
         log.info("stream %s removed (%s) by %s: %s", printable(request.stream), backlog, peer, reason)
         return self._streams_view()
+
+    async def _to_its_end(
+        self, change: Coroutine[Any, Any, None], action: str, stream: str, peer: str
+    ) -> None:
+        """Run a stream change as a task that runs to its end whatever becomes of the call. A client that
+        went away (its deadline, Ctrl-C) cancelled it between saving streams.json and starting or
+        stopping the receiver: the stream was then listed serving without a receiver, and could be
+        neither added (ALREADY_EXISTS) nor removed (NOT_FOUND) until a restart."""
+        task = asyncio.create_task(change)
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if not task.done():
+                what = f"stream {action} of {printable(cut(stream))} by {peer}"  # the client's name: escaped
+                log.warning("the caller of a %s went away: the change goes on to its end", what)
+                task.add_done_callback(lambda done: self._stream_change_alone(done, action, what))
+            raise
+
+    def _stream_change_alone(self, task: asyncio.Task[None], action: str, what: str) -> None:
+        """Count and log how a stream change (`what`) whose caller went away ended."""
+        from ingest.server import StreamChangeRefused, UnknownStreamError  # noqa: PLC0415 - it imports this
+
+        if task.cancelled():
+            self._count(action, "refused")
+            log.warning("a %s, who went away, was cancelled", what)
+            return
+        exc = task.exception()
+        self._count(action, "refused" if exc is not None else "applied")
+        if exc is None:
+            log.info("a %s (who went away): done", what)
+        elif isinstance(exc, (ValueError, UnknownStreamError, StreamChangeRefused, OSError)):  # refusals
+            log.warning("a %s, who went away, changed nothing: %s", what, exc)
+        else:
+            log.error("a %s, who went away, failed", what, exc_info=exc)
 
     def _count(self, action: str, result: str) -> None:
         changes = self._server.stream_changes

@@ -4,6 +4,7 @@ which status, and what they keep across a restart."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -374,3 +375,31 @@ async def test_client_strings_are_escaped_in_the_log(
     assert len(started) == 1, started
     for message in [*swaps, *settings, *removed, *started]:
         assert not any(c in message for c in RAW), repr(message)
+
+
+async def test_a_stream_change_whose_caller_went_away_runs_to_its_end(tmp_path: Path) -> None:
+    """An outside tester's AddStream / RemoveStream with deadlines of a few milliseconds: a deadline
+    that cut the change between saving streams.json and starting (or stopping) the receiver left the
+    stream listed "serving" without a receiver, which could then be neither added (ALREADY_EXISTS) nor
+    removed (NOT_FOUND, "it is serving") until a restart. The change now runs to its end on the server."""
+    async with running_server(tmp_path, "a") as server:
+        stub = pb_grpc.AdminStub(grpc.aio.insecure_channel(server.target))
+        for i in range(200):
+            call = (
+                stub.AddStream(pb.AddStreamRequest(stream="b"), timeout=0.0005 + 0.0001 * (i % 100))
+                if i % 2 == 0
+                else stub.RemoveStream(pb.RemoveStreamRequest(stream="b", backlog=KEEP), timeout=0.001)
+            )
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await call
+            for _ in range(200):  # a change left to run alone ends soon
+                if (server.streams.states.get("b") == "serving") == ("b" in server.receivers):
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError(f"{server.streams.states.get('b')} without a receiver after call {i}")
+        await asyncio.sleep(0.5)  # the last change, left to run alone, has ended
+        if "b" in server.receivers:
+            await stub.RemoveStream(pb.RemoveStreamRequest(stream="b", backlog=KEEP))
+        await stub.AddStream(pb.AddStreamRequest(stream="b"))
+        assert sorted(server.receivers) == ["a", "b"]
