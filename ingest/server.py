@@ -564,7 +564,8 @@ class SluiceServer:
             state = self.streams.states.get(stream)
             if state == SERVING:
                 raise StreamExistsError(f"stream {stream!r} is served already")
-            receiver = Receiver(stream, self._writes, self.config.receiver, pool=self.memory)
+            config = self.config.receiver
+            receiver = Receiver(stream, self._writes, config, pool=self.memory)
             try:
                 await asyncio.to_thread(self.store.ensure_incarnation, stream)  # as _start_receivers
                 await receiver.start()
@@ -572,6 +573,10 @@ class SluiceServer:
             except BaseException:
                 await receiver.stop()  # and out of the memory pool
                 raise
+            if self.config.receiver != config:
+                # settings applied meanwhile (apply_settings) went to the receivers already served, not
+                # to this one: it kept the old ones (a lowered budget, say) until the next change
+                receiver.reconfigure(self.config.receiver)
             self.receivers[stream] = receiver
             self.rate.streams_changed()
         # the Admin service logs the change once, with its caller

@@ -556,3 +556,18 @@ async def test_config_get_says_where_each_value_came_from_and_what_a_rule_gives(
             assert rows["low-tide"] == ("100", "dynamic", "")
     finally:
         await server.stop()
+
+
+async def test_a_stream_added_while_a_setting_changes_takes_the_new_setting(tmp_path: Path) -> None:
+    """An outside tester's AddStream racing SetConfig: a setting applied while the new stream's receiver
+    started went to the streams already served only; the new one kept the old value (a lowered budget,
+    say) until the next change."""
+    async with running_server(tmp_path, "a") as server:
+        stub = pb_grpc.AdminStub(grpc.aio.insecure_channel(server.target))
+        for i in range(10):
+            add = asyncio.ensure_future(stub.AddStream(pb.AddStreamRequest(stream=f"s{i}")))
+            await asyncio.sleep(0.001 * (i % 3))
+            await stub.SetConfig(pb.SetConfigRequest(set={"prefetch": str(1000 + i)}))
+            await add
+            prefetch = {name: receiver.config.prefetch for name, receiver in server.receivers.items()}
+            assert set(prefetch.values()) == {1000 + i}, prefetch
