@@ -19,6 +19,7 @@ import ssl
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -191,9 +192,18 @@ async def read_grpc(
 
 def status_json_url(url: str) -> str:
     """--metrics: the metrics port's base URL (http://host:9464), or /status.json itself (ValueError
-    for a URL that is not http or https)."""
+    for a URL that is not http or https, or not HOST:PORT and a path)."""
     if not url.startswith(("http://", "https://")):
         raise ValueError(f"--metrics takes an http:// or https:// URL, got {url!r}")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        # read: a port past 65535 was taken modulo 2^16, so the token went to another port
+        port = parts.port
+    except ValueError as exc:  # "http://[::1", a port that is not one
+        raise ValueError(f"--metrics: not a URL: {exc}") from None
+    if not parts.hostname or port == 0 or parts.username is not None or parts.query or parts.fragment:
+        # a user, a query or a fragment: the host was misread ("u:p@host") or /status.json lost
+        raise ValueError(f"--metrics takes http(s)://HOST:PORT, a path at most, got {url!r}")
     url = url.rstrip("/")
     for tail in ("/status.json", "/status", "/metrics"):
         url = url.removesuffix(tail)

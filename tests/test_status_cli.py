@@ -7,6 +7,7 @@ import asyncio
 import http.server
 import itertools
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -287,8 +288,26 @@ async def test_status_metrics_of_something_else_is_one_line(body: bytes, says: s
 
 async def test_status_metrics_of_a_broken_url_is_one_line() -> None:
     shown = await status("--metrics", "http://[::1", token=None)
-    assert shown.returncode == 1 and "Traceback" not in shown.stderr, shown.stderr
+    assert shown.returncode == 2 and "Traceback" not in shown.stderr, shown.stderr
     assert "not a URL: Invalid IPv6 URL" in shown.stderr, shown.stderr
+
+
+@pytest.mark.parametrize("tail", ["", "#frag", "?x=1"])
+async def test_status_metrics_port_past_65535_sends_no_token_elsewhere(tail: str) -> None:
+    """An outside tester's `--metrics http://127.0.0.1:99999`: urllib took the port modulo 2^16 and sent
+    the bearer token to port 34463, whatever listened there. A port past 65535, a user in the URL (read
+    as part of the host), a query or a fragment (which swallowed the /status.json added after it) are
+    usage errors now, exit 2, and nothing is sent."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        for url in (f"http://127.0.0.1:{port + 65536}{tail}", f"http://u:p@127.0.0.1:{port}{tail}"):
+            shown = await status("--metrics", url, token="a-secret-token")
+            assert shown.returncode == 2 and shown.stderr.count("\n") == 1, shown.stderr
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected
 
 
 @pytest.mark.parametrize("content_length", [True, False], ids=["content-length", "until-close"])
