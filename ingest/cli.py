@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import ipaddress
 import logging
 import math
 import os
@@ -1005,6 +1006,14 @@ def _valid_policy(field: str, value: float) -> bool:
     return True
 
 
+def _ipv6(text: str) -> bool:
+    try:
+        ipaddress.IPv6Address(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _target(text: str) -> str:
     """HOST:PORT (an IPv6 host in brackets), or a gRPC URI (unix:PATH, dns:///...) as it is; not a URL
     (http://, https://, grpc://) nor a name with whitespace, which gRPC retried for the whole timeout."""
@@ -1019,7 +1028,13 @@ def _target(text: str) -> str:
         # gRPC takes a port over 65535 modulo 2^16: another port, not an error
         raise argparse.ArgumentTypeError(f"invalid target {text!r}: use HOST:PORT with a port of 1-65535")
     if ":" in host and not (host.startswith("[") and host.endswith("]")):
-        raise argparse.ArgumentTypeError(f"invalid target {text!r}: an IPv6 host goes in brackets, [{host}]")
+        # the hint brackets what reads as an address: "::1" split into host ":" and port 1 was told "[:]"
+        hint, bare = "[HOST]:PORT", text.strip("[]")
+        if _ipv6(host):
+            hint = f"[{host}]:{port}"
+        elif _ipv6(bare):  # an address without a port
+            hint = f"[{bare}]:PORT"
+        raise argparse.ArgumentTypeError(f"invalid target {text!r}: an IPv6 host goes in brackets, {hint}")
     return text
 
 

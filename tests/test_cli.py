@@ -806,3 +806,25 @@ def test_serve_refuses_a_file_size_limit_below_the_segment_size(tmp_path: Path) 
     assert "cannot start the server: the file size limit (RLIMIT_FSIZE, `ulimit -f`: 2,097,152 bytes)" in said
     assert "below the block log's segment size (4,194,304 bytes, --segment-bytes)" in said, said
     assert "Traceback" not in said, said
+
+
+@pytest.mark.parametrize(
+    ("target", "hint"),
+    [
+        ("::1", "[::1]:PORT"),
+        ("[::1", "[::1]:PORT"),
+        ("fe80::1:50051", "[fe80::1]:50051"),
+        ("[::1]x:5", "[HOST]:PORT"),
+    ],
+)
+def test_an_ipv6_target_without_brackets_gets_a_hint_that_is_one(
+    target: str, hint: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An outside tester's `--target ::1`: split at its last colon into host ":" and port 1, it was told
+    "an IPv6 host goes in brackets, [:]" (and `[::1`, "[[:]"). The hint is the address bracketed now."""
+    import ingest.cli as cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["rate", "get", "--target", target])
+    assert exited.value.code == cli.EXIT_USAGE
+    assert f"an IPv6 host goes in brackets, {hint}\n" in capsys.readouterr().err
