@@ -219,7 +219,7 @@ class AdminService(pb_grpc.AdminServicer):
             dict(request.set),
             list(request.reset),
             validate_only=validate_only,
-            expected_version=request.expected_version,
+            expected_version=request.expected_version if request.HasField("expected_version") else None,
         )
 
     def _streams_view(self) -> pb.StreamsView:

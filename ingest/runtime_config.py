@@ -464,7 +464,7 @@ class RuntimeConfig:
         reset: Iterable[str] = (),
         *,
         validate_only: bool = False,
-        expected_version: int = 0,
+        expected_version: int | None = None,
     ) -> tuple[ServeConfig, ServeConfig]:
         """Validate every change, then (unless validate_only) keep and persist them all: (old, new)
         configs. SettingError (UnknownSettingError, VersionConflictError) and nothing changes. A key
@@ -474,7 +474,7 @@ class RuntimeConfig:
         reset = list(dict.fromkeys(reset))
         with self._lock:
             try:
-                if expected_version and expected_version != self.version:
+                if expected_version is not None and expected_version != self.version:
                     raise VersionConflictError(
                         f"the settings are at version {self.version}, not {expected_version}: read them again"
                     )

@@ -571,3 +571,19 @@ async def test_a_stream_added_while_a_setting_changes_takes_the_new_setting(tmp_
             await add
             prefetch = {name: receiver.config.prefetch for name, receiver in server.receivers.items()}
             assert set(prefetch.values()) == {1000 + i}, prefetch
+
+
+async def test_the_first_change_can_be_conditional_on_version_0(tmp_path: Path) -> None:
+    """An outside tester's two operators who both read version 0 (settings never changed) and set
+    expected_version=0: both changes applied, the second over the first unseen, since 0 meant "any".
+    The field is optional now: 0 given is version 0, unset is any."""
+    async with running_server(tmp_path, "s") as server, admin(server) as stub:
+        assert (await stub.GetConfig(pb.GetConfigRequest())).version == 0
+        first = stub.SetConfig(pb.SetConfigRequest(set={"prefetch": "900"}, expected_version=0))
+        second = stub.SetConfig(pb.SetConfigRequest(set={"prefetch": "2000"}, expected_version=0))
+        done = await asyncio.gather(first, second, return_exceptions=True)
+        refused = [r for r in done if isinstance(r, grpc.aio.AioRpcError)]
+        assert len(refused) == 1 and refused[0].code() is grpc.StatusCode.FAILED_PRECONDITION, done
+        assert server.runtime.version == 1
+        await stub.SetConfig(pb.SetConfigRequest(set={"prefetch": "1000"}))  # unset: any version
+        assert server.receivers["s"].config.prefetch == 1000 and server.runtime.version == 2

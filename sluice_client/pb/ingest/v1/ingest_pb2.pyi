@@ -1688,8 +1688,10 @@ class SetConfigRequest(_message.Message):
     validate_only: _builtins.bool
     """Validate only: apply nothing, answer what the settings would become."""
     expected_version: _builtins.int
-    """Applied only if the config's version is still this (0: any), so two operators do not overwrite
-    each other unseen: FAILED_PRECONDITION otherwise.
+    """Applied only if the config's version is still this (unset: any), so two operators do not
+    overwrite each other unseen: FAILED_PRECONDITION otherwise. Optional, so that 0, the version of
+    settings never changed, is a version too: with "0: any" the first change could not be made
+    conditional, and two operators who both read version 0 overwrote each other unseen.
     """
     @_builtins.property
     def set(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
@@ -1705,13 +1707,15 @@ class SetConfigRequest(_message.Message):
         set: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         reset: _abc.Iterable[_builtins.str] | None = ...,
         validate_only: _builtins.bool = ...,
-        expected_version: _builtins.int = ...,
+        expected_version: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_expected_version", b"_expected_version", "expected_version", b"expected_version"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_version", b"expected_version", "reset", b"reset", "set", b"set", "validate_only", b"validate_only"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_expected_version", b"_expected_version", "expected_version", b"expected_version", "reset", b"reset", "set", b"set", "validate_only", b"validate_only"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__expected_version: _TypeAlias = _typing.Literal["expected_version"]  # noqa: Y015
+    _WhichOneofArgType__expected_version: _TypeAlias = _typing.Literal["_expected_version", b"_expected_version"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__expected_version) -> _WhichOneofReturnType__expected_version | None: ...
 
 Global___SetConfigRequest: _TypeAlias = SetConfigRequest  # noqa: Y015
 
