@@ -63,6 +63,24 @@ class Credentials:
     """The name the server's certificate must hold, when the target's host is not it (an IP address)."""
 
     def __post_init__(self) -> None:
+        # unchecked, a path given for PEM bytes, a bytes token or tls="no" (truthy) failed or misbehaved
+        # only when a channel was made, in gRPC's words or as a TLS handshake the server refused
+        for name in ("root_certificates", "certificate_chain", "private_key"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bytes):
+                hint = (
+                    " (a file's path? use Credentials.from_files)" if isinstance(value, (str, Path)) else ""
+                )
+                raise TypeError(f"{name} must be PEM bytes or None, not {type(value).__name__}{hint}")
+        if self.token is not None and not isinstance(self.token, str):
+            raise TypeError(f"token must be a str or None, not {type(self.token).__name__}")
+        if self.tls is not None and not isinstance(self.tls, bool):
+            raise TypeError(f"tls must be a bool or None, not {type(self.tls).__name__} ({self.tls!r})")
+        if self.server_name is not None and not isinstance(self.server_name, str):
+            raise TypeError(
+                f"server_name must be a str or None, not {type(self.server_name).__name__} "
+                f"({self.server_name!r})"
+            )
         if (self.certificate_chain is None) != (self.private_key is None):
             raise CredentialsError("a client certificate needs its private key, and a key its certificate")
         if self.token is not None:

@@ -1030,6 +1030,10 @@ class Producer:
             _check_producer_id(producer_id)
         if not isinstance(resume, bool):
             raise TypeError(f"resume must be a bool, not {type(resume).__name__} ({resume!r})")
+        if credentials is not None and not isinstance(credentials, Credentials):  # else failed at start
+            raise TypeError(
+                f"credentials must be a sluice_client.Credentials or None, not {type(credentials).__name__}"
+            )
         batch_size = _int_arg("batch_size", batch_size, 1)
         batch_bytes = _int_arg("batch_bytes", batch_bytes, 1)
         max_buffered = _int_arg("max_buffered", max_buffered, 1)

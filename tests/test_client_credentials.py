@@ -122,6 +122,46 @@ def test_credentials_from_files_and_the_environment(tmp_path: Path) -> None:
             Credentials.from_env(bad)
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"root_certificates": "/etc/ca.pem"},
+            r"^root_certificates must be PEM bytes or None, not str \(a file's path",
+        ),
+        (
+            {"certificate_chain": Path("c.pem"), "private_key": b"k"},
+            r"^certificate_chain must be PEM bytes .*PosixPath",
+        ),
+        ({"token": b"abc"}, r"^token must be a str or None, not bytes$"),
+        ({"token": 123}, r"^token must be a str or None, not int$"),
+        ({"tls": "no"}, r"^tls must be a bool or None, not str \('no'\)$"),
+        ({"server_name": 5}, r"^server_name must be a str or None, not int \(5\)$"),
+    ],
+)
+def test_credentials_of_the_wrong_type_are_refused_at_construction(
+    fields: dict[str, object], message: str
+) -> None:
+    """A CA file's path given as root_certificates failed only at start() ("expected certificate to be
+    bytes"), a bytes token said "'<=' not supported between instances of 'str' and 'int'", and tls="no"
+    was taken as True: a plaintext server then refused every handshake as if it were at fault."""
+    with pytest.raises(TypeError, match=message):
+        Credentials(**fields)  # type: ignore[arg-type]
+
+
+async def test_a_producer_refuses_credentials_that_are_not_credentials(tmp_path: Path) -> None:
+    """`credentials="token"` failed start() with AttributeError ('str' object has no attribute 'channel')."""
+    with pytest.raises(
+        TypeError, match=r"^credentials must be a sluice_client.Credentials or None, not str$"
+    ):
+        Producer("127.0.0.1:1", "s", credentials="secret")  # type: ignore[arg-type]
+    async with running_server(tmp_path) as server:
+        async with Producer(server.target, "s", credentials=Credentials(), linger=0) as producer:
+            await producer.send(b"x")
+            await producer.flush(10)
+        assert producer.acked == 1
+
+
 async def test_the_producer_and_the_sync_producer_send_their_token(tmp_path: Path) -> None:
     async with server_with(tmp_path) as server:
         async with Producer(server.target, "s", credentials=Credentials(token=PRODUCER), linger=0) as p:
