@@ -158,11 +158,16 @@ GRPC_SCHEMES = frozenset({"dns", "unix", "unix-abstract", "ipv4", "ipv6", "vsock
 
 def check_target(name: str) -> None:
     """ValueError for one target gRPC would not refuse but never reach, retrying for the whole timeout:
-    whitespace in it ("a b:5": a DNS name that resolves nowhere) or a URL's scheme (http://, https://,
-    grpc://: gRPC takes an unknown scheme for part of a DNS name). A target is "host:port" or one of
-    gRPC's own URIs (GRPC_SCHEMES); TLS is the credentials' (a CA file), not a scheme."""
+    whitespace in it ("a b:5": a DNS name that resolves nowhere), a URL's scheme (http://, https://,
+    grpc://: gRPC takes an unknown scheme for part of a DNS name), a port that is not a number. A
+    target is "host:port" or one of gRPC's own URIs (GRPC_SCHEMES); TLS is the credentials' (a CA
+    file), not a scheme."""
+    if not name.isascii() and not _utf8(name):  # gRPC raised UnicodeEncodeError at start()
+        raise ValueError(f"invalid target {name!r}: it is not valid UTF-8 text")
     if any(c.isspace() for c in name):
         raise ValueError(f"invalid target {name!r}: it holds whitespace; use 'host:port'")
+    if "\0" in name:  # gRPC reads the name up to the NUL: another target than the one given
+        raise ValueError(f"invalid target {name!r}: it holds a NUL; use 'host:port'")
     scheme, sep, rest = name.partition("://")
     if sep and scheme.lower() not in GRPC_SCHEMES:
         secure = (
@@ -172,12 +177,47 @@ def check_target(name: str) -> None:
             f"invalid target {name!r}: a {scheme}:// URL is no gRPC target; use 'host:port', "
             f"here {rest.rstrip('/')!r}{secure}"
         )
+    if name.partition(":")[0].lower() not in GRPC_SCHEMES:  # dns:, unix:, ipv4: ...: gRPC's own syntax
+        _check_host_port(name)
+
+
+def _check_host_port(name: str) -> None:
+    """host:port, [ipv6]:port: gRPC could not parse another port ("5/", "", a non-ASCII digit) or an
+    empty host, and retried that for the whole timeout. A host alone (gRPC's default port 443) and a
+    bare IPv6 address are as gRPC takes them."""
+    if name.startswith("["):
+        _, bracket, port = name.partition("]")
+        if not bracket:
+            raise ValueError(f"invalid target {name!r}: the IPv6 host's '[' has no ']'")
+        if not port:
+            return
+        if not port.startswith(":"):
+            raise ValueError(f"invalid target {name!r}: use '[ipv6]:port'")
+        port = port[1:]
+    elif name.count(":") == 1:
+        host, _, port = name.partition(":")
+        if not host:
+            raise ValueError(f"invalid target {name!r}: no host before the port; use 'host:port'")
+    else:
+        return
+    if not (port.isascii() and port.isdigit()):
+        raise ValueError(f"invalid target {name!r}: port {port!r} is not a number; use 'host:port'")
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # a lone surrogate (a name decoded with surrogateescape)
+        return False
+    return True
 
 
 def parse_targets(target: str | Sequence[str]) -> tuple[str, ...]:
     """The receiver nodes named by `target`: one "host:port", a comma-separated list of them, or a
     sequence of either; ValueError for an empty list, an empty entry, a target named twice, or one
     check_target refuses (a URL's scheme, whitespace)."""
+    if isinstance(target, (bytes, bytearray, memoryview)):  # iterated, its items were ints
+        raise TypeError(f"a target is a str such as 'host:port', not {type(target).__name__}")
     given = [target] if isinstance(target, str) else list(target)
     targets: list[str] = []
     for item in given:

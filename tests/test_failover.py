@@ -286,6 +286,16 @@ async def test_a_refusal_is_not_failed_over(tmp_path: Path) -> None:
         ("https://127.0.0.1:5", "TLS comes from a CA file"),
         ("grpc://127.0.0.1:5", "a grpc:// URL is no gRPC target"),
         (["a:1", "HTTP://b:2"], "a HTTP:// URL is no gRPC target"),
+        # gRPC could not parse these either and retried them for the whole start_timeout
+        ("127.0.0.1:5/", "port '5/' is not a number"),
+        ("127.0.0.1:", "port '' is not a number"),
+        ("127.0.0.1:\u0663", "port '\u0663' is not a number"),  # an Arabic-Indic 3: isdigit(), not a port
+        (":5", "no host before the port"),
+        ("[::1", "the IPv6 host's .* has no"),
+        ("[::1]5", "use '.ipv6.:port'"),
+        # UnicodeEncodeError at start(); a NUL: gRPC read up to it, another target than the one given
+        ("\udcff:5", "it is not valid UTF-8 text"),
+        ("127.0.0.1:5\0", "it holds a NUL"),
     ],
 )
 def test_bad_target_lists_are_refused(target: str | list[str], message: str) -> None:
@@ -300,6 +310,18 @@ def test_bad_target_lists_are_refused(target: str | list[str], message: str) -> 
 )
 def test_grpc_target_uris_are_taken(target: str) -> None:
     assert Producer(target, "s") is not None
+
+
+@pytest.mark.parametrize("target", ["localhost", "[::1]", "::1", "fe80::1%eth0", "a:05", "vsock:3:5"])
+def test_targets_without_a_port_or_with_gruff_ones_are_taken_as_grpc_does(target: str) -> None:
+    """A host alone (gRPC's default port, 443) and a bare IPv6 address are gRPC's to read."""
+    assert Producer(target, "s").targets == (target,)
+
+
+def test_a_target_given_as_bytes_says_so() -> None:
+    """b"host:port" was iterated and refused as "a target is a str ..., not int"."""
+    with pytest.raises(TypeError, match=r"^a target is a str such as 'host:port', not bytes$"):
+        Producer(b"127.0.0.1:5", "s")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
