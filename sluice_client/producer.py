@@ -1061,6 +1061,8 @@ class Producer:
         # an infinite backoff failed start(), a producer_id that is not a str failed in protobuf
         if not isinstance(stream, str):
             raise TypeError(f"stream must be a str, not {type(stream).__name__} ({stream!r})")
+        if not stream.isascii() and not _utf8(stream):  # protobuf raised UnicodeEncodeError at start()
+            raise ValueError(f"stream must be valid UTF-8 text, got {stream!r}")
         if producer_id is not None and not isinstance(producer_id, str):
             raise TypeError(
                 f"producer_id must be a str (or None: a random id), not {type(producer_id).__name__} "

@@ -51,6 +51,7 @@ from sluice_client.publishers import IterablePublisher
         ),
         ({"producer_id": "a\0b"}, ValueError, r"^producer_id must not contain NUL, got 'a\\x00b'$"),
         ({"producer_id": "\ud800"}, ValueError, r"^producer_id must be valid UTF-8 text"),
+        ({"stream": "\udcff"}, ValueError, r"^stream must be valid UTF-8 text, got '\\udcff'$"),
         ({"resume": "yes"}, TypeError, r"^resume must be a bool, not str \('yes'\)$"),
         ({"linger": "0.1"}, TypeError, r"^linger must be a number of seconds, not str \('0\.1'\)$"),
         ({"linger": math.nan}, ValueError, r"^linger must be >= 0 seconds, got nan$"),
@@ -69,7 +70,7 @@ def test_constructor_arguments_of_the_wrong_type_or_range_are_refused(
     numpy) and flush() waited for good; `max_reconnect_backoff=inf` failed start() (OverflowError);
     `producer_id=123` said "bad argument type for built-in operation"; `first_seq=1.5` made `acked` 1.5."""
     with pytest.raises(error, match=message):
-        Producer("a:1", "s", **setting)
+        Producer("a:1", **{"stream": "s", **setting})
 
 
 SETTINGS = {
