@@ -20,7 +20,7 @@ from sluice_client.errors import SluiceError
 from sluice_client.flow import Publisher, Subscription
 from sluice_client.metrics import RECORDS_DROPPED
 from sluice_client.producer import Producer
-from sluice_client.publishers import OverflowStrategy
+from sluice_client.publishers import OverflowStrategy, overflow_arg
 from sluice_client.rx import from_observable as _from_observable
 
 __all__ = ["Record", "from_observable", "publish"]
@@ -142,5 +142,5 @@ def from_observable(
     observable: Observable[Record], *, capacity: int, overflow: OverflowStrategy = OverflowStrategy.ERROR
 ) -> Publisher[Record]:
     """sluice_client.rx.from_observable with its drops counted in `sluice_client_records_dropped_total`."""
-    dropped = RECORDS_DROPPED.labels(overflow=overflow.name)
+    dropped = RECORDS_DROPPED.labels(overflow=overflow_arg(overflow).name)
     return _from_observable(observable, capacity=capacity, overflow=overflow, on_drop=dropped.inc)

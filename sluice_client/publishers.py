@@ -90,6 +90,14 @@ def count_arg(value: object, name: str) -> int:
     return int(value)
 
 
+def overflow_arg(value: object) -> OverflowStrategy:
+    """`value` if it is an OverflowStrategy, else TypeError: any other value ("DROP_OLDEST", None) was
+    taken and acted as ERROR, failing the stream at the first overflow it was meant to survive."""
+    if not isinstance(value, OverflowStrategy):
+        raise TypeError(f"overflow must be an OverflowStrategy, not {type(value).__name__} ({value!r})")
+    return value
+
+
 def _call(signal: Callable[..., None], *args: object) -> bool:
     """Send one signal; False when the subscriber raised (rule 2.13: it is then treated as cancelled)."""
     try:
@@ -347,7 +355,7 @@ class BufferedPublisher(Generic[T]):
         on_close: Callable[[], None] | None = None,
     ) -> None:
         self.capacity = count_arg(capacity, "capacity")
-        self.overflow = overflow
+        self.overflow = overflow_arg(overflow)
         self.dropped = 0
         """Items lost to overflow (ERROR: the one refused; the DROP strategies and LATEST: each evicted)."""
         self._on_drop = on_drop

@@ -370,6 +370,19 @@ def test_reactive_buffer_sizes_are_whole_counts(count: Any, error: type[Exceptio
     assert rx.from_observable(source, capacity=np.int64(3)) is not None
 
 
+@pytest.mark.parametrize("overflow", ["DROP_OLDEST", None, 3])
+def test_an_overflow_strategy_that_is_not_one_is_refused(overflow: Any) -> None:
+    """overflow="DROP_OLDEST" (or None) was taken by rx.from_observable and acted as ERROR: the stream
+    failed at the first overflow it was meant to survive; publish.from_observable said "'str' object
+    has no attribute 'name'"."""
+    source = reactivex.from_iterable([b"x"])
+    message = rf"^overflow must be an OverflowStrategy, not {type(overflow).__name__} "
+    with pytest.raises(TypeError, match=message):
+        rx.from_observable(source, capacity=2, overflow=overflow)
+    with pytest.raises(TypeError, match=message):
+        publish.from_observable(source, capacity=2, overflow=overflow)
+
+
 async def test_publish_on_a_producer_that_cannot_take_records_says_why(tmp_path: Path) -> None:
     """publish() on a closed producer said "producer not started"."""
     with pytest.raises(ProducerClosedError, match=r"^producer not started$"):
