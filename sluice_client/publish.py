@@ -19,7 +19,7 @@ from reactivex import Observable
 from sluice_client.errors import SluiceError
 from sluice_client.flow import Publisher, Subscription
 from sluice_client.metrics import RECORDS_DROPPED
-from sluice_client.producer import Producer
+from sluice_client.producer import Producer, check_timeout
 from sluice_client.publishers import OverflowStrategy, overflow_arg
 from sluice_client.rx import from_observable as _from_observable
 
@@ -108,6 +108,8 @@ async def publish(
     Raises the publisher's error if it fails (what it emitted before is still sent), or the producer's
     error. Cancelling the call cancels the upstream subscription.
     """
+    # before subscribing: else the whole upstream was taken and queued, and only then refused
+    check_timeout(flush_timeout)
     if producer.room < 0:  # not started, closing or closed, or failed: say which
         producer.check_open()
     bridge = _Bridge(producer)

@@ -383,6 +383,26 @@ def test_an_overflow_strategy_that_is_not_one_is_refused(overflow: Any) -> None:
         publish.from_observable(source, capacity=2, overflow=overflow)
 
 
+async def test_publish_refuses_a_bad_flush_timeout_before_it_takes_anything(tmp_path: Path) -> None:
+    """publish(..., flush_timeout=nan) pulled the whole source into the producer and only then raised
+    ValueError at its flush: a one-shot source was spent, its records queued by a call that failed."""
+    pulled: list[bytes] = []
+
+    def source() -> Any:
+        for value in (b"a", b"b", b"c"):
+            pulled.append(value)
+            yield value
+
+    async with running_server(tmp_path) as server:
+        async with Producer(f"127.0.0.1:{server.port}", "s", linger=0) as producer:
+            for timeout, error in ((math.nan, ValueError), (-1, ValueError), ("5", TypeError)):
+                with pytest.raises(error, match=r"^timeout must be"):
+                    await publish.publish(producer, IterablePublisher(source()), flush_timeout=timeout)
+            assert pulled == [] and producer.unacked == 0
+            assert await publish.publish(producer, IterablePublisher(source()), flush_timeout=10) == 3
+        assert producer.acked == 3
+
+
 async def test_publish_on_a_producer_that_cannot_take_records_says_why(tmp_path: Path) -> None:
     """publish() on a closed producer said "producer not started"."""
     with pytest.raises(ProducerClosedError, match=r"^producer not started$"):
