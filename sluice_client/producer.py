@@ -1145,6 +1145,7 @@ class Producer:
         self._close_error: BaseException | None = None  # what the close() under way raised, for a second
         self._tasks: list[asyncio.Task[None]] = []
         self._starting: asyncio.Task[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # start()'s, where the tasks run
         """The task running start() while it tries to open the first session."""
         self._room_listeners: list[Callable[[], None]] = []
         self._write_lock = asyncio.Lock()  # grpc.aio allows one write at a time per call
@@ -1288,7 +1289,8 @@ class Producer:
             raise ProducerClosedError(f"producer is {self._state.value}; a producer starts once")
         tune_malloc()  # batches are large buffers: keep them off mmap (sluice_client.allocator)
         self._state = _State.OPEN
-        self._start_began = asyncio.get_running_loop().time()
+        self._loop = asyncio.get_running_loop()
+        self._start_began = self._loop.time()
         starting = self._starting = asyncio.current_task()  # a close or abort meanwhile ends the attempt
         try:
             call = await self._open_first_call()
@@ -1480,6 +1482,7 @@ class Producer:
         error that stopped delivery. A failure with nothing left unacked raises that error itself.
         """
         check_timeout(timeout)  # before anything changes: a bad one leaves the producer as it was
+        self._check_loop()
         if self._state is _State.CLOSING:  # another close() is under way: done when it is, as it is
             await self._torn_down.wait()
             failed = self._close_error
@@ -1772,6 +1775,7 @@ class Producer:
         """Wait until every record queued so far is acked, across reconnects; FlushTimeoutError when
         `timeout` runs out (the records stay queued), or the error that failed the producer."""
         check_timeout(timeout)
+        self._check_loop()
         if self._state is _State.NEW:
             raise ProducerClosedError("producer not started")
         if self._closed:  # nothing unacked or not: as every call that waits does
@@ -1829,7 +1833,21 @@ class Producer:
 
     async def _wait_change(self) -> None:
         self._changed.clear()
-        await self._changed.wait()
+        try:
+            await self._changed.wait()
+        except RuntimeError:  # asyncio's "bound to a different event loop", naming an Event
+            self._check_loop()
+            raise
+
+    def _check_loop(self) -> None:
+        """RuntimeError when called on another event loop than start()'s: the producer's tasks run on
+        that one (and a second asyncio.run() finds them cancelled with the first's loop), so a wait
+        here failed in asyncio's words, naming one of its Events, or never ended."""
+        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
+            raise RuntimeError(
+                "this Producer was started on another event loop, where its tasks run: use it on that "
+                "loop only (one asyncio.run() for its whole life), or SyncProducer from other threads"
+            )
 
     # ---- sessions --------------------------------------------------------------------------------
 

@@ -498,3 +498,29 @@ async def test_a_sync_producer_called_on_its_own_thread_refuses_at_once(tmp_path
     finally:
         logging.getLogger("sluice_client.producer").removeHandler(shipper)
     assert await asyncio.to_thread(producer.abort) == [(b"x", None)]  # from another thread: works
+
+
+async def test_a_producer_used_on_another_event_loop_says_so(tmp_path: Path) -> None:
+    """A Producer started on one loop and flushed or closed on another (a second asyncio.run(), a
+    thread's own loop) raised "<asyncio.locks.Event object ...> is bound to a different event loop";
+    it names the mistake now, and the producer still goes on on its own loop."""
+    async with running_server(tmp_path) as server:
+        producer = Producer(f"127.0.0.1:{server.port}", "s", linger=0, max_buffered=1, batch_size=1)
+        await producer.start()
+        await producer.send(b"a")
+        await producer.flush(10)
+        failures: list[str] = []
+
+        def elsewhere() -> None:
+            for call in (producer.flush, producer.close, lambda: producer.send_many([b"b", b"c"])):
+                try:
+                    asyncio.run(asyncio.wait_for(call(), 10))
+                except RuntimeError as exc:
+                    failures.append(str(exc))
+
+        await asyncio.to_thread(elsewhere)
+        # send_many waited for room (max_buffered=1) after queuing its first record
+        assert len(failures) == 3, failures
+        assert all(f.startswith("this Producer was started on another event loop") for f in failures)
+        await producer.close(10)
+        assert producer.acked == 2
