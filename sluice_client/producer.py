@@ -941,6 +941,18 @@ def _check_producer_id(producer_id: str) -> None:
         raise ValueError(f"producer_id must not contain NUL, got {producer_id!r}")
 
 
+def warn_dropped_on_error(count: int, error: BaseException) -> None:
+    """Log the records an `async with`/`with` body's error dropped: its exit aborts (the body's error
+    is what it raises) and the records never acked went without a word."""
+    if count:
+        log.warning(
+            "producer left with %s: %d record(s) never acked were dropped (abort()); close() or "
+            "flush() before leaving delivers them",
+            type(error).__name__,
+            count,
+        )
+
+
 def check_timeout(timeout: float | None) -> None:
     """TypeError unless `timeout` (flush's, close's) is None or a number, ValueError unless it is >= 0:
     NaN too, which asyncio takes as a timeout that has run out already."""
@@ -1467,7 +1479,7 @@ class Producer:
         if exc is None:
             await self.close()
         else:
-            await self.abort()
+            warn_dropped_on_error(len(await self.abort()), exc)
 
     async def close(self, timeout: float | None = None) -> None:
         """Send what is buffered, wait until it is acked (across reconnects), complete the session and

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import numpy.typing as npt
 
 from sluice_client.errors import ProducerClosedError
-from sluice_client.producer import Producer, check_timeout
+from sluice_client.producer import Producer, check_timeout, warn_dropped_on_error
 
 T = TypeVar("T")
 
@@ -198,4 +198,4 @@ class SyncProducer:
         if exc is None:
             self.close()
         else:
-            self.abort()
+            warn_dropped_on_error(len(self.abort()), exc)

@@ -524,3 +524,38 @@ async def test_a_producer_used_on_another_event_loop_says_so(tmp_path: Path) -> 
         assert all(f.startswith("this Producer was started on another event loop") for f in failures)
         await producer.close(10)
         assert producer.acked == 2
+
+
+async def test_an_error_leaving_a_with_block_says_what_it_dropped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An error in an `async with Producer` (or `with SyncProducer`) body aborts it, as it should not
+    wait on delivery then; the records it had queued and never got acked went without a word."""
+    async with running_server(tmp_path) as server:
+        target = f"127.0.0.1:{server.port}"
+        with caplog.at_level(logging.WARNING, logger="sluice_client.producer"):
+            with pytest.raises(KeyError):
+                async with Producer(target, "s", linger=math.inf) as producer:
+                    await producer.send_many([b"a", b"b", b"c"])  # held for a full batch
+                    raise KeyError("the app's own")
+
+            def in_a_thread() -> SyncProducer:  # off the loop the server runs on
+                with pytest.raises(KeyError), SyncProducer(target, "s", linger=math.inf) as sync:
+                    sync.send(b"d")
+                    raise KeyError("the app's own")
+                return sync
+
+            sync = await asyncio.to_thread(in_a_thread)
+            with pytest.raises(KeyError):
+                async with Producer(target, "s", linger=0) as clean:  # nothing dropped: nothing said
+                    await clean.send(b"e")
+                    await clean.flush(10)
+                    raise KeyError("after a flush")
+        dropped = [r.getMessage() for r in caplog.records if "never acked were dropped" in r.getMessage()]
+        assert dropped == [
+            "producer left with KeyError: 3 record(s) never acked were dropped (abort()); close() or "
+            "flush() before leaving delivers them",
+            "producer left with KeyError: 1 record(s) never acked were dropped (abort()); close() or "
+            "flush() before leaving delivers them",
+        ]
+        assert (producer.acked, sync.acked) == (0, 0)
