@@ -48,6 +48,7 @@ import logging
 import math
 import numbers
 import random
+import sys
 import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -964,6 +965,19 @@ def check_timeout(timeout: float | None) -> None:
         )
     if not timeout >= 0:
         raise ValueError(f"timeout must be >= 0 seconds (or None: no limit), got {timeout}")
+    _float_seconds("timeout", timeout, "None")
+
+
+def _float_seconds(name: str, value: numbers.Real, unbounded: str) -> float:
+    """`value` as a float; ValueError for an int too large for one (10**400): float() raised
+    OverflowError there, or asyncio did when it added the timeout to its clock."""
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(
+            f"{name} is out of range: the largest number of seconds is {sys.float_info.max:.1e}"
+            f"{f' ({unbounded}: no limit)' if unbounded else ''}"
+        ) from None
 
 
 _INT_OPTION_MAX = 2**31 - 1  # a gRPC channel option is a C int
@@ -980,7 +994,7 @@ def _seconds_arg(name: str, value: object, *, finite: bool = False) -> float:
     a negative or NaN one, or an infinite one where `finite`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number of seconds, not {type(value).__name__} ({value!r})")
-    seconds = float(value)
+    seconds = _float_seconds(name, value, "" if finite else "inf")
     if not seconds >= 0 or (finite and seconds == math.inf):
         allowed = "finite and >= 0" if finite else ">= 0"
         raise ValueError(f"{name} must be {allowed} seconds, got {value}")

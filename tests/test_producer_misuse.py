@@ -56,6 +56,9 @@ from sluice_client.publishers import IterablePublisher
         ({"linger": "0.1"}, TypeError, r"^linger must be a number of seconds, not str \('0\.1'\)$"),
         ({"linger": math.nan}, ValueError, r"^linger must be >= 0 seconds, got nan$"),
         ({"start_timeout": -1}, ValueError, r"^start_timeout must be >= 0 seconds, got -1$"),
+        # an int too large for a float raised OverflowError, naming nothing
+        ({"linger": 10**400}, ValueError, r"^linger is out of range: .* 1\.8e\+308 \(inf: no limit\)$"),
+        ({"reconnect_backoff": 10**400}, ValueError, r"^reconnect_backoff is out of range: .* 1\.8e\+308$"),
         ({"reconnect_timeout": None}, TypeError, r"^reconnect_timeout must be a number of seconds"),
         ({"max_reconnect_backoff": math.inf}, ValueError, r"^max_reconnect_backoff must be finite"),
         ({"reconnect_backoff": math.inf}, ValueError, r"^reconnect_backoff must be finite"),
@@ -190,17 +193,20 @@ async def test_an_error_in_the_read_loop_fails_the_producer_with_it_as_the_cause
                 raise KeyError("the body's")
 
 
-@pytest.mark.parametrize("timeout", [-1, math.nan, "1"])
+@pytest.mark.parametrize("timeout", [-1, math.nan, "1", pytest.param(10**400, id="10**400")])
 async def test_a_bad_close_timeout_is_refused_and_leaves_the_producer_as_it_was(
     tmp_path: Path, timeout: Any
 ) -> None:
     """close(-1) or close(nan) tore the producer down, then raised ValueError: its unacked records were
-    dropped without a word, and a second close() returned None."""
+    dropped without a word, and a second close() returned None. close(10**400) raised OverflowError
+    from asyncio's clock once it had begun closing, and the producer could not be closed again."""
     async with running_server(tmp_path) as server:
         producer = Producer(f"127.0.0.1:{server.port}", "s")
         await producer.start()
         await producer.send_many([b"r%d" % i for i in range(1000)])
-        with pytest.raises(TypeError if isinstance(timeout, str) else ValueError, match=r"^timeout must be"):
+        with pytest.raises(
+            TypeError if isinstance(timeout, str) else ValueError, match=r"^timeout (must be|is out of range)"
+        ):
             await producer.close(timeout)
         await producer.send(b"more")  # still open
         await producer.close(10)
