@@ -21,11 +21,13 @@ import asyncio
 import contextlib
 import enum
 import logging
+import math
 import numbers
+import sys
 import threading
 from collections import deque
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from sluice_client.flow import MAX_DEMAND, FlowViolation, Subscriber, Subscription
 
@@ -96,6 +98,22 @@ def overflow_arg(value: object) -> OverflowStrategy:
     if not isinstance(value, OverflowStrategy):
         raise TypeError(f"overflow must be an OverflowStrategy, not {type(value).__name__} ({value!r})")
     return value
+
+
+def _check_timeout(timeout: object) -> None:
+    """TypeError unless `timeout` is None or a number of seconds, ValueError unless it is >= 0 and a
+    float can hold it: a string failed in asyncio's arithmetic, NaN and negatives ran out at once, and
+    10**400 raised OverflowError."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(
+            f"timeout must be a number of seconds or None, not {type(timeout).__name__} ({timeout!r})"
+        )
+    seconds = cast(float, timeout)  # a Real: comparable as one
+    if not seconds >= 0 or (seconds > sys.float_info.max and seconds != math.inf):
+        shown = "a number too large for a float" if seconds > sys.float_info.max else seconds
+        raise ValueError(f"timeout must be >= 0 seconds (or None: no limit), got {shown}")
 
 
 def _call(signal: Callable[..., None], *args: object) -> bool:
@@ -413,6 +431,7 @@ class BufferedPublisher(Generic[T]):
         Raises BufferFullTimeout when `timeout` seconds pass without room.
         """
         _require(item, "item")
+        _check_timeout(timeout)  # before it waits: asyncio took NaN or -1 as run out at once
         try:
             async with asyncio.timeout(timeout):
                 while not (self._closed or self._has_room()):

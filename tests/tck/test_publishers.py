@@ -271,6 +271,28 @@ async def test_put_times_out_with_buffer_full_timeout() -> None:
     assert isinstance(caught.value, TimeoutError)
 
 
+@pytest.mark.parametrize(
+    ("timeout", "error", "message"),
+    [
+        (-1, ValueError, r"^timeout must be >= 0 seconds \(or None: no limit\), got -1$"),
+        (float("nan"), ValueError, r"^timeout must be >= 0 seconds .*, got nan$"),
+        (10**400, ValueError, r"^timeout must be >= 0 seconds .*, got a number too large for a float$"),
+        ("1", TypeError, r"^timeout must be a number of seconds or None, not str \('1'\)$"),
+    ],
+)
+async def test_put_refuses_a_timeout_that_is_not_one(
+    timeout: Any, error: type[Exception], message: str
+) -> None:
+    """put(x, timeout=-1) or NaN timed out at once as if the buffer had stayed full; "1" failed in
+    asyncio ("unsupported operand type(s) for +"), 10**400 with OverflowError. Nothing is taken."""
+    publisher = BufferedPublisher[int](1)
+    with pytest.raises(error, match=message):
+        await publisher.put(1, timeout=timeout)
+    assert await publisher.put(2, timeout=float("inf"))  # no limit, and there is room
+    with pytest.raises(BufferFullTimeout):
+        await publisher.put(3, timeout=0)
+
+
 async def test_put_returns_false_when_the_subscriber_cancels() -> None:
     publisher = BufferedPublisher[int](1)
     sub = ManualSubscriber[int]()
