@@ -87,7 +87,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from ingest.cluster_driver import DriverConfig
-    from ingest.input_lines import Lines
+    from ingest.input_lines import InputLines, Lines
     from ingest.preflight import DataDirLock
     from ingest.spark.pipeline import Pipeline
     from sluice_client import Producer
@@ -1992,7 +1992,7 @@ async def _push_async(
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminate)
     try:
         await producer.start()
-        while (lines := await read.next_lines()) is not None:
+        while (lines := await _next_lines(producer, read, separator, args)) is not None:
             first = args.resume_from + read.records - len(lines)  # the chunk's first record in the input
             keyless += await _send_lines(producer, lines, separator, first, args.timeout)
             progress.show(read.done_bytes, read.records, producer.acked - args.resume_from)
@@ -2027,6 +2027,28 @@ async def _push_async(
             level=logging.WARNING,
         )
     return 0
+
+
+async def _next_lines(
+    producer: Producer, read: InputLines, separator: bytes | None, args: argparse.Namespace
+) -> Lines | None:
+    """read.next_lines(), its lines bounded to what a record can carry (from the first line sent on:
+    skipped ones were an earlier push's); a longer line, found before its end: the lines before it are
+    acked, then a RecordTooLargeError names it, as _send_lines does for a shorter one."""
+    from ingest.input_lines import LineTooLongError  # noqa: PLC0415 - numpy: only for a push
+
+    read.max_line = MAX_RECORD_BYTES + (len(separator) if separator is not None else 0)
+    try:
+        return await read.next_lines()
+    except LineTooLongError as exc:
+        await _flush_while_acking(producer, args.timeout)
+        raise RecordTooLargeError(
+            f"line {args.resume_from + read.records + 1:,} of the input has over {exc.size:,} bytes "
+            f"(read so far): over the {MAX_RECORD_BYTES:,}-byte limit of a record; the lines before "
+            "it are acked",
+            0,
+            exc.size,
+        ) from None
 
 
 async def _send_lines(

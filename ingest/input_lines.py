@@ -133,6 +133,15 @@ _NEWLINE = ord("\n")
 _NO_LINES = Lines(b"", np.zeros(1, np.int64))
 
 
+class LineTooLongError(ValueError):
+    """A line grew past `InputLines.max_line` bytes before its end was read: no record can carry it.
+    `size`: its bytes read so far."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"a line of over {size:,} bytes")
+        self.size = size
+
+
 class InputLines:
     """The input's lines (records), read in chunks; skip() passes over those an earlier push sent."""
 
@@ -152,7 +161,12 @@ class InputLines:
         # a line's start, read without its end (in pieces: a long line is joined once, when it ends);
         # None at the end of the input
         self._carry: list[bytes] | None = []
+        self._carry_bytes = 0
         self._pending: Lines | None = None
+        self.max_line: int | None = None
+        """A line that grows past this many bytes without its end raises LineTooLongError: the
+        carry held all of it, and an input without newlines (/dev/zero, a binary file) grew the push
+        by gigabytes until it was killed."""
 
     @property
     def ended(self) -> bool:
@@ -194,7 +208,11 @@ class InputLines:
             return Lines.cut(last + b"\n")[0] if last else _NO_LINES
         if _NEWLINE not in chunk:
             self._carry.append(chunk)
+            self._carry_bytes += len(chunk)
+            if self.max_line is not None and self._carry_bytes > self.max_line:
+                raise LineTooLongError(self._carry_bytes)
             return _NO_LINES
         lines, rest = Lines.cut(b"".join([*self._carry, chunk]) if self._carry else chunk)
         self._carry = [rest] if rest else []
+        self._carry_bytes = len(rest)
         return lines

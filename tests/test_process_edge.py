@@ -619,7 +619,9 @@ def test_a_line_no_message_can_carry_is_named_and_the_lines_before_it_are_acked(
     pushed = sluice("push", str(source), *flags, timeout=120)
     stderr = pushed.stderr.decode()
     assert pushed.returncode == 1, stderr
-    assert "line 3 of the input has 41,943,040 bytes of key and value: over the" in stderr, stderr
+    # found before its end: the push holds no more of a line than a record can carry
+    assert "line 3 of the input has over 33,554,4" in stderr, stderr
+    assert "bytes (read so far): over the 33,554,368-byte limit of a record" in stderr, stderr
     assert "of the input's records 2 are acked (durable), 2 sent" in stderr, stderr
     resume = re.search(r"to resume without duplicates, once the cause is fixed, run: (.+)", stderr)
     assert resume and "--resume-from 2" in resume.group(1), stderr
@@ -628,6 +630,23 @@ def test_a_line_no_message_can_carry_is_named_and_the_lines_before_it_are_acked(
     assert resumed.returncode == 0, resumed.stderr.decode()
     serve.kill()
     assert sorted(stored_values(tmp_path / "data").elements()) == [b"a", b"b", b"c", b"fixed"]
+
+
+def test_an_input_without_newlines_is_refused_at_the_record_limit_not_held_whole(
+    tmp_path: Path, servers: list[Serve]
+) -> None:
+    """`sluice push /dev/zero` (or a binary file, a stream that never sends a newline) held the line in
+    memory until it ended: 14 GB within 40 s, until the machine killed it. It reads no further than a
+    record can carry now, then names the line, exit 1."""
+    port = free_port()
+    serve = Serve(tmp_path, "serve", *no_spark(port, tmp_path / "data"))
+    servers.append(serve)
+    serve.wait_serving()
+    pushed = sluice("push", "/dev/zero", "--target", f"127.0.0.1:{port}", "--no-progress", timeout=60)
+    stderr = pushed.stderr.decode()
+    assert pushed.returncode == 1, stderr
+    assert "line 1 of the input has over 33,554,432 bytes (read so far): over the" in stderr, stderr
+    assert "Traceback" not in stderr
 
 
 # ---- item 7: the first connection waits for a server that is not up yet ----------------------------
