@@ -1938,6 +1938,13 @@ def _push(args: argparse.Namespace) -> int:
             source.close()
 
 
+def _refused_push_flags(args: argparse.Namespace, exc: ValueError) -> int:
+    if not all(map(_is_utf8, (args.stream, args.producer_id or ""))):
+        # said as main says it of every other argument that is not UTF-8 text
+        raise UnicodeEncodeError("utf-8", "", 0, 0, "not UTF-8 text") from exc
+    return _fail(f"cannot push with these flags: {exc}", EXIT_USAGE)
+
+
 async def _push_async(
     args: argparse.Namespace, source: IO[bytes], progress: _Progress | _LiveProgress, said: list[bool]
 ) -> int:
@@ -1959,7 +1966,7 @@ async def _push_async(
             credentials=_credentials(args),
         )
     except ValueError as exc:  # a flag the SDK refuses (a batch size over its buffer, a seq past 2^64-2)
-        return _fail(f"cannot push with these flags: {exc}", EXIT_USAGE)
+        return _refused_push_flags(args, exc)
     read = InputLines(source)
     # before the session opens: its Open tells the server that the records below are this producer's
     if not await read.skip(args.resume_from):
