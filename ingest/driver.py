@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import re
 import threading
 import urllib.parse
@@ -359,18 +360,26 @@ def last_commit(checkpoint: Path, streams: Sequence[str]) -> tuple[int, dict[str
 
 
 def last_commit_named(
-    checkpoint: Path, streams: Sequence[str]
+    checkpoint: Path, streams: Sequence[str], sink: Path | None = None
 ) -> tuple[int, dict[str, int], dict[str, str]] | None:
-    """last_commit, and the incarnations the offset names (incarnations_of)."""
+    """last_commit, and the incarnations the offset names (incarnations_of). With `sink`, the file sink
+    the checkpoint's query wrote to: a later batch its _spark_metadata already lists counts as committed.
+    A query stopped or killed between the sink's commit and the commit log's has that batch's records
+    in the sink; its own restart redoes the batch and the sink skips it, but a new query (a reset, a
+    swap) that started at the commit log's end wrote those records a second time."""
     try:
         ids = [int(name) for name in _listdir(checkpoint / "commits") if name.isdigit()]
-        if not ids:
+        written = _last_sink_batch(sink) if sink is not None else -1
+        batch_id = max([*ids, written])
+        if batch_id < 0:
             return None
-        batch_id = max(ids)
-        lines = (checkpoint / "offsets" / str(batch_id)).read_text().splitlines()
+        read = _offset_lines(checkpoint, batch_id, fallback=max(ids, default=-1))
     except (OSError, ValueError):
         log.debug("cannot read the commit log under %s", checkpoint, exc_info=True)
         return None
+    if read is None:
+        return None
+    batch_id, lines = read
     for line in lines[2:]:
         try:
             offset = json.loads(line)
@@ -379,6 +388,28 @@ def last_commit_named(
         end = _sluice_offset(offset, streams)
         if end is not None:
             return batch_id, end, incarnations_of(offset)
+    return None
+
+
+def _last_sink_batch(sink: Path) -> int:
+    """The last batch id a file sink's _spark_metadata lists ("7", "9.compact"); -1 for none."""
+    try:
+        names = os.listdir(sink / "_spark_metadata")
+    except OSError:
+        return -1
+    return max((int(n.split(".")[0]) for n in names if n.split(".")[0].isdigit()), default=-1)
+
+
+def _offset_lines(checkpoint: Path, batch_id: int, fallback: int) -> tuple[int, list[str]] | None:
+    """The batch id and lines of offsets/<batch_id>; of `fallback` (the last commit) if it cannot be
+    read; None if neither can."""
+    for wanted in dict.fromkeys((batch_id, fallback)):
+        if wanted < 0:
+            continue
+        try:
+            return wanted, (checkpoint / "offsets" / str(wanted)).read_text().splitlines()
+        except OSError:
+            continue
     return None
 
 

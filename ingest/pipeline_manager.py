@@ -219,7 +219,9 @@ class PipelineManager:
                 _set_aside(folder)  # a failed try of this number: its commits would be replayed
             except OSError as exc:
                 raise PipelineStateError(f"--reset-pipeline cannot set {folder} aside: {exc}") from None
-        committed = last_commit_named(self._checkpoints / saved.checkpoint, self._host.known_streams())
+        # the saved generation's last run may have ended between its sink's commit and its commit log's
+        sink = self._data_dir / saved.sink
+        committed = last_commit_named(self._checkpoints / saved.checkpoint, self._host.known_streams(), sink)
         new = _starting_at(new, saved, committed)
         base = last_commit_id(self._checkpoints / new.checkpoint)
         self._persist(new, saved, trial_base=base)
@@ -512,7 +514,8 @@ class PipelineManager:
             await self._stop_at_boundary()
             stopped = time.time()
             old_checkpoint = self._checkpoints / old.checkpoint
-            committed = last_commit_named(old_checkpoint, self._host.known_streams())
+            old_sink = self._data_dir / old.sink
+            committed = last_commit_named(old_checkpoint, self._host.known_streams(), old_sink)
             old_end = self._batch_end(old_id)
             fresh = new.checkpoint != old.checkpoint
             if fresh:
