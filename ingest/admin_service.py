@@ -79,6 +79,7 @@ class AdminService(pb_grpc.AdminServicer):
         self._server = server
         self._apply = apply
         self._changing = asyncio.Lock()
+        self._alone: set[asyncio.Task[None]] = set()  # stream changes whose caller went away: held, not lost
         """Held by a SetConfig from its validation to its save, restart included."""
         self._restarting = False
         """A SetConfig holding the lock restarts the query (seconds): another one is refused meanwhile."""
@@ -308,6 +309,8 @@ class AdminService(pb_grpc.AdminServicer):
             if not task.done():
                 what = f"stream {action} of {printable(cut(stream))} by {peer}"  # the client's name: escaped
                 log.warning("the caller of a %s went away: the change goes on to its end", what)
+                self._alone.add(task)  # the loop keeps only a weak reference to a task
+                task.add_done_callback(self._alone.discard)
                 task.add_done_callback(lambda done: self._stream_change_alone(done, action, what))
             raise
 
