@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
+from google.protobuf.message import Message
 
 from receivers.errors import PermissionDenied, ReceiverError, Unauthenticated, cut
 from receivers.names import InvalidStreamNameError, check_stream_name
@@ -95,6 +96,15 @@ METHOD_ROLES: Mapping[str, frozenset[Role]] = {
     "/ingest.v1.Admin/SwapPipeline": frozenset({Role.OPERATOR}),
 }
 """gRPC method -> the roles of which a caller needs one. A method not listed is refused to everyone."""
+
+FIELD_ROLES: Mapping[str, Mapping[str, frozenset[Role]]] = {
+    # sealing cuts every receiver's open block early and fsyncs it: a planning reader's (the Sluice
+    # source's) request, not a scraper's; a reader's status calls that set it made the blocks small
+    "/ingest.v1.RateControl/GetRate": {"seal_blocks": frozenset({Role.CONSUMER, Role.OPERATOR})},
+    "/ingest.v1.Blocks/ListPartitions": {"seal_blocks": frozenset({Role.CONSUMER, Role.OPERATOR})},
+}
+"""gRPC method -> request field -> the roles of which a caller that sets the field needs one (beyond
+the method's own, METHOD_ROLES)."""
 
 PUBLISH = "/ingest.v1.Ingest/Publish"
 
@@ -406,6 +416,17 @@ class Authenticator:
         if needed is None or not principal.has_any(needed):
             roles = " or ".join(sorted(needed or ())) or "a role no principal has"
             raise PermissionDenied(f"principal {principal.name!r} may not call {method}: it needs {roles}")
+
+
+def authorize_fields(principal: Principal, method: str, request: Message) -> None:
+    """Raise PermissionDenied if `request` sets a field of `method` (FIELD_ROLES) that `principal` has
+    no role for."""
+    for field, needed in FIELD_ROLES.get(method, {}).items():
+        if getattr(request, field) and not principal.has_any(needed):
+            roles = " or ".join(sorted(needed))
+            raise PermissionDenied(
+                f"principal {principal.name!r} may call {method} but not with {field} set: it needs {roles}"
+            )
 
 
 def bearer_token(metadata: Iterable[tuple[str, str | bytes]]) -> str | None:

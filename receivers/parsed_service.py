@@ -18,7 +18,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 
-from receivers.auth import Authenticator, Credential
+from receivers.auth import Authenticator, Credential, authorize_fields
 from receivers.errors import ReceiverError
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
@@ -93,12 +93,18 @@ async def _authorized_request(
     if raw is None:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"no {request_type.DESCRIPTOR.name} was sent")
     try:
-        return request_type.FromString(raw), credential
+        request = request_type.FromString(raw)
     except DecodeError as exc:
         await context.abort(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"undecodable {request_type.DESCRIPTOR.name} of {len(raw)} bytes: {exc}",
         )
+    if credential is not None:
+        try:
+            authorize_fields(credential.principal, method, request)
+        except ReceiverError as error:
+            await context.abort(getattr(grpc.StatusCode, error.status), str(error))
+    return request, credential
 
 
 MAX_DETAILS = 2000

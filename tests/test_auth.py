@@ -265,6 +265,22 @@ async def test_the_wrong_role_is_permission_denied_and_takes_nothing(server: Slu
     assert server.rate.rate == 500
 
 
+async def test_a_reader_may_ask_the_rate_but_not_seal_the_blocks(server: SluiceServer) -> None:
+    """GetRate(seal_blocks=True) cut every receiver's open block and fsynced it: a dashboard's reader
+    polling with it made the blocks small. Sealing needs consumer or operator."""
+    async with grpc.aio.insecure_channel(server.target) as channel:
+        stub = pb_grpc.RateControlStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused_call:
+            await stub.GetRate(pb.GetRateRequest(seal_blocks=True), metadata=bearer("watcher"), timeout=10)
+        assert refused_call.value.code() is grpc.StatusCode.PERMISSION_DENIED
+        assert "'watcher' may call /ingest.v1.RateControl/GetRate but not with seal_blocks set" in str(
+            refused_call.value.details()
+        )
+        assert "consumer or operator" in str(refused_call.value.details())
+        await stub.GetRate(pb.GetRateRequest(), metadata=bearer("watcher"), timeout=10)  # without: served
+        await stub.GetRate(pb.GetRateRequest(seal_blocks=True), metadata=bearer("ops"), timeout=10)
+
+
 async def test_a_stream_not_granted_is_permission_denied_without_naming_streams(server: SluiceServer) -> None:
     before = taken(server)
     for stream in ("orders", "secret", "no-such-stream", ""):
