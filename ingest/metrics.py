@@ -289,6 +289,7 @@ def _peer_names(cert: Mapping[str, Any] | None) -> dict[str, list[bytes]]:
 
 class _HttpServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a scrape in progress never holds up close()
+    request_queue_size = 128  # socketserver listens with a backlog of 5: a burst of scrapers was refused
 
     def __init__(
         self,
