@@ -578,12 +578,18 @@ class PipelineManager:
         """_start_and_prove; but a query that failed or ran out of time and is found, once stopped, to
         have committed a batch beyond `base` (its checkpoint's last commit before it started) is kept:
         started again on its checkpoint."""
-        try:
-            return await self._start_and_prove(new, trigger, timeout)
-        except Exception as exc:
-            if not await self._committed_after_all(new, base):
-                raise
-            return await self._restart_committed(new, trigger, _describe(exc))
+        for attempt in (1, 2):
+            try:
+                return await self._start_and_prove(new, trigger, timeout)
+            except Exception as exc:
+                if await self._committed_after_all(new, base):
+                    return await self._restart_committed(new, trigger, _describe(exc))
+                if attempt == 2 or WORKER_LATE not in getattr(exc, "spark_error", str(exc)):
+                    raise
+                # Spark gives a Python worker a fixed 10 s to connect back (PythonWorkerFactory): a
+                # loaded machine misses it now and then, and the swap rolled back for nothing
+                log.warning("%s; starting the new query once more", _describe(exc))
+        raise AssertionError  # pragma: no cover - the second attempt returned or raised
 
     async def _committed_after_all(self, new: Generation, base: int) -> bool:
         """Stop the new query, then say whether it committed a batch all the same (after the deadline,
@@ -663,7 +669,7 @@ class PipelineManager:
             if not query.isActive:
                 exc = query.exception()
                 why = _cause(str(exc)) if exc is not None else "no error given"
-                raise RuntimeError(f"the new query stopped before its first batch: {why}")
+                raise StoppedEarly(f"the new query stopped before its first batch: {why}", str(exc or ""))
             now = time.monotonic()
             if now > deadline:
                 raise TimeoutError(f"the new query did not complete its first batch within {timeout:g} s")
@@ -784,6 +790,18 @@ def _has_progress(query: Any) -> bool:
 
 
 _CAUSE = re.compile(r"^\s*(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception): .+$")
+
+
+WORKER_LATE = "Timed out while waiting for the Python worker to connect back"
+"""Spark's error when a Python worker it started (the source's planner) did not connect back in 10 s."""
+
+
+class StoppedEarly(RuntimeError):
+    """A new query stopped before its first batch; `spark_error` is Spark's whole error text."""
+
+    def __init__(self, message: str, spark_error: str) -> None:
+        super().__init__(message)
+        self.spark_error = spark_error
 
 
 def _describe(exc: BaseException) -> str:

@@ -26,6 +26,18 @@ def tag_b(df: DataFrame, context: PipelineContext) -> DataStreamWriter:
     return _tagged(df, context, "b")
 
 
+def worker_late_once(df: DataFrame, context: PipelineContext) -> DataStreamWriter:
+    """tag_b, whose first start fails as Spark does when a Python worker misses its 10 s to connect back
+    (a loaded machine)."""
+    marker = context.sink_dir.parent / "worker-late-once"
+    if not marker.exists():
+        marker.touch()
+        raise RuntimeError(
+            "java.net.SocketTimeoutException: Timed out while waiting for the Python worker to connect back"
+        )
+    return _tagged(df, context, "b")
+
+
 def broken_at_start(df: DataFrame) -> DataStreamWriter:
     raise RuntimeError("this pipeline cannot be built")
 
