@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WARM_TIMEOUT = 60.0
-"""Seconds `attach_spark(warm=True)` waits for the query's first trigger before it says it is ready."""
+"""Seconds `attach_spark(warm=True)` waits for the query to plan its first batch before it says it is
+ready."""
 
 
 def warm_python_workers(spark: Any) -> None:
@@ -31,15 +32,20 @@ def warm_python_workers(spark: Any) -> None:
 
 
 def wait_first_trigger(driver: SparkDriver, timeout: float = WARM_TIMEOUT) -> None:
-    """Wait (blocking) until the query has planned and run its first trigger, or waits for data: its
-    planning worker and source are then up."""
+    """Wait (blocking) until the query has planned its first batch (it runs it now) or waits for data:
+    its planning worker and source are then up. Not until that batch ends: a first batch that takes
+    long (a backlog after a restart, a slow sink) held `sluice serve`'s "running" line and the health
+    check's SERVING for the whole WARM_TIMEOUT, while nothing was left to warm."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         query = driver.query
         if query is None or not query.isActive or query.lastProgress is not None:
             return
         status = query.status
-        if not status.get("isTriggerActive", True) and "Waiting for data" in str(status.get("message", "")):
+        message = str(status.get("message", ""))
+        if message == "Processing new data" or (
+            not status.get("isTriggerActive", True) and "Waiting for data" in message
+        ):
             return
         time.sleep(0.1)
 
@@ -55,7 +61,7 @@ async def attach_spark(
     """Start the server's query on `spark` (the generation pipeline.json names, else the config's
     pipeline). Raises PipelineStateError (a bad pipeline.json) before anything starts, or what Spark
     raises when the query cannot start. warm: start Spark's Python workers first and return once the
-    query has run its first trigger, so the first records do not wait for them (`sluice serve`).
+    query has planned its first batch, so the first records do not wait for them (`sluice serve`).
     preloaded: spec -> pipeline function loaded already at this start (PipelineManager): the start
     imports the pipeline's module once, not again."""
     loop = asyncio.get_running_loop()
