@@ -1444,7 +1444,7 @@ def _spark_prerequisites(config: ServeConfig | DriverConfig) -> dict[str, Pipeli
     module again (attach_spark's preloaded)."""
     if isinstance(config, ServeConfig) and not config.spark:
         return {}
-    from ingest.spark.session import java_problem  # noqa: PLC0415 - only serve needs Spark
+    from ingest.spark.java import java_problem  # noqa: PLC0415 - only serve needs Java
 
     problem = java_problem()
     if problem is not None:

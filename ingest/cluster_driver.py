@@ -614,7 +614,8 @@ async def run_driver(
     config: DriverConfig, *, stop: asyncio.Event | None = None, spark_log_level: str = SPARK_QUIET
 ) -> int:
     """Run a cluster's driver until SIGINT/SIGTERM (or `stop`); 0, or 1 when the query failed."""
-    from ingest.spark.session import build_session, java_problem  # noqa: PLC0415 - Spark is slow to import
+    from ingest.spark.java import java_problem  # noqa: PLC0415
+    from ingest.spark.session import build_session  # noqa: PLC0415 - Spark is slow to import
 
     def session() -> Any:
         return build_session(config.master, log_level=spark_log_level, log_json=log_format() == JSON)

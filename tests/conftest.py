@@ -34,7 +34,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def spark() -> Iterator[Any]:
     """One local Spark session (2 cores) for the whole test run, with the "sluice" source registered."""
     # imported here so that tests which do not need Spark do not pay for importing it
-    from ingest.spark.session import build_session, java_problem
+    from ingest.spark.java import java_problem
+    from ingest.spark.session import build_session
 
     problem = java_problem()
     if problem is not None:

@@ -15,9 +15,10 @@ import pytest
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
+from ingest.spark.java import _java_major
 from ingest.spark.listener import BatchCompleted, BatchListener
 from ingest.spark.pipeline import load_pipeline, parquet_pipeline, start_query
-from ingest.spark.session import CHECKPOINT_MANAGER_KEY, FILE_SYSTEM_CHECKPOINT_MANAGERS, _java_major
+from ingest.spark.session import CHECKPOINT_MANAGER_KEY, FILE_SYSTEM_CHECKPOINT_MANAGERS
 from ingest.spark.source import (
     ARROW_SCHEMA,
     LOG_APPEND_TIME,
