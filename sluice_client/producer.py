@@ -54,11 +54,9 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
-import numpy as np
-import numpy.typing as npt
 
 from sluice_client.allocator import tune_malloc
 from sluice_client.credentials import Credentials
@@ -76,6 +74,7 @@ from sluice_client.errors import (
     UnackedRecordsError,
 )
 from sluice_client.flow import MAX_DEMAND
+from sluice_client.lazy_numpy import LazyNumpy
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.tasks import reap
 from sluice_client.wire import (
@@ -87,6 +86,12 @@ from sluice_client.wire import (
     publish_parts,
     serialize_request,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+else:
+    np = LazyNumpy(globals())
 
 log = logging.getLogger(__name__)
 
@@ -841,7 +846,7 @@ def _packed_input(
     return len(bounds) - 1, view[first:last].tobytes(), bounds - first  # a copy: the caller's may change
 
 
-_ARROW_OFFSETS = {"binary": np.int32, "string": np.int32, "large_binary": np.int64, "large_string": np.int64}
+_ARROW_OFFSETS = {"binary": "int32", "string": "int32", "large_binary": "int64", "large_string": "int64"}
 
 
 def _without_offsets(arrow_type: Any) -> bool:

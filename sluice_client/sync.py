@@ -8,12 +8,13 @@ import contextlib
 import threading
 from collections.abc import Coroutine, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
-
-import numpy.typing as npt
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sluice_client.errors import ProducerClosedError
 from sluice_client.producer import Producer, check_timeout, warn_dropped_on_error
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 T = TypeVar("T")
 

@@ -17,11 +17,16 @@ import operator
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import numpy as np
-import numpy.typing as npt
-
+from sluice_client.lazy_numpy import LazyNumpy
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+else:
+    np = LazyNumpy(globals())
 
 if sys.byteorder != "little":  # pragma: no cover - the wire layout is little-endian
     raise ImportError("Sluice's wire layout needs a little-endian host")
