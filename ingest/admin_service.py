@@ -79,10 +79,11 @@ class AdminService(pb_grpc.AdminServicer):
         self._server = server
         self._apply = apply
         self._changing = asyncio.Lock()
-        self._alone: set[asyncio.Task[None]] = set()  # stream changes whose caller went away: held, not lost
         """Held by a SetConfig from its validation to its save, restart included."""
         self._restarting = False
         """A SetConfig holding the lock restarts the query (seconds): another one is refused meanwhile."""
+        self._alone: set[asyncio.Task[None]] = set()
+        """Stream changes whose caller went away, held to their end: the loop keeps only weak references."""
 
     @property
     def _pipeline(self) -> PipelineControl | None:

@@ -55,12 +55,8 @@ def _transient(error: str) -> bool:
 
 
 _CORE_RACE = "INTERNAL: Internal error from Core"
-
-
-def _core_race(exc: grpc.aio.AioRpcError) -> bool:
-    """gRPC core's own INTERNAL, not a follower's refusal: seen (now and then, under load) when the
-    follower ends the call (stopping: UNAVAILABLE) while the owner writes into it. Retried quietly."""
-    return f"{exc.code().name}: {exc.details()}" == _CORE_RACE
+"""gRPC core's own status, not a follower's refusal: seen now and then (under load) when the follower
+ends the call (stopping: UNAVAILABLE) while the owner writes into it. Retried quietly as well."""
 
 
 FRAGMENT_BYTES = 4 * 1024 * 1024
@@ -137,7 +133,7 @@ class FollowerLink:
                 if differs is not None:  # another node list or replication: ERROR once per configuration
                     words = self._replicator.mismatches.seen(self.follower.id, *differs, refused_by_peer=True)
                     error = f"{exc.code().name}: {words}"
-                elif exc.code() not in _TRANSIENT and not _core_race(exc) and error != self.error:
+                elif not _transient(error) and error != self.error:
                     # a follower that answers and refuses (a log replaced, a missing peer role) is an
                     # operator's to fix: say it where it is seen
                     log.warning(
