@@ -1183,12 +1183,17 @@ class Receiver:
         block generator against Spark's trigger. Bound the wait with a timeout: a failing disk retries
         only every block interval.
         """
-        if self._stopping or self._task is None or not self._pending:
+        if self._stopping or self._task is None or not (self._pending or self._sealing):
             return
         waiter = asyncio.get_running_loop().create_future()
-        # the pending records go into the next seal that starts, not one already running
-        self._seal_waiters.append((self._seal_rounds + (2 if self._sealing else 1), waiter))
-        self._seal_wanted.set()
+        if self._pending:
+            # the pending records go into the next seal that starts, not one already running
+            self._seal_waiters.append((self._seal_rounds + (2 if self._sealing else 1), waiter))
+            self._seal_wanted.set()
+        else:
+            # a seal (the linger's, a full block's) runs with every record taken so far: its write may
+            # still be under way, and a batch planned before it ends would be that block short
+            self._seal_waiters.append((self._seal_rounds + 1, waiter))
         await waiter
 
     def _release_seal_waiters(self, everyone: bool = False) -> None:

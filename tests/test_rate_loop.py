@@ -8,6 +8,7 @@ import dataclasses
 import inspect
 import io
 import math
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -451,7 +452,8 @@ async def test_a_batch_planned_after_asking_for_a_seal_takes_every_record_taken(
     block short because of where the block generator's interval stood against Spark's trigger."""
     # GetRate waits a second for the seal; a loaded CI machine's fsync once took longer
     monkeypatch.setattr(rate_service, "SEAL_TIMEOUT", 30.0)
-    async with running_server(tmp_path, "a", "b", block_interval=30.0) as server:
+    # no lull seal either (block_linger): nothing is sealed until asked
+    async with running_server(tmp_path, "a", "b", block_interval=30.0, block_linger=None) as server:
         producers = [Producer(server.target, stream, linger=0) for stream in ("a", "b")]
         for producer in producers:
             await producer.start()
@@ -478,6 +480,43 @@ async def test_a_batch_planned_after_asking_for_a_seal_takes_every_record_taken(
         finally:
             for producer in producers:
                 await producer.close()
+
+
+async def test_asking_for_a_seal_while_a_lulls_seal_is_written_waits_for_that_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lull's seal (block_linger) took every record taken and is still being written when the source
+    asks for a seal: nothing is pending, yet GetRate answers only once that block is in the log (a
+    CI machine's slow write once let a batch be planned a block short)."""
+    monkeypatch.setattr(rate_service, "SEAL_TIMEOUT", 30.0)
+    async with running_server(tmp_path, "a", block_interval=30.0) as server:
+        receiver = server.receivers["a"]
+        gate, writing = threading.Event(), threading.Event()
+        write = receiver.store.write
+
+        def slow_write(*args: Any) -> Any:
+            writing.set()
+            gate.wait(30)
+            return write(*args)
+
+        receiver.store.write = slow_write  # type: ignore[method-assign]
+        async with Producer(server.target, "a", linger=0) as producer:
+            await producer.send_many([b"z"] * 25)
+            await asyncio.to_thread(writing.wait, 10)  # the lull's seal writes, held
+            assert receiver.buffered_records == 25 and not receiver._pending
+            async with grpc.aio.insecure_channel(server.target) as channel:
+                asking = asyncio.ensure_future(
+                    pb_grpc.RateControlStub(channel).GetRate(pb.GetRateRequest(seal_blocks=True))
+                )
+                await asyncio.sleep(0.5)
+                assert not asking.done()  # waits for the write under way
+                gate.set()
+                await asyncio.wait_for(asking, 20)
+            assert sum(b.count for b in server.store.blocks("a")) == 25
+            # asked with nothing pending nor being written: answered at once, no block written
+            async with grpc.aio.insecure_channel(server.target) as channel:
+                await pb_grpc.RateControlStub(channel).GetRate(pb.GetRateRequest(seal_blocks=True))
+            assert len(server.store.blocks("a")) == 1
 
 
 async def test_a_cost_jump_drains_in_one_batch_while_intake_is_held(
