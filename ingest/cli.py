@@ -86,7 +86,7 @@ from sluice_client.tasks import reap
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from ingest.cluster_driver import DriverConfig
+    from ingest.driver_config import DriverConfig
     from ingest.input_lines import InputLines, Lines
     from ingest.preflight import DataDirLock
     from ingest.spark.pipeline import Pipeline
@@ -1256,7 +1256,7 @@ def _refuse_driver_settings(args: argparse.Namespace) -> None:
 
 def _driver_config(args: argparse.Namespace) -> DriverConfig:
     """`sluice serve --role driver`'s DriverConfig; ValueError (ConfigError) for anything wrong."""
-    from ingest.cluster_driver import DriverConfig, check_files  # noqa: PLC0415 - only the driver needs it
+    from ingest.driver_config import DriverConfig, check_files  # noqa: PLC0415 - only the driver needs it
 
     _refuse_unused(
         args,
@@ -1329,12 +1329,12 @@ def _driver_config(args: argparse.Namespace) -> DriverConfig:
 
 def _drive(args: argparse.Namespace) -> int:
     """`sluice serve --role driver`: ingest.cluster_driver."""
-    from ingest.cluster_driver import run_driver  # noqa: PLC0415 - only the driver needs Spark
-
     try:
         config = _driver_config(args)
     except ValueError as exc:
-        return _fail(str(exc), EXIT_USAGE)
+        return _fail(str(exc), EXIT_USAGE)  # before pyspark is imported: a typo is refused at once
+    from ingest.cluster_driver import run_driver  # noqa: PLC0415 - only the driver needs Spark
+
     return asyncio.run(run_driver(config, spark_log_level=args.spark_log_level))
 
 
@@ -2352,7 +2352,7 @@ def _config_check(args: argparse.Namespace) -> int:
     try:
         config: ServeConfig | DriverConfig
         if args.role == "driver":
-            from ingest.cluster_driver import read_runtime_config  # noqa: PLC0415 - only the driver's
+            from ingest.driver_config import read_runtime_config  # noqa: PLC0415 - only the driver's
 
             config = _driver_config(args)
             # DATA_DIR/runtime-config.json (the rate's settings and pin kept there), read as the

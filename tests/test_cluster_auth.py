@@ -297,7 +297,8 @@ async def test_a_driver_whose_credentials_the_nodes_refuse_stops_at_start_with_o
     wrong role was refused there, and the ClusterRefusedError escaped as a traceback."""
     import types
 
-    from ingest.cluster_driver import ClusterDriver, DriverConfig, _run
+    from ingest.cluster_driver import ClusterDriver, _run
+    from ingest.driver_config import DriverConfig
 
     token = tmp_path / "app.token"
     token.write_text(TOKENS["app"])  # a producer's token: not consumer and operator
@@ -393,8 +394,9 @@ async def test_a_driver_reachable_without_authentication_warns_and_names_certifi
 
     from pki import CertificateAuthority
 
-    from ingest.cluster_driver import ClusterDriver, DriverConfig
+    from ingest.cluster_driver import ClusterDriver
     from ingest.config import TlsConfig
+    from ingest.driver_config import DriverConfig
 
     ca = CertificateAuthority(tmp_path / "pki")
     issued = ca.issue("driver", server=True)

@@ -314,8 +314,9 @@ async def test_the_drivers_query_fails_on_a_lost_log_unless_told_not_to(spark: A
     lost log, and the way on was moving its checkpoint aside. DriverConfig.fail_on_data_loss
     (`--no-fail-on-data-loss`) goes to its query as the source option: a ClusterDriver on real Spark
     stops with DataLossError by default, and with it off reads the new log from its start."""
-    from ingest.cluster_driver import ClusterDriver, DriverConfig
+    from ingest.cluster_driver import ClusterDriver
     from ingest.config import RateConfig
+    from ingest.driver_config import DriverConfig
     from ingest.spark.source import OPTION_FAIL_ON_DATA_LOSS
 
     clusters = loopback_cluster(2, replication=2, min_insync=1)

@@ -259,7 +259,8 @@ async def test_a_query_starts_at_its_starting_offsets_and_plans_nothing_while_he
 async def test_the_driver_tells_a_swapped_in_query_whether_records_wait(tmp_path: Path) -> None:
     """ClusterDriver.unread (the pipeline manager's idle check): past the given offsets, or past a
     partition's first record still held; with no node answering it cannot tell, so records may wait."""
-    from ingest.cluster_driver import ClusterDriver, DriverConfig
+    from ingest.cluster_driver import ClusterDriver
+    from ingest.driver_config import DriverConfig
 
     clusters = loopback_cluster(2)
     async with nodes(tmp_path, clusters) as servers:
@@ -453,8 +454,9 @@ def test_last_commit_reads_the_cluster_sources_nested_offset(tmp_path: Path) -> 
 async def test_the_cluster_driver_runs_the_query_and_releases_on_every_node(
     spark: Any, tmp_path: Path
 ) -> None:
-    from ingest.cluster_driver import ClusterDriver, DriverConfig
+    from ingest.cluster_driver import ClusterDriver
     from ingest.config import RateConfig
+    from ingest.driver_config import DriverConfig
     from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
     clusters = loopback_cluster(2, replication=2, min_insync=2)
@@ -618,7 +620,8 @@ async def test_a_block_over_grpcs_default_4_mib_is_read(tmp_path: Path) -> None:
 async def test_run_driver_refuses_bad_files_before_starting_spark(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from ingest.cluster_driver import DriverConfig, run_driver
+    from ingest.cluster_driver import run_driver
+    from ingest.driver_config import DriverConfig
 
     missing = tmp_path / "nope.token"
     config = DriverConfig(nodes={0: "127.0.0.1:1"}, streams=("s",), data_dir=tmp_path, token_file=missing)

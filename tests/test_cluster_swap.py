@@ -17,8 +17,9 @@ from live_service import Load
 from test_cluster_source import nodes
 
 from ingest import cli
-from ingest.cluster_driver import ClusterDriver, DriverConfig
+from ingest.cluster_driver import ClusterDriver
 from ingest.config import RateConfig
+from ingest.driver_config import DriverConfig
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from tests.support import loopback_cluster
@@ -230,8 +231,8 @@ the process's own (role; log-level, log-format and spark-log-level, which main a
 def test_the_driver_hands_its_query_every_setting_it_shares_with_a_server() -> None:
     """serve_config() carries each field DriverConfig shares with ServeConfig by name but the driver's
     own servers' (--reset-pipeline was left out, and the PipelineManager never saw it)."""
-    from ingest.cluster_driver import QUERY_FIELDS
     from ingest.config import ServeConfig
+    from ingest.driver_config import QUERY_FIELDS
 
     shared = {f.name for f in dataclasses.fields(DriverConfig)} & {
         f.name for f in dataclasses.fields(ServeConfig)

@@ -9,6 +9,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -1072,3 +1073,37 @@ def test_a_host_that_is_no_address_is_said_to_be_invalid_first(tmp_path: Path) -
     for host in ("0.0.0.0", "::", "[::1]", "localhost", "sluice-1.example.com"):
         result = check(*base, "--host", host, "--insecure")
         assert result.returncode == 0, (host, result.stderr)
+
+
+def test_checks_and_refusals_answer_without_importing_spark(tmp_path: Path) -> None:
+    """Issue 17 (fast where users feel it): `config check` (a single server's and a driver's) and a serve
+    refused on a bad file answer before pyspark is imported (it took a driver's check from ~0.6 to ~1.5 s:
+    DriverConfig lived beside the Spark driver in ingest.cluster_driver); only a start that runs needs it."""
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text("0 127.0.0.1:51101\n")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("not toml\n")
+    driver = ["--role", "driver", "--nodes", str(nodes), "--data-dir", str(tmp_path / "d")]
+    single = ["--data-dir", str(tmp_path / "s")]
+    commands = [
+        (["config", "check", *single], 0),
+        (["config", "check", *driver], 0),
+        (["config", "check", *driver, "--auth-file", str(bad)], 2),
+        (["serve", *driver, "--auth-file", str(bad)], 2),
+        (["serve", *single, "--auth-file", str(bad)], 2),
+    ]
+    for argv, code in commands:
+        script = (
+            "import sys\nfrom ingest import cli\n"
+            f"code = cli.main({argv!r})\n"
+            "print('exit', code, 'pyspark' in sys.modules)\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            env=clean_env(),
+            timeout=120,
+            check=False,
+        )
+        assert done.stdout.strip().splitlines()[-1] == f"exit {code} False", (argv, done.stdout, done.stderr)

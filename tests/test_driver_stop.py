@@ -9,8 +9,9 @@ from typing import Any
 import grpc
 import pytest
 
-from ingest.cluster_driver import ClusterDriver, DriverConfig
+from ingest.cluster_driver import ClusterDriver
 from ingest.config import RateConfig
+from ingest.driver_config import DriverConfig
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from tests.support import free_ports

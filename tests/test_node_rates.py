@@ -386,7 +386,7 @@ async def test_a_cluster_drivers_pinned_rate_is_kept_across_its_restart(
     driver keeps the pin in DATA_DIR/runtime-config.json too (and its end: `rate estimator` unpins),
     pins it again at its start (over a recalled capacity) and says so. Its real RateControl server on
     loopback, steered by the `sluice rate` CLI."""
-    from ingest.cluster_driver import DriverConfig
+    from ingest.driver_config import DriverConfig
 
     config = DriverConfig(nodes={0: "127.0.0.1:1"}, streams=("s",), data_dir=tmp_path / "driver")
     config.data_dir.mkdir()
@@ -431,7 +431,8 @@ async def test_a_receiver_node_refuses_an_operators_rate_change_and_takes_the_dr
     refuses an operator's rate, bounds and estimator (FAILED_PRECONDITION, exit 1, naming the driver's
     RateControl to send them to), while the driver's calls, which name it, still set its share. Reads
     stay allowed. A real receiver node and the driver's real rate server on loopback, the `sluice` CLI."""
-    from ingest.cluster_driver import ClusterDriver, DriverConfig
+    from ingest.cluster_driver import ClusterDriver
+    from ingest.driver_config import DriverConfig
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
 
@@ -509,7 +510,8 @@ async def test_a_receiver_node_refuses_a_config_set_of_the_drivers_rate_settings
     them as it refuses `sluice rate bounds` there (FAILED_PRECONDITION, exit 1, nothing changed, the
     whole request), naming the driver and the command to give it; the node's own settings still change.
     A real receiver node and the driver's real rate server on loopback, the `sluice` CLI."""
-    from ingest.cluster_driver import ClusterDriver, DriverConfig
+    from ingest.cluster_driver import ClusterDriver
+    from ingest.driver_config import DriverConfig
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
 
@@ -633,7 +635,8 @@ async def test_a_receiver_node_ignores_the_drivers_settings_an_earlier_version_k
     settings; `sluice config check` says so. A real node and the driver's real rate server on loopback."""
     import json
 
-    from ingest.cluster_driver import ClusterDriver, DriverConfig
+    from ingest.cluster_driver import ClusterDriver
+    from ingest.driver_config import DriverConfig
 
     (cluster,) = loopback_cluster(1)
     port = int(cluster.me.target.rsplit(":", 1)[1])
@@ -699,7 +702,7 @@ async def test_a_cluster_drivers_rate_bounds_and_estimator_are_kept_across_its_r
     pinned rate there already. The driver keeps them in DATA_DIR/runtime-config.json too, starts with
     them (a kept pin clamped into the kept bounds; a kept `fixed` estimator not replaced by a recalled
     capacity) and says so. Its real RateControl server on loopback, steered by the `sluice` CLI."""
-    from ingest.cluster_driver import DriverConfig
+    from ingest.driver_config import DriverConfig
 
     config = DriverConfig(nodes={0: "127.0.0.1:1"}, streams=("s",), data_dir=tmp_path / "driver")
     config.data_dir.mkdir()
@@ -750,7 +753,7 @@ async def test_a_cluster_driver_switches_away_from_the_estimator_its_start_gave_
     """The driver's `sluice rate estimator` to another estimator than --estimator runs it with its own
     defaults, not --estimator-params (which it would refuse); back to --estimator they are in force
     again (rate_service.estimator_change, shared with a single server). Its real RateControl server."""
-    from ingest.cluster_driver import DriverConfig
+    from ingest.driver_config import DriverConfig
 
     start = RateConfig(estimator="spark-pid", estimator_params={"proportional": 0.5})
     config = DriverConfig(nodes={0: "127.0.0.1:1"}, streams=("s",), data_dir=tmp_path / "driver", rate=start)

@@ -191,7 +191,8 @@ def test_a_second_cluster_driver_on_a_taken_data_dir_or_port_fails_before_spark_
     # the lock is the process's: once the holder is gone, a driver may take the data dir (checked
     # without starting Spark)
     held.release()
-    from ingest.cluster_driver import DriverConfig, prepare_driver
+    from ingest.cluster_driver import prepare_driver
+    from ingest.driver_config import DriverConfig
 
     lock = prepare_driver(DriverConfig(nodes={0: "127.0.0.1:1"}, streams=("s",), data_dir=tmp_path / "held"))
     assert (tmp_path / "held" / "sluice.lock").read_text().strip() == str(os.getpid())

@@ -141,7 +141,8 @@ async def test_a_cluster_driver_starts_its_rate_at_the_capacity_its_pipeline_sho
     """A driver runs no receivers, so its first batches are bounded by its rate: the recalled capacity
     (clamped to the rate bounds), not the default 10,000 records/s; never over an operator's choice."""
     from ingest import cli
-    from ingest.cluster_driver import ClusterDriver, DriverConfig
+    from ingest.cluster_driver import ClusterDriver
+    from ingest.driver_config import DriverConfig
 
     def start_rate(pipeline: str = "", **options: Any) -> tuple[float, float | None]:
         config = DriverConfig(nodes={0: "127.0.0.1:1"}, streams=("s",), data_dir=tmp_path, **options)
