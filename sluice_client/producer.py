@@ -1797,6 +1797,9 @@ class Producer:
             raise error from exc
 
     async def _room_for(self, n: int) -> None:
+        # every send checks the loop, also one with room that would not wait: it would queue from a
+        # foreign thread, racing the sender, and wake it through an Event of another loop
+        self._check_loop()
         self._check_open()
         while self._held + n > self._max_buffered or self._bytes_full():
             await self._wait_change()

@@ -509,7 +509,8 @@ async def test_a_sync_producer_called_on_its_own_thread_refuses_at_once(tmp_path
 async def test_a_producer_used_on_another_event_loop_says_so(tmp_path: Path) -> None:
     """A Producer started on one loop and flushed or closed on another (a second asyncio.run(), a
     thread's own loop) raised "<asyncio.locks.Event object ...> is bound to a different event loop";
-    it names the mistake now, and the producer still goes on on its own loop."""
+    it names the mistake now, and the producer still goes on on its own loop. A send that would not
+    wait (there is room) says so too, rather than queue from a foreign thread, unseen by the sender."""
     async with running_server(tmp_path) as server:
         producer = Producer(f"127.0.0.1:{server.port}", "s", linger=0, max_buffered=1, batch_size=1)
         await producer.start()
@@ -518,18 +519,24 @@ async def test_a_producer_used_on_another_event_loop_says_so(tmp_path: Path) -> 
         failures: list[str] = []
 
         def elsewhere() -> None:
-            for call in (producer.flush, producer.close, lambda: producer.send_many([b"b", b"c"])):
+            calls = (
+                producer.flush,
+                producer.close,
+                lambda: producer.send(b"b"),  # there is room: it would not wait
+                lambda: producer.send_many([b"b", b"c"]),
+                lambda: producer.send_packed(b"bc", [0, 1, 2]),
+            )
+            for call in calls:
                 try:
                     asyncio.run(asyncio.wait_for(call(), 10))
                 except RuntimeError as exc:
                     failures.append(str(exc))
 
         await asyncio.to_thread(elsewhere)
-        # send_many waited for room (max_buffered=1) after queuing its first record
-        assert len(failures) == 3, failures
+        assert len(failures) == 5, failures
         assert all(f.startswith("this Producer was started on another event loop") for f in failures)
         await producer.close(10)
-        assert producer.acked == 2
+        assert producer.acked == 1  # nothing sent from the other loop was queued
 
 
 async def test_an_error_leaving_a_with_block_says_what_it_dropped(
