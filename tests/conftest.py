@@ -16,18 +16,60 @@ import pytest
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 
+# Tests that start Spark, here (the `spark` fixture) or in a `sluice serve` subprocess, run one at a
+# time: under `pytest -n 2 --dist loadgroup` they share one worker ("spark") while the other worker
+# takes the rest. Two Spark tests at once on 2 cores starve each other past their deadlines.
+SPARK_GROUP = "spark"
+_SPARK_MARKS = ("spark", "cluster", "spark_process")
+
+
+def starts_spark(item: pytest.Item) -> bool:
+    """Whether the test starts Spark: it uses the shared session or carries a mark that says so."""
+    return "spark" in getattr(item, "fixturenames", ()) or any(
+        item.get_closest_marker(mark) for mark in _SPARK_MARKS
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Where Spark tests will run, every Spark JVM they start (here and in subprocesses, which inherit
-    the environment) starts with fast_jvm's options; TESTS_DEFAULT_JVM=1 keeps Java's defaults."""
-    if os.environ.get("TESTS_DEFAULT_JVM") == "1" or config.option.collectonly:
-        return
-    if not any(item.get_closest_marker("spark") or item.get_closest_marker("cluster") for item in items):
+    """Spark tests go to one xdist group; where they will run, every Spark JVM they start (here and in
+    subprocesses, which inherit the environment) starts with fast_jvm's options; TESTS_DEFAULT_JVM=1
+    keeps Java's defaults."""
+    spark_items = [item for item in items if starts_spark(item)]
+    for item in spark_items:
+        item.add_marker(pytest.mark.xdist_group(SPARK_GROUP))
+    if os.environ.get("TESTS_DEFAULT_JVM") == "1" or config.option.collectonly or not spark_items:
         return
     from tests import fast_jvm
 
     cache = getattr(config, "cache", None)
     folder = Path(tempfile.gettempdir()) / "sluice-test-cds" if cache is None else cache.mkdir("spark-cds")
     os.environ["SPARK_SUBMIT_OPTS"] = fast_jvm.submit_options(Path(folder))
+
+
+@pytest.fixture(scope="session")
+def _java_that_starts_no_jvm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A JAVA_HOME whose java answers `-version` (so preflights pass) and refuses to start a JVM."""
+    home = tmp_path_factory.mktemp("no-jvm-java")
+    java = home / "bin" / "java"
+    java.parent.mkdir()
+    java.write_text(
+        "#!/bin/sh\n"
+        'if [ "$1" = -version ]; then echo \'openjdk version "17.0.0" (no JVM)\' >&2; exit 0; fi\n'
+        "echo 'this test starts Spark but is not marked so (tests/conftest.py: spark_process)' >&2\n"
+        "exit 1\n"
+    )
+    java.chmod(0o755)
+    return home
+
+
+@pytest.fixture(autouse=True)
+def _no_jvm_outside_the_spark_group(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test not marked as starting Spark gets a java that starts no JVM, so one that starts Spark
+    unmarked fails at once, in every run, instead of racing a Spark test on the other worker now and
+    then. Java's checks (`java -version`) still pass."""
+    if not starts_spark(request.node):
+        monkeypatch.setenv("JAVA_HOME", str(request.getfixturevalue("_java_that_starts_no_jvm")))
 
 
 @pytest.fixture(scope="session")

@@ -659,8 +659,9 @@ async def test_a_token_removed_on_reload_ends_only_the_sessions_opened_with_it(t
         assert len(clicks.sessions) == 2
         write(kept)
         assert server.reload_security() == ["auth file: 1 principals, 1 tokens; 1 live calls revoked"]
-        # promptly: the revoked session is gone from the server within a second, nothing sent meanwhile
-        await wait_until(lambda: [s.producer_id for s in clicks.sessions] == [new.producer_id], timeout=1)
+        # promptly: the revoked session is gone from the server at once, nothing sent meanwhile (3 s:
+        # the suite runs beside a Spark test on a 2-core machine)
+        await wait_until(lambda: [s.producer_id for s in clicks.sessions] == [new.producer_id], timeout=3)
         with pytest.raises(RPCError) as info:
             await asyncio.wait_for(old.flush(5), 5)
             await old.send_many([b"late"])

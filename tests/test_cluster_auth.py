@@ -237,7 +237,7 @@ async def test_a_peer_token_removed_on_reload_ends_the_replicate_streams_opened_
             started = time.monotonic()
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await asyncio.wait_for(stray.read(), 5)
-            assert time.monotonic() - started < 1
+            assert time.monotonic() - started < 2.5  # at the reload, not at the 5 s wait's end
             assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED, info.value
             assert "revoked" in (info.value.details() or ""), info.value.details()
             for _ in range(3):  # node 1 -> node 0 replication, on the kept token, is undisturbed

@@ -343,10 +343,11 @@ async def test_a_node_that_hangs_is_down_after_a_timed_out_call_and_delays_no_ot
                 service.hang = True
                 hung = time.monotonic()
                 await wait_until(lambda: not node_rates.snapshot()[1].up, timeout=5)
-                # a call that ran into its 0.5 s deadline after 1 s without an answer (DOWN_SECONDS): down
-                assert time.monotonic() - hung < 2.0
+                # a call that ran into its 0.5 s deadline after 1 s without an answer (DOWN_SECONDS): down,
+                # long before the 5 s the wait allows (bounds for a 2-core machine running a Spark test)
+                assert time.monotonic() - hung < 3.0
                 # meanwhile node a is asked every 0.1 s: it has the whole rate at once
-                await wait_until(lambda: node_rate(a) == pytest.approx(6_000), timeout=1)
+                await wait_until(lambda: node_rate(a) == pytest.approx(6_000), timeout=3)
         finally:
             await rpc.stop(None)
 

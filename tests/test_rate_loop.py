@@ -380,7 +380,7 @@ async def test_no_wait_for_the_metrics_of_a_batch_that_ran_past_its_grid_point(t
             await at_phase(1.0, 0.4)
             started = time.monotonic()
             status = await stub.GetRate(pb.GetRateRequest(wait_for_batch_seconds=5))
-            assert time.monotonic() - started < 0.5  # not the 5 s
+            assert time.monotonic() - started < 2.5  # not the 5 s
             assert status.capacity < 0.8 * capacity  # at least (1.1 - 0.4) s / 40k records
             async with Producer(server.target, "s", linger=0) as producer:
                 await producer.send_many([b"y"] * 50)

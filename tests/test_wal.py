@@ -1177,7 +1177,8 @@ def test_a_block_is_encoded_without_waiting_on_a_busy_event_loop_per_batch(tmp_p
         stop.set()
         spinner.join()
     assert info.count == 5000
-    assert elapsed < 0.25, f"{elapsed:.3f} s to write a block of 100 batches beside a busy Python thread"
+    # batch by batch: about 0.5 s; 0.35 leaves room for a machine busy with other tests
+    assert elapsed < 0.35, f"{elapsed:.3f} s to write a block of 100 batches beside a busy Python thread"
 
 
 def test_a_write_to_a_deleted_segment_fails_and_goes_again_to_a_new_one(tmp_path: Path) -> None:
