@@ -75,6 +75,7 @@ def hangs_first_batch(df: DataFrame, context: PipelineContext) -> DataStreamWrit
     """A sink that hangs (a foreachBatch that does not return until RELEASE_HUNG)."""
 
     def write(batch: DataFrame, batch_id: int) -> None:
+        _say_first_batch_started(context, batch_id)
         RELEASE_HUNG.wait()
         # then writes by path, as a sink does: into its folder, wherever that is now
         marker = context.sink_dir / "left-behind"
