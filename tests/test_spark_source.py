@@ -12,6 +12,7 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+from pyspark.errors import StreamingQueryException
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
@@ -349,6 +350,47 @@ def test_missing_blocks_are_data_loss(tmp_path: Path) -> None:
         reader.partitions({"a": 0}, {"a": 9})
 
 
+def gapped_log(root: Path) -> tuple[list[Row], tuple[int, int]]:
+    """A log of 12 blocks of 20 records in "a", several to a segment, that lost a middle segment (a
+    power loss under --fsync off), recovered past it as a start does: (the records left, the offsets
+    lost [lo, hi))."""
+    store = WalBlockStore(root, fsync=FsyncPolicy.off(), segment_bytes=3000, direct_io=False)
+    rows = write_blocks(store, "a", [20] * 12)
+    store.close()
+    segments = sorted((root / "a").glob("*.wal"))
+    assert len(segments) >= 3, segments
+    lost_from, lost_to = int(segments[1].stem), int(segments[2].stem)
+    segments[1].unlink()
+    assert WalBlockStore(root, fsync=FsyncPolicy.off()).recover("a") == (12, 240)  # passed, with an ERROR
+    lost = (lost_from * 20, lost_to * 20)
+    return [r for r in rows if not lost[0] <= r[1] < lost[1]], lost
+
+
+def test_a_gap_in_the_log_is_data_loss_or_skipped_with_fail_on_data_loss_false(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A log that went on past lost blocks (a start under --fsync off after a power loss, or under
+    --no-fail-on-data-loss): every batch over the gap raised DataLossError, also with
+    failOnDataLoss=false, and its message asked whether another query had released them. The query
+    failed at every start for good. Now the error names the lost records and where they went, and
+    failOnDataLoss=false reads the records there with a WARNING."""
+    left, (lo, hi) = gapped_log(tmp_path)
+    with pytest.raises(DataLossError) as lost:
+        reader_for(tmp_path).partitions({"a": 0}, {"a": 240})
+    message = str(lost.value)
+    assert f"records {lo}..{hi - 1} are gone from its log" in message, message
+    assert "sluice_wal_lost_blocks_total" in message and "--no-fail-on-data-loss" in message, message
+    assert "another query" not in message
+    reader = reader_for(tmp_path, failOnDataLoss="false")
+    with caplog.at_level(logging.WARNING, "ingest.spark.source"):
+        parts = reader.partitions({"a": 0}, {"a": 240})
+    assert rows_of([b for p in parts for b in reader.read(p)]) == left
+    assert any(f"records {lo}..{hi - 1} are gone" in r.getMessage() for r in caplog.records)
+    # a batch wholly inside the gap reads nothing, and one past it is whole
+    assert reader.partitions({"a": lo}, {"a": hi}) == []
+    assert sum(p.records for p in reader.partitions({"a": hi}, {"a": 240})) == 240 - hi
+
+
 def test_available_now_stops_at_the_blocks_present_when_it_started(tmp_path: Path) -> None:
     store = WalBlockStore(tmp_path, fsync=FsyncPolicy.off())
     write_blocks(store, "a", [10, 10, 10])
@@ -497,6 +539,38 @@ def test_query_streams_blocks_to_parquet_and_releases_them(spark: Any, tmp_path:
     assert len(got) == len(expected)
     assert sorted(got, key=lambda r: (r[0], r[1])) == sorted(expected, key=lambda r: (r[0], r[1]))
     assert any(r[3] is None for r in got)
+
+
+@pytest.mark.parametrize("fail_on_data_loss", ["true", "false"])
+def test_a_query_over_a_gap_in_the_log_fails_or_goes_on(
+    spark: Any, tmp_path: Path, fail_on_data_loss: str
+) -> None:
+    """A real query over a log that went on past lost blocks: it stopped with DataLossError whatever
+    failOnDataLoss said. With failOnDataLoss=false it now writes every record still in the log."""
+    left, (lo, hi) = gapped_log(tmp_path / "blocks")
+    sink = tmp_path / "sink"
+    query = start_query(
+        spark,
+        store_root=tmp_path / "blocks",
+        streams=["a"],
+        pipeline=parquet_pipeline(sink),
+        checkpoint_dir=tmp_path / "checkpoint",
+        trigger_seconds=0.2,
+        query_name=f"sluice_test_gap_{fail_on_data_loss}",
+        source_options={"failOnDataLoss": fail_on_data_loss},
+    )
+    try:
+        if fail_on_data_loss == "true":
+            with pytest.raises(StreamingQueryException) as failed:
+                query.awaitTermination(120)
+            assert f"records {lo}..{hi - 1} are gone from its log" in str(failed.value), failed.value
+        else:
+            wait_for_rows(spark, query, sink, len(left))
+    finally:
+        query.stop()
+    if fail_on_data_loss == "false":
+        got = sink_rows(spark, sink)
+        assert sorted(got, key=lambda r: r[1]) == left
 
 
 @pytest.mark.spark

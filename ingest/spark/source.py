@@ -64,7 +64,6 @@ import logging
 import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -460,6 +459,38 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
             )
         log.warning("sluice source: data loss: %s. failOnDataLoss=false: %s", what, instead)
 
+    def _hole(
+        self, stream: str, lo: int, hi: int, blocks: Sequence[BlockInfo], holes: Sequence[tuple[int, int]]
+    ) -> None:
+        """Records [lo, hi) of `stream` planned for a batch, `holes` of them in no block: DataLossError,
+        or with failOnDataLoss=false a WARNING (the batch reads what is there). A hole below the log's
+        released mark was released by another query; above it, it is a gap in the log itself: blocks
+        a start under --fsync off (or --no-fail-on-data-loss) went on without, with an ERROR. Before,
+        either stopped the query at every start, whatever failOnDataLoss said."""
+        released = self.store.released_offset(stream)
+        missing = ", ".join(f"{a}..{b - 1}" for a, b in holes)
+        why = (
+            "released: is another query reading this data dir?"
+            if all(b <= released for _, b in holes)
+            else "gone from its log: the server's start said so in an ERROR and counted them in "
+            "sluice_wal_lost_blocks_total"
+        )
+        have = [(b.first_offset, b.end_offset) for b in blocks]
+        what = (
+            f"stream {stream!r} needs records {lo}..{hi - 1} but the store's blocks cover "
+            f"{have or 'nothing'}: records {missing} are {why}"
+        )
+        if self.fail_on_data_loss:
+            raise DataLossError(
+                f"sluice source: data loss: {what}. Set the source option failOnDataLoss=false (`sluice "
+                "serve --no-fail-on-data-loss`) to read the records there and skip the missing ones"
+            )
+        log.warning(
+            "sluice source: data loss: %s. failOnDataLoss=false: the batch reads the %d records there",
+            what,
+            sum(min(hi, b.end_offset) - max(lo, b.first_offset) for b in blocks),
+        )
+
     def _floor(self, stream: str) -> int:
         """The offset of the first record of `stream` still in its log (0 for an empty new log)."""
         present = self.store.blocks(stream)
@@ -508,7 +539,9 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
             if hi <= lo:
                 continue
             blocks = [b for b in self.store.blocks(stream) if b.end_offset > lo and b.first_offset < hi]
-            _check_complete(stream, lo, hi, blocks)
+            holes = _holes(lo, hi, blocks)
+            if holes:
+                self._hole(stream, lo, hi, blocks, holes)
             for b in blocks:
                 first, last = max(lo, b.first_offset), min(hi, b.end_offset)
                 slices.append(
@@ -752,20 +785,19 @@ def _balanced(
     return runs
 
 
-def _check_complete(stream: str, lo: int, hi: int, blocks: Sequence[BlockInfo]) -> None:
-    """Raise DataLossError unless `blocks` cover record offsets [lo, hi) without gaps.
-
-    A missing prefix is expected only from offset 0: the initial offset of a stream that was empty when
-    the query started, whose earlier blocks had been released before.
-    """
-    covered = bool(blocks) and (blocks[0].first_offset <= lo or lo == 0) and blocks[-1].end_offset >= hi
-    contiguous = all(a.end_offset == b.first_offset for a, b in pairwise(blocks))
-    if not (covered and contiguous):
-        have = [(b.first_offset, b.end_offset) for b in blocks]
-        raise DataLossError(
-            f"sluice source: stream {stream!r} needs records {lo}..{hi - 1} but the store's blocks cover "
-            f"{have or 'nothing'}; were they released by another query?"
-        )
+def _holes(lo: int, hi: int, blocks: Sequence[BlockInfo]) -> list[tuple[int, int]]:
+    """The ranges of record offsets in [lo, hi) that `blocks` (sorted, those overlapping it) do not
+    cover. A missing prefix is expected only from offset 0, before blocks that are there: the initial
+    offset of a stream that was empty when the query started, whose earlier blocks had been released."""
+    holes: list[tuple[int, int]] = []
+    at = lo
+    for block in blocks:
+        if block.first_offset > at and not (at == 0 and not holes and lo == 0):
+            holes.append((at, block.first_offset))
+        at = max(at, block.end_offset)
+    if at < hi:
+        holes.append((at, hi))
+    return holes
 
 
 def _required(options: Mapping[str, str], name: str) -> str:
