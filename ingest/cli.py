@@ -735,8 +735,9 @@ def _cluster_flags(serve: argparse.ArgumentParser) -> None:
         default=True,
         help="stop the query when a stream's log was lost under its checkpoint (a single server's data "
         "dir started afresh while the checkpoint survived elsewhere; a cluster node's data dir lost "
-        "while its followers were down; the default), or, with --no-fail-on-data-loss, log a WARNING "
-        "and read the new log from its start (the source option failOnDataLoss)",
+        "while its followers were down; the default) or lost records in its middle (under --fsync "
+        "off), or, with --no-fail-on-data-loss, log a WARNING and read the new log from its start, or "
+        "the records still there (the source option failOnDataLoss)",
     )
     group.add_argument(
         "--health-port",
