@@ -354,7 +354,7 @@ class ClusterDriver:
 
     async def _start_health_port(self, port: int) -> None:
         server = grpc.aio.server(
-            options=[("grpc.so_reuseport", 0), *self.config.grpc_options()]
+            options=[("grpc.so_reuseport", 0), *self.config.health_grpc_options()]
         )  # a taken port fails
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:

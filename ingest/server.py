@@ -804,7 +804,9 @@ class SluiceServer:
         port = self.config.health_port
         if port is None:
             return
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *self.config.security.grpc_options()])
+        server = grpc.aio.server(
+            options=[("grpc.so_reuseport", 0), *self.config.security.health_grpc_options()]
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             self.health_port = server.add_insecure_port(bind_address("0.0.0.0", port)) or None  # noqa: S104 - probes come from the kubelet

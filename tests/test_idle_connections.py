@@ -13,8 +13,11 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import running_server
 
+from ingest import config
 from ingest.config import SecurityConfig, default_max_connections, grpc_connection_options
 from sluice_client import Producer
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
@@ -115,3 +118,30 @@ async def test_connections_over_the_cap_are_refused(tmp_path: Path) -> None:
         async with Producer(server.target, "s", linger=0.001, start_timeout=10) as producer:
             await producer.send(b"x")
             await producer.flush(timeout=10)
+
+
+async def test_the_health_port_holds_few_connections(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An outside tester: the plaintext health port (every interface, no credentials) had a
+    --max-connections cap of its own beside the service port's, 3/4 of the open-file limit each, so
+    that connections to it took the files the block log needed, and a producer whose port was far
+    under its cap waited 23 s to connect ("File descriptor limit reached"). It holds at most
+    HEALTH_MAX_CONNECTIONS (or --max-connections if lower); probes get in beside them."""
+    monkeypatch.setattr(config, "HEALTH_MAX_CONNECTIONS", 4)
+    async with running_server(tmp_path / "data", "s", health_port=0) as server:
+        assert server.health_port is not None
+        socks = await asyncio.to_thread(idle_connections, server.health_port, 10)
+        try:
+            closed = await asyncio.to_thread(closed_within, socks, 1.0)
+            assert len(closed) == 6, closed  # the 6 over the cap, at once
+        finally:
+            for sock in socks:
+                sock.close()
+        await asyncio.sleep(0.2)  # the server's side of the closes
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.health_port}") as channel:
+            answer = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=10
+            )
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+    # a lower --max-connections is the health port's cap too
+    low = dict(SecurityConfig(max_connections=2).health_grpc_options())
+    assert low["grpc.max_allowed_incoming_connections"] == 2
