@@ -81,6 +81,9 @@ class SluiceCollector(Collector):
         self._nodes = nodes
 
     def collect(self) -> Iterator[Metric]:
+        # the node's rate once per scrape: summed for each stream's share it made a scrape (and the
+        # status page's sampler, every second on the event loop) quadratic in the streams
+        total_rate = sum(r.rate for r in self._receivers.values())
         counters: dict[str, tuple[str, Callable[[Receiver], float]]] = {
             "records_received": (
                 "Records taken from publishers (duplicates not counted).",
@@ -156,7 +159,7 @@ class SluiceCollector(Collector):
             "rate_share": (
                 "The stream's share of the rates of the node's streams (0..1; NaN while any is unlimited): "
                 "busy streams share by weight, idle ones keep a floor.",
-                self._rate_share,
+                lambda r: self._rate_share(r, total_rate),
             ),
         }
         for name, (doc, read) in counters.items():
@@ -197,8 +200,10 @@ class SluiceCollector(Collector):
                 gauge.add_metric([str(node.node_id)], read(node))
             yield gauge
 
-    def _rate_share(self, receiver: Receiver) -> float:
-        total = sum(r.rate for r in self._receivers.values())
+    @staticmethod
+    def _rate_share(receiver: Receiver, total: float) -> float:
+        """The stream's part of `total`, the rates of the node's streams summed; NaN while any is
+        unlimited."""
         return receiver.rate / total if math.isfinite(total) else math.nan
 
     def _collect_pauses(self) -> Iterator[Metric]:
