@@ -261,3 +261,25 @@ async def test_slow_or_silent_clients_cannot_take_the_metrics_ports_threads_and_
         # and then an honest scrape gets in again
         status, _, body = await asyncio.to_thread(scrape, server)
         assert status == 200 and "sluice_records_received_total" in body
+
+
+async def test_status_says_when_the_metrics_url_has_the_wrong_scheme(
+    tmp_path: Path, pki: tuple[CertificateAuthority, Issued]
+) -> None:
+    """An outside tester: `sluice status --metrics http://...` against an HTTPS metrics port said only
+    "Remote end closed connection without response", and https:// against a plaintext one "[SSL:
+    WRONG_VERSION_NUMBER] wrong version number". Each now says which scheme the port may want."""
+    from ingest.status_cli import StatusReadError, read_http
+    from sluice_client import Credentials
+
+    ca, server_cert = pki
+    tls = TlsConfig(server_cert.cert_file, server_cert.key_file)
+    async with metrics_server(tmp_path / "tls", SecurityConfig(tls=tls, metrics_tls=True)) as server:
+        url = f"http://localhost:{server.metrics_port}/status.json"
+        with pytest.raises(StatusReadError, match=r"--metrics-tls\), use an https:// URL"):
+            await asyncio.to_thread(read_http, url, Credentials())
+    async with metrics_server(tmp_path / "plain", SecurityConfig()) as server:
+        url = f"https://localhost:{server.metrics_port}/status.json"
+        credentials = Credentials.from_files(ca_file=ca.cert_file)
+        with pytest.raises(StatusReadError, match=r"answered in plaintext: use an http:// URL"):
+            await asyncio.to_thread(read_http, url, credentials)
