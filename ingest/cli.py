@@ -34,7 +34,7 @@ from typing import IO, TYPE_CHECKING, Any, TypeVar
 import grpc
 
 from ingest import console, logs
-from ingest.client_hints import connect_hint, refused
+from ingest.client_hints import connect_hint, refused, tls_to_plaintext_hint
 from ingest.config import (
     DEFAULT_METRICS_PORT,
     DEFAULT_PORT,
@@ -2015,7 +2015,7 @@ async def _push_async(
         progress.stop()
         denied = _denial(exc)
         if denied is not None:  # nothing to resume: the same command fails the same way
-            why = printable(str(denied))  # the server's words
+            why = printable(str(denied)) + tls_to_plaintext_hint(str(denied))  # the server's words, a hint
             return _fail(f"push to {args.target} stream {args.stream!r} refused: {why}", EXIT_DENIED)
         unacked = await _why_unacked(args, producer) if isinstance(exc, FlushTimeoutError) else ""
         _push_failed(args, producer, read.records, exc, unacked)

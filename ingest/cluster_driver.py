@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -55,7 +55,7 @@ from ingest.preflight import DataDirLock, bind_address, check_ports, lock_checke
 from ingest.rate_controller import RateController
 from ingest.rate_memory import RateMemory
 from ingest.rate_service import RateControlService, apply_rate_settings, estimator_change, pin_again
-from ingest.reflection import enable_reflection
+from ingest.reflection import HealthServicer, enable_reflection
 from ingest.runtime_config import SettingError
 from ingest.spark.cluster_source import (
     BlocksClient,
@@ -134,7 +134,7 @@ class ClusterDriver:
         self._held: dict[str, int] = {}  # {"stream/owner": readable end} at the last look
         self._lock = threading.Lock()
         self._poller: asyncio.Task[None] | None = None
-        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # stubs lack .aio
+        self.health = HealthServicer()
         """grpc.health.v1 on the rate server (and health_port): SERVING while the query runs."""
         self._health_server: grpc.aio.Server | None = None
         self.health_port: int | None = None
@@ -354,7 +354,7 @@ class ClusterDriver:
 
     async def _start_health_port(self, port: int) -> None:
         server = grpc.aio.server(
-            options=[("grpc.so_reuseport", 0), *self.config.grpc_options()]
+            options=[("grpc.so_reuseport", 0), *self.config.health_grpc_options()]
         )  # a taken port fails
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:

@@ -235,16 +235,30 @@ def check_connection_limits(connection_idle_timeout: float, max_connections: int
         raise ValueError(f"max connections must be 1..{MAX_GRPC_MS}, got {max_connections}")
 
 
+HEALTH_MAX_CONNECTIONS = 64
+"""Connections the plaintext health port (--health-port, every interface, no credentials) holds at
+once, or --max-connections if lower: probes open one per check. Each gRPC server has a cap of its own,
+so at --max-connections the health port beside the service's port let anyone who reaches it take the
+files the block log, Spark and the service's port need."""
+
+
 def grpc_connection_options(
-    handshake_timeout: float, connection_idle_timeout: float, max_connections: int | None
+    handshake_timeout: float,
+    connection_idle_timeout: float,
+    max_connections: int | None,
+    *,
+    ceiling: int | None = None,
 ) -> list[tuple[str, int]]:
     """grpc.aio.server options that bound what connections hold, for every server this service binds:
     a client that sends nothing is dropped after `handshake_timeout` (gRPC's default: 120 s), one that
     handshakes and opens no call (or none for a while) after `connection_idle_timeout` (GOAWAY, then
     the close: gRPC's default keeps it forever), and past `max_connections` (None:
     default_max_connections()) a new connection is closed as it is accepted. gRPC has no cap per client
-    address: that is the firewall's (docs/security.md)."""
+    address: that is the firewall's (docs/security.md). `ceiling`: a cap no connection limit raises
+    (the health port's, HEALTH_MAX_CONNECTIONS)."""
     cap = default_max_connections() if max_connections is None else max_connections
+    if ceiling is not None:
+        cap = ceiling if cap is None else min(cap, ceiling)
     options = [
         ("grpc.server_handshake_timeout_ms", max(1, round(handshake_timeout * 1000))),
         ("grpc.max_connection_idle_ms", max(1, round(connection_idle_timeout * 1000))),
@@ -296,6 +310,15 @@ class SecurityConfig:
         """The gRPC server options that bound its connections (grpc_connection_options)."""
         return grpc_connection_options(
             self.handshake_timeout, self.connection_idle_timeout, self.max_connections
+        )
+
+    def health_grpc_options(self) -> list[tuple[str, int]]:
+        """As grpc_options, for the plaintext health port: at most HEALTH_MAX_CONNECTIONS."""
+        return grpc_connection_options(
+            self.handshake_timeout,
+            self.connection_idle_timeout,
+            self.max_connections,
+            ceiling=HEALTH_MAX_CONNECTIONS,
         )
 
     @property

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ingest.config import (
     DEFAULT_CONNECTION_IDLE,
+    HEALTH_MAX_CONNECTIONS,
     RateConfig,
     SecurityConfig,
     ServeConfig,
@@ -116,6 +117,15 @@ class DriverConfig:
         """The options that bound the connections of the driver's gRPC servers (a node's own)."""
         return grpc_connection_options(
             self.handshake_timeout, self.connection_idle_timeout, self.max_connections
+        )
+
+    def health_grpc_options(self) -> list[tuple[str, int]]:
+        """As grpc_options, for the plaintext health port: at most HEALTH_MAX_CONNECTIONS."""
+        return grpc_connection_options(
+            self.handshake_timeout,
+            self.connection_idle_timeout,
+            self.max_connections,
+            ceiling=HEALTH_MAX_CONNECTIONS,
         )
 
     def credentials(self) -> Credentials:

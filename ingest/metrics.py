@@ -7,12 +7,14 @@ One registry per server (not the global one), so several servers can live in one
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from socketserver import ThreadingMixIn
 from typing import Any
@@ -35,6 +37,14 @@ log = logging.getLogger(__name__)
 
 METRICS_ROLES = frozenset({Role.READER, Role.OPERATOR})
 """A principal with one of these may scrape /metrics when a token is required."""
+
+MAX_CONNECTIONS = 64
+"""Connections the metrics port holds at once (each has a thread and a file); one over it is closed as
+soon as it is accepted. Scrapers and status pages make one short request per connection (HTTP/1.0)."""
+
+DEADLINE = 30.0
+"""Seconds a connection to the metrics port gets in all (TLS handshake, request, answer): one that
+trickles its request a byte at a time is closed then, as a silent one is."""
 
 
 class NodeCollector(Collector):
@@ -71,6 +81,9 @@ class SluiceCollector(Collector):
         self._nodes = nodes
 
     def collect(self) -> Iterator[Metric]:
+        # the node's rate once per scrape: summed for each stream's share it made a scrape (and the
+        # status page's sampler, every second on the event loop) quadratic in the streams
+        total_rate = sum(r.rate for r in self._receivers.values())
         counters: dict[str, tuple[str, Callable[[Receiver], float]]] = {
             "records_received": (
                 "Records taken from publishers (duplicates not counted).",
@@ -146,7 +159,7 @@ class SluiceCollector(Collector):
             "rate_share": (
                 "The stream's share of the rates of the node's streams (0..1; NaN while any is unlimited): "
                 "busy streams share by weight, idle ones keep a floor.",
-                self._rate_share,
+                lambda r: self._rate_share(r, total_rate),
             ),
         }
         for name, (doc, read) in counters.items():
@@ -187,8 +200,10 @@ class SluiceCollector(Collector):
                 gauge.add_metric([str(node.node_id)], read(node))
             yield gauge
 
-    def _rate_share(self, receiver: Receiver) -> float:
-        total = sum(r.rate for r in self._receivers.values())
+    @staticmethod
+    def _rate_share(receiver: Receiver, total: float) -> float:
+        """The stream's part of `total`, the rates of the node's streams summed; NaN while any is
+        unlimited."""
         return receiver.rate / total if math.isfinite(total) else math.nan
 
     def _collect_pauses(self) -> Iterator[Metric]:
@@ -261,7 +276,8 @@ _PEER_NAMES = "sluice.peer_names"
 
 class _Handler(WSGIRequestHandler):
     timeout = 30.0
-    """Seconds a connection may take to send its request: a silent client does not hold a thread."""
+    """Seconds a read or write may wait: a silent client does not hold a thread (DEADLINE bounds the
+    whole connection)."""
 
     def get_environ(self) -> dict[str, Any]:
         environ = super().get_environ()
@@ -301,7 +317,46 @@ class _HttpServer(ThreadingMixIn, WSGIServer):
         self.address_family = family
         self._context = context
         self._handshake_timeout = handshake_timeout
+        self._open: dict[Any, float] = {}  # connection -> its deadline (time.monotonic())
+        self._open_lock = threading.Lock()
         super().__init__(address, _Handler)
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        # before a thread is started for it: over the cap, the connection is closed at once
+        with self._open_lock:
+            if len(self._open) >= MAX_CONNECTIONS:
+                log.debug("metrics: %s refused: %d connections open", client_address, len(self._open))
+                return False
+            self._open[request] = time.monotonic() + DEADLINE
+        return True
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._forget(request)  # no thread started: the caller closes it
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._forget(request)
+
+    def _forget(self, request: Any) -> None:
+        with self._open_lock:
+            self._open.pop(request, None)
+
+    def service_actions(self) -> None:
+        # serve_forever's loop, every poll (0.5 s): a connection past its deadline is shut down, which
+        # ends its thread's read or write with an error (socket.socket's shutdown: an SSLSocket's own
+        # would drop its TLS state under the thread using it)
+        now = time.monotonic()
+        with self._open_lock:
+            late = [request for request, deadline in self._open.items() if deadline <= now]
+        for request in late:
+            with contextlib.suppress(OSError):
+                socket.socket.shutdown(request, socket.SHUT_RDWR)
 
     def get_request(self) -> tuple[Any, Any]:
         conn, address = super().get_request()

@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from ingest.admin_service import AdminService
@@ -33,7 +33,7 @@ from ingest.preflight import DataDirLock, bind_address, make_dirs
 from ingest.rate_controller import WATCHDOG_TICK, RateController
 from ingest.rate_service import RateControlService, apply_rate_settings, estimator_change, pin_again
 from ingest.receiver_node import ReceiverNode
-from ingest.reflection import enable_reflection
+from ingest.reflection import HealthServicer, enable_reflection
 from ingest.runtime_config import RuntimeConfig
 from ingest.sessions_service import SessionsService
 from ingest.status import StatusBoard
@@ -249,7 +249,7 @@ class SluiceServer:
         self.failure: str | None = None
         """Why this server stopped itself (its data dir was removed), for `sluice serve`'s exit."""
         self._self_stop: asyncio.Task[None] | None = None
-        self.health = health.aio.HealthServicer()  # type: ignore[attr-defined]  # stubs lack .aio
+        self.health = HealthServicer()
         """grpc.health.v1: ingest.v1.Ingest is SERVING while the server takes records (its block log is
         open); "" while it takes records and, where Spark runs (config.spark), its query runs."""
         self._query_failure: Callable[[], str | None] | None = None
@@ -804,7 +804,9 @@ class SluiceServer:
         port = self.config.health_port
         if port is None:
             return
-        server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *self.config.security.grpc_options()])
+        server = grpc.aio.server(
+            options=[("grpc.so_reuseport", 0), *self.config.security.health_grpc_options()]
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         try:
             self.health_port = server.add_insecure_port(bind_address("0.0.0.0", port)) or None  # noqa: S104 - probes come from the kubelet

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 
 import grpc
 
+from receivers.errors import shown
 from receivers.receiver import Receiver
 from receivers.session import SESSION_IDS
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
+log = logging.getLogger(__name__)
+
 _CANCELLED = grpc.StatusCode.CANCELLED.value[0]
 _VALID_CODES = {code.value[0] for code in grpc.StatusCode} - {grpc.StatusCode.OK.value[0]}
+_STATUS_NAMES = {code.value[0]: code.name for code in grpc.StatusCode}
 
 
 class SessionsService(pb_grpc.SessionsServicer):
@@ -55,7 +60,19 @@ class SessionsService(pb_grpc.SessionsServicer):
             for session in receiver.sessions:
                 if session.id == request.session_id:
                     reason = request.reason or "cancelled by an operator"
-                    return pb.CancelSessionResponse(cancelled=receiver.cancel(session, code, reason))
+                    cancelled = receiver.cancel(session, code, reason)
+                    if cancelled:  # as a rate, a setting or a stream changed at run time: who and why
+                        log.info(
+                            "session %d on stream %s (producer %s, principal %s) cancelled %s by %s: %s",
+                            session.id,
+                            shown(session.stream),
+                            shown(session.producer_id),
+                            shown(session.principal.name),
+                            _STATUS_NAMES[code],
+                            context.peer(),
+                            shown(reason),  # escaped: one log line whatever it holds
+                        )
+                    return pb.CancelSessionResponse(cancelled=cancelled)
         if SESSION_IDS.issued(request.session_id):
             return pb.CancelSessionResponse(cancelled=False)  # it already ended: cancel is idempotent
         await context.abort(grpc.StatusCode.NOT_FOUND, f"no session with id {request.session_id}")

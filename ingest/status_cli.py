@@ -210,6 +210,16 @@ def status_json_url(url: str) -> str:
     return url + "/status.json"
 
 
+def _scheme_hint(url: str, reason: object) -> str:
+    """A hint where the URL's scheme is not the metrics port's: plain HTTP to an HTTPS port, which
+    closes the connection unanswered, or HTTPS to a plaintext one (no TLS record comes back)."""
+    if url.startswith("https:") and "WRONG_VERSION_NUMBER" in str(reason):
+        return " (the metrics port answered in plaintext: use an http:// URL)"
+    if url.startswith("http:") and isinstance(reason, http.client.RemoteDisconnected):
+        return " (if the metrics port serves HTTPS (--metrics-tls), use an https:// URL)"
+    return ""
+
+
 class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
     """urllib follows a redirect with the request's headers, the bearer token included, to whatever
     host it names: a redirect ends the read instead (as an HTTPError with its Location)."""
@@ -262,7 +272,8 @@ def read_http(
             ) from None
         raise StatusReadError(f"HTTP {exc.code}: {why}", denied=exc.code in (401, 403)) from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise StatusReadError(str(getattr(exc, "reason", exc))) from None
+        reason = getattr(exc, "reason", exc)
+        raise StatusReadError(f"{reason}{_scheme_hint(url, reason)}") from None
     except http.client.HTTPException as exc:  # not an HTTP server there (a gRPC port: BadStatusLine)
         raise StatusReadError(f"no HTTP server answers there (a gRPC port?): {type(exc).__name__}") from None
     try:

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from receivers.errors import cut
+
 MIB = 1024 * 1024
 DEFAULT_SEGMENT_BYTES = 64 * MIB
 """Bytes a block log segment grows to before the next block starts a new one."""
@@ -23,6 +25,8 @@ MAX_BYTES = 2**60
 MAX_SECONDS = 3600.0
 """The longest block interval or linger: an hour. A record waits that long for its ack at most; what
 is longer is a typo (1e300 was taken, and nothing was ever acked)."""
+MAX_FSYNC_INTERVAL_MS = round(MAX_SECONDS * 1000)
+"""The longest `--fsync interval:MS`: an hour too, as acks wait for the fsync."""
 MIN_BLOCK_INTERVAL = 0.01
 """Seconds: the shortest block interval (Spark's guide advises 50 ms at least for its own)."""
 
@@ -172,6 +176,12 @@ class FsyncPolicy:
             raise ValueError(f"unknown fsync mode {self.mode!r}: every-block, interval or off")
         if self.mode == "interval" and self.interval_ms < 1:
             raise ValueError(f"fsync interval must be >= 1 ms, got {self.interval_ms}")
+        if self.mode == "interval" and self.interval_ms > MAX_FSYNC_INTERVAL_MS:
+            # acks wait for the fsync: what is longer is a typo (and past 2^1024 ms the flusher died)
+            shown = str(self.interval_ms) if self.interval_ms < 10**30 else "a number that long"
+            raise ValueError(
+                f"fsync interval must be at most {MAX_FSYNC_INTERVAL_MS:,} ms (an hour), got {shown}"
+            )
         if self.mode != "interval" and self.interval_ms != 0:
             raise ValueError(f"an interval only goes with mode 'interval', not {self.mode!r}")
 
@@ -203,9 +213,14 @@ class FsyncPolicy:
             return cls.off()
         if value.startswith("interval:"):
             number = value.removeprefix("interval:")
-            if number.isascii() and number.isdigit() and int(number) >= 1:
+            # (its length first: int() of a 5,000-digit number raises ValueError of its own)
+            digits = number.isascii() and number.isdigit() and len(number) <= 12
+            if digits and 1 <= int(number) <= MAX_FSYNC_INTERVAL_MS:
                 return cls.interval(int(number))
-        raise ValueError(f"invalid fsync policy {text!r}: use every-block, interval:MS (MS >= 1) or off")
+        raise ValueError(
+            f"invalid fsync policy {cut(text)!r}: use every-block, "
+            f"interval:MS (MS 1..{MAX_FSYNC_INTERVAL_MS}) or off"
+        )
 
     def __str__(self) -> str:
         return f"interval:{self.interval_ms}" if self.mode == "interval" else self.mode

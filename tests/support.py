@@ -41,6 +41,7 @@ async def running_server(
     peer_token_file: Path | None = None,
     max_message_bytes: int | None = None,
     rate: RateConfig | None = None,
+    health_port: int | None = None,
     **receiver: Any,
 ) -> AsyncIterator[SluiceServer]:
     """A SluiceServer without Spark on a free port of `host` (loopback); `receiver` overrides
@@ -60,6 +61,7 @@ async def running_server(
         segment_bytes=segment_bytes,
         security=security or SecurityConfig(),
         peer_token_file=peer_token_file,
+        health_port=health_port,
         **({} if fsync is None else {"fsync": fsync}),
         **({} if max_message_bytes is None else {"max_message_bytes": max_message_bytes}),
     )

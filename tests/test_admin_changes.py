@@ -406,3 +406,38 @@ async def test_a_stream_change_whose_caller_went_away_runs_to_its_end(tmp_path: 
             await stub.RemoveStream(pb.RemoveStreamRequest(stream="b", backlog=KEEP))
         await stub.AddStream(pb.AddStreamRequest(stream="b"))
         assert sorted(server.receivers) == ["a", "b"]
+
+
+async def test_an_operators_cancel_of_a_session_is_logged_with_who_and_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An outside tester: an operator's CancelSession ended a producer's session (it failed with the
+    operator's status and reason) and the server's log said nothing of it, while a rate, a setting or
+    a stream changed at run time is logged with the peer that changed it. The log names the session,
+    its stream, producer and principal, the status, the peer and the reason, escaped to one line."""
+    caplog.set_level(logging.INFO)
+    async with (
+        running_server(tmp_path / "data", "s") as server,
+        Producer(server.target, "s", producer_id="victim", linger=0.001) as producer,
+    ):
+        await producer.send(b"x")
+        await producer.flush(timeout=10)
+        (session,) = server.receivers["s"].sessions
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            answer = await pb_grpc.SessionsStub(channel).CancelSession(
+                pb.CancelSessionRequest(
+                    session_id=session.id,
+                    code=grpc.StatusCode.FAILED_PRECONDITION.value[0],
+                    reason="maintenance\nFORGED LINE",
+                ),
+                timeout=10,
+            )
+        assert answer.cancelled
+        with contextlib.suppress(Exception):
+            await producer.close(5)
+    lines = [r.getMessage() for r in caplog.records if "cancelled" in r.getMessage()]
+    assert len(lines) == 1, lines
+    (line,) = lines
+    assert f"session {session.id} on stream 's'" in line, line
+    assert "'victim'" in line and "FAILED_PRECONDITION" in line and "127.0.0.1" in line, line
+    assert "maintenance\\nFORGED LINE" in line and "\n" not in line, line

@@ -13,8 +13,11 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import running_server
 
+from ingest import config
 from ingest.config import SecurityConfig, default_max_connections, grpc_connection_options
 from sluice_client import Producer
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
@@ -115,3 +118,84 @@ async def test_connections_over_the_cap_are_refused(tmp_path: Path) -> None:
         async with Producer(server.target, "s", linger=0.001, start_timeout=10) as producer:
             await producer.send(b"x")
             await producer.flush(timeout=10)
+
+
+async def test_the_health_port_holds_few_connections(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An outside tester: the plaintext health port (every interface, no credentials) had a
+    --max-connections cap of its own beside the service port's, 3/4 of the open-file limit each, so
+    that connections to it took the files the block log needed, and a producer whose port was far
+    under its cap waited 23 s to connect ("File descriptor limit reached"). It holds at most
+    HEALTH_MAX_CONNECTIONS (or --max-connections if lower); probes get in beside them."""
+    monkeypatch.setattr(config, "HEALTH_MAX_CONNECTIONS", 4)
+    async with running_server(tmp_path / "data", "s", health_port=0) as server:
+        assert server.health_port is not None
+        socks = await asyncio.to_thread(idle_connections, server.health_port, 10)
+        try:
+            closed = await asyncio.to_thread(closed_within, socks, 1.0)
+            assert len(closed) == 6, closed  # the 6 over the cap, at once
+        finally:
+            for sock in socks:
+                sock.close()
+        await asyncio.sleep(0.2)  # the server's side of the closes
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.health_port}") as channel:
+            answer = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=10
+            )
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+    # a lower --max-connections is the health port's cap too
+    low = dict(SecurityConfig(max_connections=2).health_grpc_options())
+    assert low["grpc.max_allowed_incoming_connections"] == 2
+
+
+async def test_calls_without_credentials_cannot_hold_connections_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An outside tester, without a token on a server with an auth file: a connection with one health
+    Watch call open was never idle, so it stayed past --connection-idle-timeout (8 s of 2 s, and on),
+    and enough of them would hold every --max-connections slot with no reconnecting. Health's Watch
+    and reflection's stream are at most MAX_OPEN_STREAMS open each (RESOURCE_EXHAUSTED past it)."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from ingest import reflection
+
+    monkeypatch.setattr(reflection, "MAX_OPEN_STREAMS", 2)
+    auth = tmp_path / "auth.toml"
+    auth.write_text('[principals.ops]\nroles = ["operator"]\ntoken_sha256 = "' + "a" * 64 + '"\n')
+    security = SecurityConfig(auth_file=auth, connection_idle_timeout=1.0)
+    async with running_server(tmp_path / "data", "s", security=security) as server:
+        channels = [grpc.aio.insecure_channel(server.target) for _ in range(6)]
+        try:
+            watches = [
+                health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=""))
+                for ch in channels[:3]
+            ]
+            infos = [
+                reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo() for ch in channels[3:]
+            ]
+            codes = []
+            for call in watches:
+                try:
+                    await asyncio.wait_for(call.read(), 10)
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as exc:
+                    codes.append(exc.code())
+            assert sorted(c.name for c in codes) == ["OK", "OK", "RESOURCE_EXHAUSTED"], codes
+            codes = []
+            for call in infos:
+                try:
+                    await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+                    await asyncio.wait_for(call.read(), 10)
+                    codes.append(grpc.StatusCode.OK)
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError):  # refused before the write
+                    codes.append(await call.code())
+            assert sorted(c.name for c in codes) == ["OK", "OK", "RESOURCE_EXHAUSTED"], codes
+            for call in (*watches, *infos):
+                call.cancel()
+            await asyncio.sleep(0.3)
+            # the ended calls made room again
+            again = health_pb2_grpc.HealthStub(channels[0]).Watch(health_pb2.HealthCheckRequest(service=""))
+            assert (await asyncio.wait_for(again.read(), 10)).status == health_pb2.HealthCheckResponse.SERVING
+            again.cancel()
+        finally:
+            for ch in channels:
+                await ch.close(None)

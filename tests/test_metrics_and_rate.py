@@ -239,3 +239,29 @@ async def test_metrics_are_promtool_clean(server: SluiceServer) -> None:
         timeout=60,
     )
     assert checked.returncode == 0, checked.stdout.decode() + checked.stderr.decode()
+
+
+def test_a_scrape_reads_each_streams_rate_a_bounded_number_of_times() -> None:
+    """An outside tester with 1,000 streams (added at run time): the idle server used half a core, a
+    good part of it in the collector that /metrics and the status page's sampler (every second, on the
+    event loop) run: each stream's rate_share summed the rates of every stream, so a scrape read
+    streams^2 rates. It reads each stream's rate a bounded number of times."""
+    from unittest import mock
+
+    from ingest.metrics import SluiceCollector
+
+    reads = 0
+
+    class CountedRate(mock.MagicMock):
+        @property
+        def rate(self) -> float:
+            nonlocal reads
+            reads += 1
+            return 10.0
+
+    streams = 300
+    receivers = {f"s{i}": CountedRate() for i in range(streams)}
+    families = {family.name: family for family in SluiceCollector(receivers, lambda: 0).collect()}
+    shares = {sample.labels["stream"]: sample.value for sample in families["sluice_rate_share"].samples}
+    assert shares == {stream: pytest.approx(1 / streams) for stream in receivers}
+    assert reads <= 3 * streams, reads

@@ -17,6 +17,7 @@ import pytest
 from pki import CertificateAuthority, Issued
 from support import running_server
 
+from ingest import metrics
 from ingest.config import SecurityConfig, TlsConfig
 from ingest.server import SluiceServer
 from receivers.auth import token_hash
@@ -209,3 +210,76 @@ async def test_only_the_documented_paths_answer(tmp_path: Path) -> None:
             status, body = await asyncio.to_thread(_raw_get, port, path)
             assert status == 404, (path, status)
             assert "sluice_" not in body and "metrics are at /metrics" in body, (path, body)
+
+
+def _trickle(port: int) -> socket.socket:
+    """A connection to the metrics port that has sent the start of a request and no more."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(b"GET /metrics HTTP/1.1\r\n")
+    return sock
+
+
+def _closed_by_server(sock: socket.socket, within: float) -> bool:
+    """True once the server has closed `sock` (EOF or reset) within `within` seconds."""
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+async def test_slow_or_silent_clients_cannot_take_the_metrics_ports_threads_and_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An outside tester: every connection to the metrics port (before any token check) held a thread
+    and a file for as long as it sent a byte every 29 s, however many: 3,000 such connections made
+    3,000 threads, and enough of them would take the process's open files from the block log and the
+    gRPC port. The port holds at most MAX_CONNECTIONS (one over it is closed at once), and a connection
+    gets DEADLINE seconds in all for its request and answer, however it trickles."""
+    monkeypatch.setattr(metrics, "MAX_CONNECTIONS", 8, raising=False)
+    monkeypatch.setattr(metrics, "DEADLINE", 1.5, raising=False)
+    async with metrics_server(tmp_path, SecurityConfig()) as server:
+        port = server.metrics_port or 0
+        held = [await asyncio.to_thread(_trickle, port) for _ in range(8)]
+        try:
+            # the ninth is closed at once, without a thread of its own
+            extra = await asyncio.to_thread(_trickle, port)
+            with extra:
+                assert await asyncio.to_thread(_closed_by_server, extra, 1.0)
+            # a trickler that keeps sending is closed at the deadline all the same
+            for _ in range(3):
+                for sock in held:
+                    with contextlib.suppress(OSError):
+                        sock.sendall(b"X")
+                await asyncio.sleep(0.4)
+            assert all([await asyncio.to_thread(_closed_by_server, sock, 2.0) for sock in held])
+        finally:
+            for sock in held:
+                sock.close()
+        # and then an honest scrape gets in again
+        status, _, body = await asyncio.to_thread(scrape, server)
+        assert status == 200 and "sluice_records_received_total" in body
+
+
+async def test_status_says_when_the_metrics_url_has_the_wrong_scheme(
+    tmp_path: Path, pki: tuple[CertificateAuthority, Issued]
+) -> None:
+    """An outside tester: `sluice status --metrics http://...` against an HTTPS metrics port said only
+    "Remote end closed connection without response", and https:// against a plaintext one "[SSL:
+    WRONG_VERSION_NUMBER] wrong version number". Each now says which scheme the port may want."""
+    from ingest.status_cli import StatusReadError, read_http
+    from sluice_client import Credentials
+
+    ca, server_cert = pki
+    tls = TlsConfig(server_cert.cert_file, server_cert.key_file)
+    async with metrics_server(tmp_path / "tls", SecurityConfig(tls=tls, metrics_tls=True)) as server:
+        url = f"http://localhost:{server.metrics_port}/status.json"
+        with pytest.raises(StatusReadError, match=r"--metrics-tls\), use an https:// URL"):
+            await asyncio.to_thread(read_http, url, Credentials())
+    async with metrics_server(tmp_path / "plain", SecurityConfig()) as server:
+        url = f"https://localhost:{server.metrics_port}/status.json"
+        credentials = Credentials.from_files(ca_file=ca.cert_file)
+        with pytest.raises(StatusReadError, match=r"answered in plaintext: use an http:// URL"):
+            await asyncio.to_thread(read_http, url, credentials)

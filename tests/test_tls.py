@@ -122,6 +122,33 @@ async def test_plaintext_client_and_untrusted_server_refused(
         assert "if the server serves TLS, give its CA: --ca-file" in done.stderr
 
 
+async def test_a_client_speaking_tls_to_a_plaintext_port_is_told_so(
+    tmp_path: Path, pki: tuple[CertificateAuthority, Issued]
+) -> None:
+    """An outside tester: a client given a CA (--ca-file, SLUICE_CA_FILE) against a server that does not
+    serve TLS got gRPC's "Tls handshake failed ... WRONG_VERSION_NUMBER: Invalid certificate
+    verification context" and exit 3, as if a certificate were wrong, with no word of the cause (the
+    reverse mistake has its hint). Each client command says the server answered in plaintext."""
+    ca, _ = pki
+    records = tmp_path / "records.txt"
+    records.write_text("a\nb\n")
+    async with tls_server(tmp_path, SecurityConfig()) as server:
+        base = [sys.executable, "-m", "ingest.cli"]
+        where = ["--target", server.target, "--ca-file", str(ca.cert_file)]
+        for args in (
+            ["rate", "get", *where],
+            ["status", "--once", *where],
+            ["push", str(records), "--stream", "s", "--no-progress", *where],
+        ):
+            done = await asyncio.to_thread(
+                subprocess.run, base + args, capture_output=True, text=True, timeout=60, check=False
+            )
+            assert done.returncode == 3, (args, done.stderr)
+            said = "the server answered in plaintext: it does not serve TLS"
+            assert said in done.stderr, (args, done.stderr)
+            assert "Traceback" not in done.stderr
+
+
 async def test_mutual_tls(tmp_path: Path, pki: tuple[CertificateAuthority, Issued]) -> None:
     ca, server_cert = pki
     other = CertificateAuthority(tmp_path / "other", "other-ca")

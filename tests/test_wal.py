@@ -125,6 +125,19 @@ def test_fsync_policy_parses_and_rejects() -> None:
         FsyncPolicy("interval", 0)
 
 
+def test_an_fsync_interval_over_an_hour_is_refused() -> None:
+    """An outside tester: `--fsync interval:99999999999` was taken (acks waited up to three years for
+    their fsync: nothing was acked), and an interval of 400 digits too, whose flusher thread then died
+    on OverflowError (a traceback on stderr, nothing ever acked, the server serving on). An interval is
+    at most an hour, as a block interval is."""
+    assert FsyncPolicy.parse("interval:3600000") == FsyncPolicy.interval(3_600_000)
+    for bad in ["interval:3600001", "interval:99999999999", "interval:1" + "0" * 400]:
+        with pytest.raises(ValueError, match="invalid fsync policy"):
+            FsyncPolicy.parse(bad)
+    with pytest.raises(ValueError, match="at most 3,600,000 ms"):
+        FsyncPolicy.interval(10**400)
+
+
 def test_segments_roll_and_release_deletes_only_whole_old_segments(tmp_path: Path) -> None:
     # through the page cache: frames of their own size (direct ones take a page), several to a segment
     store = WalBlockStore(tmp_path, fsync=OFF, segment_bytes=1500, direct_io=False)
