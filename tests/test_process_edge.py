@@ -1168,6 +1168,86 @@ def test_a_damaged_incarnation_beside_a_log_stops_the_start_naming_it(
     assert re.fullmatch(r"[0-9a-f]{32}\n", path.read_text())
 
 
+def _made_a_fifo(name: str) -> Callable[[Path], Path]:
+    def replace(data_dir: Path) -> Path:
+        path = data_dir / name
+        path.unlink(missing_ok=True)
+        os.mkfifo(path)
+        return path
+
+    return replace
+
+
+def _made_dev_zero(name: str) -> Callable[[Path], Path]:
+    def replace(data_dir: Path) -> Path:
+        path = data_dir / name
+        path.unlink(missing_ok=True)
+        path.symlink_to("/dev/zero")
+        return path
+
+    return replace
+
+
+def _segment_made_a_fifo(data_dir: Path) -> Path:
+    return _made_a_fifo(str(next((data_dir / "blocks" / "tmp").glob("*.wal")).relative_to(data_dir)))(
+        data_dir
+    )
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        (_made_a_fifo("node.json"), "cannot read which node this data dir belongs to: not a regular file"),
+        (_made_dev_zero("node.json"), "cannot read which node this data dir belongs to: not a regular file"),
+        (_made_a_fifo("streams.json"), "cannot read the stream states: not a regular file"),
+        (_made_a_fifo("runtime-config.json"), "cannot read the runtime settings: not a regular file"),
+        (_segment_made_a_fifo, "is not a regular file (a FIFO, a socket or a device) where the block log"),
+        (_made_a_fifo("blocks/tmp/99999999999999999999.wal"), "is not a regular file (a FIFO, a socket or"),
+        (_made_a_fifo("blocks/tmp/released.json"), "is not a regular file (a FIFO, a socket or a device)"),
+        (_made_a_fifo("blocks/tmp/incarnation"), "cannot be read (not a regular file"),
+    ],
+    ids=[
+        "node-json",
+        "node-json-dev-zero",
+        "streams-json",
+        "runtime-config",
+        "segment",
+        "new-segment",
+        "released-json",
+        "incarnation",
+    ],
+)
+def test_a_fifo_or_device_where_the_data_dir_has_a_file_stops_the_start_naming_it(
+    tmp_path: Path, logged_data_dir: Path, damage: Callable[[Path], Path], says: str
+) -> None:
+    """An outside tester's finding: a FIFO where the start reads a file (a segment, a stream's
+    incarnation or released mark, node.json, streams.json, runtime-config.json) held `sluice serve` for
+    ever in the open, which waits for a writer, deaf to SIGTERM (the event loop was blocked in it); a
+    node.json linked to /dev/zero was read without end. Each stops the start now with exit 1 naming the
+    file; none is opened to wait or read."""
+    data_dir = tmp_path / "data"
+    shutil.copytree(logged_data_dir, data_dir)
+    path = damage(data_dir)
+    started = time.monotonic()
+    code, stderr = start_on(tmp_path, data_dir, "damaged")
+    assert code == 1, stderr
+    assert f"{path}" in stderr and says in stderr, stderr
+    assert "Errno" not in stderr and "Traceback" not in stderr, stderr
+    assert time.monotonic() - started < 30
+
+
+def test_a_fifo_left_where_the_pipeline_token_goes_is_replaced(tmp_path: Path, logged_data_dir: Path) -> None:
+    """The pipeline token, written anew at every start, was opened in place: a FIFO there (or a symlink,
+    refused by O_NOFOLLOW) held the start for ever waiting for a reader. A new file replaces it."""
+    data_dir = tmp_path / "data"
+    shutil.copytree(logged_data_dir, data_dir)
+    token = _made_a_fifo("pipeline.token")(data_dir)
+    code, stderr = start_on(tmp_path, data_dir, "fifo")
+    assert code is None, stderr
+    assert token.is_file() and not token.is_symlink() and oct(token.stat().st_mode & 0o777) == "0o600"
+    assert not token.with_name("pipeline.token.tmp").exists()
+
+
 def _segment_made_a_folder(data_dir: Path) -> Path:
     segment = next((data_dir / "blocks" / "tmp").glob("*.wal"))
     segment.unlink()
