@@ -1236,6 +1236,27 @@ def test_a_fifo_or_device_where_the_data_dir_has_a_file_stops_the_start_naming_i
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.parametrize("kind", ["fifo", "dev-null"])
+def test_a_lock_file_that_is_not_a_file_is_named(tmp_path: Path, kind: str) -> None:
+    """A FIFO (or a link to /dev/null) at DATA_DIR/sluice.lock was opened and locked, then refused as
+    "data dir ... is not writable: Invalid argument" (ftruncate's EINVAL), naming neither the file nor
+    what to do. Now the lock file is named, exit 1."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    lock = data_dir / "sluice.lock"
+    if kind == "fifo":
+        os.mkfifo(lock)
+    else:
+        lock.symlink_to("/dev/null")
+    code, stderr = start_on(tmp_path, data_dir, kind)
+    assert code == 1, stderr
+    assert (
+        f"cannot open the lock file {lock}: not a regular file (a FIFO, a socket or a device); remove it"
+        in stderr
+    )
+    assert "Traceback" not in stderr and "not writable" not in stderr, stderr
+
+
 def test_a_fifo_left_where_the_pipeline_token_goes_is_replaced(tmp_path: Path, logged_data_dir: Path) -> None:
     """The pipeline token, written anew at every start, was opened in place: a FIFO there (or a symlink,
     refused by O_NOFOLLOW) held the start for ever waiting for a reader. A new file replaces it."""
