@@ -26,6 +26,7 @@ from pathlib import Path
 from ingest.config import ServeConfig
 from ingest.tls import load_tls
 from receivers.auth import AuthTable
+from receivers.files import check_regular
 from sluice_client.credentials import Credentials, CredentialsError
 
 LOCK_FILE = "sluice.lock"
@@ -94,9 +95,15 @@ class DataDirLock:
         path = data_dir / LOCK_FILE
         try:
             # not inherited by children (Python's default, O_CLOEXEC): Spark's JVM must not keep it
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
         except OSError as exc:
             raise _failed(f"cannot open the lock file {path}: {exc.strerror}", exc) from None
+        # a FIFO or device there was locked, then refused as "data dir ... is not writable: Invalid argument"
+        try:
+            check_regular(fd, path)
+        except OSError as exc:
+            os.close(fd)
+            raise _failed(f"cannot open the lock file {path}: {exc.strerror}; remove it", exc) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

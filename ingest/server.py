@@ -7,6 +7,7 @@ receive-only node, and Spark can be shared by several servers in one process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -42,7 +43,7 @@ from ingest.tls import ServerTls, TlsFileError
 from receivers.auth import PIPELINE, Authenticator, AuthFileError, AuthTable, revoke
 from receivers.block_store import BlockStore
 from receivers.errors import shown
-from receivers.files import DataDirStateError
+from receivers.files import NOT_REGULAR, DataDirStateError, NotARegularFileError
 from receivers.memory_pool import MemoryPool
 from receivers.names import check_stream_name
 from receivers.node_identity import claim_data_dir
@@ -90,6 +91,8 @@ def _unreadable_log(exc: OSError, blocks_dir: Path) -> BlockLogStateError | None
         found = f"{path} is a file where {what} has a folder"
     elif exc.errno == errno.EISDIR:
         found = f"{path} is a folder where {what} has a file"
+    elif isinstance(exc, NotARegularFileError):
+        found = f"{path} is {NOT_REGULAR} where {what} has a file"
     else:
         return BlockLogStateError(
             f"{path}: cannot read {what}: {exc.strerror}; make it readable by this user, or move {folder} "
@@ -855,8 +858,18 @@ PIPELINE_TOKEN_FILE = "pipeline.token"  # noqa: S105 - a file name
 
 
 def _write_private(path: Path, text: str) -> None:
-    """Write `text` to `path`, readable by this user only (0600 from the start, never a moment more)."""
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(descriptor, "w") as out:
-        os.fchmod(out.fileno(), 0o600)  # an older file keeps its mode through O_CREAT
-        out.write(text)
+    """Write `text` to `path`, readable by this user only (0600 from the start, never a moment more):
+    a new file renamed over whatever was there. Opened in place, a FIFO at `path` held the start for
+    ever (an open to write waits for a reader, deaf to SIGTERM)."""
+    temp = path.with_name(path.name + ".tmp")
+    with contextlib.suppress(FileNotFoundError):
+        temp.unlink()
+    descriptor = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(descriptor, "w") as out:
+            out.write(text)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            temp.unlink()
+        raise

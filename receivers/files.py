@@ -4,8 +4,10 @@ crash leaves the old file or the new one, never half of either."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,43 @@ class DataDirStateError(Exception):
     """A file (or folder) under the data dir that a start reads cannot be read, or is not what Sluice
     writes there: the start stops, naming it and what to do, and never goes on without it. `sluice serve`
     exits 1 on it (a failure, as a damaged block log: not a usage error, exit 2)."""
+
+
+class NotARegularFileError(OSError):
+    """A path where the data dir has a file is a FIFO, a socket or a device. Opening a FIFO to read it
+    waited for a writer for ever (a start that hung, deaf to SIGTERM), and a device such as /dev/zero
+    read without end."""
+
+
+NOT_REGULAR = "not a regular file (a FIFO, a socket or a device)"
+
+
+def check_regular(fd: int, path: Path | str) -> None:
+    """Raise IsADirectoryError when `fd` (opened from `path`) is a folder, NotARegularFileError when it
+    is anything else but a regular file."""
+    mode = os.fstat(fd).st_mode
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if not stat.S_ISREG(mode):
+        raise NotARegularFileError(errno.EINVAL, NOT_REGULAR, str(path))
+
+
+def open_regular(path: Path | str) -> int:
+    """A read-only descriptor of the regular file at `path` (symlinks followed), opened without waiting
+    (O_NONBLOCK: a FIFO's open does not wait for a writer); the errors of check_regular."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        check_regular(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: Path | str) -> bytes:
+    """The bytes of the regular file at `path`: as Path.read_bytes, with open_regular's checks."""
+    with open(open_regular(path), "rb") as file:
+        return file.read()
 
 
 def replace_json(path: Path, data: object, *, sync: bool = True) -> None:
@@ -46,7 +85,7 @@ def read_json(path: Path, what: str, error: Callable[[str], Exception], remedy: 
     """The JSON in `path`, None when there is no such file; `error("PATH: cannot read WHAT: why; REMEDY")`
     raised when it cannot be read or parsed (a start must stop on it and name it, never skip it)."""
     try:
-        return json.loads(path.read_text())
+        return json.loads(read_regular(path))
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:

@@ -101,7 +101,7 @@ except ImportError:  # pragma: no cover - isal comes with the server's extra; zl
 from receivers.block import BLOCK_SCHEMA, BlockInfo, as_block_batch, first_arrival_us
 from receivers.block_store import BlockStore
 from receivers.config import DEFAULT_SEGMENT_BYTES, FsyncPolicy
-from receivers.files import DataDirStateError
+from receivers.files import DataDirStateError, open_regular, read_regular
 from receivers.names import check_stream_name
 
 log = logging.getLogger(__name__)
@@ -1044,7 +1044,7 @@ class WalBlockStore(BlockStore):
         Blocking."""
         path = self._folder(stream) / INCARNATION_FILE
         try:
-            text = path.read_bytes().decode("ascii").strip()
+            text = read_regular(path).decode("ascii").strip()
         except (FileNotFoundError, NotADirectoryError):
             return ""
         except OSError as exc:
@@ -1215,7 +1215,7 @@ class WalBlockStore(BlockStore):
     ) -> tuple[int, list[_Frame], int]:
         """Validate the frames of a segment: (bytes that are good, the good frames, last good seq)."""
         frames: list[_Frame] = []
-        with open(path, "rb") as file:
+        with open(open_regular(path), "rb") as file:  # a FIFO named as a segment: refused, not waited on
             size = os.fstat(file.fileno()).st_size
             pos = 0
             while pos < size:
@@ -1773,7 +1773,7 @@ class WalBlockStore(BlockStore):
         if cached is not None and cached[0] == key and not fresh:
             return cached[1]
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(read_regular(path))
             lost_from = data.get("lost_from")
             state = _Released(
                 int(data["next_seq"]),

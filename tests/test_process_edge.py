@@ -1063,6 +1063,40 @@ def test_a_stop_signal_while_spark_starts_ends_the_start_promptly(tmp_path: Path
             proc.wait(timeout=30)
 
 
+def test_one_sigterm_sent_to_serve_and_to_its_group_is_one_stop(tmp_path: Path, servers: list[Serve]) -> None:
+    """GNU `timeout`, itself sent SIGTERM (a supervisor stopping a `timeout 1h sluice serve`), signals
+    its child and then the child's process group: two SIGTERMs microseconds apart. The second was taken
+    for an operator's second stop: exit 143 at once, without the drain. The same SIGTERM again within a
+    second is the same stop: a clean drain, exit 0. Here the two come 20 ms apart (the event loop has
+    taken the first by then), with a producer's records waiting."""
+    serve = Serve(tmp_path, "serve", *no_spark(free_port(), tmp_path / "data"))
+    servers.append(serve)
+    serve.wait_serving()
+    target = re.search(SERVING, serve.log.read_text())
+    assert target is not None
+    with SyncProducer(target.group(1), "default") as producer:
+        producer.send_many([b"record"] * 100)
+        producer.flush(timeout=30)
+    serve.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.02)
+    serve.proc.send_signal(signal.SIGTERM)
+    code = serve.proc.wait(timeout=60)
+    said = serve.log.read_text()
+    assert code == 0, (code, said)
+    assert "second SIGTERM" not in said and said.splitlines()[-1] == "sluice: stopped", said
+
+    # a timeout of its own (`timeout -s TERM`) sent to the process and its group the same way
+    again = subprocess.run(
+        ["timeout", "-s", "TERM", "3", *SLUICE, "serve", *no_spark(free_port(), tmp_path / "data")],
+        capture_output=True,
+        timeout=60,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        check=False,
+    )
+    assert again.returncode == 124, again.stderr.decode()  # timeout's own code: the child ended by itself
+    assert again.stderr.decode().splitlines()[-1] == "sluice: stopped", again.stderr.decode()
+
+
 # ---- state under the data dir that cannot be read ------------------------------------------------
 
 
@@ -1132,6 +1166,107 @@ def test_a_damaged_incarnation_beside_a_log_stops_the_start_naming_it(
     code, stderr = start_on(tmp_path, data_dir, "removed")
     assert code is None, stderr
     assert re.fullmatch(r"[0-9a-f]{32}\n", path.read_text())
+
+
+def _made_a_fifo(name: str) -> Callable[[Path], Path]:
+    def replace(data_dir: Path) -> Path:
+        path = data_dir / name
+        path.unlink(missing_ok=True)
+        os.mkfifo(path)
+        return path
+
+    return replace
+
+
+def _made_dev_zero(name: str) -> Callable[[Path], Path]:
+    def replace(data_dir: Path) -> Path:
+        path = data_dir / name
+        path.unlink(missing_ok=True)
+        path.symlink_to("/dev/zero")
+        return path
+
+    return replace
+
+
+def _segment_made_a_fifo(data_dir: Path) -> Path:
+    return _made_a_fifo(str(next((data_dir / "blocks" / "tmp").glob("*.wal")).relative_to(data_dir)))(
+        data_dir
+    )
+
+
+@pytest.mark.parametrize(
+    ("damage", "says"),
+    [
+        (_made_a_fifo("node.json"), "cannot read which node this data dir belongs to: not a regular file"),
+        (_made_dev_zero("node.json"), "cannot read which node this data dir belongs to: not a regular file"),
+        (_made_a_fifo("streams.json"), "cannot read the stream states: not a regular file"),
+        (_made_a_fifo("runtime-config.json"), "cannot read the runtime settings: not a regular file"),
+        (_segment_made_a_fifo, "is not a regular file (a FIFO, a socket or a device) where the block log"),
+        (_made_a_fifo("blocks/tmp/99999999999999999999.wal"), "is not a regular file (a FIFO, a socket or"),
+        (_made_a_fifo("blocks/tmp/released.json"), "is not a regular file (a FIFO, a socket or a device)"),
+        (_made_a_fifo("blocks/tmp/incarnation"), "cannot be read (not a regular file"),
+    ],
+    ids=[
+        "node-json",
+        "node-json-dev-zero",
+        "streams-json",
+        "runtime-config",
+        "segment",
+        "new-segment",
+        "released-json",
+        "incarnation",
+    ],
+)
+def test_a_fifo_or_device_where_the_data_dir_has_a_file_stops_the_start_naming_it(
+    tmp_path: Path, logged_data_dir: Path, damage: Callable[[Path], Path], says: str
+) -> None:
+    """An outside tester's finding: a FIFO where the start reads a file (a segment, a stream's
+    incarnation or released mark, node.json, streams.json, runtime-config.json) held `sluice serve` for
+    ever in the open, which waits for a writer, deaf to SIGTERM (the event loop was blocked in it); a
+    node.json linked to /dev/zero was read without end. Each stops the start now with exit 1 naming the
+    file; none is opened to wait or read."""
+    data_dir = tmp_path / "data"
+    shutil.copytree(logged_data_dir, data_dir)
+    path = damage(data_dir)
+    started = time.monotonic()
+    code, stderr = start_on(tmp_path, data_dir, "damaged")
+    assert code == 1, stderr
+    assert f"{path}" in stderr and says in stderr, stderr
+    assert "Errno" not in stderr and "Traceback" not in stderr, stderr
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-null"])
+def test_a_lock_file_that_is_not_a_file_is_named(tmp_path: Path, kind: str) -> None:
+    """A FIFO (or a link to /dev/null) at DATA_DIR/sluice.lock was opened and locked, then refused as
+    "data dir ... is not writable: Invalid argument" (ftruncate's EINVAL), naming neither the file nor
+    what to do. Now the lock file is named, exit 1."""
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    lock = data_dir / "sluice.lock"
+    if kind == "fifo":
+        os.mkfifo(lock)
+    else:
+        lock.symlink_to("/dev/null")
+    code, stderr = start_on(tmp_path, data_dir, kind)
+    assert code == 1, stderr
+    assert (
+        f"cannot open the lock file {lock}: not a regular file (a FIFO, a socket or a device); remove it"
+        in stderr
+    )
+    assert "Traceback" not in stderr and "not writable" not in stderr, stderr
+
+
+def test_a_fifo_left_where_the_pipeline_token_goes_is_replaced(tmp_path: Path, logged_data_dir: Path) -> None:
+    """The pipeline token, written anew at every start, was opened in place: a FIFO there (or a symlink,
+    refused by O_NOFOLLOW) held the start for ever waiting for a reader. A new file replaces it."""
+    data_dir = tmp_path / "data"
+    shutil.copytree(logged_data_dir, data_dir)
+    token = _made_a_fifo("pipeline.token")(data_dir)
+    code, stderr = start_on(tmp_path, data_dir, "fifo")
+    assert code is None, stderr
+    assert token.is_file() and not token.is_symlink() and oct(token.stat().st_mode & 0o777) == "0o600"
+    assert not token.with_name("pipeline.token.tmp").exists()
 
 
 def _segment_made_a_folder(data_dir: Path) -> Path:
