@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import dataclasses
 import functools
@@ -1336,7 +1337,7 @@ def _drive(args: argparse.Namespace) -> int:
         return _fail(str(exc), EXIT_USAGE)  # before pyspark is imported: a typo is refused at once
     from ingest.cluster_driver import run_driver  # noqa: PLC0415 - only the driver needs Spark
 
-    return asyncio.run(run_driver(config, spark_log_level=args.spark_log_level))
+    return _stopped_already(asyncio.run(run_driver(config, spark_log_level=args.spark_log_level)), None)
 
 
 def _default_rate(receive_only: bool) -> RateConfig:
@@ -1517,9 +1518,25 @@ def _serve_command(args: argparse.Namespace) -> int:
     logs.say(f"starting: data dir {config.data_dir}{settings}", event="start")
     try:
         origins = _outside_origins(args)
-        return asyncio.run(_serve_async(config, lock, args.spark_log_level, origins, preloaded))
+        return _stopped_already(
+            asyncio.run(_serve_async(config, lock, args.spark_log_level, origins, preloaded)), lock
+        )
     finally:
         lock.release()
+
+
+def _stopped_already(code: int, lock: DataDirLock | None) -> int:
+    """`code`, with a SIGTERM from now on ending the process with it: asyncio.run put SIGTERM's default
+    back as it closed its loop, and the interpreter's exit does again (for a handler in Python), so a
+    SIGTERM between the clean stop and the exit (the second of a pair sent to the process and to its
+    group, as GNU `timeout` sends) killed a server that had stopped, exit -15 after its "stopped" line.
+    There is nothing left to stop by then: until the exit handlers run (threads still joined) a SIGTERM
+    exits with `code` at once, and from them on it is ignored (SIG_IGN outlasts the interpreter's exit)."""
+    from ingest.spark.starting import exit_quietly  # noqa: PLC0415 - no Spark in it: only serve's
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: exit_quietly(code, lock))
+    atexit.register(signal.signal, signal.SIGTERM, signal.SIG_IGN)
+    return code
 
 
 def _claim_data_dir(config: ServeConfig) -> None:
@@ -1685,16 +1702,20 @@ def _take_stop_signals(
     loop: asyncio.AbstractEventLoop, stop: asyncio.Event, lock: DataDirLock | None
 ) -> list[int]:
     """SIGINT and SIGTERM set `stop`: the server stops cleanly, or its start ends (stopped_starting).
-    A second one while that stop is under way ends the process at once (exit_now). The signals
-    that came, in order."""
-    from ingest.spark.starting import exit_now  # noqa: PLC0415 - no Spark in it: only serve needs it
+    A second one while that stop is under way ends the process at once (exit_now), but for a SIGTERM
+    within ECHO_SECONDS of the first (is_echo). The signals that came, in order."""
+    from ingest.spark.starting import exit_now, is_echo  # noqa: PLC0415 - no Spark in it: only serve's
 
     came: list[int] = []
+    first_at = [0.0]
 
     def on_signal(signum: int) -> None:
         if came:
+            if is_echo(came[0], first_at[0], signum):
+                return  # the same SIGTERM to the process and to its group (GNU timeout)
             exit_now(signum, lock)
         came.append(signum)
+        first_at[0] = time.monotonic()
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -28,6 +28,7 @@ import logging
 import re
 import signal
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -71,6 +72,7 @@ from ingest.spark.source import (
 from ingest.spark.starting import (
     exit_now,
     exit_quietly,
+    is_echo,
     start_session,
     stop_spark,
     stopped_first,
@@ -451,10 +453,15 @@ async def run_driver(
     signals: list[int] = []  # the stop signals that came, in order
     held: list[DataDirLock] = []
 
+    first_at = [0.0]
+
     def on_signal(signum: int) -> None:
         if signals:  # a second one while the first's stop is under way: now
+            if is_echo(signals[0], first_at[0], signum):
+                return  # the same SIGTERM to the process and to its group (GNU timeout)
             exit_now(signum, held[0] if held else None, "the driver")
         signals.append(signum)
+        first_at[0] = time.monotonic()
         stop.set()
 
     with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread: `stop` only

@@ -1063,6 +1063,40 @@ def test_a_stop_signal_while_spark_starts_ends_the_start_promptly(tmp_path: Path
             proc.wait(timeout=30)
 
 
+def test_one_sigterm_sent_to_serve_and_to_its_group_is_one_stop(tmp_path: Path, servers: list[Serve]) -> None:
+    """GNU `timeout`, itself sent SIGTERM (a supervisor stopping a `timeout 1h sluice serve`), signals
+    its child and then the child's process group: two SIGTERMs microseconds apart. The second was taken
+    for an operator's second stop: exit 143 at once, without the drain. The same SIGTERM again within a
+    second is the same stop: a clean drain, exit 0. Here the two come 20 ms apart (the event loop has
+    taken the first by then), with a producer's records waiting."""
+    serve = Serve(tmp_path, "serve", *no_spark(free_port(), tmp_path / "data"))
+    servers.append(serve)
+    serve.wait_serving()
+    target = re.search(SERVING, serve.log.read_text())
+    assert target is not None
+    with SyncProducer(target.group(1), "default") as producer:
+        producer.send_many([b"record"] * 100)
+        producer.flush(timeout=30)
+    serve.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.02)
+    serve.proc.send_signal(signal.SIGTERM)
+    code = serve.proc.wait(timeout=60)
+    said = serve.log.read_text()
+    assert code == 0, (code, said)
+    assert "second SIGTERM" not in said and said.splitlines()[-1] == "sluice: stopped", said
+
+    # a timeout of its own (`timeout -s TERM`) sent to the process and its group the same way
+    again = subprocess.run(
+        ["timeout", "-s", "TERM", "3", *SLUICE, "serve", *no_spark(free_port(), tmp_path / "data")],
+        capture_output=True,
+        timeout=60,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        check=False,
+    )
+    assert again.returncode == 124, again.stderr.decode()  # timeout's own code: the child ended by itself
+    assert again.stderr.decode().splitlines()[-1] == "sluice: stopped", again.stderr.decode()
+
+
 # ---- state under the data dir that cannot be read ------------------------------------------------
 
 

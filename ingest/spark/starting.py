@@ -153,6 +153,20 @@ def _java_children() -> list[int]:
     return found
 
 
+ECHO_SECONDS = 1.0
+"""A SIGTERM this soon after the first is the same stop sent twice, not a second stop: GNU `timeout`
+(itself sent SIGTERM, or a `-s TERM` of its own), like other supervisors, signals its child and then
+the child's whole process group, so `sluice serve` got two SIGTERMs microseconds apart and took the
+second for an impatient operator's: exit 143 at once, without the drain. Ctrl-C is not filtered: a
+terminal sends one per key press, and a second press is meant."""
+
+
+def is_echo(first: int, first_at: float, signum: int) -> bool:
+    """Whether stop signal `signum`, after `first` came at monotonic time `first_at`, is an echo of
+    it (ECHO_SECONDS) rather than a second stop signal."""
+    return signum == first == signal.SIGTERM and time.monotonic() - first_at < ECHO_SECONDS
+
+
 def exit_now(signum: int, lock: DataDirLock | None, what: str = "the server") -> None:
     """A second stop signal: end the process now, without waiting for Spark or a drain (exit 130 on
     Ctrl-C, 143 on SIGTERM). Acked records lose nothing: each was in the block log before its ack."""
