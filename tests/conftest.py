@@ -47,6 +47,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     os.environ["SPARK_SUBMIT_OPTS"] = fast_jvm.submit_options(Path(folder))
 
 
+class _GroupCheck:
+    """Under `--dist loadgroup`, after xdist has added "@spark" to the Spark tests' node ids: a pytest
+    on which that takes no effect (9.2: pytest-xdist#1386) ran the Spark tests on both workers at once,
+    silently, and they starved each other and fought over the default ports."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        if not getattr(config.option, "loadgroup", False):
+            return
+        ungrouped = [item.nodeid for item in items if starts_spark(item) and "@" not in item.nodeid]
+        if ungrouped:
+            raise pytest.UsageError(
+                f"--dist loadgroup does not group the Spark tests with pytest {pytest.__version__} "
+                f"(pytest-xdist#1386), e.g. {ungrouped[0]}: install pytest<9.2, or run with -n 0"
+            )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(_GroupCheck(), "sluice-group-check")
+
+
 @pytest.fixture(scope="session")
 def _java_that_starts_no_jvm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A JAVA_HOME whose java answers `-version` (so preflights pass) and refuses to start a JVM."""
