@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 import pytest
 from pki import CertificateAuthority
-from support import positions, refused, running_server, wait_until
+from support import positions, refused, running_server, status_past_core_race, wait_until
 
 from ingest.config import RateConfig, SecurityConfig, ServeConfig
 from ingest.server import SluiceServer
@@ -169,25 +169,27 @@ async def call(
 ) -> tuple[grpc.StatusCode, str]:
     """Call `method` as a client with `metadata` would; its status and details. A Publish sends Open
     and checks that no credit comes before the call ends."""
-    async with grpc.aio.insecure_channel(target) as channel:
-        if method == PUBLISH:
-            publish = pb_grpc.IngestStub(channel).Publish(metadata=metadata)  # type: ignore[call-arg]
-            opening = pb.Open(stream=stream, producer_id="intruder", resume_from_seq=0)
-            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                await publish.write(pb.PublishRequest(open=opening))
-            try:
+
+    async def once() -> None:
+        async with grpc.aio.insecure_channel(target) as channel:
+            if method == PUBLISH:
+                publish = pb_grpc.IngestStub(channel).Publish(metadata=metadata)  # type: ignore[call-arg]
+                opening = pb.Open(stream=stream, producer_id="intruder", resume_from_seq=0)
+                with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                    await publish.write(pb.PublishRequest(open=opening))
                 while (response := await asyncio.wait_for(publish.read(), 10)) is not grpc.aio.EOF:
                     raise AssertionError(f"a refused Publish got {response}")
-            except grpc.aio.AioRpcError as exc:
-                return exc.code(), exc.details() or ""
-            return await publish.code(), await publish.details() or ""
-        stub, request = UNARY[method]
-        rpc = getattr(stub(channel), method.rpartition("/")[2])
-        try:
+                code = await publish.code()
+                if code is not grpc.StatusCode.OK:
+                    raise grpc.aio.AioRpcError(
+                        code, grpc.aio.Metadata(), grpc.aio.Metadata(), await publish.details()
+                    )
+                return
+            stub, request = UNARY[method]
+            rpc = getattr(stub(channel), method.rpartition("/")[2])
             await asyncio.wait_for(rpc(request(), metadata=metadata), 10)
-        except grpc.aio.AioRpcError as exc:
-            return exc.code(), exc.details() or ""
-        return grpc.StatusCode.OK, ""
+
+    return await status_past_core_race(once)
 
 
 def taken(server: SluiceServer) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from sluice_client import Producer
 from sluice_client.credentials import Credentials
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
-from tests.support import loopback_cluster, refused, running_server, wait_until
+from tests.support import loopback_cluster, refused, running_server, status_past_core_race, wait_until
 
 ROLES = {"app": "producer", "watcher": "reader", "executor": "consumer", "ops": "operator", "node": "peer"}
 TOKENS = {name: new_token() for name in ROLES}
@@ -118,12 +118,11 @@ ALLOWED = {
 
 
 async def status(target: str, method: str, metadata: tuple[tuple[str, str], ...]) -> grpc.StatusCode:
-    async with grpc.aio.insecure_channel(target) as channel:
-        try:
+    async def once() -> None:
+        async with grpc.aio.insecure_channel(target) as channel:
             await asyncio.wait_for(CALLS[method](channel, metadata), 10)
-        except grpc.aio.AioRpcError as exc:
-            return exc.code()
-        return grpc.StatusCode.OK
+
+    return (await status_past_core_race(once))[0]
 
 
 def log_state(server: SluiceServer) -> tuple[object, ...]:
