@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -161,7 +162,21 @@ def test_document_runs_as_given(path: Path, tmp_path: Path) -> None:
 
 def _logs(folder: Path) -> str:
     log = folder / "sluice.log"
-    return f"--- sluice.log:\n{log.read_text()[-3000:]}" if log.exists() else ""
+    if not log.exists():
+        return ""
+    text = log.read_text()
+    if "address in use" in text:  # a default port taken: say by whom, for the next time it happens
+        ss = shutil.which("ss")
+        listening = (
+            subprocess.run([ss, "-ltnp"], capture_output=True, text=True, check=False).stdout if ss else ""
+        )
+        text += f"\n--- ss -ltnp:\n{listening}\n--- ps:\n{_processes()}"
+    return f"--- sluice.log:\n{text[-6000:]}"
+
+
+def _processes() -> str:
+    ps = subprocess.run(["ps", "-eo", "pid,ppid,etimes,args"], capture_output=True, text=True, check=False)
+    return "\n".join(line[:300] for line in ps.stdout.splitlines() if "sluice" in line or "ingest" in line)
 
 
 def _stop(groups: list[int]) -> None:
