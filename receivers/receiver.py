@@ -154,6 +154,9 @@ of small records, and new producers (budgeted at the stream's estimate) got almo
 _MEMORY_LOG_EVERY = 60.0  # seconds: memory-budget pauses are logged at WARNING at most this often
 _SHORT_WITHIN = 0.5  # seconds: an owner short of room this recently lets silent over-share sessions go
 _ROOM_POLL = 0.1
+# seconds: how often the block generator of a stream with no session and nothing pending looks in (its
+# disk budget); it ticks every credit_tick otherwise. A new session or a wanted seal wakes it at once.
+_IDLE_TICK = 1.0
 """Seconds between looks of a session waiting for room to read (room_to_read) at its own state."""
 
 MEMORY_BUDGET = "memory_budget"
@@ -166,6 +169,39 @@ RATE_HOLD = "rate_hold"
 """The rate controller holds intake for a moment (ratecontrol: RateEstimator.intake_held)."""
 PAUSE_REASONS = (MEMORY_BUDGET, SERVER_MEMORY, DISK_BUDGET, DISK_ERROR, REPLICATION, RATE_HOLD)
 """Why credit can be paused (the `reason` label of sluice_credit_paused)."""
+
+
+class _SealWanted(asyncio.Event):
+    """Set when a seal is wanted; it also ends the block generator's sleep between ticks. A future and
+    a timer a tick rather than asyncio.wait_for, which made a task a tick: 1,000 idle streams took a
+    core with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sleeper: asyncio.Future[None] | None = None
+
+    def set(self) -> None:
+        super().set()
+        self.wake()
+
+    def wake(self) -> None:
+        """End the sleep now (the seal is not wanted for it)."""
+        if self._sleeper is not None and not self._sleeper.done():
+            self._sleeper.set_result(None)
+
+    async def sleep(self, timeout: float) -> None:
+        """Until set, wake() or `timeout` seconds."""
+        if self.is_set():
+            return
+        loop = asyncio.get_running_loop()
+        sleeper: asyncio.Future[None] = loop.create_future()
+        self._sleeper = sleeper
+        timer = loop.call_later(timeout, self.wake)
+        try:
+            await sleeper
+        finally:
+            self._sleeper = None
+            timer.cancel()
 
 
 @dataclass
@@ -261,7 +297,7 @@ class Receiver:
         self._pending: list[_Chunk] = []
         self._pending_records = 0
         self._pending_bytes = 0
-        self._seal_wanted = asyncio.Event()
+        self._seal_wanted = _SealWanted()
         self._room = asyncio.Event()  # set when the buffer's bytes fall: sessions waiting to read go on
         self._seal_rounds = 0  # seals the block generator has run (written or failed)
         self._sealing = False  # a seal is running: what is pending now goes into the next one
@@ -623,6 +659,7 @@ class Receiver:
         self._sessions.append(session)
         self.stats.sessions_opened += 1
         self._replenish()
+        self._seal_wanted.wake()  # an idle stream's block generator looks in seldom: it ticks for sessions
         return session
 
     def _evict_producers(self) -> None:
@@ -1096,9 +1133,12 @@ class Receiver:
     async def _run(self) -> None:
         next_seal = self._clock() + self.config.block_interval
         while not self._stopping:
-            wait = max(0.0, min(self.config.credit_tick, next_seal - self._clock()))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._seal_wanted.wait(), wait)
+            if self._idle():
+                await self._seal_wanted.sleep(max(self.config.credit_tick, _IDLE_TICK))
+            else:
+                await self._seal_wanted.sleep(
+                    max(0.0, min(self.config.credit_tick, next_seal - self._clock()))
+                )
             if self._seal_wanted.is_set() or self._clock() >= next_seal:
                 self._seal_wanted.clear()
                 self._sealing = True
@@ -1115,6 +1155,12 @@ class Receiver:
             await self._check_disk()
             self._police_idle()
             self._replenish()
+
+    def _idle(self) -> bool:
+        """No session, nothing pending, acked or waited for, no pause: nothing to do every tick."""
+        return not (
+            self._sessions or self._pending or self._awaiting_durable or self._seal_waiters or self._paused
+        )
 
     def _arm_linger(self, delay: float | None = None) -> None:
         """Check for a lull `delay` (default: block_linger) from now. One timer while records pend,
