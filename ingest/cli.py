@@ -1404,7 +1404,7 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
             block_interval=args.block_interval,
             block_linger=args.block_linger,
             buffer_records=args.buffer_records,
-            prefetch=max(1, args.buffer_records // 2) if args.prefetch is None else args.prefetch,
+            prefetch=args.prefetch,
             low_tide=args.low_tide,
             block_records=args.block_records,
             buffer_bytes=args.buffer_bytes,
@@ -2394,6 +2394,9 @@ def _config_check(args: argparse.Namespace) -> int:
             # DATA_DIR/runtime-config.json, read (never written) and checked as the server will
             runtime = RuntimeConfig(config, announce=False)
             overrides, runtime_file = runtime.overrides, str(runtime.path)
+            # what serve runs: the file's settings over the flags', and what rules derive from them (a
+            # prefetch left to its rule follows the file's buffer-records)
+            config = runtime.current
             if runtime.ignored:  # a receiver node's start takes them out of the file, with a WARNING
                 logs.say(
                     f"{runtime.path} holds {', '.join(runtime.ignored)}, kept by an earlier version: a "
@@ -2463,7 +2466,7 @@ def keys_by_dest(keys: Mapping[str, Key]) -> dict[str, Key]:
 def _effective(config: ServeConfig) -> dict[str, object]:
     """The values serve derives for the flags whose default is a rule ("half the buffer", ...)."""
     return {
-        "prefetch": config.receiver.prefetch,
+        "prefetch": config.receiver.fill_to,
         "low-tide": config.receiver.refill_at,
         "block-records": config.receiver.seal_at,
         "block-linger": "off" if config.receiver.block_linger is None else config.receiver.block_linger,

@@ -212,7 +212,14 @@ SETTINGS: dict[str, Setting] = {
             "block_linger",
             none="off",
         ),
-        Setting("prefetch", "credit a session is topped up to", _int, "receiver", "prefetch"),
+        Setting(
+            "prefetch",
+            "credit a session is topped up to ('': half the buffer)",
+            _optional(_int),
+            "receiver",
+            "prefetch",
+            derived=lambda config: config.receiver.fill_to,
+        ),
         Setting(
             "low-tide",
             "top a session up when its credit falls to this ('' : half the prefetch)",
