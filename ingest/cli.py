@@ -631,7 +631,15 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         "--metrics",
         metavar="URL",
         help="read /status.json from the metrics port instead, e.g. http://127.0.0.1:9464 (the token and, "
-        "for https, the CA and client certificate of the credentials are used)",
+        "for https, the CA and client certificate of the credentials are used; --ca-file, --cert-file or "
+        "--key-file with an http:// URL, or a token over http:// to a host that is not a loopback one, "
+        "is refused)",
+    )
+    status.add_argument(
+        "--insecure",
+        action="store_true",
+        help="with --metrics http://: send the token in cleartext to a host that is not a loopback one "
+        "(anyone on the network can read it)",
     )
     status.set_defaults(run=_status)
 
@@ -1396,7 +1404,7 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
             block_interval=args.block_interval,
             block_linger=args.block_linger,
             buffer_records=args.buffer_records,
-            prefetch=max(1, args.buffer_records // 2) if args.prefetch is None else args.prefetch,
+            prefetch=args.prefetch,
             low_tide=args.low_tide,
             block_records=args.block_records,
             buffer_bytes=args.buffer_bytes,
@@ -2386,6 +2394,9 @@ def _config_check(args: argparse.Namespace) -> int:
             # DATA_DIR/runtime-config.json, read (never written) and checked as the server will
             runtime = RuntimeConfig(config, announce=False)
             overrides, runtime_file = runtime.overrides, str(runtime.path)
+            # what serve runs: the file's settings over the flags', and what rules derive from them (a
+            # prefetch left to its rule follows the file's buffer-records)
+            config = runtime.current
             if runtime.ignored:  # a receiver node's start takes them out of the file, with a WARNING
                 logs.say(
                     f"{runtime.path} holds {', '.join(runtime.ignored)}, kept by an earlier version: a "
@@ -2455,7 +2466,7 @@ def keys_by_dest(keys: Mapping[str, Key]) -> dict[str, Key]:
 def _effective(config: ServeConfig) -> dict[str, object]:
     """The values serve derives for the flags whose default is a rule ("half the buffer", ...)."""
     return {
-        "prefetch": config.receiver.prefetch,
+        "prefetch": config.receiver.fill_to,
         "low-tide": config.receiver.refill_at,
         "block-records": config.receiver.seal_at,
         "block-linger": "off" if config.receiver.block_linger is None else config.receiver.block_linger,
@@ -2680,14 +2691,35 @@ def config_change_deadline() -> float:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from ingest.status_cli import StatusReadError, run_status, status_json_url  # noqa: PLC0415 - rich only here
+    from ingest.status_cli import (  # noqa: PLC0415 - rich only here
+        StatusReadError,
+        check_metrics_transport,
+        run_status,
+        status_json_url,
+    )
 
     if args.metrics is not None:
         try:
             status_json_url(args.metrics)
         except ValueError as exc:
             return _fail(str(exc), EXIT_USAGE)
+    elif args.insecure:
+        return _fail(
+            "--insecure goes with --metrics http://... only (over gRPC the credentials say TLS)", EXIT_USAGE
+        )
     credentials = _credentials(args)
+    if args.metrics is not None:
+        # the certificate flags given on this command line: with --metrics they are for the metrics port
+        flags = {"--ca-file": args.ca_file, "--cert-file": args.cert_file, "--key-file": args.key_file}
+        try:
+            check_metrics_transport(
+                args.metrics,
+                token=credentials.token is not None,
+                tls_flags=[flag for flag, value in flags.items() if value is not None],
+                insecure=args.insecure,
+            )
+        except ValueError as exc:
+            return _fail(printable(str(exc)), EXIT_USAGE)
     cert_file = args.cert_file or os.environ.get("SLUICE_CERT_FILE") or None
     key_file = args.key_file or os.environ.get("SLUICE_KEY_FILE") or None
     where = args.metrics or args.target

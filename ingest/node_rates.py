@@ -24,6 +24,7 @@ from typing import Protocol
 
 import grpc
 
+from ratecontrol import capped
 from ratecontrol.nodes import NodeLoad, NodeShare, split_nodes
 from receivers.cluster import DRIVER_HEADER, DRIVER_RATE_HEADER
 from sluice_client.credentials import Credentials
@@ -224,7 +225,7 @@ class NodeRates:
             return
         if self._answered(node, status) or time.monotonic() - self._split_at >= self._interval / 4:
             self.split()
-        share = node.share.rate
+        share = capped(node.share.rate)  # a share of the most a rate may be can cross it by a rounding
         if share <= 0 or not self._moved(node, status, share):
             return
         request = pb.UpdateRateRequest(records_per_second=share, pin=True)

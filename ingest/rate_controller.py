@@ -23,12 +23,14 @@ from collections.abc import Callable, Mapping
 
 from ingest.config import RateConfig
 from ratecontrol import (
+    MAX_RATE,
     BatchMetrics,
     Demand,
     RateBounds,
     RateEstimator,
     Share,
     StreamPolicy,
+    capped,
     check_rate,
     make_estimator,
     split_rate,
@@ -241,7 +243,7 @@ class RateController:
                 self.estimator.state(),
             )
         if proposal is not None and not self.pinned:
-            self._apply(self._clamp(check_rate(proposal)))
+            self._apply(self._clamp(check_rate(capped(proposal))))
         self._sync_hold()
         capacity = self.estimator.capacity
         loaded = batch.processing_delay >= LOADED_SHARE * batch.batch_interval
@@ -251,7 +253,7 @@ class RateController:
     def recall(self, capacity: float | None) -> None:
         """A capacity (records/s) the pipeline showed in an earlier run: until this run measures one,
         it bounds unmeasured batches (unmeasured_batch_records); None forgets it."""
-        self._recalled = capacity if capacity is not None and 0 < capacity < math.inf else None
+        self._recalled = capacity if capacity is not None and 0 < capacity <= MAX_RATE else None
 
     def unmeasured_batch_records(self) -> int:
         """While the rate is unlimited and the estimator has measured nothing (no capacity; `fixed`
@@ -375,7 +377,7 @@ class RateController:
                     elapsed,
                     resumed,
                 )
-                self._apply(self._clamp(check_rate(resumed)))
+                self._apply(self._clamp(check_rate(capped(resumed))))
         self._look(watch, elapsed)
         self._sync_hold()
 
@@ -418,7 +420,7 @@ class RateController:
                 self._rate,
                 proposal,
             )
-            self._apply(self._clamp(check_rate(proposal)))
+            self._apply(self._clamp(check_rate(capped(proposal))))
 
     def clamped(self, rate: float) -> float:
         """The rate `update(rate)` would set (InvalidRateError if it is not one), nothing changed."""

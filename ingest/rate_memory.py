@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ratecontrol import MAX_RATE
 from receivers.files import read_json, replace_json
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,8 @@ class RateMemory:
         if data is None:
             return None
         capacity = data.get("capacity") if isinstance(data, dict) else None
-        if not isinstance(capacity, int | float) or not 0 < capacity < math.inf:
+        if not isinstance(capacity, int | float) or not 0 < capacity <= MAX_RATE:
+            # past MAX_RATE (edited, or another version's): no rate may be that, and a driver starts at it
             log.warning("%s: no capacity in it; ignored: the start goes on as a fresh one", self.path)
             return None
         if data.get("pipeline") != pipeline:
@@ -63,6 +65,7 @@ class RateMemory:
         pipeline changed, else at most every SAVE_EVERY seconds and only when it moved."""
         if not 0 < capacity < math.inf:
             return
+        capacity = min(capacity, MAX_RATE)  # as recall() takes it back
         now = self._clock()
         same = self._saved is not None and self._saved[0] == pipeline
         if same and (self._saved == (pipeline, capacity) or now - self._saved_at < SAVE_EVERY):

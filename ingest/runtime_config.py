@@ -28,7 +28,7 @@ from ingest.config import (
     format_estimator_params,
     parse_estimator_params,
 )
-from ratecontrol import ESTIMATORS
+from ratecontrol import ESTIMATORS, MAX_RATE
 from receivers.errors import cut, printable
 from receivers.files import DataDirStateError, read_json, replace_json
 from receivers.sizes import parse_size
@@ -212,7 +212,14 @@ SETTINGS: dict[str, Setting] = {
             "block_linger",
             none="off",
         ),
-        Setting("prefetch", "credit a session is topped up to", _int, "receiver", "prefetch"),
+        Setting(
+            "prefetch",
+            "credit a session is topped up to ('': half the buffer)",
+            _optional(_int),
+            "receiver",
+            "prefetch",
+            derived=lambda config: config.receiver.fill_to,
+        ),
         Setting(
             "low-tide",
             "top a session up when its credit falls to this ('' : half the prefetch)",
@@ -545,11 +552,11 @@ def _pinned_rate(value: object, path: object) -> float | None:
         return None
     if value == "inf":
         return math.inf
-    if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0:
+    if isinstance(value, int | float) and not isinstance(value, bool) and 0 < value <= MAX_RATE:
         return float(value)
     raise SettingsFileError(
-        f'{path}: pinned_rate {value!r} is not a rate (records/s > 0, or "inf"): correct it, or remove it '
-        "to start with the rate unpinned"
+        f'{path}: pinned_rate {value!r} is not a rate (records/s > 0 and at most {MAX_RATE:g}, or "inf"): '
+        "correct it, or remove it to start with the rate unpinned"
     )
 
 

@@ -35,6 +35,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ingest.client_hints import connect_hint, refused
+from ingest.config import is_loopback
 from receivers.errors import printable
 from sluice_client.credentials import Credentials
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
@@ -208,6 +209,34 @@ def status_json_url(url: str) -> str:
     for tail in ("/status.json", "/status", "/metrics"):
         url = url.removesuffix(tail)
     return url + "/status.json"
+
+
+def check_metrics_transport(url: str, *, token: bool, tls_flags: list[str], insecure: bool = False) -> None:
+    """ValueError where `sluice status --metrics URL` would send what the user meant for TLS in
+    plaintext, checked before anything is sent (`url` as given, already valid: status_json_url):
+    `tls_flags` (the certificate flags given on the command line, --ca-file, ...) with an http:// URL,
+    whatever its host: they are for https:// only, and the read would go unencrypted, the bearer token
+    in the clear; or, unless `insecure`, a `token` over http:// to a host that is not a loopback one,
+    where anyone on the way reads it (curl would send it; but RFC 6750 requires TLS for a bearer token,
+    and the server itself serves plaintext /metrics off loopback only under its own --insecure)."""
+    if not url.startswith("http://"):
+        return
+    host = urllib.parse.urlsplit(url).hostname or ""
+    if tls_flags:
+        given = " and ".join(tls_flags)
+        raise ValueError(
+            f"--metrics {url} is plain http://, but {given} {'is' if len(tls_flags) == 1 else 'are'} for "
+            f"TLS: nothing was sent (it would have gone unencrypted{', the token too' if token else ''}); "
+            "give an https:// URL (the metrics port serves HTTPS with --metrics-tls), or leave "
+            f"{given} out for a plaintext port"
+        )
+    if token and not insecure and not is_loopback(host):
+        raise ValueError(
+            f"--metrics {url}: refusing to send the bearer token in cleartext over http:// to {host}, "
+            "which is not a loopback address: nothing was sent; give an https:// URL (the metrics port "
+            "serves HTTPS with --metrics-tls), or --insecure to accept that anyone on the network can "
+            "read the token"
+        )
 
 
 def _scheme_hint(url: str, reason: object) -> str:

@@ -12,7 +12,7 @@ from ratecontrol.estimator import (
     make_estimator,
 )
 from ratecontrol.model import ModelEstimator
-from ratecontrol.rate import UNLIMITED, InvalidRateError, check_rate
+from ratecontrol.rate import MAX_RATE, UNLIMITED, InvalidRateError, capped, check_rate
 from ratecontrol.share import Demand, Share, StreamPolicy, split_rate
 from ratecontrol.spark_pid import SparkPIDEstimator
 from ratecontrol.token_bucket import TokenBucket
@@ -20,6 +20,7 @@ from ratecontrol.token_bucket import TokenBucket
 __all__ = [
     "DEFAULT_ESTIMATOR",
     "ESTIMATORS",
+    "MAX_RATE",
     "UNLIMITED",
     "BatchMetrics",
     "Demand",
@@ -33,6 +34,7 @@ __all__ = [
     "StreamPolicy",
     "TokenBucket",
     "UnknownEstimatorError",
+    "capped",
     "check_estimator",
     "check_rate",
     "make_estimator",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import ClassVar, TypeVar
 
 from ratecontrol.batch import BatchMetrics
-from ratecontrol.rate import UNLIMITED, check_rate
+from ratecontrol.rate import MAX_RATE, UNLIMITED, check_rate
 
 StateValue = float | int | str | None
 
@@ -40,6 +40,10 @@ class RateBounds:
                 raise ValueError(f"{name} must be a number, got NaN")
         if not (MIN_RATE <= self.min_rate < math.inf):
             raise ValueError(f"min_rate must be >= {MIN_RATE:g} and finite, got {self.min_rate:g}")
+        for name, value in (("min_rate", self.min_rate), ("max_rate", self.max_rate)):
+            if MAX_RATE < value < math.inf:  # inf: no maximum
+                none = " (inf: none)" if name == "max_rate" else ""
+                raise ValueError(f"{name} must be at most {MAX_RATE:g} records/s{none}, got {value:g}")
         if self.max_rate < self.min_rate:
             raise ValueError(f"max_rate ({self.max_rate}) must be >= min_rate ({self.min_rate})")
 

@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ratecontrol.rate import UNLIMITED
+from ratecontrol.rate import MAX_RATE, UNLIMITED
 
 IDLE_FLOOR = 0.05
 """Share of its weighted share of the rate a stream keeps while idle: credit to ramp from."""
@@ -56,6 +56,12 @@ class StreamPolicy:
             raise ValueError(
                 f"a stream's max rate must be > 0 and >= its min rate ({self.min_rate}), got {self.max_rate}"
             )
+        for which, value in (("min", self.min_rate), ("max", self.max_rate)):
+            if MAX_RATE < value < math.inf:
+                none = " (inf: none)" if which == "max" else ""
+                raise ValueError(
+                    f"a stream's {which} rate must be at most {MAX_RATE:g} records/s{none}, got {value:g}"
+                )
 
 
 DEFAULT_POLICY = StreamPolicy()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ratecontrol.rate import check_rate
+from ratecontrol.rate import capped, check_rate
 
 
 class TokenBucket:
@@ -19,7 +19,7 @@ class TokenBucket:
         if not (burst_seconds > 0 and math.isfinite(burst_seconds)):
             raise ValueError(f"burst_seconds must be > 0 and finite, got {burst_seconds}")
         self._burst_seconds = burst_seconds
-        self._rate = check_rate(rate)
+        self._rate = check_rate(capped(rate))
         self._tokens = self.burst
         self._stamp = now
 
@@ -35,7 +35,7 @@ class TokenBucket:
     def set_rate(self, rate: float, now: float) -> None:
         """Change the rate from `now` on; tokens accrued at the old rate are kept up to the new burst."""
         self._refill(now)
-        self._rate = check_rate(rate)
+        self._rate = check_rate(capped(rate))
         self._tokens = min(self._tokens, self.burst)
 
     def available(self, now: float) -> float:

@@ -44,8 +44,9 @@ class ReceiverConfig:
     most blocks a lull can make: 1 / (block_linger + a write) a second. None: off."""
     buffer_records: int = 500_000
     """Records buffered plus credit outstanding, at most: the memory bound of a stream."""
-    prefetch: int = 250_000
-    """Credit a session is topped up to (the first grant too), as far as the buffer allows."""
+    prefetch: int | None = None
+    """Credit a session is topped up to (the first grant too), as far as the buffer allows; None: half
+    of buffer_records (at least 1), which follows a new buffer_records (fill_to)."""
     low_tide: int | None = None
     """A session is topped up when its unused credit falls to this; None: half of prefetch."""
     block_records: int | None = None
@@ -78,9 +79,9 @@ class ReceiverConfig:
         self._check_bounds()
         if self.buffer_records < 1:
             raise ValueError(f"buffer_records must be >= 1, got {self.buffer_records}")
-        if self.prefetch < 1:
+        if self.prefetch is not None and self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
-        if self.low_tide is not None and not 0 <= self.low_tide < self.prefetch:
+        if self.low_tide is not None and not 0 <= self.low_tide < self.fill_to:
             raise ValueError(f"low_tide must be in [0, prefetch), got {self.low_tide}")
         if self.block_records is not None and self.block_records < 1:
             raise ValueError(f"block_records must be >= 1, got {self.block_records}")
@@ -159,8 +160,13 @@ class ReceiverConfig:
         return max(1, self.budget_bytes // 4)
 
     @property
+    def fill_to(self) -> int:
+        """The prefetch in force: prefetch, or half of buffer_records (at least 1) while it is None."""
+        return max(1, self.buffer_records // 2) if self.prefetch is None else self.prefetch
+
+    @property
     def refill_at(self) -> int:
-        return self.prefetch // 2 if self.low_tide is None else self.low_tide
+        return self.fill_to // 2 if self.low_tide is None else self.low_tide
 
 
 @dataclass(frozen=True)

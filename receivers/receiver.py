@@ -906,7 +906,7 @@ class Receiver:
             return
         active = [s for s in self._sessions if s.accepting]
         refill_at = self.config.refill_at
-        prefetch = self.config.prefetch
+        prefetch = self.config.fill_to
         wanting = [s for s in active if s.credit <= refill_at]
         if not wanting:  # the common case under load: cheap
             self._set_paused(MEMORY_BUDGET, False)
@@ -980,7 +980,7 @@ class Receiver:
         if limit is not None:
             pool_bytes = self._pool.room_for(self, limit)
             # short: the server's budget, not the stream's, keeps this stream from a full top-up
-            self._pool.short(self, pool_bytes < min(free_bytes, smallest * self.config.prefetch))
+            self._pool.short(self, pool_bytes < min(free_bytes, smallest * self.config.fill_to))
             pool_full = pool_bytes < smallest
             if pool_full and self._pending and DISK_ERROR not in self._paused:
                 self._seal_wanted.set()  # what waits goes to the log now: its write makes room
@@ -993,7 +993,7 @@ class Receiver:
         self, active: list[Session], wanting: list[Session], estimates: dict[str, float]
     ) -> dict[str, OwnerDemand]:
         """Each owner's holdings and wishes in this round (receivers.fairness.OwnerDemand)."""
-        prefetch = self.config.prefetch
+        prefetch = self.config.fill_to
         want: dict[str, int] = dict.fromkeys(self._owners, 0)
         for session in wanting:
             want[session.owner] += prefetch - session.credit

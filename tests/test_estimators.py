@@ -76,6 +76,7 @@ def test_public_names_are_pinned() -> None:
         [
             "DEFAULT_ESTIMATOR",
             "ESTIMATORS",
+            "MAX_RATE",
             "UNLIMITED",
             "BatchMetrics",
             "Demand",
@@ -89,6 +90,7 @@ def test_public_names_are_pinned() -> None:
             "StreamPolicy",
             "TokenBucket",
             "UnknownEstimatorError",
+            "capped",
             "check_estimator",
             "check_rate",
             "make_estimator",

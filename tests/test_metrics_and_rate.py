@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import shutil
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator
@@ -17,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from support import running_server
 
 from ingest.config import RateConfig, ServeConfig
+from ingest.rate_memory import RateMemory
 from ingest.server import SluiceServer
 from receivers.config import FsyncPolicy, ReceiverConfig
 from receivers.wal import WalBlockStore
@@ -265,3 +268,97 @@ def test_a_scrape_reads_each_streams_rate_a_bounded_number_of_times() -> None:
     shares = {sample.labels["stream"]: sample.value for sample in families["sluice_rate_share"].samples}
     assert shares == {stream: pytest.approx(1 / streams) for stream in receivers}
     assert reads <= 3 * streams, reads
+
+
+async def test_a_finite_rate_past_the_most_there_may_be_is_refused_end_to_end(tmp_path: Path) -> None:
+    """An outside tester's `sluice rate set 1e308` (and bounds of 1e308): taken, shown by `sluice rate
+    get` as a 309-digit number, kept as the pinned rate across restarts, and at a 2 s trigger the Spark
+    source's batch cap (the rate x the interval) overflowed to inf: int() of it raised OverflowError in
+    latestOffset. A finite rate or bound past MAX_RATE is refused now (INVALID_ARGUMENT, nothing
+    changed), as through `sluice config set` and the CLI; inf is still "unlimited", MAX_RATE itself a
+    rate like any other, and a settings file or remembered capacity holding 1e308 does not come back."""
+    from ingest.spark.live_rate import LiveRateCap
+    from ratecontrol import MAX_RATE
+
+    data = tmp_path / "d"
+    async with (
+        running_server(data, "a", metrics=True) as server,
+        grpc.aio.insecure_channel(server.target) as channel,
+    ):
+        stub = pb_grpc.RateControlStub(channel)
+        for huge in (1e308, 1.0000001e12):
+            for pin in (False, True):
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.UpdateRate(pb.UpdateRateRequest(records_per_second=huge, pin=pin))
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert info.value.details() == (
+                    f"rate must be at most 1e+12 records/s (or inf for unlimited), got {huge:g}"
+                )
+        for low, high, words in (
+            (1e308, 1e308, "min-rate must be at most 1e+12 records/s, got 1e+308"),
+            (100.0, 1e308, "max-rate must be at most 1e+12 records/s (inf: none), got 1e+308"),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.SetBounds(pb.SetBoundsRequest(min_rate=low, max_rate=high))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert words.replace("-", "_") in (info.value.details() or ""), info.value.details()
+        admin = pb_grpc.AdminStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await admin.SetConfig(pb.SetConfigRequest(set={"max-rate": "1e308"}))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "max-rate must be at most 1e+12 records/s (inf: none), got 1e+308" in (
+            info.value.details() or ""
+        )
+        state = await stub.GetRate(pb.GetRateRequest())  # nothing changed
+        assert math.isinf(state.records_per_second) and (state.min_rate, state.max_rate) == (100, math.inf)
+        assert not state.pinned and not (data / "runtime-config.json").exists()
+        # the CLI says so in one line, exit 1, as any refused call
+        refused = await asyncio.to_thread(
+            subprocess.run,
+            [str(Path(sys.executable).parent / "sluice"), "rate", "set", "1e308", "--target", server.target],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert refused.returncode == 1 and "INVALID_ARGUMENT" in refused.stderr, refused.stderr
+        assert "at most 1e+12 records/s (or inf for unlimited)" in refused.stderr and not refused.stdout
+
+        # the most there may be works everywhere: credit, the source's cap at the longest trigger, metrics
+        state = await stub.UpdateRate(pb.UpdateRateRequest(records_per_second=MAX_RATE, pin=True))
+        assert state.records_per_second == MAX_RATE and state.streams[0].records_per_second == MAX_RATE
+        state = await stub.SetBounds(pb.SetBoundsRequest(min_rate=MAX_RATE, max_rate=MAX_RATE))
+        assert (state.min_rate, state.max_rate, state.records_per_second) == (MAX_RATE,) * 3
+        async with Producer(server.target, "a", linger=0) as producer:
+            await producer.send_many([b"r"] * 2_000)
+            await producer.flush(timeout=30)
+        cap = LiveRateCap(server.target)
+        try:
+            for trigger in (1.0, 2.0, 86_400.0):
+                records = await asyncio.to_thread(cap.records_per_batch, trigger)
+                assert records == int(MAX_RATE * trigger) and records < 2**63, (trigger, records)
+        finally:
+            cap.close()
+        assert server.receivers["a"].rate == MAX_RATE and server.metrics_port is not None
+        samples = await asyncio.to_thread(scrape, server.metrics_port)
+        assert samples[("sluice_rate_limit", (("stream", "a"),))] == MAX_RATE
+        # inf is still unlimited, pinned or not: no cap
+        await stub.SetBounds(pb.SetBoundsRequest(min_rate=100, max_rate=math.inf))
+        state = await stub.UpdateRate(pb.UpdateRateRequest(records_per_second=math.inf, pin=True))
+        assert math.isinf(state.records_per_second)
+    saved = json.loads((data / "runtime-config.json").read_text())
+    assert saved["pinned_rate"] == "inf"
+
+    # a settings file from before (pinned 1e308) stops the start naming it; a remembered capacity is ignored
+    saved["pinned_rate"] = 1e308
+    (data / "runtime-config.json").write_text(json.dumps(saved))
+    with pytest.raises(
+        ValueError, match=r"pinned_rate 1e\+308 is not a rate \(records/s > 0 and at most 1e\+12"
+    ):
+        async with running_server(data, "a"):
+            pass
+    memory = RateMemory(tmp_path)
+    (tmp_path / "rate-memory.json").write_text(json.dumps({"pipeline": "", "capacity": 1e308}))
+    assert memory.recall("") is None
+    memory.remember("", 1e308)  # an estimator's, past the most: kept at the most
+    assert RateMemory(tmp_path).recall("") == MAX_RATE

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ratecontrol import Demand, Share, StreamPolicy, split_rate
+from ratecontrol import MAX_RATE, Demand, Share, StreamPolicy, split_rate
 from ratecontrol.share import IDLE_FLOOR, MAX_WEIGHT, MIN_WEIGHT
 
 INF = math.inf
@@ -54,7 +54,7 @@ def test_bounds_hold_and_what_nobody_wants_is_spread_by_weight() -> None:
 @pytest.mark.parametrize(
     "fields", [{"weight": 0.0}, {"weight": INF}, {"weight": math.nan}, {"min_rate": -1.0}, {"max_rate": 0.0},
                {"min_rate": 10.0, "max_rate": 5.0}, {"min_rate": INF}, {"max_rate": math.nan},
-               {"weight": 1e308}, {"weight": 1e-320}]
+               {"weight": 1e308}, {"weight": 1e-320}, {"min_rate": 1e308}, {"max_rate": 1e308}]
 )  # fmt: skip
 def test_policies_reject_impossible_values(fields: dict[str, float]) -> None:
     with pytest.raises(ValueError, match="a stream's"):
@@ -82,7 +82,8 @@ def test_impossible_demands_and_gains_are_refused() -> None:
 
 
 policies = st.builds(
-    lambda weight, low, span: StreamPolicy(weight, low, low * span if low else span),
+    # a stream's max rate is at most MAX_RATE (or inf), as every rate
+    lambda weight, low, span: StreamPolicy(weight, low, min(low * span, MAX_RATE) if low else span),
     st.floats(min_value=1e-3, max_value=1e3),
     st.just(0.0) | st.floats(min_value=1e-3, max_value=1e6),
     st.floats(min_value=1.0, max_value=1e7) | st.just(INF),

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ratecontrol import UNLIMITED, InvalidRateError, TokenBucket, check_rate
+from ratecontrol import MAX_RATE, UNLIMITED, InvalidRateError, TokenBucket, capped, check_rate
 
 rates = st.floats(min_value=0.5, max_value=1e9, allow_nan=False, allow_infinity=False)
 steps = st.lists(
@@ -23,6 +23,18 @@ steps = st.lists(
 def test_check_rate_rejects_non_rates(bad: float) -> None:
     with pytest.raises(InvalidRateError, match="rate"):
         check_rate(bad)
+
+
+@pytest.mark.parametrize("huge", [1e308, MAX_RATE * (1 + 1e-15)])
+def test_a_finite_rate_past_the_most_is_not_a_rate_but_inf_is(huge: float) -> None:
+    """1e308 records/s was a rate: twice it (a batch's cap at a 2 s trigger) overflowed to inf."""
+    with pytest.raises(InvalidRateError, match=r"at most 1e\+12 records/s \(or inf for unlimited\)"):
+        check_rate(huge)
+    assert check_rate(MAX_RATE) == MAX_RATE and check_rate(UNLIMITED) == UNLIMITED
+    # what the arithmetic makes (an estimator's proposal, a share) is brought down, not refused
+    assert capped(huge) == MAX_RATE and capped(UNLIMITED) == UNLIMITED and capped(5.0) == 5.0
+    bucket = TokenBucket(huge)
+    assert bucket.rate == MAX_RATE and bucket.take(10**12, now=0.0) == int(MAX_RATE * 0.2)
 
 
 def test_unlimited_grants_everything() -> None:

@@ -60,7 +60,7 @@ async def test_a_setting_changes_at_once_and_survives_a_restart(tmp_path: Path) 
         assert server.receivers["s"].config.block_interval == 0.05
         assert server.rate.bounds.max_rate == 5000 and server.rate.rate <= 5000
         got = settings(await stub.GetConfig(pb.GetConfigRequest(keys=["block-interval", "prefetch"])))
-        assert got == {"block-interval": ("0.05", "dynamic"), "prefetch": ("250000", "command-line")}
+        assert got == {"block-interval": ("0.05", "dynamic"), "prefetch": ("", "command-line")}
     # a restart with the same command line: the dynamic value wins, and is still reported as such
     async with (
         running_server(tmp_path / "d", "s", block_interval=2.0, block_linger=None) as server,
@@ -218,7 +218,7 @@ async def test_an_invalid_change_changes_nothing_and_says_why(tmp_path: Path) ->
         view = await stub.SetConfig(pb.SetConfigRequest(set={"prefetch": "1000"}, validate_only=True))
         assert settings(view)["prefetch"] == ("1000", "dynamic") and server.runtime.version == 0
         assert settings(view)["block-interval"] == settings(before_view)["block-interval"]
-        assert server.receivers["s"].config.prefetch == 250000
+        assert server.receivers["s"].config.fill_to == 250000
         # two operators: the second, who read version 1, is refused once the first changed it
         await stub.SetConfig(pb.SetConfigRequest(set={"prefetch": "900"}))
         await stub.SetConfig(pb.SetConfigRequest(set={"prefetch": "1000"}, expected_version=1))
@@ -291,7 +291,8 @@ async def test_sluice_config_get_set_reset(tmp_path: Path) -> None:
         assert done.returncode == 2 and "KEY=VALUE" in done.stderr
         done = await asyncio.to_thread(cli, "reset", "prefetch", "block-interval")
         assert done.returncode == 0, done.stderr
-        assert server.receivers["s"].config.prefetch == 250_000
+        assert server.receivers["s"].config.prefetch is None  # half the buffer again
+        assert server.receivers["s"].config.fill_to == 250_000
         saved = json.loads((tmp_path / "d" / "runtime-config.json").read_text())
         assert saved == {"version": 2, "overrides": {}}
         done = await asyncio.to_thread(cli, "reset", "prefetch")  # not set now: nothing to reset
@@ -587,6 +588,82 @@ async def test_the_first_change_can_be_conditional_on_version_0(tmp_path: Path) 
         assert server.runtime.version == 1
         await stub.SetConfig(pb.SetConfigRequest(set={"prefetch": "1000"}))  # unset: any version
         assert server.receivers["s"].config.prefetch == 1000 and server.runtime.version == 2
+
+
+async def test_a_prefetch_left_to_its_rule_follows_a_new_buffer(tmp_path: Path) -> None:
+    """An outside tester's `sluice config set buffer-records=...` on a server started without --prefetch
+    (half the buffer): `config get` still showed the start's prefetch, and it was the one in force too,
+    since serve had fixed it at the start (a buffer raised 10x still topped sessions up to the old
+    prefetch). The prefetch left to its rule is shown as that rule's value now, and follows the buffer,
+    the low tide with it, in what is shown and in the credit a session gets."""
+    async with (
+        running_server(tmp_path / "d", "s", buffer_records=2_000) as server,
+        admin(server) as stub,
+        Producer(server.target, "s", linger=0) as producer,
+    ):
+        sessions = pb_grpc.SessionsStub(grpc.aio.insecure_channel(server.target))
+
+        async def credit() -> int:
+            listing = await sessions.ListSessions(pb.ListSessionsRequest(stream="s"))
+            assert len(listing.sessions) == 1, listing
+            return listing.sessions[0].credit
+
+        def rows(view: pb.ConfigView) -> dict[str, tuple[str, str]]:
+            return {s.key: (s.value, s.effective) for s in view.settings}
+
+        shown = rows(await stub.GetConfig(pb.GetConfigRequest(keys=["prefetch", "low-tide"])))
+        assert shown == {"prefetch": ("", "1000"), "low-tide": ("", "500")}
+        await producer.send_many([b"x"] * 10)
+        await producer.flush(30)
+        assert await credit() == 1_000 - 10  # the first grant: half the buffer
+        view = await stub.SetConfig(pb.SetConfigRequest(set={"buffer-records": "20000"}))
+        shown = rows(view)
+        assert shown["prefetch"] == ("", "10000") and shown["low-tide"] == ("", "5000")
+        assert rows(await stub.GetConfig(pb.GetConfigRequest(keys=["prefetch"]))) == {
+            "prefetch": ("", "10000")
+        }
+        assert server.receivers["s"].config.fill_to == 10_000
+        # in force: the session, now below the new low tide, is topped up to the new prefetch
+        deadline = time.monotonic() + 10
+        while await credit() != 10_000:
+            assert time.monotonic() < deadline, await credit()
+            await asyncio.sleep(0.02)
+        # a prefetch given stays as given, whatever the buffer; reset, it follows the buffer again
+        await stub.SetConfig(pb.SetConfigRequest(set={"prefetch": "3000", "buffer-records": "40000"}))
+        assert rows(await stub.GetConfig(pb.GetConfigRequest(keys=["prefetch"]))) == {
+            "prefetch": ("3000", "")
+        }
+        view = await stub.SetConfig(pb.SetConfigRequest(reset=["prefetch"]))
+        assert rows(view)["prefetch"] == ("", "20000")
+        # a low tide that the derived prefetch would leave above it is refused, naming both
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.SetConfig(pb.SetConfigRequest(set={"low-tide": "15000", "buffer-records": "20000"}))
+        assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "low-tide must be in [0, prefetch)" in (caught.value.details() or "")
+    # kept across a restart: the prefetch is still the buffer's half
+    async with running_server(tmp_path / "d", "s", buffer_records=2_000) as server, admin(server) as stub:
+        assert rows(await stub.GetConfig(pb.GetConfigRequest(keys=["prefetch"]))) == {
+            "prefetch": ("", "20000")
+        }
+        assert server.receivers["s"].config.fill_to == 20_000
+    # and `sluice config check`, which shows what serve would run, says the same
+    command = [
+        sys.executable,
+        "-m",
+        "ingest.cli",
+        "config",
+        "check",
+        "--no-spark",
+        "--data-dir",
+        str(tmp_path / "d"),
+    ]
+    checked = await asyncio.to_thread(
+        subprocess.run, command, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert checked.returncode == 0, checked.stderr
+    shown_check = {line.split()[0]: line.split()[1] for line in checked.stdout.splitlines() if line.strip()}
+    assert shown_check["buffer-records"] == "40000" and shown_check["prefetch"] == "20000", checked.stdout
+    assert shown_check["low-tide"] == "10000", checked.stdout
 
 
 async def test_a_setting_asked_many_times_is_answered_once(tmp_path: Path) -> None:

@@ -26,9 +26,12 @@ from sluice_client import Credentials, Producer
 SLUICE = str(Path(sys.executable).parent / "sluice")
 
 
-async def status(*args: str, token: str | None) -> subprocess.CompletedProcess[str]:
+async def status(
+    *args: str, token: str | None, environ: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
     env["COLUMNS"] = "160"  # a wide "terminal": rich wraps nothing
+    env.update(environ or {})
     if token is not None:
         env["SLUICE_TOKEN"] = token
     return await asyncio.to_thread(
@@ -431,3 +434,78 @@ async def test_status_shows_a_cluster_nodes_config_mismatch_with_its_peers(tmp_p
             console = Console(width=200, record=True)
             console.print(render(page, "node"))
             assert "config mismatch with 1 peer" in console.export_text()
+
+
+async def test_status_metrics_sends_nothing_in_plaintext_that_was_meant_for_tls(tmp_path: Path) -> None:
+    """An outside tester's `sluice status --ca-file ca.pem --metrics http://...`: the CA was ignored and
+    the bearer token went in cleartext (the user meant TLS). A certificate flag with an http:// URL is
+    a usage error now, whatever the host, and so is a token over http:// to a host that is not a
+    loopback one (unless --insecure): exit 2, one line, and nothing reaches the port."""
+    ca = CertificateAuthority(tmp_path / "pki")
+    client = ca.issue("status-reader", file_stem="client")
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        for flags, words in (
+            (["--ca-file", str(ca.cert_file)], "but --ca-file is for TLS"),
+            (
+                ["--cert-file", str(client.cert_file), "--key-file", str(client.key_file)],
+                "but --cert-file and --key-file are for TLS",
+            ),
+        ):
+            for token in ("a-secret-token", None):
+                shown = await status(*flags, "--metrics", url, token=token)
+                assert shown.returncode == 2 and shown.stderr.count("\n") == 1, shown.stderr
+                assert f"--metrics {url} is plain http://, {words}" in shown.stderr, shown.stderr
+                assert "give an https:// URL" in shown.stderr and "nothing was sent" in shown.stderr
+                assert ("the token too" in shown.stderr) == (token is not None), shown.stderr
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected
+    # a token over http:// off loopback: refused before the name is even looked up
+    far = "http://metrics.example.invalid:9464"
+    shown = await status("--metrics", far, token="a-secret-token")
+    assert shown.returncode == 2 and shown.stderr.count("\n") == 1, shown.stderr
+    assert "refusing to send the bearer token in cleartext over http:// to metrics.example.invalid" in (
+        shown.stderr
+    )
+    # without a token there is nothing to protect; with --insecure the operator accepts it: both try
+    for args, token in (([], None), (["--insecure"], "a-secret-token")):
+        shown = await status(*args, "--metrics", far, token=token)
+        assert shown.returncode == 1 and "refusing" not in shown.stderr, shown.stderr
+        assert f"status of {far}: " in shown.stderr
+    shown = await status("--insecure", token=None)  # over gRPC the credentials say TLS or not
+    assert shown.returncode == 2 and "--insecure goes with --metrics http://" in shown.stderr
+
+
+async def test_status_metrics_over_loopback_http_still_sends_the_token(tmp_path: Path) -> None:
+    """The documented `sluice status --metrics http://127.0.0.1:9464` (a TLS gRPC port's CA in
+    SLUICE_CA_FILE beside it) still reads a plaintext metrics port on loopback, with the token."""
+    received: list[str | None] = []
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            received.append(self.headers.get("Authorization"))
+            body = b'{"rate": {}, "streams": []}'
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    page = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    thread = threading.Thread(target=page.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{page.server_address[1]}"
+        ca = CertificateAuthority(tmp_path / "pki")
+        environ = {"SLUICE_CA_FILE": str(ca.cert_file)}
+        shown = await status("--metrics", url, token="a-secret-token", environ=environ)
+    finally:
+        page.shutdown()
+        page.server_close()
+    assert shown.returncode == 0, shown.stderr
+    assert received == ["Bearer a-secret-token"]
