@@ -457,18 +457,16 @@ class SluiceServer:
             await server.stop(None)
             raise OSError(f"cannot bind gRPC to {address} (in use, or not an address of this host){detail}")
         try:
+            # every port with a conflict to lose is bound before the receivers write to the data dir:
+            # a start that fails there leaves a new data dir for `sluice serve` to take back
+            self._bind_health_port()
             await self._start_receivers()
             await server.start()
             await self._start_loopback_port()
-            await self._start_health_port()
+            if self._health_server is not None:
+                await self._health_server.start()
         except BaseException:  # e.g. the block log cannot be read: leave nothing bound
-            await server.stop(None)
-            if self._loopback is not None:
-                await self._loopback.stop(None)
-                self._loopback = None
-            if self._metrics is not None:
-                self._metrics.close()
-                self._metrics = None
+            await self._unbind(server)
             raise
         self._grpc = server
         await self.health.set(INGEST_HEALTH, health_pb2.HealthCheckResponse.SERVING)  # the block log is open
@@ -484,6 +482,19 @@ class SluiceServer:
             self.transport,
             self.metrics_port,
         )
+
+    async def _unbind(self, server: grpc.aio.Server) -> None:
+        """A failed start's: stop what it bound or started of its ports."""
+        await server.stop(None)
+        if self._health_server is not None:
+            await self._health_server.stop(None)
+            self._health_server = None
+        if self._loopback is not None:
+            await self._loopback.stop(None)
+            self._loopback = None
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
 
     def _add_services(self, server: grpc.aio.Server) -> None:
         PublishService(
@@ -803,7 +814,8 @@ class SluiceServer:
         await loopback.start()
         self._loopback, self._loopback_port = loopback, port
 
-    async def _start_health_port(self) -> None:
+    def _bind_health_port(self) -> None:
+        """Bind the health port (config.health_port) to `_health_server`, which start() starts last."""
         port = self.config.health_port
         if port is None:
             return
@@ -817,7 +829,6 @@ class SluiceServer:
             self.health_port = None
         if self.health_port is None:
             raise OSError(f"cannot bind the health port {port}")
-        await server.start()
         self._health_server = server
 
     async def _watch_batches(self) -> None:
