@@ -43,7 +43,7 @@ from ingest.tls import ServerTls, TlsFileError
 from receivers.auth import PIPELINE, Authenticator, AuthFileError, AuthTable, revoke
 from receivers.block_store import BlockStore
 from receivers.errors import shown
-from receivers.files import NOT_REGULAR, DataDirStateError, NotARegularFileError
+from receivers.files import NOT_REGULAR, BrokenLinkError, DataDirStateError, NotARegularFileError
 from receivers.memory_pool import MemoryPool
 from receivers.names import check_stream_name
 from receivers.node_identity import claim_data_dir
@@ -93,6 +93,8 @@ def _unreadable_log(exc: OSError, blocks_dir: Path) -> BlockLogStateError | None
         found = f"{path} is a folder where {what} has a file"
     elif isinstance(exc, NotARegularFileError):
         found = f"{path} is {NOT_REGULAR} where {what} has a file"
+    elif isinstance(exc, BrokenLinkError):
+        found = f"{path} is {exc.strerror}, where {what} has a file"
     else:
         return BlockLogStateError(
             f"{path}: cannot read {what}: {exc.strerror}; make it readable by this user, or move {folder} "

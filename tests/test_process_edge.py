@@ -1311,6 +1311,85 @@ def test_a_fifo_or_device_where_the_data_dir_has_a_file_stops_the_start_naming_i
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        "blocks/tmp/SEGMENT",
+        "blocks/default/99999999999999999999.wal",
+        "blocks/tmp/released.json",
+        "blocks/default/incarnation",
+        "node.json",
+        "streams.json",
+        "runtime-config.json",
+    ],
+    ids=[
+        "segment",
+        "new-segment",
+        "released-json",
+        "incarnation",
+        "node-json",
+        "streams-json",
+        "runtime-config",
+    ],
+)
+def test_a_symlink_to_nowhere_where_the_data_dir_has_a_file_stops_the_start_naming_it(
+    tmp_path: Path, logged_data_dir: Path, name: str
+) -> None:
+    """An outside tester's finding: a symlink whose target does not exist, named as a segment of the
+    log, was taken for no file at all: the start served without the acked records of that segment (the
+    only one, or the newest: a gap before a later one was refused as missing blocks, which the link's
+    own name contradicted), and numbered new blocks over them. The released mark, the incarnation and
+    the data dir's state files the same (a new incarnation, streams added at run time no longer served).
+    Each stops the start with exit 1, naming the file and where it leads; the link is left as it was."""
+    data_dir = tmp_path / "data"
+    shutil.copytree(logged_data_dir, data_dir)
+    if "SEGMENT" in name:
+        name = str(next((data_dir / "blocks" / "tmp").glob("*.wal")).relative_to(data_dir))
+    path = data_dir / name
+    target = tmp_path / "elsewhere" / path.name
+    if path.exists():  # moved, and linked to where it is not: a disk not mounted, say
+        path.rename(tmp_path / path.name)
+    path.symlink_to(target)
+    code, stderr = start_on(tmp_path, data_dir, "linked")
+    assert code == 1, stderr
+    assert str(path) in stderr and f"a symlink to {target}, which does not exist" in stderr, stderr
+    assert "Errno" not in stderr and "Traceback" not in stderr, stderr
+    assert path.is_symlink() and os.readlink(path) == str(target) and not target.exists()
+
+
+def test_a_segment_linked_to_a_file_elsewhere_is_read_and_written_there(
+    tmp_path: Path, logged_data_dir: Path
+) -> None:
+    """Symlinks in the data dir are followed, a segment's too, and what they lead to is judged as the
+    file would be (a FIFO or a device refused, a regular file used): a segment moved to another disk and
+    linked back keeps its records, and the log appends to it there."""
+    data_dir = tmp_path / "data"
+    shutil.copytree(logged_data_dir, data_dir)
+    (segment,) = (data_dir / "blocks" / "default").glob("*.wal")
+    elsewhere = tmp_path / "elsewhere.wal"
+    segment.rename(elsewhere)
+    segment.symlink_to(elsewhere)
+    size = elsewhere.stat().st_size
+    serve = Serve(tmp_path, "linked", *no_spark(free_port(), data_dir))
+    try:
+        target = wait_for_line(
+            serve.proc, serve.log, r"serving streams default, tmp on (127\.0\.0\.1:\d+)", 60
+        )
+        with SyncProducer(target.group(1).decode(), "default") as producer:
+            producer.send_many([b"after"] * 5)
+            producer.flush(timeout=30)
+    finally:
+        assert stop(serve.proc, 60) == 0
+    assert segment.is_symlink() and elsewhere.stat().st_size > size
+    store = WalBlockStore(data_dir / "blocks")
+    assert [
+        v
+        for b in store.blocks("default")
+        for batch in store.read(b)
+        for v in batch.column("value").to_pylist()
+    ] == [b"record"] * 10 + [b"after"] * 5
+
+
 @pytest.mark.parametrize("kind", ["fifo", "dev-null"])
 def test_a_lock_file_that_is_not_a_file_is_named(tmp_path: Path, kind: str) -> None:
     """A FIFO (or a link to /dev/null) at DATA_DIR/sluice.lock was opened and locked, then refused as
