@@ -1519,7 +1519,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     try:  # under the lock, before Spark: another node's data dir is a usage error (SluiceServer checks too)
         _claim_data_dir(config)
     except (OSError, ValueError) as exc:
-        lock.release()
+        lock.abandon()
         damaged = isinstance(exc, DataDirStateError)  # node.json damaged, not another node's data dir
         return _fail(f"cannot start the server: {exc}", EXIT_FAILED if damaged else EXIT_USAGE)
     settings = f"; settings from {args.config}" if args.config is not None else ""
@@ -1609,8 +1609,10 @@ async def _serve_async(  # noqa: PLR0911, PLR0912, PLR0915 - one lifecycle
                 stop,
             )
         except Exception as exc:  # noqa: BLE001 - py4j and PySpark raise many kinds; the JVM said why above
+            lock.abandon()  # a new data dir is left as it was found (DataDirLock.abandon)
             return _fail(f"cannot start Spark on {config.master}: {exc}")
         if spark is None:
+            lock.abandon()
             return stopped_starting(signals, "before the server was up")
     try:
         server = SluiceServer(
@@ -1624,10 +1626,14 @@ async def _serve_async(  # noqa: PLR0911, PLR0912, PLR0915 - one lifecycle
             origins=origins,
         )
         await server.start()
-    # ValueError: a TLS or auth file changed since it was checked; WalError: a damaged log
+    # ValueError: a TLS or auth file changed since it was checked; WalError: a damaged log; OSError: a
+    # port taken since prepare() checked it (another server started meanwhile, Spark's start is seconds)
     except (OSError, ValueError, _wal_error()) as exc:
         if spark is not None:
             await asyncio.to_thread(spark.stop)
+        # served nothing: a new data dir is left as it was found, not with the node.json of a start
+        # that never ran (DataDirLock.abandon)
+        lock.abandon()
         return _fail(f"cannot start the server: {exc}")
     serving.append(server)
     from ingest.preflight import bind_address  # noqa: PLC0415 - the server extra, as prepare

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import resource
 import socket
@@ -30,6 +31,8 @@ from receivers.files import check_regular
 from sluice_client.credentials import Credentials, CredentialsError
 
 LOCK_FILE = "sluice.lock"
+
+log = logging.getLogger(__name__)
 
 
 class _PlainOSError(OSError):
@@ -85,14 +88,19 @@ def check_dirs(*dirs: Path) -> None:
 
 class DataDirLock:
     """An exclusive lock on a data dir for this process; `release()` (idempotent) or process exit frees
-    it. Creates the data dir. Raises DataDirInUseError when another process holds it, OSError when the
-    dir cannot be made, written or locked."""
+    it, `abandon()` after a start that failed. Creates the data dir. Raises DataDirInUseError when another
+    process holds it, OSError when the dir cannot be made, written or locked."""
 
     def __init__(self, data_dir: Path) -> None:
         self.data_dir = data_dir
         self._fd: int | None = None
-        make_dirs(data_dir)
+        self._made = _missing_folders(data_dir)
+        """The folders of the data dir's path that did not exist (the data dir first, then its parents)."""
         path = data_dir / LOCK_FILE
+        self._made_lock_file = not os.path.lexists(path)
+        self._was_empty = False
+        """Whether the data dir held nothing (but an old lock file) once locked: all in it is this start's."""
+        make_dirs(data_dir)
         try:
             # not inherited by children (Python's default, O_CLOEXEC): Spark's JVM must not keep it
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
@@ -120,6 +128,8 @@ class DataDirLock:
             os.close(fd)
             raise _failed(f"data dir {data_dir} is not writable: {exc.strerror}", exc) from None
         self._fd = fd
+        with contextlib.suppress(OSError):  # unlistable: not known to be empty
+            self._was_empty = set(os.listdir(data_dir)) <= {LOCK_FILE}
 
     @property
     def held(self) -> bool:
@@ -146,8 +156,82 @@ class DataDirLock:
             os.close(self._fd)  # closing the only descriptor drops the flock
             self._fd = None
 
+    def abandon(self) -> None:
+        """Release the lock of a start that failed before it served (its gRPC port taken since the
+        check, Spark that did not start, a setting refused): when the data dir held nothing as it was
+        locked (new, or empty but for an old lock file), what the start put there goes first, so the
+        next start finds it as this one did. A start that bound no port left a node.json that named
+        the node it was (by mistake) started as, and refused the next start as the right node; and
+        left a new data dir where there was none.
+
+        Only what a start writes before it serves is removed: its state files (_start_files()), its
+        empty folders (blocks/), the lock file if this lock made it, then the folders of the data dir's
+        path this lock made. A data dir that held anything when locked is left as it is, and so is one
+        that now holds any other file (a segment, an incarnation: the start got further than its ports;
+        a file of someone else's): all of it or none. The lock is released in any case."""
+        if self._fd is None:
+            return
+        try:
+            if self._was_empty:
+                _take_back(self.data_dir, self._made, lock_file=self._made_lock_file)
+        except Exception:  # never in place of the error that failed the start
+            log.warning("could not remove what the failed start put in %s", self.data_dir, exc_info=True)
+        finally:
+            self.release()
+
     def __del__(self) -> None:
         self.release()  # an owner dropped without stop(): free the data dir with the object
+
+
+def _missing_folders(path: Path) -> list[Path]:
+    """`path` and its parents that do not exist (none is a file or a symlink), innermost first."""
+    missing: list[Path] = []
+    for folder in (path, *path.absolute().parents):
+        if os.path.lexists(folder):
+            break
+        missing.append(folder)
+    return missing
+
+
+def _start_files() -> tuple[str, ...]:
+    """The state files a start writes under a data dir before it serves (claim_data_dir's node.json,
+    a cluster node's committed.json, the settings and streams a start may rewrite)."""
+    from ingest import runtime_config, streams  # noqa: PLC0415 - a failed start's only
+    from ingest.receiver_node import COMMITTED_FILE  # noqa: PLC0415
+    from receivers.node_identity import NODE_FILE  # noqa: PLC0415
+
+    return (NODE_FILE, COMMITTED_FILE, runtime_config.FILE, streams.FILE)
+
+
+def _take_back(data_dir: Path, made: list[Path], *, lock_file: bool) -> None:
+    """DataDirLock.abandon's removal, in a data dir that held nothing when it was locked: all of it or
+    nothing, when it holds a file that a start does not write before it serves."""
+    state = {data_dir / name for name in _start_files()}
+    folders: list[str] = []
+
+    def raise_it(exc: OSError) -> None:
+        raise exc
+
+    # children first; a folder that cannot be listed fails it all before anything is removed
+    for folder, subfolders, files in os.walk(data_dir, topdown=False, onerror=raise_it):
+        for path in (Path(folder, name) for name in (*files, *subfolders)):
+            ours = path.is_dir() or path == data_dir / LOCK_FILE or (path in state and path.is_file())
+            if path.is_symlink() or not ours:
+                return  # a log's file, Spark's or someone's: the start went further than its ports
+        folders.append(folder)
+    for path in state:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    for empty in folders[:-1]:  # the last is the data dir itself
+        os.rmdir(empty)
+    if lock_file:
+        # unlinked while still locked: a start that opened it meanwhile found it locked, and refused
+        (data_dir / LOCK_FILE).unlink()
+    for made_here in made:
+        try:
+            os.rmdir(made_here)
+        except OSError:
+            break  # not empty (what is in it stays), or gone
 
 
 def _read_pid(fd: int) -> int | None:
@@ -240,12 +324,13 @@ def check_file_size_limit(segment_bytes: int) -> None:
 
 
 def lock_checked(data_dir: Path, check: Callable[[], None]) -> DataDirLock:
-    """Lock `data_dir` (DataDirLock), then run `check`; if it raises, the lock is released first."""
+    """Lock `data_dir` (DataDirLock), then run `check`; if it raises, the lock is abandoned first (a
+    new data dir is left as it was found: DataDirLock.abandon)."""
     lock = DataDirLock(data_dir)
     try:
         check()
     except BaseException:
-        lock.release()
+        lock.abandon()
         raise
     return lock
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -344,7 +345,7 @@ class RuntimeConfig:
 
     def _load(self) -> None:
         try:
-            if not self.path.exists():
+            if not os.path.lexists(self.path):  # a symlink to nowhere: refused by read_json, named
                 return
         except OSError as exc:  # a data dir no one may search, a path too long: one line, not a traceback
             raise SettingError(f"{self.path}: cannot read the runtime settings: {exc.strerror}") from None

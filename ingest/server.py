@@ -43,7 +43,7 @@ from ingest.tls import ServerTls, TlsFileError
 from receivers.auth import PIPELINE, Authenticator, AuthFileError, AuthTable, revoke
 from receivers.block_store import BlockStore
 from receivers.errors import shown
-from receivers.files import NOT_REGULAR, DataDirStateError, NotARegularFileError
+from receivers.files import NOT_REGULAR, BrokenLinkError, DataDirStateError, NotARegularFileError
 from receivers.memory_pool import MemoryPool
 from receivers.names import check_stream_name
 from receivers.node_identity import claim_data_dir
@@ -93,6 +93,8 @@ def _unreadable_log(exc: OSError, blocks_dir: Path) -> BlockLogStateError | None
         found = f"{path} is a folder where {what} has a file"
     elif isinstance(exc, NotARegularFileError):
         found = f"{path} is {NOT_REGULAR} where {what} has a file"
+    elif isinstance(exc, BrokenLinkError):
+        found = f"{path} is {exc.strerror}, where {what} has a file"
     else:
         return BlockLogStateError(
             f"{path}: cannot read {what}: {exc.strerror}; make it readable by this user, or move {folder} "
@@ -457,18 +459,16 @@ class SluiceServer:
             await server.stop(None)
             raise OSError(f"cannot bind gRPC to {address} (in use, or not an address of this host){detail}")
         try:
+            # every port with a conflict to lose is bound before the receivers write to the data dir:
+            # a start that fails there leaves a new data dir for `sluice serve` to take back
+            self._bind_health_port()
             await self._start_receivers()
             await server.start()
             await self._start_loopback_port()
-            await self._start_health_port()
+            if self._health_server is not None:
+                await self._health_server.start()
         except BaseException:  # e.g. the block log cannot be read: leave nothing bound
-            await server.stop(None)
-            if self._loopback is not None:
-                await self._loopback.stop(None)
-                self._loopback = None
-            if self._metrics is not None:
-                self._metrics.close()
-                self._metrics = None
+            await self._unbind(server)
             raise
         self._grpc = server
         await self.health.set(INGEST_HEALTH, health_pb2.HealthCheckResponse.SERVING)  # the block log is open
@@ -484,6 +484,19 @@ class SluiceServer:
             self.transport,
             self.metrics_port,
         )
+
+    async def _unbind(self, server: grpc.aio.Server) -> None:
+        """A failed start's: stop what it bound or started of its ports."""
+        await server.stop(None)
+        if self._health_server is not None:
+            await self._health_server.stop(None)
+            self._health_server = None
+        if self._loopback is not None:
+            await self._loopback.stop(None)
+            self._loopback = None
+        if self._metrics is not None:
+            self._metrics.close()
+            self._metrics = None
 
     def _add_services(self, server: grpc.aio.Server) -> None:
         PublishService(
@@ -803,7 +816,8 @@ class SluiceServer:
         await loopback.start()
         self._loopback, self._loopback_port = loopback, port
 
-    async def _start_health_port(self) -> None:
+    def _bind_health_port(self) -> None:
+        """Bind the health port (config.health_port) to `_health_server`, which start() starts last."""
         port = self.config.health_port
         if port is None:
             return
@@ -817,7 +831,6 @@ class SluiceServer:
             self.health_port = None
         if self.health_port is None:
             raise OSError(f"cannot bind the health port {port}")
-        await server.start()
         self._health_server = server
 
     async def _watch_batches(self) -> None:

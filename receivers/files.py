@@ -25,7 +25,24 @@ class NotARegularFileError(OSError):
     read without end."""
 
 
+class BrokenLinkError(OSError):
+    """A path where the data dir has a file is a symlink to a path that does not exist. Taken for a
+    missing file (FileNotFoundError) it was passed over as one: a log's segment and the acked records in
+    it skipped without a word, a released mark or an incarnation taken for none. Not a
+    FileNotFoundError, so that no handler of a file that is absent (or released meanwhile) takes it."""
+
+
 NOT_REGULAR = "not a regular file (a FIFO, a socket or a device)"
+
+
+def broken_link(path: Path | str) -> BrokenLinkError | None:
+    """The error to raise when `path`, not found, is a symlink to nowhere; None when it is not a symlink
+    (absent, or a folder on its way absent): it is then truly not there."""
+    try:
+        target = os.readlink(path)
+    except OSError:
+        return None
+    return BrokenLinkError(errno.ENOENT, f"a symlink to {target}, which does not exist", str(path))
 
 
 def check_regular(fd: int, path: Path | str) -> None:
@@ -40,8 +57,20 @@ def check_regular(fd: int, path: Path | str) -> None:
 
 def open_regular(path: Path | str) -> int:
     """A read-only descriptor of the regular file at `path` (symlinks followed), opened without waiting
-    (O_NONBLOCK: a FIFO's open does not wait for a writer); the errors of check_regular."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    (O_NONBLOCK: a FIFO's open does not wait for a writer); the errors of check_regular, and
+    BrokenLinkError for a symlink to nowhere (FileNotFoundError: no file there at all).
+
+    A symlink is followed, and what it leads to is judged as the file would be: a regular file is read
+    (a data dir's file, or the data dir, may be kept on another disk that way), a FIFO or a device is
+    refused, and a symlink to a path that does not exist is a file that cannot be read, never one that
+    is not there."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        dangling = broken_link(path)
+        if dangling is None:
+            raise
+        raise dangling from None
     try:
         check_regular(fd, path)
     except BaseException:

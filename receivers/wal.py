@@ -101,7 +101,7 @@ except ImportError:  # pragma: no cover - isal comes with the server's extra; zl
 from receivers.block import BLOCK_SCHEMA, BlockInfo, as_block_batch, first_arrival_us
 from receivers.block_store import BlockStore
 from receivers.config import DEFAULT_SEGMENT_BYTES, FsyncPolicy
-from receivers.files import DataDirStateError, open_regular, read_regular
+from receivers.files import DataDirStateError, broken_link, open_regular, read_regular
 from receivers.names import check_stream_name
 
 log = logging.getLogger(__name__)
@@ -742,6 +742,7 @@ class WalBlockStore(BlockStore):
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
+            _refuse_broken_link(path)
             raise BlockNotFoundError(
                 f"block {block.seq} of stream {block.stream!r} is no longer in the log (released?)"
             ) from None
@@ -1031,8 +1032,8 @@ class WalBlockStore(BlockStore):
                 if not _SEGMENT_NAME.match(entry.name):
                     continue
                 with contextlib.suppress(FileNotFoundError):
-                    if entry.is_file(follow_symlinks=False):
-                        total += entry.stat(follow_symlinks=False).st_size
+                    if entry.is_file():  # a segment linked elsewhere too: the log reads and appends there
+                        total += entry.stat().st_size
         return total
 
     # ---- identity -------------------------------------------------------------------------------
@@ -1179,7 +1180,9 @@ class WalBlockStore(BlockStore):
                         expect=expect,
                     )
             except FileNotFoundError:
-                continue  # released meanwhile (by Spark, in another process)
+                # released meanwhile (by Spark, in another process); a symlink to nowhere named as a
+                # segment is not that: open_regular raised BrokenLinkError, which stops the recovery
+                continue
             if frames:
                 next_offset = max(next_offset, frames[-1].header.first_offset + frames[-1].header.count)
                 next_seq = max(next_seq, last_seq + 1)
@@ -1709,7 +1712,8 @@ class WalBlockStore(BlockStore):
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            return []
+            _refuse_broken_link(path)  # its blocks are not released: never passed over as if they were
+            return []  # released meanwhile
         try:
             st = os.fstat(fd)
             ident = (st.st_dev, st.st_ino)
@@ -1767,6 +1771,7 @@ class WalBlockStore(BlockStore):
         try:
             st = path.stat()
         except FileNotFoundError:
+            _refuse_broken_link(path)  # a mark that cannot be read is not one that was never written
             return _read_old_mark(folder)
         key = (st.st_ino, st.st_mtime_ns, st.st_size)
         cached = self._released.get(stream)
@@ -1948,6 +1953,14 @@ def _build_frame(
         block.received_at,
     )
     struct.pack_into("<I", frame, _CRC_AT, _frame_crc(frame[: HEADER.size], [frame[HEADER.size : padded]]))
+
+
+def _refuse_broken_link(path: Path) -> None:
+    """Raise BrokenLinkError when `path`, not found, is a symlink to nowhere: a file of the log that
+    cannot be read, not one that is gone."""
+    dangling = broken_link(path)
+    if dangling is not None:
+        raise dangling
 
 
 def _path_id(path: Path) -> tuple[int, int] | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import os
 import random
@@ -197,6 +198,80 @@ def test_a_second_cluster_driver_on_a_taken_data_dir_or_port_fails_before_spark_
     lock = prepare_driver(DriverConfig(nodes={0: "127.0.0.1:1"}, streams=("s",), data_dir=tmp_path / "held"))
     assert (tmp_path / "held" / "sluice.lock").read_text().strip() == str(os.getpid())
     lock.release()
+
+
+LOST_RACE = (
+    "import sys; import ingest.preflight as p; p.check_ports = lambda *args: None; "
+    "from ingest.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+"""`sluice` whose port probe passes whatever holds the port: a start that lost the race for it, as one
+whose port a second server took while its Spark started (seconds), binds into the taken port itself."""
+
+
+def listed(folder: Path) -> dict[str, bytes | None]:
+    """Every path under `folder` (relative), with a file's bytes (None: a folder)."""
+    return {
+        str(p.relative_to(folder)): None if p.is_dir() else p.read_bytes() for p in sorted(folder.rglob("*"))
+    }
+
+
+@pytest.mark.parametrize("lost", ["check", "race"])
+def test_a_start_that_finds_its_port_taken_leaves_a_new_data_dir_as_it_found_it(
+    tmp_path: Path, lost: str
+) -> None:
+    """A start whose gRPC (or health) port is taken left a new data dir half made: blocks/ and the lock
+    file when its check saw the port taken, node.json and committed.json too when it lost the race for
+    the port after the check (node.json names the node it was started as: started by mistake as node 0,
+    the data dir then refused node 1). Now a new or empty data dir is left as it was found, and one that
+    held anything keeps all of it, untouched but for its lock file."""
+    port, health = free_port(), free_port()
+    nodes = tmp_path / "nodes"
+    nodes.write_text(f"0 127.0.0.1:{port}\n1 127.0.0.1:{free_port()}\n")
+    command = [*SLUICE] if lost == "check" else [sys.executable, "-c", LOST_RACE]
+    grpc_taken = f"cannot bind gRPC to 127.0.0.1:{port}"
+    health_taken = (
+        f"cannot serve health on 0.0.0.0:{health}: address in use"
+        if lost == "check"
+        else f"cannot bind the health port {health}"
+    )
+    new, empty, used = tmp_path / "new" / "data", tmp_path / "empty", tmp_path / "used"
+    empty.mkdir()
+    (used / "blocks").mkdir(parents=True)
+    (used / "notes").write_text("an operator's\n")
+    (used / "node.json").write_text('{"node_id": 0, "nodes": null}')
+    used_before = listed(used)
+    node_0 = ["--role", "receiver", "--nodes", str(nodes), "--node-id", "0", "--replication", "2"]
+    no_health = ["--no-spark", "--stream", "s", "--metrics-port", "-1"]
+    starts = [
+        (new, ["--port", str(port), "--metrics-port", "-1", *node_0], grpc_taken),
+        (empty, ["--port", str(port), *no_health], grpc_taken),
+        (new, ["--port", "0", "--health-port", str(health), *no_health], health_taken),
+        (empty, ["--port", "0", "--health-port", str(health), *no_health], health_taken),
+        (used, ["--port", str(port), "--metrics-port", "-1", *node_0], grpc_taken),
+    ]
+    with socket.socket() as grpc_port, socket.socket() as health_port:
+        grpc_port.bind(("127.0.0.1", port))
+        health_port.bind(("0.0.0.0", health))  # as the health port binds
+        for sock in (grpc_port, health_port):
+            sock.listen()
+        for data_dir, flags, message in starts:
+            result = subprocess.run(
+                [*command, "serve", "--data-dir", str(data_dir), *flags],
+                capture_output=True,
+                timeout=120,
+                check=False,
+            )
+            stderr = result.stderr.decode()
+            assert result.returncode == 1, (flags, stderr)
+            assert f"cannot start the server: {message}" in stderr, (flags, stderr)
+            assert "Traceback" not in stderr, (flags, stderr)
+            assert not (tmp_path / "new").exists(), (flags, stderr)
+            assert listed(empty) == {}, (flags, stderr)
+            # a start on a data dir that held anything is a start like any other: it may add to it
+            # (node.json records the node list), never take from it
+            after = listed(used)
+            assert used_before.keys() <= after.keys() and after["notes"] == used_before["notes"], flags
+            assert json.loads(after["node.json"] or b"")["node_id"] == 0, flags
 
 
 def test_serve_refuses_unusable_data_dirs_ports_and_settings_at_once(tmp_path: Path) -> None:
@@ -1234,6 +1309,85 @@ def test_a_fifo_or_device_where_the_data_dir_has_a_file_stops_the_start_naming_i
     assert f"{path}" in stderr and says in stderr, stderr
     assert "Errno" not in stderr and "Traceback" not in stderr, stderr
     assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "blocks/tmp/SEGMENT",
+        "blocks/default/99999999999999999999.wal",
+        "blocks/tmp/released.json",
+        "blocks/default/incarnation",
+        "node.json",
+        "streams.json",
+        "runtime-config.json",
+    ],
+    ids=[
+        "segment",
+        "new-segment",
+        "released-json",
+        "incarnation",
+        "node-json",
+        "streams-json",
+        "runtime-config",
+    ],
+)
+def test_a_symlink_to_nowhere_where_the_data_dir_has_a_file_stops_the_start_naming_it(
+    tmp_path: Path, logged_data_dir: Path, name: str
+) -> None:
+    """An outside tester's finding: a symlink whose target does not exist, named as a segment of the
+    log, was taken for no file at all: the start served without the acked records of that segment (the
+    only one, or the newest: a gap before a later one was refused as missing blocks, which the link's
+    own name contradicted), and numbered new blocks over them. The released mark, the incarnation and
+    the data dir's state files the same (a new incarnation, streams added at run time no longer served).
+    Each stops the start with exit 1, naming the file and where it leads; the link is left as it was."""
+    data_dir = tmp_path / "data"
+    shutil.copytree(logged_data_dir, data_dir)
+    if "SEGMENT" in name:
+        name = str(next((data_dir / "blocks" / "tmp").glob("*.wal")).relative_to(data_dir))
+    path = data_dir / name
+    target = tmp_path / "elsewhere" / path.name
+    if path.exists():  # moved, and linked to where it is not: a disk not mounted, say
+        path.rename(tmp_path / path.name)
+    path.symlink_to(target)
+    code, stderr = start_on(tmp_path, data_dir, "linked")
+    assert code == 1, stderr
+    assert str(path) in stderr and f"a symlink to {target}, which does not exist" in stderr, stderr
+    assert "Errno" not in stderr and "Traceback" not in stderr, stderr
+    assert path.is_symlink() and os.readlink(path) == str(target) and not target.exists()
+
+
+def test_a_segment_linked_to_a_file_elsewhere_is_read_and_written_there(
+    tmp_path: Path, logged_data_dir: Path
+) -> None:
+    """Symlinks in the data dir are followed, a segment's too, and what they lead to is judged as the
+    file would be (a FIFO or a device refused, a regular file used): a segment moved to another disk and
+    linked back keeps its records, and the log appends to it there."""
+    data_dir = tmp_path / "data"
+    shutil.copytree(logged_data_dir, data_dir)
+    (segment,) = (data_dir / "blocks" / "default").glob("*.wal")
+    elsewhere = tmp_path / "elsewhere.wal"
+    segment.rename(elsewhere)
+    segment.symlink_to(elsewhere)
+    size = elsewhere.stat().st_size
+    serve = Serve(tmp_path, "linked", *no_spark(free_port(), data_dir))
+    try:
+        target = wait_for_line(
+            serve.proc, serve.log, r"serving streams default, tmp on (127\.0\.0\.1:\d+)", 60
+        )
+        with SyncProducer(target.group(1).decode(), "default") as producer:
+            producer.send_many([b"after"] * 5)
+            producer.flush(timeout=30)
+    finally:
+        assert stop(serve.proc, 60) == 0
+    assert segment.is_symlink() and elsewhere.stat().st_size > size
+    store = WalBlockStore(data_dir / "blocks")
+    assert [
+        v
+        for b in store.blocks("default")
+        for batch in store.read(b)
+        for v in batch.column("value").to_pylist()
+    ] == [b"record"] * 10 + [b"after"] * 5
 
 
 @pytest.mark.parametrize("kind", ["fifo", "dev-null"])

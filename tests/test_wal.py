@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from receivers import wal
 from receivers.block import BLOCK_SCHEMA, BlockInfo, plain_arrivals
 from receivers.config import FsyncPolicy
+from receivers.files import BrokenLinkError
 from receivers.names import InvalidStreamNameError
 from receivers.wal import ALIGN, HEADER, BlockNotFoundError, CorruptBlockError, DamagedLogError, WalBlockStore
 from receivers.wire import decode_batch
@@ -327,6 +328,60 @@ def test_a_missing_segment_stops_recovery(tmp_path: Path, fsync: str, missing: s
     for path in paths[index + 1 :]:
         path.rename(tmp_path / path.name)
     assert WalBlockStore(tmp_path).recover("s") == (first, first * 20)
+
+
+@pytest.mark.parametrize("which", ["oldest", "middle", "newest", "new-name"])
+def test_a_segment_linked_to_nowhere_stops_recovery_and_readers(tmp_path: Path, which: str) -> None:
+    """A symlink to a path that does not exist, named as a segment, was read as no file at all: the
+    newest segment's acked blocks (or a whole one-segment log) were passed over without a word and
+    their seqs numbered again; a reader (Spark's source) skipped them. Recovery and readers raise
+    BrokenLinkError, naming the link and where it leads, and nothing on disk is changed."""
+    root = tmp_path / "log"
+    paths = rolled(root)
+    if which == "new-name":
+        link = root / "s" / f"{99_999:020d}.wal"
+    else:
+        link = paths[{"oldest": 0, "middle": 1, "newest": -1}[which]]
+        link.rename(tmp_path / "unmounted")
+    link.symlink_to(tmp_path / "gone" / link.name)
+    listing = sorted(set(os.listdir(root / "s")) - {"released.lock"})
+    says = f"{link}: a symlink to {tmp_path / 'gone' / link.name}, which does not exist"
+    for fsync in (None, OFF):  # under "off" too: this is no power loss's trace
+        with pytest.raises(BrokenLinkError) as refused:
+            WalBlockStore(root, fsync=fsync).recover("s")
+        assert f"{refused.value.filename}: {refused.value.strerror}" == says
+    with pytest.raises(BrokenLinkError):
+        WalBlockStore(root).blocks("s")  # a reader, which never recovers
+    assert sorted(set(os.listdir(root / "s")) - {"released.lock"}) == listing and link.is_symlink()
+    # the file put back where the link leads: every block is there again
+    if which != "new-name":
+        (tmp_path / "gone").mkdir()
+        (tmp_path / "unmounted").rename(tmp_path / "gone" / link.name)
+        assert values(WalBlockStore(root)) == expected(12 * 20)
+        assert WalBlockStore(root).recover("s") == (12, 240)
+
+
+def test_a_segment_linked_to_a_regular_file_is_followed(tmp_path: Path) -> None:
+    """Symlinks are followed (receivers.files.open_regular): segments kept elsewhere and linked are
+    recovered, read and appended to there; a release deletes the link, not the file it leads to."""
+    root = tmp_path / "log"
+    paths = rolled(root)
+    linked = {paths[0]: tmp_path / "oldest.wal", paths[-1]: tmp_path / "newest.wal"}
+    for path, elsewhere in linked.items():
+        path.rename(elsewhere)
+        path.symlink_to(elsewhere)
+    store = WalBlockStore(root, segment_bytes=1 << 20, direct_io=False)
+    assert store.recover("s") == (12, 240)
+    size = linked[paths[-1]].stat().st_size
+    store.write("s", 12, 240, 1, [records(20, 240)])
+    assert paths[-1].is_symlink() and linked[paths[-1]].stat().st_size > size
+    assert values(store) == expected(13 * 20)
+    # the disk the log takes (--disk-budget) counts them where they are
+    assert store.disk_bytes("s") == sum(p.stat().st_size for p in paths)
+    store.release("s", before_seq=12)
+    store.close()
+    assert not os.path.lexists(paths[0]) and linked[paths[0]].exists()
+    assert values(WalBlockStore(root)) == expected(13 * 20)[240:]
 
 
 def test_a_missing_segment_under_fsync_off_is_logged_and_passed(

@@ -792,7 +792,9 @@ def _holes(lo: int, hi: int, blocks: Sequence[BlockInfo]) -> list[tuple[int, int
     holes: list[tuple[int, int]] = []
     at = lo
     for block in blocks:
-        if block.first_offset > at and not (at == 0 and not holes and lo == 0):
+        # `at` starts at lo and never goes down, so at == lo == 0 only before any record is covered
+        # (and then there is no hole yet): the prefix before the first record there
+        if block.first_offset > at and not at == lo == 0:
             holes.append((at, block.first_offset))
         at = max(at, block.end_offset)
     if at < hi:
