@@ -3,8 +3,11 @@
 ListPartitions says which partitions (stream, owner) this node holds and their readable range: its own
 (blocks durable on enough copies: receivers.replication) and its copies of other nodes'. ReadBlocks
 streams records [from, to) of one of them as Arrow IPC, a chunk per block; a range this node does not
-hold whole is FAILED_PRECONDITION, so the reader asks another holder. ReleaseBlocks drops what Spark
-committed (idempotent, as the single-node release).
+hold whole is FAILED_PRECONDITION, so the reader asks another holder. Records gone from the middle of
+this node's log (blocks a start under --fsync off went on without, above its released mark) are said
+in-band instead, when the reader asks so (report_gone): a chunk marked gone, then the records after
+them, so that the reader can tell records no holder has from an outage (its failOnDataLoss).
+ReleaseBlocks drops what Spark committed (idempotent, as the single-node release).
 
 One driver consumes a cluster. A driver names itself on its ListPartitions and ReleaseBlocks calls
 (DRIVER_HEADER, an id kept in its data dir); the first to call holds the node until DRIVER_LEASE seconds
@@ -26,7 +29,6 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from itertools import pairwise
 from typing import Any
 
 import grpc
@@ -196,19 +198,31 @@ class BlocksService:
                 f"node {self._node_id} holds incarnation {held} of node {owner}'s log of stream "
                 f"{stream!r}, not {shown(request.incarnation)}: that log was lost and started afresh",
             )
-        blocks = [
-            b
-            for b in await asyncio.to_thread(self._readable, owner, stream)
-            if b.end_offset > lo and b.first_offset < hi
-        ]
-        if not _covers(blocks, lo, hi):
+        readable = await asyncio.to_thread(self._readable, owner, stream)
+        blocks = [b for b in readable if b.end_offset > lo and b.first_offset < hi]
+        # held from before `lo` to past `hi`: records missing in between are a gap in the log's middle
+        spans = bool(readable) and readable[0].first_offset <= lo and readable[-1].end_offset >= hi
+        gaps = _missing(blocks, lo, hi)
+        released = await asyncio.to_thread(self._released, owner, stream)
+        # a gap above the released mark is records gone from this log (blocks a start under --fsync
+        # off went on without); one below it, records released (a copy that missed releases)
+        gone = spans and all(b > released for _, b in gaps)
+        if not spans or (gaps and not (gone and request.report_gone)):
             have = [(b.first_offset, b.end_offset) for b in blocks]
+            why = (
+                f"records {_ranges(gaps)} are gone from its log"
+                if gone
+                else "released, or not copied here yet"
+            )
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"node {self._node_id} does not hold records {lo}..{hi - 1} of node {owner}'s stream "
-                f"{stream!r} (it holds {have or 'none of them'}): released, or not copied here yet",
+                f"{stream!r} (it holds {have or 'none of them'}): {why}",
             )
+        at = lo
         for block in blocks:
+            if block.first_offset > at:  # a gap (report_gone): said in-band, the records after it follow
+                yield pb.BlockChunk(first_offset=at, count=block.first_offset - at, gone=True)
             try:
                 chunks = await asyncio.to_thread(_chunks, store, block, lo, hi)
             except BlockNotFoundError as exc:
@@ -216,6 +230,9 @@ class BlocksService:
                 return
             for chunk in chunks:
                 yield chunk
+            at = block.end_offset
+        if at < hi:
+            yield pb.BlockChunk(first_offset=at, count=hi - at, gone=True)
 
     async def ReleaseBlocks(
         self, request: pb.ReleaseBlocksRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -250,6 +267,13 @@ class BlocksService:
         limit = self._replicas.committed(owner, stream)
         return [b for b in self._replicas.store(owner).blocks(stream) if b.seq < limit]
 
+    def _released(self, owner: int, stream: str) -> int:
+        """The offset below which this node released `owner`'s partition of `stream`. Blocking."""
+        if owner == self._node_id:
+            return self._local.released_offset(stream)
+        assert self._replicas is not None
+        return self._replicas.store(owner).released_offset(stream)
+
     def _incarnation(self, owner: int, stream: str) -> str:
         """The incarnation of the log of `owner`'s partition of `stream` held here ("": unknown)."""
         if owner == self._node_id:
@@ -279,13 +303,21 @@ def _extent(blocks: list[BlockInfo], released: int) -> tuple[int, int]:
     return blocks[0].first_offset, blocks[-1].end_offset
 
 
-def _covers(blocks: list[BlockInfo], lo: int, hi: int) -> bool:
-    return (
-        bool(blocks)
-        and blocks[0].first_offset <= lo
-        and blocks[-1].end_offset >= hi
-        and all(a.end_offset == b.first_offset for a, b in pairwise(blocks))
-    )
+def _missing(blocks: list[BlockInfo], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The offset ranges in [lo, hi) that `blocks` (sorted, those overlapping it) do not cover."""
+    missing: list[tuple[int, int]] = []
+    at = lo
+    for block in blocks:
+        if block.first_offset > at:
+            missing.append((at, block.first_offset))
+        at = max(at, block.end_offset)
+    if at < hi:
+        missing.append((at, hi))
+    return missing
+
+
+def _ranges(ranges: list[tuple[int, int]]) -> str:
+    return ", ".join(f"{a}..{b - 1}" for a, b in ranges)
 
 
 def _chunks(store: BlockStore, block: BlockInfo, lo: int, hi: int) -> list[pb.BlockChunk]:

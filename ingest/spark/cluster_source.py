@@ -17,7 +17,9 @@ their JSON text). Planning asks every node's Blocks.ListPartitions in parallel: 
 end is the highest readable end among its holders (the owner and its followers), and a node that does
 not answer is skipped, its partitions read from their copies. Tasks read with Blocks.ReadBlocks from the
 first holder that has the whole range (owner first), going on to the next on an outage or a missing
-range; no task opens a local path. Committed batches are released on every node (ReleaseBlocks);
+range; no task opens a local path. Records a holder's log lacks in its middle (lost under --fsync
+off) are read from another holder; gone from all of them, they are data loss as in the single-node
+source (failOnDataLoss: read_range). Committed batches are released on every node (ReleaseBlocks);
 `sluice serve --role driver` (ingest.cluster_driver) releases them as each batch completes.
 
 Each partition's log has an identity, its incarnation (PartitionInfo.incarnation: a random id made with
@@ -167,7 +169,8 @@ class PartitionUnreadableError(RuntimeError):
 
 class DataLossError(RuntimeError):
     """A partition's log was lost under the query's checkpoint: its incarnation changed under an offset
-    the query read, or its owner's log ends below it (the option failOnDataLoss, default true)."""
+    the query read, or its owner's log ends below it; or records a task reads are gone from every
+    holder's log (read_range). The option failOnDataLoss, default true."""
 
 
 class ClusterRefusedError(RuntimeError):
@@ -441,6 +444,9 @@ class RangeSpec:
     """(node id, host:port) of the holders to try, in order."""
     incarnation: str = ""
     """The incarnation of the partition's log the range is of ("": any)."""
+    fail_on_data_loss: bool = True
+    """Records gone from every holder's log (read_range): DataLossError, or False: a WARNING and the
+    records after them (the source option failOnDataLoss)."""
 
 
 class ClusterPartition(InputPartition):
@@ -609,7 +615,7 @@ class ClusterStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigg
                 holders = view.holders(partition_key(stream, owner), lo, hi)
                 targets = tuple((n, self.nodes[n]) for n in holders if n in self.nodes)
                 incarnation = now.get(partition_key(stream, owner), "")
-                specs.append(RangeSpec(stream, owner, lo, hi, targets, incarnation))
+                specs.append(RangeSpec(stream, owner, lo, hi, targets, incarnation, self.fail_on_data_loss))
         return [ClusterPartition(spec, self.rate_files) for spec in specs]
 
     def commit(self, end: ClusterOffset) -> None:
@@ -786,57 +792,166 @@ def read_range(
     spec: RangeSpec, credentials: Credentials, timeout: float = READ_TIMEOUT
 ) -> Iterator[pa.RecordBatch]:
     """Records [lo, hi) of the partition as ARROW_SCHEMA batches, from the first holder that serves
-    them; a holder that fails part way is left for the next one from the first record not yet given."""
+    them; a holder that fails part way is left for the next one from the first record not yet given.
+
+    Records a holder says are gone from its log (ReadBlocksRequest.report_gone: blocks a start under
+    --fsync off went on without) are asked of the other holders, and read from one that has them.
+    Gone from every holder that said it holds them, while every other holder said it does not (none
+    down, none failing otherwise): data loss, as the single-node source's gap in a log: DataLossError
+    naming the partition, the records and the nodes, or with spec.fail_on_data_loss false a WARNING and
+    the records after them. Before, such a range was unreadable whatever failOnDataLoss said, and the
+    query stopped at it at every start."""
     at = spec.lo
     failures: list[str] = []
-    for node_id, target in _in_reach_first(spec.targets):
-        try:
-            with credentials.sync_channel(target, _READ_CHANNEL) as channel:
-                request = pb.ReadBlocksRequest(
-                    stream=spec.stream,
-                    owner=spec.owner,
-                    from_offset=at,
-                    to_offset=spec.hi,
-                    incarnation=spec.incarnation,
-                )
-                chunks = pb_grpc.BlocksStub(channel).ReadBlocks(
-                    request, timeout=timeout, metadata=credentials.metadata
-                )
-                for chunk in chunks:
-                    # whole chunks only: a holder failing part way leaves no half chunk given
-                    batches = _chunk_batches(chunk, spec, at)
-                    yield from batches
-                    at += chunk.count
+    tried: dict[int, int] = {}  # node id -> the record it last could not serve: not asked again for it
+    lacking: dict[int, int] = {}  # node id -> the record it said it does not hold (gone, or not held)
+    gone: dict[int, tuple[int, int]] = {}  # node id -> records [a, b) it said are gone from its log
+    while at < spec.hi:
+        pending = [t for t in _in_reach_first(spec.targets) if tried.get(t[0]) != at]
+        if not pending:  # every holder was asked for `at`: none served it
+            at = _past_gone(spec, at, gone, lacking, failures)
+            continue
+        for node_id, target in pending:
+            # records some holder said are gone are asked of the others alone: one that holds them may
+            # not hold the records after them yet (a copy not that far)
+            to = min((b for a, b in gone.values() if a == at), default=spec.hi)
+            read = _Progress(at)
+            try:
+                yield from _read_holder(spec, target, credentials, timeout, read, to)
+            except grpc.RpcError as exc:
+                at = read.at
+                failures.append(f"node {node_id} ({target}): {describe(exc)}")
+                code = _failed(exc, target)
+                if code in _NOT_HELD:
+                    lacking[node_id] = at
+                if code is not None and code not in _RETRY_ELSEWHERE:
+                    raise _unreadable(spec, at, failures) from None
+            except (_BadChunk, pa.ArrowInvalid) as exc:
+                at = read.at
+                failures.append(f"node {node_id} ({target}): a bad chunk: {exc}")
+            else:
+                at = read.at
                 _reached(target)
                 if at >= spec.hi:
                     return
-                failures.append(f"node {node_id} ({target}): ended at record {at}")
-        except grpc.RpcError as exc:
-            code = exc.code() if isinstance(exc, grpc.Call) else None
-            failures.append(f"node {node_id} ({target}): {describe(exc)}")
-            if code in _UNREACHABLE_CODES:
-                _note_unreachable(target)  # the next tasks go to its copies first
-            elif code is not None:
-                _reached(target)  # it answered (a missing range, a refusal): it is up
-            if code is not None and code not in _RETRY_ELSEWHERE:
-                break
-        except (_BadChunk, pa.ArrowInvalid) as exc:
-            failures.append(f"node {node_id} ({target}): a bad chunk: {exc}")
-        if failures:
+                if at >= to:
+                    break  # records another holder lacked: the rest from the first holder again
+                if read.gone is not None:
+                    gone[node_id] = (at, read.gone)
+                    lacking[node_id] = at
+                    failures.append(
+                        f"node {node_id} ({target}): records {at}..{read.gone - 1} are gone from its log"
+                    )
+                else:
+                    failures.append(f"node {node_id} ({target}): ended at record {at}")
+            tried[node_id] = at
             log.info("reading %s/%d at %d: %s; next holder", spec.stream, spec.owner, at, failures[-1])
-    raise PartitionUnreadableError(
+
+
+def _failed(exc: grpc.RpcError, target: str) -> grpc.StatusCode | None:
+    """Note what a holder's failed read says of its reach; its status code (None: no status)."""
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    if code in _UNREACHABLE_CODES:
+        _note_unreachable(target)  # the next tasks go to its copies first
+    elif code is not None:
+        _reached(target)  # it answered (a missing range, a refusal): it is up
+    return code
+
+
+@dataclass
+class _Progress:
+    """How far one holder's ReadBlocks call got (it may fail part way)."""
+
+    at: int
+    """The next record due."""
+    gone: int | None = None
+    """The holder said records [at, gone) are gone from its log (and the call was left there)."""
+
+
+def _read_holder(  # noqa: PLR0917 - one holder's call of read_range
+    spec: RangeSpec, target: str, credentials: Credentials, timeout: float, read: _Progress, to: int
+) -> Iterator[pa.RecordBatch]:
+    """Records [read.at, to) from one holder, as far as it serves them, `read` kept up to date."""
+    with credentials.sync_channel(target, _READ_CHANNEL) as channel:
+        request = pb.ReadBlocksRequest(
+            stream=spec.stream,
+            owner=spec.owner,
+            from_offset=read.at,
+            to_offset=to,
+            incarnation=spec.incarnation,
+            report_gone=True,
+        )
+        chunks = pb_grpc.BlocksStub(channel).ReadBlocks(
+            request, timeout=timeout, metadata=credentials.metadata
+        )
+        for chunk in chunks:
+            if chunk.gone:
+                if chunk.first_offset != read.at or chunk.count <= 0 or read.at + chunk.count > to:
+                    raise _BadChunk(f"records {chunk.first_offset}+{chunk.count} said gone at {read.at}")
+                read.gone = read.at + chunk.count
+                return  # the channel's close ends the call: the records after them may be another's
+            # whole chunks only: a holder failing part way leaves no half chunk given
+            batches = _chunk_batches(chunk, spec, read.at, to)
+            yield from batches
+            read.at += chunk.count
+
+
+_NOT_HELD = frozenset({grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND})
+"""Codes by which a holder says it does not hold a range (released, not copied, another log): it was up
+and answered, so records it lacks and another holder says are gone are not merely out of reach."""
+
+
+def _unreadable(spec: RangeSpec, at: int, failures: Sequence[str]) -> PartitionUnreadableError:
+    return PartitionUnreadableError(
         f"sluice source: no holder of partition {spec.stream!r}/{spec.owner} served records "
         f"{at}..{spec.hi - 1} (of {spec.lo}..{spec.hi - 1}): " + "; ".join(failures or ["no holder known"])
     )
+
+
+def _past_gone(
+    spec: RangeSpec,
+    at: int,
+    gone: Mapping[int, tuple[int, int]],
+    lacking: Mapping[int, int],
+    failures: Sequence[str],
+) -> int:
+    """No holder served record `at`. Records from there that some holder said are gone from its log,
+    while every other holder said it does not hold them: DataLossError, or with failOnDataLoss=false a
+    WARNING and where the read goes on. Else (a holder down or failing: it may hold them)
+    PartitionUnreadableError."""
+    said = {n: b for n, (a, b) in gone.items() if a == at}
+    if not said or any(lacking.get(n) != at for n, _ in spec.targets):
+        raise _unreadable(spec, at, failures)
+    end = min(said.values())
+    nodes = " and ".join(f"node {n}" for n in sorted(said))
+    others = [f"node {n}" for n, _ in spec.targets if n not in said]
+    what = (
+        f"records {at}..{end - 1} of node {spec.owner}'s log of stream {spec.stream!r} (partition "
+        f"{partition_key(spec.stream, spec.owner)}) are gone from the log of {nodes}, and "
+        + (f"{', '.join(others)} said it does not hold them" if others else "no other node holds them")
+        + ": blocks a start under --fsync off went on without (that start said so in an ERROR and "
+        "counted them in sluice_wal_lost_blocks_total)"
+    )
+    if spec.fail_on_data_loss:
+        raise DataLossError(
+            f"sluice source: data loss: {what}. Set the source option failOnDataLoss=false (a cluster's "
+            "driver: `sluice serve --role driver --no-fail-on-data-loss`) to read the records there and "
+            "skip the missing ones"
+        )
+    log.warning(
+        "sluice source: data loss: %s. failOnDataLoss=false: the task reads the records after them", what
+    )
+    return end
 
 
 class _BadChunk(Exception):
     pass
 
 
-def _chunk_batches(chunk: pb.BlockChunk, spec: RangeSpec, at: int) -> list[pa.RecordBatch]:
-    """A chunk's rows as ARROW_SCHEMA batches, if it is the one due at `at` and says what it holds."""
-    if chunk.first_offset != at or chunk.count <= 0 or at + chunk.count > spec.hi:
+def _chunk_batches(chunk: pb.BlockChunk, spec: RangeSpec, at: int, to: int) -> list[pa.RecordBatch]:
+    """A chunk's rows as ARROW_SCHEMA batches, if it is the one due at `at` (of a read up to `to`) and
+    says what it holds."""
+    if chunk.first_offset != at or chunk.count <= 0 or at + chunk.count > to:
         raise _BadChunk(f"records {chunk.first_offset}+{chunk.count} where {at} was next")
     batches = []
     got = at

@@ -465,6 +465,7 @@ class ReadBlocksRequest(_message.Message):
     FROM_OFFSET_FIELD_NUMBER: _builtins.int
     TO_OFFSET_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
+    REPORT_GONE_FIELD_NUMBER: _builtins.int
     stream: _builtins.str
     owner: _builtins.int
     from_offset: _builtins.int
@@ -472,6 +473,12 @@ class ReadBlocksRequest(_message.Message):
     incarnation: _builtins.str
     """Read only from this incarnation of the partition's log (PartitionInfo.incarnation): a holder
     whose log is another one says FAILED_PRECONDITION. Empty: any.
+    """
+    report_gone: _builtins.bool
+    """Records missing from the middle of the holder's log (blocks it went on without: a start under
+    --fsync off after a power loss), between blocks it holds and above what it released, are said
+    in-band, as a BlockChunk with gone set, and the records after them follow. False (a reader that
+    predates it): such a range is FAILED_PRECONDITION, as one the holder does not hold.
     """
     def __init__(
         self,
@@ -481,10 +488,11 @@ class ReadBlocksRequest(_message.Message):
         from_offset: _builtins.int = ...,
         to_offset: _builtins.int = ...,
         incarnation: _builtins.str = ...,
+        report_gone: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_offset", b"from_offset", "incarnation", b"incarnation", "owner", b"owner", "stream", b"stream", "to_offset", b"to_offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["from_offset", b"from_offset", "incarnation", b"incarnation", "owner", b"owner", "report_gone", b"report_gone", "stream", b"stream", "to_offset", b"to_offset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -501,19 +509,25 @@ class BlockChunk(_message.Message):
     FIRST_OFFSET_FIELD_NUMBER: _builtins.int
     COUNT_FIELD_NUMBER: _builtins.int
     ARROW_IPC_FIELD_NUMBER: _builtins.int
+    GONE_FIELD_NUMBER: _builtins.int
     first_offset: _builtins.int
     count: _builtins.int
     arrow_ipc: _builtins.bytes
+    gone: _builtins.bool
+    """No rows (arrow_ipc empty): records [first_offset, first_offset + count) are gone from this
+    holder's log (ReadBlocksRequest.report_gone). Another holder may still have them.
+    """
     def __init__(
         self,
         *,
         first_offset: _builtins.int = ...,
         count: _builtins.int = ...,
         arrow_ipc: _builtins.bytes = ...,
+        gone: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrow_ipc", b"arrow_ipc", "count", b"count", "first_offset", b"first_offset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrow_ipc", b"arrow_ipc", "count", b"count", "first_offset", b"first_offset", "gone", b"gone"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
