@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import re
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -31,7 +30,7 @@ from ingest.config import (
 )
 from ratecontrol import ESTIMATORS, MAX_RATE
 from receivers.errors import cut, printable
-from receivers.files import DataDirStateError, read_json, replace_json
+from receivers.files import DataDirStateError, present, read_json, replace_json
 from receivers.sizes import parse_size
 
 log = logging.getLogger(__name__)
@@ -345,7 +344,7 @@ class RuntimeConfig:
 
     def _load(self) -> None:
         try:
-            if not os.path.lexists(self.path):  # a symlink to nowhere: refused by read_json, named
+            if not present(self.path):  # a symlink to nowhere: refused by read_json, named
                 return
         except OSError as exc:  # a data dir no one may search, a path too long: one line, not a traceback
             raise SettingError(f"{self.path}: cannot read the runtime settings: {exc.strerror}") from None

@@ -20,11 +20,10 @@ named by the flags again at the next start, it is served.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from receivers.files import DataDirStateError, read_json, replace_json
+from receivers.files import DataDirStateError, present, read_json, replace_json
 from receivers.names import check_stream_name
 
 log = logging.getLogger(__name__)
@@ -51,7 +50,7 @@ class StreamRegistry:
         self._load(command_line)
 
     def _load(self, command_line: Sequence[str]) -> None:
-        if not os.path.lexists(self.path):  # a symlink to nowhere is a file that cannot be read (read_json)
+        if not present(self.path):  # a symlink to nowhere is a file that cannot be read (read_json)
             return  # (`null` in the file is not "no file": it is refused below)
         data = read_json(
             self.path,

@@ -45,6 +45,16 @@ def broken_link(path: Path | str) -> BrokenLinkError | None:
     return BrokenLinkError(errno.ENOENT, f"a symlink to {target}, which does not exist", str(path))
 
 
+def present(path: Path | str) -> bool:
+    """Whether `path` names anything, a symlink to nowhere too (os.path.lexists, but an error other than
+    "no such file" raises: a path too long or a folder no one may search is not an absent file)."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    return True
+
+
 def check_regular(fd: int, path: Path | str) -> None:
     """Raise IsADirectoryError when `fd` (opened from `path`) is a folder, NotARegularFileError when it
     is anything else but a regular file."""
