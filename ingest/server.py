@@ -312,8 +312,8 @@ class SluiceServer:
 
     def unread(self, start: Mapping[str, int]) -> bool:
         for stream in self.streams.read_by_query:
-            blocks = self.store.blocks(stream)
-            if blocks and blocks[-1].end_offset > start.get(stream, 0):
+            extent = self.store.extent(stream)
+            if extent is not None and extent[1] > start.get(stream, 0):
                 return True
         return False
 
@@ -640,8 +640,8 @@ class SluiceServer:
     def _check_drained(self) -> None:
         done = []
         for stream in self.streams.of(DRAINING):
-            blocks = self.store.blocks(stream)
-            if not blocks or self.committed.get(stream, -1) >= blocks[-1].end_offset:
+            extent = self.store.extent(stream)
+            if extent is None or self.committed.get(stream, -1) >= extent[1]:
                 done.append(stream)
         if done:
             try:
@@ -654,11 +654,11 @@ class SluiceServer:
 
     def stream_backlog(self, stream: str) -> int:
         """Records of `stream` in the log past what Spark committed (as far as this run knows)."""
-        blocks = self.store.blocks(stream)
-        if not blocks:
+        extent = self.store.extent(stream)
+        if extent is None:
             return 0
-        start = max(blocks[0].first_offset, self.committed.get(stream, 0))
-        return max(0, blocks[-1].end_offset - start)
+        start = max(extent[0], self.committed.get(stream, 0))
+        return max(0, extent[1] - start)
 
     @property
     def transport(self) -> str:

@@ -65,6 +65,12 @@ class BlockStore(ABC):
     def blocks(self, stream: str, from_seq: int = 0) -> list[BlockInfo]:
         """The sealed blocks of `stream` with seq >= from_seq, in order."""
 
+    def extent(self, stream: str) -> tuple[int, int] | None:
+        """(the first block's first offset, the last block's end offset) of blocks(stream), or None when
+        it lists none: what a backlog needs, which a store may know without listing every block."""
+        blocks = self.blocks(stream)
+        return (blocks[0].first_offset, blocks[-1].end_offset) if blocks else None
+
     @abstractmethod
     def read(self, block: BlockInfo) -> Iterator[pa.RecordBatch]:
         """The record batches of a sealed block, with BLOCK_SCHEMA."""

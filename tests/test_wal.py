@@ -165,6 +165,30 @@ def test_segments_roll_and_release_deletes_only_whole_old_segments(tmp_path: Pat
     assert [b.seq for b in restarted.blocks("s")] == [12]
 
 
+def listed_extent(store: WalBlockStore, stream: str = "s") -> tuple[int, int] | None:
+    blocks = store.blocks(stream)
+    return (blocks[0].first_offset, blocks[-1].end_offset) if blocks else None
+
+
+def test_the_extent_is_what_the_listing_gives_through_rolls_and_releases(tmp_path: Path) -> None:
+    """extent() reads the first segment with unreleased blocks and the last one, not every block: it
+    must still be the listing's first and last (a backlog, a drain, the status page rest on it)."""
+    store = WalBlockStore(tmp_path, fsync=OFF, segment_bytes=1500, direct_io=False)
+    assert store.extent("s") is None  # no folder yet
+    store.recover("s")
+    assert store.extent("s") is None  # a folder, no block
+    fill(store, 12, per_block=20)
+    assert len(segments(tmp_path)) >= 3
+    assert store.extent("s") == listed_extent(store) == (0, 240)
+    for cut in (1, 4, 5, 9, 11, 12):  # within segments, at their starts, everything
+        store.release("s", cut)
+        assert store.extent("s") == listed_extent(store), cut
+        assert WalBlockStore(tmp_path).extent("s") == listed_extent(store), cut  # another process's view
+    assert store.extent("s") is None
+    fill(store, 3, per_block=7)
+    assert store.extent("s") == listed_extent(store) == (240, 261)
+
+
 # ---- recovery ------------------------------------------------------------------------------------
 
 
