@@ -15,16 +15,18 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
-from prometheus_client.registry import Collector
-
+from ingest.metrics import SluiceCollector
 from ingest.rate_controller import RateController
 from receivers.receiver import Receiver
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+_SAMPLED = ("records_received", "buffered_records", "buffered_bytes", "wal_disk_bytes")
+"""The families a history point is made of."""
 
 HISTORY = 300
 """Points of history kept: seconds of once-a-second samples, and completed batches."""
@@ -82,7 +84,7 @@ class StatusBoard:
 
     def __init__(
         self,
-        collector: Collector,
+        collector: SluiceCollector,
         rate: RateController,
         receivers: Mapping[str, Receiver],
         *,
@@ -157,10 +159,11 @@ class StatusBoard:
             )
             self._failing_since, self._failures = None, 0
 
-    def _stream_values(self) -> dict[str, dict[str, float]]:
-        """Sample name (without sluice_) -> stream -> value, as /metrics shows them now."""
+    def _stream_values(self, only: Collection[str] | None = None) -> dict[str, dict[str, float]]:
+        """Sample name (without sluice_) -> stream -> value, as /metrics shows them now; `only`: of
+        these families (SluiceCollector.collect)."""
         values: dict[str, dict[str, float]] = {}
-        for family in self._collector.collect():
+        for family in self._collector.collect(only):
             for sample in family.samples:
                 stream = sample.labels.get("stream")
                 if stream is None or len(sample.labels) != 1:
@@ -171,7 +174,7 @@ class StatusBoard:
     def sample(self, now: float | None = None) -> None:
         """Add a history point: input rates since the last sample, the rate, buffers, the block log."""
         now = time.time() if now is None else now
-        values = self._stream_values()
+        values = self._stream_values(_SAMPLED)
         received = dict(values.get("records_received_total", {}))
         last, self._last = self._last, _Sample(now, received)
         rates: dict[str, float | None] = {}
