@@ -45,6 +45,9 @@ STOP_WAIT = 2.0
 """At most this long, on stop, for the Replicate handlers to end (a copy being stored is finished)."""
 MARK_WAIT = 5.0
 MAX_MARK_KEYS = 1000
+MAX_POSITION = 2**62
+"""A copied block's seq and the record offset after it, at most: far past any log's, and what is
+computed from them (the seq after it, ListPartitions' offsets) stays within the wire's int64."""
 MAX_BLOCK_BYTES = 2**31 - 1
 """A copied block's payload, at most (its offsets are int32; a receiver's memory budget bounds it far
 below this)."""
@@ -69,7 +72,7 @@ def _check_payload(block: RawBlock) -> None:
 
 def _known(values: Mapping[str, int], streams: list[str]) -> dict[str, int]:
     """The entries for streams served here with a sane seq (others are ignored, not stored)."""
-    return {s: n for s, n in values.items() if s in streams and 0 <= n < 2**62}
+    return {s: n for s, n in values.items() if s in streams and 0 <= n < MAX_POSITION}
 
 
 def _log_set_aside(aside: SetAside) -> None:
@@ -301,6 +304,13 @@ class ReplicationService:
             )
         if block.seq < 0 or block.first_offset < 0 or block.count < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "negative seq, offset or count")
+        if block.seq >= MAX_POSITION or block.first_offset + block.count > MAX_POSITION:
+            # stored, it made every ListPartitions of this node fail (its end offset past int64)
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"block {block.seq} of stream {block.stream!r} (records {block.first_offset}.."
+                f"{block.first_offset + block.count - 1}) is past seq or offset {MAX_POSITION}",
+            )
         copy = RawBlock(
             block.seq,
             block.first_offset,

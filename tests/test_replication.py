@@ -21,7 +21,7 @@ import pytest
 
 from ingest.server import SluiceServer
 from receivers import wal
-from receivers.block import BLOCK_SCHEMA
+from receivers.block import BLOCK_SCHEMA, PLAIN_SCHEMA
 from receivers.block_store import BlockStore
 from receivers.cluster import Cluster, ClusterConfigError, Node, parse_nodes
 from receivers.producer_marks import ASK_TIMEOUT
@@ -357,6 +357,41 @@ async def test_a_replication_stream_out_of_order_or_with_a_bad_block_is_refused_
             assert code == status and words in details, (code, details)
         node = servers[0].node
         assert node is not None and node.replicas.blocks(1, "s") == []
+
+
+async def test_a_copied_block_past_the_offset_range_is_refused_and_every_listing_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A block whose records would end past int64 (a forged or broken owner) was stored and acked, and
+    from then on every ListPartitions of the follower failed UNKNOWN (its end offset did not fit the
+    answer), with a traceback in its log, for the driver and `sluice status` alike, until its copy was
+    removed by hand."""
+    clusters = loopback_cluster(2, replication=2)
+    async with nodes(tmp_path, clusters, skip=frozenset({1})) as servers:
+        sink = pa.BufferOutputStream()
+        row = pa.table({"key": [None], "value": [b"v"], "timestamp": [0]}, schema=PLAIN_SCHEMA)
+        with pa.ipc.new_stream(sink, PLAIN_SCHEMA) as writer:
+            writer.write_table(row)
+        one = sink.getvalue().to_pybytes()
+        hello = pb.ReplicateRequest(hello=pb.ReplicaHello(owner=1, nodes=2, replication=2))
+        for seq, first in ((0, 2**63 - 1), (0, 2**62), (2**63 - 1, 0)):
+            block = pb.ReplicaBlock(stream="s", seq=seq, first_offset=first, count=1, arrow_ipc=one)
+            commit = pb.ReplicateRequest(commit=pb.ReplicaCommit(committed_seq={"s": 1}))
+            async with grpc.aio.insecure_channel(clusters[0].me.target) as channel:
+                call = pb_grpc.ReplicationStub(channel).Replicate()
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    for message in (hello, pb.ReplicateRequest(block=block), commit):
+                        await call.write(message)
+                    await call.done_writing()
+                    async for _ in call:
+                        pass
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+                assert f"block {seq} of stream 's'" in (info.value.details() or "")
+            node = servers[0].node
+            assert node is not None and node.replicas.blocks(1, "s") == []
+            async with grpc.aio.insecure_channel(clusters[0].me.target) as channel:
+                listed = await pb_grpc.BlocksStub(channel).ListPartitions(pb.ListPartitionsRequest())
+            assert {p.owner for p in listed.partitions} == {0, 1}
 
 
 async def test_a_lagging_follower_keeps_its_copy_across_an_owners_lost_log(tmp_path: Path) -> None:
