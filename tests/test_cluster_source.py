@@ -27,6 +27,7 @@ from ingest.spark.cluster_source import (
     ClusterStreamReader,
     ClusterView,
     DriverFencedError,
+    NodeListError,
     PartitionUnreadableError,
     RangeSpec,
     flatten,
@@ -299,6 +300,34 @@ async def test_a_holder_that_is_down_is_skipped_for_its_copy(tmp_path: Path) -> 
         assert end["s"]["0"] == 200
         parts = await asyncio.to_thread(r.partitions, initial, end)
         assert [n for n, _ in parts[0].spec.targets] == [1]
+
+
+async def test_a_receivers_list_that_disagrees_with_the_nodes_ids_is_refused_naming_them(
+    tmp_path: Path,
+) -> None:
+    """The source took each node's answer as it came: a list naming one node's address twice read that
+    node's partitions and never another's (its acked records left unread, not a word), and a list with
+    two ids swapped sent every read to a node that does not hold the range. A node's answer names its
+    id: a list that disagrees stops planning, and the driver's start, with both ids and the address."""
+    clusters = loopback_cluster(3)
+    async with nodes(tmp_path, clusters) as servers:
+        for node_id, server in servers.items():
+            await push(server.target, 10, f"n{node_id}")
+        a, b, c = (cluster.me.target for cluster in clusters)
+        again = a.replace("127.0.0.1", "localhost")  # node 0 by another name
+        for listed, words in (
+            ({0: a, 1: b, 2: again}, f"{again}, listed as node 2, is node 0"),
+            ({0: b, 1: a, 2: c}, f"{b}, listed as node 0, is node 1; {a}, listed as node 1, is node 0"),
+        ):
+            receivers = ",".join(f"{n}={t}" for n, t in listed.items())
+            r = ClusterStreamReader({"receivers": receivers, "streams": "s"})
+            with pytest.raises(NodeListError) as caught:
+                await asyncio.to_thread(r.initialOffset)
+            assert words in str(caught.value), caught.value
+            assert "--node-id" in str(caught.value)
+        # the list as the nodes have it plans every node's partition
+        initial = await asyncio.to_thread(reader(clusters).initialOffset)
+        assert plain(initial) == {"s": {"0": 0, "1": 0, "2": 0}}
 
 
 async def test_no_holder_serving_the_range_names_every_holders_error(tmp_path: Path) -> None:

@@ -180,6 +180,11 @@ class ClusterRefusedError(RuntimeError):
     """Each node's refusal, "node N (target): CODE: details"."""
 
 
+class NodeListError(RuntimeError):
+    """A target of the receivers list answered as another node than the list names it: the list
+    disagrees with the nodes' own (each node's --node-id)."""
+
+
 _REFUSED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 
 
@@ -668,6 +673,7 @@ class BlocksClient:
         calls = {n: self._pool.submit(self._list, n, request, timeout) for n in self.nodes}
         refused: list[str] = []
         held: list[str] = []
+        misnamed: list[str] = []
         for node_id, call in calls.items():
             try:
                 response = call.result()
@@ -687,10 +693,24 @@ class BlocksClient:
                     )
                 self._failing.add(node_id)
                 continue
+            if response.node_id != node_id:
+                # taken as it came, a node listed twice hid another node's partitions (never read, not a
+                # word), and a swapped pair sent every read to a node that does not hold the records
+                misnamed.append(
+                    f"{self.nodes[node_id]}, listed as node {node_id}, is node {response.node_id}"
+                )
+                continue
             if node_id in self._failing:
                 log.info("receiver node %d (%s) answers again", node_id, self.nodes[node_id])
                 self._failing.discard(node_id)
             view.add(response, streams)
+        if misnamed:
+            self.give_back()
+            raise NodeListError(
+                "sluice source: the receivers list disagrees with the receiver nodes' own ids "
+                f"(their --node-id): {'; '.join(misnamed)}. Correct the list (the driver's --nodes file, "
+                "or the receivers option)"
+            )
         if held:
             self.fenced = "; ".join(held)
             self.give_back()  # the nodes that took this driver would lock the one running out
