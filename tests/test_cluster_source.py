@@ -308,9 +308,14 @@ async def test_a_receivers_list_that_disagrees_with_the_nodes_ids_is_refused_nam
     """The source took each node's answer as it came: a list naming one node's address twice read that
     node's partitions and never another's (its acked records left unread, not a word), and a list with
     two ids swapped sent every read to a node that does not hold the range. A node's answer names its
-    id: a list that disagrees stops planning, and the driver's start, with both ids and the address."""
+    id: a list that disagrees stops planning, and the driver's start, with both ids and the address. So
+    does an address that serves no Blocks (a single `sluice serve`): before, a WARNING at each plan said
+    its partitions were read from their copies, and the query went on reading nothing of it."""
     clusters = loopback_cluster(3)
-    async with nodes(tmp_path, clusters) as servers:
+    async with (
+        nodes(tmp_path, clusters) as servers,
+        running_server(tmp_path / "single", "s") as single,
+    ):
         for node_id, server in servers.items():
             await push(server.target, 10, f"n{node_id}")
         a, b, c = (cluster.me.target for cluster in clusters)
@@ -318,6 +323,7 @@ async def test_a_receivers_list_that_disagrees_with_the_nodes_ids_is_refused_nam
         for listed, words in (
             ({0: a, 1: b, 2: again}, f"{again}, listed as node 2, is node 0"),
             ({0: b, 1: a, 2: c}, f"{b}, listed as node 0, is node 1; {a}, listed as node 1, is node 0"),
+            ({0: a, 1: b, 2: single.target}, f"{single.target}, listed as node 2, serves no Blocks"),
         ):
             receivers = ",".join(f"{n}={t}" for n, t in listed.items())
             r = ClusterStreamReader({"receivers": receivers, "streams": "s"})

@@ -181,8 +181,8 @@ class ClusterRefusedError(RuntimeError):
 
 
 class NodeListError(RuntimeError):
-    """A target of the receivers list answered as another node than the list names it: the list
-    disagrees with the nodes' own (each node's --node-id)."""
+    """A target of the receivers list answered as another node than the list names it, or serves no
+    Blocks (not a receiver node): the list disagrees with the nodes (each node's --node-id)."""
 
 
 _REFUSED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
@@ -683,6 +683,13 @@ class BlocksClient:
                     continue
                 if isinstance(exc, grpc.Call) and exc.code() in _REFUSED:
                     refused.append(f"node {node_id} ({self.nodes[node_id]}): {describe(exc)}")
+                if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    # no outage that passes: the query read nothing of it, for ever, under a WARNING
+                    misnamed.append(
+                        f"{self.nodes[node_id]}, listed as node {node_id}, serves no Blocks: not a "
+                        "receiver node (a single `sluice serve`, a driver, another service?)"
+                    )
+                    continue
                 if node_id not in self._failing:
                     log.warning(
                         "receiver node %d (%s) did not list its partitions (%s): its partitions are read "
@@ -707,9 +714,9 @@ class BlocksClient:
         if misnamed:
             self.give_back()
             raise NodeListError(
-                "sluice source: the receivers list disagrees with the receiver nodes' own ids "
-                f"(their --node-id): {'; '.join(misnamed)}. Correct the list (the driver's --nodes file, "
-                "or the receivers option)"
+                "sluice source: the receivers list disagrees with the receiver nodes (their own "
+                f"--node-id): {'; '.join(misnamed)}. Correct the list (the driver's --nodes file, or the "
+                "receivers option)"
             )
         if held:
             self.fenced = "; ".join(held)
