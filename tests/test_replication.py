@@ -190,6 +190,30 @@ async def test_a_follower_that_refuses_is_named_with_its_reason(
         assert "node 1 down: FAILED_PRECONDITION" in node.replicator.status()
 
 
+async def test_a_follower_that_refuses_a_block_after_the_hello_is_said_once_not_at_each_retry(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A follower that takes the hello and then refuses a block (here one of a stream it does not serve:
+    the nodes were given different --stream flags) was logged at WARNING at every reconnect, every 2 s
+    for as long as it lasted: each hello that went through cleared the error the refusal was compared
+    with. Said once; again only once the follower was in sync in between."""
+    caplog.set_level(logging.WARNING, logger="receivers.replication")
+    clusters = loopback_cluster(2, replication=2, min_insync=1)
+    async with contextlib.AsyncExitStack() as stack:
+        for cluster, streams in zip(clusters, (("s", "t"), ("s",)), strict=True):
+            port = int(cluster.me.target.rsplit(":", 1)[1])
+            await stack.enter_async_context(
+                running_server(tmp_path / f"node{cluster.me.id}", *streams, cluster=cluster, port=port)
+            )
+        async with Producer(clusters[0].me.target, "t", producer_id="p", linger=0) as producer:
+            await producer.send_many(values(10))
+            await producer.flush(timeout=10)
+        refusal = "follower 1 ({}) refuses replication: FAILED_PRECONDITION: stream 't' is not served here"
+        await wait_until(lambda: refusal.format(clusters[1].me.target) in caplog.text, timeout=20)
+        await asyncio.sleep(6)  # reconnects at 0.1, 0.2, 0.4, 0.8, 1.6, then every 2 s
+        assert caplog.text.count("refuses replication") == 1, caplog.text
+
+
 async def test_both_nodes_of_a_configuration_mismatch_say_it_once_and_count_it(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
