@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,8 +70,11 @@ class BlocksService:
         store: BlockStore,
         local: WalBlockStore,
         replicas: ReplicaStore | None = None,
+        *,
+        nodes: Sequence[int] = (),
     ) -> None:
         self._node_id = node_id
+        self._nodes = list(nodes)  # the ids of this node's node list, told to readers
         self._receivers = receivers
         self._store = store  # this node's partitions, as readable (committed) blocks
         self._local = local
@@ -124,7 +127,7 @@ class BlocksService:
         if request.seal_blocks:
             await self._seal(streams)
         partitions = await asyncio.to_thread(self._partitions, streams)
-        return pb.ListPartitionsResponse(node_id=self._node_id, partitions=partitions)
+        return pb.ListPartitionsResponse(node_id=self._node_id, partitions=partitions, nodes=self._nodes)
 
     async def _seal(self, streams: list[str]) -> None:
         seals = [self._receivers[s].seal_now() for s in streams]

@@ -310,7 +310,9 @@ async def test_a_receivers_list_that_disagrees_with_the_nodes_ids_is_refused_nam
     two ids swapped sent every read to a node that does not hold the range. A node's answer names its
     id: a list that disagrees stops planning, and the driver's start, with both ids and the address. So
     does an address that serves no Blocks (a single `sluice serve`): before, a WARNING at each plan said
-    its partitions were read from their copies, and the query went on reading nothing of it."""
+    its partitions were read from their copies, and the query went on reading nothing of it. And a list
+    that lacks a node of the nodes' own (a node added to the cluster, the driver's file not changed):
+    under replication 1 its partitions were never read, without a word."""
     clusters = loopback_cluster(3)
     async with (
         nodes(tmp_path, clusters) as servers,
@@ -324,6 +326,7 @@ async def test_a_receivers_list_that_disagrees_with_the_nodes_ids_is_refused_nam
             ({0: a, 1: b, 2: again}, f"{again}, listed as node 2, is node 0"),
             ({0: b, 1: a, 2: c}, f"{b}, listed as node 0, is node 1; {a}, listed as node 1, is node 0"),
             ({0: a, 1: b, 2: single.target}, f"{single.target}, listed as node 2, serves no Blocks"),
+            ({0: a, 1: b}, f"node 0 ({a}) has node(s) 2 in its own node list, and this list does not"),
         ):
             receivers = ",".join(f"{n}={t}" for n, t in listed.items())
             r = ClusterStreamReader({"receivers": receivers, "streams": "s"})
@@ -421,8 +424,9 @@ async def test_one_driver_holds_the_nodes_until_its_lease_lapses(
         first = BlocksClient(targets, Credentials(), driver_id=first_id)
         second = BlocksClient(targets, Credentials(), driver_id=driver_id(tmp_path / "second"))
         anyone = BlocksClient(targets, Credentials())  # `sluice status`, a peer: no driver named
-        only_node_0 = BlocksClient({0: targets[0]}, Credentials(), driver_id="0" * 32)
-        only_node_1 = BlocksClient({1: targets[1]}, Credentials(), driver_id="1" * 32)
+        dead = f"127.0.0.1:{free_ports(1)[0]}"  # drivers that reach one node of the two
+        only_node_0 = BlocksClient({0: targets[0], 1: dead}, Credentials(), driver_id="0" * 32)
+        only_node_1 = BlocksClient({0: dead, 1: targets[1]}, Credentials(), driver_id="1" * 32)
         try:
             # refused by one node, a driver gives back what the others granted: it would lock the one
             # running out of them (both down)

@@ -707,6 +707,12 @@ class BlocksClient:
                     f"{self.nodes[node_id]}, listed as node {node_id}, is node {response.node_id}"
                 )
                 continue
+            if unlisted := sorted(set(response.nodes) - set(self.nodes)):
+                # their partitions were never read (their copies' holders, if any listed, read them)
+                misnamed.append(
+                    f"node {node_id} ({self.nodes[node_id]}) has node(s) {', '.join(map(str, unlisted))} "
+                    "in its own node list, and this list does not"
+                )
             if node_id in self._failing:
                 log.info("receiver node %d (%s) answers again", node_id, self.nodes[node_id])
                 self._failing.discard(node_id)
