@@ -4,9 +4,10 @@ ListPartitions says which partitions (stream, owner) this node holds and their r
 (blocks durable on enough copies: receivers.replication) and its copies of other nodes'. ReadBlocks
 streams records [from, to) of one of them as Arrow IPC, a chunk per block; a range this node does not
 hold whole is FAILED_PRECONDITION, so the reader asks another holder. Records gone from the middle of
-this node's log (blocks a start under --fsync off went on without, above its released mark) are said
-in-band instead, when the reader asks so (report_gone): a chunk marked gone, then the records after
-them, so that the reader can tell records no holder has from an outage (its failOnDataLoss).
+this node's log (blocks a start under --fsync off went on without, above its released mark), or from
+its own log's start (between that mark and its oldest block), are said in-band instead, when the
+reader asks so (report_gone): a chunk marked gone, then the records after them, so that the reader can
+tell records no holder has from an outage (its failOnDataLoss).
 ReleaseBlocks drops what Spark committed (idempotent, as the single-node release).
 
 One driver consumes a cluster. A driver names itself on its ListPartitions and ReleaseBlocks calls
@@ -203,10 +204,17 @@ class BlocksService:
             )
         readable = await asyncio.to_thread(self._readable, owner, stream)
         blocks = [b for b in readable if b.end_offset > lo and b.first_offset < hi]
-        # held from before `lo` to past `hi`: records missing in between are a gap in the log's middle
-        spans = bool(readable) and readable[0].first_offset <= lo and readable[-1].end_offset >= hi
-        gaps = _missing(blocks, lo, hi)
         released = await asyncio.to_thread(self._released, owner, stream)
+        # where the log's records start as far as it knows: its oldest block; for this node's own log,
+        # its released mark, below that block when the oldest blocks not released were lost (the log
+        # starts damaged: receivers.wal logs it). Read from the mark, such a range was "not held" on
+        # every holder, and the query stopped there for good whatever failOnDataLoss said.
+        start = readable[0].first_offset if readable else 0
+        if owner == self._node_id:
+            start = min(start, released)
+        # held from before `lo` to past `hi`: records missing in between are a gap in the log
+        spans = bool(readable) and start <= lo and readable[-1].end_offset >= hi
+        gaps = _missing(blocks, lo, hi)
         # a gap above the released mark is records gone from this log (blocks a start under --fsync
         # off went on without); one below it, records released (a copy that missed releases)
         gone = spans and all(b > released for _, b in gaps)

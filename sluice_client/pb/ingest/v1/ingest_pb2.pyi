@@ -484,7 +484,8 @@ class ReadBlocksRequest(_message.Message):
     """
     report_gone: _builtins.bool
     """Records missing from the middle of the holder's log (blocks it went on without: a start under
-    --fsync off after a power loss), between blocks it holds and above what it released, are said
+    --fsync off after a power loss), between blocks it holds and above what it released (or, in the
+    owner's own log, between its released mark and its oldest block), are said
     in-band, as a BlockChunk with gone set, and the records after them follow. False (a reader that
     predates it): such a range is FAILED_PRECONDITION, as one the holder does not hold.
     """
