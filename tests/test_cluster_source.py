@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+import types
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -303,7 +304,7 @@ async def test_a_holder_that_is_down_is_skipped_for_its_copy(tmp_path: Path) -> 
 
 
 async def test_a_receivers_list_that_disagrees_with_the_nodes_ids_is_refused_naming_them(
-    tmp_path: Path,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The source took each node's answer as it came: a list naming one node's address twice read that
     node's partitions and never another's (its acked records left unread, not a word), and a list with
@@ -337,6 +338,16 @@ async def test_a_receivers_list_that_disagrees_with_the_nodes_ids_is_refused_nam
         # the list as the nodes have it plans every node's partition
         initial = await asyncio.to_thread(reader(clusters).initialOffset)
         assert plain(initial) == {"s": {"0": 0, "1": 0, "2": 0}}
+        # the driver stops at its start with one line, before its query would need Spark
+        from ingest.cluster_driver import ClusterDriver, _run
+        from ingest.driver_config import DriverConfig
+
+        config = DriverConfig(nodes={0: a, 1: b}, streams=("s",), data_dir=tmp_path / "driver")
+        no_spark = types.SimpleNamespace(stop=lambda: None)
+        assert await _run(ClusterDriver(config), asyncio.Event(), lambda: no_spark) == 1
+        said = capsys.readouterr().err
+        assert "cannot start the driver: sluice source: the receivers list disagrees" in said, said
+        assert "has node(s) 2 in its own node list" in said and "Traceback" not in said, said
 
 
 async def test_no_holder_serving_the_range_names_every_holders_error(tmp_path: Path) -> None:
