@@ -30,6 +30,7 @@ from receivers.receiver import Receiver
 from receivers.replica_store import (
     OwnerLogLostError,
     ReplicaGapError,
+    ReplicaIncarnationError,
     ReplicaStore,
     SetAside,
     merge_marks,
@@ -286,7 +287,7 @@ class ReplicationService:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             if block is None:  # more of its payload to come
                 continue
-            await self._keep(owner, block, streams, context)
+            await self._keep(owner, block, streams, first.hello.incarnation, context)
             yield pb.ReplicateResponse(ack=pb.ReplicaAck(stream=block.stream, seq=block.seq))
 
     async def _keep(
@@ -294,9 +295,11 @@ class ReplicationService:
         owner: int,
         block: pb.ReplicaBlock,
         streams: list[str],
+        incarnations: Mapping[str, str],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> None:
-        """Check a copied block and store it durably (aborting the call when it cannot be)."""
+        """Check a copied block and store it durably (aborting the call when it cannot be); its log is
+        of the incarnation the stream's hello said (`incarnations`)."""
         if block.stream not in self._receivers:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -320,11 +323,13 @@ class ReplicationService:
             dict(block.producers),
             block.arrow_ipc,
         )
+        incarnation = incarnations.get(block.stream, "")
+        after = block.after_release
         try:
-            await _finished(asyncio.to_thread(self._store, owner, block.stream, copy, block.after_release))
+            await _finished(asyncio.to_thread(self._store, owner, block.stream, copy, after, incarnation))
         except InvalidBlockError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except ReplicaGapError as exc:
+        except (ReplicaGapError, ReplicaIncarnationError) as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:  # the log refused it (seq/offset order): the owner's view is off
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"block refused: {exc}")
@@ -371,9 +376,11 @@ class ReplicationService:
                 )
         await asyncio.to_thread(self._replicas.set_committed, owner, _known(hello.committed_seq, streams))
 
-    def _store(self, owner: int, stream: str, block: RawBlock, after_release: bool) -> None:
+    def _store(self, owner: int, stream: str, block: RawBlock, after_release: bool, incarnation: str) -> None:
         _check_payload(block)  # a copy that cannot be read back would fail Spark's tasks much later
-        self._replicas.append(owner, stream, block, after_release=after_release, sync=self._sync_each)
+        self._replicas.append(
+            owner, stream, block, after_release=after_release, sync=self._sync_each, incarnation=incarnation
+        )
 
     async def _check_hello(
         self, first: pb.ReplicateRequest, context: grpc.aio.ServicerContext[Any, Any]

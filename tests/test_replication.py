@@ -418,6 +418,56 @@ async def test_a_copied_block_past_the_offset_range_is_refused_and_every_listing
             assert {p.owner for p in listed.partitions} == {0, 1}
 
 
+async def test_two_processes_replicating_as_one_node_are_refused_not_acked_unstored(tmp_path: Path) -> None:
+    """Two processes run as node 1 (one --node-id given twice, each with its own node list and data dir):
+    both replicate to node 0, each hello naming its own log's incarnation. The follower took each one's
+    blocks into one copy: the first stream's block 0 was stored, the second's block 0 acked as "here
+    already" without being stored, so that process acked its producers records no follower held. A
+    block whose stream's hello named another incarnation than the copy's now is refused."""
+    clusters = loopback_cluster(2, replication=2)
+    async with nodes(tmp_path, clusters, skip=frozenset({1})) as servers:
+        node = servers[0].node
+        assert node is not None
+
+        def hello(incarnation: str) -> pb.ReplicateRequest:
+            said = pb.ReplicaHello(owner=1, nodes=2, replication=2, incarnation={"s": incarnation})
+            return pb.ReplicateRequest(hello=said)
+
+        def block(tag: bytes) -> pb.ReplicateRequest:
+            sink = pa.BufferOutputStream()
+            rows = pa.table({"key": [None], "value": [tag], "timestamp": [0]}, schema=PLAIN_SCHEMA)
+            with pa.ipc.new_stream(sink, PLAIN_SCHEMA) as writer:
+                writer.write_table(rows)
+            payload = sink.getvalue().to_pybytes()
+            return pb.ReplicateRequest(
+                block=pb.ReplicaBlock(stream="s", seq=0, first_offset=0, count=1, arrow_ipc=payload)
+            )
+
+        async with (
+            grpc.aio.insecure_channel(clusters[0].me.target) as one,
+            grpc.aio.insecure_channel(clusters[0].me.target) as two,
+        ):
+            first = pb_grpc.ReplicationStub(one).Replicate()
+            second = pb_grpc.ReplicationStub(two).Replicate()
+            await first.write(hello("a" * 32))
+            assert (await first.read()).WhichOneof("kind") == "state"
+            await second.write(hello("b" * 32))
+            assert (await second.read()).WhichOneof("kind") == "state"
+            await second.write(block(b"second"))
+            assert (await second.read()).ack == pb.ReplicaAck(stream="s", seq=0)
+            await first.write(block(b"first"))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await first.read()
+            second.cancel()
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"is of incarnation {'b' * 32} now" in (refused.value.details() or ""), refused.value
+        assert "two processes run as node 1" in (refused.value.details() or "")
+        held = node.replicas.blocks(1, "s")
+        assert len(held) == 1
+        stored = pa.Table.from_batches(list(node.replicas.store(1).read(held[0])))
+        assert stored.column("value").to_pylist() == [b"second"]
+
+
 async def test_a_lagging_follower_keeps_its_copy_across_an_owners_lost_log(tmp_path: Path) -> None:
     """Node 0's log is lost while node 1's copy of it lags (node 1 was down): node 0 goes on past node
     2's copy, and the first block it sends node 1 comes after a gap that was never released (no driver
