@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import pyarrow as pa
@@ -41,8 +42,12 @@ from receivers.cluster import DRIVER_HEADER, DRIVER_LEASE_HELD, DRIVER_LEAVING_H
 from receivers.errors import shown
 from receivers.receiver import Receiver
 from receivers.replica_store import ReplicaStore
-from receivers.wal import BlockNotFoundError, WalBlockStore
+from receivers.wal import BlockNotFoundError, WalBlockStore, WalError
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 CHUNK_BYTES = 4 * 1024 * 1024
 """About this many bytes of records per BlockChunk (more when one record is larger)."""
@@ -82,6 +87,25 @@ class BlocksService:
         self._replicas = replicas
         self._lease: _Lease | None = None
         self.lease_seconds = DRIVER_LEASE
+        self._damage_said: set[str] = set()
+
+    async def _read(
+        self, context: grpc.aio.ServicerContext[Any, Any], work: Callable[..., T], *args: Any
+    ) -> T:
+        """`work(*args)` in a thread. A log found damaged (a block that fails its checksum, an
+        incarnation file that holds no incarnation) ends the call INTERNAL with its words, said once in
+        an ERROR line: it escaped as UNKNOWN, with a traceback in the log at every call (the driver's,
+        each second). BlockNotFoundError (released meanwhile) is the caller's."""
+        try:
+            return await asyncio.to_thread(work, *args)
+        except BlockNotFoundError:
+            raise
+        except WalError as exc:
+            if str(exc) not in self._damage_said:
+                self._damage_said.add(str(exc))
+                log.error("cannot serve Blocks: %s", exc)  # noqa: TRY400 - its words say it all
+            await context.abort(grpc.StatusCode.INTERNAL, f"node {self._node_id}: {exc}")
+            raise  # abort raised
 
     async def _hold(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """Take or renew the calling driver's lease (a call naming no driver: nothing to do); abort the
@@ -127,7 +151,7 @@ class BlocksService:
             )
         if request.seal_blocks:
             await self._seal(streams)
-        partitions = await asyncio.to_thread(self._partitions, streams)
+        partitions = await self._read(context, self._partitions, streams)
         return pb.ListPartitionsResponse(node_id=self._node_id, partitions=partitions, nodes=self._nodes)
 
     async def _seal(self, streams: list[str]) -> None:
@@ -195,16 +219,16 @@ class BlocksService:
                 f"node {self._node_id} holds no copy of node {owner}'s blocks",
             )
             return
-        held = await asyncio.to_thread(self._incarnation, owner, stream)
+        held = await self._read(context, self._incarnation, owner, stream)
         if request.incarnation and held and held != request.incarnation:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"node {self._node_id} holds incarnation {held} of node {owner}'s log of stream "
                 f"{stream!r}, not {shown(request.incarnation)}: that log was lost and started afresh",
             )
-        readable = await asyncio.to_thread(self._readable, owner, stream)
+        readable = await self._read(context, self._readable, owner, stream)
         blocks = [b for b in readable if b.end_offset > lo and b.first_offset < hi]
-        released = await asyncio.to_thread(self._released, owner, stream)
+        released = await self._read(context, self._released, owner, stream)
         # where the log's records start as far as it knows: its oldest block; for this node's own log,
         # its released mark, below that block when the oldest blocks not released were lost (the log
         # starts damaged: receivers.wal logs it). Read from the mark, such a range was "not held" on
@@ -235,7 +259,7 @@ class BlocksService:
             if block.first_offset > at:  # a gap (report_gone): said in-band, the records after it follow
                 yield pb.BlockChunk(first_offset=at, count=block.first_offset - at, gone=True)
             try:
-                chunks = await asyncio.to_thread(_chunks, store, block, lo, hi)
+                chunks = await self._read(context, _chunks, store, block, lo, hi)
             except BlockNotFoundError as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
                 return
@@ -258,7 +282,7 @@ class BlocksService:
         store = self._holding(request.owner)
         if store is None:
             return pb.ReleaseBlocksResponse()
-        held = await asyncio.to_thread(self._incarnation, request.owner, request.stream)
+        held = await self._read(context, self._incarnation, request.owner, request.stream)
         if request.incarnation and held and held != request.incarnation:
             # offsets of another log: its records below them were never read
             return pb.ReleaseBlocksResponse()

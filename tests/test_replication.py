@@ -468,6 +468,49 @@ async def test_two_processes_replicating_as_one_node_are_refused_not_acked_unsto
         assert stored.column("value").to_pylist() == [b"second"]
 
 
+async def test_a_damaged_log_is_internal_with_one_error_line_and_the_read_goes_to_a_copy(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A block that fails its checksum on one holder, or an incarnation file that holds no incarnation,
+    escaped from Blocks as UNKNOWN "Unexpected <class ...>", with a traceback in the node's log at every
+    call (ListPartitions: the driver's, each second). Now INTERNAL with the log's own words, said in
+    one ERROR line; a reader goes on to another holder, whose copy is whole."""
+    from ingest.spark.cluster_source import RangeSpec, read_range
+    from sluice_client.credentials import Credentials
+
+    clusters = loopback_cluster(2, replication=2, min_insync=2)
+    async with nodes(tmp_path, clusters) as servers:
+        await wait_until(lambda: servers[0].node is not None and servers[0].node.replicator.can_ack)
+        async with Producer(clusters[0].me.target, "s", producer_id="p", linger=0) as producer:
+            await producer.send_many(values(500))
+            await producer.flush(timeout=10)
+        (segment,) = sorted((tmp_path / "node0" / "blocks" / "s").glob("*.wal"))
+        with segment.open("r+b") as file:  # a byte of block 0's records flipped (bit rot)
+            file.seek(200)
+            byte = file.read(1)
+            file.seek(200)
+            file.write(bytes([byte[0] ^ 0xFF]))
+        for _ in range(2):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await read_partition(clusters[0].me.target, 0, 0, 500)
+            assert info.value.code() == grpc.StatusCode.INTERNAL, info.value
+            assert "node 0: block 0 of stream 's' fails its checksum" in (info.value.details() or "")
+        targets = tuple((c.me.id, c.me.target) for c in clusters)
+        batches = await asyncio.to_thread(
+            lambda: list(read_range(RangeSpec("s", 0, 0, 500, targets), Credentials()))
+        )
+        assert [v for b in batches for v in b.column("value").to_pylist()] == values(500)
+
+        (tmp_path / "node1" / "replicas" / "0" / "s" / "incarnation").write_text("not one!\n")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await partitions(clusters[1].me.target)
+        assert info.value.code() == grpc.StatusCode.INTERNAL, info.value
+        assert "holds 'not one!', not an incarnation" in (info.value.details() or ""), info.value
+    said = [r.getMessage() for r in caplog.records if r.name == "receivers.blocks_service"]
+    assert len(said) == 2 and all(m.startswith("cannot serve Blocks: ") for m in said), said
+    assert "Unexpected" not in caplog.text and "Traceback" not in caplog.text
+
+
 async def test_a_lagging_follower_keeps_its_copy_across_an_owners_lost_log(tmp_path: Path) -> None:
     """Node 0's log is lost while node 1's copy of it lags (node 1 was down): node 0 goes on past node
     2's copy, and the first block it sends node 1 comes after a gap that was never released (no driver
