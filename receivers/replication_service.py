@@ -35,7 +35,7 @@ from receivers.replica_store import (
     SetAside,
     merge_marks,
 )
-from receivers.wal import RawBlock, valid_incarnation
+from receivers.wal import RawBlock, WalError, valid_incarnation
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -187,6 +187,7 @@ class ReplicationService:
         self._handlers = 0  # Replicate calls in progress
         self._idle = asyncio.Event()
         self._idle.set()
+        self._damage_said: set[str] = set()
 
     async def stop(self) -> None:
         """End every Replicate stream UNAVAILABLE ("stopping", which the owner retries quietly) where it
@@ -247,6 +248,21 @@ class ReplicationService:
                 self._idle.set()
 
     async def _replicate(
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.ReplicateResponse]:
+        """The stream; a copy found damaged (an incarnation file that holds no incarnation, a segment
+        that cannot be read) ends it INTERNAL with the log's words, said once in an ERROR line: it
+        escaped as UNKNOWN, with a traceback in this node's log at each of the owner's reconnects."""
+        try:
+            async for response in self._converse(request_iterator, context):
+                yield response
+        except WalError as exc:
+            if str(exc) not in self._damage_said:
+                self._damage_said.add(str(exc))
+                log.error("cannot take copies: %s", exc)  # noqa: TRY400 - its words say it all
+            await context.abort(grpc.StatusCode.INTERNAL, f"node {self._cluster.node_id}: {exc}")
+
+    async def _converse(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.ReplicateResponse]:
         requests = aiter(request_iterator)

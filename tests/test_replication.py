@@ -511,6 +511,31 @@ async def test_a_damaged_log_is_internal_with_one_error_line_and_the_read_goes_t
     assert "Unexpected" not in caplog.text and "Traceback" not in caplog.text
 
 
+async def test_a_damaged_copy_refuses_its_owner_internal_with_one_error_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A follower whose copy's incarnation file holds no incarnation ended each of the owner's Replicate
+    streams UNKNOWN "Unexpected <class ...>", with a traceback in its log at every reconnect (each 2 s).
+    Now INTERNAL with the log's words, said once in an ERROR line on each side."""
+    clusters = loopback_cluster(2, replication=2, min_insync=1)
+    async with nodes(tmp_path, clusters) as servers:
+        await wait_until(lambda: servers[0].node is not None and servers[0].node.replicator.can_ack)
+        async with Producer(clusters[0].me.target, "s", producer_id="p", linger=0) as producer:
+            await producer.send_many(values(50))
+            await producer.flush(timeout=10)
+        marker = tmp_path / "node1" / "replicas" / "0" / "s" / "incarnation"
+        await wait_until(marker.exists)
+        marker.write_text("not one!\n")
+        async with Producer(clusters[0].me.target, "s", producer_id="q", linger=0) as producer:
+            await producer.send_many(values(50))
+            await producer.flush(timeout=10)
+        await wait_until(lambda: "refuses replication: INTERNAL: node 1: " in caplog.text, timeout=20)
+        await asyncio.sleep(5)  # reconnects at 0.1, 0.2, 0.4, 0.8, 1.6, then every 2 s
+    said = [r.getMessage() for r in caplog.records if r.name == "receivers.replication_service"]
+    assert len(said) == 1 and "holds 'not one!', not an incarnation" in said[0], said
+    assert "Unexpected" not in caplog.text and "Traceback" not in caplog.text
+
+
 async def test_a_lagging_follower_keeps_its_copy_across_an_owners_lost_log(tmp_path: Path) -> None:
     """Node 0's log is lost while node 1's copy of it lags (node 1 was down): node 0 goes on past node
     2's copy, and the first block it sends node 1 comes after a gap that was never released (no driver
