@@ -62,6 +62,7 @@ from ingest.spark.cluster_source import (
     BlocksClient,
     ClusterRefusedError,
     DriverFencedError,
+    NodeListError,
     nest,
     split_key,
 )
@@ -172,6 +173,9 @@ class ClusterDriver:
                 view.settle({})  # a copy of a log its owner's replaced is no backlog
             except DriverFencedError as exc:  # another driver took the nodes over: error() says so
                 log.error("another driver holds the receiver nodes: %s", exc)  # noqa: TRY400 - said in one line
+                return
+            except NodeListError as exc:  # no passing failure: the query's next plan stops on it too
+                log.error("%s", exc)  # noqa: TRY400 - said in one line
                 return
             except Exception:  # the brake is advisory: rates go on without it
                 log.exception("cannot look at the nodes' partitions for their backlog")
@@ -561,11 +565,9 @@ async def _run(  # noqa: PLR0911 - one return per way the start ends
         except PipelineStateError as exc:  # pipeline.json, or the pipeline in force does not load
             say(f"cannot start the Spark query: {exc}", level=logging.ERROR)
             return 1
-        except DriverFencedError as exc:
-            say(
-                f"cannot start the driver: another driver holds the receiver nodes: {exc}",
-                level=logging.ERROR,
-            )
+        except (DriverFencedError, NodeListError) as exc:  # NodeListError: the --nodes file is wrong
+            held = "another driver holds the receiver nodes: " if isinstance(exc, DriverFencedError) else ""
+            say(f"cannot start the driver: {held}{exc}", level=logging.ERROR)
             return 1
         except ClusterRefusedError as exc:  # every node that answered refused its credentials
             say(

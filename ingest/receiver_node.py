@@ -109,7 +109,8 @@ class ReceiverNode:
     ) -> None:
         self._receivers = receivers
         me = self.cluster.me.id
-        blocks = BlocksService(me, receivers, self.store, self.local, self.replicas)
+        ids = [n.id for n in self.cluster.nodes]
+        blocks = BlocksService(me, receivers, self.store, self.local, self.replicas, nodes=ids)
         add_parsed_servicer(server, blocks, "Blocks", authenticator=auth)
         sync_each = self._config.fsync.mode == "interval"
         replication = ReplicationService(

@@ -4,9 +4,10 @@ ListPartitions says which partitions (stream, owner) this node holds and their r
 (blocks durable on enough copies: receivers.replication) and its copies of other nodes'. ReadBlocks
 streams records [from, to) of one of them as Arrow IPC, a chunk per block; a range this node does not
 hold whole is FAILED_PRECONDITION, so the reader asks another holder. Records gone from the middle of
-this node's log (blocks a start under --fsync off went on without, above its released mark) are said
-in-band instead, when the reader asks so (report_gone): a chunk marked gone, then the records after
-them, so that the reader can tell records no holder has from an outage (its failOnDataLoss).
+this node's log (blocks a start under --fsync off went on without, above its released mark), or from
+its own log's start (between that mark and its oldest block), are said in-band instead, when the
+reader asks so (report_gone): a chunk marked gone, then the records after them, so that the reader can
+tell records no holder has from an outage (its failOnDataLoss).
 ReleaseBlocks drops what Spark committed (idempotent, as the single-node release).
 
 One driver consumes a cluster. A driver names itself on its ListPartitions and ReleaseBlocks calls
@@ -26,10 +27,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import pyarrow as pa
@@ -40,8 +42,12 @@ from receivers.cluster import DRIVER_HEADER, DRIVER_LEASE_HELD, DRIVER_LEAVING_H
 from receivers.errors import shown
 from receivers.receiver import Receiver
 from receivers.replica_store import ReplicaStore
-from receivers.wal import BlockNotFoundError, WalBlockStore
+from receivers.wal import BlockNotFoundError, WalBlockStore, WalError
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 CHUNK_BYTES = 4 * 1024 * 1024
 """About this many bytes of records per BlockChunk (more when one record is larger)."""
@@ -70,14 +76,36 @@ class BlocksService:
         store: BlockStore,
         local: WalBlockStore,
         replicas: ReplicaStore | None = None,
+        *,
+        nodes: Sequence[int] = (),
     ) -> None:
         self._node_id = node_id
+        self._nodes = list(nodes)  # the ids of this node's node list, told to readers
         self._receivers = receivers
         self._store = store  # this node's partitions, as readable (committed) blocks
         self._local = local
         self._replicas = replicas
         self._lease: _Lease | None = None
         self.lease_seconds = DRIVER_LEASE
+        self._damage_said: set[str] = set()
+
+    async def _read(
+        self, context: grpc.aio.ServicerContext[Any, Any], work: Callable[..., T], *args: Any
+    ) -> T:
+        """`work(*args)` in a thread. A log found damaged (a block that fails its checksum, an
+        incarnation file that holds no incarnation) ends the call INTERNAL with its words, said once in
+        an ERROR line: it escaped as UNKNOWN, with a traceback in the log at every call (the driver's,
+        each second). BlockNotFoundError (released meanwhile) is the caller's."""
+        try:
+            return await asyncio.to_thread(work, *args)
+        except BlockNotFoundError:
+            raise
+        except WalError as exc:
+            if str(exc) not in self._damage_said:
+                self._damage_said.add(str(exc))
+                log.error("cannot serve Blocks: %s", exc)  # noqa: TRY400 - its words say it all
+            await context.abort(grpc.StatusCode.INTERNAL, f"node {self._node_id}: {exc}")
+            raise  # abort raised
 
     async def _hold(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         """Take or renew the calling driver's lease (a call naming no driver: nothing to do); abort the
@@ -123,8 +151,8 @@ class BlocksService:
             )
         if request.seal_blocks:
             await self._seal(streams)
-        partitions = await asyncio.to_thread(self._partitions, streams)
-        return pb.ListPartitionsResponse(node_id=self._node_id, partitions=partitions)
+        partitions = await self._read(context, self._partitions, streams)
+        return pb.ListPartitionsResponse(node_id=self._node_id, partitions=partitions, nodes=self._nodes)
 
     async def _seal(self, streams: list[str]) -> None:
         seals = [self._receivers[s].seal_now() for s in streams]
@@ -191,19 +219,26 @@ class BlocksService:
                 f"node {self._node_id} holds no copy of node {owner}'s blocks",
             )
             return
-        held = await asyncio.to_thread(self._incarnation, owner, stream)
+        held = await self._read(context, self._incarnation, owner, stream)
         if request.incarnation and held and held != request.incarnation:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 f"node {self._node_id} holds incarnation {held} of node {owner}'s log of stream "
                 f"{stream!r}, not {shown(request.incarnation)}: that log was lost and started afresh",
             )
-        readable = await asyncio.to_thread(self._readable, owner, stream)
+        readable = await self._read(context, self._readable, owner, stream)
         blocks = [b for b in readable if b.end_offset > lo and b.first_offset < hi]
-        # held from before `lo` to past `hi`: records missing in between are a gap in the log's middle
-        spans = bool(readable) and readable[0].first_offset <= lo and readable[-1].end_offset >= hi
+        released = await self._read(context, self._released, owner, stream)
+        # where the log's records start as far as it knows: its oldest block; for this node's own log,
+        # its released mark, below that block when the oldest blocks not released were lost (the log
+        # starts damaged: receivers.wal logs it). Read from the mark, such a range was "not held" on
+        # every holder, and the query stopped there for good whatever failOnDataLoss said.
+        start = readable[0].first_offset if readable else 0
+        if owner == self._node_id:
+            start = min(start, released)
+        # held from before `lo` to past `hi`: records missing in between are a gap in the log
+        spans = bool(readable) and start <= lo and readable[-1].end_offset >= hi
         gaps = _missing(blocks, lo, hi)
-        released = await asyncio.to_thread(self._released, owner, stream)
         # a gap above the released mark is records gone from this log (blocks a start under --fsync
         # off went on without); one below it, records released (a copy that missed releases)
         gone = spans and all(b > released for _, b in gaps)
@@ -224,7 +259,7 @@ class BlocksService:
             if block.first_offset > at:  # a gap (report_gone): said in-band, the records after it follow
                 yield pb.BlockChunk(first_offset=at, count=block.first_offset - at, gone=True)
             try:
-                chunks = await asyncio.to_thread(_chunks, store, block, lo, hi)
+                chunks = await self._read(context, _chunks, store, block, lo, hi)
             except BlockNotFoundError as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
                 return
@@ -247,7 +282,7 @@ class BlocksService:
         store = self._holding(request.owner)
         if store is None:
             return pb.ReleaseBlocksResponse()
-        held = await asyncio.to_thread(self._incarnation, request.owner, request.stream)
+        held = await self._read(context, self._incarnation, request.owner, request.stream)
         if request.incarnation and held and held != request.incarnation:
             # offsets of another log: its records below them were never read
             return pb.ReleaseBlocksResponse()

@@ -77,6 +77,11 @@ class ReplicaGapError(ValueError):
     """A block arrived past the end of the copy with the blocks between missing."""
 
 
+class ReplicaIncarnationError(ValueError):
+    """A block sent under one incarnation of the owner's log (its stream's hello) while the copy is now of
+    another (a later stream's hello said so): two processes replicate as the same node."""
+
+
 class ReplicaStore:
     """The copies this node holds, by owner node id."""
 
@@ -117,7 +122,14 @@ class ReplicaStore:
             return self._next_locked(owner, stream)
 
     def append(
-        self, owner: int, stream: str, block: RawBlock, *, after_release: bool, sync: bool = False
+        self,
+        owner: int,
+        stream: str,
+        block: RawBlock,
+        *,
+        after_release: bool,
+        sync: bool = False,
+        incarnation: str = "",
     ) -> bool:
         """Store a block of `owner`'s partition durably; False if it was here already. `sync`: fsync it
         before it counts as held (the interval policy: group commit writes without one). Blocking.
@@ -125,9 +137,21 @@ class ReplicaStore:
         It counts as held (next_seq, a copy already here) once durable, and all of it under the stream's
         lock: synced after the lock was let go, another Replicate stream of the owner (its reconnect,
         while the old call's store still ran) was told the follower held the block before that sync had
-        finished, and the owner counted it replicated."""
+        finished, and the owner counted it replicated.
+
+        `incarnation`: the owner's log this block is of (what its stream's hello said; "": not said). A
+        copy of another one now refuses it (ReplicaIncarnationError): a second process running as the
+        same node, whose hello took the copy over while the first one's stream went on. Before, each
+        one's block was taken as "here already" when the other's had that seq, and acked unstored."""
         with self._stream_lock(owner, stream):
             store = self.store(owner)
+            held = store.incarnation(stream) if incarnation else ""
+            if held and held != incarnation:
+                raise ReplicaIncarnationError(
+                    f"this copy of node {owner}'s log of stream {stream!r} is of incarnation {held} now (the "
+                    f"hello of another replication stream from node {owner}), not {incarnation} as this "
+                    f"stream's hello said: two processes run as node {owner} (one --node-id given twice?)"
+                )
             expected = self._next_locked(owner, stream)
             if block.seq < expected:
                 return False

@@ -84,6 +84,7 @@ class FollowerLink:
         self.in_sync = False
         self.progress_at = time.monotonic()
         self.error: str | None = None
+        self._said: str | None = None  # the refusal last logged: not again until the follower is in sync
         self._sent: dict[str, int] = {}
         self._told: dict[str, int] = {}  # the committed seqs this follower was last told
         self.knows: dict[str, int] = {}
@@ -109,7 +110,7 @@ class FollowerLink:
         elif not self.behind():
             self.progress_at = now
             if not self.in_sync:
-                self.in_sync = True
+                self.in_sync, self._said = True, None
                 log.info("follower %d (%s) is in sync", self.follower.id, self.follower.target)
         elif now - self.progress_at > self._replicator.lag_timeout:
             self._leave(f"it acked nothing for {self._replicator.lag_timeout:g} s while behind")
@@ -133,9 +134,11 @@ class FollowerLink:
                 if differs is not None:  # another node list or replication: ERROR once per configuration
                     words = self._replicator.mismatches.seen(self.follower.id, *differs, refused_by_peer=True)
                     error = f"{exc.code().name}: {words}"
-                elif not _transient(error) and error != self.error:
+                elif not _transient(error) and error != self._said:
                     # a follower that answers and refuses (a log replaced, a missing peer role) is an
-                    # operator's to fix: say it where it is seen
+                    # operator's to fix: say it where it is seen. Once: compared with self.error, which
+                    # a hello that went through clears, one refused after it was said at every reconnect
+                    self._said = error
                     log.warning(
                         "follower %d (%s) refuses replication: %s",
                         self.follower.id,

@@ -30,11 +30,12 @@ from receivers.receiver import Receiver
 from receivers.replica_store import (
     OwnerLogLostError,
     ReplicaGapError,
+    ReplicaIncarnationError,
     ReplicaStore,
     SetAside,
     merge_marks,
 )
-from receivers.wal import RawBlock, valid_incarnation
+from receivers.wal import RawBlock, WalError, valid_incarnation
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,9 @@ STOP_WAIT = 2.0
 """At most this long, on stop, for the Replicate handlers to end (a copy being stored is finished)."""
 MARK_WAIT = 5.0
 MAX_MARK_KEYS = 1000
+MAX_POSITION = 2**62
+"""A copied block's seq and the record offset after it, at most: far past any log's, and what is
+computed from them (the seq after it, ListPartitions' offsets) stays within the wire's int64."""
 MAX_BLOCK_BYTES = 2**31 - 1
 """A copied block's payload, at most (its offsets are int32; a receiver's memory budget bounds it far
 below this)."""
@@ -69,7 +73,7 @@ def _check_payload(block: RawBlock) -> None:
 
 def _known(values: Mapping[str, int], streams: list[str]) -> dict[str, int]:
     """The entries for streams served here with a sane seq (others are ignored, not stored)."""
-    return {s: n for s, n in values.items() if s in streams and 0 <= n < 2**62}
+    return {s: n for s, n in values.items() if s in streams and 0 <= n < MAX_POSITION}
 
 
 def _log_set_aside(aside: SetAside) -> None:
@@ -183,6 +187,7 @@ class ReplicationService:
         self._handlers = 0  # Replicate calls in progress
         self._idle = asyncio.Event()
         self._idle.set()
+        self._damage_said: set[str] = set()
 
     async def stop(self) -> None:
         """End every Replicate stream UNAVAILABLE ("stopping", which the owner retries quietly) where it
@@ -245,6 +250,21 @@ class ReplicationService:
     async def _replicate(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.ReplicateResponse]:
+        """The stream; a copy found damaged (an incarnation file that holds no incarnation, a segment
+        that cannot be read) ends it INTERNAL with the log's words, said once in an ERROR line: it
+        escaped as UNKNOWN, with a traceback in this node's log at each of the owner's reconnects."""
+        try:
+            async for response in self._converse(request_iterator, context):
+                yield response
+        except WalError as exc:
+            if str(exc) not in self._damage_said:
+                self._damage_said.add(str(exc))
+                log.error("cannot take copies: %s", exc)  # noqa: TRY400 - its words say it all
+            await context.abort(grpc.StatusCode.INTERNAL, f"node {self._cluster.node_id}: {exc}")
+
+    async def _converse(
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.ReplicateResponse]:
         requests = aiter(request_iterator)
         try:
             hello = await asyncio.wait_for(self._next(requests, context), HELLO_TIMEOUT)
@@ -283,7 +303,7 @@ class ReplicationService:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
             if block is None:  # more of its payload to come
                 continue
-            await self._keep(owner, block, streams, context)
+            await self._keep(owner, block, streams, first.hello.incarnation, context)
             yield pb.ReplicateResponse(ack=pb.ReplicaAck(stream=block.stream, seq=block.seq))
 
     async def _keep(
@@ -291,9 +311,11 @@ class ReplicationService:
         owner: int,
         block: pb.ReplicaBlock,
         streams: list[str],
+        incarnations: Mapping[str, str],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> None:
-        """Check a copied block and store it durably (aborting the call when it cannot be)."""
+        """Check a copied block and store it durably (aborting the call when it cannot be); its log is
+        of the incarnation the stream's hello said (`incarnations`)."""
         if block.stream not in self._receivers:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -301,6 +323,13 @@ class ReplicationService:
             )
         if block.seq < 0 or block.first_offset < 0 or block.count < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "negative seq, offset or count")
+        if block.seq >= MAX_POSITION or block.first_offset + block.count > MAX_POSITION:
+            # stored, it made every ListPartitions of this node fail (its end offset past int64)
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"block {block.seq} of stream {block.stream!r} (records {block.first_offset}.."
+                f"{block.first_offset + block.count - 1}) is past seq or offset {MAX_POSITION}",
+            )
         copy = RawBlock(
             block.seq,
             block.first_offset,
@@ -310,11 +339,13 @@ class ReplicationService:
             dict(block.producers),
             block.arrow_ipc,
         )
+        incarnation = incarnations.get(block.stream, "")
+        after = block.after_release
         try:
-            await _finished(asyncio.to_thread(self._store, owner, block.stream, copy, block.after_release))
+            await _finished(asyncio.to_thread(self._store, owner, block.stream, copy, after, incarnation))
         except InvalidBlockError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except ReplicaGapError as exc:
+        except (ReplicaGapError, ReplicaIncarnationError) as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except ValueError as exc:  # the log refused it (seq/offset order): the owner's view is off
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"block refused: {exc}")
@@ -361,9 +392,11 @@ class ReplicationService:
                 )
         await asyncio.to_thread(self._replicas.set_committed, owner, _known(hello.committed_seq, streams))
 
-    def _store(self, owner: int, stream: str, block: RawBlock, after_release: bool) -> None:
+    def _store(self, owner: int, stream: str, block: RawBlock, after_release: bool, incarnation: str) -> None:
         _check_payload(block)  # a copy that cannot be read back would fail Spark's tasks much later
-        self._replicas.append(owner, stream, block, after_release=after_release, sync=self._sync_each)
+        self._replicas.append(
+            owner, stream, block, after_release=after_release, sync=self._sync_each, incarnation=incarnation
+        )
 
     async def _check_hello(
         self, first: pb.ReplicateRequest, context: grpc.aio.ServicerContext[Any, Any]

@@ -208,6 +208,63 @@ async def test_records_gone_from_one_holders_log_are_read_from_another(tmp_path:
         assert f"node 1 ({clusters[1].me.target}): UNAVAILABLE" in message
 
 
+async def test_records_gone_from_the_start_of_a_nodes_log_are_data_loss_or_skipped_too(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The oldest segment of node 0's log not released was lost (its start says the log is damaged):
+    records from the released mark to its oldest block held. ReadBlocks counted only a gap between two
+    blocks it holds as gone: a range from the mark was "not held" on every holder, so the read failed
+    PartitionUnreadableError whatever failOnDataLoss said, and the query stopped there at every start."""
+    root = tmp_path / "node0" / "blocks"
+    store = WalBlockStore(root, fsync=FsyncPolicy.off(), segment_bytes=3000, direct_io=False)
+    assert store.recover("s") == (0, 0)
+    rows = [r for seq in range(12) for r in write_block(store, "s", seq, seq * 20, 20, receiver=0)]
+    store.release("s", 2)  # records 0..39 read: the mark is at 40
+    store.close()
+    segments = sorted((root / "s").glob("*.wal"))
+    lost = (40, int(segments[1].stem) * 20)
+    assert int(segments[0].stem) * 20 == lost[0] < lost[1], segments
+    segments[0].unlink()
+    clusters = loopback_cluster(2)
+    async with contextlib.AsyncExitStack() as stack:
+        for cluster in clusters:
+            port = int(cluster.me.target.rsplit(":", 1)[1])
+            await stack.enter_async_context(
+                running_server(
+                    tmp_path / f"node{cluster.me.id}",
+                    "s",
+                    cluster=cluster,
+                    port=port,
+                    fsync=FsyncPolicy.off(),
+                )
+            )
+        strict = reader(clusters)
+        start = {"s": {"0": 40}}
+        end = await asyncio.to_thread(strict.latestOffset, start, ReadAllAvailable())
+        assert end["s"]["0"] == 240
+        parts = list(await asyncio.to_thread(strict.partitions, start, end))
+        with pytest.raises(DataLossError) as caught:
+            await asyncio.to_thread(records, strict, parts)
+        assert f"records {lost[0]}..{lost[1] - 1} of node 0's log of stream 's'" in str(caught.value)
+
+        lenient = reader(clusters, failOnDataLoss="false")
+        parts = list(await asyncio.to_thread(lenient.partitions, start, end))
+        with caplog.at_level(logging.WARNING, "ingest.spark.cluster_source"):
+            got = await asyncio.to_thread(records, lenient, parts)
+        assert got == [(r[1], r[4]) for r in rows if r[1] >= lost[1]]
+        assert f"records {lost[0]}..{lost[1] - 1} of node 0's log" in caplog.text
+        # records below the mark were released: not held, as before (not data loss)
+        async with grpc.aio.insecure_channel(clusters[0].me.target) as channel:
+            call = pb_grpc.BlocksStub(channel).ReadBlocks(
+                pb.ReadBlocksRequest(stream="s", owner=0, from_offset=20, to_offset=240, report_gone=True)
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in call:
+                    pass
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "released, or not copied here yet" in str(refused.value.details())
+
+
 @pytest.mark.spark
 @pytest.mark.parametrize("fail_on_data_loss", ["true", "false"])
 async def test_a_cluster_query_over_a_gap_in_a_nodes_log_fails_or_goes_on(

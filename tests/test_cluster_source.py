@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+import types
 import urllib.request
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -27,6 +28,7 @@ from ingest.spark.cluster_source import (
     ClusterStreamReader,
     ClusterView,
     DriverFencedError,
+    NodeListError,
     PartitionUnreadableError,
     RangeSpec,
     flatten,
@@ -301,6 +303,53 @@ async def test_a_holder_that_is_down_is_skipped_for_its_copy(tmp_path: Path) -> 
         assert [n for n, _ in parts[0].spec.targets] == [1]
 
 
+async def test_a_receivers_list_that_disagrees_with_the_nodes_ids_is_refused_naming_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The source took each node's answer as it came: a list naming one node's address twice read that
+    node's partitions and never another's (its acked records left unread, not a word), and a list with
+    two ids swapped sent every read to a node that does not hold the range. A node's answer names its
+    id: a list that disagrees stops planning, and the driver's start, with both ids and the address. So
+    does an address that serves no Blocks (a single `sluice serve`): before, a WARNING at each plan said
+    its partitions were read from their copies, and the query went on reading nothing of it. And a list
+    that lacks a node of the nodes' own (a node added to the cluster, the driver's file not changed):
+    under replication 1 its partitions were never read, without a word."""
+    clusters = loopback_cluster(3)
+    async with (
+        nodes(tmp_path, clusters) as servers,
+        running_server(tmp_path / "single", "s") as single,
+    ):
+        for node_id, server in servers.items():
+            await push(server.target, 10, f"n{node_id}")
+        a, b, c = (cluster.me.target for cluster in clusters)
+        again = a.replace("127.0.0.1", "localhost")  # node 0 by another name
+        for listed, words in (
+            ({0: a, 1: b, 2: again}, f"{again}, listed as node 2, is node 0"),
+            ({0: b, 1: a, 2: c}, f"{b}, listed as node 0, is node 1; {a}, listed as node 1, is node 0"),
+            ({0: a, 1: b, 2: single.target}, f"{single.target}, listed as node 2, serves no Blocks"),
+            ({0: a, 1: b}, f"node 0 ({a}) has node(s) 2 in its own node list, and this list does not"),
+        ):
+            receivers = ",".join(f"{n}={t}" for n, t in listed.items())
+            r = ClusterStreamReader({"receivers": receivers, "streams": "s"})
+            with pytest.raises(NodeListError) as caught:
+                await asyncio.to_thread(r.initialOffset)
+            assert words in str(caught.value), caught.value
+            assert "--node-id" in str(caught.value)
+        # the list as the nodes have it plans every node's partition
+        initial = await asyncio.to_thread(reader(clusters).initialOffset)
+        assert plain(initial) == {"s": {"0": 0, "1": 0, "2": 0}}
+        # the driver stops at its start with one line, before its query would need Spark
+        from ingest.cluster_driver import ClusterDriver, _run
+        from ingest.driver_config import DriverConfig
+
+        config = DriverConfig(nodes={0: a, 1: b}, streams=("s",), data_dir=tmp_path / "driver")
+        no_spark = types.SimpleNamespace(stop=lambda: None)
+        assert await _run(ClusterDriver(config), asyncio.Event(), lambda: no_spark) == 1
+        said = capsys.readouterr().err
+        assert "cannot start the driver: sluice source: the receivers list disagrees" in said, said
+        assert "has node(s) 2 in its own node list" in said and "Traceback" not in said, said
+
+
 async def test_no_holder_serving_the_range_names_every_holders_error(tmp_path: Path) -> None:
     clusters = loopback_cluster(1)
     dead = f"127.0.0.1:{free_ports(1)[0]}"
@@ -386,8 +435,9 @@ async def test_one_driver_holds_the_nodes_until_its_lease_lapses(
         first = BlocksClient(targets, Credentials(), driver_id=first_id)
         second = BlocksClient(targets, Credentials(), driver_id=driver_id(tmp_path / "second"))
         anyone = BlocksClient(targets, Credentials())  # `sluice status`, a peer: no driver named
-        only_node_0 = BlocksClient({0: targets[0]}, Credentials(), driver_id="0" * 32)
-        only_node_1 = BlocksClient({1: targets[1]}, Credentials(), driver_id="1" * 32)
+        dead = f"127.0.0.1:{free_ports(1)[0]}"  # drivers that reach one node of the two
+        only_node_0 = BlocksClient({0: targets[0], 1: dead}, Credentials(), driver_id="0" * 32)
+        only_node_1 = BlocksClient({0: dead, 1: targets[1]}, Credentials(), driver_id="1" * 32)
         try:
             # refused by one node, a driver gives back what the others granted: it would lock the one
             # running out of them (both down)

@@ -21,7 +21,7 @@ import pytest
 
 from ingest.server import SluiceServer
 from receivers import wal
-from receivers.block import BLOCK_SCHEMA
+from receivers.block import BLOCK_SCHEMA, PLAIN_SCHEMA
 from receivers.block_store import BlockStore
 from receivers.cluster import Cluster, ClusterConfigError, Node, parse_nodes
 from receivers.producer_marks import ASK_TIMEOUT
@@ -188,6 +188,30 @@ async def test_a_follower_that_refuses_is_named_with_its_reason(
         await wait_until(lambda: "refuses replication" in caplog.text, timeout=20)
         assert "follower 1 (" in caplog.text and "has 2 nodes and replication 1" in caplog.text
         assert "node 1 down: FAILED_PRECONDITION" in node.replicator.status()
+
+
+async def test_a_follower_that_refuses_a_block_after_the_hello_is_said_once_not_at_each_retry(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A follower that takes the hello and then refuses a block (here one of a stream it does not serve:
+    the nodes were given different --stream flags) was logged at WARNING at every reconnect, every 2 s
+    for as long as it lasted: each hello that went through cleared the error the refusal was compared
+    with. Said once; again only once the follower was in sync in between."""
+    caplog.set_level(logging.WARNING, logger="receivers.replication")
+    clusters = loopback_cluster(2, replication=2, min_insync=1)
+    async with contextlib.AsyncExitStack() as stack:
+        for cluster, streams in zip(clusters, (("s", "t"), ("s",)), strict=True):
+            port = int(cluster.me.target.rsplit(":", 1)[1])
+            await stack.enter_async_context(
+                running_server(tmp_path / f"node{cluster.me.id}", *streams, cluster=cluster, port=port)
+            )
+        async with Producer(clusters[0].me.target, "t", producer_id="p", linger=0) as producer:
+            await producer.send_many(values(10))
+            await producer.flush(timeout=10)
+        refusal = "follower 1 ({}) refuses replication: FAILED_PRECONDITION: stream 't' is not served here"
+        await wait_until(lambda: refusal.format(clusters[1].me.target) in caplog.text, timeout=20)
+        await asyncio.sleep(6)  # reconnects at 0.1, 0.2, 0.4, 0.8, 1.6, then every 2 s
+        assert caplog.text.count("refuses replication") == 1, caplog.text
 
 
 async def test_both_nodes_of_a_configuration_mismatch_say_it_once_and_count_it(
@@ -357,6 +381,159 @@ async def test_a_replication_stream_out_of_order_or_with_a_bad_block_is_refused_
             assert code == status and words in details, (code, details)
         node = servers[0].node
         assert node is not None and node.replicas.blocks(1, "s") == []
+
+
+async def test_a_copied_block_past_the_offset_range_is_refused_and_every_listing_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A block whose records would end past int64 (a forged or broken owner) was stored and acked, and
+    from then on every ListPartitions of the follower failed UNKNOWN (its end offset did not fit the
+    answer), with a traceback in its log, for the driver and `sluice status` alike, until its copy was
+    removed by hand."""
+    clusters = loopback_cluster(2, replication=2)
+    async with nodes(tmp_path, clusters, skip=frozenset({1})) as servers:
+        sink = pa.BufferOutputStream()
+        row = pa.table({"key": [None], "value": [b"v"], "timestamp": [0]}, schema=PLAIN_SCHEMA)
+        with pa.ipc.new_stream(sink, PLAIN_SCHEMA) as writer:
+            writer.write_table(row)
+        one = sink.getvalue().to_pybytes()
+        hello = pb.ReplicateRequest(hello=pb.ReplicaHello(owner=1, nodes=2, replication=2))
+        for seq, first in ((0, 2**63 - 1), (0, 2**62), (2**63 - 1, 0)):
+            block = pb.ReplicaBlock(stream="s", seq=seq, first_offset=first, count=1, arrow_ipc=one)
+            commit = pb.ReplicateRequest(commit=pb.ReplicaCommit(committed_seq={"s": 1}))
+            async with grpc.aio.insecure_channel(clusters[0].me.target) as channel:
+                call = pb_grpc.ReplicationStub(channel).Replicate()
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    for message in (hello, pb.ReplicateRequest(block=block), commit):
+                        await call.write(message)
+                    await call.done_writing()
+                    async for _ in call:
+                        pass
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+                assert f"block {seq} of stream 's'" in (info.value.details() or "")
+            node = servers[0].node
+            assert node is not None and node.replicas.blocks(1, "s") == []
+            async with grpc.aio.insecure_channel(clusters[0].me.target) as channel:
+                listed = await pb_grpc.BlocksStub(channel).ListPartitions(pb.ListPartitionsRequest())
+            assert {p.owner for p in listed.partitions} == {0, 1}
+
+
+async def test_two_processes_replicating_as_one_node_are_refused_not_acked_unstored(tmp_path: Path) -> None:
+    """Two processes run as node 1 (one --node-id given twice, each with its own node list and data dir):
+    both replicate to node 0, each hello naming its own log's incarnation. The follower took each one's
+    blocks into one copy: the first stream's block 0 was stored, the second's block 0 acked as "here
+    already" without being stored, so that process acked its producers records no follower held. A
+    block whose stream's hello named another incarnation than the copy's now is refused."""
+    clusters = loopback_cluster(2, replication=2)
+    async with nodes(tmp_path, clusters, skip=frozenset({1})) as servers:
+        node = servers[0].node
+        assert node is not None
+
+        def hello(incarnation: str) -> pb.ReplicateRequest:
+            said = pb.ReplicaHello(owner=1, nodes=2, replication=2, incarnation={"s": incarnation})
+            return pb.ReplicateRequest(hello=said)
+
+        def block(tag: bytes) -> pb.ReplicateRequest:
+            sink = pa.BufferOutputStream()
+            rows = pa.table({"key": [None], "value": [tag], "timestamp": [0]}, schema=PLAIN_SCHEMA)
+            with pa.ipc.new_stream(sink, PLAIN_SCHEMA) as writer:
+                writer.write_table(rows)
+            payload = sink.getvalue().to_pybytes()
+            return pb.ReplicateRequest(
+                block=pb.ReplicaBlock(stream="s", seq=0, first_offset=0, count=1, arrow_ipc=payload)
+            )
+
+        async with (
+            grpc.aio.insecure_channel(clusters[0].me.target) as one,
+            grpc.aio.insecure_channel(clusters[0].me.target) as two,
+        ):
+            first = pb_grpc.ReplicationStub(one).Replicate()
+            second = pb_grpc.ReplicationStub(two).Replicate()
+            await first.write(hello("a" * 32))
+            assert (await first.read()).WhichOneof("kind") == "state"
+            await second.write(hello("b" * 32))
+            assert (await second.read()).WhichOneof("kind") == "state"
+            await second.write(block(b"second"))
+            assert (await second.read()).ack == pb.ReplicaAck(stream="s", seq=0)
+            await first.write(block(b"first"))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await first.read()
+            second.cancel()
+        assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"is of incarnation {'b' * 32} now" in (refused.value.details() or ""), refused.value
+        assert "two processes run as node 1" in (refused.value.details() or "")
+        held = node.replicas.blocks(1, "s")
+        assert len(held) == 1
+        stored = pa.Table.from_batches(list(node.replicas.store(1).read(held[0])))
+        assert stored.column("value").to_pylist() == [b"second"]
+
+
+async def test_a_damaged_log_is_internal_with_one_error_line_and_the_read_goes_to_a_copy(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A block that fails its checksum on one holder, or an incarnation file that holds no incarnation,
+    escaped from Blocks as UNKNOWN "Unexpected <class ...>", with a traceback in the node's log at every
+    call (ListPartitions: the driver's, each second). Now INTERNAL with the log's own words, said in
+    one ERROR line; a reader goes on to another holder, whose copy is whole."""
+    from ingest.spark.cluster_source import RangeSpec, read_range
+    from sluice_client.credentials import Credentials
+
+    clusters = loopback_cluster(2, replication=2, min_insync=2)
+    async with nodes(tmp_path, clusters) as servers:
+        await wait_until(lambda: servers[0].node is not None and servers[0].node.replicator.can_ack)
+        async with Producer(clusters[0].me.target, "s", producer_id="p", linger=0) as producer:
+            await producer.send_many(values(500))
+            await producer.flush(timeout=10)
+        (segment,) = sorted((tmp_path / "node0" / "blocks" / "s").glob("*.wal"))
+        with segment.open("r+b") as file:  # a byte of block 0's records flipped (bit rot)
+            file.seek(200)
+            byte = file.read(1)
+            file.seek(200)
+            file.write(bytes([byte[0] ^ 0xFF]))
+        for _ in range(2):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await read_partition(clusters[0].me.target, 0, 0, 500)
+            assert info.value.code() == grpc.StatusCode.INTERNAL, info.value
+            assert "node 0: block 0 of stream 's' fails its checksum" in (info.value.details() or "")
+        targets = tuple((c.me.id, c.me.target) for c in clusters)
+        batches = await asyncio.to_thread(
+            lambda: list(read_range(RangeSpec("s", 0, 0, 500, targets), Credentials()))
+        )
+        assert [v for b in batches for v in b.column("value").to_pylist()] == values(500)
+
+        (tmp_path / "node1" / "replicas" / "0" / "s" / "incarnation").write_text("not one!\n")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await partitions(clusters[1].me.target)
+        assert info.value.code() == grpc.StatusCode.INTERNAL, info.value
+        assert "holds 'not one!', not an incarnation" in (info.value.details() or ""), info.value
+    said = [r.getMessage() for r in caplog.records if r.name == "receivers.blocks_service"]
+    assert len(said) == 2 and all(m.startswith("cannot serve Blocks: ") for m in said), said
+    assert "Unexpected" not in caplog.text and "Traceback" not in caplog.text
+
+
+async def test_a_damaged_copy_refuses_its_owner_internal_with_one_error_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A follower whose copy's incarnation file holds no incarnation ended each of the owner's Replicate
+    streams UNKNOWN "Unexpected <class ...>", with a traceback in its log at every reconnect (each 2 s).
+    Now INTERNAL with the log's words, said once in an ERROR line on each side."""
+    clusters = loopback_cluster(2, replication=2, min_insync=1)
+    async with nodes(tmp_path, clusters) as servers:
+        await wait_until(lambda: servers[0].node is not None and servers[0].node.replicator.can_ack)
+        async with Producer(clusters[0].me.target, "s", producer_id="p", linger=0) as producer:
+            await producer.send_many(values(50))
+            await producer.flush(timeout=10)
+        marker = tmp_path / "node1" / "replicas" / "0" / "s" / "incarnation"
+        await wait_until(marker.exists)
+        marker.write_text("not one!\n")
+        async with Producer(clusters[0].me.target, "s", producer_id="q", linger=0) as producer:
+            await producer.send_many(values(50))
+            await producer.flush(timeout=10)
+        await wait_until(lambda: "refuses replication: INTERNAL: node 1: " in caplog.text, timeout=20)
+        await asyncio.sleep(5)  # reconnects at 0.1, 0.2, 0.4, 0.8, 1.6, then every 2 s
+    said = [r.getMessage() for r in caplog.records if r.name == "receivers.replication_service"]
+    assert len(said) == 1 and "holds 'not one!', not an incarnation" in said[0], said
+    assert "Unexpected" not in caplog.text and "Traceback" not in caplog.text
 
 
 async def test_a_lagging_follower_keeps_its_copy_across_an_owners_lost_log(tmp_path: Path) -> None:

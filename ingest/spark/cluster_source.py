@@ -180,6 +180,11 @@ class ClusterRefusedError(RuntimeError):
     """Each node's refusal, "node N (target): CODE: details"."""
 
 
+class NodeListError(RuntimeError):
+    """A target of the receivers list answered as another node than the list names it, or serves no
+    Blocks (not a receiver node): the list disagrees with the nodes (each node's --node-id)."""
+
+
 _REFUSED = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 
 
@@ -668,6 +673,7 @@ class BlocksClient:
         calls = {n: self._pool.submit(self._list, n, request, timeout) for n in self.nodes}
         refused: list[str] = []
         held: list[str] = []
+        misnamed: list[str] = []
         for node_id, call in calls.items():
             try:
                 response = call.result()
@@ -677,6 +683,13 @@ class BlocksClient:
                     continue
                 if isinstance(exc, grpc.Call) and exc.code() in _REFUSED:
                     refused.append(f"node {node_id} ({self.nodes[node_id]}): {describe(exc)}")
+                if isinstance(exc, grpc.Call) and exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    # no outage that passes: the query read nothing of it, for ever, under a WARNING
+                    misnamed.append(
+                        f"{self.nodes[node_id]}, listed as node {node_id}, serves no Blocks: not a "
+                        "receiver node (a single `sluice serve`, a driver, another service?)"
+                    )
+                    continue
                 if node_id not in self._failing:
                     log.warning(
                         "receiver node %d (%s) did not list its partitions (%s): its partitions are read "
@@ -687,10 +700,30 @@ class BlocksClient:
                     )
                 self._failing.add(node_id)
                 continue
+            if response.node_id != node_id:
+                # taken as it came, a node listed twice hid another node's partitions (never read, not a
+                # word), and a swapped pair sent every read to a node that does not hold the records
+                misnamed.append(
+                    f"{self.nodes[node_id]}, listed as node {node_id}, is node {response.node_id}"
+                )
+                continue
+            if unlisted := sorted(set(response.nodes) - set(self.nodes)):
+                # their partitions were never read (their copies' holders, if any listed, read them)
+                misnamed.append(
+                    f"node {node_id} ({self.nodes[node_id]}) has node(s) {', '.join(map(str, unlisted))} "
+                    "in its own node list, and this list does not"
+                )
             if node_id in self._failing:
                 log.info("receiver node %d (%s) answers again", node_id, self.nodes[node_id])
                 self._failing.discard(node_id)
             view.add(response, streams)
+        if misnamed:
+            self.give_back()
+            raise NodeListError(
+                "sluice source: the receivers list disagrees with the receiver nodes (their own "
+                f"--node-id): {'; '.join(misnamed)}. Correct the list (the driver's --nodes file, or the "
+                "receivers option)"
+            )
         if held:
             self.fenced = "; ".join(held)
             self.give_back()  # the nodes that took this driver would lock the one running out

@@ -439,18 +439,26 @@ class ListPartitionsResponse(_message.Message):
 
     NODE_ID_FIELD_NUMBER: _builtins.int
     PARTITIONS_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.int
     @_builtins.property
     def partitions(self) -> _containers.RepeatedCompositeFieldContainer[Global___PartitionInfo]: ...
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The ids of this node's node list (--nodes): a reader whose list lacks one of them would never
+        read that node's partitions, and refuses. Empty: a node that predates the field.
+        """
+
     def __init__(
         self,
         *,
         node_id: _builtins.int = ...,
         partitions: _abc.Iterable[Global___PartitionInfo] | None = ...,
+        nodes: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "partitions", b"partitions"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id", "nodes", b"nodes", "partitions", b"partitions"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -476,7 +484,8 @@ class ReadBlocksRequest(_message.Message):
     """
     report_gone: _builtins.bool
     """Records missing from the middle of the holder's log (blocks it went on without: a start under
-    --fsync off after a power loss), between blocks it holds and above what it released, are said
+    --fsync off after a power loss), between blocks it holds and above what it released (or, in the
+    owner's own log, between its released mark and its oldest block), are said
     in-band, as a BlockChunk with gone set, and the records after them follow. False (a reader that
     predates it): such a range is FAILED_PRECONDITION, as one the holder does not hold.
     """
