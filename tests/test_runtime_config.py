@@ -154,6 +154,17 @@ INVALID = [
     # and tiny: each interval wakes the receiver, and 1e-300 spun a core on an idle server
     ({"block-interval": "1e-300"}, grpc.StatusCode.INVALID_ARGUMENT, "at least 0.01 seconds"),
     ({"block-linger": "3601"}, grpc.StatusCode.INVALID_ARGUMENT, "at most 3600 seconds"),
+    # Python's digit separators: "1_0" was taken as 10 and kept as "1_0" (a size refused it already)
+    (
+        {"trigger-interval": "1_0"},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "trigger-interval: '1_0' is not a number",
+    ),
+    (
+        {"buffer-records": "1_000"},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "buffer-records: '1_000' is not an integer",
+    ),
     ({"buffer-records": "9" * 23}, grpc.StatusCode.INVALID_ARGUMENT, "at most 1,000,000,000,000"),
     ({"prefetch": str(2**63)}, grpc.StatusCode.INVALID_ARGUMENT, "prefetch must be at most"),
     ({"block-records": str(10**12 + 1)}, grpc.StatusCode.INVALID_ARGUMENT, "block-records must be at most"),
