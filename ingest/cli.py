@@ -2763,12 +2763,16 @@ def _sessions_list(args: argparse.Namespace) -> int:
     return 0
 
 
+ALREADY_OVER = "had already ended or been cancelled: nothing was cancelled"
+
+
 def _sessions_cancel(args: argparse.Namespace) -> int:
     request = pb.CancelSessionRequest(session_id=args.session_id, code=args.code, reason=args.reason)
     done = _unary(
         args, "sessions cancel", lambda ch, md: pb_grpc.SessionsStub(ch).CancelSession(request, metadata=md)
     )
-    print(f"session {request.session_id} {'cancelled' if done.cancelled else 'was already cancelled'}")
+    # not cancelled: it had ended (its producer closed it, or it failed) or been cancelled already
+    print(f"session {request.session_id} {'cancelled' if done.cancelled else ALREADY_OVER}")
     return 0
 
 
