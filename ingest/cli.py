@@ -2791,9 +2791,24 @@ def _rate_get(args: argparse.Namespace) -> int:
 
 def _rate_set(args: argparse.Namespace) -> int:
     request = pb.UpdateRateRequest(records_per_second=args.records_per_second, pin=args.pin)
-    return _show_rate(
-        _unary(args, "rate set", lambda ch, md: pb_grpc.RateControlStub(ch).UpdateRate(request, metadata=md))
+    status = _unary(
+        args, "rate set", lambda ch, md: pb_grpc.RateControlStub(ch).UpdateRate(request, metadata=md)
     )
+    if status is not None:  # the server holds the rate within its bounds: say when that changed it
+        asked = _rate_text(request.records_per_second)
+        for past, name, bound in (
+            (request.records_per_second < status.min_rate, "min-rate", status.min_rate),
+            (request.records_per_second > status.max_rate, "max-rate", status.max_rate),
+        ):
+            if past:
+                side = "below" if name == "min-rate" else "above"
+                held = f"the {name} ({_rate_text(bound)} records/s)"
+                print(
+                    f"sluice: {asked} records/s is {side} {held}: the rate is held at it "
+                    "(`sluice rate bounds MIN MAX` changes the bounds)",
+                    file=sys.stderr,
+                )
+    return _show_rate(status)
 
 
 def _rate_bounds(args: argparse.Namespace) -> int:

@@ -391,6 +391,29 @@ async def test_a_change_that_cannot_be_saved_changes_nothing(tmp_path: Path) -> 
         assert server.rate.bounds.max_rate == 1000 and server.runtime.version == 1
 
 
+async def test_a_rate_set_past_the_bounds_says_the_rate_is_held_at_the_bound(tmp_path: Path) -> None:
+    """`sluice rate set 50 --pin` under bounds 200 .. 300 pinned 200 and exited 0 with "rate: 200
+    records/s", no word that 50 was not taken (nor that `inf` was held at 300). It still applies the
+    bound (exit 0), and says on stderr which bound held it; a rate within the bounds says nothing."""
+    async with running_server(tmp_path / "d", "s") as server:
+
+        def cli(*args: str) -> subprocess.CompletedProcess[str]:
+            command = [sys.executable, "-m", "ingest.cli", "rate", *args, "--target", server.target]
+            return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+        assert (await asyncio.to_thread(cli, "bounds", "200", "300")).returncode == 0
+        done = await asyncio.to_thread(cli, "set", "50", "--pin")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("rate: 200 records/s"), done.stdout
+        assert "50 records/s is below the min-rate (200 records/s): the rate is held at it" in done.stderr
+        done = await asyncio.to_thread(cli, "set", "inf")
+        assert done.returncode == 0 and done.stdout.startswith("rate: 300 records/s"), done.stdout
+        assert "unlimited records/s is above the max-rate (300 records/s)" in done.stderr, done.stderr
+        done = await asyncio.to_thread(cli, "set", "250")
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+        assert done.stdout.startswith("rate: 250 records/s"), done.stdout
+
+
 async def test_the_rate_apis_bounds_and_estimator_are_the_settings_in_force(tmp_path: Path) -> None:
     """`sluice rate bounds` and `rate estimator` changed the controller alone: `config get` showed the
     old values, a `config set` of those old values was taken and changed nothing, and a restart lost
