@@ -40,6 +40,10 @@ FILE = "runtime-config.json"
 DEFAULT, COMMAND_LINE, DYNAMIC = "default", "command-line", "dynamic"
 
 
+MAX_VALUE = 4096
+"""The longest value a setting takes, in characters (all 16 of the model's parameters, each to 17 digits,
+are under 700)."""
+
 THE_SETTINGS = "the settings"
 """What a change that fails to write its file could not save (rate_service.refuse_unsaved)."""
 
@@ -445,7 +449,9 @@ class RuntimeConfig:
         _check_keys(set_, list(reset))
         overrides = {k: v for k, v in self.overrides.items() if k not in reset}
         overrides.update({k: v.strip() for k, v in set_.items()})
-        return self._rows((), self._build(overrides), overrides)
+        rows = self._rows((), self._build(overrides), overrides)
+        _check_lengths(set_)
+        return rows
 
     def _rows(
         self, keys: Iterable[str], config: ServeConfig, overrides: Mapping[str, str]
@@ -491,6 +497,7 @@ class RuntimeConfig:
                 overrides = {k: v for k, v in self.overrides.items() if k not in reset}
                 overrides.update({k: v.strip() for k, v in set_.items()})
                 new = self._build(overrides)
+                _check_lengths(set_)
             except SettingError as exc:
                 self._count_invalid([*set_, *reset])
                 if "estimator" in set_ and "estimator-params" not in set_ and "has no parameter" in str(exc):
@@ -569,3 +576,15 @@ def _check_keys(set_: Mapping[str, str], reset: Sequence[str]) -> None:
     both = sorted(set(set_) & set(reset))
     if both:
         raise SettingError(f"{', '.join(both)}: both set and reset in one change; give one")
+
+
+def _check_lengths(set_: Mapping[str, str]) -> None:
+    """SettingError for a value longer than MAX_VALUE that its setting takes (checked after the values,
+    so that one it refuses says why): kept verbatim in DATA_DIR/runtime-config.json, a 3 MB "0.1111..."
+    was taken as 0.111111 and made the file 3 MB, read again at every start."""
+    for key, value in set_.items():
+        length = len(value.strip())
+        if length > MAX_VALUE:
+            raise SettingError(
+                f"{key}: a value of {length:,} characters; a setting's value has at most {MAX_VALUE:,}"
+            )

@@ -154,6 +154,12 @@ INVALID = [
     # and tiny: each interval wakes the receiver, and 1e-300 spun a core on an idle server
     ({"block-interval": "1e-300"}, grpc.StatusCode.INVALID_ARGUMENT, "at least 0.01 seconds"),
     ({"block-linger": "3601"}, grpc.StatusCode.INVALID_ARGUMENT, "at most 3600 seconds"),
+    # a 3 MB value was taken (0.111111) and kept verbatim: a 3 MB runtime-config.json read at every start
+    (
+        {"block-interval": "0." + "1" * 100_000},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "block-interval: a value of 100,002 characters; a setting's value has at most 4,096",
+    ),
     # Python's digit separators: "1_0" was taken as 10 and kept as "1_0" (a size refused it already)
     (
         {"trigger-interval": "1_0"},
