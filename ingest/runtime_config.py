@@ -383,7 +383,9 @@ class RuntimeConfig:
         self.pinned_rate = _pinned_rate(data.get("pinned_rate"), self.path)
         for key, value in self.overrides.items() if self._announce else ():
             was = SETTINGS[key].text(self.base) or "(none)"
-            shown = printable(value)  # as SetConfig took it: "0.5\n" is a float, its newline no log line
+            # as SetConfig took it: "0.5\n" is a float, its newline no log line; and cut: a 3 MB "0.111..."
+            # kept by an earlier version was a 3 MB line at every start
+            shown = printable(cut(value))
             log.info("setting %s = %s (dynamic, %s; without it: %s)", key, shown, self.path, was)
 
     def clear_ignored(self) -> None:

@@ -274,6 +274,24 @@ async def test_estimator_parameters_given_twice_are_refused_naming_them(tmp_path
         parse_estimator_params("a=1,b=2,a=3,b=4,c=5")
 
 
+async def test_a_long_value_kept_before_is_logged_cut_at_the_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A value `config set` took before values were bounded (a 3 MB "0.111...") was logged whole at every
+    start: one line of 3 MB. It is still in force, and its line is cut, saying its length."""
+    caplog.set_level("INFO", logger="ingest.runtime_config")
+    data = tmp_path / "d"
+    data.mkdir()
+    value = "0." + "1" * 3_000_000
+    (data / "runtime-config.json").write_text(
+        json.dumps({"version": 1, "overrides": {"block-interval": value}})
+    )
+    async with running_server(data, "s") as server:
+        assert server.receivers["s"].config.block_interval == pytest.approx(0.1111111111111111)
+    (line,) = [r.getMessage() for r in caplog.records if "setting block-interval" in r.getMessage()]
+    assert len(line) < 1_000 and "(3000002 characters)" in line, line[:2_000]
+
+
 async def test_a_corrupt_settings_file_stops_the_start_with_its_name(tmp_path: Path) -> None:
     data = tmp_path / "d"
     data.mkdir()
