@@ -102,10 +102,18 @@ class OutOfRange(argparse.ArgumentTypeError, ValueError):
 
 
 def ascii_int(text: str) -> int:
-    """int(text) of ASCII digits only, no "_" (see ascii_float). ValueError else."""
+    """int(text) of ASCII digits only, no "_" (see ascii_float). OutOfRange for more digits than int()
+    takes (4,300: its ValueError told an operator to call sys.set_int_max_str_digits()); ValueError
+    else."""
     if not text.isascii() or "_" in text:
         raise ValueError(f"invalid literal for int() with base 10: {text!r}")
-    return int(text)
+    try:
+        return int(text)
+    except ValueError:
+        digits = text.strip().lstrip("+-")
+        if digits.isdigit():
+            raise OutOfRange(f"an integer of {len(digits):,} digits is out of range") from None
+        raise
 
 
 # as argparse names a flag's type in its message: "argument --port: invalid int value: '\u0665'"

@@ -100,6 +100,8 @@ def _float(text: str) -> float:
 def _int(text: str) -> int:
     try:
         return ascii_int(text)
+    except OutOfRange as exc:
+        raise SettingError(str(exc)) from None
     except ValueError:
         raise SettingError(f"{text!r} is not an integer") from None
 

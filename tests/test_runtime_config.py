@@ -160,6 +160,18 @@ INVALID = [
         grpc.StatusCode.INVALID_ARGUMENT,
         "block-interval: a value of 100,002 characters; a setting's value has at most 4,096",
     ),
+    # past int()'s 4,300 digits: "not an integer", and for a size Python's advice to call
+    # sys.set_int_max_str_digits()
+    (
+        {"prefetch": "1" * 5_000},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "prefetch: an integer of 5,000 digits is out",
+    ),
+    (
+        {"buffer-bytes": "9" * 5_000},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "buffer-bytes: a size of 5,000 digits is",
+    ),
     # Python's digit separators: "1_0" was taken as 10 and kept as "1_0" (a size refused it already)
     (
         {"trigger-interval": "1_0"},
