@@ -338,8 +338,9 @@ class RuntimeConfig:
         an earlier version (before a node refused them), key -> value. Never in force: they clamped the
         share the driver pins the node. clear_ignored() takes them out of the file."""
         self.pinned_rate: float | None = None
-        """The rate `sluice rate set RATE --pin` pinned (records/s, clamped into the bounds), kept in the
-        same file so that a restart pins it again; None: not pinned. Not a setting: no version."""
+        """The rate `sluice rate set RATE --pin` pinned (records/s, clamped into the bounds, again by new
+        bounds), kept in the same file so that a restart pins it again; None: not pinned. Not a setting:
+        no version."""
         self.version = 0
         self.changes: dict[tuple[str, str], int] = {}
         """(key, "applied" | "invalid") -> count, for metrics."""
@@ -517,8 +518,14 @@ class RuntimeConfig:
             reset = [key for key in reset if key in self.overrides]  # the others: nothing to reset
             if validate_only or not (set_ or reset):
                 return old, new
-            self._persist(overrides, self.version + 1, self.pinned_rate)
+            pinned = self.pinned_rate
+            if pinned is not None:
+                # new bounds clamp a pinned rate as they clamp the rate in force (RateController): the
+                # pin kept is that rate, or a restart pinned the old one under bounds since moved back
+                pinned = min(max(pinned, new.rate.min_rate), new.rate.max_rate)
+            self._persist(overrides, self.version + 1, pinned)
             self.overrides, self.version, self.current = overrides, self.version + 1, new
+            self.pinned_rate = pinned
             for key in [*set_, *reset]:
                 self._count(key, "applied")
             return old, new

@@ -529,6 +529,28 @@ async def test_the_rate_api_switches_away_from_the_estimator_the_start_gave_para
         assert "estimator-params" not in server.runtime.overrides
 
 
+async def test_new_bounds_that_move_a_pinned_rate_move_the_kept_one_too(tmp_path: Path) -> None:
+    """A rate pinned at 200, then bounds of 500 .. 1e6: the rate in force was 500 (pinned), the file
+    still said 200, and a restart pinned 200, under bounds that had since come back down to 5. The pin
+    kept is the rate in force: new bounds (`rate bounds`, `config set min-rate`/`max-rate`) clamp it in
+    the same write as the settings."""
+    data = tmp_path / "d"
+    async with running_server(data, "s") as server, admin(server) as stub:
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            rate = pb_grpc.RateControlStub(channel)
+            await rate.UpdateRate(pb.UpdateRateRequest(records_per_second=200, pin=True))
+            await rate.SetBounds(pb.SetBoundsRequest(min_rate=500, max_rate=1e6))
+            await rate.SetBounds(pb.SetBoundsRequest(min_rate=5, max_rate=1e6))
+        assert (server.rate.pinned, server.rate.rate) == (True, 500)
+        assert json.loads((data / "runtime-config.json").read_text())["pinned_rate"] == 500
+        await stub.SetConfig(pb.SetConfigRequest(set={"max-rate": "300"}))
+        assert (server.rate.pinned, server.rate.rate) == (True, 300)
+        assert json.loads((data / "runtime-config.json").read_text())["pinned_rate"] == 300
+        await stub.SetConfig(pb.SetConfigRequest(set={"max-rate": "inf"}))
+    async with running_server(data, "s") as server:
+        assert (server.rate.pinned, server.rate.rate) == (True, 300)
+
+
 async def test_a_pinned_rate_is_kept_across_a_restart_and_said(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
