@@ -331,6 +331,11 @@ class SecurityConfig:
         )
 
     @property
+    def verifies_clients(self) -> bool:
+        """Whether a client certificate can name a principal (mutual TLS: a client CA)."""
+        return self.tls is not None and self.tls.client_ca_file is not None
+
+    @property
     def metrics_token_required(self) -> bool:
         """Whether /metrics needs a reader's or operator's credentials (401/403 otherwise)."""
         return self.auth_file is not None if self.metrics_auth is None else self.metrics_auth
