@@ -1059,6 +1059,27 @@ def test_python_digit_separators_are_no_number_but_tomls_are(tmp_path: Path) -> 
     assert table["block-interval"][0] == "10.5" and table["buffer-records"][0] == "1000", table
 
 
+def test_config_check_pads_no_row_to_one_very_long_value(tmp_path: Path) -> None:
+    """A value of 100,000 characters kept in runtime-config.json (a 3 MB one made 174 MB of output):
+    `config check` padded every row's value to the longest one. It pads to the widest value up to
+    CHECK_VALUE_WIDTH; the long one is shown whole, once."""
+    data = tmp_path / "d"
+    data.mkdir()
+    value = "0." + "1" * 100_000
+    (data / "runtime-config.json").write_text(
+        json.dumps({"version": 1, "overrides": {"block-interval": value}})
+    )
+    result = check("--no-spark", "--data-dir", str(data), "--port", "0", "--metrics-port", "-1")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout) < 200_000, len(result.stdout)
+    table = rows(result.stdout)
+    assert table["block-interval"][0] == value and table["log-level"] == ("info", "default"), table[
+        "log-level"
+    ]
+    header = result.stdout.splitlines()[0]
+    assert header.index("source") == header.index("value") + cli.CHECK_VALUE_WIDTH + 2, header
+
+
 def test_an_empty_pipeline_is_refused_from_the_file_and_the_environment_as_from_the_flag(
     tmp_path: Path,
 ) -> None:
