@@ -759,6 +759,13 @@ async def test_an_auth_file_no_caller_can_authenticate_with_is_refused(
     )
     assert checked.returncode == 2 and says in checked.stderr, checked.stderr
     assert "Traceback" not in checked.stderr, checked.stderr
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text("0 127.0.0.1:51101\n")
+    driver = [*check[:-1], "--role", "driver", "--nodes", str(nodes), "--auth-file", str(empty)]
+    checked = await asyncio.to_thread(
+        subprocess.run, [a for a in driver if a != "--no-spark"], capture_output=True, text=True, timeout=120
+    )
+    assert checked.returncode == 2 and says in checked.stderr, checked.stderr  # a cluster's driver alike
     auth = write_auth_file(tmp_path / "auth.toml")
     async with secured_server(tmp_path / "data", auth) as server:
         table = server.auth.table
