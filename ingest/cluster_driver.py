@@ -105,8 +105,10 @@ class ClusterDriver:
         # under mutual TLS (--client-ca) a verified certificate names its principal, as on a node: it
         # was ignored here, and an operator the auth file knew by certificate alone was UNAUTHENTICATED
         self.auth = Authenticator(
-            AuthTable.load(config.auth_file) if config.auth_file is not None else None,
-            client_certificates=config.tls is not None and config.tls.client_ca_file is not None,
+            AuthTable.load(config.auth_file, client_ca=config.verifies_clients)
+            if config.auth_file is not None
+            else None,
+            client_certificates=config.verifies_clients,
         )
         self.runtime = read_runtime_config(config, announce=True)
         """DATA_DIR/runtime-config.json: the rate's bounds and estimator an operator changed (`sluice rate

@@ -85,9 +85,10 @@ class RateConfig:
 def ascii_float(text: str) -> float:
     """float(text) of ASCII text only. float() and int() take the digits of every script (Arabic-Indic
     "\u0660.\u0665" is 0.5, full-width "\uff11\uff12" is 12); a setting takes ASCII digits alone, which
-    is how it is shown back. A finite number too large for a float (1e400) is refused too, rather than
-    read as inf, which to a rate or a bound means no limit at all. ValueError else."""
-    if not text.isascii():
+    is how it is shown back. So is "_": float() takes Python's digit separators ("1_0" is 10), which a
+    size never took and no setting shows. A finite number too large for a float (1e400) is refused too,
+    rather than read as inf, which to a rate or a bound means no limit at all. ValueError else."""
+    if not text.isascii() or "_" in text:
         raise ValueError(f"could not convert string to float: {text!r}")
     value = float(text)
     if math.isinf(value) and "inf" not in text.lower():
@@ -101,10 +102,18 @@ class OutOfRange(argparse.ArgumentTypeError, ValueError):
 
 
 def ascii_int(text: str) -> int:
-    """int(text) of ASCII text only (see ascii_float). ValueError else."""
-    if not text.isascii():
+    """int(text) of ASCII digits only, no "_" (see ascii_float). OutOfRange for more digits than int()
+    takes (4,300: its ValueError told an operator to call sys.set_int_max_str_digits()); ValueError
+    else."""
+    if not text.isascii() or "_" in text:
         raise ValueError(f"invalid literal for int() with base 10: {text!r}")
-    return int(text)
+    try:
+        return int(text)
+    except ValueError:
+        digits = text.strip().lstrip("+-")
+        if digits.isdigit():
+            raise OutOfRange(f"an integer of {len(digits):,} digits is out of range") from None
+        raise
 
 
 # as argparse names a flag's type in its message: "argument --port: invalid int value: '\u0665'"
@@ -320,6 +329,11 @@ class SecurityConfig:
             self.max_connections,
             ceiling=HEALTH_MAX_CONNECTIONS,
         )
+
+    @property
+    def verifies_clients(self) -> bool:
+        """Whether a client certificate can name a principal (mutual TLS: a client CA)."""
+        return self.tls is not None and self.tls.client_ca_file is not None
 
     @property
     def metrics_token_required(self) -> bool:

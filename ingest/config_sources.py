@@ -149,8 +149,12 @@ def explicit_dests(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[
 def read_file(path: Path, keys: Mapping[str, Key]) -> dict[str, object]:
     """The TOML file's settings, key -> value; ConfigError naming the file for anything wrong."""
     try:
-        # ascii_float: TOML reads 1e400 as inf, which to a rate means no limit at all
-        data = tomllib.loads(read_settings_file(path).decode("utf-8"), parse_float=ascii_float)
+        # ascii_float: TOML reads 1e400 as inf, which to a rate means no limit at all; TOML's own
+        # digit separators (1_000.5, checked by tomllib) are TOML's, and taken
+        data = tomllib.loads(
+            read_settings_file(path).decode("utf-8"),
+            parse_float=lambda text: ascii_float(text.replace("_", "")),
+        )
     except OutOfRange as exc:
         raise ConfigError(f"config file {path}: {exc}") from None
     except FileNotFoundError:

@@ -113,6 +113,11 @@ class DriverConfig:
             raise ValueError("a driver needs the streams to read (none given)")
         self.serve_config()  # the query's settings, checked as a single server checks them (trigger...)
 
+    @property
+    def verifies_clients(self) -> bool:
+        """Whether a client certificate can name a principal (mutual TLS: a client CA)."""
+        return self.tls is not None and self.tls.client_ca_file is not None
+
     def grpc_options(self) -> list[tuple[str, int]]:
         """The options that bound the connections of the driver's gRPC servers (a node's own)."""
         return grpc_connection_options(
@@ -177,7 +182,7 @@ def check_files(config: DriverConfig) -> None:
     if config.tls is not None:
         load_tls(config.tls)
     if config.auth_file is not None:
-        AuthTable.load(config.auth_file)
+        AuthTable.load(config.auth_file, client_ca=config.verifies_clients)
     config.credentials()
 
 

@@ -287,7 +287,7 @@ def check_security(config: ServeConfig) -> None:
     if security.tls is not None:
         load_tls(security.tls)
     if security.auth_file is not None:
-        AuthTable.load(security.auth_file, base=security.limits)
+        AuthTable.load(security.auth_file, base=security.limits, client_ca=security.verifies_clients)
     if config.peer_token_file is not None:
         try:
             Credentials.from_files(token_file=config.peer_token_file)

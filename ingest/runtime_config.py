@@ -40,6 +40,10 @@ FILE = "runtime-config.json"
 DEFAULT, COMMAND_LINE, DYNAMIC = "default", "command-line", "dynamic"
 
 
+MAX_VALUE = 4096
+"""The longest value a setting takes, in characters (all 16 of the model's parameters, each to 17 digits,
+are under 700)."""
+
 THE_SETTINGS = "the settings"
 """What a change that fails to write its file could not save (rate_service.refuse_unsaved)."""
 
@@ -96,6 +100,8 @@ def _float(text: str) -> float:
 def _int(text: str) -> int:
     try:
         return ascii_int(text)
+    except OutOfRange as exc:
+        raise SettingError(str(exc)) from None
     except ValueError:
         raise SettingError(f"{text!r} is not an integer") from None
 
@@ -332,8 +338,9 @@ class RuntimeConfig:
         an earlier version (before a node refused them), key -> value. Never in force: they clamped the
         share the driver pins the node. clear_ignored() takes them out of the file."""
         self.pinned_rate: float | None = None
-        """The rate `sluice rate set RATE --pin` pinned (records/s, clamped into the bounds), kept in the
-        same file so that a restart pins it again; None: not pinned. Not a setting: no version."""
+        """The rate `sluice rate set RATE --pin` pinned (records/s, clamped into the bounds, again by new
+        bounds), kept in the same file so that a restart pins it again; None: not pinned. Not a setting:
+        no version."""
         self.version = 0
         self.changes: dict[tuple[str, str], int] = {}
         """(key, "applied" | "invalid") -> count, for metrics."""
@@ -379,7 +386,9 @@ class RuntimeConfig:
         self.pinned_rate = _pinned_rate(data.get("pinned_rate"), self.path)
         for key, value in self.overrides.items() if self._announce else ():
             was = SETTINGS[key].text(self.base) or "(none)"
-            shown = printable(value)  # as SetConfig took it: "0.5\n" is a float, its newline no log line
+            # as SetConfig took it: "0.5\n" is a float, its newline no log line; and cut: a 3 MB "0.111..."
+            # kept by an earlier version was a 3 MB line at every start
+            shown = printable(cut(value))
             log.info("setting %s = %s (dynamic, %s; without it: %s)", key, shown, self.path, was)
 
     def clear_ignored(self) -> None:
@@ -445,7 +454,9 @@ class RuntimeConfig:
         _check_keys(set_, list(reset))
         overrides = {k: v for k, v in self.overrides.items() if k not in reset}
         overrides.update({k: v.strip() for k, v in set_.items()})
-        return self._rows((), self._build(overrides), overrides)
+        rows = self._rows((), self._build(overrides), overrides)
+        _check_lengths(set_)
+        return rows
 
     def _rows(
         self, keys: Iterable[str], config: ServeConfig, overrides: Mapping[str, str]
@@ -491,6 +502,7 @@ class RuntimeConfig:
                 overrides = {k: v for k, v in self.overrides.items() if k not in reset}
                 overrides.update({k: v.strip() for k, v in set_.items()})
                 new = self._build(overrides)
+                _check_lengths(set_)
             except SettingError as exc:
                 self._count_invalid([*set_, *reset])
                 if "estimator" in set_ and "estimator-params" not in set_ and "has no parameter" in str(exc):
@@ -506,8 +518,14 @@ class RuntimeConfig:
             reset = [key for key in reset if key in self.overrides]  # the others: nothing to reset
             if validate_only or not (set_ or reset):
                 return old, new
-            self._persist(overrides, self.version + 1, self.pinned_rate)
+            pinned = self.pinned_rate
+            if pinned is not None:
+                # new bounds clamp a pinned rate as they clamp the rate in force (RateController): the
+                # pin kept is that rate, or a restart pinned the old one under bounds since moved back
+                pinned = min(max(pinned, new.rate.min_rate), new.rate.max_rate)
+            self._persist(overrides, self.version + 1, pinned)
             self.overrides, self.version, self.current = overrides, self.version + 1, new
+            self.pinned_rate = pinned
             for key in [*set_, *reset]:
                 self._count(key, "applied")
             return old, new
@@ -569,3 +587,15 @@ def _check_keys(set_: Mapping[str, str], reset: Sequence[str]) -> None:
     both = sorted(set(set_) & set(reset))
     if both:
         raise SettingError(f"{', '.join(both)}: both set and reset in one change; give one")
+
+
+def _check_lengths(set_: Mapping[str, str]) -> None:
+    """SettingError for a value longer than MAX_VALUE that its setting takes (checked after the values,
+    so that one it refuses says why): kept verbatim in DATA_DIR/runtime-config.json, a 3 MB "0.1111..."
+    was taken as 0.111111 and made the file 3 MB, read again at every start."""
+    for key, value in set_.items():
+        length = len(value.strip())
+        if length > MAX_VALUE:
+            raise SettingError(
+                f"{key}: a value of {length:,} characters; a setting's value has at most {MAX_VALUE:,}"
+            )

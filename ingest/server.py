@@ -136,7 +136,11 @@ class SluiceServer:
         self.tls = ServerTls(security.tls) if security.tls is not None else None
         """The TLS certificate, key and client CA; `reload_security` re-reads them (SIGHUP)."""
         auth_file = security.auth_file
-        table = AuthTable.load(auth_file, base=security.limits) if auth_file is not None else None
+        table = (
+            AuthTable.load(auth_file, base=security.limits, client_ca=security.verifies_clients)
+            if auth_file is not None
+            else None
+        )
         # first: recovery cuts what looks like a torn tail, which in a live server's log is its next block
         self._own_lock = data_dir_lock is None
         self._lock = data_dir_lock if data_dir_lock is not None else DataDirLock(config.data_dir)
@@ -730,7 +734,9 @@ class SluiceServer:
         table = None
         if security.auth_file is not None:
             try:
-                table = AuthTable.load(security.auth_file, base=security.limits)
+                table = AuthTable.load(
+                    security.auth_file, base=security.limits, client_ca=security.verifies_clients
+                )
             except AuthFileError as exc:
                 log.error("reload: auth file not reloaded, the old one stays: %s", exc)  # noqa: TRY400
         return changes, table

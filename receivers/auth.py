@@ -157,9 +157,11 @@ class AuthTable:
         return None if name is None else self.principals[name]
 
     @classmethod
-    def load(cls, path: Path, *, base: Limits | None = None) -> AuthTable:
+    def load(cls, path: Path, *, base: Limits | None = None, client_ca: bool | None = None) -> AuthTable:
         """The auth file at `path`; limits it does not set (in [defaults] or a principal) are `base`'s:
-        the server's flags (`--max-sessions-per-principal`, ...), else Limits()."""
+        the server's flags (`--max-sessions-per-principal`, ...), else Limits(). `client_ca`: whether
+        the server verifies client certificates (None: not known here, not checked); without, a file
+        of no token at all is refused."""
         try:
             data = tomllib.loads(read_settings_file(path).decode("utf-8"))
         except OSError as exc:
@@ -167,11 +169,16 @@ class AuthTable:
             raise AuthFileError(f"cannot read the auth file (--auth-file) {path}: {why}") from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
             raise AuthFileError(f"auth file {path} is not valid TOML: {exc}") from exc
-        return cls.parse(data, source=str(path), base=base)
+        return cls.parse(data, source=str(path), base=base, client_ca=client_ca)
 
     @classmethod
     def parse(
-        cls, data: Mapping[str, Any], *, source: str = "auth file", base: Limits | None = None
+        cls,
+        data: Mapping[str, Any],
+        *,
+        source: str = "auth file",
+        base: Limits | None = None,
+        client_ca: bool | None = None,
     ) -> AuthTable:
         unknown = set(data) - {"defaults", "principals"}
         if unknown:
@@ -211,6 +218,14 @@ class AuthTable:
         if not principals:
             # a truncated file would lock every caller out and, on a reload, revoke every session
             raise AuthFileError(f"{source}: no principals (give at least one [principals.NAME] table)")
+        if client_ca is False and not tokens:
+            # a hash line that never reached the file (`$(cat ops.hash)` of an empty file): the server
+            # started and answered every call "unknown bearer token"
+            raise AuthFileError(
+                f"{source}: no principal has a token_sha256, and without a client CA (--client-ca) no "
+                "certificate can name one: every call would be refused (`sluice token` makes a token "
+                "and its token_sha256 line)"
+            )
         return cls(principals, tokens)
 
 

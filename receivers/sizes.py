@@ -18,6 +18,9 @@ _UNITS = {
     "tib": 1024**4,
 }
 
+_MAX_DIGITS = 100
+"""More digits than any size a setting takes (each has a bound far below 10**100)."""
+
 
 def parse_size(text: str) -> int:
     """A byte count: plain bytes ("1048576") or with a unit: B, KB/MB/GB/TB (powers of 1000) or
@@ -29,4 +32,7 @@ def parse_size(text: str) -> int:
             f"invalid size {text!r}: use bytes or a number with B, KB, MB, GB, TB (x1000) or KiB, MiB, "
             "GiB, TiB (x1024), e.g. 512MiB"
         )
+    digits = match.group(1).lstrip("0")
+    if len(digits) > _MAX_DIGITS:  # int() refuses past 4,300 digits, telling of sys.set_int_max_str_digits()
+        raise ValueError(f"a size of {len(digits):,} digits is out of range")
     return int(match.group(1)) * _UNITS[unit]

@@ -8,13 +8,15 @@ import contextlib
 import json
 import logging
 import math
+import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
-from support import running_server
+from support import running_server, wait_until
+from test_cli import SLUICE
 
 from ingest import cli
 from ingest.streams import StreamStateError
@@ -441,3 +443,27 @@ async def test_an_operators_cancel_of_a_session_is_logged_with_who_and_why(
     assert f"session {session.id} on stream 's'" in line, line
     assert "'victim'" in line and "FAILED_PRECONDITION" in line and "127.0.0.1" in line, line
     assert "maintenance\\nFORGED LINE" in line and "\n" not in line, line
+
+
+async def test_a_cancel_of_a_session_that_ended_says_it_ended_not_that_it_was_cancelled(
+    tmp_path: Path,
+) -> None:
+    """`sluice sessions cancel ID` of a session its producer had closed said "session ID was already
+    cancelled": nobody had cancelled it. Cancel stays idempotent (exit 0), and says the session had
+    ended or been cancelled; an id never issued is NOT_FOUND, exit 1."""
+    async with running_server(tmp_path / "data", "s") as server:
+        async with Producer(server.target, "s", producer_id="p", linger=0.001) as producer:
+            await producer.send(b"x")
+            await producer.flush(timeout=10)
+            (session,) = server.receivers["s"].sessions
+        await wait_until(lambda: not server.receivers["s"].sessions)
+
+        def cancel(session_id: int) -> subprocess.CompletedProcess[str]:
+            command = [*SLUICE, "sessions", "cancel", str(session_id), "--target", server.target]
+            return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+        done = await asyncio.to_thread(cancel, session.id)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout == f"session {session.id} {cli.ALREADY_OVER}\n", done.stdout
+        done = await asyncio.to_thread(cancel, session.id + 1000)
+        assert done.returncode == 1 and f"NOT_FOUND: no session with id {session.id + 1000}" in done.stderr

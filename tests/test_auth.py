@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import re
+import subprocess
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import grpc
 import pytest
 from pki import CertificateAuthority
 from support import positions, refused, running_server, status_past_core_race, wait_until
+from test_cli import SLUICE
 
 from ingest.config import RateConfig, SecurityConfig, ServeConfig
 from ingest.server import SluiceServer
@@ -737,6 +739,45 @@ async def test_an_auth_file_granting_an_invalid_stream_name_is_refused(
         assert server.auth.table is table
 
 
+async def test_an_auth_file_no_caller_can_authenticate_with_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator's auth file whose hash line never reached it (`$(cat ops.hash)` of an empty file):
+    principals, and not one token_sha256, on a server without a client CA. `sluice serve` started and
+    answered every call "unknown bearer token". Refused at the start and by `config check` (exit 2,
+    naming the file and why), and on reload (the old table stays); under mutual TLS a certificate names
+    a principal, so such a file stays valid there."""
+    empty = tmp_path / "empty.toml"
+    empty.write_text('[principals.ops]\nroles = ["operator", "reader"]\n\n')
+    says = "no principal has a token_sha256, and without a client CA (--client-ca) no certificate"
+    with pytest.raises(AuthFileError, match=re.escape(f"{empty}: {says}")):
+        async with running_server(tmp_path / "d1", security=SecurityConfig(auth_file=empty)):
+            pass
+    check = [*SLUICE, "config", "check", "--no-spark", "--data-dir", str(tmp_path / "d2"), "--auth-file"]
+    checked = await asyncio.to_thread(
+        subprocess.run, [*check, str(empty)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert checked.returncode == 2 and says in checked.stderr, checked.stderr
+    assert "Traceback" not in checked.stderr, checked.stderr
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text("0 127.0.0.1:51101\n")
+    driver = [*check[:-1], "--role", "driver", "--nodes", str(nodes), "--auth-file", str(empty)]
+    checked = await asyncio.to_thread(
+        subprocess.run, [a for a in driver if a != "--no-spark"], capture_output=True, text=True, timeout=120
+    )
+    assert checked.returncode == 2 and says in checked.stderr, checked.stderr  # a cluster's driver alike
+    auth = write_auth_file(tmp_path / "auth.toml")
+    async with secured_server(tmp_path / "data", auth) as server:
+        table = server.auth.table
+        auth.write_text(empty.read_text())
+        with caplog.at_level(logging.INFO, logger="ingest.server"):
+            assert server.reload_security() == []
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and "auth file not reloaded" in errors[0] and says in errors[0], errors
+        assert server.auth.table is table
+    assert AuthTable.load(empty, client_ca=True).principals["ops"]  # a certificate may name it
+
+
 # ---- the Spark source on a secured server --------------------------------------------------------
 
 
@@ -891,7 +932,7 @@ def test_the_serve_limit_flags_are_the_base_of_auth_file_principals(tmp_path: Pa
     path.write_text(
         "[defaults]\nidle_timeout_seconds = 30\n"
         '[principals.plain]\nroles = ["reader"]\n'
-        '[principals.own]\nroles = ["reader"]\nmax_sessions = 3\n'
+        f'[principals.own]\nroles = ["reader"]\nmax_sessions = 3\ntoken_sha256 = "{token_hash("own")}"\n'
     )
     server = SluiceServer(
         ServeConfig(

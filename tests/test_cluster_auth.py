@@ -402,6 +402,9 @@ async def test_a_driver_reachable_without_authentication_warns_and_names_certifi
     ops = ca.issue("ops-cert")
     auth = tmp_path / "auth.toml"
     auth.write_text('[principals."ops-cert"]\nroles = ["operator"]\n')
+    # without a client CA a file of no token is refused (no caller could authenticate): one with a token
+    tokened = tmp_path / "tokened.toml"
+    tokened.write_text(auth.read_text() + f'token_sha256 = "{"a" * 64}"\n')
     sluice = str(Path(sys.executable).parent / "sluice")
 
     async def serving(host: str, *, client_ca: bool, auth_file: Path | None) -> tuple[ClusterDriver, int]:
@@ -429,7 +432,7 @@ async def test_a_driver_reachable_without_authentication_warns_and_names_certifi
         ("0.0.0.0", False, None, True),  # TLS alone on the network: anyone may operate it
         ("127.0.0.1", False, None, False),  # loopback, as a node: no warning
         ("0.0.0.0", True, None, False),  # mutual TLS: the client CA vouches for every caller
-        ("0.0.0.0", False, auth, False),
+        ("0.0.0.0", False, tokened, False),
     ):
         caplog.clear()
         driver, _ = await serving(host, client_ca=client_ca, auth_file=auth_file)

@@ -1035,6 +1035,51 @@ def test_a_number_too_large_for_a_float_is_refused_not_read_as_no_limit(tmp_path
         assert sluice_text("config", "set", "max-rate=inf", "--target", target).returncode == 0
 
 
+def test_python_digit_separators_are_no_number_but_tomls_are(tmp_path: Path) -> None:
+    """float() and int() take Python's digit separators: `--block-interval 1_0` ran with 10 s, and
+    `config set trigger-interval=1_0` was taken as 10 and kept as "1_0" (a size refused "1_0" already).
+    A flag, a variable and `rate set` refuse it now; a TOML number's own separators (1_000.5, TOML's
+    syntax) are still TOML's."""
+    base = ["--no-spark", "--data-dir", str(tmp_path / "d"), "--port", "0", "--metrics-port", "-1"]
+    for args, env, says in (
+        (["--block-interval", "1_0"], {}, "argument --block-interval: invalid float value: '1_0'"),
+        (["--buffer-records", "1_000"], {}, "argument --buffer-records: invalid int value: '1_000'"),
+        ([], {"SLUICE_TRIGGER_INTERVAL": "1_0"}, "'1_0'"),
+    ):
+        result = check(*base, *args, env=clean_env(**env))
+        assert result.returncode == 2, (args, env, result.stdout, result.stderr)
+        assert says in result.stderr and "Traceback" not in result.stderr, (args, env, result.stderr)
+    rate = sluice_text("rate", "set", "1_0", "--target", "127.0.0.1:1")
+    assert rate.returncode == 2 and "argument RATE: invalid float value: '1_0'" in rate.stderr, rate.stderr
+    config = tmp_path / "sluice.toml"
+    config.write_text("block-interval = 1_0.5\nbuffer-records = 1_000\n")
+    result = check(*base, "--config", str(config))
+    assert result.returncode == 0, result.stderr
+    table = rows(result.stdout)
+    assert table["block-interval"][0] == "10.5" and table["buffer-records"][0] == "1000", table
+
+
+def test_config_check_pads_no_row_to_one_very_long_value(tmp_path: Path) -> None:
+    """A value of 100,000 characters kept in runtime-config.json (a 3 MB one made 174 MB of output):
+    `config check` padded every row's value to the longest one. It pads to the widest value up to
+    CHECK_VALUE_WIDTH; the long one is shown whole, once."""
+    data = tmp_path / "d"
+    data.mkdir()
+    value = "0." + "1" * 100_000
+    (data / "runtime-config.json").write_text(
+        json.dumps({"version": 1, "overrides": {"block-interval": value}})
+    )
+    result = check("--no-spark", "--data-dir", str(data), "--port", "0", "--metrics-port", "-1")
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout) < 200_000, len(result.stdout)
+    table = rows(result.stdout)
+    assert table["block-interval"][0] == value and table["log-level"] == ("info", "default"), table[
+        "log-level"
+    ]
+    header = result.stdout.splitlines()[0]
+    assert header.index("source") == header.index("value") + cli.CHECK_VALUE_WIDTH + 2, header
+
+
 def test_an_empty_pipeline_is_refused_from_the_file_and_the_environment_as_from_the_flag(
     tmp_path: Path,
 ) -> None:

@@ -154,6 +154,35 @@ INVALID = [
     # and tiny: each interval wakes the receiver, and 1e-300 spun a core on an idle server
     ({"block-interval": "1e-300"}, grpc.StatusCode.INVALID_ARGUMENT, "at least 0.01 seconds"),
     ({"block-linger": "3601"}, grpc.StatusCode.INVALID_ARGUMENT, "at most 3600 seconds"),
+    # a 3 MB value was taken (0.111111) and kept verbatim: a 3 MB runtime-config.json read at every start
+    (
+        {"block-interval": "0." + "1" * 100_000},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "block-interval: a value of 100,002 characters; a setting's value has at most 4,096",
+    ),
+    # past int()'s 4,300 digits: "not an integer", and for a size Python's advice to call
+    # sys.set_int_max_str_digits()
+    (
+        {"prefetch": "1" * 5_000},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "prefetch: an integer of 5,000 digits is out",
+    ),
+    (
+        {"buffer-bytes": "9" * 5_000},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "buffer-bytes: a size of 5,000 digits is",
+    ),
+    # Python's digit separators: "1_0" was taken as 10 and kept as "1_0" (a size refused it already)
+    (
+        {"trigger-interval": "1_0"},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "trigger-interval: '1_0' is not a number",
+    ),
+    (
+        {"buffer-records": "1_000"},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "buffer-records: '1_000' is not an integer",
+    ),
     ({"buffer-records": "9" * 23}, grpc.StatusCode.INVALID_ARGUMENT, "at most 1,000,000,000,000"),
     ({"prefetch": str(2**63)}, grpc.StatusCode.INVALID_ARGUMENT, "prefetch must be at most"),
     ({"block-records": str(10**12 + 1)}, grpc.StatusCode.INVALID_ARGUMENT, "block-records must be at most"),
@@ -255,6 +284,24 @@ async def test_estimator_parameters_given_twice_are_refused_naming_them(tmp_path
         assert server.runtime.version == 0 and not (tmp_path / "d" / "runtime-config.json").exists()
     with pytest.raises(ValueError, match="given more than once: 'a', 'b'; give each once"):
         parse_estimator_params("a=1,b=2,a=3,b=4,c=5")
+
+
+async def test_a_long_value_kept_before_is_logged_cut_at_the_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A value `config set` took before values were bounded (a 3 MB "0.111...") was logged whole at every
+    start: one line of 3 MB. It is still in force, and its line is cut, saying its length."""
+    caplog.set_level("INFO", logger="ingest.runtime_config")
+    data = tmp_path / "d"
+    data.mkdir()
+    value = "0." + "1" * 3_000_000
+    (data / "runtime-config.json").write_text(
+        json.dumps({"version": 1, "overrides": {"block-interval": value}})
+    )
+    async with running_server(data, "s") as server:
+        assert server.receivers["s"].config.block_interval == pytest.approx(0.1111111111111111)
+    (line,) = [r.getMessage() for r in caplog.records if "setting block-interval" in r.getMessage()]
+    assert len(line) < 1_000 and "(3000002 characters)" in line, line[:2_000]
 
 
 async def test_a_corrupt_settings_file_stops_the_start_with_its_name(tmp_path: Path) -> None:
@@ -380,6 +427,29 @@ async def test_a_change_that_cannot_be_saved_changes_nothing(tmp_path: Path) -> 
         assert server.rate.bounds.max_rate == 1000 and server.runtime.version == 1
 
 
+async def test_a_rate_set_past_the_bounds_says_the_rate_is_held_at_the_bound(tmp_path: Path) -> None:
+    """`sluice rate set 50 --pin` under bounds 200 .. 300 pinned 200 and exited 0 with "rate: 200
+    records/s", no word that 50 was not taken (nor that `inf` was held at 300). It still applies the
+    bound (exit 0), and says on stderr which bound held it; a rate within the bounds says nothing."""
+    async with running_server(tmp_path / "d", "s") as server:
+
+        def cli(*args: str) -> subprocess.CompletedProcess[str]:
+            command = [sys.executable, "-m", "ingest.cli", "rate", *args, "--target", server.target]
+            return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+        assert (await asyncio.to_thread(cli, "bounds", "200", "300")).returncode == 0
+        done = await asyncio.to_thread(cli, "set", "50", "--pin")
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith("rate: 200 records/s"), done.stdout
+        assert "50 records/s is below the min-rate (200 records/s): the rate is held at it" in done.stderr
+        done = await asyncio.to_thread(cli, "set", "inf")
+        assert done.returncode == 0 and done.stdout.startswith("rate: 300 records/s"), done.stdout
+        assert "unlimited records/s is above the max-rate (300 records/s)" in done.stderr, done.stderr
+        done = await asyncio.to_thread(cli, "set", "250")
+        assert done.returncode == 0 and done.stderr == "", done.stderr
+        assert done.stdout.startswith("rate: 250 records/s"), done.stdout
+
+
 async def test_the_rate_apis_bounds_and_estimator_are_the_settings_in_force(tmp_path: Path) -> None:
     """`sluice rate bounds` and `rate estimator` changed the controller alone: `config get` showed the
     old values, a `config set` of those old values was taken and changed nothing, and a restart lost
@@ -457,6 +527,28 @@ async def test_the_rate_api_switches_away_from_the_estimator_the_start_gave_para
         assert server.rate.estimator.name == "spark-pid"
         assert server.rate.estimator.state()["proportional"] == 0.5  # the start's, in force again
         assert "estimator-params" not in server.runtime.overrides
+
+
+async def test_new_bounds_that_move_a_pinned_rate_move_the_kept_one_too(tmp_path: Path) -> None:
+    """A rate pinned at 200, then bounds of 500 .. 1e6: the rate in force was 500 (pinned), the file
+    still said 200, and a restart pinned 200, under bounds that had since come back down to 5. The pin
+    kept is the rate in force: new bounds (`rate bounds`, `config set min-rate`/`max-rate`) clamp it in
+    the same write as the settings."""
+    data = tmp_path / "d"
+    async with running_server(data, "s") as server, admin(server) as stub:
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            rate = pb_grpc.RateControlStub(channel)
+            await rate.UpdateRate(pb.UpdateRateRequest(records_per_second=200, pin=True))
+            await rate.SetBounds(pb.SetBoundsRequest(min_rate=500, max_rate=1e6))
+            await rate.SetBounds(pb.SetBoundsRequest(min_rate=5, max_rate=1e6))
+        assert (server.rate.pinned, server.rate.rate) == (True, 500)
+        assert json.loads((data / "runtime-config.json").read_text())["pinned_rate"] == 500
+        await stub.SetConfig(pb.SetConfigRequest(set={"max-rate": "300"}))
+        assert (server.rate.pinned, server.rate.rate) == (True, 300)
+        assert json.loads((data / "runtime-config.json").read_text())["pinned_rate"] == 300
+        await stub.SetConfig(pb.SetConfigRequest(set={"max-rate": "inf"}))
+    async with running_server(data, "s") as server:
+        assert (server.rate.pinned, server.rate.rate) == (True, 300)
 
 
 async def test_a_pinned_rate_is_kept_across_a_restart_and_said(

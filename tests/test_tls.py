@@ -29,6 +29,7 @@ from ingest.config import SecurityConfig, TlsConfig
 from ingest.dev_certs import write_dev_certs
 from ingest.server import SluiceServer
 from ingest.tls import TlsFileError, load_tls
+from receivers.auth import token_hash
 from sluice_client import Producer
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -194,12 +195,13 @@ async def test_reload_keeps_the_old_files_when_a_new_one_is_bad(
 ) -> None:
     ca, server_cert = pki
     auth_file = tmp_path / "auth.toml"
-    auth_file.write_text('[principals.app]\nroles = ["producer", "reader"]\nstreams = ["*"]\n')
+    token = f'token_sha256 = "{token_hash("app")}"\n'  # a file of no token is refused without mTLS
+    auth_file.write_text('[principals.app]\nroles = ["producer", "reader"]\nstreams = ["*"]\n' + token)
     security = SecurityConfig(tls=TlsConfig(server_cert.cert_file, server_cert.key_file), auth_file=auth_file)
     async with tls_server(tmp_path, security) as server:
         assert server.auth.table is not None
         auth_file.write_text(auth_file.read_text() + '[principals.ops]\nroles = ["operator"]\n')
-        assert server.reload_security() == ["TLS: unchanged", "auth file: 2 principals, 0 tokens"]
+        assert server.reload_security() == ["TLS: unchanged", "auth file: 2 principals, 1 tokens"]
         table = server.auth.table
         assert set(table.principals) == {"app", "ops"}
         server_cert.cert_file.write_text("not a certificate\n")

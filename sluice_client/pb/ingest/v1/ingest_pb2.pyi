@@ -1172,7 +1172,7 @@ class CancelSessionResponse(_message.Message):
 
     CANCELLED_FIELD_NUMBER: _builtins.int
     cancelled: _builtins.bool
-    """False when the session had already been cancelled (cancel is idempotent)."""
+    """False when the session had already ended or been cancelled (cancel is idempotent)."""
     def __init__(
         self,
         *,
