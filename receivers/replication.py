@@ -612,6 +612,9 @@ class ReplicatedBlockStore(BlockStore):
         committed = self.replicator.committed_seq(stream)
         return [b for b in self.local.blocks(stream, from_seq) if b.seq < committed]
 
+    def extent(self, stream: str) -> tuple[int, int] | None:
+        return self.local.extent(stream, below_seq=self.replicator.committed_seq(stream))
+
     def read(self, block: BlockInfo) -> Iterator[pa.RecordBatch]:
         return self.local.read(block)
 

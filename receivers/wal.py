@@ -726,10 +726,11 @@ class WalBlockStore(BlockStore):
         self._forget_index(folder, {path for _, path in segments})
         return found
 
-    def extent(self, stream: str) -> tuple[int, int] | None:
-        """As blocks(stream) would give it, from the first segment with unreleased blocks and the last
-        one alone: a metrics scrape, the status page and every commit asked it of each stream, and
-        listing every block made that cost grow with the backlog (65 us a stream at 50 blocks)."""
+    def extent(self, stream: str, below_seq: int | None = None) -> tuple[int, int] | None:
+        """As blocks(stream) would give it (of its blocks below `below_seq`), from the first segment with
+        unreleased blocks and the last ones alone: a metrics scrape, the status page and every commit
+        asked it of each stream, and listing every block made that cost grow with the backlog (65 us a
+        stream at 50 blocks)."""
         start = self._read_released(stream).next_seq
         segments = self._segments(self._folder(stream))
         first = 0
@@ -741,10 +742,12 @@ class WalBlockStore(BlockStore):
             head = next((f.header for f in self._segment_frames(path) if f.header.seq >= start), None)
             if head is not None:
                 break
-        if head is None:
+        if head is None or (below_seq is not None and head.seq >= below_seq):
             return None
         for _, path in reversed(segments):
             frames = self._segment_frames(path)
+            if below_seq is not None:
+                frames = [f for f in frames if f.header.seq < below_seq]
             if frames:
                 tail = frames[-1].header
                 return head.first_offset, tail.first_offset + tail.count

@@ -187,6 +187,14 @@ def test_the_extent_is_what_the_listing_gives_through_rolls_and_releases(tmp_pat
     assert store.extent("s") is None
     fill(store, 3, per_block=7)
     assert store.extent("s") == listed_extent(store) == (240, 261)
+    # of the blocks below a seq (a cluster node's: those on enough copies)
+    assert [store.extent("s", below_seq=seq) for seq in (12, 13, 14, 15, 99)] == [
+        None,
+        (240, 247),
+        (240, 254),
+        (240, 261),
+        (240, 261),
+    ]
 
 
 # ---- recovery ------------------------------------------------------------------------------------
