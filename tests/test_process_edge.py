@@ -725,6 +725,58 @@ def test_an_input_without_newlines_is_refused_at_the_record_limit_not_held_whole
     assert "Traceback" not in stderr
 
 
+def test_an_input_that_fails_to_read_is_named_and_the_lines_before_it_are_acked(
+    tmp_path: Path, servers: list[Serve]
+) -> None:
+    """A read error of the input (EIO of a failing disk, a socket on stdin reset by its peer) ended the
+    push with a traceback, the lines read before it sent and never reported: nothing said how far the
+    push got or how to resume. Now those lines are acked, the error names the input, exit 1, and the
+    resume command starts after them; a closed stdin is said too, not an AttributeError."""
+    _, port, metrics_port, data = throttled_serve(tmp_path, servers, 1_000_000)
+    flags = ["--target", f"127.0.0.1:{port}", "--no-progress", "--timeout", "10"]
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        reader = socket.create_connection(listener.getsockname())
+        writer, _ = listener.accept()
+    with reader, writer:
+        push = subprocess.Popen(
+            [*SLUICE, "push", "-", *flags, "--producer-id", "reset"], stdin=reader, stderr=subprocess.PIPE
+        )
+        try:
+            writer.sendall(b"".join(b"%d\n" % i for i in range(100)))
+            deadline = time.monotonic() + 60
+            while acked_by(metrics_port) < 100:
+                assert time.monotonic() < deadline and push.poll() is None, "no acks"
+                time.sleep(0.05)
+            # a reset, not an end: the peer closes with SO_LINGER 0
+            writer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            writer.close()
+            _, err = push.communicate(timeout=60)
+        finally:
+            push.kill()
+    stderr = err.decode()
+    assert push.returncode == 1, stderr
+    assert "Traceback" not in stderr, stderr
+    assert "cannot read standard input after line 100: Connection reset by peer" in stderr, stderr
+    assert "of the input's records 100 are acked (durable), 100 sent, 100 read" in stderr, stderr
+    assert "--producer-id reset --resume-from 100" in stderr, stderr
+    assert sorted(stored_values(data)) == sorted(b"%d" % i for i in range(100))
+
+    for more in ([], ["--producer-id", "reset", "--resume-from", "100"]):  # the skip reads it too
+        eio = sluice("push", "/proc/self/mem", *flags, *more, timeout=60)
+        stderr = eio.stderr.decode()
+        assert eio.returncode == 1 and "Traceback" not in stderr, stderr
+        assert "cannot read /proc/self/mem: Input/output error" in stderr, stderr
+    closed = subprocess.run(
+        ["sh", "-c", 'exec "$@" <&-', "sh", *SLUICE, "push", "-", *flags],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    stderr = closed.stderr.decode()
+    assert closed.returncode == 2 and "Traceback" not in stderr, stderr
+    assert "cannot read standard input: it is closed" in stderr, stderr
+
+
 # ---- item 7: the first connection waits for a server that is not up yet ----------------------------
 
 
