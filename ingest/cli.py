@@ -2308,8 +2308,11 @@ def _push_failed(
     ]
     if args.batch_size != DEFAULT_BATCH_SIZE:
         command += ["--batch-size", str(args.batch_size)]
-    if args.timeout != PUSH_TIMEOUT:
-        command += ["--timeout", f"{args.timeout:g}"]
+    if args.timeout != PUSH_TIMEOUT:  # the shortest text that reads back as it (%g cut 1234567 short)
+        command += ["--timeout", repr(float(args.timeout)).removesuffix(".0")]
+    for flag in ("ca_file", "cert_file", "key_file", "token_file"):  # the server needs them again
+        if getattr(args, flag) is not None:
+            command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.key_separator is not None:  # one token: a separator such as "--" must not read as a flag
         command.append(f"--key-separator={args.key_separator}")
     if args.no_progress:

@@ -28,7 +28,7 @@ import pytest
 from support import running_server, stop
 from test_cli import SLUICE, sluice, wait_for_line
 
-from ingest.config import RateConfig, ServeConfig
+from ingest.config import RateConfig, SecurityConfig, ServeConfig
 from ingest.preflight import DataDirInUseError, DataDirLock
 from ingest.server import SluiceServer
 from receivers.config import FsyncPolicy
@@ -775,6 +775,40 @@ def test_an_input_that_fails_to_read_is_named_and_the_lines_before_it_are_acked(
     stderr = closed.stderr.decode()
     assert closed.returncode == 2 and "Traceback" not in stderr, stderr
     assert "cannot read standard input: it is closed" in stderr, stderr
+
+
+async def test_the_resume_command_keeps_the_credential_flags_and_the_timeout(tmp_path: Path) -> None:
+    """A failed push printed its resume command without --token-file (or --ca-file, --cert-file,
+    --key-file): run as printed against the server that took the push, it was refused UNAUTHENTICATED.
+    And --timeout went as %g: 1234567 came back as 1.23457e+06, another timeout."""
+    from receivers.auth import new_token, token_hash
+
+    token = new_token()
+    token_file = tmp_path / "token"
+    token_file.write_text(token + "\n")
+    auth_file = tmp_path / "auth.toml"
+    auth_file.write_text(
+        '[principals.pusher]\nroles = ["producer"]\nstreams = ["default"]\n'
+        f'token_sha256 = ["{token_hash(token)}"]\n'
+    )
+    source = tmp_path / "in.txt"
+    source.write_bytes(b"a\nb\n" + b"x" * (40 * 1024 * 1024) + b"\nc\n")  # line 3: no record carries it
+    data = tmp_path / "data"
+    async with running_server(data, "default", security=SecurityConfig(auth_file=auth_file)) as server:
+        flags = ["--target", server.target, "--token-file", str(token_file), "--timeout", "1234567"]
+        pushed = await asyncio.to_thread(sluice, "push", str(source), *flags, "--no-progress")
+        stderr = pushed.stderr.decode()
+        assert pushed.returncode == 1, stderr
+        assert "of the input's records 2 are acked (durable)" in stderr, stderr
+        resume = re.search(r"to resume without duplicates, once the cause is fixed, run: (.+)", stderr)
+        assert resume, stderr
+        command = shlex.split(resume.group(1))
+        assert command[command.index("--token-file") + 1] == str(token_file), stderr
+        assert command[command.index("--timeout") + 1] == "1234567", stderr
+        source.write_bytes(b"a\nb\nfixed\nc\n")
+        resumed = await asyncio.to_thread(sluice, *command[1:])
+        assert resumed.returncode == 0, resumed.stderr.decode()
+    assert sorted(stored_values(data).elements()) == [b"a", b"b", b"c", b"fixed"]
 
 
 # ---- item 7: the first connection waits for a server that is not up yet ----------------------------
