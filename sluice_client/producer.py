@@ -1927,6 +1927,14 @@ class Producer:
                 f"server ended the session with {self._sent_seq - self._acked_seq} records unacked"
             )
             raise self._error
+        if self._state is _State.OPEN and self._error is None:
+            # a server ends a session OK only once the producer completed it (close()): ended now, the
+            # producer had no session and nothing to fail it, and a flush() waited for good
+            self._error = ProtocolError(
+                f"server at {self.target} ended the session (status OK) before the producer completed "
+                "it (not a Sluice server?)"
+            )
+            raise self._error
         return None
 
     async def _reconnect(self, failure: RPCError) -> Call:
@@ -2146,6 +2154,10 @@ class Producer:
         cancelled: grpc.StatusCode | None = None  # the code of the server's in-band Cancel, once sent
         try:
             async for response in call:
+                if response is None:  # grpc's answer to bytes its deserializer could not parse
+                    await self._protocol_error(
+                        call, "server sent a message that is not a PublishResponse (not a Sluice server?)"
+                    )
                 kind = response.WhichOneof("kind")
                 if kind == "request":
                     if response.request.n <= 0:

@@ -4,20 +4,24 @@ at the call, naming what is wrong, before anything changes, and never leaves a p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import reactivex
 from support import running_server, wait_until
 
 from sluice_client import Producer, SyncProducer, publish, rx
-from sluice_client.errors import ProducerClosedError, UnackedRecordsError
+from sluice_client.errors import ProducerClosedError, ProtocolError, UnackedRecordsError
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.publishers import IterablePublisher
 
 
@@ -572,3 +576,63 @@ async def test_an_error_leaving_a_with_block_says_what_it_dropped(
             "flush() before leaving delivers them",
         ]
         assert (producer.acked, sync.acked) == (0, 0)
+
+
+@contextlib.asynccontextmanager
+async def broken_publish_server(mode: str) -> AsyncIterator[str]:
+    """A gRPC server on loopback whose Publish breaks the protocol (`mode`): "ends" ends each call OK
+    at once; "acks-then-ends" grants credit, acks the first batch and then ends the call OK; "garbage"
+    answers bytes that are no PublishResponse. Its target."""
+
+    async def publish(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+        if mode == "garbage":
+            yield b"\xff\xff\xff"
+            await asyncio.sleep(60)
+        elif mode == "acks-then-ends":
+            yield pb.PublishResponse(request=pb.Request(n=100)).SerializeToString()
+            async for message in requests:
+                request = pb.PublishRequest.FromString(message)
+                if request.WhichOneof("kind") == "batch":
+                    end = request.batch.first_seq + request.batch.count
+                    yield pb.PublishResponse(ack=pb.Ack(durable_up_to=end)).SerializeToString()
+                    return
+
+    server = grpc.aio.server()
+    handler = grpc.stream_stream_rpc_method_handler(publish)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("ingest.v1.Ingest", {"Publish": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+@pytest.mark.parametrize("mode", ["ends", "garbage"])
+async def test_a_server_breaking_the_protocol_at_the_start_fails_it(mode: str) -> None:
+    """A session the server ended OK before the producer completed it left a producer that never sent
+    and a flush() that waited for good; an answer that is no PublishResponse failed it with an
+    AttributeError ('NoneType' object has no attribute 'WhichOneof'). Both are ProtocolError now."""
+    says = {
+        "ends": r"ended the session \(status OK\) before the producer",
+        "garbage": "not a PublishResponse",
+    }
+    async with broken_publish_server(mode) as target:
+        producer = Producer(target, "s", start_timeout=5)
+        with pytest.raises(ProtocolError, match=says[mode]):
+            await asyncio.wait_for(producer.start(), 10)
+        await producer.abort()
+
+
+async def test_a_session_the_server_ends_ok_while_the_producer_is_open_fails_it() -> None:
+    async with broken_publish_server("acks-then-ends") as target:
+        producer = Producer(target, "s", linger=0, start_timeout=5)
+        await asyncio.wait_for(producer.start(), 10)
+        await producer.send(b"acked")
+        await asyncio.wait_for(producer.flush(), 10)
+        with pytest.raises(ProtocolError, match="ended the session"):
+            await producer.send(b"never sent")  # the end may come before or after this send
+            await asyncio.wait_for(producer.flush(), 10)
+        assert [value for value, _ in await producer.abort()] == [b"never sent"][: producer.unacked]
