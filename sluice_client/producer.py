@@ -789,9 +789,10 @@ def _check_flat(item: object, what: str) -> None:
 
 
 def _record_type_error(
-    first_seq: int, values: list[bytes], keys: list[bytes | None] | None
+    first_seq: int, values: list[bytes], keys: list[bytes | None] | None, ends: npt.NDArray[np.int64]
 ) -> RecordTypeError:
-    """The error naming the first record of a batch whose value or key is not flat bytes."""
+    """The error naming the first record of a batch whose value or key is not flat bytes, or whose
+    value is no longer the size it had when given (`ends`: where each value ended then)."""
 
     def flat(item: object) -> bool:
         return isinstance(item, bytes | bytearray) or (
@@ -809,6 +810,14 @@ def _record_type_error(
                     f"record {first_seq + i}: its {what} is {kind}, not bytes; the "
                     "producer cannot send it (its unsent records: abort() returns them)"
                 )
+    for i, (value, end) in enumerate(zip(values, ends.tolist(), strict=True)):
+        size = end - (int(ends[i - 1]) if i else 0)
+        if len(value) != size:  # a bytearray resized after the call that gave it
+            return RecordTypeError(
+                f"record {first_seq + i}: its value changed size after it was given ({size} bytes then, "
+                f"{len(value)} now: a bytearray resized before it was sent); give bytes, or leave it "
+                "as it is until it is acked (the unsent records: abort() returns them)"
+            )
     return RecordTypeError(f"a record of the batch at {first_seq} is not bytes")  # pragma: no cover
 
 
@@ -2092,7 +2101,7 @@ class Producer:
                         run.keys = lay_out_keys(run.keys)
                     request: bytes | None = publish_parts(self._sent_seq, run.parts, run.ends, run.keys)
                 except TypeError:
-                    raise _record_type_error(self._sent_seq, *self._pending.records(n)) from None
+                    raise _record_type_error(self._sent_seq, *self._pending.records(n), ends) from None
                 except ValueError:  # over int32 offsets
                     request = None
                 if request is not None and len(request) <= limit:

@@ -20,7 +20,7 @@ import reactivex
 from support import running_server, wait_until
 
 from sluice_client import Producer, SyncProducer, publish, rx
-from sluice_client.errors import ProducerClosedError, ProtocolError, UnackedRecordsError
+from sluice_client.errors import ProducerClosedError, ProtocolError, RecordTypeError, UnackedRecordsError
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.publishers import IterablePublisher
 
@@ -632,7 +632,28 @@ async def test_a_session_the_server_ends_ok_while_the_producer_is_open_fails_it(
         await asyncio.wait_for(producer.start(), 10)
         await producer.send(b"acked")
         await asyncio.wait_for(producer.flush(), 10)
+        await wait_until(lambda: producer.room < 0)  # it takes no more records: it failed
         with pytest.raises(ProtocolError, match="ended the session"):
-            await producer.send(b"never sent")  # the end may come before or after this send
+            await producer.send(b"never sent")
+        with pytest.raises(ProtocolError, match="ended the session"):
+            await asyncio.wait_for(producer.close(), 10)
+        assert await producer.abort() == []
+
+
+async def test_a_bytearray_value_resized_before_it_is_sent_is_named(tmp_path: Path) -> None:
+    """A bytearray is measured when given and laid out when sent: one resized in between failed the
+    producer with "a record of the batch at 0 is not bytes", though it was a bytearray, naming none.
+    The error names the record and what changed now."""
+    async with running_server(tmp_path) as server:
+        producer = Producer(server.target, "s", linger=1)
+        await producer.start()
+        await producer.send(b"first")
+        value = bytearray(b"abc")
+        await producer.send(value)
+        value.extend(b"defg")  # before the linger ends: the record is not sent yet
+        with pytest.raises(
+            RecordTypeError,
+            match=r"^record 1: its value changed size after it was given \(3 bytes then, 7 now",
+        ):
             await asyncio.wait_for(producer.flush(), 10)
-        assert [value for value, _ in await producer.abort()] == [b"never sent"][: producer.unacked]
+        assert [v for v, _ in await producer.abort()] == [b"first", b"abcdefg"]
