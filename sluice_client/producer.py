@@ -968,6 +968,17 @@ def warn_dropped_on_error(count: int, error: BaseException) -> None:
         )
 
 
+def warn_never_closed(kind: str, target: str, count: int) -> None:
+    """Log the records a producer that was never closed dropped, its loop or the process ending."""
+    if count:
+        log.warning(
+            "%s for %s was never closed: %d record(s) never acked were dropped; close() delivers them",
+            kind,
+            target,
+            count,
+        )
+
+
 def check_timeout(timeout: float | None) -> None:
     """TypeError unless `timeout` (flush's, close's) is None or a number, ValueError unless it is >= 0:
     NaN too, which asyncio takes as a timeout that has run out already."""
@@ -2219,6 +2230,10 @@ class Producer:
         raise error
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() and self._state is _State.OPEN:
+            # not by the teardown (it closes first): its event loop ended with the producer open, as
+            # asyncio.run() does, cancelling every task, when the code returns without close()
+            warn_never_closed("Producer", self.target, self.unacked)
         # a background loop that dies fails everything waiting on the producer
         exc = task.exception() if not task.cancelled() else None
         if exc is not None:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import threading
+import weakref
 from collections.abc import Coroutine, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sluice_client.errors import ProducerClosedError
-from sluice_client.producer import Producer, check_timeout, warn_dropped_on_error
+from sluice_client.producer import Producer, check_timeout, warn_dropped_on_error, warn_never_closed
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -21,6 +23,18 @@ T = TypeVar("T")
 _STOP_GRACE = 5.0
 """Seconds the loop's stop waits for calls other threads handed over before it (they end at once on a
 closed producer)."""
+
+
+_open: weakref.WeakSet[SyncProducer] = weakref.WeakSet()
+"""SyncProducers started: at exit, those never closed say what they drop (their thread is a daemon's:
+the process ends without it, and the records it had not delivered went without a word)."""
+
+
+@atexit.register
+def _warn_never_closed() -> None:
+    for producer in list(_open):
+        if not producer._stopping:
+            warn_never_closed("SyncProducer", producer.target, producer.unacked)
 
 
 class SyncProducer:
@@ -52,6 +66,7 @@ class SyncProducer:
         except BaseException:
             self._stop_loop()
             raise
+        _open.add(self)
 
     @staticmethod
     async def _make(target: str | Sequence[str], stream: str, kwargs: dict[str, Any]) -> Producer:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -657,3 +658,43 @@ async def test_a_bytearray_value_resized_before_it_is_sent_is_named(tmp_path: Pa
         ):
             await asyncio.wait_for(producer.flush(), 10)
         assert [v for v, _ in await producer.abort()] == [b"first", b"abcdefg"]
+
+
+SENDS_AND_ENDS = {
+    "async": """
+import asyncio, sys
+from sluice_client import Producer
+async def main():
+    producer = Producer(sys.argv[1], "s", linger=60)
+    await producer.start()
+    await producer.send(b"x")
+    if sys.argv[2] == "close":
+        await producer.close()
+asyncio.run(main())
+""",
+    "sync": """
+import sys
+from sluice_client import SyncProducer
+producer = SyncProducer(sys.argv[1], "s", linger=60)
+producer.send(b"x")
+if sys.argv[2] == "close":
+    producer.close()
+""",
+}
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+async def test_a_producer_never_closed_says_what_it_dropped_at_the_end(tmp_path: Path, kind: str) -> None:
+    """A script that sent and ended without close() (asyncio.run returning with the Producer open, a
+    SyncProducer left at exit) dropped the records not acked without a word, exit 0. It says so now, as
+    leaving a `with` block by an error does; a closed one says nothing."""
+    async with running_server(tmp_path) as server:
+        for end in ("close", "leave"):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", SENDS_AND_ENDS[kind], server.target, end, stderr=asyncio.subprocess.PIPE
+            )
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+            stderr = err.decode()
+            assert proc.returncode == 0 and "Traceback" not in stderr, stderr
+            said = "never closed: 1 record(s) never acked were dropped; close() delivers them" in stderr
+            assert said is (end == "leave"), stderr
