@@ -11,6 +11,9 @@ line is cut at the separator's first occurrence into key and value, again for th
 from __future__ import annotations
 
 import asyncio
+import functools
+import os
+import select
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO
@@ -129,6 +132,22 @@ def _seekable(source: IO[bytes]) -> bool:
         return False
 
 
+def _fileno(source: IO[bytes]) -> int | None:
+    try:
+        return source.fileno()
+    except (OSError, ValueError, AttributeError):  # no descriptor (a BytesIO), or closed
+        return None
+
+
+def _read_when_ready(fd: int, size: int) -> bytes:
+    """Up to `size` bytes of the non-blocking descriptor `fd`, once there are any; b"" at its end."""
+    while True:
+        try:
+            return os.read(fd, size)
+        except BlockingIOError:
+            select.select([fd], [], [])
+
+
 _NEWLINE = ord("\n")
 _NO_LINES = Lines(b"", np.zeros(1, np.int64))
 
@@ -155,6 +174,12 @@ class InputLines:
         self._read_chunk: Callable[[int], bytes] = source.read
         if read1 is not None and not _seekable(source):
             self._read_chunk = read1
+        fd = _fileno(source)
+        if fd is not None and not os.get_blocking(fd):
+            # a stdin left non-blocking: read1 answered b"" when no data was there yet, taken for the
+            # end of the input (the rest never sent, the push "all acked"). Nothing was read from the
+            # buffered file yet: read the descriptor, waiting for data
+            self._read_chunk = functools.partial(_read_when_ready, fd)
         self.done_bytes = 0
         self.records = 0  # handed on by next_lines
         self.skipped = 0

@@ -777,6 +777,39 @@ def test_an_input_that_fails_to_read_is_named_and_the_lines_before_it_are_acked(
     assert "cannot read standard input: it is closed" in stderr, stderr
 
 
+def test_a_non_blocking_stdin_is_read_to_its_end(tmp_path: Path, servers: list[Serve]) -> None:
+    """A stdin left non-blocking (O_NONBLOCK on the pipe, as some parents leave it) read as ended the
+    first time no data was there yet: the push said "pushed 2 records; all acked", exit 0, and the
+    rest of the input was never sent. It waits for the input now, as on a blocking pipe."""
+    port = free_port()
+    serve = Serve(tmp_path, "serve", *no_spark(port, tmp_path / "data"))
+    servers.append(serve)
+    serve.wait_serving()
+    reader, writer = os.pipe()
+    os.set_blocking(reader, False)
+    try:
+        push = subprocess.Popen(
+            [*SLUICE, "push", "-", "--target", f"127.0.0.1:{port}", "--no-progress", "--timeout", "10"],
+            stdin=reader,
+            stderr=subprocess.PIPE,
+        )
+    finally:
+        os.close(reader)
+    try:
+        os.write(writer, b"a\nb\n")
+        time.sleep(1.5)  # the push has read those and finds the pipe empty meanwhile
+        assert push.poll() is None, push.communicate()[1].decode()
+        os.write(writer, b"c\nd")
+        os.close(writer)
+        _, err = push.communicate(timeout=60)
+    finally:
+        push.kill()
+    assert push.returncode == 0, err.decode()
+    assert b"pushed 4 records" in err, err.decode()
+    serve.kill()
+    assert sorted(stored_values(tmp_path / "data")) == [b"a", b"b", b"c", b"d"]
+
+
 async def test_the_resume_command_keeps_the_credential_flags_and_the_timeout(tmp_path: Path) -> None:
     """A failed push printed its resume command without --token-file (or --ca-file, --cert-file,
     --key-file): run as printed against the server that took the push, it was refused UNAUTHENTICATED.
