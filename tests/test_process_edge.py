@@ -810,6 +810,43 @@ def test_a_non_blocking_stdin_is_read_to_its_end(tmp_path: Path, servers: list[S
     assert sorted(stored_values(tmp_path / "data")) == [b"a", b"b", b"c", b"d"]
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_while_the_input_waits_ends_the_push(
+    tmp_path: Path, servers: list[Serve], sig: signal.Signals
+) -> None:
+    """`sluice push -` on a pipe with no data coming (`kill` of the push alone, systemd, Kubernetes:
+    the writer lives on) said how far it got on SIGTERM or Ctrl-C and then hung for good: asyncio.run
+    waited for the thread blocked in the read. It exits now, 143 or 130, what it read acked."""
+    port = free_port()
+    serve = Serve(tmp_path, "serve", *no_spark(port, tmp_path / "data"))
+    servers.append(serve)
+    serve.wait_serving()
+    reader, writer = os.pipe()
+    try:
+        push = subprocess.Popen(
+            [*SLUICE, "push", "-", "--target", f"127.0.0.1:{port}", "--no-progress", "--producer-id", "p"],
+            stdin=reader,
+            stderr=subprocess.PIPE,
+        )
+    finally:
+        os.close(reader)
+    try:
+        os.write(writer, b"a\nb\n")
+        deadline = time.monotonic() + 60
+        while sum(stored_values(tmp_path / "data").values()) < 2:  # acked: stored, its block written
+            assert time.monotonic() < deadline and push.poll() is None, "no acks"
+            time.sleep(0.1)
+        push.send_signal(sig)
+        _, err = push.communicate(timeout=30)
+    finally:
+        push.kill()
+        os.close(writer)
+    stderr = err.decode()
+    assert push.returncode == 128 + sig, stderr
+    assert "of the input's records 2 are acked (durable), 2 sent, 2 read" in stderr, stderr
+    assert "--producer-id p --resume-from 2" in stderr, stderr
+
+
 async def test_the_resume_command_keeps_the_credential_flags_and_the_timeout(tmp_path: Path) -> None:
     """A failed push printed its resume command without --token-file (or --ca-file, --cert-file,
     --key-file): run as printed against the server that took the push, it was refused UNAUTHENTICATED.
