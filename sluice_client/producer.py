@@ -1194,6 +1194,7 @@ class Producer:
         self._changed = asyncio.Event()
         self._torn_down = asyncio.Event()  # set once closed or aborted: a second close() waits for it
         self._close_error: BaseException | None = None  # what the close() under way raised, for a second
+        self._dropped_unsaid = False  # a close() cut short dropped records no one was told of
         self._tasks: list[asyncio.Task[None]] = []
         self._starting: asyncio.Task[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # start()'s, where the tasks run
@@ -1543,6 +1544,7 @@ class Producer:
                 raise ProducerClosedError(f"the close() under way failed: {failed}") from failed
             return
         if self._state is _State.CLOSED:
+            self.raise_dropped()
             return
         if self._state is _State.NEW:
             self._state = _State.CLOSED
@@ -1574,9 +1576,20 @@ class Producer:
                 raise
         except BaseException as exc:
             self._close_error = exc
+            # cut short (cancelled, interrupted): what it dropped is said by the next close()
+            self._dropped_unsaid = not isinstance(exc, Exception)
             raise
         finally:
             await self._teardown()
+
+    def raise_dropped(self) -> None:
+        """For a close() of a producer closed already: UnackedRecordsError with the records never
+        acked if the close before was cut short (cancelled: asyncio.wait_for's timeout, a task's cancel;
+        interrupted) and no one was given them since (abort() returns them). That close raised no word
+        of them, and a second close() returned None, as if everything was delivered."""
+        if self._dropped_unsaid and self.unacked:
+            cause = ProducerClosedError("the close() before was cut short (cancelled) before they were acked")
+            raise UnackedRecordsError(self.unacked_records(), self._acked_seq, cause) from cause
 
     async def _complete(self, deadline: float | None) -> None:
         """After close()'s flush: send Complete and wait for the server to end the call, until
@@ -1600,6 +1613,7 @@ class Producer:
     async def abort(self) -> list[tuple[bytes, bytes | None]]:
         """End the session now, dropping what is not acked; return those records (value, key), in order."""
         records = self.unacked_records()
+        self._dropped_unsaid = False  # handed back
         await self._teardown()
         return records
 

@@ -180,10 +180,15 @@ class SyncProducer:
         unacked, as Producer.close does."""
         self._refuse_own_thread("close")  # before the stop: it would join this thread
         check_timeout(timeout)  # before the loop stops: a bad timeout leaves the producer usable
-        if self._stopping:
+        if self._stopping:  # as Producer.close() then: what was dropped is said, not taken as delivered
+            self._producer.raise_dropped()
             return
         try:
             self._run(self._producer.close(timeout))
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # Ctrl-C: the close on the loop stops unfinished
+                self._producer._dropped_unsaid = True  # said by the next close()
+            raise
         finally:
             self._stop_loop()
 

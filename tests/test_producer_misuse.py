@@ -698,3 +698,33 @@ async def test_a_producer_never_closed_says_what_it_dropped_at_the_end(tmp_path:
             assert proc.returncode == 0 and "Traceback" not in stderr, stderr
             said = "never closed: 1 record(s) never acked were dropped; close() delivers them" in stderr
             assert said is (end == "leave"), stderr
+
+
+async def test_a_close_after_one_cut_short_raises_what_it_dropped(tmp_path: Path) -> None:
+    """close() cut short (asyncio.wait_for's timeout: the teardown dropped what was not acked, and the
+    TimeoutError says nothing of them): a second close() returned None, as if everything was delivered.
+    It raises UnackedRecordsError with those records now, unless abort() handed them back meanwhile."""
+    async with running_server(tmp_path) as server:
+        server.rate.update(20, pin=True)  # slow acks: the close cannot finish in time
+        for hand_back in (False, True):
+            producer = Producer(server.target, "s", linger=0, max_buffered=1_000, batch_size=100)
+            await producer.start()
+            await producer.send_many([b"x"] * 500)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(producer.close(), 0.2)
+            unacked = producer.unacked
+            assert unacked > 0
+            if hand_back:
+                assert len(await producer.abort()) == unacked
+                await producer.close()  # the caller has them: nothing more to say
+                continue
+            for _ in range(2):
+                with pytest.raises(UnackedRecordsError, match=r"cut short \(cancelled\)") as again:
+                    await producer.close()
+                assert again.value.unacked == unacked and len(again.value.records) == unacked
+        server.rate.update(math.inf, pin=True)
+        closed = Producer(server.target, "s", linger=0)
+        await closed.start()
+        await closed.send(b"delivered")
+        await closed.close()
+        await closed.close()  # everything acked: nothing to say
