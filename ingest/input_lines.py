@@ -170,7 +170,8 @@ async def _off_loop(read: Callable[[int], bytes], size: int) -> bytes:
 
 
 def _read_when_ready(fd: int, size: int) -> bytes:
-    """Up to `size` bytes of the non-blocking descriptor `fd`, once there are any; b"" at its end."""
+    """Up to `size` bytes of the descriptor `fd` (a pipe's), once there are any, also when it is
+    non-blocking; b"" at its end."""
     while True:
         try:
             return os.read(fd, size)
