@@ -1946,6 +1946,8 @@ def _push(args: argparse.Namespace) -> int:
     if error is not None:
         return _fail(error, EXIT_USAGE)
     if args.file == "-":
+        if sys.stdin is None:  # fd 0 closed (`<&-`): Python has no sys.stdin
+            return _fail("cannot read standard input: it is closed", EXIT_USAGE)
         source, total = sys.stdin.buffer, None
     else:
         path = Path(args.file)
@@ -2005,11 +2007,8 @@ async def _push_async(
         return _refused_push_flags(args, exc)
     read = InputLines(source)
     # before the session opens: its Open tells the server that the records below are this producer's
-    if not await read.skip(args.resume_from):
-        return _fail(
-            f"the input has {read.skipped:,} records, fewer than --resume-from {args.resume_from:,}: "
-            "not the input of the push to resume?"
-        )
+    if (unskipped := await _skip_resumed(args, read)) is not None:
+        return _fail(unskipped)
     follow = None
     if isinstance(progress, _LiveProgress) or progress.follows:  # from the first second on, acks or not
         follow = asyncio.create_task(
@@ -2072,6 +2071,28 @@ async def _push_async(
     return 0
 
 
+async def _skip_resumed(args: argparse.Namespace, read: InputLines) -> str | None:
+    """Pass over the input's first --resume-from records; what is wrong if that cannot be done."""
+    try:
+        if await read.skip(args.resume_from):
+            return None
+    except OSError as exc:
+        return f"{_input_name(args)}: {exc.strerror or exc}"
+    return (
+        f"the input has {read.skipped:,} records, fewer than --resume-from {args.resume_from:,}: "
+        "not the input of the push to resume?"
+    )
+
+
+class InputReadError(SluiceError):
+    """`sluice push` could not read its input (a read error, not its end): the push fails as when its
+    server does, saying how far it got and how to resume."""
+
+
+def _input_name(args: argparse.Namespace) -> str:
+    return "cannot read " + ("standard input" if args.file == "-" else args.file)
+
+
 async def _next_lines(
     producer: Producer, read: InputLines, separator: bytes | None, args: argparse.Namespace
 ) -> Lines | None:
@@ -2083,6 +2104,12 @@ async def _next_lines(
     read.max_line = MAX_RECORD_BYTES + (len(separator) if separator is not None else 0)
     try:
         return await read.next_lines()
+    except OSError as exc:  # EIO of a failing disk, a socket on stdin reset: the lines before are acked
+        await _flush_while_acking(producer, args.timeout)
+        after = args.resume_from + read.records
+        raise InputReadError(
+            f"{_input_name(args)}{f' after line {after:,}' if after else ''}: {exc.strerror or exc}"
+        ) from None
     except LineTooLongError as exc:
         await _flush_while_acking(producer, args.timeout)
         raise RecordTooLargeError(
@@ -2281,8 +2308,11 @@ def _push_failed(
     ]
     if args.batch_size != DEFAULT_BATCH_SIZE:
         command += ["--batch-size", str(args.batch_size)]
-    if args.timeout != PUSH_TIMEOUT:
-        command += ["--timeout", f"{args.timeout:g}"]
+    if args.timeout != PUSH_TIMEOUT:  # the shortest text that reads back as it (%g cut 1234567 short)
+        command += ["--timeout", repr(float(args.timeout)).removesuffix(".0")]
+    for flag in ("ca_file", "cert_file", "key_file", "token_file"):  # the server needs them again
+        if getattr(args, flag) is not None:
+            command += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     if args.key_separator is not None:  # one token: a separator such as "--" must not read as a flag
         command.append(f"--key-separator={args.key_separator}")
     if args.no_progress:

@@ -25,7 +25,7 @@ from receivers.cluster import Cluster
 from receivers.config import DEFAULT_SEGMENT_BYTES, FsyncPolicy, ReceiverConfig
 from receivers.errors import cut, shown
 from receivers.names import check_stream_name
-from receivers.principal import Limits
+from receivers.principal import MIN_MESSAGE_BYTES, Limits
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9464
@@ -451,10 +451,10 @@ class ServeConfig:
             raise ValueError(
                 f"segment bytes must be at most {MAX_SEGMENT_BYTES:,} (1 TiB), got {self.segment_bytes:,}"
             )
-        if not 1024 <= self.max_message_bytes <= MAX_GRPC_MESSAGE_BYTES:
+        if not MIN_MESSAGE_BYTES <= self.max_message_bytes <= MAX_GRPC_MESSAGE_BYTES:
             raise ValueError(
-                f"max message bytes must be 1024..{MAX_GRPC_MESSAGE_BYTES:,} (gRPC takes a message's "
-                f"length as a 32-bit int), got {self.max_message_bytes:,}"
+                f"max message bytes must be {MIN_MESSAGE_BYTES}..{MAX_GRPC_MESSAGE_BYTES:,} (gRPC takes a "
+                f"message's length as a 32-bit int), got {self.max_message_bytes:,}"
             )
 
     def _check_exposure(self) -> None:

@@ -11,6 +11,11 @@ line is cut at the separator's first occurrence into key and value, again for th
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import os
+import select
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import IO
@@ -129,6 +134,51 @@ def _seekable(source: IO[bytes]) -> bool:
         return False
 
 
+def _fileno(source: IO[bytes]) -> int | None:
+    try:
+        return source.fileno()
+    except (OSError, ValueError, AttributeError):  # no descriptor (a BytesIO), or closed
+        return None
+
+
+async def _off_loop(read: Callable[[int], bytes], size: int) -> bytes:
+    """read(size) on a daemon thread of its own: a read that never returns (a pipe whose writer lives on
+    and sends nothing) must not hold up the exit after a SIGTERM or Ctrl-C, as asyncio.to_thread's
+    executor thread did (asyncio.run joins it: the push said how far it got, then hung)."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[bytes] = loop.create_future()
+
+    def settle(chunk: bytes, error: BaseException | None) -> None:
+        if done.done():  # cancelled meanwhile
+            return
+        if error is None:
+            done.set_result(chunk)
+        else:
+            done.set_exception(error)
+
+    def work() -> None:
+        chunk, error = b"", None
+        try:
+            chunk = read(size)
+        except BaseException as exc:  # noqa: BLE001 - raised where it is awaited
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: no one waits for it
+            loop.call_soon_threadsafe(settle, chunk, error)
+
+    threading.Thread(target=work, name="sluice-push-read", daemon=True).start()
+    return await done
+
+
+def _read_when_ready(fd: int, size: int) -> bytes:
+    """Up to `size` bytes of the descriptor `fd` (a pipe's), once there are any, also when it is
+    non-blocking; b"" at its end."""
+    while True:
+        try:
+            return os.read(fd, size)
+        except BlockingIOError:
+            select.select([fd], [], [])
+
+
 _NEWLINE = ord("\n")
 _NO_LINES = Lines(b"", np.zeros(1, np.int64))
 
@@ -155,6 +205,13 @@ class InputLines:
         self._read_chunk: Callable[[int], bytes] = source.read
         if read1 is not None and not _seekable(source):
             self._read_chunk = read1
+        fd = _fileno(source)
+        if fd is not None and not _seekable(source):
+            # a pipe's descriptor, read as it is (nothing was read from the buffered file yet): a read
+            # blocked there holds no lock of the file's that the exit would wait for, and a stdin left
+            # non-blocking is waited for (read1 answered b"" when no data was there yet, taken for the
+            # end of the input: the rest never sent, the push "all acked")
+            self._read_chunk = functools.partial(_read_when_ready, fd)
         self.done_bytes = 0
         self.records = 0  # handed on by next_lines
         self.skipped = 0
@@ -199,7 +256,7 @@ class InputLines:
     async def _read(self) -> Lines | None:
         if self._carry is None:
             return None
-        chunk = await asyncio.to_thread(self._read_chunk, self.CHUNK_BYTES)
+        chunk = await _off_loop(self._read_chunk, self.CHUNK_BYTES)
         self.done_bytes += len(chunk)
         if not chunk:
             last = b"".join(self._carry)

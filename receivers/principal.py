@@ -31,6 +31,8 @@ class Role(StrEnum):
 
 ALL_ROLES = frozenset(Role)
 ALL_STREAMS = "*"
+MIN_MESSAGE_BYTES = 1024
+"""The smallest message limit a principal may have (`sluice serve --max-message-bytes` too)."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,13 @@ class Limits:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer (or unset: no limit), got {value!r}")
+        if self.max_message_bytes is not None and self.max_message_bytes < MIN_MESSAGE_BYTES:
+            # as `sluice serve --max-message-bytes`: below, a message carries no record of any use
+            # (the SDK refused every one, "over the -54-byte limit of a record")
+            raise ValueError(
+                f"max_message_bytes must be >= {MIN_MESSAGE_BYTES} (or unset: the server's limit), got "
+                f"{self.max_message_bytes!r}"
+            )
         if self.idle_timeout is not None and not (0 < self.idle_timeout < math.inf):
             raise ValueError(f"idle_timeout must be > 0 seconds and finite, got {self.idle_timeout!r}")
 

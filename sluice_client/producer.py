@@ -789,9 +789,10 @@ def _check_flat(item: object, what: str) -> None:
 
 
 def _record_type_error(
-    first_seq: int, values: list[bytes], keys: list[bytes | None] | None
+    first_seq: int, values: list[bytes], keys: list[bytes | None] | None, ends: npt.NDArray[np.int64]
 ) -> RecordTypeError:
-    """The error naming the first record of a batch whose value or key is not flat bytes."""
+    """The error naming the first record of a batch whose value or key is not flat bytes, or whose
+    value is no longer the size it had when given (`ends`: where each value ended then)."""
 
     def flat(item: object) -> bool:
         return isinstance(item, bytes | bytearray) or (
@@ -809,6 +810,14 @@ def _record_type_error(
                     f"record {first_seq + i}: its {what} is {kind}, not bytes; the "
                     "producer cannot send it (its unsent records: abort() returns them)"
                 )
+    for i, (value, end) in enumerate(zip(values, ends.tolist(), strict=True)):
+        size = end - (int(ends[i - 1]) if i else 0)
+        if len(value) != size:  # a bytearray resized after the call that gave it
+            return RecordTypeError(
+                f"record {first_seq + i}: its value changed size after it was given ({size} bytes then, "
+                f"{len(value)} now: a bytearray resized before it was sent); give bytes, or leave it "
+                "as it is until it is acked (the unsent records: abort() returns them)"
+            )
     return RecordTypeError(f"a record of the batch at {first_seq} is not bytes")  # pragma: no cover
 
 
@@ -955,6 +964,17 @@ def warn_dropped_on_error(count: int, error: BaseException) -> None:
             "producer left with %s: %d record(s) never acked were dropped (abort()); close() or "
             "flush() before leaving delivers them",
             type(error).__name__,
+            count,
+        )
+
+
+def warn_never_closed(kind: str, target: str, count: int) -> None:
+    """Log the records a producer that was never closed dropped, its loop or the process ending."""
+    if count:
+        log.warning(
+            "%s for %s was never closed: %d record(s) never acked were dropped; close() delivers them",
+            kind,
+            target,
             count,
         )
 
@@ -1174,6 +1194,7 @@ class Producer:
         self._changed = asyncio.Event()
         self._torn_down = asyncio.Event()  # set once closed or aborted: a second close() waits for it
         self._close_error: BaseException | None = None  # what the close() under way raised, for a second
+        self._dropped_unsaid = False  # a close() cut short dropped records no one was told of
         self._tasks: list[asyncio.Task[None]] = []
         self._starting: asyncio.Task[Any] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # start()'s, where the tasks run
@@ -1523,6 +1544,7 @@ class Producer:
                 raise ProducerClosedError(f"the close() under way failed: {failed}") from failed
             return
         if self._state is _State.CLOSED:
+            self.raise_dropped()
             return
         if self._state is _State.NEW:
             self._state = _State.CLOSED
@@ -1554,9 +1576,20 @@ class Producer:
                 raise
         except BaseException as exc:
             self._close_error = exc
+            # cut short (cancelled, interrupted): what it dropped is said by the next close()
+            self._dropped_unsaid = not isinstance(exc, Exception)
             raise
         finally:
             await self._teardown()
+
+    def raise_dropped(self) -> None:
+        """For a close() of a producer closed already: UnackedRecordsError with the records never
+        acked if the close before was cut short (cancelled: asyncio.wait_for's timeout, a task's cancel;
+        interrupted) and no one was given them since (abort() returns them). That close raised no word
+        of them, and a second close() returned None, as if everything was delivered."""
+        if self._dropped_unsaid and self.unacked:
+            cause = ProducerClosedError("the close() before was cut short (cancelled) before they were acked")
+            raise UnackedRecordsError(self.unacked_records(), self._acked_seq, cause) from cause
 
     async def _complete(self, deadline: float | None) -> None:
         """After close()'s flush: send Complete and wait for the server to end the call, until
@@ -1580,6 +1613,7 @@ class Producer:
     async def abort(self) -> list[tuple[bytes, bytes | None]]:
         """End the session now, dropping what is not acked; return those records (value, key), in order."""
         records = self.unacked_records()
+        self._dropped_unsaid = False  # handed back
         await self._teardown()
         return records
 
@@ -1927,6 +1961,14 @@ class Producer:
                 f"server ended the session with {self._sent_seq - self._acked_seq} records unacked"
             )
             raise self._error
+        if self._state is _State.OPEN and self._error is None:
+            # a server ends a session OK only once the producer completed it (close()): ended now, the
+            # producer had no session and nothing to fail it, and a flush() waited for good
+            self._error = ProtocolError(
+                f"server at {self.target} ended the session (status OK) before the producer completed "
+                "it (not a Sluice server?)"
+            )
+            raise self._error
         return None
 
     async def _reconnect(self, failure: RPCError) -> Call:
@@ -2084,7 +2126,7 @@ class Producer:
                         run.keys = lay_out_keys(run.keys)
                     request: bytes | None = publish_parts(self._sent_seq, run.parts, run.ends, run.keys)
                 except TypeError:
-                    raise _record_type_error(self._sent_seq, *self._pending.records(n)) from None
+                    raise _record_type_error(self._sent_seq, *self._pending.records(n), ends) from None
                 except ValueError:  # over int32 offsets
                     request = None
                 if request is not None and len(request) <= limit:
@@ -2146,6 +2188,10 @@ class Producer:
         cancelled: grpc.StatusCode | None = None  # the code of the server's in-band Cancel, once sent
         try:
             async for response in call:
+                if response is None:  # grpc's answer to bytes its deserializer could not parse
+                    await self._protocol_error(
+                        call, "server sent a message that is not a PublishResponse (not a Sluice server?)"
+                    )
                 kind = response.WhichOneof("kind")
                 if kind == "request":
                     if response.request.n <= 0:
@@ -2198,6 +2244,10 @@ class Producer:
         raise error
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() and self._state is _State.OPEN:
+            # not by the teardown (it closes first): its event loop ended with the producer open, as
+            # asyncio.run() does, cancelling every task, when the code returns without close()
+            warn_never_closed("Producer", self.target, self.unacked)
         # a background loop that dies fails everything waiting on the producer
         exc = task.exception() if not task.cancelled() else None
         if exc is not None:

@@ -50,10 +50,15 @@ class _Bridge:
         self.top_up()
 
     def on_next(self, item: Record) -> None:
+        if self.done.done():
+            # publish() ended (an item that was no record, the upstream's error) or was cancelled:
+            # what the upstream still emits (it may, rule 2.8) is not taken, or it would be sent after
+            # the item publish() failed at, unknown to its caller
+            return
         self._requested -= 1
         try:
             if isinstance(item, tuple):
-                key, value = item
+                key, value = _pair(item)
                 self._producer.offer(value, key)
             else:
                 self._producer.offer(item)
@@ -98,6 +103,13 @@ class _Bridge:
             self.done.set_result(None)
         else:
             self.done.set_exception(error)
+
+
+def _pair(item: tuple[bytes | None, bytes]) -> tuple[bytes | None, bytes]:
+    """A keyed record's (key, value); TypeError for a tuple of another length."""
+    if len(item) != 2:
+        raise TypeError(f"a record is a value (bytes) or a (key, value) pair, not a tuple of {len(item)}")
+    return item
 
 
 async def publish(

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import threading
+import weakref
 from collections.abc import Coroutine, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from sluice_client.errors import ProducerClosedError
-from sluice_client.producer import Producer, check_timeout, warn_dropped_on_error
+from sluice_client.producer import Producer, check_timeout, warn_dropped_on_error, warn_never_closed
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -21,6 +23,18 @@ T = TypeVar("T")
 _STOP_GRACE = 5.0
 """Seconds the loop's stop waits for calls other threads handed over before it (they end at once on a
 closed producer)."""
+
+
+_open: weakref.WeakSet[SyncProducer] = weakref.WeakSet()
+"""SyncProducers started: at exit, those never closed say what they drop (their thread is a daemon's:
+the process ends without it, and the records it had not delivered went without a word)."""
+
+
+@atexit.register
+def _warn_never_closed() -> None:
+    for producer in list(_open):
+        if not producer._stopping:
+            warn_never_closed("SyncProducer", producer.target, producer.unacked)
 
 
 class SyncProducer:
@@ -52,6 +66,7 @@ class SyncProducer:
         except BaseException:
             self._stop_loop()
             raise
+        _open.add(self)
 
     @staticmethod
     async def _make(target: str | Sequence[str], stream: str, kwargs: dict[str, Any]) -> Producer:
@@ -165,10 +180,15 @@ class SyncProducer:
         unacked, as Producer.close does."""
         self._refuse_own_thread("close")  # before the stop: it would join this thread
         check_timeout(timeout)  # before the loop stops: a bad timeout leaves the producer usable
-        if self._stopping:
+        if self._stopping:  # as Producer.close() then: what was dropped is said, not taken as delivered
+            self._producer.raise_dropped()
             return
         try:
             self._run(self._producer.close(timeout))
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # Ctrl-C: the close on the loop stops unfinished
+                self._producer._dropped_unsaid = True  # said by the next close()
+            raise
         finally:
             self._stop_loop()
 

@@ -1013,3 +1013,18 @@ def test_an_auth_file_principal_may_not_take_the_servers_own_names() -> None:
         with pytest.raises(AuthFileError, match=re.escape(f"{name!r} is the server's own principal name")):
             AuthTable.parse({"principals": {name: {"roles": ["reader"]}}})
     assert AuthTable.parse({"principals": {"sluice-pipeline-2": {"roles": ["reader"]}}}).principals
+
+
+def test_a_principals_message_limit_too_small_for_any_record_is_refused() -> None:
+    """A principal's max_message_bytes of 10 was taken: every record of its producers was refused by
+    the SDK, "over the -54-byte limit of a record", the limit no record could meet. Refused at parse
+    below 1024, as `sluice serve --max-message-bytes` is."""
+    for small in (10, "1000B"):
+        with pytest.raises(AuthFileError, match=r"\[principals.p\]: max_message_bytes must be >= 1024"):
+            AuthTable.parse(
+                {"principals": {"p": {"roles": ["producer"], "streams": "*", "max_message_bytes": small}}}
+            )
+    limits = AuthTable.parse(
+        {"principals": {"p": {"roles": ["producer"], "streams": "*", "max_message_bytes": "1KiB"}}}
+    )
+    assert limits.principals["p"].limits.max_message_bytes == 1024

@@ -7,6 +7,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import reactivex
@@ -90,6 +91,50 @@ async def test_a_failing_publisher_fails_publish_after_sending_what_came_before(
             await publish(producer, IterablePublisher(broken()))
         await producer.flush(timeout=10)
     assert stored(server) == [(None, b"a"), (None, b"b")]
+
+
+class _AllAtOnce:
+    """A Publisher that emits all its items at the first request and then completes, a cancel
+    meanwhile noted only (items in flight may still come after a cancel: Reactive Streams rule 2.8)."""
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+
+    def subscribe(self, subscriber: Any) -> None:
+        items = self.items
+
+        class Subscription:
+            def request(self, n: int) -> None:
+                for item in items:
+                    subscriber.on_next(item)
+                subscriber.on_complete()
+
+            def cancel(self) -> None:
+                pass
+
+        subscriber.on_subscribe(Subscription())
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "says"),
+    [
+        ("text", TypeError, "record value must be bytes, not str"),
+        ((b"k",), TypeError, r"a record is a value \(bytes\) or a \(key, value\) pair, not a tuple of 1"),
+        ((b"k", b"v", b"w"), TypeError, r"or a \(key, value\) pair, not a tuple of 3"),
+    ],
+)
+async def test_items_after_one_that_failed_publish_are_not_sent(
+    server: SluiceServer, bad: Any, error: type[Exception], says: str
+) -> None:
+    """publish() raised for an item that is no record and cancelled the upstream, but the items the
+    upstream still emitted after it (as it may, rule 2.8) were queued, sent and acked all the same:
+    the caller, told publish failed at that item, would send them again. They are dropped now."""
+    async with Producer(server.target, "s", linger=0) as producer:
+        with pytest.raises(error, match=says):
+            await publish(producer, _AllAtOnce([b"a", bad, b"c", b"d"]))
+        await producer.flush(timeout=10)
+        assert producer.acked == 1
+    assert stored(server) == [(None, b"a")]
 
 
 async def test_an_observable_through_a_bounded_buffer_counts_its_drops(server: SluiceServer) -> None:

@@ -28,7 +28,7 @@ import pytest
 from support import running_server, stop
 from test_cli import SLUICE, sluice, wait_for_line
 
-from ingest.config import RateConfig, ServeConfig
+from ingest.config import RateConfig, SecurityConfig, ServeConfig
 from ingest.preflight import DataDirInUseError, DataDirLock
 from ingest.server import SluiceServer
 from receivers.config import FsyncPolicy
@@ -723,6 +723,162 @@ def test_an_input_without_newlines_is_refused_at_the_record_limit_not_held_whole
     assert pushed.returncode == 1, stderr
     assert "line 1 of the input has over 33,554,432 bytes (read so far): over the" in stderr, stderr
     assert "Traceback" not in stderr
+
+
+def test_an_input_that_fails_to_read_is_named_and_the_lines_before_it_are_acked(
+    tmp_path: Path, servers: list[Serve]
+) -> None:
+    """A read error of the input (EIO of a failing disk, a socket on stdin reset by its peer) ended the
+    push with a traceback, the lines read before it sent and never reported: nothing said how far the
+    push got or how to resume. Now those lines are acked, the error names the input, exit 1, and the
+    resume command starts after them; a closed stdin is said too, not an AttributeError."""
+    _, port, metrics_port, data = throttled_serve(tmp_path, servers, 1_000_000)
+    flags = ["--target", f"127.0.0.1:{port}", "--no-progress", "--timeout", "10"]
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        reader = socket.create_connection(listener.getsockname())
+        writer, _ = listener.accept()
+    with reader, writer:
+        push = subprocess.Popen(
+            [*SLUICE, "push", "-", *flags, "--producer-id", "reset"], stdin=reader, stderr=subprocess.PIPE
+        )
+        try:
+            writer.sendall(b"".join(b"%d\n" % i for i in range(100)))
+            deadline = time.monotonic() + 60
+            while acked_by(metrics_port) < 100:
+                assert time.monotonic() < deadline and push.poll() is None, "no acks"
+                time.sleep(0.05)
+            # a reset, not an end: the peer closes with SO_LINGER 0
+            writer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            writer.close()
+            _, err = push.communicate(timeout=60)
+        finally:
+            push.kill()
+    stderr = err.decode()
+    assert push.returncode == 1, stderr
+    assert "Traceback" not in stderr, stderr
+    assert "cannot read standard input after line 100: Connection reset by peer" in stderr, stderr
+    assert "of the input's records 100 are acked (durable), 100 sent, 100 read" in stderr, stderr
+    assert "--producer-id reset --resume-from 100" in stderr, stderr
+    assert sorted(stored_values(data)) == sorted(b"%d" % i for i in range(100))
+
+    for more in ([], ["--producer-id", "reset", "--resume-from", "100"]):  # the skip reads it too
+        eio = sluice("push", "/proc/self/mem", *flags, *more, timeout=60)
+        stderr = eio.stderr.decode()
+        assert eio.returncode == 1 and "Traceback" not in stderr, stderr
+        assert "cannot read /proc/self/mem: Input/output error" in stderr, stderr
+    closed = subprocess.run(
+        ["sh", "-c", 'exec "$@" <&-', "sh", *SLUICE, "push", "-", *flags],
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    stderr = closed.stderr.decode()
+    assert closed.returncode == 2 and "Traceback" not in stderr, stderr
+    assert "cannot read standard input: it is closed" in stderr, stderr
+
+
+def test_a_non_blocking_stdin_is_read_to_its_end(tmp_path: Path, servers: list[Serve]) -> None:
+    """A stdin left non-blocking (O_NONBLOCK on the pipe, as some parents leave it) read as ended the
+    first time no data was there yet: the push said "pushed 2 records; all acked", exit 0, and the
+    rest of the input was never sent. It waits for the input now, as on a blocking pipe."""
+    port = free_port()
+    serve = Serve(tmp_path, "serve", *no_spark(port, tmp_path / "data"))
+    servers.append(serve)
+    serve.wait_serving()
+    reader, writer = os.pipe()
+    os.set_blocking(reader, False)
+    try:
+        push = subprocess.Popen(
+            [*SLUICE, "push", "-", "--target", f"127.0.0.1:{port}", "--no-progress", "--timeout", "10"],
+            stdin=reader,
+            stderr=subprocess.PIPE,
+        )
+    finally:
+        os.close(reader)
+    try:
+        os.write(writer, b"a\nb\n")
+        time.sleep(1.5)  # the push has read those and finds the pipe empty meanwhile
+        assert push.poll() is None, push.communicate()[1].decode()
+        os.write(writer, b"c\nd")
+        os.close(writer)
+        _, err = push.communicate(timeout=60)
+    finally:
+        push.kill()
+    assert push.returncode == 0, err.decode()
+    assert b"pushed 4 records" in err, err.decode()
+    serve.kill()
+    assert sorted(stored_values(tmp_path / "data")) == [b"a", b"b", b"c", b"d"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_while_the_input_waits_ends_the_push(
+    tmp_path: Path, servers: list[Serve], sig: signal.Signals
+) -> None:
+    """`sluice push -` on a pipe with no data coming (`kill` of the push alone, systemd, Kubernetes:
+    the writer lives on) said how far it got on SIGTERM or Ctrl-C and then hung for good: asyncio.run
+    waited for the thread blocked in the read. It exits now, 143 or 130, what it read acked."""
+    port = free_port()
+    serve = Serve(tmp_path, "serve", *no_spark(port, tmp_path / "data"))
+    servers.append(serve)
+    serve.wait_serving()
+    reader, writer = os.pipe()
+    try:
+        push = subprocess.Popen(
+            [*SLUICE, "push", "-", "--target", f"127.0.0.1:{port}", "--no-progress", "--producer-id", "p"],
+            stdin=reader,
+            stderr=subprocess.PIPE,
+        )
+    finally:
+        os.close(reader)
+    try:
+        os.write(writer, b"a\nb\n")
+        deadline = time.monotonic() + 60
+        while sum(stored_values(tmp_path / "data").values()) < 2:  # acked: stored, its block written
+            assert time.monotonic() < deadline and push.poll() is None, "no acks"
+            time.sleep(0.1)
+        push.send_signal(sig)
+        _, err = push.communicate(timeout=30)
+    finally:
+        push.kill()
+        os.close(writer)
+    stderr = err.decode()
+    assert push.returncode == 128 + sig, stderr
+    assert "of the input's records 2 are acked (durable), 2 sent, 2 read" in stderr, stderr
+    assert "--producer-id p --resume-from 2" in stderr, stderr
+
+
+async def test_the_resume_command_keeps_the_credential_flags_and_the_timeout(tmp_path: Path) -> None:
+    """A failed push printed its resume command without --token-file (or --ca-file, --cert-file,
+    --key-file): run as printed against the server that took the push, it was refused UNAUTHENTICATED.
+    And --timeout went as %g: 1234567 came back as 1.23457e+06, another timeout."""
+    from receivers.auth import new_token, token_hash
+
+    token = new_token()
+    token_file = tmp_path / "token"
+    token_file.write_text(token + "\n")
+    auth_file = tmp_path / "auth.toml"
+    auth_file.write_text(
+        '[principals.pusher]\nroles = ["producer"]\nstreams = ["default"]\n'
+        f'token_sha256 = ["{token_hash(token)}"]\n'
+    )
+    source = tmp_path / "in.txt"
+    source.write_bytes(b"a\nb\n" + b"x" * (40 * 1024 * 1024) + b"\nc\n")  # line 3: no record carries it
+    data = tmp_path / "data"
+    async with running_server(data, "default", security=SecurityConfig(auth_file=auth_file)) as server:
+        flags = ["--target", server.target, "--token-file", str(token_file), "--timeout", "1234567"]
+        pushed = await asyncio.to_thread(sluice, "push", str(source), *flags, "--no-progress")
+        stderr = pushed.stderr.decode()
+        assert pushed.returncode == 1, stderr
+        assert "of the input's records 2 are acked (durable)" in stderr, stderr
+        resume = re.search(r"to resume without duplicates, once the cause is fixed, run: (.+)", stderr)
+        assert resume, stderr
+        command = shlex.split(resume.group(1))
+        assert command[command.index("--token-file") + 1] == str(token_file), stderr
+        assert command[command.index("--timeout") + 1] == "1234567", stderr
+        source.write_bytes(b"a\nb\nfixed\nc\n")
+        resumed = await asyncio.to_thread(sluice, *command[1:])
+        assert resumed.returncode == 0, resumed.stderr.decode()
+    assert sorted(stored_values(data).elements()) == [b"a", b"b", b"c", b"fixed"]
 
 
 # ---- item 7: the first connection waits for a server that is not up yet ----------------------------

@@ -4,20 +4,25 @@ at the call, naming what is wrong, before anything changes, and never leaves a p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
+import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import reactivex
 from support import running_server, wait_until
 
 from sluice_client import Producer, SyncProducer, publish, rx
-from sluice_client.errors import ProducerClosedError, UnackedRecordsError
+from sluice_client.errors import ProducerClosedError, ProtocolError, RecordTypeError, UnackedRecordsError
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.publishers import IterablePublisher
 
 
@@ -572,3 +577,154 @@ async def test_an_error_leaving_a_with_block_says_what_it_dropped(
             "flush() before leaving delivers them",
         ]
         assert (producer.acked, sync.acked) == (0, 0)
+
+
+@contextlib.asynccontextmanager
+async def broken_publish_server(mode: str) -> AsyncIterator[str]:
+    """A gRPC server on loopback whose Publish breaks the protocol (`mode`): "ends" ends each call OK
+    at once; "acks-then-ends" grants credit, acks the first batch and then ends the call OK; "garbage"
+    answers bytes that are no PublishResponse. Its target."""
+
+    async def publish(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+        if mode == "garbage":
+            yield b"\xff\xff\xff"
+            await asyncio.sleep(60)
+        elif mode == "acks-then-ends":
+            yield pb.PublishResponse(request=pb.Request(n=100)).SerializeToString()
+            async for message in requests:
+                request = pb.PublishRequest.FromString(message)
+                if request.WhichOneof("kind") == "batch":
+                    end = request.batch.first_seq + request.batch.count
+                    yield pb.PublishResponse(ack=pb.Ack(durable_up_to=end)).SerializeToString()
+                    return
+
+    server = grpc.aio.server()
+    handler = grpc.stream_stream_rpc_method_handler(publish)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("ingest.v1.Ingest", {"Publish": handler}),)
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(0)
+
+
+@pytest.mark.parametrize("mode", ["ends", "garbage"])
+async def test_a_server_breaking_the_protocol_at_the_start_fails_it(mode: str) -> None:
+    """A session the server ended OK before the producer completed it left a producer that never sent
+    and a flush() that waited for good; an answer that is no PublishResponse failed it with an
+    AttributeError ('NoneType' object has no attribute 'WhichOneof'). Both are ProtocolError now."""
+    says = {
+        "ends": r"ended the session \(status OK\) before the producer",
+        "garbage": "not a PublishResponse",
+    }
+    async with broken_publish_server(mode) as target:
+        producer = Producer(target, "s", start_timeout=5)
+        with pytest.raises(ProtocolError, match=says[mode]):
+            await asyncio.wait_for(producer.start(), 10)
+        await producer.abort()
+
+
+async def test_a_session_the_server_ends_ok_while_the_producer_is_open_fails_it() -> None:
+    async with broken_publish_server("acks-then-ends") as target:
+        producer = Producer(target, "s", linger=0, start_timeout=5)
+        await asyncio.wait_for(producer.start(), 10)
+        await producer.send(b"acked")
+        await asyncio.wait_for(producer.flush(), 10)
+        await wait_until(lambda: producer.room < 0)  # it takes no more records: it failed
+        with pytest.raises(ProtocolError, match="ended the session"):
+            await producer.send(b"never sent")
+        with pytest.raises(ProtocolError, match="ended the session"):
+            await asyncio.wait_for(producer.close(), 10)
+        assert await producer.abort() == []
+
+
+async def test_a_bytearray_value_resized_before_it_is_sent_is_named(tmp_path: Path) -> None:
+    """A bytearray is measured when given and laid out when sent: one resized in between failed the
+    producer with "a record of the batch at 0 is not bytes", though it was a bytearray, naming none.
+    The error names the record and what changed now."""
+    async with running_server(tmp_path) as server:
+        producer = Producer(server.target, "s", linger=1)
+        await producer.start()
+        await producer.send(b"first")
+        value = bytearray(b"abc")
+        await producer.send(value)
+        value.extend(b"defg")  # before the linger ends: the record is not sent yet
+        with pytest.raises(
+            RecordTypeError,
+            match=r"^record 1: its value changed size after it was given \(3 bytes then, 7 now",
+        ):
+            await asyncio.wait_for(producer.flush(), 10)
+        assert [v for v, _ in await producer.abort()] == [b"first", b"abcdefg"]
+
+
+SENDS_AND_ENDS = {
+    "async": """
+import asyncio, sys
+from sluice_client import Producer
+async def main():
+    producer = Producer(sys.argv[1], "s", linger=60)
+    await producer.start()
+    await producer.send(b"x")
+    if sys.argv[2] == "close":
+        await producer.close()
+asyncio.run(main())
+""",
+    "sync": """
+import sys
+from sluice_client import SyncProducer
+producer = SyncProducer(sys.argv[1], "s", linger=60)
+producer.send(b"x")
+if sys.argv[2] == "close":
+    producer.close()
+""",
+}
+
+
+@pytest.mark.parametrize("kind", ["async", "sync"])
+async def test_a_producer_never_closed_says_what_it_dropped_at_the_end(tmp_path: Path, kind: str) -> None:
+    """A script that sent and ended without close() (asyncio.run returning with the Producer open, a
+    SyncProducer left at exit) dropped the records not acked without a word, exit 0. It says so now, as
+    leaving a `with` block by an error does; a closed one says nothing."""
+    async with running_server(tmp_path) as server:
+        for end in ("close", "leave"):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", SENDS_AND_ENDS[kind], server.target, end, stderr=asyncio.subprocess.PIPE
+            )
+            _, err = await asyncio.wait_for(proc.communicate(), 60)
+            stderr = err.decode()
+            assert proc.returncode == 0 and "Traceback" not in stderr, stderr
+            said = "never closed: 1 record(s) never acked were dropped; close() delivers them" in stderr
+            assert said is (end == "leave"), stderr
+
+
+async def test_a_close_after_one_cut_short_raises_what_it_dropped(tmp_path: Path) -> None:
+    """close() cut short (asyncio.wait_for's timeout: the teardown dropped what was not acked, and the
+    TimeoutError says nothing of them): a second close() returned None, as if everything was delivered.
+    It raises UnackedRecordsError with those records now, unless abort() handed them back meanwhile."""
+    async with running_server(tmp_path) as server:
+        server.rate.update(20, pin=True)  # slow acks: the close cannot finish in time
+        for hand_back in (False, True):
+            producer = Producer(server.target, "s", linger=0, max_buffered=1_000, batch_size=100)
+            await producer.start()
+            await producer.send_many([b"x"] * 500)
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(producer.close(), 0.2)
+            unacked = producer.unacked
+            assert unacked > 0
+            if hand_back:
+                assert len(await producer.abort()) == unacked
+                await producer.close()  # the caller has them: nothing more to say
+                continue
+            for _ in range(2):
+                with pytest.raises(UnackedRecordsError, match=r"cut short \(cancelled\)") as again:
+                    await producer.close()
+                assert again.value.unacked == unacked and len(again.value.records) == unacked
+        server.rate.update(math.inf, pin=True)
+        closed = Producer(server.target, "s", linger=0)
+        await closed.start()
+        await closed.send(b"delivered")
+        await closed.close()
+        await closed.close()  # everything acked: nothing to say
