@@ -14,6 +14,12 @@ TLS_TO_PLAINTEXT = (
     " (the server answered in plaintext: it does not serve TLS on this port; leave out --ca-file, "
     "--cert-file and --key-file, or SLUICE_CA_FILE, SLUICE_CERT_FILE and SLUICE_KEY_FILE)"
 )
+GRPC_NO_METHOD = "Method not found!"
+"""What gRPC itself answers a call of a method its server does not register."""
+NOT_SLUICE = (
+    " (the server there has no such method: is the target a Sluice server's gRPC port, not another gRPC "
+    "service's, and one of this version?)"
+)
 CERTIFICATE_REFUSED = (
     " (if the server is up, it may have refused this client's TLS certificate: a server with a client "
     "CA needs a certificate it signed, unexpired: --cert-file and --key-file)"
@@ -31,6 +37,8 @@ def connect_hint(status: grpc.StatusCode, details: str, *, secure: bool, connect
     or (over TLS) a client certificate missing or refused. A hint naming either, else "". `connected`:
     the connection was up (gRPC's channel was READY) before the failure, so it was no handshake that
     failed but a server that went away (it died mid-call, say): no hint then."""
+    if status is grpc.StatusCode.UNIMPLEMENTED and details == GRPC_NO_METHOD:
+        return NOT_SLUICE
     if secure and not connected:
         hint = tls_to_plaintext_hint(details)
         if hint:

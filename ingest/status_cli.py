@@ -15,6 +15,7 @@ import http.client
 import json
 import math
 import os
+import re
 import ssl
 import sys
 import time
@@ -191,11 +192,16 @@ async def read_grpc(
     }
 
 
+def _masked(url: str) -> str:
+    """`url` with the password of its user info starred: an error message must not print it."""
+    return re.sub(r"(//[^/@]*?):[^/@]*@", r"\1:***@", url)
+
+
 def status_json_url(url: str) -> str:
     """--metrics: the metrics port's base URL (http://host:9464), or /status.json itself (ValueError
     for a URL that is not http or https, or not HOST:PORT and a path)."""
     if not url.startswith(("http://", "https://")):
-        raise ValueError(f"--metrics takes an http:// or https:// URL, got {url!r}")
+        raise ValueError(f"--metrics takes an http:// or https:// URL, got {_masked(url)!r}")
     try:
         parts = urllib.parse.urlsplit(url)
         # read: a port past 65535 was taken modulo 2^16, so the token went to another port
@@ -204,7 +210,7 @@ def status_json_url(url: str) -> str:
         raise ValueError(f"--metrics: not a URL: {exc}") from None
     if not parts.hostname or port == 0 or parts.username is not None or parts.query or parts.fragment:
         # a user, a query or a fragment: the host was misread ("u:p@host") or /status.json lost
-        raise ValueError(f"--metrics takes http(s)://HOST:PORT, a path at most, got {url!r}")
+        raise ValueError(f"--metrics takes http(s)://HOST:PORT, a path at most, got {_masked(url)!r}")
     url = url.rstrip("/")
     for tail in ("/status.json", "/status", "/metrics"):
         url = url.removesuffix(tail)

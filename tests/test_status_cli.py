@@ -295,6 +295,13 @@ async def test_status_metrics_of_a_broken_url_is_one_line() -> None:
     assert "not a URL: Invalid IPv6 URL" in shown.stderr, shown.stderr
 
 
+@pytest.mark.parametrize("url", ["http://ops:s3cret@127.0.0.1:9464", "ftp://ops:s3cret@host/x"])
+async def test_a_refused_metrics_url_does_not_print_its_password(url: str) -> None:
+    shown = await status("--metrics", url, token=None)
+    assert shown.returncode == 2 and "Traceback" not in shown.stderr, shown.stderr
+    assert "s3cret" not in shown.stderr and "ops:***@" in shown.stderr, shown.stderr
+
+
 @pytest.mark.parametrize("tail", ["", "#frag", "?x=1"])
 async def test_status_metrics_port_past_65535_sends_no_token_elsewhere(tail: str) -> None:
     """An outside tester's `--metrics http://127.0.0.1:99999`: urllib took the port modulo 2^16 and sent
@@ -509,3 +516,30 @@ async def test_status_metrics_over_loopback_http_still_sends_the_token(tmp_path:
         page.server_close()
     assert shown.returncode == 0, shown.stderr
     assert received == ["Bearer a-secret-token"]
+
+
+async def test_status_and_rate_against_another_grpc_service_say_it_is_not_sluice() -> None:
+    """A gRPC server without Sluice's services (another service on the port, a wrong --target) answered
+    `sluice status` and `sluice rate get` with gRPC's own "UNIMPLEMENTED: Method not found!" alone."""
+    import grpc
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    other = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), other)
+    port = other.add_insecure_port("127.0.0.1:0")
+    await other.start()
+    try:
+        target = f"127.0.0.1:{port}"
+        shown = await status("--target", target, token=None)
+        rate = await asyncio.to_thread(
+            subprocess.run,
+            [SLUICE, "rate", "get", "--target", target],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        await other.stop(None)
+    for run in (shown, rate):
+        assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
+        assert "UNIMPLEMENTED" in run.stderr and "a Sluice server's gRPC port" in run.stderr, run.stderr
