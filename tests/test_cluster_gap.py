@@ -68,8 +68,15 @@ async def gapped_cluster(
     tmp_path: Path,
 ) -> AsyncIterator[tuple[list[Cluster], list[Record], tuple[int, int]]]:
     """Two nodes (replication 1) under --fsync off, node 0's log of "s" with a gap (gapped_node_log)."""
-    clusters = loopback_cluster(2)
     left, lost = gapped_node_log(tmp_path / "node0", 0)
+    async with two_nodes(tmp_path) as clusters:
+        yield clusters, left, lost
+
+
+@contextlib.asynccontextmanager
+async def two_nodes(tmp_path: Path) -> AsyncIterator[list[Cluster]]:
+    """Two loopback nodes (replication 1) of stream "s" under --fsync off, their data in tmp_path/nodeN."""
+    clusters = loopback_cluster(2)
     async with contextlib.AsyncExitStack() as stack:
         for cluster in clusters:
             port = int(cluster.me.target.rsplit(":", 1)[1])
@@ -82,7 +89,7 @@ async def gapped_cluster(
                     fsync=FsyncPolicy.off(),
                 )
             )
-        yield clusters, left, lost
+        yield clusters
 
 
 def receivers_option(clusters: list[Cluster]) -> str:
@@ -225,19 +232,7 @@ async def test_records_gone_from_the_start_of_a_nodes_log_are_data_loss_or_skipp
     lost = (40, int(segments[1].stem) * 20)
     assert int(segments[0].stem) * 20 == lost[0] < lost[1], segments
     segments[0].unlink()
-    clusters = loopback_cluster(2)
-    async with contextlib.AsyncExitStack() as stack:
-        for cluster in clusters:
-            port = int(cluster.me.target.rsplit(":", 1)[1])
-            await stack.enter_async_context(
-                running_server(
-                    tmp_path / f"node{cluster.me.id}",
-                    "s",
-                    cluster=cluster,
-                    port=port,
-                    fsync=FsyncPolicy.off(),
-                )
-            )
+    async with two_nodes(tmp_path) as clusters:
         strict = reader(clusters)
         start = {"s": {"0": 40}}
         end = await asyncio.to_thread(strict.latestOffset, start, ReadAllAvailable())
