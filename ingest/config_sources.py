@@ -40,6 +40,9 @@ OTHER_ENV = frozenset(
         # deploy/kubernetes/driver.yaml: read by Spark's own configuration, ${env:...}
         "SLUICE_NAMESPACE",
         "SLUICE_POD_NAME",
+        # deploy/systemd/sluice.service: more serve flags, from /etc/sluice/sluice.env (EnvironmentFile
+        # puts it in serve's environment too: refused, the shipped unit stopped with exit 2)
+        "SLUICE_ARGS",
         # tests/test_crash.py
         "SLUICE_CRASH_SEED",
         # sluice_client.allocator: the SDK's and the server's malloc settings

@@ -569,6 +569,31 @@ def test_sluice_serve_accepts_the_units_flags() -> None:
     assert _serve_accepts([*own, "--disk-budget", "lots"]).returncode == 2
 
 
+def test_sluice_serve_takes_the_environment_the_unit_gives_it(tmp_path: Path) -> None:
+    """EnvironmentFile= puts every variable of sluice.env in serve's environment, SLUICE_ARGS too: serve
+    refused it as a SLUICE_* variable that names no flag, so the shipped unit stopped with exit 2."""
+    variables = {}
+    for line in ENV_FILE.read_text().splitlines():
+        match = re.fullmatch(r"#?\s*([A-Z][A-Z0-9_]*)=(.*)", line.strip())
+        if match:
+            variables[match.group(1)] = match.group(2)
+    assert "SLUICE_ARGS" in variables
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    env.update(variables, PYTHONPATH=str(ROOT))
+    argv = [*("--data-dir", str(tmp_path / "data"), "--port", "0", "--metrics-port", "-1", "--no-spark")]
+    result = subprocess.run(
+        [sys.executable, "-m", "ingest.cli", "config", "check", *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env=env,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "SLUICE_ARGS" not in result.stderr
+
+
 def test_systemd_verifies_the_unit(tmp_path: Path) -> None:
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
