@@ -530,12 +530,19 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
     set_ = rate_commands.add_parser(
         "set", help="set the rate in records/s (inf = unlimited)", parents=[server]
     )
-    set_.add_argument("records_per_second", type=ascii_float, metavar="RATE")
+    set_.add_argument(
+        "records_per_second",
+        type=ascii_float,
+        metavar="RATE",
+        help="records/s, > 0 and at most 1e12, or inf (unlimited); held within the rate bounds",
+    )
     set_.add_argument("--pin", action="store_true", help="keep it until unpinned: the estimator is ignored")
     set_.set_defaults(run=_rate_set)
     bounds = rate_commands.add_parser("bounds", help="set the min and max rate", parents=[server])
-    bounds.add_argument("min_rate", type=ascii_float, metavar="MIN")
-    bounds.add_argument("max_rate", type=ascii_float, metavar="MAX")
+    bounds.add_argument("min_rate", type=ascii_float, metavar="MIN", help="records/s, 1e-06 to 1e12")
+    bounds.add_argument(
+        "max_rate", type=ascii_float, metavar="MAX", help="records/s, MIN to 1e12, or inf (no maximum)"
+    )
     bounds.set_defaults(run=_rate_bounds)
     estimator = rate_commands.add_parser("estimator", help="choose the estimator", parents=[server])
     estimator.add_argument("name", metavar="NAME", help="model, spark-pid or fixed")
