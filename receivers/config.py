@@ -106,7 +106,8 @@ class ReceiverConfig:
 
     def _check_intervals(self) -> None:
         if not self.block_interval >= MIN_BLOCK_INTERVAL:  # NaN too
-            # each interval wakes the receiver even when idle: 1e-300 spun a core with nothing to do
+            # each interval wakes a receiver with a session open, sending or not: 1e-300 spun a core
+            # with nothing to do (a stream with no session looks in once a second)
             raise ValueError(
                 f"block_interval must be at least {MIN_BLOCK_INTERVAL:g} seconds, got {self.block_interval:g}"
             )
