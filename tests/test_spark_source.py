@@ -317,6 +317,24 @@ def test_default_read_limit_from_options(tmp_path: Path) -> None:
         SluiceStreamReader({"streams": "a"})
 
 
+def test_bad_trigger_seconds_and_follow_streams_options_name_the_option(tmp_path: Path) -> None:
+    # triggerSeconds "nan" or "inf" was taken, and failed a later batch's planning with a bare
+    # "cannot convert float NaN to integer"; "abc" failed with float()'s message, naming no option
+    assert reader_for(tmp_path).trigger_seconds == 1.0
+    assert reader_for(tmp_path, triggerSeconds="0").trigger_seconds == 0.0
+    assert reader_for(tmp_path, triggerSeconds="0.5").trigger_seconds == 0.5
+    for bad in ("abc", "nan", "inf", "-1", "1e400"):
+        with pytest.raises(ValueError, match="option 'triggerSeconds' must be a number of seconds"):
+            reader_for(tmp_path, triggerSeconds=bad)
+    # followServerStreams "yes" or "1" silently meant false
+    assert reader_for(tmp_path, followServerStreams="TRUE").follow_streams is True
+    assert reader_for(tmp_path, followServerStreams="false").follow_streams is False
+    assert reader_for(tmp_path).follow_streams is False
+    for bad in ("yes", "1", "maybe"):
+        with pytest.raises(ValueError, match="option 'followServerStreams' must be true or false"):
+            reader_for(tmp_path, followServerStreams=bad)
+
+
 def test_commit_releases_blocks_and_fresh_query_starts_after_them(tmp_path: Path) -> None:
     store = WalBlockStore(tmp_path, fsync=FsyncPolicy.off())
     write_blocks(store, "a", [3, 3, 3, 3])

@@ -257,9 +257,9 @@ class LiveCapPlanning:
         self.rate_target = options.get(OPTION_RATE_TARGET) or None
         # paths only: the files are read where the rate is asked (see _live_cap)
         self.rate_files = tuple(options.get(option) or None for option in RATE_CREDENTIAL_OPTIONS)
-        self.trigger_seconds = float(options.get(OPTION_TRIGGER_SECONDS) or 1.0)
+        self.trigger_seconds = _seconds_option(options, OPTION_TRIGGER_SECONDS, 1.0)
         self.starting_offsets = self._parse_starting_offsets(options.get(OPTION_STARTING_OFFSETS))
-        self.follow_streams = (options.get(OPTION_FOLLOW_STREAMS) or "false").strip().lower() == "true"
+        self.follow_streams = parse_bool_option(options, OPTION_FOLLOW_STREAMS, default=False)
         self._rate_client = None
         self._planned_at = None  # time.monotonic() of the last batch planned with records
 
@@ -693,12 +693,16 @@ def with_incarnations(offset: Mapping[str, int], incarnations: Mapping[str, str]
 
 def parse_fail_on_data_loss(options: Mapping[str, str]) -> bool:
     """The failOnDataLoss option: "true" (the default) or "false"."""
-    value = options.get(OPTION_FAIL_ON_DATA_LOSS)
-    text = (value or "true").strip().lower()
+    return parse_bool_option(options, OPTION_FAIL_ON_DATA_LOSS, default=True)
+
+
+def parse_bool_option(options: Mapping[str, str], name: str, *, default: bool) -> bool:
+    """A true/false option (any case; absent or empty: `default`); anything else is a ValueError naming
+    it, not a silent false ("yes", "1" or a typo would otherwise turn the option off)."""
+    value = options.get(name)
+    text = (value or str(default)).strip().lower()
     if text not in {"true", "false"}:
-        raise ValueError(
-            f"sluice source: option {OPTION_FAIL_ON_DATA_LOSS!r} must be true or false, got {value!r}"
-        )
+        raise ValueError(f"sluice source: option {name!r} must be true or false, got {value!r}")
     return text == "true"
 
 
@@ -819,6 +823,22 @@ def _positive_int_option(options: Mapping[str, str], name: str) -> int | None:
         number = 0
     if number <= 0:
         raise ValueError(f"sluice source: option {name!r} must be a positive integer, got {value!r}")
+    return number
+
+
+def _seconds_option(options: Mapping[str, str], name: str, default: float) -> float:
+    """A number of seconds >= 0 (absent or empty: `default`): "abc", "nan", "inf" or a negative value
+    is a ValueError naming the option (a NaN or infinite interval failed a later batch's planning
+    with a bare "cannot convert float NaN to integer")."""
+    value = options.get(name)
+    if not value:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not (math.isfinite(number) and number >= 0):
+        raise ValueError(f"sluice source: option {name!r} must be a number of seconds >= 0, got {value!r}")
     return number
 
 
