@@ -142,3 +142,8 @@ def fails_after_first_batch(df: DataFrame, context: PipelineContext) -> DataStre
         out.write.mode("append").parquet(str(context.sink_dir))
 
     return df.writeStream.foreachBatch(write)
+
+
+def exits_when_built(df: DataFrame) -> DataStreamWriter:
+    """A pipeline that ends the program as it is built (a CLI's main() called by mistake, say)."""
+    raise SystemExit("usage: my_pipeline.py [--sink DIR]")

@@ -435,6 +435,7 @@ def test_partition_carries_plain_tuples() -> None:
 def test_load_pipeline_errors_name_the_problem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "sluice_test_pipes.py").write_text("def pipe(df):\n    return df.writeStream\n\nNUMBER = 3\n")
     (tmp_path / "sluice_test_broken.py").write_text("import sluice_no_such_dependency\n")
+    (tmp_path / "sluice_test_exits.py").write_text("import sys\n\nsys.exit('usage: pipes.py FILE')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
 
     assert callable(load_pipeline("sluice_test_pipes:pipe"))
@@ -444,6 +445,8 @@ def test_load_pipeline_errors_name_the_problem(tmp_path: Path, monkeypatch: pyte
         "sluice_test_pipes:": "not of the form",
         "sluice_no_such_module:pipe": "no module named 'sluice_no_such_module'",
         "sluice_test_broken:pipe": "failed to import",
+        # SystemExit is no Exception: it went past this, and a swap's handlers, and ended the service
+        "sluice_test_exits:pipe": r"failed to import: SystemExit\('usage: pipes.py FILE'\)",
         "sluice_test_pipes:nope": "has no attribute 'nope'",
         "sluice_test_pipes:NUMBER": "is a int, not a callable",
     }

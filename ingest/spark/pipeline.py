@@ -108,7 +108,9 @@ def load_pipeline(spec: str) -> Pipeline:
         if exc.name == module_name or module_name.startswith(f"{exc.name}."):
             raise ValueError(f"pipeline spec {spec!r}: no module named {exc.name!r}") from exc
         raise ValueError(f"pipeline spec {spec!r}: module {module_name!r} failed to import: {exc}") from exc
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
+        # SystemExit too: a module that calls sys.exit() (argparse's parse_args() at module level, which
+        # sees the service's own argv) ended the service, a swap's import included
         raise ValueError(f"pipeline spec {spec!r}: module {module_name!r} failed to import: {exc!r}") from exc
     target: object = module
     for part in attr_path.split("."):
@@ -199,13 +201,10 @@ def start_query(
         if rate_token_file is not None:
             reader = reader.option(OPTION_RATE_TOKEN_FILE, str(rate_token_file))
     df = reader.load()
-    if takes_context(pipeline):
-        if context is None:
-            checkpoint = Path(checkpoint_dir)
-            context = PipelineContext(checkpoint.with_name(f"{checkpoint.name}-sink"), streams=tuple(streams))
-        writer = pipeline(df, context)
-    else:
-        writer = pipeline(df)
+    if takes_context(pipeline) and context is None:
+        checkpoint = Path(checkpoint_dir)
+        context = PipelineContext(checkpoint.with_name(f"{checkpoint.name}-sink"), streams=tuple(streams))
+    writer = _build(pipeline, df, context)
     if not isinstance(writer, DataStreamWriter):
         raise TypeError(f"pipeline {pipeline!r} returned {type(writer).__name__}, not a DataStreamWriter")
     if not _has_option(writer, _CHECKPOINT):
@@ -213,6 +212,18 @@ def start_query(
     check_file_sink(_option(writer, "path"), _option(writer, _CHECKPOINT) or str(checkpoint_dir))
     millis = round(trigger_seconds * 1000)
     return writer.trigger(processingTime=f"{millis} milliseconds").queryName(query_name).start()
+
+
+def _build(pipeline: Pipeline, df: DataFrame, context: PipelineContext | None) -> object:
+    """What `pipeline` returns for `df` (and `context`, if it takes one). A SystemExit it raises (a
+    CLI's main() called by mistake) is a RuntimeError: no Exception, it went past a swap's rollback and
+    ended the service."""
+    try:
+        return pipeline(df, context) if takes_context(pipeline) else pipeline(df)
+    except SystemExit as exc:
+        name = getattr(pipeline, "__qualname__", repr(pipeline))
+        error = RuntimeError(f"pipeline {name} called sys.exit({exc.code!r}) as it was built")
+        raise error.with_traceback(exc.__traceback__) from exc  # the user's line for start_failure
 
 
 def _local_path(path: str) -> Path | None:
