@@ -959,3 +959,26 @@ async def test_a_swap_to_a_module_that_exits_is_refused_or_rolled_back(
         view = await stub.GetPipeline(pb.GetPipelineRequest())
         assert (view.pipeline, view.generation, view.state) == ("swap_pipelines:tag_a", 0, "running")
         assert view.last_swap.outcome == "rolled back"
+
+
+async def test_a_foreach_batch_function_that_exits_fails_its_batch(spark: Any, tmp_path: Path) -> None:
+    """A foreachBatch function that calls sys.exit(): PySpark and py4j catch Exception only, so the
+    callback thread ended without answering and the batch waited for ever (the swap was rolled back
+    only at its first-batch timeout, a start hung). Now the batch fails, naming the exit, at once."""
+    async with service(spark, tmp_path / "data", pipeline="swap_pipelines:tag_a") as server:
+        load = Load(server.target, "events")
+        pushing = asyncio.create_task(load.run())
+        stub = admin(server)
+        await first_batch_committed(tmp_path / "data" / "sink")
+        began = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            spec = "swap_pipelines:exits_in_batch"
+            await stub.SwapPipeline(pb.SwapPipelineRequest(pipeline=spec, first_batch_timeout_seconds=120))
+        details = failed.value.details() or ""
+        assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION, details
+        assert "the foreachBatch function called sys.exit('bad record in batch 0')" in details, details
+        assert time.monotonic() - began < 60, details
+        view = await stub.GetPipeline(pb.GetPipelineRequest())
+        assert (view.pipeline, view.generation, view.state) == ("swap_pipelines:tag_a", 0, "running")
+        load.stop()
+        await pushing

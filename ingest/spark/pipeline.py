@@ -9,6 +9,7 @@ checkpoint (unless the pipeline chose one), the trigger and the name.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
@@ -23,6 +24,7 @@ from pyspark import cloudpickle
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamWriter
+from pyspark.sql.utils import ForeachBatchFunction
 
 from ingest.checkpoints import last_commit_id, last_planned_id
 from ingest.spark.source import (
@@ -224,6 +226,32 @@ def _build(pipeline: Pipeline, df: DataFrame, context: PipelineContext | None) -
         name = getattr(pipeline, "__qualname__", repr(pipeline))
         error = RuntimeError(f"pipeline {name} called sys.exit({exc.code!r}) as it was built")
         raise error.with_traceback(exc.__traceback__) from exc  # the user's line for start_failure
+
+
+def _fail_batches_that_exit() -> None:
+    """Make a foreachBatch function's SystemExit (sys.exit on a bad record, say) fail its batch as any
+    error does. PySpark's ForeachBatchFunction and py4j's callback server catch Exception only: the
+    SystemExit ended the callback thread without an answer, and the query waited for one for ever (no
+    batch, no error; a swap to it was rolled back only at its first-batch timeout)."""
+    call = ForeachBatchFunction.call
+    if getattr(call, "_sluice_exit_as_error", False):
+        return
+
+    @functools.wraps(call)
+    def call_failing_on_exit(self: ForeachBatchFunction, jdf: object, batch_id: int) -> None:
+        try:
+            call(self, jdf, batch_id)
+        except SystemExit as exc:
+            said = f"the foreachBatch function called sys.exit({exc.code!r}) in batch {batch_id}"
+            error = RuntimeError(said)
+            self.error = error  # as ForeachBatchFunction keeps an Exception
+            raise error.with_traceback(exc.__traceback__) from exc
+
+    call_failing_on_exit._sluice_exit_as_error = True  # type: ignore[attr-defined]
+    ForeachBatchFunction.call = call_failing_on_exit  # type: ignore[method-assign]
+
+
+_fail_batches_that_exit()
 
 
 def _local_path(path: str) -> Path | None:
