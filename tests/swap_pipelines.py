@@ -156,3 +156,8 @@ def exits_in_batch(df: DataFrame, context: PipelineContext) -> DataStreamWriter:
         raise SystemExit(f"bad record in batch {batch_id}")
 
     return df.writeStream.foreachBatch(write)
+
+
+def starts_its_own_query(df: DataFrame, context: PipelineContext) -> Any:
+    """A pipeline that starts the query itself (`.start()` at the end) and returns the StreamingQuery."""
+    return df.writeStream.format("noop").option("checkpointLocation", str(context.sink_dir) + "-own").start()

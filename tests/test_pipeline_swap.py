@@ -982,3 +982,22 @@ async def test_a_foreach_batch_function_that_exits_fails_its_batch(spark: Any, t
         assert (view.pipeline, view.generation, view.state) == ("swap_pipelines:tag_a", 0, "running")
         load.stop()
         await pushing
+
+
+async def test_a_pipeline_that_starts_its_own_query_is_rolled_back_and_that_query_stopped(
+    spark: Any, tmp_path: Path
+) -> None:
+    """A pipeline ending in `.start()` returns a running StreamingQuery: the swap was refused for the
+    type, but that query ran on beside the old one, a second reader of the same streams whose commits
+    release their blocks. It is now stopped, and the error says to return the writer."""
+    async with service(spark, tmp_path / "data", pipeline="swap_pipelines:tag_a") as server:
+        stub = admin(server)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            spec = "swap_pipelines:starts_its_own_query"
+            await stub.SwapPipeline(pb.SwapPipelineRequest(pipeline=spec, first_batch_timeout_seconds=60))
+        details = failed.value.details() or ""
+        assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION, details
+        assert "returned a started StreamingQuery" in details and "without .start()" in details, details
+        view = await stub.GetPipeline(pb.GetPipelineRequest())
+        assert (view.pipeline, view.generation, view.state) == ("swap_pipelines:tag_a", 0, "running")
+        assert len(spark.streams.active) == 1, [q.name for q in spark.streams.active]

@@ -207,6 +207,14 @@ def start_query(
         checkpoint = Path(checkpoint_dir)
         context = PipelineContext(checkpoint.with_name(f"{checkpoint.name}-sink"), streams=tuple(streams))
     writer = _build(pipeline, df, context)
+    if isinstance(writer, StreamingQuery):
+        # it ran on beside the service's query: a second reader of the streams, whose commits release
+        # their blocks
+        writer.stop()
+        raise TypeError(
+            f"pipeline {pipeline!r} returned a started StreamingQuery (now stopped): return the "
+            "DataStreamWriter, without .start(); Sluice starts the query"
+        )
     if not isinstance(writer, DataStreamWriter):
         raise TypeError(f"pipeline {pipeline!r} returned {type(writer).__name__}, not a DataStreamWriter")
     if not _has_option(writer, _CHECKPOINT):
