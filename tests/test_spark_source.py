@@ -29,6 +29,7 @@ from ingest.spark.source import (
     SCHEMA_DDL,
     BlockPartition,
     DataLossError,
+    SluiceDataSource,
     SluiceStreamReader,
     _admit,
 )
@@ -333,6 +334,37 @@ def test_bad_trigger_seconds_and_follow_streams_options_name_the_option(tmp_path
     for bad in ("yes", "1", "maybe"):
         with pytest.raises(ValueError, match="option 'followServerStreams' must be true or false"):
             reader_for(tmp_path, followServerStreams=bad)
+
+
+def test_a_misspelt_option_fails_the_query_naming_it(spark: Any, tmp_path: Path) -> None:
+    """maxRecordPerBatch (no s) was ignored without a word: the query ran with no cap. Any option
+    the source does not take now fails the query's start, naming it and the one it looks like; the
+    case of a known one does not matter (Spark's options are case-insensitive)."""
+    store = WalBlockStore(tmp_path / "blocks", fsync=FsyncPolicy.off())
+    write_blocks(store, "a", [5])
+    root = str(tmp_path / "blocks")
+    assert SluiceDataSource({"path": root, "streams": "a", "FAILONDATALOSS": "false"}).streamReader(SCHEMA)
+    with pytest.raises(ValueError, match="unknown option 'rowsPerSecond'; the options are path, "):
+        SluiceDataSource({"path": root, "streams": "a", "rowsPerSecond": "5"}).streamReader(SCHEMA)
+    query = start_query(
+        spark,
+        store_root=tmp_path / "blocks",
+        streams=["a"],
+        pipeline=parquet_pipeline(tmp_path / "sink"),
+        checkpoint_dir=tmp_path / "checkpoint",
+        trigger_seconds=0.2,
+        query_name="sluice_test_misspelt_option",
+        source_options={"maxRecordPerBatch": "2"},
+    )
+    try:
+        with pytest.raises(StreamingQueryException) as failed:
+            query.awaitTermination(60)
+        # Spark hands the options over lower-cased
+        said = "unknown option 'maxrecordperbatch' (did you mean 'maxRecordsPerBatch'?)"
+        assert said in str(failed.value), str(failed.value)[:2000]
+    finally:
+        query.stop()
+    assert not (tmp_path / "sink").exists() or sink_rows(spark, tmp_path / "sink") == []
 
 
 def test_commit_releases_blocks_and_fresh_query_starts_after_them(tmp_path: Path) -> None:

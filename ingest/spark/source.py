@@ -16,6 +16,9 @@ Usage::
 With option ``receivers`` ("ID=HOST:PORT,...") instead of ``path``, the source reads a cluster's
 receiver nodes over the network, with per-partition offsets: see ingest.spark.cluster_source.
 
+An option the source does not take (OPTIONS lists those it does, in any case) fails the query's start,
+naming it and the known one it looks like: a misspelt ``maxRecordPerBatch`` is not ignored.
+
 Columns (Spark's Kafka source's names and types, so Kafka pipelines read it unchanged; see SCHEMA_DDL):
 
     key            binary     record key, null when the producer sent none
@@ -59,6 +62,7 @@ data loss.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import math
@@ -187,6 +191,22 @@ RATE_CREDENTIAL_OPTIONS = (
     OPTION_RATE_TOKEN_FILE,
 )
 """The files of Credentials.from_files (ca_file, cert_file, key_file, token_file), in its order."""
+OPTIONS = (
+    OPTION_PATH,
+    OPTION_RECEIVERS,
+    OPTION_STREAMS,
+    OPTION_FOLLOW_STREAMS,
+    OPTION_STARTING_OFFSETS,
+    OPTION_MAX_RECORDS,
+    OPTION_MIN_PARTITIONS,
+    OPTION_MIN_PARTITION_RECORDS,
+    OPTION_RATE_TARGET,
+    OPTION_TRIGGER_SECONDS,
+    *RATE_CREDENTIAL_OPTIONS,
+    OPTION_DRIVER_ID,
+    OPTION_FAIL_ON_DATA_LOSS,
+)
+"""Every option the source takes (Spark hands them over case-insensitively): any other is refused."""
 
 CATCH_UP_MIN_SHARE = 0.5
 """A catch-up trigger whose batch would hold less than this share of the cap waits for the grid.
@@ -602,6 +622,7 @@ class SluiceDataSource(DataSource):
             raise ValueError(
                 f"sluice source: the schema is fixed ({SCHEMA_DDL}); got {schema.simpleString()}"
             )
+        check_option_names(self.options)
         has_path = bool(self.options.get(OPTION_PATH))
         has_receivers = bool(self.options.get(OPTION_RECEIVERS))
         if has_path == has_receivers:
@@ -649,6 +670,21 @@ def positioned(part: pa.RecordBatch, stream: str, receiver: int, first: int) -> 
         ],
         schema=ARROW_SCHEMA,
     )
+
+
+def check_option_names(options: Mapping[str, str]) -> None:
+    """ValueError naming an option the source does not take (and the one it looks like): a misspelt
+    one (maxRecordPerBatch; the case does not matter) was ignored without a word, the query running
+    without the limit or check it asked for."""
+    known = {name.lower(): name for name in OPTIONS}
+    for name in options:
+        if name.lower() in known:
+            continue
+        near = difflib.get_close_matches(name.lower(), list(known), n=1, cutoff=0.7)
+        hint = f" (did you mean {known[near[0]]!r}?)" if near else ""
+        raise ValueError(
+            f"sluice source: unknown option {name!r}{hint}; the options are {', '.join(OPTIONS)}"
+        )
 
 
 def parse_streams(value: str) -> list[str]:
