@@ -142,3 +142,22 @@ def fails_after_first_batch(df: DataFrame, context: PipelineContext) -> DataStre
         out.write.mode("append").parquet(str(context.sink_dir))
 
     return df.writeStream.foreachBatch(write)
+
+
+def exits_when_built(df: DataFrame) -> DataStreamWriter:
+    """A pipeline that ends the program as it is built (a CLI's main() called by mistake, say)."""
+    raise SystemExit("usage: my_pipeline.py [--sink DIR]")
+
+
+def exits_in_batch(df: DataFrame, context: PipelineContext) -> DataStreamWriter:
+    """A foreachBatch function that ends the program (sys.exit on a bad record, say)."""
+
+    def write(batch: DataFrame, batch_id: int) -> None:
+        raise SystemExit(f"bad record in batch {batch_id}")
+
+    return df.writeStream.foreachBatch(write)
+
+
+def starts_its_own_query(df: DataFrame, context: PipelineContext) -> Any:
+    """A pipeline that starts the query itself (`.start()` at the end) and returns the StreamingQuery."""
+    return df.writeStream.format("noop").option("checkpointLocation", str(context.sink_dir) + "-own").start()

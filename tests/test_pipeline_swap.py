@@ -928,3 +928,76 @@ async def test_a_pipeline_that_does_not_start_is_named_in_one_line(
     with pytest.raises(PipelineStateError, match=said):
         async with service(spark, tmp_path / "data", pipeline=f"lock_global:{function}"):
             pass
+
+
+async def test_a_swap_to_a_module_that_exits_is_refused_or_rolled_back(
+    spark: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pipeline module that calls sys.exit() as it is imported (argparse's parse_args() at module level
+    sees sluice's own argv and exits), or a pipeline that does so as it is built: SystemExit is no
+    Exception, so it went past load_pipeline's and the swap's handlers, out of the event loop. The first
+    is now refused like any module that fails to import, the second rolled back like any failed build."""
+    (tmp_path / "modules").mkdir()
+    (tmp_path / "modules" / "sluice_test_argv.py").write_text(
+        "import argparse\n\nARGS = argparse.ArgumentParser().parse_args(['--no-such-flag'])\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "modules"))
+    async with service(spark, tmp_path / "data", pipeline="swap_pipelines:tag_a") as server:
+        stub = admin(server)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stub.SwapPipeline(pb.SwapPipelineRequest(pipeline="sluice_test_argv:pipe"))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        details = refused.value.details() or ""
+        assert "sluice_test_argv" in details and "SystemExit" in details, details
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            spec = "swap_pipelines:exits_when_built"
+            await stub.SwapPipeline(pb.SwapPipelineRequest(pipeline=spec, first_batch_timeout_seconds=60))
+        assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        said = "pipeline exits_when_built called sys.exit('usage: my_pipeline.py [--sink DIR]')"
+        assert said in (failed.value.details() or ""), failed.value.details()
+        assert "(at swap_pipelines.py line " in (failed.value.details() or ""), failed.value.details()
+        view = await stub.GetPipeline(pb.GetPipelineRequest())
+        assert (view.pipeline, view.generation, view.state) == ("swap_pipelines:tag_a", 0, "running")
+        assert view.last_swap.outcome == "rolled back"
+
+
+async def test_a_foreach_batch_function_that_exits_fails_its_batch(spark: Any, tmp_path: Path) -> None:
+    """A foreachBatch function that calls sys.exit(): PySpark and py4j catch Exception only, so the
+    callback thread ended without answering and the batch waited for ever (the swap was rolled back
+    only at its first-batch timeout, a start hung). Now the batch fails, naming the exit, at once."""
+    async with service(spark, tmp_path / "data", pipeline="swap_pipelines:tag_a") as server:
+        load = Load(server.target, "events")
+        pushing = asyncio.create_task(load.run())
+        stub = admin(server)
+        await first_batch_committed(tmp_path / "data" / "sink")
+        began = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            spec = "swap_pipelines:exits_in_batch"
+            await stub.SwapPipeline(pb.SwapPipelineRequest(pipeline=spec, first_batch_timeout_seconds=120))
+        details = failed.value.details() or ""
+        assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION, details
+        assert "the foreachBatch function called sys.exit('bad record in batch 0')" in details, details
+        assert time.monotonic() - began < 60, details
+        view = await stub.GetPipeline(pb.GetPipelineRequest())
+        assert (view.pipeline, view.generation, view.state) == ("swap_pipelines:tag_a", 0, "running")
+        load.stop()
+        await pushing
+
+
+async def test_a_pipeline_that_starts_its_own_query_is_rolled_back_and_that_query_stopped(
+    spark: Any, tmp_path: Path
+) -> None:
+    """A pipeline ending in `.start()` returns a running StreamingQuery: the swap was refused for the
+    type, but that query ran on beside the old one, a second reader of the same streams whose commits
+    release their blocks. It is now stopped, and the error says to return the writer."""
+    async with service(spark, tmp_path / "data", pipeline="swap_pipelines:tag_a") as server:
+        stub = admin(server)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            spec = "swap_pipelines:starts_its_own_query"
+            await stub.SwapPipeline(pb.SwapPipelineRequest(pipeline=spec, first_batch_timeout_seconds=60))
+        details = failed.value.details() or ""
+        assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION, details
+        assert "returned a started StreamingQuery" in details and "without .start()" in details, details
+        view = await stub.GetPipeline(pb.GetPipelineRequest())
+        assert (view.pipeline, view.generation, view.state) == ("swap_pipelines:tag_a", 0, "running")
+        assert len(spark.streams.active) == 1, [q.name for q in spark.streams.active]

@@ -29,6 +29,7 @@ from ingest.spark.source import (
     SCHEMA_DDL,
     BlockPartition,
     DataLossError,
+    SluiceDataSource,
     SluiceStreamReader,
     _admit,
 )
@@ -317,6 +318,55 @@ def test_default_read_limit_from_options(tmp_path: Path) -> None:
         SluiceStreamReader({"streams": "a"})
 
 
+def test_bad_trigger_seconds_and_follow_streams_options_name_the_option(tmp_path: Path) -> None:
+    # triggerSeconds "nan" or "inf" was taken, and failed a later batch's planning with a bare
+    # "cannot convert float NaN to integer"; "abc" failed with float()'s message, naming no option
+    assert reader_for(tmp_path).trigger_seconds == 1.0
+    assert reader_for(tmp_path, triggerSeconds="0").trigger_seconds == 0.0
+    assert reader_for(tmp_path, triggerSeconds="0.5").trigger_seconds == 0.5
+    for bad in ("abc", "nan", "inf", "-1", "1e400"):
+        with pytest.raises(ValueError, match="option 'triggerSeconds' must be a number of seconds"):
+            reader_for(tmp_path, triggerSeconds=bad)
+    # followServerStreams "yes" or "1" silently meant false
+    assert reader_for(tmp_path, followServerStreams="TRUE").follow_streams is True
+    assert reader_for(tmp_path, followServerStreams="false").follow_streams is False
+    assert reader_for(tmp_path).follow_streams is False
+    for bad in ("yes", "1", "maybe"):
+        with pytest.raises(ValueError, match="option 'followServerStreams' must be true or false"):
+            reader_for(tmp_path, followServerStreams=bad)
+
+
+def test_a_misspelt_option_fails_the_query_naming_it(spark: Any, tmp_path: Path) -> None:
+    """maxRecordPerBatch (no s) was ignored without a word: the query ran with no cap. Any option
+    the source does not take now fails the query's start, naming it and the one it looks like; the
+    case of a known one does not matter (Spark's options are case-insensitive)."""
+    store = WalBlockStore(tmp_path / "blocks", fsync=FsyncPolicy.off())
+    write_blocks(store, "a", [5])
+    root = str(tmp_path / "blocks")
+    assert SluiceDataSource({"path": root, "streams": "a", "FAILONDATALOSS": "false"}).streamReader(SCHEMA)
+    with pytest.raises(ValueError, match="unknown option 'rowsPerSecond'; the options are path, "):
+        SluiceDataSource({"path": root, "streams": "a", "rowsPerSecond": "5"}).streamReader(SCHEMA)
+    query = start_query(
+        spark,
+        store_root=tmp_path / "blocks",
+        streams=["a"],
+        pipeline=parquet_pipeline(tmp_path / "sink"),
+        checkpoint_dir=tmp_path / "checkpoint",
+        trigger_seconds=0.2,
+        query_name="sluice_test_misspelt_option",
+        source_options={"maxRecordPerBatch": "2"},
+    )
+    try:
+        with pytest.raises(StreamingQueryException) as failed:
+            query.awaitTermination(60)
+        # Spark hands the options over lower-cased
+        said = "unknown option 'maxrecordperbatch' (did you mean 'maxRecordsPerBatch'?)"
+        assert said in str(failed.value), str(failed.value)[:2000]
+    finally:
+        query.stop()
+    assert not (tmp_path / "sink").exists() or sink_rows(spark, tmp_path / "sink") == []
+
+
 def test_commit_releases_blocks_and_fresh_query_starts_after_them(tmp_path: Path) -> None:
     store = WalBlockStore(tmp_path, fsync=FsyncPolicy.off())
     write_blocks(store, "a", [3, 3, 3, 3])
@@ -417,6 +467,7 @@ def test_partition_carries_plain_tuples() -> None:
 def test_load_pipeline_errors_name_the_problem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "sluice_test_pipes.py").write_text("def pipe(df):\n    return df.writeStream\n\nNUMBER = 3\n")
     (tmp_path / "sluice_test_broken.py").write_text("import sluice_no_such_dependency\n")
+    (tmp_path / "sluice_test_exits.py").write_text("import sys\n\nsys.exit('usage: pipes.py FILE')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
 
     assert callable(load_pipeline("sluice_test_pipes:pipe"))
@@ -426,6 +477,8 @@ def test_load_pipeline_errors_name_the_problem(tmp_path: Path, monkeypatch: pyte
         "sluice_test_pipes:": "not of the form",
         "sluice_no_such_module:pipe": "no module named 'sluice_no_such_module'",
         "sluice_test_broken:pipe": "failed to import",
+        # SystemExit is no Exception: it went past this, and a swap's handlers, and ended the service
+        "sluice_test_exits:pipe": r"failed to import: SystemExit\('usage: pipes.py FILE'\)",
         "sluice_test_pipes:nope": "has no attribute 'nope'",
         "sluice_test_pipes:NUMBER": "is a int, not a callable",
     }

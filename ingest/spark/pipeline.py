@@ -9,6 +9,7 @@ checkpoint (unless the pipeline chose one), the trigger and the name.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import os
@@ -23,6 +24,7 @@ from pyspark import cloudpickle
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 from pyspark.sql.streaming.readwriter import DataStreamWriter
+from pyspark.sql.utils import ForeachBatchFunction
 
 from ingest.checkpoints import last_commit_id, last_planned_id
 from ingest.spark.source import (
@@ -108,7 +110,9 @@ def load_pipeline(spec: str) -> Pipeline:
         if exc.name == module_name or module_name.startswith(f"{exc.name}."):
             raise ValueError(f"pipeline spec {spec!r}: no module named {exc.name!r}") from exc
         raise ValueError(f"pipeline spec {spec!r}: module {module_name!r} failed to import: {exc}") from exc
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
+        # SystemExit too: a module that calls sys.exit() (argparse's parse_args() at module level, which
+        # sees the service's own argv) ended the service, a swap's import included
         raise ValueError(f"pipeline spec {spec!r}: module {module_name!r} failed to import: {exc!r}") from exc
     target: object = module
     for part in attr_path.split("."):
@@ -199,13 +203,18 @@ def start_query(
         if rate_token_file is not None:
             reader = reader.option(OPTION_RATE_TOKEN_FILE, str(rate_token_file))
     df = reader.load()
-    if takes_context(pipeline):
-        if context is None:
-            checkpoint = Path(checkpoint_dir)
-            context = PipelineContext(checkpoint.with_name(f"{checkpoint.name}-sink"), streams=tuple(streams))
-        writer = pipeline(df, context)
-    else:
-        writer = pipeline(df)
+    if takes_context(pipeline) and context is None:
+        checkpoint = Path(checkpoint_dir)
+        context = PipelineContext(checkpoint.with_name(f"{checkpoint.name}-sink"), streams=tuple(streams))
+    writer = _build(pipeline, df, context)
+    if isinstance(writer, StreamingQuery):
+        # it ran on beside the service's query: a second reader of the streams, whose commits release
+        # their blocks
+        writer.stop()
+        raise TypeError(
+            f"pipeline {pipeline!r} returned a started StreamingQuery (now stopped): return the "
+            "DataStreamWriter, without .start(); Sluice starts the query"
+        )
     if not isinstance(writer, DataStreamWriter):
         raise TypeError(f"pipeline {pipeline!r} returned {type(writer).__name__}, not a DataStreamWriter")
     if not _has_option(writer, _CHECKPOINT):
@@ -213,6 +222,44 @@ def start_query(
     check_file_sink(_option(writer, "path"), _option(writer, _CHECKPOINT) or str(checkpoint_dir))
     millis = round(trigger_seconds * 1000)
     return writer.trigger(processingTime=f"{millis} milliseconds").queryName(query_name).start()
+
+
+def _build(pipeline: Pipeline, df: DataFrame, context: PipelineContext | None) -> object:
+    """What `pipeline` returns for `df` (and `context`, if it takes one). A SystemExit it raises (a
+    CLI's main() called by mistake) is a RuntimeError: no Exception, it went past a swap's rollback and
+    ended the service."""
+    try:
+        return pipeline(df, context) if takes_context(pipeline) else pipeline(df)
+    except SystemExit as exc:
+        name = getattr(pipeline, "__qualname__", repr(pipeline))
+        error = RuntimeError(f"pipeline {name} called sys.exit({exc.code!r}) as it was built")
+        raise error.with_traceback(exc.__traceback__) from exc  # the user's line for start_failure
+
+
+def _fail_batches_that_exit() -> None:
+    """Make a foreachBatch function's SystemExit (sys.exit on a bad record, say) fail its batch as any
+    error does. PySpark's ForeachBatchFunction and py4j's callback server catch Exception only: the
+    SystemExit ended the callback thread without an answer, and the query waited for one for ever (no
+    batch, no error; a swap to it was rolled back only at its first-batch timeout)."""
+    call = ForeachBatchFunction.call
+    if getattr(call, "_sluice_exit_as_error", False):
+        return
+
+    @functools.wraps(call)
+    def call_failing_on_exit(self: ForeachBatchFunction, jdf: object, batch_id: int) -> None:
+        try:
+            call(self, jdf, batch_id)
+        except SystemExit as exc:
+            said = f"the foreachBatch function called sys.exit({exc.code!r}) in batch {batch_id}"
+            error = RuntimeError(said)
+            self.error = error  # as ForeachBatchFunction keeps an Exception
+            raise error.with_traceback(exc.__traceback__) from exc
+
+    call_failing_on_exit._sluice_exit_as_error = True  # type: ignore[attr-defined]
+    ForeachBatchFunction.call = call_failing_on_exit  # type: ignore[method-assign]
+
+
+_fail_batches_that_exit()
 
 
 def _local_path(path: str) -> Path | None:

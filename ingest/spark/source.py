@@ -16,6 +16,9 @@ Usage::
 With option ``receivers`` ("ID=HOST:PORT,...") instead of ``path``, the source reads a cluster's
 receiver nodes over the network, with per-partition offsets: see ingest.spark.cluster_source.
 
+An option the source does not take (OPTIONS lists those it does, in any case) fails the query's start,
+naming it and the known one it looks like: a misspelt ``maxRecordPerBatch`` is not ignored.
+
 Columns (Spark's Kafka source's names and types, so Kafka pipelines read it unchanged; see SCHEMA_DDL):
 
     key            binary     record key, null when the producer sent none
@@ -59,6 +62,7 @@ data loss.
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import math
@@ -187,6 +191,22 @@ RATE_CREDENTIAL_OPTIONS = (
     OPTION_RATE_TOKEN_FILE,
 )
 """The files of Credentials.from_files (ca_file, cert_file, key_file, token_file), in its order."""
+OPTIONS = (
+    OPTION_PATH,
+    OPTION_RECEIVERS,
+    OPTION_STREAMS,
+    OPTION_FOLLOW_STREAMS,
+    OPTION_STARTING_OFFSETS,
+    OPTION_MAX_RECORDS,
+    OPTION_MIN_PARTITIONS,
+    OPTION_MIN_PARTITION_RECORDS,
+    OPTION_RATE_TARGET,
+    OPTION_TRIGGER_SECONDS,
+    *RATE_CREDENTIAL_OPTIONS,
+    OPTION_DRIVER_ID,
+    OPTION_FAIL_ON_DATA_LOSS,
+)
+"""Every option the source takes (Spark hands them over case-insensitively): any other is refused."""
 
 CATCH_UP_MIN_SHARE = 0.5
 """A catch-up trigger whose batch would hold less than this share of the cap waits for the grid.
@@ -257,9 +277,9 @@ class LiveCapPlanning:
         self.rate_target = options.get(OPTION_RATE_TARGET) or None
         # paths only: the files are read where the rate is asked (see _live_cap)
         self.rate_files = tuple(options.get(option) or None for option in RATE_CREDENTIAL_OPTIONS)
-        self.trigger_seconds = float(options.get(OPTION_TRIGGER_SECONDS) or 1.0)
+        self.trigger_seconds = _seconds_option(options, OPTION_TRIGGER_SECONDS, 1.0)
         self.starting_offsets = self._parse_starting_offsets(options.get(OPTION_STARTING_OFFSETS))
-        self.follow_streams = (options.get(OPTION_FOLLOW_STREAMS) or "false").strip().lower() == "true"
+        self.follow_streams = parse_bool_option(options, OPTION_FOLLOW_STREAMS, default=False)
         self._rate_client = None
         self._planned_at = None  # time.monotonic() of the last batch planned with records
 
@@ -602,6 +622,7 @@ class SluiceDataSource(DataSource):
             raise ValueError(
                 f"sluice source: the schema is fixed ({SCHEMA_DDL}); got {schema.simpleString()}"
             )
+        check_option_names(self.options)
         has_path = bool(self.options.get(OPTION_PATH))
         has_receivers = bool(self.options.get(OPTION_RECEIVERS))
         if has_path == has_receivers:
@@ -651,6 +672,21 @@ def positioned(part: pa.RecordBatch, stream: str, receiver: int, first: int) -> 
     )
 
 
+def check_option_names(options: Mapping[str, str]) -> None:
+    """ValueError naming an option the source does not take (and the one it looks like): a misspelt
+    one (maxRecordPerBatch; the case does not matter) was ignored without a word, the query running
+    without the limit or check it asked for."""
+    known = {name.lower(): name for name in OPTIONS}
+    for name in options:
+        if name.lower() in known:
+            continue
+        near = difflib.get_close_matches(name.lower(), list(known), n=1, cutoff=0.7)
+        hint = f" (did you mean {known[near[0]]!r}?)" if near else ""
+        raise ValueError(
+            f"sluice source: unknown option {name!r}{hint}; the options are {', '.join(OPTIONS)}"
+        )
+
+
 def parse_streams(value: str) -> list[str]:
     """Stream names from a comma-separated option value; duplicates dropped, order kept."""
     names = [part.strip() for part in value.split(",") if part.strip()]
@@ -693,12 +729,16 @@ def with_incarnations(offset: Mapping[str, int], incarnations: Mapping[str, str]
 
 def parse_fail_on_data_loss(options: Mapping[str, str]) -> bool:
     """The failOnDataLoss option: "true" (the default) or "false"."""
-    value = options.get(OPTION_FAIL_ON_DATA_LOSS)
-    text = (value or "true").strip().lower()
+    return parse_bool_option(options, OPTION_FAIL_ON_DATA_LOSS, default=True)
+
+
+def parse_bool_option(options: Mapping[str, str], name: str, *, default: bool) -> bool:
+    """A true/false option (any case; absent or empty: `default`); anything else is a ValueError naming
+    it, not a silent false ("yes", "1" or a typo would otherwise turn the option off)."""
+    value = options.get(name)
+    text = (value or str(default)).strip().lower()
     if text not in {"true", "false"}:
-        raise ValueError(
-            f"sluice source: option {OPTION_FAIL_ON_DATA_LOSS!r} must be true or false, got {value!r}"
-        )
+        raise ValueError(f"sluice source: option {name!r} must be true or false, got {value!r}")
     return text == "true"
 
 
@@ -819,6 +859,22 @@ def _positive_int_option(options: Mapping[str, str], name: str) -> int | None:
         number = 0
     if number <= 0:
         raise ValueError(f"sluice source: option {name!r} must be a positive integer, got {value!r}")
+    return number
+
+
+def _seconds_option(options: Mapping[str, str], name: str, default: float) -> float:
+    """A number of seconds >= 0 (absent or empty: `default`): "abc", "nan", "inf" or a negative value
+    is a ValueError naming the option (a NaN or infinite interval failed a later batch's planning
+    with a bare "cannot convert float NaN to integer")."""
+    value = options.get(name)
+    if not value:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if not (math.isfinite(number) and number >= 0):
+        raise ValueError(f"sluice source: option {name!r} must be a number of seconds >= 0, got {value!r}")
     return number
 
 
