@@ -8,6 +8,7 @@ offset of its first record, so offsets need not be stored per record.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -98,3 +99,17 @@ class BlockInfo:
     def end_offset(self) -> int:
         """Stream offset one past the block's last record."""
         return self.first_offset + self.count
+
+
+def uncovered(lo: int, hi: int, blocks: Sequence[BlockInfo]) -> list[tuple[int, int]]:
+    """The ranges of record offsets in [lo, hi) that `blocks` (sorted, those overlapping it) do not
+    cover."""
+    missing: list[tuple[int, int]] = []
+    at = lo
+    for block in blocks:
+        if block.first_offset > at:
+            missing.append((at, block.first_offset))
+        at = max(at, block.end_offset)
+    if at < hi:
+        missing.append((at, hi))
+    return missing

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import grpc
 import pyarrow as pa
 
-from receivers.block import BLOCK_SCHEMA, BlockInfo
+from receivers.block import BLOCK_SCHEMA, BlockInfo, uncovered
 from receivers.block_store import BlockStore, release_below
 from receivers.cluster import DRIVER_HEADER, DRIVER_LEASE_HELD, DRIVER_LEAVING_HEADER, REFUSAL_HEADER
 from receivers.errors import shown
@@ -238,7 +238,7 @@ class BlocksService:
             start = min(start, released)
         # held from before `lo` to past `hi`: records missing in between are a gap in the log
         spans = bool(readable) and start <= lo and readable[-1].end_offset >= hi
-        gaps = _missing(blocks, lo, hi)
+        gaps = uncovered(lo, hi, blocks)
         # a gap above the released mark is records gone from this log (blocks a start under --fsync
         # off went on without); one below it, records released (a copy that missed releases)
         gone = spans and all(b > released for _, b in gaps)
@@ -336,19 +336,6 @@ def _extent(blocks: list[BlockInfo], released: int) -> tuple[int, int]:
     if not blocks:
         return released, released
     return blocks[0].first_offset, blocks[-1].end_offset
-
-
-def _missing(blocks: list[BlockInfo], lo: int, hi: int) -> list[tuple[int, int]]:
-    """The offset ranges in [lo, hi) that `blocks` (sorted, those overlapping it) do not cover."""
-    missing: list[tuple[int, int]] = []
-    at = lo
-    for block in blocks:
-        if block.first_offset > at:
-            missing.append((at, block.first_offset))
-        at = max(at, block.end_offset)
-    if at < hi:
-        missing.append((at, hi))
-    return missing
 
 
 def _ranges(ranges: list[tuple[int, int]]) -> str:

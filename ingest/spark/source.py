@@ -90,7 +90,7 @@ from pyspark.sql.types import (
 )
 
 from ingest.spark.live_rate import LiveRateCap
-from receivers.block import BlockInfo, plain_arrivals
+from receivers.block import BlockInfo, plain_arrivals, uncovered
 from receivers.block_store import BlockStore, release_below
 from receivers.names import check_stream_name
 from receivers.wal import WalBlockStore
@@ -829,16 +829,9 @@ def _holes(lo: int, hi: int, blocks: Sequence[BlockInfo]) -> list[tuple[int, int
     """The ranges of record offsets in [lo, hi) that `blocks` (sorted, those overlapping it) do not
     cover. A missing prefix is expected only from offset 0, before blocks that are there: the initial
     offset of a stream that was empty when the query started, whose earlier blocks had been released."""
-    holes: list[tuple[int, int]] = []
-    at = lo
-    for block in blocks:
-        # `at` starts at lo and never goes down, so at == lo == 0 only before any record is covered
-        # (and then there is no hole yet): the prefix before the first record there
-        if block.first_offset > at and not at == lo == 0:
-            holes.append((at, block.first_offset))
-        at = max(at, block.end_offset)
-    if at < hi:
-        holes.append((at, hi))
+    holes = uncovered(lo, hi, blocks)
+    if lo == 0 and blocks and blocks[0].first_offset > 0:
+        return holes[1:]  # that prefix
     return holes
 
 
