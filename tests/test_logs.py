@@ -292,6 +292,15 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+def _cmdline(pid: int) -> bytes:
+    """A process's command line; empty once it has ended (a child may exit between the listing and
+    the read)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def test_a_killed_relay_gives_fd_2_back_to_stderr(tmp_path: Path) -> None:
     """After a `kill -9` of the relay (ingest.native_stderr) a write on fd 2 failed with EPIPE: gRPC's
     core lines were lost, and a child started then with SIGPIPE at its default (subprocess's) died of
@@ -309,11 +318,7 @@ def test_a_killed_relay_gives_fd_2_back_to_stderr(tmp_path: Path) -> None:
         proc = subprocess.Popen(argv, stderr=out, env=clean_env() | {"GRPC_VERBOSITY": "INFO"})
     try:
         port = _serving(proc, log)
-        relays = [
-            pid
-            for pid in _children(proc.pid)
-            if b"native_stderr" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        ]
+        relays = [pid for pid in _children(proc.pid) if b"native_stderr" in _cmdline(pid)]
         assert len(relays) == 1, relays
         os.kill(relays[0], signal.SIGKILL)
         wait_for_line(proc, log, r"stderr relay \(pid \d+\) ended \(killed by signal 9\)", 30)
@@ -341,9 +346,15 @@ def test_a_child_started_after_the_relay_died_can_write_on_stderr() -> None:
         import os, signal, subprocess, sys, time
         from ingest import logs
         logs.setup("info", "json", whole_process=True)
+        def parent(p):
+            try:  # a process may end between the listing and the read
+                with open(f"/proc/{p}/stat") as stat:
+                    return stat.read().rsplit(")", 1)[1].split()[1]
+            except OSError:
+                return None
         if sys.argv[1] == "kill":
             relay = [p for p in os.listdir("/proc") if p.isdigit() and p != str(os.getpid())
-                     and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == str(os.getpid())]
+                     and parent(p) == str(os.getpid())]
             os.kill(int(relay[0]), signal.SIGKILL)
             time.sleep(1)  # the watcher gives fd 2 back
         child = subprocess.run(["sh", "-c", "echo warn >&2"], check=False)
