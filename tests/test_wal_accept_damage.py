@@ -237,12 +237,11 @@ def test_two_damages_in_one_start_are_each_gone_past(
     paths[1].unlink()
     gap = (int(paths[1].stem), int(paths[2].stem))
     later = paths[3]
-    starts = frame_starts(later)
-    assert len(starts) >= 3
+    assert len(frame_starts(later)) >= 2
     data = bytearray(later.read_bytes())
-    data[starts[1] + HEADER.size + 10] ^= 0x01
+    data[HEADER.size + 10] ^= 0x01  # its first frame, a sound one after it
     later.write_bytes(bytes(data))
-    bad = int(later.stem) + 1
+    bad = int(later.stem)
     with caplog.at_level(logging.INFO, "receivers.wal"):
         store = WalBlockStore(tmp_path, accept_damage=["s"])
         assert store.recover("s") == (12, 240)
