@@ -75,6 +75,7 @@ from receivers.cluster import REFUSAL_HEADER, Cluster, ClusterConfigError, load_
 from receivers.config import FsyncPolicy, ReceiverConfig
 from receivers.errors import printable, shown
 from receivers.files import DataDirStateError
+from receivers.names import check_stream_name
 from receivers.principal import Limits
 from receivers.sizes import parse_size
 from sluice_client.credentials import Credentials, CredentialsError
@@ -464,6 +465,17 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of fl
         action="store_const",
         const=FsyncPolicy.off(),
         help="the same as --fsync off (benchmarks on throwaway data only)",
+    )
+    serve.add_argument(
+        "--accept-wal-damage",
+        action="append",
+        type=_stream_names,
+        default=[],
+        metavar="STREAM[,STREAM]",
+        help="go on past damage in these streams' block logs that a start otherwise refuses (acked "
+        "blocks damaged or missing): the blocks lost are recorded (blocks/STREAM/lost.json), named in "
+        "an ERROR and counted (sluice_wal_lost_blocks_total); the blocks after them are kept and served, "
+        "and Spark's query takes the lost records for data loss. Needed once: later starts know the gap",
     )
     serve.add_argument("--no-spark", action="store_true", help="receive and store blocks without Spark")
     serve.set_defaults(run=_serve, layered_settings=True)
@@ -974,6 +986,17 @@ def _size(text: str) -> int:
     return size
 
 
+def _stream_names(text: str) -> list[str]:
+    """STREAM[,STREAM...]: stream names, each checked as a stream's name is."""
+    names = [name.strip() for name in text.split(",")]
+    for name in names:
+        try:
+            check_stream_name(name)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return names
+
+
 def _stream_value(text: str) -> tuple[str, float]:
     name, sep, value = text.rpartition("=")
     try:
@@ -1434,6 +1457,7 @@ def _serve_config(args: argparse.Namespace) -> ServeConfig:
             receiver=receiver,
             rate=rate,
             fsync=args.fsync,
+            accept_wal_damage=tuple(dict.fromkeys(n for names in args.accept_wal_damage for n in names)),
             segment_bytes=args.segment_bytes,
             master=args.master,
             pipeline=args.pipeline,
@@ -2520,6 +2544,7 @@ def _effective(config: ServeConfig) -> dict[str, object]:
         "block-records": config.receiver.seal_at,
         "block-linger": "off" if config.receiver.block_linger is None else config.receiver.block_linger,
         "segment-bytes": config.wal_segment_bytes,
+        "accept-wal-damage": list(config.accept_wal_damage),  # one list of the flags' lists
         "estimator": config.rate.estimator,
         "initial-rate": config.rate.initial_rate,
     }

@@ -364,6 +364,12 @@ class ServeConfig:
     fsync: FsyncPolicy = field(default_factory=FsyncPolicy.every_block)
     """When the block log is fsynced: every block before acking it (the default), every N ms in the
     background (acked blocks survive a process crash, not a power loss), or off (throwaway data only)."""
+    accept_wal_damage: tuple[str, ...] = ()
+    """Streams whose block log this start goes on past damage in (`--accept-wal-damage`): acked blocks
+    never released that are damaged or missing (a bad frame with sound ones after it, an older
+    segment's bad tail, a segment gone), which a start otherwise refuses (DamagedLogError), are recorded
+    as lost (the stream's lost.json), named in an ERROR and counted in sluice_wal_lost_blocks_total, and
+    the blocks after them are kept and served (receivers.wal.WalBlockStore's accept_damage)."""
     segment_bytes: int | None = None
     """Size at which the block log starts a new segment file. Spark's release deletes whole segments
     (never the newest), so under a disk budget segments should be well below it; None: 64 MiB, or a
@@ -403,7 +409,7 @@ class ServeConfig:
         check_host(self.metrics_host, "metrics host")
         if not self.streams:
             raise ValueError("at least one stream is needed")
-        for name in self.streams:
+        for name in (*self.streams, *self.accept_wal_damage):
             check_stream_name(name)
         if len(set(self.streams)) != len(self.streams):
             raise ValueError(f"stream names repeat: {', '.join(self.streams)}")

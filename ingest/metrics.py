@@ -262,8 +262,9 @@ class SluiceCollector(Collector):
         )
         lost = CounterMetricFamily(
             "sluice_wal_lost_blocks",
-            "Blocks never released that recovery went on without under --fsync off (a segment or an older "
-            "segment's tail a power loss took; each is also logged).",
+            "Blocks never released that recovery went on without: under --fsync off (a segment or an older "
+            "segment's tail a power loss took), or damaged or missing blocks a start with "
+            "--accept-wal-damage recorded as lost (each is also logged).",
             labels=["stream"],
         )
         disk = GaugeMetricFamily(

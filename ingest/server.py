@@ -151,11 +151,15 @@ class SluiceServer:
             self.runtime.clear_ignored()
             make_dirs(config.blocks_dir)
             self.store = WalBlockStore(
-                config.blocks_dir, fsync=config.fsync, segment_bytes=config.wal_segment_bytes
+                config.blocks_dir,
+                fsync=config.fsync,
+                segment_bytes=config.wal_segment_bytes,
+                accept_damage=config.accept_wal_damage,
             )
             self.streams = StreamRegistry(config.data_dir, config.streams)
             """The streams served, draining and kept (Admin.AddStream/RemoveStream; streams.json)."""
             self._find_unnamed_streams()
+            self._check_accept_wal_damage()
             for stream in [*self.streams.of(DRAINING), *self.streams.of(KEPT)]:
                 self.store.recover(stream)  # no receiver writes it, but its tail must be whole to read
             self.node: ReceiverNode | None = None
@@ -266,6 +270,16 @@ class SluiceServer:
         self._health_server: grpc.aio.Server | None = None
         self.health_port: int | None = None
         """The bound plaintext health port (config.health_port), once started."""
+
+    def _check_accept_wal_damage(self) -> None:
+        """ValueError when --accept-wal-damage names a stream this node holds no log of (a typo would
+        leave the stream meant refused as before, and the flag doing nothing)."""
+        unknown = [s for s in self.config.accept_wal_damage if s not in self.streams.states]
+        if unknown:
+            raise ValueError(
+                f"--accept-wal-damage names {', '.join(map(repr, unknown))}, which this node does not hold "
+                f"(its streams: {', '.join(sorted(self.streams.states))})"
+            )
 
     def _find_unnamed_streams(self) -> None:
         """Name loudly every stream of the block log that neither the flags nor streams.json name and

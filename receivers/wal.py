@@ -7,6 +7,8 @@ Layout under the root folder, per stream::
                                             and where a lost log's unreleased records begin (skip_to())
     <root>/<stream>/incarnation             the log's identity (ensure_incarnation(), set_incarnation()):
                                             a random id made with the log, gone with it
+    <root>/<stream>/lost.json               blocks a start went on past damage without (accept_damage)
+    <root>/<stream>/damaged/                a copy of each segment as it was before accept_damage cut it
 
 A new segment is started, named after the seq of its first block, once the newest one has grown past
 `segment_bytes`. So the blocks of a segment have seqs >= its name and < the next segment's name.
@@ -52,7 +54,12 @@ never acked under "every-block"). Acknowledged blocks never released are not cut
     deleted or lost (_refuse_missing; not for a copy that goes on after gaps, `gaps`).
 Under "off" a power loss can take any part of the log: those are cut or passed with an ERROR naming the
 blocks lost (counted in `stats`: blocks_lost). (etcd's WAL refuses such damage the same way; the
-operator restores the segment or moves it and the later ones aside.) Otherwise bad data on disk never makes
+operator restores the segment or moves it and the later ones aside.) For the streams of `accept_damage`
+(`sluice serve --accept-wal-damage`) recovery goes on past each such damage instead, keeping the blocks
+after it (_accept): a copy of a damaged segment is kept under damaged/, the blocks lost are recorded in
+lost.json (so later recoveries take that gap as known), named in an ERROR and counted in blocks_lost,
+and the log is mended to be sound but for the gap (the sound frames after a bad one moved to a segment
+of their own, the damaged segment cut at the bad frame). Otherwise bad data on disk never makes
 recovery fail; only real I/O errors (permissions, ...) raise.
 
 Readers (Spark executors, other processes) index segments by their frame headers, seeking over payloads,
@@ -83,9 +90,11 @@ import logging
 import mmap
 import os
 import re
+import shutil
 import stat
 import struct
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -117,6 +126,12 @@ _PRODUCER_SEQ = struct.Struct("<Q")
 SEGMENT_SUFFIX = ".wal"
 _SEGMENT_NAME = re.compile(r"^(\d{20})\.wal$")
 STATE_FILE = "released.json"
+LOST_FILE = "lost.json"
+"""Blocks a start with `accept_damage` went on without (LostBlocks), kept so that later starts do not
+refuse the gap again."""
+DAMAGED_FOLDER = "damaged"
+"""In a stream's folder: a copy of each segment as it was before `accept_damage` cut it."""
+_TEMP_FILE = re.compile(r"^(released\.json|lost\.json|\d{20}\.wal)\.tmp\.")
 LOCK_FILE = "released.lock"
 """flock()ed by whoever rewrites released.json or deletes segments (see _mark_lock)."""
 ALIGN = 4096
@@ -149,6 +164,10 @@ class IncarnationError(WalError, DataDirStateError):
     """A stream's incarnation file is there but cannot be read or holds no incarnation."""
 
 
+class LostFileError(WalError, DataDirStateError):
+    """A stream's LOST_FILE is there but cannot be read or is not what Sluice writes."""
+
+
 class CorruptBlockError(WalError):
     """A block's frame fails its checksum (or does not hold the block asked for)."""
 
@@ -160,7 +179,63 @@ class BlockNotFoundError(WalError, LookupError):
 class DamagedLogError(WalError):
     """Acknowledged blocks never released are damaged or missing (a bad frame with intact frames after
     it, an older segment's bad tail, a segment deleted), under a policy that makes each block durable
-    before its ack: not a crash's torn tail. Recovery refuses to cut or pass over them."""
+    before its ack: not a crash's torn tail. Recovery refuses to cut or pass over them, unless the store
+    was told to go on past damage in that stream (`accept_damage`)."""
+
+    def __init__(self, message: str, damage: _Damage | None = None) -> None:
+        super().__init__(message)
+        self.damage = damage
+        """What is damaged, for recovery to go on past it (`accept_damage`); None: it cannot."""
+
+
+@dataclass(frozen=True)
+class _Damage:
+    """Damage recovery refused (DamagedLogError.damage): blocks from `first_seq` on are lost, either
+    missing between segments (`segment` None) or in `segment`, whose sound part ends at byte `bad`."""
+
+    first_seq: int
+    """The first block lost (at or above the released mark)."""
+    first_offset: int
+    """Its first record."""
+    where: str
+    """What, for the ERROR: "missing from the log between segments A and B", "the log segment A is
+    damaged at byte N (after block K)"."""
+    next_seq: int | None
+    """Blocks missing: the block found after them. A damaged segment: the next segment's name (None: it
+    is the newest); sound frames after the bad one in it are kept, and the loss ends at them."""
+    next_offset: int | None = None
+    """The first record of `next_seq`'s block, where it is known."""
+    segment: Path | None = None
+    bad: int = 0
+    last_seq: int = -1
+    """The seq of the last sound block before `bad` (frames after it must have higher seqs)."""
+    next_segment: Path | None = None
+    """The segment named `next_seq` (a damaged segment's)."""
+
+    @property
+    def key(self) -> tuple[int, str, int]:
+        return self.first_seq, str(self.segment), self.bad
+
+
+@dataclass(frozen=True)
+class LostBlocks:
+    """Blocks [first_seq, end_seq) (records [first_offset, end_offset)) that a start with
+    `accept_damage` (`sluice serve --accept-wal-damage`) went on without: recorded in the stream's
+    LOST_FILE, so later starts take the gap they leave as known, not as damage."""
+
+    first_seq: int
+    end_seq: int
+    first_offset: int
+    end_offset: int | None
+    """None: not known (the block after the gap was damaged too)."""
+    at: str = ""
+    """When (UTC, ISO 8601)."""
+
+    def records(self) -> str:
+        """The records, for a message: "records 10..19", or "records from offset 10"."""
+        if self.end_offset is not None and self.end_offset > self.first_offset:
+            return _span("record", self.first_offset, self.end_offset - 1)
+        return f"records from offset {self.first_offset}"
 
 
 # ---- statistics ----------------------------------------------------------------------------------
@@ -474,6 +549,7 @@ class WalBlockStore(BlockStore):
         segment_bytes: int = DEFAULT_SEGMENT_BYTES,
         direct_io: bool = True,
         gaps: bool = False,
+        accept_damage: Iterable[str] = (),
     ) -> None:
         """`direct_io`: write segments with O_DIRECT where the file system allows (see ALIGN), under
         every fsync policy (through the page cache, not fsyncing saved nothing: the copy into the cache
@@ -481,7 +557,9 @@ class WalBlockStore(BlockStore):
         (and pads nothing). `gaps`: the log may lack blocks between others by design (a copy that went
         on after a gap, continue_at), so recovery takes blocks missing before a segment or a cut older
         segment as it always did (an ERROR for the cut); False (an owner's log): under "every-block" and
-        "interval" they stop recovery with DamagedLogError."""
+        "interval" they stop recovery with DamagedLogError. `accept_damage`: streams whose recovery goes
+        on past such damage instead, keeping the blocks after it (_accept: the lost blocks are recorded
+        in LOST_FILE, named in an ERROR and counted in `stats`; `sluice serve --accept-wal-damage`)."""
         if segment_bytes < 1:
             raise ValueError(f"segment_bytes must be >= 1, got {segment_bytes}")
         self.root = Path(root)
@@ -489,6 +567,9 @@ class WalBlockStore(BlockStore):
         self.segment_bytes = segment_bytes
         self.direct_io = direct_io
         self.gaps = gaps
+        self.accept_damage = frozenset(check_stream_name(s) for s in accept_damage)
+        self._accepted: dict[str, list[LostBlocks]] = {}
+        """Stream -> the losses this process accepted (not warned about again as recorded ones)."""
         self._writers: dict[str, _Writer] = {}
         self._writers_lock = threading.Lock()
         self._index: dict[Path, _SegmentIndex] = {}
@@ -532,10 +613,29 @@ class WalBlockStore(BlockStore):
         folder = self._folder(stream)
         self._refuse_if_failed(folder)  # the page cache may hold blocks the disk lost: restart
         self._drop_writer(stream)
-        writer = self._recover(stream, folder)
+        writer = self._recover_past_damage(stream, folder)
         with self._writers_lock:
             self._writers[stream] = writer
         return writer.next_seq, writer.next_offset
+
+    def _recover_past_damage(self, stream: str, folder: Path) -> _Writer:
+        """_recover(), which raises DamagedLogError at the first damage; for a stream of
+        `accept_damage` each damage is recorded as lost and mended (_accept) and recovery starts over,
+        until the log is sound but for the gaps recorded."""
+        stats = self.stream_stats(stream)
+        accepted: set[tuple[int, str, int]] = set()
+        while True:
+            frames_before = stats.frames_recovered
+            try:
+                return self._recover(stream, folder)
+            except DamagedLogError as exc:
+                damage = exc.damage
+                if stream not in self.accept_damage or damage is None or damage.key in accepted:
+                    raise
+                accepted.add(damage.key)
+                stats.frames_recovered = frames_before  # counted again by the next pass
+                if not self._accept(stream, folder, damage):
+                    raise
 
     def write(  # noqa: PLR0917 - the receiver's positional call, kept
         self,
@@ -1160,7 +1260,7 @@ class WalBlockStore(BlockStore):
             return writer
         with self._mark_lock(folder):  # a temp file of a release in progress elsewhere is no leftover
             for name in os.listdir(folder):
-                if name.startswith(STATE_FILE + ".tmp"):
+                if _TEMP_FILE.match(name):
                     (folder / name).unlink(missing_ok=True)
         if any(name.endswith(".arrow") for name in os.listdir(folder)):
             log.warning(
@@ -1192,7 +1292,17 @@ class WalBlockStore(BlockStore):
                 self._refuse_missing(
                     stream, path=path, name_seq=name_seq, frames=frames, expect=expect, later=later
                 )
-                self._refuse_if_intact_after(stream, path, size, last_seq, later)
+                self._refuse_if_intact_after(
+                    stream,
+                    path,
+                    size,
+                    last_seq,
+                    later,
+                    name_seq=name_seq,
+                    frames=frames,
+                    expect=expect,
+                    next_name=None if newest else segments[i + 1][0],
+                )
                 if size < _file_size(path) or (not frames and not newest):
                     self._cut(
                         stream=stream,
@@ -1205,6 +1315,7 @@ class WalBlockStore(BlockStore):
                         stats=stats,
                         later=later,
                         expect=expect,
+                        last_seq=last_seq,
                     )
             except FileNotFoundError:
                 # released meanwhile (by Spark, in another process); a symlink to nowhere named as a
@@ -1288,9 +1399,12 @@ class WalBlockStore(BlockStore):
             # segments below it while this read the log: the mark is written before the deletes, so
             # read now it covers every segment missing for that reason
             if expect.known and seq > expect.seq and self._read_released(stream, fresh=True).next_seq < seq:
-                self._missing(
-                    stream, path=path, expect=expect, seq=seq, first_offset=first_offset, later=later
-                )
+                if self._recorded_lost(stream, expect, seq):
+                    expect.seq = seq  # the frame of `seq` follows: not a gap twice
+                else:
+                    self._missing(
+                        stream, path=path, expect=expect, seq=seq, first_offset=first_offset, later=later
+                    )
             if end is not None:
                 expect.passed(seq + 1, end, path)
 
@@ -1334,6 +1448,7 @@ class WalBlockStore(BlockStore):
             expect.seq = seq  # the frame of `seq` follows: not a gap twice
             return
         move = [path, *later]
+        damage = _Damage(expect.seq, expect.offset, f"missing from the log {where}", seq, first_offset)
         raise DamagedLogError(
             f"stream {stream!r}: {_span('block', expect.seq, seq - 1)} ({records}) "
             f"{_are(expect.seq, seq - 1)} missing from the log in "
@@ -1342,7 +1457,9 @@ class WalBlockStore(BlockStore):
             "Restore the missing segment (a backup, a replica's copy), or move "
             + (f"{path.name} and every later segment ({len(move)} files)" if later else path.name)
             + " out of the folder and start again: their blocks are then lost too, and the log goes on "
-            f"at block {expect.seq}"
+            f"at block {expect.seq}; or start once with --accept-wal-damage {stream} to go on without "
+            "the missing blocks alone, keeping the blocks after them (docs/durability.md)",
+            damage,
         )
 
     def _refuse_lost_blocks(
@@ -1356,6 +1473,8 @@ class WalBlockStore(BlockStore):
         next_name: int | None,
         released: int,
         later: list[Path],
+        expect: _Expected,
+        last_seq: int,
     ) -> None:
         """DamagedLogError if cutting the older segment `path` at `good` loses blocks that were never
         released (the later segments start past them). Under "every-block" each block was fsynced before
@@ -1371,6 +1490,16 @@ class WalBlockStore(BlockStore):
         if next_name <= lost_from:
             return
         after = f"after block {frames[-1].header.seq}" if frames else "its first block"
+        damage = _Damage(
+            lost_from,
+            expect.offset,
+            f"the log segment {path.name} is damaged at byte {good:,} ({after})",
+            next_name,
+            segment=path,
+            bad=good,
+            last_seq=last_seq,
+            next_segment=later[0],
+        )
         raise DamagedLogError(
             f"stream {stream!r}: the log segment {path} is damaged at byte {good:,} ({after}): "
             f"{_span('block', lost_from, next_name - 1)} {_are(lost_from, next_name - 1)} "
@@ -1380,11 +1509,23 @@ class WalBlockStore(BlockStore):
             "blocks, and it is not cut. Keep a copy of the segment, then restore it (a backup, a "
             f"replica's copy), or move it and every later segment ({1 + len(later)} files) out of the "
             "folder and start again: their blocks are then lost, and the log goes on after the blocks "
-            "before it"
+            f"before it; or start once with --accept-wal-damage {stream} to go on without the damaged "
+            "blocks alone, keeping the blocks after them (docs/durability.md)",
+            damage,
         )
 
     def _refuse_if_intact_after(
-        self, stream: str, path: Path, bad: int, last_seq: int, later: Sequence[Path] = ()
+        self,
+        stream: str,
+        path: Path,
+        bad: int,
+        last_seq: int,
+        later: Sequence[Path],
+        *,
+        name_seq: int,
+        frames: list[_Frame],
+        expect: _Expected,
+        next_name: int | None,
     ) -> None:
         """DamagedLogError if the segment's good part ends at `bad` and sound frames follow. Under
         "every-block" a block is written only after the one before it was fsynced, so a crash can tear
@@ -1394,9 +1535,21 @@ class WalBlockStore(BlockStore):
         state: cut as before, in the newest segment; _refuse_lost_blocks refuses an older one's.)"""
         if self.fsync.mode != "every-block" or bad >= _file_size(path):
             return
-        intact = _intact_after(path, bad, last_seq)
+        intact = [f.header for f in _intact_after(path, bad, last_seq)]
         if intact:
             move = f"it and every later segment ({1 + len(later)} files)" if later else "it"
+            lost_from = max(frames[-1].header.seq + 1 if frames else name_seq, expect.released_seq)
+            after = f"after block {frames[-1].header.seq}" if frames else "its first block"
+            damage = _Damage(
+                lost_from,
+                expect.offset,
+                f"the log segment {path.name} is damaged at byte {bad:,} ({after})",
+                next_name,
+                segment=path,
+                bad=bad,
+                last_seq=last_seq,
+                next_segment=later[0] if later else None,
+            )
             raise DamagedLogError(
                 f"stream {stream!r}: the log segment {path} is damaged at byte {bad:,} (the block after "
                 f"seq {last_seq}) and {len(intact)} intact "
@@ -1405,7 +1558,10 @@ class WalBlockStore(BlockStore):
                 "leaves, but damage to acknowledged "
                 "blocks, so it is not cut. Keep a copy of the segment, then restore it (a backup, a "
                 f"replica's copy), or move {move} out of the folder and start again: their blocks are "
-                "then lost, and the log goes on after the blocks before it"
+                "then lost, and the log goes on after the blocks before it; or start once with "
+                f"--accept-wal-damage {stream} to go on without the damaged blocks alone, keeping the "
+                "intact ones (docs/durability.md)",
+                damage,
             )
 
     def _cut(
@@ -1421,6 +1577,7 @@ class WalBlockStore(BlockStore):
         stats: WalStats,
         later: list[Path],
         expect: _Expected,
+        last_seq: int,
     ) -> None:
         """Cut `path` at `good` (a torn or bad tail), or refuse to (_refuse_lost_blocks)."""
         self._refuse_lost_blocks(
@@ -1432,6 +1589,8 @@ class WalBlockStore(BlockStore):
             next_name=next_name,
             released=released,
             later=later,
+            expect=expect,
+            last_seq=last_seq,
         )
         size = _file_size(path)
         cut = size - good
@@ -1462,6 +1621,191 @@ class WalBlockStore(BlockStore):
             stats.blocks_lost += next_name - lost_from
         if next_name is not None:  # the blocks cut, if any, were named in that ERROR: no gap after it
             expect.passed(next_name, expect.offset, path)
+
+    # ---- going on past damage (accept_damage) ----------------------------------------------------
+
+    def lost_blocks(self, stream: str) -> list[LostBlocks]:
+        """The blocks of `stream` that starts with `accept_damage` went on without (LOST_FILE), in the
+        order recorded; LostFileError when the file is there but cannot be read."""
+        folder = self._folder(stream)
+        path = folder / LOST_FILE
+        try:
+            data = json.loads(read_regular(path))
+            return [
+                LostBlocks(
+                    int(entry["first_seq"]),
+                    int(entry["end_seq"]),
+                    int(entry["first_offset"]),
+                    None if entry.get("end_offset") is None else int(entry["end_offset"]),
+                    str(entry.get("at", "")),
+                )
+                for entry in data["lost"]
+            ]
+        except (FileNotFoundError, NotADirectoryError):
+            _refuse_broken_link(path)
+            return []
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            why = (
+                "holds bytes that are not text"
+                if isinstance(exc, UnicodeDecodeError)
+                else "is not what Sluice writes"
+            )
+            raise self._bad_lost_file(stream, path, why) from None
+        except OSError as exc:
+            raise self._bad_lost_file(stream, path, f"cannot be read ({exc.strerror})") from None
+
+    def _bad_lost_file(self, stream: str, path: Path, why: str) -> LostFileError:
+        return LostFileError(
+            f"{path} (the blocks of stream {stream!r} that a start with --accept-wal-damage went on "
+            f"without) {why}: restore it, or remove it; the gaps it recorded are then refused as damage "
+            f"again, until a start with --accept-wal-damage {stream} records them again"
+        )
+
+    def _write_lost(self, folder: Path, lost: Sequence[LostBlocks]) -> None:
+        entries = [
+            {
+                "first_seq": r.first_seq,
+                "end_seq": r.end_seq,
+                "first_offset": r.first_offset,
+                "end_offset": r.end_offset,
+                "at": r.at,
+            }
+            for r in lost
+        ]
+        self._replace_file(folder, LOST_FILE, json.dumps({"lost": entries}, indent=1))
+
+    def _recorded_lost(self, stream: str, expect: _Expected, seq: int) -> bool:
+        """Whether blocks expect.seq..seq-1, missing from the log, were recorded as lost (LOST_FILE): a
+        gap a start with accept_damage went on past. A WARNING names it, unless this process did."""
+        first = expect.seq
+        recorded = self.lost_blocks(stream)
+        if not _covers(recorded, first, seq):
+            return False
+        if not _covers(self._accepted.get(stream, []), first, seq):
+            named = [r for r in recorded if r.first_seq < seq and r.end_seq > first]
+            log.warning(
+                "stream %r: %s %s not in the log: lost at a start with --accept-wal-damage (%s, recorded "
+                "in %s); a Spark query that reaches them takes them for data loss (failOnDataLoss)",
+                stream,
+                "; ".join(f"{_span('block', r.first_seq, r.end_seq - 1)} ({r.records()})" for r in named),
+                _are(first, seq - 1) if len(named) == 1 else "are",
+                ", ".join(sorted({r.at for r in named if r.at})) or "earlier",
+                self._folder(stream) / LOST_FILE,
+            )
+        return True
+
+    def _accept(self, stream: str, folder: Path, damage: _Damage) -> bool:
+        """Go on past `damage` (a stream of accept_damage), keeping every sound block after it: keep a
+        copy of a damaged segment as it is under DAMAGED_FOLDER, record the blocks lost in LOST_FILE,
+        then mend the log so that it is sound but for a gap where they were (_mend). An ERROR names the
+        blocks and records lost, and they are counted (stats.blocks_lost). False: recovery cannot go on
+        past it (nothing follows the damage)."""
+        split, end_seq, end_offset = self._resume_after(damage)
+        if end_seq is None:
+            return False
+        at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        lost = (
+            LostBlocks(damage.first_seq, end_seq, damage.first_offset, end_offset, at)
+            if end_seq > damage.first_seq
+            else None
+        )
+        kept = self._mend(stream, folder, damage, split, lost)
+        then = f"; the damaged segment as it was is kept in {kept}" if kept is not None else ""
+        if split is not None:
+            moved = f"{split.header.seq:020d}{SEGMENT_SUFFIX}"
+            then += f"; the sound blocks after the damage moved to segment {moved}"
+        if lost is None:
+            log.warning(
+                "stream %r: --accept-wal-damage: %s, where every block was released already: nothing "
+                "is lost%s",
+                stream,
+                damage.where,
+                then,
+            )
+            return True
+        log.error(
+            "stream %r: --accept-wal-damage: %s (%s) %s lost: %s. Recorded in %s; "
+            "the log goes on with the blocks after them (from block %d)%s",
+            stream,
+            _span("block", lost.first_seq, lost.end_seq - 1),
+            lost.records(),
+            _are(lost.first_seq, lost.end_seq - 1),
+            damage.where,
+            folder / LOST_FILE,
+            lost.end_seq,
+            then,
+        )
+        self.stream_stats(stream).blocks_lost += lost.end_seq - lost.first_seq
+        self._accepted.setdefault(stream, []).append(lost)
+        return True
+
+    def _resume_after(self, damage: _Damage) -> tuple[_Frame | None, int | None, int | None]:
+        """Where the log goes on after `damage`: (the first sound frame after the bad one in a damaged
+        segment, if any; the seq and the first record of the block the loss ends at, None where that is
+        not known)."""
+        end_seq, end_offset = damage.next_seq, damage.next_offset
+        segment = damage.segment
+        if segment is None:
+            return None, end_seq, end_offset
+        intact = _intact_after(segment, damage.bad, damage.last_seq)
+        below = end_seq if end_seq is not None else 1 << 64
+        if intact and int(segment.name[:20]) < intact[0].header.seq < below:
+            split = intact[0]
+            return split, split.header.seq, split.header.first_offset
+        if damage.next_segment is not None:
+            head = next(iter(self._segment_frames(damage.next_segment)), None)
+            end_offset = head.header.first_offset if head is not None else None
+        return None, end_seq, end_offset
+
+    def _mend(
+        self, stream: str, folder: Path, damage: _Damage, split: _Frame | None, lost: LostBlocks | None
+    ) -> Path | None:
+        """Keep a copy of the damaged segment, record `lost`, move the frames from `split` on to a
+        segment of their own and cut the damaged one at the bad frame (remove it when nothing before
+        that was sound). Each step is durable before the next: a crash midway leaves the damage there
+        (refused again, or mended again by the next start with accept_damage), never a gap that is not
+        recorded. The copy's path (None: no segment was damaged)."""
+        sync = self.fsync.mode != "off"
+        segment = damage.segment
+        kept: Path | None = None
+        with self._mark_lock(folder):
+            if segment is not None:
+                kept = self._keep_damaged(folder, segment, damage.bad)
+            if lost is not None:
+                key = (lost.first_seq, lost.end_seq)
+                recorded = [r for r in self.lost_blocks(stream) if (r.first_seq, r.end_seq) != key]
+                self._write_lost(folder, [*recorded, lost])
+            if segment is None:
+                return None
+            if split is not None:
+                moved = folder / f"{split.header.seq:020d}{SEGMENT_SUFFIX}"
+                _copy_from(segment, split.offset, moved, sync=sync)
+            if damage.bad == 0:
+                segment.unlink()
+            else:
+                with open(segment, "r+b") as file:
+                    file.truncate(damage.bad)
+                    if sync:
+                        os.fsync(file.fileno())
+            if sync:
+                _fsync_path(folder)
+        self._forget_index(folder, set())
+        return kept
+
+    def _keep_damaged(self, folder: Path, segment: Path, bad: int) -> Path:
+        """A copy of `segment` under DAMAGED_FOLDER, named after it and the damaged byte (made again
+        when a start mended nothing after making it: the same bytes)."""
+        kept_in = folder / DAMAGED_FOLDER
+        made = not kept_in.is_dir()
+        kept_in.mkdir(exist_ok=True)
+        sync = self.fsync.mode != "off"
+        if made and sync:
+            _fsync_path(folder)
+        kept = kept_in / f"{segment.name}.at-{bad}"
+        _copy_from(segment, 0, kept, sync=sync)
+        if sync:
+            _fsync_path(kept_in)
+        return kept
 
     # ---- appending -----------------------------------------------------------------------------
 
@@ -1867,10 +2211,10 @@ class WalBlockStore(BlockStore):
         return self.root / check_stream_name(stream)
 
 
-def _intact_after(path: Path, bad: int, last_seq: int) -> list[_Header]:
+def _intact_after(path: Path, bad: int, last_seq: int) -> list[_Frame]:
     """The sound frames after a bad one at `bad`: found by their magic (the bad frame's own lengths
     cannot be trusted), then followed frame by frame."""
-    found: list[_Header] = []
+    found: list[_Frame] = []
     with open(path, "rb") as file:
         fd = file.fileno()
         size = os.fstat(fd).st_size
@@ -1882,12 +2226,39 @@ def _intact_after(path: Path, bad: int, last_seq: int) -> list[_Header]:
                 at = data.find(MAGIC, at + 1)
                 continue
             header = frame[0]
-            found.append(header)
+            found.append(_Frame(bad + at, header))
             last_seq = header.seq
             at += header.frame_len
             if at >= len(data) or data[at : at + len(MAGIC)] != MAGIC:
                 at = data.find(MAGIC, at)
     return found
+
+
+def _covers(ranges: Iterable[LostBlocks], first: int, end: int) -> bool:
+    """Whether `ranges` together cover the seqs [first, end)."""
+    at = first
+    for lost in sorted(ranges, key=lambda r: r.first_seq):
+        if lost.first_seq > at:
+            break
+        at = max(at, lost.end_seq)
+    return at >= end
+
+
+def _copy_from(source: Path, start: int, dest: Path, *, sync: bool) -> None:
+    """Make `dest` a copy of `source` from byte `start` on: written aside, fsynced (`sync`), renamed
+    over it (the caller fsyncs the folder)."""
+    tmp = dest.with_name(f"{dest.name}.tmp.{os.getpid()}.{threading.get_ident()}")
+    try:
+        with open(source, "rb") as reader, open(tmp, "wb") as writer:
+            reader.seek(start)
+            shutil.copyfileobj(reader, writer, 1 << 20)
+            writer.flush()
+            if sync:
+                os.fsync(writer.fileno())
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk leaves no half copy behind
+        raise
 
 
 def _valid_frame(fd: int, pos: int, size: int, last_seq: int) -> tuple[_Header, dict[str, int]] | None:

@@ -1152,3 +1152,24 @@ def test_checks_and_refusals_answer_without_importing_spark(tmp_path: Path) -> N
             check=False,
         )
         assert done.stdout.strip().splitlines()[-1] == f"exit {code} False", (argv, done.stdout, done.stderr)
+
+
+def test_accept_wal_damage_takes_stream_names_from_every_source(tmp_path: Path) -> None:
+    """--accept-wal-damage STREAM[,STREAM], repeatable; a list in the file, comma-separated in the
+    environment; a name no stream can have is a usage error naming it."""
+    data = ["--no-spark", "--data-dir", str(tmp_path / "data")]
+    flags = check(*data, "--accept-wal-damage", "a,b", "--accept-wal-damage", "b")
+    assert flags.returncode == 0, flags.stderr
+    assert rows(flags.stdout)["accept-wal-damage"] == ("a,b", "flag")
+    config = tmp_path / "sluice.toml"
+    config.write_text('accept-wal-damage = ["events", "clicks"]\n')
+    filed = check(*data, "--config", str(config))
+    assert rows(filed.stdout)["accept-wal-damage"] == ("events,clicks", f"file {config}"), filed.stderr
+    env = check(*data, env=clean_env(SLUICE_ACCEPT_WAL_DAMAGE="x,y"))
+    assert rows(env.stdout)["accept-wal-damage"] == ("x,y", "env SLUICE_ACCEPT_WAL_DAMAGE"), env.stderr
+    assert rows(check(*data).stdout)["accept-wal-damage"] == ("(none)", "default")
+    bad = check(*data, "--accept-wal-damage", "a,../b")
+    assert bad.returncode == 2 and "invalid stream name '../b'" in bad.stderr, bad.stderr
+    (tmp_path / "nodes").write_text("0 127.0.0.1:51101\n")
+    driver = check("--role", "driver", "--nodes", str(tmp_path / "nodes"), "--accept-wal-damage", "a")
+    assert driver.returncode == 2 and "does not use --accept-wal-damage" in driver.stderr, driver.stderr

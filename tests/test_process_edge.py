@@ -32,7 +32,7 @@ from ingest.config import RateConfig, SecurityConfig, ServeConfig
 from ingest.preflight import DataDirInUseError, DataDirLock
 from ingest.server import SluiceServer
 from receivers.config import FsyncPolicy
-from receivers.wal import WalBlockStore
+from receivers.wal import HEADER, WalBlockStore
 from sluice_client import Producer, SyncProducer
 from sluice_client.errors import RPCError, StartTimeoutError
 
@@ -435,6 +435,101 @@ def test_serve_refuses_a_log_that_lost_acked_blocks(
         assert "not the torn tail a crash leaves" in stderr, stderr
     assert "Traceback" not in stderr
     assert {p.name: p.read_bytes() for p in sorted(folder.glob("*.wal"))} == kept
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_serve_goes_on_past_damage_with_accept_wal_damage(
+    tmp_path: Path, servers: list[Serve], damage: str
+) -> None:
+    """A middle segment deleted, or a frame in the middle of a segment corrupted: serve refuses (exit 1),
+    naming --accept-wal-damage; started with `--accept-wal-damage default` it serves: the ERROR names the
+    blocks lost, sluice_wal_lost_blocks_total counts them, the blocks after them are kept and new blocks
+    follow the highest one; a later start without the flag serves too (the loss is recorded)."""
+    data_dir = tmp_path / "data"
+    port = free_port()
+    segment = "16384" if damage == "missing" else "1MiB"  # several segments; or one of many blocks
+    flags = no_spark(port, data_dir, "--segment-bytes", segment)
+    first = Serve(tmp_path, "first", *flags)
+    servers.append(first)
+    first.wait_serving()
+    target = f"127.0.0.1:{port}"
+    sent = [f"r{i}-{j}".encode() for i in range(12) for j in range(1000)]
+    with SyncProducer(target, "default") as producer:
+        for i in range(12):  # a block or more per flush
+            producer.send_many(sent[i * 1000 : (i + 1) * 1000])
+            producer.flush(timeout=30)
+    first.proc.send_signal(signal.SIGTERM)
+    assert first.proc.wait(timeout=60) == 0
+    folder = data_dir / "blocks" / "default"
+    paths = sorted(folder.glob("*.wal"))
+    store = WalBlockStore(data_dir / "blocks")
+    held = {
+        b.seq: [v for batch in store.read(b) for v in batch.column("value").to_pylist()]
+        for b in store.blocks("default")
+    }
+    assert sorted(v for vs in held.values() for v in vs) == sorted(sent)
+    if damage == "missing":
+        assert len(paths) >= 3, paths
+        lost = list(range(int(paths[1].stem), int(paths[2].stem)))
+        paths[1].unlink()
+    else:
+        assert len(paths) == 1 and len(held) >= 5, (paths, len(held))
+        starts = []
+        data = bytearray(paths[0].read_bytes())
+        at = 0
+        while at < len(data):
+            starts.append(at)
+            header = HEADER.unpack_from(data, at)
+            at += HEADER.size + header[4] + header[5]
+        middle = len(starts) // 2
+        data[starts[middle] + HEADER.size + 100] ^= 0xFF
+        paths[0].write_bytes(bytes(data))
+        lost = [sorted(held)[middle]]
+    refused = sluice("serve", *flags, timeout=120)
+    stderr = refused.stderr.decode()
+    assert refused.returncode == 1, stderr
+    assert "cannot start the server: stream 'default': " in stderr and "--accept-wal-damage default" in stderr
+    assert "Traceback" not in stderr
+    typo = sluice("serve", *flags, "--accept-wal-damage", "defualt", timeout=120)
+    assert typo.returncode == 1, typo.stderr.decode()
+    assert "--accept-wal-damage names 'defualt', which this node does not hold" in typo.stderr.decode()
+
+    metrics_port = free_port()
+    second = Serve(
+        tmp_path, "second", *flags, "--metrics-port", str(metrics_port), "--accept-wal-damage", "default"
+    )
+    servers.append(second)
+    second.wait_serving()
+    log_text = second.log.read_text()
+    blocks = f"block {lost[0]}" if len(lost) == 1 else f"blocks {lost[0]}..{lost[-1]}"
+    assert f"stream 'default': --accept-wal-damage: {blocks} (records " in log_text, log_text
+    scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    assert f'sluice_wal_lost_blocks_total{{stream="default"}} {float(len(lost))}' in scraped, scraped
+    more = [f"after-{j}".encode() for j in range(100)]
+    with SyncProducer(target, "default") as producer:
+        producer.send_many(more)
+        producer.flush(timeout=30)
+    second.proc.send_signal(signal.SIGTERM)
+    assert second.proc.wait(timeout=60) == 0
+
+    after = WalBlockStore(data_dir / "blocks")
+    now = {
+        b.seq: [v for batch in after.read(b) for v in batch.column("value").to_pylist()]
+        for b in after.blocks("default")
+    }
+    survivors = {seq: values for seq, values in held.items() if seq not in lost}
+    assert {seq: now[seq] for seq in survivors} == survivors  # every block after the gap is kept
+    new = sorted(seq for seq in now if seq not in held)
+    assert new and new[0] == max(held) + 1  # numbered after the highest surviving block
+    assert [v for seq in new for v in now[seq]] == more
+
+    # a later start without the flag: the loss is recorded, so it serves (a WARNING names the gap)
+    third = Serve(tmp_path, "third", *flags)
+    servers.append(third)
+    third.wait_serving()
+    third.proc.send_signal(signal.SIGTERM)
+    assert third.proc.wait(timeout=60) == 0
+    assert "is not in the log: lost at a start with --accept-wal-damage" in third.log.read_text()
 
 
 def test_a_lock_whose_file_was_replaced_is_lost(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ from ingest.spark.source import (
 )
 from receivers.block import PLAIN_SCHEMA, BlockInfo
 from receivers.config import FsyncPolicy
-from receivers.wal import WalBlockStore
+from receivers.wal import HEADER, LOST_FILE, WalBlockStore
 
 BASE_US = 1_700_000_000_000_000  # 2023-11-14T22:13:20Z in microseconds
 
@@ -441,6 +441,58 @@ def test_a_gap_in_the_log_is_data_loss_or_skipped_with_fail_on_data_loss_false(
     assert sum(p.records for p in reader.partitions({"a": hi}, {"a": 240})) == 240 - hi
 
 
+def accepted_log(root: Path, damage: str) -> tuple[list[Row], tuple[int, int]]:
+    """A log of 12 blocks of 20 records in "a" written under every-block and damaged (a middle segment
+    deleted, or a frame corrupted in the middle of a segment), which recovery refuses; recovered past
+    the damage as `sluice serve --accept-wal-damage a` does: (the records left, the offsets lost)."""
+    missing = damage == "missing"
+    store = WalBlockStore(root, segment_bytes=3000 if missing else 1 << 20, direct_io=False)
+    rows = write_blocks(store, "a", [20] * 12)
+    store.close()
+    segments = sorted((root / "a").glob("*.wal"))
+    if missing:
+        assert len(segments) >= 3, segments
+        lost_from, lost_to = int(segments[1].stem), int(segments[2].stem)
+        segments[1].unlink()
+    else:
+        data = bytearray(segments[0].read_bytes())
+        at = 0
+        for _ in range(5):  # past blocks 0..4
+            header = HEADER.unpack_from(data, at)
+            at += HEADER.size + header[4] + header[5]
+        data[at + HEADER.size + 30] ^= 0xFF  # block 5
+        segments[0].write_bytes(bytes(data))
+        lost_from, lost_to = 5, 6
+    assert WalBlockStore(root, accept_damage=["a"]).recover("a") == (12, 240)  # with an ERROR
+    lost = (lost_from * 20, lost_to * 20)
+    return [r for r in rows if not lost[0] <= r[1] < lost[1]], lost
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_blocks_a_start_went_on_without_past_damage_are_data_loss(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    """Blocks `sluice serve --accept-wal-damage` recorded as lost are records gone from the log, as
+    those --fsync off lost: DataLossError naming them and where the loss was recorded, or with
+    failOnDataLoss=false a WARNING and the records after them."""
+    left, (lo, hi) = accepted_log(tmp_path, damage)
+    with pytest.raises(DataLossError) as lost:
+        reader_for(tmp_path).partitions({"a": 0}, {"a": 240})
+    message = str(lost.value)
+    assert f"records {lo}..{hi - 1} are gone from its log" in message, message
+    recorded = tmp_path / "a" / LOST_FILE
+    assert (
+        f"a start with --accept-wal-damage went on without them, and recorded them in {recorded}" in message
+    )
+    reader = reader_for(tmp_path, failOnDataLoss="false")
+    with caplog.at_level(logging.WARNING, "ingest.spark.source"):
+        parts = reader.partitions({"a": 0}, {"a": 240})
+    assert rows_of([b for p in parts for b in reader.read(p)]) == left
+    assert any(f"records {lo}..{hi - 1} are gone" in r.getMessage() for r in caplog.records)
+    # a batch that does not reach the gap says nothing of it
+    assert sum(p.records for p in reader_for(tmp_path).partitions({"a": hi}, {"a": 240})) == 240 - hi
+
+
 def test_available_now_stops_at_the_blocks_present_when_it_started(tmp_path: Path) -> None:
     store = WalBlockStore(tmp_path, fsync=FsyncPolicy.off())
     write_blocks(store, "a", [10, 10, 10])
@@ -617,6 +669,41 @@ def test_a_query_over_a_gap_in_the_log_fails_or_goes_on(
             with pytest.raises(StreamingQueryException) as failed:
                 query.awaitTermination(120)
             assert f"records {lo}..{hi - 1} are gone from its log" in str(failed.value), failed.value
+        else:
+            wait_for_rows(spark, query, sink, len(left))
+    finally:
+        query.stop()
+    if fail_on_data_loss == "false":
+        got = sink_rows(spark, sink)
+        assert sorted(got, key=lambda r: r[1]) == left
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("fail_on_data_loss", ["true", "false"])
+def test_a_query_across_blocks_lost_past_damage_fails_or_goes_on(
+    spark: Any, tmp_path: Path, fail_on_data_loss: str
+) -> None:
+    """A real query over a log a start went on past damage in (a frame corrupted in the middle of a
+    segment, `--accept-wal-damage`): with failOnDataLoss=true it stops naming the records lost; with
+    false it writes every record after them too."""
+    left, (lo, hi) = accepted_log(tmp_path / "blocks", "corrupt")
+    sink = tmp_path / "sink"
+    query = start_query(
+        spark,
+        store_root=tmp_path / "blocks",
+        streams=["a"],
+        pipeline=parquet_pipeline(sink),
+        checkpoint_dir=tmp_path / "checkpoint",
+        trigger_seconds=0.2,
+        query_name=f"sluice_test_damage_{fail_on_data_loss}",
+        source_options={"failOnDataLoss": fail_on_data_loss},
+    )
+    try:
+        if fail_on_data_loss == "true":
+            with pytest.raises(StreamingQueryException) as failed:
+                query.awaitTermination(120)
+            assert f"records {lo}..{hi - 1} are gone from its log" in str(failed.value), failed.value
+            assert "--accept-wal-damage" in str(failed.value), failed.value
         else:
             wait_for_rows(spark, query, sink, len(left))
     finally:

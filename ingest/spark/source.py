@@ -93,7 +93,7 @@ from ingest.spark.live_rate import LiveRateCap
 from receivers.block import BlockInfo, plain_arrivals, uncovered
 from receivers.block_store import BlockStore, release_below
 from receivers.names import check_stream_name
-from receivers.wal import WalBlockStore
+from receivers.wal import LOST_FILE, WalBlockStore, WalError
 from sluice_client.credentials import Credentials, CredentialsError
 
 log = logging.getLogger(__name__)
@@ -485,7 +485,7 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
         """Records [lo, hi) of `stream` planned for a batch, `holes` of them in no block: DataLossError,
         or with failOnDataLoss=false a WARNING (the batch reads what is there). A hole below the log's
         released mark was released by another query; above it, it is a gap in the log itself: blocks
-        a start under --fsync off (or --no-fail-on-data-loss) went on without, with an ERROR. Before,
+        a start under --fsync off (or with --accept-wal-damage) went on without, with an ERROR. Before,
         either stopped the query at every start, whatever failOnDataLoss said."""
         released = self.store.released_offset(stream)
         missing = ", ".join(f"{a}..{b - 1}" for a, b in holes)
@@ -493,7 +493,7 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
             "released: is another query reading this data dir?"
             if all(b <= released for _, b in holes)
             else "gone from its log: the server's start said so in an ERROR and counted them in "
-            "sluice_wal_lost_blocks_total"
+            "sluice_wal_lost_blocks_total" + self._recorded_lost(stream, holes)
         )
         have = [(b.first_offset, b.end_offset) for b in blocks]
         what = (
@@ -510,6 +510,22 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
             what,
             sum(min(hi, b.end_offset) - max(lo, b.first_offset) for b in blocks),
         )
+
+    def _recorded_lost(self, stream: str, holes: Sequence[tuple[int, int]]) -> str:
+        """Where the lost records among `holes` were recorded, if a start with --accept-wal-damage went
+        on without them ("": none were, or the record cannot be read)."""
+        try:
+            recorded = self.store.lost_blocks(stream)
+        except (WalError, OSError):
+            return ""
+        for lost in recorded:
+            end = lost.end_offset if lost.end_offset is not None else math.inf
+            if any(a < end and b > lost.first_offset for a, b in holes):
+                return (
+                    f" (a start with --accept-wal-damage went on without them, and recorded them in "
+                    f"{self.root}/{stream}/{LOST_FILE})"
+                )
+        return ""
 
     def _floor(self, stream: str) -> int:
         """The offset of the first record of `stream` still in its log (0 for an empty new log)."""
