@@ -60,6 +60,7 @@ from ingest.spark.source import (
 )
 from ratecontrol import BatchMetrics
 from receivers.block_store import BlockStore, release_below
+from receivers.files import parse_json
 from receivers.wal import WalBlockStore
 
 log = logging.getLogger(__name__)
@@ -382,7 +383,7 @@ def last_commit_named(
     batch_id, lines = read
     for line in lines[2:]:
         try:
-            offset = json.loads(line)
+            offset = parse_json(line)
         except ValueError:
             continue  # "-": a source without an offset in this batch
         end = _sluice_offset(offset, streams)

@@ -20,14 +20,13 @@ starts it, and `sluice config check` shows it (reading the file, never writing i
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from ingest.checkpoints import last_commit_id
-from receivers.files import replace_json
+from receivers.files import parse_json, replace_json
 
 STATE_FILE = "pipeline.json"
 
@@ -104,7 +103,7 @@ def read_state(path: Path) -> PipelineState | None:
     """The pipeline state in `path`; None when there is no such file. PipelineStateError naming the file
     when it cannot be read or is not one (a start must stop on it)."""
     try:
-        data = json.loads(path.read_text())
+        data = parse_json(path.read_text())
     except FileNotFoundError:
         return None
     except OSError as exc:

@@ -120,11 +120,21 @@ def replace_json(path: Path, data: object, *, sync: bool = True) -> None:
             os.close(folder)
 
 
+def parse_json(text: str | bytes) -> Any:
+    """json.loads, where JSON nested deeper than Python's parser goes (a state file of 100,000 `[`) is a
+    ValueError like any other text that is not JSON: json.loads raises RecursionError for it, which no
+    reader's handler of a damaged file took, and a start ended in a traceback instead of naming it."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to be read") from None
+
+
 def read_json(path: Path, what: str, error: Callable[[str], Exception], remedy: str = "") -> Any:
     """The JSON in `path`, None when there is no such file; `error("PATH: cannot read WHAT: why; REMEDY")`
     raised when it cannot be read or parsed (a start must stop on it and name it, never skip it)."""
     try:
-        return json.loads(read_regular(path))
+        return parse_json(read_regular(path))
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:

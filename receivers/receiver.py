@@ -719,9 +719,11 @@ class Receiver:
     def accept(self, session: Session, first_seq: int, records: pa.RecordBatch) -> None:
         """onNext for each record of a batch; raise a ReceiverError when it breaks the protocol."""
         count = records.num_rows
-        if session.cancelled or session.ended:
+        if session.cancelled or session.ended or self._stopping:
             # in flight when the Cancel went out (or the call ended): not accepted, as
-            # Cancel.accepted_up_to told the client
+            # Cancel.accepted_up_to told the client. Stopping: the stop seals what was taken before it,
+            # then waits for that write; a batch taken meanwhile would be in no block, never acked,
+            # yet below the accepted_up_to of the Cancel the stop sends
             self.stats.records_not_accepted += count
             return
         if session.completed:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from receivers.block import BlockInfo
 from receivers.config import DEFAULT_SEGMENT_BYTES, FsyncPolicy
-from receivers.files import replace_json
+from receivers.files import parse_json, replace_json
 from receivers.wal import RawBlock, WalBlockStore, valid_incarnation
 
 COMMITTED = "committed.json"
@@ -65,7 +65,7 @@ class OwnerLogLostError(ValueError):
 
 def _read_committed(path: Path) -> dict[str, int]:
     try:
-        data = json.loads(path.read_text())
+        data = parse_json(path.read_text())
     except (OSError, ValueError):
         return {}  # none, or torn: the owner says it again on its next connection
     if not isinstance(data, dict):

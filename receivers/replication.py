@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
@@ -36,7 +35,7 @@ import pyarrow as pa
 from receivers.block import BlockInfo
 from receivers.block_store import BlockStore
 from receivers.cluster import CONFIG_HEADER, Cluster, ConfigMismatches, Node
-from receivers.files import replace_json
+from receivers.files import parse_json, replace_json
 from receivers.wal import WalBlockStore
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
@@ -495,7 +494,7 @@ class Replicator:
 def read_committed(path: Path) -> dict[str, int]:
     """The committed seqs persisted at `path` ({} when there is none)."""
     try:
-        data = json.loads(path.read_text())
+        data = parse_json(path.read_text())
     except FileNotFoundError:
         return {}
     except (OSError, ValueError) as exc:

@@ -110,7 +110,7 @@ except ImportError:  # pragma: no cover - isal comes with the server's extra; zl
 from receivers.block import BLOCK_SCHEMA, BlockInfo, as_block_batch, first_arrival_us
 from receivers.block_store import BlockStore
 from receivers.config import DEFAULT_SEGMENT_BYTES, FsyncPolicy
-from receivers.files import DataDirStateError, broken_link, open_regular, read_regular
+from receivers.files import DataDirStateError, broken_link, open_regular, parse_json, read_regular
 from receivers.names import check_stream_name
 
 log = logging.getLogger(__name__)
@@ -2149,7 +2149,7 @@ class WalBlockStore(BlockStore):
         if cached is not None and cached[0] == key and not fresh:
             return cached[1]
         try:
-            data = json.loads(read_regular(path))
+            data = parse_json(read_regular(path))
             lost_from = data.get("lost_from")
             state = _Released(
                 int(data["next_seq"]),

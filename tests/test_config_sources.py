@@ -426,6 +426,28 @@ def test_config_check_shows_the_pipeline_a_swap_left_in_force(tmp_path: Path) ->
     assert "pipeline.json: not a pipeline state file" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("name", "code", "says"),
+    [
+        ("pipeline.json", 2, "not a pipeline state file: JSON nested too deeply to be read"),
+        ("runtime-config.json", 1, "cannot read the runtime settings: JSON nested too deeply to be read"),
+    ],
+)
+def test_config_check_names_a_state_file_of_json_nested_too_deeply(
+    tmp_path: Path, name: str, code: int, says: str
+) -> None:
+    """An outside tester's finding: valid JSON nested past what Python's parser takes (100,000 `[`) in
+    pipeline.json or runtime-config.json ended config check (and serve) in a RecursionError traceback;
+    it is named as any file that is not one is, with the exit code such a file gets."""
+    data = tmp_path / "d"
+    data.mkdir()
+    (data / name).write_text("[" * 100_000 + "]" * 100_000)
+    result = check("--no-spark", "--data-dir", str(data))
+    assert result.returncode == code, result.stderr
+    assert f"{data / name}: {says}" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+
+
 def test_config_check_reads_pipeline_json_as_the_manager_does(tmp_path: Path) -> None:
     """config check read pipeline.json with a copy of the manager's reading: a file naming a folder
     outside the data dir (which serve refuses, stopping with exit 1) passed the check, showing its

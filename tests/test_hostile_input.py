@@ -376,6 +376,59 @@ async def test_after_cancel_later_messages_do_not_change_the_outcome(
         assert receiver.stats.records_acked == 10
 
 
+@pytest.mark.parametrize("stop", ["remove", "shutdown"])
+async def test_records_sent_while_the_receiver_stops_are_acked_or_not_accepted(
+    tmp_path: Path, stop: str
+) -> None:
+    """An outside tester's finding: a receiver stopping (its stream removed, the server shutting down)
+    sealed what it held, then waited for that write and the fsync, and took the batches that came
+    meanwhile into a block it never wrote ("N records taken and never made durable are dropped with the
+    stop", in 73 of 107 removals under load); the Cancel's accepted_up_to counted them, so records the
+    protocol says "were taken and are acked before the call ends" never were, and the call ended
+    UNAVAILABLE "receiver stopped" instead of the Cancel's code. From the stop on, a batch is not
+    accepted (as after a Cancel): everything below accepted_up_to is acked, and the call ends with the
+    Cancel's status."""
+    async with running_server(
+        tmp_path, STREAM, "other", block_interval=1.0, buffer_records=1_000_000, prefetch=500_000
+    ) as srv:
+        receiver = srv.receivers[STREAM]
+        call = RawCall(srv.target)
+        sending = True
+
+        async def send() -> None:
+            seq = 0
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                while sending and seq < 400_000:
+                    await call.send(batch_frame(seq, 1))
+                    seq += 1
+
+        try:
+            await call.send(open_frame("busy"))
+            await call.expect("request")
+            sender = asyncio.create_task(send())
+            await wait_until(lambda: receiver.stats.records_received >= 1_000)
+            if stop == "remove":
+                await srv.remove_stream(STREAM, drain=False, reason="maintenance")
+                expected = grpc.StatusCode.NOT_FOUND
+            else:
+                await receiver.stop()  # as SluiceServer.stop stops each receiver
+                expected = grpc.StatusCode.UNAVAILABLE
+            sending = False
+            code, details, seen = await call.end()
+            await sender
+        finally:
+            await call.close()
+        cancels = [m.cancel for m in seen if m.WhichOneof("kind") == "cancel"]
+        assert len(cancels) == 1, seen[-3:]
+        accepted = cancels[0].accepted_up_to
+        assert cancels[0].code == expected.value[0]
+        assert acked_up_to(seen) == accepted, (acked_up_to(seen), accepted)
+        assert code == expected, details
+        if stop == "remove":
+            assert "maintenance" in details
+        assert receiver.stats.records_acked == accepted
+
+
 @pytest.mark.parametrize(
     "method",
     [

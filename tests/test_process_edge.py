@@ -1563,6 +1563,39 @@ def test_a_fifo_or_device_where_the_data_dir_has_a_file_stops_the_start_naming_i
 
 
 @pytest.mark.parametrize(
+    ("name", "says"),
+    [
+        ("node.json", "cannot read which node this data dir belongs to: JSON nested too deeply"),
+        ("streams.json", "cannot read the stream states: JSON nested too deeply"),
+        ("runtime-config.json", "cannot read the runtime settings: JSON nested too deeply"),
+        ("blocks/tmp/released.json", None),
+    ],
+    ids=["node-json", "streams-json", "runtime-config", "released-json"],
+)
+def test_a_state_file_of_json_nested_too_deeply_is_named_not_a_traceback(
+    tmp_path: Path, logged_data_dir: Path, name: str, says: str | None
+) -> None:
+    """An outside tester's finding: a state file of JSON nested past what Python's parser takes (100,000
+    `[`, valid JSON) ended the start in a traceback, a RecursionError that no reader's handler of a
+    damaged file (ValueError) took. node.json, streams.json and runtime-config.json stop the start
+    with exit 1 naming the file, as any damage does; a stream's released mark is passed over with the
+    one ERROR a damaged mark gets, and the server serves."""
+    data_dir = tmp_path / "data"
+    shutil.copytree(logged_data_dir, data_dir)
+    path = data_dir / name
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    code, stderr = start_on(tmp_path, data_dir, "nested")
+    if says is None:
+        assert code is None, stderr
+        assert f"{path} is unreadable; ignoring it" in stderr and "JSON nested too deeply" in stderr
+        assert "RecursionError" not in stderr
+    else:
+        assert code == 1, stderr
+        assert f"{path}: {says}" in stderr, stderr
+        assert "Traceback" not in stderr, stderr
+
+
+@pytest.mark.parametrize(
     "name",
     [
         "blocks/tmp/SEGMENT",

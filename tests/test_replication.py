@@ -936,3 +936,16 @@ def test_config_mismatches_are_said_once_per_configuration_and_forgotten_once_ag
     forgetful.seen(1, 3, 1, refused_by_peer=False)
     time.sleep(0.01)
     assert forgetful.peers() == {}  # no refused hello lately (the peer was fixed, or stopped)
+
+
+def test_a_committed_seqs_file_nested_too_deeply_is_named(tmp_path: Path) -> None:
+    """An outside tester's finding: the committed seqs file holding valid JSON nested past what Python's
+    parser takes raised RecursionError, past read_committed's handler of a damaged file; it is the
+    ValueError naming the file and what to do that a file of any other damage gets."""
+    from receivers.replication import read_committed
+
+    path = tmp_path / "committed.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match=r"committed seqs \(JSON nested too deeply") as caught:
+        read_committed(path)
+    assert str(path) in str(caught.value) and "restore the file" in str(caught.value)
