@@ -137,6 +137,42 @@ class _ArgumentParser(argparse.ArgumentParser):
         return super()._parse_optional(arg_string)
 
 
+class _Version(argparse.Action):
+    """`sluice --version`: the installed distribution's version (its metadata, looked up only when
+    asked: the parser is built for every command), printed on stdout, exit 0."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(
+            option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help
+        )
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        try:
+            print(f"sluice {installed_version()}", flush=True)
+        except BrokenPipeError:  # `sluice --version | head -c1`: the reader went away, as main() takes it
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except OSError as exc:  # a full disk under a redirect
+            parser.exit(EXIT_FAILED, f"sluice: cannot write the version: {exc.strerror}\n")
+        parser.exit()
+
+
+def installed_version() -> str:
+    """The version of the installed `sluice` distribution ("unknown (not installed)" when this code runs
+    from a checkout that pip never installed)."""
+    from importlib import metadata  # noqa: PLC0415 - only --version needs it
+
+    try:
+        return metadata.version("sluice")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def _is_float(text: str) -> bool:
     try:
         float(text)
@@ -258,6 +294,7 @@ def _file_name(text: str) -> str:
 
 def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of flags reads best
     parser = _ArgumentParser(prog="sluice", description="Backpressure-aware ingestion for Spark.")
+    parser.add_argument("--version", action=_Version, help="print the installed version of sluice and exit")
     parser.add_argument("--log-level", default="info", choices=logs.LEVELS)
     parser.add_argument(
         "--log-format", default=logs.PLAIN, choices=logs.FORMATS, help="plain lines or JSON lines on stderr"
