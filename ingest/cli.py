@@ -1562,6 +1562,7 @@ def _serve_command(args: argparse.Namespace) -> int:
         return _fail(f"cannot start the server: {exc}")
     try:  # under the lock, before Spark: another node's data dir is a usage error (SluiceServer checks too)
         _claim_data_dir(config)
+        _check_new_streams(config)
     except (OSError, ValueError) as exc:
         lock.abandon()
         damaged = isinstance(exc, DataDirStateError)  # node.json damaged, not another node's data dir
@@ -1589,6 +1590,16 @@ def _stopped_already(code: int, lock: DataDirLock | None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: exit_quietly(code, lock))
     atexit.register(signal.signal, signal.SIGTERM, signal.SIG_IGN)
     return code
+
+
+def _check_new_streams(config: ServeConfig) -> None:
+    """The streams to serve against those of the data dir, as the server's start reads them: a new one
+    whose name differs from another's only in letter case is a usage error (StreamNameClashError),
+    before Spark starts; streams.json damaged is DataDirStateError."""
+    from ingest.streams import StreamRegistry  # noqa: PLC0415 - the server extra's, as prepare
+    from receivers.names import stream_folders  # noqa: PLC0415
+
+    StreamRegistry(config.data_dir, config.streams, stream_folders(config.blocks_dir))
 
 
 def _claim_data_dir(config: ServeConfig) -> None:
@@ -2474,6 +2485,7 @@ def _config_check(args: argparse.Namespace) -> int:
             # DATA_DIR/runtime-config.json, read (never written) and checked as the server will
             runtime = RuntimeConfig(config, announce=False)
             overrides, runtime_file = runtime.overrides, str(runtime.path)
+            _check_new_streams(config)  # a new stream whose name only the case tells from another's
             # what serve runs: the file's settings over the flags', and what rules derive from them (a
             # prefetch left to its rule follows the file's buffer-records)
             config = runtime.current
