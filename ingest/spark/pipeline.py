@@ -27,6 +27,7 @@ from pyspark.sql.streaming.readwriter import DataStreamWriter
 from pyspark.sql.utils import ForeachBatchFunction
 
 from ingest.checkpoints import last_commit_id, last_planned_id
+from ingest.config import MAX_TRIGGER_INTERVAL, MIN_TRIGGER_INTERVAL
 from ingest.spark.source import (
     OPTION_MAX_RECORDS,
     OPTION_MIN_PARTITION_RECORDS,
@@ -38,6 +39,7 @@ from ingest.spark.source import (
     PARTITION_RECORDS,
     SOURCE_NAME,
 )
+from sluice_client.producer import seconds_arg
 
 
 @dataclass(frozen=True)
@@ -174,7 +176,9 @@ def start_query(
 ) -> StreamingQuery:
     """Start a streaming query reading `streams` from the block store at store_root through `pipeline`.
 
-    trigger_seconds is the micro-batch interval (0: start the next batch as soon as one ends);
+    trigger_seconds is the micro-batch interval (0: start the next batch as soon as one ends; else
+    MIN_TRIGGER_INTERVAL to MAX_TRIGGER_INTERVAL, as the service's --trigger-interval; TypeError or
+    ValueError naming it otherwise, before anything starts);
     max_records_per_batch caps a batch at whole blocks (see the source's maxRecordsPerBatch);
     rate_target (host:port of the Sluice server) caps each batch at the live rate x trigger interval;
     rate_token_file holds the bearer token the source asks it with (a server with authentication);
@@ -182,8 +186,7 @@ def start_query(
     context is handed to a pipeline that takes one (by default: sink_dir is the checkpoint's path with
     "-sink" added).
     """
-    if trigger_seconds < 0:
-        raise ValueError(f"trigger_seconds must be >= 0, got {trigger_seconds}")
+    trigger_seconds = check_trigger_seconds(trigger_seconds)
     reader = spark.readStream.format(SOURCE_NAME).option(OPTION_STREAMS, ",".join(streams))
     if store_root is not None:
         reader = reader.option("path", str(store_root))
@@ -222,6 +225,26 @@ def start_query(
     check_file_sink(_option(writer, "path"), _option(writer, _CHECKPOINT) or str(checkpoint_dir))
     millis = round(trigger_seconds * 1000)
     return writer.trigger(processingTime=f"{millis} milliseconds").queryName(query_name).start()
+
+
+def check_trigger_seconds(value: object) -> float:
+    """start_query's trigger_seconds as a float: 0 (back to back), or MIN_TRIGGER_INTERVAL to
+    MAX_TRIGGER_INTERVAL seconds as the service's own trigger interval (ServeConfig). TypeError for a
+    bool or what is not a number, ValueError for NaN, an infinite or negative one, or one out of that
+    range. Only a negative one was refused: NaN and inf failed once the pipeline had been built, with
+    round()'s bare "cannot convert float NaN to integer", a bool was an interval (True: 1 s), and 1e-4
+    was rounded to 0 ms, batches back to back, unsaid."""
+    seconds = seconds_arg("trigger_seconds", value, finite=True)
+    if seconds and seconds < MIN_TRIGGER_INTERVAL:
+        raise ValueError(
+            f"trigger_seconds must be 0 (batches back to back) or at least {MIN_TRIGGER_INTERVAL:g} "
+            f"seconds (Spark's trigger counts whole milliseconds), got {value}"
+        )
+    if seconds > MAX_TRIGGER_INTERVAL:
+        raise ValueError(
+            f"trigger_seconds must be at most {MAX_TRIGGER_INTERVAL:g} seconds (a day), got {value}"
+        )
+    return seconds
 
 
 def _build(pipeline: Pipeline, df: DataFrame, context: PipelineContext | None) -> object:
