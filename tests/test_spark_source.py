@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import pickle
@@ -19,7 +20,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
 from ingest.spark.java import _java_major
 from ingest.spark.listener import BatchCompleted, BatchListener
-from ingest.spark.pipeline import load_pipeline, parquet_pipeline, start_query
+from ingest.spark.pipeline import load_pipeline, parquet_pipeline, pipeline_name, start_query
 from ingest.spark.session import CHECKPOINT_MANAGER_KEY, FILE_SYSTEM_CHECKPOINT_MANAGERS
 from ingest.spark.source import (
     ARROW_SCHEMA,
@@ -335,6 +336,34 @@ def test_bad_trigger_seconds_and_follow_streams_options_name_the_option(tmp_path
     for bad in ("yes", "1", "maybe"):
         with pytest.raises(ValueError, match="option 'followServerStreams' must be true or false"):
             reader_for(tmp_path, followServerStreams=bad)
+
+
+def test_a_pipeline_is_named_by_module_and_qualified_name_never_its_repr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Errors named a pipeline by its repr, "<function enrich at 0x7f...>": now as a spec names it."""
+
+    class Enrich:
+        def __call__(self, df: Any) -> Any:
+            return df
+
+    assert (
+        pipeline_name(parquet_pipeline(tmp_path))
+        == "ingest.spark.pipeline:parquet_pipeline.<locals>.pipeline"
+    )
+    assert pipeline_name(record) == "test_spark_source:record"
+    here = "test_spark_source:test_a_pipeline_is_named_by_module_and_qualified_name_never_its_repr.<locals>"
+    assert pipeline_name(Enrich()) == f"{here}.Enrich (an instance)"
+    assert pipeline_name(Enrich().__call__) == f"{here}.Enrich.__call__"
+    assert pipeline_name(functools.partial(record, "s")) == "test_spark_source:record (a functools.partial)"
+    # loaded by a spec: named by it, whatever its function is called
+    (tmp_path / "mypipes.py").write_text(
+        "def make():\n    def pipeline(df):\n        return df\n    return pipeline\n\nenrich = make()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "mypipes", raising=False)
+    assert pipeline_name(load_pipeline("mypipes:enrich")) == "mypipes:enrich"
+    assert pipeline_name(load_pipeline("mypipes:make")) == "mypipes:make"
 
 
 def test_start_query_refuses_a_trigger_that_is_no_interval_naming_it(spark: Any, tmp_path: Path) -> None:

@@ -9,11 +9,13 @@ checkpoint (unless the pipeline chose one), the trigger and the name.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
 import os
 import sys
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +80,26 @@ def builtin_parquet(df: DataFrame, context: PipelineContext) -> DataStreamWriter
     return parquet_pipeline(context.sink_dir)(df)
 
 
+def pipeline_name(pipeline: object) -> str:
+    """How errors and logs name a pipeline: "module:qualified.name", as a spec names it (`sluice serve
+    --pipeline mypkg.pipelines:enrich`), not its repr ("<function enrich at 0x7f...>", which says
+    neither where it lives nor how to give it). A functools.partial is named by its function, a callable
+    object by its class. One load_pipeline loaded is named by the spec it was given (the module's
+    `enrich = make_pipeline(...)` is "mypkg.pipelines:enrich", not "...:make_pipeline.<locals>.pipeline")."""
+    with contextlib.suppress(TypeError):
+        given = _GIVEN_AS.get(pipeline)
+        if given is not None:
+            return given
+    if isinstance(pipeline, functools.partial):
+        return f"{pipeline_name(pipeline.func)} (a functools.partial)"
+    module = getattr(pipeline, "__module__", None)
+    qualname = getattr(pipeline, "__qualname__", None)
+    if isinstance(module, str) and isinstance(qualname, str):
+        return f"{module}:{qualname}"
+    kind = type(pipeline)
+    return f"{kind.__module__}:{kind.__qualname__} (an instance)"
+
+
 def takes_context(pipeline: Pipeline) -> bool:
     """Whether `pipeline` takes a second positional argument (the PipelineContext)."""
     try:
@@ -129,7 +151,13 @@ def load_pipeline(spec: str) -> Pipeline:
             f"pipeline spec {spec!r}: {attr_path!r} is a {type(target).__name__}, not a callable pipeline"
         )
     pipeline: Pipeline = target
+    with contextlib.suppress(TypeError):  # an object that cannot be a weak key: named by its class
+        _GIVEN_AS[pipeline] = f"{module_name}:{attr_path}"
     return pipeline
+
+
+_GIVEN_AS: weakref.WeakKeyDictionary[object, str] = weakref.WeakKeyDictionary()
+"""Pipelines load_pipeline loaded -> the spec they were loaded by (pipeline_name)."""
 
 
 def fresh_import(name: str) -> ModuleType:
@@ -215,11 +243,13 @@ def start_query(
         # their blocks
         writer.stop()
         raise TypeError(
-            f"pipeline {pipeline!r} returned a started StreamingQuery (now stopped): return the "
+            f"pipeline {pipeline_name(pipeline)} returned a started StreamingQuery (now stopped): return the "
             "DataStreamWriter, without .start(); Sluice starts the query"
         )
     if not isinstance(writer, DataStreamWriter):
-        raise TypeError(f"pipeline {pipeline!r} returned {type(writer).__name__}, not a DataStreamWriter")
+        raise TypeError(
+            f"pipeline {pipeline_name(pipeline)} returned {type(writer).__name__}, not a DataStreamWriter"
+        )
     if not _has_option(writer, _CHECKPOINT):
         writer = writer.option(_CHECKPOINT, str(checkpoint_dir))
     check_file_sink(_option(writer, "path"), _option(writer, _CHECKPOINT) or str(checkpoint_dir))
@@ -254,8 +284,9 @@ def _build(pipeline: Pipeline, df: DataFrame, context: PipelineContext | None) -
     try:
         return pipeline(df, context) if takes_context(pipeline) else pipeline(df)
     except SystemExit as exc:
-        name = getattr(pipeline, "__qualname__", repr(pipeline))
-        error = RuntimeError(f"pipeline {name} called sys.exit({exc.code!r}) as it was built")
+        error = RuntimeError(
+            f"pipeline {pipeline_name(pipeline)} called sys.exit({exc.code!r}) as it was built"
+        )
         raise error.with_traceback(exc.__traceback__) from exc  # the user's line for start_failure
 
 
