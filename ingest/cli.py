@@ -138,6 +138,42 @@ class _ArgumentParser(argparse.ArgumentParser):
         return super()._parse_optional(arg_string)
 
 
+class _Version(argparse.Action):
+    """`sluice --version`: the installed distribution's version (its metadata, looked up only when
+    asked: the parser is built for every command), printed on stdout, exit 0."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(
+            option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help
+        )
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        try:
+            print(f"sluice {installed_version()}", flush=True)
+        except BrokenPipeError:  # `sluice --version | head -c1`: the reader went away, as main() takes it
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except OSError as exc:  # a full disk under a redirect
+            parser.exit(EXIT_FAILED, f"sluice: cannot write the version: {exc.strerror}\n")
+        parser.exit()
+
+
+def installed_version() -> str:
+    """The version of the installed `sluice` distribution ("unknown (not installed)" when this code runs
+    from a checkout that pip never installed)."""
+    from importlib import metadata  # noqa: PLC0415 - only --version needs it
+
+    try:
+        return metadata.version("sluice")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def _is_float(text: str) -> bool:
     try:
         float(text)
@@ -259,6 +295,7 @@ def _file_name(text: str) -> str:
 
 def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one flat list of flags reads best
     parser = _ArgumentParser(prog="sluice", description="Backpressure-aware ingestion for Spark.")
+    parser.add_argument("--version", action=_Version, help="print the installed version of sluice and exit")
     parser.add_argument("--log-level", default="info", choices=logs.LEVELS)
     parser.add_argument(
         "--log-format", default=logs.PLAIN, choices=logs.FORMATS, help="plain lines or JSON lines on stderr"
@@ -1549,6 +1586,7 @@ def _serve_command(args: argparse.Namespace) -> int:
         return _fail(f"cannot start the server: {exc}")
     try:  # under the lock, before Spark: another node's data dir is a usage error (SluiceServer checks too)
         _claim_data_dir(config)
+        _check_new_streams(config)
     except (OSError, ValueError) as exc:
         lock.abandon()
         damaged = isinstance(exc, DataDirStateError)  # node.json damaged, not another node's data dir
@@ -1576,6 +1614,16 @@ def _stopped_already(code: int, lock: DataDirLock | None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: exit_quietly(code, lock))
     atexit.register(signal.signal, signal.SIGTERM, signal.SIG_IGN)
     return code
+
+
+def _check_new_streams(config: ServeConfig) -> None:
+    """The streams to serve against those of the data dir, as the server's start reads them: a new one
+    whose name differs from another's only in letter case is a usage error (StreamNameClashError),
+    before Spark starts; streams.json damaged is DataDirStateError."""
+    from ingest.streams import StreamRegistry  # noqa: PLC0415 - the server extra's, as prepare
+    from receivers.names import stream_folders  # noqa: PLC0415
+
+    StreamRegistry(config.data_dir, config.streams, stream_folders(config.blocks_dir))
 
 
 def _claim_data_dir(config: ServeConfig) -> None:
@@ -2461,6 +2509,7 @@ def _config_check(args: argparse.Namespace) -> int:
             # DATA_DIR/runtime-config.json, read (never written) and checked as the server will
             runtime = RuntimeConfig(config, announce=False)
             overrides, runtime_file = runtime.overrides, str(runtime.path)
+            _check_new_streams(config)  # a new stream whose name only the case tells from another's
             # what serve runs: the file's settings over the flags', and what rules derive from them (a
             # prefetch left to its rule follows the file's buffer-records)
             config = runtime.current

@@ -12,7 +12,7 @@ import errno
 import logging
 import os
 import ssl
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -38,14 +38,14 @@ from ingest.reflection import HealthServicer, enable_reflection
 from ingest.runtime_config import RuntimeConfig
 from ingest.sessions_service import SessionsService
 from ingest.status import StatusBoard
-from ingest.streams import DRAINING, KEPT, REMOVED, SERVING, StreamRegistry
+from ingest.streams import DRAINING, KEPT, REMOVED, SERVING, StreamRegistry, clash_message
 from ingest.tls import ServerTls, TlsFileError
 from receivers.auth import PIPELINE, Authenticator, AuthFileError, AuthTable, revoke
 from receivers.block_store import BlockStore
 from receivers.errors import shown
 from receivers.files import NOT_REGULAR, BrokenLinkError, DataDirStateError, NotARegularFileError
 from receivers.memory_pool import MemoryPool
-from receivers.names import check_stream_name
+from receivers.names import check_stream_name, same_but_case
 from receivers.node_identity import claim_data_dir
 from receivers.parsed_service import add_parsed_servicer
 from receivers.principal import Role
@@ -156,8 +156,11 @@ class SluiceServer:
                 segment_bytes=config.wal_segment_bytes,
                 accept_damage=config.accept_wal_damage,
             )
-            self.streams = StreamRegistry(config.data_dir, config.streams)
+            folders = self.store.stream_names()
+            # a new stream whose name differs from another's only in case: StreamNameClashError
+            self.streams = StreamRegistry(config.data_dir, config.streams, folders)
             """The streams served, draining and kept (Admin.AddStream/RemoveStream; streams.json)."""
+            _warn_of_case_pairs([*self.streams.states, *folders])
             self._find_unnamed_streams()
             self._check_accept_wal_damage()
             for stream in [*self.streams.of(DRAINING), *self.streams.of(KEPT)]:
@@ -598,6 +601,10 @@ class SluiceServer:
             state = self.streams.states.get(stream)
             if state == SERVING:
                 raise StreamExistsError(f"stream {stream!r} is served already")
+            other = self.streams.case_clash(stream, await asyncio.to_thread(self.store.stream_names))
+            if other is not None:
+                where = self.streams.states.get(other, "its folder is in the block log")
+                raise StreamExistsError(clash_message(stream, other, where))
             config = self.config.receiver
             receiver = Receiver(stream, self._writes, config, pool=self.memory)
             try:
@@ -867,7 +874,25 @@ class SluiceServer:
 
 
 class StreamExistsError(ValueError):
-    """AddStream of a stream served already: ALREADY_EXISTS."""
+    """AddStream of a stream served already, or of a new one whose name differs from a stream's of this
+    data dir only in letter case: ALREADY_EXISTS."""
+
+
+def _warn_of_case_pairs(streams: Iterable[str]) -> None:
+    """Name each pair of this data dir's streams whose names differ only in letter case (made by an
+    earlier version, which took them, on a case-sensitive file system): served as before, but the data
+    dir cannot move to a case-insensitive one, and no new such pair is taken."""
+    names = sorted(set(streams))
+    for i, stream in enumerate(names):
+        other = same_but_case(stream, names[i + 1 :])
+        if other is not None:
+            log.warning(
+                "streams %s and %s differ only in letter case (an earlier version took them): they are "
+                "served as before, but on a case-insensitive file system (macOS, Windows) their folders "
+                "would be one: keep this data dir on a case-sensitive one",
+                stream,
+                other,
+            )
 
 
 class UnknownStreamError(KeyError):

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from receivers.files import DataDirStateError, present, read_json, replace_json
-from receivers.names import check_stream_name
+from receivers.names import check_stream_name, same_but_case
 
 log = logging.getLogger(__name__)
 
@@ -38,16 +38,56 @@ class StreamStateError(ValueError, DataDirStateError):
     """The streams file is unreadable or not one: the start stops, naming it."""
 
 
-class StreamRegistry:
-    """Stream -> state, persisted atomically on every change once one was made."""
+class StreamNameClashError(ValueError):
+    """A stream new to the data dir whose name differs from another stream's only in letter case."""
 
-    def __init__(self, data_dir: Path, command_line: Sequence[str]) -> None:
+
+def clash_message(stream: str, other: str, where: str) -> str:
+    """Why `stream` is refused beside `other` (`where`: what `other` is, said in parentheses)."""
+    return (
+        f"stream {stream!r} differs from stream {other!r} ({where}) only in letter case: each stream has "
+        "a folder in the data dir, and on a case-insensitive file system (macOS, Windows) the two would "
+        "be one; name it otherwise"
+    )
+
+
+class StreamRegistry:
+    """Stream -> state, persisted atomically on every change once one was made.
+
+    `folders`: the streams with a folder in the block log. A stream the command line names that is new
+    to the data dir (neither the file nor a folder has it) and whose name differs from another's only
+    in letter case (`a` and `A`: one folder on a case-insensitive file system) is refused,
+    StreamNameClashError naming both; two such streams the data dir holds already (made by an earlier
+    version, on a case-sensitive file system) are served as before."""
+
+    def __init__(self, data_dir: Path, command_line: Sequence[str], folders: Iterable[str] = ()) -> None:
         self.path = data_dir / FILE
         self.states: dict[str, str] = dict.fromkeys(command_line, SERVING)
         self.found: set[str] = set()
         """Streams neither the command line nor the file names, with acked records in the log that no
         query released: kept for this run (found), never written to the file."""
+        self._saved: list[str] = []
+        """The streams the file names (this data dir's before this start, with `folders`)."""
         self._load(command_line)
+        held = sorted({*self._saved, *folders})
+        for stream in command_line:
+            if stream in held:
+                continue  # the data dir's own, whatever else it holds
+            other = same_but_case(stream, held)
+            if other is not None:
+                raise StreamNameClashError(clash_message(stream, other, "in this data dir already"))
+            other = same_but_case(stream, command_line)  # both new: `--stream a --stream A`
+            if other is not None:
+                raise StreamNameClashError(clash_message(stream, other, "also among the streams to serve"))
+
+    def case_clash(self, stream: str, folders: Iterable[str]) -> str | None:
+        """For `stream`, if it is new to this data dir (neither listed here nor among `folders`, those
+        of the block log): the stream listed or with a folder whose name differs from its only in
+        letter case; else None (a stream the data dir holds is its own, whatever else it holds)."""
+        folders = list(folders)
+        if stream in self.states or stream in folders:
+            return None
+        return same_but_case(stream, [*self.states, *folders])
 
     def _load(self, command_line: Sequence[str]) -> None:
         if not present(self.path):  # a symlink to nowhere is a file that cannot be read (read_json)
@@ -86,6 +126,7 @@ class StreamRegistry:
                     loaded[stream],
                     self.path,
                 )
+        self._saved = list(loaded)
         self.states = {**dict.fromkeys(command_line, SERVING), **loaded}
         for stream in command_line:
             if stream not in loaded:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+from collections.abc import Iterable
+from pathlib import Path
 
 _STREAM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -19,3 +22,25 @@ def check_stream_name(name: str) -> str:
             "starting with a letter or digit"
         )
     return name
+
+
+def same_but_case(name: str, others: Iterable[str]) -> str | None:
+    """The first of `others` that differs from `name` in letter case alone ("a" and "A"), or None. Each
+    stream has a folder in the data dir, and a case-insensitive file system (macOS's and Windows' by
+    default) makes the two names one folder: two streams' records in one log."""
+    folded = name.casefold()
+    return next((other for other in others if other != name and other.casefold() == folded), None)
+
+
+def stream_folders(root: Path) -> list[str]:
+    """The streams with a folder under `root` (a block store's), spelt as the folders are, sorted;
+    entries that are not folders, or whose name is not a stream's, are left out."""
+    names = []
+    try:
+        entries = [e for e in os.scandir(root) if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        if _STREAM_NAME.match(entry.name):
+            names.append(entry.name)
+    return sorted(names)

@@ -111,7 +111,7 @@ from receivers.block import BLOCK_SCHEMA, BlockInfo, as_block_batch, first_arriv
 from receivers.block_store import BlockStore
 from receivers.config import DEFAULT_SEGMENT_BYTES, FsyncPolicy
 from receivers.files import DataDirStateError, broken_link, open_regular, parse_json, read_regular
-from receivers.names import check_stream_name
+from receivers.names import check_stream_name, stream_folders
 
 log = logging.getLogger(__name__)
 
@@ -1138,11 +1138,7 @@ class WalBlockStore(BlockStore):
     def stream_names(self) -> list[str]:
         """The streams with a folder in the store (whatever they hold), sorted; folders whose name is
         not a stream's are not among them."""
-        names = []
-        for folder in _subfolders(self.root):
-            with contextlib.suppress(ValueError):
-                names.append(check_stream_name(folder.name))
-        return sorted(names)
+        return stream_folders(self.root)
 
     def disk_bytes(self, stream: str | None = None) -> int:
         """Bytes the log's segments take on disk: of one stream, or of all. Not the bookkeeping beside

@@ -1014,7 +1014,7 @@ def _option_ms(seconds: float) -> int:
     return min(int(seconds * 1000), _INT_OPTION_MAX)
 
 
-def _seconds_arg(name: str, value: object, *, finite: bool = False) -> float:
+def seconds_arg(name: str, value: object, *, finite: bool = False) -> float:
     """`value` as seconds >= 0 (a float); TypeError unless it is a number (not a bool), ValueError for
     a negative or NaN one, or an infinite one where `finite`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
@@ -1139,11 +1139,11 @@ class Producer:
             max_buffered_bytes = _int_arg("max_buffered_bytes", max_buffered_bytes, 1, none="or None")
         first_seq = _int_arg("first_seq", first_seq, 0, _SEQ_END - 1)
         # inf: no limit (wait for a full batch or a flush; retry for good); a backoff is a pause
-        linger = _seconds_arg("linger", linger)
-        reconnect_timeout = _seconds_arg("reconnect_timeout", reconnect_timeout)
-        start_timeout = _seconds_arg("start_timeout", start_timeout)
-        reconnect_backoff = _seconds_arg("reconnect_backoff", reconnect_backoff, finite=True)
-        max_reconnect_backoff = _seconds_arg("max_reconnect_backoff", max_reconnect_backoff, finite=True)
+        linger = seconds_arg("linger", linger)
+        reconnect_timeout = seconds_arg("reconnect_timeout", reconnect_timeout)
+        start_timeout = seconds_arg("start_timeout", start_timeout)
+        reconnect_backoff = seconds_arg("reconnect_backoff", reconnect_backoff, finite=True)
+        max_reconnect_backoff = seconds_arg("max_reconnect_backoff", max_reconnect_backoff, finite=True)
         if not 0 < reconnect_backoff <= max_reconnect_backoff:
             raise ValueError(
                 "need 0 < reconnect_backoff <= max_reconnect_backoff; got reconnect_backoff "

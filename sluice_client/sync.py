@@ -10,7 +10,7 @@ import threading
 import weakref
 from collections.abc import Coroutine, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from sluice_client.errors import ProducerClosedError
 from sluice_client.producer import Producer, check_timeout, warn_dropped_on_error, warn_never_closed
@@ -23,6 +23,49 @@ T = TypeVar("T")
 _STOP_GRACE = 5.0
 """Seconds the loop's stop waits for calls other threads handed over before it (they end at once on a
 closed producer)."""
+
+
+_CANCEL_GRACE = 5.0
+"""Seconds a call interrupted in its caller's thread (Ctrl-C) waits for its coroutine, cancelled on the
+loop, to end before it re-raises (a cancelled send ends at once, a close once its teardown is done)."""
+
+
+class _Handed(Generic[T]):
+    """A call handed to the loop thread, which its caller's thread can cancel there (cancel_soon) and
+    see end (ended). The coroutine always starts inside run(), so it ends there too, cancelled before it
+    began included (it is closed then, never run)."""
+
+    __slots__ = ("_cancelled", "_coro", "_task", "ended")
+
+    def __init__(self, coro: Coroutine[Any, Any, T]) -> None:
+        self._coro = coro
+        self._task: asyncio.Task[Any] | None = None
+        self._cancelled = False
+        self.ended = threading.Event()
+
+    async def run(self) -> T:
+        try:
+            if self._cancelled:
+                self._coro.close()  # never run: no "never awaited" warning
+                raise asyncio.CancelledError
+            self._task = asyncio.current_task()
+            return await self._coro
+        finally:
+            self.ended.set()
+
+    def _cancel(self) -> None:  # on the loop thread
+        if self._task is None:
+            self._cancelled = True  # not begun: run() closes it instead
+        else:
+            self._task.cancel()
+
+    def cancel_soon(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Cancel the call on `loop`; False if the loop is closed (nothing runs there any more)."""
+        try:
+            loop.call_soon_threadsafe(self._cancel)
+        except RuntimeError:
+            return False
+        return True
 
 
 _open: weakref.WeakSet[SyncProducer] = weakref.WeakSet()
@@ -91,10 +134,20 @@ class SyncProducer:
             if self._stopping:  # closed or aborted: as the async Producer says then
                 coro.close()
                 raise ProducerClosedError("producer is closed")
-            call = asyncio.run_coroutine_threadsafe(coro, self._loop)
+            handed = _Handed(coro)
+            call = asyncio.run_coroutine_threadsafe(handed.run(), self._loop)
             self._calls.add(call)
         try:
             return call.result()
+        except BaseException:
+            # interrupted while it waited (Ctrl-C: KeyboardInterrupt in this thread), the call itself
+            # not done: it ran on on the loop (a send_many went on taking records, a flush kept
+            # waiting, a close left the producer half torn down when the loop stopped). It is
+            # cancelled there, as a task's cancel ends an async Producer's call, and given a moment
+            # to end, so the producer is as that cancel leaves it
+            if not call.done() and handed.cancel_soon(self._loop):
+                handed.ended.wait(_CANCEL_GRACE)
+            raise
         finally:
             with self._lock:
                 self._calls.discard(call)

@@ -53,6 +53,17 @@ def not_a_writer(df: DataFrame) -> Any:
     return df
 
 
+def _factory() -> Any:
+    def pipeline(df: DataFrame) -> Any:
+        return df
+
+    return pipeline
+
+
+made_by_a_factory = _factory()
+"""not_a_writer's error, from a pipeline whose function is named otherwise (make_pipeline.<locals>)."""
+
+
 def writes_to_the_first_sink(df: DataFrame, context: PipelineContext) -> DataStreamWriter:
     """An earlier generation's sink folder (generation 0's): its file sink's metadata lists batches."""
     out = df.select("topic", "offset", "value", F.lit("x").alias("pipeline"))

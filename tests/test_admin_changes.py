@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import subprocess
 import time
 import urllib.request
@@ -115,6 +116,72 @@ async def test_a_bad_streams_file_stops_the_start_naming_it(tmp_path: Path, cont
     with pytest.raises(StreamStateError, match=r"streams\.json.*delete it"):
         async with running_server(tmp_path, "a"):
             pass
+
+
+async def test_a_new_stream_named_as_another_but_for_case_is_refused_naming_both(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Streams `a` and `A` were both taken, and each has a folder in the data dir: on a case-insensitive
+    file system (macOS, Windows) the two are one folder, one log for two streams. Kafka refuses topic
+    names that collide so; a new stream whose name differs from another's only in case is refused now,
+    naming both: AddStream ALREADY_EXISTS, a start whose streams do StreamNameClashError. A data dir
+    an earlier version left with such a pair starts as before, with a WARNING."""
+    from ingest.streams import StreamNameClashError
+
+    data = tmp_path / "data"
+    async with running_server(data, "a", "b") as server:
+        stub = pb_grpc.AdminStub(grpc.aio.insecure_channel(server.target))
+        for name, other, where in (("A", "a", "serving"), ("B", "b", "kept")):
+            if name == "B":
+                await stub.RemoveStream(
+                    pb.RemoveStreamRequest(stream="b", backlog=pb.RemoveStreamRequest.KEEP)
+                )
+            details = await refused(
+                stub.AddStream(pb.AddStreamRequest(stream=name)), grpc.StatusCode.ALREADY_EXISTS
+            )
+            assert details == (
+                f"stream '{name}' differs from stream '{other}' ({where}) only in letter case: each stream "
+                "has a folder in the data dir, and on a case-insensitive file system (macOS, Windows) the "
+                "two would be one; name it otherwise"
+            ), details
+        view = await stub.AddStream(pb.AddStreamRequest(stream="c"))  # another name is taken
+        assert [(v.stream, v.state) for v in view.streams] == [
+            ("a", "serving"),
+            ("b", "kept"),
+            ("c", "serving"),
+        ]
+        await stub.AddStream(pb.AddStreamRequest(stream="b"))  # as is the stream itself, back again
+        assert not (data / "blocks" / "A").exists() and not (data / "blocks" / "B").exists()
+    # at a start: a new one beside one the data dir holds, or two new ones
+    for streams, says in (
+        (("a", "A"), "stream 'A' differs from stream 'a' (in this data dir already) only in letter case"),
+        (("A",), "stream 'A' differs from stream 'a' (in this data dir already) only in letter case"),
+        (("a", "x", "X"), "stream 'x' differs from stream 'X' (also among the streams to serve) only in"),
+    ):
+        with pytest.raises(StreamNameClashError, match=re.escape(says)):
+            async with running_server(data, *streams):
+                pass
+    assert sorted(p.name for p in (data / "blocks").iterdir()) == ["a", "b", "c"]
+    # a pair an earlier version made (on a case-sensitive file system): the folder of stream D, made in
+    # a data dir of its own, moved beside d's
+    async with running_server(data, "a", "d"):
+        pass
+    async with (
+        running_server(tmp_path / "other", "D") as other,
+        Producer(other.target, "D", producer_id="p-D") as producer,
+    ):
+        await producer.send_many([b"D1", b"D2"])
+    (tmp_path / "other" / "blocks" / "D").rename(data / "blocks" / "D")
+    caplog.set_level(logging.WARNING)
+    async with running_server(data, "a", "d", "D") as server:
+        assert sorted(server.receivers) == ["D", "a", "b", "c", "d"]
+        assert server.stream_backlog("D") == 2
+        warned = [r.getMessage() for r in caplog.records if "differ only in letter case" in r.getMessage()]
+        assert len(warned) == 1 and warned[0].startswith("streams D and d differ only"), warned
+        stub = pb_grpc.AdminStub(grpc.aio.insecure_channel(server.target))
+        await stub.RemoveStream(pb.RemoveStreamRequest(stream="D", backlog=pb.RemoveStreamRequest.KEEP))
+        view = await stub.AddStream(pb.AddStreamRequest(stream="D"))  # its own: added back
+        assert ("D", "serving") in [(v.stream, v.state) for v in view.streams]
 
 
 async def test_a_stream_dropped_from_the_flags_is_named_and_listed_with_its_acked_backlog(

@@ -137,6 +137,31 @@ def test_serve_and_push_subprocesses(tmp_path: Path) -> None:
     assert "sluice: stopped" in log.read_text()
 
 
+def test_version_prints_the_installed_version_without_the_heavy_imports() -> None:
+    """`sluice --version` (docs/development.md timed it before it existed): the installed distribution's
+    version, exit 0, with none of numpy, pyarrow or pyspark imported (the console script's own path)."""
+    from importlib import metadata
+
+    done = sluice("--version")
+    assert (done.returncode, done.stdout.decode(), done.stderr) == (
+        0,
+        f"sluice {metadata.version('sluice')}\n",
+        b"",
+    )
+    assert sluice("--log-level", "debug", "--version").stdout == done.stdout
+    script = (
+        "import sys\nsys.argv = ['sluice', '--version']\nfrom ingest import console\n"
+        "try:\n    console.main()\nexcept SystemExit as exc:\n    code = exc.code\n"
+        "heavy = ('numpy', 'pyarrow', 'pyspark', 'pandas')\n"
+        "print('exit', code, sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert run.stdout.splitlines()[-1] == "exit 0 []", (run.stdout, run.stderr)
+    assert "--version" in sluice("--help").stdout.decode()
+
+
 def test_push_to_a_server_that_is_not_there(tmp_path: Path) -> None:
     source = tmp_path / "in.txt"
     source.write_text("a\n")

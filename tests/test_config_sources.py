@@ -490,6 +490,33 @@ def refused_by_serve_and_check(args: list[str], env: dict[str, str], says: str, 
         assert "Traceback" not in result.stderr
 
 
+def test_streams_named_alike_but_for_case_are_a_usage_error_unless_the_data_dir_holds_both(
+    tmp_path: Path,
+) -> None:
+    """`--stream a --stream A`: each stream has a folder in the data dir, one folder on a
+    case-insensitive file system. `serve` and `config check` refuse a new stream so named (exit 2,
+    naming both), from the flags, the file or beside one the data dir holds; a data dir holding both
+    already (an earlier version's, on a case-sensitive file system) starts as before."""
+    base = ["--no-spark", "--port", "0", "--metrics-port", "-1"]
+    fresh = ["--data-dir", str(tmp_path / "fresh")]
+    config = tmp_path / "sluice.toml"
+    config.write_text('stream = ["x", "X"]\n')
+    both_new = "stream 'a' differs from stream 'A' (also among the streams to serve) only in letter case"
+    refused_by_serve_and_check([*base, *fresh, "--stream", "a", "--stream", "A"], clean_env(), both_new)
+    in_file = "stream 'x' differs from stream 'X' (also among the streams to serve) only in letter case"
+    refused_by_serve_and_check([*base, *fresh, "--config", str(config)], clean_env(), in_file)
+    refused_by_serve_and_check([*base, *fresh], clean_env(SLUICE_STREAM="a,A"), both_new)
+    assert not (tmp_path / "fresh" / "blocks" / "a").exists()
+    held = tmp_path / "held"
+    held.mkdir()
+    (held / "streams.json").write_text('{"streams": {"a": "serving"}}')
+    beside = "stream 'A' differs from stream 'a' (in this data dir already) only in letter case"
+    refused_by_serve_and_check([*base, "--data-dir", str(held), "--stream", "A"], clean_env(), beside)
+    (held / "streams.json").write_text('{"streams": {"a": "serving", "A": "kept"}}')
+    result = check(*base, "--data-dir", str(held), "--stream", "a", "--stream", "A")
+    assert result.returncode == 0, result.stderr
+
+
 def test_a_receiver_node_refuses_the_querys_settings(tmp_path: Path) -> None:
     """`serve --role receiver --pipeline X` ran without X and said nothing: the driver runs the query."""
     nodes = tmp_path / "nodes.txt"

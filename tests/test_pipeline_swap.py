@@ -953,7 +953,9 @@ async def test_a_swap_to_a_module_that_exits_is_refused_or_rolled_back(
             spec = "swap_pipelines:exits_when_built"
             await stub.SwapPipeline(pb.SwapPipelineRequest(pipeline=spec, first_batch_timeout_seconds=60))
         assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        said = "pipeline exits_when_built called sys.exit('usage: my_pipeline.py [--sink DIR]')"
+        said = (
+            "pipeline swap_pipelines:exits_when_built called sys.exit('usage: my_pipeline.py [--sink DIR]')"
+        )
         assert said in (failed.value.details() or ""), failed.value.details()
         assert "(at swap_pipelines.py line " in (failed.value.details() or ""), failed.value.details()
         view = await stub.GetPipeline(pb.GetPipelineRequest())
@@ -1001,3 +1003,22 @@ async def test_a_pipeline_that_starts_its_own_query_is_rolled_back_and_that_quer
         view = await stub.GetPipeline(pb.GetPipelineRequest())
         assert (view.pipeline, view.generation, view.state) == ("swap_pipelines:tag_a", 0, "running")
         assert len(spark.streams.active) == 1, [q.name for q in spark.streams.active]
+
+
+async def test_a_swap_error_names_the_pipeline_as_it_was_given_not_by_its_repr(
+    spark: Any, tmp_path: Path
+) -> None:
+    """A swap to a pipeline that returns no DataStreamWriter was rolled back saying "pipeline <function
+    not_a_writer at 0x7f...>": it names the pipeline as the swap gave it now, module:function, one a
+    factory made (whose own name is _factory.<locals>.pipeline) too."""
+    async with service(spark, tmp_path / "data", pipeline="swap_pipelines:tag_a") as server:
+        stub = admin(server)
+        for spec in ("swap_pipelines:not_a_writer", "swap_pipelines:made_by_a_factory"):
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await stub.SwapPipeline(pb.SwapPipelineRequest(pipeline=spec, first_batch_timeout_seconds=60))
+            details = failed.value.details() or ""
+            assert failed.value.code() == grpc.StatusCode.FAILED_PRECONDITION, details
+            said = f"TypeError: pipeline {spec} returned DataFrame, not a DataStreamWriter"
+            assert said in details and "0x" not in details, details
+        view = await stub.GetPipeline(pb.GetPipelineRequest())
+        assert (view.pipeline, view.generation, view.state) == ("swap_pipelines:tag_a", 0, "running")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import math
 import sys
@@ -728,3 +729,111 @@ async def test_a_close_after_one_cut_short_raises_what_it_dropped(tmp_path: Path
         await closed.send(b"delivered")
         await closed.close()
         await closed.close()  # everything acked: nothing to say
+
+
+INTERRUPTED = """
+import json, signal, sys, threading, time
+from sluice_client import SyncProducer
+from sluice_client.errors import UnackedRecordsError
+
+producer = SyncProducer(sys.argv[1], "s", linger=0, max_buffered=1_000, batch_size=100)
+call = sys.argv[2]
+
+
+def interrupt_me(after):  # Ctrl-C: SIGINT to the main thread while it waits in the call
+    threading.Timer(after, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+
+
+if call == "flush":
+    producer.send_many([b"x"] * 900)
+interrupt_me(1.0)
+began = time.monotonic()
+try:
+    if call == "close":
+        producer.send_many([b"x"] * 900)
+        producer.close()
+    elif call == "flush":
+        producer.flush()
+    else:
+        producer.send_many([b"x"] * 100_000)
+    print(json.dumps({"interrupted": False}))
+    sys.exit(1)
+except KeyboardInterrupt:
+    after = time.monotonic() - began
+    inner = producer._producer
+    taken = producer.acked + producer.unacked
+    time.sleep(1.0)  # what a call left running on the loop would do meanwhile
+    state = {
+        "interrupted": True,
+        "after": after,
+        "taken": taken,
+        "taken_later": producer.acked + producer.unacked,
+        "unacked": producer.unacked,
+        "flushing": inner._flushing,
+        "state": inner._state.name,
+    }
+print(json.dumps(state), flush=True)
+sys.stdin.readline()  # the test looks at the server's sessions meanwhile
+if call != "close":  # the producer goes on as it was left: what it took is delivered, once
+    producer.close(timeout=60)
+    print(json.dumps({"acked": producer.acked}), flush=True)
+else:  # the close cut short: the next one says what it dropped
+    try:
+        producer.close()
+        print(json.dumps({"dropped": 0}), flush=True)
+    except UnackedRecordsError as exc:
+        print(json.dumps({"dropped": exc.unacked}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("call", ["send_many", "flush", "close"])
+async def test_a_sync_producer_call_interrupted_by_ctrl_c_is_cancelled_on_its_loop(
+    tmp_path: Path, call: str
+) -> None:
+    """A SyncProducer call waits in its caller's thread for the loop thread to run it: Ctrl-C there (a
+    KeyboardInterrupt in the waiting thread) left the call running on the loop. A send_many went on
+    taking records after the caller saw it interrupted, a flush went on waiting (a flush in progress
+    for good), a close went on past the interrupt and was cut off half-way by the loop's stop (its
+    session never ended). The interrupted call is now cancelled on the loop, as a task's cancel ends an
+    async Producer's call, and the interrupt raised once it has ended."""
+    async with running_server(tmp_path) as server:
+        server.rate.update(200, pin=True)  # slow credit and acks: each call is still waiting at the Ctrl-C
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            INTERRUPTED,
+            server.target,
+            call,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            line = await asyncio.wait_for(proc.stdout.readline(), 60)
+            assert line, (await proc.stderr.read()).decode() if proc.stderr else ""
+            state = json.loads(line)
+            assert state["interrupted"] is True, state
+            assert state["after"] < 1.0 + 4.0, (
+                state
+            )  # interrupted at 1 s: the cancel ended it within its grace
+            assert state["taken_later"] == state["taken"], state  # nothing more was taken after the interrupt
+            assert state["flushing"] == 0, state
+            sessions = server.receivers["s"].active_sessions
+            if call == "close":  # torn down: the channel closed, the session over
+                assert state["state"] == "CLOSED", state
+                await wait_until(lambda: server.receivers["s"].active_sessions == 0, 10)
+            else:
+                assert state["state"] == "OPEN" and sessions == 1, (state, sessions)
+            server.rate.update(math.inf, pin=True)
+            proc.stdin.write(b"\n")
+            await proc.stdin.drain()
+            end = json.loads(await asyncio.wait_for(proc.stdout.readline(), 60))
+            if call == "close":  # what it had not delivered is said by the next close, as after any cut short
+                assert end == {"dropped": state["unacked"]} and state["unacked"] > 0, (end, state)
+            else:
+                assert end == {"acked": state["taken"]}, (end, state)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()

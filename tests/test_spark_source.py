@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import pickle
 import sys
 import time
@@ -18,7 +20,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
 from ingest.spark.java import _java_major
 from ingest.spark.listener import BatchCompleted, BatchListener
-from ingest.spark.pipeline import load_pipeline, parquet_pipeline, start_query
+from ingest.spark.pipeline import load_pipeline, parquet_pipeline, pipeline_name, start_query
 from ingest.spark.session import CHECKPOINT_MANAGER_KEY, FILE_SYSTEM_CHECKPOINT_MANAGERS
 from ingest.spark.source import (
     ARROW_SCHEMA,
@@ -334,6 +336,81 @@ def test_bad_trigger_seconds_and_follow_streams_options_name_the_option(tmp_path
     for bad in ("yes", "1", "maybe"):
         with pytest.raises(ValueError, match="option 'followServerStreams' must be true or false"):
             reader_for(tmp_path, followServerStreams=bad)
+
+
+def test_a_pipeline_is_named_by_module_and_qualified_name_never_its_repr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Errors named a pipeline by its repr, "<function enrich at 0x7f...>": now as a spec names it."""
+
+    class Enrich:
+        def __call__(self, df: Any) -> Any:
+            return df
+
+    assert (
+        pipeline_name(parquet_pipeline(tmp_path))
+        == "ingest.spark.pipeline:parquet_pipeline.<locals>.pipeline"
+    )
+    assert pipeline_name(record) == "test_spark_source:record"
+    here = "test_spark_source:test_a_pipeline_is_named_by_module_and_qualified_name_never_its_repr.<locals>"
+    assert pipeline_name(Enrich()) == f"{here}.Enrich (an instance)"
+    assert pipeline_name(Enrich().__call__) == f"{here}.Enrich.__call__"
+    assert pipeline_name(functools.partial(record, "s")) == "test_spark_source:record (a functools.partial)"
+    # loaded by a spec: named by it, whatever its function is called
+    (tmp_path / "mypipes.py").write_text(
+        "def make():\n    def pipeline(df):\n        return df\n    return pipeline\n\nenrich = make()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "mypipes", raising=False)
+    assert pipeline_name(load_pipeline("mypipes:enrich")) == "mypipes:enrich"
+    assert pipeline_name(load_pipeline("mypipes:make")) == "mypipes:make"
+
+
+def test_start_query_refuses_a_trigger_that_is_no_interval_naming_it(spark: Any, tmp_path: Path) -> None:
+    """start_query(trigger_seconds=nan) was taken (only a negative one was checked): it failed after the
+    pipeline was built with round()'s "cannot convert float NaN to integer", a bool was 1 s, 1e-4 ran
+    batches back to back. Each is now refused by name before anything starts; 0 (back to back) and the
+    service's own range are taken."""
+    store = WalBlockStore(tmp_path / "blocks", fsync=FsyncPolicy.off())
+    write_blocks(store, "s", [3])
+    active = {q.id for q in spark.streams.active}
+    for value, error, says in (
+        (math.nan, ValueError, r"^trigger_seconds must be finite and >= 0 seconds, got nan$"),
+        (math.inf, ValueError, r"^trigger_seconds must be finite and >= 0 seconds, got inf$"),
+        (-1, ValueError, r"^trigger_seconds must be finite and >= 0 seconds, got -1$"),
+        (1e-4, ValueError, r"^trigger_seconds must be 0 \(batches back to back\) or at least 0\.01 seconds"),
+        (86_401, ValueError, r"^trigger_seconds must be at most 86400 seconds \(a day\), got 86401$"),
+        (10**400, ValueError, r"^trigger_seconds is out of range"),
+        (True, TypeError, r"^trigger_seconds must be a number of seconds, not bool \(True\)$"),
+        ("1", TypeError, r"^trigger_seconds must be a number of seconds, not str \('1'\)$"),
+        (None, TypeError, r"^trigger_seconds must be a number of seconds, not NoneType \(None\)$"),
+    ):
+        with pytest.raises(error, match=says):
+            start_query(
+                spark,
+                store_root=tmp_path / "blocks",
+                streams=["s"],
+                pipeline=parquet_pipeline(tmp_path / "sink"),
+                checkpoint_dir=tmp_path / "checkpoint",
+                trigger_seconds=value,
+                query_name="sluice_test_bad_trigger",
+            )
+    assert {q.id for q in spark.streams.active} == active
+    assert not (tmp_path / "checkpoint").exists() and not (tmp_path / "sink").exists()
+    for good in (0, 0.01):  # back to back, and the service's shortest interval
+        query = start_query(
+            spark,
+            store_root=tmp_path / "blocks",
+            streams=["s"],
+            pipeline=parquet_pipeline(tmp_path / f"sink-{good}"),
+            checkpoint_dir=tmp_path / f"checkpoint-{good}",
+            trigger_seconds=good,
+            query_name="sluice_test_good_trigger",
+        )
+        try:
+            wait_for_rows(spark, query, tmp_path / f"sink-{good}", 3)
+        finally:
+            query.stop()
 
 
 def test_a_misspelt_option_fails_the_query_naming_it(spark: Any, tmp_path: Path) -> None:

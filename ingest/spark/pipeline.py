@@ -9,11 +9,13 @@ checkpoint (unless the pipeline chose one), the trigger and the name.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import inspect
 import os
 import sys
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,7 @@ from pyspark.sql.streaming.readwriter import DataStreamWriter
 from pyspark.sql.utils import ForeachBatchFunction
 
 from ingest.checkpoints import last_commit_id, last_planned_id
+from ingest.config import MAX_TRIGGER_INTERVAL, MIN_TRIGGER_INTERVAL
 from ingest.spark.source import (
     OPTION_MAX_RECORDS,
     OPTION_MIN_PARTITION_RECORDS,
@@ -38,6 +41,7 @@ from ingest.spark.source import (
     PARTITION_RECORDS,
     SOURCE_NAME,
 )
+from sluice_client.producer import seconds_arg
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,26 @@ def parquet_pipeline(sink_dir: str | Path) -> Pipeline:
 def builtin_parquet(df: DataFrame, context: PipelineContext) -> DataStreamWriter:
     """The built-in pipeline: every record, all columns, appended as Parquet under context.sink_dir."""
     return parquet_pipeline(context.sink_dir)(df)
+
+
+def pipeline_name(pipeline: object) -> str:
+    """How errors and logs name a pipeline: "module:qualified.name", as a spec names it (`sluice serve
+    --pipeline mypkg.pipelines:enrich`), not its repr ("<function enrich at 0x7f...>", which says
+    neither where it lives nor how to give it). A functools.partial is named by its function, a callable
+    object by its class. One load_pipeline loaded is named by the spec it was given (the module's
+    `enrich = make_pipeline(...)` is "mypkg.pipelines:enrich", not "...:make_pipeline.<locals>.pipeline")."""
+    with contextlib.suppress(TypeError):
+        given = _GIVEN_AS.get(pipeline)
+        if given is not None:
+            return given
+    if isinstance(pipeline, functools.partial):
+        return f"{pipeline_name(pipeline.func)} (a functools.partial)"
+    module = getattr(pipeline, "__module__", None)
+    qualname = getattr(pipeline, "__qualname__", None)
+    if isinstance(module, str) and isinstance(qualname, str):
+        return f"{module}:{qualname}"
+    kind = type(pipeline)
+    return f"{kind.__module__}:{kind.__qualname__} (an instance)"
 
 
 def takes_context(pipeline: Pipeline) -> bool:
@@ -127,7 +151,13 @@ def load_pipeline(spec: str) -> Pipeline:
             f"pipeline spec {spec!r}: {attr_path!r} is a {type(target).__name__}, not a callable pipeline"
         )
     pipeline: Pipeline = target
+    with contextlib.suppress(TypeError):  # an object that cannot be a weak key: named by its class
+        _GIVEN_AS[pipeline] = f"{module_name}:{attr_path}"
     return pipeline
+
+
+_GIVEN_AS: weakref.WeakKeyDictionary[object, str] = weakref.WeakKeyDictionary()
+"""Pipelines load_pipeline loaded -> the spec they were loaded by (pipeline_name)."""
 
 
 def fresh_import(name: str) -> ModuleType:
@@ -174,7 +204,9 @@ def start_query(
 ) -> StreamingQuery:
     """Start a streaming query reading `streams` from the block store at store_root through `pipeline`.
 
-    trigger_seconds is the micro-batch interval (0: start the next batch as soon as one ends);
+    trigger_seconds is the micro-batch interval (0: start the next batch as soon as one ends; else
+    MIN_TRIGGER_INTERVAL to MAX_TRIGGER_INTERVAL, as the service's --trigger-interval; TypeError or
+    ValueError naming it otherwise, before anything starts);
     max_records_per_batch caps a batch at whole blocks (see the source's maxRecordsPerBatch);
     rate_target (host:port of the Sluice server) caps each batch at the live rate x trigger interval;
     rate_token_file holds the bearer token the source asks it with (a server with authentication);
@@ -182,8 +214,7 @@ def start_query(
     context is handed to a pipeline that takes one (by default: sink_dir is the checkpoint's path with
     "-sink" added).
     """
-    if trigger_seconds < 0:
-        raise ValueError(f"trigger_seconds must be >= 0, got {trigger_seconds}")
+    trigger_seconds = check_trigger_seconds(trigger_seconds)
     reader = spark.readStream.format(SOURCE_NAME).option(OPTION_STREAMS, ",".join(streams))
     if store_root is not None:
         reader = reader.option("path", str(store_root))
@@ -212,16 +243,38 @@ def start_query(
         # their blocks
         writer.stop()
         raise TypeError(
-            f"pipeline {pipeline!r} returned a started StreamingQuery (now stopped): return the "
+            f"pipeline {pipeline_name(pipeline)} returned a started StreamingQuery (now stopped): return the "
             "DataStreamWriter, without .start(); Sluice starts the query"
         )
     if not isinstance(writer, DataStreamWriter):
-        raise TypeError(f"pipeline {pipeline!r} returned {type(writer).__name__}, not a DataStreamWriter")
+        raise TypeError(
+            f"pipeline {pipeline_name(pipeline)} returned {type(writer).__name__}, not a DataStreamWriter"
+        )
     if not _has_option(writer, _CHECKPOINT):
         writer = writer.option(_CHECKPOINT, str(checkpoint_dir))
     check_file_sink(_option(writer, "path"), _option(writer, _CHECKPOINT) or str(checkpoint_dir))
     millis = round(trigger_seconds * 1000)
     return writer.trigger(processingTime=f"{millis} milliseconds").queryName(query_name).start()
+
+
+def check_trigger_seconds(value: object) -> float:
+    """start_query's trigger_seconds as a float: 0 (back to back), or MIN_TRIGGER_INTERVAL to
+    MAX_TRIGGER_INTERVAL seconds as the service's own trigger interval (ServeConfig). TypeError for a
+    bool or what is not a number, ValueError for NaN, an infinite or negative one, or one out of that
+    range. Only a negative one was refused: NaN and inf failed once the pipeline had been built, with
+    round()'s bare "cannot convert float NaN to integer", a bool was an interval (True: 1 s), and 1e-4
+    was rounded to 0 ms, batches back to back, unsaid."""
+    seconds = seconds_arg("trigger_seconds", value, finite=True)
+    if seconds and seconds < MIN_TRIGGER_INTERVAL:
+        raise ValueError(
+            f"trigger_seconds must be 0 (batches back to back) or at least {MIN_TRIGGER_INTERVAL:g} "
+            f"seconds (Spark's trigger counts whole milliseconds), got {value}"
+        )
+    if seconds > MAX_TRIGGER_INTERVAL:
+        raise ValueError(
+            f"trigger_seconds must be at most {MAX_TRIGGER_INTERVAL:g} seconds (a day), got {value}"
+        )
+    return seconds
 
 
 def _build(pipeline: Pipeline, df: DataFrame, context: PipelineContext | None) -> object:
@@ -231,8 +284,9 @@ def _build(pipeline: Pipeline, df: DataFrame, context: PipelineContext | None) -
     try:
         return pipeline(df, context) if takes_context(pipeline) else pipeline(df)
     except SystemExit as exc:
-        name = getattr(pipeline, "__qualname__", repr(pipeline))
-        error = RuntimeError(f"pipeline {name} called sys.exit({exc.code!r}) as it was built")
+        error = RuntimeError(
+            f"pipeline {pipeline_name(pipeline)} called sys.exit({exc.code!r}) as it was built"
+        )
         raise error.with_traceback(exc.__traceback__) from exc  # the user's line for start_failure
 
 
