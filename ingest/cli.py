@@ -1626,6 +1626,14 @@ def _check_new_streams(config: ServeConfig) -> None:
     StreamRegistry(config.data_dir, config.streams, stream_folders(config.blocks_dir))
 
 
+def _check_data_dir(config: ServeConfig) -> None:
+    """What _claim_data_dir checks (node.json damaged: NodeFileError, a DataDirStateError; another node's
+    data dir: DataDirOwnerError, a ValueError), writing nothing: `config check`."""
+    from receivers.node_identity import check_data_dir  # noqa: PLC0415 - the server extra's, as prepare
+
+    check_data_dir(config.data_dir, config.cluster)
+
+
 def _claim_data_dir(config: ServeConfig) -> None:
     from receivers.node_identity import claim_data_dir  # noqa: PLC0415 - the server extra's, as prepare
 
@@ -2509,6 +2517,9 @@ def _config_check(args: argparse.Namespace) -> int:
             # DATA_DIR/runtime-config.json, read (never written) and checked as the server will
             runtime = RuntimeConfig(config, announce=False)
             overrides, runtime_file = runtime.overrides, str(runtime.path)
+            # node.json and streams.json, read (never written) as serve's start reads them: damaged,
+            # or the data dir another node's, serve stops on them
+            _check_data_dir(config)
             _check_new_streams(config)  # a new stream whose name only the case tells from another's
             # what serve runs: the file's settings over the flags', and what rules derive from them (a
             # prefetch left to its rule follows the file's buffer-records)

@@ -50,28 +50,17 @@ def _nodes_map(nodes: Sequence[Node] | None) -> dict[str, str] | None:
     return None if nodes is None else {str(n.id): n.target for n in nodes}
 
 
-def claim_data_dir(data_dir: Path, cluster: Cluster | None) -> None:
-    """Record that `data_dir` is this node's (`cluster.me`; a single server's when `cluster` is None) at
-    its first start; refuse (DataDirOwnerError) a start as another node. The node list is kept to log a
-    change."""
+def check_data_dir(data_dir: Path, cluster: Cluster | None) -> dict[str, object] | None:
+    """What claim_data_dir checks, writing nothing (`sluice config check`): node.json as read and found
+    sound, None when there is none yet; NodeFileError when it is damaged, DataDirOwnerError when the data
+    dir is another node's (by the file, or for a data dir from before it, by its log)."""
     node_id = None if cluster is None else cluster.me.id
-    nodes = None if cluster is None else cluster.nodes
     path = data_dir / NODE_FILE
     data = read_json(path, "which node this data dir belongs to", NodeFileError, _RESTORE)
-    listed = _nodes_map(nodes)
     if data is None:
         if node_id is not None:
             _check_old_log(data_dir, node_id, path)
-        # a log written before node.json existed (serve's preflight makes the empty folders of a new one)
-        if any(p.is_file() for p in (data_dir / "blocks").rglob("*")):
-            log.info(
-                "data dir %s holds a log but no %s yet: marked as belonging to %s",
-                data_dir,
-                NODE_FILE,
-                _who(node_id),
-            )
-        replace_json(path, {"node_id": node_id, "nodes": listed})
-        return
+        return None
     if not isinstance(data, dict) or "node_id" not in data:
         raise NodeFileError(f"{path}: not a node identity (a map with node_id): {_RESTORE}")
     recorded = data["node_id"]
@@ -90,6 +79,29 @@ def claim_data_dir(data_dir: Path, cluster: Cluster | None) -> None:
             f'this data dir to {_who(node_id)} on purpose, write {{"node_id": {json.dumps(node_id)}}} '
             f"to {path}"
         )
+    return data
+
+
+def claim_data_dir(data_dir: Path, cluster: Cluster | None) -> None:
+    """Record that `data_dir` is this node's (`cluster.me`; a single server's when `cluster` is None) at
+    its first start; refuse (DataDirOwnerError) a start as another node (check_data_dir). The node list
+    is kept to log a change."""
+    node_id = None if cluster is None else cluster.me.id
+    nodes = None if cluster is None else cluster.nodes
+    path = data_dir / NODE_FILE
+    data = check_data_dir(data_dir, cluster)
+    listed = _nodes_map(nodes)
+    if data is None:
+        # a log written before node.json existed (serve's preflight makes the empty folders of a new one)
+        if any(p.is_file() for p in (data_dir / "blocks").rglob("*")):
+            log.info(
+                "data dir %s holds a log but no %s yet: marked as belonging to %s",
+                data_dir,
+                NODE_FILE,
+                _who(node_id),
+            )
+        replace_json(path, {"node_id": node_id, "nodes": listed})
+        return
     if listed is not None and "nodes" not in data:  # written by hand to re-home the dir: noted
         replace_json(path, {**data, "node_id": node_id, "nodes": listed})
     elif listed is not None and data["nodes"] != listed:

@@ -517,6 +517,68 @@ def test_streams_named_alike_but_for_case_are_a_usage_error_unless_the_data_dir_
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.parametrize(
+    ("name", "content", "says", "code"),
+    [
+        ("node.json", '{"node_id": ', "cannot read which node this data dir belongs to: Expecting value", 1),
+        ("node.json", '{"node_id": "x"}', "node_id must be a node id or null, got 'x'", 1),
+        ("node.json", "[1]", "not a node identity (a map with node_id)", 1),
+        ("node.json", '{"node_id": 3}', "belongs to node 3", 2),
+        ("streams.json", '{"streams": {"a": ', "cannot read the stream states: Expecting value", 1),
+        ("streams.json", '{"streams": 5}', "not a stream states file", 1),
+        ("streams.json", '{"streams": {"a": 5}}', "not a stream states file", 1),
+    ],
+    ids=[
+        "node-truncated",
+        "node-id-a-string",
+        "node-a-list",
+        "node-another-nodes",
+        "streams-truncated",
+        "streams-not-a-map",
+        "streams-state-a-number",
+    ],
+)
+def test_config_check_reads_node_json_and_streams_json_as_serves_start_does(
+    tmp_path: Path, name: str, content: str, says: str, code: int
+) -> None:
+    """node.json damaged (or naming another node) stopped `serve` with exit 1 (2), naming the file, yet
+    passed `config check`, which never read it. Both read it (receivers.node_identity.check_data_dir,
+    which claim_data_dir builds on) and streams.json (ingest.streams.StreamRegistry) now, and stop alike;
+    `config check` writes neither, and a sound data dir passes."""
+    data = tmp_path / "d"
+    data.mkdir()
+    (data / name).write_text(content)
+    args = ["--no-spark", "--data-dir", str(data), "--port", "0", "--metrics-port", "-1"]
+    named = f"{data / name}: {says}" if code == 1 else f"{says} ({data / name}, written at its first start)"
+    refused_by_serve_and_check(args, clean_env(), named, code)
+    assert (data / name).read_text() == content
+
+
+def test_config_check_passes_a_sound_data_dir_and_writes_no_node_json(tmp_path: Path) -> None:
+    """The other side of the test above: a data dir a single server wrote passes, and so does an empty
+    one, which `config check` leaves without the node.json a start writes; a receiver node's check
+    refuses a single server's data dir as its start does (exit 2)."""
+    data = tmp_path / "d"
+    data.mkdir()
+    args = ["--no-spark", "--data-dir", str(data)]
+    result = check(*args)
+    assert result.returncode == 0, result.stderr
+    assert not (data / "node.json").exists()
+    (data / "node.json").write_text('{"node_id": null, "nodes": null}')
+    (data / "streams.json").write_text('{"streams": {"a": "serving"}}')
+    result = check(*args)
+    assert result.returncode == 0, result.stderr
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(f"0 127.0.0.1:{port}\n")
+    node = ["--role", "receiver", "--nodes", str(nodes), "--node-id", "0", "--port", str(port)]
+    refused_by_serve_and_check(
+        [*node, "--data-dir", str(data), "--metrics-port", "-1"], clean_env(), "belongs to a single server"
+    )
+
+
 def test_a_receiver_node_refuses_the_querys_settings(tmp_path: Path) -> None:
     """`serve --role receiver --pipeline X` ran without X and said nothing: the driver runs the query."""
     nodes = tmp_path / "nodes.txt"
