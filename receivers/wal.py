@@ -2156,9 +2156,20 @@ class WalBlockStore(BlockStore):
             )
         except FileNotFoundError:
             return _read_old_mark(folder)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            # written atomically, so this is damage: numbering then continues from the log alone
-            log.exception("stream %r: %s is unreadable; ignoring it", stream, path)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            # written atomically, so this is damage: numbering then continues from the log alone. One
+            # line naming the file and why, as the log's other damage: no traceback (it was log.exception)
+            why = (
+                str(exc)
+                if isinstance(exc, ValueError)
+                else "not a released mark (a map with next_seq and next_offset, numbers)"
+            )
+            log.error(  # noqa: TRY400 - damage is one line naming the file and why, as elsewhere
+                "stream %r: %s is unreadable: %s; ignoring it: the numbering goes on from the log alone",
+                stream,
+                path,
+                why,
+            )
             state = _Released(damaged=True)
         self._released[stream] = (key, state)
         return state

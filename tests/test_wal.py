@@ -469,7 +469,9 @@ def test_blocks_lost_under_fsync_off_are_counted(tmp_path: Path) -> None:
     assert restarted.stats.blocks_lost == 0
 
 
-def test_logs_that_lack_no_unreleased_block_are_not_refused(tmp_path: Path) -> None:
+def test_logs_that_lack_no_unreleased_block_are_not_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """What releases, crashes and losses of nothing acked leave: segments deleted by release below the
     released mark, a mark past every block, an empty log, a fresh stream, a roll-over right at a crash
     (an empty or torn newest segment), an unreadable mark (where the log begins is then unknown)."""
@@ -511,12 +513,27 @@ def test_logs_that_lack_no_unreleased_block_are_not_refused(tmp_path: Path) -> N
         fill(store, 1, per_block=20)
         store.close()
         assert values(WalBlockStore(root)) == expected(260)
-    # a released mark that cannot be read: numbering goes on from the log, as before
-    root = tmp_path / "unreadable"
-    paths = rolled(root)
-    WalBlockStore(root).release("s", int(paths[2].stem))
-    (root / "s" / "released.json").write_text("{not json")
-    assert recovers(root) == (12, 240)
+    # a released mark that cannot be read: numbering goes on from the log, as before, with one ERROR
+    # naming the file and why (it was log.exception: the ERROR and a traceback)
+    damages = {
+        "{not json": "Expecting property name enclosed in double quotes",
+        "[1, 2]": "not a released mark (a map with next_seq and next_offset, numbers)",
+        '{"next_seq": 4}': "not a released mark",
+        '{"next_seq": "x", "next_offset": 0}': "invalid literal for int()",
+    }
+    for n, (content, why) in enumerate(damages.items()):
+        root = tmp_path / f"unreadable-{n}"
+        paths = rolled(root)
+        WalBlockStore(root).release("s", int(paths[2].stem))
+        (root / "s" / "released.json").write_text(content)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "receivers.wal"):
+            assert recovers(root) == (12, 240)
+        errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert len(errors) == 1, [r.getMessage() for r in errors]
+        message = errors[0].getMessage()
+        assert f"{root / 's' / 'released.json'} is unreadable: " in message and why in message, message
+        assert "\n" not in message and errors[0].exc_info is None and errors[0].exc_text is None
 
 
 @pytest.mark.parametrize("fsync", ["every-block", "interval:50"])
