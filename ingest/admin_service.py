@@ -117,7 +117,9 @@ class AdminService(pb_grpc.AdminServicer):
                 return self._view(rows=self._runtime.preview(dict(request.set), list(request.reset)))
             await self._change_shielded(request, context.peer())
         except OSError as exc:  # the settings file (disk full, read-only): nothing changed
-            await refuse_unsaved(context, f"sluice config set {_change_words(request)}", THE_SETTINGS, exc)
+            await refuse_unsaved(
+                context, f"sluice config set {_change_words(request)}", THE_SETTINGS, exc, log
+            )
             raise
         except UnknownSettingError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
@@ -259,7 +261,9 @@ class AdminService(pb_grpc.AdminServicer):
             await self._refuse(context, "add", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OSError as exc:
             self._count("add", "refused")
-            await refuse_unsaved(context, f"sluice streams add {printable(cut(request.stream))}", STATES, exc)
+            await refuse_unsaved(
+                context, f"sluice streams add {printable(cut(request.stream))}", STATES, exc, log
+            )
         self._count("add", "applied")
         log.info("stream %s added by %s", printable(request.stream), context.peer())  # a checked name
         return self._streams_view()
@@ -289,7 +293,7 @@ class AdminService(pb_grpc.AdminServicer):
         except OSError as exc:
             self._count("remove", "refused")
             change = f"sluice streams remove {printable(cut(request.stream))}"
-            await refuse_unsaved(context, change, STATES, exc)
+            await refuse_unsaved(context, change, STATES, exc, log)
         self._count("remove", "applied")
         backlog = "drain" if request.backlog == pb.RemoveStreamRequest.DRAIN else "keep"
         peer, reason = context.peer(), shown(request.reason)  # escaped: one log line whatever it holds

@@ -29,17 +29,21 @@ DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 """A write refused for want of space (a full disk, a quota): RESOURCE_EXHAUSTED, not a server bug."""
 
 
-async def refuse_unsaved(context: Context, change: str, what: str, exc: OSError) -> None:
+async def refuse_unsaved(
+    context: Context, change: str, what: str, exc: OSError, logger: logging.Logger
+) -> None:
     """Abort a change whose state file (`what`: "the settings", "the stream states") could not be
     written: nothing changed. RESOURCE_EXHAUSTED for a full disk or quota (space freed, the same change
     goes through), INTERNAL for any other OSError (a read-only or broken data dir: the server's side
-    to fix). One WARNING line naming the change and why; the caller's status says the same."""
+    to fix). One WARNING line naming the change and why, on `logger`: the logger of the module that
+    makes the change (admin_service's for `config set` and `streams add|remove`, this one's for the
+    rate's changes); the caller's status says the same."""
     full = exc.errno in DISK_FULL
     code = grpc.StatusCode.RESOURCE_EXHAUSTED if full else grpc.StatusCode.INTERNAL
     why = f"nothing changed: {what} could not be saved in the data dir: {exc}"
     if full:
         why += " (free space in the data dir, then make the change again)"
-    log.warning("%s from %s refused: %s", change, context.peer(), why)
+    logger.warning("%s from %s refused: %s", change, context.peer(), why)
     context.set_trailing_metadata(((REFUSAL_HEADER, NOT_SAVED),))  # the CLI: no dropped connection
     await context.abort(code, why)
 
@@ -331,7 +335,7 @@ class RateControlService(pb_grpc.RateControlServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OSError as exc:
             change = f"sluice rate set {request.records_per_second:g}{pin}"
-            await refuse_unsaved(context, change, THE_SETTINGS, exc)
+            await refuse_unsaved(context, change, THE_SETTINGS, exc, log)
         log.info(
             "rate %g -> %g records/s%s, set by %s",
             was,
@@ -353,7 +357,7 @@ class RateControlService(pb_grpc.RateControlServicer):
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OSError as exc:
-            await refuse_unsaved(context, f"sluice rate bounds {bounds}", THE_SETTINGS, exc)
+            await refuse_unsaved(context, f"sluice rate bounds {bounds}", THE_SETTINGS, exc, log)
         log.info(
             "rate bounds %g .. %g records/s (rate %g), set by %s",
             request.min_rate,
@@ -386,7 +390,7 @@ class RateControlService(pb_grpc.RateControlServicer):
         except ValueError as exc:  # an unknown estimator, a setting refused
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except OSError as exc:
-            await refuse_unsaved(context, f"sluice rate estimator {_word(name)}", THE_SETTINGS, exc)
+            await refuse_unsaved(context, f"sluice rate estimator {_word(name)}", THE_SETTINGS, exc, log)
         log.info("rate estimator %s, set by %s", request.estimator, caller)
         return self._status()
 

@@ -76,6 +76,10 @@ async def test_every_change_on_a_full_disk_is_refused_resource_exhausted(
     await admin.SetConfig(pb.SetConfigRequest(set={"block-interval": "0.05"}))  # one to reset
     full_disk(code)
     caplog.set_level(logging.WARNING)
+    # each refusal is logged by the module that makes the change: streams add|remove and config set
+    # were logged under ingest.rate_service, where the shared refusal lives
+    admin_log, rate_log = "ingest.admin_service", "ingest.rate_service"
+    loggers = {"config set": admin_log, "streams add": admin_log, "streams remove": admin_log}
     calls: list[tuple[str, Callable[[], Awaitable[object]], str]] = [
         (
             "config set",
@@ -114,6 +118,7 @@ async def test_every_change_on_a_full_disk_is_refused_resource_exhausted(
         said = warnings[0].getMessage()
         assert f"sluice {what}" in said and f"[Errno {code}]" in said and "nothing changed" in said, said
         assert warnings[0].exc_info is None
+        assert warnings[0].name == loggers.get(what, rate_log), (what, warnings[0].name)
     # nothing changed, indeed
     assert server.runtime.version == 1 and server.receivers["s"].config.block_interval == 0.05
     assert not server.rate.pinned and server.rate.estimator.name == "fixed"
@@ -136,7 +141,9 @@ async def test_another_os_error_is_internal_and_marked_answered(
     assert (error.details() or "").startswith("nothing changed: the stream states could not be saved")
     assert ("sluice-refusal", "not-saved") in tuple(error.trailing_metadata() or ())
     assert in_the_way.is_dir()
-    assert sum("sluice streams add u" in r.getMessage() for r in caplog.records) == 1
+    said = [r for r in caplog.records if "sluice streams add u" in r.getMessage()]
+    assert len(said) == 1
+    assert said[0].name == "ingest.admin_service", said[0].name  # the stream change's, not the rate's
 
 
 async def test_the_cli_says_nothing_changed_and_no_dropped_connection(
