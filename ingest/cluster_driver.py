@@ -124,6 +124,9 @@ class ClusterDriver:
         """While True the source plans no new batch (a pipeline swap stops the query between batches)."""
         self.manager: PipelineManager | None = None
         self.blocks = BlocksClient(config.nodes, self.credentials)
+        self.node_list_error: str | None = None
+        """Why this driver stops: the nodes' own list disagrees with --nodes (a node answers as another
+        id, or lists a node id --nodes lacks), seen while it runs (see _watch_backlog)."""
         self.node_rates = NodeRates(
             config.nodes,
             self.rate,
@@ -176,7 +179,16 @@ class ClusterDriver:
             except DriverFencedError as exc:  # another driver took the nodes over: error() says so
                 log.error("another driver holds the receiver nodes: %s", exc)  # noqa: TRY400 - said in one line
                 return
-            except NodeListError as exc:  # no passing failure: the query's next plan stops on it too
+            except NodeListError as exc:
+                # no passing failure, and carrying on with the known nodes is worse than stopping: the
+                # partitions of a node --nodes lacks are never read (under replication 1: acked records
+                # never delivered, not a word), its copies never released (its disk fills, then its
+                # producers stall), and it never gets its share of the rate. Its address is not in the
+                # nodes' answers (only its id), so the driver cannot take it in itself, as Spark's Kafka
+                # source takes in a new partition: the operator corrects --nodes and starts it again.
+                # Stopped here, in one line, at once; the query's next plan would stop on it too, with
+                # the error inside Spark's traceback.
+                self.node_list_error = str(exc)
                 log.error("%s", exc)  # noqa: TRY400 - said in one line
                 return
             except Exception:  # the brake is advisory: rates go on without it
@@ -388,6 +400,8 @@ class ClusterDriver:
         why this driver must stop (another holds the receiver nodes)."""
         if self.blocks.fenced is not None:
             return f"another driver holds the receiver nodes: {self.blocks.fenced}"
+        if self.node_list_error is not None:
+            return self.node_list_error
         if self.manager is not None:
             return self.manager.failure()
         return self.spark_driver.error() if self.spark_driver is not None else None
@@ -597,7 +611,8 @@ async def _run(  # noqa: PLR0911 - one return per way the start ends
                 await asyncio.wait_for(stop.wait(), 1.0)
             if driver.error() is not None:
                 await driver.query_failed()
-                failed = "stopping" if driver.blocks.fenced is not None else "the Spark query failed"
+                stopping = driver.blocks.fenced is not None or driver.node_list_error is not None
+                failed = "stopping" if stopping else "the Spark query failed"
                 say(f"{failed}: {driver.error()}", level=logging.ERROR)
                 return 1
         return 0

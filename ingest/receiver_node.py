@@ -91,10 +91,13 @@ class ReceiverNode:
         self._replication: ReplicationService | None = None
 
     def channel(self, target: str) -> grpc.aio.Channel:
-        """A channel to a peer, with this node's certificate when it serves TLS."""
+        """A channel to a peer, with this node's certificate when it serves TLS, and keepalive: a peer
+        gone without a FIN (its host down, the network cut) ends the calls to it within
+        Cluster.keepalive + keepalive_timeout (a Replicate stream waited on it for ever)."""
         tls = self._config.security.tls
+        options = self.cluster.channel_options()
         if tls is None:
-            return grpc.aio.insecure_channel(target)
+            return grpc.aio.insecure_channel(target, options=options)
         # read again for each connection (a SIGHUP may have replaced them), bounded and never blocking
         roots = read_settings_file(tls.client_ca_file) if tls.client_ca_file is not None else None
         credentials = grpc.ssl_channel_credentials(
@@ -102,7 +105,7 @@ class ReceiverNode:
             private_key=read_settings_file(tls.key_file),
             certificate_chain=read_settings_file(tls.cert_file),
         )
-        return grpc.aio.secure_channel(target, credentials)
+        return grpc.aio.secure_channel(target, credentials, options=options)
 
     def add_services(
         self, server: grpc.aio.Server, receivers: Mapping[str, Receiver], auth: Authenticator
@@ -114,7 +117,13 @@ class ReceiverNode:
         add_parsed_servicer(server, blocks, "Blocks", authenticator=auth)
         sync_each = self._config.fsync.mode == "interval"
         replication = ReplicationService(
-            self.cluster, self.replicas, receivers, auth, sync_each=sync_each, mismatches=self.mismatches
+            self.cluster,
+            self.replicas,
+            receivers,
+            auth,
+            sync_each=sync_each,
+            mismatches=self.mismatches,
+            max_message_bytes=self._config.max_message_bytes,
         )
         add_parsed_servicer(server, replication, "Replication", authenticator=auth)
         self._replication = replication

@@ -42,6 +42,7 @@ from ingest.streams import DRAINING, KEPT, REMOVED, SERVING, StreamRegistry, cla
 from ingest.tls import ServerTls, TlsFileError
 from receivers.auth import PIPELINE, Authenticator, AuthFileError, AuthTable, revoke
 from receivers.block_store import BlockStore
+from receivers.cluster import Cluster
 from receivers.errors import shown
 from receivers.files import NOT_REGULAR, BrokenLinkError, DataDirStateError, NotARegularFileError
 from receivers.memory_pool import MemoryPool
@@ -53,16 +54,23 @@ from receivers.publish_service import PublishService
 from receivers.receiver import Receiver
 from receivers.wal import WalBlockStore
 from sluice_client.allocator import tune_malloc
-from sluice_client.producer import KEEPALIVE_SECONDS
+from sluice_client.keepalive import KEEPALIVE_SECONDS, server_options
 
 log = logging.getLogger(__name__)
 
-PING_OPTIONS = (
-    # producers ping every KEEPALIVE_SECONDS to tell a frozen server from a quiet one; gRPC's default
-    # takes pings more often than every 5 minutes, on a call without data, as abuse (GOAWAY)
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_SECONDS * 1000 // 2),
-    ("grpc.http2.max_ping_strikes", 0),
-)
+
+def ping_options(cluster: Cluster | None) -> list[tuple[str, int]]:
+    """The server's keepalive policy (sluice_client.keepalive): producers ping every KEEPALIVE_SECONDS to
+    tell a frozen server from a quiet one, a receiver node's peers every Cluster.keepalive, and gRPC's
+    default took pings more often than every 5 minutes, on a call without data, as abuse (GOAWAY). A
+    receiver node pings its own clients as often as its peers do: an owner's Replicate stream to it,
+    from a host gone without a FIN, ends rather than hold its handler (and what it assembled) for ever.
+    Before, the option said "min_recv_ping_interval_without_data_ms", a name gRPC does not have: only
+    max_ping_strikes 0 (never GOAWAY, whatever a client sent) kept the producers' pings from a GOAWAY."""
+    if cluster is None:
+        return server_options(KEEPALIVE_SECONDS)
+    every = min(KEEPALIVE_SECONDS, cluster.keepalive)
+    return server_options(every, ping_every=cluster.keepalive, timeout=cluster.keepalive_timeout)
 
 
 class BlockLogStateError(OSError, DataDirStateError):
@@ -459,7 +467,7 @@ class SluiceServer:
                 # a client that sends nothing, or handshakes and opens no call, is dropped; past
                 # --max-connections a new connection is closed at once
                 *security.grpc_options(),
-                *PING_OPTIONS,
+                *ping_options(self.config.cluster),
             ]
         )
         self._add_services(server)

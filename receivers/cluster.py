@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from sluice_client.keepalive import PEER_KEEPALIVE_SECONDS, PEER_KEEPALIVE_TIMEOUT_SECONDS, channel_options
 from sluice_client.settings_file import read_settings_file
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,8 @@ at most while refused; one fixed to replication 1 says no hello any more)."""
 DRIVER_LEAVING_HEADER = "sluice-driver-leaving"
 """Call metadata ("1") of a driver's ListPartitions that gives its lease back: it stops, or another
 driver holds other nodes (a node a refused driver took would lock the running one out)."""
+MAX_KEEPALIVE_SECONDS = 3600.0
+"""The longest peer keepalive (or its timeout): gRPC takes them in int milliseconds."""
 
 
 class ClusterConfigError(ValueError):
@@ -71,6 +74,13 @@ class Cluster:
     min_insync: int = 1
     """Copies a block needs before it is acked (Kafka's min.insync.replicas): with fewer followers in
     sync, intake pauses rather than ack with fewer copies."""
+    keepalive: float = PEER_KEEPALIVE_SECONDS
+    """Seconds without a frame from a peer after which a node pings it (on its channels to its peers, and
+    as their server: sluice_client.keepalive) ..."""
+    keepalive_timeout: float = PEER_KEEPALIVE_TIMEOUT_SECONDS
+    """... and closes the connection when the ping goes unanswered this long: a Replicate stream to or
+    from a peer gone without a FIN (its host down, the network cut) ends within keepalive +
+    keepalive_timeout, on both sides, rather than never."""
 
     def __post_init__(self) -> None:
         if not self.nodes:
@@ -89,10 +99,20 @@ class Cluster:
             raise ClusterConfigError(
                 f"replication must be 1..{len(self.nodes)} (the number of nodes), got {self.replication}"
             )
+        for what, seconds in (("keepalive", self.keepalive), ("keepalive timeout", self.keepalive_timeout)):
+            if not 0.001 <= seconds <= MAX_KEEPALIVE_SECONDS:
+                raise ClusterConfigError(
+                    f"peer {what} must be 0.001..{MAX_KEEPALIVE_SECONDS:g} s, got {seconds}"
+                )
         if not 1 <= self.min_insync <= self.replication:
             raise ClusterConfigError(
                 f"min-insync must be 1..{self.replication} (the replication), got {self.min_insync}"
             )
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        """gRPC options of a channel to a peer: keepalive (sluice_client.keepalive), while no call is
+        open too (a channel kept for later calls is watched as well)."""
+        return channel_options(self.keepalive, self.keepalive_timeout, without_calls=True)
 
     def node(self, node_id: int) -> Node:
         for node in self.nodes:

@@ -65,6 +65,20 @@ WINDOW_BLOCKS = 64
 LAG_TIMEOUT = 5.0
 RECONNECT_MIN, RECONNECT_MAX = 0.1, 2.0
 
+
+class FollowerAnswerError(ValueError):
+    """A follower's answer on its Replicate stream is not one it can give (an ack of a block never sent
+    to it, a committed seq it was never told, or one that goes back): a bug or a forgery. Its stream is
+    ended (cancelled), said once in an ERROR line and in the link's status, the follower out of the
+    in-sync set; the owner reconnects, as after any refusal, and other followers go on."""
+
+    def __init__(self, message: str, *, kind: str, status: str = "INVALID_ARGUMENT") -> None:
+        super().__init__(message)
+        self.kind = kind
+        """What was wrong, without the values (which differ at each reconnect): said once per kind."""
+        self.status = status
+
+
 ChannelFactory = Callable[[str], grpc.aio.Channel]
 """target -> a channel to it (with the node's TLS credentials); the caller closes it."""
 Metadata = tuple[tuple[str, str], ...]
@@ -80,10 +94,13 @@ class FollowerLink:
         self.acked: dict[str, int] = {}
         """Stream -> the seq of the next block the follower needs (every lower one is durable there)."""
         self.connected = False
+        self.sessions = 0
+        """Replicate streams that got past the hello (one per connection to the follower)."""
         self.in_sync = False
         self.progress_at = time.monotonic()
         self.error: str | None = None
         self._said: str | None = None  # the refusal last logged: not again until the follower is in sync
+        self._answers_said: set[str] = set()  # the kinds of FollowerAnswerError logged at ERROR
         self._sent: dict[str, int] = {}
         self._told: dict[str, int] = {}  # the committed seqs this follower was last told
         self.knows: dict[str, int] = {}
@@ -145,6 +162,13 @@ class FollowerLink:
                         error,
                     )
                 self.error = error
+            except FollowerAnswerError as exc:
+                error = f"{exc.status}: {exc}"
+                # once per kind: the follower answers so again at each reconnect, with other values
+                level = logging.DEBUG if exc.kind in self._answers_said else logging.ERROR
+                self._answers_said.add(exc.kind)
+                log.log(level, "%s", error)
+                self.error = error
             except Exception as exc:
                 self.error = repr(exc)
                 log.exception("replication to node %d failed", self.follower.id)
@@ -191,14 +215,20 @@ class FollowerLink:
         self.acked = {s: first.state.next_seq.get(s, 0) for s in replicator.streams}
         ahead = [s for s in replicator.streams if self.acked[s] > replicator.local.durable_seq(s)]
         if ahead:  # acking on top would let the copy drop this node's new blocks as ones it has
-            raise ConnectionError(
-                f"the follower holds blocks of stream(s) {', '.join(ahead)} beyond this node's log: "
-                "this node's log was lost or replaced; restore it from the follower's copy"
+            where = ", ".join(f"{s}: it needs block {self.acked[s]} next" for s in ahead)
+            raise FollowerAnswerError(
+                f"{self._name()} holds blocks of stream(s) {', '.join(ahead)} beyond this node's log "
+                f"({where}; this log ends at block "
+                f"{', '.join(str(replicator.local.durable_seq(s)) for s in ahead)}): this node's log was "
+                "lost or replaced; restore it from the follower's copy",
+                kind="ahead",
+                status="FAILED_PRECONDITION",
             )
         self._sent = dict(self.acked)
         self._told = dict(hello.committed_seq)  # taken before the follower answered the hello
         self.knows = dict(self._told)
         self.connected, self.error = True, None
+        self.sessions += 1
         replicator.mismatches.agreed(self.follower.id)
         self.progress_at = time.monotonic()
         replicator.changed()
@@ -211,23 +241,62 @@ class FollowerLink:
                 await reader
             call.cancel()
 
+    def _name(self) -> str:
+        return f"follower {self.follower.id} ({self.follower.target})"
+
     async def _read_acks(self, responses: AsyncIterator[pb.ReplicateResponse]) -> None:
+        """Take the follower's acks and committed seqs, each checked against what this node sent and
+        told it: taken as they came, an ack of a block never sent counted blocks durable on a follower
+        that lacks them, and a committed seq never told let blocks be acked to producers before that
+        follower would serve them (each a bug or forgery of the follower: FollowerAnswerError)."""
         async for response in responses:
             kind = response.WhichOneof("kind")
             if kind == "committed":
                 for stream, seq in response.committed.committed_seq.items():
-                    self.knows[stream] = max(seq, self.knows.get(stream, 0))
+                    self._check_committed(stream, seq)
+                    self.knows[stream] = seq
                 self._replicator.changed()
                 continue
             if kind != "ack":
                 continue
             stream, seq = response.ack.stream, response.ack.seq
+            self._check_ack(stream, seq)
             if seq + 1 > self.acked.get(stream, 0):
                 self.acked[stream] = seq + 1
                 self.progress_at = time.monotonic()
             self._ack_arrived.set()
             self._replicator.changed()
         raise ConnectionError("the follower ended the replication stream")
+
+    def _check_ack(self, stream: str, seq: int) -> None:
+        sent, acked = self._sent.get(stream), self.acked.get(stream, 0)
+        if sent is None:
+            raise FollowerAnswerError(
+                f"{self._name()} acked block {seq} of stream {stream!r}, which this node does not replicate",
+                kind=f"ack of {stream!r}",
+            )
+        if not acked <= seq < sent:
+            why = "past every block sent to it" if seq >= sent else "below a block it acked before"
+            raise FollowerAnswerError(
+                f"{self._name()} acked block {seq} of stream {stream!r}, {why} (it acked blocks below "
+                f"{acked}, and was sent blocks below {sent} on this stream)",
+                kind=f"ack of {stream!r}",
+            )
+
+    def _check_committed(self, stream: str, seq: int) -> None:
+        told, knew = self._told.get(stream), self.knows.get(stream, 0)
+        if told is None or seq > told:
+            raise FollowerAnswerError(
+                f"{self._name()} says it took committed seq {seq} of stream {stream!r}, past the "
+                f"{'none' if told is None else told} this node told it on this stream",
+                kind=f"committed of {stream!r}",
+            )
+        if seq < knew:
+            raise FollowerAnswerError(
+                f"{self._name()} says it took committed seq {seq} of stream {stream!r}, going back from "
+                f"the {knew} it took before on this stream",
+                kind=f"committed of {stream!r}",
+            )
 
     async def _send_loop(self, call: Call, reader: asyncio.Task[None]) -> None:
         replicator = self._replicator
@@ -244,14 +313,15 @@ class FollowerLink:
                     _pending_blocks, replicator.local, stream, self._sent[stream], room
                 )
                 for block, message in blocks:
+                    # counted sent first: the follower's ack may be read before the last write returns
+                    self._sent[stream] = block.seq + 1
                     for piece in fragments(message):
                         await call.write(pb.ReplicateRequest(block=piece))
-                    self._sent[stream] = block.seq + 1
                     sent_any = True
             committed = replicator.persisted()
             if committed != self._told:
+                self._told = committed  # first, as for blocks: its echo may come before the write returns
                 await call.write(pb.ReplicateRequest(commit=pb.ReplicaCommit(committed_seq=committed)))
-                self._told = committed
             if not sent_any:
                 waits = [
                     asyncio.ensure_future(replicator.wake.wait()),

@@ -51,7 +51,19 @@ MAX_POSITION = 2**62
 computed from them (the seq after it, ListPartitions' offsets) stays within the wire's int64."""
 MAX_BLOCK_BYTES = 2**31 - 1
 """A copied block's payload, at most (its offsets are int32; a receiver's memory budget bounds it far
-below this)."""
+below this: block_limit)."""
+DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
+"""The server's message size limit when none is given (ServeConfig.max_message_bytes' default)."""
+
+
+def block_limit(budget_bytes: int, max_message_bytes: int) -> int:
+    """The most bytes of a block's payload a follower gathers from its fragments, for a stream whose
+    memory budget (ReceiverConfig.budget_bytes: --buffer-bytes, or --memory-budget when smaller) is
+    `budget_bytes`: twice the budget (a block holds what a receiver buffered, at most the budget and one
+    message per session past it, and its Arrow encoding adds offsets) plus one message, and never past
+    MAX_BLOCK_BYTES. An owner configured as this node is never refused; before, a follower gathered up
+    to 2 GiB per owner's stream from whatever it was sent."""
+    return min(MAX_BLOCK_BYTES, 2 * budget_bytes + max_message_bytes)
 
 
 class InvalidBlockError(ValueError):
@@ -102,7 +114,11 @@ def _log_set_aside(aside: SetAside) -> None:
 
 
 class FragmentError(ValueError):
-    """A block's payload fragments came out of order or past MAX_BLOCK_BYTES."""
+    """A block's payload fragments came out of order."""
+
+
+class BlockTooLargeError(FragmentError):
+    """A block's payload fragments add up past what the follower gathers of one block (block_limit)."""
 
 
 class _Assembler:
@@ -113,23 +129,38 @@ class _Assembler:
         self._pieces: list[bytes] = []
         self._size = 0
 
-    def take(self, block: pb.ReplicaBlock) -> pb.ReplicaBlock | None:
-        """The whole block once its last fragment arrived, else None."""
+    @property
+    def size(self) -> int:
+        """Bytes of the block being joined held now."""
+        return self._size
+
+    def take(
+        self, block: pb.ReplicaBlock, limit: int = MAX_BLOCK_BYTES, *, elsewhere: int = 0
+    ) -> pb.ReplicaBlock | None:
+        """The whole block once its last fragment arrived, else None; BlockTooLargeError (nothing kept)
+        once its fragments, with `elsewhere` bytes the same owner's other streams hold, add up past
+        `limit` bytes."""
         first = self._first
         if first is None:
             if not block.more:
                 return block
-            self._first, self._pieces, self._size = block, [block.arrow_ipc], len(block.arrow_ipc)
-            return None
-        if (block.stream, block.seq) != (first.stream, first.seq):
+            self._first, self._pieces, self._size = block, [], 0
+            first = block
+        elif (block.stream, block.seq) != (first.stream, first.seq):
             raise FragmentError(
                 f"block {first.seq} of stream {first.stream!r} was cut off by block {block.seq} of "
                 f"{block.stream!r}"
             )
+        size = self._size + len(block.arrow_ipc)
+        if size + elsewhere > limit:
+            self._first, self._pieces, self._size = None, [], 0
+            also = f", with {elsewhere:,} of its other Replicate streams" if elsewhere else ""
+            raise BlockTooLargeError(
+                f"block {first.seq} of stream {first.stream!r}: it is over {limit:,} bytes ({size:,} in the "
+                f"fragments taken so far{also})"
+            )
         self._pieces.append(block.arrow_ipc)
-        self._size += len(block.arrow_ipc)
-        if self._size > MAX_BLOCK_BYTES:
-            raise FragmentError(f"block {first.seq} is over {MAX_BLOCK_BYTES} bytes")
+        self._size = size
         if block.more:
             return None
         whole = pb.ReplicaBlock()
@@ -175,8 +206,10 @@ class ReplicationService:
         *,
         sync_each: bool = False,
         mismatches: ConfigMismatches | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
         self._cluster = cluster
+        self._max_message_bytes = max_message_bytes
         self.mismatches = mismatches if mismatches is not None else ConfigMismatches(cluster)
         """Owners whose hello this node refused for another configuration (shared with the Replicator)."""
         self._replicas = replicas
@@ -188,6 +221,9 @@ class ReplicationService:
         self._idle = asyncio.Event()
         self._idle.set()
         self._damage_said: set[str] = set()
+        self._gathering: dict[int, list[_Assembler]] = {}
+        """Owner -> the blocks being joined on its Replicate streams (two processes run as one node, a
+        stale stream beside a new one): what an owner's streams hold together is bounded (block_limit)."""
 
     async def stop(self) -> None:
         """End every Replicate stream UNAVAILABLE ("stopping", which the owner retries quietly) where it
@@ -281,6 +317,30 @@ class ReplicationService:
         await self._align(owner, first.hello, streams, context)
         state = {s: await asyncio.to_thread(self._replicas.next_seq, owner, s) for s in streams}
         assembler = _Assembler()
+        gathering = self._gathering.setdefault(owner, [])
+        gathering.append(assembler)
+        try:
+            async for response in self._take(
+                owner, first.hello, state, streams, requests, assembler, context
+            ):
+                yield response
+        finally:
+            gathering.remove(assembler)
+            if not gathering:
+                del self._gathering[owner]
+
+    async def _take(  # noqa: PLR0917 - one stream's state, passed on
+        self,
+        owner: int,
+        hello: pb.ReplicaHello,
+        state: dict[str, int],
+        streams: list[str],
+        requests: AsyncIterator[bytes],
+        assembler: _Assembler,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[pb.ReplicateResponse]:
+        """The stream past the hello: the follower's state, then the owner's blocks and commits."""
+        told = _known(hello.committed_seq, streams)  # the owner's committed seqs on this stream
         yield pb.ReplicateResponse(state=pb.ReplicaState(next_seq=state))
         while (raw := await self._next(requests, context)) is not None:
             try:
@@ -289,22 +349,91 @@ class ReplicationService:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"undecodable ReplicateRequest: {exc}")
             kind = message.WhichOneof("kind")
             if kind == "commit":
-                committed = _known(message.commit.committed_seq, streams)
-                await asyncio.to_thread(self._replicas.set_committed, owner, committed)
+                committed = await self._commit(owner, message.commit, told, streams, context)
                 yield pb.ReplicateResponse(committed=pb.ReplicaCommit(committed_seq=committed))
                 continue
             if kind != "block":
                 await context.abort(
                     grpc.StatusCode.FAILED_PRECONDITION, "only ReplicaBlock or ReplicaCommit after the hello"
                 )
-            try:
-                block = assembler.take(message.block)
-            except FragmentError as exc:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            block = await self._gather(owner, assembler, message.block, streams, context)
             if block is None:  # more of its payload to come
                 continue
-            await self._keep(owner, block, streams, first.hello.incarnation, context)
+            await self._keep(owner, block, streams, hello.incarnation, context)
             yield pb.ReplicateResponse(ack=pb.ReplicaAck(stream=block.stream, seq=block.seq))
+
+    async def _commit(
+        self,
+        owner: int,
+        commit: pb.ReplicaCommit,
+        told: dict[str, int],
+        streams: list[str],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> dict[str, int]:
+        """Take the owner's committed seqs (`told`: what it said before on this Replicate stream, kept up
+        to date). An owner's committed seq only grows (Replicator.committed_seq): going back on one
+        stream is a bug or a forgery, refused INVALID_ARGUMENT rather than taken in silence (the copy
+        keeps the highest it was told either way)."""
+        committed = _known(commit.committed_seq, streams)
+        for stream, seq in committed.items():
+            if seq < told.get(stream, 0):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"node {owner} said committed seq {seq} of stream {stream!r} after {told[stream]} on "
+                    f"this Replicate stream to node {self._cluster.node_id}: a committed seq never goes back",
+                )
+        told.update(committed)
+        await asyncio.to_thread(self._replicas.set_committed, owner, committed)
+        return committed
+
+    async def _gather(
+        self,
+        owner: int,
+        assembler: _Assembler,
+        fragment: pb.ReplicaBlock,
+        streams: list[str],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> pb.ReplicaBlock | None:
+        """The whole block once `fragment` is its last, else None; the stream ends at the first fragment
+        of a stream not served here, and RESOURCE_EXHAUSTED past block_limit."""
+        receiver = self._receivers.get(fragment.stream)
+        if receiver is None:  # at its first fragment: nothing of it is gathered
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"stream {fragment.stream!r} is not served here (streams: {', '.join(streams)})",
+            )
+        assert receiver is not None
+        limit = block_limit(receiver.config.budget_bytes, self._max_message_bytes)
+        elsewhere = sum(other.size for other in self._gathering.get(owner, ()) if other is not assembler)
+        try:
+            return assembler.take(fragment, limit, elsewhere=elsewhere)
+        except BlockTooLargeError as exc:
+            await self._too_large(owner, receiver, exc, context)
+        except FragmentError as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        return None  # not reached: abort raises
+
+    async def _too_large(
+        self,
+        owner: int,
+        receiver: Receiver,
+        exc: BlockTooLargeError,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        """End the stream RESOURCE_EXHAUSTED: a block of `receiver`'s stream is past block_limit (said
+        once in an ERROR line per owner, stream and budget: the owner retries it)."""
+        budget = receiver.config.budget_bytes
+        words = (
+            f"node {self._cluster.node_id} refuses node {owner}'s {exc}: more than twice this node's memory "
+            f"budget for the stream ({budget:,} bytes: --buffer-bytes, or --memory-budget when smaller) "
+            f"plus its largest message ({self._max_message_bytes:,} bytes: --max-message-bytes); give "
+            "every node the same --buffer-bytes, --memory-budget and --max-message-bytes"
+        )
+        key = f"{owner} {receiver.stream} {budget}"
+        if key not in self._damage_said:  # once per owner, stream and budget: the owner retries it
+            self._damage_said.add(key)
+            log.error("refused the replication of node %d: %s", owner, words)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, words)
 
     async def _keep(
         self,

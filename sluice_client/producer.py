@@ -74,6 +74,7 @@ from sluice_client.errors import (
     UnackedRecordsError,
 )
 from sluice_client.flow import MAX_DEMAND
+from sluice_client.keepalive import KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS, channel_options
 from sluice_client.lazy_numpy import LazyNumpy
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.tasks import reap
@@ -95,11 +96,6 @@ else:
 
 log = logging.getLogger(__name__)
 
-KEEPALIVE_SECONDS = 10
-"""A session pings its server after this long without a frame from it (gRPC keepalive) ..."""
-KEEPALIVE_TIMEOUT_SECONDS = 10
-"""... and takes the server for lost (UNAVAILABLE: reconnect, fail over) when no answer comes in this
-long. Servers allow pings this often (ingest.server: PING_OPTIONS)."""
 
 DEFAULT_MAX_MESSAGE_BYTES = 32 * 1024 * 1024
 """The largest message a producer sends: gRPC's send limit on its channel, and a server's default. A
@@ -1455,12 +1451,7 @@ class Producer:
                     # a server that stops answering with its connection open (frozen, partitioned
                     # away) is lost only when a ping goes unanswered: without these the session
                     # waited on it for good instead of failing over
-                    ("grpc.keepalive_time_ms", KEEPALIVE_SECONDS * 1000),
-                    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_SECONDS * 1000),
-                    ("grpc.http2.max_pings_without_data", 0),
-                    # any ping's answer, not only keepalive's: a flow-control (BDP) ping in flight
-                    # holds keepalive back and waited 60 s by default
-                    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_SECONDS * 1000),
+                    *channel_options(KEEPALIVE_SECONDS, KEEPALIVE_TIMEOUT_SECONDS),
                 ],
             )
             self._channels[target] = channel

@@ -350,6 +350,34 @@ async def test_a_receivers_list_that_disagrees_with_the_nodes_ids_is_refused_nam
         assert "has node(s) 2 in its own node list" in said and "Traceback" not in said, said
 
 
+async def test_a_running_driver_stops_in_one_line_when_a_node_lists_an_id_its_nodes_lack(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While the driver runs, a node starts listing a node id its --nodes lacks (a node added to the
+    cluster, the driver's file not changed): it stops (exit 1) naming the node and the id, within its
+    backlog watch's second, in one line. Carrying on with the known nodes would leave that node's
+    partitions unread and its blocks unreleased without a word; before, the watch logged it and the
+    driver ran on until the query's next plan failed with it inside Spark's traceback."""
+    from ingest.cluster_driver import ClusterDriver
+    from ingest.driver_config import DriverConfig
+
+    clusters = loopback_cluster(3)
+    async with nodes(tmp_path, clusters):
+        a, b = clusters[0].me.target, clusters[1].me.target
+        config = DriverConfig(nodes={0: a, 1: b}, streams=("s",), data_dir=tmp_path / "driver")
+        driver = ClusterDriver(config)
+        try:
+            assert driver.error() is None
+            await asyncio.wait_for(driver._watch_backlog(), 10)  # it returns: nothing more to watch
+            error = driver.error()
+            assert error is not None
+            assert f"node 0 ({a}) has node(s) 2 in its own node list, and this list does not" in error
+            assert "Correct the list (the driver's --nodes file" in error
+            assert [r.levelname for r in caplog.records if "has node(s) 2" in r.getMessage()] == ["ERROR"]
+        finally:
+            driver.blocks.close()
+
+
 async def test_no_holder_serving_the_range_names_every_holders_error(tmp_path: Path) -> None:
     clusters = loopback_cluster(1)
     dead = f"127.0.0.1:{free_ports(1)[0]}"

@@ -3,12 +3,15 @@ between nodes: Blocks.ReadBlocks cuts them into chunks of about CHUNK_BYTES."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pyarrow as pa
+import pytest
 
 from ingest.server import SluiceServer
 from receivers.blocks_service import CHUNK_BYTES
@@ -16,9 +19,10 @@ from receivers.cluster import Cluster
 from sluice_client import Producer
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
-from tests.support import loopback_cluster, running_server
+from tests.support import loopback_cluster, running_server, wait_until
 
 RECORD = 1_000_000
+PIECE = 1024 * 1024
 BIG = {"block_interval": 3.0, "buffer_bytes": 512 * 1024 * 1024}
 
 
@@ -78,8 +82,6 @@ async def test_a_block_larger_than_a_message_is_replicated_and_read_from_the_cop
 
 
 def test_fragments_join_back_and_a_cut_off_block_is_refused() -> None:
-    import pytest
-
     from receivers.replication import fragments
     from receivers.replication_service import FragmentError, _Assembler
 
@@ -93,3 +95,109 @@ def test_fragments_join_back_and_a_cut_off_block_is_refused() -> None:
     assembler.take(pieces[0])
     with pytest.raises(FragmentError, match="cut off"):
         assembler.take(pb.ReplicaBlock(stream="s", seq=4, arrow_ipc=b"x"))
+
+
+async def test_a_follower_gathers_a_block_up_to_its_memory_budget_and_refuses_past_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A follower joins a block's fragments in memory: it took up to 2 GiB of them per owner's stream,
+    whatever its memory settings. It gathers at most twice the stream's memory budget plus one message
+    now (block_limit), and ends the stream RESOURCE_EXHAUSTED past that, naming the block, the bytes and
+    the settings, said once in an ERROR line. Blocks of an owner configured as the follower (its
+    largest, of big records) are under it, and replicated."""
+    from receivers.replication_service import block_limit
+
+    small = {"buffer_bytes": 4 * 1024 * 1024, "max_message_bytes": 2 * 1024 * 1024, "block_interval": 0.5}
+    clusters = loopback_cluster(2, replication=2, min_insync=2)
+    limit = block_limit(small["buffer_bytes"], small["max_message_bytes"])
+    async with contextlib.AsyncExitStack() as stack:
+        servers = {}
+        for cluster in clusters:
+            port = int(cluster.me.target.rsplit(":", 1)[1])
+            servers[cluster.me.id] = await stack.enter_async_context(
+                running_server(tmp_path / f"n{cluster.me.id}", "s", cluster=cluster, port=port, **small)
+            )
+        # the owner's own blocks: records of 200 KB, several producers at once, all replicated
+        sent: list[bytes] = []
+
+        async def push(tag: int) -> None:
+            values = [bytes([tag]) * 200_000 for _ in range(30)]
+            async with Producer(servers[0].target, "s", linger=0) as producer:
+                await producer.send_many(values)
+                await producer.flush(60)
+            sent.extend(values)
+
+        await asyncio.gather(*(push(tag) for tag in range(4)))
+        node1 = servers[1].node
+        assert node1 is not None
+        copies = node1.replicas.blocks(0, "s")
+        assert sum(b.count for b in copies) == len(sent) == 120
+        assert "refused the replication" not in caplog.text
+
+        # an owner (node 1's hello, sent by hand to node 0) whose block goes past the bound
+        async def replicate_too_much() -> tuple[grpc.StatusCode, str, int]:
+            async with grpc.aio.insecure_channel(clusters[0].me.target) as channel:
+                call = pb_grpc.ReplicationStub(channel).Replicate()
+                sent_bytes = await write_past(call, 4 * limit)
+                return await call.code(), await call.details() or "", sent_bytes
+
+        for _ in range(2):
+            code, details, sent_bytes = await replicate_too_much()
+            assert code is grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+            assert f"block 0 of stream 's': it is over {limit:,} bytes (" in details, details
+            # refused as its fragments crossed the bound: no more than one fragment past it was taken
+            taken = int(details.split(" bytes (", 1)[1].split(" in the fragments", 1)[0].replace(",", ""))
+            assert limit < taken <= limit + PIECE, (taken, sent_bytes)
+            assert "node 0 refuses node 1's block 0" in details and "--buffer-bytes" in details
+        assert caplog.text.count("refused the replication of node 1") == 1
+        node0 = servers[0].node
+        assert node0 is not None and node0.replicas.blocks(1, "s") == []
+
+        # two streams of one owner (two processes run as node 1, or a stale stream beside a new one)
+        # hold no more together than one may
+        service = node0._replication
+        assert service is not None
+        # node 1's own Replicate stream (it is an owner too, node 0 its follower) is the one left
+        await wait_until(lambda: [a.size for a in service._gathering[1]] == [0])
+        hello = pb.ReplicateRequest(hello=pb.ReplicaHello(owner=1, nodes=2, replication=2))
+        piece = pb.ReplicaBlock(stream="s", seq=0, count=1, arrow_ipc=bytes(PIECE), more=True)
+        async with (
+            grpc.aio.insecure_channel(clusters[0].me.target) as one,
+            grpc.aio.insecure_channel(clusters[0].me.target) as other,
+        ):
+            first = pb_grpc.ReplicationStub(one).Replicate()
+            await first.write(hello)
+            for _ in range(6):  # 6 MiB of a block, under the bound alone
+                await first.write(pb.ReplicateRequest(block=piece))
+            await wait_until(lambda: sum(a.size for a in service._gathering.get(1, ())) == 6 * PIECE)
+            second = pb_grpc.ReplicationStub(other).Replicate()
+            await write_past(second, 4 * limit)
+            assert await second.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            details = await second.details() or ""
+            assert f"with {6 * PIECE:,} of its other Replicate streams" in details, details
+            assert not first.done()  # the first goes on
+            first.cancel()
+        await wait_until(lambda: len(service._gathering[1]) == 1)  # the ended streams hold nothing
+
+
+async def write_past(call: Any, most: int) -> int:
+    """As node 1 (an owner), send node 0 fragments of one block, up to `most` bytes, reading its
+    answers meanwhile as an owner does (unread, the refusal came back as INTERNAL "Internal error from
+    Core" at times); the bytes sent."""
+
+    async def answers() -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            async for _ in call:
+                pass
+
+    reading = asyncio.create_task(answers())
+    sent = 0
+    with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+        await call.write(pb.ReplicateRequest(hello=pb.ReplicaHello(owner=1, nodes=2, replication=2)))
+        while sent < most and not call.done():
+            piece = pb.ReplicaBlock(stream="s", seq=0, count=1, arrow_ipc=bytes(PIECE), more=True)
+            await call.write(pb.ReplicateRequest(block=piece))
+            sent += PIECE
+            await asyncio.sleep(0.01)
+    await reading
+    return sent
