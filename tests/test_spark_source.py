@@ -729,7 +729,23 @@ def test_a_query_over_a_gap_in_the_log_fails_or_goes_on(
 ) -> None:
     """A real query over a log that went on past lost blocks: it stopped with DataLossError whatever
     failOnDataLoss said. With failOnDataLoss=false it now writes every record still in the log."""
-    left, (lo, hi) = gapped_log(tmp_path / "blocks")
+    left, lost = gapped_log(tmp_path / "blocks")
+    _query_over_lost_records(spark, tmp_path, fail_on_data_loss, left, lost, "gap")
+
+
+def _query_over_lost_records(
+    spark: Any,
+    tmp_path: Path,
+    fail_on_data_loss: str,
+    left: list[Any],
+    lost: tuple[int, int],
+    name: str,
+    *said: str,
+) -> None:
+    """Run a query over tmp_path/blocks, whose records lost[0]..lost[1] - 1 are gone: with
+    failOnDataLoss=true it fails naming them (and `said`); with false it writes `left`, every record
+    still in the log."""
+    lo, hi = lost
     sink = tmp_path / "sink"
     query = start_query(
         spark,
@@ -738,7 +754,7 @@ def test_a_query_over_a_gap_in_the_log_fails_or_goes_on(
         pipeline=parquet_pipeline(sink),
         checkpoint_dir=tmp_path / "checkpoint",
         trigger_seconds=0.2,
-        query_name=f"sluice_test_gap_{fail_on_data_loss}",
+        query_name=f"sluice_test_{name}_{fail_on_data_loss}",
         source_options={"failOnDataLoss": fail_on_data_loss},
     )
     try:
@@ -746,6 +762,8 @@ def test_a_query_over_a_gap_in_the_log_fails_or_goes_on(
             with pytest.raises(StreamingQueryException) as failed:
                 query.awaitTermination(120)
             assert f"records {lo}..{hi - 1} are gone from its log" in str(failed.value), failed.value
+            for text in said:
+                assert text in str(failed.value), failed.value
         else:
             wait_for_rows(spark, query, sink, len(left))
     finally:
@@ -763,31 +781,8 @@ def test_a_query_across_blocks_lost_past_damage_fails_or_goes_on(
     """A real query over a log a start went on past damage in (a frame corrupted in the middle of a
     segment, `--accept-wal-damage`): with failOnDataLoss=true it stops naming the records lost; with
     false it writes every record after them too."""
-    left, (lo, hi) = accepted_log(tmp_path / "blocks", "corrupt")
-    sink = tmp_path / "sink"
-    query = start_query(
-        spark,
-        store_root=tmp_path / "blocks",
-        streams=["a"],
-        pipeline=parquet_pipeline(sink),
-        checkpoint_dir=tmp_path / "checkpoint",
-        trigger_seconds=0.2,
-        query_name=f"sluice_test_damage_{fail_on_data_loss}",
-        source_options={"failOnDataLoss": fail_on_data_loss},
-    )
-    try:
-        if fail_on_data_loss == "true":
-            with pytest.raises(StreamingQueryException) as failed:
-                query.awaitTermination(120)
-            assert f"records {lo}..{hi - 1} are gone from its log" in str(failed.value), failed.value
-            assert "--accept-wal-damage" in str(failed.value), failed.value
-        else:
-            wait_for_rows(spark, query, sink, len(left))
-    finally:
-        query.stop()
-    if fail_on_data_loss == "false":
-        got = sink_rows(spark, sink)
-        assert sorted(got, key=lambda r: r[1]) == left
+    left, lost = accepted_log(tmp_path / "blocks", "corrupt")
+    _query_over_lost_records(spark, tmp_path, fail_on_data_loss, left, lost, "damage", "--accept-wal-damage")
 
 
 @pytest.mark.spark
