@@ -97,7 +97,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -1658,17 +1658,7 @@ class WalBlockStore(BlockStore):
         )
 
     def _write_lost(self, folder: Path, lost: Sequence[LostBlocks]) -> None:
-        entries = [
-            {
-                "first_seq": r.first_seq,
-                "end_seq": r.end_seq,
-                "first_offset": r.first_offset,
-                "end_offset": r.end_offset,
-                "at": r.at,
-            }
-            for r in lost
-        ]
-        self._replace_file(folder, LOST_FILE, json.dumps({"lost": entries}, indent=1))
+        self._replace_file(folder, LOST_FILE, json.dumps({"lost": [asdict(r) for r in lost]}, indent=1))
 
     def _recorded_lost(self, stream: str, expect: _Expected, seq: int) -> bool:
         """Whether blocks expect.seq..seq-1, missing from the log, were recorded as lost (LOST_FILE): a

@@ -872,24 +872,33 @@ def test_an_input_that_fails_to_read_is_named_and_the_lines_before_it_are_acked(
     assert "cannot read standard input: it is closed" in stderr, stderr
 
 
-def test_a_non_blocking_stdin_is_read_to_its_end(tmp_path: Path, servers: list[Serve]) -> None:
-    """A stdin left non-blocking (O_NONBLOCK on the pipe, as some parents leave it) read as ended the
-    first time no data was there yet: the push said "pushed 2 records; all acked", exit 0, and the
-    rest of the input was never sent. It waits for the input now, as on a blocking pipe."""
+def _push_from_a_pipe(
+    tmp_path: Path, servers: list[Serve], *args: str, blocking: bool = True
+) -> tuple[Serve, subprocess.Popen[bytes], int]:
+    """A server without Spark on a free port and `sluice push - ARGS` to it reading a pipe: (the
+    server, the push, the pipe's write end); `blocking` False leaves the push's end O_NONBLOCK."""
     port = free_port()
     serve = Serve(tmp_path, "serve", *no_spark(port, tmp_path / "data"))
     servers.append(serve)
     serve.wait_serving()
     reader, writer = os.pipe()
-    os.set_blocking(reader, False)
+    os.set_blocking(reader, blocking)
     try:
         push = subprocess.Popen(
-            [*SLUICE, "push", "-", "--target", f"127.0.0.1:{port}", "--no-progress", "--timeout", "10"],
+            [*SLUICE, "push", "-", "--target", f"127.0.0.1:{port}", "--no-progress", *args],
             stdin=reader,
             stderr=subprocess.PIPE,
         )
     finally:
         os.close(reader)
+    return serve, push, writer
+
+
+def test_a_non_blocking_stdin_is_read_to_its_end(tmp_path: Path, servers: list[Serve]) -> None:
+    """A stdin left non-blocking (O_NONBLOCK on the pipe, as some parents leave it) read as ended the
+    first time no data was there yet: the push said "pushed 2 records; all acked", exit 0, and the
+    rest of the input was never sent. It waits for the input now, as on a blocking pipe."""
+    serve, push, writer = _push_from_a_pipe(tmp_path, servers, "--timeout", "10", blocking=False)
     try:
         os.write(writer, b"a\nb\n")
         time.sleep(1.5)  # the push has read those and finds the pipe empty meanwhile
@@ -912,19 +921,7 @@ def test_a_stop_signal_while_the_input_waits_ends_the_push(
     """`sluice push -` on a pipe with no data coming (`kill` of the push alone, systemd, Kubernetes:
     the writer lives on) said how far it got on SIGTERM or Ctrl-C and then hung for good: asyncio.run
     waited for the thread blocked in the read. It exits now, 143 or 130, what it read acked."""
-    port = free_port()
-    serve = Serve(tmp_path, "serve", *no_spark(port, tmp_path / "data"))
-    servers.append(serve)
-    serve.wait_serving()
-    reader, writer = os.pipe()
-    try:
-        push = subprocess.Popen(
-            [*SLUICE, "push", "-", "--target", f"127.0.0.1:{port}", "--no-progress", "--producer-id", "p"],
-            stdin=reader,
-            stderr=subprocess.PIPE,
-        )
-    finally:
-        os.close(reader)
+    _, push, writer = _push_from_a_pipe(tmp_path, servers, "--producer-id", "p")
     try:
         os.write(writer, b"a\nb\n")
         deadline = time.monotonic() + 60

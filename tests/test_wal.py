@@ -536,6 +536,24 @@ def test_logs_that_lack_no_unreleased_block_are_not_refused(
         assert "\n" not in message and errors[0].exc_info is None and errors[0].exc_text is None
 
 
+def damage_older_segment(paths: list[Path], damage: str) -> tuple[Path, int, int, int]:
+    """Damage the second of a rolled log's segments `paths`: "truncated" cut inside its second frame,
+    "zeroed" whole, "zeroed-head" its first frame's header alone (the frames after it sound). Returns
+    (the segment, its first block, the next segment's first block, the byte the damage starts at)."""
+    middle = paths[1]
+    first, after = int(middle.stem), int(paths[2].stem)
+    starts = frame_starts(middle)
+    data = middle.read_bytes()
+    if damage == "truncated":
+        middle.write_bytes(data[: starts[1] + HEADER.size + 3])
+        return middle, first, after, starts[1]
+    if damage == "zeroed":
+        middle.write_bytes(bytes(len(data)))
+    else:
+        middle.write_bytes(bytes(HEADER.size) + data[HEADER.size :])
+    return middle, first, after, 0
+
+
 @pytest.mark.parametrize("fsync", ["every-block", "interval:50"])
 @pytest.mark.parametrize("damage", ["truncated", "zeroed", "zeroed-head"])
 def test_damage_to_an_older_segment_stops_recovery(tmp_path: Path, fsync: str, damage: str) -> None:
@@ -545,25 +563,17 @@ def test_damage_to_an_older_segment_stops_recovery(tmp_path: Path, fsync: str, d
     one is made, so this is no crash's torn tail: recovery refuses as it does inside one segment."""
     policy = FsyncPolicy.parse(fsync)
     paths = rolled(tmp_path, policy)
-    middle = paths[1]
-    first, after = int(middle.stem), int(paths[2].stem)
-    starts = frame_starts(middle)
-    data = middle.read_bytes()
+    middle, first, after, at = damage_older_segment(paths, damage)
     if damage == "truncated":
-        middle.write_bytes(data[: starts[1] + HEADER.size + 3])
-        lost, at = span("block", first + 1, after - 1), starts[1]
+        lost = span("block", first + 1, after - 1)
     elif damage == "zeroed":
-        middle.write_bytes(bytes(len(data)))
-        lost, at = span("block", first, after - 1), 0
-    else:  # the first frame's header zeroed, the frames after it sound
-        middle.write_bytes(bytes(HEADER.size) + data[HEADER.size :])
-        # every-block: the intact frames after the bad one are named (as inside the newest segment)
+        lost = span("block", first, after - 1)
+    else:  # every-block: the intact frames after the bad one are named (as inside the newest segment)
         lost = (
             span("seq", first + 1, after - 1)
             if policy.mode == "every-block"
             else span("block", first, after - 1)
         )
-        at = 0
     before = files(tmp_path)
     with pytest.raises(DamagedLogError) as refused:
         WalBlockStore(tmp_path, fsync=policy).recover("s")

@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
-from test_wal import expected, fill, frame_starts, rolled, segments, span, values
+from test_wal import damage_older_segment, expected, fill, frame_starts, rolled, segments, span, values
 
 from receivers.config import FsyncPolicy
 from receivers.files import DataDirStateError
@@ -191,20 +191,8 @@ def test_damage_to_an_older_segment_is_gone_past(
     lost are those not sound in it (a zeroed head loses its first block alone, under "interval" too:
     the sound frames after it are kept), and the later segments are kept whole."""
     policy = FsyncPolicy.parse(fsync)
-    paths = rolled(tmp_path, policy)
-    middle = paths[1]
-    first, after = int(middle.stem), int(paths[2].stem)
-    starts = frame_starts(middle)
-    data = middle.read_bytes()
-    if damage == "truncated":
-        middle.write_bytes(data[: starts[1] + HEADER.size + 3])
-        lost, at = (first + 1, after), starts[1]
-    elif damage == "zeroed":
-        middle.write_bytes(bytes(len(data)))
-        lost, at = (first, after), 0
-    else:
-        middle.write_bytes(bytes(HEADER.size) + data[HEADER.size :])
-        lost, at = (first, first + 1), 0
+    middle, first, after, at = damage_older_segment(rolled(tmp_path, policy), damage)
+    lost = {"truncated": (first + 1, after), "zeroed": (first, after)}.get(damage, (first, first + 1))
     damaged = middle.read_bytes()
     refused_without_the_switch(tmp_path, policy)
 
