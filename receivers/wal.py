@@ -1626,7 +1626,7 @@ class WalBlockStore(BlockStore):
         folder = self._folder(stream)
         path = folder / LOST_FILE
         try:
-            data = json.loads(read_regular(path))
+            data = parse_json(read_regular(path))  # a file nested too deeply is damage too
             return [
                 LostBlocks(
                     int(entry["first_seq"]),

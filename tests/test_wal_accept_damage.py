@@ -263,12 +263,14 @@ def test_a_mend_cut_short_by_a_crash_is_refused_or_made_again(tmp_path: Path) ->
     assert [(r.first_seq, r.end_seq) for r in store.lost_blocks("s")] == [(2, 3)]
 
 
-def test_an_unreadable_record_of_lost_blocks_stops_the_start_naming_it(tmp_path: Path) -> None:
+@pytest.mark.parametrize("text", ["{not json", "[" * 100_000], ids=["not-json", "nested-too-deeply"])
+def test_an_unreadable_record_of_lost_blocks_stops_the_start_naming_it(tmp_path: Path, text: str) -> None:
+    """Nested too deeply (valid JSON as far as it goes), json.loads raised RecursionError: a traceback."""
     paths = rolled(tmp_path)
     paths[1].unlink()
     WalBlockStore(tmp_path, accept_damage=["s"]).recover("s")
     path = tmp_path / "s" / LOST_FILE
-    path.write_text("{not json")
+    path.write_text(text)
     with pytest.raises(LostFileError) as refused:
         WalBlockStore(tmp_path).recover("s")
     assert isinstance(refused.value, DataDirStateError)
