@@ -58,6 +58,7 @@ from ingest.rate_memory import RateMemory
 from ingest.rate_service import RateControlService, apply_rate_settings, estimator_change, pin_again
 from ingest.reflection import HealthServicer, enable_reflection
 from ingest.runtime_config import SettingError
+from ingest.server import ping_options
 from ingest.spark.cluster_source import (
     BlocksClient,
     ClusterRefusedError,
@@ -260,8 +261,9 @@ class ClusterDriver:
         config = self.config
         self._warn_of_exposure()
         server = grpc.aio.server(
-            options=[("grpc.so_reuseport", 0), *self.config.grpc_options()]
-        )  # a taken port fails
+            # a taken port fails; the query's LiveRateCap pings it (keepalive.node_channel_options)
+            options=[("grpc.so_reuseport", 0), *self.config.grpc_options(), *ping_options(None)]
+        )
         add_parsed_servicer(server, self.rate_service(), "RateControl", authenticator=self.auth)
         add_parsed_servicer(
             server, DriverAdminService(lambda: self.manager), "Admin", authenticator=self.auth

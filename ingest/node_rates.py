@@ -28,6 +28,7 @@ from ratecontrol import capped
 from ratecontrol.nodes import NodeLoad, NodeShare, split_nodes
 from receivers.cluster import DRIVER_HEADER, DRIVER_RATE_HEADER
 from sluice_client.credentials import Credentials
+from sluice_client.keepalive import node_channel_options
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 from sluice_client.tasks import reap
@@ -50,6 +51,10 @@ _CHANNEL_OPTIONS = (
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # a connection gone without a FIN (a node's host down, a flow a NAT dropped) is closed within the
+    # peers' keepalive and its timeout and the channel connects anew: before, every call on it timed out
+    # and the node stayed down for as long as the kernel kept the dead connection
+    *node_channel_options(),
 )
 
 

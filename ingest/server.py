@@ -54,22 +54,26 @@ from receivers.publish_service import PublishService
 from receivers.receiver import Receiver
 from receivers.wal import WalBlockStore
 from sluice_client.allocator import tune_malloc
-from sluice_client.keepalive import KEEPALIVE_SECONDS, server_options
+from sluice_client.keepalive import KEEPALIVE_SECONDS, PEER_KEEPALIVE_SECONDS, server_options
 
 log = logging.getLogger(__name__)
 
 
 def ping_options(cluster: Cluster | None) -> list[tuple[str, int]]:
     """The server's keepalive policy (sluice_client.keepalive): producers ping every KEEPALIVE_SECONDS to
-    tell a frozen server from a quiet one, a receiver node's peers every Cluster.keepalive, and gRPC's
-    default took pings more often than every 5 minutes, on a call without data, as abuse (GOAWAY). A
-    receiver node pings its own clients as often as its peers do: an owner's Replicate stream to it,
-    from a host gone without a FIN, ends rather than hold its handler (and what it assembled) for ever.
-    Before, the option said "min_recv_ping_interval_without_data_ms", a name gRPC does not have: only
-    max_ping_strikes 0 (never GOAWAY, whatever a client sent) kept the producers' pings from a GOAWAY."""
+    tell a frozen server from a quiet one, the Spark side (the cluster driver, its query's planning,
+    executors' reads, the live rate: keepalive.node_channel_options) every PEER_KEEPALIVE_SECONDS, a
+    receiver node's peers every Cluster.keepalive, and gRPC's default took pings more often than every 5
+    minutes, on a call without data, as abuse (GOAWAY). A receiver node pings its own clients as often
+    as its peers do: an owner's Replicate stream to it, from a host gone without a FIN, ends rather than
+    hold its handler (and what it assembled) for ever. Before, the option said
+    "min_recv_ping_interval_without_data_ms", a name gRPC does not have: only max_ping_strikes 0 (never
+    GOAWAY, whatever a client sent) kept the producers' pings from a GOAWAY. The cluster driver's
+    RateControl server and a TLS server's loopback port for its own query take it too (None)."""
+    every = min(KEEPALIVE_SECONDS, PEER_KEEPALIVE_SECONDS)
     if cluster is None:
-        return server_options(KEEPALIVE_SECONDS)
-    every = min(KEEPALIVE_SECONDS, cluster.keepalive)
+        return server_options(every)
+    every = min(every, cluster.keepalive)
     return server_options(every, ping_every=cluster.keepalive, timeout=cluster.keepalive_timeout)
 
 
@@ -841,7 +845,10 @@ class SluiceServer:
         token of the auth file (or none) must not get around TLS or mutual TLS there."""
         if self.tls is None or self._rate_service is None:
             return
-        loopback = grpc.aio.server(options=[("grpc.so_reuseport", 0), *self.config.security.grpc_options()])
+        loopback = grpc.aio.server(
+            # the source's LiveRateCap pings it (keepalive.node_channel_options)
+            options=[("grpc.so_reuseport", 0), *self.config.security.grpc_options(), *ping_options(None)]
+        )
         add_parsed_servicer(
             loopback, self._rate_service, "RateControl", authenticator=self.auth.internal_calls()
         )

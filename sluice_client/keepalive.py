@@ -49,6 +49,19 @@ def channel_options(every: float, timeout: float, *, without_calls: bool = False
     ]
 
 
+def node_channel_options() -> list[tuple[str, int]]:
+    """Options of a channel that the Spark side keeps or opens to a receiver node or a Sluice server: the
+    cluster driver's (node rates, planning, releases), its query's planning worker and Spark's executors
+    (ReadBlocks), the live rate's (LiveRateCap). They ping as peers ping each other (PEER_KEEPALIVE_SECONDS,
+    PEER_KEEPALIVE_TIMEOUT_SECONDS), while no call is open too: a node gone without a FIN, or a flow a NAT
+    dropped, fails the calls on it UNAVAILABLE within their sum and the channel connects anew, rather than
+    an executor's read waiting out its deadline (300 s) and a kept channel timing out every call for as
+    long as the kernel keeps the dead connection (about 15 minutes of retransmits; for ever when a
+    middlebox still acknowledges its packets). Every server of this service takes
+    such pings (server_options with clients_every at most PEER_KEEPALIVE_SECONDS)."""
+    return channel_options(PEER_KEEPALIVE_SECONDS, PEER_KEEPALIVE_TIMEOUT_SECONDS, without_calls=True)
+
+
 def server_options(
     clients_every: float, *, ping_every: float | None = None, timeout: float = PEER_KEEPALIVE_TIMEOUT_SECONDS
 ) -> list[tuple[str, int]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import http.server
 import json
 import math
@@ -72,6 +73,95 @@ async def running_server(
         yield server
     finally:
         await server.stop(grace=1)
+
+
+@dataclasses.dataclass
+class _Flow:
+    """One connection through a Proxy: the client's side and the upstream's."""
+
+    writers: tuple[asyncio.StreamWriter, asyncio.StreamWriter]
+    dropped: bool = False
+    """Nothing more is forwarded either way (read and dropped): the flow a NAT or firewall forgot."""
+    down: int = 0
+    """Bytes forwarded from the upstream to the client."""
+
+
+class Proxy:
+    """A TCP proxy to `upstream` on a free loopback port, to cut a connection without a FIN or RST (a
+    host powered off, a network cut, a NAT or firewall that dropped the flow): what comes in on such a
+    connection, either way, is read and dropped, and the connection stays open.
+
+    `frozen = True`: every connection, new ones too (the upstream's host is gone); cut(): the
+    connections open now, while new ones are forwarded (a NAT that forgot its flows); `stall_after`:
+    each connection once it has forwarded that many bytes to its client (a cut in the middle of a
+    long answer)."""
+
+    def __init__(self, upstream: str, *, stall_after: int | None = None) -> None:
+        self.upstream = upstream
+        self.frozen = False
+        self.stall_after = stall_after
+        self.server: asyncio.Server | None = None
+        self.flows: list[_Flow] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        host, port = self.upstream.rsplit(":", 1)
+        try:
+            up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        except OSError:  # the node is not up yet: the caller retries
+            writer.close()
+            return
+        flow = _Flow((writer, up_writer))
+        self.flows.append(flow)
+        for task in (
+            self._pump(flow, reader, up_writer, down=False),
+            self._pump(flow, up_reader, writer, down=True),
+        ):
+            pump = asyncio.create_task(task)
+            self._tasks.add(pump)
+            pump.add_done_callback(self._tasks.discard)
+
+    async def _pump(
+        self, flow: _Flow, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, down: bool
+    ) -> None:
+        with contextlib.suppress(OSError):
+            while data := await reader.read(65536):
+                if self.frozen or flow.dropped:
+                    continue  # dropped: the far side neither answers nor closes
+                if down and self.stall_after is not None:
+                    data = data[: max(0, self.stall_after - flow.down)]
+                    flow.down += len(data)
+                    flow.dropped = flow.down >= self.stall_after
+                writer.write(data)
+                await writer.drain()
+
+    def cut(self) -> None:
+        """The connections open now forward nothing more, either way, and stay open; new ones are
+        forwarded."""
+        for flow in self.flows:
+            flow.dropped = True
+
+    def thaw(self) -> None:
+        """The network is back: the connections frozen or cut meanwhile are reset (their peers
+        reconnect)."""
+        self.frozen = False
+        for flow in self.flows:
+            for writer in flow.writers:
+                writer.close()
+        self.flows.clear()
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for flow in self.flows:
+            for writer in flow.writers:
+                writer.close()
+        if self.server is not None:
+            self.server.close()
 
 
 def free_ports(n: int) -> list[int]:

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ingest.server import SluiceServer
 from receivers.cluster import Cluster, ClusterConfigError, Node
 from sluice_client.keepalive import channel_options
-from tests.support import loopback_cluster, running_server, wait_until
+from tests.support import Proxy, loopback_cluster, running_server, wait_until
 
 KEEPALIVE = 0.2
 TIMEOUT = 1.0
@@ -40,59 +40,6 @@ async def started(tmp_path: Path, clusters: list[Cluster]) -> AsyncIterator[dict
                 running_server(tmp_path / f"node{cluster.me.id}", "s", cluster=cluster, port=port)
             )
         yield servers
-
-
-class Proxy:
-    """A TCP proxy to `upstream` on a free loopback port; freeze() makes it a black hole: every
-    connection stays open and what comes in either way is read and dropped (a peer that stops
-    answering, no FIN, no RST)."""
-
-    def __init__(self, upstream: str) -> None:
-        self.upstream = upstream
-        self.frozen = False
-        self.server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._writers: list[asyncio.StreamWriter] = []
-
-    async def start(self) -> str:
-        self.server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        return f"127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        host, port = self.upstream.rsplit(":", 1)
-        try:
-            up_reader, up_writer = await asyncio.open_connection(host, int(port))
-        except OSError:  # the node is not up yet: the caller retries
-            writer.close()
-            return
-        self._writers += [writer, up_writer]
-        for task in (self._pump(reader, up_writer), self._pump(up_reader, writer)):
-            pump = asyncio.create_task(task)
-            self._tasks.add(pump)
-            pump.add_done_callback(self._tasks.discard)
-
-    async def _pump(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError):
-            while data := await reader.read(65536):
-                if self.frozen:
-                    continue  # dropped: the far side neither answers nor closes
-                writer.write(data)
-                await writer.drain()
-
-    def thaw(self) -> None:
-        """The network is back: the connections frozen meanwhile are reset (their peers reconnect)."""
-        self.frozen = False
-        for writer in self._writers:
-            writer.close()
-        self._writers.clear()
-
-    async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        for writer in self._writers:
-            writer.close()
-        if self.server is not None:
-            self.server.close()
 
 
 def test_the_peer_keepalive_is_checked() -> None:

@@ -84,6 +84,7 @@ from receivers.cluster import (
 )
 from receivers.names import check_stream_name
 from sluice_client.credentials import Credentials, CredentialsError
+from sluice_client.keepalive import node_channel_options
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
@@ -134,6 +135,10 @@ _READ_CHANNEL = (
     ("grpc.max_receive_message_length", -1),
     # gRPC's connect deadline is the larger of the reconnect backoff and this minimum (default 20 s)
     ("grpc.min_reconnect_backoff_ms", round(CONNECT_TIMEOUT * 1000)),
+    # a holder that stops answering on an open connection (its host down, the network cut, a flow a NAT
+    # dropped) fails the read UNAVAILABLE within the peers' keepalive and its timeout (20 s), and the task
+    # goes on from the next holder: before, it waited out READ_TIMEOUT (300 s)
+    *node_channel_options(),
 )
 
 _UNREACHABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
@@ -661,7 +666,11 @@ class BlocksClient:
         """The driver's id, sent with ListPartitions and ReleaseBlocks: the nodes hold them to one driver."""
         self.fenced: str | None = None
         """Why a node refused this driver (another holds it): the driver stops."""
-        self._channels = {n: credentials.sync_channel(t) for n, t in self.nodes.items()}
+        # kept from batch to batch: a connection gone without a FIN is closed by keepalive and the next
+        # call connects anew (before, each call timed out on it, the node's partitions read from copies)
+        self._channels = {
+            n: credentials.sync_channel(t, node_channel_options()) for n, t in self.nodes.items()
+        }
         self._stubs = {n: pb_grpc.BlocksStub(c) for n, c in self._channels.items()}
         self._pool = ThreadPoolExecutor(min(32, len(self.nodes)), thread_name_prefix="sluice-blocks")
         self._failing: set[int] = set()  # nodes whose last ListPartitions failed: logged once per outage

@@ -24,6 +24,7 @@ import math
 import grpc
 
 from sluice_client.credentials import Credentials
+from sluice_client.keepalive import node_channel_options
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
@@ -40,7 +41,9 @@ class LiveRateCap:
         self._failing = False  # the last call had no answer: report the outage once, not every batch
         credentials = credentials or Credentials()
         self._metadata = credentials.metadata
-        self._channel = credentials.sync_channel(target)
+        # keepalive: a server gone without a FIN (or a flow a NAT dropped) is noticed and the channel
+        # connects anew, rather than every batch's call timing out on the dead connection
+        self._channel = credentials.sync_channel(target, node_channel_options())
         self._stub = pb_grpc.RateControlStub(self._channel)
         self._timeout = timeout
         self._last: int | None = None
