@@ -7,7 +7,8 @@ their seqs and offsets. Now damage to acked blocks stops the start as on a singl
 --accept-wal-damage), or with the flag is recorded and gone past, keeping every acked block that
 survives; damage in blocks never acked goes with them. A follower's copy of another node's log is not
 the flag's: a damaged copy is refused naming what to do, untouched, and taken again once moved aside.
-Real logs damaged on disk, real nodes (in process, and `sluice serve --role receiver`)."""
+Real logs damaged on disk, real nodes (in process, and `sluice serve --role receiver`). And, on a
+single server too, the backlog leaves out the records recorded as lost."""
 
 from __future__ import annotations
 
@@ -319,6 +320,27 @@ async def _read(target: str, owner: int, end: int) -> list[bytes]:
             if asyncio.get_running_loop().time() > deadline:
                 raise
             await asyncio.sleep(0.2)
+
+
+# ---- the backlog ---------------------------------------------------------------------------------
+
+
+async def test_the_backlog_leaves_out_records_recorded_as_lost(tmp_path: Path) -> None:
+    """Blocks 4, 5 (records 80..119 of 240) gone past with --accept-wal-damage: they can never be read.
+    Before, the backlog (sluice streams list, the status page) counted them, 240, until Spark passed
+    the gap; now 200, the records there are to read."""
+    paths = rolled(tmp_path / "data" / "blocks")
+    paths[2].unlink()
+
+    async with running_server(tmp_path / "data", "s", accept_wal_damage=("s",)) as server:
+        assert server.stream_backlog("s") == 200
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            view = await pb_grpc.AdminStub(channel).ListStreams(pb.ListStreamsRequest())
+        assert {s.stream: s.backlog for s in view.streams}["s"] == 200
+        server.committed["s"] = 60  # Spark read 0..59: left are 60..79 and 120..239
+        assert server.stream_backlog("s") == 140
+        server.committed["s"] = 100  # past the gap's start: 120..239
+        assert server.stream_backlog("s") == 120
 
 
 async def test_a_log_cut_short_of_its_committed_seq_goes_on_from_the_copies_once_moved_aside(
