@@ -568,6 +568,9 @@ class WalBlockStore(BlockStore):
         self.direct_io = direct_io
         self.gaps = gaps
         self.accept_damage = frozenset(check_stream_name(s) for s in accept_damage)
+        self._acked_below: dict[str, int] = {}
+        """Stream -> the committed seq of a cluster's owner while _check_below recovers its log: blocks
+        below it were acked, under the interval policy too (a sound one after a bad frame is damage)."""
         self._accepted: dict[str, list[LostBlocks]] = {}
         """Stream -> the losses this process accepted or warned of as recorded ones (not warned about
         again: a cluster's owner recovers twice at its start, truncate_from and its receiver)."""
@@ -959,6 +962,7 @@ class WalBlockStore(BlockStore):
         stats = self.stream_stats(stream)
         frames_before = stats.frames_recovered
         accepted: set[tuple[int, str, int]] = set()
+        self._acked_below[stream] = seq
         try:
             while True:
                 stats.frames_recovered = frames_before  # counted by the recovery after the cut
@@ -980,6 +984,7 @@ class WalBlockStore(BlockStore):
                     return
         finally:
             stats.frames_recovered = frames_before
+            self._acked_below.pop(stream, None)
 
     def _refuse_short_end(self, stream: str, folder: Path, writer: _Writer, seq: int) -> None:
         """DamagedLogError (that accept_damage cannot go past) when the log holds blocks but ends before
@@ -1610,10 +1615,14 @@ class WalBlockStore(BlockStore):
         the last frame alone: a bad frame with sound ones after it is damage (a bad sector, a stray
         write), and cutting there would delete acked blocks that are intact. (Under "interval" or
         "off" the frames after the last fsync were never acked and a power loss may leave them in any
-        state: cut as before, in the newest segment; _refuse_lost_blocks refuses an older one's.)"""
-        if self.fsync.mode != "every-block" or bad >= _file_size(path):
+        state: cut as before, in the newest segment; _refuse_lost_blocks refuses an older one's. But
+        not those below the committed seq of a cluster's owner, _check_below's `acked_below`: acked.)"""
+        acked_below = self._acked_below.get(stream)
+        if bad >= _file_size(path) or (self.fsync.mode != "every-block" and acked_below is None):
             return
         intact = [f.header for f in _intact_after(path, bad, last_seq)]
+        if self.fsync.mode != "every-block":
+            intact = [h for h in intact if acked_below is not None and h.seq < acked_below]
         if intact:
             move = f"it and every later segment ({1 + len(later)} files)" if later else "it"
             lost_from = max(frames[-1].header.seq + 1 if frames else name_seq, expect.released_seq)

@@ -27,6 +27,7 @@ from test_wal import damage_older_segment, expected, fill, frame_starts, rolled,
 from test_wal_accept_damage import without
 
 from receivers.cluster import Cluster
+from receivers.config import FsyncPolicy
 from receivers.replica_store import ReplicaStore
 from receivers.replication import truncate_uncommitted, write_committed
 from receivers.wal import HEADER, LOST_FILE, DamagedLogError, WalBlockStore
@@ -89,12 +90,18 @@ def test_damage_to_acked_blocks_stops_the_cut_or_is_gone_past_keeping_them(tmp_p
     assert WalBlockStore(root).recover("s") == (7, 140)  # a later start without the flag serves
 
 
-def test_a_bad_frame_before_unacked_ones_is_gone_past_without_keeping_them(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fsync", ["every-block", "interval:50"])
+def test_a_bad_frame_before_unacked_ones_is_gone_past_without_keeping_them(
+    tmp_path: Path, fsync: str
+) -> None:
     """One segment, blocks 0..5, block 2's frame bad, blocks 3 acked and 4, 5 not. The flag keeps the
-    sound frames after a bad one (moved to a segment of their own): before, the unacked 4 and 5 were
-    kept too (their producers had resent them: read twice); without the cut checking first, block 2
-    was cut as a torn tail once the cut removed 3..5, and the log went on at block 2."""
-    store = WalBlockStore(tmp_path)
+    sound frames after a bad one (moved to a segment of their own): the unacked 4 and 5 were kept too
+    (their producers had resent them: read twice); without the cut checking first, block 2 was cut as
+    a torn tail once the cut removed 3..5, and the log went on at block 2. Under the interval policy a
+    bad frame in the newest segment is a torn tail, sound frames after it or not (never acked: written
+    after the last fsync), but not one before a block the node committed: acked, so durable."""
+    policy = FsyncPolicy.parse(fsync)
+    store = WalBlockStore(tmp_path, fsync=policy)
     fill(store, 6)  # 3 records a block
     store.close()
     segment = segments(tmp_path)[0]
@@ -103,8 +110,9 @@ def test_a_bad_frame_before_unacked_ones_is_gone_past_without_keeping_them(tmp_p
     segment.write_bytes(bytes(data))
     committed = committed_at(tmp_path, 4)
     with pytest.raises(DamagedLogError, match="--accept-wal-damage s"):
-        truncate_uncommitted(WalBlockStore(tmp_path), ["s"], committed)
-    store = WalBlockStore(tmp_path, accept_damage=["s"])
+        truncate_uncommitted(WalBlockStore(tmp_path, fsync=policy), ["s"], committed)
+    assert segment.read_bytes() == bytes(data)  # nothing cut
+    store = WalBlockStore(tmp_path, fsync=policy, accept_damage=["s"])
     truncate_uncommitted(store, ["s"], committed)
     assert lost(tmp_path) == [(2, 3, 6, 9)]
     assert store.recover("s") == (4, 12)
