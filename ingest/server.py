@@ -690,12 +690,14 @@ class SluiceServer:
                 log.info("stream %s drained: every acked record was processed; removed", stream)
 
     def stream_backlog(self, stream: str) -> int:
-        """Records of `stream` in the log past what Spark committed (as far as this run knows)."""
+        """Records of `stream` in the log past what Spark committed (as far as this run knows), but
+        those recorded as lost (a start with --accept-wal-damage went on without them): they can never
+        be read, and counted, the backlog stayed up by them until Spark passed the gap."""
         extent = self.store.extent(stream)
         if extent is None:
             return 0
         start = max(extent[0], self.committed.get(stream, 0))
-        return max(0, extent[1] - start)
+        return max(0, extent[1] - start - self.store.lost_records(stream, start, extent[1]))
 
     @property
     def transport(self) -> str:

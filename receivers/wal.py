@@ -568,8 +568,12 @@ class WalBlockStore(BlockStore):
         self.direct_io = direct_io
         self.gaps = gaps
         self.accept_damage = frozenset(check_stream_name(s) for s in accept_damage)
+        self._acked_below: dict[str, int] = {}
+        """Stream -> the committed seq of a cluster's owner while _check_below recovers its log: blocks
+        below it were acked, under the interval policy too (a sound one after a bad frame is damage)."""
         self._accepted: dict[str, list[LostBlocks]] = {}
-        """Stream -> the losses this process accepted (not warned about again as recorded ones)."""
+        """Stream -> the losses this process accepted or warned of as recorded ones (not warned about
+        again: a cluster's owner recovers twice at its start, truncate_from and its receiver)."""
         self._writers: dict[str, _Writer] = {}
         self._writers_lock = threading.Lock()
         self._index: dict[Path, _SegmentIndex] = {}
@@ -909,12 +913,17 @@ class WalBlockStore(BlockStore):
     def truncate_from(self, stream: str, seq: int) -> tuple[int, int]:
         """Drop the blocks of `stream` with seq >= `seq` (never acked ones, on a restart of their owner:
         receivers.replication); return (blocks, records) dropped. The stream's writer is closed: the next
-        recover() (or write) rebuilds its state, producers table included, from what is left."""
+        recover() (or write) rebuilds its state, producers table included, from what is left.
+
+        The blocks below `seq` (acked) are checked first, as recovery checks them (_check_below):
+        damage to them raises DamagedLogError, or under accept_damage is gone past and recorded; damage
+        from `seq` on is cut with the blocks it is in."""
         folder = self._folder(stream)
         self._drop_writer(stream)
         blocks = records = 0
         if not folder.is_dir():
             return 0, 0
+        self._check_below(stream, folder, seq)
         cut: list[tuple[Path, int]] = []
         # the newest first, and those segments' deletion durable before an older one is cut: a crash
         # midway leaves a log that ends early, never one with blocks missing before later ones (which
@@ -938,6 +947,83 @@ class WalBlockStore(BlockStore):
             for key in [k for k in self._index if k.parent == folder]:
                 del self._index[key]
         return blocks, records
+
+    def _check_below(self, stream: str, folder: Path, seq: int) -> None:
+        """Recover the log of `stream` as far as block `seq`, before truncate_from cuts it there. Damage
+        to a block below `seq` (acked) stops it with DamagedLogError, as it stops recovery, or for a
+        stream of accept_damage is recorded as lost and mended (_accept); the first damage from `seq`
+        on is in blocks never acked, all of them past it too: a damaged segment is cut at its bad frame
+        here, and truncate_from drops the rest. Checked after the cut instead, the damage had lost what
+        gave it away: with the later segments gone, an older segment's bad tail or a bad frame was the
+        newest segment's torn tail (cut with a WARNING), a segment deleted the log's end, and new
+        blocks were numbered over acked ones. Under --fsync off nothing is refused (as in recovery)."""
+        if self.fsync.mode == "off":
+            return
+        stats = self.stream_stats(stream)
+        frames_before = stats.frames_recovered
+        accepted: set[tuple[int, str, int]] = set()
+        self._acked_below[stream] = seq
+        try:
+            while True:
+                stats.frames_recovered = frames_before  # counted by the recovery after the cut
+                try:
+                    writer = self._recover(stream, folder)
+                except DamagedLogError as exc:
+                    damage = exc.damage
+                    if damage is not None and damage.first_seq >= seq:
+                        if damage.segment is not None:
+                            self._cut_uncommitted(stream, folder, damage)
+                        return
+                    if stream not in self.accept_damage or damage is None or damage.key in accepted:
+                        raise
+                    accepted.add(damage.key)
+                    if not self._accept(stream, folder, damage):
+                        raise
+                else:
+                    self._refuse_short_end(stream, folder, writer, seq)
+                    return
+        finally:
+            stats.frames_recovered = frames_before
+            self._acked_below.pop(stream, None)
+
+    def _refuse_short_end(self, stream: str, folder: Path, writer: _Writer, seq: int) -> None:
+        """DamagedLogError (that accept_damage cannot go past) when the log holds blocks but ends before
+        block `seq`, which its owner committed: the blocks between were acked and are gone from the
+        log's end (its newest segments deleted, or a tail cut as torn that was durable). Numbered from
+        the end, new blocks took seqs and offsets of acked blocks its followers hold, without a word;
+        and where the next block begins is not known here, so the log cannot go on past them. A log
+        without segments is a lost one, which the node goes on from its followers' copies
+        (ingest.receiver_node's continue_logs)."""
+        if writer.next_seq >= seq or not self._segments(folder):
+            return
+        first = writer.next_seq
+        raise DamagedLogError(
+            f"stream {stream!r}: the log in {folder} ends at block {first} (offset {writer.next_offset}), "
+            f"but this node committed (acked) the blocks up to {seq - 1}: {_span('block', first, seq - 1)} "
+            f"{_are(first, seq - 1)} gone from the end of the log (its newest segments deleted or "
+            "damaged). Numbered from there, new blocks would take the seqs and offsets of acked blocks "
+            "its followers hold, and where the next block begins is not known here, so --accept-wal-damage "
+            "does not go past this. Restore the missing segments (a backup, or this node's blocks "
+            "from a follower's copy, DATA_DIR/replicas/<this node's id>/"
+            f"{stream}/ on that node), or move every segment of the stream out of {folder} and start "
+            "again: the node then goes on from its followers' copies as after a lost log "
+            "(docs/cluster.md)"
+        )
+
+    def _cut_uncommitted(self, stream: str, folder: Path, damage: _Damage) -> None:
+        """Cut the segment `damage` names at its bad frame: that block and every one after it were
+        never acked (truncate_from drops them)."""
+        segment = damage.segment
+        assert segment is not None
+        with open(segment, "r+b") as file:
+            file.truncate(damage.bad)
+            os.fsync(file.fileno())
+        self._forget_index(folder, set())
+        log.warning(
+            "stream %r: %s, in blocks never committed (never acked): cut with them",
+            stream,
+            damage.where,
+        )
 
     def released_offset(self, stream: str) -> int:
         """The record offset after the last block released so far (0: none)."""
@@ -1332,6 +1418,7 @@ class WalBlockStore(BlockStore):
         with self._index_lock:
             for key in [k for k in self._index if k.parent == folder]:
                 del self._index[key]
+        next_seq, next_offset = self._past_recorded_loss(stream, next_seq, next_offset)
         writer = _Writer(folder, next_seq, next_offset, producers, newest_path, newest_size)
         writer.durable_seq = next_seq
         writer.folder_id = _path_id(folder)
@@ -1528,10 +1615,14 @@ class WalBlockStore(BlockStore):
         the last frame alone: a bad frame with sound ones after it is damage (a bad sector, a stray
         write), and cutting there would delete acked blocks that are intact. (Under "interval" or
         "off" the frames after the last fsync were never acked and a power loss may leave them in any
-        state: cut as before, in the newest segment; _refuse_lost_blocks refuses an older one's.)"""
-        if self.fsync.mode != "every-block" or bad >= _file_size(path):
+        state: cut as before, in the newest segment; _refuse_lost_blocks refuses an older one's. But
+        not those below the committed seq of a cluster's owner, _check_below's `acked_below`: acked.)"""
+        acked_below = self._acked_below.get(stream)
+        if bad >= _file_size(path) or (self.fsync.mode != "every-block" and acked_below is None):
             return
         intact = [f.header for f in _intact_after(path, bad, last_seq)]
+        if self.fsync.mode != "every-block":
+            intact = [h for h in intact if acked_below is not None and h.seq < acked_below]
         if intact:
             move = f"it and every later segment ({1 + len(later)} files)" if later else "it"
             lost_from = max(frames[-1].header.seq + 1 if frames else name_seq, expect.released_seq)
@@ -1546,13 +1637,22 @@ class WalBlockStore(BlockStore):
                 last_seq=last_seq,
                 next_segment=later[0] if later else None,
             )
-            raise DamagedLogError(
+            found = (
                 f"stream {stream!r}: the log segment {path} is damaged at byte {bad:,} (the block after "
                 f"seq {last_seq}) and {len(intact)} intact "
                 + ("block follows" if len(intact) == 1 else "blocks follow")
                 + f" it ({_span('seq', intact[0].seq, intact[-1].seq)}): not the torn tail a crash "
-                "leaves, but damage to acknowledged "
-                "blocks, so it is not cut. Keep a copy of the segment, then restore it (a backup, a "
+                "leaves, but damage to acknowledged blocks, so it is not cut. "
+            )
+            if self.gaps:  # a copy of another node's log (receivers.replica_store): not --accept-wal-damage's
+                raise DamagedLogError(
+                    found + "This is a copy of another node's log, which --accept-wal-damage (for this "
+                    f"node's own log) does not touch: move the copy's folder, {path.parent}, out of "
+                    f"{path.parent.parent} and this node takes a new copy from its owner (keep it until "
+                    "the owner's log is known sound: it may hold acked blocks no other node does)",
+                )
+            raise DamagedLogError(
+                found + "Keep a copy of the segment, then restore it (a backup, a "
                 f"replica's copy), or move {move} out of the folder and start again: their blocks are "
                 "then lost, and the log goes on after the blocks before it; or start once with "
                 f"--accept-wal-damage {stream} to go on without the damaged blocks alone, keeping the "
@@ -1650,6 +1750,28 @@ class WalBlockStore(BlockStore):
         except OSError as exc:
             raise self._bad_lost_file(stream, path, f"cannot be read ({exc.strerror})") from None
 
+    def lost_records(self, stream: str, first_offset: int, end_offset: int) -> int:
+        """How many records of [first_offset, end_offset) of `stream` are recorded as lost (LOST_FILE):
+        never to be read, so no backlog. A loss whose end is not known counts nothing; so does a
+        LOST_FILE that cannot be read (the start that needs it says so)."""
+        if end_offset <= first_offset or not (self._folder(stream) / LOST_FILE).exists():
+            return 0
+        try:
+            recorded = self.lost_blocks(stream)
+        except LostFileError:
+            return 0
+        spans = sorted(
+            (max(r.first_offset, first_offset), min(r.end_offset, end_offset))
+            for r in recorded
+            if r.end_offset is not None
+        )
+        lost = at = 0
+        for lo, hi in spans:  # ranges recorded twice (or overlapping) count once
+            if hi > max(lo, at):
+                lost += hi - max(lo, at)
+                at = hi
+        return lost
+
     def _bad_lost_file(self, stream: str, path: Path, why: str) -> LostFileError:
         return LostFileError(
             f"{path} (the blocks of stream {stream!r} that a start with --accept-wal-damage went on "
@@ -1678,7 +1800,21 @@ class WalBlockStore(BlockStore):
                 ", ".join(sorted({r.at for r in named if r.at})) or "earlier",
                 self._folder(stream) / LOST_FILE,
             )
+            self._accepted.setdefault(stream, []).extend(named)
         return True
+
+    def _past_recorded_loss(self, stream: str, next_seq: int, next_offset: int) -> tuple[int, int]:
+        """(next seq, next offset) past every block recorded as lost whose end is known: the log may end
+        inside such a gap (a cluster's owner cut the blocks after it, never acked: truncate_from), and
+        the lost blocks' seqs and offsets were given (acked, held by its followers). A LOST_FILE that
+        cannot be read changes nothing here (the gap checks refuse it where they need it)."""
+        if not (self._folder(stream) / LOST_FILE).exists():
+            return next_seq, next_offset
+        with contextlib.suppress(LostFileError):
+            for lost in self.lost_blocks(stream):
+                if lost.end_seq > next_seq and lost.end_offset is not None:
+                    next_seq, next_offset = lost.end_seq, max(next_offset, lost.end_offset)
+        return next_seq, next_offset
 
     def _accept(self, stream: str, folder: Path, damage: _Damage) -> bool:
         """Go on past `damage` (a stream of accept_damage), keeping every sound block after it: keep a

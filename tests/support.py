@@ -44,6 +44,7 @@ async def running_server(
     max_message_bytes: int | None = None,
     rate: RateConfig | None = None,
     health_port: int | None = None,
+    accept_wal_damage: tuple[str, ...] = (),
     **receiver: Any,
 ) -> AsyncIterator[SluiceServer]:
     """A SluiceServer without Spark on a free port of `host` (loopback); `receiver` overrides
@@ -64,6 +65,7 @@ async def running_server(
         security=security or SecurityConfig(),
         peer_token_file=peer_token_file,
         health_port=health_port,
+        accept_wal_damage=accept_wal_damage,
         **({} if fsync is None else {"fsync": fsync}),
         **({} if max_message_bytes is None else {"max_message_bytes": max_message_bytes}),
     )

@@ -1,0 +1,401 @@
+"""A damaged block log on a cluster's receiver node. At its start an owner drops the blocks past its
+committed seq (never acked: receivers.replication's truncate_uncommitted, WalBlockStore.truncate_from)
+before its receivers recover the log. That cut checks the blocks below the committed seq first: cut
+first, an older segment's bad tail or a bad frame became the newest segment's torn tail (cut with a
+WARNING) and a deleted segment the log's end, acked blocks were gone without a word and new blocks took
+their seqs and offsets. Now damage to acked blocks stops the start as on a single server (naming it and
+--accept-wal-damage), or with the flag is recorded and gone past, keeping every acked block that
+survives; damage in blocks never acked goes with them. A follower's copy of another node's log is not
+the flag's: a damaged copy is refused naming what to do, untouched, and taken again once moved aside.
+Real logs damaged on disk, real nodes (in process, and `sluice serve --role receiver`). And, on a
+single server too, the backlog leaves out the records recorded as lost."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import grpc
+import pyarrow as pa
+import pytest
+from support import loopback_cluster, running_server, wait_until
+from test_cli import sluice
+from test_wal import damage_older_segment, expected, fill, frame_starts, rolled, segments, values
+from test_wal_accept_damage import without
+
+from receivers.cluster import Cluster
+from receivers.config import FsyncPolicy
+from receivers.replica_store import ReplicaStore
+from receivers.replication import truncate_uncommitted, write_committed
+from receivers.wal import HEADER, LOST_FILE, DamagedLogError, WalBlockStore
+from sluice_client import Producer
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+
+
+def lost(root: Path) -> list[tuple[int, int, int, int | None]]:
+    entries = json.loads((root / "s" / LOST_FILE).read_text())["lost"]
+    return [(e["first_seq"], e["end_seq"], e["first_offset"], e["end_offset"]) for e in entries]
+
+
+def on_disk(root: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in segments(root)}
+
+
+def committed_at(tmp_path: Path, seq: int) -> Path:
+    path = tmp_path / "committed.json"
+    write_committed(path, {"s": seq}, sync=False)
+    return path
+
+
+def damage(paths: list[Path], kind: str) -> tuple[int, int]:
+    """Damage the second segment of a rolled log (blocks 2 and 3 of 20 records each): the blocks lost,
+    [first, end)."""
+    if kind == "missing":
+        paths[1].unlink()
+        return 2, 4
+    damage_older_segment(paths, kind)  # "zeroed-head": block 2 bad, block 3 sound after it
+    return (2, 3) if kind == "zeroed-head" else (3, 4)
+
+
+@pytest.mark.parametrize("kind", ["missing", "truncated", "zeroed-head"])
+def test_damage_to_acked_blocks_stops_the_cut_or_is_gone_past_keeping_them(tmp_path: Path, kind: str) -> None:
+    """Blocks 0..5 committed (acked), 6..11 not, a segment of acked blocks damaged. Before, the cut
+    deleted the later segments first and recovery took what was left for a sound log or a torn tail:
+    the damaged acked blocks were gone without a word (no refusal, nothing recorded) and the log went
+    on at block 2 or 3, seqs and offsets its followers held."""
+    root = tmp_path / "blocks"
+    paths = rolled(root)  # segments 0, 2, 4, ..., 10: two blocks of 20 records each
+    first, end = damage(paths, kind)
+    committed = committed_at(tmp_path, 6)
+    before = on_disk(root)
+    with pytest.raises(DamagedLogError) as refused:
+        truncate_uncommitted(WalBlockStore(root), ["s"], committed)
+    assert "start once with --accept-wal-damage s" in str(refused.value), refused.value
+    assert on_disk(root) == before and not (root / "s" / LOST_FILE).exists()  # nothing cut
+
+    store = WalBlockStore(root, accept_damage=["s"])
+    truncate_uncommitted(store, ["s"], committed)
+    assert lost(root) == [(first, end, 20 * first, 20 * end)]
+    assert store.recover("s") == (6, 120)  # the next block after the acked ones, not over the loss
+    kept = [s for s in range(6) if not first <= s < end]
+    assert [b.seq for b in store.blocks("s")] == kept  # every acked block that survives; none past 5
+    assert values(store) == without(expected(120), 20 * first, 20 * end)
+    fill(store, 1, per_block=20)
+    assert (store.blocks("s")[-1].seq, store.blocks("s")[-1].first_offset) == (6, 120)
+    store.close()
+    assert WalBlockStore(root).recover("s") == (7, 140)  # a later start without the flag serves
+
+
+@pytest.mark.parametrize("fsync", ["every-block", "interval:50"])
+def test_a_bad_frame_before_unacked_ones_is_gone_past_without_keeping_them(
+    tmp_path: Path, fsync: str
+) -> None:
+    """One segment, blocks 0..5, block 2's frame bad, blocks 3 acked and 4, 5 not. The flag keeps the
+    sound frames after a bad one (moved to a segment of their own): the unacked 4 and 5 were kept too
+    (their producers had resent them: read twice); without the cut checking first, block 2 was cut as
+    a torn tail once the cut removed 3..5, and the log went on at block 2. Under the interval policy a
+    bad frame in the newest segment is a torn tail, sound frames after it or not (never acked: written
+    after the last fsync), but not one before a block the node committed: acked, so durable."""
+    policy = FsyncPolicy.parse(fsync)
+    store = WalBlockStore(tmp_path, fsync=policy)
+    fill(store, 6)  # 3 records a block
+    store.close()
+    segment = segments(tmp_path)[0]
+    data = bytearray(segment.read_bytes())
+    data[frame_starts(segment)[2] + HEADER.size + 40] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    committed = committed_at(tmp_path, 4)
+    with pytest.raises(DamagedLogError, match="--accept-wal-damage s"):
+        truncate_uncommitted(WalBlockStore(tmp_path, fsync=policy), ["s"], committed)
+    assert segment.read_bytes() == bytes(data)  # nothing cut
+    store = WalBlockStore(tmp_path, fsync=policy, accept_damage=["s"])
+    truncate_uncommitted(store, ["s"], committed)
+    assert lost(tmp_path) == [(2, 3, 6, 9)]
+    assert store.recover("s") == (4, 12)
+    assert [b.seq for b in store.blocks("s")] == [0, 1, 3]
+    assert values(store) == without(expected(12), 6, 9)
+    store.close()
+
+
+def test_damage_in_blocks_never_acked_goes_with_them(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Block 2's header bad, blocks 2..5 never committed: not refused (nothing acked is damaged), cut
+    with them, nothing recorded as lost. Before, the cut saw no frame past the bad header and cut
+    nothing, and recovery refused the bad frame with sound ones after it."""
+    store = WalBlockStore(tmp_path)
+    fill(store, 6)
+    store.close()
+    segment = segments(tmp_path)[0]
+    data = bytearray(segment.read_bytes())
+    data[frame_starts(segment)[2] + 20] ^= 0xFF  # its payload length
+    segment.write_bytes(bytes(data))
+    store = WalBlockStore(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        truncate_uncommitted(store, ["s"], committed_at(tmp_path, 2))
+    assert "in blocks never committed (never acked): cut with them" in caplog.text
+    assert store.recover("s") == (2, 6) and values(store) == expected(6)
+    assert not (tmp_path / "s" / LOST_FILE).exists() and store.stats.blocks_lost == 0
+
+
+def test_a_loss_across_the_committed_seq_numbers_past_it(tmp_path: Path) -> None:
+    """Blocks 2 and 3 missing, block 2 acked and 3 not: recorded lost together (where block 3 began is
+    known, where an unacked block 3 would end is what numbering needs), the blocks after dropped, and
+    the log goes on at block 4: block 2's seq and offsets are its followers' copy's."""
+    root = tmp_path / "blocks"
+    paths = rolled(root)
+    paths[1].unlink()
+    store = WalBlockStore(root, accept_damage=["s"])
+    truncate_uncommitted(store, ["s"], committed_at(tmp_path, 3))
+    assert lost(root) == [(2, 4, 40, 80)]
+    assert store.recover("s") == (4, 80) and [b.seq for b in store.blocks("s")] == [0, 1]
+    store.close()
+    assert WalBlockStore(root).recover("s") == (4, 80)
+
+
+@pytest.mark.parametrize("accept", [False, True])
+def test_acked_blocks_gone_from_the_end_stop_the_start(tmp_path: Path, accept: bool) -> None:
+    """The newest segment (blocks 10, 11, acked) deleted: the log ends before the committed seq. Before,
+    the start went on at block 10, giving acked blocks' seqs and offsets again. Where block 12 begins is
+    not known here, so the flag does not go past it either."""
+    root = tmp_path / "blocks"
+    paths = rolled(root)
+    paths[-1].unlink()
+    before = on_disk(root)
+    store = WalBlockStore(root, accept_damage=["s"] if accept else [])
+    with pytest.raises(DamagedLogError) as refused:
+        truncate_uncommitted(store, ["s"], committed_at(tmp_path, 12))
+    message = str(refused.value)
+    assert "ends at block 10 (offset 200), but this node committed (acked) the blocks up to 11" in message
+    assert "blocks 10..11 are gone from the end of the log" in message, message
+    assert "replicas/<this node's id>/s/" in message, message
+    assert on_disk(root) == before and not (root / "s" / LOST_FILE).exists()
+    # a log with nothing but blocks never committed past what it holds is no damage
+    truncate_uncommitted(WalBlockStore(root), ["s"], committed_at(tmp_path, 10))
+    assert WalBlockStore(root).recover("s") == (10, 200)
+
+
+# ---- real nodes ----------------------------------------------------------------------------------
+
+
+async def _node_data(tmp_path: Path, records: int, segment_bytes: int) -> tuple[Path, list[Cluster]]:
+    """Node 0 of two (replication 2, min-insync 1: node 1 never runs, node 0 acks alone) after taking
+    `records` records in blocks of 10: its data dir."""
+    clusters = loopback_cluster(2, replication=2, min_insync=1)
+    data_dir = tmp_path / "node0"
+    async with (
+        running_server(
+            data_dir, "s", cluster=clusters[0], port=_port(clusters[0]), segment_bytes=segment_bytes
+        ),
+        Producer(clusters[0].me.target, "s", producer_id="p", linger=0) as producer,
+    ):
+        for i in range(0, records, 10):
+            await producer.send_many([f"r{j}".encode() for j in range(i, i + 10)])
+            await producer.flush(timeout=10)
+    return data_dir, clusters
+
+
+async def test_a_receiver_node_refuses_a_damaged_log_and_goes_on_past_it_with_the_flag(
+    tmp_path: Path,
+) -> None:
+    """`sluice serve --role receiver` on a log with a segment of acked blocks deleted, the blocks after
+    it never committed (a crash before its follower had them): exit 1 naming the blocks and
+    --accept-wal-damage, no traceback. Before, it served: the cut of the uncommitted blocks left the
+    gap at the log's end, and new blocks took the lost blocks' seqs and offsets. In process with the
+    flag, the node serves, records the loss, and numbers new blocks after it."""
+    data_dir, clusters = await _node_data(tmp_path, 200, 4096)
+    blocks = data_dir / "blocks"
+    paths = segments(blocks)
+    assert len(paths) >= 4, paths
+    held = {b.seq: b for b in WalBlockStore(blocks).blocks("s")}
+    gone = range(int(paths[1].stem), int(paths[2].stem))
+    paths[1].unlink()
+    write_committed(data_dir / "committed.json", {"s": gone[-1] + 1}, sync=False)  # later: unacked
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text("".join(f"{n.id} {n.target}\n" for n in clusters[0].nodes))
+    port = clusters[0].me.target.rsplit(":", 1)[1]
+    flags = ["--role", "receiver", "--nodes", str(nodes), "--node-id", "0", "--replication", "2"]
+    flags += [
+        "--stream",
+        "s",
+        "--min-insync",
+        "1",
+        "--port",
+        port,
+        "--metrics-port",
+        "-1",
+        "--data-dir",
+        str(data_dir),
+    ]
+    refused = sluice("serve", *flags, timeout=60)
+    stderr = refused.stderr.decode()
+    assert refused.returncode == 1, stderr
+    assert "cannot start the server: stream 's': " in stderr and "--accept-wal-damage s" in stderr, stderr
+    assert f"between segments {paths[0].name} and {paths[2].name}" in stderr, stderr
+    assert "Traceback" not in stderr, stderr
+
+    async with running_server(
+        data_dir, "s", cluster=clusters[0], port=int(port), segment_bytes=4096, accept_wal_damage=("s",)
+    ) as node:
+        assert node.node is not None
+        local = node.node.local
+        assert [b.seq for b in local.blocks("s")] == [s for s in held if s < gone[0]]
+        async with Producer(clusters[0].me.target, "s", producer_id="q", linger=0) as producer:
+            await producer.send_many([b"after"] * 5)
+            await producer.flush(timeout=10)
+        newest = local.blocks("s")[-1]
+        assert (newest.seq, newest.first_offset) == (gone[-1] + 1, held[gone[-1]].end_offset)
+    first = held[gone[0]]
+    assert lost(blocks) == [(gone[0], gone[-1] + 1, first.first_offset, held[gone[-1]].end_offset)]
+
+
+async def test_a_damaged_copy_is_refused_untouched_by_the_flag_and_taken_again_once_moved(
+    tmp_path: Path,
+) -> None:
+    """A follower's copy of node 0's log with a bad frame before sound ones: --accept-wal-damage is for
+    the node's own log and does not touch it; the copy is refused (its owner's Replicate ends INTERNAL
+    with words that say to move the copy aside, not to use the flag, which did nothing for it), and
+    once moved aside, the follower takes a whole new copy from its owner."""
+    clusters = loopback_cluster(2, replication=2, min_insync=2)
+    want = [f"r{j}".encode() for j in range(60)]
+
+    async with (
+        running_server(tmp_path / "node1", "s", cluster=clusters[1], port=_port(clusters[1])),
+        running_server(tmp_path / "node0", "s", cluster=clusters[0], port=_port(clusters[0])) as node0,
+    ):
+        await wait_until(lambda: bool(node0.node and node0.node.replicator.in_sync()), 15)
+        async with Producer(clusters[0].me.target, "s", producer_id="p", linger=0) as producer:
+            for i in range(0, 60, 10):
+                await producer.send_many(want[i : i + 10])
+                await producer.flush(timeout=10)
+    copy = tmp_path / "node1" / "replicas" / "0"
+    [segment] = segments(copy)
+    starts = frame_starts(segment)
+    assert len(starts) >= 4, starts
+    data = bytearray(segment.read_bytes())
+    data[starts[1] + HEADER.size + 40] ^= 0xFF
+    segment.write_bytes(bytes(data))
+    with pytest.raises(DamagedLogError) as refused:
+        ReplicaStore(tmp_path / "node1" / "replicas").next_seq(0, "s")
+    message = str(refused.value)
+    assert "a copy of another node's log" in message and "--accept-wal-damage (for" in message, message
+    assert "start once with --accept-wal-damage" not in message, message
+    assert f"move the copy's folder, {copy / 's'}, out of {copy}" in message, message
+
+    async with (
+        running_server(
+            tmp_path / "node1", "s", cluster=clusters[1], port=_port(clusters[1]), accept_wal_damage=("s",)
+        ),
+        running_server(tmp_path / "node0", "s", cluster=clusters[0], port=_port(clusters[0])) as node0,
+    ):
+        replicator = node0.node.replicator  # type: ignore[union-attr]
+        await wait_until(lambda: "INTERNAL" in replicator.status(), 15)
+        assert "a copy of another node's log" in replicator.status(), replicator.status()
+        assert not replicator.in_sync()
+    assert segment.read_bytes() == bytes(data) and not (copy / "s" / LOST_FILE).exists()
+
+    shutil.move(copy / "s", tmp_path / "copy-aside")
+
+    async with (
+        running_server(tmp_path / "node1", "s", cluster=clusters[1], port=_port(clusters[1])),
+        running_server(tmp_path / "node0", "s", cluster=clusters[0], port=_port(clusters[0])) as node0,
+    ):
+        replicator = node0.node.replicator  # type: ignore[union-attr]
+        await wait_until(lambda: bool(replicator.in_sync()), 15)
+        assert await _read(clusters[1].me.target, 0, 60) == want
+
+
+def _port(cluster: object) -> int:
+    return int(cluster.me.target.rsplit(":", 1)[1])  # type: ignore[attr-defined]
+
+
+async def _read(target: str, owner: int, end: int) -> list[bytes]:
+    deadline = asyncio.get_running_loop().time() + 15
+    while True:
+        try:
+            async with grpc.aio.insecure_channel(target) as channel:
+                stub = pb_grpc.BlocksStub(channel)
+                found: list[bytes] = []
+                request = pb.ReadBlocksRequest(stream="s", owner=owner, from_offset=0, to_offset=end)
+                async for chunk in stub.ReadBlocks(request):
+                    found.extend(pa.ipc.open_stream(chunk.arrow_ipc).read_all().column("value").to_pylist())
+                return found
+        except grpc.aio.AioRpcError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
+# ---- the backlog ---------------------------------------------------------------------------------
+
+
+async def test_the_backlog_leaves_out_records_recorded_as_lost(tmp_path: Path) -> None:
+    """Blocks 4, 5 (records 80..119 of 240) gone past with --accept-wal-damage: they can never be read.
+    Before, the backlog (sluice streams list, the status page) counted them, 240, until Spark passed
+    the gap; now 200, the records there are to read."""
+    paths = rolled(tmp_path / "data" / "blocks")
+    paths[2].unlink()
+
+    async with running_server(tmp_path / "data", "s", accept_wal_damage=("s",)) as server:
+        assert server.stream_backlog("s") == 200
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            view = await pb_grpc.AdminStub(channel).ListStreams(pb.ListStreamsRequest())
+        assert {s.stream: s.backlog for s in view.streams}["s"] == 200
+        server.committed["s"] = 60  # Spark read 0..59: left are 60..79 and 120..239
+        assert server.stream_backlog("s") == 140
+        server.committed["s"] = 100  # past the gap's start: 120..239
+        assert server.stream_backlog("s") == 120
+
+
+async def test_a_log_cut_short_of_its_committed_seq_goes_on_from_the_copies_once_moved_aside(
+    tmp_path: Path,
+) -> None:
+    """Node 0's newest segment (acked, on node 1 too) deleted: the start stops, the flag or not (before,
+    node 0 numbered new blocks over it). Its segments moved aside as the refusal says, it goes on past
+    node 1's copy, whose records stay readable there."""
+    clusters = loopback_cluster(2, replication=2, min_insync=2)
+    want = [f"r{j}".encode() for j in range(60)]
+
+    async with (
+        running_server(tmp_path / "node1", "s", cluster=clusters[1], port=_port(clusters[1])),
+        running_server(
+            tmp_path / "node0", "s", cluster=clusters[0], port=_port(clusters[0]), segment_bytes=4096
+        ) as node0,
+    ):
+        await wait_until(lambda: bool(node0.node and node0.node.replicator.in_sync()), 15)
+        async with Producer(clusters[0].me.target, "s", producer_id="p", linger=0) as producer:
+            for i in range(0, 60, 10):
+                await producer.send_many(want[i : i + 10])
+                await producer.flush(timeout=10)
+    blocks = tmp_path / "node0" / "blocks"
+    paths = segments(blocks)
+    assert len(paths) >= 3, paths
+    paths[-1].unlink()
+    for accept in ((), ("s",)):
+        with pytest.raises(DamagedLogError, match="gone from the end of the log"):
+            async with running_server(
+                tmp_path / "node0",
+                "s",
+                cluster=clusters[0],
+                port=_port(clusters[0]),
+                accept_wal_damage=accept,
+            ):
+                pass
+    aside = tmp_path / "aside"
+    aside.mkdir()
+    for path in segments(blocks):
+        shutil.move(path, aside / path.name)
+    async with (
+        running_server(tmp_path / "node1", "s", cluster=clusters[1], port=_port(clusters[1])),
+        running_server(tmp_path / "node0", "s", cluster=clusters[0], port=_port(clusters[0])) as node0,
+    ):
+        assert node0.receivers["s"].log_end == (6, 60)  # past the copy's end: nothing given twice
+        await wait_until(lambda: bool(node0.node and node0.node.replicator.in_sync()), 15)
+        async with Producer(clusters[0].me.target, "s", producer_id="q", linger=0) as producer:
+            await producer.send_many([b"after"] * 5)
+            await producer.flush(timeout=10)
+        assert await _read(clusters[1].me.target, 0, 60) == want
