@@ -32,7 +32,7 @@ from tests.support import Proxy, loopback_cluster, running_server, wait_until
 
 GONE_WITHIN = PEER_KEEPALIVE_SECONDS + PEER_KEEPALIVE_TIMEOUT_SECONDS
 """A connection that stops answering is closed this long after its last frame, at most."""
-SLACK = 15.0
+SLACK = 30.0
 """Beyond GONE_WITHIN: the calls' own timeouts, a reconnect, a loaded machine. Still far below the
 300 s an executor's read waited (READ_TIMEOUT), and a kept channel never connected anew at all."""
 
@@ -45,7 +45,7 @@ async def test_a_read_from_a_holder_that_stops_answering_mid_read_ends_within_th
     A read of node 0 alone yields its first records and then fails UNAVAILABLE (PartitionUnreadableError,
     the task's failure that Spark retries) within keepalive + timeout; a read of node 0 then node 1 goes
     on from node 1 at the first record not yet given, every record once. Before, both waited on the
-    open connection until the call's deadline (300 s; 60 here) and failed DEADLINE_EXCEEDED."""
+    open connection until the call's deadline (300 s; 90 here) and failed DEADLINE_EXCEEDED."""
     clusters = loopback_cluster(2, replication=2, min_insync=2)
     proxy = Proxy(clusters[0].me.target, stall_after=2**20)
     through = await proxy.start()
@@ -65,8 +65,8 @@ async def test_a_read_from_a_holder_that_stops_answering_mid_read_ends_within_th
             then_node_1 = RangeSpec("s", 0, 0, len(values), ((0, through), (1, clusters[1].me.target)))
 
             def read(spec: RangeSpec, got: list[pa.RecordBatch]) -> None:
-                # 60 s: a read that still waits then is not ended by keepalive
-                for batch in read_range(spec, Credentials(), timeout=60):
+                # 90 s: a read that still waits then is not ended by keepalive
+                for batch in read_range(spec, Credentials(), timeout=90):
                     got.append(batch)
 
             got_alone: list[pa.RecordBatch] = []
