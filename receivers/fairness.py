@@ -5,9 +5,11 @@ sessions, whatever their producer ids), else the producer id, else the session a
 credit (Receiver._replenish) each owner's demand is what it holds (credit outstanding plus records
 taken and not yet durable) plus what its sessions at low tide want; the stream's buffer (records and
 bytes) is split among the owners by max-min water-filling, and an owner holding its share gets nothing
-more while others want. The round's room and rate tokens are water-filled the same way among the owners
-that want, so many sessions of one owner take one owner's share, and what one owner does not take the
-others get. Pure: no I/O, no clock.
+more while others want. Credit is in whole records: an owner holding nothing may have one even when its
+share is less (more owners than the buffer holds records of theirs), so they take turns, one record
+each as the round's room allows, rather than none of them ever getting any. The round's room and rate
+tokens are water-filled the same way among the owners that want, so many sessions of one owner take one
+owner's share, and what one owner does not take the others get. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -108,9 +110,7 @@ def allocate(
             result.over.add(key)
         if owner.want <= 0:
             continue
-        by_records = share_records[key] - owner.held_records
-        by_bytes = (share_bytes[key] - owner.held_bytes) / owner.record_bytes
-        room[key] = max(0, min(owner.want, math.floor(min(by_records, by_bytes) + 1e-9)))
+        room[key] = _room(owner, share_records[key], share_bytes[key])
     wanted = sum(room.values())
     if wanted <= 0:
         return result
@@ -141,3 +141,17 @@ def allocate(
         if grant > 0:
             result.grants[key] = grant
     return result
+
+
+def _room(owner: OwnerDemand, share_records: float, share_bytes: float) -> int:
+    """Records `owner` may be granted within its shares (and what it wants): at least one while it holds
+    nothing. A share under one whole record (more owners than the buffer holds records, or than its
+    bytes hold records of theirs) floored to 0: no owner ever got credit nor counted as short (so a
+    hoarder of credit was never reclaimed either), and the stream stalled for good with its buffer
+    empty. The round's room (allocate) still bounds what is granted."""
+    by_records = share_records - owner.held_records
+    by_bytes = (share_bytes - owner.held_bytes) / owner.record_bytes
+    fits = math.floor(min(by_records, by_bytes) + 1e-9)
+    if owner.held_records <= 0:
+        fits = max(fits, 1)
+    return max(0, min(owner.want, fits))

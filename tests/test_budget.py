@@ -26,7 +26,7 @@ from ingest.cli import _show_rate
 from ingest.rate_service import rate_status
 from ingest.server import SluiceServer
 from receivers.block import ARRIVAL, PLAIN_SCHEMA
-from receivers.config import FsyncPolicy, ReceiverConfig
+from receivers.config import MIB, FsyncPolicy, ReceiverConfig
 from receivers.receiver import DISK_BUDGET, DISK_ERROR, MEMORY_BUDGET, SERVER_MEMORY
 from receivers.wal import WalBlockStore
 from sluice_client import Producer
@@ -331,6 +331,69 @@ async def test_one_large_record_does_not_starve_the_streams_new_producers(tmp_pa
                 await late.flush(timeout=15)
             for call in idle:
                 call.cancel()
+
+
+@pytest.mark.parametrize(
+    ("case", "producers", "size", "receiver"),
+    [
+        # what a helper once saw: 200 KB records, a 1 MiB budget, 256 KiB messages; the first
+        # producer took the first grant (1,024 records at 1 KiB), finished and stayed open holding
+        # the rest: "0 B buffered + 1024 records of credit outstanding", and no flush ended
+        ("a finished producer holds its first grant", 8, 200_000, {"buffer_bytes": MIB}),
+        # the same producers each closing once flushed: nothing held, nothing paused, no credit
+        ("each closes once flushed", 8, 200_000, {"buffer_bytes": MIB}),
+        ("more producers than the budget holds records", 6, 250_000, {"buffer_bytes": MIB}),
+        # the records bound: 4 records buffered plus credit outstanding among 8 producers
+        ("more producers than buffer_records", 8, 100, {"buffer_records": 4}),
+    ],
+    ids=["hoarder", "closing", "250KB", "records"],
+)
+async def test_producers_whose_fair_share_is_under_one_record_all_get_their_turn(
+    tmp_path: Path, case: str, producers: int, size: int, receiver: dict[str, int]
+) -> None:
+    """Each owner's fair share of the buffer is the buffer split among the owners; floored to whole
+    records, a share under one record was none. With more producers than the budget holds records of
+    theirs (1 MiB among 6 or more producers of 200 KB), no producer got credit, none counted as short
+    of room, so one holding credit unused was never reclaimed either: every flush waited for good. Now
+    an owner holding nothing may have one record, within the stream's room: each gets its turn as
+    blocks are written, the memory budget holds, and every record is stored once, in order."""
+    per_producer, message = 8, 256 * 1024
+    async with running_server(tmp_path, max_message_bytes=message, **receiver) as server:
+        rec = server.receivers["s"]
+        sent = {f"p{i}": records(f"p{i}-", per_producer, size) for i in range(producers)}
+        peak = 0
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, rec.buffered_bytes)
+                await asyncio.sleep(0.001)
+
+        async def run(producer: Producer, values: list[bytes]) -> None:
+            await producer.send_many(values)
+            await producer.flush(timeout=60)  # generous: 0.2-1.5 s here; before, never
+
+        async def one(name: str) -> None:
+            async with Producer(server.target, "s", producer_id=name) as producer:
+                await run(producer, sent[name])
+
+        watcher = asyncio.create_task(watch())
+        try:
+            if case == "a finished producer holds its first grant":
+                async with Producer(server.target, "s", producer_id="p0") as first:
+                    await run(first, sent["p0"])  # the estimate is 200 KB a record from here on
+                    assert first.credit > 0
+                    await asyncio.gather(*(one(name) for name in sent if name != "p0"))
+            else:
+                await asyncio.gather(*(one(name) for name in sent))
+        finally:
+            watcher.cancel()
+        # the budget's bound: one message per session over it at most
+        assert peak <= rec.config.buffer_bytes + producers * message
+    stored = Spark(server.config.blocks_dir).stored()
+    for name, values in sent.items():
+        assert [v for v in stored if v.startswith(f"{name}-".encode())] == values
+    assert len(stored) == producers * per_producer
 
 
 async def test_the_servers_memory_budget_bounds_every_stream_together_and_shares_it(tmp_path: Path) -> None:

@@ -277,3 +277,32 @@ def test_bytes_count_at_each_owners_record_size() -> None:
         free_records=10_000, free_bytes=100_000, tokens=math.inf,
     )  # fmt: skip
     assert got.grants == {"big": 9, "small": 100}  # small: its 10 kB; big: the 90 kB left
+
+
+def test_a_share_under_one_record_still_lets_an_owner_holding_nothing_have_one() -> None:
+    """1 MiB among 8 owners of 200 kB records is 131 kB each, under one record: floored, no owner got
+    credit or counted as short (so a hoarder was never reclaimed), and the stream stalled for good."""
+    size = 200_000.0
+    waiting = {f"o{i}": OwnerDemand(0, 0.0, 500, size, reserve=500) for i in range(8)}
+    order = list(waiting)
+    got = allocate(
+        waiting, order[3:] + order[:3], buffer_records=500_000, buffer_bytes=2**20,
+        free_records=500_000, free_bytes=2**20, tokens=math.inf,
+    )  # fmt: skip
+    # as many records as the room holds, one each, in the round's order; the others are short
+    assert got.grants == {"o3": 1, "o4": 1, "o5": 1, "o6": 1, "o7": 1}
+    assert got.short == {"o0", "o1", "o2"}
+    # an owner holding a record already waits for it to be written: it is over its share
+    holding = {**waiting, "o3": OwnerDemand(1, size, 500, size, reserve=500)}
+    again = allocate(
+        holding, order, buffer_records=500_000, buffer_bytes=2**20,
+        free_records=500_000, free_bytes=2**20 - size, tokens=math.inf,
+    )  # fmt: skip
+    assert "o3" not in again.grants and "o3" in again.over
+    assert sum(again.grants.values()) == 4
+    # the records bound alike: 4 records among 8 owners
+    few = allocate(
+        waiting, order, buffer_records=4, buffer_bytes=math.inf,
+        free_records=4, free_bytes=math.inf, tokens=math.inf,
+    )  # fmt: skip
+    assert few.grants == {"o0": 1, "o1": 1, "o2": 1, "o3": 1}
