@@ -66,6 +66,12 @@ def numbered(stream: str) -> Make:
     return lambda first, n: ([f"{stream}-{first + i}".encode() for i in range(n)], None)
 
 
+SWAP_ACK_PAUSE = 3.0
+"""The longest an ack may wait while a pipeline is swapped (acks never wait for Spark): a few block
+intervals and fsyncs on a loaded 2-core machine, where the swap itself takes 5-15 s. 1.5 s failed once
+at 1.75 s with other test runs on the cores."""
+
+
 class Load:
     """A producer that keeps pushing records (`per_tick` every 20 ms); records when acks arrive."""
 

@@ -47,8 +47,9 @@ async def test_a_read_from_a_holder_that_stops_answering_mid_read_ends_within_th
     on from node 1 at the first record not yet given, every record once. Before, both waited on the
     open connection until the call's deadline (300 s; 90 here) and failed DEADLINE_EXCEEDED."""
     clusters = loopback_cluster(2, replication=2, min_insync=2)
-    proxy = Proxy(clusters[0].me.target, stall_after=2**20)
-    through = await proxy.start()
+    # a proxy for each read: through one, the two reads could share a connection and its 1 MiB
+    proxy, proxy_2 = (Proxy(clusters[0].me.target, stall_after=2**20) for _ in range(2))
+    through, through_2 = await proxy.start(), await proxy_2.start()
     try:
         async with contextlib.AsyncExitStack() as stack:
             for cluster in clusters:
@@ -62,7 +63,7 @@ async def test_a_read_from_a_holder_that_stops_answering_mid_read_ends_within_th
                     await producer.send_many(values[at : at + 2_000])
                     await producer.flush(timeout=60)
             alone = RangeSpec("s", 0, 0, len(values), ((0, through),))
-            then_node_1 = RangeSpec("s", 0, 0, len(values), ((0, through), (1, clusters[1].me.target)))
+            then_node_1 = RangeSpec("s", 0, 0, len(values), ((0, through_2), (1, clusters[1].me.target)))
 
             def read(spec: RangeSpec, got: list[pa.RecordBatch]) -> None:
                 # 90 s: a read that still waits then is not ended by keepalive
@@ -90,6 +91,7 @@ async def test_a_read_from_a_holder_that_stops_answering_mid_read_ends_within_th
             assert table.column("offset").to_pylist() == list(range(len(values)))
     finally:
         await proxy.close()
+        await proxy_2.close()
 
 
 async def test_the_drivers_kept_channels_connect_anew_after_a_dropped_connection(tmp_path: Path) -> None:
