@@ -1298,6 +1298,8 @@ class Receiver:
                 if not self._write_failed(chunks, exc):
                     return False
                 shrunk = True
+                if not any(chunk is last for chunk in self._pending):
+                    last = chunks[-1]  # a block prepared ahead (taken after `last`): it is due too
                 chunks = self._take_pending()  # a smaller block at once: it may fit
                 continue
             except Exception:  # a session's data the log cannot hold must not kill the stream

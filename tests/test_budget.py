@@ -910,10 +910,13 @@ class _Quota:
     def __init__(self, receiver: Any, code: int, room: int | None = None, failing: int = 0) -> None:
         self.write, self.code, self.room, self.failing = receiver.store.write, code, room, failing
         self.sizes: list[int] = []
+        self.first_takes = 0.0  # seconds the first write takes
         receiver.store.write = self
 
     def __call__(self, *args: Any) -> Any:
         self.sizes.append(len(args[4]))
+        if len(self.sizes) == 1:
+            time.sleep(self.first_takes)
         if self.failing or (self.room is not None and len(args[4]) > self.room):
             self.failing = max(0, self.failing - 1)
             raise OSError(self.code, os.strerror(self.code))
@@ -941,6 +944,49 @@ async def test_a_block_over_the_quota_is_cut_down_to_what_fits(tmp_path: Path, c
             assert quota.sizes[before:] == [20], quota.sizes
         assert receiver.stats.block_write_errors == 3
         assert Spark(server.config.blocks_dir).stored() == sent * 2
+
+
+async def test_credit_resumes_only_once_the_block_prepared_ahead_is_written_in_parts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The block prepared during a write (records taken after the seal began) failed for lack of room:
+    one part of it was written and credit resumed with the rest of it still pending, to pause again at
+    the next seal. Credit resumes once every record of the failed block is durable."""
+    async with running_server(tmp_path, block_interval=1.0, block_linger=None, block_records=50) as server:
+        receiver = server.receivers["s"]
+        quota = _Quota(receiver, errno.ENOSPC)
+        quota.first_takes = 0.3  # the rest piles up meanwhile: the next block is prepared ahead
+        end_at_resume: list[int] = []
+        failed_end: list[int] = []
+
+        class Resumed(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                if "credit resumed" in record.getMessage():
+                    end_at_resume.append(receiver.log_end[1])
+
+        def refused(*args: Any) -> Any:
+            quota.room = 3 if quota.sizes else None  # room for the first block, and 3 messages then
+            try:
+                return quota(*args)
+            except OSError:
+                failed_end.append(args[2] + sum(b.num_rows for b in args[4]))
+                raise
+
+        receiver.store.write = refused
+        caplog.set_level(logging.INFO, logger="receivers.receiver")
+        handler = Resumed()
+        logging.getLogger("receivers.receiver").addHandler(handler)
+        try:
+            sent = records("r", 200, 100)
+            async with Producer(server.target, "s", linger=0, batch_size=10) as producer:
+                await producer.send_many(sent)  # 20 messages; a block's worth is 5 (50 records)
+                await producer.flush(timeout=30)
+        finally:
+            logging.getLogger("receivers.receiver").removeHandler(handler)
+        assert quota.sizes[:3] == [5, 5, 2], quota.sizes  # block 1, prepared ahead, is refused
+        assert end_at_resume and failed_end, (end_at_resume, failed_end)
+        assert end_at_resume[0] >= failed_end[0], (end_at_resume, failed_end, quota.sizes)
+        assert Spark(server.config.blocks_dir).stored() == sent
 
 
 async def test_another_write_error_retries_the_whole_block(tmp_path: Path) -> None:
