@@ -37,6 +37,12 @@ Resource budgets (credit pauses). New credit is withheld, for one of three reaso
   released (segments deleted) by Spark's commit in another process. Resumes when Spark releases blocks.
 - disk_error: the last block write failed (ENOSPC, EIO, ...). The records stay buffered and the write is
   retried every block_interval; nothing is acked before it is durable. Resumes once a write succeeds.
+  A write that fails for lack of room (ENOSPC, EDQUOT) is retried at once with half the block's bytes
+  (whole chunks: a chunk is one client message, the smallest block), halved again until a part fits or
+  a single chunk does not; what fits is written and acked. Until a block the cap did not cut short is
+  written, blocks stay within the cap, which doubles with each write that succeeds in a later seal;
+  such a seal writes everything it took, as far as the disk has room, and credit resumes once it has
+  (one ERROR for the first failure, the retries at DEBUG). Other errors retry the whole block.
 
 A write that fails with anything but an OSError may have failed on what was in the block, and no
 session's input may stop the block generator: each producer's records (each anonymous session's) are
@@ -88,6 +94,7 @@ import asyncio
 import bisect
 import contextlib
 import dataclasses
+import errno
 import logging
 import math
 import struct
@@ -142,6 +149,8 @@ batch's metrics ask for its start (the end of the commit before it), and may arr
 commit (they travel on another thread)."""
 _DATA_ERRORS = (ValueError, ArithmeticError, TypeError, LookupError, struct.error, pa.ArrowCapacityError)
 """What a block write raises on records or producer marks it cannot encode, as opposed to a broken store."""
+_NO_ROOM = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""Errnos of a block write that a smaller block may get past: the disk (or the quota) is full."""
 ABORTED = 10
 """gRPC status code a fenced session ends with: a newer session of its producer took over."""
 
@@ -295,8 +304,7 @@ class Receiver:
         self._short_at = -math.inf  # when an owner under its fair share last found no room
         self._over_share: set[str] = set()  # owners holding more than their fair share, last round
         self._pending: list[_Chunk] = []
-        self._pending_records = 0
-        self._pending_bytes = 0
+        self._pending_records = self._pending_bytes = 0
         self._seal_wanted = _SealWanted()
         self._room = asyncio.Event()  # set when the buffer's bytes fall: sessions waiting to read go on
         self._seal_rounds = 0  # seals the block generator has run (written or failed)
@@ -304,8 +312,7 @@ class Receiver:
         self._seal_waiters: list[tuple[int, asyncio.Future[None]]] = []  # (round to wait for, waiter)
         self._last_batch_at = -math.inf  # when a batch last added pending records (clock)
         self._linger: asyncio.TimerHandle | None = None  # the block_linger check, while records pend
-        self._buffered = 0
-        self._buffered_bytes = 0
+        self._buffered = self._buffered_bytes = 0
         self._pool = pool if pool is not None else MemoryPool()
         self._waiting_to_read = 0  # sessions held unread by a full budget (room_to_read)
         self._outstanding = 0
@@ -318,6 +325,11 @@ class Receiver:
         self._disk_used: int | None = None
         self._disk_polled_at = -math.inf
         self._write_error: str | None = None
+        # bytes a block may hold while the disk lacks room for a whole one (None: blocks of normal size):
+        # halved by each write that fails for lack of room, doubled by each that succeeds; a block
+        # holds one message (chunk) at least. _space_cut: the last block taken was cut short by it
+        self._space_cap: int | None = None
+        self._space_cut = False
         self._replication_status = ""
         self._next_block_seq, self._next_offset = store.recover(self.stream)
         self._pool.join(self)  # once recovered: a receiver that failed to start is no member
@@ -1072,9 +1084,19 @@ class Receiver:
                 f"({_size(self._disk_used or 0)} on disk in the block store); resumes when Spark "
                 "releases blocks"
             )
+        return self._write_error_text()
+
+    def _write_error_text(self) -> str:
+        said = (
+            f"writing block {self._next_block_seq} failed: {self._write_error}; {self._buffered} records kept"
+        )
+        if self._space_cap is not None:  # lack of room: what fits is written (_write_failed)
+            return (
+                f"{said} buffered, written in smaller blocks as far as the disk has room and retried every "
+                f"{self.config.block_interval:g} s; resumes when every record taken is written"
+            )
         return (
-            f"writing block {self._next_block_seq} failed: {self._write_error}; {self._buffered} records "
-            f"kept buffered, retried every {self.config.block_interval:g} s; resumes when a write succeeds"
+            f"{said} buffered, retried every {self.config.block_interval:g} s; resumes when a write succeeds"
         )
 
     def _resume_text(self, reason: str) -> str:
@@ -1265,30 +1287,50 @@ class Receiver:
         # log's thread goes from one write to the next; for at most a block interval, so that the
         # block generator's other duties (disk checks, idle sessions) keep their pace
         chain_until = self._clock() + self.config.block_interval
+        shrunk = False  # a block was cut smaller in this seal: it grows again in the next one
         while chunks:
+            written = chunks
             try:
-                chunks = await self._write_block(chunks, ahead=self._clock() < chain_until) or []
+                # no block is prepared ahead while blocks are cut small for a full disk
+                ahead = self._space_cap is None and self._clock() < chain_until
+                chunks = await self._write_block(chunks, ahead=ahead) or []
             except OSError as exc:
-                self._write_failed(chunks, exc)
-                return False
+                if not self._write_failed(chunks, exc):
+                    return False
+                shrunk = True
+                if not any(chunk is last for chunk in self._pending):
+                    last = chunks[-1]  # a block prepared ahead (taken after `last`): it is due too
+                chunks = self._take_pending()  # a smaller block at once: it may fit
+                continue
             except Exception:  # a session's data the log cannot hold must not kill the stream
                 log.exception(
                     "stream %r: block %d could not hold its records; writing each producer's apart",
                     self.stream,
                     self._next_block_seq,
                 )
-                return await self._seal_apart(chunks)
+                sealed = await self._seal_apart(chunks)
+                if sealed and DISK_ERROR in self._paused:  # its writes, under a cap, left the pause on
+                    self._space_cap = None
+                    self._write_succeeded()
+                return sealed
+            if self._space_cap is not None:
+                self._grow_space_cap(written, grow=not shrunk)
             # more than a block's worth was pending: the rest goes on now if a block's worth waits or
-            # someone waits for it; else it starts the next block, with the records that follow
-            wanted = self._block_full() or self._seal_waiters or self._stopping
+            # someone waits for it, or blocks are cut small for a full disk (what this seal took is
+            # written, as far as the disk has room); else it starts the next block, with what follows
+            wanted = self._block_full() or self._seal_waiters or self._stopping or self._space_cap is not None
             if not chunks and wanted and any(chunk is last for chunk in self._pending):
                 chunks = self._take_pending()
+        if DISK_ERROR in self._paused:  # written in smaller blocks: every record due is durable
+            self._write_succeeded()
         return True
 
     def _take_pending(self) -> list[_Chunk]:
         """The pending chunks, oldest first, until a block's worth (`seal_at` records or `seal_bytes`:
         at most one chunk, one message, more): however far the log falls behind, a block (and the log's
         frame buffers, kept at the largest block's size) stays that size; the rest waits for the next."""
+        if self._space_cap is not None:
+            return self._take_within(self._space_cap)
         pending, cap_records, cap_bytes = self._pending, self.config.seal_at, self.config.seal_bytes
         if self._pending_records < cap_records and self._pending_bytes < cap_bytes:
             self._pending = []
@@ -1305,6 +1347,36 @@ class Receiver:
         self._pending_records -= records
         self._pending_bytes -= nbytes
         return chunks
+
+    def _take_within(self, limit: int) -> list[_Chunk]:
+        """As _take_pending, but at most `limit` bytes (and one chunk, one message, at least): a block
+        cut small for a full disk. Sets _space_cut: whether the limit cut it short."""
+        pending, cap_records, cap_bytes = self._pending, self.config.seal_at, self.config.seal_bytes
+        cut, records, nbytes = 0, 0, 0
+        self._space_cut = False
+        for chunk in pending:
+            if cut and (records >= cap_records or nbytes >= cap_bytes):
+                break
+            if cut and nbytes + chunk.nbytes > limit:
+                self._space_cut = True
+                break
+            cut += 1
+            records += chunk.records.num_rows
+            nbytes += chunk.nbytes
+        chunks, self._pending = pending[:cut], pending[cut:]
+        self._pending_records -= records
+        self._pending_bytes -= nbytes
+        return chunks
+
+    def _grow_space_cap(self, written: list[_Chunk], *, grow: bool) -> None:
+        """A block cut small for a full disk was written: the next may be twice as large (if `grow`:
+        not after a write that failed in the same seal, as the disk is as full as it was then); one the
+        cap did not cut short was a block of normal size, and blocks are of normal size again."""
+        cap = self._space_cap
+        if cap is None or not self._space_cut:
+            self._space_cap = None
+        elif grow:
+            self._space_cap = 2 * max(cap, sum(c.nbytes for c in written))
 
     def _recount_pending(self) -> None:
         self._pending_records = sum(c.records.num_rows for c in self._pending)
@@ -1408,8 +1480,8 @@ class Receiver:
         self._buffered_bytes -= sum(c.nbytes for c in chunks)
         self._unbuffer(chunks)
         self._room.set()
-        self._write_error = None
-        self._set_paused(DISK_ERROR, False)
+        if self._space_cap is None:  # else once the seal has written what it took (_seal)
+            self._write_succeeded()
         budget = self.config.disk_budget_bytes
         if budget is not None and self._disk_used is not None:
             self._disk_used += size
@@ -1458,21 +1530,38 @@ class Receiver:
         """No block is prepared ahead: stopping, or a seal_now() waits for the round to end."""
         return self._stopping or bool(self._seal_waiters)
 
-    def _write_failed(self, chunks: list[_Chunk], exc: OSError) -> None:
-        """Keep the records buffered and try again next interval; no new credit until a write succeeds."""
+    def _write_failed(self, chunks: list[_Chunk], exc: OSError) -> bool:
+        """Keep the records buffered and try again next interval; no new credit until a write succeeds.
+        True if a smaller block should be tried at once: the disk lacked room for this one, of more
+        than one message (the cap it leaves, _space_cap, holds at most half of it)."""
         self.stats.block_write_errors += 1
         self._pending = chunks + self._pending
         self._recount_pending()
+        no_room = exc.errno in _NO_ROOM
+        split = no_room and len(chunks) > 1
+        # for lack of room, what fits of it is written: halved until it fits, down to one message;
+        # another error retries the whole block (EIO says nothing of what a smaller block would meet)
+        self._space_cap = sum(c.nbytes for c in chunks) // 2 if no_room else None
         first = DISK_ERROR not in self._paused
         self._write_error = str(exc)
         log.log(  # an OSError says it all (a full disk, an I/O error): no traceback
             logging.ERROR if first else logging.DEBUG,
-            "writing block %d of stream %r failed: %s",
+            "writing block %d of stream %r failed: %s%s",
             self._next_block_seq,
             self.stream,
             exc,
+            f" ({len(chunks)} messages, {_size(sum(c.nbytes for c in chunks))}); retrying at once in smaller "
+            "blocks, as far as the disk has room"
+            if split
+            else "",
         )
         self._set_paused(DISK_ERROR, True)
+        return split
+
+    def _write_succeeded(self) -> None:
+        """Blocks are written again: credit paused for a failed write resumes."""
+        self._write_error = None
+        self._set_paused(DISK_ERROR, False)
 
     def _ack_durable(self) -> None:
         """Ack the blocks that the store has made durable since they were written."""

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import itertools
 import logging
 import math
 import os
@@ -720,11 +722,20 @@ def test_trim_drops_a_fully_released_newest_segment_and_keeps_the_producers(tmp_
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 2 MiB tmpfs: writes hit a real ENOSPC. Skipped where mounting is not permitted."""
-    mount_point = tmp_path / "disk"
+    yield from _tmpfs(tmp_path / "disk", "2m")
+
+
+@pytest.fixture
+def disk_12m(tmp_path: Path) -> Iterator[Path]:
+    """A 12 MiB tmpfs, room for fillers and a few MB of blocks. Skipped where mounting is not permitted."""
+    yield from _tmpfs(tmp_path / "disk", "12m")
+
+
+def _tmpfs(mount_point: Path, size: str) -> Iterator[Path]:
     mount_point.mkdir()
     try:
         result = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)],
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount_point)],
             capture_output=True,
             timeout=30,
             check=False,
@@ -783,6 +794,214 @@ async def test_a_full_disk_pauses_credit_and_ingestion_resumes_when_room_returns
         assert Spark(server.config.blocks_dir).stored() == sent  # nothing lost, nothing doubled
     with contextlib.suppress(FileNotFoundError):
         filler.unlink()
+
+
+def free_space(path: Path) -> int:
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize
+
+
+async def settled(receiver: Any, quiet: float = 1.5) -> int:
+    """Records acked once none more were for `quiet` seconds (three block intervals of 0.5 s)."""
+    last, since = -1, time.monotonic()
+    while time.monotonic() - since < quiet:
+        if receiver.stats.records_acked != last:
+            last, since = receiver.stats.records_acked, time.monotonic()
+        await asyncio.sleep(0.02)
+    return int(last)
+
+
+def by_prefix(values: list[bytes], prefix: bytes) -> list[bytes]:
+    return [v for v in values if v.startswith(prefix)]
+
+
+async def test_a_block_larger_than_the_free_disk_is_written_in_parts_as_room_allows(
+    disk_12m: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A block larger than the free disk was retried whole every block interval: with 2 MiB free a
+    6 MB block kept its stream paused for good, and 3 MiB more freed did not help either (it took 6).
+    A write that fails for lack of room is retried at once in smaller blocks (whole messages), so what
+    fits is made durable and acked, and the rest follows as room returns: in order, none lost or
+    doubled, the producer's dedup mark right, the memory budget kept, one ERROR and one pause."""
+    caplog.set_level(logging.DEBUG, logger="receivers.receiver")
+    room_later, more_room = disk_12m / "filler-a", disk_12m / "filler-b"
+    fill(room_later, 3 * MIB)
+    fill(more_room, 7 * MIB)  # 2 MiB left
+    size, batch_size = 10_000, 20  # a message (one chunk of a block) of 200 kB
+    message = size * batch_size
+    # two producers (one named, one with the SDK's random id), 300 records of 10 kB each: 6 MB together
+    named, anonymous = records("n", 300, size), records("a", 300, size)
+    budget = 32 * MIB  # blocks seal at a quarter: 8 MiB, more than all of it; the interval seals
+    async with running_server(
+        disk_12m / "data",
+        block_interval=0.5,
+        block_linger=None,
+        buffer_records=2_000,
+        prefetch=1_000,
+        buffer_bytes=budget,
+    ) as server:
+        receiver = server.receivers["s"]
+        most_buffered = 0
+
+        async def watch() -> None:
+            nonlocal most_buffered
+            while True:
+                most_buffered = max(most_buffered, receiver.buffered_bytes)
+                await asyncio.sleep(0.005)
+
+        watching = asyncio.create_task(watch())
+        async with (
+            Producer(server.target, "s", linger=0, batch_size=batch_size, producer_id="named") as first,
+            Producer(server.target, "s", linger=0, batch_size=batch_size) as second,
+        ):
+            # credit for all of it (1,000 records a session): sent before the first block seals
+            await asyncio.wait_for(asyncio.gather(first.send_many(named), second.send_many(anonymous)), 30)
+            await wait_until(lambda: DISK_ERROR in receiver.paused)
+            written = await settled(receiver)
+            # what fits is durable and acked: the disk is full to less than a message's frame
+            assert free_space(disk_12m) < 2 * message, (free_space(disk_12m), written)
+            assert written >= 150, written  # about 2 MiB of 10 kB records
+            assert written < 600 and DISK_ERROR in receiver.paused
+            await wait_until(lambda: first.acked + second.acked == written)
+            stored = Spark(server.config.blocks_dir).stored()
+            assert len(stored) == written
+            assert by_prefix(stored, b"n") == named[: first.acked]
+            assert by_prefix(stored, b"a") == anonymous[: second.acked]
+
+            room_later.unlink()  # 3 MiB more: not enough for the rest (about 3.8 MiB), enough for most
+            more = await settled(receiver)
+            assert free_space(disk_12m) < 2 * message, (free_space(disk_12m), more)
+            assert written + 250 <= more < 600, (written, more)
+            assert DISK_ERROR in receiver.paused
+
+            more_room.unlink()  # room for all of it
+            await first.flush(timeout=30)
+            await second.flush(timeout=30)
+            assert first.acked == len(named) and second.acked == len(anonymous)
+            assert DISK_ERROR not in receiver.paused
+        watching.cancel()
+        assert most_buffered <= budget
+        assert receiver.buffered_records == 0 and receiver.buffered_bytes == 0 and server.memory.held == 0
+        spark = Spark(server.config.blocks_dir)
+        stored = spark.stored()
+        assert by_prefix(stored, b"n") == named and by_prefix(stored, b"a") == anonymous
+        blocks = spark.store.blocks("s")
+        assert [b.seq for b in blocks] == list(range(blocks[0].seq, blocks[0].seq + len(blocks)))
+        assert all(b.first_offset == a.first_offset + a.count for a, b in itertools.pairwise(blocks))
+        assert blocks[0].first_offset == 0 and sum(b.count for b in blocks) == 600
+        state = receiver.producer("named")
+        assert state is not None and state.durable_up_to == state.accepted_up_to == 300
+        assert receiver.stats.credit_pauses[DISK_ERROR] == 1
+    marks = {"named": 300, second.producer_id: 300}  # each producer's dedup mark, from the log
+    assert WalBlockStore(disk_12m / "data" / "blocks").producers("s") == marks
+    said = [r for r in caplog.records if r.name == "receivers.receiver"]
+    errors = [r.getMessage() for r in said if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and "No space left on device" in errors[0], errors
+    paused = [r for r in said if "credit paused: writing block" in r.getMessage()]
+    assert len(paused) == 1 and paused[0].levelno == logging.WARNING
+    assert sum("credit resumed after" in r.getMessage() for r in said) == 1
+
+
+class _Quota:
+    """A store's write that refuses blocks of more than `room` messages with `code` (a quota cannot be
+    filled here: root passes quotas), or every write with it while `failing` (EIO: a broken disk).
+    Keeps the number of messages of each write it was given."""
+
+    def __init__(self, receiver: Any, code: int, room: int | None = None, failing: int = 0) -> None:
+        self.write, self.code, self.room, self.failing = receiver.store.write, code, room, failing
+        self.sizes: list[int] = []
+        self.first_takes = 0.0  # seconds the first write takes
+        receiver.store.write = self
+
+    def __call__(self, *args: Any) -> Any:
+        self.sizes.append(len(args[4]))
+        if len(self.sizes) == 1:
+            time.sleep(self.first_takes)
+        if self.failing or (self.room is not None and len(args[4]) > self.room):
+            self.failing = max(0, self.failing - 1)
+            raise OSError(self.code, os.strerror(self.code))
+        return self.write(*args)
+
+
+@pytest.mark.parametrize("code", [errno.EDQUOT, errno.ENOSPC])
+async def test_a_block_over_the_quota_is_cut_down_to_what_fits(tmp_path: Path, code: int) -> None:
+    async with running_server(tmp_path, block_interval=1.0, block_linger=None) as server:
+        receiver = server.receivers["s"]
+        quota = _Quota(receiver, code, room=3)
+        sent = records("q", 200, 100)
+        async with Producer(server.target, "s", linger=0, batch_size=10) as producer:
+            await producer.send_many(sent)  # 20 messages, well within a block interval
+            await producer.flush(timeout=30)
+            # 20 messages refused, then 10, then 5; then 2 at a time (5's half: it does not grow in
+            # the seal that cut it), all in the same seal; then blocks are of normal size again
+            assert quota.sizes == [20, 10, 5] + [2] * 10, quota.sizes
+            assert receiver.stats.block_write_errors == 3
+            assert DISK_ERROR not in receiver.paused and receiver.stats.credit_pauses[DISK_ERROR] == 1
+            quota.room = None
+            before = len(quota.sizes)
+            await producer.send_many(sent)
+            await producer.flush(timeout=30)
+            assert quota.sizes[before:] == [20], quota.sizes
+        assert receiver.stats.block_write_errors == 3
+        assert Spark(server.config.blocks_dir).stored() == sent * 2
+
+
+async def test_credit_resumes_only_once_the_block_prepared_ahead_is_written_in_parts(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The block prepared during a write (records taken after the seal began) failed for lack of room:
+    one part of it was written and credit resumed with the rest of it still pending, to pause again at
+    the next seal. Credit resumes once every record of the failed block is durable."""
+    async with running_server(tmp_path, block_interval=1.0, block_linger=None, block_records=50) as server:
+        receiver = server.receivers["s"]
+        quota = _Quota(receiver, errno.ENOSPC)
+        quota.first_takes = 0.3  # the rest piles up meanwhile: the next block is prepared ahead
+        end_at_resume: list[int] = []
+        failed_end: list[int] = []
+
+        class Resumed(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                if "credit resumed" in record.getMessage():
+                    end_at_resume.append(receiver.log_end[1])
+
+        def refused(*args: Any) -> Any:
+            quota.room = 3 if quota.sizes else None  # room for the first block, and 3 messages then
+            try:
+                return quota(*args)
+            except OSError:
+                failed_end.append(args[2] + sum(b.num_rows for b in args[4]))
+                raise
+
+        receiver.store.write = refused
+        caplog.set_level(logging.INFO, logger="receivers.receiver")
+        handler = Resumed()
+        logging.getLogger("receivers.receiver").addHandler(handler)
+        try:
+            sent = records("r", 200, 100)
+            async with Producer(server.target, "s", linger=0, batch_size=10) as producer:
+                await producer.send_many(sent)  # 20 messages; a block's worth is 5 (50 records)
+                await producer.flush(timeout=30)
+        finally:
+            logging.getLogger("receivers.receiver").removeHandler(handler)
+        assert quota.sizes[:3] == [5, 5, 2], quota.sizes  # block 1, prepared ahead, is refused
+        assert end_at_resume and failed_end, (end_at_resume, failed_end)
+        assert end_at_resume[0] >= failed_end[0], (end_at_resume, failed_end, quota.sizes)
+        assert Spark(server.config.blocks_dir).stored() == sent
+
+
+async def test_another_write_error_retries_the_whole_block(tmp_path: Path) -> None:
+    """An I/O error says nothing of what a smaller block would meet: the block is retried whole, at the
+    block interval, as before."""
+    async with running_server(tmp_path, block_interval=0.3, block_linger=None) as server:
+        receiver = server.receivers["s"]
+        quota = _Quota(receiver, errno.EIO, failing=3)
+        sent = records("e", 200, 100)
+        async with Producer(server.target, "s", linger=0, batch_size=10) as producer:
+            await producer.send_many(sent)
+            await producer.flush(timeout=30)
+        assert quota.sizes[:4] == [20] * 4, quota.sizes
+        assert receiver.stats.block_write_errors == 3
+        assert Spark(server.config.blocks_dir).stored() == sent
 
 
 async def test_a_dead_receiver_lets_go_of_its_share_of_the_servers_budget(tmp_path: Path) -> None:
