@@ -18,6 +18,7 @@ import asyncio
 import atexit
 import contextlib
 import dataclasses
+import errno
 import functools
 import ipaddress
 import logging
@@ -159,6 +160,8 @@ class _Version(argparse.Action):
         except BrokenPipeError:  # `sluice --version | head -c1`: the reader went away, as main() takes it
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         except OSError as exc:  # a full disk under a redirect
+            # what stdout holds would fail again at the exit ('Exception ignored', exit 120)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             parser.exit(EXIT_FAILED, f"sluice: cannot write the version: {exc.strerror}\n")
         parser.exit()
 
@@ -182,7 +185,7 @@ def _is_float(text: str) -> bool:
     return True
 
 
-def main(argv: Sequence[str] | None = None, *, whole_process: bool = False) -> int:
+def main(argv: Sequence[str] | None = None, *, whole_process: bool = False) -> int:  # noqa: PLR0911
     """The `sluice` command; `whole_process`: this process is the command's (the console script,
     `python -m ingest.cli`), not a caller's (a test's), so its stderr is the command's own (logs.setup)."""
     parser = _parser()
@@ -196,9 +199,12 @@ def main(argv: Sequence[str] | None = None, *, whole_process: bool = False) -> i
             logs.setup(args.log_level, args.log_format, whole_process=whole_process)
             return _fail(str(exc), EXIT_USAGE)
     logs.setup(args.log_level, args.log_format, whole_process=whole_process)
+    output = _Output(sys.stdout)
+    sys.stdout = output  # a TextIO in all but name
     try:
         _take_signals(serve=args.run is _serve)
         code: int = args.run(args)
+        output.flush()  # what a buffered stdout holds: its failure is the command's, not the exit's
     except _Failed as failed:
         return failed.code
     except UnicodeEncodeError:
@@ -215,7 +221,52 @@ def main(argv: Sequence[str] | None = None, *, whole_process: bool = False) -> i
     except BrokenPipeError:  # `sluice rate get | head -1`: the reader went away, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as exc:
+        if not output.failed:
+            raise
+        # a full disk under `> FILE` (ENOSPC, EDQUOT, EIO): a traceback from the print that met it, or,
+        # with stdout buffered, 'Exception ignored' at the exit and exit 120 (`sluice token > FILE` had
+        # printed the token's hash line by then: a hash without its token)
+        output.drop()
+        return _fail(f"cannot write the output on stdout: {exc.strerror or exc}")
+    finally:
+        sys.stdout = output.inner
     return code
+
+
+class _Output:
+    """sys.stdout while a command runs: a write or flush of it that fails is noted (`failed`), so that
+    main() tells a failure of the output from one of anything else the command does."""
+
+    def __init__(self, inner: IO[str]) -> None:
+        self.inner = inner
+        self.failed = False
+
+    def write(self, text: str) -> int:
+        try:
+            return self.inner.write(text)
+        except OSError:
+            self.failed = True
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.inner.flush()
+        except OSError:
+            self.failed = True
+            raise
+
+    def drop(self) -> None:
+        """Point stdout's descriptor at /dev/null: what it still holds would fail once more at the exit."""
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, self.inner.fileno())
+            finally:
+                os.close(null)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def _take_signals(*, serve: bool) -> None:
@@ -1175,7 +1226,7 @@ def _need_server_extra(command: str, *, spark: bool) -> None:
     """The light install (no server extra) has the client commands only: say how to get the rest."""
     problem = server_extra_problem(command, spark=spark)
     if problem is not None:
-        print(problem, file=sys.stderr)  # it starts with "sluice COMMAND": no prefix
+        logs.write_stderr(problem)  # it starts with "sluice COMMAND": no prefix
         raise _Failed(EXIT_USAGE)
 
 
@@ -1889,9 +1940,20 @@ class _Progress:
         else:
             head = f"{done_bytes / 1e6:9.1f} MB"
         line = f"\r{head} {records:,} records, {acked:,} acked, {rate:,.0f} rec/s"
-        self.out.write(line + ("\n" if final else ""))
-        self.out.flush()
-        self.drawn = not final
+        self._write(line + ("\n" if final else ""))
+        self.drawn = not final and self.enabled
+
+    def _write(self, text: str) -> None:
+        """A stderr that cannot take the progress (its reader gone, a full disk) ends the progress, not
+        the push: a BrokenPipeError here stopped a push of 2,000,000 lines `2>&1 | head -c 1` after
+        1,482,752 of them with exit 0, an ENOSPC with a traceback."""
+        try:
+            self.out.write(text)
+            self.out.flush()
+        except OSError as exc:
+            self.enabled = False
+            if exc.errno == errno.EPIPE:
+                logs.stderr_gone()
 
     @property
     def follows(self) -> bool:
@@ -1908,7 +1970,7 @@ class _Progress:
     def stop(self) -> None:
         """End a bar left mid-line, so that messages start on a line of their own."""
         if self.drawn:
-            self.out.write("\n")
+            self._write("\n")
             self.drawn = False
 
 
@@ -2280,8 +2342,8 @@ def _token(args: argparse.Namespace) -> int:
     token = new_token()
     line = f'token_sha256 = "{token_hash(token)}"'
     if args.out is None:
-        print(token)
-        print(f"sluice: the token is on stdout; its principal's auth file line: {line}", file=sys.stderr)
+        print(token, flush=True)  # before the hash line: a token that did not get out has no hash shown
+        logs.write_stderr(f"sluice: the token is on stdout; its principal's auth file line: {line}")
         return 0
     try:
         # 0600 from the start: never readable by others, not even for a moment
@@ -2491,7 +2553,7 @@ def _config_reset(args: argparse.Namespace) -> int:
         dropped=_config_dropped(args),
     )
     if view.not_set:
-        print(f"nothing to reset for {', '.join(view.not_set)}: not set at run time", file=sys.stderr)
+        logs.write_stderr(f"nothing to reset for {', '.join(view.not_set)}: not set at run time")
     return _show_config(view)
 
 
@@ -2692,11 +2754,10 @@ def _streams_remove(args: argparse.Namespace) -> int:
     code = _show_streams(view)
     left = next((s for s in view.streams if s.stream == args.name and s.state == "draining"), None)
     if left is not None:  # a drain is not done when the call returns: say what ends it
-        print(
+        logs.write_stderr(
             f"{args.name} stays draining until the query has processed its backlog ({left.backlog:,} records "
             "now), then it is gone; `sluice streams list` shows how far it got. A server without a query "
-            "(--no-spark) waits for whatever reads its blocks.",
-            file=sys.stderr,
+            "(--no-spark) waits for whatever reads its blocks."
         )
     return code
 
@@ -2931,10 +2992,9 @@ def _rate_set(args: argparse.Namespace) -> int:
             if past:
                 side = "below" if name == "min-rate" else "above"
                 held = f"the {name} ({_rate_text(bound)} records/s)"
-                print(
+                logs.write_stderr(
                     f"sluice: {asked} records/s is {side} {held}: the rate is held at it "
-                    "(`sluice rate bounds MIN MAX` changes the bounds)",
-                    file=sys.stderr,
+                    "(`sluice rate bounds MIN MAX` changes the bounds)"
                 )
     return _show_rate(status)
 
