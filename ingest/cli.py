@@ -77,7 +77,7 @@ from receivers.config import FsyncPolicy, ReceiverConfig
 from receivers.errors import printable, shown
 from receivers.files import DataDirStateError
 from receivers.names import check_stream_name
-from receivers.principal import Limits
+from receivers.principal import MAX_IDLE_TIMEOUT, MIN_IDLE_TIMEOUT, Limits
 from receivers.sizes import parse_size
 from sluice_client.credentials import Credentials, CredentialsError
 from sluice_client.errors import FlushTimeoutError, RecordTooLargeError, RPCError, SluiceError
@@ -976,7 +976,7 @@ def _security_flags(serve: argparse.ArgumentParser) -> None:
         elif kind == "size":
             parse = _limit(_size)
         else:
-            parse = _limit(_float_in(0.1, 10 * 365 * 86400.0, "a timeout"))
+            parse = _limit(_float_in(MIN_IDLE_TIMEOUT, MAX_IDLE_TIMEOUT, "a timeout"))
         group.add_argument(
             f"--{flag}",
             dest=f"limit_{attr}",
