@@ -155,6 +155,8 @@ class _Version(argparse.Action):
         values: object,
         option_string: str | None = None,
     ) -> None:
+        if sys.stdout is None:  # closed (ingest.console.open_standard_fds): print() would do nothing
+            parser.exit(EXIT_FAILED, "sluice: cannot write the version: stdout is closed\n")
         try:
             print(f"sluice {installed_version()}", flush=True)
         except BrokenPipeError:  # `sluice --version | head -c1`: the reader went away, as main() takes it
@@ -238,11 +240,15 @@ class _Output:
     """sys.stdout while a command runs: a write or flush of it that fails is noted (`failed`), so that
     main() tells a failure of the output from one of anything else the command does."""
 
-    def __init__(self, inner: IO[str]) -> None:
+    def __init__(self, inner: IO[str] | None) -> None:
         self.inner = inner
+        """None: stdout was closed when the process started (ingest.console.open_standard_fds)."""
         self.failed = False
 
     def write(self, text: str) -> int:
+        if self.inner is None:  # print() to a None stdout did nothing: `sluice token >&-` lost the token
+            self.failed = True
+            raise OSError(errno.EBADF, "it is closed")
         try:
             return self.inner.write(text)
         except OSError:
@@ -250,6 +256,8 @@ class _Output:
             raise
 
     def flush(self) -> None:
+        if self.inner is None:
+            return
         try:
             self.inner.flush()
         except OSError:
@@ -258,6 +266,8 @@ class _Output:
 
     def drop(self) -> None:
         """Point stdout's descriptor at /dev/null: what it still holds would fail once more at the exit."""
+        if self.inner is None:
+            return
         with contextlib.suppress(OSError, ValueError, AttributeError):
             null = os.open(os.devnull, os.O_WRONLY)
             try:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import threading
@@ -196,3 +197,56 @@ def test_the_copy_of_sparks_stderr_goes_on_reading_when_its_output_fails() -> No
             source.flush()
         copier.join(timeout=30)
         assert not copier.is_alive()
+
+
+def test_a_server_started_with_stdin_stdout_and_stderr_closed_keeps_them_off_its_files(
+    tmp_path: Path,
+) -> None:
+    # left closed, the next files opened took their numbers: the data dir's lock file was fd 1 and gRPC's
+    # epoll fd 2, and what wrote on them below Python (gRPC's C core, Spark's JVM and every child, which
+    # inherit them) wrote into those
+    port, data = free_port(), tmp_path / "data"
+    (tmp_path / "in.txt").write_text("".join(f"{i}\n" for i in range(100)))
+    command = shlex.join([*SLUICE, "serve", *no_spark(port, data)])
+    serve = subprocess.Popen(["/bin/sh", "-c", f"exec {command} <&- >&- 2>&-"], start_new_session=True)
+    try:
+        wait_for_port(serve, port)
+        assert [os.readlink(f"/proc/{serve.pid}/fd/{fd}") for fd in (0, 1, 2)] == [os.devnull] * 3
+        push = subprocess.run(
+            [*SLUICE, "push", str(tmp_path / "in.txt"), f"--target=127.0.0.1:{port}", "--timeout=30"],
+            capture_output=True,
+            timeout=120,
+            check=False,
+        )
+        assert push.returncode == 0, push.stderr
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(timeout=60) == 0
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait(timeout=30)
+    assert len(stored_values(data)) == 100
+    assert (data / "sluice.lock").read_text().strip().isdigit()  # its pid, nothing written over it
+
+
+@pytest.mark.parametrize(
+    ("command", "says"),
+    [
+        (["token"], "sluice: cannot write the output on stdout: it is closed"),
+        (["--version"], "sluice: cannot write the version: stdout is closed"),
+    ],
+)
+def test_a_command_whose_stdout_is_closed_says_so(command: list[str], says: str) -> None:
+    # print() to the None that Python makes of a closed stdout does nothing: `sluice token >&-` exited 0
+    # and showed the hash of a token that went nowhere
+    done = subprocess.run(
+        ["/bin/sh", "-c", f"exec {shlex.join([*SLUICE, *command])} >&-"],
+        stderr=subprocess.PIPE,
+        timeout=120,
+        check=False,
+    )
+    said = done.stderr.decode()
+    assert done.returncode == 1, said
+    assert says in said
+    assert "token_sha256" not in said
+    assert "Traceback" not in said
