@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import io
 import ipaddress
 import logging
 import math
@@ -201,6 +202,11 @@ def main(argv: Sequence[str] | None = None, *, whole_process: bool = False) -> i
             logs.setup(args.log_level, args.log_format, whole_process=whole_process)
             return _fail(str(exc), EXIT_USAGE)
     logs.setup(args.log_level, args.log_format, whole_process=whole_process)
+    if whole_process and isinstance(sys.stdout, io.TextIOWrapper):
+        # as stderr has it: a name a client chose (a producer id, a principal) that the output's encoding
+        # lacks (PYTHONIOENCODING=ascii, a Latin-1 locale) is escaped, not a UnicodeEncodeError traceback
+        # in `sluice sessions list` or `sluice status`
+        sys.stdout.reconfigure(errors="backslashreplace")
     output = _Output(sys.stdout)
     sys.stdout = output  # a TextIO in all but name
     try:

@@ -5,6 +5,7 @@ outcome, and a command whose output is lost says so with exit 1, never a traceba
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shlex
@@ -17,10 +18,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+from support import running_server
 from test_cli import SLUICE
 from test_process_edge import Serve, free_port, no_spark, servers, stored_values
 
 from ingest.spark.session import _copy_lines
+from sluice_client import Producer
 
 __all__ = ["servers"]  # the fixture, used by name
 
@@ -250,3 +253,29 @@ def test_a_command_whose_stdout_is_closed_says_so(command: list[str], says: str)
     assert says in said
     assert "token_sha256" not in said
     assert "Traceback" not in said
+
+
+@pytest.mark.parametrize("command", [["sessions", "list"], ["status", "--once"]], ids=["sessions", "status"])
+async def test_a_name_the_outputs_encoding_lacks_is_escaped_not_a_traceback(
+    tmp_path: Path, command: list[str]
+) -> None:
+    # a producer id is the client's to choose: with an output encoding without it (PYTHONIOENCODING=ascii,
+    # a Latin-1 locale) `sluice sessions list` and `sluice status` ended in a UnicodeEncodeError traceback
+    async with (
+        running_server(tmp_path / "d", "s") as server,
+        Producer(server.target, stream="s", producer_id="prödücer-☃") as producer,
+    ):
+        await producer.send(b"x")
+        await producer.flush()
+        env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+        shown = await asyncio.to_thread(
+            subprocess.run,
+            [*SLUICE, *command, "--target", server.target],
+            capture_output=True,
+            env=env,
+            timeout=60,
+            check=False,
+        )
+    assert shown.returncode == 0, shown.stderr.decode()
+    assert b"pr\\xf6d\\xfccer-\\u2603" in shown.stdout
+    assert b"Traceback" not in shown.stderr
