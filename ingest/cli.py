@@ -1639,6 +1639,7 @@ def _serve_command(args: argparse.Namespace) -> int:
 
     try:
         config = _serve_config(args)
+        _check_not_nested(config)  # before the lock: nothing is written inside the other data dir
         RuntimeConfig(config, announce=False)  # DATA_DIR/runtime-config.json against these flags
         preloaded = _spark_prerequisites(config)
     except DataDirStateError as exc:  # a file the data dir holds is damaged: a failure, not a usage error
@@ -1699,6 +1700,12 @@ def _check_data_dir(config: ServeConfig) -> None:
     from receivers.node_identity import check_data_dir  # noqa: PLC0415 - the server extra's, as prepare
 
     check_data_dir(config.data_dir, config.cluster)
+
+
+def _check_not_nested(config: ServeConfig) -> None:
+    from receivers.node_identity import check_not_nested  # noqa: PLC0415 - the server extra's, as prepare
+
+    check_not_nested(config.data_dir)
 
 
 def _claim_data_dir(config: ServeConfig) -> None:
