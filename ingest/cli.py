@@ -18,7 +18,9 @@ import asyncio
 import atexit
 import contextlib
 import dataclasses
+import errno
 import functools
+import io
 import ipaddress
 import logging
 import math
@@ -76,7 +78,7 @@ from receivers.config import FsyncPolicy, ReceiverConfig
 from receivers.errors import printable, shown
 from receivers.files import DataDirStateError
 from receivers.names import check_stream_name
-from receivers.principal import Limits
+from receivers.principal import MAX_IDLE_TIMEOUT, MIN_IDLE_TIMEOUT, Limits
 from receivers.sizes import parse_size
 from sluice_client.credentials import Credentials, CredentialsError
 from sluice_client.errors import FlushTimeoutError, RecordTooLargeError, RPCError, SluiceError
@@ -154,11 +156,15 @@ class _Version(argparse.Action):
         values: object,
         option_string: str | None = None,
     ) -> None:
+        if sys.stdout is None:  # closed (ingest.console.open_standard_fds): print() would do nothing
+            parser.exit(EXIT_FAILED, "sluice: cannot write the version: stdout is closed\n")
         try:
             print(f"sluice {installed_version()}", flush=True)
         except BrokenPipeError:  # `sluice --version | head -c1`: the reader went away, as main() takes it
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         except OSError as exc:  # a full disk under a redirect
+            # what stdout holds would fail again at the exit ('Exception ignored', exit 120)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             parser.exit(EXIT_FAILED, f"sluice: cannot write the version: {exc.strerror}\n")
         parser.exit()
 
@@ -182,7 +188,7 @@ def _is_float(text: str) -> bool:
     return True
 
 
-def main(argv: Sequence[str] | None = None, *, whole_process: bool = False) -> int:
+def main(argv: Sequence[str] | None = None, *, whole_process: bool = False) -> int:  # noqa: PLR0911
     """The `sluice` command; `whole_process`: this process is the command's (the console script,
     `python -m ingest.cli`), not a caller's (a test's), so its stderr is the command's own (logs.setup)."""
     parser = _parser()
@@ -196,9 +202,17 @@ def main(argv: Sequence[str] | None = None, *, whole_process: bool = False) -> i
             logs.setup(args.log_level, args.log_format, whole_process=whole_process)
             return _fail(str(exc), EXIT_USAGE)
     logs.setup(args.log_level, args.log_format, whole_process=whole_process)
+    if whole_process and isinstance(sys.stdout, io.TextIOWrapper):
+        # as stderr has it: a name a client chose (a producer id, a principal) that the output's encoding
+        # lacks (PYTHONIOENCODING=ascii, a Latin-1 locale) is escaped, not a UnicodeEncodeError traceback
+        # in `sluice sessions list` or `sluice status`
+        sys.stdout.reconfigure(errors="backslashreplace")
+    output = _Output(sys.stdout)
+    sys.stdout = output  # a TextIO in all but name
     try:
         _take_signals(serve=args.run is _serve)
         code: int = args.run(args)
+        output.flush()  # what a buffered stdout holds: its failure is the command's, not the exit's
     except _Failed as failed:
         return failed.code
     except UnicodeEncodeError:
@@ -215,7 +229,60 @@ def main(argv: Sequence[str] | None = None, *, whole_process: bool = False) -> i
     except BrokenPipeError:  # `sluice rate get | head -1`: the reader went away, nothing is wrong
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except OSError as exc:
+        if not output.failed:
+            raise
+        # a full disk under `> FILE` (ENOSPC, EDQUOT, EIO): a traceback from the print that met it, or,
+        # with stdout buffered, 'Exception ignored' at the exit and exit 120 (`sluice token > FILE` had
+        # printed the token's hash line by then: a hash without its token)
+        output.drop()
+        return _fail(f"cannot write the output on stdout: {exc.strerror or exc}")
+    finally:
+        sys.stdout = output.inner
     return code
+
+
+class _Output:
+    """sys.stdout while a command runs: a write or flush of it that fails is noted (`failed`), so that
+    main() tells a failure of the output from one of anything else the command does."""
+
+    def __init__(self, inner: IO[str] | None) -> None:
+        self.inner = inner
+        """None: stdout was closed when the process started (ingest.console.open_standard_fds)."""
+        self.failed = False
+
+    def write(self, text: str) -> int:
+        if self.inner is None:  # print() to a None stdout did nothing: `sluice token >&-` lost the token
+            self.failed = True
+            raise OSError(errno.EBADF, "it is closed")
+        try:
+            return self.inner.write(text)
+        except OSError:
+            self.failed = True
+            raise
+
+    def flush(self) -> None:
+        if self.inner is None:
+            return
+        try:
+            self.inner.flush()
+        except OSError:
+            self.failed = True
+            raise
+
+    def drop(self) -> None:
+        """Point stdout's descriptor at /dev/null: what it still holds would fail once more at the exit."""
+        if self.inner is None:
+            return
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(null, self.inner.fileno())
+            finally:
+                os.close(null)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def _take_signals(*, serve: bool) -> None:
@@ -925,7 +992,7 @@ def _security_flags(serve: argparse.ArgumentParser) -> None:
         elif kind == "size":
             parse = _limit(_size)
         else:
-            parse = _limit(_float_in(0.1, 10 * 365 * 86400.0, "a timeout"))
+            parse = _limit(_float_in(MIN_IDLE_TIMEOUT, MAX_IDLE_TIMEOUT, "a timeout"))
         group.add_argument(
             f"--{flag}",
             dest=f"limit_{attr}",
@@ -1175,7 +1242,7 @@ def _need_server_extra(command: str, *, spark: bool) -> None:
     """The light install (no server extra) has the client commands only: say how to get the rest."""
     problem = server_extra_problem(command, spark=spark)
     if problem is not None:
-        print(problem, file=sys.stderr)  # it starts with "sluice COMMAND": no prefix
+        logs.write_stderr(problem)  # it starts with "sluice COMMAND": no prefix
         raise _Failed(EXIT_USAGE)
 
 
@@ -1572,6 +1639,7 @@ def _serve_command(args: argparse.Namespace) -> int:
 
     try:
         config = _serve_config(args)
+        _check_not_nested(config)  # before the lock: nothing is written inside the other data dir
         RuntimeConfig(config, announce=False)  # DATA_DIR/runtime-config.json against these flags
         preloaded = _spark_prerequisites(config)
     except DataDirStateError as exc:  # a file the data dir holds is damaged: a failure, not a usage error
@@ -1632,6 +1700,12 @@ def _check_data_dir(config: ServeConfig) -> None:
     from receivers.node_identity import check_data_dir  # noqa: PLC0415 - the server extra's, as prepare
 
     check_data_dir(config.data_dir, config.cluster)
+
+
+def _check_not_nested(config: ServeConfig) -> None:
+    from receivers.node_identity import check_not_nested  # noqa: PLC0415 - the server extra's, as prepare
+
+    check_not_nested(config.data_dir)
 
 
 def _claim_data_dir(config: ServeConfig) -> None:
@@ -1889,9 +1963,20 @@ class _Progress:
         else:
             head = f"{done_bytes / 1e6:9.1f} MB"
         line = f"\r{head} {records:,} records, {acked:,} acked, {rate:,.0f} rec/s"
-        self.out.write(line + ("\n" if final else ""))
-        self.out.flush()
-        self.drawn = not final
+        self._write(line + ("\n" if final else ""))
+        self.drawn = not final and self.enabled
+
+    def _write(self, text: str) -> None:
+        """A stderr that cannot take the progress (its reader gone, a full disk) ends the progress, not
+        the push: a BrokenPipeError here stopped a push of 2,000,000 lines `2>&1 | head -c 1` after
+        1,482,752 of them with exit 0, an ENOSPC with a traceback."""
+        try:
+            self.out.write(text)
+            self.out.flush()
+        except OSError as exc:
+            self.enabled = False
+            if exc.errno == errno.EPIPE:
+                logs.stderr_gone()
 
     @property
     def follows(self) -> bool:
@@ -1908,7 +1993,7 @@ class _Progress:
     def stop(self) -> None:
         """End a bar left mid-line, so that messages start on a line of their own."""
         if self.drawn:
-            self.out.write("\n")
+            self._write("\n")
             self.drawn = False
 
 
@@ -2280,8 +2365,8 @@ def _token(args: argparse.Namespace) -> int:
     token = new_token()
     line = f'token_sha256 = "{token_hash(token)}"'
     if args.out is None:
-        print(token)
-        print(f"sluice: the token is on stdout; its principal's auth file line: {line}", file=sys.stderr)
+        print(token, flush=True)  # before the hash line: a token that did not get out has no hash shown
+        logs.write_stderr(f"sluice: the token is on stdout; its principal's auth file line: {line}")
         return 0
     try:
         # 0600 from the start: never readable by others, not even for a moment
@@ -2491,7 +2576,7 @@ def _config_reset(args: argparse.Namespace) -> int:
         dropped=_config_dropped(args),
     )
     if view.not_set:
-        print(f"nothing to reset for {', '.join(view.not_set)}: not set at run time", file=sys.stderr)
+        logs.write_stderr(f"nothing to reset for {', '.join(view.not_set)}: not set at run time")
     return _show_config(view)
 
 
@@ -2692,11 +2777,10 @@ def _streams_remove(args: argparse.Namespace) -> int:
     code = _show_streams(view)
     left = next((s for s in view.streams if s.stream == args.name and s.state == "draining"), None)
     if left is not None:  # a drain is not done when the call returns: say what ends it
-        print(
+        logs.write_stderr(
             f"{args.name} stays draining until the query has processed its backlog ({left.backlog:,} records "
             "now), then it is gone; `sluice streams list` shows how far it got. A server without a query "
-            "(--no-spark) waits for whatever reads its blocks.",
-            file=sys.stderr,
+            "(--no-spark) waits for whatever reads its blocks."
         )
     return code
 
@@ -2931,10 +3015,9 @@ def _rate_set(args: argparse.Namespace) -> int:
             if past:
                 side = "below" if name == "min-rate" else "above"
                 held = f"the {name} ({_rate_text(bound)} records/s)"
-                print(
+                logs.write_stderr(
                     f"sluice: {asked} records/s is {side} {held}: the rate is held at it "
-                    "(`sluice rate bounds MIN MAX` changes the bounds)",
-                    file=sys.stderr,
+                    "(`sluice rate bounds MIN MAX` changes the bounds)"
                 )
     return _show_rate(status)
 

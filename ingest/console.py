@@ -12,6 +12,7 @@ runs (the interpreter's own start, some 20 ms) the signals are Python's: nothing
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -43,8 +44,32 @@ def release(signum: int, handler: Handler) -> bool:
     return came
 
 
+def open_standard_fds() -> frozenset[int]:
+    """Open /dev/null on those of file descriptors 0, 1 and 2 that are closed (`sluice serve >&- 2>&-`,
+    a parent that closed them), and give their numbers. Left closed, the next files opened took them:
+    the data dir's lock file became fd 1 and gRPC's epoll fd 2, so what writes on stdout or stderr
+    below Python (gRPC's C core, a fatal error's report, Spark's JVM and every child, which inherit
+    them) wrote into those files. A closed stderr's lines are lost (sys.stderr is /dev/null); a
+    closed stdout stays sys.stdout = None, which the CLI refuses to write its output to."""
+    closed = set()
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            closed.add(fd)
+    for fd in sorted(closed):  # the lowest free number each time: 0, 1, 2 in order
+        null = os.open(os.devnull, os.O_RDWR)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+    if 2 in closed:
+        sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115
+    return frozenset(closed)
+
+
 def main() -> int:
     global _held  # noqa: PLW0603 - one process, one console script
+    open_standard_fds()
     _held = set()
     for signum in HELD:
         signal.signal(signum, _note)

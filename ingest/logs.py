@@ -9,6 +9,8 @@ format (docs/configuration.md).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
@@ -80,7 +82,7 @@ def setup(level: str = "info", log_format: str = PLAIN, *, whole_process: bool =
     _format = log_format
     root = logging.getLogger()
     if not root.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler(sys.stderr)
         handler.setFormatter(JsonFormatter() if log_format == JSON else logging.Formatter(PLAIN_FORMAT))
         handler.addFilter(_py4j_root_records)
         root.addHandler(handler)
@@ -112,4 +114,45 @@ def say(
         line = JsonFormatter().format(record)
     else:
         line = f"sluice: {message}"
-    print(line, file=sys.stderr, flush=True)
+    write_stderr(line)
+
+
+def write_stderr(text: str) -> None:
+    """`text` and a newline on stderr, flushed. A stderr that cannot take it loses the line but stops
+    nothing: one whose reader went away (EPIPE: a `2>&1 | head` that ended, a log collector restarted)
+    is pointed at /dev/null for good (stderr_gone), one that fails otherwise (a full disk under a
+    redirect: ENOSPC, EIO) drops this line alone. A BrokenPipeError here ended `sluice serve` with exit
+    0, its server not stopped, as the CLI takes a reader gone from stdout; and a command that failed
+    (`sluice push` to a server that is down, `2>&1 | true`) exited 0 as if it had not."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except OSError as exc:
+        if exc.errno == errno.EPIPE:
+            stderr_gone()
+    except ValueError:  # closed: nothing to write on
+        pass
+
+
+def stderr_gone() -> None:
+    """No one reads stderr any more (EPIPE): point the file descriptor sys.stderr writes on at
+    /dev/null, so that later lines (say()'s, the log handler's, gRPC's C core's when it is fd 2) go
+    nowhere instead of failing each. What sys.stderr still holds is dropped with them."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        fd = sys.stderr.fileno()
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, fd)
+        finally:
+            os.close(null)
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """The log handler on stderr: a stderr whose reader went away (EPIPE) goes to /dev/null
+    (stderr_gone) rather than failing, and printing logging's report of the failure, at every record."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        exc = sys.exc_info()[1]
+        if isinstance(exc, OSError) and exc.errno == errno.EPIPE:
+            stderr_gone()
+            return
+        super().handleError(record)

@@ -638,6 +638,16 @@ _PIPED_WIDTH = 200
 """Columns `sluice status` lays out for when its output is not a terminal (and COLUMNS is unset)."""
 
 
+class _Console(Console):
+    """rich's Console, but a reader of stdout gone away (`sluice status | head -5`) ends the command as
+    every other command's does (ingest.cli.main: exit 0), not with rich's SystemExit(1): the exit codes
+    say 1 for a status that cannot be read."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
+
+
 async def run_status(
     target: str,
     credentials: Credentials,
@@ -654,7 +664,7 @@ async def run_status(
         # piped (a script, `watch`): rich lays out for 80 columns and folds headers and reasons onto a
         # line per fragment; a pipe has no width, so lines as long as the tables want, up to a bound
         piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
-        console = Console(width=_PIPED_WIDTH) if piped else Console()
+        console = _Console(width=_PIPED_WIDTH) if piped else _Console()
     async with credentials.channel(target) as channel:
 
         async def read() -> Json:

@@ -39,7 +39,27 @@ class NodeFileError(DataDirOwnerError, DataDirStateError):
     """node.json cannot be read or is not a node identity (damage, not a start as another node)."""
 
 
+class DataDirNestedError(ValueError):
+    """The data dir lies inside another server's data dir."""
+
+
 _RESTORE = 'restore it, or write {"node_id": ID} to it (null: a single server)'
+
+
+def check_not_nested(data_dir: Path) -> None:
+    """Refuse a data dir inside another's (a folder above it holds node.json and blocks/): `--data-dir
+    DATA/blocks/events` of a running server started a second one there, which wrote its node.json, lock
+    and log among that stream's segments, and a disk budget of the outer one counted its blocks."""
+    for parent in data_dir.resolve().parents:
+        try:
+            nested = (parent / NODE_FILE).is_file() and (parent / "blocks").is_dir()
+        except OSError:  # a folder above that cannot be looked into: not a data dir of ours to find
+            continue
+        if nested:
+            raise DataDirNestedError(
+                f"data dir {data_dir} is inside the data dir {parent} (its {NODE_FILE}): each server "
+                "needs a data dir of its own, apart from every other's; give one outside it"
+            )
 
 
 def _who(node_id: int | None) -> str:
@@ -53,7 +73,9 @@ def _nodes_map(nodes: Sequence[Node] | None) -> dict[str, str] | None:
 def check_data_dir(data_dir: Path, cluster: Cluster | None) -> dict[str, object] | None:
     """What claim_data_dir checks, writing nothing (`sluice config check`): node.json as read and found
     sound, None when there is none yet; NodeFileError when it is damaged, DataDirOwnerError when the data
-    dir is another node's (by the file, or for a data dir from before it, by its log)."""
+    dir is another node's (by the file, or for a data dir from before it, by its log), DataDirNestedError
+    when it lies inside another data dir."""
+    check_not_nested(data_dir)
     node_id = None if cluster is None else cluster.me.id
     path = data_dir / NODE_FILE
     data = read_json(path, "which node this data dir belongs to", NodeFileError, _RESTORE)

@@ -14,7 +14,6 @@ ending the offending call with a documented status (see docs/security.md).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -33,6 +32,11 @@ ALL_ROLES = frozenset(Role)
 ALL_STREAMS = "*"
 MIN_MESSAGE_BYTES = 1024
 """The smallest message limit a principal may have (`sluice serve --max-message-bytes` too)."""
+MIN_IDLE_TIMEOUT = 0.1
+MAX_IDLE_TIMEOUT = 10 * 365 * 86400.0
+"""The idle timeouts a principal may have, from the auth file as from `--idle-timeout`: 0.1 s to 10
+years. Below, every session of the principal was cut as idle before its first batch could come
+("idle for 1e-300 s"): a producer never got a record acked."""
 
 
 @dataclass(frozen=True)
@@ -63,8 +67,11 @@ class Limits:
                 f"max_message_bytes must be >= {MIN_MESSAGE_BYTES} (or unset: the server's limit), got "
                 f"{self.max_message_bytes!r}"
             )
-        if self.idle_timeout is not None and not (0 < self.idle_timeout < math.inf):
-            raise ValueError(f"idle_timeout must be > 0 seconds and finite, got {self.idle_timeout!r}")
+        if self.idle_timeout is not None and not (MIN_IDLE_TIMEOUT <= self.idle_timeout <= MAX_IDLE_TIMEOUT):
+            raise ValueError(
+                f"idle_timeout must be {MIN_IDLE_TIMEOUT:g} to {MAX_IDLE_TIMEOUT:,.0f} seconds (10 years), "
+                f"or unset: no limit; got {self.idle_timeout!r}"
+            )
 
 
 @dataclass(frozen=True)

@@ -219,14 +219,29 @@ def test_config_check_runs_serves_checks_without_starting_anything(tmp_path: Pat
 
 def test_auth_file_mistakes_are_named_by_the_files_keys(tmp_path: Path) -> None:
     """An auth file's limits were named by serve's flags at start (`max_sessions = 0` as
-    --max-sessions-per-principal, `idle_timeout_seconds = 0` as --idle-timeout), and a producer's
+    --max-sessions-per-principal, `idle_timeout_seconds = 0` as --idle-timeout; one outside that flag's
+    0.1 s .. 10 years was taken), and a producer's
     `streams = ""` passed: it names no stream. So did a grant that is no stream name ("../x", "Default "
     with a space): it is checked as --stream is now ("*" stays every stream)."""
     for text, message in (
         ('[principals.x]\nroles = ["reader"]\nmax_sessions = 0\n', "[principals.x]: max_sessions must be"),
         (
             '[defaults]\nidle_timeout_seconds = 0\n[principals.x]\nroles = ["reader"]\n',
-            "[defaults]: idle_timeout_seconds must be > 0",
+            "[defaults]: idle_timeout_seconds must be 0.1 to 315,360,000 seconds (10 years), or unset",
+        ),
+        # the bounds of --idle-timeout: below them every session of the principal was cut as idle
+        # before its first batch came ("idle for 1e-300 s"), so a producer never got a record acked
+        (
+            '[principals.x]\nroles = ["reader"]\nidle_timeout_seconds = 1e-300\n',
+            "[principals.x]: idle_timeout_seconds must be 0.1 to 315,360,000 seconds (10 years), or unset",
+        ),
+        (
+            '[principals.x]\nroles = ["reader"]\nidle_timeout_seconds = 0.05\n',
+            "[principals.x]: idle_timeout_seconds must be 0.1 to",
+        ),
+        (
+            '[defaults]\nidle_timeout_seconds = 1e308\n[principals.x]\nroles = ["reader"]\n',
+            "[defaults]: idle_timeout_seconds must be 0.1 to",
         ),
         ('[principals.x]\nroles = ["producer"]\nstreams = ""\n', "[principals.x] streams holds an empty"),
         ('[principals.x]\nroles = ["producer"]\nstreams = [""]\n', "[principals.x] streams holds an empty"),

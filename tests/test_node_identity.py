@@ -5,6 +5,7 @@ used, and the driver later failed on them (PartitionUnreadableError) or skipped 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -143,3 +144,32 @@ def test_only_a_data_dir_with_a_log_from_before_node_json_is_said_to_be_marked(
         "(no --nodes)"
     ]
     assert (fresh / NODE_FILE).exists() and (old / NODE_FILE).exists()
+
+
+def _listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize("inside", ["blocks/s", "blocks", "sink", "x/y"])
+async def test_a_data_dir_inside_another_servers_is_refused_before_anything_is_written(
+    tmp_path: Path, inside: str
+) -> None:
+    """`--data-dir DATA/blocks/events` of a running server (a careless path) started a second server
+    there: its node.json, lock and block log went among that stream's segments, uncalled for."""
+    outer = tmp_path / "data"
+    async with running_server(outer, "s") as server:
+        await server.stop()
+    assert (outer / NODE_FILE).is_file()
+    before = _listing(outer)
+    nested = outer / inside
+    args = ["--no-spark", "--port", "0", "--data-dir", str(nested)]
+    check = [sys.executable, "-m", "ingest.cli", "config", "check", *args]
+    for done in (
+        await asyncio.to_thread(_serve, *args),
+        await asyncio.to_thread(subprocess.run, check, capture_output=True, timeout=60, check=False),
+    ):
+        said = done.stderr.decode()
+        assert done.returncode == 2, said
+        assert f"data dir {nested} is inside the data dir {outer} (its node.json)" in said
+        assert "Traceback" not in said
+    assert _listing(outer) == before

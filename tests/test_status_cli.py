@@ -224,6 +224,25 @@ async def test_status_once_piped_keeps_headers_and_reasons_whole(tmp_path: Path)
     assert max(len(line) for line in lines) <= 200
 
 
+def _first_line_then_gone(args: list[str]) -> int:
+    """`sluice status ARGS | head -1`: read its first line, close the pipe, its exit code."""
+    proc = subprocess.Popen([SLUICE, "status", *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    assert proc.stdout is not None
+    assert proc.stdout.readline()
+    proc.stdout.close()
+    return proc.wait(timeout=60)
+
+
+@pytest.mark.parametrize("once", [False, True], ids=["live", "once"])
+async def test_status_piped_into_a_reader_that_goes_away_exits_0(tmp_path: Path, once: bool) -> None:
+    """`sluice status | head -5`: rich's Console ends a broken pipe with SystemExit(1), where every other
+    command takes a reader of stdout gone away for no failure (exit 0); the documented exit 1 is for a
+    status that cannot be read."""
+    async with running_server(tmp_path / "d", "a", metrics=True) as server:
+        args = ["--target", server.target, *(["--once"] if once else [])]
+        assert await asyncio.to_thread(_first_line_then_gone, args) == 0
+
+
 async def test_status_metrics_does_not_follow_a_redirect_with_the_token(tmp_path: Path) -> None:
     """urllib followed a 302 with every header of the request: the operator's bearer token went to
     whatever host the redirect named. The redirect is refused now, naming where it pointed."""

@@ -244,16 +244,24 @@ def _stderr_fd() -> int:
 
 
 def _copy_lines(read_fd: int, out_fd: int, json_lines: bool) -> None:
+    """Copy the JVM's stderr lines onto `out_fd` until the pipe ends. If `out_fd` fails (no one reads
+    the real stderr any more, a full disk under it) it goes on reading and drops them: this thread ended
+    with a BrokenPipeError, the pipe's read end closed with it, and the JVM and its Python workers wrote
+    their stderr into a pipe no one read (EPIPE, or SIGPIPE for a child that has it at its default)."""
+    writing = True
     with os.fdopen(read_fd, "rb") as pipe, os.fdopen(out_fd, "wb", buffering=0) as out:
         for line in pipe:
-            if line.startswith(JVM_NOISE):
+            if not writing or line.startswith(JVM_NOISE):
                 continue
+            data = line
             if json_lines and not _is_json_object(line):
                 text = line.decode(errors="replace").rstrip("\r\n")
                 record = logging.LogRecord("spark.stderr", logging.WARNING, __file__, 0, text, None, None)
-                out.write(JsonFormatter().format(record).encode() + b"\n")
-            else:
-                out.write(line)
+                data = JsonFormatter().format(record).encode() + b"\n"
+            try:
+                out.write(data)
+            except OSError:
+                writing = False
 
 
 def _is_json_object(line: bytes) -> bool:
