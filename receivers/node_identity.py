@@ -46,19 +46,28 @@ class DataDirNestedError(ValueError):
 _RESTORE = 'restore it, or write {"node_id": ID} to it (null: a single server)'
 
 
+_OWN_FOLDERS = frozenset({"blocks", REPLICAS_DIR, "checkpoints", "sink"})
+"""What a data dir's server writes below it, beside a swap's sinks (`sink-g1`, `sink-g1-try2`)."""
+
+
 def check_not_nested(data_dir: Path) -> None:
-    """Refuse a data dir inside another's (a folder above it holds node.json and blocks/): `--data-dir
+    """Refuse a data dir inside another's own folders (a folder above it holds node.json and blocks/,
+    and the data dir lies in its blocks/, replicas/, checkpoints/, sink/ or a swap's sink-g*/): `--data-dir
     DATA/blocks/events` of a running server started a second one there, which wrote its node.json, lock
-    and log among that stream's segments, and a disk budget of the outer one counted its blocks."""
-    for parent in data_dir.resolve().parents:
+    and log among that stream's segments, and a disk budget of the outer one counted its blocks. A
+    folder of its own beside them (DATA/other) is the operator's to use: nothing of the server's is
+    there."""
+    resolved = data_dir.resolve()
+    for parent in resolved.parents:
         try:
-            nested = (parent / NODE_FILE).is_file() and (parent / "blocks").is_dir()
+            outer = (parent / NODE_FILE).is_file() and (parent / "blocks").is_dir()
         except OSError:  # a folder above that cannot be looked into: not a data dir of ours to find
             continue
-        if nested:
+        first = resolved.relative_to(parent).parts[0]
+        if outer and (first in _OWN_FOLDERS or first.startswith("sink-g")):
             raise DataDirNestedError(
-                f"data dir {data_dir} is inside the data dir {parent} (its {NODE_FILE}): each server "
-                "needs a data dir of its own, apart from every other's; give one outside it"
+                f"data dir {data_dir} is inside the data dir {parent} (its {NODE_FILE}), in its {first}/: "
+                "each server needs a data dir of its own, apart from every other's; give one outside it"
             )
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from receivers.node_identity import NODE_FILE, DataDirOwnerError
+from receivers.node_identity import NODE_FILE, DataDirNestedError, DataDirOwnerError, check_not_nested
 from sluice_client import Producer
 from tests.support import loopback_cluster, running_server
 from tests.test_replication import values
@@ -150,7 +150,7 @@ def _listing(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
 
 
-@pytest.mark.parametrize("inside", ["blocks/s", "blocks", "sink", "x/y"])
+@pytest.mark.parametrize("inside", ["blocks/s", "blocks", "sink", "checkpoints/q", "sink-g1/x"])
 async def test_a_data_dir_inside_another_servers_is_refused_before_anything_is_written(
     tmp_path: Path, inside: str
 ) -> None:
@@ -171,5 +171,18 @@ async def test_a_data_dir_inside_another_servers_is_refused_before_anything_is_w
         said = done.stderr.decode()
         assert done.returncode == 2, said
         assert f"data dir {nested} is inside the data dir {outer} (its node.json)" in said
+        assert f"in its {inside.split('/', maxsplit=1)[0]}/" in said
         assert "Traceback" not in said
     assert _listing(outer) == before
+
+
+def test_a_folder_of_its_own_beside_a_data_dirs_folders_is_no_nesting(tmp_path: Path) -> None:
+    """DATA/other holds nothing of DATA's server (its blocks/, replicas/, checkpoints/, sink/, sink-g*/
+    are elsewhere): a second server's data dir may be there, as tests and operators put them."""
+    outer = tmp_path / "data"
+    (outer / "blocks").mkdir(parents=True)
+    (outer / NODE_FILE).write_text('{"node_id": null}')
+    for inside in ("other", "x/y", "fixed", "blocks-old"):
+        check_not_nested(outer / inside)
+    with pytest.raises(DataDirNestedError, match="in its replicas/"):
+        check_not_nested(outer / "replicas" / "0")
