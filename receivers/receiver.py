@@ -1328,39 +1328,24 @@ class Receiver:
     def _take_pending(self) -> list[_Chunk]:
         """The pending chunks, oldest first, until a block's worth (`seal_at` records or `seal_bytes`:
         at most one chunk, one message, more): however far the log falls behind, a block (and the log's
-        frame buffers, kept at the largest block's size) stays that size; the rest waits for the next."""
-        if self._space_cap is not None:
-            return self._take_within(self._space_cap)
+        frame buffers, kept at the largest block's size) stays that size; the rest waits for the next.
+        While the disk lacks room for a whole block (_space_cap), at most that many bytes (one chunk at
+        least), and _space_cut says whether the cap cut the block short."""
         pending, cap_records, cap_bytes = self._pending, self.config.seal_at, self.config.seal_bytes
-        if self._pending_records < cap_records and self._pending_bytes < cap_bytes:
+        limit = self._space_cap
+        self._space_cut = False
+        if limit is None and self._pending_records < cap_records and self._pending_bytes < cap_bytes:
             self._pending = []
             self._pending_records = self._pending_bytes = 0
             return pending
         cut, records, nbytes = len(pending), 0, 0
         for i, chunk in enumerate(pending):
-            if records >= cap_records or nbytes >= cap_bytes:
+            if i and (records >= cap_records or nbytes >= cap_bytes):
                 cut = i
                 break
-            records += chunk.records.num_rows
-            nbytes += chunk.nbytes
-        chunks, self._pending = pending[:cut], pending[cut:]
-        self._pending_records -= records
-        self._pending_bytes -= nbytes
-        return chunks
-
-    def _take_within(self, limit: int) -> list[_Chunk]:
-        """As _take_pending, but at most `limit` bytes (and one chunk, one message, at least): a block
-        cut small for a full disk. Sets _space_cut: whether the limit cut it short."""
-        pending, cap_records, cap_bytes = self._pending, self.config.seal_at, self.config.seal_bytes
-        cut, records, nbytes = 0, 0, 0
-        self._space_cut = False
-        for chunk in pending:
-            if cut and (records >= cap_records or nbytes >= cap_bytes):
+            if i and limit is not None and nbytes + chunk.nbytes > limit:
+                cut, self._space_cut = i, True
                 break
-            if cut and nbytes + chunk.nbytes > limit:
-                self._space_cut = True
-                break
-            cut += 1
             records += chunk.records.num_rows
             nbytes += chunk.nbytes
         chunks, self._pending = pending[:cut], pending[cut:]

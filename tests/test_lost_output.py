@@ -55,6 +55,14 @@ def lost_output(kind: str) -> Iterator[int]:
             os.close(fd)
 
 
+def push_into(
+    fd: int, path: Path, port: int, *flags: str, timeout: float
+) -> subprocess.CompletedProcess[bytes]:
+    """`sluice push PATH` to 127.0.0.1:`port` with its stdout and stderr on `fd`."""
+    command = [*SLUICE, "push", str(path), "--target", f"127.0.0.1:{port}", *flags]
+    return subprocess.run(command, stdout=fd, stderr=fd, timeout=timeout, check=False)
+
+
 def wait_for_port(proc: subprocess.Popen[bytes], port: int, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -117,21 +125,7 @@ def test_a_push_whose_stderr_cannot_be_written_sends_everything(
     lines = 200_000
     (tmp_path / "in.txt").write_text("".join(f"{i:064}\n" for i in range(lines)))
     with lost_output(kind) as fd:
-        push = subprocess.run(
-            [
-                *SLUICE,
-                "push",
-                str(tmp_path / "in.txt"),
-                "--target",
-                f"127.0.0.1:{port}",
-                "--producer-id",
-                "p",
-            ],
-            stdout=fd,
-            stderr=fd,
-            timeout=300,
-            check=False,
-        )
+        push = push_into(fd, tmp_path / "in.txt", port, "--producer-id", "p", timeout=300)
     assert push.returncode == 0
     stored = stored_values(data)
     assert len(stored) == lines
@@ -142,21 +136,7 @@ def test_a_failed_push_whose_stderr_no_one_reads_exits_1_not_0(tmp_path: Path) -
     # its error line met EPIPE, and the BrokenPipeError made the failed push's exit 0
     (tmp_path / "in.txt").write_text("a\n")
     with unread_pipe() as fd:
-        push = subprocess.run(
-            [
-                *SLUICE,
-                "push",
-                str(tmp_path / "in.txt"),
-                "--target",
-                f"127.0.0.1:{free_port()}",
-                "--timeout",
-                "1",
-            ],
-            stdout=fd,
-            stderr=fd,
-            timeout=120,
-            check=False,
-        )
+        push = push_into(fd, tmp_path / "in.txt", free_port(), "--timeout", "1", timeout=120)
     assert push.returncode == 1
 
 
