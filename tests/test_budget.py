@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +107,22 @@ class Spark:
 # ---- memory budget -------------------------------------------------------------------------------
 
 
+class Peak:
+    """The largest value `read()` gave, polled every `every` seconds from now until stop()."""
+
+    def __init__(self, read: Callable[[], int], every: float = 0.001) -> None:
+        self.value = 0
+        self._task = asyncio.create_task(self._poll(read, every))
+
+    async def _poll(self, read: Callable[[], int], every: float) -> None:
+        while True:
+            self.value = max(self.value, read())
+            await asyncio.sleep(every)
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
 async def test_memory_budget_stops_credit_for_large_records_and_resumes_as_blocks_seal(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -181,15 +197,7 @@ async def test_records_larger_than_the_estimate_wait_unread_beyond_the_memory_bu
             big = records("b", producer.credit, size)  # what the credit held allows: 64 MB or more
             assert len(big) * size > 50 * budget
             gate.clear()
-            peak = 0
-
-            async def watch() -> None:
-                nonlocal peak
-                while True:
-                    peak = max(peak, receiver.buffered_bytes)
-                    await asyncio.sleep(0.001)
-
-            watcher = asyncio.create_task(watch())
+            peak = Peak(lambda: receiver.buffered_bytes)
             sending = asyncio.create_task(producer.send_many(big))
             await wait_until(lambda: receiver.over_memory_budget)
             await asyncio.sleep(0.3)
@@ -198,12 +206,12 @@ async def test_records_larger_than_the_estimate_wait_unread_beyond_the_memory_bu
             assert receiver.stats.records_received == taken  # held back: nothing more is read
             assert producer.credit > 0  # by the unread messages, not by credit
             message = per_message * (size + 64)
-            assert budget <= peak <= budget + message
+            assert budget <= peak.value <= budget + message
             gate.set()
             await asyncio.wait_for(sending, 30)
             await producer.flush(timeout=30)
-            watcher.cancel()
-            assert peak <= budget + message
+            peak.stop()
+            assert peak.value <= budget + message
             assert producer.acked == len(sent) + len(big)
         assert receiver.buffered_bytes == 0
         assert Spark(server.config.blocks_dir).stored() == sent + big
@@ -363,13 +371,6 @@ async def test_producers_whose_fair_share_is_under_one_record_all_get_their_turn
     async with running_server(tmp_path, max_message_bytes=message, **receiver) as server:
         rec = server.receivers["s"]
         sent = {f"p{i}": records(f"p{i}-", per_producer, size) for i in range(producers)}
-        peak = 0
-
-        async def watch() -> None:
-            nonlocal peak
-            while True:
-                peak = max(peak, rec.buffered_bytes)
-                await asyncio.sleep(0.001)
 
         async def run(producer: Producer, values: list[bytes]) -> None:
             await producer.send_many(values)
@@ -379,7 +380,7 @@ async def test_producers_whose_fair_share_is_under_one_record_all_get_their_turn
             async with Producer(server.target, "s", producer_id=name) as producer:
                 await run(producer, sent[name])
 
-        watcher = asyncio.create_task(watch())
+        peak = Peak(lambda: rec.buffered_bytes)
         try:
             if case == "a finished producer holds its first grant":
                 async with Producer(server.target, "s", producer_id="p0") as first:
@@ -389,9 +390,9 @@ async def test_producers_whose_fair_share_is_under_one_record_all_get_their_turn
             else:
                 await asyncio.gather(*(one(name) for name in sent))
         finally:
-            watcher.cancel()
+            peak.stop()
         # the budget's bound: one message per session over it at most
-        assert peak <= rec.config.buffer_bytes + producers * message
+        assert peak.value <= rec.config.buffer_bytes + producers * message
     stored = Spark(server.config.blocks_dir).stored()
     for name, values in sent.items():
         assert [v for v in stored if v.startswith(f"{name}-".encode())] == values
@@ -429,15 +430,8 @@ async def test_the_servers_memory_budget_bounds_every_stream_together_and_shares
             gate, closing = held_writes(server.receivers["a"])  # one store: every stream's writes wait
             await stack.enter_async_context(closing)
             gate.clear()
-            peak = 0
-
-            async def watch() -> None:
-                nonlocal peak
-                while True:
-                    peak = max(peak, server.memory.held)
-                    await asyncio.sleep(0.001)
-
-            stack.callback(asyncio.create_task(watch()).cancel)
+            peak = Peak(lambda: server.memory.held)
+            stack.callback(peak.stop)
             big = records("a-", 1_000, size)  # 10 MB: five times the server's budget
             sent["a"] += big
             sending = [asyncio.create_task(producers["a"].send_many(big))]
@@ -461,7 +455,7 @@ async def test_the_servers_memory_budget_bounds_every_stream_together_and_shares
             await asyncio.sleep(0.3)
             assert {s: r.stats.records_received for s, r in server.receivers.items()} == taken
             assert taken["b"] == taken["c"] == 20 + per_message  # a message each past the budget
-            assert peak <= budget + 3 * message  # one message per session past it, at most
+            assert peak.value <= budget + 3 * message  # one message per session past it, at most
 
             # writes go on, slowly: b and c get their share while a still has most of its records
             gate.set()
@@ -478,7 +472,7 @@ async def test_the_servers_memory_budget_bounds_every_stream_together_and_shares
             await asyncio.wait_for(asyncio.gather(*sending), 60)
             for producer in producers.values():
                 await producer.flush(timeout=60)
-            assert peak <= budget + 3 * message
+            assert peak.value <= budget + 3 * message
         assert server.memory.held == 0
         for s in "abc":
             assert SERVER_MEMORY not in server.receivers[s].paused
@@ -841,15 +835,7 @@ async def test_a_block_larger_than_the_free_disk_is_written_in_parts_as_room_all
         buffer_bytes=budget,
     ) as server:
         receiver = server.receivers["s"]
-        most_buffered = 0
-
-        async def watch() -> None:
-            nonlocal most_buffered
-            while True:
-                most_buffered = max(most_buffered, receiver.buffered_bytes)
-                await asyncio.sleep(0.005)
-
-        watching = asyncio.create_task(watch())
+        most_buffered = Peak(lambda: receiver.buffered_bytes, every=0.005)
         async with (
             Producer(server.target, "s", linger=0, batch_size=batch_size, producer_id="named") as first,
             Producer(server.target, "s", linger=0, batch_size=batch_size) as second,
@@ -879,8 +865,8 @@ async def test_a_block_larger_than_the_free_disk_is_written_in_parts_as_room_all
             await second.flush(timeout=30)
             assert first.acked == len(named) and second.acked == len(anonymous)
             assert DISK_ERROR not in receiver.paused
-        watching.cancel()
-        assert most_buffered <= budget
+        most_buffered.stop()
+        assert most_buffered.value <= budget
         assert receiver.buffered_records == 0 and receiver.buffered_bytes == 0 and server.memory.held == 0
         spark = Spark(server.config.blocks_dir)
         stored = spark.stored()

@@ -63,6 +63,19 @@ def push_into(
     return subprocess.run(command, stdout=fd, stderr=fd, timeout=timeout, check=False)
 
 
+def stop(serve: subprocess.Popen[bytes]) -> int:
+    """SIGTERM `serve` and give its exit code."""
+    serve.send_signal(signal.SIGTERM)
+    return serve.wait(timeout=60)
+
+
+def kill(serve: subprocess.Popen[bytes]) -> None:
+    """SIGKILL what is left of `serve`'s process group (a test that failed before stopping it)."""
+    if serve.poll() is None:
+        os.killpg(serve.pid, signal.SIGKILL)
+        serve.wait(timeout=30)
+
+
 def wait_for_port(proc: subprocess.Popen[bytes], port: int, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -99,12 +112,9 @@ def test_a_server_whose_stderr_cannot_be_written_serves_and_stops_cleanly(tmp_pa
         assert push.returncode == 0, push.stderr
         time.sleep(0.5)  # lines logged meanwhile (a session's end) fail too
         assert serve.poll() is None
-        serve.send_signal(signal.SIGTERM)
-        assert serve.wait(timeout=60) == 0
+        assert stop(serve) == 0
     finally:
-        if serve.poll() is None:
-            os.killpg(serve.pid, signal.SIGKILL)
-            serve.wait(timeout=30)
+        kill(serve)
     assert sorted(stored_values(data)) == sorted(f"{i}".encode() for i in range(1000))
 
 
@@ -202,12 +212,9 @@ def test_a_server_started_with_stdin_stdout_and_stderr_closed_keeps_them_off_its
             check=False,
         )
         assert push.returncode == 0, push.stderr
-        serve.send_signal(signal.SIGTERM)
-        assert serve.wait(timeout=60) == 0
+        assert stop(serve) == 0
     finally:
-        if serve.poll() is None:
-            os.killpg(serve.pid, signal.SIGKILL)
-            serve.wait(timeout=30)
+        kill(serve)
     assert len(stored_values(data)) == 100
     assert (data / "sluice.lock").read_text().strip().isdigit()  # its pid, nothing written over it
 
