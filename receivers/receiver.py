@@ -48,7 +48,9 @@ A write that fails with anything but an OSError may have failed on what was in t
 session's input may stop the block generator: each producer's records (each anonymous session's) are
 then written as a block of their own, and those the log still refuses are dropped and fail that
 producer's sessions (INVALID_ARGUMENT for data it cannot encode, else UNAVAILABLE), the producer's
-accepted mark set back so that a resend is taken; everyone else's records are sealed and acked.
+accepted mark set back so that a resend is taken; everyone else's records are sealed and acked. One of
+those writes that fails with an OSError is a failed block write as above (for lack of room, cut down to
+what fits at once), the producers' records after it pending again behind it.
 
 While paused for a disk reason, the receiver also asks the store to drop its newest segment if Spark has
 released every block in it (`BlockStore.trim`), since Spark's release never deletes the newest segment.
@@ -103,7 +105,7 @@ from array import array
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import NamedTuple, cast
 
 import pyarrow as pa
 from reactivex.subject import Subject
@@ -274,6 +276,15 @@ class _Chunk:
     session: Session
     end_seq: int
     nbytes: int
+
+
+class _Unwritten(NamedTuple):
+    """A block write that failed with an OSError: its records, records after it not tried yet (pending
+    again after them), and the error."""
+
+    block: list[_Chunk]
+    after: list[_Chunk]
+    error: OSError
 
 
 class Receiver:
@@ -1290,29 +1301,31 @@ class Receiver:
         shrunk = False  # a block was cut smaller in this seal: it grows again in the next one
         while chunks:
             written = chunks
+            failed: _Unwritten | None = None
             try:
                 # no block is prepared ahead while blocks are cut small for a full disk
                 ahead = self._space_cap is None and self._clock() < chain_until
                 chunks = await self._write_block(chunks, ahead=ahead) or []
             except OSError as exc:
-                if not self._write_failed(chunks, exc):
-                    return False
-                shrunk = True
-                if not any(chunk is last for chunk in self._pending):
-                    last = chunks[-1]  # a block prepared ahead (taken after `last`): it is due too
-                chunks = self._take_pending()  # a smaller block at once: it may fit
-                continue
+                failed = _Unwritten(chunks, [], exc)
             except Exception:  # a session's data the log cannot hold must not kill the stream
                 log.exception(
                     "stream %r: block %d could not hold its records; writing each producer's apart",
                     self.stream,
                     self._next_block_seq,
                 )
-                sealed = await self._seal_apart(chunks)
-                if sealed and DISK_ERROR in self._paused:  # its writes, under a cap, left the pause on
-                    self._space_cap = None
-                    self._write_succeeded()
-                return sealed
+                failed = await self._seal_apart(chunks)
+                chunks = []
+            if failed is not None:
+                if not self._write_failed(failed):
+                    return False
+                shrunk = True
+                if not any(chunk is last for chunk in self._pending):
+                    # `last` was written (or refused) in this seal, and what failed was taken after it (a
+                    # block prepared ahead) or with it (a write apart's, and the producers' after it): due
+                    last = (failed.after or failed.block)[-1]
+                chunks = self._take_pending()  # a smaller block at once: it may fit
+                continue
             if self._space_cap is not None:
                 self._grow_space_cap(written, grow=not shrunk)
             # more than a block's worth was pending: the rest goes on now if a block's worth waits or
@@ -1371,10 +1384,12 @@ class Receiver:
         """A block's worth waits: seal it before the interval ends (by count, or by bytes)."""
         return self._pending_records >= self.config.seal_at or self._pending_bytes >= self.config.seal_bytes
 
-    async def _seal_apart(self, chunks: list[_Chunk]) -> bool:
+    async def _seal_apart(self, chunks: list[_Chunk]) -> _Unwritten | None:
         """Write the chunks of each producer (or anonymous session) as a block of their own: those the log
         refuses fail their producer's sessions (INVALID_ARGUMENT for data it cannot encode, else
-        UNAVAILABLE), everyone else's are sealed and acked."""
+        UNAVAILABLE), everyone else's are sealed and acked. None once every producer's were; else the
+        block whose write failed with an OSError, and the producers' after it, not tried: the caller
+        treats them as any failed write (_seal: for lack of room, cut down to what fits at once)."""
         groups: dict[str | Session, list[_Chunk]] = {}
         for chunk in chunks:
             groups.setdefault(chunk.session.producer_key or chunk.session, []).append(chunk)
@@ -1383,11 +1398,10 @@ class Receiver:
             try:
                 await self._write_block(groups[owner])
             except OSError as exc:
-                self._write_failed([c for o in owners[i:] for c in groups[o]], exc)
-                return False
+                return _Unwritten(groups[owner], [c for o in owners[i + 1 :] for c in groups[o]], exc)
             except Exception as exc:  # noqa: BLE001 - see _seal
                 self._refuse(owner, groups[owner], exc)
-        return True
+        return None
 
     def _refuse(self, owner: str | Session, chunks: list[_Chunk], exc: Exception) -> None:
         """The block log cannot hold these records of `owner` (a producer key, or an anonymous session):
@@ -1515,12 +1529,14 @@ class Receiver:
         """No block is prepared ahead: stopping, or a seal_now() waits for the round to end."""
         return self._stopping or bool(self._seal_waiters)
 
-    def _write_failed(self, chunks: list[_Chunk], exc: OSError) -> bool:
+    def _write_failed(self, failed: _Unwritten) -> bool:
         """Keep the records buffered and try again next interval; no new credit until a write succeeds.
         True if a smaller block should be tried at once: the disk lacked room for this one, of more
-        than one message (the cap it leaves, _space_cap, holds at most half of it)."""
+        than one message (the cap it leaves, _space_cap, holds at most half of it). The records after
+        it not tried yet (a write apart's other producers, _seal_apart) are pending again after its."""
+        chunks, exc = failed.block, failed.error
         self.stats.block_write_errors += 1
-        self._pending = chunks + self._pending
+        self._pending = chunks + failed.after + self._pending
         self._recount_pending()
         no_room = exc.errno in _NO_ROOM
         split = no_room and len(chunks) > 1

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pyarrow as pa
 import pytest
 from prometheus_client import generate_latest
@@ -32,6 +33,7 @@ from receivers.config import MIB, FsyncPolicy, ReceiverConfig
 from receivers.receiver import DISK_BUDGET, DISK_ERROR, MEMORY_BUDGET, SERVER_MEMORY
 from receivers.wal import WalBlockStore
 from sluice_client import Producer
+from sluice_client.errors import RPCError
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 
@@ -891,10 +893,15 @@ async def test_a_block_larger_than_the_free_disk_is_written_in_parts_as_room_all
 class _Quota:
     """A store's write that refuses blocks of more than `room` messages with `code` (a quota cannot be
     filled here: root passes quotas), or every write with it while `failing` (EIO: a broken disk).
-    Keeps the number of messages of each write it was given."""
+    A block with records of the producer `poison` is refused first, as data the log cannot hold (what
+    the edge validation prevents on the real log). Keeps the number of messages of each write it was
+    given."""
 
-    def __init__(self, receiver: Any, code: int, room: int | None = None, failing: int = 0) -> None:
+    def __init__(
+        self, receiver: Any, code: int, room: int | None = None, failing: int = 0, poison: str | None = None
+    ) -> None:
         self.write, self.code, self.room, self.failing = receiver.store.write, code, room, failing
+        self.poison = poison
         self.sizes: list[int] = []
         self.first_takes = 0.0  # seconds the first write takes
         receiver.store.write = self
@@ -903,6 +910,8 @@ class _Quota:
         self.sizes.append(len(args[4]))
         if len(self.sizes) == 1:
             time.sleep(self.first_takes)
+        if self.poison is not None and self.poison in (args[5] or {}):
+            raise OverflowError(f"producer {self.poison!r}: this log cannot hold its mark")
         if self.failing or (self.room is not None and len(args[4]) > self.room):
             self.failing = max(0, self.failing - 1)
             raise OSError(self.code, os.strerror(self.code))
@@ -973,6 +982,73 @@ async def test_credit_resumes_only_once_the_block_prepared_ahead_is_written_in_p
         assert end_at_resume and failed_end, (end_at_resume, failed_end)
         assert end_at_resume[0] >= failed_end[0], (end_at_resume, failed_end, quota.sizes)
         assert Spark(server.config.blocks_dir).stored() == sent
+
+
+async def test_records_written_apart_after_a_data_error_are_cut_down_to_what_fits(tmp_path: Path) -> None:
+    """After a block the log cannot hold (one producer's data), each producer's records are written as a
+    block of their own. One of those that failed for lack of room ended the seal: it and every producer's
+    records after it waited a block interval (30 s here), paused, for a retry. It is cut down to what fits
+    at once, as any block is: the other producers' records are durable and acked in the same seal, the
+    poisoned producer's refused, none lost or doubled, and credit resumes."""
+    # a long interval: the records wait for seal_now(), in one block
+    async with running_server(
+        tmp_path, block_interval=30.0, block_linger=None, buffer_records=2_000, prefetch=200
+    ) as server:
+        receiver = server.receivers["s"]
+        quota = _Quota(receiver, errno.ENOSPC, room=3, poison="poison")
+        good, other, bad = records("g", 100, 100), records("o", 60, 100), records("p", 20, 100)
+        poisoned = Producer(server.target, "s", linger=0, batch_size=10, producer_id="poison")
+        async with (
+            Producer(server.target, "s", linger=0, batch_size=10, producer_id="good") as first,
+            Producer(server.target, "s", linger=0, batch_size=10) as second,
+        ):
+            await poisoned.start()
+            try:
+                # in this order, in one block: 10 messages, 6, then 2 the log cannot hold
+                for producer, sent in ((first, good), (second, other), (poisoned, bad)):
+                    buffered = receiver.buffered_records + len(sent)
+                    await producer.send_many(sent)
+                    await wait_until(lambda: receiver.buffered_records == buffered)  # noqa: B023 - awaited here
+                await receiver.seal_now()
+                # the block (18 messages) fails on the poisoned producer's records; the good producer's
+                # 10 messages, written apart, do not fit: 5, then 2 at a time; then the other's, 2 at a
+                # time, and the poisoned producer's 2, which fail on their data alone
+                assert quota.sizes == [18, 10, 5] + [2] * 8 + [2, 2], quota.sizes
+                stored = Spark(server.config.blocks_dir).stored()
+                assert by_prefix(stored, b"g") == good and by_prefix(stored, b"o") == other, stored
+                assert not by_prefix(stored, b"p")
+                with pytest.raises(RPCError) as refused:
+                    await poisoned.flush(timeout=10)
+                assert refused.value.status is grpc.StatusCode.INVALID_ARGUMENT, refused.value
+                assert "cannot hold" in refused.value.message
+            finally:
+                await poisoned.abort()
+            await wait_until(lambda: first.acked == len(good) and second.acked == len(other))
+            assert DISK_ERROR not in receiver.paused and receiver.stats.credit_pauses[DISK_ERROR] == 1
+            assert receiver.stats.block_write_errors == 2
+            assert receiver.stats.records_acked == 160 and receiver.stats.records_not_accepted == 20
+            assert receiver.buffered_records == 0 and receiver.buffered_bytes == 0
+            # credit flows (more than a session's prefetch is taken), and blocks are written again
+            quota.room = None
+            granted = receiver.stats.credit_granted
+            more = records("m", 300, 100)
+            await first.send_many(more)
+            await wait_until(lambda: receiver.buffered_records == len(more))
+            assert receiver.stats.credit_granted > granted
+            await receiver.seal_now()
+            await first.flush(timeout=10)
+            assert first.acked == len(good) + len(more)
+        spark = Spark(server.config.blocks_dir)
+        stored = spark.stored()
+        assert by_prefix(stored, b"g") == good and by_prefix(stored, b"o") == other
+        assert by_prefix(stored, b"m") == more and not by_prefix(stored, b"p")
+        blocks = spark.store.blocks("s")
+        assert blocks[0].first_offset == 0 and sum(b.count for b in blocks) == 460
+        assert all(b.first_offset == a.first_offset + a.count for a, b in itertools.pairwise(blocks))
+        state = receiver.producer("good")
+        assert state is not None and state.durable_up_to == state.accepted_up_to == 400
+        assert receiver.stats.records_acked == 460
+    assert WalBlockStore(tmp_path / "blocks").producers("s") == {"good": 400, second.producer_id: 60}
 
 
 async def test_another_write_error_retries_the_whole_block(tmp_path: Path) -> None:
