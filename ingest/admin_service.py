@@ -73,7 +73,7 @@ class AdminService(pb_grpc.AdminServicer):
     ) -> None:
         """`driver_target` (a cluster's receiver node): where the driver serves its RateControl, None
         until one has called (RateControlService.driver_target); a change of a setting the driver runs
-        by (DRIVER_SETTINGS) is refused FAILED_PRECONDITION, naming it. None: a single server."""
+        by (DRIVER_ONLY_SETTINGS) is refused FAILED_PRECONDITION, naming it. None: a single server."""
         self._runtime = runtime
         self._driver_target = driver_target
         self._server = server

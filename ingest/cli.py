@@ -41,7 +41,7 @@ from ingest.client_hints import connect_hint, refused, tls_to_plaintext_hint
 from ingest.config import (
     DEFAULT_METRICS_PORT,
     DEFAULT_PORT,
-    DRIVER_SETTINGS,
+    DRIVER_ONLY_SETTINGS,
     OutOfRange,
     RateConfig,
     SecurityConfig,
@@ -1325,7 +1325,7 @@ def _refuse_unused(args: argparse.Namespace, role: str, unused: Callable[[str], 
 
 
 def _refuse_driver_settings(args: argparse.Namespace) -> None:
-    """ConfigError naming the settings of the cluster's driver (DRIVER_SETTINGS: the rate's bounds,
+    """ConfigError naming the settings of the cluster's driver (DRIVER_ONLY_SETTINGS: the rate's bounds,
     estimator and its parameters, the trigger interval) given to `sluice serve --role receiver`, each as
     the user wrote it and where (a flag, the environment, the config file), and the driver's command for
     each. A node's own bounds clamped the share the driver pins it: `--max-rate 1000` on one node
@@ -1336,7 +1336,7 @@ def _refuse_driver_settings(args: argparse.Namespace) -> None:
     envs_given: list[str] = []
     files_given: dict[str, list[str]] = {}  # config file -> its keys
     shadowed: Mapping[str, list[Origin]] = getattr(args, "shadowed", {})
-    for name in DRIVER_SETTINGS:
+    for name in DRIVER_ONLY_SETTINGS:
         origin = args.origins.get(keys[name].dest)
         if origin is None or origin.source not in (FLAG, ENV, FILE):
             continue
@@ -1379,7 +1379,7 @@ def _refuse_driver_settings(args: argparse.Namespace) -> None:
         "estimator-params": format_estimator_params(args.estimator_params or {}) or "NAME=VALUE",
         "trigger-interval": f"{args.trigger_interval:g}",
     }
-    flags = [f"{keys[name].flag} {values[name]}" for name in DRIVER_SETTINGS if name in given]
+    flags = [f"{keys[name].flag} {values[name]}" for name in DRIVER_ONLY_SETTINGS if name in given]
     running = []
     if "min-rate" in given or "max-rate" in given:
         low = values["min-rate"] if "min-rate" in given else "MIN"

@@ -46,7 +46,7 @@ from ingest.config import (
     is_loopback,
 )
 from ingest.driver import SparkDriver, batch_metrics
-from ingest.driver_config import DRIVER_SETTINGS, DriverConfig, read_runtime_config
+from ingest.driver_config import DRIVER_RUNTIME_SETTINGS, DriverConfig, read_runtime_config
 from ingest.logs import JSON, SPARK_QUIET, log_format, say
 from ingest.metrics import MetricsServer, SluiceCollector
 from ingest.node_rates import NodeRates
@@ -324,11 +324,12 @@ class ClusterDriver:
     def change_settings(
         self, values: Mapping[str, str], reset: Sequence[str] = ()
     ) -> tuple[ServeConfig, ServeConfig]:
-        """Change the rate's settings (DRIVER_SETTINGS) as the rate API's SetBounds and SetEstimator ask:
-        kept in DATA_DIR/runtime-config.json first, then put in force, as on a single node (a restart
-        once went back to the command line's bounds and estimator without a word): (old, new).
+        """Change the rate's settings (DRIVER_RUNTIME_SETTINGS) as the rate API's SetBounds and
+        SetEstimator ask: kept in DATA_DIR/runtime-config.json first, then put in force, as on a single
+        node (a restart once went back to the command line's bounds and estimator without a word):
+        (old, new).
         SettingError, OSError: nothing changed."""
-        others = [key for key in values if key not in DRIVER_SETTINGS]
+        others = [key for key in values if key not in DRIVER_RUNTIME_SETTINGS]
         if others:  # the rate API sets none of them; kept, they would stop the next start
             raise SettingError(f"not a driver's setting: {', '.join(others)}")
         # another estimator than --estimator's runs with its own defaults, not --estimator-params

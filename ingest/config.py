@@ -40,13 +40,14 @@ trigger counts whole milliseconds (ingest.spark.pipeline starts the query with t
 them): 1e-9 was taken and shown as "trigger 1e-09 s" while Spark ran batches back to back (0 ms)."""
 
 
-DRIVER_SETTINGS = ("min-rate", "max-rate", "estimator", "estimator-params", "trigger-interval")
+DRIVER_ONLY_SETTINGS = ("min-rate", "max-rate", "estimator", "estimator-params", "trigger-interval")
 """The settings (`sluice serve` flags, and run-time settings of ingest.runtime_config, by the same keys) a
 cluster's receiver node does not run by: the driver pins its rate (so its bounds and estimator), runs the
 estimator and the query (its trigger interval). A node refuses them at its start (ingest.cli), ignores
 them kept in its runtime-config.json by an earlier version (ingest.runtime_config), and refuses `sluice
 config set` of one (ingest.rate_service.driver_settings_refusal); a node's own bounds would clamp the
-share the driver pins it."""
+share the driver pins it. The driver changes those of them it keeps at run time
+(ingest.driver_config.DRIVER_RUNTIME_SETTINGS: all but the trigger interval)."""
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from ingest.config import (
     DEFAULT_CONNECTION_IDLE,
+    DRIVER_ONLY_SETTINGS,
     HEALTH_MAX_CONNECTIONS,
     RateConfig,
     SecurityConfig,
@@ -186,26 +187,28 @@ def check_files(config: DriverConfig) -> None:
     config.credentials()
 
 
-DRIVER_SETTINGS = ("min-rate", "max-rate", "estimator", "estimator-params")
+DRIVER_RUNTIME_SETTINGS = tuple(key for key in DRIVER_ONLY_SETTINGS if key != "trigger-interval")
 """The run-time settings a driver keeps in its DATA_DIR/runtime-config.json: the rate's bounds and
 estimator (with its parameters: a new estimator drops those of the old one), as `sluice rate
 bounds|estimator --target DRIVER` change them (RateControlService with
-ClusterDriver.change_settings), beside a pinned rate."""
+ClusterDriver.change_settings), beside a pinned rate. Those of DRIVER_ONLY_SETTINGS (what a receiver
+node leaves to the driver) that change at run time: all but the trigger interval, a flag of the
+driver's start."""
 
 
 def read_runtime_config(config: DriverConfig, *, announce: bool = False) -> RuntimeConfig:
     """DATA_DIR/runtime-config.json as the driver reads it at its start (read, never written): the rate's
-    bounds and estimator an operator changed (DRIVER_SETTINGS) and the rate they pinned. A bad file (not
-    JSON, a pinned_rate that is no rate, a value its setting refuses, another setting: a receiver node's,
-    which the driver would run without): SettingError (a ValueError) naming it. ClusterDriver reads it so
-    (`announce`: each setting logged), and `sluice config check --role driver` (which said "valid" where
-    `serve --role driver` then stopped on it, exit 2)."""
+    bounds and estimator an operator changed (DRIVER_RUNTIME_SETTINGS) and the rate they pinned. A bad
+    file (not JSON, a pinned_rate that is no rate, a value its setting refuses, another setting: a
+    receiver node's, which the driver would run without): SettingError (a ValueError) naming it.
+    ClusterDriver reads it so (`announce`: each setting logged), and `sluice config check --role driver`
+    (which said "valid" where `serve --role driver` then stopped on it, exit 2)."""
     runtime = RuntimeConfig(config.serve_config(), announce=announce)
-    others = [key for key in runtime.overrides if key not in DRIVER_SETTINGS]
+    others = [key for key in runtime.overrides if key not in DRIVER_RUNTIME_SETTINGS]
     if others:
         raise SettingError(
             f"{runtime.path}: {', '.join(others)} {'are' if len(others) > 1 else 'is'} not a driver's "
-            f"setting (it keeps only {', '.join(DRIVER_SETTINGS)} there, and a pinned rate): remove "
+            f"setting (it keeps only {', '.join(DRIVER_RUNTIME_SETTINGS)} there, and a pinned rate): remove "
             f"{'them' if len(others) > 1 else 'it'} from the file"
         )
     return runtime

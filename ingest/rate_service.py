@@ -12,7 +12,7 @@ from typing import Protocol
 
 import grpc
 
-from ingest.config import DRIVER_SETTINGS, RateConfig, ServeConfig
+from ingest.config import DRIVER_ONLY_SETTINGS, RateConfig, ServeConfig
 from ingest.rate_controller import RateController
 from ingest.runtime_config import THE_SETTINGS, RuntimeConfig
 from ratecontrol import InvalidRateError, RateBounds, check_estimator
@@ -193,8 +193,8 @@ def _on_the_driver(target: str | None) -> tuple[str, str]:
 def driver_settings_refusal(values: Mapping[str, str], target: str | None) -> str | None:
     """Why a receiver node refuses `sluice config set` of `values` (key -> value as given), naming the
     driver's RateControl (`target`: RateControlService.driver_target; None: no driver has called yet)
-    and the commands to give it; None when no key of `values` is one of DRIVER_SETTINGS."""
-    keys = [key for key in DRIVER_SETTINGS if key in values]
+    and the commands to give it; None when no key of `values` is one of DRIVER_ONLY_SETTINGS."""
+    keys = [key for key in DRIVER_ONLY_SETTINGS if key in values]
     if not keys:
         return None
     where, there = _on_the_driver(target)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ingest.config import (
-    DRIVER_SETTINGS,
+    DRIVER_ONLY_SETTINGS,
     OutOfRange,
     ServeConfig,
     ascii_float,
@@ -334,8 +334,8 @@ class RuntimeConfig:
         self.path = base.data_dir / FILE
         self.overrides: dict[str, str] = {}
         self.ignored: dict[str, str] = {}
-        """On a cluster's receiver node: the driver's settings (DRIVER_SETTINGS) the file holds, kept by
-        an earlier version (before a node refused them), key -> value. Never in force: they clamped the
+        """On a cluster's receiver node: the driver's settings (DRIVER_ONLY_SETTINGS) the file holds, kept
+        by an earlier version (before a node refused them), key -> value. Never in force: they clamped the
         share the driver pins the node. clear_ignored() takes them out of the file."""
         self.pinned_rate: float | None = None
         """The rate `sluice rate set RATE --pin` pinned (records/s, clamped into the bounds, again by new
@@ -371,8 +371,8 @@ class RuntimeConfig:
             for k, v in overrides.items()
         }
         if self.base.cluster is not None:  # a receiver node: the driver's settings are not its own
-            self.ignored = {k: v for k, v in overrides.items() if k in DRIVER_SETTINGS}
-            overrides = {k: v for k, v in overrides.items() if k not in DRIVER_SETTINGS}
+            self.ignored = {k: v for k, v in overrides.items() if k in DRIVER_ONLY_SETTINGS}
+            overrides = {k: v for k, v in overrides.items() if k not in DRIVER_ONLY_SETTINGS}
         try:
             self._build(overrides)
         except SettingError as exc:
