@@ -278,8 +278,39 @@ def grpc_connection_options(
     return options
 
 
+class ConnectionBounds:
+    """What bounds the connections of a config's gRPC servers, by its fields handshake_timeout,
+    connection_idle_timeout and max_connections: a node's (SecurityConfig) and a driver's, whose rate
+    server and health port are bounded as a node's (ingest.driver_config.DriverConfig)."""
+
+    handshake_timeout: float
+    connection_idle_timeout: float
+    max_connections: int | None
+
+    def check_connection_bounds(self) -> None:
+        """ValueError for a bound gRPC cannot take (from the config's __post_init__)."""
+        if not 0 < self.handshake_timeout < math.inf:
+            raise ValueError(f"handshake timeout must be > 0 s and finite, got {self.handshake_timeout}")
+        check_connection_limits(self.connection_idle_timeout, self.max_connections)
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """The gRPC server options that bound its connections (grpc_connection_options)."""
+        return grpc_connection_options(
+            self.handshake_timeout, self.connection_idle_timeout, self.max_connections
+        )
+
+    def health_grpc_options(self) -> list[tuple[str, int]]:
+        """As grpc_options, for the plaintext health port: at most HEALTH_MAX_CONNECTIONS."""
+        return grpc_connection_options(
+            self.handshake_timeout,
+            self.connection_idle_timeout,
+            self.max_connections,
+            ceiling=HEALTH_MAX_CONNECTIONS,
+        )
+
+
 @dataclass(frozen=True)
-class SecurityConfig:
+class SecurityConfig(ConnectionBounds):
     """Who may connect and what each principal may take (docs/security.md)."""
 
     tls: TlsConfig | None = None
@@ -308,28 +339,11 @@ class SecurityConfig:
     """Require a reader's bearer token on /metrics; None: whenever there is an auth file."""
 
     def __post_init__(self) -> None:
-        if not 0 < self.handshake_timeout < math.inf:
-            raise ValueError(f"handshake timeout must be > 0 s and finite, got {self.handshake_timeout}")
-        check_connection_limits(self.connection_idle_timeout, self.max_connections)
+        self.check_connection_bounds()
         if self.metrics_tls and self.tls is None:
             raise ValueError("metrics TLS needs the server's certificate and key (--tls-cert, --tls-key)")
         if self.metrics_auth and self.auth_file is None:
             raise ValueError("a token on /metrics needs an auth file that names readers (--auth-file)")
-
-    def grpc_options(self) -> list[tuple[str, int]]:
-        """The gRPC server options that bound its connections (grpc_connection_options)."""
-        return grpc_connection_options(
-            self.handshake_timeout, self.connection_idle_timeout, self.max_connections
-        )
-
-    def health_grpc_options(self) -> list[tuple[str, int]]:
-        """As grpc_options, for the plaintext health port: at most HEALTH_MAX_CONNECTIONS."""
-        return grpc_connection_options(
-            self.handshake_timeout,
-            self.connection_idle_timeout,
-            self.max_connections,
-            ceiling=HEALTH_MAX_CONNECTIONS,
-        )
 
     @property
     def verifies_clients(self) -> bool:

@@ -4,7 +4,6 @@ that `sluice config check --role driver` and a driver refused on a bad file do n
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,14 +11,12 @@ from pathlib import Path
 from ingest.config import (
     DEFAULT_CONNECTION_IDLE,
     DRIVER_ONLY_SETTINGS,
-    HEALTH_MAX_CONNECTIONS,
+    ConnectionBounds,
     RateConfig,
     SecurityConfig,
     ServeConfig,
     TlsConfig,
-    check_connection_limits,
     check_exposure,
-    grpc_connection_options,
 )
 from ingest.runtime_config import RuntimeConfig, SettingError
 from ingest.tls import load_tls
@@ -36,7 +33,7 @@ driver serves itself (SparkDriver serves none)."""
 
 
 @dataclass(frozen=True)
-class DriverConfig:
+class DriverConfig(ConnectionBounds):
     """What `sluice serve --role driver` runs."""
 
     nodes: Mapping[int, str]
@@ -92,9 +89,7 @@ class DriverConfig:
     (SecurityConfig: --handshake-timeout, --connection-idle-timeout, --max-connections)."""
 
     def __post_init__(self) -> None:
-        if not 0 < self.handshake_timeout < math.inf:
-            raise ValueError(f"handshake timeout must be > 0 s and finite, got {self.handshake_timeout}")
-        check_connection_limits(self.connection_idle_timeout, self.max_connections)
+        self.check_connection_bounds()
         if self.metrics_tls and self.tls is None:
             raise ValueError("metrics TLS needs the driver's certificate and key (--tls-cert, --tls-key)")
         # the rate server takes Admin's pipeline swaps and the rate, /metrics tells the cluster's state
@@ -118,21 +113,6 @@ class DriverConfig:
     def verifies_clients(self) -> bool:
         """Whether a client certificate can name a principal (mutual TLS: a client CA)."""
         return self.tls is not None and self.tls.client_ca_file is not None
-
-    def grpc_options(self) -> list[tuple[str, int]]:
-        """The options that bound the connections of the driver's gRPC servers (a node's own)."""
-        return grpc_connection_options(
-            self.handshake_timeout, self.connection_idle_timeout, self.max_connections
-        )
-
-    def health_grpc_options(self) -> list[tuple[str, int]]:
-        """As grpc_options, for the plaintext health port: at most HEALTH_MAX_CONNECTIONS."""
-        return grpc_connection_options(
-            self.handshake_timeout,
-            self.connection_idle_timeout,
-            self.max_connections,
-            ceiling=HEALTH_MAX_CONNECTIONS,
-        )
 
     def credentials(self) -> Credentials:
         return Credentials.from_files(
