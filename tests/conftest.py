@@ -20,7 +20,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 # time: under `pytest -n 2 --dist loadgroup` they share one worker ("spark") while the other worker
 # takes the rest. Two Spark tests at once on 2 cores starve each other past their deadlines.
 SPARK_GROUP = "spark"
-_SPARK_MARKS = ("spark", "cluster", "spark_process")
+_SPARK_MARKS = ("spark", "cluster")
 
 
 def starts_spark(item: pytest.Item) -> bool:
@@ -77,7 +77,7 @@ def _java_that_starts_no_jvm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     java.write_text(
         "#!/bin/sh\n"
         'if [ "$1" = -version ]; then echo \'openjdk version "17.0.0" (no JVM)\' >&2; exit 0; fi\n'
-        "echo 'this test starts Spark but is not marked so (tests/conftest.py: spark_process)' >&2\n"
+        "echo 'this test starts Spark but is not marked so (tests/conftest.py: mark it spark)' >&2\n"
         "exit 1\n"
     )
     java.chmod(0o755)
