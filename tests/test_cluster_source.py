@@ -170,6 +170,33 @@ def test_view_merges_holders_ends_floors_and_orders_owner_first() -> None:
     assert ClusterView([5, 3, 4]).holders("s/4", 0, 1) == [4, 5, 3]  # nobody answered: all, owner first
 
 
+def test_the_records_a_partition_can_be_read_are_those_some_holder_has_not_lost() -> None:
+    """ClusterView.readable (the driver's node backlog): records gone from the owner's log
+    (PartitionInfo.gone: its lost.json's) are readable where a copy holds them, and where none does
+    they are not; a holder that predates the field (no gone) is taken to serve its whole range."""
+
+    def holding(node: int, start: int, end: int, gone: list[tuple[int, int]]) -> pb.ListPartitionsResponse:
+        ranges = [pb.OffsetRange(first_offset=a, end_offset=b) for a, b in gone]
+        info = pb.PartitionInfo(
+            stream="s", owner=0, start_offset=start, end_offset=end, leader=node == 0, gone=ranges
+        )
+        return pb.ListPartitionsResponse(node_id=node, partitions=[info])
+
+    def readable(*answers: pb.ListPartitionsResponse) -> list[tuple[int, int]]:
+        v = ClusterView([0, 1, 2])
+        for answer in answers:
+            v.add(answer, ["s"])
+        return v.readable("s/0")
+
+    owner = holding(0, 0, 240, [(40, 100), (150, 200)])
+    assert readable(owner) == [(0, 40), (100, 150), (200, 240)]
+    assert readable(owner, holding(1, 0, 240, [])) == [(0, 240)]  # its copy has them all
+    assert readable(owner, holding(1, 20, 120, [])) == [(0, 150), (200, 240)]
+    assert readable(owner, holding(1, 20, 240, [(30, 180)])) == [(0, 40), (100, 150), (180, 240)]
+    assert readable(holding(1, 60, 90, []), holding(2, 0, 0, [])) == [(60, 90)]  # the owner did not answer
+    assert readable() == []
+
+
 def test_admission_water_fills_over_partitions_with_stream_weights_shared() -> None:
     r = ClusterStreamReader({"receivers": "0=a:1,1=b:2", "streams": "a,b"})
     r._weights_for = ["a/0", "a/1", "b/0"]
