@@ -18,6 +18,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pyarrow as pa
@@ -27,6 +28,7 @@ from test_cli import sluice
 from test_wal import damage_older_segment, expected, fill, frame_starts, rolled, segments, values
 from test_wal_accept_damage import without
 
+from receivers.block_store import release_below
 from receivers.cluster import Cluster
 from receivers.config import FsyncPolicy
 from receivers.replica_store import ReplicaStore
@@ -178,6 +180,83 @@ def test_acked_blocks_gone_from_the_end_stop_the_start(tmp_path: Path, accept: b
     # a log with nothing but blocks never committed past what it holds is no damage
     truncate_uncommitted(WalBlockStore(root), ["s"], committed_at(tmp_path, 10))
     assert WalBlockStore(root).recover("s") == (10, 200)
+
+
+def _passes(store: WalBlockStore) -> list[str]:
+    """The streams of each pass `store` makes over a whole log from now on (a _recover call reads and
+    checks every frame), in order: a spy on the real store, which goes on doing the work."""
+    calls: list[str] = []
+    recover = store._recover
+
+    def counted(stream: str, folder: Path) -> Any:
+        calls.append(stream)
+        return recover(stream, folder)
+
+    store._recover = counted  # type: ignore[method-assign]
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["sound", "missing", "truncated", "zeroed-head"])
+def test_an_owners_start_reads_its_log_once_when_the_cut_drops_nothing(tmp_path: Path, kind: str) -> None:
+    """Every block committed, so the cut at the start drops nothing. The check below the committed seq
+    reads the whole log (going past damage with the flag), and the recovery after the cut read it all
+    again: a second pass, 0.06-0.1 s more for a log of 326 MB in the page cache, a whole read of the
+    disk for one that is not. Now the recovery takes what the check found: what a pass of its own finds
+    (a later store's recovery of the same log agrees: its end, its producers' marks, its frame count)."""
+    root = tmp_path / "blocks"
+    paths = rolled(root)
+    if kind != "sound":
+        damage(paths, kind)
+    store = WalBlockStore(root, accept_damage=["s"])
+    passes = _passes(store)
+    truncate_uncommitted(store, ["s"], committed_at(tmp_path, 12))
+    checked = len(passes)
+    assert checked >= 1
+    end = store.recover("s")
+    assert len(passes) == checked  # no pass of its own: was one more
+    producers, frames = store.producers("s"), store.stats.frames_recovered
+    store.close()
+    again = WalBlockStore(root)
+    assert again.recover("s") == end == (12, 240)
+    assert again.producers("s") == producers
+    assert (
+        again.stats.frames_recovered
+        == frames
+        == (12 if kind == "sound" else 12 - len(range(*damage_span(kind))))
+    )
+
+
+def damage_span(kind: str) -> tuple[int, int]:
+    """The blocks damage(kind) loses."""
+    return {"missing": (2, 4), "zeroed-head": (2, 3), "truncated": (3, 4)}[kind]
+
+
+@pytest.mark.parametrize("change", ["cut", "write", "release"])
+def test_the_recovery_after_the_check_reads_the_log_again_once_it_changed(
+    tmp_path: Path, change: str
+) -> None:
+    """What the check below the committed seq found is taken only for the log it read: blocks cut past
+    the committed seq, a block written or blocks released since (by anything) and the recovery reads
+    the log itself, and numbers on from what is there."""
+    root = tmp_path / "blocks"
+    rolled(root)
+    store = WalBlockStore(root)
+    passes = _passes(store)
+    truncate_uncommitted(store, ["s"], committed_at(tmp_path, 6 if change == "cut" else 12))
+    want = (6, 120) if change == "cut" else (12, 240)
+    if change != "cut":
+        other = WalBlockStore(root)
+        if change == "write":
+            fill(other, 1, per_block=20)
+            want = (13, 260)
+        else:
+            assert release_below(other, ["s"], {"s": 100}) == 5  # blocks 0..4
+        other.close()
+    checked = len(passes)
+    assert store.recover("s") == want
+    assert len(passes) == checked + 1
+    assert [b.seq for b in store.blocks("s")][-1] == want[0] - 1
+    store.close()
 
 
 # ---- real nodes ----------------------------------------------------------------------------------
