@@ -309,6 +309,36 @@ async def test_the_driver_tells_a_swapped_in_query_whether_records_wait(tmp_path
         gone.blocks.close()
 
 
+async def test_a_new_drivers_node_backlog_leaves_out_what_was_released_before_its_first_batch(
+    tmp_path: Path,
+) -> None:
+    """A driver that has not seen a batch yet (a restart, an idle cluster: no batch runs while no
+    record comes) took Spark's commit as offset 0 and counted every record a node ever took: node 0,
+    30 records all read and released, showed a backlog of 30 (sluice_node_backlog_records; the brake
+    once records come) until the first batch. Now what its holders still serve: 0, then 5 for 5 new."""
+    from ingest.cluster_driver import ClusterDriver
+    from ingest.driver_config import DriverConfig
+
+    clusters = loopback_cluster(2)
+    async with nodes(tmp_path, clusters) as servers:
+        await push(servers[0].target, 30, "a")
+        targets = {n.id: n.target for n in clusters[0].nodes}
+        driver = ClusterDriver(DriverConfig(nodes=targets, streams=("s",), data_dir=tmp_path / "d"))
+        watch = asyncio.create_task(driver._watch_backlog())
+        try:
+            await wait_until(lambda: driver.backlog()[0] == 30, 15)
+            await asyncio.to_thread(driver.release, {"s/0": 30})  # an earlier driver read them
+            await asyncio.sleep(1.5)  # its next look at the nodes
+            assert driver.backlog() == {0: 0, 1: 0}  # was {0: 30, 1: 0}
+            await push(servers[0].target, 5, "b")
+            await wait_until(lambda: driver.backlog()[0] == 5, 15)
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+            driver.blocks.close()
+
+
 async def test_a_holder_that_is_down_is_skipped_for_its_copy(tmp_path: Path) -> None:
     clusters = loopback_cluster(2, replication=2, min_insync=2)  # acked: on both
     async with nodes(tmp_path, clusters) as servers:
