@@ -6,8 +6,9 @@ the streaming query with the "sluice" source in cluster mode (ingest.spark.clust
 every node's partitions over the Blocks service, and closes the rate loop as a single node does: each
 completed batch's metrics go to a RateController, served by this process's own RateControl server (the
 source's rateTarget, so each batch is capped at the live rate); NodeRates (ingest.node_rates) divides
-that rate among the nodes, braked by each node's backlog (`backlog()`: records its partitions hold that
-Spark has not committed, from ListPartitions every BACKLOG_INTERVAL). Each batch in Spark's commit log
+that rate among the nodes, braked by each node's backlog (`backlog()`: records of its partitions some
+holder serves that Spark has not committed, from ListPartitions every BACKLOG_INTERVAL; records gone
+from every holder's log are none). Each batch in Spark's commit log
 is released on every node (ReleaseBlocks) from its progress event, by SparkDriver.
 
 The query's lifecycle is a PipelineManager's, as on a single node (this driver is its QueryHost): the
@@ -140,7 +141,8 @@ class ClusterDriver:
         self._rate_port = 0
         self._server: grpc.aio.Server | None = None
         self._committed: dict[str, int] = {}  # {"stream/owner": offset} of the last completed batch
-        self._held: dict[str, int] = {}  # {"stream/owner": readable end} at the last look
+        # {"stream/owner": the records some holder serves, [a, b) ranges} at the last look
+        self._readable: dict[str, list[tuple[int, int]]] = {}
         self._lock = threading.Lock()
         self._poller: asyncio.Task[None] | None = None
         self.health = HealthServicer()
@@ -162,13 +164,19 @@ class ClusterDriver:
     # ---- the node backlog (NodeRates' hook) ----
 
     def backlog(self) -> dict[int, int]:
-        """Records each node's partitions hold that Spark has not committed yet, as of the last look
-        at the nodes (a node that did not answer: its partitions as last seen)."""
+        """Records of each node's partitions that Spark has not committed yet and some holder serves,
+        as of the last look at the nodes (a partition no holder of which answered: as last seen).
+        Records gone from the log of every holder that answered (a start with --accept-wal-damage went
+        on without them, recorded in the owner's lost.json; or one under --fsync off) are none: they
+        can never be read, and counted, they braked the node's intake until Spark's commits passed
+        them. Nor, before the first batch, are records released everywhere already."""
         with self._lock:
             per_node: dict[int, int] = dict.fromkeys(self.config.nodes, 0)
-            for key, end in self._held.items():
+            for key, spans in self._readable.items():
                 owner = split_key(key)[1]
-                per_node[owner] = per_node.get(owner, 0) + max(0, end - self._committed.get(key, 0))
+                committed = self._committed.get(key, 0)
+                unread = sum(max(0, b - max(a, committed)) for a, b in spans)
+                per_node[owner] = per_node.get(owner, 0) + unread
             return per_node
 
     async def _watch_backlog(self) -> None:
@@ -196,7 +204,7 @@ class ClusterDriver:
                 log.exception("cannot look at the nodes' partitions for their backlog")
             else:
                 with self._lock:
-                    self._held.update({key: view.end(key) for key in view.holdings})
+                    self._readable.update({key: view.readable(key) for key in view.holdings})
             await asyncio.sleep(BACKLOG_INTERVAL)
 
     def _on_batch(self, batch: BatchCompleted, loop: asyncio.AbstractEventLoop) -> None:

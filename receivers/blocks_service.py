@@ -168,7 +168,8 @@ class BlocksService:
         found = []
         for stream in streams:
             blocks = self._store.blocks(stream)
-            start, end = _extent(blocks, self._local.released_offset(stream))
+            released = self._local.released_offset(stream)
+            start, end = _extent(blocks, released)
             found.append(
                 pb.PartitionInfo(
                     stream=stream,
@@ -180,13 +181,16 @@ class BlocksService:
                     next_offset=_log_end(self._local, stream)[1],
                     released_offset=self._local.known_released_offset(stream),
                     incarnation=self._local.incarnation(stream),
+                    gone=_gone(blocks, released),
                 )
             )
         if self._replicas is not None:
             for owner in self._replicas.owners():
                 copy = self._replicas.store(owner)
                 for stream in streams:
-                    start, end = _extent(self._readable(owner, stream), copy.released_offset(stream))
+                    readable = self._readable(owner, stream)
+                    released = copy.released_offset(stream)
+                    start, end = _extent(readable, released)
                     next_seq, next_offset = _log_end(copy, stream)  # committed or not
                     found.append(
                         pb.PartitionInfo(
@@ -198,6 +202,7 @@ class BlocksService:
                             next_offset=next_offset,
                             released_offset=copy.known_released_offset(stream),
                             incarnation=copy.incarnation(stream),
+                            gone=_gone(readable, released),
                         )
                     )
         return found
@@ -336,6 +341,16 @@ def _extent(blocks: list[BlockInfo], released: int) -> tuple[int, int]:
     if not blocks:
         return released, released
     return blocks[0].first_offset, blocks[-1].end_offset
+
+
+def _gone(blocks: list[BlockInfo], released: int) -> list[pb.OffsetRange]:
+    """The records between the first and the last of `blocks` that none of them holds, above the
+    released mark: gone from the log (PartitionInfo.gone), as ReadBlocks says them (a lost.json's
+    records, a gap --fsync off left); below the mark they were released."""
+    if not blocks:
+        return []
+    gaps = uncovered(blocks[0].first_offset, blocks[-1].end_offset, blocks)
+    return [pb.OffsetRange(first_offset=max(a, released), end_offset=b) for a, b in gaps if b > released]
 
 
 def _ranges(ranges: list[tuple[int, int]]) -> str:

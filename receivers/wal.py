@@ -571,9 +571,13 @@ class WalBlockStore(BlockStore):
         self._acked_below: dict[str, int] = {}
         """Stream -> the committed seq of a cluster's owner while _check_below recovers its log: blocks
         below it were acked, under the interval policy too (a sound one after a bad frame is damage)."""
+        self._checked: dict[str, _Checked] = {}
+        """Stream -> the state _check_below's pass over the whole log found, the log untouched since:
+        the next recover() takes it rather than read the log again (a cluster's owner read it twice at
+        its start, truncate_from's check and its receiver's recovery)."""
         self._accepted: dict[str, list[LostBlocks]] = {}
         """Stream -> the losses this process accepted or warned of as recorded ones (not warned about
-        again: a cluster's owner recovers twice at its start, truncate_from and its receiver)."""
+        again: a cluster's owner whose start cut blocks recovers twice, truncate_from and its receiver)."""
         self._writers: dict[str, _Writer] = {}
         self._writers_lock = threading.Lock()
         self._index: dict[Path, _SegmentIndex] = {}
@@ -617,10 +621,20 @@ class WalBlockStore(BlockStore):
         folder = self._folder(stream)
         self._refuse_if_failed(folder)  # the page cache may hold blocks the disk lost: restart
         self._drop_writer(stream)
-        writer = self._recover_past_damage(stream, folder)
+        writer = self._take_checked(stream, folder) or self._recover_past_damage(stream, folder)
         with self._writers_lock:
             self._writers[stream] = writer
         return writer.next_seq, writer.next_offset
+
+    def _take_checked(self, stream: str, folder: Path) -> _Writer | None:
+        """The writer _check_below's pass made, if the stream's folder holds the same files as that pass
+        left (names, inodes, sizes, mtimes: truncate_from cut nothing, nothing was written or released
+        since), its frames counted now; else None (the log is recovered again). Taken once."""
+        checked = self._checked.pop(stream, None)
+        if checked is None or _fingerprint(folder) != checked.fingerprint:
+            return None
+        self.stream_stats(stream).frames_recovered += checked.frames
+        return checked.writer
 
     def _recover_past_damage(self, stream: str, folder: Path) -> _Writer:
         """_recover(), which raises DamagedLogError at the first damage; for a stream of
@@ -920,6 +934,7 @@ class WalBlockStore(BlockStore):
         from `seq` on is cut with the blocks it is in."""
         folder = self._folder(stream)
         self._drop_writer(stream)
+        self._checked.pop(stream, None)
         blocks = records = 0
         if not folder.is_dir():
             return 0, 0
@@ -981,6 +996,11 @@ class WalBlockStore(BlockStore):
                         raise
                 else:
                     self._refuse_short_end(stream, folder, writer, seq)
+                    # the recovery after the cut takes it when the cut changed nothing (_take_checked):
+                    # the same pass over the same files, what it found the same (its checks here only
+                    # stricter: it passed them)
+                    frames = stats.frames_recovered - frames_before
+                    self._checked[stream] = _Checked(writer, frames, _fingerprint(folder))
                     return
         finally:
             stats.frames_recovered = frames_before
@@ -2492,6 +2512,32 @@ def _refuse_broken_link(path: Path) -> None:
     dangling = broken_link(path)
     if dangling is not None:
         raise dangling
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """What _check_below's pass over a stream's log found, for the recovery after the cut."""
+
+    writer: _Writer
+    frames: int
+    """Frames that pass found (WalStats.frames_recovered, which counts the recovery's)."""
+    fingerprint: tuple[tuple[str, int, int, int], ...]
+    """The folder's files as that pass left them (_fingerprint)."""
+
+
+def _fingerprint(folder: Path) -> tuple[tuple[str, int, int, int], ...]:
+    """(name, inode, size, mtime in ns) of every entry of `folder`, sorted: a write, a cut, a release
+    (segments deleted, its mark renamed over), a segment made or removed all change it. () when the
+    folder cannot be read (never equal to a folder's)."""
+    try:
+        with os.scandir(folder) as entries:
+            found = []
+            for entry in entries:
+                st = entry.stat(follow_symlinks=False)
+                found.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns))
+    except OSError:
+        return ()
+    return tuple(sorted(found))
 
 
 def _path_id(path: Path) -> tuple[int, int] | None:

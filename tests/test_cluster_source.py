@@ -170,6 +170,33 @@ def test_view_merges_holders_ends_floors_and_orders_owner_first() -> None:
     assert ClusterView([5, 3, 4]).holders("s/4", 0, 1) == [4, 5, 3]  # nobody answered: all, owner first
 
 
+def test_the_records_a_partition_can_be_read_are_those_some_holder_has_not_lost() -> None:
+    """ClusterView.readable (the driver's node backlog): records gone from the owner's log
+    (PartitionInfo.gone: its lost.json's) are readable where a copy holds them, and where none does
+    they are not; a holder that predates the field (no gone) is taken to serve its whole range."""
+
+    def holding(node: int, start: int, end: int, gone: list[tuple[int, int]]) -> pb.ListPartitionsResponse:
+        ranges = [pb.OffsetRange(first_offset=a, end_offset=b) for a, b in gone]
+        info = pb.PartitionInfo(
+            stream="s", owner=0, start_offset=start, end_offset=end, leader=node == 0, gone=ranges
+        )
+        return pb.ListPartitionsResponse(node_id=node, partitions=[info])
+
+    def readable(*answers: pb.ListPartitionsResponse) -> list[tuple[int, int]]:
+        v = ClusterView([0, 1, 2])
+        for answer in answers:
+            v.add(answer, ["s"])
+        return v.readable("s/0")
+
+    owner = holding(0, 0, 240, [(40, 100), (150, 200)])
+    assert readable(owner) == [(0, 40), (100, 150), (200, 240)]
+    assert readable(owner, holding(1, 0, 240, [])) == [(0, 240)]  # its copy has them all
+    assert readable(owner, holding(1, 20, 120, [])) == [(0, 150), (200, 240)]
+    assert readable(owner, holding(1, 20, 240, [(30, 180)])) == [(0, 40), (100, 150), (180, 240)]
+    assert readable(holding(1, 60, 90, []), holding(2, 0, 0, [])) == [(60, 90)]  # the owner did not answer
+    assert readable() == []
+
+
 def test_admission_water_fills_over_partitions_with_stream_weights_shared() -> None:
     r = ClusterStreamReader({"receivers": "0=a:1,1=b:2", "streams": "a,b"})
     r._weights_for = ["a/0", "a/1", "b/0"]
@@ -280,6 +307,36 @@ async def test_the_driver_tells_a_swapped_in_query_whether_records_wait(tmp_path
         assert await asyncio.to_thread(gone.unread, {"s/0": 10}) is True  # no node answers
     finally:
         gone.blocks.close()
+
+
+async def test_a_new_drivers_node_backlog_leaves_out_what_was_released_before_its_first_batch(
+    tmp_path: Path,
+) -> None:
+    """A driver that has not seen a batch yet (a restart, an idle cluster: no batch runs while no
+    record comes) took Spark's commit as offset 0 and counted every record a node ever took: node 0,
+    30 records all read and released, showed a backlog of 30 (sluice_node_backlog_records; the brake
+    once records come) until the first batch. Now what its holders still serve: 0, then 5 for 5 new."""
+    from ingest.cluster_driver import ClusterDriver
+    from ingest.driver_config import DriverConfig
+
+    clusters = loopback_cluster(2)
+    async with nodes(tmp_path, clusters) as servers:
+        await push(servers[0].target, 30, "a")
+        targets = {n.id: n.target for n in clusters[0].nodes}
+        driver = ClusterDriver(DriverConfig(nodes=targets, streams=("s",), data_dir=tmp_path / "d"))
+        watch = asyncio.create_task(driver._watch_backlog())
+        try:
+            await wait_until(lambda: driver.backlog()[0] == 30, 15)
+            await asyncio.to_thread(driver.release, {"s/0": 30})  # an earlier driver read them
+            await asyncio.sleep(1.5)  # its next look at the nodes
+            assert driver.backlog() == {0: 0, 1: 0}  # was {0: 30, 1: 0}
+            await push(servers[0].target, 5, "b")
+            await wait_until(lambda: driver.backlog()[0] == 5, 15)
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+            driver.blocks.close()
 
 
 async def test_a_holder_that_is_down_is_skipped_for_its_copy(tmp_path: Path) -> None:

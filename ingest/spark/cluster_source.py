@@ -333,6 +333,8 @@ class Holding:
     """The incarnation of the log it holds ("": it did not say)."""
     log_end: int = 0
     """Where its log ends, every block counted (PartitionInfo.next_offset)."""
+    gone: tuple[tuple[int, int], ...] = ()
+    """Records [a, b) of [start, end) gone from its log, which it never serves (PartitionInfo.gone)."""
 
 
 class ClusterView:
@@ -361,6 +363,7 @@ class ClusterView:
                     released,
                     p.incarnation,
                     p.next_offset,
+                    tuple((r.first_offset, r.end_offset) for r in p.gone),
                 )
                 self.holdings.setdefault(partition_key(p.stream, p.owner), []).append(holding)
 
@@ -403,6 +406,19 @@ class ClusterView:
         """What a batch may read up to: the highest readable end among the partition's holders."""
         return max((h.end for h in self.holdings.get(key, ())), default=0)
 
+    def readable(self, key: str) -> list[tuple[int, int]]:
+        """The records of the partition some holder serves, as sorted disjoint ranges [a, b): each
+        holder's [start, end) but what is gone from its log. Records every holder lacks (gone from the
+        owner's log, with no copy of them; or released everywhere) are in none."""
+        spans = sorted(span for h in self.holdings.get(key, ()) for span in _without(h.start, h.end, h.gone))
+        merged: list[tuple[int, int]] = []
+        for a, b in spans:
+            if merged and a <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], b))
+            else:
+                merged.append((a, b))
+        return merged
+
     def floor(self, key: str) -> int:
         """Where a partition the query has not seen yet starts: its first record any holder still has
         (a new node's partition: 0). The lowest start among holders that hold something, so that no
@@ -440,6 +456,21 @@ class ClusterView:
         if found and not covering:  # no node that answered serves it: maybe one that did not
             found += sorted((n for n in self._order if n not in self.answered and n not in found), key=rank)
         return found or sorted(self._order, key=rank)
+
+
+def _without(start: int, end: int, gone: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[start, end) less the ranges of `gone`, as sorted disjoint ranges."""
+    left: list[tuple[int, int]] = []
+    at = start
+    for a, b in sorted(gone):
+        if a > at:
+            left.append((at, min(a, end)))
+        at = max(at, b)
+        if at >= end:
+            break
+    if at < end:
+        left.append((at, end))
+    return [(a, b) for a, b in left if b > a]
 
 
 @dataclass(frozen=True)

@@ -379,6 +379,7 @@ class PartitionInfo(_message.Message):
     NEXT_OFFSET_FIELD_NUMBER: _builtins.int
     RELEASED_OFFSET_FIELD_NUMBER: _builtins.int
     INCARNATION_FIELD_NUMBER: _builtins.int
+    GONE_FIELD_NUMBER: _builtins.int
     stream: _builtins.str
     owner: _builtins.int
     """The node whose receiver took the records (the owner of the partition)."""
@@ -410,6 +411,15 @@ class PartitionInfo(_message.Message):
     (the source's failOnDataLoss). An owner that goes on from a copy (next_seq) keeps the copy's.
     Empty: unknown (a node that predates it, or a copy never told).
     """
+    @_builtins.property
+    def gone(self) -> _containers.RepeatedCompositeFieldContainer[Global___OffsetRange]:
+        """Records of [start_offset, end_offset) gone from this holder's log, which it can never serve
+        (ReadBlocks says them gone): blocks a start with --accept-wal-damage went on without (recorded in
+        the log's lost.json), or that a start under --fsync off found missing. Another holder may still
+        have them. A driver counts in a node's backlog only the records some holder serves. Empty: none
+        (or a node that predates the field).
+        """
+
     def __init__(
         self,
         *,
@@ -422,16 +432,41 @@ class PartitionInfo(_message.Message):
         next_offset: _builtins.int = ...,
         released_offset: _builtins.int | None = ...,
         incarnation: _builtins.str = ...,
+        gone: _abc.Iterable[Global___OffsetRange] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_released_offset", b"_released_offset", "released_offset", b"released_offset"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_released_offset", b"_released_offset", "end_offset", b"end_offset", "incarnation", b"incarnation", "leader", b"leader", "next_offset", b"next_offset", "next_seq", b"next_seq", "owner", b"owner", "released_offset", b"released_offset", "start_offset", b"start_offset", "stream", b"stream"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_released_offset", b"_released_offset", "end_offset", b"end_offset", "gone", b"gone", "incarnation", b"incarnation", "leader", b"leader", "next_offset", b"next_offset", "next_seq", b"next_seq", "owner", b"owner", "released_offset", b"released_offset", "start_offset", b"start_offset", "stream", b"stream"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__released_offset: _TypeAlias = _typing.Literal["released_offset"]  # noqa: Y015
     _WhichOneofArgType__released_offset: _TypeAlias = _typing.Literal["_released_offset", b"_released_offset"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__released_offset) -> _WhichOneofReturnType__released_offset | None: ...
 
 Global___PartitionInfo: _TypeAlias = PartitionInfo  # noqa: Y015
+
+@_typing.final
+class OffsetRange(_message.Message):
+    """Records [first_offset, end_offset) of a partition."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FIRST_OFFSET_FIELD_NUMBER: _builtins.int
+    END_OFFSET_FIELD_NUMBER: _builtins.int
+    first_offset: _builtins.int
+    end_offset: _builtins.int
+    def __init__(
+        self,
+        *,
+        first_offset: _builtins.int = ...,
+        end_offset: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end_offset", b"end_offset", "first_offset", b"first_offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OffsetRange: _TypeAlias = OffsetRange  # noqa: Y015
 
 @_typing.final
 class ListPartitionsResponse(_message.Message):
