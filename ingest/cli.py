@@ -161,12 +161,18 @@ class _Version(argparse.Action):
         try:
             print(f"sluice {installed_version()}", flush=True)
         except BrokenPipeError:  # `sluice --version | head -c1`: the reader went away, as main() takes it
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            _stdout_to_devnull()
         except OSError as exc:  # a full disk under a redirect
             # what stdout holds would fail again at the exit ('Exception ignored', exit 120)
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            _stdout_to_devnull()
             parser.exit(EXIT_FAILED, f"sluice: cannot write the version: {exc.strerror}\n")
         parser.exit()
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout's descriptor at /dev/null (logs.point_at_devnull), if it can be."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        logs.point_at_devnull(sys.stdout.fileno())
 
 
 def installed_version() -> str:
@@ -227,7 +233,7 @@ def main(argv: Sequence[str] | None = None, *, whole_process: bool = False) -> i
         logs.say("interrupted", level=logging.WARNING)
         return EXIT_INTERRUPTED
     except BrokenPipeError:  # `sluice rate get | head -1`: the reader went away, nothing is wrong
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        output.drop()  # what stdout still holds would fail again at the exit
         return 0
     except OSError as exc:
         if not output.failed:
@@ -275,11 +281,7 @@ class _Output:
         if self.inner is None:
             return
         with contextlib.suppress(OSError, ValueError, AttributeError):
-            null = os.open(os.devnull, os.O_WRONLY)
-            try:
-                os.dup2(null, self.inner.fileno())
-            finally:
-                os.close(null)
+            logs.point_at_devnull(self.inner.fileno())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

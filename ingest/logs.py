@@ -138,12 +138,22 @@ def stderr_gone() -> None:
     /dev/null, so that later lines (say()'s, the log handler's, gRPC's C core's when it is fd 2) go
     nowhere instead of failing each. What sys.stderr still holds is dropped with them."""
     with contextlib.suppress(OSError, ValueError, AttributeError):
-        fd = sys.stderr.fileno()
-        null = os.open(os.devnull, os.O_WRONLY)
-        try:
-            os.dup2(null, fd)
-        finally:
-            os.close(null)
+        point_at_devnull(sys.stderr.fileno())
+
+
+def point_at_devnull(fd: int) -> None:
+    """Point file descriptor `fd` at /dev/null, for writes: what is written on it from now on (by Python
+    or below it) goes nowhere, and what a file object still holds for it is dropped at its next flush
+    rather than failing there. /dev/null is opened, put in `fd`'s place and closed again, so nothing is
+    left open: the BrokenPipe branches of the CLI's main() and `--version` had each left a descriptor of
+    /dev/null open. OSError when /dev/null cannot be opened (no descriptor free) or `fd` is not one."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    if null == fd:  # `fd` was closed: /dev/null took its number, which is what was wanted
+        return
+    try:
+        os.dup2(null, fd)
+    finally:
+        os.close(null)
 
 
 class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]

@@ -153,6 +153,8 @@ class SluiceServer:
             if auth_file is not None
             else None
         )
+        self.committed: dict[str, int] = {}
+        """Stream -> the end offset of the last batch Spark committed (on_committed), this run."""
         # first: recovery cuts what looks like a torn tail, which in a live server's log is its next block
         self._own_lock = data_dir_lock is None
         self._lock = data_dir_lock if data_dir_lock is not None else DataDirLock(config.data_dir)
@@ -177,6 +179,10 @@ class SluiceServer:
             self._check_accept_wal_damage()
             for stream in [*self.streams.of(DRAINING), *self.streams.of(KEPT)]:
                 self.store.recover(stream)  # no receiver writes it, but its tail must be whole to read
+            # a stream left draining whose log holds nothing any more is drained: removed now, rather
+            # than listed as draining (backlog 0) until a batch commits, which an idle query never does
+            self._check_drained()
+            self._say_overridden()
             self.node: ReceiverNode | None = None
             """A cluster's receiver node: replication, copies, block reads (None: a single node)."""
             writes: BlockStore = self.store
@@ -217,8 +223,6 @@ class SluiceServer:
         self.hold_batches = False
         """Set by the pipeline manager while it stops the query at a batch boundary (a swap): the
         source, asking the rate before each batch, plans no new one (RateStatus.hold_batches)."""
-        self.committed: dict[str, int] = {}
-        """Stream -> the end offset of the last batch Spark committed (on_committed), this run."""
         self._stream_lock = asyncio.Lock()  # one stream change at a time
         self._reloading = asyncio.Lock()  # one SIGHUP reload at a time (reload_security_async)
         self._reloads: set[asyncio.Task[list[str]]] = set()  # reload_security_soon's, until done
@@ -295,6 +299,31 @@ class SluiceServer:
                 f"--accept-wal-damage names {', '.join(map(repr, unknown))}, which this node does not hold "
                 f"(its streams: {', '.join(sorted(self.streams.states))})"
             )
+
+    def _say_overridden(self) -> None:
+        """An INFO line per stream the command line names that is not served, since it was removed at
+        run time (streams.json): in the state it is in now, and how to serve it again."""
+        for stream, was in self.streams.overridden.items():
+            state = self.streams.states.get(stream, was)
+            if state == DRAINING:
+                records = self.stream_backlog(stream)
+                why = (
+                    f"is draining, not served, though it is among the streams to serve: it was removed "
+                    f"with --drain at run time ({self.streams.path}); the query reads its {records:,} "
+                    "acked records left, then it is removed"
+                )
+            elif state == KEPT:
+                why = (
+                    f"is kept, not served, though it is among the streams to serve: it was removed with "
+                    f"--keep at run time ({self.streams.path}); its {self.stream_backlog(stream):,} "
+                    "acked records left wait in the block log"
+                )
+            else:
+                why = (
+                    f"is removed, not served, though it is among the streams to serve: it was removed at "
+                    f"run time ({self.streams.path})"
+                )
+            log.info("stream %s %s; `sluice streams add %s` serves it again", stream, why, stream)
 
     def _find_unnamed_streams(self) -> None:
         """Name loudly every stream of the block log that neither the flags nor streams.json name and

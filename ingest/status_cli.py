@@ -39,6 +39,7 @@ from ingest.client_hints import connect_hint, refused
 from ingest.config import is_loopback
 from receivers.errors import printable
 from sluice_client.credentials import Credentials
+from sluice_client.keepalive import node_channel_options
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
 
@@ -61,6 +62,15 @@ class StatusReadError(Exception):
     def __init__(self, message: str, *, denied: bool = False) -> None:
         super().__init__(message)
         self.denied = denied
+
+
+def _unreachable(code: grpc.StatusCode) -> str:
+    """What a failed read says before gRPC's status: whether the server could not be reached at all."""
+    if code is grpc.StatusCode.UNAVAILABLE:
+        return "the server is unreachable: "
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return f"the server is unreachable or stalled, no answer within {CALL_TIMEOUT:g} s: "
+    return ""
 
 
 def _finite(value: float) -> float | None:
@@ -88,7 +98,9 @@ async def read_grpc(
         details = exc.details() or ""
         hint = connect_hint(exc.code(), details, secure=secure)
         denied = refused(exc.code(), details)
-        raise StatusReadError(f"{exc.code().name}: {details}{hint}", denied=denied) from None
+        raise StatusReadError(
+            _unreachable(exc.code()) + f"{exc.code().name}: {details}{hint}", denied=denied
+        ) from None
     try:
         health = await health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service=""), timeout=CALL_TIMEOUT
@@ -101,7 +113,7 @@ async def read_grpc(
         view = await admin.GetPipeline(pb.GetPipelineRequest(), metadata=metadata, timeout=CALL_TIMEOUT)
     except grpc.aio.AioRpcError as exc:
         if exc.code() != grpc.StatusCode.FAILED_PRECONDITION:  # that one: no Spark query on this node
-            raise StatusReadError(f"{exc.code().name}: {exc.details()}") from None
+            raise StatusReadError(f"{_unreachable(exc.code())}{exc.code().name}: {exc.details()}") from None
     else:
         pipeline = {
             "pipeline": view.pipeline or "built-in Parquet sink",
@@ -665,7 +677,13 @@ async def run_status(
         # line per fragment; a pipe has no width, so lines as long as the tables want, up to a bound
         piped = not sys.stdout.isatty() and "COLUMNS" not in os.environ
         console = _Console(width=_PIPED_WIDTH) if piped else _Console()
-    async with credentials.channel(target) as channel:
+    # keepalive, as the Spark side's channels to a server ping: a connection whose far end went away
+    # without a FIN (a host powered off, a NAT that dropped the flow) is closed within
+    # PEER_KEEPALIVE_SECONDS + PEER_KEEPALIVE_TIMEOUT_SECONDS and the channel connects anew. Without it
+    # the live view kept the dead connection: every read timed out, "retrying" for as long as the kernel
+    # kept it (for ever while a middlebox still acknowledged its packets), and a server back at the same
+    # address was never seen again
+    async with credentials.channel(target, node_channel_options()) as channel:
 
         async def read() -> Json:
             if metrics_url is not None:

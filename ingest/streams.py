@@ -68,6 +68,10 @@ class StreamRegistry:
         query released: kept for this run (found), never written to the file."""
         self._saved: list[str] = []
         """The streams the file names (this data dir's before this start, with `folders`)."""
+        self.overridden: dict[str, str] = {}
+        """Streams the command line names that the file holds in another state than serving (removed
+        at run time): stream -> that state. The server says so once at its start (a check of the
+        settings reads the file too, and said it as well: every start logged it twice)."""
         self._load(command_line)
         held = sorted({*self._saved, *folders})
         for stream in command_line:
@@ -118,14 +122,7 @@ class StreamRegistry:
             loaded = {check_stream_name(k): v for k, v in states.items()}
         except ValueError as exc:
             raise StreamStateError(f"{self.path}: {exc}") from None
-        for stream in command_line:
-            if loaded.get(stream, SERVING) != SERVING:
-                log.info(
-                    "stream %s is %s (changed at run time, %s); the command line names it",
-                    stream,
-                    loaded[stream],
-                    self.path,
-                )
+        self.overridden = {s: loaded[s] for s in command_line if loaded.get(s, SERVING) != SERVING}
         self._saved = list(loaded)
         self.states = {**dict.fromkeys(command_line, SERVING), **loaded}
         for stream in command_line:

@@ -81,8 +81,7 @@ class ReceiverConfig:
             raise ValueError(f"buffer_records must be >= 1, got {self.buffer_records}")
         if self.prefetch is not None and self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {self.prefetch}")
-        if self.low_tide is not None and not 0 <= self.low_tide < self.fill_to:
-            raise ValueError(f"low_tide must be in [0, prefetch), got {self.low_tide}")
+        self._check_credit()
         if self.block_records is not None and self.block_records < 1:
             raise ValueError(f"block_records must be >= 1, got {self.block_records}")
         if not self.credit_tick > 0:
@@ -103,6 +102,25 @@ class ReceiverConfig:
             raise ValueError(f"disk_poll_interval must be > 0 seconds, got {self.disk_poll_interval}")
         if not 0 < self.reclaim_after < math.inf:
             raise ValueError(f"reclaim_after must be > 0 seconds and finite, got {self.reclaim_after}")
+
+    def _check_credit(self) -> None:
+        """The prefetch within the buffer, the low tide below the prefetch: each message names both
+        settings and their values (the rule's value when the prefetch is left to it). A prefetch past
+        the buffer was taken silently, and a session never got more than the buffer's room anyway."""
+        if self.prefetch is not None and self.prefetch > self.buffer_records:
+            raise ValueError(
+                f"prefetch {self.prefetch} must be at most buffer_records {self.buffer_records}: the "
+                "credit of a session is room in its stream's buffer"
+            )
+        if self.low_tide is not None and self.low_tide < 0:
+            raise ValueError(f"low_tide must be >= 0, got {self.low_tide}")
+        if self.low_tide is not None and self.low_tide >= self.fill_to:
+            prefetch = (
+                f"prefetch {self.prefetch}"
+                if self.prefetch is not None
+                else f"prefetch, {self.fill_to} by default (half of buffer_records {self.buffer_records})"
+            )
+            raise ValueError(f"low_tide {self.low_tide} must be below {prefetch}")
 
     def _check_intervals(self) -> None:
         if not self.block_interval >= MIN_BLOCK_INTERVAL:  # NaN too

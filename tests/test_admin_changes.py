@@ -8,7 +8,9 @@ import contextlib
 import json
 import logging
 import math
+import os
 import re
+import signal
 import subprocess
 import time
 import urllib.request
@@ -17,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 from support import running_server, wait_until
-from test_cli import SLUICE
+from test_cli import SLUICE, wait_for_line
 
 from ingest import cli
 from ingest.streams import StreamStateError
@@ -232,6 +234,65 @@ async def test_a_stream_dropped_from_the_flags_is_named_and_listed_with_its_acke
     caplog.clear()
     async with running_server(tmp_path, "a"):  # added at run time: kept in streams.json, served
         assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def _serve_log(tmp_path: Path, data: Path, *streams: str) -> str:
+    """What `sluice serve --no-spark` on `data` logs from its start to a clean stop."""
+    log = tmp_path / f"serve-{data.name}.log"
+    flags = [f"--stream={stream}" for stream in streams]
+    with log.open("wb") as log_file:
+        serve = subprocess.Popen(
+            [
+                *SLUICE,
+                "serve",
+                "--no-spark",
+                "--port",
+                "0",
+                "--metrics-port",
+                "-1",
+                f"--data-dir={data}",
+                *flags,
+            ],
+            stderr=log_file,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        wait_for_line(serve, log, r"sluice: serving streams", 60)
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=60)
+    assert serve.returncode == 0, log.read_text()
+    return log.read_text()
+
+
+async def test_a_stream_removed_at_run_time_is_named_once_at_the_start_as_it_is_now(tmp_path: Path) -> None:
+    """A start whose streams.json holds a stream the command line names in another state logged "stream
+    default is draining (changed at run time, ...); the command line names it" twice (the settings'
+    check before the start read the file too). Once now, saying it is not served and why; and a stream
+    left draining whose log holds nothing is drained (removed) at the start, not said to be draining
+    and listed so, backlog 0, until a batch commits (which an idle query never does)."""
+    data = tmp_path / "d"
+    async with running_server(data, "default", "other") as server:
+        async with Producer(server.target, "default") as producer:
+            await producer.send_many([b"1", b"2", b"3"])
+            await producer.flush(timeout=10)
+        await server.remove_stream("default", drain=True, reason="")
+    empty = tmp_path / "e"
+    empty.mkdir()
+    (empty / "streams.json").write_text(json.dumps({"streams": {"default": "draining", "other": "serving"}}))
+    said = await asyncio.to_thread(_serve_log, tmp_path, data, "default", "other")
+    lines = [line for line in said.splitlines() if "stream default" in line]
+    assert len(lines) == 1, said
+    assert "stream default is draining, not served, though it is among the streams to serve" in lines[0]
+    assert "its 3 acked records left" in lines[0] and "`sluice streams add default`" in lines[0]
+    said = await asyncio.to_thread(_serve_log, tmp_path, empty, "default", "other")
+    lines = [line for line in said.splitlines() if "stream default" in line]
+    assert len(lines) == 2, said
+    assert "stream default drained: every acked record was processed; removed" in lines[0]
+    assert "stream default is removed, not served" in lines[1]
+    assert json.loads((empty / "streams.json").read_text()) == {
+        "streams": {"default": "removed", "other": "serving"}
+    }
 
 
 async def test_a_swap_cut_by_a_crash_resumes_the_query_that_committed(tmp_path: Path) -> None:

@@ -143,7 +143,8 @@ def test_unknown_keys_and_variables_are_errors_naming_them(tmp_path: Path) -> No
 BAD_VALUES = [
     ("block-interval", "0", "must be at least 0.01 seconds"),
     ("block-interval", "abc", "invalid float value: 'abc'"),
-    ("low-tide", "600000", "must be in [0, --prefetch)"),
+    ("low-tide", "600000", "600000 must be below --prefetch, 250000 by default"),
+    ("prefetch", "600000", "600000 must be at most --buffer-records 500000"),
     ("min-rate", "0", "must be >= 1e-06 and finite"),
     ("max-rate", "nan", "must be a number, got NaN"),
     ("initial-rate", "-5", "rate must be > 0 records/s"),
@@ -194,6 +195,78 @@ def test_an_invalid_value_names_the_key_as_the_user_wrote_it(
     assert spelled in err and says in err, err
     if "-" in key:
         assert key.replace("-", "_") not in err, err  # never the field's name
+
+
+# settings that are each valid but not together, and the message, {key} spelled as the user wrote it
+INCONSISTENT = [
+    ({"prefetch": "1000", "buffer-records": "100"}, "{prefetch} 1000 must be at most {buffer-records} 100"),
+    ({"prefetch": "100", "low-tide": "200"}, "{low-tide} 200 must be below {prefetch} 100"),
+    (
+        {"buffer-records": "100", "low-tide": "60"},
+        "{low-tide} 60 must be below --prefetch, 50 by default (half of {buffer-records} 100)",
+    ),
+]
+
+
+@pytest.mark.parametrize("source", ["flag", "env", "file"])
+@pytest.mark.parametrize(("settings", "says"), INCONSISTENT)
+def test_settings_inconsistent_together_are_refused_naming_both_and_their_values(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    source: str,
+    settings: dict[str, str],
+    says: str,
+) -> None:
+    """A prefetch past the buffer was taken silently (a session never got more than the buffer's room);
+    it is a usage error now, as a low tide at or past the prefetch is, whichever source gave them."""
+    for name in [n for n in os.environ if n.startswith("SLUICE_")]:
+        monkeypatch.delenv(name)
+    argv = ["config", "check", "--no-spark", "--data-dir", str(tmp_path / "data")]
+    config = tmp_path / "sluice.toml"
+    spelled = {}
+    for key, value in settings.items():
+        if source == "flag":
+            argv += [f"--{key}", value]
+            spelled[key] = f"--{key}"
+        elif source == "env":
+            variable = "SLUICE_" + key.upper().replace("-", "_")
+            monkeypatch.setenv(variable, value)
+            spelled[key] = variable
+        else:
+            spelled[key] = f"{key} (in {config})"
+    if source == "file":
+        config.write_text("".join(f"{key} = {value}\n" for key, value in settings.items()))
+        argv += ["--config", str(config)]
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert f"sluice: {says.format(**spelled)}" in err, err
+
+
+def test_serve_refuses_a_prefetch_past_the_buffer_from_its_file_before_it_starts(tmp_path: Path) -> None:
+    config = tmp_path / "sluice.toml"
+    config.write_text("buffer-records = 1000\nprefetch = 2000\n")
+    data = tmp_path / "d"
+    args = ["--no-spark", "--port", "0", "--metrics-port", "-1", "--data-dir", str(data)]
+    served = subprocess.run(
+        [*SLUICE, "serve", *args, "--config", str(config)],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        timeout=120,
+        check=False,
+    )
+    assert served.returncode == 2, served.stderr
+    said = f"sluice: prefetch (in {config}) 2000 must be at most buffer-records (in {config}) 1000"
+    assert served.stderr.startswith(said), served.stderr
+    assert "starting" not in served.stderr and not data.exists()
+    # the rules' values stay within any buffer: half of it, and half of that
+    for buffer in ("1", "2", "3", "1000"):
+        result = check("--no-spark", "--buffer-records", buffer, "--data-dir", str(data))
+        assert result.returncode == 0, result.stderr
+    given = check("--no-spark", "--buffer-records", "10", "--prefetch", "10", "--low-tide", "9")
+    assert given.returncode == 0, given.stderr
 
 
 def test_config_check_runs_serves_checks_without_starting_anything(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import os
 import shlex
 import signal
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -266,3 +267,34 @@ async def test_a_name_the_outputs_encoding_lacks_is_escaped_not_a_traceback(
     assert shown.returncode == 0, shown.stderr.decode()
     assert b"pr\\xf6d\\xfccer-\\u2603" in shown.stdout
     assert b"Traceback" not in shown.stderr
+
+
+_FDS_AFTER_MAIN = (
+    "import os, sys\n"
+    "from ingest import cli\n"
+    "before = set(os.listdir('/proc/self/fd'))\n"
+    "try:\n"
+    "    code = cli.main(sys.argv[1:], whole_process=True)\n"
+    "except SystemExit as exit:\n"
+    "    code = exit.code\n"
+    "after = set(os.listdir('/proc/self/fd'))\n"
+    "print('exit', code, 'opened', sorted(after - before), file=sys.stderr)\n"
+)
+
+
+@pytest.mark.parametrize("command", [["token"], ["--version"]], ids=["token", "version"])
+def test_a_reader_gone_from_stdout_leaves_no_descriptor_open(command: list[str]) -> None:
+    # main()'s and --version's BrokenPipe branches pointed stdout at /dev/null with
+    # os.dup2(os.open(os.devnull, ...), 1), and the descriptor os.open gave stayed open: one leaked
+    # per reader gone (logs.point_at_devnull opens, puts in place and closes)
+    with unread_pipe() as fd:
+        done = subprocess.run(
+            [sys.executable, "-c", _FDS_AFTER_MAIN, *command],
+            stdout=fd,
+            stderr=subprocess.PIPE,
+            timeout=120,
+            check=False,
+        )
+    said = done.stderr.decode()
+    assert said.splitlines()[-1] == "exit 0 opened []", said
+    assert "Traceback" not in said

@@ -127,7 +127,27 @@ INVALID = [
     ({"block-interval": "nan"}, grpc.StatusCode.INVALID_ARGUMENT, "NaN"),
     ({"block-interval": "-1"}, grpc.StatusCode.INVALID_ARGUMENT, "block-interval"),
     ({"block-interval": "inf"}, grpc.StatusCode.INVALID_ARGUMENT, "finite"),
-    ({"prefetch": "10", "low-tide": "10"}, grpc.StatusCode.INVALID_ARGUMENT, "low-tide"),
+    (
+        {"prefetch": "10", "low-tide": "10"},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "low-tide 10 must be below prefetch 10",
+    ),
+    # a prefetch past the buffer was taken silently; each refusal names both settings and their values
+    (
+        {"prefetch": "600000"},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "prefetch 600000 must be at most buffer-records 500000",
+    ),
+    (
+        {"buffer-records": "100", "prefetch": "200"},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "prefetch 200 must be at most buffer-records 100",
+    ),
+    (
+        {"low-tide": "300000"},
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "low-tide 300000 must be below prefetch, 250000 by default (half of buffer-records 500000)",
+    ),
     ({"prefetch": "1e9"}, grpc.StatusCode.INVALID_ARGUMENT, "integer"),
     ({"buffer-bytes": "lots"}, grpc.StatusCode.INVALID_ARGUMENT, "buffer-bytes"),
     ({"min-rate": "500", "max-rate": "100"}, grpc.StatusCode.INVALID_ARGUMENT, "rate"),
@@ -228,6 +248,30 @@ async def test_the_estimator_and_its_parameters_change_together(tmp_path: Path) 
         assert "proportional" in said and "sluice config set estimator=model estimator-params=" in said, said
         await stub.SetConfig(pb.SetConfigRequest(set={"estimator": "model", "estimator-params": ""}))
         assert server.rate.estimator.name == "model"
+
+
+async def test_a_buffer_below_the_prefetch_given_is_refused_naming_both(tmp_path: Path) -> None:
+    """The prefetch at most the buffer holds at run time as at the start: a buffer lowered below a
+    prefetch given (here, the command line's) is refused naming both and their values, nothing changed;
+    both lowered in one change are taken."""
+    async with (
+        running_server(tmp_path / "d", "s", buffer_records=2_000, prefetch=1_000) as server,
+        admin(server) as stub,
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.SetConfig(pb.SetConfigRequest(set={"buffer-records": "500"}))
+        assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        said = caught.value.details() or ""
+        assert "prefetch 1000 must be at most buffer-records 500" in said, said
+        assert server.receivers["s"].config.buffer_records == 2_000 and server.runtime.version == 0
+        await stub.SetConfig(pb.SetConfigRequest(set={"buffer-records": "500", "prefetch": "500"}))
+        assert server.receivers["s"].config.fill_to == 500
+        # a reset brings the command line's prefetch back: the buffer must hold that one too
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.SetConfig(pb.SetConfigRequest(set={"buffer-records": "100"}, reset=["prefetch"]))
+        assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "prefetch 1000 must be at most buffer-records 100" in (caught.value.details() or "")
+        assert server.receivers["s"].config.fill_to == 500 and server.runtime.version == 1
 
 
 async def test_an_invalid_change_changes_nothing_and_says_why(tmp_path: Path) -> None:
@@ -731,7 +775,10 @@ async def test_a_prefetch_left_to_its_rule_follows_a_new_buffer(tmp_path: Path) 
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await stub.SetConfig(pb.SetConfigRequest(set={"low-tide": "15000", "buffer-records": "20000"}))
         assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-        assert "low-tide must be in [0, prefetch)" in (caught.value.details() or "")
+        said = caught.value.details() or ""
+        assert (
+            "low-tide 15000 must be below prefetch, 10000 by default (half of buffer-records 20000)" in said
+        )
     # kept across a restart: the prefetch is still the buffer's half
     async with running_server(tmp_path / "d", "s", buffer_records=2_000) as server, admin(server) as stub:
         assert rows(await stub.GetConfig(pb.GetConfigRequest(keys=["prefetch"]))) == {

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from pki import CertificateAuthority
-from support import running_server, serving_page
+from support import Proxy, running_server, serving_page
 from test_metrics_security import TOKENS, auth_file
 
 from ingest.config import SecurityConfig, TlsConfig
@@ -562,3 +562,70 @@ async def test_status_and_rate_against_another_grpc_service_say_it_is_not_sluice
     for run in (shown, rate):
         assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
         assert "UNIMPLEMENTED" in run.stderr and "a Sluice server's gRPC port" in run.stderr, run.stderr
+
+
+async def test_live_status_gets_past_a_connection_cut_without_a_fin(tmp_path: Path) -> None:
+    """`sluice status` (live) kept its gRPC channel without keepalive: once the connection was cut
+    without a FIN or RST (a host powered off, a NAT that dropped the flow), every read timed out and it
+    said "retrying" for as long as the kernel kept the connection, never seeing the server again. With
+    the Spark side's keepalive (keepalive.node_channel_options) the dead connection is closed within
+    some 20 s, the channel connects anew, and the frames show the server again; meanwhile they say it
+    is unreachable. Ctrl-C ends it, exit 0."""
+    import signal
+
+    async with running_server(tmp_path / "d", "s") as server:
+        proxy = Proxy(server.target)
+        target = await proxy.start()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+        proc = await asyncio.create_subprocess_exec(
+            SLUICE,
+            "status",
+            "--target",
+            target,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=env,
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        frames: list[tuple[float, str]] = []  # (when its title came, the frame)
+
+        async def take() -> None:
+            assert proc.stdout is not None
+            while line := await proc.stdout.readline():
+                text = line.decode()
+                if text.startswith("sluice status"):
+                    frames.append((time.monotonic(), text))
+                elif frames:
+                    frames[-1] = (frames[-1][0], frames[-1][1] + text)
+
+        def read(frame: str) -> bool:
+            return "cannot read the status" not in frame and "\nstream " in frame
+
+        reader = asyncio.create_task(take())
+        try:
+            deadline = time.monotonic() + 60
+            while not any(read(f) for _, f in frames[:-1]):  # a whole frame, read
+                assert time.monotonic() < deadline, frames
+                await asyncio.sleep(0.1)
+            proxy.cut()
+            cut = time.monotonic()
+            deadline = cut + 60
+            while not any(at > cut and not read(f) for at, f in frames[:-1]):
+                assert time.monotonic() < deadline, frames
+                await asyncio.sleep(0.1)
+            failed = next(f for at, f in frames[:-1] if at > cut and not read(f))
+            assert "the server is unreachable" in failed and "(retrying)" in failed, failed
+            while not any(at > cut + 5 and read(f) for at, f in frames[:-1]):  # back, on a new connection
+                assert time.monotonic() < deadline, [f for at, f in frames if at > cut]
+                await asyncio.sleep(0.1)
+            back = next(at for at, f in frames[:-1] if at > cut + 5 and read(f))
+            assert back - cut < 45, back - cut
+        finally:
+            proc.send_signal(signal.SIGINT)
+            await asyncio.wait_for(proc.wait(), 30)
+            await asyncio.wait_for(reader, 30)
+            await proxy.close()
+        said = (await proc.stderr.read()).decode()
+        assert proc.returncode == 0, said
+        assert "Traceback" not in said, said
