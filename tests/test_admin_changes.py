@@ -530,7 +530,15 @@ async def test_a_stream_change_whose_caller_went_away_runs_to_its_end(tmp_path: 
                     state = server.streams.states.get("b")
                     raise AssertionError(f"{state} without a receiver after call {i}")
                 await asyncio.sleep(0.01)
-        while server._stream_lock.locked():  # the last change, left to run alone, ends
+        # the last changes, left to run alone, end. A call whose deadline passed on this side may still
+        # reach the server after the lock was free (its RemoveStream then took b away just before the
+        # one below, NOT_FOUND "it is kept"): wait for a second with no change
+        quiet: tuple[object, ...] = ()
+        quiet_since = time.monotonic()
+        while time.monotonic() - quiet_since < 1.0:
+            now = (server.streams.states.get("b"), "b" in server.receivers, server._stream_lock.locked())
+            if now != quiet or server._stream_lock.locked():
+                quiet, quiet_since = now, time.monotonic()
             await asyncio.sleep(0.01)
         if "b" in server.receivers:
             await stub.RemoveStream(pb.RemoveStreamRequest(stream="b", backlog=KEEP))
