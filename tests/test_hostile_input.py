@@ -339,9 +339,11 @@ FOLLOW_UPS: dict[str, list[bytes]] = {
 async def test_after_cancel_later_messages_do_not_change_the_outcome(
     tmp_path: Path, canceller: str, follow_up: str
 ) -> None:
-    # a long block interval: the accepted records wait for their block while the follow-up arrives
+    # the accepted records wait for their block (no linger, a block interval longer than the test) until
+    # the follow-up was sent: the call ends once they are acked, and with the 10 ms linger that was
+    # before the follow-up was written (on a loaded machine the write met an ended call, INTERNAL here)
     async with running_server(
-        tmp_path, STREAM, block_interval=1.0, buffer_records=10_000, prefetch=1_000
+        tmp_path, STREAM, block_interval=60.0, block_linger=None, buffer_records=10_000, prefetch=1_000
     ) as srv:
         receiver = srv.receivers[STREAM]
         call = RawCall(srv.target)
@@ -366,6 +368,8 @@ async def test_after_cancel_later_messages_do_not_change_the_outcome(
             assert cancel.code == expected.value[0] and cancel.accepted_up_to == 10
             for data in FOLLOW_UPS[follow_up]:
                 await call.send(data)
+            await asyncio.sleep(0.2)  # the follow-up read by the server, then the block acked
+            await asyncio.wait_for(receiver.seal_now(), 10)
             code, details, seen = await call.end(half_close=True)
             assert code == expected, details
             assert acked_up_to(seen) == 10
