@@ -208,6 +208,19 @@ def test_admission_water_fills_over_partitions_with_stream_weights_shared() -> N
     assert end["a/0"] == 10 and sum(end.values()) == 300  # a partition needing less leaves the rest
 
 
+def test_records_no_holder_serves_take_none_of_a_batchs_cap() -> None:
+    """A capped plan over partitions with gaps (records gone from every holder's log) gives the whole
+    budget to records some holder serves, and says only those to the rate server's StartBatch."""
+    r = ClusterStreamReader({"receivers": "0=a:1,1=b:2", "streams": "s"})
+    r._weights_for = ["s/0", "s/1"]
+    start = {"s/0": 32, "s/1": 0}
+    available = {"s/0": 240, "s/1": 1000}
+    end = r._plan(start, available, ReadMaxRows(32), None, 0.0, gaps={"s/0": [(40, 200)]})
+    assert end == {"s/0": 208, "s/1": 16}  # 32..39 and 200..207: was 48
+    end = r._plan({"s/0": 50, "s/1": 0}, available, ReadMaxRows(32), None, 0.0, gaps={"s/0": [(40, 200)]})
+    assert end == {"s/0": 216, "s/1": 16}  # from inside the gap: was 66
+
+
 # ---- against real receiver nodes ---------------------------------------------------------------
 
 

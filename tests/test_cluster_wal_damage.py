@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import shutil
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -560,3 +561,96 @@ async def test_the_drivers_node_backlog_leaves_out_records_gone_from_every_holde
                 with contextlib.suppress(asyncio.CancelledError):
                     await watch
             await driver.stop()
+
+
+# ---- a batch's cap -------------------------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def _past_a_gap(tmp_path: Path) -> AsyncIterator[list[Cluster]]:
+    """Two nodes (replication 1); node 0 started past three deleted segments with --accept-wal-damage:
+    records 40..199 of its 240 are gone and no holder has them (ListPartitions says so in gone)."""
+    clusters = loopback_cluster(2)
+    paths = rolled(tmp_path / "node0" / "blocks")  # 12 blocks of 20 records, 2 to a segment
+    for path in paths[1:5]:
+        path.unlink()  # blocks 2..9, records 40..199
+    (tmp_path / "node0" / "node.json").write_text('{"node_id": 0}')
+    async with (
+        running_server(
+            tmp_path / "node0", "s", cluster=clusters[0], port=_port(clusters[0]), accept_wal_damage=("s",)
+        ),
+        running_server(tmp_path / "node1", "s", cluster=clusters[1], port=_port(clusters[1])),
+    ):
+        assert lost(tmp_path / "node0" / "blocks") == [(2, 10, 40, 200)]
+        yield clusters
+
+
+def _options(clusters: list[Cluster]) -> dict[str, str]:
+    return {
+        "receivers": ",".join(f"{n.id}={n.target}" for n in clusters[0].nodes),
+        "streams": "s",
+        "failOnDataLoss": "false",
+    }
+
+
+async def test_records_gone_from_every_holders_log_take_none_of_a_batchs_cap(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With failOnDataLoss=false a query passes records gone from every holder's log; its read limit
+    (or live cap) counted their offsets as records, so a gap of 160 under a cap of 16 took ten
+    batches that read nothing. Now the batch that reads the last records before it reads the first
+    ones past it: 32..39 and 200..207 (the end was 48)."""
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    from ingest.spark.cluster_source import ClusterStreamReader
+
+    async with _past_a_gap(tmp_path) as clusters:
+        reader = ClusterStreamReader(_options(clusters))
+        start = {"s": {"0": 32, "1": 0}}
+        end = await asyncio.to_thread(reader.latestOffset, start, ReadMaxRows(16))
+        assert end["s"] == {"0": 208, "1": 0}
+        with caplog.at_level(logging.WARNING, "ingest.spark.cluster_source"):
+            parts = await asyncio.to_thread(reader.partitions, start, end)
+            got = [
+                v for p in parts for b in await asyncio.to_thread(list, reader.read(p)) for v in b["value"]
+            ]
+        assert [v.as_py() for v in got] == expected(240)[32:40] + expected(240)[200:208]
+        assert any("records 40..199" in r.getMessage() for r in caplog.records), caplog.text
+        # from inside the gap (a batch planned before the fix, say), the next 16 records
+        end = await asyncio.to_thread(reader.latestOffset, {"s": {"0": 48, "1": 0}}, ReadMaxRows(16))
+        assert end["s"] == {"0": 216, "1": 0}
+
+
+@pytest.mark.spark
+async def test_a_query_passes_a_gap_ten_times_its_cap_in_one_batch(spark: Any, tmp_path: Path) -> None:
+    """A query with maxRecordsPerBatch 16 and failOnDataLoss=false over node 0's 80 records left of
+    240 (160 gone from every holder's log): five batches of 16, the third across the gap; before,
+    fifteen, ten of them reading nothing."""
+    async with _past_a_gap(tmp_path) as clusters:
+        reader = spark.readStream.format("sluice")
+        for name, value in {**_options(clusters), "maxRecordsPerBatch": "16"}.items():
+            reader = reader.option(name, value)
+        query = await asyncio.to_thread(
+            lambda: (
+                reader.load()
+                .writeStream.format("memory")
+                .queryName("past_a_gap")
+                .option("checkpointLocation", str(tmp_path / "checkpoint"))
+                .trigger(availableNow=True)
+                .start()
+            )
+        )
+        try:
+            await asyncio.to_thread(query.awaitTermination, 120)
+            assert query.exception() is None, query.exception()
+            batches = [p["numInputRows"] for p in query.recentProgress]
+            rows = await asyncio.to_thread(
+                spark.sql("select partition, offset, value from past_a_gap").collect
+            )
+        finally:
+            await asyncio.to_thread(query.stop)
+        assert batches == [16] * 5, batches  # was [16, 16, 8, 0, ..., 0, 16, 16] (15 batches)
+        got = sorted((r["offset"], bytes(r["value"])) for r in rows)
+        kept = [*range(40), *range(200, 240)]
+        assert got == [(i, expected(240)[i]) for i in kept]
+        assert {r["partition"] for r in rows} == {0}

@@ -34,6 +34,8 @@ from ingest.spark.source import (
     SluiceDataSource,
     SluiceStreamReader,
     _admit,
+    _advance,
+    _countable,
 )
 from receivers.block import PLAIN_SCHEMA, BlockInfo
 from receivers.config import FsyncPolicy
@@ -276,6 +278,31 @@ def test_a_capped_batch_is_shared_by_the_streams_weights() -> None:
     # never more than the cap, never more than is there, at least one record when any is there
     assert _admit(start, {"a": 5, "b": 0}, 100, {"a": 2.0}) == {"a": 5, "b": 0}
     assert sum(_admit(start, {"a": 9, "b": 9}, 1, {"a": 1.0, "b": 100.0}).values()) == 1
+
+
+def test_offsets_gone_from_the_log_take_none_of_a_batchs_budget() -> None:
+    """The planning rule: offsets in a stream's gaps (records gone from its log, passed with
+    failOnDataLoss=false) are no records. A cap of 16 and a gap of 160 (10x): before, the batches
+    that reach it read 16, 8, then 10 batches of nothing; now the batch that reads the last records
+    before the gap reads the first ones after it too."""
+    gap = [(40, 200)]
+    assert _countable(0, 240, gap) == 80 and _countable(50, 150, gap) == 0 and _countable(30, 210, gap) == 20
+    assert _advance(32, 16, 240, gap) == 208  # 32..39 and 200..207
+    assert _advance(24, 16, 240, gap) == 200  # 24..39: and past the gap, to the next record
+    assert _advance(50, 16, 240, gap) == 216  # a start inside the gap
+    assert _advance(32, 0, 240, gap) == 32  # no records: no move
+    assert _advance(32, 16, 100, gap) == 100  # never past the available end
+    gaps = [(2, 4), (4, 6), (7, 9)]  # adjacent ones too: the records are 0, 1, 6, 9, 10, ...
+    assert [_advance(0, n, 100, gaps) for n in range(1, 6)] == [1, 6, 9, 10, 11]
+    ends, batches = 0, 0
+    while ends < 240:
+        ends = _admit({"a": ends}, {"a": 240}, 16, None, {"a": gap})["a"]
+        batches += 1
+    assert batches == 5  # 80 records, 16 a batch; was 15
+    # the budget a gap does not take goes to the other streams' records, shared by their weights
+    start = {"a": 32, "b": 0}
+    assert _admit(start, {"a": 240, "b": 1000}, 100, None, {"a": gap}) == {"a": 240, "b": 52}
+    assert _admit(start, {"a": 190, "b": 1000}, 100, None, {"a": gap}) == {"a": 190, "b": 92}
 
 
 def test_read_max_rows_caps_a_batch_to_the_record(tmp_path: Path) -> None:
@@ -568,6 +595,20 @@ def test_blocks_a_start_went_on_without_past_damage_are_data_loss(
     assert any(f"records {lo}..{hi - 1} are gone" in r.getMessage() for r in caplog.records)
     # a batch that does not reach the gap says nothing of it
     assert sum(p.records for p in reader_for(tmp_path).partitions({"a": hi}, {"a": 240})) == 240 - hi
+
+
+@pytest.mark.parametrize("damage", ["missing", "corrupt"])
+def test_records_gone_from_the_log_take_none_of_a_batchs_cap(tmp_path: Path, damage: str) -> None:
+    """With failOnDataLoss=false the query passes records gone from the log (`--accept-wal-damage`'s
+    lost.json); the read limit counted their offsets as records, so a gap of 20 or more under a cap of
+    2 took ten batches or more that read nothing. Now the batch that reads the last record before the
+    gap reads the first one after it."""
+    _, (lo, hi) = accepted_log(tmp_path, damage)
+    reader = reader_for(tmp_path, failOnDataLoss="false")
+    end = reader.latestOffset({"a": lo - 1}, ReadMaxRows(2))
+    assert end["a"] == hi + 1  # was lo + 1
+    assert sum(p.records for p in reader.partitions({"a": lo - 1}, end)) == 2
+    assert reader.latestOffset({"a": lo + 1}, ReadMaxRows(2))["a"] == hi + 2  # from inside the gap
 
 
 def test_available_now_stops_at_the_blocks_present_when_it_started(tmp_path: Path) -> None:

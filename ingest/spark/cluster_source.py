@@ -19,8 +19,10 @@ not answer is skipped, its partitions read from their copies. Tasks read with Bl
 first holder that has the whole range (owner first), going on to the next on an outage or a missing
 range; no task opens a local path. Records a holder's log lacks in its middle (lost under --fsync
 off) are read from another holder; gone from all of them, they are data loss as in the single-node
-source (failOnDataLoss: read_range). Committed batches are released on every node (ReleaseBlocks);
-`sluice serve --role driver` (ingest.cluster_driver) releases them as each batch completes.
+source (failOnDataLoss: read_range), and planning counts them as no records against a batch's cap
+(PartitionInfo.gone: the read limit or live cap goes to records past them). Committed batches are
+released on every node (ReleaseBlocks); `sluice serve --role driver` (ingest.cluster_driver) releases
+them as each batch completes.
 
 Each partition's log has an identity, its incarnation (PartitionInfo.incarnation: a random id made with
 the owner's log, kept by its copies). Offsets carry the incarnation of each partition they are of, under
@@ -67,6 +69,7 @@ from ingest.spark.source import (
     LiveCapPlanning,
     SliceTuple,
     _balanced,
+    _countable,
     _required,
     _weight,
     incarnations_of,
@@ -570,8 +573,11 @@ class ClusterStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigg
         if target is not None:
             available = {k: min(v, max(at[k], target.get(k, at[k]))) for k, v in available.items()}
         self._latest = {k: v for k, v in available.items() if k in view.holdings}
-        self._weights_for = [k for k in available if available[k] > at[k]]
-        end = self._plan(at, available, limit, live, phase)
+        # records no holder that answered serves (gone from every holder's log: PartitionInfo.gone) are
+        # no records for the read limit or the live cap: a batch's budget goes to records past them
+        gaps = {k: _without(at[k], available[k], view.readable(k)) for k in available}
+        self._weights_for = [k for k in available if _countable(at[k], available[k], gaps[k]) > 0]
+        end = self._plan(at, available, limit, live, phase, gaps=gaps)
         # no offset for a partition that has nothing for this batch and that Spark has not seen: its
         # end would differ from the start's JSON and make an empty batch
         ends = {k: n for k, n in end.items() if k in offered or n > at[k]}

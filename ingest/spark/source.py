@@ -295,10 +295,15 @@ class LiveCapPlanning:
         limit: ReadLimit,
         live: int | None,
         phase: float,
+        *,
+        gaps: Mapping[str, Sequence[tuple[int, int]]] | None = None,
     ) -> Offset:
         """The end offset of the batch planned now over `available` ({key: available end}; a key is a
         stream, or a cluster's partition): the read limit or the live cap, water-filled over the keys
-        by _stream_weights; deferred (end = start) when it is a catch-up trigger too small to run."""
+        by _stream_weights; deferred (end = start) when it is a catch-up trigger too small to run.
+        `gaps` ({key: sorted disjoint [a, b)}) are offsets no log holds (records lost, passed with
+        failOnDataLoss=false): they take none of the budget, nor count as the batch's records."""
+        gaps = gaps or {}
         if live is not None and (
             isinstance(limit, ReadAllAvailable) or (isinstance(limit, ReadMaxRows) and live < limit.max_rows)
         ):
@@ -308,10 +313,10 @@ class LiveCapPlanning:
         if isinstance(limit, ReadAllAvailable):
             end = _sorted(available)
         elif isinstance(limit, ReadMaxRows):
-            end = _sorted(_admit(start, available, limit.max_rows, self._stream_weights()))
+            end = _sorted(_admit(start, available, limit.max_rows, self._stream_weights(), gaps))
         else:
             raise TypeError(f"sluice source: unsupported read limit {limit!r}")
-        records = sum(end[s] - start.get(s, 0) for s in end)
+        records = sum(_countable(start.get(s, 0), end[s], gaps.get(s, ())) for s in end)
         if records == 0:
             return end
         now = time.monotonic()
@@ -321,7 +326,7 @@ class LiveCapPlanning:
         self._planned_at = now
         if self._rate_client is not None:
             # Spark runs a batch now: the server's watchdog looks at it while it overruns
-            backlog = sum(max(0, available[s] - end.get(s, 0)) for s in available)
+            backlog = sum(_countable(end.get(s, 0), available[s], gaps.get(s, ())) for s in available)
             self._rate_client.start_batch(records, backlog)
         return end
 
@@ -429,8 +434,11 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
         # a stream whose log was replaced (failOnDataLoss=false) starts at the new log's first record
         begun = {**offered, **{s: self._floor(s) for s in lost}}
         available = {s: self._available_end(s, begun.get(s, 0)) for s in current}
+        # records in no block (gone from the log: lost.json's, or a gap --fsync off left) take none of
+        # the read limit's or the live cap's budget
+        gaps = {s: self._gaps(s, begun.get(s, 0), available[s]) for s in current}
         # a stream not read now keeps its offset, frozen: added back, it resumes there
-        end = _sorted({**begun, **self._plan(begun, available, limit, live, phase)})
+        end = _sorted({**begun, **self._plan(begun, available, limit, live, phase, gaps=gaps)})
         # a log's incarnation joins the offset with a batch that differs anyway (one read from it, or
         # a replaced log's): an offset from before incarnations makes no empty batch to get them
         joined = {
@@ -613,6 +621,14 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
 
     # ---- helpers ------------------------------------------------------------------------------
 
+    def _gaps(self, stream: str, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The offsets of [lo, hi) in no block of `stream`'s log: no batch reads them."""
+        if hi <= lo:
+            return []
+        return uncovered(
+            lo, hi, [b for b in self.store.blocks(stream) if b.end_offset > lo and b.first_offset < hi]
+        )
+
     def _available_end(self, stream: str, start: int) -> int:
         """Offset after the last record of `stream` that a batch from `start` may read."""
         blocks = self.store.blocks(stream)
@@ -781,13 +797,17 @@ def _admit(
     available: Mapping[str, int],
     max_rows: int,
     weights: Mapping[str, float] | None = None,
+    gaps: Mapping[str, Sequence[tuple[int, int]]] | None = None,
 ) -> Offset:
     """End offsets admitting at most max_rows records (at least 1 when any is there), shared out over
     the streams that have records by their weights (the operator's --stream-weight, as the server
     splits intake; 1 each when unknown): a stream needing less than its share leaves the rest to the
     others (water-filling), so no stream starves another, and a backlog drains in the proportions it
-    was taken in."""
-    want = {s: available[s] - start.get(s, 0) for s in available}
+    was taken in. Offsets in a stream's `gaps` (records gone from its log, which no batch reads) are
+    no records: they take none of the budget, and an end lands past a gap its records reach (before,
+    a gap of G records took G / max_rows batches that read nothing)."""
+    gaps = gaps or {}
+    want = {s: _countable(start.get(s, 0), available[s], gaps.get(s, ())) for s in available}
     end = {s: start.get(s, 0) for s in available}
     weight = {s: _weight(weights, s) for s in want}
     budget = max(1, max_rows)
@@ -798,9 +818,34 @@ def _admit(
         stream = hungry.pop(0)
         share = max(1, int(budget * weight[stream] / total))
         take = min(want[stream], share, budget)
-        end[stream] += take
+        end[stream] = _advance(end[stream], take, available[stream], gaps.get(stream, ()))
         budget -= take
     return end
+
+
+def _countable(lo: int, hi: int, gaps: Sequence[tuple[int, int]]) -> int:
+    """The records of [lo, hi) outside `gaps` (disjoint ranges [a, b))."""
+    return max(0, hi - lo) - sum(max(0, min(b, hi) - max(a, lo)) for a, b in gaps)
+
+
+def _advance(lo: int, records: int, hi: int, gaps: Sequence[tuple[int, int]]) -> int:
+    """The offset `records` records after `lo` (at most `hi`), offsets in `gaps` (disjoint ranges
+    [a, b)) not counted: past the gaps up to the next record (or `hi`) once they are taken, so that the
+    batch that reads the last records before a gap passes it too. No records: `lo`."""
+    if records <= 0:
+        return lo
+    at = lo
+    for a, b in sorted(gaps):
+        if b <= at:
+            continue
+        if a >= hi:
+            break
+        run = max(0, a - at)  # records [at, a) before this gap
+        if records < run:
+            return at + records
+        records -= run
+        at = max(at, b)
+    return min(hi, at + records)
 
 
 def _weight(weights: Mapping[str, float] | None, stream: str) -> float:
