@@ -1008,8 +1008,9 @@ def _past_gone(
         f"records {at}..{end - 1} of node {spec.owner}'s log of stream {spec.stream!r} (partition "
         f"{partition_key(spec.stream, spec.owner)}) are gone from the log of {nodes}, and "
         + (f"{', '.join(others)} said it does not hold them" if others else "no other node holds them")
-        + ": blocks a start under --fsync off went on without (that start said so in an ERROR and "
-        "counted them in sluice_wal_lost_blocks_total)"
+        + ": blocks a start went on without, under --fsync off or past damage --accept-wal-damage let "
+        "by (that start said so in an ERROR, counted them in sluice_wal_lost_blocks_total and, for "
+        "damage, recorded them in the stream's lost.json)"
     )
     if spec.fail_on_data_loss:
         raise DataLossError(
