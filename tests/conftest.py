@@ -38,6 +38,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     spark_items = [item for item in items if starts_spark(item)]
     for item in spark_items:
         item.add_marker(pytest.mark.xdist_group(SPARK_GROUP))
+        if "spark" in getattr(item, "fixturenames", ()) and item.get_closest_marker("spark") is None:
+            item.add_marker(pytest.mark.spark)  # so `-m spark` selects every test on the shared session
     if os.environ.get("TESTS_DEFAULT_JVM") == "1" or config.option.collectonly or not spark_items:
         return
     from tests import fast_jvm
