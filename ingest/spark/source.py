@@ -433,10 +433,11 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
         lost = self._check_lost(offered, known, held)
         # a stream whose log was replaced (failOnDataLoss=false) starts at the new log's first record
         begun = {**offered, **{s: self._floor(s) for s in lost}}
-        available = {s: self._available_end(s, begun.get(s, 0)) for s in current}
+        blocks = {s: self.store.blocks(s) for s in current}  # one read of each log for both below
+        available = {s: self._available_end(s, begun.get(s, 0), blocks[s]) for s in current}
         # records in no block (gone from the log: lost.json's, or a gap --fsync off left) take none of
         # the read limit's or the live cap's budget
-        gaps = {s: self._gaps(s, begun.get(s, 0), available[s]) for s in current}
+        gaps = {s: _gaps(blocks[s], begun.get(s, 0), available[s]) for s in current}
         # a stream not read now keeps its offset, frozen: added back, it resumes there
         end = _sorted({**begun, **self._plan(begun, available, limit, live, phase, gaps=gaps)})
         # a log's incarnation joins the offset with a batch that differs anyway (one read from it, or
@@ -621,17 +622,9 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
 
     # ---- helpers ------------------------------------------------------------------------------
 
-    def _gaps(self, stream: str, lo: int, hi: int) -> list[tuple[int, int]]:
-        """The offsets of [lo, hi) in no block of `stream`'s log: no batch reads them."""
-        if hi <= lo:
-            return []
-        return uncovered(
-            lo, hi, [b for b in self.store.blocks(stream) if b.end_offset > lo and b.first_offset < hi]
-        )
-
-    def _available_end(self, stream: str, start: int) -> int:
-        """Offset after the last record of `stream` that a batch from `start` may read."""
-        blocks = self.store.blocks(stream)
+    def _available_end(self, stream: str, start: int, blocks: Sequence[BlockInfo]) -> int:
+        """Offset after the last record of `stream` (whose log holds `blocks`) that a batch from
+        `start` may read."""
         end = max(start, blocks[-1].end_offset) if blocks else start
         target = self._available_now_target
         if target is not None:
@@ -821,6 +814,13 @@ def _admit(
         end[stream] = _advance(end[stream], take, available[stream], gaps.get(stream, ()))
         budget -= take
     return end
+
+
+def _gaps(blocks: Sequence[BlockInfo], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The offsets of [lo, hi) in none of a log's `blocks`: no batch reads them."""
+    if hi <= lo:
+        return []
+    return uncovered(lo, hi, [b for b in blocks if b.end_offset > lo and b.first_offset < hi])
 
 
 def _countable(lo: int, hi: int, gaps: Sequence[tuple[int, int]]) -> int:
