@@ -631,7 +631,7 @@ class WalBlockStore(BlockStore):
         left (names, inodes, sizes, mtimes: truncate_from cut nothing, nothing was written or released
         since), its frames counted now; else None (the log is recovered again). Taken once."""
         checked = self._checked.pop(stream, None)
-        if checked is None or _fingerprint(folder) != checked.fingerprint:
+        if checked is None or not _same_files(checked.fingerprint, _fingerprint(folder)):
             return None
         self.stream_stats(stream).frames_recovered += checked.frames
         return checked.writer
@@ -2514,6 +2514,10 @@ def _refuse_broken_link(path: Path) -> None:
         raise dangling
 
 
+_Fingerprint = tuple[tuple[str, int, int, int], ...]
+"""A folder's entries as _fingerprint reads them."""
+
+
 @dataclass(frozen=True)
 class _Checked:
     """What _check_below's pass over a stream's log found, for the recovery after the cut."""
@@ -2521,14 +2525,15 @@ class _Checked:
     writer: _Writer
     frames: int
     """Frames that pass found (WalStats.frames_recovered, which counts the recovery's)."""
-    fingerprint: tuple[tuple[str, int, int, int], ...]
-    """The folder's files as that pass left them (_fingerprint)."""
+    fingerprint: _Fingerprint | None
+    """The folder's files as that pass left them (_fingerprint; None: they could not be read)."""
 
 
-def _fingerprint(folder: Path) -> tuple[tuple[str, int, int, int], ...]:
+def _fingerprint(folder: Path) -> _Fingerprint | None:
     """(name, inode, size, mtime in ns) of every entry of `folder`, sorted: a write, a cut, a release
-    (segments deleted, its mark renamed over), a segment made or removed all change it. () when the
-    folder cannot be read (never equal to a folder's)."""
+    (segments deleted, its mark renamed over), a segment made or removed all change it. None when the
+    folder cannot be read (gone, not a folder, no permission, an entry gone midway), which matches no
+    other (_same_files); an empty folder's is ()."""
     try:
         with os.scandir(folder) as entries:
             found = []
@@ -2536,8 +2541,14 @@ def _fingerprint(folder: Path) -> tuple[tuple[str, int, int, int], ...]:
                 st = entry.stat(follow_symlinks=False)
                 found.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns))
     except OSError:
-        return ()
+        return None
     return tuple(sorted(found))
+
+
+def _same_files(before: _Fingerprint | None, now: _Fingerprint | None) -> bool:
+    """The folder holds the same files now as `before`: both read, and equal. One not read (None)
+    matches nothing, itself included: what the folder held then is not known."""
+    return before is not None and now is not None and before == now
 
 
 def _path_id(path: Path) -> tuple[int, int] | None:

@@ -29,6 +29,7 @@ from test_cli import sluice
 from test_wal import damage_older_segment, expected, fill, frame_starts, rolled, segments, values
 from test_wal_accept_damage import without
 
+from receivers import wal
 from receivers.block_store import release_below
 from receivers.cluster import Cluster
 from receivers.config import FsyncPolicy
@@ -258,6 +259,25 @@ def test_the_recovery_after_the_check_reads_the_log_again_once_it_changed(
     assert len(passes) == checked + 1
     assert [b.seq for b in store.blocks("s")][-1] == want[0] - 1
     store.close()
+
+
+def test_a_folder_that_could_not_be_read_matches_no_later_one(tmp_path: Path) -> None:
+    """The fingerprint the recovery after a check compares its folder with: one taken when the folder
+    could not be read (gone, not a folder) is None, which matches nothing, not even another None; an
+    empty folder's is (). Before, a failed read gave () too, and so matched an empty folder made since
+    (a pass that found no folder taken for one over it). As root here, so no chmod 000: the reads that
+    fail are those of a path that is missing or a file. Function-level: a fingerprint of the check
+    below the committed seq fails only in a race (its folder is read just before)."""
+    empty, gone, file = tmp_path / "empty", tmp_path / "gone", tmp_path / "file"
+    empty.mkdir()
+    file.write_bytes(b"")
+    assert wal._fingerprint(empty) == ()
+    assert wal._fingerprint(gone) is None
+    assert wal._fingerprint(file) is None
+    assert wal._same_files(wal._fingerprint(empty), wal._fingerprint(empty))
+    assert not wal._same_files(wal._fingerprint(gone), wal._fingerprint(empty))
+    assert not wal._same_files(wal._fingerprint(gone), wal._fingerprint(gone))
+    assert not wal._same_files(wal._fingerprint(empty), wal._fingerprint(gone))
 
 
 # ---- real nodes ----------------------------------------------------------------------------------
