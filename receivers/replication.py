@@ -607,7 +607,9 @@ def truncate_uncommitted(
     have been acked since)."""
     if not committed_file.exists():
         if replicated:
-            write_committed(committed_file, {s: local.recover(s)[0] for s in streams}, sync=True)
+            # kept for the receivers' recovery, which then does not read each log a second time
+            ends = {s: local.recover(s, keep=True)[0] for s in streams}
+            write_committed(committed_file, ends, sync=True)
         return
     committed = read_committed(committed_file)
     for stream in streams if cut else ():

@@ -572,9 +572,10 @@ class WalBlockStore(BlockStore):
         """Stream -> the committed seq of a cluster's owner while _check_below recovers its log: blocks
         below it were acked, under the interval policy too (a sound one after a bad frame is damage)."""
         self._checked: dict[str, _Checked] = {}
-        """Stream -> the state _check_below's pass over the whole log found, the log untouched since:
-        the next recover() takes it rather than read the log again (a cluster's owner read it twice at
-        its start, truncate_from's check and its receiver's recovery)."""
+        """Stream -> the state _check_below's pass over the whole log found (or a recover(keep=True)'s),
+        the log untouched since: the next recover() takes it rather than read the log again (a
+        cluster's owner read it twice at its start, truncate_from's check or truncate_uncommitted's
+        recovery, and its receiver's)."""
         self._accepted: dict[str, list[LostBlocks]] = {}
         """Stream -> the losses this process accepted or warned of as recorded ones (not warned about
         again: a cluster's owner whose start cut blocks recovers twice, truncate_from and its receiver)."""
@@ -613,23 +614,37 @@ class WalBlockStore(BlockStore):
 
     # ---- writing (receiver side) ---------------------------------------------------------------
 
-    def recover(self, stream: str) -> tuple[int, int]:
+    def recover(self, stream: str, *, keep: bool = False) -> tuple[int, int]:
         """Check the log of `stream`, cut bad or torn tails; return (next block seq, next offset).
 
         Call once per stream in the writing process, before its first write (write() calls it if not).
+        `keep`: a start that recovers the log before its receivers do (truncate_uncommitted, without a
+        committed file) keeps what this pass found for the next recover(), which takes it rather than
+        read the whole log again when the stream's folder is as this pass left it (_take_checked).
         """
         folder = self._folder(stream)
         self._refuse_if_failed(folder)  # the page cache may hold blocks the disk lost: restart
         self._drop_writer(stream)
         writer = self._take_checked(stream, folder) or self._recover_past_damage(stream, folder)
+        if keep:
+            # a writer of its own (this one may write meanwhile), as fresh as this one; its frames
+            # were counted by this pass
+            kept = replace(
+                writer,
+                producers=dict(writer.producers),
+                lock=threading.Lock(),
+                prepare_lock=threading.Lock(),
+            )
+            self._checked[stream] = _Checked(kept, 0, _fingerprint(folder))
         with self._writers_lock:
             self._writers[stream] = writer
         return writer.next_seq, writer.next_offset
 
     def _take_checked(self, stream: str, folder: Path) -> _Writer | None:
-        """The writer _check_below's pass made, if the stream's folder holds the same files as that pass
-        left (names, inodes, sizes, mtimes: truncate_from cut nothing, nothing was written or released
-        since), its frames counted now; else None (the log is recovered again). Taken once."""
+        """The writer _check_below's pass (or a recover(keep=True)) made, if the stream's folder holds
+        the same files as that pass left (names, inodes, sizes, mtimes: truncate_from cut nothing,
+        nothing was written or released since), its frames counted now; else None (the log is
+        recovered again). Taken once."""
         checked = self._checked.pop(stream, None)
         if checked is None or not _same_files(checked.fingerprint, _fingerprint(folder)):
             return None
@@ -2520,11 +2535,13 @@ _Fingerprint = tuple[tuple[str, int, int, int], ...]
 
 @dataclass(frozen=True)
 class _Checked:
-    """What _check_below's pass over a stream's log found, for the recovery after the cut."""
+    """What _check_below's pass over a stream's log found, for the recovery after the cut (or a
+    recover(keep=True)'s, for the next recover())."""
 
     writer: _Writer
     frames: int
-    """Frames that pass found (WalStats.frames_recovered, which counts the recovery's)."""
+    """Frames that pass found and did not count (WalStats.frames_recovered, which counts the
+    recovery's): _check_below's; 0 for a recover(), which counted them."""
     fingerprint: _Fingerprint | None
     """The folder's files as that pass left them (_fingerprint; None: they could not be read)."""
 

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -34,7 +35,7 @@ from receivers.block_store import release_below
 from receivers.cluster import Cluster
 from receivers.config import FsyncPolicy
 from receivers.replica_store import ReplicaStore
-from receivers.replication import truncate_uncommitted, write_committed
+from receivers.replication import read_committed, truncate_uncommitted, write_committed
 from receivers.wal import HEADER, LOST_FILE, DamagedLogError, WalBlockStore
 from sluice_client import Producer
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
@@ -259,6 +260,110 @@ def test_the_recovery_after_the_check_reads_the_log_again_once_it_changed(
     assert len(passes) == checked + 1
     assert [b.seq for b in store.blocks("s")][-1] == want[0] - 1
     store.close()
+
+
+@pytest.mark.parametrize("kind", ["sound", "torn", "missing", "truncated", "zeroed-head"])
+def test_an_owners_start_without_a_committed_file_reads_its_log_once(tmp_path: Path, kind: str) -> None:
+    """No committed.json (a data dir from before committed seqs were kept, or whose last run had
+    replication 1): nothing is cut, the whole log counts as committed, and truncate_uncommitted
+    recovers each log to write its end to the file; the receivers' recovery then read every log a
+    second time (and counted its frames twice). Now it takes what that pass found, torn tail cut and
+    damage gone past and recorded with the flag: what a later store's pass of its own finds."""
+    root = tmp_path / "blocks"
+    paths = rolled(root)
+    if kind == "torn":
+        newest = paths[-1]
+        os.truncate(newest, frame_starts(newest)[-1] + 5)  # block 11 torn
+    elif kind != "sound":
+        damage(paths, kind)
+    store = WalBlockStore(root, accept_damage=["s"])
+    passes = _passes(store)
+    committed = tmp_path / "committed.json"
+    truncate_uncommitted(store, ["s"], committed)
+    want = (11, 220) if kind == "torn" else (12, 240)
+    assert read_committed(committed) == {"s": want[0]}
+    checked = len(passes)
+    assert checked >= 1  # one, or one more after each damage recorded
+    end = store.recover("s")
+    assert len(passes) == checked  # no pass of its own: was one more
+    assert end == want
+    fresh = WalBlockStore(root)  # a pass of its own over the log as the start left it
+    assert fresh.recover("s") == end
+    assert fresh.producers("s") == store.producers("s")
+    lost_blocks = 0 if kind in {"sound", "torn"} else len(range(*damage_span(kind)))
+    frames = fresh.stats.frames_recovered
+    fresh.close()
+    assert store.stats.frames_recovered == frames == want[0] - lost_blocks  # was twice as many
+    fill(store, 1, per_block=20)  # the writer taken goes on where the log ends
+    store.close()
+    assert WalBlockStore(root).recover("s") == (want[0] + 1, want[1] + 20)
+
+
+@pytest.mark.parametrize("change", ["write", "release", "made"])
+def test_the_recovery_after_a_start_without_a_committed_file_reads_the_log_again_once_it_changed(
+    tmp_path: Path, change: str
+) -> None:
+    """What truncate_uncommitted's pass found (no committed.json) is taken only for the log it read: a
+    block written or blocks released since (by anything), and the recovery reads the log itself. And
+    a folder that pass could not read (none yet: a new stream) matches no folder made since: taken,
+    the writer did not know its folder, and a deletion of it while the node runs went unnoticed
+    (deleted_folders; before, a failed read's fingerprint was an empty folder's)."""
+    root = tmp_path / "blocks"
+    stream = "s" if change != "made" else "new"
+    if change != "made":
+        rolled(root)
+    store = WalBlockStore(root)
+    passes = _passes(store)
+    truncate_uncommitted(store, [stream], tmp_path / "committed.json")
+    want = (12, 240) if change != "made" else (0, 0)
+    other = WalBlockStore(root)
+    if change == "write":
+        fill(other, 1, per_block=20)
+        want = (13, 260)
+    elif change == "release":
+        assert release_below(other, ["s"], {"s": 100}) == 5  # blocks 0..4
+    else:
+        (root / stream).mkdir(parents=True)
+    other.close()
+    checked = len(passes)
+    assert store.recover(stream) == want
+    assert len(passes) == checked + 1
+    if change == "made":
+        shutil.rmtree(root / stream)  # rm -rf while the node runs
+        assert store.deleted_folders([stream]) == [root / stream]
+    else:
+        assert [b.seq for b in store.blocks("s")][-1] == want[0] - 1
+    store.close()
+
+
+async def test_a_nodes_start_without_a_committed_file_reads_its_log_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A real node (node 0 of 2, replication 2, node 1 down) started on a data dir without
+    committed.json, as a run with replication 1 leaves it: one pass over its log, was two (its start
+    wrote the log's end to the file, then its receiver read the log again), and it serves on from the
+    log's end."""
+    data_dir, clusters = await _node_data(tmp_path, 60, 4096)
+    (data_dir / "committed.json").unlink()
+    log_folder = data_dir / "blocks" / "s"
+    held = WalBlockStore(data_dir / "blocks").blocks("s")
+    passes: list[Path] = []
+    recover = WalBlockStore._recover
+
+    def counted(store: WalBlockStore, stream: str, folder: Path) -> Any:
+        passes.append(folder)
+        return recover(store, stream, folder)
+
+    monkeypatch.setattr(WalBlockStore, "_recover", counted)
+    async with running_server(data_dir, "s", cluster=clusters[0], port=_port(clusters[0])) as node:
+        assert [f for f in passes if f == log_folder] == [log_folder]  # was two
+        async with Producer(clusters[0].me.target, "s", producer_id="q", linger=0) as producer:
+            await producer.send_many([b"after"] * 5)
+            await producer.flush(timeout=10)
+        assert node.node is not None
+        newest = node.node.local.blocks("s")[-1]
+        assert (newest.seq, newest.first_offset) == (held[-1].seq + 1, held[-1].end_offset)
+    assert read_committed(data_dir / "committed.json")["s"] == held[-1].seq + 2
 
 
 def test_a_folder_that_could_not_be_read_matches_no_later_one(tmp_path: Path) -> None:
