@@ -1091,6 +1091,10 @@ def test_jumps_land_at_phases_spread_over_the_interval() -> None:
 SMALL_FIXED = Pipeline(fixed_cost=0.1, per_record_cost=0.9 / 70_000)
 """A batch mostly records (a long trigger, a heavy per-record pipeline): a jump hits most of it."""
 NOISY_BENCH = dataclasses.replace(BENCH_LIKE, jitter=0.05)
+NOISY_SMALL_FIXED = dataclasses.replace(SMALL_FIXED, jitter=0.05)
+LARGE_FIXED = Pipeline(fixed_cost=0.6, per_record_cost=0.4 / 70_000)
+"""A batch mostly fixed cost: the batch a fall back lands in, fitted, tilted the fit, and the next batches
+(back at the old cost) were judged against it and starved while it recovered."""
 
 
 @pytest.mark.parametrize(
@@ -1105,6 +1109,10 @@ NOISY_BENCH = dataclasses.replace(BENCH_LIKE, jitter=0.05)
         (NOISY_BENCH, 3.5),
         (SMALL_FIXED, 3.0),
         (SMALL_FIXED, 3.5),
+        (SMALL_FIXED, 4.0),
+        (NOISY_SMALL_FIXED, 4.0),
+        (LARGE_FIXED, 3.0),
+        (LARGE_FIXED, 4.0),
     ],
     ids=[
         "fixed-0.4s-x3",
@@ -1116,6 +1124,10 @@ NOISY_BENCH = dataclasses.replace(BENCH_LIKE, jitter=0.05)
         "noisy-bench-like-x3.5",
         "fixed-0.1s-x3",
         "fixed-0.1s-x3.5",
+        "fixed-0.1s-x4",
+        "noisy-fixed-0.1s-x4",
+        "fixed-0.6s-x3",
+        "fixed-0.6s-x4",
     ],
 )
 def test_model_keeps_cost_jumps_within_two_intervals_and_starves_no_batch(
