@@ -432,6 +432,28 @@ async def test_the_backlog_leaves_out_records_recorded_as_lost(tmp_path: Path) -
         assert server.stream_backlog("s") == 120
 
 
+async def test_the_backlog_leaves_out_records_a_start_under_fsync_off_found_missing(tmp_path: Path) -> None:
+    """The same gap (blocks 4, 5, records 80..119 of 240, a segment gone) after a power loss under
+    --fsync off: the start goes on past it with an ERROR, recording nothing in lost.json. The backlog
+    (sluice streams list, the status page) subtracted only lost.json's records, so it counted 240 where
+    the query reads 200; now it counts what the log's blocks hold, as the source does
+    (receivers.block.gaps), whatever made the gap."""
+    paths = rolled(tmp_path / "data" / "blocks")
+    paths[2].unlink()
+
+    async with running_server(tmp_path / "data", "s", fsync=FsyncPolicy.off()) as server:
+        assert not (tmp_path / "data" / "blocks" / "s" / LOST_FILE).exists()  # said in an ERROR alone
+        assert server.stream_backlog("s") == 200
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            view = await pb_grpc.AdminStub(channel).ListStreams(pb.ListStreamsRequest())
+        assert {s.stream: s.backlog for s in view.streams}["s"] == 200
+        assert server.status.snapshot()["streams"][0]["backlog"] == 200
+        server.committed["s"] = 60  # Spark read 0..59: left are 60..79 and 120..239
+        assert server.stream_backlog("s") == 140
+        server.committed["s"] = 100  # inside the gap: 120..239
+        assert server.stream_backlog("s") == 120
+
+
 async def test_a_log_cut_short_of_its_committed_seq_goes_on_from_the_copies_once_moved_aside(
     tmp_path: Path,
 ) -> None:

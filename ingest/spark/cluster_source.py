@@ -69,7 +69,6 @@ from ingest.spark.source import (
     LiveCapPlanning,
     SliceTuple,
     _balanced,
-    _countable,
     _required,
     _weight,
     incarnations_of,
@@ -77,6 +76,7 @@ from ingest.spark.source import (
     parse_fail_on_data_loss,
     positioned,
 )
+from receivers.block import countable
 from receivers.cluster import (
     DRIVER_HEADER,
     DRIVER_LEASE_HELD,
@@ -576,7 +576,7 @@ class ClusterStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigg
         # records no holder that answered serves (gone from every holder's log: PartitionInfo.gone) are
         # no records for the read limit or the live cap: a batch's budget goes to records past them
         gaps = {k: _without(at[k], available[k], view.readable(k)) for k in available}
-        self._weights_for = [k for k in available if _countable(at[k], available[k], gaps[k]) > 0]
+        self._weights_for = [k for k in available if countable(at[k], available[k], gaps[k]) > 0]
         end = self._plan(at, available, limit, live, phase, gaps=gaps)
         # no offset for a partition that has nothing for this batch and that Spark has not seen: its
         # end would differ from the start's JSON and make an empty batch
