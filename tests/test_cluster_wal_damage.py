@@ -589,20 +589,29 @@ async def test_the_drivers_node_backlog_leaves_out_records_gone_from_every_holde
 
 
 @contextlib.asynccontextmanager
-async def _past_a_gap(tmp_path: Path) -> AsyncIterator[list[Cluster]]:
+async def _past_a_gap(tmp_path: Path, *, node1: bool = True) -> AsyncIterator[list[Cluster]]:
     """Two nodes (replication 1); node 0 started past three deleted segments with --accept-wal-damage:
-    records 40..199 of its 240 are gone and no holder has them (ListPartitions says so in gone)."""
+    records 40..199 of its 240 are gone and no holder has them (ListPartitions says so in gone).
+    `node1` False: node 1 does not run."""
     clusters = loopback_cluster(2)
     paths = rolled(tmp_path / "node0" / "blocks")  # 12 blocks of 20 records, 2 to a segment
     for path in paths[1:5]:
         path.unlink()  # blocks 2..9, records 40..199
     (tmp_path / "node0" / "node.json").write_text('{"node_id": 0}')
-    async with (
-        running_server(
-            tmp_path / "node0", "s", cluster=clusters[0], port=_port(clusters[0]), accept_wal_damage=("s",)
-        ),
-        running_server(tmp_path / "node1", "s", cluster=clusters[1], port=_port(clusters[1])),
-    ):
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(
+            running_server(
+                tmp_path / "node0",
+                "s",
+                cluster=clusters[0],
+                port=_port(clusters[0]),
+                accept_wal_damage=("s",),
+            )
+        )
+        if node1:
+            await stack.enter_async_context(
+                running_server(tmp_path / "node1", "s", cluster=clusters[1], port=_port(clusters[1]))
+            )
         assert lost(tmp_path / "node0" / "blocks") == [(2, 10, 40, 200)]
         yield clusters
 
@@ -641,6 +650,20 @@ async def test_records_gone_from_every_holders_log_take_none_of_a_batchs_cap(
         # from inside the gap (a batch planned before the fix, say), the next 16 records
         end = await asyncio.to_thread(reader.latestOffset, {"s": {"0": 48, "1": 0}}, ReadMaxRows(16))
         assert end["s"] == {"0": 216, "1": 0}
+
+
+async def test_records_gone_from_the_nodes_that_answered_count_while_one_does_not(tmp_path: Path) -> None:
+    """The same gap with node 1 down: it may hold a copy of 40..199 (the plan knows no placement) and
+    serve it to the batch's tasks once back, so the plan counts those offsets as records and holds its
+    cap of 16 (taken as a gap, a batch could read 176)."""
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    from ingest.spark.cluster_source import ClusterStreamReader
+
+    async with _past_a_gap(tmp_path, node1=False) as clusters:
+        reader = ClusterStreamReader(_options(clusters))
+        end = await asyncio.to_thread(reader.latestOffset, {"s": {"0": 32, "1": 0}}, ReadMaxRows(16))
+        assert end["s"] == {"0": 48, "1": 0}  # was 208
 
 
 @pytest.mark.spark
