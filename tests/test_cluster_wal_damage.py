@@ -666,6 +666,52 @@ async def test_records_gone_from_the_nodes_that_answered_count_while_one_does_no
         assert end["s"] == {"0": 48, "1": 0}  # was 208
 
 
+@pytest.mark.parametrize("node1", [True, False])
+async def test_what_a_capped_batch_left_behind_leaves_out_records_gone_from_every_holders_log(
+    tmp_path: Path, node1: bool
+) -> None:
+    """The driver's rate controller takes what a batch left behind (BatchMetrics.backlog) from Spark's
+    progress: latestOffset (a position, the partition's end: 240) less the batch's end (32). It counted
+    the offsets, 208; the records some holder serves there are 32..39 and 200..239, 48. With node 1
+    down, it may hold a copy of 40..199: they count, 208."""
+    from ingest.cluster_driver import ClusterDriver
+    from ingest.config import RateConfig
+    from ingest.driver_config import DriverConfig
+    from ingest.spark.listener import BatchCompleted
+
+    async with _past_a_gap(tmp_path, node1=node1) as clusters:
+        config = DriverConfig(
+            nodes={n.id: n.target for n in clusters[0].nodes},
+            streams=("s",),
+            data_dir=tmp_path / "driver",
+            trigger_interval=1.0,
+            rate=RateConfig(estimator="fixed", initial_rate=200.0),
+        )
+        driver = ClusterDriver(config)
+        watch = asyncio.create_task(driver._watch_backlog())
+        try:
+            await wait_until(lambda: driver.backlog().get(0, 0) > 0, 15)
+            batch = BatchCompleted(
+                query_id="q",
+                batch_id=3,
+                num_input_rows=16,
+                processing_seconds=0.1,
+                timestamp="2026-11-29T12:00:00.000Z",
+                start_offset={"s/0": 16, "s/1": 0},
+                end_offset={"s/0": 32, "s/1": 0},
+                latest_offset={"s/0": 240, "s/1": 0},
+            )
+            await asyncio.to_thread(driver._on_batch, batch, asyncio.get_running_loop())
+            await wait_until(lambda: driver.rate.last_batch is not None, 5)
+            assert driver.rate.last_batch is not None
+            assert driver.rate.last_batch.backlog == (48 if node1 else 208)  # up: was 208
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+            await driver.stop()
+
+
 @pytest.mark.spark
 async def test_a_query_passes_a_gap_ten_times_its_cap_in_one_batch(spark: Any, tmp_path: Path) -> None:
     """A query with maxRecordsPerBatch 16 and failOnDataLoss=false over node 0's 80 records left of

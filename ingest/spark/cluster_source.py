@@ -643,6 +643,9 @@ class ClusterStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigg
         return {k: n for k, n in begun.items() if k not in lost}
 
     def reportLatestOffset(self) -> ClusterOffset:
+        # the progress's latestOffset (Spark does nothing else with it): positions, each partition's
+        # end, gaps inside; the driver counts what a batch left behind less the gaps it knows
+        # (ClusterDriver._records)
         if self._latest is None:
             view = self.client.view(self.streams, seal=False).settle({})
             self._latest = {key: view.end(key) for key in view.holdings}

@@ -549,8 +549,10 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
         return max(self.store.released_offset(stream), present[-1].end_offset if present else 0)
 
     def reportLatestOffset(self) -> Offset:
-        # what is there now: Spark reports it as the source's latestOffset, so latest - end is the
-        # backlog a capped batch left behind
+        # what is there now: Spark reports it as the source's latestOffset in the query's progress (and
+        # does nothing else with it). A position, as every offset: the records a capped batch left
+        # behind are those the log holds in [end, latest), a gap inside it none (ingest.driver's
+        # batch_metrics counts them so)
         latest = {}
         for stream in self._current_streams():
             blocks = self.store.blocks(stream)
