@@ -83,6 +83,7 @@ from ingest.spark.starting import (
 )
 from ingest.tls import ServerTls
 from receivers.auth import Authenticator, AuthTable
+from receivers.block import countable
 from receivers.files import DataDirStateError
 from receivers.parsed_service import add_parsed_servicer
 
@@ -143,6 +144,8 @@ class ClusterDriver:
         self._committed: dict[str, int] = {}  # {"stream/owner": offset} of the last completed batch
         # {"stream/owner": the records some holder serves, [a, b) ranges} at the last look
         self._readable: dict[str, list[tuple[int, int]]] = {}
+        # {"stream/owner": offsets no node serves (ClusterView.gaps), [a, b) ranges} at the last look
+        self._gaps: dict[str, list[tuple[int, int]]] = {}
         self._lock = threading.Lock()
         self._poller: asyncio.Task[None] | None = None
         self.health = HealthServicer()
@@ -179,6 +182,13 @@ class ClusterDriver:
                 per_node[owner] = per_node.get(owner, 0) + unread
             return per_node
 
+    def _records(self, key: str, lo: int, hi: int) -> int:
+        """The records of [lo, hi) of partition `key` (what a batch left behind): its offsets but the
+        gaps no node serves, as of the last look at the nodes. Offsets past what that look saw, or of
+        a partition any node did not answer for, count as records (batch_metrics)."""
+        with self._lock:
+            return countable(lo, hi, self._gaps.get(key, ()))
+
     async def _watch_backlog(self) -> None:
         while True:
             try:
@@ -205,6 +215,8 @@ class ClusterDriver:
             else:
                 with self._lock:
                     self._readable.update({key: view.readable(key) for key in view.holdings})
+                    # replaced whole: a gap is known only while every node answers
+                    self._gaps = {key: view.gaps(key, 0, view.end(key)) for key in view.holdings}
             await asyncio.sleep(BACKLOG_INTERVAL)
 
     def _on_batch(self, batch: BatchCompleted, loop: asyncio.AbstractEventLoop) -> None:
@@ -215,7 +227,9 @@ class ClusterDriver:
                 self._committed.update(end)
         if loop.is_closed():
             return
-        metrics = batch_metrics(batch, self.config.trigger_interval, lambda stream, offset: None)
+        metrics = batch_metrics(
+            batch, self.config.trigger_interval, lambda stream, offset: None, self._records
+        )
         loop.call_soon_threadsafe(self.rate.on_batch, metrics)
 
     # ---- lifecycle ----

@@ -488,7 +488,10 @@ def _local_checkpoint(query: Any) -> Path | None:
 
 
 def batch_metrics(
-    batch: BatchCompleted, interval: float, received_at: Callable[[str, int], float | None]
+    batch: BatchCompleted,
+    interval: float,
+    received_at: Callable[[str, int], float | None],
+    records: Callable[[str, int, int], int] | None = None,
 ) -> BatchMetrics:
     """A completed batch as the estimator sees it.
 
@@ -496,7 +499,11 @@ def batch_metrics(
     batch started, i.e. the trigger's start minus when the receiver took the batch's first record
     (`received_at(stream, offset)`), over the batch's streams. Unknown (the first batch, records from
     before a restart) counts as 0. Processing delay: the trigger's whole duration. Backlog: records that
-    were available when the batch was planned but left for later (Spark's latestOffset - endOffset).
+    were available when the batch was planned but left for later: between Spark's endOffset and its
+    latestOffset (the source's reportLatestOffset, a position), the records `records(key, lo, hi)`
+    says [lo, hi) of a stream (or a cluster's partition) holds. Offsets in a gap of its log (records
+    lost: receivers.block.gaps) hold none, and counted as records they made a batch that stopped
+    before a gap seem to leave the whole gap behind. None: every offset counts (no gaps known).
     """
     waited = [
         batch.started_at - taken
@@ -506,7 +513,11 @@ def batch_metrics(
     backlog = None
     if batch.latest_offset is not None and batch.end_offset is not None:
         end = batch.end_offset
-        backlog = sum(max(0, latest - end.get(s, latest)) for s, latest in batch.latest_offset.items())
+        count = records or _offsets
+        backlog = sum(
+            count(s, end[s], latest) if s in end and latest > end[s] else 0
+            for s, latest in batch.latest_offset.items()
+        )
     return BatchMetrics(
         batch_id=batch.batch_id,
         completed_at=batch.started_at + batch.processing_seconds,
@@ -518,6 +529,11 @@ def batch_metrics(
     )
 
 
+def _offsets(key: str, lo: int, hi: int) -> int:
+    """The offsets of [lo, hi), as batch_metrics counts records when it knows no gaps."""
+    return max(0, hi - lo)
+
+
 def drive_rate(driver: SparkDriver, server: SluiceServer, loop: asyncio.AbstractEventLoop) -> None:
     """Close the loop: every completed batch's metrics go to the server's rate controller, on its loop;
     the driver releases committed blocks in the server's own store (one index, one cache) and tells
@@ -525,7 +541,10 @@ def drive_rate(driver: SparkDriver, server: SluiceServer, loop: asyncio.Abstract
     driver.store = server.store
 
     def on_loop(batch: BatchCompleted) -> None:
-        server.rate.on_batch(batch_metrics(batch, driver.trigger_interval, server.received_at))
+        # what the batch left behind is the records its streams' logs hold past its end: a gap in
+        # a log (records lost) is none
+        metrics = batch_metrics(batch, driver.trigger_interval, server.received_at, server.readable_records)
+        server.rate.on_batch(metrics)
 
     def hand_over(batch: BatchCompleted) -> None:  # on a py4j thread
         if loop.is_closed():

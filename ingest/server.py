@@ -41,6 +41,7 @@ from ingest.status import StatusBoard
 from ingest.streams import DRAINING, KEPT, REMOVED, SERVING, StreamRegistry, clash_message
 from ingest.tls import ServerTls, TlsFileError
 from receivers.auth import PIPELINE, Authenticator, AuthFileError, AuthTable, revoke
+from receivers.block import records_between
 from receivers.block_store import BlockStore
 from receivers.cluster import Cluster
 from receivers.errors import shown
@@ -719,14 +720,21 @@ class SluiceServer:
                 log.info("stream %s drained: every acked record was processed; removed", stream)
 
     def stream_backlog(self, stream: str) -> int:
-        """Records of `stream` in the log past what Spark committed (as far as this run knows), but
-        those recorded as lost (a start with --accept-wal-damage went on without them): they can never
-        be read, and counted, the backlog stayed up by them until Spark passed the gap."""
-        extent = self.store.extent(stream)
-        if extent is None:
+        """Records of `stream` in the log past what Spark committed (as far as this run knows): those
+        its blocks hold, not the offsets in its gaps (receivers.block.gaps, as the source skips them:
+        blocks a start with --accept-wal-damage went on without, or a start under --fsync off found
+        missing). Those can never be read; counted, the backlog stayed up by them until Spark passed
+        the gap."""
+        return self.readable_records(stream, self.committed.get(stream, 0))
+
+    def readable_records(self, stream: str, lo: int, hi: int | None = None) -> int:
+        """How many records of [lo, hi) of `stream` (hi None: up to the log's end) its log's blocks
+        hold, released ones none: what a batch reading them reads."""
+        blocks = self.store.blocks(stream)
+        if not blocks:
             return 0
-        start = max(extent[0], self.committed.get(stream, 0))
-        return max(0, extent[1] - start - self.store.lost_records(stream, start, extent[1]))
+        end = blocks[-1].end_offset if hi is None else hi
+        return records_between(blocks, max(lo, blocks[0].first_offset), end)
 
     @property
     def transport(self) -> str:

@@ -113,3 +113,30 @@ def uncovered(lo: int, hi: int, blocks: Sequence[BlockInfo]) -> list[tuple[int, 
     if at < hi:
         missing.append((at, hi))
     return missing
+
+
+# ---- gaps: offsets no block of a log holds -----------------------------------------------------
+# A log's offsets are positions: records lost from it (blocks a start with --accept-wal-damage went on
+# without, recorded in its lost.json; blocks a start under --fsync off found missing) leave their
+# offsets behind, in no block. No batch reads them (failOnDataLoss=false passes them), so whatever
+# counts a log's records to read counts its blocks' records, not offsets: the sources' batch caps, the
+# server's stream backlog, a batch's backlog as the rate controller sees it. Offsets are never
+# renumbered.
+
+
+def gaps(blocks: Sequence[BlockInfo], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The offsets of [lo, hi) in none of a log's `blocks` (sorted, as BlockStore.blocks lists them):
+    no batch reads them. Below the first block too (released records, when `lo` is under it)."""
+    if hi <= lo:
+        return []
+    return uncovered(lo, hi, [b for b in blocks if b.end_offset > lo and b.first_offset < hi])
+
+
+def countable(lo: int, hi: int, gaps: Sequence[tuple[int, int]]) -> int:
+    """The records of [lo, hi) outside `gaps` (disjoint ranges [a, b))."""
+    return max(0, hi - lo) - sum(max(0, min(b, hi) - max(a, lo)) for a, b in gaps)
+
+
+def records_between(blocks: Sequence[BlockInfo], lo: int, hi: int) -> int:
+    """How many records of [lo, hi) a log's `blocks` hold: its offsets less its gaps."""
+    return countable(lo, hi, gaps(blocks, lo, hi))

@@ -36,7 +36,7 @@ from typing import Any, TypeVar
 import grpc
 import pyarrow as pa
 
-from receivers.block import BLOCK_SCHEMA, BlockInfo, uncovered
+from receivers.block import BLOCK_SCHEMA, BlockInfo, gaps
 from receivers.block_store import BlockStore, release_below
 from receivers.cluster import DRIVER_HEADER, DRIVER_LEASE_HELD, DRIVER_LEAVING_HEADER, REFUSAL_HEADER
 from receivers.errors import shown
@@ -243,14 +243,14 @@ class BlocksService:
             start = min(start, released)
         # held from before `lo` to past `hi`: records missing in between are a gap in the log
         spans = bool(readable) and start <= lo and readable[-1].end_offset >= hi
-        gaps = uncovered(lo, hi, blocks)
+        missing = gaps(blocks, lo, hi)
         # a gap above the released mark is records gone from this log (blocks a start under --fsync
         # off went on without); one below it, records released (a copy that missed releases)
-        gone = spans and all(b > released for _, b in gaps)
-        if not spans or (gaps and not (gone and request.report_gone)):
+        gone = spans and all(b > released for _, b in missing)
+        if not spans or (missing and not (gone and request.report_gone)):
             have = [(b.first_offset, b.end_offset) for b in blocks]
             why = (
-                f"records {_ranges(gaps)} are gone from its log"
+                f"records {_ranges(missing)} are gone from its log"
                 if gone
                 else "released, or not copied here yet"
             )
@@ -349,8 +349,8 @@ def _gone(blocks: list[BlockInfo], released: int) -> list[pb.OffsetRange]:
     records, a gap --fsync off left); below the mark they were released."""
     if not blocks:
         return []
-    gaps = uncovered(blocks[0].first_offset, blocks[-1].end_offset, blocks)
-    return [pb.OffsetRange(first_offset=max(a, released), end_offset=b) for a, b in gaps if b > released]
+    holes = gaps(blocks, blocks[0].first_offset, blocks[-1].end_offset)
+    return [pb.OffsetRange(first_offset=max(a, released), end_offset=b) for a, b in holes if b > released]
 
 
 def _ranges(ranges: list[tuple[int, int]]) -> str:

@@ -1785,28 +1785,6 @@ class WalBlockStore(BlockStore):
         except OSError as exc:
             raise self._bad_lost_file(stream, path, f"cannot be read ({exc.strerror})") from None
 
-    def lost_records(self, stream: str, first_offset: int, end_offset: int) -> int:
-        """How many records of [first_offset, end_offset) of `stream` are recorded as lost (LOST_FILE):
-        never to be read, so no backlog. A loss whose end is not known counts nothing; so does a
-        LOST_FILE that cannot be read (the start that needs it says so)."""
-        if end_offset <= first_offset or not (self._folder(stream) / LOST_FILE).exists():
-            return 0
-        try:
-            recorded = self.lost_blocks(stream)
-        except LostFileError:
-            return 0
-        spans = sorted(
-            (max(r.first_offset, first_offset), min(r.end_offset, end_offset))
-            for r in recorded
-            if r.end_offset is not None
-        )
-        lost = at = 0
-        for lo, hi in spans:  # ranges recorded twice (or overlapping) count once
-            if hi > max(lo, at):
-                lost += hi - max(lo, at)
-                at = hi
-        return lost
-
     def _bad_lost_file(self, stream: str, path: Path, why: str) -> LostFileError:
         return LostFileError(
             f"{path} (the blocks of stream {stream!r} that a start with --accept-wal-damage went on "

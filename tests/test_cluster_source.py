@@ -37,6 +37,7 @@ from ingest.spark.cluster_source import (
     read_range,
 )
 from ingest.spark.source import ARROW_SCHEMA, SCHEMA, SluiceDataSource
+from receivers.block import countable
 from receivers.cluster import Cluster
 from sluice_client import Producer
 from sluice_client.credentials import Credentials
@@ -219,6 +220,46 @@ def test_records_no_holder_serves_take_none_of_a_batchs_cap() -> None:
     assert end == {"s/0": 208, "s/1": 16}  # 32..39 and 200..207: was 48
     end = r._plan({"s/0": 50, "s/1": 0}, available, ReadMaxRows(32), None, 0.0, gaps={"s/0": [(40, 200)]})
     assert end == {"s/0": 216, "s/1": 16}  # from inside the gap: was 66
+
+
+def test_a_batchs_cap_holds_when_a_node_that_did_not_answer_serves_what_the_others_lack() -> None:
+    """The owner (node 0) did not answer the plan's ListPartitions, and its follower's copy lacks
+    records 40..199 (PartitionInfo.gone). Taken as a gap, the plan with a cap of 16 from offset 32 went
+    to 208; the owner answered the tasks' look (partitions() asks again), served 32..207, and the batch
+    read 176 records. Now, while a node of the list has not answered, nothing counts as a gap (it may
+    hold any record), and the batch reads 16; with every node answering, gaps count as before."""
+
+    def holding(node: int, gone: list[tuple[int, int]]) -> pb.ListPartitionsResponse:
+        ranges = [pb.OffsetRange(first_offset=a, end_offset=b) for a, b in gone]
+        info = pb.PartitionInfo(
+            stream="s", owner=0, start_offset=0, end_offset=240, leader=node == 0, gone=ranges
+        )
+        return pb.ListPartitionsResponse(node_id=node, partitions=[info])
+
+    def view(*answers: pb.ListPartitionsResponse) -> ClusterView:
+        v = ClusterView([0, 1])
+        for answer in answers:
+            v.add(answer, ["s"])
+        return v.settle({})
+
+    r = ClusterStreamReader({"receivers": "0=a:1,1=b:2", "streams": "s"})
+    r._weights_for = ["s/0"]
+    owner, follower = holding(0, []), holding(1, [(40, 200)])
+    planned = view(follower)  # the owner did not answer
+    assert planned.readable("s/0") == [(0, 40), (200, 240)]  # what the follower serves
+    assert planned.gaps("s/0", 32, 240) == []  # but the owner may serve the rest
+    end = r._plan(
+        {"s/0": 32}, {"s/0": 240}, ReadMaxRows(16), None, 0.0, gaps={"s/0": planned.gaps("s/0", 32, 240)}
+    )
+    assert end == {"s/0": 48}  # was 208
+    read = view(owner, follower)  # the tasks' look: the owner answers, and serves every record
+    assert read.holders("s/0", 32, 48)[0] == 0 and read.gaps("s/0", 32, 48) == []
+    assert countable(32, end["s/0"], read.gaps("s/0", 32, end["s/0"])) == 16  # was 176
+    # every node answered, and no holder serves 40..199: a gap, the cap goes to records past it
+    both_lack = view(holding(0, [(40, 200)]), follower)
+    assert both_lack.gaps("s/0", 32, 240) == [(40, 200)]
+    gaps = {"s/0": both_lack.gaps("s/0", 32, 240)}
+    assert r._plan({"s/0": 32}, {"s/0": 240}, ReadMaxRows(16), None, 0.0, gaps=gaps) == {"s/0": 208}
 
 
 # ---- against real receiver nodes ---------------------------------------------------------------

@@ -557,6 +557,28 @@ async def test_the_backlog_leaves_out_records_recorded_as_lost(tmp_path: Path) -
         assert server.stream_backlog("s") == 120
 
 
+async def test_the_backlog_leaves_out_records_a_start_under_fsync_off_found_missing(tmp_path: Path) -> None:
+    """The same gap (blocks 4, 5, records 80..119 of 240, a segment gone) after a power loss under
+    --fsync off: the start goes on past it with an ERROR, recording nothing in lost.json. The backlog
+    (sluice streams list, the status page) subtracted only lost.json's records, so it counted 240 where
+    the query reads 200; now it counts what the log's blocks hold, as the source does
+    (receivers.block.gaps), whatever made the gap."""
+    paths = rolled(tmp_path / "data" / "blocks")
+    paths[2].unlink()
+
+    async with running_server(tmp_path / "data", "s", fsync=FsyncPolicy.off()) as server:
+        assert not (tmp_path / "data" / "blocks" / "s" / LOST_FILE).exists()  # said in an ERROR alone
+        assert server.stream_backlog("s") == 200
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            view = await pb_grpc.AdminStub(channel).ListStreams(pb.ListStreamsRequest())
+        assert {s.stream: s.backlog for s in view.streams}["s"] == 200
+        assert server.status.snapshot()["streams"][0]["backlog"] == 200
+        server.committed["s"] = 60  # Spark read 0..59: left are 60..79 and 120..239
+        assert server.stream_backlog("s") == 140
+        server.committed["s"] = 100  # inside the gap: 120..239
+        assert server.stream_backlog("s") == 120
+
+
 async def test_a_log_cut_short_of_its_committed_seq_goes_on_from_the_copies_once_moved_aside(
     tmp_path: Path,
 ) -> None:
@@ -692,20 +714,29 @@ async def test_the_drivers_node_backlog_leaves_out_records_gone_from_every_holde
 
 
 @contextlib.asynccontextmanager
-async def _past_a_gap(tmp_path: Path) -> AsyncIterator[list[Cluster]]:
+async def _past_a_gap(tmp_path: Path, *, node1: bool = True) -> AsyncIterator[list[Cluster]]:
     """Two nodes (replication 1); node 0 started past three deleted segments with --accept-wal-damage:
-    records 40..199 of its 240 are gone and no holder has them (ListPartitions says so in gone)."""
+    records 40..199 of its 240 are gone and no holder has them (ListPartitions says so in gone).
+    `node1` False: node 1 does not run."""
     clusters = loopback_cluster(2)
     paths = rolled(tmp_path / "node0" / "blocks")  # 12 blocks of 20 records, 2 to a segment
     for path in paths[1:5]:
         path.unlink()  # blocks 2..9, records 40..199
     (tmp_path / "node0" / "node.json").write_text('{"node_id": 0}')
-    async with (
-        running_server(
-            tmp_path / "node0", "s", cluster=clusters[0], port=_port(clusters[0]), accept_wal_damage=("s",)
-        ),
-        running_server(tmp_path / "node1", "s", cluster=clusters[1], port=_port(clusters[1])),
-    ):
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(
+            running_server(
+                tmp_path / "node0",
+                "s",
+                cluster=clusters[0],
+                port=_port(clusters[0]),
+                accept_wal_damage=("s",),
+            )
+        )
+        if node1:
+            await stack.enter_async_context(
+                running_server(tmp_path / "node1", "s", cluster=clusters[1], port=_port(clusters[1]))
+            )
         assert lost(tmp_path / "node0" / "blocks") == [(2, 10, 40, 200)]
         yield clusters
 
@@ -744,6 +775,66 @@ async def test_records_gone_from_every_holders_log_take_none_of_a_batchs_cap(
         # from inside the gap (a batch planned before the fix, say), the next 16 records
         end = await asyncio.to_thread(reader.latestOffset, {"s": {"0": 48, "1": 0}}, ReadMaxRows(16))
         assert end["s"] == {"0": 216, "1": 0}
+
+
+async def test_records_gone_from_the_nodes_that_answered_count_while_one_does_not(tmp_path: Path) -> None:
+    """The same gap with node 1 down: it may hold a copy of 40..199 (the plan knows no placement) and
+    serve it to the batch's tasks once back, so the plan counts those offsets as records and holds its
+    cap of 16 (taken as a gap, a batch could read 176)."""
+    from pyspark.sql.streaming.datasource import ReadMaxRows
+
+    from ingest.spark.cluster_source import ClusterStreamReader
+
+    async with _past_a_gap(tmp_path, node1=False) as clusters:
+        reader = ClusterStreamReader(_options(clusters))
+        end = await asyncio.to_thread(reader.latestOffset, {"s": {"0": 32, "1": 0}}, ReadMaxRows(16))
+        assert end["s"] == {"0": 48, "1": 0}  # was 208
+
+
+@pytest.mark.parametrize("node1", [True, False])
+async def test_what_a_capped_batch_left_behind_leaves_out_records_gone_from_every_holders_log(
+    tmp_path: Path, node1: bool
+) -> None:
+    """The driver's rate controller takes what a batch left behind (BatchMetrics.backlog) from Spark's
+    progress: latestOffset (a position, the partition's end: 240) less the batch's end (32). It counted
+    the offsets, 208; the records some holder serves there are 32..39 and 200..239, 48. With node 1
+    down, it may hold a copy of 40..199: they count, 208."""
+    from ingest.cluster_driver import ClusterDriver
+    from ingest.config import RateConfig
+    from ingest.driver_config import DriverConfig
+    from ingest.spark.listener import BatchCompleted
+
+    async with _past_a_gap(tmp_path, node1=node1) as clusters:
+        config = DriverConfig(
+            nodes={n.id: n.target for n in clusters[0].nodes},
+            streams=("s",),
+            data_dir=tmp_path / "driver",
+            trigger_interval=1.0,
+            rate=RateConfig(estimator="fixed", initial_rate=200.0),
+        )
+        driver = ClusterDriver(config)
+        watch = asyncio.create_task(driver._watch_backlog())
+        try:
+            await wait_until(lambda: driver.backlog().get(0, 0) > 0, 15)
+            batch = BatchCompleted(
+                query_id="q",
+                batch_id=3,
+                num_input_rows=16,
+                processing_seconds=0.1,
+                timestamp="2026-11-29T12:00:00.000Z",
+                start_offset={"s/0": 16, "s/1": 0},
+                end_offset={"s/0": 32, "s/1": 0},
+                latest_offset={"s/0": 240, "s/1": 0},
+            )
+            await asyncio.to_thread(driver._on_batch, batch, asyncio.get_running_loop())
+            await wait_until(lambda: driver.rate.last_batch is not None, 5)
+            assert driver.rate.last_batch is not None
+            assert driver.rate.last_batch.backlog == (48 if node1 else 208)  # up: was 208
+        finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+            await driver.stop()
 
 
 @pytest.mark.spark

@@ -20,7 +20,8 @@ first holder that has the whole range (owner first), going on to the next on an 
 range; no task opens a local path. Records a holder's log lacks in its middle (lost under --fsync
 off) are read from another holder; gone from all of them, they are data loss as in the single-node
 source (failOnDataLoss: read_range), and planning counts them as no records against a batch's cap
-(PartitionInfo.gone: the read limit or live cap goes to records past them). Committed batches are
+(PartitionInfo.gone: the read limit or live cap goes to records past them; while a node does not
+answer, it may hold them, and they count). Committed batches are
 released on every node (ReleaseBlocks); `sluice serve --role driver` (ingest.cluster_driver) releases
 them as each batch completes.
 
@@ -69,7 +70,6 @@ from ingest.spark.source import (
     LiveCapPlanning,
     SliceTuple,
     _balanced,
-    _countable,
     _required,
     _weight,
     incarnations_of,
@@ -77,6 +77,7 @@ from ingest.spark.source import (
     parse_fail_on_data_loss,
     positioned,
 )
+from receivers.block import countable
 from receivers.cluster import (
     DRIVER_HEADER,
     DRIVER_LEASE_HELD,
@@ -422,6 +423,17 @@ class ClusterView:
                 merged.append((a, b))
         return merged
 
+    def gaps(self, key: str, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The offsets of [lo, hi) that no node serves, as far as this view can tell, as sorted disjoint
+        ranges: those no holder that answered serves (readable: gone from every holder's log,
+        PartitionInfo.gone), when every node of the list answered. While one did not, none: it may
+        hold any of them (the owner's log, or a copy; the view knows no placement), and serve them to
+        the batch's tasks once it answers, so they count as records. Counted as gaps, such a batch read
+        past its cap by the gap's size."""
+        if hi <= lo or not set(self._order) <= self.answered:
+            return []
+        return _without(lo, hi, self.readable(key))
+
     def floor(self, key: str) -> int:
         """Where a partition the query has not seen yet starts: its first record any holder still has
         (a new node's partition: 0). The lowest start among holders that hold something, so that no
@@ -573,10 +585,11 @@ class ClusterStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigg
         if target is not None:
             available = {k: min(v, max(at[k], target.get(k, at[k]))) for k, v in available.items()}
         self._latest = {k: v for k, v in available.items() if k in view.holdings}
-        # records no holder that answered serves (gone from every holder's log: PartitionInfo.gone) are
-        # no records for the read limit or the live cap: a batch's budget goes to records past them
-        gaps = {k: _without(at[k], available[k], view.readable(k)) for k in available}
-        self._weights_for = [k for k in available if _countable(at[k], available[k], gaps[k]) > 0]
+        # records no node serves (gone from every holder's log: PartitionInfo.gone; known only when
+        # every node answered) are no records for the read limit or the live cap: a batch's budget goes
+        # to records past them
+        gaps = {k: view.gaps(k, at[k], available[k]) for k in available}
+        self._weights_for = [k for k in available if countable(at[k], available[k], gaps[k]) > 0]
         end = self._plan(at, available, limit, live, phase, gaps=gaps)
         # no offset for a partition that has nothing for this batch and that Spark has not seen: its
         # end would differ from the start's JSON and make an empty batch
@@ -630,6 +643,9 @@ class ClusterStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigg
         return {k: n for k, n in begun.items() if k not in lost}
 
     def reportLatestOffset(self) -> ClusterOffset:
+        # the progress's latestOffset (Spark does nothing else with it): positions, each partition's
+        # end, gaps inside; the driver counts what a batch left behind less the gaps it knows
+        # (ClusterDriver._records)
         if self._latest is None:
             view = self.client.view(self.streams, seal=False).settle({})
             self._latest = {key: view.end(key) for key in view.holdings}

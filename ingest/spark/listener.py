@@ -38,8 +38,9 @@ class BatchCompleted:
     """The cluster source's: the incarnation of each partition's log the end offset is of
     ({"stream/owner": incarnation}), when it names them (ingest.spark.cluster_source)."""
     latest_offset: dict[str, int] | None = None
-    """What was available when the batch was planned ({stream: record offset}), when known: latest -
-    end is the backlog a capped batch left behind."""
+    """What was available when the batch was planned ({stream: record offset}), when known: [end,
+    latest) holds the backlog a capped batch left behind (positions: records lost from a log leave
+    gaps in it that hold none; ingest.driver.batch_metrics counts the records)."""
 
     @property
     def started_at(self) -> float:

@@ -91,6 +91,8 @@ from pyspark.sql.types import (
 
 from ingest.spark.live_rate import LiveRateCap
 from receivers.block import BlockInfo, plain_arrivals, uncovered
+from receivers.block import countable as _countable
+from receivers.block import gaps as _gaps
 from receivers.block_store import BlockStore, release_below
 from receivers.names import check_stream_name
 from receivers.wal import LOST_FILE, WalBlockStore, WalError
@@ -547,8 +549,10 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
         return max(self.store.released_offset(stream), present[-1].end_offset if present else 0)
 
     def reportLatestOffset(self) -> Offset:
-        # what is there now: Spark reports it as the source's latestOffset, so latest - end is the
-        # backlog a capped batch left behind
+        # what is there now: Spark reports it as the source's latestOffset in the query's progress (and
+        # does nothing else with it). A position, as every offset: the records a capped batch left
+        # behind are those the log holds in [end, latest), a gap inside it none (ingest.driver's
+        # batch_metrics counts them so)
         latest = {}
         for stream in self._current_streams():
             blocks = self.store.blocks(stream)
@@ -814,18 +818,6 @@ def _admit(
         end[stream] = _advance(end[stream], take, available[stream], gaps.get(stream, ()))
         budget -= take
     return end
-
-
-def _gaps(blocks: Sequence[BlockInfo], lo: int, hi: int) -> list[tuple[int, int]]:
-    """The offsets of [lo, hi) in none of a log's `blocks`: no batch reads them."""
-    if hi <= lo:
-        return []
-    return uncovered(lo, hi, [b for b in blocks if b.end_offset > lo and b.first_offset < hi])
-
-
-def _countable(lo: int, hi: int, gaps: Sequence[tuple[int, int]]) -> int:
-    """The records of [lo, hi) outside `gaps` (disjoint ranges [a, b))."""
-    return max(0, hi - lo) - sum(max(0, min(b, hi) - max(a, lo)) for a, b in gaps)
 
 
 def _advance(lo: int, records: int, hi: int, gaps: Sequence[tuple[int, int]]) -> int:
