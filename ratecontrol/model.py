@@ -336,6 +336,7 @@ class ModelEstimator(RateEstimator):
         capacity, period = self._set_capacity(batch, a, b)
         if self._fell(before, batch.processing_delay, a, period):
             capacity = self._sped_up(batch, a, capacity, period)
+        capacity = self._within_before_rise(batch, capacity, period)
         largest = max(p.records for p in self._points)
         fastest = max(p.records / p.seconds for p in self._points)
 
@@ -456,6 +457,27 @@ class ModelEstimator(RateEstimator):
         self._a, self._b, self._points = self._before_rise
         self._before_rise, self._suspect_sign, self._risen = None, 0, 0
         self._changes += 1
+
+    def _within_before_rise(self, batch: BatchMetrics, capacity: float, period: float) -> float:
+        """Within the window of a rise the watchdog saw, a batch far faster than the fit is read as the
+        cost falling back: to about the cost before the rise (1 + change_threshold of its capacity), not
+        past it, unless the batch itself proved more. Its (seconds - a) / records, under a fixed cost
+        fitted high, is mostly noise: a fast batch right after a noisy slow one read a 60k pipeline as
+        141k records/s, the rate followed, and the backlog it built waited 4.5 intervals when a real
+        jump came (bench/control_loop.py)."""
+        if self._before_rise is None or self._risen <= 0 or period > self._interval:
+            return capacity  # (not where a fixed cost over the interval sets the period: see 2)
+        a0, b0, _ = self._before_rise
+        if b0 <= 0 or period <= a0:
+            return capacity
+        bound = max(
+            (1 + self.change_threshold) * (period - a0) / (b0 * period),
+            batch.records / batch.processing_delay,
+        )
+        if capacity <= bound:
+            return capacity
+        self._capacity = bound
+        return bound
 
     def _sped_up(self, batch: BatchMetrics, a: float, capacity: float, period: float) -> float:
         """A batch far faster than the fit before it predicted: the cost fell back after a jump.

@@ -1273,3 +1273,17 @@ def test_no_starved_batch_for_a_short_collection_or_an_unseen_speed_up() -> None
     # 15k over 0.4 s against 45k/s: over half of 18k; by the whole interval (22.5k) it would be starved
     assert sim.starved_after(10.0) == 0
     assert sim.starved_after(0.0) == 0
+
+
+def test_a_batch_far_faster_after_a_rise_reads_no_more_than_the_cost_before_it() -> None:
+    """A batch far faster than the fit, within the window after a rise the watchdog saw, sets capacity
+    at its own per-record time: (seconds - a) / records. Where that is mostly noise over a fixed cost
+    (a fast batch right after a slow one, nothing changed), it read a 45k pipeline as 120k records/s,
+    the rate followed, and a backlog built that the next real jump made wait 4.5 intervals (seen in
+    bench/control_loop.py). A fall back is to about the cost before the rise, not past it."""
+    model = fitted_model()
+    assert model.overrun(40_000, 1.3, 1.0) is not None  # the watchdog sees a batch overrun: a rise?
+    model.compute(batch(6.3, 40_000, 1.3))  # ... a noisy one: nothing changed
+    model.compute(batch(7.0, 30_000, 0.55))  # and a fast one (cost(30_000) is 0.8 s)
+    assert model.capacity is not None and model.capacity <= 1.25 * 45_000 * 1.02, model.state()
+    assert model.rate <= model.capacity
