@@ -608,6 +608,10 @@ class WalBlockStore(BlockStore):
         self._writers_lock = threading.Lock()
         self._index: dict[Path, _SegmentIndex] = {}
         self._index_lock = threading.Lock()
+        self._seen: dict[Path, dict[str, _SegmentIndex]] = {}
+        """Stream folder -> {segment name: its index} as span() last saw them: a segment whose stat is
+        as its index left it is taken as is, without the Path objects (and their hashes) a look at
+        the index costs. Dropped with the folder's index (_forget_index)."""
         self._release_lock = threading.Lock()
         self._released: dict[str, tuple[tuple[int, int, int], _Released]] = {}
         self._stats: dict[str, WalStats] = {}
@@ -921,21 +925,17 @@ class WalBlockStore(BlockStore):
         folder = self._folder(stream)
         start = self._read_released(stream).next_seq
         below = below_seq if below_seq is not None else 1 << 64
-        segments = self._segments(folder)
-        first = 0
-        for i, (name_seq, _) in enumerate(segments):
-            if name_seq <= start:
-                first = i
         head: _Header | None = None
         tail: _Header | None = None
         holes: list[tuple[int, int]] = []
-        for _, path in segments[first:]:
-            index = self._segment_index(path)
+        known = self._seen.get(folder, {})
+        seen: dict[str, _SegmentIndex] = {}
+        for name in _segment_names(folder, start):
+            index = seen[name] = self._seen_index(folder, name, known.get(name))
             if not index.ordered:
                 return self._listed_span(stream, below_seq)
             frames = index.frames
-            lo = bisect.bisect_left(frames, start, key=_seq_of)
-            hi = bisect.bisect_left(frames, below, lo=lo, key=_seq_of)
+            lo, hi = _between(frames, start, below)
             if lo >= hi:
                 continue
             h = frames[lo].header
@@ -947,12 +947,26 @@ class WalBlockStore(BlockStore):
                     return self._listed_span(stream, below_seq)
                 if h.first_offset > end:
                     holes.append((end, h.first_offset))
-            holes.extend((a, b) for i, a, b in index.holes if lo < i < hi)
+            if index.holes:
+                holes.extend((a, b) for i, a, b in index.holes if lo < i < hi)
             tail = frames[hi - 1].header
-        self._forget_index(folder, {path for _, path in segments})
+        # the index of segments deleted since stays until blocks() (each release) forgets it: that
+        # goes over every segment indexed, of every stream
+        self._seen[folder] = seen
         if head is None or tail is None:
             return None
         return LogSpan(head.first_offset, tail.first_offset + tail.count, tuple(holes))
+
+    def _seen_index(self, folder: Path, name: str, seen: _SegmentIndex | None) -> _SegmentIndex:
+        """The index of segment `name`: `seen` (span()'s last look) while its stat is as that left it."""
+        try:
+            st = os.stat(f"{os.fspath(folder)}/{name}")
+        except FileNotFoundError:
+            seen = None
+        else:
+            if seen is not None and seen.ident == (st.st_dev, st.st_ino) and st.st_size == seen.scanned:
+                return seen
+        return self._segment_index(folder / name)
 
     def _listed_span(self, stream: str, below_seq: int | None) -> LogSpan | None:
         blocks = self.blocks(stream)
@@ -1045,9 +1059,7 @@ class WalBlockStore(BlockStore):
                 file.truncate(at)
                 if self.fsync.mode != "off":
                     os.fsync(file.fileno())
-        with self._index_lock:
-            for key in [k for k in self._index if k.parent == folder]:
-                del self._index[key]
+        self._forget_index(folder, set())
         return blocks, records
 
     def _check_below(self, stream: str, folder: Path, seq: int) -> None:
@@ -1522,9 +1534,7 @@ class WalBlockStore(BlockStore):
             stats.segments_removed += 1
         if segments:
             self._sync_recovered(folder)
-        with self._index_lock:
-            for key in [k for k in self._index if k.parent == folder]:
-                del self._index[key]
+        self._forget_index(folder, set())
         next_seq, next_offset = self._past_recorded_loss(stream, next_seq, next_offset)
         writer = _Writer(folder, next_seq, next_offset, producers, newest_path, newest_size)
         writer.durable_seq = next_seq
@@ -2293,6 +2303,15 @@ class WalBlockStore(BlockStore):
         """The index of a segment's complete frames as it is now (empty if it is gone), re-reading
         only the headers of frames appended since the last look."""
         try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            _refuse_broken_link(path)  # its blocks are not released: never passed over as if they were
+            return _SegmentIndex((0, 0))  # released meanwhile
+        with self._index_lock:
+            index = self._index.get(path)
+        if index is not None and index.ident == (st.st_dev, st.st_ino) and st.st_size == index.scanned:
+            return index  # unchanged since: a stat, not an open (span() looks at every segment)
+        try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             _refuse_broken_link(path)  # its blocks are not released: never passed over as if they were
@@ -2327,8 +2346,11 @@ class WalBlockStore(BlockStore):
 
     def _forget_index(self, folder: Path, keep: set[Path]) -> None:
         with self._index_lock:
-            for path in [p for p in self._index if p.parent == folder and p not in keep]:
+            gone = [p for p in self._index if p.parent == folder and p not in keep]
+            for path in gone:
                 del self._index[path]
+            if gone or not keep:
+                self._seen.pop(folder, None)  # what span() took as unchanged is looked at again
 
     def _locate(self, block: BlockInfo) -> tuple[Path, _Frame]:
         segments = self._segments(self._folder(block.stream))
@@ -2442,6 +2464,31 @@ class WalBlockStore(BlockStore):
 
 def _seq_of(frame: _Frame) -> int:
     return frame.header.seq
+
+
+def _segment_names(folder: Path, start: int) -> list[str]:
+    """The names of the segments of `folder` in order, from the one that holds block `start` (as
+    blocks() reads them), without a Path for each."""
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    segments = sorted((int(m.group(1)), name) for name in names if (m := _SEGMENT_NAME.match(name)))
+    first = 0
+    for i, (name_seq, _) in enumerate(segments):
+        if name_seq <= start:
+            first = i
+    return [name for _, name in segments[first:]]
+
+
+def _between(frames: Sequence[_Frame], start: int, below: int) -> tuple[int, int]:
+    """The frames [lo, hi) of a segment (seqs in order) with seqs in [start, below)."""
+    if not frames:
+        return 0, 0
+    lo = 0 if frames[0].header.seq >= start else bisect.bisect_left(frames, start, key=_seq_of)
+    if frames[-1].header.seq < below:
+        return lo, len(frames)
+    return lo, bisect.bisect_left(frames, below, lo=lo, key=_seq_of)
 
 
 def _intact_after(path: Path, bad: int, last_seq: int) -> list[_Frame]:

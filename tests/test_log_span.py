@@ -199,3 +199,21 @@ def test_an_index_grows_with_its_gaps(tmp_path: Path, blocks: int) -> None:
         writer.write("s", seq, offset, 1, [records(3, offset)])
         seq, offset = seq + 1, offset + 3
         check(reader, full=i == blocks - 1)
+
+
+def test_a_log_cut_and_written_again_is_seen_anew(tmp_path: Path) -> None:
+    """Blocks cut from a log (truncate_from: an owner's unacked tail) and others written in their
+    place, after a gap, in the same segment files: the span a look before took is not kept."""
+    store = Counting(tmp_path, fsync=OFF, segment_bytes=1500, direct_io=False, gaps=True)
+    fill(store, 10, per_block=20)
+    check(store)
+    store.truncate_from("s", 6)
+    seq, offset = store.recover("s")
+    assert (seq, offset) == (6, 120)
+    check(store)
+    store.continue_at("s", 6, 127)
+    for i in range(4):
+        store.write("s", 6 + i, 127 + 20 * i, 1, [records(20, 127 + 20 * i)])
+    span = check(store)
+    assert span is not None and span.holes == ((120, 127),) and span.records(0) == 200
+    check(Counting(tmp_path))
