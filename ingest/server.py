@@ -729,8 +729,9 @@ class SluiceServer:
     def readable_records(self, stream: str, lo: int, hi: int | None = None) -> int:
         """How many records of [lo, hi) of `stream` (hi None: up to the log's end) its log's blocks
         hold, released ones none: what a batch reading them reads. From the log's span (its ends and
-        gaps: receivers.block.records_between on its blocks, at the cost of its gaps, not its blocks):
-        this runs on the loop for every completed batch, status page and `sluice streams list`."""
+        gaps; what receivers.block.records_between counts on its blocks), at the cost of a stat a
+        segment and its gaps, none a block: this runs on the loop for every completed batch, status
+        page and `sluice streams list`."""
         span = self.store.span(stream)
         return 0 if span is None else span.records(lo, hi)
 
