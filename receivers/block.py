@@ -8,6 +8,7 @@ offset of its first record, so offsets need not be stored per record.
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -140,3 +141,58 @@ def countable(lo: int, hi: int, gaps: Sequence[tuple[int, int]]) -> int:
 def records_between(blocks: Sequence[BlockInfo], lo: int, hi: int) -> int:
     """How many records of [lo, hi) a log's `blocks` hold: its offsets less its gaps."""
     return countable(lo, hi, gaps(blocks, lo, hi))
+
+
+@dataclass(frozen=True)
+class LogSpan:
+    """What counting a log's records needs of its blocks (BlockStore.span): the first block's first
+    offset, the last one's end and the gaps between (the offsets of [first, end) in no block), so that a
+    store that knows them need not list every block (gaps are rare: records lost at a start). gaps()
+    and records() give what gaps() and records_between() give on the blocks, at a cost of the gaps'
+    number, not the blocks'. `blocks`: the blocks themselves, kept when they are not in order (seqs
+    increasing, offsets never going back; a log's always are): then both are the reference's on them."""
+
+    first: int
+    end: int
+    holes: tuple[tuple[int, int], ...] = ()
+    """The offsets of [first, end) in no block: sorted disjoint [a, b) (as uncovered() splits them)."""
+    blocks: tuple[BlockInfo, ...] | None = None
+
+    def gaps(self, lo: int, hi: int) -> list[tuple[int, int]]:
+        """gaps(blocks, lo, hi): the offsets of [lo, hi) in no block, below the first one and past the
+        last one too."""
+        if self.blocks is not None:
+            return gaps(self.blocks, lo, hi)
+        if hi <= lo:
+            return []
+        found = [(lo, min(self.first, hi))] if lo < self.first else []
+        found.extend((max(a, lo), min(b, hi)) for a, b in self.holes if b > lo and a < hi)
+        if max(lo, self.end) < hi:
+            found.append((max(lo, self.end), hi))
+        return found
+
+    def records(self, lo: int, hi: int | None = None) -> int:
+        """How many records of [lo, hi) (None: up to the end) the blocks hold: records_between(blocks,
+        max(lo, first), end if hi is None else hi)."""
+        lo = max(lo, self.first)
+        hi = self.end if hi is None else hi
+        if self.blocks is not None:
+            return records_between(self.blocks, lo, hi)
+        return countable(lo, min(hi, self.end), self.holes)
+
+
+def in_order(blocks: Sequence[BlockInfo]) -> bool:
+    """Whether `blocks` are a log's in its order: seqs increasing, each block at or past the end of the
+    one before (what LogSpan's holes take for granted)."""
+    return all(b.seq > a.seq and b.first_offset >= a.end_offset for a, b in itertools.pairwise(blocks))
+
+
+def span_of(blocks: Sequence[BlockInfo]) -> LogSpan | None:
+    """The LogSpan of a log's `blocks` (as BlockStore.blocks lists them), None when there are none: the
+    reference a store's own BlockStore.span must equal."""
+    if not blocks:
+        return None
+    first, end = blocks[0].first_offset, blocks[-1].end_offset
+    if not in_order(blocks):
+        return LogSpan(first, end, blocks=tuple(blocks))
+    return LogSpan(first, end, tuple(uncovered(first, end, blocks)))

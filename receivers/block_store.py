@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import pyarrow as pa
 
-from receivers.block import BlockInfo
+from receivers.block import BlockInfo, LogSpan, span_of
 
 
 class BlockStore(ABC):
@@ -70,6 +70,12 @@ class BlockStore(ABC):
         it lists none: what a backlog needs, which a store may know without listing every block."""
         blocks = self.blocks(stream)
         return (blocks[0].first_offset, blocks[-1].end_offset) if blocks else None
+
+    def span(self, stream: str) -> LogSpan | None:
+        """span_of(blocks(stream)): the first offset, the end and the gaps between of the blocks it
+        lists, None when it lists none; what counting its records (a backlog, a batch's records) needs,
+        which a store may know without listing every block (WalBlockStore.span)."""
+        return span_of(self.blocks(stream))
 
     @abstractmethod
     def read(self, block: BlockInfo) -> Iterator[pa.RecordBatch]:

@@ -32,7 +32,7 @@ from typing import Any
 import grpc
 import pyarrow as pa
 
-from receivers.block import BlockInfo
+from receivers.block import BlockInfo, LogSpan
 from receivers.block_store import BlockStore
 from receivers.cluster import CONFIG_HEADER, Cluster, ConfigMismatches, Node
 from receivers.files import parse_json, replace_json
@@ -685,6 +685,9 @@ class ReplicatedBlockStore(BlockStore):
 
     def extent(self, stream: str) -> tuple[int, int] | None:
         return self.local.extent(stream, below_seq=self.replicator.committed_seq(stream))
+
+    def span(self, stream: str) -> LogSpan | None:
+        return self.local.span(stream, below_seq=self.replicator.committed_seq(stream))
 
     def read(self, block: BlockInfo) -> Iterator[pa.RecordBatch]:
         return self.local.read(block)

@@ -90,9 +90,8 @@ from pyspark.sql.types import (
 )
 
 from ingest.spark.live_rate import LiveRateCap
-from receivers.block import BlockInfo, plain_arrivals, uncovered
+from receivers.block import BlockInfo, LogSpan, plain_arrivals, uncovered
 from receivers.block import countable as _countable
-from receivers.block import gaps as _gaps
 from receivers.block_store import BlockStore, release_below
 from receivers.names import check_stream_name
 from receivers.wal import LOST_FILE, WalBlockStore, WalError
@@ -435,11 +434,12 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
         lost = self._check_lost(offered, known, held)
         # a stream whose log was replaced (failOnDataLoss=false) starts at the new log's first record
         begun = {**offered, **{s: self._floor(s) for s in lost}}
-        blocks = {s: self.store.blocks(s) for s in current}  # one read of each log for both below
-        available = {s: self._available_end(s, begun.get(s, 0), blocks[s]) for s in current}
+        # one look at each log for both below: its ends and gaps (not a list of its blocks)
+        spans = {s: self.store.span(s) for s in current}
+        available = {s: self._available_end(s, begun.get(s, 0), spans[s]) for s in current}
         # records in no block (gone from the log: lost.json's, or a gap --fsync off left) take none of
-        # the read limit's or the live cap's budget
-        gaps = {s: _gaps(blocks[s], begun.get(s, 0), available[s]) for s in current}
+        # the read limit's or the live cap's budget (receivers.block.gaps on the log's blocks)
+        gaps = {s: _gaps(spans[s], begun.get(s, 0), available[s]) for s in current}
         # a stream not read now keeps its offset, frozen: added back, it resumes there
         end = _sorted({**begun, **self._plan(begun, available, limit, live, phase, gaps=gaps)})
         # a log's incarnation joins the offset with a batch that differs anyway (one read from it, or
@@ -540,13 +540,13 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
 
     def _floor(self, stream: str) -> int:
         """The offset of the first record of `stream` still in its log (0 for an empty new log)."""
-        present = self.store.blocks(stream)
-        return present[0].first_offset if present else self.store.released_offset(stream)
+        span = self.store.span(stream)
+        return span.first if span is not None else self.store.released_offset(stream)
 
     def _log_end(self, stream: str) -> int:
         """The offset after the last record the log of `stream` ever held (released ones included)."""
-        present = self.store.blocks(stream)
-        return max(self.store.released_offset(stream), present[-1].end_offset if present else 0)
+        span = self.store.span(stream)  # each plan, each stream: not a list of every block
+        return max(self.store.released_offset(stream), span.end if span is not None else 0)
 
     def reportLatestOffset(self) -> Offset:
         # what is there now: Spark reports it as the source's latestOffset in the query's progress (and
@@ -555,9 +555,9 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
         # batch_metrics counts them so)
         latest = {}
         for stream in self._current_streams():
-            blocks = self.store.blocks(stream)
-            if blocks:
-                latest[stream] = blocks[-1].end_offset
+            span = self.store.span(stream)
+            if span is not None:
+                latest[stream] = span.end
         return _sorted(latest)
 
     def prepareForTriggerAvailableNow(self) -> None:
@@ -626,10 +626,10 @@ class SluiceStreamReader(LiveCapPlanning, DataSourceStreamReader, SupportsTrigge
 
     # ---- helpers ------------------------------------------------------------------------------
 
-    def _available_end(self, stream: str, start: int, blocks: Sequence[BlockInfo]) -> int:
-        """Offset after the last record of `stream` (whose log holds `blocks`) that a batch from
+    def _available_end(self, stream: str, start: int, span: LogSpan | None) -> int:
+        """Offset after the last record of `stream` (whose log's blocks span `span`) that a batch from
         `start` may read."""
-        end = max(start, blocks[-1].end_offset) if blocks else start
+        end = max(start, span.end) if span is not None else start
         target = self._available_now_target
         if target is not None:
             end = min(end, max(start, target.get(stream, start)))
@@ -818,6 +818,13 @@ def _admit(
         end[stream] = _advance(end[stream], take, available[stream], gaps.get(stream, ()))
         budget -= take
     return end
+
+
+def _gaps(span: LogSpan | None, lo: int, hi: int) -> list[tuple[int, int]]:
+    """receivers.block.gaps of the log `span` spans over [lo, hi): every offset when it has no block."""
+    if span is None:
+        return [(lo, hi)] if hi > lo else []
+    return span.gaps(lo, hi)
 
 
 def _advance(lo: int, records: int, hi: int, gaps: Sequence[tuple[int, int]]) -> int:
