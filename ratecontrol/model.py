@@ -511,8 +511,12 @@ class ModelEstimator(RateEstimator):
             return take, 1.0, 0.0
         interval = self._interval
         per_record = (period - a) / (capacity * period)
-        take = max(take, min(waiting, (self.max_drain * interval - a) / per_record))
-        self._drain_take = take
+        normal, drain = take, (self.max_drain * interval - a) / per_record
+        take = max(normal, min(waiting, drain))
+        # the source's cap, with a batch at capacity to spare: records taken between the source's
+        # planning of the batch that overran and its StartBatch are in no count, and the newest of the
+        # pile, left behind, waited out the whole drain batch (3.2 intervals late in a real run)
+        self._drain_take = max(take, min(waiting + normal, drain))
         upcoming = a + take * per_record  # seconds the next batch is planned to take
         # records taken before this far into it would wait too long for the batch after it
         pause = max(0.0, upcoming - (1 + self.drain_lateness) * interval)

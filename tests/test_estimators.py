@@ -1287,3 +1287,28 @@ def test_a_batch_far_faster_after_a_rise_reads_no_more_than_the_cost_before_it()
     model.compute(batch(7.0, 30_000, 0.55))  # and a fast one (cost(30_000) is 0.8 s)
     assert model.capacity is not None and model.capacity <= 1.25 * 45_000 * 1.02, model.state()
     assert model.rate <= model.capacity
+
+
+def test_a_drain_batch_may_take_more_than_the_pile_it_counted() -> None:
+    """After a batch the watchdog saw overrun, the next one drains what piled up behind it (10). The pile
+    is counted from the overrunning batch's StartBatch, so records taken between the source's planning
+    of that batch and its StartBatch are in no count: capped at the count, the drain batch left the
+    newest of the pile behind, and they waited out the whole drain batch (3.2 intervals late in
+    bench/control_loop.py). The cap leaves a batch at capacity to spare, within max_drain intervals."""
+    model = fitted_model()  # 0.4 s + records / 75,000: 45k records/s
+    assert model.overrun(40_000, 1.5, 1.0, 0) is not None  # the watchdog sees it overrun
+    overran = BatchMetrics(
+        batch_id=5,
+        completed_at=7.5,
+        records=40_000,
+        processing_delay=2.5,
+        scheduling_delay=1.0,
+        batch_interval=1.0,
+        backlog=0,
+        waiting=60_000,
+    )
+    model.compute(overran)
+    cap = model.batch_cap(1.0)
+    assert cap > 60_000, model.state()
+    per_record = (2.5 - 0.4) / 40_000  # what the overrun showed
+    assert 0.4 + cap * per_record <= model.max_drain * 1.0 * 1.01, model.state()
