@@ -1,0 +1,142 @@
+"""A receiver node started into a cluster it cannot work with says so and stops, rather than serve.
+
+At its start a node asks each follower where its copies of the node's partitions end (a lost data dir
+goes on past the furthest copy: docs/cluster.md). A follower that refused this node's credentials (its
+peer token is not one the follower's auth file grants the peer role), and an address where another
+node than the list names answers (two nodes' addresses swapped in one node's list), were taken for a
+follower down: the node started, logged "node 1 ... did not answer", and replication to that follower
+failed at every try (acks with fewer copies, or none at all under --min-insync). A node whose data dir
+was lost started its partitions at offset 0 again although that follower, up and holding where they
+ended, was right there. Each now stops the start: `sluice serve` exits 1 naming the node, its address
+and what to fix."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from ingest.config import SecurityConfig
+from receivers.auth import new_token, token_hash
+from receivers.cluster import Cluster, Node
+from tests.support import free_ports, running_server
+
+PEER_TOKEN = new_token()
+SERVED = b"(serving: not refused)"
+
+
+def _node(
+    nodes: Path, node_id: int, port: int, data_dir: Path, *flags: str
+) -> subprocess.CompletedProcess[bytes]:
+    """`sluice serve --role receiver` for `node_id`, until it exits; one that starts serving (not
+    refused) is stopped then, and its stderr ends with SERVED."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    command = [
+        *(sys.executable, "-m", "ingest.cli", "serve", "--role", "receiver", "--metrics-port", "-1"),
+        *("--nodes", str(nodes), "--node-id", str(node_id), "--port", str(port)),
+        *("--data-dir", str(data_dir), "--stream", "s", *flags),
+    ]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    watchdog = threading.Timer(60, proc.kill)  # a hung start fails the test, never hangs it
+    watchdog.start()
+    lines = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith(b"sluice: serving streams"):
+                proc.terminate()
+                lines.append(SERVED)
+    finally:
+        proc.wait()
+        watchdog.cancel()
+        if proc.stderr is not None:
+            proc.stderr.close()
+    return subprocess.CompletedProcess(command, proc.returncode, b"", b"".join(lines))
+
+
+async def test_a_node_whose_peer_token_its_follower_refuses_stops_at_start(tmp_path: Path) -> None:
+    auth = tmp_path / "auth.toml"
+    auth.write_text(f'[principals.node]\nroles = ["peer"]\ntoken_sha256 = ["{token_hash(PEER_TOKEN)}"]\n')
+    good, wrong = tmp_path / "good.token", tmp_path / "wrong.token"
+    good.write_text(PEER_TOKEN + "\n")
+    wrong.write_text(new_token() + "\n")  # made for another cluster, or a token rotated out
+    for token in (good, wrong):
+        token.chmod(0o600)
+    ports = free_ports(2)
+    nodes = tuple(Node(i, f"127.0.0.1:{port}") for i, port in enumerate(ports))
+    nodes_file = tmp_path / "nodes.txt"
+    nodes_file.write_text("".join(f"{n.id} {n.target}\n" for n in nodes))
+    security = SecurityConfig(auth_file=auth)
+    async with running_server(
+        tmp_path / "d1",
+        "s",
+        cluster=Cluster(nodes, 1, 2),
+        port=ports[1],
+        security=security,
+        peer_token_file=good,
+    ):
+        done = await asyncio.to_thread(
+            _node,
+            nodes_file,
+            0,
+            ports[0],
+            tmp_path / "d0",
+            "--replication",
+            "2",
+            "--auth-file",
+            str(auth),
+            "--peer-token-file",
+            str(wrong),
+        )
+        assert done.returncode == 1, done.stderr
+        words = done.stderr.decode()
+        assert f"cannot start the server: node 1 ({nodes[1].target}) refuses this node's credentials" in words
+        assert "UNAUTHENTICATED" in words and "--peer-token-file" in words and "peer role" in words, words
+        assert "did not answer" not in words, words
+        # no token at all (the auth file forgotten on this node's side): refused the same way
+        done = await asyncio.to_thread(_node, nodes_file, 0, ports[0], tmp_path / "d0", "--replication", "2")
+        assert (
+            done.returncode == 1
+            and "refuses this node's credentials (UNAUTHENTICATED" in done.stderr.decode()
+        )
+        # the right token: it starts (and is stopped by the test)
+        done = await asyncio.to_thread(
+            _node,
+            nodes_file,
+            0,
+            ports[0],
+            tmp_path / "d0",
+            "--replication",
+            "2",
+            "--auth-file",
+            str(auth),
+            "--peer-token-file",
+            str(good),
+        )
+        assert SERVED in done.stderr, done.stderr
+
+
+async def test_a_node_whose_follower_is_listed_at_another_nodes_address_stops_at_start(
+    tmp_path: Path,
+) -> None:
+    ports = free_ports(3)
+    right = tuple(Node(i, f"127.0.0.1:{port}") for i, port in enumerate(ports))
+    # node 0's copy of the list has node 1 and node 2's addresses swapped
+    swapped = tmp_path / "swapped.txt"
+    swapped.write_text(f"0 {right[0].target}\n1 {right[2].target}\n2 {right[1].target}\n")
+    async with contextlib.AsyncExitStack() as stack:
+        for i in (1, 2):
+            cluster = Cluster(right, i, 2)
+            await stack.enter_async_context(
+                running_server(tmp_path / f"d{i}", "s", cluster=cluster, port=ports[i])
+            )
+        done = await asyncio.to_thread(_node, swapped, 0, ports[0], tmp_path / "d0", "--replication", "2")
+    assert done.returncode == 1, done.stderr
+    words = done.stderr.decode()
+    assert f"node 1 is listed at {right[2].target} (--nodes), but the node there answers as node 2" in words
+    assert "did not answer" not in words, words
