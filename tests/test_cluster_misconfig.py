@@ -8,17 +8,20 @@ follower down: the node started, logged "node 1 ... did not answer", and replica
 failed at every try (acks with fewer copies, or none at all under --min-insync). A node whose data dir
 was lost started its partitions at offset 0 again although that follower, up and holding where they
 ended, was right there. Each now stops the start: `sluice serve` exits 1 naming the node, its address
-and what to fix."""
+and what to fix. And a peer token file other users can read is warned of, as a TLS key is."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import subprocess
 import sys
 import threading
 from pathlib import Path
+
+import pytest
 
 from ingest.config import SecurityConfig
 from receivers.auth import new_token, token_hash
@@ -140,3 +143,43 @@ async def test_a_node_whose_follower_is_listed_at_another_nodes_address_stops_at
     words = done.stderr.decode()
     assert f"node 1 is listed at {right[2].target} (--nodes), but the node there answers as node 2" in words
     assert "did not answer" not in words, words
+
+
+async def test_a_peer_token_file_other_users_can_read_is_warned_of_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A TLS key other users can read is warned of at start; the peer token file, which lets its reader
+    call every node as a peer (or, the driver's, read every record and release blocks), was taken
+    without a word. A node and a driver say it now, naming the file, its mode and the fix; a 0600
+    file is not warned of."""
+    from ingest.cluster_driver import ClusterDriver
+    from ingest.driver_config import DriverConfig
+
+    auth = tmp_path / "auth.toml"
+    auth.write_text(f'[principals.node]\nroles = ["peer"]\ntoken_sha256 = ["{token_hash(PEER_TOKEN)}"]\n')
+    token = tmp_path / "peer.token"
+    token.write_text(PEER_TOKEN + "\n")
+    warning = f"the peer token file {token} (--peer-token-file) can be read by other users"
+    cluster = Cluster((Node(0, f"127.0.0.1:{free_ports(1)[0]}"),), 0)
+    port = int(cluster.me.target.rsplit(":", 1)[1])
+    caplog.set_level(logging.WARNING)
+    for mode, warned in ((0o644, True), (0o640, True), (0o600, False)):
+        token.chmod(mode)
+        caplog.clear()
+        security = SecurityConfig(auth_file=auth)
+        async with running_server(
+            tmp_path / "node", "s", cluster=cluster, port=port, security=security, peer_token_file=token
+        ):
+            pass
+        config = DriverConfig(
+            nodes={0: cluster.me.target}, streams=("s",), data_dir=tmp_path / "driver", token_file=token
+        )
+        driver = ClusterDriver(config)
+        await driver.serve_rate()
+        driver.blocks.fenced = "not claimed"  # nothing to give back: this driver never claimed nodes
+        await driver.stop()
+        said = [r for r in caplog.records if warning in r.getMessage()]
+        assert len(said) == (2 if warned else 0), (oct(mode), caplog.text)
+        assert {r.name for r in said} <= {"ingest.server", "ingest.cluster_driver"}
+        if warned:
+            assert f"(mode {mode:04o})" in said[0].getMessage() and "chmod 600 it" in said[0].getMessage()
