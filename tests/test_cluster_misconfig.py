@@ -21,12 +21,15 @@ import sys
 import threading
 from pathlib import Path
 
+import grpc
 import pytest
 
 from ingest.config import SecurityConfig
 from receivers.auth import new_token, token_hash
 from receivers.cluster import Cluster, Node
-from tests.support import free_ports, running_server
+from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
+from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+from tests.support import free_ports, running_server, wait_until
 
 PEER_TOKEN = new_token()
 SERVED = b"(serving: not refused)"
@@ -183,3 +186,32 @@ async def test_a_peer_token_file_other_users_can_read_is_warned_of_at_start(
         assert {r.name for r in said} <= {"ingest.server", "ingest.cluster_driver"}
         if warned:
             assert f"(mode {mode:04o})" in said[0].getMessage() and "chmod 600 it" in said[0].getMessage()
+
+
+async def test_a_node_listed_twice_under_two_names_is_told_its_replication_reached_itself(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node list that names one node's address twice (127.0.0.1:P as node 0, localhost:P as node 1)
+    passes the list's checks (two targets, two ids), and node 0 replicates to itself. Its refusal said
+    "node 0 is not a follower of node 0 in its node list", which points nowhere; it now says that is
+    its own id and what that means. So does a forged hello naming the follower's id."""
+    port = free_ports(1)[0]
+    nodes = (Node(0, f"127.0.0.1:{port}"), Node(1, f"localhost:{port}"))
+    caplog.set_level(logging.WARNING, logger="receivers.replication")
+    words = (
+        f"node 0 (127.0.0.1:{port}) is not a follower of node 0, its own id: the hello came from this node "
+        "itself (the node list, --nodes, names its address under a follower's id too)"
+    )
+    async with running_server(tmp_path / "d0", "s", cluster=Cluster(nodes, 0, 2), port=port) as server:
+        await wait_until(lambda: words in caplog.text, timeout=15)
+        said = [r.getMessage() for r in caplog.records if words in r.getMessage()]
+        assert said[0].startswith(f"follower 1 (localhost:{port}) refuses replication: FAILED_PRECONDITION: ")
+        assert "another process run as node 0 (one --node-id given twice)" in said[0]
+        async with grpc.aio.insecure_channel(server.target) as channel:
+            call = pb_grpc.ReplicationStub(channel).Replicate()  # type: ignore[call-arg]
+            await call.write(pb.ReplicateRequest(hello=pb.ReplicaHello(owner=0, nodes=2, replication=2)))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in call:
+                    pass
+        assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert words in (refused.value.details() or "")
