@@ -259,10 +259,10 @@ class ReceiverNode:
         """The copies of this node's partitions follower `node_id` holds; None when it does not answer
         (down, or not up yet: a cluster's first start). What it answers that no start can go past is
         the words of the refusal: it refuses this node's credentials (its auth file does not grant
-        them the peer role), or it is another node than the list says. Taken
-        for a follower down, each went by as "did not answer": replication to it then failed at every
-        try, and a node whose data dir was lost started its partitions at offset 0 again although that
-        follower held where they ended."""
+        them the peer role), or it is another node than the list says. Taken for a follower down, each
+        went by as "did not answer": replication to it then failed at every try, and a node whose data
+        dir was lost started its partitions at offset 0 again although that follower held where they
+        ended."""
         me = self.cluster.me.id
         channel = self.channel(target)
         try:

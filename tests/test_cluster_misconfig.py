@@ -215,3 +215,41 @@ async def test_a_node_listed_twice_under_two_names_is_told_its_replication_reach
                     pass
         assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
         assert words in (refused.value.details() or "")
+
+
+def test_a_node_listed_at_a_network_address_but_serving_on_loopback_is_refused(tmp_path: Path) -> None:
+    """The node list names where the other nodes, the driver and Spark's executors reach a node; one
+    listed at an address of the network that serves on the default --host 127.0.0.1 is reachable there
+    by nobody (that address on its own machine neither). It started and served, and its peers found it
+    down ("did not answer") without a word at the node. `sluice serve` and `sluice config check` now
+    stop with exit 2 naming both; the same node on that address or on every address starts."""
+    port = free_ports(1)[0]
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(f"0 192.0.2.10:{port}\n1 192.0.2.11:{port}\n")  # TEST-NET-1: never this machine's
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    node = ["--role", "receiver", "--nodes", str(nodes), "--node-id", "0", "--port", str(port)]
+    node += ["--metrics-port", "-1", "--data-dir", str(tmp_path / "d0")]
+    for command in ("serve", "config check"):
+        done = subprocess.run(
+            [sys.executable, "-m", "ingest.cli", *command.split(), *node],
+            env=env,
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+        assert done.returncode == 2, (command, done.stderr)
+        assert (
+            f"node 0 is listed at 192.0.2.10:{port} in {nodes}, but serves on 127.0.0.1 (--host)".encode()
+            in done.stderr
+        ), done.stderr
+        assert b"give --host 192.0.2.10 (or 0.0.0.0" in done.stderr
+    assert not (tmp_path / "d0").exists()  # refused before anything was written
+    for host in ("0.0.0.0", "192.0.2.10"):
+        done = subprocess.run(
+            [sys.executable, "-m", "ingest.cli", "config", "check", *node, "--host", host, "--insecure"],
+            env=env,
+            capture_output=True,
+            timeout=30,
+            check=False,
+        )
+        assert done.returncode == 0, (host, done.stderr)
