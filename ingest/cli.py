@@ -1462,7 +1462,8 @@ def _driver_config(args: argparse.Namespace) -> DriverConfig:
     config = _checked(
         args,
         lambda: DriverConfig(
-            nodes={node.id: node.target for node in load_nodes(args.nodes)},
+            # checked as a node checks it (an id or address twice): as a mapping, the last entry won
+            nodes={node.id: node.target for node in Cluster(load_nodes(args.nodes)).nodes},
             streams=tuple(args.streams or ("default",)),
             data_dir=args.data_dir,
             master=args.master,

@@ -253,3 +253,33 @@ def test_a_node_listed_at_a_network_address_but_serving_on_loopback_is_refused(t
             check=False,
         )
         assert done.returncode == 0, (host, done.stderr)
+
+
+@pytest.mark.parametrize(
+    ("listed", "words"),
+    [
+        ("0 127.0.0.1:{a}\n0 127.0.0.1:{b}\n", b"the node list repeats node id 0"),
+        ("0 127.0.0.1:{a}\n1 127.0.0.1:{a}\n", b"the node list repeats target 127.0.0.1:{a}"),
+    ],
+)
+def test_the_driver_refuses_a_node_list_every_node_refuses(tmp_path: Path, listed: str, words: bytes) -> None:
+    """A node refuses a node list that repeats an id or an address; the driver took it, as a mapping of
+    id to address: the last entry of a repeated id won and the other node was never read, without a
+    word (`sluice config check --role driver` said the settings were valid). It stops now, exit 2, in
+    the node's words, before Spark starts."""
+    a, b = free_ports(2)
+    nodes = tmp_path / "nodes.txt"
+    nodes.write_text(listed.format(a=a, b=b))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+    driver = ["--role", "driver", "--nodes", str(nodes), "--data-dir", str(tmp_path / "driver")]
+    driver += ["--port", "0", "--metrics-port", "-1"]
+    for command in ("config check", "serve"):
+        done = subprocess.run(
+            [sys.executable, "-m", "ingest.cli", *command.split(), *driver],
+            env=env,
+            capture_output=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 2, (command, done.stderr)
+        assert words.replace(b"{a}", str(a).encode()) in done.stderr, done.stderr
