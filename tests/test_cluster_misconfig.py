@@ -39,7 +39,7 @@ def _node(
     nodes: Path, node_id: int, port: int, data_dir: Path, *flags: str
 ) -> subprocess.CompletedProcess[bytes]:
     """`sluice serve --role receiver` for `node_id`, until it exits; one that starts serving (not
-    refused) is stopped then, and its stderr ends with SERVED."""
+    refused) is stopped then, and its stderr holds SERVED."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
     command = [
         *(sys.executable, "-m", "ingest.cli", "serve", "--role", "receiver", "--metrics-port", "-1"),
