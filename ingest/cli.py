@@ -50,6 +50,7 @@ from ingest.config import (
     ascii_float,
     ascii_int,
     format_estimator_params,
+    is_loopback,
     parse_estimator_params,
 )
 from ingest.config_sources import (
@@ -73,7 +74,7 @@ from ingest.pipeline_control import BOUNDARY_TIMEOUT, DEFAULT_FIRST_BATCH_TIMEOU
 from ingest.pipeline_state import STATE_FILE, PipelineStateError, in_force, read_state
 from ratecontrol import InvalidRateError, StreamPolicy, UnknownEstimatorError
 from receivers.auth import AuthFileError, new_token, token_hash
-from receivers.cluster import REFUSAL_HEADER, Cluster, ClusterConfigError, load_nodes
+from receivers.cluster import REFUSAL_HEADER, Cluster, ClusterConfigError, Node, load_nodes
 from receivers.config import FsyncPolicy, ReceiverConfig
 from receivers.errors import printable, shown
 from receivers.files import DataDirStateError
@@ -904,7 +905,29 @@ def _cluster(args: argparse.Namespace) -> Cluster | None:
             f"node {node_id} is listed at {cluster.me.target} in {args.nodes}, but --port is {args.port}: "
             "give its own --node-id, or the port its entry names"
         )
+    if args.role == "receiver":
+        _check_listed_host(cluster.me, args.host, args.nodes)
     return cluster
+
+
+def _check_listed_host(me: Node, host: str, nodes: Path) -> None:
+    """A node listed at an address of the network (an IP address that is not a loopback one) that serves
+    on a loopback --host (the default, 127.0.0.1) listens where no other machine, nor that address on
+    this one, reaches it: its peers, the driver and Spark's executors found it down ("did not answer")
+    while it started and served without a word. ValueError (exit 2) naming both."""
+    listed = me.target.rsplit(":", 1)[0].strip("[]")
+    try:
+        address = ipaddress.ip_address(listed)
+    except ValueError:
+        return  # a name: it may resolve to this machine's loopback address, as localhost does
+    if address.is_loopback or address.is_unspecified or not is_loopback(host):
+        return
+    raise ValueError(
+        f"node {me.id} is listed at {me.target} in {nodes}, but serves on {host} (--host), where the other "
+        f"nodes, the driver and Spark's executors cannot reach it at {listed}: give --host {listed} "
+        "(or 0.0.0.0, every address; with --tls-cert/--tls-key, or --insecure), or list it at its "
+        "loopback address"
+    )
 
 
 def _security_flags(serve: argparse.ArgumentParser) -> None:
@@ -1439,7 +1462,8 @@ def _driver_config(args: argparse.Namespace) -> DriverConfig:
     config = _checked(
         args,
         lambda: DriverConfig(
-            nodes={node.id: node.target for node in load_nodes(args.nodes)},
+            # checked as a node checks it (an id or address twice): as a mapping, the last entry won
+            nodes={node.id: node.target for node in Cluster(load_nodes(args.nodes)).nodes},
             streams=tuple(args.streams or ("default",)),
             data_dir=args.data_dir,
             master=args.master,

@@ -81,7 +81,7 @@ from ingest.spark.starting import (
     stopped_first,
     stopped_starting,
 )
-from ingest.tls import ServerTls
+from ingest.tls import ServerTls, token_file_exposed
 from receivers.auth import Authenticator, AuthTable
 from receivers.block import countable
 from receivers.files import DataDirStateError
@@ -322,6 +322,8 @@ class ClusterDriver:
         if self.config.tls is not None:
             for warning in ServerTls(self.config.tls).material.warnings():
                 log.warning("%s", warning)
+        if (exposed := token_file_exposed(self.config.token_file)) is not None:
+            log.warning("%s", exposed)
         if not self.auth.enabled and not is_loopback(self.config.rate_host):
             # TLS keeps the wire private, it does not say who calls: without an auth file or a client
             # CA every caller is the anonymous principal, operator included

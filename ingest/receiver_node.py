@@ -170,8 +170,13 @@ class ReceiverNode:
         deadline = time.monotonic() + LOST_LOG_WAIT
         while True:
             asked = [n for n in followers if n not in answers]
-            found = await asyncio.gather(*(self._copies_on(followers[n]) for n in asked))
-            answers.update({n: copies for n, copies in zip(asked, found, strict=True) if copies is not None})
+            found = await asyncio.gather(*(self._copies_on(n, followers[n]) for n in asked))
+            refusals = [answer for answer in found if isinstance(answer, str)]
+            if refusals:
+                raise ValueError("; ".join(refusals))
+            answers.update(
+                {n: copies for n, copies in zip(asked, found, strict=True) if isinstance(copies, list)}
+            )
             behind = self._behind(receivers, [p for copies in answers.values() for p in copies], own)
             if not behind or len(answers) == len(followers):
                 break
@@ -250,8 +255,14 @@ class ReceiverNode:
             ", ".join(silent),
         )
 
-    async def _copies_on(self, target: str) -> list[pb.PartitionInfo] | None:
-        """The copies of this node's partitions a peer holds; None when it does not answer."""
+    async def _copies_on(self, node_id: int, target: str) -> list[pb.PartitionInfo] | str | None:
+        """The copies of this node's partitions follower `node_id` holds; None when it does not answer
+        (down, or not up yet: a cluster's first start). What it answers that no start can go past is
+        the words of the refusal: it refuses this node's credentials (its auth file does not grant
+        them the peer role), or it is another node than the list says. Taken for a follower down, each
+        went by as "did not answer": replication to it then failed at every try, and a node whose data
+        dir was lost started its partitions at offset 0 again although that follower held where they
+        ended."""
         me = self.cluster.me.id
         channel = self.channel(target)
         try:
@@ -259,10 +270,26 @@ class ReceiverNode:
                 pb.ListPartitionsRequest(), metadata=self.metadata, timeout=PEER_ASK_TIMEOUT
             )
         except grpc.aio.AioRpcError as exc:
-            log.debug("node at %s did not say where its copies end: %s", target, exc.code().name)
+            code = exc.code()
+            said = f"{code.name}: {exc.details()}"
+            if code in {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED}:
+                return (
+                    f"node {node_id} ({target}) refuses this node's credentials ({said}): give each node "
+                    "a --peer-token-file holding a token that every node's --auth-file grants the peer "
+                    "role (or, under mutual TLS without a token, a certificate whose name is such a "
+                    "principal)"
+                )
+            log.debug("node at %s did not say where its copies end: %s", target, code.name)
             return None
         finally:
             await channel.close(None)
+        if answer.node_id != node_id:
+            itself = " (this node)" if answer.node_id == me else ""
+            return (
+                f"node {node_id} is listed at {target} (--nodes), but the node there answers as node "
+                f"{answer.node_id}{itself}: the node list names that address under two ids, or two "
+                "nodes' addresses are swapped; give every node the same, right node list"
+            )
         return [p for p in answer.partitions if p.owner == me and not p.leader]
 
     @staticmethod

@@ -39,7 +39,7 @@ from ingest.runtime_config import RuntimeConfig
 from ingest.sessions_service import SessionsService
 from ingest.status import StatusBoard
 from ingest.streams import DRAINING, KEPT, REMOVED, SERVING, StreamRegistry, clash_message
-from ingest.tls import ServerTls, TlsFileError
+from ingest.tls import ServerTls, TlsFileError, token_file_exposed
 from receivers.auth import PIPELINE, Authenticator, AuthFileError, AuthTable, revoke
 from receivers.block_store import BlockStore
 from receivers.cluster import Cluster
@@ -464,6 +464,8 @@ class SluiceServer:
         """What a start should say of its security settings (a WARNING each)."""
         for warning in self.tls.material.warnings() if self.tls is not None else ():
             log.warning("%s", warning)
+        if (exposed := token_file_exposed(self.config.peer_token_file)) is not None:
+            log.warning("%s", exposed)
         table = self.auth.table
         for principal in table.principals.values() if table is not None and self.node is not None else ():
             if {Role.READER, Role.OPERATOR} <= principal.roles and Role.CONSUMER not in principal.roles:

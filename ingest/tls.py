@@ -157,6 +157,26 @@ def load_tls(config: TlsConfig) -> TlsMaterial:
     )
 
 
+def token_file_exposed(path: Path | None) -> str | None:
+    """The WARNING a start says when its --peer-token-file can be read by other users (its group, or
+    everyone), as it says of a TLS key: a node's token lets its holder replicate into the nodes and ask
+    their producers' marks, a driver's reads every record and releases blocks. None: not so (or no file,
+    or it cannot be looked at: its read, already done, said why)."""
+    if path is None:
+        return None
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return None
+    if not mode & (stat.S_IRGRP | stat.S_IROTH):
+        return None
+    return (
+        f"the peer token file {path} (--peer-token-file) can be read by other users (mode "
+        f"{stat.S_IMODE(mode):04o}): whoever reads it calls the cluster with this process's roles; "
+        "chmod 600 it"
+    )
+
+
 def _grpc_configuration(material: TlsMaterial) -> grpc.ServerCertificateConfiguration:
     return grpc.ssl_server_certificate_configuration(
         [(material.key_pem, material.cert_pem)], root_certificates=material.client_ca_pem

@@ -106,6 +106,20 @@ FIELD_ROLES: Mapping[str, Mapping[str, frozenset[Role]]] = {
 """gRPC method -> request field -> the roles of which a caller that sets the field needs one (beyond
 the method's own, METHOD_ROLES)."""
 
+_NAMES_A_DRIVER = "sluice-driver-id"  # receivers.cluster.DRIVER_HEADER
+HEADER_ROLES: Mapping[str, Mapping[str, frozenset[Role]]] = {
+    # a call naming a driver takes, renews or gives back the node's driver lease (one driver per
+    # cluster: receivers.blocks_service); a reader's (a dashboard's) took it and locked the cluster's
+    # driver out ("another driver holds the receiver nodes"), renewed each second for good
+    "/ingest.v1.Blocks/ListPartitions": {_NAMES_A_DRIVER: frozenset({Role.OPERATOR})},
+    # a node notes where the driver that names itself serves RateControl, and sends operators there in
+    # its refusals ("change the cluster's rate on the driver at HOST:PORT ... --target HOST:PORT"): a
+    # reader's forged one sent them, their operator token with them, to an address of its choosing
+    "/ingest.v1.RateControl/GetRate": {_NAMES_A_DRIVER: frozenset({Role.OPERATOR})},
+}
+"""gRPC method -> call metadata key -> the roles of which a caller whose call carries it needs one
+(beyond the method's own): what a cluster's driver alone may say (it has consumer and operator)."""
+
 PUBLISH = "/ingest.v1.Ingest/Publish"
 
 _LIMIT_KEYS = {
@@ -441,6 +455,19 @@ def authorize_fields(principal: Principal, method: str, request: Message) -> Non
             roles = " or ".join(sorted(needed))
             raise PermissionDenied(
                 f"principal {principal.name!r} may call {method} but not with {field} set: it needs {roles}"
+            )
+
+
+def authorize_headers(principal: Principal, method: str, metadata: Iterable[tuple[str, str | bytes]]) -> None:
+    """Raise PermissionDenied if the call's `metadata` carries a key of `method` (HEADER_ROLES) that
+    `principal` has no role for."""
+    keys = {key.lower() for key, _ in metadata}
+    for key, needed in HEADER_ROLES.get(method, {}).items():
+        if key in keys and not principal.has_any(needed):
+            roles = " or ".join(sorted(needed))
+            raise PermissionDenied(
+                f"principal {principal.name!r} may call {method} but not naming a driver ({key}): it needs "
+                f"{roles}, as a cluster's driver has"
             )
 
 

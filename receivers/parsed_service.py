@@ -18,7 +18,7 @@ import grpc
 from google.protobuf.message import DecodeError, Message
 from google.protobuf.message_factory import GetMessageClass
 
-from receivers.auth import Authenticator, Credential, authorize_fields
+from receivers.auth import Authenticator, Credential, authorize_fields, authorize_headers
 from receivers.errors import ReceiverError
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
@@ -87,6 +87,7 @@ async def _authorized_request(
     if authenticator is not None:
         try:
             credential = authenticator.credential(context, method)
+            authorize_headers(credential.principal, method, context.invocation_metadata() or ())
         except ReceiverError as error:
             await context.abort(getattr(grpc.StatusCode, error.status), str(error))
     raw = await anext(aiter(requests), None)

@@ -545,6 +545,16 @@ class ReplicationService:
                 config_mismatch((hello.owner, hello.nodes, hello.replication), (me, *mine), None),
                 ((CONFIG_HEADER, f"{mine[0]} {mine[1]}"),),
             )
+        if hello.owner == cluster.node_id:
+            # this node's own replication, come back to it (its address listed under a follower's id
+            # too), or a second process run as this node: "not a follower of node 0" said neither
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"node {cluster.node_id} ({cluster.me.target}) is not a follower of node {hello.owner}, "
+                "its own id: the hello came from this node itself (the node list, --nodes, names its "
+                f"address under a follower's id too) or from another process run as node {cluster.node_id} "
+                "(one --node-id given twice); give each node its own address and --node-id",
+            )
         known = hello.owner in {n.id for n in cluster.nodes}
         if not known or cluster.node_id not in {n.id for n in cluster.followers(hello.owner)}:
             await context.abort(

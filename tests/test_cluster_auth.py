@@ -456,3 +456,42 @@ async def test_a_driver_reachable_without_authentication_warns_and_names_certifi
         assert done.returncode == 3 and "PERMISSION_DENIED" in done.stderr, done.stderr
     finally:
         await stopped(driver)
+
+
+async def test_only_an_operator_may_name_a_driver_to_a_node(cluster: dict[int, SluiceServer]) -> None:
+    """A call that names a driver (metadata sluice-driver-id) takes the node's driver lease
+    (ListPartitions) or tells it where the driver serves RateControl (GetRate), where the node sends
+    operators in its refusals. Both methods are open to a reader (a dashboard's token), which took the
+    lease, renewed it each second and locked the cluster's driver out ("another driver holds the
+    receiver nodes"), or sent operators, their operator token with them, to an address of its
+    choosing. Naming a driver now needs operator, as the driver has: PERMISSION_DENIED, nothing taken;
+    the same calls without the name go on as before."""
+    target = cluster[0].target
+    evil = (("sluice-driver-id", "not-the-driver"), ("sluice-driver-rate", "203.0.113.9:51109"))
+    async with grpc.aio.insecure_channel(target) as channel:
+        blocks, rate = pb_grpc.BlocksStub(channel), pb_grpc.RateControlStub(channel)
+        calls = [(name, "ListPartitions") for name in ("watcher", "executor", "node")]
+        calls.append(("watcher", "GetRate"))  # the only one of them that may call GetRate
+        for name, method in calls:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                if method == "GetRate":
+                    await rate.GetRate(pb.GetRateRequest(), metadata=(*bearer(name), *evil))
+                else:
+                    await blocks.ListPartitions(pb.ListPartitionsRequest(), metadata=(*bearer(name), *evil))
+            details = str(refused.value.details())
+            assert refused.value.code() is grpc.StatusCode.PERMISSION_DENIED, (name, method, details)
+            assert f"principal {name!r} may call /ingest.v1." in details, details
+            assert "not naming a driver (sluice-driver-id): it needs operator" in details, details
+        await blocks.ListPartitions(
+            pb.ListPartitionsRequest(), metadata=bearer("watcher")
+        )  # unnamed: as before
+        # the lease is free: a driver (operator) takes it
+        driver = (*bearer("ops"), ("sluice-driver-id", "the-driver"))
+        await blocks.ListPartitions(pb.ListPartitionsRequest(), metadata=driver)
+        # and no operator is sent to the forged address
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await rate.UpdateRate(
+                pb.UpdateRateRequest(records_per_second=5000, pin=True), metadata=bearer("ops")
+            )
+        assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "203.0.113.9" not in str(refused.value.details()), refused.value.details()
