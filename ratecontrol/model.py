@@ -77,7 +77,10 @@ estimator instead:
    a tried batch that took about as long is tried larger again, one that took longer is held, a second
    in a row that took longer ends it (`_probe`). Not after a batch far slower than the others.
 
-10. (See `_drain_plan`: what piles up behind an overrun goes in the next batch at once.)
+10. (See `_drain_plan`: what piles up behind an overrun goes in the next batch at once, with a batch
+   at capacity to spare: the pile's count misses what was taken before the overrunning batch's
+   StartBatch.) Within the window of such a rise, a batch far faster than the fit lifts capacity to
+   at most 1.25x what it was before the rise (`_within_before_rise`), unless it processed more itself.
 
 11. A cost that jumps by J at the very start of a batch admitted at a share u of capacity makes it
    take a + J (u period - a): the next starts J u - 1 intervals late where the fixed cost a is small,
