@@ -86,19 +86,12 @@ async def test_a_node_whose_peer_token_its_follower_refuses_stops_at_start(tmp_p
         security=security,
         peer_token_file=good,
     ):
-        done = await asyncio.to_thread(
-            _node,
-            nodes_file,
-            0,
-            ports[0],
-            tmp_path / "d0",
-            "--replication",
-            "2",
-            "--auth-file",
-            str(auth),
-            "--peer-token-file",
-            str(wrong),
-        )
+
+        async def start(token: Path) -> subprocess.CompletedProcess[bytes]:
+            args = ("--replication", "2", "--auth-file", str(auth), "--peer-token-file", str(token))
+            return await asyncio.to_thread(_node, nodes_file, 0, ports[0], tmp_path / "d0", *args)
+
+        done = await start(wrong)
         assert done.returncode == 1, done.stderr
         words = done.stderr.decode()
         assert f"cannot start the server: node 1 ({nodes[1].target}) refuses this node's credentials" in words
@@ -111,19 +104,7 @@ async def test_a_node_whose_peer_token_its_follower_refuses_stops_at_start(tmp_p
             and "refuses this node's credentials (UNAUTHENTICATED" in done.stderr.decode()
         )
         # the right token: it starts (and is stopped by the test)
-        done = await asyncio.to_thread(
-            _node,
-            nodes_file,
-            0,
-            ports[0],
-            tmp_path / "d0",
-            "--replication",
-            "2",
-            "--auth-file",
-            str(auth),
-            "--peer-token-file",
-            str(good),
-        )
+        done = await start(good)
         assert SERVED in done.stderr, done.stderr
 
 

@@ -20,7 +20,7 @@ import os
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import pyarrow as pa
@@ -40,6 +40,9 @@ from receivers.wal import HEADER, LOST_FILE, DamagedLogError, WalBlockStore
 from sluice_client import Producer
 from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 from sluice_client.pb.ingest.v1 import ingest_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from ingest.cluster_driver import ClusterDriver
 
 
 def lost(root: Path) -> list[tuple[int, int, int, int | None]]:
@@ -643,10 +646,6 @@ async def test_the_drivers_node_backlog_leaves_out_records_gone_from_every_holde
     from prometheus_client import generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from ingest.cluster_driver import ClusterDriver
-    from ingest.config import RateConfig
-    from ingest.driver_config import DriverConfig
-
     clusters = loopback_cluster(2)
     paths = rolled(tmp_path / "node0" / "blocks")  # 12 blocks of 20 records, 2 to a segment
     assert len(paths) == 6, paths
@@ -667,14 +666,7 @@ async def test_the_drivers_node_backlog_leaves_out_records_gone_from_every_holde
         assert (info.start_offset, info.end_offset) == (0, 240)
         assert [(r.first_offset, r.end_offset) for r in info.gone] == [(40, 200)]
 
-        config = DriverConfig(
-            nodes={n.id: n.target for n in clusters[0].nodes},
-            streams=("s",),
-            data_dir=tmp_path / "driver",
-            trigger_interval=1.0,
-            rate=RateConfig(estimator="fixed", initial_rate=200.0),
-        )
-        driver = ClusterDriver(config)
+        driver = _driver(clusters, tmp_path)
         watch: asyncio.Task[None] | None = None
         try:
             await driver.serve_rate()  # `sluice rate get` shows its node table
@@ -741,6 +733,22 @@ async def _past_a_gap(tmp_path: Path, *, node1: bool = True) -> AsyncIterator[li
         yield clusters
 
 
+def _driver(clusters: list[Cluster], tmp_path: Path) -> ClusterDriver:
+    """A cluster driver (no Spark) over `clusters`' nodes, at a fixed 200 records/s."""
+    from ingest.cluster_driver import ClusterDriver
+    from ingest.config import RateConfig
+    from ingest.driver_config import DriverConfig
+
+    config = DriverConfig(
+        nodes={n.id: n.target for n in clusters[0].nodes},
+        streams=("s",),
+        data_dir=tmp_path / "driver",
+        trigger_interval=1.0,
+        rate=RateConfig(estimator="fixed", initial_rate=200.0),
+    )
+    return ClusterDriver(config)
+
+
 def _options(clusters: list[Cluster]) -> dict[str, str]:
     return {
         "receivers": ",".join(f"{n.id}={n.target}" for n in clusters[0].nodes),
@@ -799,20 +807,10 @@ async def test_what_a_capped_batch_left_behind_leaves_out_records_gone_from_ever
     progress: latestOffset (a position, the partition's end: 240) less the batch's end (32). It counted
     the offsets, 208; the records some holder serves there are 32..39 and 200..239, 48. With node 1
     down, it may hold a copy of 40..199: they count, 208."""
-    from ingest.cluster_driver import ClusterDriver
-    from ingest.config import RateConfig
-    from ingest.driver_config import DriverConfig
     from ingest.spark.listener import BatchCompleted
 
     async with _past_a_gap(tmp_path, node1=node1) as clusters:
-        config = DriverConfig(
-            nodes={n.id: n.target for n in clusters[0].nodes},
-            streams=("s",),
-            data_dir=tmp_path / "driver",
-            trigger_interval=1.0,
-            rate=RateConfig(estimator="fixed", initial_rate=200.0),
-        )
-        driver = ClusterDriver(config)
+        driver = _driver(clusters, tmp_path)
         watch = asyncio.create_task(driver._watch_backlog())
         try:
             await wait_until(lambda: driver.backlog().get(0, 0) > 0, 15)
