@@ -40,6 +40,9 @@ from sluice_client.pb.ingest.v1 import ingest_pb2 as pb
 
 log = logging.getLogger(__name__)
 
+REFUSED_SAY_SECONDS = 60.0
+"""A Replicate call refused its credentials is said (WARNING) at most once in this many seconds."""
+
 REPLICATE = "/ingest.v1.Replication/Replicate"
 HELLO_TIMEOUT = 10.0
 STOP_WAIT = 2.0
@@ -221,6 +224,7 @@ class ReplicationService:
         self._idle = asyncio.Event()
         self._idle.set()
         self._damage_said: set[str] = set()
+        self._refused_said_at: float | None = None  # when a refused peer was last said (WARNING)
         self._gathering: dict[int, list[_Assembler]] = {}
         """Owner -> the blocks being joined on its Replicate streams (two processes run as one node, a
         stale stream beside a new one): what an owner's streams hold together is bounded (block_limit)."""
@@ -268,6 +272,7 @@ class ReplicationService:
         try:
             credential = self._authenticator.credential(context, REPLICATE)
         except ReceiverError as error:
+            self._say_refused(context.peer(), error)
             await context.abort(getattr(grpc.StatusCode, error.status), str(error))
         if self._stopping.is_set():
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"node {self._cluster.node_id} is stopping")
@@ -282,6 +287,22 @@ class ReplicationService:
             self._handlers -= 1
             if not self._handlers:
                 self._idle.set()
+
+    def _say_refused(self, peer: str, error: ReceiverError) -> None:
+        """A Replicate call refused its credentials: said here too, at most once every
+        REFUSED_SAY_SECONDS (any caller can make refusals), since an operator looking at this node saw
+        nothing while the owner's copies failed at every try."""
+        now = time.monotonic()
+        if self._refused_said_at is not None and now - self._refused_said_at < REFUSED_SAY_SECONDS:
+            log.debug("refused replication from %s: %s", peer, error)
+            return
+        self._refused_said_at = now
+        log.warning(
+            "refused replication from %s: %s (a node replicates with the token of its --peer-token-file: "
+            "this node's --auth-file must give it the peer role)",
+            peer,
+            error,
+        )
 
     async def _replicate(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext[Any, Any]

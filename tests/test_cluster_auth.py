@@ -495,3 +495,22 @@ async def test_only_an_operator_may_name_a_driver_to_a_node(cluster: dict[int, S
             )
         assert refused.value.code() is grpc.StatusCode.FAILED_PRECONDITION
         assert "203.0.113.9" not in str(refused.value.details()), refused.value.details()
+
+
+async def test_a_follower_says_when_it_refuses_a_replicate_call_once_a_minute(
+    cluster: dict[int, SluiceServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node whose peer token this follower does not accept had its copies refused at every try, and
+    only the owner said so: an operator looking at the follower saw nothing. The follower says it too,
+    at most once a minute (any caller can make refusals)."""
+    target = cluster[1].target
+    wrong = (("authorization", f"Bearer {new_token()}"),)
+    caplog.set_level(logging.DEBUG, logger="receivers.replication_service")
+    for metadata in (wrong, bearer("watcher"), wrong):
+        code = await status(target, "Replicate", metadata)
+        assert code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED), code
+    said = [r for r in caplog.records if "refused replication from" in r.getMessage()]
+    warned = [r for r in said if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "unknown bearer token" in warned[0].getMessage(), warned
+    assert "peer role" in warned[0].getMessage()
+    assert len(said) >= 3  # the others at DEBUG
