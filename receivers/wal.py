@@ -608,10 +608,6 @@ class WalBlockStore(BlockStore):
         self._writers_lock = threading.Lock()
         self._index: dict[Path, _SegmentIndex] = {}
         self._index_lock = threading.Lock()
-        self._seen: dict[Path, dict[str, _SegmentIndex]] = {}
-        """Stream folder -> {segment name: its index} as span() last saw them: a segment whose stat is
-        as its index left it is taken as is, without the Path objects (and their hashes) a look at
-        the index costs. Dropped with the folder's index (_forget_index)."""
         self._release_lock = threading.Lock()
         self._released: dict[str, tuple[tuple[int, int, int], _Released]] = {}
         self._stats: dict[str, WalStats] = {}
@@ -928,10 +924,8 @@ class WalBlockStore(BlockStore):
         head: _Header | None = None
         tail: _Header | None = None
         holes: list[tuple[int, int]] = []
-        known = self._seen.get(folder, {})
-        seen: dict[str, _SegmentIndex] = {}
-        for name in _segment_names(folder, start):
-            index = seen[name] = self._seen_index(folder, name, known.get(name))
+        for path in _from_segment_of(self._segments(folder), start):
+            index = self._segment_index(path)
             if not index.ordered:
                 return self._listed_span(stream, below_seq)
             frames = index.frames
@@ -950,23 +944,9 @@ class WalBlockStore(BlockStore):
             if index.holes:
                 holes.extend((a, b) for i, a, b in index.holes if lo < i < hi)
             tail = frames[hi - 1].header
-        # the index of segments deleted since stays until blocks() (each release) forgets it: that
-        # goes over every segment indexed, of every stream
-        self._seen[folder] = seen
         if head is None or tail is None:
             return None
         return LogSpan(head.first_offset, tail.first_offset + tail.count, tuple(holes))
-
-    def _seen_index(self, folder: Path, name: str, seen: _SegmentIndex | None) -> _SegmentIndex:
-        """The index of segment `name`: `seen` (span()'s last look) while its stat is as that left it."""
-        try:
-            st = os.stat(f"{os.fspath(folder)}/{name}")
-        except FileNotFoundError:
-            seen = None
-        else:
-            if seen is not None and seen.ident == (st.st_dev, st.st_ino) and st.st_size == seen.scanned:
-                return seen
-        return self._segment_index(folder / name)
 
     def _listed_span(self, stream: str, below_seq: int | None) -> LogSpan | None:
         blocks = self.blocks(stream)
@@ -2346,11 +2326,8 @@ class WalBlockStore(BlockStore):
 
     def _forget_index(self, folder: Path, keep: set[Path]) -> None:
         with self._index_lock:
-            gone = [p for p in self._index if p.parent == folder and p not in keep]
-            for path in gone:
+            for path in [p for p in self._index if p.parent == folder and p not in keep]:
                 del self._index[path]
-            if gone or not keep:
-                self._seen.pop(folder, None)  # what span() took as unchanged is looked at again
 
     def _locate(self, block: BlockInfo) -> tuple[Path, _Frame]:
         segments = self._segments(self._folder(block.stream))
@@ -2466,19 +2443,13 @@ def _seq_of(frame: _Frame) -> int:
     return frame.header.seq
 
 
-def _segment_names(folder: Path, start: int) -> list[str]:
-    """The names of the segments of `folder` in order, from the one that holds block `start` (as
-    blocks() reads them), without a Path for each."""
-    try:
-        names = os.listdir(folder)
-    except FileNotFoundError:
-        return []
-    segments = sorted((int(m.group(1)), name) for name in names if (m := _SEGMENT_NAME.match(name)))
+def _from_segment_of(segments: list[tuple[int, Path]], start: int) -> list[Path]:
+    """The segments (sorted by their first seq) from the one that holds block `start` on."""
     first = 0
     for i, (name_seq, _) in enumerate(segments):
         if name_seq <= start:
             first = i
-    return [name for _, name in segments[first:]]
+    return [path for _, path in segments[first:]]
 
 
 def _between(frames: Sequence[_Frame], start: int, below: int) -> tuple[int, int]:
