@@ -35,18 +35,28 @@ PEER_TOKEN = new_token()
 SERVED = b"(serving: not refused)"
 
 
+def _env() -> dict[str, str]:
+    """This environment without its SLUICE_ settings (which would set the CLI's flags)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
+
+
+def _cli(*args: str, timeout: float) -> subprocess.CompletedProcess[bytes]:
+    """`sluice ARGS` in a subprocess, until it exits, without the environment's SLUICE_ settings."""
+    command = [sys.executable, "-m", "ingest.cli", *args]
+    return subprocess.run(command, env=_env(), capture_output=True, timeout=timeout, check=False)
+
+
 def _node(
     nodes: Path, node_id: int, port: int, data_dir: Path, *flags: str
 ) -> subprocess.CompletedProcess[bytes]:
     """`sluice serve --role receiver` for `node_id`, until it exits; one that starts serving (not
     refused) is stopped then, and its stderr holds SERVED."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
     command = [
         *(sys.executable, "-m", "ingest.cli", "serve", "--role", "receiver", "--metrics-port", "-1"),
         *("--nodes", str(nodes), "--node-id", str(node_id), "--port", str(port)),
         *("--data-dir", str(data_dir), "--stream", "s", *flags),
     ]
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(command, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     watchdog = threading.Timer(60, proc.kill)  # a hung start fails the test, never hangs it
     watchdog.start()
     lines = []
@@ -207,17 +217,10 @@ def test_a_node_listed_at_a_network_address_but_serving_on_loopback_is_refused(t
     port = free_ports(1)[0]
     nodes = tmp_path / "nodes.txt"
     nodes.write_text(f"0 192.0.2.10:{port}\n1 192.0.2.11:{port}\n")  # TEST-NET-1: never this machine's
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
     node = ["--role", "receiver", "--nodes", str(nodes), "--node-id", "0", "--port", str(port)]
     node += ["--metrics-port", "-1", "--data-dir", str(tmp_path / "d0")]
     for command in ("serve", "config check"):
-        done = subprocess.run(
-            [sys.executable, "-m", "ingest.cli", *command.split(), *node],
-            env=env,
-            capture_output=True,
-            timeout=30,
-            check=False,
-        )
+        done = _cli(*command.split(), *node, timeout=30)
         assert done.returncode == 2, (command, done.stderr)
         assert (
             f"node 0 is listed at 192.0.2.10:{port} in {nodes}, but serves on 127.0.0.1 (--host)".encode()
@@ -226,13 +229,7 @@ def test_a_node_listed_at_a_network_address_but_serving_on_loopback_is_refused(t
         assert b"give --host 192.0.2.10 (or 0.0.0.0" in done.stderr
     assert not (tmp_path / "d0").exists()  # refused before anything was written
     for host in ("0.0.0.0", "192.0.2.10"):
-        done = subprocess.run(
-            [sys.executable, "-m", "ingest.cli", "config", "check", *node, "--host", host, "--insecure"],
-            env=env,
-            capture_output=True,
-            timeout=30,
-            check=False,
-        )
+        done = _cli("config", "check", *node, "--host", host, "--insecure", timeout=30)
         assert done.returncode == 0, (host, done.stderr)
 
 
@@ -251,16 +248,9 @@ def test_the_driver_refuses_a_node_list_every_node_refuses(tmp_path: Path, liste
     a, b = free_ports(2)
     nodes = tmp_path / "nodes.txt"
     nodes.write_text(listed.format(a=a, b=b))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLUICE_")}
     driver = ["--role", "driver", "--nodes", str(nodes), "--data-dir", str(tmp_path / "driver")]
     driver += ["--port", "0", "--metrics-port", "-1"]
     for command in ("config check", "serve"):
-        done = subprocess.run(
-            [sys.executable, "-m", "ingest.cli", *command.split(), *driver],
-            env=env,
-            capture_output=True,
-            timeout=120,
-            check=False,
-        )
+        done = _cli(*command.split(), *driver, timeout=120)
         assert done.returncode == 2, (command, done.stderr)
         assert words.replace(b"{a}", str(a).encode()) in done.stderr, done.stderr
