@@ -19,7 +19,7 @@ import argparse
 import math
 
 from ratecontrol import RateBounds, make_estimator
-from ratecontrol.simulate import Pipeline, simulate_jumps
+from ratecontrol.simulate import JUMP_SPACING, Pipeline, simulate_jumps
 
 
 def _floats(text: str) -> list[float]:
@@ -40,6 +40,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=1, help="noise sequences per noisy case")
     parser.add_argument("--durations", type=_floats, default=[60.0], help="seconds per run")
     args = parser.parse_args()
+    # the first change comes a quarter in, the next JUMP_SPACING intervals later: a run needs room for one
+    shortest = JUMP_SPACING / 0.75 + 1
+    if args.seeds < 1 or any(not shortest <= d < math.inf for d in args.durations):
+        parser.error(f"--seeds must be >= 1 and every --durations value at least {shortest:g} s")
     met = total = 0
     print("fixed s | jump | noise s | seed | run s |  peak | starved |  util | goals")
     for fixed in args.fixed:
